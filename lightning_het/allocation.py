@@ -1,0 +1,172 @@
+"""Pure maths of static load balancing: per-replica batch sizes, sample shares and loss scales.
+
+Nothing here touches ``torch.distributed``; every function is deterministic, so every rank that calls it with the
+same arguments gets the same answer without communicating.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["allocate_batch_sizes", "loss_scale", "proportional_shares", "sample_shares"]
+
+_BISECTION_STEPS = 200
+
+
+def _check_speeds(speeds: Sequence[float]) -> list[float]:
+    try:
+        values = [float(s) for s in speeds]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"Expected argument `speeds` to be a sequence of numbers, but got {speeds!r}.") from err
+    if not values:
+        raise ValueError("Expected argument `speeds` to hold at least one replica's speed, but got an empty sequence.")
+    for rank, value in enumerate(values):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"Expected argument `speeds` to hold positive finite numbers, but `speeds[{rank}]` is {value!r}"
+                f" (speeds={values})."
+            )
+    return values
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"Expected argument `{name}` to be an integer, but got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"Expected argument `{name}` to be at least {minimum}, but got {value}.")
+    return value
+
+
+def proportional_shares(
+    total: float, speeds: Sequence[float], lower: Sequence[float], upper: Sequence[float]
+) -> list[float]:
+    """Real-valued shares ``clip(lam * speed_r, lower_r, upper_r)`` that sum to ``total``.
+
+    ``lam`` is found by bisection; the clipped sum is monotone in ``lam``, so the answer is unique. Callers must make
+    sure ``sum(lower) <= total <= sum(upper)``.
+
+    >>> proportional_shares(12, [1, 2, 3], [0, 0, 0], [12, 12, 12])
+    [2.0, 4.0, 6.0]
+    """
+    def clipped_sum(lam: float) -> float:
+        return sum(min(max(lam * s, lo), hi) for s, lo, hi in zip(speeds, lower, upper))
+
+    low, high = 0.0, 1.0
+    while clipped_sum(high) < total:
+        high *= 2.0
+        if high > 1e300:  # total is above sum(upper): the caller broke the precondition
+            break
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (low + high)
+        if clipped_sum(mid) < total:
+            low = mid
+        else:
+            high = mid
+    shares = [min(max(high * s, lo), hi) for s, lo, hi in zip(speeds, lower, upper)]
+    # remove the last rounding residue so that the shares sum to ``total`` to machine precision
+    scale = total / sum(shares) if sum(shares) > 0 else 1.0
+    return [min(max(x * scale, lo), hi) for x, lo, hi in zip(shares, lower, upper)]
+
+
+def allocate_batch_sizes(
+    global_batch_size: int,
+    speeds: Sequence[float],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> list[int]:
+    """Split ``global_batch_size`` samples among replicas in proportion to their ``speeds``.
+
+    Args:
+        global_batch_size: samples per optimizer step, summed over all replicas.
+        speeds: relative throughput of each replica (samples/s or any consistent unit), indexed by global rank.
+        min_batch_size: no replica gets fewer samples per step.
+        max_batch_sizes: per-replica upper bounds (e.g. what fits in device memory), indexed by global rank.
+
+    Returns:
+        One batch size per replica. The sizes sum to ``global_batch_size``; each lies within one sample of the
+        replica's proportional share ``global_batch_size * speed / sum(speeds)`` unless a bound forces it away, in
+        which case the remaining samples are shared in proportion among the unbounded replicas (water filling).
+        Fractions are rounded by the largest-remainder method; ties go to the lower rank.
+
+    Raises:
+        ValueError: naming the offending argument, for non-positive, NaN or infinite speeds, a total that is below
+            ``len(speeds) * min_batch_size``, bounds that cannot hold the total, or malformed bounds.
+
+    >>> allocate_batch_sizes(12, [1, 2, 3])
+    [2, 4, 6]
+    >>> allocate_batch_sizes(10, [1, 1, 1])
+    [4, 3, 3]
+    >>> allocate_batch_sizes(12, [1, 1, 10], max_batch_sizes=[12, 12, 6])
+    [3, 3, 6]
+    """
+    values = _check_speeds(speeds)
+    world = len(values)
+    _check_int("global_batch_size", global_batch_size, 1)
+    _check_int("min_batch_size", min_batch_size, 0)
+    if max_batch_sizes is None:
+        upper = [global_batch_size] * world
+    else:
+        upper = list(max_batch_sizes)
+        if len(upper) != world:
+            raise ValueError(
+                f"Expected argument `max_batch_sizes` to have one entry per replica ({world}), but got {len(upper)}:"
+                f" {upper}."
+            )
+        for rank, bound in enumerate(upper):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < max(min_batch_size, 1):
+                raise ValueError(
+                    f"Expected argument `max_batch_sizes` to hold integers >= max(min_batch_size, 1) ="
+                    f" {max(min_batch_size, 1)}, but `max_batch_sizes[{rank}]` is {bound!r}."
+                )
+    if global_batch_size < world * min_batch_size:
+        raise ValueError(
+            f"`global_batch_size`={global_batch_size} is below what the bounds allow: {world} replicas x"
+            f" `min_batch_size`={min_batch_size} = {world * min_batch_size} samples. HINT: raise the global batch"
+            " size or lower `min_batch_size`."
+        )
+    if global_batch_size > sum(upper):
+        raise ValueError(
+            f"`max_batch_sizes`={upper} cannot hold `global_batch_size`={global_batch_size}: they sum to only"
+            f" {sum(upper)}. HINT: lower the global batch size, raise the bounds or add replicas."
+        )
+    lower = [min_batch_size] * world
+    shares = proportional_shares(global_batch_size, values, lower, upper)
+    sizes = [min(max(math.floor(x), lo), hi) for x, lo, hi in zip(shares, lower, upper)]
+    remainder = global_batch_size - sum(sizes)
+    # largest remainder first; only replicas below their upper bound may take one more sample
+    order = sorted(range(world), key=lambda r: (-(shares[r] - sizes[r]), r))
+    while remainder > 0:
+        progressed = False
+        for r in order:
+            if remainder == 0:
+                break
+            if sizes[r] < upper[r]:
+                sizes[r] += 1
+                remainder -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - excluded by the checks above
+            raise AssertionError("allocation could not place all samples")
+    return sizes
+
+
+def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
+    """Each replica's fraction of the global batch, ``b_r / sum(b)``; the fractions sum to one."""
+    total = sum(batch_sizes)
+    if total <= 0:
+        raise ValueError(f"Expected argument `batch_sizes` to sum to a positive number, but got {list(batch_sizes)}.")
+    return [b / total for b in batch_sizes]
+
+
+def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
+    """Factor applied to replica ``rank``'s mean loss so that DDP's *mean* all-reduce yields the global-batch gradient.
+
+    DDP averages gradients over ``W`` replicas, so scaling the local mean loss by ``W * b_r / B`` gives
+    ``(1/W) * sum_r W * b_r / B * g_r = sum_r b_r / B * g_r``, which is exactly the gradient of the mean loss over the
+    ``B`` samples of the global batch. With equal batches the factor is 1.
+
+    >>> loss_scale([2, 4, 6], 2)
+    1.5
+    """
+    return len(batch_sizes) * batch_sizes[rank] / sum(batch_sizes)

@@ -1,0 +1,95 @@
+"""``HeterogeneousDataModule``: a LightningDataModule whose loaders follow the strategy's allocation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["HeterogeneousDataModule"]
+
+
+class HeterogeneousDataModule(pl.LightningDataModule):
+    """Base class for data modules trained with :class:`~lightning_het.HeterogeneousStrategy`.
+
+    Subclasses fill ``self.train_dataset``, ``self.val_dataset``, ``self.test_dataset`` and optionally
+    ``self.predict_dataset`` in :meth:`setup`. The loaders built here are plain ``DataLoader`` objects; the strategy
+    re-splits them:
+
+    * training: ``global_batch_size`` samples per step in total, split in proportion to each replica's speed by a
+      :class:`~lightning_het.ProportionalDistributedSampler` (same number of steps everywhere, exact gradients);
+    * validation / test: every sample evaluated exactly once, shares proportional to speed, no padding;
+    * predict: Lightning's own unpadded split.
+
+    Under any other strategy the module still works: each process gets ``global_batch_size // world_size``.
+
+    Args:
+        global_batch_size: samples per optimizer step summed over all replicas. The strategy reads this value when
+            its own ``global_batch_size`` is not set.
+        eval_batch_size: per-replica batch size for validation, test and predict (default: ``global_batch_size``).
+        num_workers: ``DataLoader`` worker processes per replica.
+        pin_memory: pin host memory (useful with CUDA replicas).
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ValueError(f"Expected argument `global_batch_size` to be a positive integer, got {global_batch_size!r}.")
+        if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
+            raise ValueError(f"Expected argument `eval_batch_size` to be a positive integer, got {eval_batch_size!r}.")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"Expected argument `num_workers` to be a non-negative integer, got {num_workers!r}.")
+        self.global_batch_size = global_batch_size
+        self.eval_batch_size = eval_batch_size or global_batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+        self.predict_dataset: Dataset | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Number of replicas of the attached trainer (1 before one is attached)."""
+        trainer = self._trainer
+        return trainer.world_size if trainer is not None else 1
+
+    def _dataset(self, name: str) -> Dataset:
+        dataset = getattr(self, f"{name}_dataset", None)
+        if dataset is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.setup() did not set `{name}_dataset`; set it before asking for the"
+                f" {name} loader."
+            )
+        return dataset
+
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool, **kwargs: Any) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        per_replica = max(1, self.global_batch_size // self.world_size)
+        return self._loader(self._dataset("train"), per_replica, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("val"), self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("test"), self.eval_batch_size, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("predict"), self.eval_batch_size, shuffle=False)

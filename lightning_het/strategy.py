@@ -1,0 +1,539 @@
+"""``HeterogeneousStrategy``: DDP with per-replica batch sizes proportional to speed and exact gradients."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from typing_extensions import override
+
+from lightning_het.allocation import allocate_batch_sizes, loss_scale, sample_shares
+from lightning_het.profiling import backward_ratio, preserved_training_state, speed_from_timings, time_steps
+from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+
+__all__ = ["HeterogeneousStrategy"]
+
+log = logging.getLogger(__name__)
+
+CommMode = Literal["auto", "allreduce", "hierarchical", "node_local"]
+_COMM_MODES = ("auto", "allreduce", "hierarchical", "node_local")
+_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+_DEFAULT_BACKWARD_RATIO = 3.0  # step / forward time when nothing was profiled (backward ~ 2 x forward)
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
+    return value
+
+
+def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        try:
+            values = list(values)  # e.g. an omegaconf ListConfig
+        except TypeError:
+            raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from None
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"Expected argument `{name}` to hold numbers, but `{name}[{i}]` is {v!r}.") from None
+        if not math.isfinite(f) or f <= minimum:
+            raise ValueError(
+                f"Expected argument `{name}` to hold finite numbers > {minimum}, but `{name}[{i}]` is {v!r}"
+                f" ({name}={list(values)})."
+            )
+        out.append(f)
+    if not out:
+        raise ValueError(f"Expected argument `{name}` to be non-empty.")
+    return out
+
+
+class _HeterogeneousMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that also sends the allocation back to the parent process."""
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        strategy = trainer.strategy
+        if isinstance(strategy, HeterogeneousStrategy):
+            extra["lightning_het"] = strategy._export_allocation()
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        strategy = trainer.strategy
+        if isinstance(strategy, HeterogeneousStrategy) and extra.get("lightning_het"):
+            strategy._import_allocation(extra["lightning_het"])
+
+
+class HeterogeneousStrategy(DDPStrategy):
+    """Data-parallel training where each replica's batch is proportional to its speed.
+
+    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas by
+    :func:`~lightning_het.allocate_batch_sizes` from their speeds (measured on the real training step unless given).
+    Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
+    ``loss_scale = W * b_r / B`` before backward, so DDP's mean all-reduce yields exactly the gradient of the mean loss
+    over the global batch (see :func:`~lightning_het.allocation.loss_scale`); the logged loss is not scaled.
+
+    Args:
+        global_batch_size: samples per optimizer step over all replicas. Default: the datamodule's
+            ``global_batch_size`` attribute when it has one, else the training DataLoader's ``batch_size`` x world size.
+        speeds: relative throughput of each replica, indexed by global rank. Default: profiled.
+        min_batch_size: no replica gets fewer samples per step.
+        max_batch_sizes: per-replica upper bounds (device memory), indexed by global rank.
+        node_ids: node id of each global rank. Default: detected from the cluster environment's node rank.
+        comm: gradient communication: ``"allreduce"`` (DDP's all-reduce of pre-scaled gradients), ``"hierarchical"``,
+            ``"node_local"`` or ``"auto"``. See ``docs/communication.md``.
+        global_sync_every: K for ``node_local``: optimizer steps between global parameter averages.
+        emulate_slowdown: *emulation only*: replica ``r``'s steps take ``emulate_slowdown[r]`` times their real compute
+            time (the strategy sleeps), in profiling and training alike, to reproduce a heterogeneous platform on
+            homogeneous hardware.
+        profile_steps: timed steps per replica when profiling.
+        profile_warmup: untimed steps before them.
+        **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``,
+            ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "heterogeneous"
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        speeds: Sequence[float] | None = None,
+        min_batch_size: int = 1,
+        max_batch_sizes: Sequence[int] | None = None,
+        node_ids: Sequence[int] | None = None,
+        comm: CommMode = "auto",
+        global_sync_every: int | None = None,
+        emulate_slowdown: Sequence[float] | None = None,
+        profile_steps: int = 5,
+        profile_warmup: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(kwargs.get("timeout"), (int, float)):
+            kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
+        super().__init__(**kwargs)
+        self._global_batch_size_arg = _positive_int("global_batch_size", global_batch_size)
+        self._speeds_arg = _finite_positive_list("speeds", speeds)
+        self._min_batch_size = _positive_int("min_batch_size", min_batch_size, allow_none=False)
+        self._max_batch_sizes = None
+        if max_batch_sizes is not None:
+            self._max_batch_sizes = [
+                _positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(max_batch_sizes)
+            ]
+        self._node_ids_arg = None
+        if node_ids is not None:
+            self._node_ids_arg = [_positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
+        if comm not in _COMM_MODES:
+            raise ValueError(f"Expected argument `comm` to be one of {_COMM_MODES}, but got {comm!r}.")
+        self._comm = comm
+        self._global_sync_every = _positive_int("global_sync_every", global_sync_every)
+        self._emulate_slowdown = _finite_positive_list("emulate_slowdown", emulate_slowdown)
+        if self._emulate_slowdown is not None and any(f < 1.0 for f in self._emulate_slowdown):
+            raise ValueError(
+                f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
+                f" got {self._emulate_slowdown}."
+            )
+        self._profile_steps = _positive_int("profile_steps", profile_steps, allow_none=False)
+        self._profile_warmup = _positive_int("profile_warmup", profile_warmup, allow_none=False, minimum=0)
+        # set once the allocation is known (in the worker processes, and in the parent after spawn)
+        self._batch_sizes: list[int] | None = None
+        self._speeds: list[float] | None = None
+        self._node_ids: list[int] | None = None
+        self._global_batch_size: int | None = None
+        self._loss_scale = 1.0
+        self._backward_ratio = _DEFAULT_BACKWARD_RATIO
+        self._profile_seconds = 0.0
+        self._eval_weights_used: list[float] | None = None
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def batch_sizes(self) -> list[int] | None:
+        """Samples per step of every replica, indexed by global rank (``None`` before the allocation)."""
+        return None if self._batch_sizes is None else list(self._batch_sizes)
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Samples per step on this replica."""
+        return None if self._batch_sizes is None else self._batch_sizes[self.global_rank]
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self._global_batch_size
+
+    @property
+    def speeds(self) -> list[float] | None:
+        """Relative throughput (samples/s when profiled) of every replica, indexed by global rank."""
+        return None if self._speeds is None else list(self._speeds)
+
+    @property
+    def node_ids(self) -> list[int] | None:
+        return None if self._node_ids is None else list(self._node_ids)
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
+        return self._loss_scale
+
+    @property
+    def profile_seconds(self) -> float:
+        """Wall-clock seconds this replica spent profiling."""
+        return self._profile_seconds
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name in strategy_registry:
+            return
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Heterogeneous data parallelism: speed-proportional batches, exact gradients (lightning-het)",
+        )
+
+    # ------------------------------------------------------------------ launch / environment
+    @property
+    def _world(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    def _validate_against_world(self) -> None:
+        """Checks that need only the world size; run at Trainer construction, before any worker starts."""
+        world = self._world
+        if world < 1:
+            return
+        for name, values in (
+            ("speeds", self._speeds_arg),
+            ("max_batch_sizes", self._max_batch_sizes),
+            ("node_ids", self._node_ids_arg),
+            ("emulate_slowdown", self._emulate_slowdown),
+        ):
+            if values is not None and len(values) != world:
+                raise ValueError(
+                    f"You set `{name}` with {len(values)} entries ({list(values)}), but the job has {world} replicas"
+                    f" (num_nodes={self.num_nodes} x devices={self.num_processes}). HINT: give one entry per global"
+                    " rank."
+                )
+        if self._global_batch_size_arg is not None:
+            # raises ValueError naming global_batch_size / max_batch_sizes when the bounds cannot hold it
+            allocate_batch_sizes(
+                self._global_batch_size_arg,
+                self._speeds_arg or [1.0] * world,
+                min_batch_size=self._min_batch_size,
+                max_batch_sizes=self._max_batch_sizes,
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._validate_against_world()
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = _HeterogeneousMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._node_ids = self._detect_node_ids()
+
+    def _detect_node_ids(self) -> list[int]:
+        if self._node_ids_arg is not None:
+            return list(self._node_ids_arg)
+        world = self.world_size
+        mine = (self.node_rank, os.uname().nodename)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        first_seen: dict[int, int] = {}
+        for node_rank, _host in gathered:
+            first_seen.setdefault(node_rank, len(first_seen))
+        return [first_seen[node_rank] for node_rank, _host in gathered]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._batch_sizes = None  # a new fit derives a new allocation
+        super().setup(trainer)
+
+    # ------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not isinstance(dataloader, DataLoader) or has_iterable_dataset(dataloader):
+            return dataloader
+        trainer = self.lightning_module.trainer
+        stage = trainer.state.stage
+        if stage == RunningStage.TRAINING:
+            return self._split_training_loader(dataloader, trainer)
+        if stage in _EVAL_STAGES:
+            return self._split_eval_loader(dataloader)
+        return dataloader
+
+    def _training_order(self, dataloader: DataLoader) -> tuple[bool, int]:
+        """(shuffle, seed) of the single-process order the global batches are cut from."""
+        sampler = dataloader.sampler
+        default_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        if type(dataloader.batch_sampler) is not BatchSampler and dataloader.batch_sampler is not None:
+            raise ValueError(
+                f"The training DataLoader uses a custom batch sampler ({type(dataloader.batch_sampler).__name__}),"
+                " which HeterogeneousStrategy cannot re-split into per-replica batch sizes. HINT: use a plain"
+                " `batch_size=` DataLoader, or a `ProportionalDistributedSampler` of your own."
+            )
+        if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
+            return bool(sampler.shuffle), int(sampler.seed)
+        if isinstance(sampler, RandomSampler):
+            return True, default_seed
+        if isinstance(sampler, SequentialSampler):
+            return False, default_seed
+        raise ValueError(
+            f"The training DataLoader's sampler is a {type(sampler).__name__}; HeterogeneousStrategy can only re-split"
+            " loaders with a sequential or random order (or a ProportionalDistributedSampler). HINT: move the custom"
+            " sampling into the Dataset."
+        )
+
+    def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
+        if self._global_batch_size_arg is not None:
+            return self._global_batch_size_arg
+        datamodule_value = getattr(trainer.datamodule, "global_batch_size", None) if trainer.datamodule else None
+        if isinstance(datamodule_value, int) and datamodule_value > 0:
+            return datamodule_value
+        if dataloader.batch_size is None:
+            raise ValueError(
+                "The training DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
+                " `HeterogeneousStrategy(global_batch_size=...)`."
+            )
+        return dataloader.batch_size * self.world_size
+
+    def _split_training_loader(self, dataloader: DataLoader, trainer: pl.Trainer) -> DataLoader:
+        if isinstance(dataloader.sampler, ProportionalDistributedSampler):
+            sampler = dataloader.sampler
+            if self._batch_sizes is None:
+                self._adopt_allocation(list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes)))
+            elif list(sampler.batch_sizes) != self._batch_sizes:
+                raise ValueError(
+                    f"The training DataLoader's ProportionalDistributedSampler has batch_sizes={sampler.batch_sizes},"
+                    f" but the strategy allocated {self._batch_sizes}. HINT: build it from `strategy.batch_sizes`."
+                )
+            return dataloader
+        shuffle, seed = self._training_order(dataloader)
+        dataset = dataloader.dataset
+        global_batch = self._resolve_global_batch_size(dataloader, trainer)
+        if len(dataset) < global_batch:
+            raise ValueError(
+                f"The training dataset holds {len(dataset)} samples, fewer than one global batch of {global_batch}"
+                f" (global_batch_size={global_batch}, {self.world_size} replicas): no step could run. HINT: lower"
+                " `global_batch_size` or use more data."
+            )
+        if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
+            self._allocate(dataloader, global_batch, shuffle, seed)
+        assert self._batch_sizes is not None
+        sampler = ProportionalDistributedSampler(dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed)
+        self._reset_cached_eval_loaders(trainer)
+        return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+
+    def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
+        if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
+            return dataloader  # the user's own distributed sampler
+        if type(dataloader.batch_sampler) is not BatchSampler:
+            return dataloader
+        weights = self._eval_weights()
+        self._eval_weights_used = weights
+        sampler = UnpaddedDistributedSampler(dataloader.dataset, weights, self.global_rank)
+        return _rebuild_loader(dataloader, sampler, dataloader.batch_size or 1, drop_last=dataloader.drop_last)
+
+    def _eval_weights(self) -> list[float]:
+        if self._batch_sizes is not None:
+            return [float(b) for b in self._batch_sizes]
+        if self._speeds_arg is not None:
+            return list(self._speeds_arg)
+        return [1.0] * self.world_size
+
+    def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
+        """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them."""
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        if val_loop._combined_loader is not None and self._eval_weights_used != self._eval_weights():
+            val_loop._combined_loader = None
+
+    # ------------------------------------------------------------------ allocation
+    def _allocate(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> None:
+        world = self.world_size
+        equal_split = allocate_batch_sizes(
+            global_batch, [1.0] * world, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
+        )  # validates the bounds on every rank before any profiling
+        if self._speeds_arg is not None:
+            speeds = list(self._speeds_arg)
+        else:
+            speeds = self._profile(dataloader, equal_split, shuffle, seed)
+        batch_sizes = allocate_batch_sizes(
+            global_batch, speeds, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
+        )
+        self._adopt_allocation(batch_sizes, speeds)
+        rank_zero_info(self.balance_table())
+
+    def _adopt_allocation(self, batch_sizes: list[int], speeds: list[float]) -> None:
+        self._batch_sizes = list(batch_sizes)
+        self._speeds = list(speeds)
+        self._global_batch_size = sum(batch_sizes)
+        self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
+
+    def _profile(self, dataloader: DataLoader, probe_sizes: list[int], shuffle: bool, seed: int) -> list[float]:
+        """Time the real training step on this replica and all-gather every replica's samples/s."""
+        start = time.perf_counter()
+        module = self.lightning_module
+        rank = self.global_rank
+        sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
+        probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], num_workers=0, persistent_workers=False)
+        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+        schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
+        slowdown = self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0
+
+        def batches() -> Any:
+            for batch in probe:
+                yield self.batch_to_device(batch)
+
+        def forward(batch: Any, batch_idx: int) -> Tensor | None:
+            with self.precision_plugin.train_step_context():
+                output = module.training_step(batch, batch_idx)
+            loss = output["loss"] if isinstance(output, dict) else output
+            return loss if module.automatic_optimization and isinstance(loss, Tensor) else None
+
+        with preserved_training_state(module, optimizers, schedulers), _silenced_logging(module):
+            module.train()
+            timings = time_steps(
+                batches(),
+                forward,
+                lambda loss: loss.backward(),
+                warmup=self._profile_warmup,
+                steps=self._profile_steps,
+                device=self.root_device,
+                slowdown=slowdown,
+            )
+        speed = speed_from_timings(probe_sizes[rank], timings)
+        self._backward_ratio = backward_ratio(timings)
+        gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
+        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
+        dist.all_gather(everyone, gathered)
+        self._profile_seconds = time.perf_counter() - start
+        return [float(t.item()) for t in everyone]
+
+    def _export_allocation(self) -> dict[str, Any]:
+        return {
+            "batch_sizes": self._batch_sizes,
+            "speeds": self._speeds,
+            "node_ids": self._node_ids,
+            "profile_seconds": self._profile_seconds,
+        }
+
+    def _import_allocation(self, state: dict[str, Any]) -> None:
+        if state.get("batch_sizes"):
+            self._batch_sizes = list(state["batch_sizes"])
+            self._speeds = list(state["speeds"])
+            self._global_batch_size = sum(self._batch_sizes)
+            self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
+        self._node_ids = state.get("node_ids")
+        self._profile_seconds = state.get("profile_seconds", 0.0)
+
+    # ------------------------------------------------------------------ reporting
+    def balance_report(self) -> dict[str, Any]:
+        """The allocation as plain data (for ``metrics.json`` and loggers)."""
+        sizes = self._batch_sizes or []
+        return {
+            "global_batch_size": self._global_batch_size,
+            "batch_sizes": list(sizes),
+            "speeds": list(self._speeds or []),
+            "shares": sample_shares(sizes) if sizes else [],
+            "node_ids": list(self._node_ids or []),
+            "profiled": self._speeds_arg is None,
+            "emulate_slowdown": list(self._emulate_slowdown) if self._emulate_slowdown else None,
+        }
+
+    def balance_table(self) -> str:
+        """A human-readable table: rank, node, device, speed, batch size, share."""
+        report = self.balance_report()
+        if not report["batch_sizes"]:
+            return "HeterogeneousStrategy: no allocation yet"
+        devices = [str(d) for d in (self.parallel_devices or [])]
+        local = max(len(devices), 1)
+        unit = "samples/s" if report["profiled"] else "(given)"
+        lines = [
+            f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}",
+            f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}",
+        ]
+        for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
+            node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
+            device = devices[r % local] if devices else "?"
+            lines.append(f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ training hooks
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._emulate_slowdown:
+            return super().training_step(*args, **kwargs)
+        factor = self._emulate_slowdown[self.global_rank]
+        start = time.perf_counter()
+        output = super().training_step(*args, **kwargs)
+        if factor != 1.0:
+            if self.root_device.type == "cuda":
+                torch.cuda.synchronize(self.root_device)
+            forward = time.perf_counter() - start
+            # the whole step (forward + backward) is estimated as forward x the profiled step/forward ratio
+            time.sleep((factor - 1.0) * forward * self._backward_ratio)
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        scale = self._loss_scale
+        super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
+        return closure_loss
+
+
+class _silenced_logging:
+    """Turn ``self.log``/``self.log_dict`` into no-ops while profiling (no result collection exists yet)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.module.log = _no_op  # type: ignore[method-assign]
+        self.module.log_dict = _no_op  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        del self.module.log
+        del self.module.log_dict
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _rebuild_loader(dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, **overrides: Any) -> DataLoader:
+    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest."""
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
+    arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
+    replacements = {"batch_size": batch_size, "drop_last": False, **overrides}
+    if arg_names:
+        args = tuple(replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args))
+    kwargs.update(replacements)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

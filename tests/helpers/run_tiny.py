@@ -1,0 +1,60 @@
+"""Run a tiny multi-replica fit and dump what each rank saw: ``python -m tests.helpers.run_tiny OUT_DIR JSON``.
+
+JSON keys: devices, num_nodes, strategy (kwargs for HeterogeneousStrategy or the string "heterogeneous"),
+epochs, seed, batch_size (loader batch size), n (dataset size), module (kwargs for TinyRegressor).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_het
+from tests.helpers.tiny import TinyRegressor, make_dataset
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = json.loads(sys.argv[2])
+    pl.seed_everything(cfg.get("seed", 0), workers=True)
+    strategy = cfg.get("strategy", {})
+    if isinstance(strategy, dict):
+        strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **strategy)
+    model = TinyRegressor(**cfg.get("module", {}))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=cfg.get("devices", 2),
+        num_nodes=cfg.get("num_nodes", 1),
+        strategy=strategy,
+        max_epochs=cfg.get("epochs", 2),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    loader = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True)
+    trainer.fit(model, loader)
+    s = trainer.strategy
+    rank = trainer.global_rank
+    torch.save(
+        {
+            "state_dict": {k: v.detach().cpu() for k, v in model.net.state_dict().items()},
+            "seen_batch_sizes": model.seen_batch_sizes,
+            "batch_sizes": s.batch_sizes,
+            "speeds": s.speeds,
+            "node_ids": s.node_ids,
+            "loss_scale": s.loss_scale,
+            "global_step": trainer.global_step,
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

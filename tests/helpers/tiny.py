@@ -1,0 +1,81 @@
+"""Tiny models, data and a reference single-process trainer shared by the multi-process tests."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_het import ProportionalDistributedSampler
+
+
+def make_dataset(n: int = 60, features: int = 4, seed: int = 123) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.arange(1.0, features + 1.0)
+    y = (x @ w + 0.1 * torch.randn(n, generator=g)).unsqueeze(1)
+    return TensorDataset(x, y)
+
+
+def make_net(features: int = 4, seed: int = 7) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+class TinyRegressor(pl.LightningModule):
+    """MSE regression; records the batch size of every training step it runs."""
+
+    def __init__(
+        self,
+        lr: float = 0.05,
+        cost_per_sample_s: float = 0.0,
+        slow_factor: float = 1.0,
+        slow_rank: int = -1,
+        manual: bool = False,
+    ) -> None:
+        super().__init__()
+        self.cost_per_sample_s = cost_per_sample_s
+        self.net = make_net()
+        self.lr = lr
+        self.slow_factor = slow_factor
+        self.slow_rank = slow_rank
+        self.seen_batch_sizes: list[int] = []
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.cost_per_sample_s:
+            # a step whose cost is proportional to its batch; `slow_factor` times heavier on `slow_rank`
+            factor = self.slow_factor if self.global_rank == self.slow_rank else 1.0
+            time.sleep(self.cost_per_sample_s * x.shape[0] * factor)
+        self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=x.shape[0], sync_dist=True)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen_batch_sizes.append(int(batch[0].shape[0]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def reference_weights(dataset, global_batch: int, epochs: int, seed: int, lr: float = 0.05, shuffle: bool = True):
+    """One process, plain torch, training on the same global batches the distributed run draws."""
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    sampler = ProportionalDistributedSampler(dataset, [global_batch], 0, shuffle=shuffle, seed=seed)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(dataset, batch_size=global_batch, sampler=sampler):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
