@@ -49,6 +49,7 @@ def proportional_shares(
     >>> proportional_shares(12, [1, 2, 3], [0, 0, 0], [12, 12, 12])
     [2.0, 4.0, 6.0]
     """
+
     def clipped_sum(lam: float) -> float:
         return sum(min(max(lam * s, lo), hi) for s, lo, hi in zip(speeds, lower, upper))
 

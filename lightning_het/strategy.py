@@ -306,8 +306,10 @@ class HeterogeneousStrategy(DDPStrategy):
             return True, default_seed
         if isinstance(sampler, SequentialSampler):
             return False, default_seed
+        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+        name = type(inner if inner is not None else sampler).__name__
         raise ValueError(
-            f"The training DataLoader's sampler is a {type(sampler).__name__}; HeterogeneousStrategy can only re-split"
+            f"The training DataLoader's sampler is a {name}; HeterogeneousStrategy can only re-split"
             " loaders with a sequential or random order (or a ProportionalDistributedSampler). HINT: move the custom"
             " sampling into the Dataset."
         )
@@ -329,7 +331,9 @@ class HeterogeneousStrategy(DDPStrategy):
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
             sampler = dataloader.sampler
             if self._batch_sizes is None:
-                self._adopt_allocation(list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes)))
+                self._adopt_allocation(
+                    list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes))
+                )
             elif list(sampler.batch_sizes) != self._batch_sizes:
                 raise ValueError(
                     f"The training DataLoader's ProportionalDistributedSampler has batch_sizes={sampler.batch_sizes},"
@@ -348,7 +352,9 @@ class HeterogeneousStrategy(DDPStrategy):
         if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
             self._allocate(dataloader, global_batch, shuffle, seed)
         assert self._batch_sizes is not None
-        sampler = ProportionalDistributedSampler(dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed)
+        sampler = ProportionalDistributedSampler(
+            dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed
+        )
         self._reset_cached_eval_loaders(trainer)
         return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
@@ -528,12 +534,16 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _rebuild_loader(dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, **overrides: Any) -> DataLoader:
+def _rebuild_loader(
+    dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, **overrides: Any
+) -> DataLoader:
     """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest."""
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
     arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
     replacements = {"batch_size": batch_size, "drop_last": False, **overrides}
     if arg_names:
-        args = tuple(replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args))
+        args = tuple(
+            replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)
+        )
     kwargs.update(replacements)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

@@ -32,6 +32,7 @@ def main() -> None:
         num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
         max_epochs=cfg.get("epochs", 2),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -39,7 +40,9 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     loader = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True)
-    trainer.fit(model, loader)
+    val_n = cfg.get("val_n", 0)
+    val_loader = DataLoader(make_dataset(val_n, seed=99), batch_size=5) if val_n else None
+    trainer.fit(model, loader, val_loader)
     s = trainer.strategy
     rank = trainer.global_rank
     torch.save(
@@ -51,6 +54,8 @@ def main() -> None:
             "node_ids": s.node_ids,
             "loss_scale": s.loss_scale,
             "global_step": trainer.global_step,
+            "val_seen": model.val_seen,
+            "val_mse": float(trainer.callback_metrics["val/mse"]) if "val/mse" in trainer.callback_metrics else None,
         },
         out / f"rank{rank}.pt",
     )

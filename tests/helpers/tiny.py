@@ -6,6 +6,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,6 +44,8 @@ class TinyRegressor(pl.LightningModule):
         self.slow_factor = slow_factor
         self.slow_rank = slow_rank
         self.seen_batch_sizes: list[int] = []
+        self.val_seen = 0
+        self.val_mse = torchmetrics.MeanSquaredError()
         self.automatic_optimization = not manual
 
     def training_step(self, batch, batch_idx):
@@ -60,6 +63,12 @@ class TinyRegressor(pl.LightningModule):
             opt.step()
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_seen += int(x.shape[0])
+        self.val_mse(self.net(x), y)
+        self.log("val/mse", self.val_mse, on_epoch=True)
+
     def on_train_batch_start(self, batch, batch_idx):
         self.seen_batch_sizes.append(int(batch[0].shape[0]))
 
@@ -67,15 +76,23 @@ class TinyRegressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def reference_weights(dataset, global_batch: int, epochs: int, seed: int, lr: float = 0.05, shuffle: bool = True):
-    """One process, plain torch, training on the same global batches the distributed run draws."""
+def reference_weights(
+    dataset, global_batch: int, epochs: int, seed: int, lr: float = 0.05, shuffle: bool = True, accumulate: int = 1
+):
+    """One process, plain torch, training on the same global batches the distributed run draws.
+
+    With ``accumulate > 1`` each optimizer step averages the gradients of ``accumulate`` consecutive global batches,
+    as Lightning's ``accumulate_grad_batches`` does (a trailing partial group still steps at epoch end).
+    """
     net = make_net()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     sampler = ProportionalDistributedSampler(dataset, [global_batch], 0, shuffle=shuffle, seed=seed)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for x, y in DataLoader(dataset, batch_size=global_batch, sampler=sampler):
-            opt.zero_grad()
-            nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
+        batches = list(DataLoader(dataset, batch_size=global_batch, sampler=sampler))
+        for i, (x, y) in enumerate(batches):
+            (nn.functional.mse_loss(net(x), y) / accumulate).backward()
+            if (i + 1) % accumulate == 0 or i + 1 == len(batches):
+                opt.step()
+                opt.zero_grad()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}

@@ -1,0 +1,63 @@
+"""Shared fixtures: running multi-process Lightning jobs in subprocesses, with no orphans left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(args: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None):
+    """Run ``python args...`` in its own session; on timeout kill the whole process group. Returns CompletedProcess."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    full_env.pop("LOCAL_RANK", None)
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd or REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout}s:\n{out[-4000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # nothing of the job may outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+@pytest.fixture
+def tiny_job(tmp_path):
+    """Run tests/helpers/run_tiny.py with a JSON config; return the per-rank dumps."""
+
+    def _run(cfg: dict, *, timeout: float = 120, env: dict[str, str] | None = None):
+        result = run_job(["-m", "tests.helpers.run_tiny", str(tmp_path), json.dumps(cfg)], timeout=timeout, env=env)
+        assert result.returncode == 0, result.stdout[-6000:]
+        world = cfg.get("devices", 2) * cfg.get("num_nodes", 1)
+        dumps = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+        return dumps, result.stdout
+
+    return _run

@@ -1,0 +1,174 @@
+"""HeterogeneousStrategy end to end: exactness, profiling, spawn, loaders, and early errors."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, WeightedRandomSampler
+
+import lightning_het
+from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def test_three_replicas_speeds_123_exact_with_unpadded_validation(tiny_job):
+    cfg = {"devices": 3, "strategy": {"speeds": [1, 2, 3], "global_batch_size": 12}, "epochs": 2, "n": 60, "val_n": 50}
+    dumps, _ = tiny_job(cfg)
+    reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
+    for rank, dump in enumerate(dumps):
+        assert dump["batch_sizes"] == [2, 4, 6]
+        assert dump["seen_batch_sizes"] == [[2, 4, 6][rank]] * 10  # 60 // 12 = 5 steps x 2 epochs
+        assert dump["global_step"] == 10
+        assert dump["loss_scale"] == pytest.approx([0.5, 1.0, 1.5][rank])
+        assert _max_diff(dump["state_dict"], reference) < 1e-5
+    # validation: every sample evaluated exactly once per epoch, shares follow the allocation
+    assert [d["val_seen"] for d in dumps] == [2 * n for n in allocate_batch_sizes(50, [2, 4, 6])]
+    val = make_dataset(50, seed=99)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    net.load_state_dict(dumps[0]["state_dict"])
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(net(val.tensors[0]), val.tensors[1]).item()
+    assert dumps[0]["val_mse"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_string_strategy_profiles_slow_replica_to_a_quarter(tiny_job):
+    cfg = {
+        "devices": 2,
+        "strategy": "heterogeneous",
+        "epochs": 1,
+        "n": 64,
+        "batch_size": 16,
+        "module": {"cost_per_sample_s": 0.001, "slow_factor": 3.0, "slow_rank": 1},
+    }
+    dumps, out = tiny_job(cfg)
+    sizes = dumps[0]["batch_sizes"]
+    assert sum(sizes) == 32
+    assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
+    assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
+    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
+    assert "balance" in out and "samples/s" in out
+
+
+def test_manual_optimization_and_gradient_accumulation_exact(tiny_job):
+    manual, _ = tiny_job(
+        {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1, "n": 60, "module": {"manual": True}}
+    )
+    assert manual[0]["batch_sizes"] == [2, 6]
+    ref = reference_weights(make_dataset(60), 8, epochs=1, seed=0)
+    assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in manual)
+
+    accum, _ = tiny_job(
+        {"devices": 2, "strategy": {"speeds": [1, 2], "global_batch_size": 12}, "accumulate": 2, "n": 60}
+    )
+    ref = reference_weights(make_dataset(60), 12, epochs=2, seed=0, accumulate=2)
+    assert accum[1]["seen_batch_sizes"] == [8] * 10
+    assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in accum)
+
+
+def _trainer(devices: int, strategy, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_spawn_parent_sees_allocation():
+    pl.seed_everything(0)
+    strategy = HeterogeneousStrategy(speeds=[1, 3], start_method="spawn", process_group_backend="gloo")
+    trainer = _trainer(2, strategy, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(TinyRegressor(), DataLoader(make_dataset(40), batch_size=4))
+    assert trainer.strategy.batch_sizes == [2, 6]
+    assert trainer.strategy.speeds == [1.0, 3.0]
+    assert trainer.strategy.node_ids == [0, 0]
+
+
+def test_single_device_runs_whole_batch_and_matches_reference():
+    pl.seed_everything(0)
+    model = TinyRegressor()
+    trainer = _trainer(1, HeterogeneousStrategy(process_group_backend="gloo", profile_steps=1), max_epochs=2)
+    trainer.fit(model, DataLoader(make_dataset(60), batch_size=12, shuffle=True))
+    assert trainer.strategy.batch_sizes == [12]
+    assert model.seen_batch_sizes == [12] * 10
+    ref = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
+    assert _max_diff({k: v.detach() for k, v in model.net.state_dict().items()}, ref) < 1e-6
+
+
+def test_profiling_leaves_no_trace():
+    """Profiling (5 timed + 2 warm-up steps) must not change weights, optimizer state or RNG streams."""
+    results = []
+    for speeds in (None, [1.0]):
+        pl.seed_everything(3)
+        model = TinyRegressor()
+        trainer = _trainer(1, HeterogeneousStrategy(speeds=speeds, process_group_backend="gloo"), max_epochs=1)
+        trainer.fit(model, DataLoader(make_dataset(48), batch_size=12, shuffle=True))
+        results.append(({k: v.clone() for k, v in model.net.state_dict().items()}, torch.rand(3)))
+    assert _max_diff(results[0][0], results[1][0]) == 0.0
+    assert torch.equal(results[0][1], results[1][1])
+
+
+class TestEarlyErrors:
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"speeds": [1.0, 0.0]}, r"`speeds\[1\]` is 0"),
+            ({"speeds": [1.0, math.nan]}, r"`speeds\[1\]` is nan"),
+            ({"speeds": [1.0, -1.0]}, r"`speeds\[1\]`"),
+            ({"global_batch_size": 0}, r"`global_batch_size`"),
+            ({"min_batch_size": 0}, r"`min_batch_size`"),
+            ({"comm": "ring"}, r"`comm`.*'ring'"),
+            ({"global_sync_every": 0}, r"`global_sync_every`"),
+            ({"emulate_slowdown": [0.5, 1]}, r"`emulate_slowdown`"),
+            ({"node_ids": [0, -1]}, r"`node_ids\[1\]`"),
+        ],
+    )
+    def test_constructor(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            HeterogeneousStrategy(**kwargs)
+
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"speeds": [1.0, 2.0, 3.0]}, r"`speeds` with 3 entries.*2 replicas"),
+            ({"node_ids": [0]}, r"`node_ids` with 1 entries"),
+            ({"max_batch_sizes": [4]}, r"`max_batch_sizes` with 1 entries"),
+            ({"global_batch_size": 3, "min_batch_size": 2}, r"`global_batch_size`=3.*2 replicas"),
+            ({"global_batch_size": 20, "max_batch_sizes": [4, 8]}, r"`max_batch_sizes`=\[4, 8\] cannot hold"),
+        ],
+    )
+    def test_at_trainer_construction_before_workers(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            _trainer(2, HeterogeneousStrategy(**kwargs))
+
+    def test_dataset_smaller_than_global_batch(self):
+        trainer = _trainer(1, HeterogeneousStrategy(global_batch_size=100, process_group_backend="gloo"), max_epochs=1)
+        with pytest.raises(ValueError, match=r"holds 60 samples, fewer than one global batch of 100"):
+            trainer.fit(TinyRegressor(), DataLoader(make_dataset(60), batch_size=4))
+
+    def test_custom_sampler_refused(self):
+        dataset = make_dataset(40)
+        loader = DataLoader(dataset, batch_size=4, sampler=WeightedRandomSampler(torch.ones(40), 40))
+        trainer = _trainer(1, HeterogeneousStrategy(process_group_backend="gloo"), max_epochs=1)
+        with pytest.raises(ValueError, match="WeightedRandomSampler"):
+            trainer.fit(TinyRegressor(), loader)
+
+
+def test_registered_on_import():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "heterogeneous" in StrategyRegistry
+    assert StrategyRegistry["heterogeneous"]["strategy"] is lightning_het.HeterogeneousStrategy
+    trainer = _trainer(2, "heterogeneous")
+    assert isinstance(trainer.strategy, HeterogeneousStrategy)
