@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 __all__ = ["register"]
 
 
 def register() -> None:
-    """Register ``"heterogeneous"`` in ``lightning.pytorch``'s StrategyRegistry (idempotent)."""
+    """Register ``"heterogeneous"`` in ``lightning.pytorch``'s StrategyRegistry, and in ``pytorch_lightning``'s when
+    that package is installed (the two registries and class hierarchies are separate). Idempotent."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_het.strategy import HeterogeneousStrategy
 
     HeterogeneousStrategy.register_strategies(StrategyRegistry)
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
+
+        from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
+
+        PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)

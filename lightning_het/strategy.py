@@ -71,26 +71,28 @@ def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum:
     return out
 
 
-class _HeterogeneousMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that also sends the allocation back to the parent process."""
+class AllocationResultsMixin:
+    """Spawn/fork launcher mixin that also sends the allocation back to the parent process."""
 
-    @override
-    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
-        extra = super().get_extra_results(trainer)
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)  # type: ignore[misc]
         strategy = trainer.strategy
-        if isinstance(strategy, HeterogeneousStrategy):
+        if isinstance(strategy, HeterogeneousStrategyBase):
             extra["lightning_het"] = strategy._export_allocation()
         return extra
 
-    @override
-    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        super().update_main_process_results(trainer, extra)
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)  # type: ignore[misc]
         strategy = trainer.strategy
-        if isinstance(strategy, HeterogeneousStrategy) and extra.get("lightning_het"):
+        if isinstance(strategy, HeterogeneousStrategyBase) and extra.get("lightning_het"):
             strategy._import_allocation(extra["lightning_het"])
 
 
-class HeterogeneousStrategy(DDPStrategy):
+class _HeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _MultiProcessingLauncher):
+    pass
+
+
+class HeterogeneousStrategyBase:
     """Data-parallel training where each replica's batch is proportional to its speed.
 
     Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas by
@@ -119,6 +121,8 @@ class HeterogeneousStrategy(DDPStrategy):
     """
 
     strategy_name = "heterogeneous"
+    #: launcher class used for ``start_method`` spawn/fork/forkserver (set by the concrete class)
+    _spawn_launcher_cls: type = _HeterogeneousMultiProcessingLauncher
 
     def __init__(
         self,
@@ -252,7 +256,7 @@ class HeterogeneousStrategy(DDPStrategy):
         self._validate_against_world()
         super()._configure_launcher()
         if self._start_method != "popen":
-            self._launcher = _HeterogeneousMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -513,6 +517,10 @@ class HeterogeneousStrategy(DDPStrategy):
         scale = self._loss_scale
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         return closure_loss
+
+
+class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
+    __doc__ = HeterogeneousStrategyBase.__doc__
 
 
 class _silenced_logging:

@@ -172,3 +172,12 @@ def test_registered_on_import():
     assert StrategyRegistry["heterogeneous"]["strategy"] is lightning_het.HeterogeneousStrategy
     trainer = _trainer(2, "heterogeneous")
     assert isinstance(trainer.strategy, HeterogeneousStrategy)
+
+
+def test_registered_for_standalone_pytorch_lightning():
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
+
+    trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=2, strategy="heterogeneous", logger=False)
+    assert isinstance(trainer.strategy, PLHeterogeneousStrategy)
+    assert isinstance(trainer.strategy, pytorch_lightning.strategies.DDPStrategy)

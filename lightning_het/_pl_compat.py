@@ -1,0 +1,25 @@
+"""The same strategy for the standalone ``pytorch_lightning`` package, whose classes and registry are separate.
+
+Only imported when ``pytorch_lightning`` is installed; ``import lightning_het`` registers this class in
+``pytorch_lightning``'s StrategyRegistry so that ``pytorch_lightning.Trainer(strategy="heterogeneous")`` works too.
+"""
+
+from __future__ import annotations
+
+from pytorch_lightning.strategies import DDPStrategy as _PLDDPStrategy
+from pytorch_lightning.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as _PLMultiProcessingLauncher,
+)
+
+from lightning_het.strategy import AllocationResultsMixin, HeterogeneousStrategyBase
+
+__all__ = ["HeterogeneousStrategy"]
+
+
+class _PLHeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _PLMultiProcessingLauncher):
+    pass
+
+
+class HeterogeneousStrategy(HeterogeneousStrategyBase, _PLDDPStrategy):
+    __doc__ = HeterogeneousStrategyBase.__doc__
+    _spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher
