@@ -60,7 +60,7 @@ class HeterogeneousDataModule(pl.LightningDataModule):
     @property
     def world_size(self) -> int:
         """Number of replicas of the attached trainer (1 before one is attached)."""
-        trainer = self._trainer
+        trainer = self.trainer
         return trainer.world_size if trainer is not None else 1
 
     def _dataset(self, name: str) -> Dataset:

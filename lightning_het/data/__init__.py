@@ -1,0 +1,53 @@
+"""Hyperspectral land-cover data: raster I/O, synthetic scenes, preprocessing, splits, patch datasets, prediction maps.
+
+See ``docs/hyperspectral.md`` for the pipeline and the conventions (array layouts, label values, sample dicts).
+"""
+
+from lightning_het.data.datamodule import HyperspectralDataModule
+from lightning_het.data.datasets import InMemoryPatches, PatchDataset, WindowedPatches
+from lightning_het.data.prediction import (
+    PredictionMapWriter,
+    assemble_class_map,
+    write_prediction_geotiff,
+    write_prediction_png,
+)
+from lightning_het.data.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
+from lightning_het.data.raster import (
+    RasterInfo,
+    check_alignment,
+    raster_info,
+    read_image,
+    read_labels,
+    read_mat_scene,
+    write_geotiff,
+)
+from lightning_het.data.splits import Split, block_split, footprint_mask, random_split
+from lightning_het.data.synthetic import SyntheticScene, make_synthetic_scene, write_synthetic_scene
+
+__all__ = [
+    "HyperspectralDataModule",
+    "InMemoryPatches",
+    "PatchDataset",
+    "PredictionMapWriter",
+    "RasterInfo",
+    "SpectralTransform",
+    "Split",
+    "SyntheticScene",
+    "WindowedPatches",
+    "assemble_class_map",
+    "block_split",
+    "check_alignment",
+    "fit_spectral_transform",
+    "footprint_mask",
+    "make_synthetic_scene",
+    "random_split",
+    "raster_info",
+    "read_image",
+    "read_labels",
+    "read_mat_scene",
+    "valid_mask",
+    "write_geotiff",
+    "write_prediction_geotiff",
+    "write_prediction_png",
+    "write_synthetic_scene",
+]

@@ -1,0 +1,131 @@
+"""Spectral preprocessing: nodata masks, per-band standardisation and PCA, all fitted on training pixels only.
+
+Pure numpy functions plus one frozen dataclass, :class:`SpectralTransform`, that applies the fitted maths to any array
+whose first axis is the band axis: a cube ``(bands, height, width)``, a patch ``(bands, p, p)`` or spectra
+``(bands, n)``. Fitting uses ``float64``; applying returns ``float32``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SpectralTransform", "fit_spectral_transform", "valid_mask"]
+
+
+def valid_mask(values: np.ndarray, nodata: float | None = None) -> np.ndarray:
+    """Which pixels have a usable spectrum.
+
+    A pixel is invalid when any of its bands is NaN or infinite, or equals ``nodata`` (GDAL's nodata is per band;
+    a spectrum with one missing band cannot be classified).
+
+    Args:
+        values: band-first array ``(bands, ...)``, any real dtype (``uint16``, ``float32``, ...).
+        nodata: the raster's nodata value, or ``None``. A NaN ``nodata`` is covered by the finiteness test.
+
+    Returns:
+        Boolean array of shape ``values.shape[1:]``; ``True`` = valid.
+    """
+    ok = np.ones(values.shape[1:], dtype=bool)
+    if values.dtype.kind == "f":
+        ok &= np.isfinite(values).all(axis=0)
+    if nodata is not None and not np.isnan(nodata):
+        ok &= (values != nodata).all(axis=0)
+    return ok
+
+
+@dataclass(frozen=True)
+class SpectralTransform:
+    """``y = components @ ((x - shift) / scale)``: standardisation, then an optional PCA projection.
+
+    Attributes:
+        shift: ``(in_bands,)`` subtracted per band (the training mean, or zeros without standardisation nor PCA).
+        scale: ``(in_bands,)`` divisor per band (the training standard deviation, or ones); never zero.
+        components: ``(out_bands, in_bands)`` orthonormal PCA rows ordered by decreasing variance, or ``None``.
+        explained_variance_ratio: ``(out_bands,)`` fraction of the training variance each component keeps, or
+            ``None`` without PCA.
+    """
+
+    shift: np.ndarray
+    scale: np.ndarray
+    components: np.ndarray | None = None
+    explained_variance_ratio: np.ndarray | None = None
+
+    @property
+    def in_bands(self) -> int:
+        """Bands expected on input."""
+        return int(self.shift.shape[0])
+
+    @property
+    def out_bands(self) -> int:
+        """Bands produced: the PCA components, or ``in_bands``."""
+        return int(self.components.shape[0]) if self.components is not None else self.in_bands
+
+    def __call__(self, values: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """Transform band-first ``values`` ``(in_bands, ...)`` into ``float32`` ``(out_bands, ...)``.
+
+        Args:
+            values: any real dtype.
+            valid: optional mask of shape ``values.shape[1:]``; invalid pixels are replaced by ``shift`` before
+                transforming, so they come out as ``0`` (the training mean when the data are centred).
+        """
+        if values.shape[0] != self.in_bands:
+            raise ValueError(
+                f"Expected an array with {self.in_bands} bands on its first axis, but got shape {values.shape}."
+            )
+        extra = (1,) * (values.ndim - 1)
+        x = values.astype(np.float32)
+        if valid is not None and not valid.all():
+            x[:, ~valid] = self.shift.astype(np.float32)[:, None]
+        x = (x - self.shift.astype(np.float32).reshape(-1, *extra)) / self.scale.astype(np.float32).reshape(-1, *extra)
+        if self.components is not None:
+            flat = self.components.astype(np.float32) @ x.reshape(self.in_bands, -1)
+            x = flat.reshape(self.out_bands, *values.shape[1:])
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def fit_spectral_transform(
+    spectra: np.ndarray, *, standardize: bool = True, pca_components: int | None = None
+) -> SpectralTransform:
+    """Fit the preprocessing on training spectra only.
+
+    Args:
+        spectra: ``(n, bands)`` training pixels (all valid), any real dtype.
+        standardize: centre each band on its training mean and divide by its training standard deviation (bands
+            with zero variance are only centred).
+        pca_components: keep this many principal components of the (standardised) training spectra; ``None`` keeps
+            all bands. Components are sign-normalised (largest loading positive) so that fits are reproducible.
+
+    Returns:
+        The fitted transform.
+
+    Raises:
+        ValueError: no spectra, or ``pca_components`` outside ``1..bands``.
+    """
+    data = np.asarray(spectra, dtype=np.float64)
+    if data.ndim != 2 or data.shape[0] == 0:
+        raise ValueError(f"Expected argument `spectra` to have shape (n >= 1, bands), but got {data.shape}.")
+    bands = data.shape[1]
+    if pca_components is not None and not 1 <= pca_components <= bands:
+        raise ValueError(
+            f"You set pca_components={pca_components}, but the image has {bands} bands. HINT: choose a number in"
+            f" 1..{bands}, or None to keep every band."
+        )
+    mean = data.mean(axis=0)
+    std = data.std(axis=0)
+    center = standardize or pca_components is not None
+    shift = mean if center else np.zeros(bands)
+    scale = np.where(std > 0, std, 1.0) if standardize else np.ones(bands)
+    if pca_components is None:
+        return SpectralTransform(shift=shift, scale=scale)
+    z = (data - shift) / scale
+    cov = z.T @ z / max(z.shape[0] - 1, 1)
+    eigval, eigvec = np.linalg.eigh(cov)
+    order = np.argsort(eigval)[::-1][:pca_components]
+    components = eigvec[:, order].T
+    signs = np.sign(components[np.arange(pca_components), np.argmax(np.abs(components), axis=1)])
+    components = components * np.where(signs == 0, 1.0, signs)[:, None]
+    total = float(np.clip(eigval, 0, None).sum())
+    ratio = np.clip(eigval[order], 0, None) / total if total > 0 else np.zeros(pca_components)
+    return SpectralTransform(shift=shift, scale=scale, components=components, explained_variance_ratio=ratio)

@@ -1,0 +1,524 @@
+"""Raster I/O for hyperspectral scenes: open, validate, read (whole or windowed) and write GeoTIFF.
+
+Array layout everywhere in this package: image cubes are ``(bands, height, width)`` (rasterio's and torch's
+channel-first order), label maps ``(height, width)``. Pixel ``(row, col)`` counts from the top-left corner. Label value
+``0`` means unlabelled, ``1..C`` are the ``C`` classes.
+
+This module depends on rasterio and numpy only (no torch, no Lightning). ``.mat`` files are read with scipy, imported
+lazily so that scipy stays optional.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import rasterio
+from rasterio.crs import CRS
+from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
+from rasterio.transform import Affine
+from rasterio.windows import Window
+
+from lightning_het.errors import (
+    GeoreferenceMismatchError,
+    LabelValueError,
+    MatFileError,
+    RasterFormatError,
+    RasterNotFoundError,
+    ShapeMismatchError,
+)
+
+__all__ = [
+    "RasterHandle",
+    "RasterInfo",
+    "check_alignment",
+    "check_labels",
+    "is_mat_file",
+    "raster_info",
+    "read_image",
+    "read_labels",
+    "read_mat_scene",
+    "read_pixels",
+    "read_window",
+    "reflect_indices",
+    "write_geotiff",
+]
+
+log = logging.getLogger(__name__)
+
+#: Bytes read at once by :func:`read_pixels` (a strip of whole rows).
+STRIP_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class RasterInfo:
+    """Metadata of one raster, read without its pixels.
+
+    Attributes:
+        path: the file.
+        height: rows, in pixels.
+        width: columns, in pixels.
+        count: bands.
+        dtype: numpy dtype name of the first band (``"uint16"``, ``"float32"``, ...).
+        crs: coordinate reference system, ``None`` when the file has none.
+        transform: pixel-to-map affine transform, ``None`` when the file is not georeferenced.
+        nodata: the nodata value of the first band, ``None`` when unset.
+        driver: GDAL driver short name (``"GTiff"``, ``"ENVI"``, ``"MAT"`` for MATLAB files).
+    """
+
+    path: str
+    height: int
+    width: int
+    count: int
+    dtype: str
+    crs: CRS | None
+    transform: Affine | None
+    nodata: float | None
+    driver: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels."""
+        return (self.height, self.width)
+
+    @property
+    def georeferenced(self) -> bool:
+        """Whether the raster has a CRS or a non-identity transform."""
+        return self.crs is not None or self.transform is not None
+
+
+def is_mat_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a MATLAB file (by its ``.mat`` suffix, case-insensitive)."""
+    return Path(path).suffix.lower() == ".mat"
+
+
+def _check_exists(path: str | os.PathLike, role: str) -> str:
+    text = os.fspath(path)
+    if not os.path.exists(text):
+        raise RasterNotFoundError(text, role)
+    return text
+
+
+def open_raster(path: str | os.PathLike, role: str = "image") -> rasterio.io.DatasetReader:
+    """Open ``path`` for reading with rasterio, turning GDAL's errors into ones that name the file.
+
+    Args:
+        path: any file GDAL opens (GeoTIFF, ENVI ``.img``/``.hdr`` pair via the data file, ...).
+        role: what the file holds, used in error messages (``"image"`` or ``"labels"``).
+
+    Raises:
+        RasterNotFoundError: the file does not exist.
+        RasterFormatError: GDAL cannot open it.
+    """
+    text = _check_exists(path, role)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotGeoreferencedWarning)
+            return rasterio.open(text)
+    except RasterioIOError as err:
+        raise RasterFormatError(
+            text, f"GDAL cannot open it as a raster ({err})", "pass a GeoTIFF, an ENVI data file or a .mat file"
+        ) from err
+
+
+def _info_from_dataset(dataset: Any, path: str) -> RasterInfo:
+    transform = dataset.transform
+    georef = transform is not None and not transform.is_identity
+    return RasterInfo(
+        path=path,
+        height=int(dataset.height),
+        width=int(dataset.width),
+        count=int(dataset.count),
+        dtype=str(dataset.dtypes[0]),
+        crs=dataset.crs,
+        transform=transform if georef else None,
+        nodata=dataset.nodata,
+        driver=str(dataset.driver),
+    )
+
+
+def raster_info(path: str | os.PathLike, role: str = "image") -> RasterInfo:
+    """Read the metadata of a raster without its pixels (see :func:`open_raster` for errors)."""
+    with open_raster(path, role) as dataset:
+        return _info_from_dataset(dataset, os.fspath(path))
+
+
+def _check_numeric(dtype: np.dtype | str, path: str) -> None:
+    kind = np.dtype(dtype).kind
+    if kind not in "uif":
+        raise RasterFormatError(path, f"its data type {np.dtype(dtype).name} is not a real number type",
+                                "convert it to an integer or float type")
+
+
+def read_image(path: str | os.PathLike) -> tuple[np.ndarray, RasterInfo]:
+    """Read a whole multi-band image.
+
+    Returns:
+        The cube, shape ``(bands, height, width)``, in the file's dtype (e.g. ``uint16`` or ``float32``), and its
+        metadata.
+
+    Raises:
+        RasterNotFoundError: the file does not exist.
+        RasterFormatError: unreadable file or a non-numeric data type.
+    """
+    with open_raster(path, "image") as dataset:
+        info = _info_from_dataset(dataset, os.fspath(path))
+        _check_numeric(info.dtype, info.path)
+        cube = dataset.read()
+    return cube, info
+
+
+def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int | None = None) -> tuple[np.ndarray, int]:
+    """Validate a label map and convert it to ``int64``.
+
+    Args:
+        labels: label values, shape ``(height, width)``, any real dtype.
+        path: the file it came from (for error messages).
+        num_classes: the number of classes ``C``; inferred as the largest label when ``None``.
+
+    Returns:
+        The labels as ``int64`` (``0`` = unlabelled, ``1..C``) and ``C``.
+
+    Raises:
+        LabelValueError: non-integer, NaN, negative or above-``C`` values, naming a few of them.
+    """
+    values = np.asarray(labels)
+    _check_numeric(values.dtype, os.fspath(path))
+    bad = values < 0
+    if values.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad |= ~(np.isfinite(values) & (values == np.floor(values)))
+    largest = int(values[~bad].max()) if np.any(~bad) else 0
+    classes = largest if num_classes is None else int(num_classes)
+    bad |= values > classes
+    if bad.any():
+        raise LabelValueError(path, np.unique(values[bad])[:5].tolist(), classes)
+    return values.astype(np.int64), classes
+
+
+def read_labels(
+    path: str | os.PathLike, num_classes: int | None = None
+) -> tuple[np.ndarray, int, RasterInfo]:
+    """Read and validate a single-band label raster.
+
+    Pixels equal to the raster's nodata value are treated as unlabelled (``0``).
+
+    Returns:
+        Labels ``(height, width)`` as ``int64``, the number of classes ``C`` and the metadata.
+
+    Raises:
+        RasterNotFoundError: the file does not exist.
+        RasterFormatError: more than one band or a non-numeric type.
+        LabelValueError: see :func:`check_labels`.
+    """
+    with open_raster(path, "labels") as dataset:
+        info = _info_from_dataset(dataset, os.fspath(path))
+        if info.count != 1:
+            raise RasterFormatError(info.path, f"a label raster must have one band, but it has {info.count}",
+                                    "pass the ground-truth class map, not the image")
+        raw = dataset.read(1)
+    if info.nodata is not None:
+        raw = np.where(raw == info.nodata, 0, raw) if not np.isnan(info.nodata) else np.nan_to_num(raw, nan=0)
+    labels, classes = check_labels(raw, info.path, num_classes)
+    return labels, classes, info
+
+
+def check_alignment(image: RasterInfo, labels: RasterInfo) -> None:
+    """Check that ``labels`` lies on the pixel grid of ``image``.
+
+    Heights and widths must agree. When both files carry a CRS the CRSs must be equal; when both carry a transform the
+    transforms must agree (to 1e-6 of a pixel). A file without georeferencing is taken to be aligned with the other.
+
+    Raises:
+        ShapeMismatchError: different heights or widths (naming both files and both shapes).
+        GeoreferenceMismatchError: different CRS or transform.
+    """
+    if image.shape != labels.shape:
+        raise ShapeMismatchError(image.path, image.shape, labels.path, labels.shape)
+    if image.crs is not None and labels.crs is not None and image.crs != labels.crs:
+        raise GeoreferenceMismatchError(image.path, labels.path, "CRS", image.crs, labels.crs)
+    if (
+        image.transform is not None
+        and labels.transform is not None
+        and not image.transform.almost_equals(labels.transform, precision=1e-6 * max(abs(image.transform.a), 1e-12))
+    ):
+        raise GeoreferenceMismatchError(image.path, labels.path, "transform", image.transform, labels.transform)
+
+
+def reflect_indices(start: int, size: int, length: int) -> np.ndarray:
+    """Indices ``start .. start+size-1`` folded into ``0..length-1`` by reflection without repeating the edge.
+
+    The same convention as ``numpy.pad(mode="reflect")``: ``-1 -> 1``, ``length -> length - 2``; indices further out
+    keep bouncing between the edges.
+
+    >>> reflect_indices(-2, 5, 4).tolist()
+    [2, 1, 0, 1, 2]
+    >>> reflect_indices(2, 4, 4).tolist()
+    [2, 3, 2, 1]
+    """
+    idx = np.arange(start, start + size)
+    if length == 1:
+        return np.zeros(size, dtype=np.int64)
+    period = 2 * (length - 1)
+    idx = np.mod(idx, period)
+    return np.where(idx >= length, period - idx, idx).astype(np.int64)
+
+
+def read_window(
+    dataset: Any, row: int, col: int, size: int, indexes: Sequence[int] | None = None
+) -> np.ndarray:
+    """Read the ``size x size`` window centred on pixel ``(row, col)``, reflect-padded at the scene borders.
+
+    Only the pixels inside the window (clipped to the scene) are read from disk.
+
+    Args:
+        dataset: an open rasterio dataset.
+        row: centre row, ``0 <= row < height``.
+        col: centre column, ``0 <= col < width``.
+        size: odd window side in pixels.
+        indexes: 1-based band indexes to read; all bands when ``None``.
+
+    Returns:
+        ``(bands, size, size)`` in the file's dtype; element ``[:, size//2, size//2]`` is the centre pixel.
+    """
+    half = size // 2
+    rows = reflect_indices(row - half, size, dataset.height)
+    cols = reflect_indices(col - half, size, dataset.width)
+    r0, r1 = int(rows.min()), int(rows.max()) + 1
+    c0, c1 = int(cols.min()), int(cols.max()) + 1
+    block = dataset.read(list(indexes) if indexes is not None else None, window=Window(c0, r0, c1 - c0, r1 - r0))
+    if r1 - r0 == size and c1 - c0 == size and rows[0] == r0 and cols[0] == c0:
+        return block  # interior window: already in order
+    return block[:, rows - r0][:, :, cols - c0]
+
+
+def read_pixels(dataset: Any, rows: np.ndarray, cols: np.ndarray, strip_bytes: int = STRIP_BYTES) -> np.ndarray:
+    """Read the spectra of scattered pixels, one strip of whole rows at a time.
+
+    Strips that contain none of the pixels are skipped, so sparse label maps read only part of the image.
+
+    Args:
+        dataset: an open rasterio dataset.
+        rows: pixel rows, shape ``(n,)``.
+        cols: pixel columns, shape ``(n,)``.
+        strip_bytes: upper bound on the bytes held by one strip.
+
+    Returns:
+        ``(n, bands)`` in the file's dtype, in the order of ``rows``/``cols``.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = np.asarray(cols, dtype=np.int64)
+    out = np.empty((rows.size, dataset.count), dtype=dataset.dtypes[0])
+    if rows.size == 0:
+        return out
+    row_bytes = dataset.width * dataset.count * np.dtype(dataset.dtypes[0]).itemsize
+    strip = max(1, strip_bytes // max(row_bytes, 1))
+    strip_of = rows // strip
+    for s in np.unique(strip_of):
+        mine = np.nonzero(strip_of == s)[0]
+        r0 = int(s) * strip
+        height = min(strip, dataset.height - r0)
+        block = dataset.read(window=Window(0, r0, dataset.width, height))
+        out[mine] = block[:, rows[mine] - r0, cols[mine]].T
+    return out
+
+
+class RasterHandle:
+    """A lazily opened, per-process rasterio dataset that survives pickling and ``fork``.
+
+    The handle opens the file on first use and reopens it when the process id changes (a forked ``DataLoader``
+    worker must not share the parent's GDAL file handle). Pickling (e.g. for ``spawn``) drops the open dataset.
+
+    Args:
+        path: the raster file.
+        role: what it holds, for error messages.
+    """
+
+    def __init__(self, path: str | os.PathLike, role: str = "image") -> None:
+        self.path = os.fspath(path)
+        self.role = role
+        self._dataset: Any = None
+        self._pid: int | None = None
+
+    @property
+    def dataset(self) -> Any:
+        """The open rasterio dataset of this process."""
+        if self._dataset is None or self._pid != os.getpid():
+            self._dataset = open_raster(self.path, self.role)
+            self._pid = os.getpid()
+        return self._dataset
+
+    def close(self) -> None:
+        """Close the dataset if this process opened it."""
+        if self._dataset is not None and self._pid == os.getpid():
+            self._dataset.close()
+        self._dataset = None
+        self._pid = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "role": self.role, "_dataset": None, "_pid": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def write_geotiff(
+    path: str | os.PathLike,
+    array: np.ndarray,
+    *,
+    crs: CRS | str | None = None,
+    transform: Affine | None = None,
+    nodata: float | None = None,
+    band_descriptions: Sequence[str] | None = None,
+    colormap: dict[int, tuple[int, int, int, int]] | None = None,
+    compress: str = "deflate",
+) -> Path:
+    """Write ``array`` as a tiled, compressed GeoTIFF.
+
+    Args:
+        path: output file; parent folders are created.
+        array: ``(bands, height, width)`` or ``(height, width)``, any real dtype GDAL supports.
+        crs: coordinate reference system (``rasterio.crs.CRS`` or anything ``CRS.from_user_input`` takes).
+        transform: pixel-to-map affine transform; identity (not georeferenced) when ``None``.
+        nodata: nodata value stored in the file.
+        band_descriptions: one description per band (e.g. wavelengths).
+        colormap: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster.
+        compress: GDAL compression name.
+
+    Returns:
+        The path written.
+    """
+    data = np.asarray(array)
+    if data.ndim == 2:
+        data = data[None]
+    if data.ndim != 3:
+        raise ValueError(f"Expected argument `array` to have shape (bands, height, width), but got {data.shape}.")
+    count, height, width = data.shape
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile: dict[str, Any] = {
+        "driver": "GTiff",
+        "height": height,
+        "width": width,
+        "count": count,
+        "dtype": data.dtype.name,
+        "crs": CRS.from_user_input(crs) if crs is not None else None,
+        "transform": transform if transform is not None else Affine.identity(),
+        "nodata": nodata,
+        "compress": compress,
+        "interleave": "pixel",  # one tile holds all bands: windowed patch reads touch few blocks
+    }
+    if height >= 16 and width >= 16:
+        profile.update(tiled=True, blockxsize=64 if width >= 64 else 16, blockysize=64 if height >= 64 else 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGeoreferencedWarning)
+        with rasterio.open(out, "w", **profile) as dst:
+            dst.write(data)
+            if band_descriptions is not None:
+                for band, text in enumerate(band_descriptions, start=1):
+                    dst.set_band_description(band, str(text))
+            if colormap is not None:
+                dst.write_colormap(1, colormap)
+    return out
+
+
+def _load_mat(path: str) -> dict[str, np.ndarray]:
+    try:
+        import scipy.io
+    except ImportError as err:  # pragma: no cover - scipy is installed in dev environments
+        raise ImportError(
+            f"Reading the MATLAB file {path!r} needs scipy, which is not installed. HINT: `pip install"
+            " 'lightning-het[mat]'` or convert the file to GeoTIFF."
+        ) from err
+    try:
+        content = scipy.io.loadmat(path)
+    except NotImplementedError as err:  # MATLAB v7.3 (HDF5)
+        raise MatFileError(path, f"scipy cannot read this MATLAB version ({err})") from err
+    except (ValueError, OSError, TypeError) as err:
+        raise MatFileError(path, f"scipy cannot parse it ({err})") from err
+    return {k: np.asarray(v) for k, v in content.items() if not k.startswith("__") and isinstance(v, np.ndarray)}
+
+
+def _pick(
+    arrays: dict[str, np.ndarray], key: str | None, ndim: int, path: str, what: str
+) -> dict[str, np.ndarray]:
+    shapes = {k: tuple(v.shape) for k, v in arrays.items()}
+    if key is not None:
+        if key not in arrays:
+            raise MatFileError(path, f"the variable {key!r} requested for the {what} is missing", shapes)
+        if arrays[key].ndim != ndim or arrays[key].dtype.kind not in "uif":
+            raise MatFileError(path, f"the variable {key!r} is not a {ndim}-D numeric array", shapes)
+        return {key: arrays[key]}
+    found = {k: v for k, v in arrays.items() if v.ndim == ndim and v.dtype.kind in "uif" and min(v.shape) > 1}
+    if not found:
+        raise MatFileError(path, f"no {ndim}-D numeric array to use as the {what}", shapes)
+    return found
+
+
+def read_mat_scene(
+    image_path: str | os.PathLike,
+    labels_path: str | os.PathLike | None = None,
+    *,
+    image_key: str | None = None,
+    labels_key: str | None = None,
+    num_classes: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Read a hyperspectral cube and its labels from MATLAB ``.mat`` files (as the classic benchmarks circulate).
+
+    Without keys, the cube is the 3-D numeric variable and the labels the 2-D numeric variable whose shape equals two
+    axes of the cube: ``(H, W, B)`` (the usual MATLAB layout, e.g. ``indian_pines_corrected`` 145x145x200 with
+    ``indian_pines_gt`` 145x145) or ``(B, H, W)``. Exactly one such pair must exist.
+
+    Args:
+        image_path: the ``.mat`` holding the cube.
+        labels_path: the ``.mat`` holding the labels; the same file as the image when ``None``.
+        image_key: variable name of the cube, to skip the search.
+        labels_key: variable name of the labels, to skip the search.
+        num_classes: the number of classes; inferred from the labels when ``None``.
+
+    Returns:
+        The cube ``(bands, height, width)`` in its stored dtype, the labels ``(height, width)`` as ``int64`` and the
+        number of classes.
+
+    Raises:
+        RasterNotFoundError: a file does not exist.
+        ImportError: scipy is missing.
+        MatFileError: no (or more than one) matching pair of variables, or an unreadable file.
+        ShapeMismatchError: explicit keys whose shapes disagree.
+        LabelValueError: see :func:`check_labels`.
+    """
+    image_text = _check_exists(image_path, "image")
+    labels_text = _check_exists(labels_path, "labels") if labels_path is not None else image_text
+    image_arrays = _load_mat(image_text)
+    labels_arrays = image_arrays if labels_text == image_text else _load_mat(labels_text)
+    cubes = _pick(image_arrays, image_key, 3, image_text, "image cube")
+    maps = _pick(labels_arrays, labels_key, 2, labels_text, "label map")
+    pairs = []
+    for ck, cube in cubes.items():
+        for lk, lab in maps.items():
+            if cube.shape[:2] == lab.shape:
+                pairs.append((ck, lk, "hwb"))
+            elif cube.shape[1:] == lab.shape:
+                pairs.append((ck, lk, "bhw"))
+    if not pairs:
+        if image_key is not None and labels_key is not None:
+            cube, lab = cubes[image_key], maps[labels_key]
+            raise ShapeMismatchError(image_text, cube.shape[:2], labels_text, lab.shape)
+        shapes = {k: tuple(v.shape) for k, v in {**image_arrays, **labels_arrays}.items()}
+        raise MatFileError(image_text, "no 3-D cube has two axes equal to the shape of a 2-D label map", shapes)
+    if len(pairs) > 1:
+        shapes = {k: tuple(v.shape) for k, v in {**image_arrays, **labels_arrays}.items()}
+        raise MatFileError(image_text, f"several (cube, labels) pairs match: {[p[:2] for p in pairs]}", shapes)
+    ck, lk, layout = pairs[0]
+    cube = cubes[ck]
+    if layout == "hwb":
+        cube = np.ascontiguousarray(np.moveaxis(cube, -1, 0))
+    labels, classes = check_labels(maps[lk], labels_text, num_classes)
+    log.info("Read %s[%r] %s and %s[%r] %s", image_text, ck, cube.shape, labels_text, lk, labels.shape)
+    return cube, labels, classes

@@ -1,0 +1,240 @@
+"""Exceptions raised for bad input data, each naming the offending file or value and how to fix it.
+
+Every class subclasses a builtin (``FileNotFoundError`` or ``ValueError``) so that callers who catch the builtin keep
+working, and keeps the offending objects as attributes (``path``, ``shape``, ...) for programmatic use. Messages follow
+the project's pattern: what was found, why it is a problem, then ``HINT:`` and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+from typing import Any
+
+__all__ = [
+    "ClassTooSmallError",
+    "GeoreferenceMismatchError",
+    "LabelValueError",
+    "MatFileError",
+    "NoLabelledPixelsError",
+    "RasterFormatError",
+    "RasterNotFoundError",
+    "ShapeMismatchError",
+]
+
+PathType = str | PathLike
+
+
+class RasterNotFoundError(FileNotFoundError):
+    """A raster (or ``.mat``) file given by the user does not exist.
+
+    Args:
+        path: the missing file.
+        role: what the file was meant to hold, e.g. ``"image"`` or ``"labels"``.
+    """
+
+    def __init__(self, path: PathType, role: str = "raster") -> None:
+        self.path = str(path)
+        self.role = role
+        super().__init__(
+            f"The {role} file {self.path!r} does not exist. HINT: check the path (relative paths are resolved against"
+            " the current working directory, which Hydra may change; pass an absolute path)."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the exception picklable across spawned processes
+        return (type(self), (self.path, self.role))
+
+
+class RasterFormatError(ValueError):
+    """A file exists but cannot be used as the requested raster (unreadable, wrong band count, unsupported dtype).
+
+    Args:
+        path: the offending file.
+        problem: what is wrong, as a sentence fragment.
+        hint: how to fix it.
+    """
+
+    def __init__(self, path: PathType, problem: str, hint: str = "") -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.hint = hint
+        message = f"Cannot use {self.path!r}: {problem}."
+        if hint:
+            message += f" HINT: {hint}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem, self.hint))
+
+
+class ShapeMismatchError(ValueError):
+    """The image and the label raster do not cover the same pixel grid.
+
+    Args:
+        image_path: the multi-band image.
+        image_shape: ``(height, width)`` of the image, in pixels.
+        labels_path: the label raster.
+        labels_shape: ``(height, width)`` of the labels, in pixels.
+    """
+
+    def __init__(
+        self, image_path: PathType, image_shape: Sequence[int], labels_path: PathType, labels_shape: Sequence[int]
+    ) -> None:
+        self.image_path = str(image_path)
+        self.image_shape = tuple(int(s) for s in image_shape)
+        self.labels_path = str(labels_path)
+        self.labels_shape = tuple(int(s) for s in labels_shape)
+        super().__init__(
+            f"The image {self.image_path!r} is {self.image_shape[0]}x{self.image_shape[1]} pixels (height x width) but"
+            f" the labels {self.labels_path!r} are {self.labels_shape[0]}x{self.labels_shape[1]}. HINT: the label"
+            " raster must be on the same pixel grid as the image; resample or crop one of them (e.g. `gdalwarp -te"
+            " ... -ts ...`)."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.image_path, self.image_shape, self.labels_path, self.labels_shape))
+
+
+class GeoreferenceMismatchError(ValueError):
+    """Both rasters are georeferenced but their CRS or geotransform differ.
+
+    Args:
+        image_path: the multi-band image.
+        labels_path: the label raster.
+        what: ``"CRS"`` or ``"transform"``.
+        image_value: the image's CRS or transform, as text.
+        labels_value: the labels' CRS or transform, as text.
+    """
+
+    def __init__(
+        self, image_path: PathType, labels_path: PathType, what: str, image_value: Any, labels_value: Any
+    ) -> None:
+        self.image_path = str(image_path)
+        self.labels_path = str(labels_path)
+        self.what = what
+        self.image_value = str(image_value)
+        self.labels_value = str(labels_value)
+        super().__init__(
+            f"The image {self.image_path!r} and the labels {self.labels_path!r} have different {what}s:"
+            f" {self.image_value!r} vs {self.labels_value!r}. HINT: reproject the labels onto the image grid"
+            " (`gdalwarp -t_srs ... -tr ... -te ...`), or strip the georeferencing of one file if they are known to"
+            " be aligned pixel for pixel."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.image_path, self.labels_path, self.what, self.image_value, self.labels_value))
+
+
+class LabelValueError(ValueError):
+    """The label raster holds values outside ``0..num_classes`` (or non-integers).
+
+    Args:
+        path: the label raster.
+        bad_values: a few of the offending values.
+        num_classes: the number of classes ``C``; valid labels are ``0`` (unlabelled) and ``1..C``.
+    """
+
+    def __init__(self, path: PathType, bad_values: Sequence[Any], num_classes: int | None) -> None:
+        self.path = str(path)
+        self.bad_values = list(bad_values)
+        self.num_classes = num_classes
+        allowed = "0 (unlabelled) and 1..C" if num_classes is None else f"0 (unlabelled) and 1..{num_classes}"
+        super().__init__(
+            f"The labels {self.path!r} hold values {self.bad_values} outside {allowed}. HINT: labels must be integers,"
+            " 0 for unlabelled pixels and 1..C for the C classes; raise `num_classes` (or pass more `class_names`)"
+            " if the scene really has more classes, or remap the raster."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.bad_values, self.num_classes))
+
+
+class NoLabelledPixelsError(ValueError):
+    """The label raster has no labelled pixel (every value is 0, or every labelled pixel is nodata in the image).
+
+    Args:
+        path: the label raster.
+        detail: extra context, e.g. how many labelled pixels were dropped as nodata.
+    """
+
+    def __init__(self, path: PathType, detail: str = "") -> None:
+        self.path = str(path)
+        self.detail = detail
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"The labels {self.path!r} contain no labelled pixel{extra}: every usable value is 0 (unlabelled)."
+            " HINT: check that you passed the ground-truth raster and not a mask, and that its nodata value is not"
+            " hiding the classes."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.detail))
+
+
+class ClassTooSmallError(ValueError):
+    """A class has too few labelled pixels for the requested split.
+
+    Args:
+        source: the label raster (or a description of the labels).
+        class_id: the class label value (``1..C``).
+        available: labelled pixels of the class that can be used.
+        needed: the minimum number the split requires.
+        split: a description of the requested split, e.g. ``"train_per_class=50, val_per_class=10"``.
+        hint: how to fix it.
+        unit: what ``available`` and ``needed`` count (``"pixel"`` or ``"block"``).
+    """
+
+    def __init__(
+        self,
+        source: PathType,
+        class_id: int,
+        available: int,
+        needed: int,
+        split: str,
+        hint: str = "",
+        unit: str = "pixel",
+    ) -> None:
+        self.source = str(source)
+        self.class_id = int(class_id)
+        self.available = int(available)
+        self.needed = int(needed)
+        self.split = split
+        self.unit = unit
+        self.hint = hint or (
+            "lower the per-class counts or fractions, merge or drop the class (set its pixels to 0), or use a"
+            " smaller `block_size` for spatially disjoint splits"
+        )
+        super().__init__(
+            f"Class {self.class_id} of the labels {self.source!r} has {self.available} usable {unit}(s), but the"
+            f" split ({split}) needs at least {self.needed}. HINT: {self.hint}."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.source, self.class_id, self.available, self.needed, self.split, self.hint, self.unit),
+        )
+
+
+class MatFileError(ValueError):
+    """A MATLAB ``.mat`` file does not hold the arrays we look for (or is in an unsupported format).
+
+    Args:
+        path: the ``.mat`` file.
+        problem: what is wrong.
+        variables: the variables found in the file, as ``{name: shape}``.
+    """
+
+    def __init__(self, path: PathType, problem: str, variables: dict[str, tuple[int, ...]] | None = None) -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.variables = dict(variables or {})
+        found = ", ".join(f"{k}{list(v)}" for k, v in self.variables.items()) or "none"
+        super().__init__(
+            f"Cannot read {self.path!r}: {problem}. Variables found: {found}. HINT: pass `image_key=`/`labels_key=`"
+            " to pick the variables explicitly; MATLAB v7.3 files are HDF5 and must be re-saved with `save(...,"
+            " '-v7')` or converted to GeoTIFF."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem, self.variables))

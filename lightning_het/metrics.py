@@ -1,0 +1,108 @@
+"""Land-cover classification metrics on torchmetrics: OA, AA, Cohen's kappa, per-class accuracy, confusion matrix.
+
+All states are *counts* reduced by summation (``dist_reduce_fx="sum"``), so a metric synchronised across replicas
+that evaluated different numbers of samples equals the metric of the pooled samples exactly; a mean of per-replica
+accuracies would not be (shards of 2 and 6 samples with accuracies 1.0 and 0.667 pool to 0.75, not 0.833).
+
+Definitions, with ``M`` the ``C x C`` confusion matrix (rows = reference, columns = prediction) and ``n = sum(M)``:
+
+* overall accuracy ``OA = trace(M) / n`` (torchmetrics ``MulticlassAccuracy(average="micro")``);
+* per-class accuracy (producer's accuracy, recall) ``a_c = M[c, c] / sum(M[c, :])``, undefined for classes absent from
+  the reference;
+* average accuracy ``AA = mean of a_c over the classes present in the reference``. This equals torchmetrics'
+  ``MulticlassAccuracy(average="macro")`` whenever every class occurs in the reference; macro would count a class that
+  is predicted but absent from the reference as ``0``, which is not the remote-sensing definition;
+* Cohen's kappa ``(p_o - p_e) / (1 - p_e)`` with ``p_o = OA`` and ``p_e = sum_c rowsum_c * colsum_c / n^2``
+  (torchmetrics ``MulticlassCohenKappa``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassCohenKappa, MulticlassStatScores
+
+__all__ = ["AverageAccuracy", "classification_metrics", "per_class_accuracy", "summarize_confusion"]
+
+
+class AverageAccuracy(MulticlassStatScores):
+    """Average accuracy (AA): the mean per-class recall over the classes present in the reference.
+
+    States are per-class true-positive / false-negative counts (those of ``MulticlassStatScores``), summed across
+    processes, so the result is exact under uneven shards.
+
+    Args:
+        num_classes: number of classes ``C``.
+        **kwargs: passed to ``MulticlassStatScores`` (e.g. ``ignore_index``).
+
+    Shape:
+        ``preds``: ``(N,)`` class indices or ``(N, C)`` scores; ``target``: ``(N,)`` class indices.
+
+    Example:
+        >>> aa = AverageAccuracy(num_classes=4)
+        >>> aa(torch.tensor([0, 0, 1, 2, 2, 3]), torch.tensor([0, 1, 1, 2, 2, 2]))
+        tensor(0.7222)
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, num_classes: int, **kwargs: object) -> None:
+        kwargs.pop("average", None)
+        super().__init__(num_classes=num_classes, average=None, **kwargs)  # type: ignore[arg-type]
+
+    def compute(self) -> Tensor:
+        tp, _, _, fn = self._final_state()
+        support = tp + fn
+        present = support > 0
+        if not present.any():
+            return torch.tensor(0.0, device=tp.device)
+        return (tp[present].float() / support[present].float()).mean()
+
+
+def classification_metrics(num_classes: int, prefix: str = "") -> MetricCollection:
+    """The scalar metrics of a land-cover map: ``oa``, ``aa`` and ``kappa`` (keys prefixed with ``prefix``).
+
+    Log the collection itself (``self.log_dict(collection, on_epoch=True)``) so that Lightning synchronises the
+    counts at epoch end; do not log per-step values.
+    """
+    return MetricCollection(
+        {
+            "oa": MulticlassAccuracy(num_classes=num_classes, average="micro"),
+            "aa": AverageAccuracy(num_classes=num_classes),
+            "kappa": MulticlassCohenKappa(num_classes=num_classes),
+        },
+        prefix=prefix,
+    )
+
+
+def per_class_accuracy(confusion: Tensor) -> Tensor:
+    """Per-class accuracy ``M[c, c] / sum(M[c, :])`` from a confusion matrix (rows = reference); NaN for absent
+    classes. Shape ``(C, C) -> (C,)``."""
+    confusion = confusion.double()
+    support = confusion.sum(dim=1)
+    diag = torch.diagonal(confusion)
+    return torch.where(support > 0, diag / support.clamp(min=1), torch.full_like(diag, float("nan")))
+
+
+def summarize_confusion(confusion: Tensor) -> dict[str, float | list[float]]:
+    """OA, AA, kappa and per-class accuracy computed from a confusion matrix (pure; same definitions as the metrics).
+
+    Args:
+        confusion: ``(C, C)`` counts, rows = reference, columns = prediction.
+
+    Returns:
+        ``{"oa": float, "aa": float, "kappa": float, "per_class": [C floats, NaN for absent classes]}``.
+    """
+    m = confusion.double()
+    n = m.sum()
+    if n == 0:
+        return {"oa": 0.0, "aa": 0.0, "kappa": 0.0, "per_class": [float("nan")] * m.shape[0]}
+    oa = torch.trace(m) / n
+    per_class = per_class_accuracy(m)
+    aa = per_class[~torch.isnan(per_class)].mean()
+    pe = (m.sum(dim=0) * m.sum(dim=1)).sum() / n**2
+    kappa = (oa - pe) / (1 - pe) if pe < 1 else torch.tensor(1.0 if oa == 1 else 0.0, dtype=torch.float64)
+    return {"oa": float(oa), "aa": float(aa), "kappa": float(kappa), "per_class": per_class.tolist()}
