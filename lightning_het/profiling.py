@@ -119,7 +119,9 @@ def preserved_training_state(
     optimizer_states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
     scheduler_states = [copy.deepcopy(s.state_dict()) for s in schedulers if hasattr(s, "state_dict")]
     training_flags = {name: m.training for name, m in module.named_modules()}
-    rng_states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    # a CPU replica of a mixed CPU/GPU job has not initialised CUDA: reading the CUDA RNG would create a context on
+    # every GPU (#8); a replica that has not touched CUDA has no CUDA RNG state to protect either
+    rng_states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
     try:
         yield
     finally:

@@ -53,7 +53,7 @@ def run_job(args: list[str], *, timeout: float = 120, env: dict[str, str] | None
 def tiny_job(tmp_path):
     """Run tests/helpers/run_tiny.py with a JSON config; return the per-rank dumps."""
 
-    def _run(cfg: dict, *, timeout: float = 120, env: dict[str, str] | None = None):
+    def _run(cfg: dict, *, timeout: float = 300, env: dict[str, str] | None = None):
         result = run_job(["-m", "tests.helpers.run_tiny", str(tmp_path), json.dumps(cfg)], timeout=timeout, env=env)
         assert result.returncode == 0, result.stdout[-6000:]
         world = cfg.get("devices", 2) * cfg.get("num_nodes", 1)

@@ -1,7 +1,8 @@
 """Run a tiny multi-replica fit and dump what each rank saw: ``python -m tests.helpers.run_tiny OUT_DIR JSON``.
 
 JSON keys: devices, num_nodes, strategy (kwargs for HeterogeneousStrategy or the string "heterogeneous"),
-epochs, seed, batch_size (loader batch size), n (dataset size), module (kwargs for TinyRegressor).
+epochs, seed, batch_size (loader batch size), n (dataset size), module (kwargs for TinyRegressor),
+accelerator (default "cpu").
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
         strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **strategy)
     model = TinyRegressor(**cfg.get("module", {}))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.get("accelerator", "cpu"),  # "auto" with a strategy device_map (#8)
         devices=cfg.get("devices", 2),
         num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
@@ -56,6 +57,11 @@ def main() -> None:
             "global_step": trainer.global_step,
             "val_seen": model.val_seen,
             "val_mse": float(trainer.callback_metrics["val/mse"]) if "val/mse" in trainer.callback_metrics else None,
+            "root_device": str(s.root_device),
+            "num_threads": torch.get_num_threads(),
+            "backend": s.process_group_backend,
+            "comm_mode": s.comm_mode,
+            "comm_stats": s.comm_stats,
         },
         out / f"rank{rank}.pt",
     )

@@ -1,0 +1,308 @@
+"""``MixedAccelerator``: one Lightning accelerator for a job whose replicas run on different device types.
+
+Lightning gives a ``Trainer`` one accelerator, and its CPU and CUDA accelerators each refuse the other's devices
+(``CPUAccelerator.setup_device(cuda:0)`` raises). ``MixedAccelerator`` accepts both: it sets the CUDA device of CUDA
+replicas, leaves CPU replicas alone (they never create a CUDA context through it), and reports the stats of whichever
+device a replica has. Where each replica runs is decided by :class:`~lightning_het.HeterogeneousStrategy` from the
+accelerator's device map (see :mod:`lightning_het.devices`); the functions at the bottom of this module are the
+strategy's glue:
+
+* :func:`mixed_accelerator_kwargs` turns ``HeterogeneousStrategy(device_map=...)`` into a ``MixedAccelerator``;
+* :func:`configure_devices` resolves the map at ``Trainer`` construction (before any worker starts) and sets the
+  strategy's ``parallel_devices`` and process-group backend;
+* :func:`apply_local_settings` sets this replica's intra-op threads (and autocast device) in each worker;
+* :func:`unbound_process_group` keeps mixed jobs from binding a device to the default process group;
+* :func:`device_labels` names the device of every global rank (balance table, ``balance_report``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
+from lightning.pytorch.accelerators import Accelerator
+
+from lightning_het.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
+
+__all__ = [
+    "MixedAccelerator",
+    "apply_local_settings",
+    "configure_devices",
+    "device_labels",
+    "mixed_accelerator_class",
+    "mixed_accelerator_kwargs",
+    "unbound_process_group",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _plain_entry(entry: Any) -> str | int:
+    if isinstance(entry, torch.device):
+        return str(entry)
+    return entry if isinstance(entry, int) and not isinstance(entry, bool) else str(entry)
+
+
+def _plain_map(device_map: DeviceMapArg) -> list[str | int] | dict[int, list[str | int]]:
+    """A picklable, config-library-free copy (e.g. of an omegaconf ListConfig/DictConfig)."""
+    if isinstance(device_map, Mapping):
+        return {
+            int(str(k)) if str(k).strip().isdigit() else k: [_plain_entry(e) for e in node_device_maps(v)[0]]
+            for k, v in device_map.items()
+        }
+    return [_plain_entry(e) for e in node_device_maps(device_map)[0]]
+
+
+class _MixedAcceleratorMixin:
+    """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+
+    def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
+        self._device_map = _plain_map(device_map)
+        per_node = node_device_maps(self._device_map)  # checks keys and equal lengths
+        for rank, entries in enumerate(per_node):
+            name = "device_map" if not isinstance(self._device_map, Mapping) else f"device_map[{rank}]"
+            parse_device_map(entries, name=name)  # syntax and duplicates; the GPU count is checked per node later
+        self._local_world_size = len(per_node[0])
+        if cpu_threads is not None and not isinstance(cpu_threads, int):
+            cpu_threads = list(cpu_threads)
+        self._cpu_threads = cpu_threads
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device_map={self._device_map!r}, cpu_threads={self._cpu_threads!r})"
+
+    @property
+    def device_map(self) -> list[str | int] | dict[int, list[str | int]]:
+        """The map as given: one list for every node, or ``{node_rank: list}``."""
+        return self._device_map
+
+    @property
+    def cpu_threads(self) -> int | list[int] | None:
+        return self._cpu_threads
+
+    def setup_device(self, device: torch.device) -> None:
+        """Select the CUDA device of a CUDA replica; nothing for a CPU replica (no CUDA context is created)."""
+        if device.type == "cuda":
+            _check_cuda_matmul_precision(device)
+            torch.cuda.set_device(device)
+        elif device.type != "cpu":
+            raise ValueError(f"MixedAccelerator runs replicas on 'cpu' or 'cuda' devices, got {device}.")
+
+    def setup(self, trainer: Any) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy, "_device_plan", None) is None:
+            raise TypeError(
+                f"MixedAccelerator places replicas through HeterogeneousStrategy, but the trainer uses"
+                f" {type(strategy).__name__}, which would run every replica on {strategy.root_device}. HINT: use"
+                " `strategy=HeterogeneousStrategy(device_map=...)` (or `strategy='heterogeneous'`)."
+            )
+        if strategy.root_device.type == "cuda":
+            _clear_cuda_memory()
+
+    def get_device_stats(self, device: torch.device | str | int) -> dict[str, Any]:
+        """``torch.cuda.memory_stats`` for a CUDA replica, Lightning's CPU stats (psutil) for a CPU replica."""
+        device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if device.type == "cuda":
+            return torch.cuda.memory_stats(device)
+        from lightning.pytorch.accelerators.cpu import get_cpu_stats
+
+        return get_cpu_stats()
+
+    def teardown(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            _clear_cuda_memory()
+
+    def auto_device_count(self) -> int:  # type: ignore[override]  # an instance method: the count is the map's
+        """Replicas per node: the length of the map (``Trainer(devices='auto')`` picks it up)."""
+        return self._local_world_size
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def parse_devices(devices: int | str) -> int:
+        """``Trainer(devices=...)``: a number of processes per node (the map says which device each one gets)."""
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise ValueError(
+                f"With a device map, `Trainer(devices=...)` is a number of processes per node (an int > 0) or"
+                f" 'auto' (the map's length), but got {devices!r}. HINT: list the devices in the map, not in `devices`."
+            )
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices: int) -> list[torch.device]:
+        """Placeholders (CPU); the strategy replaces them with the map's devices before any worker starts."""
+        return [torch.device("cpu")] * int(devices)
+
+    @staticmethod
+    def name() -> str:
+        return "mixed"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        """Not registered by name: it needs a device map (pass an instance, or ``device_map`` to the strategy)."""
+
+
+class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
+    """Accelerator for jobs that mix CPU and CUDA replicas; use it with :class:`~lightning_het.HeterogeneousStrategy`.
+
+    Usually created for you by ``HeterogeneousStrategy(device_map=[...])``; passing it explicitly is equivalent::
+
+        Trainer(accelerator=MixedAccelerator(["cuda:0", "cpu"]), strategy="heterogeneous")
+
+    Args:
+        device_map: the device of each local replica, the same on every node (``["cuda:0", "cuda:1", "cpu"]``), or
+            ``{node_rank: [...]}`` when nodes differ (same length on every node). See :mod:`lightning_het.devices`.
+        cpu_threads: intra-op threads per CPU replica (int) or per local replica (list). Default: the node's cores
+            minus one per CUDA replica, split evenly among the CPU replicas.
+    """
+
+
+def __getattr__(name: str) -> Any:
+    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use."""
+    if name == "PLMixedAccelerator":
+        return _pl_mixed_accelerator()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@lru_cache(maxsize=1)
+def _pl_mixed_accelerator() -> type:
+    from pytorch_lightning.accelerators import Accelerator as PLAccelerator
+
+    cls = type("PLMixedAccelerator", (_MixedAcceleratorMixin, PLAccelerator), {"__doc__": MixedAccelerator.__doc__})
+    cls.__module__ = __name__  # picklable by reference through the module __getattr__
+    return cls
+
+
+def mixed_accelerator_class(strategy_cls: type) -> type:
+    """The ``MixedAccelerator`` for a strategy's Lightning flavour (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    if any(c.__module__.split(".")[0] == "pytorch_lightning" for c in strategy_cls.__mro__):
+        return _pl_mixed_accelerator()
+    return MixedAccelerator
+
+
+def mixed_accelerator_kwargs(
+    strategy_cls: type,
+    device_map: DeviceMapArg | None,
+    cpu_threads: int | Sequence[int] | None,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` when a map is given.
+
+    Raises:
+        ValueError: ``device_map`` together with ``accelerator`` or ``parallel_devices``, or ``cpu_threads`` without a
+            map.
+    """
+    if device_map is None:
+        if cpu_threads is not None:
+            raise ValueError(
+                f"You set `cpu_threads`={cpu_threads!r} without a `device_map`. HINT: threads are planned per mapped"
+                " replica; for a CPU-only job use e.g. `device_map=['cpu', 'cpu']`, or set OMP_NUM_THREADS."
+            )
+        return kwargs
+    for clash in ("accelerator", "parallel_devices"):
+        if kwargs.get(clash) is not None:
+            raise ValueError(
+                f"You set both `device_map` and `{clash}`={kwargs[clash]!r}. HINT: the device map decides where each"
+                f" replica runs; drop `{clash}`."
+            )
+    return {**kwargs, "accelerator": mixed_accelerator_class(strategy_cls)(device_map, cpu_threads=cpu_threads)}
+
+
+def _check_precision(strategy: Any, plan: DevicePlan) -> None:
+    plugin = getattr(strategy, "precision_plugin", None)
+    names = {c.__name__ for c in type(plugin).__mro__}
+    has_cpu = any(d.type == "cpu" for d in plan.global_devices)
+    if "MixedPrecision" in names and has_cpu and getattr(plugin, "precision", None) == "16-mixed":
+        raise ValueError(
+            "You set `precision='16-mixed'` with CPU replicas in the device map: float16 autocast and its gradient"
+            " scaler are CUDA-only. HINT: use `precision='bf16-mixed'` (autocast on each replica's own device) or"
+            " '32-true'."
+        )
+
+
+def configure_devices(strategy: Any) -> DevicePlan | None:
+    """Resolve the accelerator's device map for this node; set ``parallel_devices`` and the process-group backend.
+
+    Called from the strategy's ``_configure_launcher`` at ``Trainer`` construction, in the launching process (and in
+    every ``popen`` child), before any worker starts. Returns ``None`` (and changes nothing) without a device map.
+
+    Raises:
+        ValueError: everything :func:`~lightning_het.devices.plan_devices` checks, and ``precision='16-mixed'`` with
+            CPU replicas.
+    """
+    accelerator = strategy.accelerator
+    if not isinstance(accelerator, _MixedAcceleratorMixin):
+        return None
+    environment = strategy.cluster_environment
+    plan = plan_devices(
+        accelerator.device_map,
+        node_rank=environment.node_rank() if environment is not None else 0,
+        num_nodes=strategy.num_nodes,
+        local_world_size=strategy.num_processes,
+        cuda_device_count=torch.cuda.device_count(),  # NVML-based under Lightning: creates no CUDA context
+        requested_backend=strategy._process_group_backend,
+        cpu_threads=accelerator.cpu_threads,
+    )
+    _check_precision(strategy, plan)
+    strategy.parallel_devices = list(plan.local_devices)
+    strategy._process_group_backend = plan.backend
+    log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")
+    return plan
+
+
+def apply_local_settings(strategy: Any) -> None:
+    """In each worker: this replica's intra-op threads, and its own autocast device under ``bf16-mixed``.
+
+    Overrides Lightning's ``OMP_NUM_THREADS = cores // processes`` (set by its launchers when unset) with the plan's
+    count for this local rank (:func:`~lightning_het.devices.plan_cpu_threads`).
+    """
+    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    if plan is None:
+        return
+    local_rank = strategy.local_rank
+    threads = plan.threads[local_rank]
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    plugin = getattr(strategy, "precision_plugin", None)
+    if hasattr(plugin, "device") and getattr(plugin, "precision", None) == "bf16-mixed":
+        plugin.device = strategy.root_device.type  # Lightning chose "cuda" for a non-CPU accelerator
+    log.info(f"replica {strategy.global_rank}: {strategy.root_device}, {threads} intra-op thread(s)")
+
+
+@contextmanager
+def unbound_process_group(strategy: Any) -> Iterator[None]:
+    """Around ``setup_distributed``: in a mixed job, no rank binds a device to the default process group.
+
+    Lightning passes ``init_process_group(device_id=root_device)`` on non-CPU ranks. A bound device makes torch create
+    later subgroups by *splitting* the bound backend, while unbound (CPU) ranks create them normally; in one job the two
+    paths would not meet. Hiding the CUDA devices for the duration keeps every rank on the unbound path, as in an
+    all-CPU Gloo job.
+    """
+    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    if plan is None or plan.bind_device_id:
+        yield
+        return
+    devices = strategy.parallel_devices
+    strategy.parallel_devices = [torch.device("cpu")] * len(devices)
+    try:
+        yield
+    finally:
+        strategy.parallel_devices = devices
+
+
+def device_labels(strategy: Any) -> list[str]:
+    """The device of every global rank, as text (node-major ranks under a map; the local devices repeated otherwise)."""
+    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    if plan is not None:
+        return [str(d) for d in plan.global_devices]
+    local = [str(d) for d in (strategy.parallel_devices or [])]
+    return local * max(int(strategy.num_nodes or 1), 1)

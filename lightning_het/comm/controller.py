@@ -1,0 +1,362 @@
+"""The communication layer as one object the strategy drives: mode choice, hooks, periodic averaging, accounting.
+
+Modes (``comm=``):
+
+* ``"allreduce"``: plain DDP all-reduce (mean over ``W``) of the pre-scaled gradients; exact. No hook is registered,
+  so it costs exactly what DDP costs. Best on a single node or with one replica per node.
+* ``"hierarchical"``: exact, like ``allreduce``, but reduces inside each node, all-reduces between node leaders and
+  broadcasts inside each node (:func:`~lightning_het.comm.hooks.hierarchical_hook`). Faster when the network
+  between nodes is the bottleneck and nodes hold several replicas; never changes the maths.
+* ``"node_local"``: the paper's node-based optimisation steps. Every step gradients are combined only inside each node
+  (each node follows the gradient of its own mean loss); every ``global_sync_every`` steps the parameters are
+  averaged across all replicas, weighted by sample share ``b_r / B``. Not exact: it trades statistical efficiency
+  for ``~1/K`` of the inter-node traffic.
+* ``"auto"``: ``hierarchical`` when the job spans more than one node and some node holds several replicas, else
+  ``allreduce``.
+
+Tuning ``global_sync_every`` (``K``): the inter-node bytes per step fall as ``1/K`` while the nodes' models drift
+further apart between syncs. Start with a K that makes the amortised sync cost small next to one step's compute
+(e.g. ``K ~ sync_time / step_time * 10``), keep the learning rate of the exact run, and use ``warmup_steps`` (exact
+steps at the start, where gradients are large and drift hurts most) when the loss of early training suffers; ``None``
+averages only at epoch ends, before validation and before checkpoints (the paper's default of one epoch).
+
+Optimiser state under ``node_local``: only parameters are averaged. Momentum / Adam moments stay local to each
+replica: replicas of a node see identical gradients, so their states stay identical; different nodes keep their own.
+This is what local SGD and torch's ``PeriodicModelAverager`` do: averaging moments would cost as many bytes again
+(twice for Adam) on every sync, and each node's momentum still describes the loss surface around the consensus point.
+A checkpoint therefore holds the consensus parameters and rank 0's optimiser state; on resume every replica starts
+from those, which is a valid state of the algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Literal, get_args
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_het.comm.averaging import average_parameters, share_weights
+from lightning_het.comm.hooks import (
+    DEFAULT_CHUNK_BYTES,
+    HierarchicalState,
+    NodeLocalState,
+    hierarchical_hook,
+    node_local_hook,
+)
+from lightning_het.comm.stats import (
+    CommStats,
+    Traffic,
+    flat_allreduce_traffic,
+    hierarchical_traffic,
+    node_local_traffic,
+)
+from lightning_het.topology import NodeGroups, build_node_groups, describe_topology, node_members, validate_node_ids
+
+__all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
+
+log = logging.getLogger(__name__)
+
+CommMode = Literal["allreduce", "hierarchical", "node_local"]
+#: accepted values of ``comm``
+COMM_CHOICES: tuple[str, ...] = ("auto", *get_args(CommMode))
+
+
+def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_steps: int = 0) -> None:
+    """Early (constructor-time) checks of the communication arguments; needs no process group.
+
+    Args:
+        comm: one of :data:`COMM_CHOICES`.
+        global_sync_every: ``K`` of ``node_local``: optimizer steps between global parameter averages, or ``None``.
+        warmup_steps: exact steps before ``node_local`` starts.
+
+    Raises:
+        ValueError: for an unknown ``comm`` (listing the allowed values), ``K < 1`` or a non-integer ``K``, or
+            negative ``warmup_steps``.
+
+    Warns:
+        UserWarning: when ``global_sync_every`` or ``warmup_steps`` is given but ``comm`` is not ``"node_local"``
+            (they are ignored then).
+    """
+    if not isinstance(comm, str) or comm not in COMM_CHOICES:
+        raise ValueError(f"Expected argument `comm` to be one of {list(COMM_CHOICES)}, but got {comm!r}.")
+    if global_sync_every is not None:
+        if isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1:
+            raise ValueError(
+                "Expected argument `global_sync_every` to be an integer >= 1 (optimizer steps between global"
+                f" parameter averages) or None, but got {global_sync_every!r}."
+            )
+        if comm != "node_local":
+            warnings.warn(
+                f"`global_sync_every={global_sync_every}` only applies to `comm='node_local'`; it is ignored with"
+                f" `comm={comm!r}`.",
+                UserWarning,
+                stacklevel=2,
+            )
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"Expected argument `warmup_steps` to be an integer >= 0, but got {warmup_steps!r}.")
+    if warmup_steps and comm != "node_local":
+        warnings.warn(
+            f"`warmup_steps={warmup_steps}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:
+    """Turn the requested ``comm`` into the mode to run, given the topology. Pure; same answer on every rank.
+
+    * ``"auto"``: ``"hierarchical"`` if there are several nodes and at least one holds more than one replica,
+      otherwise ``"allreduce"``.
+    * ``"hierarchical"`` on a single node, or with one replica per node, is a flat all-reduce in disguise: falls
+      back to ``"allreduce"`` (exact either way) with an INFO log line.
+    * ``"node_local"`` on a single node would silently be exact training, so it raises instead (see below).
+
+    Args:
+        comm: one of :data:`COMM_CHOICES`.
+        node_ids: node of every global rank.
+
+    Raises:
+        ValueError: for an unknown ``comm``, or ``"node_local"`` when all replicas are on one node.
+
+    >>> resolve_comm_mode("auto", [0, 0, 1, 1])
+    'hierarchical'
+    >>> resolve_comm_mode("auto", [0, 0])
+    'allreduce'
+    """
+    validate_comm_args(comm)
+    ids = validate_node_ids(node_ids, len(node_ids))
+    members = node_members(ids)
+    multi_node = len(members) > 1
+    worth_it = multi_node and any(len(m) > 1 for m in members)
+    if comm == "auto":
+        return "hierarchical" if worth_it else "allreduce"
+    if comm == "hierarchical" and not worth_it:
+        reason = "a single node" if not multi_node else "one replica per node"
+        log.info(
+            "comm='hierarchical' with %s (%s) is a flat all-reduce: using comm='allreduce'.",
+            reason,
+            describe_topology(ids),
+        )
+        return "allreduce"
+    if comm == "node_local" and not multi_node:
+        raise ValueError(
+            f"You set `comm='node_local'`, but all {len(ids)} replicas are on one node (node_ids={list(node_ids)}),"
+            " so node-local steps would be exact training. HINT: pass `node_ids` to declare the nodes (e.g."
+            " [0, 0, 1, 1]), launch with one NODE_RANK per node, or use comm='allreduce'."
+        )
+    return comm  # type: ignore[return-value]
+
+
+def _check_batch_sizes(batch_sizes: Sequence[int], world_size: int) -> list[int]:
+    sizes = list(batch_sizes)
+    if len(sizes) != world_size or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(
+            f"Expected argument `batch_sizes` to hold one positive integer per replica ({world_size}), but got {sizes}."
+        )
+    return sizes
+
+
+class CommController:
+    """Runs one communication mode for one rank: registers the DDP hook, averages parameters, counts bytes.
+
+    Construct it on every rank, after ``init_process_group`` and at the same point of the program: for
+    ``"hierarchical"`` and ``"node_local"`` the constructor creates process groups (a collective). Methods that
+    communicate (:meth:`after_optimizer_step`, :meth:`synchronize`) must also be called on every rank. The object is not
+    picklable; build it in the worker process.
+
+    Args:
+        mode: resolved mode (see :func:`resolve_comm_mode`); ``"auto"`` is not accepted here.
+        node_ids: node of every global rank.
+        batch_sizes: samples per step of every replica, indexed by global rank. ``None`` until the allocation is
+            known (e.g. before profiling): replicas then count as equal until :meth:`set_batch_sizes` is called.
+        rank: this process's global rank.
+        global_sync_every: ``node_local`` only: optimizer steps between global parameter averages (``K``);
+            ``None`` averages only when :meth:`synchronize` is called (epoch end, validation, checkpoint).
+        warmup_steps: ``node_local`` only: the first steps reduce gradients exactly over all replicas.
+        groups: prebuilt node groups (tests, or to share them); built here when ``None``.
+        chunk_bytes: pipelining granularity of the hierarchical reduction (see
+            :class:`~lightning_het.comm.hooks.HierarchicalState`).
+    """
+
+    def __init__(
+        self,
+        mode: CommMode,
+        node_ids: Sequence[int],
+        batch_sizes: Sequence[int] | None,
+        rank: int,
+        *,
+        global_sync_every: int | None = None,
+        warmup_steps: int = 0,
+        groups: NodeGroups | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if mode not in get_args(CommMode):
+            raise ValueError(f"Expected argument `mode` to be one of {list(get_args(CommMode))}, but got {mode!r}.")
+        validate_comm_args(mode, global_sync_every if mode == "node_local" else None, warmup_steps)
+        self._node_ids = validate_node_ids(node_ids, len(node_ids))
+        if not 0 <= rank < len(self._node_ids):
+            raise ValueError(f"Expected argument `rank` in [0, {len(self._node_ids)}), but got {rank}.")
+        if mode == "node_local" and len(node_members(self._node_ids)) < 2:
+            resolve_comm_mode(mode, self._node_ids)  # raises the documented error
+        self._mode: CommMode = mode
+        self._rank = rank
+        world_size = len(self._node_ids)
+        self._batch_sizes = [1] * world_size if batch_sizes is None else _check_batch_sizes(batch_sizes, world_size)
+        self._sync_every = global_sync_every
+        self._warmup_steps = warmup_steps
+        self._groups = groups
+        if self._groups is None and mode != "allreduce":
+            self._groups = build_node_groups(self._node_ids, rank)
+        self._hier = HierarchicalState(self._groups, chunk_bytes) if self._groups is not None else None
+        self._local: NodeLocalState | None = None
+        if mode == "node_local":
+            assert self._hier is not None
+            self._local = NodeLocalState(self._hier, self._batch_sizes, warmup_steps)
+        self._stats = CommStats(rank=rank, world_size=len(self._node_ids))
+        self._grad_bytes: int | None = None
+        self._step_traffic: Traffic | None = None
+        self._exact_traffic: Traffic | None = None
+        self._in_consensus = True
+        if rank == 0:
+            extra = f", global_sync_every={global_sync_every}, warmup_steps={warmup_steps}" if self._local else ""
+            log.info("lightning-het comm=%r%s over %s", mode, extra, describe_topology(self._node_ids))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def mode(self) -> CommMode:
+        """The running mode."""
+        return self._mode
+
+    @property
+    def node_ids(self) -> list[int]:
+        """Normalised node id of every global rank."""
+        return list(self._node_ids)
+
+    @property
+    def groups(self) -> NodeGroups | None:
+        """Node process groups (``None`` for ``"allreduce"``)."""
+        return self._groups
+
+    @property
+    def global_sync_every(self) -> int | None:
+        """``K`` of ``node_local``."""
+        return self._sync_every
+
+    @property
+    def in_consensus(self) -> bool:
+        """Whether all replicas hold the same parameters right now (always true for exact modes)."""
+        return self._in_consensus
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Bytes sent so far and per optimizer step, inside nodes and between nodes (see :class:`CommStats`)."""
+        return self._stats.as_dict()
+
+    # ------------------------------------------------------------------ lifecycle
+    def register(self, ddp_model: DistributedDataParallel) -> None:
+        """Register the mode's comm hook on ``ddp_model``, on any device type (CPU/gloo included).
+
+        ``"allreduce"`` registers nothing: DDP's built-in all-reduce already does it at no extra cost. Also records
+        the gradient payload (bytes of all parameters that require grad) for byte accounting.
+        """
+        self._set_grad_bytes(ddp_model.parameters())
+        if self._mode == "hierarchical":
+            ddp_model.register_comm_hook(self._hier, hierarchical_hook)
+        elif self._mode == "node_local":
+            ddp_model.register_comm_hook(self._local, node_local_hook)
+
+    def set_step(self, completed_steps: int) -> None:
+        """Set the number of optimizer steps already taken (call at fit start with ``trainer.global_step``)."""
+        if self._local is not None:
+            self._local.completed_steps = completed_steps
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """Use a new allocation (e.g. after rebalancing at an epoch boundary); same list on every rank."""
+        self._batch_sizes = _check_batch_sizes(batch_sizes, len(self._node_ids))
+        if self._local is not None:
+            self._local.set_batch_sizes(self._batch_sizes)
+
+    def after_optimizer_step(
+        self, params: Iterable[torch.Tensor], global_step: int, *, end_of_epoch: bool = False
+    ) -> bool:
+        """Account for the step; for ``node_local`` average parameters when due. Collective.
+
+        Args:
+            params: the model's parameters (the same tensors, in the same order, on every rank).
+            global_step: optimizer steps completed *including* this one (inside ``Strategy.optimizer_step`` after
+                the step: ``trainer.global_step + 1``). The schedule depends only on it, so resumed runs keep their
+                phase: warm-up while ``global_step <= warmup_steps``, then an average whenever
+                ``(global_step - warmup_steps) % K == 0``.
+            end_of_epoch: force a global average now (last step of the epoch).
+
+        Returns:
+            Whether a global parameter average ran.
+        """
+        params = list(params)
+        if self._grad_bytes is None:
+            self._set_grad_bytes(params)
+        exact_step = self._local is None or global_step <= self._warmup_steps
+        assert self._step_traffic is not None and self._exact_traffic is not None
+        self._stats.record_step(self._exact_traffic if exact_step and self._local else self._step_traffic)
+        if self._local is None:
+            return False
+        self._local.completed_steps = global_step
+        if not exact_step:
+            self._in_consensus = False
+        due = (
+            self._sync_every is not None
+            and global_step > self._warmup_steps
+            and (global_step - self._warmup_steps) % self._sync_every == 0
+        )
+        if due or end_of_epoch:
+            return self.synchronize(params)
+        return False
+
+    def synchronize(self, params: Iterable[torch.Tensor]) -> bool:
+        """Bring all replicas to one consensus model now (``node_local``); a no-op if they already agree. Collective.
+
+        Call before validation, at epoch end and before a checkpoint is taken, so those see one model.
+
+        Returns:
+            Whether an average ran.
+        """
+        if self._local is None or self._in_consensus:
+            return False
+        assert self._hier is not None
+        weight = share_weights(self._batch_sizes)[self._rank]
+        payload = average_parameters(params, weight, self._hier)
+        self._stats.record_sync(hierarchical_traffic(payload, self._node_ids))
+        self._in_consensus = True
+        return True
+
+    def close(self) -> None:
+        """Drop references to the process groups (they are destroyed with the default group)."""
+        self._groups = None
+        self._hier = None
+        self._local = None
+
+    def summary(self) -> str:
+        """One log line: mode, schedule and bytes per step, e.g. for ``on_train_end``."""
+        s = self.stats
+        schedule = f" K={self._sync_every} warmup={self._warmup_steps}" if self._local is not None else ""
+        return (
+            f"comm={self._mode}{schedule}: {int(s['steps'])} steps, {int(s['global_syncs'])} global syncs;"
+            f" per step this rank sent {s['bytes_intra_per_step'] / 1e6:.3f} MB inside its node and"
+            f" {s['bytes_inter_per_step'] / 1e6:.3f} MB to other nodes"
+            f" (whole job: {s['job_bytes_inter_per_step'] / 1e6:.3f} MB between nodes)"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _set_grad_bytes(self, params: Iterable[torch.Tensor]) -> None:
+        nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        self._grad_bytes = nbytes
+        self._exact_traffic = hierarchical_traffic(nbytes, self._node_ids)
+        if self._mode == "allreduce":
+            self._step_traffic = flat_allreduce_traffic(nbytes, self._node_ids)
+        elif self._mode == "hierarchical":
+            self._step_traffic = self._exact_traffic
+        else:
+            self._step_traffic = node_local_traffic(nbytes, self._node_ids)

@@ -1,0 +1,297 @@
+"""DDP communication hooks for two-level (intra-node / between-node) topologies.
+
+A hook is a free function ``hook(state, bucket) -> Future[Tensor]`` that DDP calls for every gradient bucket during
+backward, in bucket order, on every rank. Register it with ``ddp_model.register_comm_hook(state, hook)``; this works
+on CPU/gloo as well as CUDA/NCCL (Lightning's ``DDPStrategy`` only does it on CUDA, so the strategy calls
+:meth:`lightning_het.comm.CommController.register` instead).
+
+Gradient convention: the strategy multiplies replica ``r``'s mean loss by ``W * b_r / B`` before backward, so with
+``g_r`` the bucket of replica ``r`` the hooks return
+
+* :func:`hierarchical_hook`: ``(1/W) * sum_r g_r`` over all ``W`` replicas, i.e. exactly the gradient of the mean
+  loss over the global batch (what plain DDP returns, computed hierarchically);
+* :func:`node_local_hook`: ``B / (W * B_n) * sum_{r in n} g_r`` over the replicas of this rank's node ``n``, i.e. the
+  gradient of node ``n``'s mean loss over its ``B_n = sum_{r in n} b_r`` samples; the exact global gradient during
+  warm-up steps.
+
+This module deliberately has no ``from __future__ import annotations``: DDP inspects the hook's signature and
+rejects string annotations; the bucket parameter must be named ``bucket``.
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from lightning_het.topology import NodeGroups
+
+__all__ = [
+    "HierarchicalState",
+    "NodeLocalState",
+    "hierarchical_hook",
+    "hierarchical_sum",
+    "node_local_hook",
+]
+
+log = logging.getLogger(__name__)
+
+
+class _InOrder:
+    """Runs submitted actions strictly in sequence-number order (0, 1, 2, ...), whichever thread submits them.
+
+    Collectives on one process group must be issued in the same order on every rank. The stages of a pipelined
+    hierarchical reduction are issued from completion callbacks, which gloo runs on its worker threads in completion
+    order, which may differ between ranks; funnelling each group's issues through one ``_InOrder`` restores bucket
+    order. Actions only *issue* asynchronous work, so running them under the drain is cheap. One thread drains at a
+    time; an action submitted while another thread drains is picked up by that thread.
+    """
+
+    __slots__ = ("_draining", "_lock", "_next", "_pending")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._pending: dict[int, tuple[Callable[[], None], Callable[[BaseException], None]]] = {}
+        self._draining = False
+
+    def submit(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """Run ``action`` once every action with a smaller ``seq`` has run; report its exception to ``on_error``."""
+        with self._lock:
+            self._pending[seq] = (action, on_error)
+            if self._draining:
+                return
+            self._draining = True
+        while True:
+            with self._lock:
+                item = self._pending.pop(self._next, None)
+                if item is None:
+                    self._draining = False
+                    return
+                self._next += 1
+            run, report = item
+            try:
+                run()
+            except BaseException as err:  # must reach the bucket's future, or DDP waits forever
+                report(err)
+
+
+def _new_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """An unset future that DDP can wait on for ``tensor`` (device-aware on accelerators)."""
+    if tensor.device.type == "cpu":
+        return torch.futures.Future()
+    return torch.futures.Future(devices=[tensor.device])
+
+
+def _done_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut = _new_future(tensor)
+    fut.set_result(tensor)
+    return fut
+
+
+def _first_tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    return fut.value()[0]
+
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class HierarchicalState:
+    """State of :func:`hierarchical_hook` and :func:`hierarchical_sum`.
+
+    Args:
+        groups: the job's node groups (:func:`lightning_het.topology.build_node_groups`).
+        chunk_bytes: tensors larger than this are reduced in chunks of at most this many bytes, so that the three
+            stages of successive chunks overlap (chunk ``k`` crosses the network while chunk ``k+1`` is reduced inside
+            the node and chunk ``k-1`` is broadcast). Smaller chunks pipeline better but pay the per-collective
+            latency more often; 1-8 MiB suits TCP and NCCL alike. ``0`` disables chunking.
+
+    Tuning: ``comm="hierarchical"`` is exact, so it only changes speed. It pays off when the link between nodes is
+    much slower than inside them (Ethernet between hosts, NVLink/shared memory inside) and nodes hold several
+    replicas: only one replica per node sends over the network, and a ring among ``N`` leaders moves
+    ``2 (N-1)/N * n`` bytes per leader instead of a flat ring crossing node boundaries twice per node. With one
+    replica per node it equals a flat all-reduce, so the strategy falls back to ``allreduce`` there.
+    """
+
+    # user-tuned: chunk_bytes; topology: groups, world_size; internal issue order: _bcast_order, _leader_order, _seq
+    __slots__ = ("_bcast_order", "_leader_order", "_seq", "chunk_bytes", "groups", "world_size")
+
+    def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.groups = groups
+        self.chunk_bytes = chunk_bytes
+        self.world_size = groups.world_size
+        self._seq = 0
+        self._leader_order = _InOrder()
+        self._bcast_order = _InOrder()
+
+
+def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Sum a contiguous ``tensor`` over all ranks, in place, through the node hierarchy; return a future of it.
+
+    Algorithm, for each chunk of at most ``state.chunk_bytes`` (every rank calls this for the same tensors in the
+    same order):
+
+    1. *reduce* inside each node onto its leader (``intra_group``; skipped on single-replica nodes);
+    2. *all-reduce* among node leaders (``leader_group``; leaders only, skipped with a single node);
+    3. *broadcast* from each leader inside its node (``intra_bcast_group``; skipped on single-replica nodes).
+
+    Each stage is issued asynchronously from the completion of the previous one, so on gloo the stages of successive
+    buckets pipeline with each other and with the rest of backward; every group still sees its collectives in call
+    order on every rank (see ``_InOrder``). On NCCL, work futures complete at enqueue time, so the whole chain is
+    issued immediately and ordered on the device streams.
+    """
+    flat = tensor.view(-1)
+    chunk = state.chunk_bytes // max(flat.element_size(), 1)
+    if state.chunk_bytes <= 0 or flat.numel() <= chunk:
+        return _hierarchical_sum_chunk(state, tensor)
+    parts = [_hierarchical_sum_chunk(state, part) for part in flat.split(chunk)]
+    return _when_all(parts, tensor)
+
+
+def _when_all(
+    parts: list[torch.futures.Future[torch.Tensor]], tensor: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    """A future of ``tensor`` that completes when every part has (or fails with the first failure)."""
+    result = _new_future(tensor)
+    lock = threading.Lock()
+    remaining = [len(parts)]
+
+    def part_done(fut: torch.futures.Future[torch.Tensor]) -> None:
+        try:
+            fut.value()
+        except BaseException as err:
+            with lock:
+                if not result.done():
+                    result.set_exception(err)
+            return
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not result.done():
+                result.set_result(tensor)
+
+    for part in parts:
+        part.then(part_done)
+    return result
+
+
+def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Stages 1-3 of :func:`hierarchical_sum` on one contiguous chunk."""
+    groups = state.groups
+    seq = state._seq
+    state._seq += 1
+    result = _new_future(tensor)
+
+    def fail(err: BaseException) -> None:
+        if not result.done():
+            result.set_exception(err)
+
+    def chain(work: dist.Work, then: Callable[[], None]) -> None:
+        def callback(fut: torch.futures.Future[list[torch.Tensor]]) -> None:
+            try:
+                fut.value()
+                then()
+            except BaseException as err:
+                fail(err)
+
+        work.get_future().then(callback)
+
+    def finish() -> None:
+        result.set_result(tensor)
+
+    def broadcast() -> None:
+        chain(dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True), finish)
+
+    def after_leaders() -> None:
+        if groups.node_size > 1:
+            state._bcast_order.submit(seq, broadcast, fail)
+        else:
+            finish()
+
+    def leaders_allreduce() -> None:
+        chain(dist.all_reduce(tensor, group=groups.leader_group, async_op=True), after_leaders)
+
+    def after_reduce() -> None:
+        if groups.is_leader and groups.num_nodes > 1:
+            state._leader_order.submit(seq, leaders_allreduce, fail)
+        else:
+            after_leaders()
+
+    try:
+        if groups.node_size > 1:
+            chain(dist.reduce(tensor, dst=groups.leader, group=groups.intra_group, async_op=True), after_reduce)
+        else:
+            after_reduce()
+    except BaseException as err:
+        fail(err)
+    return result
+
+
+def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Exact gradient mean ``(1/W) * sum_r g_r``, reduced inside nodes, all-reduced between leaders, broadcast back.
+
+    Divides by ``W`` before reducing (no overflow in low precision), then runs :func:`hierarchical_sum` on the
+    bucket in place.
+
+    Example::
+
+        ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)
+    """
+    tensor = bucket.buffer()
+    tensor.div_(state.world_size)
+    return hierarchical_sum(state, tensor)
+
+
+class NodeLocalState:
+    """State of :func:`node_local_hook`.
+
+    Args:
+        hierarchical: state used for exact (warm-up) steps; its groups define the nodes.
+        batch_sizes: samples per step of every replica, indexed by global rank.
+        warmup_steps: the first ``warmup_steps`` optimizer steps reduce gradients exactly over all replicas.
+
+    Attributes:
+        node_scale: ``B / (W * B_n)`` applied to this rank's pre-scaled gradient before the node's sum.
+        completed_steps: optimizer steps completed so far (the controller sets it from the trainer's global step, so
+            a resumed run keeps its warm-up schedule).
+    """
+
+    # user-tuned: warmup_steps; derived from the allocation: node_scale; internal: completed_steps, hierarchical
+    __slots__ = ("completed_steps", "hierarchical", "node_scale", "warmup_steps")
+
+    def __init__(self, hierarchical: HierarchicalState, batch_sizes: list[int], warmup_steps: int = 0) -> None:
+        self.hierarchical = hierarchical
+        self.warmup_steps = warmup_steps
+        self.completed_steps = 0
+        self.node_scale = 1.0
+        self.set_batch_sizes(batch_sizes)
+
+    def set_batch_sizes(self, batch_sizes: list[int]) -> None:
+        """Recompute ``node_scale`` for a new allocation."""
+        groups = self.hierarchical.groups
+        node_total = sum(batch_sizes[r] for r in groups.node_ranks)
+        self.node_scale = sum(batch_sizes) / (len(batch_sizes) * node_total)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the step in progress is a warm-up step (exact global reduction)."""
+        return self.completed_steps < self.warmup_steps
+
+
+def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Gradient of this node's mean loss: ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only.
+
+    Nothing crosses node boundaries, so replicas of one node stay identical while nodes drift apart until the next
+    parameter average (:func:`lightning_het.comm.averaging.average_parameters`). During warm-up steps it behaves like
+    :func:`hierarchical_hook` (exact).
+    """
+    tensor = bucket.buffer()
+    if state.exact:
+        tensor.div_(state.hierarchical.world_size)
+        return hierarchical_sum(state.hierarchical, tensor)
+    tensor.mul_(state.node_scale)
+    groups = state.hierarchical.groups
+    if groups.node_size == 1:
+        return _done_future(tensor)
+    work = dist.all_reduce(tensor, group=groups.intra_group, async_op=True)
+    return work.get_future().then(_first_tensor)

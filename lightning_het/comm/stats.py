@@ -1,0 +1,198 @@
+"""Byte accounting: how many bytes each rank sends inside its node and between nodes.
+
+The numbers come from a model of each collective applied to the payload size, not from timing or packet counters,
+so they cost nothing at run time and are identical on every rank. The model (``n`` = payload bytes, ``p`` = ranks
+in the group, ranks ordered by global rank as ``torch.distributed`` orders group members):
+
+* **all-reduce**: a ring. Every member sends ``2 (p - 1) / p * n`` bytes (reduce-scatter + all-gather) to its ring
+  successor; those bytes are *inter-node* when the successor lives on another node, else *intra-node*. A flat
+  all-reduce over ``[0, 0, 1, 1]`` therefore crosses the node boundary on two of four hops, and an interleaved
+  ``[0, 1, 0, 1]`` on all four.
+* **reduce to a leader**: every non-leader's contribution must reach the leader once: a non-leader sends ``n``, the
+  leader sends nothing (total ``(p - 1) n``, a lower bound for any algorithm).
+* **broadcast from a leader**: the result must reach every other member once: the leader sends ``(p - 1) n``.
+
+Gloo and NCCL may pick other algorithms (trees, chunked rings), which move the same order of bytes but distribute
+them differently among ranks; job-level totals between nodes are what the model is meant to get right. The
+benchmark (``scripts/bench_comm.py``) compares them with the kernel's counters on the emulated inter-node link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_het.topology import node_members
+
+__all__ = [
+    "CommStats",
+    "Traffic",
+    "allreduce_traffic",
+    "broadcast_traffic",
+    "flat_allreduce_traffic",
+    "hierarchical_traffic",
+    "node_local_traffic",
+    "reduce_traffic",
+]
+
+
+@dataclass
+class Traffic:
+    """Bytes sent by every global rank during one collective pattern, split by destination.
+
+    Attributes:
+        intra: bytes each rank sends to ranks on its own node, indexed by global rank.
+        inter: bytes each rank sends to ranks on other nodes, indexed by global rank.
+    """
+
+    intra: list[float]
+    inter: list[float]
+
+    @classmethod
+    def zeros(cls, world_size: int) -> Traffic:
+        """No traffic."""
+        return cls([0.0] * world_size, [0.0] * world_size)
+
+    def __add__(self, other: Traffic) -> Traffic:
+        intra = [a + b for a, b in zip(self.intra, other.intra)]
+        return Traffic(intra, [a + b for a, b in zip(self.inter, other.inter)])
+
+    def scaled(self, factor: float) -> Traffic:
+        """The same pattern repeated ``factor`` times (may be fractional, for amortised periodic syncs)."""
+        return Traffic([a * factor for a in self.intra], [a * factor for a in self.inter])
+
+    @property
+    def total_intra(self) -> float:
+        """Bytes sent inside nodes, summed over the job."""
+        return sum(self.intra)
+
+    @property
+    def total_inter(self) -> float:
+        """Bytes sent between nodes, summed over the job."""
+        return sum(self.inter)
+
+
+def _send(traffic: Traffic, node_ids: Sequence[int], src: int, dst: int, nbytes: float) -> None:
+    if node_ids[src] == node_ids[dst]:
+        traffic.intra[src] += nbytes
+    else:
+        traffic.inter[src] += nbytes
+
+
+def allreduce_traffic(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int]) -> Traffic:
+    """Ring all-reduce of ``nbytes`` over the global ``ranks`` (ring order = ascending rank).
+
+    >>> allreduce_traffic(100, [0, 1, 2, 3], [0, 0, 1, 1])
+    Traffic(intra=[150.0, 0.0, 150.0, 0.0], inter=[0.0, 150.0, 0.0, 150.0])
+    """
+    traffic = Traffic.zeros(len(node_ids))
+    ring = sorted(ranks)
+    p = len(ring)
+    if p < 2:
+        return traffic
+    per_rank = 2.0 * (p - 1) / p * nbytes
+    for i, src in enumerate(ring):
+        _send(traffic, node_ids, src, ring[(i + 1) % p], per_rank)
+    return traffic
+
+
+def reduce_traffic(nbytes: float, ranks: Sequence[int], root: int, node_ids: Sequence[int]) -> Traffic:
+    """Reduce of ``nbytes`` from ``ranks`` to ``root``: every non-root sends its ``nbytes`` once."""
+    traffic = Traffic.zeros(len(node_ids))
+    for src in ranks:
+        if src != root:
+            _send(traffic, node_ids, src, root, float(nbytes))
+    return traffic
+
+
+def broadcast_traffic(nbytes: float, ranks: Sequence[int], root: int, node_ids: Sequence[int]) -> Traffic:
+    """Broadcast of ``nbytes`` from ``root`` to ``ranks``: the root sends one copy to every other member."""
+    traffic = Traffic.zeros(len(node_ids))
+    for dst in ranks:
+        if dst != root:
+            _send(traffic, node_ids, root, dst, float(nbytes))
+    return traffic
+
+
+def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """One all-reduce over all ranks (plain DDP, ``comm="allreduce"``)."""
+    return allreduce_traffic(nbytes, range(len(node_ids)), node_ids)
+
+
+def hierarchical_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """Reduce inside each node, all-reduce among node leaders, broadcast inside each node.
+
+    >>> t = hierarchical_traffic(100, [0, 0, 1, 1])
+    >>> t.inter, t.total_intra
+    ([100.0, 0.0, 100.0, 0.0], 400.0)
+    """
+    members = node_members(node_ids)
+    leaders = [m[0] for m in members]
+    traffic = allreduce_traffic(nbytes, leaders, node_ids)
+    for m in members:
+        traffic = traffic + reduce_traffic(nbytes, m, m[0], node_ids) + broadcast_traffic(nbytes, m, m[0], node_ids)
+    return traffic
+
+
+def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """One all-reduce inside each node, nothing between nodes."""
+    traffic = Traffic.zeros(len(node_ids))
+    for m in node_members(node_ids):
+        traffic = traffic + allreduce_traffic(nbytes, m, node_ids)
+    return traffic
+
+
+@dataclass
+class CommStats:
+    """Running byte counters of one job, kept identically on every rank.
+
+    ``record_step`` is called once per optimizer step with the pattern of the gradient exchange, ``record_sync``
+    for each parameter average (periodic or forced). :meth:`as_dict` reports this rank's bytes and the job's totals.
+
+    Attributes:
+        rank: this process's global rank.
+        steps: optimizer steps recorded.
+        syncs: global parameter averages recorded.
+        total: bytes sent by every rank so far (gradients and syncs).
+    """
+
+    rank: int
+    world_size: int
+    steps: int = 0
+    syncs: int = 0
+    total: Traffic = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.total = Traffic.zeros(self.world_size)
+
+    def record_step(self, traffic: Traffic) -> None:
+        """Add one optimizer step's gradient exchange."""
+        self.steps += 1
+        self.total = self.total + traffic
+
+    def record_sync(self, traffic: Traffic) -> None:
+        """Add one global parameter average (not an optimizer step)."""
+        self.syncs += 1
+        self.total = self.total + traffic
+
+    def as_dict(self) -> dict[str, float]:
+        """Counters in bytes. ``*_per_step`` divide the totals (syncs included) by the number of steps.
+
+        Keys: ``steps``, ``global_syncs``, ``bytes_intra_total``, ``bytes_inter_total``, ``bytes_intra_per_step``,
+        ``bytes_inter_per_step`` (this rank's sent bytes), and ``job_bytes_intra_total``, ``job_bytes_inter_total``,
+        ``job_bytes_intra_per_step``, ``job_bytes_inter_per_step`` (all ranks together).
+        """
+        steps = max(self.steps, 1)
+        intra, inter = self.total.intra[self.rank], self.total.inter[self.rank]
+        return {
+            "steps": float(self.steps),
+            "global_syncs": float(self.syncs),
+            "bytes_intra_total": intra,
+            "bytes_inter_total": inter,
+            "bytes_intra_per_step": intra / steps,
+            "bytes_inter_per_step": inter / steps,
+            "job_bytes_intra_total": self.total.total_intra,
+            "job_bytes_inter_total": self.total.total_inter,
+            "job_bytes_intra_per_step": self.total.total_intra / steps,
+            "job_bytes_inter_per_step": self.total.total_inter / steps,
+        }

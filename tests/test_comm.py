@@ -1,0 +1,524 @@
+"""Tests of lightning_het.comm: exactness of the hierarchical hook, node-local SGD, averaging, byte accounting, errors.
+
+Multi-process tests run raw ``DistributedDataParallel`` over gloo on localhost (processes forked, so the slow
+``lightning`` import is paid once). Each worker also trains a reference in-process and saves what it saw; the tests
+compare in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_het.comm import (
+    CommController,
+    NodeLocalState,
+    average_parameters,
+    resolve_comm_mode,
+    share_weights,
+    validate_comm_args,
+)
+from lightning_het.comm import controller as controller_module
+from lightning_het.comm.hooks import HierarchicalState
+from lightning_het.comm.stats import (
+    CommStats,
+    flat_allreduce_traffic,
+    hierarchical_traffic,
+    node_local_traffic,
+)
+from lightning_het.topology import NodeGroups, node_members
+
+STEPS = 4
+TOL = 1e-5
+
+
+# --------------------------------------------------------------------------- harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out: str, worker: Callable[[int, int], dict[str, Any]]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        torch.save(worker(rank, world_size), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(worker: Callable[[int, int], dict[str, Any]], world_size: int, out: Path) -> list[dict[str, Any]]:
+    mp.start_processes(
+        _entry, args=(world_size, _free_port(), str(out), worker), nprocs=world_size, start_method="fork"
+    )
+    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+
+
+def _batch(step: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(total, 6, generator=g), torch.randint(0, 3, (total,), generator=g)
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def _slices(batch_sizes: list[int]) -> list[slice]:
+    offsets = [sum(batch_sizes[:r]) for r in range(len(batch_sizes))]
+    return [slice(o, o + b) for o, b in zip(offsets, batch_sizes)]
+
+
+def _train_ddp(
+    rank: int, mode: str, node_ids: list[int], batch_sizes: list[int], **kwargs: Any
+) -> tuple[list[torch.Tensor], CommController, DistributedDataParallel]:
+    """Train with the controller; return this rank's flat parameters after every step."""
+    world, total = len(batch_sizes), sum(batch_sizes)
+    # one bucket per parameter: several buckets in flight exercise the ordering of the pipelined stages
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+    ctl = CommController(mode, node_ids, batch_sizes, rank, **kwargs)  # type: ignore[arg-type]
+    ctl.register(ddp)
+    opt = _optimizer(ddp.parameters())
+    mine = _slices(batch_sizes)[rank]
+    history = []
+    for step in range(1, STEPS + 1):
+        x, y = _batch(step, total)
+        loss = torch.nn.functional.cross_entropy(ddp(x[mine]), y[mine]) * (world * batch_sizes[rank] / total)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctl.after_optimizer_step(ddp.parameters(), step)
+        history.append(_flat(ddp.module))
+    return history, ctl, ddp
+
+
+def _train_exact(batch_sizes: list[int]) -> list[torch.Tensor]:
+    """One process on the whole global batch."""
+    model = _model()
+    opt = _optimizer(model.parameters())
+    history = []
+    for step in range(1, STEPS + 1):
+        x, y = _batch(step, sum(batch_sizes))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        history.append(_flat(model))
+    return history
+
+
+def _train_node_local_reference(node_ids: list[int], batch_sizes: list[int], k: int, warmup: int) -> list[Any]:
+    """Node-local SGD simulated in one process: one model + optimiser per node, share-weighted averaging."""
+    members = node_members(node_ids)
+    slices = _slices(batch_sizes)
+    node_samples = [torch.cat([torch.arange(slices[r].start, slices[r].stop) for r in m]) for m in members]
+    node_weight = [sum(batch_sizes[r] for r in m) / sum(batch_sizes) for m in members]
+    models = [_model() for _ in members]
+    opts = [_optimizer(m.parameters()) for m in models]
+    history = []
+    for step in range(1, STEPS + 1):
+        x, y = _batch(step, sum(batch_sizes))
+        for n, (model, opt) in enumerate(zip(models, opts)):
+            idx = slice(None) if step <= warmup else node_samples[n]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+        if step > warmup and (step - warmup) % k == 0:
+            with torch.no_grad():
+                for params in zip(*(m.parameters() for m in models)):
+                    avg = sum(w * p for w, p in zip(node_weight, params))
+                    for p in params:
+                        p.copy_(avg)
+        history.append([_flat(m) for m in models])
+    return history
+
+
+# --------------------------------------------------------------------------- workers (module level: picklable)
+EXACT_CASES_3 = [([0, 0, 1], [2, 3, 5])]
+EXACT_CASES_4 = [([0, 1, 0, 1], [1, 2, 3, 4]), ([0, 0, 0, 1], [4, 1, 2, 3]), ([1, 1, 0, 0], [3, 3, 1, 1])]
+NODE_LOCAL_CASES = [([0, 0, 1, 1], [1, 2, 3, 4], 2, 0), ([0, 1, 0, 1], [4, 1, 2, 3], 3, 1)]
+
+
+def _exact_worker(rank: int, world_size: int) -> dict[str, Any]:
+    cases = EXACT_CASES_3 if world_size == 3 else EXACT_CASES_4
+    result: dict[str, Any] = {}
+    for node_ids, batch_sizes in cases:
+        for mode in ("hierarchical", "allreduce"):
+            # 64-byte chunks: every bucket is split, so chunks of several buckets are in flight at once
+            history, ctl, ddp = _train_ddp(rank, mode, node_ids, batch_sizes, chunk_bytes=64)
+            result[(mode, str(node_ids))] = {
+                "final": history[-1],
+                "reference": _train_exact(batch_sizes)[-1],
+                "stats": ctl.stats,
+                "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
+                "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
+            }
+    return result
+
+
+def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for node_ids, batch_sizes, k, warmup in NODE_LOCAL_CASES:
+        history, ctl, ddp = _train_ddp(
+            rank, "node_local", node_ids, batch_sizes, global_sync_every=k, warmup_steps=warmup
+        )
+        result[str(node_ids)] = {
+            "history": history,
+            "reference": _train_node_local_reference(node_ids, batch_sizes, k, warmup),
+            "exact": _train_exact(batch_sizes),
+            "stats": ctl.stats,
+            "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
+        }
+    # K=None: no periodic sync; synchronize() (epoch end, checkpoint) forces one consensus model
+    history, ctl, ddp = _train_ddp(rank, "node_local", [0, 0, 1, 1], [1, 1, 1, 1])
+    before = _flat(ddp.module)
+    ran = ctl.synchronize(ddp.parameters())
+    result["synchronize"] = {
+        "before": before,
+        "after": _flat(ddp.module),
+        "ran": ran,
+        "ran_again": ctl.synchronize(ddp.parameters()),
+        "syncs": ctl.stats["global_syncs"],
+    }
+    # averaging weights: replicas of a node need not agree; result is the exact share-weighted sum
+    groups_state = HierarchicalState(ctl.groups) if ctl.groups is not None else None
+    assert groups_state is not None
+    batch_sizes = [1, 2, 3, 4]
+    full = torch.full((5,), float(rank + 1))
+    half = torch.full((3,), float(rank + 1), dtype=torch.float16)
+    count = torch.full((2,), rank)
+    payload = average_parameters([full, half, count, full], share_weights(batch_sizes)[rank], groups_state)
+    result["average"] = {"full": full, "half": half, "count": count, "payload": payload}
+    return result
+
+
+@pytest.fixture(scope="module")
+def exact3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(_exact_worker, 3, tmp_path_factory.mktemp("exact3"))
+
+
+@pytest.fixture(scope="module")
+def exact4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(_exact_worker, 4, tmp_path_factory.mktemp("exact4"))
+
+
+@pytest.fixture(scope="module")
+def node_local(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(_node_local_worker, 4, tmp_path_factory.mktemp("node_local"))
+
+
+# --------------------------------------------------------------------------- exact modes
+@pytest.mark.parametrize("mode", ["hierarchical", "allreduce"])
+@pytest.mark.parametrize("case", [*EXACT_CASES_3, *EXACT_CASES_4], ids=str)
+def test_exact_modes_match_one_process_on_global_batch(
+    request: pytest.FixtureRequest, mode: str, case: tuple[list[int], list[int]]
+) -> None:
+    node_ids, _ = case
+    results = request.getfixturevalue("exact3" if len(node_ids) == 3 else "exact4")
+    finals = [r[(mode, str(node_ids))]["final"] for r in results]
+    reference = results[0][(mode, str(node_ids))]["reference"]
+    assert (finals[0] - reference).abs().max().item() < TOL
+    for other in finals[1:]:
+        assert torch.equal(other, finals[0]), "replicas differ"
+
+
+def test_hierarchical_hook_is_registered_on_cpu(exact4: list[dict[str, Any]]) -> None:
+    entry = exact4[0][("hierarchical", "[0, 1, 0, 1]")]
+    assert "hierarchical_hook" in entry["comm_hook"]
+    assert exact4[0][("allreduce", "[0, 1, 0, 1]")]["comm_hook"] in (None, "", "builtin_allreduce")
+
+
+@pytest.mark.parametrize("case", EXACT_CASES_4, ids=str)
+def test_exact_mode_stats_follow_the_byte_model(
+    exact4: list[dict[str, Any]], case: tuple[list[int], list[int]]
+) -> None:
+    node_ids, _ = case
+    for mode, model in (("hierarchical", hierarchical_traffic), ("allreduce", flat_allreduce_traffic)):
+        for rank, result in enumerate(exact4):
+            entry = result[(mode, str(node_ids))]
+            traffic = model(entry["grad_bytes"], node_ids)
+            stats = entry["stats"]
+            assert stats["steps"] == STEPS
+            assert stats["bytes_inter_per_step"] == pytest.approx(traffic.inter[rank])
+            assert stats["bytes_intra_per_step"] == pytest.approx(traffic.intra[rank])
+            assert stats["job_bytes_inter_per_step"] == pytest.approx(traffic.total_inter)
+
+
+# --------------------------------------------------------------------------- node_local
+@pytest.mark.parametrize("case", NODE_LOCAL_CASES, ids=str)
+def test_node_local_follows_node_local_sgd(node_local: list[dict[str, Any]], case: tuple[Any, ...]) -> None:
+    node_ids, _, k, warmup = case
+    members = node_members(node_ids)
+    for step in range(STEPS):
+        params = [r[str(node_ids)]["history"][step] for r in node_local]
+        reference = node_local[0][str(node_ids)]["reference"][step]
+        for n, ranks in enumerate(members):
+            for r in ranks:  # replicas of a node are identical after every step
+                assert torch.equal(params[r], params[ranks[0]]), f"step {step + 1}: node {n} replicas differ"
+            assert (params[ranks[0]] - reference[n]).abs().max().item() < TOL
+        synced = step + 1 <= warmup or (step + 1 - warmup) % k == 0
+        identical = all(torch.equal(p, params[0]) for p in params)
+        assert identical == synced, f"step {step + 1}: synced={synced} but identical={identical}"
+    final, exact = node_local[0][str(node_ids)]["history"][-1], node_local[0][str(node_ids)]["exact"][-1]
+    assert (final - exact).abs().max().item() > 1e-3, "node_local silently trained exactly"
+
+
+@pytest.mark.parametrize("case", NODE_LOCAL_CASES, ids=str)
+def test_node_local_stats(node_local: list[dict[str, Any]], case: tuple[Any, ...]) -> None:
+    node_ids, _, k, warmup = case
+    nbytes = node_local[0][str(node_ids)]["grad_bytes"]
+    local_steps = STEPS - warmup
+    syncs = local_steps // k
+    expected = (
+        hierarchical_traffic(nbytes, node_ids).total_inter * (warmup + syncs)
+        + node_local_traffic(nbytes, node_ids).total_inter * local_steps
+    ) / STEPS
+    for result in node_local:
+        stats = result[str(node_ids)]["stats"]
+        assert stats["global_syncs"] == syncs
+        assert stats["job_bytes_inter_per_step"] == pytest.approx(expected)
+
+
+def test_synchronize_forces_consensus_once(node_local: list[dict[str, Any]]) -> None:
+    befores = [r["synchronize"]["before"] for r in node_local]
+    afters = [r["synchronize"]["after"] for r in node_local]
+    assert not torch.equal(befores[0], befores[2])
+    assert all(torch.equal(a, afters[0]) for a in afters)
+    expected = 0.5 * befores[0] + 0.5 * befores[2]  # equal shares, two nodes
+    assert (afters[0] - expected).abs().max().item() < 1e-6
+    for r in node_local:
+        assert r["synchronize"]["ran"] is True
+        assert r["synchronize"]["ran_again"] is False
+        assert r["synchronize"]["syncs"] == 1
+
+
+def test_average_parameters_is_share_weighted(node_local: list[dict[str, Any]]) -> None:
+    expected = sum((r + 1) * b for r, b in enumerate([1, 2, 3, 4])) / 10  # = 3.0
+    for rank, r in enumerate(node_local):
+        avg = r["average"]
+        assert torch.allclose(avg["full"], torch.full((5,), expected))
+        assert avg["half"].dtype == torch.float16 and torch.allclose(avg["half"].float(), torch.full((3,), expected))
+        assert torch.equal(avg["count"], torch.full((2,), rank)), "integer tensors must be left alone"
+        assert avg["payload"] == 5 * 4 + 3 * 4  # fp32 + fp16 upcast to fp32, duplicate counted once
+
+
+# --------------------------------------------------------------------------- pure pieces
+def _fake_groups(node_ids: list[int], rank: int) -> NodeGroups:
+    members = tuple(tuple(m) for m in node_members(node_ids))
+    return NodeGroups(tuple(node_ids), rank, members, None, None, None)  # type: ignore[arg-type]
+
+
+def test_node_local_scale_and_warmup() -> None:
+    state = NodeLocalState(HierarchicalState(_fake_groups([0, 0, 1], 2)), [2, 3, 5], warmup_steps=2)
+    assert state.node_scale == pytest.approx(10 / (3 * 5))
+    assert state.exact
+    state.completed_steps = 2
+    assert not state.exact
+    state.set_batch_sizes([4, 4, 2])
+    assert state.node_scale == pytest.approx(10 / (3 * 2))
+
+
+def test_controller_schedule_takes_phase_from_global_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[float] = []
+
+    def fake_average(params: Any, weight: float, state: Any) -> int:
+        calls.append(weight)
+        return 100
+
+    monkeypatch.setattr(controller_module, "average_parameters", fake_average)
+    ctl = CommController(
+        "node_local", [0, 0, 1], [2, 3, 5], 1, global_sync_every=3, warmup_steps=2, groups=_fake_groups([0, 0, 1], 1)
+    )
+    params = [torch.zeros(5, requires_grad=True)]
+    synced = [ctl.after_optimizer_step(params, step) for step in range(1, 10)]
+    assert synced == [False, False, False, False, True, False, False, True, False]
+    assert calls == [0.3, 0.3]
+    assert ctl.after_optimizer_step(params, 10, end_of_epoch=True)
+    # resumed run: the phase comes from the global step, not from a counter in the controller
+    resumed = CommController(
+        "node_local", [0, 0, 1], [2, 3, 5], 1, global_sync_every=3, warmup_steps=2, groups=_fake_groups([0, 0, 1], 1)
+    )
+    resumed.set_step(10)
+    assert [resumed.after_optimizer_step(params, s) for s in (11, 12, 13, 14)] == [True, False, False, True]
+    stats = ctl.stats
+    assert stats["steps"] == 10 and stats["global_syncs"] == 3
+
+
+def test_allreduce_controller_needs_no_groups_and_counts_bytes() -> None:
+    ctl = CommController("allreduce", [0, 0, 1, 1], [1, 1, 1, 1], 1)
+    assert ctl.groups is None
+    params = [torch.zeros(25, requires_grad=True), torch.zeros(3)]  # 100 bytes need gradients
+    for step in range(1, 3):
+        assert not ctl.after_optimizer_step(params, step)
+    assert not ctl.synchronize(params)
+    stats = ctl.stats
+    assert stats["bytes_inter_per_step"] == 150.0  # rank 1 -> rank 2 crosses nodes: 2 * 3/4 * 100
+    assert stats["job_bytes_inter_per_step"] == 300.0
+    assert stats["bytes_inter_total"] == 300.0
+
+
+def test_controller_without_allocation_counts_replicas_as_equal() -> None:
+    ctl = CommController("node_local", [0, 0, 1], None, 0, global_sync_every=2, groups=_fake_groups([0, 0, 1], 0))
+    assert ctl._local is not None and ctl._local.node_scale == pytest.approx(0.5)  # mean over the node's 2 replicas
+    ctl.set_batch_sizes([1, 1, 2])
+    assert ctl._local.node_scale == pytest.approx(4 / (3 * 2))
+    with pytest.raises(ValueError, match="`batch_sizes`"):
+        ctl.set_batch_sizes([1, 1])
+
+
+def test_summary_line() -> None:
+    ctl = CommController("allreduce", [0, 1], None, 0)
+    ctl.after_optimizer_step([torch.zeros(250, requires_grad=True)], 1)
+    assert ctl.summary() == (
+        "comm=allreduce: 1 steps, 0 global syncs; per step this rank sent 0.000 MB inside its node and 0.001 MB to"
+        " other nodes (whole job: 0.002 MB between nodes)"
+    )
+
+
+class TestByteModel:
+    def test_flat_allreduce_crosses_where_the_ring_crosses(self) -> None:
+        contiguous = flat_allreduce_traffic(100, [0, 0, 1, 1])
+        assert contiguous.inter == [0.0, 150.0, 0.0, 150.0]
+        assert contiguous.total_intra == 300.0
+        assert flat_allreduce_traffic(100, [0, 1, 0, 1]).total_inter == 600.0
+
+    def test_hierarchical_and_node_local(self) -> None:
+        hier = hierarchical_traffic(100, [0, 0, 1, 1])
+        assert hier.inter == [100.0, 0.0, 100.0, 0.0]
+        assert hier.intra == [100.0, 100.0, 100.0, 100.0]  # leaders broadcast, others reduce
+        assert hierarchical_traffic(100, [0, 0, 0, 1]).intra == [200.0, 100.0, 100.0, 0.0]
+        local = node_local_traffic(100, [0, 0, 1, 1])
+        assert local.total_inter == 0.0 and local.total_intra == 400.0
+
+    def test_node_local_k16_cuts_inter_node_bytes_more_than_tenfold(self) -> None:
+        flat = flat_allreduce_traffic(1e6, [0, 0, 1, 1]).total_inter
+        amortised = hierarchical_traffic(1e6, [0, 0, 1, 1]).total_inter / 16
+        assert flat / amortised >= 10
+
+    def test_comm_stats_dict(self) -> None:
+        stats = CommStats(rank=0, world_size=4)
+        stats.record_step(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        stats.record_step(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        stats.record_sync(hierarchical_traffic(100, [0, 0, 1, 1]))
+        d = stats.as_dict()
+        assert d["steps"] == 2 and d["global_syncs"] == 1
+        assert d["bytes_intra_total"] == 400.0 and d["bytes_inter_total"] == 100.0
+        assert d["job_bytes_inter_per_step"] == (300 * 2 + 200) / 2
+
+
+def test_share_weights() -> None:
+    assert share_weights([1, 3]) == [0.25, 0.75]
+    with pytest.raises(ValueError, match="batch_sizes"):
+        share_weights([0, 0])
+
+
+# --------------------------------------------------------------------------- bad input
+class TestArguments:
+    def test_unknown_comm_lists_choices(self) -> None:
+        with pytest.raises(
+            ValueError, match=r"`comm` to be one of \['auto', 'allreduce', 'hierarchical', 'node_local'\]"
+        ):
+            validate_comm_args("ring")
+
+    @pytest.mark.parametrize("k", [0, -3, 1.5, True, "4"])
+    def test_bad_global_sync_every(self, k: Any) -> None:
+        with pytest.raises(ValueError, match="`global_sync_every` to be an integer >= 1"):
+            validate_comm_args("node_local", k)
+
+    @pytest.mark.parametrize("comm", ["auto", "allreduce", "hierarchical"])
+    def test_k_without_node_local_warns(self, comm: str) -> None:
+        with pytest.warns(UserWarning, match="only applies to `comm='node_local'`"):
+            validate_comm_args(comm, 4)
+
+    def test_bad_warmup(self) -> None:
+        with pytest.raises(ValueError, match="`warmup_steps`"):
+            validate_comm_args("node_local", 4, -1)
+
+    @pytest.mark.parametrize(
+        ("comm", "node_ids", "expected"),
+        [
+            ("auto", [0, 0, 1, 1], "hierarchical"),
+            ("auto", [0, 1, 0, 1], "hierarchical"),
+            ("auto", [0, 0, 0], "allreduce"),
+            ("auto", [0, 1, 2], "allreduce"),
+            ("allreduce", [0, 0, 1, 1], "allreduce"),
+            ("hierarchical", [0, 0, 1], "hierarchical"),
+            ("node_local", [0, 0, 1], "node_local"),
+            ("node_local", [0, 1], "node_local"),
+        ],
+    )
+    def test_resolve(self, comm: str, node_ids: list[int], expected: str) -> None:
+        assert resolve_comm_mode(comm, node_ids) == expected
+
+    @pytest.mark.parametrize(("node_ids", "reason"), [([0, 0], "a single node"), ([0, 1], "one replica per node")])
+    def test_hierarchical_without_benefit_falls_back_with_log(
+        self, caplog: pytest.LogCaptureFixture, node_ids: list[int], reason: str
+    ) -> None:
+        with caplog.at_level(logging.INFO, logger="lightning_het.comm.controller"):
+            assert resolve_comm_mode("hierarchical", node_ids) == "allreduce"
+        assert f"comm='hierarchical' with {reason}" in caplog.text
+
+    def test_node_local_on_one_node_is_an_error(self) -> None:
+        with pytest.raises(ValueError, match=r"`comm='node_local'`, but all 3 replicas are on one node.*HINT"):
+            resolve_comm_mode("node_local", [0, 0, 0])
+        with pytest.raises(ValueError, match="one node"):
+            CommController("node_local", [0, 0], [1, 1], 0, global_sync_every=2)
+
+    def test_controller_rejects_bad_input(self) -> None:
+        with pytest.raises(ValueError, match="`mode`"):
+            CommController("auto", [0, 1], [1, 1], 0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"`batch_sizes` to hold one positive integer per replica \(2\)"):
+            CommController("allreduce", [0, 1], [1, 2, 3], 0)
+        with pytest.raises(ValueError, match="`node_ids`"):
+            CommController("allreduce", [0, "a"], [1, 1], 0)  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="`global_sync_every`"):
+            CommController("node_local", [0, 1], [1, 1], 0, global_sync_every=0)
+        with pytest.raises(ValueError, match="`rank`"):
+            CommController("allreduce", [0, 1], [1, 1], 2)
+
+
+# --------------------------------------------------------------------------- benchmark plumbing
+def test_bench_comm_tiny_runs_end_to_end(tmp_path: Path) -> None:
+    """`scripts/bench_comm.py --tiny` through Lightning on localhost: the plumbing, not the figures (noise here)."""
+    from tests.conftest import REPO, run_job
+
+    plot = tmp_path / "bench.png"
+    result = run_job(
+        [str(REPO / "scripts" / "bench_comm.py"), "--tiny", "--out", str(tmp_path), "--plot", str(plot)], timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    payload = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["name"]: r for r in payload["results"]}
+    assert list(rows) == ["ddp", "allreduce", "hierarchical", "node_local K=4", "node_local K=16"]
+    assert all(r["consensus"] for r in rows.values())
+    exact = [rows[n]["eval_loss"] for n in ("ddp", "allreduce", "hierarchical")]
+    assert max(exact) - min(exact) < 1e-5
+    grad_bytes = payload["grad_bytes"]
+    assert rows["ddp"]["inter_bytes_model"] == 3 * grad_bytes  # ring over [0, 0, 1, 1]: 2 of 4 hops cross, 1.5 n each
+    assert rows["hierarchical"]["inter_bytes_model"] == 2 * grad_bytes
+    assert rows["node_local K=16"]["inter_bytes_model"] == 0  # no global sync inside the 6 timed steps
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert "| hierarchical |" in result.stdout
