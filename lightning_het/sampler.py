@@ -72,6 +72,19 @@ class ProportionalDistributedSampler(DistributedSampler):
         self.num_steps = len(dataset) // global_batch
         self.num_samples = self.num_steps * sizes[rank]
         self.total_size = self.num_steps * global_batch
+        self._skip: tuple[int, int] | None = None  # (epoch, global batches to skip), set by `resume`
+
+    def resume(self, epoch: int, skip_steps: int) -> None:
+        """Continue epoch ``epoch`` after its first ``skip_steps`` global batches (mid-epoch resume).
+
+        The next iteration of that epoch starts at global batch ``skip_steps`` of the same permutation (so it yields
+        ``num_steps - skip_steps`` batches); later epochs are whole. ``len()`` keeps counting the whole epoch, as
+        Lightning's loop counters do.
+        """
+        if not 0 <= skip_steps <= self.num_steps:
+            raise ValueError(f"Expected argument `skip_steps` in [0, {self.num_steps}], but got {skip_steps}.")
+        self.set_epoch(epoch)
+        self._skip = (epoch, skip_steps) if skip_steps else None
 
     @property
     def local_batch_size(self) -> int:
@@ -80,7 +93,11 @@ class ProportionalDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         order = _global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)[: self.total_size]
-        mine = order.view(self.num_steps, self.global_batch_size)[:, self.offset : self.offset + self.local_batch_size]
+        start = 0
+        if self._skip is not None and self._skip[0] == self.epoch:  # one-shot: the resumed epoch only
+            start, self._skip = self._skip[1], None
+        steps = order.view(self.num_steps, self.global_batch_size)[start:]
+        mine = steps[:, self.offset : self.offset + self.local_batch_size]
         return iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -14,28 +14,55 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
 
+from lightning_het.accelerators import (
+    apply_local_settings,
+    configure_devices,
+    device_labels,
+    mixed_accelerator_kwargs,
+    unbound_process_group,
+)
 from lightning_het.allocation import allocate_batch_sizes, loss_scale, sample_shares
-from lightning_het.profiling import backward_ratio, preserved_training_state, speed_from_timings, time_steps
+from lightning_het.checkpointing import (
+    CHECKPOINT_KEY,
+    apply_sampler_resume,
+    checkpoint_record,
+    log_resumed_allocation,
+    plan_allocation,
+    read_record,
+    synchronize_before_save,
+)
+from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+from lightning_het.devices import DeviceMapArg, DevicePlan
+from lightning_het.profiling import preserved_training_state, speed_from_timings, time_steps
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.telemetry import BalanceMonitor, attach_monitor, telemetry_section
+from lightning_het.topology import gather_node_ids, validate_node_ids
+from lightning_het.watchdog import (
+    as_timeout,
+    relaxed_startup_timeout,
+    start_watchdog,
+    stop_watchdog,
+    validate_launch_environment,
+)
 
 __all__ = ["HeterogeneousStrategy"]
 
 log = logging.getLogger(__name__)
 
 CommMode = Literal["auto", "allreduce", "hierarchical", "node_local"]
-_COMM_MODES = ("auto", "allreduce", "hierarchical", "node_local")
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
-_DEFAULT_BACKWARD_RATIO = 3.0  # step / forward time when nothing was profiled (backward ~ 2 x forward)
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
@@ -49,7 +76,9 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: in
 def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
     if values is None:
         return None
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes)):  # "1,3" would otherwise be read character by character (#7)
+        raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got the string {values!r}.")
+    if not isinstance(values, Sequence):
         try:
             values = list(values)  # e.g. an omegaconf ListConfig
         except TypeError:
@@ -69,6 +98,14 @@ def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum:
     if not out:
         raise ValueError(f"Expected argument `{name}` to be non-empty.")
     return out
+
+
+def _threshold(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
+        raise ValueError(f"Expected argument `{name}` to be a finite number >= 1 (max / min ratio), but got {value!r}.")
+    return float(value)
 
 
 class AllocationResultsMixin:
@@ -112,10 +149,36 @@ class HeterogeneousStrategyBase:
             ``"node_local"`` or ``"auto"``. See ``docs/communication.md``.
         global_sync_every: K for ``node_local``: optimizer steps between global parameter averages.
         emulate_slowdown: *emulation only*: replica ``r``'s steps take ``emulate_slowdown[r]`` times their real compute
-            time (the strategy sleeps), in profiling and training alike, to reproduce a heterogeneous platform on
-            homogeneous hardware.
-        profile_steps: timed steps per replica when profiling.
-        profile_warmup: untimed steps before them.
+            time, in profiling and training alike, to reproduce a heterogeneous platform on homogeneous hardware. The
+            replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
+            times the backward time it just measured at the end of its local backward, before the gradients are
+            synchronised (see :class:`~lightning_het.telemetry.StepClock`).
+        profile_steps: timed steps per replica when profiling, at the batch sizes the replicas will run: the
+            warm-up steps run at an equal split and their times give a first allocation; the timed steps run at that
+            allocation and their median gives the speeds (``profile_warmup=0``: timed steps at the equal split).
+            Profiling costs about ``profile_warmup`` equal-split steps plus ``profile_steps`` balanced steps.
+        profile_warmup: untimed steps before them (at an equal split of the global batch). Raise it to 2 when a
+            replica's first step is much slower than the next ones (CUDA context, ``cudnn.benchmark``, compilation).
+        device_map: the device of each local replica, e.g. ``["cuda:0", "cuda:1", "cpu"]`` (the same on every node), or
+            ``{node_rank: [...]}`` when nodes differ. Mixes CPU and GPU replicas in one job through a
+            :class:`~lightning_het.accelerators.MixedAccelerator` (leave ``Trainer(accelerator=..., devices=...)`` at
+            ``"auto"``); Gloo is chosen when any replica is a CPU. See ``docs/mixed_devices.md``.
+        cpu_threads: with ``device_map``: intra-op threads per CPU replica (int) or per local replica (list).
+            Default: the node's cores minus one per GPU replica, split evenly among the CPU replicas.
+        startup_timeout: seconds (or ``timedelta``) the replicas wait for each other at start-up; ``timeout`` then
+            bounds every collective and the hung-replica watchdog. Default: the larger of ``timeout`` and 10 minutes.
+            See ``docs/reliability.md``.
+        rebalance_every_n_epochs: semi-dynamic rebalancing: at the end of every n-th epoch, re-derive the speeds
+            from the measured compute times (all-gathered, so every rank agrees) and re-allocate the global batch for
+            the next epoch when the hysteresis allows (see ``rebalance_threshold``). Keeps the global batch, equal step
+            counts and exact gradients. Default ``None``: every epoch when ``rebalance_threshold`` is set, else never.
+        rebalance_threshold: imbalance (max / min median compute time per step across replicas, >= 1) from which a
+            rebalancing check re-allocates; a new allocation is adopted only if it is also predicted to shorten the
+            step by >= 3 %. Default: 1.1 when ``rebalance_every_n_epochs`` is set. See ``docs/benchmarks.md``.
+        telemetry: time every step of every replica (compute, wait in gradient synchronisation, samples/s), log
+            per-epoch figures through the trainer's loggers (``het/...``) and write a balance report (table and plot)
+            into ``trainer.log_dir`` when ``fit`` ends. Required by rebalancing. See
+            :mod:`lightning_het.telemetry`.
         **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
     """
@@ -134,13 +197,25 @@ class HeterogeneousStrategyBase:
         comm: CommMode = "auto",
         global_sync_every: int | None = None,
         emulate_slowdown: Sequence[float] | None = None,
-        profile_steps: int = 5,
-        profile_warmup: int = 2,
+        profile_steps: int = 3,
+        profile_warmup: int = 1,
+        device_map: DeviceMapArg | None = None,
+        cpu_threads: int | Sequence[int] | None = None,
+        startup_timeout: float | timedelta | None = None,
+        rebalance_every_n_epochs: int | None = None,
+        rebalance_threshold: float | None = None,
+        telemetry: bool = True,
+        comm_warmup_steps: int = 0,
         **kwargs: Any,
     ) -> None:
-        if isinstance(kwargs.get("timeout"), (int, float)):
-            kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
+        if kwargs.get("timeout") is not None:
+            kwargs["timeout"] = as_timeout("timeout", kwargs["timeout"])  # seconds or timedelta (#7)
+        self._startup_timeout = as_timeout("startup_timeout", startup_timeout)
+        self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown (#7)
+        self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
+        kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
+        self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
         self._global_batch_size_arg = _positive_int("global_batch_size", global_batch_size)
         self._speeds_arg = _finite_positive_list("speeds", speeds)
         self._min_batch_size = _positive_int("min_batch_size", min_batch_size, allow_none=False)
@@ -152,10 +227,11 @@ class HeterogeneousStrategyBase:
         self._node_ids_arg = None
         if node_ids is not None:
             self._node_ids_arg = [_positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
-        if comm not in _COMM_MODES:
-            raise ValueError(f"Expected argument `comm` to be one of {_COMM_MODES}, but got {comm!r}.")
+        validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # unknown comm, K < 1, ... (#3)
         self._comm = comm
-        self._global_sync_every = _positive_int("global_sync_every", global_sync_every)
+        self._global_sync_every = global_sync_every
+        self._comm_warmup_steps = comm_warmup_steps
+        self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
         self._emulate_slowdown = _finite_positive_list("emulate_slowdown", emulate_slowdown)
         if self._emulate_slowdown is not None and any(f < 1.0 for f in self._emulate_slowdown):
             raise ValueError(
@@ -170,9 +246,21 @@ class HeterogeneousStrategyBase:
         self._node_ids: list[int] | None = None
         self._global_batch_size: int | None = None
         self._loss_scale = 1.0
-        self._backward_ratio = _DEFAULT_BACKWARD_RATIO
         self._profile_seconds = 0.0
         self._eval_weights_used: list[float] | None = None
+        # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
+        self._rebalance_every_n_epochs = _positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
+        self._rebalance_threshold = _threshold("rebalance_threshold", rebalance_threshold)
+        if not isinstance(telemetry, bool):
+            raise ValueError(f"Expected argument `telemetry` to be True or False, but got {telemetry!r}.")
+        if not telemetry and (rebalance_every_n_epochs is not None or rebalance_threshold is not None):
+            raise ValueError(
+                "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
+                " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments."
+            )
+        self._telemetry = telemetry
+        self._monitor: BalanceMonitor | None = None
+        self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
 
     # ------------------------------------------------------------------ public state
     @property
@@ -253,33 +341,143 @@ class HeterogeneousStrategyBase:
 
     @override
     def _configure_launcher(self) -> None:
+        self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
         self._validate_against_world()
+        validate_launch_environment(self.num_nodes, self.cluster_environment)  # multi-node rendezvous vars (#7)
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
+        apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
         self._node_ids = self._detect_node_ids()
 
+    @override
+    def setup_distributed(self) -> None:
+        # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
+        # rendezvous of replicas that start slowly (#7)
+        with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
+            super().setup_distributed()
+
     def _detect_node_ids(self) -> list[int]:
+        """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (#3)."""
         if self._node_ids_arg is not None:
-            return list(self._node_ids_arg)
-        world = self.world_size
-        mine = (self.node_rank, os.uname().nodename)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        first_seen: dict[int, int] = {}
-        for node_rank, _host in gathered:
-            first_seen.setdefault(node_rank, len(first_seen))
-        return [first_seen[node_rank] for node_rank, _host in gathered]
+            return validate_node_ids(self._node_ids_arg, self.world_size)
+        assert self.cluster_environment is not None
+        return gather_node_ids(self.cluster_environment)
+
+    @property
+    def comm_mode(self) -> str | None:
+        """The communication mode running (``comm`` after ``"auto"`` and fallbacks are resolved)."""
+        return None if self._comm_controller is None else self._comm_controller.mode
+
+    @property
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step (#3)."""
+        return {} if self._comm_controller is None else self._comm_controller.stats
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks only on CUDA; ours (and a user's `ddp_comm_hook`) run on any device (#3)
+        assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
+        mode = resolve_comm_mode(self._comm, self._node_ids)
+        if self._ddp_comm_hook is not None:
+            if mode != "allreduce":
+                raise ValueError(
+                    f"You passed `ddp_comm_hook`, but `comm` resolves to {mode!r}, which installs its own hook."
+                    " HINT: use comm='allreduce' with a custom hook."
+                )
+            _register_ddp_comm_hook(
+                model=self.model,
+                ddp_comm_state=self._ddp_comm_state,
+                ddp_comm_hook=self._ddp_comm_hook,
+                ddp_comm_wrapper=self._ddp_comm_wrapper,
+            )
+        self._comm_controller = CommController(
+            mode,
+            self._node_ids,
+            self._batch_sizes,
+            self.global_rank,
+            global_sync_every=self._global_sync_every,
+            warmup_steps=self._comm_warmup_steps,
+        )
+        self._comm_controller.register(self.model)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        controller = self._comm_controller
+        if controller is not None and self._lightning_module is not None:
+            trainer = self._lightning_module.trainer
+            end_of_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+            with torch.no_grad():
+                controller.after_optimizer_step(
+                    self._lightning_module.parameters(), trainer.global_step + 1, end_of_epoch=end_of_epoch
+                )
+        return output
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._comm_controller is not None and self._lightning_module is not None:
+            # the node_local schedule (warm-up, every K) follows the global step, so resumed runs keep their phase
+            self._comm_controller.set_step(self._lightning_module.trainer.global_step)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._comm_controller is not None and self._lightning_module is not None:
+            with torch.no_grad():  # a fit stopped mid-epoch (max_steps) still ends on one consensus model
+                self._comm_controller.synchronize(self._lightning_module.parameters())
+            rank_zero_info(self._comm_controller.summary())
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._comm_controller is not None and self._lightning_module is not None:
+            with torch.no_grad():  # node_local: validation sees the consensus model
+                self._comm_controller.synchronize(self._lightning_module.parameters())
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
         super().setup(trainer)
+        self._watchdog = start_watchdog(self, trainer)  # hung/dead replicas end the job (#7)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
+
+    @override
+    def teardown(self) -> None:
+        stop_watchdog(self._watchdog, getattr(self._lightning_module, "_trainer", None))  # (#7)
+        self._watchdog = None
+        self._resume_record = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpoints (#7, docs/reliability.md)
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        synchronize_before_save(self)  # comm="node_local": a checkpoint holds the consensus model
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint[CHECKPOINT_KEY] = checkpoint_record(self)  # allocation + training sampler position
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._resume_record = read_record(checkpoint)  # used by the next training loader split
+        return checkpoint
 
     # ------------------------------------------------------------------ data
     @override
@@ -343,6 +541,8 @@ class HeterogeneousStrategyBase:
                     f"The training DataLoader's ProportionalDistributedSampler has batch_sizes={sampler.batch_sizes},"
                     f" but the strategy allocated {self._batch_sizes}. HINT: build it from `strategy.batch_sizes`."
                 )
+            apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
+            self._resume_record = None
             return dataloader
         shuffle, seed = self._training_order(dataloader)
         dataset = dataloader.dataset
@@ -359,6 +559,9 @@ class HeterogeneousStrategyBase:
         sampler = ProportionalDistributedSampler(
             dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed
         )
+        # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator (#7)
+        apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
+        self._resume_record = None
         self._reset_cached_eval_loaders(trainer)
         return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
@@ -391,14 +594,25 @@ class HeterogeneousStrategyBase:
         equal_split = allocate_batch_sizes(
             global_batch, [1.0] * world, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
         )  # validates the bounds on every rank before any profiling
-        if self._speeds_arg is not None:
+        resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._speeds_arg)  # (#7)
+        if resume.speeds is not None:
+            speeds = resume.speeds
+        elif self._speeds_arg is not None:
             speeds = list(self._speeds_arg)
         else:
-            speeds = self._profile(dataloader, equal_split, shuffle, seed)
+            self._profile_seconds = 0.0
+            probe_sizes = equal_split
+            if self._profile_warmup:  # warm-up at an equal split -> first allocation, where the timed steps run (#6)
+                rough = self._profile(dataloader, equal_split, shuffle, seed, steps=self._profile_warmup, rough=True)
+                probe_sizes = allocate_batch_sizes(
+                    global_batch, rough, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
+                )
+            speeds = self._profile(dataloader, probe_sizes, shuffle, seed, steps=self._profile_steps)
         batch_sizes = allocate_batch_sizes(
             global_batch, speeds, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
         )
         self._adopt_allocation(batch_sizes, speeds)
+        log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
         rank_zero_info(self.balance_table())
 
     def _adopt_allocation(self, batch_sizes: list[int], speeds: list[float]) -> None:
@@ -406,9 +620,24 @@ class HeterogeneousStrategyBase:
         self._speeds = list(speeds)
         self._global_batch_size = sum(batch_sizes)
         self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
+        if self._comm_controller is not None:
+            self._comm_controller.set_batch_sizes(self._batch_sizes)
 
-    def _profile(self, dataloader: DataLoader, probe_sizes: list[int], shuffle: bool, seed: int) -> list[float]:
-        """Time the real training step on this replica and all-gather every replica's samples/s."""
+    def _profile(
+        self,
+        dataloader: DataLoader,
+        probe_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        *,
+        steps: int,
+        rough: bool = False,
+    ) -> list[float]:
+        """Time ``steps`` real training steps on this replica and all-gather every replica's samples/s.
+
+        ``rough=True`` (warm-up steps, which may include first-step costs): speed from the fastest step instead of the
+        median.
+        """
         start = time.perf_counter()
         module = self.lightning_module
         rank = self.global_rank
@@ -434,17 +663,19 @@ class HeterogeneousStrategyBase:
                 batches(),
                 forward,
                 lambda loss: loss.backward(),
-                warmup=self._profile_warmup,
-                steps=self._profile_steps,
+                warmup=0,
+                steps=steps,
                 device=self.root_device,
                 slowdown=slowdown,
             )
-        speed = speed_from_timings(probe_sizes[rank], timings)
-        self._backward_ratio = backward_ratio(timings)
+        if rough:
+            speed = probe_sizes[rank] / max(min(t.total_s for t in timings), 1e-9)
+        else:
+            speed = speed_from_timings(probe_sizes[rank], timings)
         gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
         everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
         dist.all_gather(everyone, gathered)
-        self._profile_seconds = time.perf_counter() - start
+        self._profile_seconds += time.perf_counter() - start
         return [float(t.item()) for t in everyone]
 
     def _export_allocation(self) -> dict[str, Any]:
@@ -453,6 +684,7 @@ class HeterogeneousStrategyBase:
             "speeds": self._speeds,
             "node_ids": self._node_ids,
             "profile_seconds": self._profile_seconds,
+            "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=True),  # (#6)
         }
 
     def _import_allocation(self, state: dict[str, Any]) -> None:
@@ -463,10 +695,17 @@ class HeterogeneousStrategyBase:
             self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
         self._node_ids = state.get("node_ids")
         self._profile_seconds = state.get("profile_seconds", 0.0)
+        self._telemetry_snapshot = state.get("telemetry")
 
     # ------------------------------------------------------------------ reporting
-    def balance_report(self) -> dict[str, Any]:
-        """The allocation as plain data (for ``metrics.json`` and loggers)."""
+    def balance_report(self, include_series: bool = False) -> dict[str, Any]:
+        """The allocation as plain data (for ``metrics.json`` and loggers).
+
+        With telemetry on, ``"telemetry"`` holds the per-epoch, per-replica figures of the last ``fit``
+        (``epochs``: compute / wait / step seconds, samples/s, imbalance; ``rebalances`` and ``checks``), and, with
+        ``include_series=True``, the step-by-step ``series`` behind the balance plot. ``"profile_seconds"`` is the
+        time this replica spent profiling.
+        """
         sizes = self._batch_sizes or []
         return {
             "global_batch_size": self._global_batch_size,
@@ -476,6 +715,9 @@ class HeterogeneousStrategyBase:
             "node_ids": list(self._node_ids or []),
             "profiled": self._speeds_arg is None,
             "emulate_slowdown": list(self._emulate_slowdown) if self._emulate_slowdown else None,
+            "devices": device_labels(self),
+            "profile_seconds": self._profile_seconds,
+            "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series),
         }
 
     def balance_table(self) -> str:
@@ -483,8 +725,7 @@ class HeterogeneousStrategyBase:
         report = self.balance_report()
         if not report["batch_sizes"]:
             return "HeterogeneousStrategy: no allocation yet"
-        devices = [str(d) for d in (self.parallel_devices or [])]
-        local = max(len(devices), 1)
+        devices = report["devices"]
         unit = "samples/s" if report["profiled"] else "(given)"
         lines = [
             f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}",
@@ -492,30 +733,30 @@ class HeterogeneousStrategyBase:
         ]
         for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
             node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
-            device = devices[r % local] if devices else "?"
+            device = devices[r] if r < len(devices) else "?"
             lines.append(f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ training hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._emulate_slowdown:
+        clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation (#6)
+        if clock is None:
             return super().training_step(*args, **kwargs)
-        factor = self._emulate_slowdown[self.global_rank]
-        start = time.perf_counter()
+        clock.step_start(self._batch_sizes[self.global_rank] if self._batch_sizes else 0)
         output = super().training_step(*args, **kwargs)
-        if factor != 1.0:
-            if self.root_device.type == "cuda":
-                torch.cuda.synchronize(self.root_device)
-            forward = time.perf_counter() - start
-            # the whole step (forward + backward) is estimated as forward x the profiled step/forward ratio
-            time.sleep((factor - 1.0) * forward * self._backward_ratio)
+        clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        clock = self._monitor.clock if self._monitor is not None else None  # (#6)
+        if clock is not None:
+            clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
         scale = self._loss_scale
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
+        if clock is not None:
+            clock.after_backward()
         return closure_loss
 
 

@@ -1,0 +1,334 @@
+"""What a checkpoint records about the heterogeneous split, and how a resumed run uses it.
+
+Every checkpoint written through :class:`~lightning_het.HeterogeneousStrategy` carries one extra top-level entry,
+``checkpoint["lightning_het"]`` (:data:`CHECKPOINT_KEY`), made of plain Python types (loadable with
+``torch.load(..., weights_only=True)``)::
+
+    {
+        "version": 1,
+        "world_size": 2,                 # replicas of the run that saved it
+        "global_batch_size": 8,
+        "batch_sizes": [2, 6],           # per global rank
+        "speeds": [1.0, 3.0],            # per global rank (samples/s when profiled)
+        "profiled": False,               # True when the speeds were measured, False when given
+        "node_ids": [0, 0],
+        "sampler": {                     # position of the training sampler (None when there was no training loader)
+            "epoch": 1,                  # the epoch the sampler was drawing
+            "steps_done": 2,             # global batches of that epoch already trained on
+            "num_steps": 5,              # global batches per epoch
+            "dataset_len": 40, "shuffle": True, "seed": 0,
+            "epoch_finished": False,     # saved after the epoch's end-of-epoch hooks
+        },
+    }
+
+It is written by the strategy's ``save_checkpoint`` (so ``ModelCheckpoint`` and ``trainer.save_checkpoint`` both get
+it) and read back by its ``load_checkpoint`` when a fit resumes from ``ckpt_path``. Strategy hooks were chosen over a
+Callback so that the entry never depends on the user's callback list, and a checkpoint stays resumable by any other
+strategy (Lightning ignores unknown top-level keys).
+
+Decisions on resume are pure functions, tested without processes:
+
+* :func:`plan_allocation`: same replicas and no ``speeds`` given: reuse the checkpoint's speeds (no re-profiling,
+  the same split, so the run continues exactly); ``speeds`` given or a different number of replicas: re-balance,
+  with one INFO line saying why and how the batch sizes change. Because every step applies the gradient of the whole
+  global batch whatever the split, a re-balanced run still follows the same trajectory (up to float rounding).
+* :func:`plan_sampler_resume`: a checkpoint taken mid-epoch continues with the next global batch of the same
+  permutation (the sampler skips the ``steps_done`` global batches already trained on), on any number of replicas.
+  That needs the same global order: if the global batch size, dataset length, shuffling or seed changed, a mid-epoch
+  resume is refused with a ``ValueError``; an end-of-epoch checkpoint has no such constraint.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.utils.data import DataLoader
+
+from lightning_het.sampler import ProportionalDistributedSampler
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "SamplerResume",
+    "allocation_record",
+    "apply_sampler_resume",
+    "plan_allocation",
+    "plan_sampler_resume",
+    "read_record",
+    "sampler_record",
+    "synchronize_before_save",
+]
+
+log = logging.getLogger(__name__)
+
+#: top-level checkpoint key holding :func:`allocation_record`
+CHECKPOINT_KEY = "lightning_het"
+_VERSION = 1
+_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+# ---------------------------------------------------------------------------------------------------------- records
+def sampler_record(sampler: ProportionalDistributedSampler, steps_done: int) -> dict[str, Any]:
+    """Where ``sampler`` stands: its epoch, the global batches of that epoch done, and what fixes its order."""
+    return {
+        "epoch": int(sampler.epoch),
+        "steps_done": int(steps_done),
+        "num_steps": int(sampler.num_steps),
+        "global_batch_size": int(sampler.global_batch_size),
+        "dataset_len": len(sampler.dataset),  # type: ignore[arg-type]
+        "shuffle": bool(sampler.shuffle),
+        "seed": int(sampler.seed),
+    }
+
+
+def allocation_record(
+    batch_sizes: Sequence[int] | None,
+    speeds: Sequence[float] | None,
+    node_ids: Sequence[int] | None,
+    *,
+    profiled: bool,
+    sampler: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``checkpoint["lightning_het"]`` entry (plain types only)."""
+    sizes = [int(b) for b in batch_sizes or []]
+    return {
+        "version": _VERSION,
+        "world_size": len(sizes),
+        "global_batch_size": sum(sizes),
+        "batch_sizes": sizes,
+        "speeds": [float(s) for s in speeds or []],
+        "profiled": bool(profiled),
+        "node_ids": [int(n) for n in node_ids or []],
+        "sampler": dict(sampler) if sampler is not None else None,
+    }
+
+
+def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The entry of a loaded checkpoint, or ``None`` for a checkpoint written without this strategy.
+
+    Raises:
+        ValueError: if the entry was written by a newer, incompatible version of lightning-het.
+    """
+    record = checkpoint.get(CHECKPOINT_KEY)
+    if record is None:
+        return None
+    version = record.get("version")
+    if not isinstance(version, int) or version > _VERSION:
+        raise ValueError(
+            f"The checkpoint's `{CHECKPOINT_KEY}` entry has version {version!r}, but this lightning-het reads versions"
+            f" up to {_VERSION}. HINT: resume with the lightning-het version that wrote it, or delete"
+            f" checkpoint[{CHECKPOINT_KEY!r}] to start a fresh allocation."
+        )
+    return dict(record)
+
+
+# ---------------------------------------------------------------------------------------------------------- decisions
+@dataclass(frozen=True)
+class AllocationPlan:
+    """What a resumed fit uses as speeds, and the log line explaining it.
+
+    Attributes:
+        speeds: speeds to allocate from, or ``None`` to use the strategy's default (given ``speeds``, else profile).
+        message: INFO line for the log (``None`` when not resuming).
+        rebalanced: whether the split may differ from the checkpoint's.
+    """
+
+    speeds: list[float] | None
+    message: str | None
+    rebalanced: bool
+
+
+def plan_allocation(
+    record: Mapping[str, Any] | None, *, world_size: int, given_speeds: Sequence[float] | None
+) -> AllocationPlan:
+    """Decide the speeds of a resumed fit from the checkpoint's record. Pure.
+
+    Args:
+        record: the checkpoint's entry (see :func:`read_record`), or ``None`` when not resuming.
+        world_size: replicas of this run.
+        given_speeds: the strategy's ``speeds`` argument (``None`` when speeds are profiled).
+
+    Returns:
+        The :class:`AllocationPlan`.
+    """
+    if record is None or not record.get("speeds"):
+        return AllocationPlan(None, None, False)
+    saved_world = int(record["world_size"])
+    saved_speeds = [float(s) for s in record["speeds"]]
+    if given_speeds is not None:
+        given = [float(s) for s in given_speeds]
+        if saved_world == world_size and given == saved_speeds:
+            return AllocationPlan(given, "resuming with the checkpoint's allocation (the given speeds match it)", False)
+        return AllocationPlan(
+            given,
+            f"re-balancing on resume: the checkpoint was trained by {saved_world} replica(s) with speeds"
+            f" {saved_speeds}, this run has {world_size} replica(s) with the given speeds {given}",
+            True,
+        )
+    if saved_world != world_size:
+        return AllocationPlan(
+            None,
+            f"re-balancing on resume: the checkpoint was trained by {saved_world} replica(s), this run has"
+            f" {world_size}; profiling the replicas",
+            True,
+        )
+    return AllocationPlan(
+        saved_speeds,
+        f"resuming with the checkpoint's speeds {saved_speeds} (no re-profiling; pass `speeds=` to re-balance)",
+        False,
+    )
+
+
+@dataclass(frozen=True)
+class SamplerResume:
+    """Where the training sampler starts: ``epoch`` and the global batches of it to skip."""
+
+    epoch: int
+    skip_steps: int
+
+
+def plan_sampler_resume(
+    saved: Mapping[str, Any] | None,
+    *,
+    num_steps: int,
+    global_batch_size: int,
+    dataset_len: int,
+    shuffle: bool,
+    seed: int,
+) -> SamplerResume | None:
+    """Decide where the sampler of a resumed fit starts. Pure.
+
+    Args:
+        saved: the record's ``"sampler"`` entry, or ``None``.
+        num_steps: global batches per epoch now.
+        global_batch_size: the global batch now.
+        dataset_len: training samples now.
+        shuffle: whether the order is shuffled now.
+        seed: the order's seed now.
+
+    Returns:
+        ``None`` when there is nothing to resume; else the epoch to draw and the global batches to skip
+        (``0`` for a checkpoint taken at an epoch boundary: the next epoch starts from its first batch).
+
+    Raises:
+        ValueError: for a mid-epoch checkpoint whose global order differs from this run's (different global batch
+            size, dataset length, shuffling or seed): the batches already trained on cannot be identified.
+    """
+    if not saved:
+        return None
+    epoch, done, saved_steps = int(saved["epoch"]), int(saved["steps_done"]), int(saved["num_steps"])
+    if done <= 0:
+        return SamplerResume(epoch, 0)
+    # after the last batch but before the epoch ended (e.g. saved in on_train_batch_end): Lightning's loop counters
+    # still sit inside the epoch, so a different number of batches per epoch would cut the next epoch short
+    inside = done < saved_steps or not saved.get("epoch_finished", True)
+    now = {"global_batch_size": global_batch_size, "dataset_len": dataset_len, "shuffle": shuffle, "seed": seed}
+    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+    if inside and changed:
+        raise ValueError(
+            f"You resumed from a checkpoint taken in the middle of epoch {epoch} ({done} of {saved_steps} global"
+            f" batches done, before the epoch ended), but this run draws its global batches in a different order"
+            f" ({', '.join(changed)}), so the batches already trained on cannot be skipped. HINT: resume from a"
+            " checkpoint taken at the end of an epoch (`ModelCheckpoint(save_on_train_epoch_end=True)`), or keep"
+            " `global_batch_size`, the training data and the seed unchanged (the number of replicas and their speeds"
+            " may change)."
+        )
+    if done >= saved_steps or done >= num_steps:
+        return SamplerResume(epoch + 1, 0)
+    return SamplerResume(epoch, done)
+
+
+# ---------------------------------------------------------------------------------------------------------- wiring
+def apply_sampler_resume(
+    sampler: ProportionalDistributedSampler, record: Mapping[str, Any] | None, epoch: int
+) -> SamplerResume | None:
+    """Position a freshly built training sampler: at ``epoch`` (Lightning's epoch counter), or, when resuming from
+    ``record``, at the checkpoint's place. Returns the resume plan (``None`` when not resuming).
+
+    Setting the epoch here, before Lightning creates the first iterator, also makes loaders with worker processes
+    (which draw indices as soon as the iterator exists) use the right permutation after a resume.
+    """
+    plan = None
+    if record is not None:
+        plan = plan_sampler_resume(
+            record.get("sampler"),
+            num_steps=sampler.num_steps,
+            global_batch_size=sampler.global_batch_size,
+            dataset_len=len(sampler.dataset),  # type: ignore[arg-type]
+            shuffle=bool(sampler.shuffle),
+            seed=int(sampler.seed),
+        )
+    if plan is None:
+        sampler.set_epoch(epoch)
+        return None
+    sampler.resume(plan.epoch, plan.skip_steps)
+    if plan.skip_steps:
+        rank_zero_info(
+            f"HeterogeneousStrategy: resuming in the middle of epoch {plan.epoch}: the sampler skips the"
+            f" {plan.skip_steps} global batch(es) already trained on"
+        )
+        # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so that warning is wrong here
+        warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning)
+    return plan
+
+
+def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:
+    """The first :class:`ProportionalDistributedSampler` among ``loaders`` (Lightning's flattened train loaders)."""
+    for loader in loaders:
+        sampler = getattr(loader, "sampler", None) if isinstance(loader, DataLoader) else None
+        if isinstance(sampler, ProportionalDistributedSampler):
+            return sampler
+    return None
+
+
+def checkpoint_record(strategy: Any) -> dict[str, Any]:
+    """The entry for the checkpoint the strategy is saving now (allocation + training sampler position)."""
+    sampler_state = None
+    module = getattr(strategy, "_lightning_module", None)
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is not None:
+        combined = trainer.fit_loop._combined_loader
+        sampler = training_sampler(combined.flattened) if combined is not None else None
+        if sampler is not None:
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            sampler_state = sampler_record(sampler, done)
+            # the epoch's end-of-epoch bookkeeping already ran (saved in on_train_epoch_end or later)
+            sampler_state["epoch_finished"] = trainer.fit_loop.epoch_progress.current.processed > sampler.epoch
+    return allocation_record(
+        strategy.batch_sizes,
+        strategy.speeds,
+        strategy.node_ids,
+        profiled=getattr(strategy, "_speeds_arg", None) is None,
+        sampler=sampler_state,
+    )
+
+
+def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | None, batch_sizes: Sequence[int]) -> None:
+    """One INFO line (rank 0) on how the resumed split relates to the checkpoint's."""
+    if plan.message is None or record is None:
+        return
+    rank_zero_info(
+        f"HeterogeneousStrategy: {plan.message}; batch sizes {list(record.get('batch_sizes', []))} ->"
+        f" {list(batch_sizes)}"
+    )
+
+
+def synchronize_before_save(strategy: Any) -> None:
+    """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights.
+
+    Collective (checkpoints are saved on every rank). Calls ``synchronize(params)`` on the strategy's communication
+    controller (:class:`~lightning_het.comm.controller.CommController`) when it has one; a no-op for exact modes or
+    when the replicas already agree.
+    """
+    controller = getattr(strategy, "comm_controller", None) or getattr(strategy, "_comm_controller", None)
+    module = getattr(strategy, "_lightning_module", None)
+    if controller is None or module is None or not hasattr(controller, "synchronize"):
+        return
+    with torch.no_grad():
+        controller.synchronize(list(module.parameters()))

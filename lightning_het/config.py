@@ -1,0 +1,518 @@
+"""Structured configs (schemas) of the Hydra app, registered in Hydra's ConfigStore.
+
+The YAML files under ``lightning_het/conf/strategy`` and ``lightning_het/conf/data`` start from these schemas
+(``defaults: [schema, _self_]``), so Hydra type-checks every value when it composes the config: a wrong type or an
+unknown choice fails at the command line with Hydra's own message, e.g.::
+
+    $ lightning-het-train strategy.min_batch_size=abc
+    Error merging override strategy.min_batch_size=abc
+    Value 'abc' of type 'str' could not be converted to Integer
+        full_key: strategy.min_batch_size
+
+Range checks that a type cannot express (``min_batch_size >= 1``, slowdowns ``>= 1``, a ``???`` left unset, ...)
+live in :func:`validate_config` and the dataclasses' ``__post_init__``; they run before anything is built. The data
+module and the strategy check their own arguments again when they are constructed (fractions, files, world size).
+
+The resolvers registered here (``${lh.*:}``) derive defaults from the trainer settings (see ``docs/app.md``). This
+module itself imports neither torch nor Lightning.
+"""
+
+import enum
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+__all__ = [
+    "Comm",
+    "ConfigValueError",
+    "DataConfig",
+    "GradientAveraging",
+    "ProcessGroupBackend",
+    "SceneDtype",
+    "Split",
+    "StartMethod",
+    "StrategyConfig",
+    "SyntheticSceneConfig",
+    "default_devices",
+    "emulated_node_ids",
+    "emulated_slowdowns",
+    "equal_speeds",
+    "register_configs",
+    "run_id",
+    "slurm_tasks",
+    "validate_config",
+]
+
+
+class ConfigValueError(ValueError):
+    """A config value has the right type but an impossible value (raised before anything is built)."""
+
+
+class Comm(str, enum.Enum):
+    """Gradient communication of :class:`~lightning_het.HeterogeneousStrategy` (see ``docs/communication.md``)."""
+
+    auto = "auto"
+    allreduce = "allreduce"
+    hierarchical = "hierarchical"
+    node_local = "node_local"
+
+
+class GradientAveraging(str, enum.Enum):
+    """How the replicas' gradients are combined.
+
+    ``weighted`` (the strategy's own): each replica's gradient counts in proportion to its share of the global batch,
+    which gives exactly the gradient of the global-batch mean loss. ``unweighted``: the plain mean of the per-replica
+    mean gradients, as in the 2020 code; biased toward the slow replicas' small batches. A baseline for comparisons,
+    applied by the app (see :func:`lightning_het.train.unweighted_gradients`); use it with ``comm=allreduce``.
+    """
+
+    weighted = "weighted"
+    unweighted = "unweighted"
+
+
+class StartMethod(str, enum.Enum):
+    """How Lightning starts the replicas of one machine."""
+
+    popen = "popen"
+    spawn = "spawn"
+    fork = "fork"
+    forkserver = "forkserver"
+
+
+class ProcessGroupBackend(str, enum.Enum):
+    """``torch.distributed`` backend; ``null`` lets Lightning choose (``nccl`` on CUDA, ``gloo`` otherwise)."""
+
+    gloo = "gloo"
+    nccl = "nccl"
+    mpi = "mpi"
+    ucc = "ucc"
+
+
+class Split(str, enum.Enum):
+    """How labelled pixels are split into train/val/test: stratified ``random`` or spatially disjoint ``blocks``."""
+
+    random = "random"
+    blocks = "blocks"
+
+
+class SceneDtype(str, enum.Enum):
+    """Pixel type of a synthetic scene: digital numbers (``uint16``) or reflectance (``float32``)."""
+
+    uint16 = "uint16"
+    float32 = "float32"
+
+
+def _fail(key: str, value: Any, requirement: str, hint: str = "") -> None:
+    message = f"You set `{key}={value}`, but {requirement}."
+    if hint:
+        message += f" HINT: {hint}"
+    raise ConfigValueError(message)
+
+
+def _check_int_at_least(key: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        _fail(key, value, f"it must be an integer >= {minimum}")
+
+
+def _check_list(key: str, values: list[float] | None, minimum: float, *, strict: bool) -> None:
+    if values is None:
+        return
+    if len(values) == 0:
+        _fail(key, "[]", "it must hold one entry per replica", f"use `{key}=null` to leave it unset")
+    for i, v in enumerate(values):
+        bad = not math.isfinite(v) or (v <= minimum if strict else v < minimum)
+        if bad:
+            bound = f"> {minimum}" if strict else f">= {minimum}"
+            _fail(key, list(values), f"`{key}[{i}]`={v} is not a finite number {bound}")
+
+
+@dataclass
+class StrategyConfig:
+    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`.
+
+    Every field is a constructor keyword; ``timeout`` is in seconds and ``ddp_kwargs`` is forwarded as extra keywords
+    (to ``DDPStrategy`` and from there to ``DistributedDataParallel``, e.g. ``{gradient_as_bucket_view: true}``).
+    """
+
+    _target_: str = "lightning_het.strategy.HeterogeneousStrategy"
+    #: samples per optimizer step over all replicas; null: the datamodule's ``global_batch_size``.
+    global_batch_size: int | None = None
+    #: relative speed of every replica (by global rank); null: profiled on the real training step.
+    speeds: list[float] | None = None
+    min_batch_size: int = 1
+    max_batch_sizes: list[int] | None = None
+    #: node id of every global rank; null: detected. Setting it emulates nodes on one machine.
+    node_ids: list[int] | None = None
+    comm: Comm = Comm.auto
+    global_sync_every: int | None = None
+    #: emulation only: replica r's step takes emulate_slowdown[r] x its real time.
+    emulate_slowdown: list[float] | None = None
+    profile_steps: int = 5
+    profile_warmup: int = 2
+    #: mixed CPU/GPU replicas, e.g. ["cuda:0", "cuda:1", "cpu"] or {node_rank: [...]} (see docs/mixed_devices.md)
+    device_map: Any = None
+    #: with device_map: intra-op threads per CPU replica (int) or per local replica (list)
+    cpu_threads: Any = None
+    startup_timeout: float | None = None
+    rebalance_every_n_epochs: int | None = None
+    rebalance_threshold: float | None = None
+    telemetry: bool = True
+    #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
+    gradient_averaging: GradientAveraging = GradientAveraging.weighted
+    # --- DDPStrategy keywords
+    process_group_backend: ProcessGroupBackend | None = None
+    start_method: StartMethod = StartMethod.popen
+    timeout: float | None = None
+    find_unused_parameters: bool = False
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_int_at_least("strategy.global_batch_size", self.global_batch_size, 1)
+        _check_int_at_least("strategy.min_batch_size", self.min_batch_size, 1)
+        _check_int_at_least("strategy.global_sync_every", self.global_sync_every, 1)
+        _check_int_at_least("strategy.profile_steps", self.profile_steps, 1)
+        _check_int_at_least("strategy.profile_warmup", self.profile_warmup, 0)
+        _check_list("strategy.speeds", self.speeds, 0.0, strict=True)
+        _check_list("strategy.emulate_slowdown", self.emulate_slowdown, 1.0, strict=False)
+        if self.max_batch_sizes is not None:
+            for i, b in enumerate(self.max_batch_sizes):
+                if b < self.min_batch_size:
+                    _fail(
+                        "strategy.max_batch_sizes",
+                        list(self.max_batch_sizes),
+                        f"`max_batch_sizes[{i}]`={b} is below `strategy.min_batch_size`={self.min_batch_size}",
+                    )
+        if self.node_ids is not None and any(n < 0 for n in self.node_ids):
+            _fail("strategy.node_ids", list(self.node_ids), "node ids must be integers >= 0")
+        _check_int_at_least("strategy.rebalance_every_n_epochs", self.rebalance_every_n_epochs, 1)
+        for key, value in (("strategy.timeout", self.timeout), ("strategy.startup_timeout", self.startup_timeout)):
+            if value is not None and not value > 0:
+                _fail(key, value, "it must be a positive number of seconds")
+        if self.gradient_averaging == GradientAveraging.unweighted and self.comm != Comm.allreduce:
+            _fail(
+                "strategy.gradient_averaging",
+                self.gradient_averaging.value,
+                f"the unweighted baseline is defined for all-reduce only (got `strategy.comm={self.comm.value}`)",
+                "set `strategy.comm=allreduce`",
+            )
+        if self.gradient_averaging == GradientAveraging.unweighted and self.start_method != StartMethod.popen:
+            _fail(
+                "strategy.gradient_averaging",
+                self.gradient_averaging.value,
+                f"the unweighted baseline needs `strategy.start_method=popen` (got {self.start_method.value})",
+            )
+        if self.global_sync_every is not None and self.comm not in (Comm.node_local, Comm.auto):
+            _fail(
+                "strategy.global_sync_every",
+                self.global_sync_every,
+                f"it only applies to `strategy.comm=node_local` (got `strategy.comm={self.comm.value}`)",
+                "set `strategy.comm=node_local` or `strategy.global_sync_every=null`",
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Constructor keywords for the strategy class.
+
+        Enums become strings, ``ddp_kwargs`` is flattened in, ``_target_`` and the app-level ``gradient_averaging``
+        are left out.
+        """
+        kwargs: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            if name in ("_target_", "ddp_kwargs", "gradient_averaging"):
+                continue
+            value = getattr(self, name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=True)
+            kwargs[name] = value
+        clash = sorted(set(self.ddp_kwargs) & set(kwargs))
+        if clash:
+            _fail(
+                "strategy.ddp_kwargs",
+                dict(self.ddp_kwargs),
+                f"it repeats keys that are strategy fields: {clash}",
+                f"set them directly, e.g. `strategy.{clash[0]}=...`",
+            )
+        kwargs.update(self.ddp_kwargs)
+        return kwargs
+
+
+@dataclass
+class SyntheticSceneConfig:
+    """Schema of ``data.synthetic``: the arguments of :func:`lightning_het.data.synthetic.make_synthetic_scene`."""
+
+    height: int = 64
+    width: int = 64
+    bands: int = 32
+    classes: int = 6
+    seed: int = 0
+    noise: float = 0.02
+    region_scale: float = 6.0
+    boundary_mixing: float = 0.8
+    unlabelled_fraction: float = 0.15
+    dtype: SceneDtype = SceneDtype.uint16
+    pixel_size: float = 20.0
+    crs: str = "EPSG:32616"
+
+
+@dataclass
+class DataConfig:
+    """Schema of the ``data`` group: the keywords of :class:`~lightning_het.data.HyperspectralDataModule`.
+
+    ``image: null`` gives a synthetic scene generated on the fly from ``synthetic``. The data module checks the values
+    themselves (fractions, patch size, files) and names the offending argument.
+    """
+
+    _target_: str = "lightning_het.data.datamodule.HyperspectralDataModule"
+    #: multi-band raster (GeoTIFF, ENVI, anything rasterio opens) or a MATLAB .mat file; null: synthetic scene.
+    #: MISSING in the schema so that a YAML file's ``???`` stays mandatory (merging ``???`` keeps a default).
+    image: str | None = MISSING
+    #: single-band integer raster on the image's grid, 0 = unlabelled, 1..C = classes
+    labels: str | None = MISSING
+    synthetic: SyntheticSceneConfig | None = None
+    patch_size: int = 5
+    split: Split = Split.random
+    train_fraction: float = 0.3
+    train_per_class: int | None = None
+    val_fraction: float = 0.1
+    val_per_class: int | None = None
+    block_size: int = 16
+    pca_components: int | None = None
+    standardize: bool = True
+    num_classes: int | None = None
+    class_names: list[str] | None = None
+    image_key: str | None = None
+    labels_key: str | None = None
+    seed: int = 0
+    in_memory: bool | None = None
+    memory_budget: int | None = None
+    global_batch_size: int = 64
+    eval_batch_size: int | None = None
+    num_workers: int = 0
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.image is not None and self.synthetic is not None:
+            _fail(
+                "data.image",
+                self.image,
+                "`data.synthetic` is set too; a synthetic scene is generated only when there is no image",
+                "use `data=geotiff data.image=... data.labels=...` (which sets `data.synthetic=null`)",
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Constructor keywords for the data module (plain Python values, no ``_target_``)."""
+        node = OmegaConf.to_container(OmegaConf.structured(self), resolve=True, enum_to_str=True)
+        assert isinstance(node, dict)
+        node.pop("_target_")
+        return node
+
+
+def _single_node_cpu_world(root: DictConfig | None) -> int | None:
+    """World size of a single-node CPU job with an integer ``trainer.devices``, else ``None``."""
+    if root is None:
+        return None
+    trainer = root.get("trainer")
+    if not isinstance(trainer, DictConfig):
+        return None  # composing a group on its own: nothing to derive from yet
+    devices = trainer.get("devices")
+    if trainer.get("accelerator") != "cpu" or trainer.get("num_nodes", 1) != 1:
+        return None
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        return None
+    return devices
+
+
+def _world(root: DictConfig | None) -> int | None:
+    """``trainer.devices x trainer.num_nodes`` when both are integers, else ``None``."""
+    if root is None or not isinstance(root.get("trainer"), DictConfig):
+        return None
+    devices, nodes = root.trainer.get("devices"), root.trainer.get("num_nodes", 1)
+    if isinstance(devices, bool) or not isinstance(devices, int) or not isinstance(nodes, int) or devices < 1:
+        return None
+    return devices * nodes
+
+
+def emulated_slowdowns(max_slowdown: float | None, *, _root_: DictConfig | None = None) -> list[float] | None:
+    """Default ``strategy.emulate_slowdown``: geometric factors from 1 to ``max_slowdown`` over the replicas.
+
+    Used as ``${lh.emulated_slowdowns:4}``. It emulates heterogeneity only where that is the point of the default run:
+    a single-node CPU job with several integer ``trainer.devices``. Anywhere else (GPUs, several nodes, one replica,
+    ``max_slowdown`` null) it returns ``None`` (real speeds, no emulation).
+
+    >>> root = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 3, "num_nodes": 1}})
+    >>> emulated_slowdowns(4, _root_=root)
+    [1.0, 2.0, 4.0]
+    """
+    world = _single_node_cpu_world(_root_)
+    if max_slowdown is None or world is None or world < 2:
+        return None
+    return [round(float(max_slowdown) ** (r / (world - 1)), 3) for r in range(world)]
+
+
+def emulated_node_ids(nodes: int, *, _root_: DictConfig | None = None) -> list[int] | None:
+    """Default ``strategy.node_ids`` of ``strategy=node_local``: split a single-node CPU job into emulated nodes.
+
+    Used as ``${lh.emulated_node_ids:2}``: the replicas are cut into ``nodes`` contiguous groups, as even as possible
+    (the first groups one larger). ``None`` (detect the real nodes) for anything but a single-node CPU job.
+
+    >>> root = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 3, "num_nodes": 1}})
+    >>> emulated_node_ids(2, _root_=root)
+    [0, 0, 1]
+    """
+    world = _single_node_cpu_world(_root_)
+    if world is None or world < 2:
+        return None
+    nodes = max(1, min(int(nodes), world))
+    base, extra = divmod(world, nodes)
+    ids: list[int] = []
+    for node in range(nodes):
+        ids += [node] * (base + (1 if node < extra else 0))
+    return ids
+
+
+def equal_speeds(*, _root_: DictConfig | None = None) -> list[float] | None:
+    """``strategy.speeds`` of ``strategy=equal_split``: ``[1.0] * (trainer.devices x trainer.num_nodes)``.
+
+    Used as ``${lh.equal_speeds:}``. Raises when the world size is not known from the config.
+    """
+    if _root_ is None or not isinstance(_root_.get("trainer"), DictConfig):
+        return None  # composing a group on its own
+    world = _world(_root_)
+    if world is None:
+        raise ConfigValueError(
+            f"You chose `strategy=equal_split` with `trainer.devices={_root_.trainer.get('devices')}`, but equal speeds"
+            " need the number of replicas. HINT: set `trainer.devices` to an integer (e.g. `trainer.devices=4`)."
+        )
+    return [1.0] * world
+
+
+def default_devices(accelerator: str) -> int | str:
+    """Default ``trainer.devices``: 3 CPU replicas (the laptop demo), every device of any other accelerator.
+
+    Used as ``${lh.default_devices:${trainer.accelerator}}``.
+    """
+    if accelerator == "cpu":
+        return 3
+    if accelerator == "auto":
+        return "auto"
+    return -1
+
+
+def slurm_tasks(devices: Any) -> int:
+    """``trainer.devices`` as a SLURM task count (``${lh.slurm_tasks:${trainer.devices}}``); it must be an integer."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ConfigValueError(
+            f"You chose `hydra/launcher=slurm` with `trainer.devices={devices}`, but SLURM needs the number of tasks"
+            " (replicas) per node. HINT: set `trainer.devices` to an integer, e.g. `trainer.devices=4`."
+        )
+    return devices
+
+
+def run_id() -> str:
+    """A run-directory name that every process of one job agrees on.
+
+    ``slurm-<job id>.<step id>`` inside a multi-task ``srun`` step, ``torchrun-<run id>`` under torchrun with a
+    rendezvous id, else the local time stamp ``YYYY-MM-DD_HH-MM-SS`` (Lightning passes the run directory explicitly to
+    the replicas it starts itself, and single-task runs inside an allocation keep distinct directories).
+    """
+    env = os.environ
+    job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+    if job and step and env.get("SLURM_NTASKS", "1").isdigit() and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return f"slurm-{job}.{step}"
+    torchrun = env.get("TORCHELASTIC_RUN_ID")
+    if torchrun and torchrun != "none":
+        return f"torchrun-{torchrun}"
+    return _now_stamp()
+
+
+def _now_stamp() -> str:
+    global _STAMP
+    if _STAMP is None:
+        _STAMP = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    return _STAMP
+
+
+_STAMP: str | None = None
+
+
+def _register_resolvers() -> None:
+    OmegaConf.register_new_resolver("lh.emulated_slowdowns", emulated_slowdowns, replace=True)
+    OmegaConf.register_new_resolver("lh.emulated_node_ids", emulated_node_ids, replace=True)
+    OmegaConf.register_new_resolver("lh.equal_speeds", equal_speeds, replace=True)
+    OmegaConf.register_new_resolver("lh.default_devices", default_devices, replace=True)
+    OmegaConf.register_new_resolver("lh.run_id", run_id, replace=True)
+    OmegaConf.register_new_resolver("lh.slurm_tasks", slurm_tasks, replace=True)
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (``strategy/schema``, ``data/schema``) and register the resolvers.
+
+    Idempotent; called when :mod:`lightning_het.train` is imported. Call it yourself before composing the configs with
+    Hydra's compose API.
+    """
+    _register_resolvers()
+    store = ConfigStore.instance()
+    store.store(group="strategy", name="schema", node=StrategyConfig)
+    store.store(group="data", name="schema", node=DataConfig)
+
+
+def validate_config(cfg: DictConfig) -> tuple[StrategyConfig, DataConfig]:
+    """Resolve and range-check the ``strategy`` and ``data`` nodes of a composed config.
+
+    Args:
+        cfg: the composed application config.
+
+    Returns:
+        The two nodes as dataclass instances (``__post_init__`` has run).
+
+    Raises:
+        ConfigValueError: naming the offending key and value.
+        omegaconf.errors.OmegaConfBaseException: for a failed interpolation or a missing mandatory value (``???``).
+    """
+    missing = sorted(_missing_keys(cfg, skip=("hydra",)))
+    if missing:
+        example = " ".join(f"{k}=..." for k in missing)
+        raise ConfigValueError(
+            f"You did not set {', '.join(f'`{k}`' for k in missing)}, which the chosen configs require (`???`)."
+            f" HINT: add {example} to the command line."
+        )
+    strategy = OmegaConf.to_object(cfg.strategy)
+    data = OmegaConf.to_object(cfg.data)
+    if not isinstance(strategy, StrategyConfig) or not isinstance(data, DataConfig):
+        raise ConfigValueError(
+            "The `strategy` and `data` configs must extend their schemas (`defaults: [schema, _self_]`), but got"
+            f" {type(strategy).__name__} and {type(data).__name__}. HINT: start your own YAML file in conf/strategy or"
+            " conf/data with that defaults list."
+        )
+    return strategy, data
+
+
+def _missing_keys(node: DictConfig | ListConfig, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
+    """Full keys of the mandatory (``???``) values under ``node``, without resolving any interpolation."""
+    found: list[str] = []
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        if key in skip:
+            continue
+        child = node._get_node(key)
+        full = f"{prefix}{key}" if isinstance(node, DictConfig) else f"{prefix.rstrip('.')}[{key}]"
+        if child is None or child._is_interpolation():
+            continue
+        if child._is_missing():
+            found.append(full)
+        elif isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
+            found += _missing_keys(child, full + ".")
+    return found
+
+
+def as_list(value: Any) -> Any:
+    """Plain Python containers from OmegaConf nodes (other values unchanged)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value

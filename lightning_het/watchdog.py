@@ -1,0 +1,813 @@
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
+
+Why this exists: on Gloo a replica waiting in a collective for a peer that never arrives raises after ``timeout``,
+but the peer itself (stuck in its ``training_step``, its data loader or its device) never does, and Lightning's own
+child-process observer lives in the launching process only. The job then neither finishes nor fails: the stuck
+process outlives the others and holds the job's output open. On NCCL the waiting ranks abort, with the same effect.
+
+How it works (one :class:`Watchdog` per replica, started by the strategy once the process group exists):
+
+* **Progress markers.** A callback the strategy adds to the Trainer records where the main thread is: in
+  ``training_step``, ``backward`` or the optimizer step of training batch ``k``, between batches, loading or running
+  an evaluation batch, or done with evaluation (:class:`Phase`). Markers are plain attribute writes (no I/O).
+* **Heartbeats.** A daemon thread publishes the markers every ``interval`` seconds to a dedicated connection to the
+  job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port), together with whether
+  the main thread is inside a ``torch.distributed`` call, and reads every other replica's heartbeat. Ages are
+  measured with the reader's own monotonic clock, so clock skew between hosts does not matter.
+* **Judgement** (:func:`judge`, a pure function). While the training or evaluation loop runs, a replica whose main
+  thread made no progress for ``timeout`` seconds has *stalled*; a replica whose heartbeat stopped for ``timeout``
+  has *gone silent* (process dead or frozen). The replica(s) to blame are the stalled ones furthest *behind*: with
+  every replica running the same steps, the one stuck in ``training_step`` of batch ``k`` is behind those waiting
+  for it in the all-reduce of ``backward`` of batch ``k``; one stuck loading batch ``k+1`` is behind those in batch
+  ``k+1``. A replica inside a ``torch.distributed`` call or done with evaluation is waiting, never blamed.
+* **Abort.** The first replica to decide writes one abort record (compare-and-set, so every replica reports the same
+  verdict); every watchdog thread that reads it logs ``replica(s) [r] stopped responding for N s ...``, acknowledges,
+  and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (a thread can end a process whose main thread is
+  blocked in a collective). The replica hosting the store waits (briefly) for the acknowledgements before exiting,
+  and the launching process kills the local replicas it started that are still alive.
+* **Fast paths.** A replica that raises (a real error, or a collective that timed out or lost its peer) publishes
+  the failure from the Trainer's ``on_exception`` hook, so the others end at once instead of at their next
+  collective's timeout; the launching process notices a local replica that exited non-zero within one interval.
+
+``timeout`` is the strategy's ``timeout`` (as in ``DDPStrategy``): it must exceed the longest stretch a replica may
+spend without a progress marker inside the loops (one training step, one evaluation batch, an epoch-end hook, a
+checkpoint save). Setup and speed profiling are not judged; there Gloo's own collective timeout applies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+__all__ = [
+    "WATCHDOG_EXIT_CODE",
+    "Phase",
+    "ReplicaStatus",
+    "Verdict",
+    "Watchdog",
+    "WatchdogCallback",
+    "as_timeout",
+    "is_collective_failure",
+    "judge",
+    "relaxed_startup_timeout",
+    "start_watchdog",
+    "stop_watchdog",
+    "validate_launch_environment",
+]
+
+log = logging.getLogger(__name__)
+
+#: exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out").
+WATCHDOG_EXIT_CODE = 124
+#: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
+DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
+
+_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
+
+
+class Phase(IntEnum):
+    """Where a replica's main thread is. Within one training batch ``k`` the values increase with progress."""
+
+    TRAINING_STEP = 1
+    BACKWARD = 2
+    OPTIMIZER_STEP = 3
+    BETWEEN_BATCHES = 4  # after batch k: loading batch k+1, epoch hooks, checkpointing
+    EVAL_LOADING = 5  # evaluation after batch k: between evaluation batches
+    EVAL_STEP = 6
+    EVAL_DONE = 7  # all evaluation batches done; epoch-end metric synchronisation
+
+
+_PHASE_TEXT = {
+    Phase.TRAINING_STEP: "in training_step",
+    Phase.BACKWARD: "in backward (gradient all-reduce)",
+    Phase.OPTIMIZER_STEP: "in the optimizer step",
+    Phase.BETWEEN_BATCHES: "between training batches (loading data, epoch hooks, checkpointing)",
+    Phase.EVAL_LOADING: "loading an evaluation batch",
+    Phase.EVAL_STEP: "in an evaluation step",
+    Phase.EVAL_DONE: "done with evaluation (synchronising metrics)",
+}
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as seen by an observer (the input of :func:`judge`).
+
+    Args:
+        rank: global rank.
+        host: host name.
+        pid: process id on that host.
+        batch: training batches started so far (the same count on every replica in lock-step).
+        phase: where the main thread is within that batch.
+        armed: whether the replica is inside a training/evaluation loop (only then are stalls judged).
+        waiting: whether its main thread is inside a ``torch.distributed`` call.
+        state: ``"running"``, ``"finished"`` or ``"failed"``.
+        silent_for: seconds since its heartbeat last changed.
+        stalled_for: seconds since its main thread last made progress.
+        error: for ``"failed"``: the error, one line.
+    """
+
+    rank: int
+    host: str = "?"
+    pid: int = 0
+    batch: int = 0
+    phase: Phase = Phase.BETWEEN_BATCHES
+    armed: bool = True
+    waiting: bool = False
+    state: str = "running"
+    silent_for: float = 0.0
+    stalled_for: float = 0.0
+    error: str = ""
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Progress through the lock-step schedule: later batches, then later phases, compare greater."""
+        return self.batch, int(self.phase)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} on {self.host} (pid {self.pid}): {_PHASE_TEXT[self.phase]} of batch {self.batch}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which replica(s) to blame, and the message every replica prints before ending."""
+
+    kind: str  # "hung", "silent", "exited", "failed" or "lost_store"
+    culprits: tuple[int, ...]
+    seconds: float
+    message: str
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "culprits": list(self.culprits), "seconds": self.seconds,
+                           "message": self.message})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Verdict:
+        data = json.loads(text)
+        return cls(data["kind"], tuple(data["culprits"]), float(data["seconds"]), data["message"])
+
+
+_HINTS = {
+    "hung": "look at what the named replica(s) were doing (a stuck device, a deadlocked data loader, a step that"
+    " waits on something outside the job); if they were only slow, raise the strategy's `timeout`.",
+    "silent": "check the named replica(s)' host: a crash, an out-of-memory kill or a lost network link.",
+    "exited": "the named replica(s)' own output shows why they exited.",
+    "failed": "the named replica(s)' traceback shows the cause.",
+    "lost_store": "check rank 0's output (it hosts the rendezvous store) and the network between the nodes.",
+}
+
+
+def _ranks(statuses: Sequence[ReplicaStatus]) -> list[int]:
+    return sorted(s.rank for s in statuses)
+
+
+def judge(
+    statuses: Sequence[ReplicaStatus],
+    timeout: float,
+    *,
+    silence_timeout: float | None = None,
+    suspect_after: float | None = None,
+) -> Verdict | None:
+    """Decide whether the job must end and whom to blame. Pure: the same statuses give the same verdict.
+
+    Rules, in order:
+
+    1. a replica that reported a failure: blame it;
+    2. a running replica whose heartbeat is older than ``silence_timeout`` (default ``timeout``): its process died or
+       froze;
+    3. some replica inside a loop made no progress for ``timeout``: the job has stalled. Suspects are the replicas
+       without progress for ``suspect_after`` (default ``timeout / 2``; observers see a peer's progress up to one
+       heartbeat late) that are not known to be waiting (inside a ``torch.distributed`` call, or done with
+       evaluation). Blame the suspects in an evaluation phase (evaluation has no collectives between batches), else
+       the suspects furthest behind (:attr:`ReplicaStatus.position`), else the replicas still making progress that the
+       others wait for.
+
+    Args:
+        statuses: every replica, as the observer sees it.
+        timeout: seconds without progress after which the job has stalled.
+        silence_timeout: seconds without a heartbeat after which a replica is presumed dead.
+        suspect_after: seconds without progress that make a replica a suspect once the job has stalled.
+
+    Returns:
+        ``None`` while the job is healthy, else the :class:`Verdict`.
+    """
+    silence = timeout if silence_timeout is None else silence_timeout
+    suspect = timeout / 2 if suspect_after is None else suspect_after
+    failed = [s for s in statuses if s.state == "failed"]
+    if failed:
+        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or 'error'}" for s in failed)
+        return Verdict("failed", tuple(_ranks(failed)), 0.0, f"replica(s) {_ranks(failed)} failed ({detail})")
+    running = [s for s in statuses if s.state == "running"]
+    silent = [s for s in running if s.silent_for > silence]
+    if silent:
+        seconds = max(s.silent_for for s in silent)
+        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}), last {_PHASE_TEXT[s.phase]}" for s in silent)
+        return Verdict(
+            "silent",
+            tuple(_ranks(silent)),
+            seconds,
+            f"replica(s) {_ranks(silent)} stopped responding for {seconds:.1f} s: no heartbeat, the process died or"
+            f" froze ({detail})",
+        )
+    armed = [s for s in running if s.armed]
+    if not any(s.stalled_for > timeout for s in armed):
+        return None
+    seconds = max(s.stalled_for for s in armed)
+    waiting = {s.rank for s in running if s.waiting or s.phase == Phase.EVAL_DONE}
+    suspects = [s for s in armed if s.stalled_for > suspect and s.rank not in waiting]
+    evaluating = [s for s in suspects if s.phase in (Phase.EVAL_LOADING, Phase.EVAL_STEP)]
+    if evaluating:
+        culprits = evaluating
+    elif suspects:
+        behind = min(s.position for s in suspects)
+        culprits = [s for s in suspects if s.position == behind]
+    else:
+        culprits = [s for s in running if s.rank not in waiting]
+    progressing = bool(culprits) and all(s.stalled_for <= suspect for s in culprits)
+    if not culprits:  # everyone waits on everyone: report them all
+        culprits = armed
+    others = [s for s in running if s not in culprits]
+    context = "; ".join(s.describe() for s in culprits)
+    if others:
+        context += "; the others wait: " + "; ".join(s.describe() for s in others)
+    if progressing:
+        text = f"kept the other replicas waiting for {seconds:.1f} s"
+    else:
+        seconds = max(s.stalled_for for s in culprits)
+        text = f"stopped responding for {seconds:.1f} s"
+    return Verdict("hung", tuple(_ranks(culprits)), seconds, f"replica(s) {_ranks(culprits)} {text} ({context})")
+
+
+_COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
+
+
+def is_collective_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection).
+
+    Such an error is a symptom on the replica that raises it; the cause is elsewhere, and :class:`Watchdog` names it.
+    """
+    dist_errors = tuple(getattr(dist, name) for name in ("DistError",) if hasattr(dist, name))
+    if dist_errors and isinstance(exception, dist_errors):
+        return True
+    if not isinstance(exception, RuntimeError):
+        return False
+    text = str(exception).lower()
+    return any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def _first_line(exception: BaseException) -> str:
+    text = str(exception).strip().splitlines()
+    return f"{type(exception).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
+    """Whether one of the innermost ``depth`` Python frames belongs to ``torch.distributed`` (a collective wait)."""
+    marker = os.sep + os.path.join("torch", "distributed") + os.sep
+    while frame is not None and depth > 0:
+        if marker in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+        depth -= 1
+    return False
+
+
+class Watchdog:
+    """Per-replica heartbeat thread and judge; see the module docstring.
+
+    Args:
+        store: a store shared by all replicas (a dedicated client connection: the thread uses it concurrently with
+            the training thread).
+        rank: this replica's global rank.
+        world_size: number of replicas.
+        timeout: seconds without progress (or heartbeat) after which a replica is declared stopped.
+        interval: seconds between heartbeats. Default: ``timeout / 10``, between 0.1 and 5 s.
+        hosts_store: whether the store's server runs in this process (it then waits for the others to read the
+            verdict before exiting).
+        children: returns the local replicas this process launched, as ``(global_rank, Popen)`` pairs.
+        exit: ends the process (``os._exit``); replaced in tests.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        *,
+        interval: float | None = None,
+        hosts_store: bool = False,
+        children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
+        self.grace = min(max(2 * self.interval, 1.0), 10.0)
+        self.hosts_store = hosts_store
+        self._children = children or (lambda: [])
+        self._exit = exit
+        self._host = socket.gethostname()
+        self._pid = os.getpid()
+        # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
+        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.BETWEEN_BATCHES, time.monotonic())
+        self._armed: set[str] = set()
+        self._state = "running"
+        self._error = ""
+        self._local_failure = False
+        # heartbeat thread only
+        self._beat = 0
+        self._seen: dict[int, tuple[Any, float, Any, float]] = {}
+        self._store_lost_since: float | None = None
+        self._stop = threading.Event()
+        self._reported = False
+        self._main_ident = threading.get_ident()
+        self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
+
+    # ------------------------------------------------------------------ training thread
+    def start(self) -> None:
+        """Publish the first heartbeat and start the thread."""
+        self._main_ident = threading.get_ident()
+        self._started = time.monotonic()
+        self._publish()
+        self._thread.start()
+        log.debug("watchdog started on rank %d: timeout %.1f s, heartbeat every %.2f s", self.rank, self.timeout,
+                  self.interval)  # fmt: skip
+
+    def mark(self, phase: Phase, *, new_batch: bool = False) -> None:
+        """Record progress of the training thread (cheap; called from Trainer hooks)."""
+        seq, batch, _, _ = self._progress
+        self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
+
+    def arm(self, loop: str) -> None:
+        """Start judging stalls: the training thread entered a loop (``"fit"`` or ``"eval"``)."""
+        self._armed.add(loop)
+        self.mark(self._progress[2])
+
+    def disarm(self, loop: str) -> None:
+        self._armed.discard(loop)
+        self.mark(self._progress[2])
+
+    def stop(self) -> None:
+        """Normal end: tell the others this replica finished, and stop the thread."""
+        if self._state == "running":
+            self._state = "finished"
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._publish()
+        if not self._local_failure and self._thread.is_alive() and threading.get_ident() != self._thread.ident:
+            self._thread.join(timeout=2 * self.interval + 1.0)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The training thread is raising: make sure the whole job ends, and say who is to blame.
+
+        A collective that timed out or lost a peer is a symptom: the culprit is looked for among the others (waiting
+        up to a few heartbeats for a dead peer's heartbeat to stop). Any other exception is this replica's failure.
+        Never raises (the original exception must propagate).
+        """
+        try:
+            self._local_failure = True
+            symptom = is_collective_failure(exception)
+            if symptom:
+                # once the traceback is printed, end without running torch's destructors: a process group with the
+                # collective that failed still pending blocks interpreter exit for many seconds
+                atexit.register(self._exit_now, WATCHDOG_EXIT_CODE)
+            if self._abort_record() is not None:
+                self._acknowledge()
+                return
+            if symptom:
+                verdict = self._judge_collective_failure(exception)
+            else:
+                self._state, self._error = "failed", _first_line(exception)
+                self._publish()
+                verdict = judge(self._statuses(), self.timeout)
+            if verdict is not None:
+                self._decide(verdict)
+        except Exception as err:  # the store is unreachable: its host (rank 0) has ended
+            if self.rank != 0:
+                self._report(
+                    Verdict(
+                        "lost_store",
+                        (0,),
+                        0.0,
+                        f"replica 0 ended: replica {self.rank} lost its connection to the rendezvous store that"
+                        f" replica 0 hosts ({type(err).__name__}) while raising {_first_line(exception)}",
+                    )
+                )
+
+    def _exit_now(self, code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._exit(code)
+
+    # ------------------------------------------------------------------ heartbeat thread
+    def _run(self) -> None:
+        tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
+        next_beat = 0.0
+        while not self._stop.wait(tick):
+            try:
+                record = self._abort_record()
+                if record is not None:
+                    self._end(record)
+                    return
+                verdict = self._check_children()
+                if verdict is None and time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval
+                    self._publish()
+                    verdict = judge(self._statuses(), self.timeout)
+                self._store_lost_since = None
+                if verdict is not None:
+                    self._end(self._decide(verdict))
+                    return
+            except Exception as err:  # the store is gone: its host (rank 0) ended, or the network failed
+                if self._stop.is_set():
+                    return
+                now = time.monotonic()
+                self._store_lost_since = self._store_lost_since or now
+                if now - self._store_lost_since > self.timeout:
+                    verdict = Verdict(
+                        "lost_store",
+                        (0,),
+                        now - self._store_lost_since,
+                        f"replica {self.rank} lost contact with the job's rendezvous store for"
+                        f" {now - self._store_lost_since:.1f} s ({type(err).__name__}: {err}); the replica hosting it"
+                        " (rank 0) ended or the network failed",
+                    )
+                    self._end(verdict)
+                    return
+
+    def _publish(self) -> None:
+        seq, batch, phase, _ = self._progress
+        self._beat += 1
+        frame = sys._current_frames().get(self._main_ident)
+        status = {
+            "beat": self._beat,
+            "seq": seq,
+            "batch": batch,
+            "phase": int(phase),
+            "armed": bool(self._armed),
+            "waiting": _inside_torch_distributed(frame),
+            "state": self._state,
+            "error": self._error,
+            "host": self._host,
+            "pid": self._pid,
+        }
+        self.store.set(f"hb/{self.rank}", json.dumps(status))
+
+    def _statuses(self) -> list[ReplicaStatus]:
+        now = time.monotonic()
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        raw: dict[int, Any] = {}
+        if self.store.check(keys):
+            raw = dict(enumerate(self.store.multi_get(keys)))
+        else:
+            for r, key in enumerate(keys):
+                if self.store.check([key]):
+                    raw[r] = self.store.get(key)
+        statuses = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                statuses.append(self._own_status(now))
+                continue
+            data = json.loads(raw[r]) if r in raw else None
+            beat, seq = (data["beat"], data["seq"]) if data else (None, None)
+            old = self._seen.get(r)
+            if old is None:
+                old = (beat, self._started, seq, self._started)
+            beat_changed = old[1] if beat == old[0] else now
+            seq_changed = old[3] if seq == old[2] else now
+            self._seen[r] = (beat, beat_changed, seq, seq_changed)
+            if data is None:
+                statuses.append(ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed))
+                continue
+            statuses.append(
+                ReplicaStatus(
+                    rank=r,
+                    host=data["host"],
+                    pid=data["pid"],
+                    batch=data["batch"],
+                    phase=Phase(data["phase"]),
+                    armed=data["armed"],
+                    waiting=data["waiting"],
+                    state=data["state"],
+                    silent_for=now - beat_changed,
+                    stalled_for=now - seq_changed,
+                    error=data["error"],
+                )
+            )
+        return statuses
+
+    def _own_status(self, now: float) -> ReplicaStatus:
+        _, batch, phase, last = self._progress
+        frame = sys._current_frames().get(self._main_ident)
+        return ReplicaStatus(
+            rank=self.rank,
+            host=self._host,
+            pid=self._pid,
+            batch=batch,
+            phase=phase,
+            armed=bool(self._armed),
+            waiting=_inside_torch_distributed(frame),
+            state=self._state,
+            stalled_for=now - last,
+            error=self._error,
+        )
+
+    def _check_children(self) -> Verdict | None:
+        exited = []
+        for rank, proc in self._children():
+            code = proc.poll()
+            if code:
+                exited.append((rank, proc.pid, code))
+        if not exited:
+            return None
+        detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
+        ranks = sorted(r for r, _, _ in exited)
+        return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
+
+    def _judge_collective_failure(self, exception: BaseException) -> Verdict:
+        """A collective failed here: find the peer at fault (a dead one shows within a few heartbeats)."""
+        deadline = time.monotonic() + min(max(3 * self.interval, 1.0), self.timeout)
+        while True:
+            self._publish()
+            record = self._abort_record()
+            if record is not None:
+                return record
+            verdict = self._check_children() or judge(
+                self._statuses(), self.timeout, silence_timeout=2.5 * self.interval
+            )
+            if verdict is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(self.interval)
+        if verdict is None:  # nobody dead: blame whoever is furthest behind
+            verdict = judge(self._statuses(), 0.0, silence_timeout=self.timeout, suspect_after=0.0)
+        cause = _first_line(exception)
+        if verdict is None:
+            return Verdict("hung", (), 0.0, f"a collective failed on replica {self.rank} ({cause})")
+        return Verdict(verdict.kind, verdict.culprits, verdict.seconds, f"{verdict.message}; on replica"
+                       f" {self.rank} a collective failed: {cause}")  # fmt: skip
+
+    # ------------------------------------------------------------------ ending the job
+    def _abort_record(self) -> Verdict | None:
+        if not self.store.check(["abort"]):
+            return None
+        return Verdict.from_json(self.store.get("abort"))
+
+    def _decide(self, verdict: Verdict) -> Verdict:
+        """Publish ``verdict`` unless another replica already did; return the one that stands."""
+        current = self.store.compare_set("abort", "", verdict.to_json())
+        standing = Verdict.from_json(current)
+        self._report(standing)
+        self._acknowledge()
+        if self.hosts_store:
+            self._await_acknowledgements(standing)
+        return standing
+
+    def _report(self, verdict: Verdict) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        message = (
+            f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. Ending the job (timeout={self.timeout:g}"
+            f" s). HINT: {_HINTS.get(verdict.kind, _HINTS['hung'])}"
+        )
+        if log.hasHandlers():
+            log.error(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def _acknowledge(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(f"ack/{self.rank}", "1")
+
+    def _await_acknowledgements(self, verdict: Verdict) -> None:
+        deadline = time.monotonic() + self.grace
+        gone = set(verdict.culprits) if verdict.kind in ("exited", "silent") else set()
+        pending = [f"ack/{r}" for r in range(self.world_size) if r != self.rank and r not in gone]
+        while pending and time.monotonic() < deadline:
+            pending = [key for key in pending if not self.store.check([key])]
+            time.sleep(0.05)
+
+    def _end(self, verdict: Verdict) -> None:
+        """Heartbeat thread: end this process (unless its training thread is already raising)."""
+        self._report(verdict)
+        self._acknowledge()
+        if self.hosts_store:
+            with contextlib.suppress(Exception):
+                self._await_acknowledgements(verdict)
+        # the training thread is unwinding its own exception: let it end the process once the Trainer tore down (the
+        # exception then reaches the caller, who decides); end it here only if the teardown hangs
+        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
+            return
+        for _, proc in self._children():
+            with contextlib.suppress(Exception):
+                if proc.poll() is None:
+                    proc.kill()
+        self._exit_now(WATCHDOG_EXIT_CODE)
+
+
+class WatchdogCallback(Callback):
+    """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    # loops: arm/disarm
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.arm("fit")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.disarm("fit")
+
+    def _eval_start(self, *args: Any) -> None:
+        self.watchdog.arm("eval")
+        self.watchdog.mark(Phase.EVAL_LOADING)
+
+    def _eval_end(self, *args: Any) -> None:
+        self.watchdog.disarm("eval")
+
+    on_validation_start = on_test_start = on_predict_start = _eval_start
+    on_validation_end = on_test_end = on_predict_end = _eval_end
+
+    # training batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.watchdog.mark(Phase.TRAINING_STEP, new_batch=True)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.watchdog.mark(Phase.BACKWARD)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.mark(Phase.OPTIMIZER_STEP)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.watchdog.mark(Phase.BETWEEN_BATCHES)
+
+    def _between(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.BETWEEN_BATCHES)
+
+    on_train_epoch_start = on_train_epoch_end = _between
+
+    # evaluation batches
+    def _eval_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_STEP)
+
+    def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_LOADING)
+
+    def _eval_done(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_DONE)
+
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_batch_end
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_done
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        self.watchdog.mark(self.watchdog._progress[2])
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.watchdog.on_exception(exception)
+
+
+def as_timeout(name: str, value: Any) -> timedelta | None:
+    """Validate a timeout given as seconds (int/float) or a ``timedelta``; ``None`` stays ``None``.
+
+    Raises:
+        ValueError: for anything else, or a value that is not a finite positive duration.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
+        raise ValueError(
+            f"Expected argument `{name}` to be seconds (a number) or a datetime.timedelta, but got {value!r}"
+            f" ({type(value).__name__})."
+        )
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def _seconds(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def start_watchdog(strategy: Any, trainer: pl.Trainer) -> Watchdog | None:
+    """Start a :class:`Watchdog` for this replica and add its callback to ``trainer`` (multi-replica jobs only).
+
+    Args:
+        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist).
+        trainer: the Trainer that gets the :class:`WatchdogCallback`.
+
+    Returns:
+        The running watchdog, or ``None`` for a single replica or without a process group.
+    """
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+    timeout = _seconds(getattr(strategy, "_timeout", None))
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not timeout:
+        return None
+    base = dist.distributed_c10d._get_default_store()
+    connection = base.clone() if hasattr(base, "clone") else base
+    store = dist.PrefixStore(f"lightning_het/watchdog/{next(_generation)}/", connection)
+    rank = dist.get_rank()
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    watchdog = Watchdog(
+        store, rank, dist.get_world_size(), timeout, hosts_store=hosts_store, children=_launched_replicas(strategy)
+    )
+    watchdog.start()
+    trainer.callbacks.append(WatchdogCallback(watchdog))
+    return watchdog
+
+
+def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None) -> None:
+    """Stop ``watchdog`` (normal end of a fit/evaluation) and remove its callback."""
+    if watchdog is None:
+        return
+    watchdog.stop()
+    if trainer is not None:
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+
+
+def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
+    """The local replicas that this process launched (Lightning's ``popen`` launcher), with their global ranks."""
+
+    def children() -> list[tuple[int, subprocess.Popen]]:
+        procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+        first = strategy.node_rank * strategy.num_processes
+        return [(first + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
+
+    return children
+
+
+@contextlib.contextmanager
+def relaxed_startup_timeout(strategy: Any, startup_timeout: timedelta | float | None = None) -> Iterator[None]:
+    """Let the replicas find each other for ``startup_timeout``, then apply the strategy's (shorter) ``timeout``.
+
+    ``torch.distributed.init_process_group(timeout=...)`` uses one timeout for the rendezvous and for every
+    collective; a ``timeout`` short enough to end a hung job quickly would also fail a job whose replicas take longer
+    to start (imports, a busy node, a scheduler starting nodes apart). Inside this context the strategy's timeout is
+    raised to ``startup_timeout`` (default: the larger of ``timeout`` and 10 minutes); afterwards the default
+    group's collectives and its store get ``timeout`` back.
+    """
+    timeout = getattr(strategy, "_timeout", None)
+    startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
+    startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
+    if timeout is None or startup <= timeout or dist.is_initialized():
+        yield
+        return
+    strategy._timeout = startup
+    try:
+        yield
+    finally:
+        strategy._timeout = timeout
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timeout)
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._get_default_store().set_timeout(timeout)
+
+
+def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
+    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen.
+
+    With Lightning's default environment (no SLURM, torchrun, ...), every node must be given the same
+    ``MASTER_ADDR`` and ``MASTER_PORT``; otherwise each node silently rendezvouses on its own localhost / a random
+    port and waits until the start-up timeout.
+
+    Raises:
+        ValueError: naming the missing variable(s).
+    """
+    environ = os.environ if environ is None else environ
+    if num_nodes <= 1 or cluster_environment is None or cluster_environment.creates_processes_externally:
+        return
+    if type(cluster_environment).__name__ != "LightningEnvironment":
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]
+    if missing:
+        raise ValueError(
+            f"You set num_nodes={num_nodes}, but the environment variable(s) {', '.join(missing)} are not set, so the"
+            " nodes cannot find each other (each would wait for its own rendezvous until the start-up timeout)."
+            " HINT: on every node export MASTER_ADDR=<host of node 0>, MASTER_PORT=<free port, same on all nodes>"
+            " and NODE_RANK=<0..num_nodes-1>, or launch through SLURM / torchrun."
+        )

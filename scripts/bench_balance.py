@@ -1,0 +1,639 @@
+#!/usr/bin/env python
+"""Benchmark of load balancing on emulated heterogeneous platforms: Lightning DDP vs ``HeterogeneousStrategy``.
+
+Platforms are emulated with *sleep-based compute*: the model's ``training_step`` runs a tiny linear layer and then
+sleeps ``c0 / s_r`` seconds per sample, where ``s_r`` is replica ``r``'s relative speed (``1:2:4`` means speeds 1, 2
+and 4). Sleeping replicas release the CPU, so three replicas on a two-core machine do not fight for cores and the
+figures measure the scheduling (who waits for whom), not CPU contention. Every strategy sees the same platform
+because the emulation lives in the model. One run also uses the strategy's own ``emulate_slowdown`` option
+instead, as a cross-check.
+
+Job ``platforms`` (3 replicas, global batch 48, ``--epochs`` epochs of ``--steps`` steps):
+
+* platforms ``1:1:1``, ``1:2:4``, ``1:1:8``: Lightning's ``DDPStrategy`` (equal split, 16 per replica) and
+  ``HeterogeneousStrategy()`` with default arguments (profiled), timed over the whole ``fit`` (profiling included);
+  the *ideal* step is ``B / sum(speeds)`` = ``48 c0 / sum(s)`` and the ideal speedup over DDP ``sum(s) / (3 min(s))``;
+* ``1:2:4`` again with ``HeterogeneousStrategy(emulate_slowdown=[4, 2, 1])`` on a homogeneous model;
+* ``slowdown``: the ``1:2:4`` platform where the fastest replica becomes 2x slower from epoch 3 on, without and with
+  ``rebalance_every_n_epochs=1``.
+
+Job ``overhead`` (2 replicas, real compute, no sleeping): an MLP trained with ``DDPStrategy`` and with
+``HeterogeneousStrategy`` (profiled), alternated ``--repeats`` times; the per-step overhead compares median step times
+(profiling excluded; reported separately).
+
+Full run (~10 min on 2 CPU cores; writes ``docs/img/bench_balance_*.png`` and the results section of
+``docs/benchmarks.md``)::
+
+    python scripts/bench_balance.py --docs
+
+CI-sized run (tiny settings, < 1 min of compute; used as a test)::
+
+    python scripts/bench_balance.py --tiny --out /tmp/bench_balance
+
+Workers are started by this script (one process per replica, ``LOCAL_RANK``/``WORLD_SIZE`` set, so Lightning does not
+re-launch) and run every fit of a job in sequence; they are killed, with their process group, on failure or timeout.
+Results go to ``--out`` (default ``bench_results/balance``): ``results.json``, ``results.md``, plots, worker logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PLATFORMS: dict[str, list[float]] = {"1:1:1": [1.0, 1.0, 1.0], "1:2:4": [1.0, 2.0, 4.0], "1:1:8": [1.0, 1.0, 8.0]}
+GLOBAL_BATCH = 48
+SLOWDOWN = {"platform": "1:2:4", "rank": 2, "factor": 2.0, "epoch": 3}
+DOC_BEGIN, DOC_END = "<!-- bench_balance:begin -->", "<!-- bench_balance:end -->"
+
+
+# ====================================================================== worker side (one process per replica)
+def _worker(spec_path: str) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_het
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    out = Path(spec["out"])
+
+    class SleepModel(pl.LightningModule):
+        """Tiny compute plus ``per_sample_s[rank] x batch`` seconds of sleep (x ``factor`` after ``change``)."""
+
+        def __init__(self, per_sample_s: list[float], change: dict[str, Any] | None) -> None:
+            super().__init__()
+            self.net = nn.Linear(16, 1)
+            self.per_sample_s = per_sample_s
+            self.change = change
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            cost = self.per_sample_s[self.global_rank]
+            ch = self.change
+            if ch and self.global_rank == ch["rank"] and self.current_epoch >= ch["epoch"]:
+                cost *= ch["factor"]
+            time.sleep(cost * x.shape[0])
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class MLP(pl.LightningModule):
+        """Real compute (no sleeping), for the homogeneous overhead."""
+
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Timer(pl.Callback):
+        """Start time (wall and this process's CPU) of every training batch and wall time of every epoch."""
+
+        def __init__(self) -> None:
+            self.batch_starts: list[list[float]] = []
+            self.batch_cpu: list[list[float]] = []
+            self.epoch_s: list[float] = []
+            self._epoch_start = 0.0
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            self.batch_starts.append([])
+            self.batch_cpu.append([])
+            self._epoch_start = time.perf_counter()
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.batch_starts[-1].append(time.perf_counter())
+            self.batch_cpu[-1].append(time.process_time())
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            self.epoch_s.append(time.perf_counter() - self._epoch_start)
+
+        def step_times(self, skip_epochs: int = 0, cpu: bool = False) -> list[float]:
+            marks = self.batch_cpu if cpu else self.batch_starts
+            return [b - a for starts in marks[skip_epochs:] for a, b in itertools.pairwise(starts)]
+
+    def run(cfg: dict[str, Any]) -> dict[str, Any]:
+        pl.seed_everything(0, workers=True)
+        steps, epochs = cfg["steps"], cfg["epochs"]
+        if cfg["model"] == "mlp":
+            g = torch.Generator().manual_seed(1)
+            n = cfg["batch"] * world * steps
+            data = TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, 1, generator=g))
+            model: pl.LightningModule = MLP(cfg["width"])
+            batch = cfg["batch"]
+        else:
+            g = torch.Generator().manual_seed(1)
+            n = GLOBAL_BATCH * steps
+            data = TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 1, generator=g))
+            model = SleepModel([spec["c0"] / s for s in cfg["speeds"]], cfg.get("change"))
+            batch = GLOBAL_BATCH // world
+        kwargs = dict(cfg.get("het_kwargs") or {})
+        logger: Any = False
+        if cfg["strategy"] == "ddp":
+            strategy: Any = DDPStrategy(process_group_backend="gloo")
+        else:
+            strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **kwargs)
+            if cfg.get("report"):
+                logger = CSVLogger(out / "reports", name=cfg["name"].replace(" ", "_").replace(":", ""), version=0)
+        timer = Timer()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_epochs=epochs,
+            logger=logger,
+            callbacks=[timer],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            log_every_n_steps=max(1, steps),
+        )
+        loader = DataLoader(data, batch_size=batch, shuffle=True)
+        start = time.perf_counter()
+        trainer.fit(model, loader)
+        fit_s = time.perf_counter() - start
+        result: dict[str, Any] = {
+            **{k: v for k, v in cfg.items() if k != "het_kwargs"},
+            "het_kwargs": kwargs,
+            "fit_s": fit_s,
+            "epoch_s": timer.epoch_s,
+            "step_s_median": statistics.median(timer.step_times()),
+            "step_s_median_after_epoch0": statistics.median(timer.step_times(1) or timer.step_times()),
+            "step_cpu_s_median": statistics.median(timer.step_times(cpu=True)),
+            "global_step": trainer.global_step,
+        }
+        if cfg["strategy"] != "ddp":
+            report = trainer.strategy.balance_report()
+            result["batch_sizes"] = report["batch_sizes"]
+            result["speeds"] = report["speeds"]
+            result["profile_s"] = report["profile_seconds"]
+            result["telemetry"] = report["telemetry"]
+            monitor = trainer.strategy._monitor
+            if monitor is not None and monitor.report_paths:
+                result["report_paths"] = {k: str(v) for k, v in monitor.report_paths.items()}
+        return result
+
+    results = []
+    for cfg in spec["runs"]:
+        results.append(run(cfg))
+        if rank == 0:
+            print(f"[bench] {cfg['name']}: fit {results[-1]['fit_s']:.2f} s", flush=True)
+    if rank == 0:
+        (out / f"{spec['job']}.json").write_text(json.dumps(results, indent=1))
+
+
+# ====================================================================== driver side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(job: str, world: int, runs: list[dict[str, Any]], out: Path, c0: float, timeout: float) -> list[dict]:
+    """Run one job (``world`` worker processes running ``runs`` in sequence); returns rank 0's results."""
+    spec = {"job": job, "runs": runs, "out": str(out), "c0": c0}
+    spec_path = out / f"{job}.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    port = str(_free_port())
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "WORLD_SIZE": str(world),
+                "NODE_RANK": "0",
+                "LOCAL_RANK": str(rank),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+            }
+            log = open(out / f"{job}.rank{rank}.log", "w")  # noqa: SIM115 - closed in finally
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", str(spec_path)],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                reason = "timed out" if not failed else f"a worker exited with {failed[0].returncode}"
+                tail = (out / f"{job}.rank{procs.index(failed[0]) if failed else 0}.log").read_text()[-3000:]
+                raise RuntimeError(f"bench job {job!r} {reason}; log tail:\n{tail}")
+            time.sleep(0.2)
+        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            tail = (out / f"{job}.rank{bad[0][0]}.log").read_text()[-3000:]
+            raise RuntimeError(f"bench job {job!r}: worker {bad[0][0]} exited with {bad[0][1]}:\n{tail}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+    return json.loads((out / f"{job}.json").read_text())
+
+
+def _plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    base = {"steps": args.steps, "epochs": args.epochs, "model": "sleep"}
+    warm = {
+        **base,
+        "name": "warm-up",
+        "platform": "1:1:1",
+        "speeds": PLATFORMS["1:1:1"],
+        "strategy": "ddp",
+        "epochs": 1,
+    }
+    warm["steps"] = 2
+    platforms: list[dict] = [warm]
+    for name, speeds in PLATFORMS.items():
+        steps = args.steps if len(set(speeds)) > 1 else max(2, args.steps // 2)  # homogeneous: shorter
+        for strategy in ("ddp", "het"):
+            platforms.append(
+                {
+                    **base,
+                    "steps": steps,
+                    "name": f"{name} {strategy}",
+                    "platform": name,
+                    "speeds": speeds,
+                    "strategy": strategy,
+                }
+            )
+    fastest = max(PLATFORMS["1:2:4"])
+    platforms.append(
+        {
+            **base,
+            "name": "1:2:4 het emulate_slowdown",
+            "platform": "1:2:4",
+            "speeds": [fastest] * 3,
+            "strategy": "het",
+            "het_kwargs": {"emulate_slowdown": [fastest / s for s in PLATFORMS["1:2:4"]]},
+        }
+    )
+    change = {k: SLOWDOWN[k] for k in ("rank", "factor", "epoch")}
+    slow_epochs = max(args.epochs, SLOWDOWN["epoch"] + 2)
+    for label, kwargs in (("static", {}), ("rebalanced", {"rebalance_every_n_epochs": 1})):
+        platforms.append(
+            {
+                **base,
+                "epochs": slow_epochs,
+                "steps": max(2, 3 * args.steps // 4),
+                "name": f"slowdown {label}",
+                "platform": SLOWDOWN["platform"],
+                "speeds": PLATFORMS[SLOWDOWN["platform"]],
+                "strategy": "het",
+                "het_kwargs": kwargs,
+                "change": change,
+                "report": label == "rebalanced",
+            }
+        )
+    ov = {
+        "model": "mlp",
+        "steps": args.overhead_steps,
+        "epochs": args.overhead_epochs,
+        "batch": args.overhead_batch,
+        "width": args.overhead_width,
+    }
+    overhead = [{**ov, "name": "overhead warm-up", "strategy": "ddp", "epochs": 1}]
+    for i in range(args.repeats):
+        for strategy in ("ddp", "het") if i % 2 == 0 else ("het", "ddp"):
+            overhead.append({**ov, "name": f"overhead {strategy} #{i}", "strategy": strategy})
+    return platforms, overhead
+
+
+def _ideal_step_s(speeds: list[float], c0: float) -> float:
+    return GLOBAL_BATCH * c0 / sum(speeds)
+
+
+def _pairs(runs: list[dict], key: str) -> list[float]:
+    """``het / ddp - 1`` of ``key`` for each alternated pair of overhead runs."""
+    ddp = [r[key] for r in runs if r["name"].startswith("overhead ddp")]
+    het = [r[key] for r in runs if r["name"].startswith("overhead het")]
+    return [h / d - 1.0 for d, h in zip(ddp, het)]
+
+
+def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[str, Any]:
+    by_name = {r["name"]: r for r in platforms}
+    rows = []
+    for name, speeds in PLATFORMS.items():
+        ddp, het = by_name[f"{name} ddp"], by_name[f"{name} het"]
+        steps = ddp["global_step"]
+        ideal_step = _ideal_step_s(speeds, c0)
+        ddp_compute = (GLOBAL_BATCH // len(speeds)) * c0 / min(speeds)
+        # per-step cost that is not compute (Lightning loop, data, optimizer, all-reduce), paid by every strategy
+        overhead_s = max(ddp["step_s_median"] - ddp_compute, 0.0)
+        sizes = het.get("batch_sizes") or []
+        row = {
+            "platform": name,
+            "steps": steps,
+            "ddp_fit_s": ddp["fit_s"],
+            "het_fit_s": het["fit_s"],
+            "ideal_fit_s": steps * ideal_step,
+            "ddp_step_ms": ddp["step_s_median"] * 1e3,
+            "het_step_ms": het["step_s_median"] * 1e3,
+            "ideal_step_ms": ideal_step * 1e3,
+            "split_step_ms": max((b * c0 / v for b, v in zip(sizes, speeds)), default=float("nan")) * 1e3,
+            "overhead_ms": overhead_s * 1e3,
+            "speedup": ddp["fit_s"] / het["fit_s"],
+            "ideal_speedup": sum(speeds) / (len(speeds) * min(speeds)),
+            "ideal_speedup_with_overhead": (ddp_compute + overhead_s) / (ideal_step + overhead_s),
+            "profile_s": het.get("profile_s", 0.0),
+            "batch_sizes": sizes,
+        }
+        row["fraction_of_ideal_speedup"] = row["speedup"] / row["ideal_speedup"]
+        row["fraction_of_ideal_speedup_with_overhead"] = row["speedup"] / row["ideal_speedup_with_overhead"]
+        row["profile_share"] = row["profile_s"] / het["fit_s"]
+        rows.append(row)
+    emu = by_name["1:2:4 het emulate_slowdown"]
+    ref = by_name["1:2:4 ddp"]
+    emulation = {
+        "fit_s": emu["fit_s"],
+        "step_ms": emu["step_s_median"] * 1e3,
+        "batch_sizes": emu.get("batch_sizes"),
+        "speedup": ref["fit_s"] / emu["fit_s"],
+    }
+    speeds = PLATFORMS[SLOWDOWN["platform"]]
+    new_speeds = list(speeds)
+    new_speeds[SLOWDOWN["rank"]] /= SLOWDOWN["factor"]
+    new_ideal = GLOBAL_BATCH / (_ideal_step_s(new_speeds, c0))
+    slowdown: dict[str, Any] = {
+        "new_ideal_samples_per_s": new_ideal,
+        "old_ideal_samples_per_s": GLOBAL_BATCH / _ideal_step_s(speeds, c0),
+    }
+    for label in ("static", "rebalanced"):
+        r = by_name[f"slowdown {label}"]
+        per_epoch = [GLOBAL_BATCH * r["steps"] / s for s in r["epoch_s"]]
+        slowdown[label] = {
+            "steps_per_epoch": r["steps"],
+            "samples_per_s": per_epoch,
+            "fraction_of_new_ideal": [x / new_ideal for x in per_epoch],
+            "fit_s": r["fit_s"],
+            "rebalances": [
+                {k: e[k] for k in ("epoch", "from", "batch_sizes", "reason")}
+                for e in (r.get("telemetry") or {}).get("rebalances", [])
+            ],
+            "report_paths": r.get("report_paths"),
+        }
+    runs = [r for r in overhead if r["name"].startswith(("overhead ddp", "overhead het"))]
+    over = {
+        "ddp_step_ms": [r["step_s_median"] * 1e3 for r in runs if r["strategy"] == "ddp"],
+        "het_step_ms": [r["step_s_median"] * 1e3 for r in runs if r["strategy"] == "het"],
+        "ddp_cpu_ms": [r["step_cpu_s_median"] * 1e3 for r in runs if r["strategy"] == "ddp"],
+        "het_cpu_ms": [r["step_cpu_s_median"] * 1e3 for r in runs if r["strategy"] == "het"],
+        "overhead_per_pair": _pairs(runs, "step_s_median"),
+        "cpu_overhead_per_pair": _pairs(runs, "step_cpu_s_median"),
+        "het_profile_s": [r.get("profile_s", 0.0) for r in runs if r["strategy"] == "het"],
+    }
+    over["overhead"] = statistics.median(over["overhead_per_pair"])
+    over["cpu_overhead"] = statistics.median(over["cpu_overhead_per_pair"])
+    return {"platforms": rows, "emulation": emulation, "slowdown": slowdown, "overhead": over}
+
+
+def _clock_cost_us(iterations: int = 3000, repeats: int = 5) -> float:
+    """Extra microseconds per step that :class:`~lightning_het.telemetry.StepClock` adds to a tiny autograd step
+    (best of ``repeats``, single process, no DDP): the telemetry's own per-step cost."""
+    import torch
+
+    from lightning_het.telemetry import StepClock
+
+    w = torch.ones(4, requires_grad=True)
+
+    def steps(clock: Any) -> float:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            if clock is not None:
+                clock.step_start(4)
+            loss = (w * 2.0).sum()
+            if clock is not None:
+                clock.forward_end()
+                clock.before_backward(loss)
+            loss.backward()
+            if clock is not None:
+                clock.after_backward()
+        if clock is not None:
+            clock.flush()
+        return (time.perf_counter() - start) / iterations
+
+    plain = min(steps(None) for _ in range(repeats))
+    timed = min(steps(StepClock()) for _ in range(repeats))
+    return max(timed - plain, 0.0) * 1e6
+
+
+def _markdown(summary: dict[str, Any], args: argparse.Namespace, command: str, elapsed: float) -> str:
+    lines = [
+        f"Command: `{command}` ({elapsed / 60:.1f} min on {os.cpu_count()} CPU cores; load average"
+        f" {args.load_before:.1f} before and {args.load_after:.1f} after the run, other jobs sharing the machine)."
+        f" Sleep-based compute, c0 = {args.c0 * 1e3:g} ms per sample at speed 1, global batch {GLOBAL_BATCH},"
+        f" {args.epochs} epochs; `HeterogeneousStrategy()` with default arguments.",
+        "",
+        "**Whole `fit` (profiling included), 3 replicas.** Step times are medians. *o* is the per-step cost that is not"
+        " compute (Lightning's loop, data, optimizer, all-reduce), measured on DDP as its step minus its compute; the"
+        " last column is the best speedup any split could reach when every step also pays *o*.",
+        "",
+        "| platform | steps | DDP fit (s) | heterogeneous fit (s) | speedup vs DDP | ideal speedup | % of ideal |"
+        " batch sizes | het step (ms) | ideal step, best split (ms) | o (ms) | profiling (s, % of fit) |"
+        " % of ideal with o |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in summary["platforms"]:
+        lines.append(
+            f"| {r['platform']} | {r['steps']} | {r['ddp_fit_s']:.2f} | {r['het_fit_s']:.2f} | {r['speedup']:.3f}x |"
+            f" {r['ideal_speedup']:.3f}x | **{r['fraction_of_ideal_speedup']:.1%}** | {r['batch_sizes']} |"
+            f" {r['het_step_ms']:.1f} | {r['ideal_step_ms']:.1f}, {r['split_step_ms']:.1f} | {r['overhead_ms']:.1f} |"
+            f" {r['profile_s']:.2f} ({r['profile_share']:.1%}) | {r['fraction_of_ideal_speedup_with_overhead']:.1%} |"
+        )
+    e = summary["emulation"]
+    s = summary["slowdown"]
+    lines += [
+        "",
+        f"`emulate_slowdown=[4, 2, 1]` on a homogeneous model (the 1:2:4 platform through the strategy's own"
+        f" emulation): fit {e['fit_s']:.2f} s, step {e['step_ms']:.1f} ms, batch sizes {e['batch_sizes']}, speedup vs"
+        f" DDP on 1:2:4 {e['speedup']:.3f}x.",
+        "",
+        f"**Mid-run slowdown.** Platform {SLOWDOWN['platform']}, {s['static']['steps_per_epoch']} steps per epoch;"
+        f" rank {SLOWDOWN['rank']} becomes {SLOWDOWN['factor']:g}x slower from epoch {SLOWDOWN['epoch']}. Throughput"
+        f" per epoch as a fraction of the new ideal ({s['new_ideal_samples_per_s']:.1f} samples/s; before epoch"
+        f" {SLOWDOWN['epoch']} the ideal was {s['old_ideal_samples_per_s']:.1f}):",
+        "",
+    ]
+    n = len(s["static"]["samples_per_s"])
+    lines.append("| run | " + " | ".join(f"epoch {i}" for i in range(n)) + " | fit (s) |")
+    lines.append("|---|" + "---:|" * (n + 1))
+    for label in ("static", "rebalanced"):
+        fr = s[label]["fraction_of_new_ideal"]
+        lines.append(f"| {label} | " + " | ".join(f"{x:.0%}" for x in fr) + f" | {s[label]['fit_s']:.2f} |")
+    for e in s["rebalanced"]["rebalances"]:
+        lines += [
+            "",
+            f"Rebalanced at the end of epoch {e['epoch']}: {e['from']} -> {e['batch_sizes']} ({e['reason']}).",
+        ]
+    o = summary["overhead"]
+    pairs = ", ".join(f"{p:+.1%}" for p in o["overhead_per_pair"])
+    cpu_pairs = ", ".join(f"{p:+.1%}" for p in o["cpu_overhead_per_pair"])
+    lines += [
+        "",
+        f"**Homogeneous overhead** (2 replicas, real compute: MLP width {args.overhead_width}, batch"
+        f" {args.overhead_batch} per replica, {args.overhead_epochs} epochs x {args.overhead_steps} steps,"
+        f" {args.repeats} alternated DDP / heterogeneous pairs): median step DDP"
+        f" {statistics.median(o['ddp_step_ms']):.2f} ms, heterogeneous {statistics.median(o['het_step_ms']):.2f} ms;"
+        f" overhead per step, median of the pairs: **{o['overhead']:+.2%}** wall clock ({pairs}),"
+        f" {o['cpu_overhead']:+.2%} CPU time of rank 0 ({cpu_pairs}). Profiling adds"
+        f" {statistics.median(o['het_profile_s']):.2f} s once per fit. The telemetry clock alone costs"
+        f" {summary['clock_cost_us']:.1f} us per step (tight loop, best of 5).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(summary: dict[str, Any], img_dir: Path) -> dict[str, Path]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    rows = summary["platforms"]
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
+    width = 0.27
+    xs = range(len(rows))
+    for i, (key, label) in enumerate(
+        (
+            ("ddp_fit_s", "Lightning DDP (equal split)"),
+            ("het_fit_s", "heterogeneous (profiled)"),
+            ("ideal_fit_s", "ideal"),
+        )
+    ):
+        ax.bar([x + (i - 1) * width for x in xs], [r[key] for r in rows], width, label=label)
+    ax.set_xticks(list(xs), [r["platform"] for r in rows])
+    ax.set_ylabel("whole fit (s)")
+    ax.set_title("Training time on emulated platforms (3 replicas, global batch 48)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    paths["platforms"] = img_dir / "bench_balance_platforms.png"
+    FigureCanvasAgg(fig).print_png(str(paths["platforms"]))
+
+    s = summary["slowdown"]
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
+    for label in ("static", "rebalanced"):
+        ys = s[label]["samples_per_s"]
+        ax.plot(range(len(ys)), ys, marker="o", label=label)
+    n = len(s["static"]["samples_per_s"])
+    ideal = [s["old_ideal_samples_per_s"] if i < SLOWDOWN["epoch"] else s["new_ideal_samples_per_s"] for i in range(n)]
+    ax.step(range(n), ideal, where="mid", color="k", ls="--", lw=1, label="ideal")
+    ax.axvline(SLOWDOWN["epoch"] - 0.5, color="grey", lw=0.8)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"Rank {SLOWDOWN['rank']} becomes {SLOWDOWN['factor']:g}x slower at epoch {SLOWDOWN['epoch']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths["slowdown"] = img_dir / "bench_balance_slowdown.png"
+    FigureCanvasAgg(fig).print_png(str(paths["slowdown"]))
+    report_png = (s["rebalanced"].get("report_paths") or {}).get("plot")
+    if report_png and Path(report_png).exists():
+        paths["report"] = img_dir / "bench_balance_report.png"
+        paths["report"].write_bytes(Path(report_png).read_bytes())
+    return paths
+
+
+def _update_docs(doc: Path, section: str) -> None:
+    text = doc.read_text()
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise RuntimeError(f"{doc} has no {DOC_BEGIN} ... {DOC_END} section to fill")
+    head, rest = text.split(DOC_BEGIN, 1)
+    _, tail = rest.split(DOC_END, 1)
+    doc.write_text(f"{head}{DOC_BEGIN}\n{section}{DOC_END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _worker(argv[1])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CI-sized settings (seconds)")
+    parser.add_argument("--docs", action="store_true", help="write plots to docs/img and fill docs/benchmarks.md")
+    parser.add_argument("--out", type=Path, default=REPO / "bench_results" / "balance")
+    parser.add_argument("--c0", type=float, default=None, help="seconds per sample at speed 1")
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="steps per epoch")
+    parser.add_argument("--repeats", type=int, default=None, help="alternated DDP/heterogeneous overhead runs")
+    args = parser.parse_args(argv)
+    tiny = args.tiny
+    args.c0 = args.c0 if args.c0 is not None else (0.002 if tiny else 0.016)
+    args.epochs = args.epochs if args.epochs is not None else (2 if tiny else 10)
+    args.steps = args.steps if args.steps is not None else (4 if tiny else 40)
+    args.repeats = args.repeats if args.repeats is not None else (1 if tiny else 4)
+    args.overhead_steps = 5 if tiny else 60
+    args.overhead_epochs = 1 if tiny else 2
+    args.overhead_batch = 16 if tiny else 128
+    args.overhead_width = 32 if tiny else 512
+    args.load_before = os.getloadavg()[0]
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_balance.py " + " ".join(argv)
+    platforms_plan, overhead_plan = _plan(args)
+    start = time.perf_counter()
+    timeout = 120 if tiny else 1200
+    platforms = _launch("platforms", 3, platforms_plan, out, args.c0, timeout)
+    overhead = _launch("overhead", 2, overhead_plan, out, args.c0, timeout)
+    elapsed = time.perf_counter() - start
+    args.load_after = os.getloadavg()[0]
+    summary = _summarise([r for r in platforms if r["name"] != "warm-up"], overhead[1:], args.c0)
+    summary["clock_cost_us"] = _clock_cost_us()
+    summary["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    summary["command"] = command
+    summary["elapsed_s"] = elapsed
+    table = _markdown(summary, args, command.strip(), elapsed)
+    img_dir = REPO / "docs" / "img" if args.docs else out
+    paths = _plots(summary, img_dir)
+    summary["plots"] = {k: str(v) for k, v in paths.items()}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "results.md").write_text(table)
+    if args.docs:
+        _update_docs(REPO / "docs" / "benchmarks.md", table)
+    print(table)
+    print(f"results: {out / 'results.json'}; plots: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

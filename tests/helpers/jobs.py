@@ -1,0 +1,78 @@
+"""Run a helper script as a multi-process Lightning job in its own session, leaving no process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+    ended: float  # wall-clock time (time.time()) when the last process holding the output ended
+    survivors: list[int] = field(default_factory=list)  # processes of the job still alive after it ended
+
+
+def run_helper(module: str, out: Path, cfg: dict, *, limit: float = 240, env: dict | None = None) -> JobResult:
+    """``python -m module OUT JSON`` in a new session; returns once every process of the job has closed its output.
+
+    The job has to end on its own within ``limit`` seconds (else ``AssertionError``); whatever is left of its process
+    group afterwards is recorded in ``survivors`` and then killed.
+    """
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    full_env.pop("LOCAL_RANK", None)
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, str(out), json.dumps(cfg)],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=limit)
+        ended = time.time()
+        deadline = time.monotonic() + 3
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = group_members(proc.pid)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"job still running after {limit}s:\n{output[-4000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return JobResult(proc.returncode, output, ended, survivors)

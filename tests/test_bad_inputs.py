@@ -1,0 +1,152 @@
+"""The bad-input catalogue of ``docs/reliability.md``: every row is backed by a test (issue #7, point 5).
+
+The cases here are the ones no other test file covers; the catalogue also points at tests elsewhere (strategy
+arguments, data files, Hydra configs). :func:`test_catalogue_rows_are_backed_by_tests` keeps the table honest: at
+least 20 rows, each naming a test that exists. Every error must be raised before any replica starts or trains, or
+end the job on its own (the fault rows), and its message's first line must name the offending input.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+from lightning_het import HeterogeneousStrategy
+from tests.helpers.tiny import TinyRegressor, make_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "reliability.md"
+
+
+class _CustomBatchSampler(BatchSampler):
+    pass
+
+
+def _fit(loader: DataLoader) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=HeterogeneousStrategy(process_group_backend="gloo"),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyRegressor(), loader)
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **kwargs)
+
+
+DATASET = make_dataset(40)
+
+#: id -> (what the user did, how to reproduce it, regex the first line of the message must match)
+CASES = {
+    "timeout-string": (lambda: HeterogeneousStrategy(timeout="20"), r"`timeout` to be seconds .* got '20' \(str\)"),
+    "timeout-zero": (lambda: HeterogeneousStrategy(timeout=0), r"`timeout` to be a positive duration, but got 0"),
+    "timeout-negative-timedelta": (
+        lambda: HeterogeneousStrategy(timeout=timedelta(seconds=-1)),
+        r"`timeout` to be a positive duration",
+    ),
+    "startup-timeout-nan": (
+        lambda: HeterogeneousStrategy(startup_timeout=math.nan),
+        r"`startup_timeout` to be a positive duration",
+    ),
+    "speeds-string": (lambda: HeterogeneousStrategy(speeds="1,3"), r"`speeds` to be a sequence of numbers.*'1,3'"),
+    "speeds-word": (lambda: HeterogeneousStrategy(speeds=[1, "fast"]), r"`speeds\[1\]` is 'fast'"),
+    "speeds-empty": (lambda: HeterogeneousStrategy(speeds=[]), r"`speeds` to be non-empty"),
+    "max-batch-size-zero": (lambda: HeterogeneousStrategy(max_batch_sizes=[4, 0]), r"`max_batch_sizes\[1\]`.*got 0"),
+    "global-batch-size-float": (
+        lambda: HeterogeneousStrategy(global_batch_size=8.5),
+        r"`global_batch_size` to be an integer >= 1, but got 8.5",
+    ),
+    "profile-steps-zero": (lambda: HeterogeneousStrategy(profile_steps=0), r"`profile_steps`.*got 0"),
+    "strategy-name-typo": (
+        lambda: _trainer(strategy="heterogenous"),
+        r"invalid strategy name: `strategy='heterogenous'`",
+    ),
+    "emulate-slowdown-length": (
+        lambda: _trainer(devices=2, strategy=HeterogeneousStrategy(emulate_slowdown=[1, 2, 3])),
+        r"`emulate_slowdown` with 3 entries.*2 replicas",
+    ),
+    "loader-without-batch-size": (
+        lambda: _fit(DataLoader(DATASET, batch_size=None)),
+        r"has no `batch_size`.*HINT: pass `HeterogeneousStrategy\(global_batch_size=...\)`",
+    ),
+    "custom-batch-sampler": (
+        lambda: _fit(DataLoader(DATASET, batch_sampler=_CustomBatchSampler(SequentialSampler(DATASET), 4, False))),
+        r"custom batch sampler \(_CustomBatchSampler\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case):
+    make, pattern = CASES[case]
+    with pytest.raises(ValueError) as info:
+        make()
+    first_line = str(info.value).splitlines()[0]
+    assert re.search(pattern, first_line), first_line
+
+
+@pytest.mark.parametrize("missing", [("MASTER_ADDR",), ("MASTER_PORT",), ("NODE_RANK",), ("MASTER_ADDR", "NODE_RANK")])
+def test_multi_node_without_rendezvous_variables(monkeypatch, missing):
+    """Refused at Trainer construction, before any process starts (instead of waiting for a rendezvous forever)."""
+    for name, value in (("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("NODE_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    for name in missing:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # set by an earlier in-process fit's launcher
+    expected = rf"You set num_nodes=2, but the environment variable\(s\) {', '.join(missing)} are not set"
+    with pytest.raises(ValueError, match=expected):
+        _trainer(devices=1, num_nodes=2, strategy=HeterogeneousStrategy())
+
+
+def test_short_timeout_does_not_fail_a_slow_start():
+    """A ``timeout`` of a few seconds no longer fails the rendezvous of replicas that take longer to start."""
+    strategy = HeterogeneousStrategy(timeout=2, startup_timeout=120)
+    assert strategy._timeout == timedelta(seconds=2) and strategy._startup_timeout == timedelta(seconds=120)
+
+
+# ---------------------------------------------------------------------------------------------------- the catalogue
+def _catalogue_rows() -> list[list[str]]:
+    text = DOC.read_text()
+    section = text.split("## Bad-input catalogue", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]  # without the header
+
+
+def _test_exists(reference: str) -> bool:
+    """``tests/file.py::Class::test_name[param]`` names a test that exists (and, for ours, a CASES id)."""
+    path, _, rest = reference.partition("::")
+    parts = rest.split("::")
+    name, _, param = parts[-1].partition("[")
+    source = (REPO / path).read_text() if (REPO / path).is_file() else ""
+    if not re.search(rf"def {re.escape(name)}\(", source):
+        return False
+    if len(parts) == 2 and not re.search(rf"class {re.escape(parts[0])}\b", source):
+        return False
+    return not (path == "tests/test_bad_inputs.py" and name == "test_bad_input" and param.rstrip("]") not in CASES)
+
+
+def test_catalogue_rows_are_backed_by_tests():
+    rows = _catalogue_rows()
+    assert len(rows) >= 20, len(rows)
+    for row in rows:
+        assert len(row) == 4, row  # input | where it is caught | first line of the message | test
+        references = re.findall(r"`(tests/[^`]+)`", row[3])
+        assert references, row
+        for reference in references:
+            assert _test_exists(reference), f"catalogue row {row[0]!r}: no test {reference}"
+    # every case of this file is in the catalogue
+    listed = " ".join(row[3] for row in rows)
+    for case in CASES:
+        assert f"test_bad_input[{case}]" in listed, case

@@ -1,0 +1,251 @@
+"""Checkpoints record the allocation and the sampler's place; resumed fits continue exactly (issue #7, point 3)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
+from lightning_het.checkpointing import (
+    CHECKPOINT_KEY,
+    allocation_record,
+    plan_allocation,
+    plan_sampler_resume,
+    read_record,
+    synchronize_before_save,
+)
+from tests.helpers.jobs import run_helper
+from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
+
+
+def _weights(module: TinyRegressor) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def _close(a: dict, b: dict, tol: float = 1e-6) -> bool:
+    """Equal within ``tol`` (absolute, and relative to the weights' size)."""
+    return all(torch.allclose(a[k], b[k], rtol=tol, atol=tol) for k in b)
+
+
+# ---------------------------------------------------------------------------------------------------- decisions (pure)
+def _record(world: int = 2, speeds=(1.0, 3.0), sizes=(2, 6), sampler=None) -> dict:
+    return allocation_record(list(sizes), list(speeds), [0] * world, profiled=True, sampler=sampler)
+
+
+class TestPlanAllocation:
+    def test_not_resuming(self):
+        plan = plan_allocation(None, world_size=2, given_speeds=None)
+        assert plan.speeds is None and plan.message is None
+
+    def test_same_replicas_reuse_the_checkpoints_speeds_without_profiling(self):
+        plan = plan_allocation(_record(), world_size=2, given_speeds=None)
+        assert plan.speeds == [1.0, 3.0] and not plan.rebalanced
+        assert "resuming with the checkpoint's speeds [1.0, 3.0] (no re-profiling" in plan.message
+
+    def test_other_replica_count_rebalances_by_profiling(self):
+        plan = plan_allocation(_record(), world_size=3, given_speeds=None)
+        assert plan.speeds is None and plan.rebalanced
+        assert "trained by 2 replica(s), this run has 3" in plan.message
+
+    def test_given_speeds_win(self):
+        plan = plan_allocation(_record(), world_size=2, given_speeds=[2, 2])
+        assert plan.speeds == [2.0, 2.0] and plan.rebalanced
+        assert "speeds [1.0, 3.0]" in plan.message and "given speeds [2.0, 2.0]" in plan.message
+        assert not plan_allocation(_record(), world_size=2, given_speeds=[1, 3]).rebalanced
+
+
+class TestPlanSamplerResume:
+    ORDER = {"num_steps": 5, "global_batch_size": 8, "dataset_len": 40, "shuffle": True, "seed": 0}
+
+    def _saved(self, epoch: int, done: int, **changes) -> dict:
+        order = {k: v for k, v in self.ORDER.items() if k != "num_steps"}
+        return {"epoch": epoch, "steps_done": done, "num_steps": 5, **order, **changes}
+
+    def test_mid_epoch_skips_the_batches_done(self):
+        plan = plan_sampler_resume(self._saved(1, 2), **self.ORDER)
+        assert (plan.epoch, plan.skip_steps) == (1, 2)
+
+    def test_epoch_boundaries(self):
+        assert plan_sampler_resume(self._saved(1, 0), **self.ORDER).skip_steps == 0
+        end = plan_sampler_resume(self._saved(1, 5), **self.ORDER)
+        assert (end.epoch, end.skip_steps) == (2, 0)
+        assert plan_sampler_resume(None, **self.ORDER) is None
+
+    @pytest.mark.parametrize(("change", "text"), [({"global_batch_size": 12}, "global_batch_size 12 -> 8"),
+                                                  ({"dataset_len": 48}, "dataset_len 48 -> 40"),
+                                                  ({"seed": 3}, "seed 3 -> 0")])  # fmt: skip
+    def test_mid_epoch_with_a_different_order_is_refused(self, change, text):
+        with pytest.raises(ValueError, match=rf"middle of epoch 1 \(2 of 5 .*{text}.*HINT"):
+            plan_sampler_resume(self._saved(1, 2, **change), **self.ORDER)
+
+    def test_a_different_order_is_fine_at_an_epoch_boundary(self):
+        plan = plan_sampler_resume(self._saved(1, 5, global_batch_size=12, epoch_finished=True), **self.ORDER)
+        assert (plan.epoch, plan.skip_steps) == (2, 0)
+        with pytest.raises(ValueError, match="before the epoch ended"):
+            plan_sampler_resume(self._saved(1, 5, global_batch_size=12, epoch_finished=False), **self.ORDER)
+
+
+def test_record_versions():
+    assert read_record({}) is None
+    assert read_record({CHECKPOINT_KEY: _record()})["batch_sizes"] == [2, 6]
+    with pytest.raises(ValueError, match=r"version 99.*HINT"):
+        read_record({CHECKPOINT_KEY: {**_record(), "version": 99}})
+
+
+def test_resumed_sampler_continues_the_same_global_batches_on_another_split():
+    """The union over replicas of the resumed batches is what one process would draw from global batch 2 on."""
+    dataset = make_dataset(40)
+    single = ProportionalDistributedSampler(dataset, [8], 0, seed=5)
+    single.set_epoch(1)
+    expected = list(single)[2 * 8 :]
+    parts = []
+    for rank in range(3):
+        sampler = ProportionalDistributedSampler(dataset, [2, 2, 4], rank, seed=5)
+        sampler.resume(1, 2)
+        parts.append(list(sampler))
+        assert len(sampler) == 5 * [2, 2, 4][rank]  # Lightning counts the whole epoch
+        sampler.set_epoch(2)
+        assert len(list(sampler)) == 5 * [2, 2, 4][rank]  # later epochs are whole again
+    sizes = [2, 2, 4]
+    union = [i for step in range(3) for r in range(3) for i in parts[r][step * sizes[r] : (step + 1) * sizes[r]]]
+    assert union == expected
+
+
+# ---------------------------------------------------------------------------------------------------- one replica
+def _fit(tmp_path: Path, *, ckpt: str | None = None, save_every: int = 0, global_batch: int = 8, **kwargs):
+    pl.seed_everything(0)
+    model = TinyRegressor()
+    callbacks = []
+    if save_every:  # every `save_every` steps, or at the end of every epoch for -1
+        every = {"every_n_epochs": 1, "save_on_train_epoch_end": True} if save_every < 0 else {
+            "every_n_train_steps": save_every}  # fmt: skip
+        callbacks.append(ModelCheckpoint(tmp_path, "{step}", save_top_k=-1, **every))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=HeterogeneousStrategy(speeds=[1.0], global_batch_size=global_batch, process_group_backend="gloo"),
+        max_epochs=2,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+    trainer.fit(model, DataLoader(make_dataset(40), batch_size=4, shuffle=True), ckpt_path=ckpt)
+    return model, trainer
+
+
+def test_mid_epoch_resume_is_bitwise_exact_and_checkpoint_records_allocation(tmp_path):
+    full, _ = _fit(tmp_path, save_every=7)  # 5 steps per epoch: step 7 is in the middle of epoch 1
+    saved = torch.load(tmp_path / "step=7.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    assert saved["batch_sizes"] == [8] and saved["speeds"] == [1.0] and saved["node_ids"] == [0]
+    assert saved["sampler"] == {"epoch": 1, "steps_done": 2, "num_steps": 5, "global_batch_size": 8,
+                                "dataset_len": 40, "shuffle": True, "seed": 0, "epoch_finished": False}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed, trainer = _fit(tmp_path / "resumed", ckpt=str(tmp_path / "step=7.ckpt"))
+    assert resumed.seen_batch_sizes == [8, 8, 8] and trainer.global_step == 10
+    assert all(torch.equal(a, b) for a, b in zip(_weights(full).values(), _weights(resumed).values()))
+    assert not [w for w in caught if "dataloader is not resumable" in str(w.message)]
+    assert _close(_weights(full), reference_weights(make_dataset(40), 8, epochs=2, seed=0))
+
+
+def test_mid_epoch_resume_with_another_global_batch_is_refused(tmp_path):
+    _fit(tmp_path, save_every=7, max_steps=7)
+    with pytest.raises(ValueError, match=r"middle of epoch 1 .*global_batch_size 8 -> 4.*HINT"):
+        _fit(tmp_path / "resumed", ckpt=str(tmp_path / "step=7.ckpt"), global_batch=4)
+
+
+def test_epoch_boundary_resume_may_change_the_global_batch(tmp_path):
+    _fit(tmp_path, save_every=-1, max_steps=5)  # saved in on_train_epoch_end of epoch 0
+    resumed, trainer = _fit(tmp_path / "resumed", ckpt=str(tmp_path / "step=5.ckpt"), global_batch=4)
+    assert resumed.seen_batch_sizes == [4] * 10 and trainer.global_step == 15
+    # saved after the last batch but inside the epoch (on_train_batch_end): Lightning would cut the next epoch short
+    _fit(tmp_path / "last", save_every=5, max_steps=5)
+    with pytest.raises(ValueError, match=r"middle of epoch 0 \(5 of 5 global batches done, before the epoch ended"):
+        _fit(tmp_path / "resumed_last", ckpt=str(tmp_path / "last" / "step=5.ckpt"), global_batch=4)
+
+
+class _FakeController:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def synchronize(self, params) -> bool:
+        self.calls += 1
+        assert all(isinstance(p, torch.Tensor) for p in params)
+        return True
+
+
+def test_node_local_checkpoint_synchronises_the_consensus_model_first():
+    strategy = HeterogeneousStrategy(process_group_backend="gloo")
+    strategy._lightning_module = TinyRegressor()
+    strategy._comm_controller = _FakeController()
+    state = strategy.lightning_module_state_dict()
+    assert strategy._comm_controller.calls == 1 and "net.0.weight" in state
+    synchronize_before_save(HeterogeneousStrategy())  # no controller: nothing to do
+
+
+# ---------------------------------------------------------------------------------------------------- real jobs
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """2 replicas, speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    job = run_helper("tests.helpers.run_resume", out, {"devices": 2, "strategy": {"speeds": [1, 3]}, "save_every": 7})
+    assert job.returncode == 0, job.output[-4000:]
+    return out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def _resume(tmp_path: Path, ckpt: Path, devices: int, strategy: dict):
+    cfg = {"devices": devices, "strategy": strategy, "resume": str(ckpt)}
+    job = run_helper("tests.helpers.run_resume", tmp_path, cfg)
+    assert job.returncode == 0, job.output[-4000:]
+    return job.output, [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
+
+
+@pytest.mark.slow
+def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, tmp_path):
+    out, full = uninterrupted
+    log, dumps = _resume(tmp_path, out / "ckpt" / "step=7.ckpt", 2, {})  # speeds not given: would profile
+    assert "resuming with the checkpoint's speeds [1.0, 3.0] (no re-profiling" in log
+    assert "skips the 2 global batch(es) already trained on" in log
+    for rank, dump in enumerate(dumps):
+        assert dump["batch_sizes"] == [2, 6] and dump["global_step"] == 10
+        assert dump["seen_batch_sizes"] == [[2, 6][rank]] * 3
+        assert _close(dump["state_dict"], full[rank]["state_dict"])
+
+
+@pytest.mark.slow
+def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninterrupted, tmp_path):
+    out, full = uninterrupted
+    log, dumps = _resume(tmp_path, out / "ckpt" / "step=7.ckpt", 3, {"speeds": [1, 1, 2], "global_batch_size": 8})
+    assert "re-balancing on resume: the checkpoint was trained by 2 replica(s)" in log
+    assert "batch sizes [2, 6] -> [2, 2, 4]" in log
+    for dump in dumps:
+        assert dump["batch_sizes"] == [2, 2, 4] and dump["global_step"] == 10
+        assert _close(dump["state_dict"], full[0]["state_dict"])  # the same global batches, split differently
+
+
+@pytest.mark.slow
+def test_node_local_checkpoint_holds_the_consensus_model(tmp_path):
+    """Two emulated nodes, ``comm="node_local"`` averaging only at epoch ends: the replicas drift apart, yet a
+    checkpoint taken mid-epoch (step 3) holds their share-weighted average, which every replica then holds."""
+    cfg = {"devices": 2, "strategy": {"comm": "node_local", "node_ids": [0, 1], "speeds": [1, 3]}, "save_every": 3,
+           "epochs": 1}  # fmt: skip
+    job = run_helper("tests.helpers.run_resume", tmp_path, cfg)
+    assert job.returncode == 0, job.output[-4000:]
+    saved = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=True)["state_dict"]
+    saved = {k.removeprefix("net."): v for k, v in saved.items() if k.startswith("net.")}
+    before = [torch.load(tmp_path / f"before_step3_rank{r}.pt") for r in range(2)]
+    held = [torch.load(tmp_path / f"saved_step3_rank{r}.pt") for r in range(2)]
+    assert not all(torch.equal(before[0][k], before[1][k]) for k in saved)  # local models differ before the save
+    for k in saved:
+        assert torch.allclose(saved[k], 0.25 * before[0][k] + 0.75 * before[1][k], atol=1e-6)  # shares 2/8, 6/8
+        assert torch.equal(saved[k], held[0][k]) and torch.equal(saved[k], held[1][k])

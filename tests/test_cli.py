@@ -1,0 +1,236 @@
+"""The command line, run as users run it: subprocesses of the console script and of ``python -m lightning_het.train``.
+
+Every process a test starts is killed with its whole process group when the test ends (also on timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+
+from lightning_het.config import register_configs
+from lightning_het.data.raster import write_geotiff
+from lightning_het.data.synthetic import write_synthetic_scene
+from lightning_het.errors import ShapeMismatchError
+from lightning_het.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+_NEXT_TO_PYTHON = Path(sys.executable).parent / "lightning-het-train"  # the console script of this interpreter's env
+CONSOLE_SCRIPT = str(_NEXT_TO_PYTHON) if _NEXT_TO_PYTHON.exists() else shutil.which("lightning-het-train")
+#: variables of an enclosing distributed job that must not leak into the app's own launch
+_LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR")
+
+
+def run_app(args: list[str], *, cwd: Path, timeout: float, module: bool = False) -> subprocess.CompletedProcess:
+    """Run the app (console script, or ``python -m lightning_het.train``) in its own process group.
+
+    Returns the completed process with ``stdout`` and ``stderr`` as text. Nothing it started survives the call.
+    """
+    if not module and CONSOLE_SCRIPT is None:
+        pytest.skip("the console script lightning-het-train is not installed (pip install -e .)")
+    command = [sys.executable, "-m", "lightning_het.train", *args] if module else [CONSOLE_SCRIPT, *args]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{command} timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def check_metrics(path: Path, world_size: int) -> dict:
+    """The contract's keys, with fractions in [0, 1] and one allocation entry per replica."""
+    metrics = json.loads(path.read_text())
+    for key in ("test/oa", "test/aa", "test/kappa"):
+        assert isinstance(metrics[key], float) and 0.0 <= metrics[key] <= 1.0, (key, metrics[key])
+    balance = metrics["balance"]
+    assert len(balance["batch_sizes"]) == world_size and len(balance["speeds"]) == world_size
+    assert sum(balance["batch_sizes"]) == balance["global_batch_size"]
+    assert metrics["world_size"] == world_size
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory) -> tuple[Path, Path]:
+    """A small synthetic scene written as a GeoTIFF pair (image + labels)."""
+    out = tmp_path_factory.mktemp("scene")
+    return write_synthetic_scene(out, height=32, width=32, bands=12, classes=4, seed=3)
+
+
+@pytest.mark.slow
+def test_console_script_on_a_geotiff_pair_with_two_replicas(tmp_path, scene):
+    """From outside the repository (configs come from the package) on 2 CPU replicas started by Lightning's popen."""
+    image, labels = scene
+    run_dir = tmp_path / "run"
+    result = run_app(
+        [
+            "experiment=quick",
+            "data=geotiff",
+            f"data.image={image}",
+            f"data.labels={labels}",
+            "data.patch_size=3",
+            "data.pca_components=null",
+            "data.global_batch_size=24",
+            "trainer.devices=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    metrics = check_metrics(run_dir / "metrics.json", world_size=2)
+    assert metrics["balance"]["emulate_slowdown"] == [1.0, 4.0]
+    assert (run_dir / "prediction_map.tif").is_file() and (run_dir / "prediction_map.png").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    # the printed summary: balance table and the three scores, once (rank 0 only)
+    assert result.stdout.count("test: OA") == 1
+    assert "HeterogeneousStrategy balance" in result.stdout
+    # everything went into the run directory: nothing in the working directory, no second run directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
+def test_missing_file_exits_with_one_clear_message(tmp_path):
+    missing = tmp_path / "nope.tif"
+    result = run_app(
+        ["data=geotiff", f"data.image={missing}", f"data.labels={missing}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        timeout=120,
+        module=True,
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert str(missing) in errors[0] and "image" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_wrong_type_fails_with_hydras_message(tmp_path):
+    result = run_app(["strategy.min_batch_size=many"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert "strategy.min_batch_size" in result.stderr and "could not be converted to Integer" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "outputs").exists()  # nothing ran
+
+
+# ------------------------------------------------------------------------------------- in-process error paths
+@pytest.fixture
+def compose_cfg(tmp_path):
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module("lightning_het.conf", version_base="1.3"):
+        yield lambda *overrides: compose("train", overrides=[f"output_dir={tmp_path}", *overrides])
+    GlobalHydra.instance().clear()
+
+
+def test_mismatched_rasters_name_both_shapes(compose_cfg, tmp_path, scene):
+    image, _ = scene
+    labels = write_geotiff(tmp_path / "labels.tif", np.ones((30, 31), dtype=np.uint8))
+    cfg = compose_cfg("experiment=quick", "data=geotiff", f"data.image={image}", f"data.labels={labels}")
+    with pytest.raises(ShapeMismatchError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "32x32" in message and "30x31" in message and str(labels) in message
+
+
+def test_missing_input_fails_before_anything_is_built(compose_cfg, tmp_path):
+    cfg = compose_cfg("data=geotiff", f"data.image={tmp_path / 'a.tif'}", f"data.labels={tmp_path / 'b.tif'}")
+    with pytest.raises(FileNotFoundError, match=r"a\.tif"):
+        train(cfg)
+
+
+def test_spawn_start_method_is_refused_with_a_hint(compose_cfg):
+    from lightning_het.train import UserError
+
+    with pytest.raises(UserError, match=r"start_method=popen"):
+        train(compose_cfg("experiment=quick", "strategy.start_method=spawn"))
+
+
+@pytest.mark.slow
+def test_installed_wheel_ships_and_finds_its_configs(tmp_path):
+    """Build the wheel, install it (without dependencies) into a folder and compose the config from there."""
+    pytest.importorskip("setuptools")
+    source = tmp_path / "src"
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "multirun", "build", "*.egg-info", "__pycache__",
+                                      "bench_results", "tests"),
+        symlinks=True,
+    )
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    built = subprocess.run(
+        [*pip, "wheel", str(source), "-w", str(tmp_path / "dist"), "--no-deps", "--no-build-isolation"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("lightning_het-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    conf = REPO / "lightning_het" / "conf"
+    expected = {f"lightning_het/conf/{p.relative_to(conf).as_posix()}" for p in conf.rglob("*.yaml")}
+    assert expected and expected <= names, sorted(expected - names)
+    assert "lightning_het/conf/__init__.py" in names
+    assert "lightning-het-train = lightning_het.train:main" in entry_points
+
+    target = tmp_path / "site"
+    installed = subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["PYTHONPATH"] = str(target)  # ahead of the development tree (and of any editable install)
+    shown = subprocess.run(
+        [sys.executable, "-m", "lightning_het.train", "experiment=quick", "--cfg", "job"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "_target_: lightning_het.strategy.HeterogeneousStrategy" in shown.stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import lightning_het.conf as c; print(c.__file__)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert where.stdout.strip().startswith(str(target)), where.stdout + where.stderr
+
+
+def test_unweighted_baseline_cancels_the_strategys_loss_scale():
+    """``strategy=unweighted``: the loss handed to the strategy is divided by its ``loss_scale`` (W b_r / B)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_het.train import unweighted_gradients
+
+    strategy = SimpleNamespace(loss_scale=1.5)  # e.g. replica 2 of batch sizes [2, 4, 6]
+    model = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy))
+    model.training_step = lambda batch, batch_idx: torch.tensor(6.0)
+    unweighted_gradients(model)
+    assert model.training_step(None, 0).item() == pytest.approx(4.0)  # x 1.5 in strategy.backward -> 6.0
+    model.training_step = lambda batch, batch_idx: {"loss": torch.tensor(3.0), "extra": 1}
+    unweighted_gradients(model)
+    assert model.training_step(None, 0)["loss"].item() == pytest.approx(2.0)
+    strategy.loss_scale = 1.0  # before the allocation (profiling): unchanged
+    assert model.training_step(None, 0)["loss"].item() == pytest.approx(3.0)
