@@ -152,8 +152,8 @@ class StrategyConfig:
     global_sync_every: int | None = None
     #: emulation only: replica r's step takes emulate_slowdown[r] x its real time.
     emulate_slowdown: list[float] | None = None
-    profile_steps: int = 5
-    profile_warmup: int = 2
+    profile_steps: int = 3
+    profile_warmup: int = 1
     #: mixed CPU/GPU replicas, e.g. ["cuda:0", "cuda:1", "cpu"] or {node_rank: [...]} (see docs/mixed_devices.md)
     device_map: Any = None
     #: with device_map: intra-op threads per CPU replica (int) or per local replica (list)
@@ -162,6 +162,8 @@ class StrategyConfig:
     rebalance_every_n_epochs: int | None = None
     rebalance_threshold: float | None = None
     telemetry: bool = True
+    #: node_local: optimizer steps of plain all-reduce before the local/global scheme starts
+    comm_warmup_steps: int = 0
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
     gradient_averaging: GradientAveraging = GradientAveraging.weighted
     # --- DDPStrategy keywords
@@ -190,6 +192,7 @@ class StrategyConfig:
         if self.node_ids is not None and any(n < 0 for n in self.node_ids):
             _fail("strategy.node_ids", list(self.node_ids), "node ids must be integers >= 0")
         _check_int_at_least("strategy.rebalance_every_n_epochs", self.rebalance_every_n_epochs, 1)
+        _check_int_at_least("strategy.comm_warmup_steps", self.comm_warmup_steps, 0)
         for key, value in (("strategy.timeout", self.timeout), ("strategy.startup_timeout", self.startup_timeout)):
             if value is not None and not value > 0:
                 _fail(key, value, "it must be a positive number of seconds")
@@ -205,13 +208,6 @@ class StrategyConfig:
                 "strategy.gradient_averaging",
                 self.gradient_averaging.value,
                 f"the unweighted baseline needs `strategy.start_method=popen` (got {self.start_method.value})",
-            )
-        if self.global_sync_every is not None and self.comm not in (Comm.node_local, Comm.auto):
-            _fail(
-                "strategy.global_sync_every",
-                self.global_sync_every,
-                f"it only applies to `strategy.comm=node_local` (got `strategy.comm={self.comm.value}`)",
-                "set `strategy.comm=node_local` or `strategy.global_sync_every=null`",
             )
 
     def to_kwargs(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -482,10 +482,18 @@ class HeterogeneousStrategyBase:
     # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not isinstance(dataloader, DataLoader) or has_iterable_dataset(dataloader):
+        if not isinstance(dataloader, DataLoader):
             return dataloader
         trainer = self.lightning_module.trainer
         stage = trainer.state.stage
+        if has_iterable_dataset(dataloader):
+            if stage == RunningStage.TRAINING:
+                rank_zero_warn(
+                    "The training DataLoader wraps an IterableDataset, which HeterogeneousStrategy cannot re-split:"
+                    " every replica reads it as in plain DDP, with equal weights and no load balancing. HINT: use a"
+                    " map-style Dataset for speed-proportional batches and exact gradients."
+                )
+            return dataloader
         if stage == RunningStage.TRAINING:
             return self._split_training_loader(dataloader, trainer)
         if stage in _EVAL_STAGES:

@@ -139,6 +139,9 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers")
 
 
+_LIGHTNING_LOGGER_ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
 class _DropAdverts(logging.Filter):
     """Drop Lightning's product tips from the console (they are not about this run)."""
 
@@ -149,7 +152,9 @@ class _DropAdverts(logging.Filter):
 def _configure_console_logging() -> None:
     """Rank 0 logs to the console at INFO; the other replicas only warnings (their log files keep everything)."""
     quiet = _process_label() is not None
-    for name in ("", "lightning.pytorch", "lightning.fabric"):
+    # lightning.* and the standalone pytorch_lightning/lightning_fabric packages each log through their own handler
+    names = [""] + [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] in _LIGHTNING_LOGGER_ROOTS]
+    for name in names:
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 if not any(isinstance(f, _DropAdverts) for f in handler.filters):
@@ -403,6 +408,9 @@ def _run_sweep_job(cfg: DictConfig) -> dict[str, Any]:
             status,
         )
     path = output_dir / "metrics.json"
+    if _process_label() is not None:
+        # another task of a job that SLURM (submitit) started on several tasks: rank 0's task reports the metrics
+        return json.loads(path.read_text()) if path.is_file() else {}
     if not path.is_file():
         raise UserError(f"sweep job {hydra_cfg.job.num} finished but wrote no {path}")
     return json.loads(path.read_text())
@@ -429,7 +437,7 @@ def _stop(process: subprocess.Popen) -> None:
 # --------------------------------------------------------------------------------------------- command line
 def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
     key = cfg.get("optimized_metric")
-    if not key:
+    if not key or not metrics:
         return None
     if key not in metrics:
         available = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))

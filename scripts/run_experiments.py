@@ -142,6 +142,14 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _mean_batch_sizes(runs: list[str]) -> str:
+    """Per-replica batch sizes averaged over runs (profiled allocations differ a little between runs)."""
+    parsed = [[int(b) for b in run.split()] for run in runs if run]
+    if not parsed or len({len(p) for p in parsed}) != 1:
+        return runs[0] if runs else ""
+    return " ".join(f"{statistics.fmean(column):.0f}" for column in zip(*parsed))
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean and standard deviation per method over seeds, in the order of :data:`METHODS`."""
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -154,7 +162,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"method": method, "runs": len(group)}
         for key in ("mean_epoch_time_s", *SCORES):
             entry[key], entry[f"{key}_std"] = _mean_std([r[key] for r in group])
-        entry["batch_sizes"] = group[0]["batch_sizes"]
+        entry["batch_sizes"] = _mean_batch_sizes([r["batch_sizes"] for r in group])
         if method == "equal_split":
             baseline = entry["mean_epoch_time_s"]
         summary.append(entry)
@@ -183,7 +191,7 @@ def write_tables(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out:
         return "n/a" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
     lines = [
-        "| method | runs | batch sizes | epoch time (s) | speed-up | OA | AA | kappa |",
+        "| method | runs | mean batch sizes | epoch time (s) | speed-up | OA | AA | kappa |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for e in summary:
@@ -259,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep (unless ``--collect``), then write the tables and plots. Returns the exit status."""
     args, extra = parse_args(argv)
     out: Path = args.out
+    command = "python scripts/run_experiments.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.collect is not None:
         sweep_dir = args.collect
-        command = "python scripts/run_experiments.py --collect " + shlex.quote(str(sweep_dir))
     else:
         sweep_dir = out / "runs"
         if sweep_dir.exists() and any(sweep_dir.iterdir()):
@@ -269,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         command_line = sweep_command(args, extra, sweep_dir)
-        command = "python scripts/run_experiments.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         print("running:", shlex.join(command_line), flush=True)
         try:
             status = subprocess.run(command_line, cwd=REPO, timeout=args.timeout, check=False).returncode

@@ -49,6 +49,15 @@ def run_job(args: list[str], *, timeout: float = 120, env: dict[str, str] | None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """In-process fits (devices=1) leave torch's default process group initialised; tests that fork workers would
+    inherit it. Destroy it after every test."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture
 def tiny_job(tmp_path):
     """Run tests/helpers/run_tiny.py with a JSON config; return the per-rank dumps."""

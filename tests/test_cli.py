@@ -1,4 +1,5 @@
-"""The command line, run as users run it: subprocesses of the console script and of ``python -m lightning_het.train``.
+"""The command line: subprocesses of the console script and of ``python -m lightning_het.train`` (as users run it),
+and the same ``main`` in-process for the cheap paths (composition errors, exit statuses, how sweep jobs are launched).
 
 Every process a test starts is killed with its whole process group when the test ends (also on timeout).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -19,12 +21,13 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
 from lightning_het.config import register_configs
 from lightning_het.data.raster import write_geotiff
 from lightning_het.data.synthetic import write_synthetic_scene
 from lightning_het.errors import ShapeMismatchError
-from lightning_het.train import train
+from lightning_het.train import main, train
 
 REPO = Path(__file__).resolve().parents[1]
 _NEXT_TO_PYTHON = Path(sys.executable).parent / "lightning-het-train"  # the console script of this interpreter's env
@@ -125,15 +128,6 @@ def test_missing_file_exits_with_one_clear_message(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_wrong_type_fails_with_hydras_message(tmp_path):
-    result = run_app(["strategy.min_batch_size=many"], cwd=tmp_path, timeout=120)
-    assert result.returncode == 1
-    assert "strategy.min_batch_size" in result.stderr and "could not be converted to Integer" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "outputs").exists()  # nothing ran
-
-
 # ------------------------------------------------------------------------------------- in-process error paths
 @pytest.fixture
 def compose_cfg(tmp_path):
@@ -142,6 +136,96 @@ def compose_cfg(tmp_path):
     with initialize_config_module("lightning_het.conf", version_base="1.3"):
         yield lambda *overrides: compose("train", overrides=[f"output_dir={tmp_path}", *overrides])
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture
+def run_main(monkeypatch, tmp_path):
+    """Run the real command line (``lightning_het.train.main``) in this process; returns its exit status."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    monkeypatch.chdir(tmp_path)
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def _run(*args: str) -> int:
+        monkeypatch.setattr(sys, "argv", ["lightning-het-train", *args])
+        GlobalHydra.instance().clear()
+        try:
+            main()
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        finally:
+            GlobalHydra.instance().clear()
+            HydraConfig.instance().cfg = None  # type: ignore[assignment]  # no run config leaks into later tests
+        return 0
+
+    yield _run
+    root.handlers[:] = saved[0]  # Hydra configured logging for the run
+    root.setLevel(saved[1])
+
+
+def test_wrong_type_fails_with_hydras_message(run_main, capsys, tmp_path):
+    assert run_main("strategy.min_batch_size=many") == 1
+    err = capsys.readouterr().err
+    assert "strategy.min_batch_size" in err and "could not be converted to Integer" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "outputs").exists()  # nothing ran
+
+
+def test_bad_value_exits_2_with_one_line(run_main, capsys, tmp_path):
+    assert run_main("strategy.emulate_slowdown=[1,0.5,2]") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: You set `strategy.emulate_slowdown=[1.0, 0.5, 2.0]`"), err
+    assert len(err.strip().splitlines()) == 1
+
+
+class _FakePopen:
+    """Stands in for the sweep job's single run: records the command, exits with ``status``."""
+
+    commands: list[list[str]] = []
+    status = 0
+
+    def __init__(self, command: list[str], cwd: str | None = None) -> None:
+        self.commands.append(command)
+        self.returncode: int | None = None
+        run_dir = next(a for a in command if a.startswith("hydra.run.dir="))
+        self.run_dir = Path(run_dir.split("=", 1)[1].strip('"'))
+
+    def wait(self) -> int:
+        if self.status == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "metrics.json").write_text(json.dumps({"test/oa": 0.5, "test/aa": 0.5, "test/kappa": 0.4}))
+        self.returncode = self.status
+        return self.status
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_each_sweep_job_runs_as_one_single_run(run_main, monkeypatch, capsys, tmp_path, status):
+    """Under -m every job becomes `python -m lightning_het.train <job overrides> hydra.run.dir=<job dir>`, no -m."""
+    monkeypatch.setattr("lightning_het.train.subprocess.Popen", _FakePopen)
+    monkeypatch.setattr(_FakePopen, "commands", [])
+    monkeypatch.setattr(_FakePopen, "status", status)
+    sweep = tmp_path / "sweep"
+    code = run_main("-m", "experiment=quick", "seed=0,1", "optimized_metric=test/oa", f"hydra.sweep.dir={sweep}")
+    commands = _FakePopen.commands
+    if status == 0:
+        assert code == 0
+        assert len(commands) == 2
+    else:  # the first job fails: its status ends the sweep, with one line naming the job and its directory
+        assert code == status and len(commands) == 1
+        err = capsys.readouterr().err
+        job = "sweep job 0 (experiment=quick seed=0 optimized_metric=test/oa)"
+        assert f"error: {job} failed with exit status {status}" in err
+        assert str(sweep / "0") in err
+    for number, command in enumerate(commands):
+        assert command[1:3] == ["-m", "lightning_het.train"]
+        assert "-m" not in command[3:] and "--multirun" not in command
+        assert f"seed={number}" in command and "experiment=quick" in command
+        assert f'hydra.run.dir="{sweep / str(number)}"' in command
+        assert not any(arg.startswith(("hydra.mode", "hydra.sweep")) for arg in command)
 
 
 def test_mismatched_rasters_name_both_shapes(compose_cfg, tmp_path, scene):
@@ -204,16 +288,14 @@ def test_installed_wheel_ships_and_finds_its_configs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONPATH"] = str(target)  # ahead of the development tree (and of any editable install)
     shown = subprocess.run(
-        [sys.executable, "-m", "lightning_het.train", "experiment=quick", "--cfg", "job"],
+        [sys.executable, "-m", "lightning_het.train", "experiment=quick", "--info", "all"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False,
     )
     assert shown.returncode == 0, shown.stderr[-3000:]
+    main_path = next(line for line in shown.stdout.splitlines() if "| main" in line)
+    assert str(target / "lightning_het" / "conf") in main_path, shown.stdout  # the configs of the installed copy
+    assert "experiment/quick" in shown.stdout  # and they compose
     assert "_target_: lightning_het.strategy.HeterogeneousStrategy" in shown.stdout
-    where = subprocess.run(
-        [sys.executable, "-c", "import lightning_het.conf as c; print(c.__file__)"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False,
-    )
-    assert where.stdout.strip().startswith(str(target)), where.stdout + where.stderr
 
 
 def test_unweighted_baseline_cancels_the_strategys_loss_scale():

@@ -1,9 +1,9 @@
 """A tiny multi-replica fit in which one replica misbehaves: ``python -m tests.helpers.run_faulty OUT_DIR JSON``.
 
 JSON keys: ``devices`` (default 3), ``timeout`` (strategy ``timeout``, seconds), ``epochs``, ``n`` (dataset size), and
-``fault``: ``{"kind": "hang" | "exit" | "raise", "rank": r, "step": k, "where": "training_step" | "data" |
-"validation_step"}``. When the fault fires, the replica writes ``OUT_DIR/fault.json`` with its pid and the wall-clock
-time, so a test can measure how long the job took to end after it.
+``fault``: ``{"kind": "hang" | "exit" | "raise", "rank": r, "step": k, "where": "training_step" | "validation_step"}``
+(replica ``r`` misbehaves in that hook at global step ``k``). When the fault fires, the replica writes
+``OUT_DIR/fault.json`` with its pid and the wall-clock time, so a test can measure how long the job took to end.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_het
 from tests.helpers.tiny import TinyRegressor, make_dataset
@@ -54,22 +54,6 @@ class FaultyRegressor(TinyRegressor):
         return super().validation_step(batch, batch_idx)
 
 
-class FaultyDataset(Dataset):
-    """Hangs (like a deadlocked loader) when replica ``rank`` reads its ``after``-th sample."""
-
-    def __init__(self, inner: Dataset, out: Path, fault: dict) -> None:
-        self.inner, self.out, self.fault, self.reads = inner, out, fault, 0
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, index: int):
-        self.reads += 1
-        if int(os.environ.get("LOCAL_RANK", 0)) == self.fault["rank"] and self.reads > self.fault["after"]:
-            _fire(self.out, self.fault, self.fault["rank"])
-        return self.inner[index]
-
-
 def main() -> None:
     out = Path(sys.argv[1])
     cfg = json.loads(sys.argv[2])
@@ -89,11 +73,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    train = make_dataset(cfg.get("n", 60))
-    if fault.get("where") == "data":
-        train = FaultyDataset(train, out, fault)
+    train = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=4, shuffle=True)
     val = DataLoader(make_dataset(30, seed=99), batch_size=5) if fault.get("where") == "validation_step" else None
-    trainer.fit(FaultyRegressor(out, fault), DataLoader(train, batch_size=4, shuffle=True), val)
+    trainer.fit(FaultyRegressor(out, fault), train, val)
 
 
 if __name__ == "__main__":
