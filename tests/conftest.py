@@ -51,9 +51,12 @@ def run_job(args: list[str], *, timeout: float = 120, env: dict[str, str] | None
 
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group():
-    """In-process fits (devices=1) leave torch's default process group initialised; tests that fork workers would
-    inherit it. Destroy it after every test."""
+    """In-process fits (devices=1) leave torch's default process group initialised and Lightning's variables
+    (LOCAL_RANK, MASTER_PORT, ...) in ``os.environ``; later tests would inherit both. Undo them after every test."""
+    environ = dict(os.environ)
     yield
+    os.environ.clear()
+    os.environ.update(environ)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -45,7 +45,7 @@ def test_string_strategy_profiles_slow_replica_to_a_quarter(tiny_job):
         "epochs": 1,
         "n": 64,
         "batch_size": 16,
-        "module": {"cost_per_sample_s": 0.001, "slow_factor": 3.0, "slow_rank": 1},
+        "module": {"cost_per_sample_s": 0.003, "slow_factor": 3.0, "slow_rank": 1},
     }
     dumps, out = tiny_job(cfg)
     sizes = dumps[0]["batch_sizes"]
