@@ -247,6 +247,8 @@ def gather_timings(local: EpochTimings, world_size: int, device: torch.device) -
     counts = [torch.zeros_like(count) for _ in range(world_size)]
     dist.all_gather(counts, count)
     longest = max(int(c.item()) for c in counts)
+    if longest == 0:  # the same on every rank: nothing recorded anywhere
+        return [EpochTimings() for _ in range(world_size)]
     padded = torch.zeros(longest, 4, dtype=torch.float64, device=device)
     padded[: rows.shape[0]] = rows
     everyone = [torch.zeros_like(padded) for _ in range(world_size)]
@@ -293,7 +295,7 @@ class TelemetryHistory:
         epochs: one :func:`epoch_summary` per gathered window, with ``epoch`` and ``global_step`` added.
         series: per replica, the step-by-step ``compute_s`` / ``wait_s`` and the ``batch`` number of each point
             (1-based count of training batches since ``fit`` started; thinned to at most ~20 000 points per replica).
-        rebalances: one dict per adopted re-allocation (see :meth:`record_rebalance`).
+        rebalances: one dict per adopted re-allocation (see :meth:`record_check`).
         checks: every rebalancing decision, adopted or not.
     """
 
