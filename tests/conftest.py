@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,20 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.jobs import REPO, free_port, job_env
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["REPO", "free_port", "run_job"]
 
 
 def run_job(args: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Run ``python args...`` in its own session; on timeout kill the whole process group. Returns CompletedProcess."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    full_env.pop("LOCAL_RANK", None)
-    full_env.update(env or {})
+    full_env = job_env(env)
     proc = subprocess.Popen(
         [sys.executable, *args],
         cwd=cwd or REPO,

@@ -43,19 +43,24 @@ class JobResult:
     survivors: list[int] = field(default_factory=list)  # processes of the job still alive after it ended
 
 
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a fresh localhost job: repo importable, its own rendezvous port, no inherited LOCAL_RANK."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.pop("LOCAL_RANK", None)
+    env.update(extra or {})
+    return env
+
+
 def run_helper(module: str, out: Path, cfg: dict, *, limit: float = 240, env: dict | None = None) -> JobResult:
     """``python -m module OUT JSON`` in a new session; returns once every process of the job has closed its output.
 
     The job has to end on its own within ``limit`` seconds (else ``AssertionError``); whatever is left of its process
     group afterwards is recorded in ``survivors`` and then killed.
     """
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    full_env.pop("LOCAL_RANK", None)
-    full_env.update(env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", module, str(out), json.dumps(cfg)],
         cwd=REPO,
-        env=full_env,
+        env=job_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
