@@ -393,8 +393,10 @@ def _run_sweep_job(cfg: DictConfig) -> dict[str, Any]:
     command = sweep_job_command(hydra_cfg)
     output_dir = Path(hydra_cfg.runtime.output_dir)
     log.info("Sweep job %s: %s", hydra_cfg.job.num, " ".join(command))
-    print(f"[sweep job {hydra_cfg.job.num}] {' '.join(hydra_cfg.overrides.task) or '(no overrides)'} -> {output_dir}",
-          flush=True)
+    print(
+        f"[sweep job {hydra_cfg.job.num}] {' '.join(hydra_cfg.overrides.task) or '(no overrides)'} -> {output_dir}",
+        flush=True,
+    )
     process = subprocess.Popen(command, cwd=hydra.utils.get_original_cwd())
     try:
         status = process.wait()

@@ -22,14 +22,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bands", type=int, default=32, help="spectral bands over 400-2500 nm (default: %(default)s)")
     parser.add_argument("--classes", type=int, default=6, help="labelled classes (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--noise", type=float, default=defaults.get("noise"),
-                        help="sensor noise std, reflectance units (default: %(default)s)")
-    parser.add_argument("--region-scale", type=float, default=defaults.get("region_scale"),
-                        help="size of the class regions, pixels (default: %(default)s)")
-    parser.add_argument("--unlabelled-fraction", type=float, default=defaults.get("unlabelled_fraction"),
-                        help="fraction of unlabelled background (default: %(default)s)")
-    parser.add_argument("--dtype", choices=["uint16", "float32"], default="uint16",
-                        help="uint16 = 10000 x reflectance, float32 = reflectance (default: %(default)s)")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=defaults.get("noise"),
+        help="sensor noise std, reflectance units (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--region-scale",
+        type=float,
+        default=defaults.get("region_scale"),
+        help="size of the class regions, pixels (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--unlabelled-fraction",
+        type=float,
+        default=defaults.get("unlabelled_fraction"),
+        help="fraction of unlabelled background (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["uint16", "float32"],
+        default="uint16",
+        help="uint16 = 10000 x reflectance, float32 = reflectance (default: %(default)s)",
+    )
     parser.add_argument("--out", required=True, help="output folder (created)")
     return parser.parse_args(argv)
 

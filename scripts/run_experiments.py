@@ -217,8 +217,13 @@ def write_plots(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: 
     x = range(len(summary))
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    ax.bar(x, [e["mean_epoch_time_s"] for e in summary], yerr=[e["mean_epoch_time_s_std"] for e in summary],
-           color="tab:blue", capsize=4)
+    ax.bar(
+        x,
+        [e["mean_epoch_time_s"] for e in summary],
+        yerr=[e["mean_epoch_time_s_std"] for e in summary],
+        color="tab:blue",
+        capsize=4,
+    )
     ax.set_xticks(list(x), names, fontsize="small")
     ax.set_ylabel("epoch time (s)")
     ax.set_title("Training time per epoch (emulated heterogeneous platform)")
@@ -230,8 +235,14 @@ def write_plots(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: 
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     width = 0.8 / len(SCORES)
     for i, key in enumerate(SCORES):
-        ax.bar([j + (i - 1) * width for j in x], [e[key] for e in summary], width,
-               yerr=[e[f"{key}_std"] for e in summary], capsize=3, label=key.split("/")[1].upper())
+        ax.bar(
+            [j + (i - 1) * width for j in x],
+            [e[key] for e in summary],
+            width,
+            yerr=[e[f"{key}_std"] for e in summary],
+            capsize=3,
+            label=key.split("/")[1].upper(),
+        )
     low = min((e[k] - e[f"{k}_std"] for e in summary for k in SCORES if not math.isnan(e[k])), default=0.0)
     ax.set_ylim(max(0.0, low - 0.05), 1.0)
     ax.set_xticks(list(x), names, fontsize="small")
@@ -273,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sweep_dir = out / "runs"
         if sweep_dir.exists() and any(sweep_dir.iterdir()):
-            print(f"error: {sweep_dir} is not empty. HINT: choose another --out, or tabulate it with --collect.",
-                  file=sys.stderr)
+            print(
+                f"error: {sweep_dir} is not empty. HINT: choose another --out, or tabulate it with --collect.",
+                file=sys.stderr,
+            )
             return 2
         command_line = sweep_command(args, extra, sweep_dir)
         print("running:", shlex.join(command_line), flush=True)

@@ -259,14 +259,18 @@ def test_installed_wheel_ships_and_finds_its_configs(tmp_path):
     shutil.copytree(
         REPO,
         source,
-        ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "multirun", "build", "*.egg-info", "__pycache__",
-                                      "bench_results", "tests"),
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "outputs", "multirun", "build", "*.egg-info", "__pycache__", "bench_results", "tests"
+        ),
         symlinks=True,
     )
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     built = subprocess.run(
         [*pip, "wheel", str(source), "-w", str(tmp_path / "dist"), "--no-deps", "--no-build-isolation"],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("lightning_het-*.whl")
@@ -282,14 +286,22 @@ def test_installed_wheel_ships_and_finds_its_configs(tmp_path):
     target = tmp_path / "site"
     installed = subprocess.run(
         [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert installed.returncode == 0, installed.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONPATH"] = str(target)  # ahead of the development tree (and of any editable install)
     shown = subprocess.run(
         [sys.executable, "-m", "lightning_het.train", "experiment=quick", "--info", "all"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert shown.returncode == 0, shown.stderr[-3000:]
     main_path = next(line for line in shown.stdout.splitlines() if "| main" in line)

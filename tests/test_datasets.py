@@ -201,12 +201,18 @@ class TestDataModuleScenes:
         cube, labels = small_arrays()
         scipy.io.savemat(tmp_path / "scene.mat", {"scene": np.moveaxis(cube, 0, -1)})
         scipy.io.savemat(tmp_path / "scene_gt.mat", {"scene_gt": labels})
-        dm = HyperspectralDataModule(tmp_path / "scene.mat", tmp_path / "scene_gt.mat", patch_size=3, train_per_class=5,
-                                     val_per_class=2)
+        dm = HyperspectralDataModule(
+            tmp_path / "scene.mat", tmp_path / "scene_gt.mat", patch_size=3, train_per_class=5, val_per_class=2
+        )
         dm.prepare_data()
         dm.setup()
-        assert (dm.num_bands, dm.num_classes, dm.shape, dm.crs, dm.transform) == (BANDS, CLASSES, (HEIGHT, WIDTH),
-                                                                                     None, None)
+        assert (dm.num_bands, dm.num_classes, dm.shape, dm.crs, dm.transform) == (
+            BANDS,
+            CLASSES,
+            (HEIGHT, WIDTH),
+            None,
+            None,
+        )
         assert dm.class_counts["train"] == [5] * CLASSES and dm.class_counts["val"] == [2] * CLASSES
 
     def test_nodata_labelled_pixels_are_dropped(self, tmp_path):

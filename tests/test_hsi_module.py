@@ -75,8 +75,12 @@ def test_predict_step_returns_classes_and_pixels(trained):
 
 @pytest.mark.parametrize("network", sorted(NETWORKS))
 def test_every_network_runs_a_step(network):
-    dm = HyperspectralDataModule(synthetic={"height": 16, "width": 16, "bands": 8, "classes": 3}, patch_size=3,
-                                 global_batch_size=8, pca_components=6)
+    dm = HyperspectralDataModule(
+        synthetic={"height": 16, "width": 16, "bands": 8, "classes": 3},
+        patch_size=3,
+        global_batch_size=8,
+        pca_components=6,
+    )
     model = HSIClassifier(network, optimizer="sgd")
     quiet_trainer(fast_dev_run=1).fit(model, dm)
     assert model.hparams.in_bands == 6
@@ -98,8 +102,9 @@ def test_errors():
 def test_sizes_follow_the_data_and_hparams_merge_with_a_logger(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    dm = HyperspectralDataModule(synthetic={"height": 16, "width": 16, "bands": 6, "classes": 3}, patch_size=3,
-                                 global_batch_size=8)
+    dm = HyperspectralDataModule(
+        synthetic={"height": 16, "width": 16, "bands": 6, "classes": 3}, patch_size=3, global_batch_size=8
+    )
     model = HSIClassifier("cnn3d", patch_size=3)
     quiet_trainer(logger=CSVLogger(tmp_path), max_steps=1, limit_val_batches=0).fit(model, dm)
     assert (model.hparams.in_bands, model.hparams.num_classes, model.hparams.patch_size) == (6, 3, 3)

@@ -24,8 +24,14 @@ LR = 3e-3
 
 def _model(dm: HyperspectralDataModule) -> HSIClassifier:
     torch.manual_seed(SEED)  # identical initial weights for both runs
-    return HSIClassifier("cnn2d", lr=LR, in_bands=dm.num_bands, num_classes=dm.num_classes, patch_size=dm.patch_size,
-                         network_kwargs={"width": 16})
+    return HSIClassifier(
+        "cnn2d",
+        lr=LR,
+        in_bands=dm.num_bands,
+        num_classes=dm.num_classes,
+        patch_size=dm.patch_size,
+        network_kwargs={"width": 16},
+    )
 
 
 def _single_process_reference(dm: HyperspectralDataModule) -> dict[str, torch.Tensor]:
@@ -75,4 +81,3 @@ def test_uneven_replicas_learn_and_match_one_process():
         assert float(trainer.callback_metrics[f"val/{key}"]) == pytest.approx(val[key], abs=1e-6), key
     test = _evaluate(model, dm.test_dataset)
     assert test["oa"] >= 0.9 and val["oa"] >= 0.9, (val, test)
-

@@ -47,8 +47,11 @@ class TestRandom:
         lab = np.zeros((5, 5), dtype=np.int64)
         lab[0, :10] = 1
         lab[2, 0:2] = 2
-        with pytest.raises(ClassTooSmallError, match=r"Class 2 of the labels 'gt.tif' has 2 usable pixel\(s\).*"
-                           r"train_per_class=2.*needs at least 4"):
+        with pytest.raises(
+            ClassTooSmallError,
+            match=r"Class 2 of the labels 'gt.tif' has 2 usable pixel\(s\).*"
+            r"train_per_class=2.*needs at least 4",
+        ):
             random_split(lab, train=2, val=1, source="gt.tif")
 
     def test_no_labels_and_missing_class(self, caplog):

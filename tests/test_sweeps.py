@@ -68,8 +68,12 @@ def test_experiment_script_tabulates_a_sweep(tmp_path):
         overrides = f"- experiment=paper_comparison\n- strategy={method}\n- seed={seed}\n"
         (job / ".hydra" / "overrides.yaml").write_text(overrides)
         metrics = {
-            "test/oa": oa, "test/aa": oa - 0.01, "test/kappa": oa - 0.02, "mean_epoch_time_s": seconds,
-            "fit_time_s": 10 * seconds, "balance": {"batch_sizes": [32, 32, 32], "speeds": [1.0, 1.0, 1.0]},
+            "test/oa": oa,
+            "test/aa": oa - 0.01,
+            "test/kappa": oa - 0.02,
+            "mean_epoch_time_s": seconds,
+            "fit_time_s": 10 * seconds,
+            "balance": {"batch_sizes": [32, 32, 32], "speeds": [1.0, 1.0, 1.0]},
             "history": [{"epoch": 0, "val/oa": oa - 0.1}, {"epoch": 1, "val/oa": oa}],
         }
         (job / "metrics.json").write_text(json.dumps(metrics))

@@ -166,12 +166,16 @@ class HyperspectralDataModule(HeterogeneousDataModule):
                     " use a synthetic scene."
                 )
             if in_memory is False:
-                raise ValueError("You set in_memory=False, but synthetic scenes exist only in memory. HINT: write one"
-                                 " with scripts/make_synthetic_scene.py and pass its files as `image`/`labels`.")
+                raise ValueError(
+                    "You set in_memory=False, but synthetic scenes exist only in memory. HINT: write one"
+                    " with scripts/make_synthetic_scene.py and pass its files as `image`/`labels`."
+                )
         elif self._mat:
             if in_memory is False:
-                raise ValueError(f"You set in_memory=False, but {self.image!r} is a .mat file, which is read whole."
-                                 " HINT: convert it to GeoTIFF for windowed reads.")
+                raise ValueError(
+                    f"You set in_memory=False, but {self.image!r} is a .mat file, which is read whole."
+                    " HINT: convert it to GeoTIFF for windowed reads."
+                )
         elif self.labels is None:
             raise ValueError(
                 f"You set image={self.image!r}, but no `labels` raster. HINT: pass the single-band ground-truth"
@@ -185,8 +189,10 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         self.split = split
         self.train_amount: float | int = _amount("train", train_fraction, train_per_class, allow_zero=False)
         self.val_amount: float | int = _amount("val", val_fraction, val_per_class, allow_zero=True)
-        if isinstance(self.train_amount, float) and isinstance(self.val_amount, float) and (
-            self.train_amount + self.val_amount >= 1
+        if (
+            isinstance(self.train_amount, float)
+            and isinstance(self.val_amount, float)
+            and (self.train_amount + self.val_amount >= 1)
         ):
             raise ValueError(
                 f"You set train_fraction={self.train_amount} and val_fraction={self.val_amount}, but they must sum"
@@ -298,30 +304,45 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             valid.reshape(-1)[labelled] = valid_mask(spectra.T, scene.nodata)
         dropped = int(np.count_nonzero(~valid.reshape(-1)[labelled]))
         if dropped:
-            log.warning("%d labelled pixels of %s have nodata/NaN spectra and are treated as unlabelled.", dropped,
-                        source)
+            log.warning(
+                "%d labelled pixels of %s have nodata/NaN spectra and are treated as unlabelled.", dropped, source
+            )
             labels = np.where(valid, labels, 0)
             if not np.any(labels > 0):
                 raise NoLabelledPixelsError(source, f"all {dropped} labelled pixels are nodata in the image")
 
         split = self._split(labels, scene.num_classes, source)
-        log.info("Split %r of %s (seed %d), pixels per class:\n%s", self.split, source, self.seed,
-                 format_class_counts(split.class_counts(labels, scene.num_classes), scene.class_names))
+        log.info(
+            "Split %r of %s (seed %d), pixels per class:\n%s",
+            self.split,
+            source,
+            self.seed,
+            format_class_counts(split.class_counts(labels, scene.num_classes), scene.class_names),
+        )
 
         if scene.cube is not None:
             train_spectra = scene.cube[:, split.train // labels.shape[1], split.train % labels.shape[1]].T
         else:
             train_spectra = spectra[np.searchsorted(labelled, split.train)]
-        transform = fit_spectral_transform(train_spectra, standardize=self.standardize,
-                                           pca_components=self.pca_components)
+        transform = fit_spectral_transform(
+            train_spectra, standardize=self.standardize, pca_components=self.pca_components
+        )
         patches: PatchSource
         if scene.cube is not None:
             patches = InMemoryPatches(scene.cube, self.patch_size, transform, scene.nodata, valid=valid)
         else:
             patches = WindowedPatches(self.image, self.patch_size, transform, scene.nodata)  # type: ignore[arg-type]
-        return _Scene(labels=labels, num_classes=scene.num_classes, split=split, transform=transform, source=patches,
-                      crs=scene.crs, geo_transform=scene.geo_transform, class_names=scene.class_names,
-                      labels_source=source)
+        return _Scene(
+            labels=labels,
+            num_classes=scene.num_classes,
+            split=split,
+            transform=transform,
+            source=patches,
+            crs=scene.crs,
+            geo_transform=scene.geo_transform,
+            class_names=scene.class_names,
+            labels_source=source,
+        )
 
     def _read(self) -> _Input:
         """Labels, metadata and (unless patches will be read from the file) the cube, validated."""
@@ -331,11 +352,24 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             labels, classes = check_labels(
                 synthetic.labels, source, self._num_classes_arg or len(synthetic.class_names)
             )
-            return _Input(synthetic.image, labels, classes, self._class_names_arg or synthetic.class_names,
-                          synthetic.crs, synthetic.transform, None, source)
+            return _Input(
+                synthetic.image,
+                labels,
+                classes,
+                self._class_names_arg or synthetic.class_names,
+                synthetic.crs,
+                synthetic.transform,
+                None,
+                source,
+            )
         if self._mat:
-            cube, labels, classes = read_mat_scene(self.image, self.labels, image_key=self.image_key,
-                                                   labels_key=self.labels_key, num_classes=self._num_classes_arg)
+            cube, labels, classes = read_mat_scene(
+                self.image,
+                self.labels,
+                image_key=self.image_key,
+                labels_key=self.labels_key,
+                num_classes=self._num_classes_arg,
+            )
             return _Input(cube, labels, classes, self._names(classes), None, None, None, self.labels or self.image)
         assert self.labels is not None  # checked at construction
         info = raster_info(self.image, "image")
@@ -348,8 +382,13 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         return list(self._class_names_arg) if self._class_names_arg else [f"class_{c}" for c in range(1, classes + 1)]
 
     def _split(self, labels: np.ndarray, classes: int, source: str) -> Split:
-        common = {"train": self.train_amount, "val": self.val_amount, "seed": self.seed, "num_classes": classes,
-                  "source": source}
+        common = {
+            "train": self.train_amount,
+            "val": self.val_amount,
+            "seed": self.seed,
+            "num_classes": classes,
+            "source": source,
+        }
         if self.split == "random":
             return random_split(labels, **common)
         return block_split(labels, block_size=self.block_size, patch_size=self.patch_size, **common)
@@ -361,8 +400,12 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         out_bands = self.pca_components or info.count
         needed = info.height * info.width * (info.count * np.dtype(info.dtype).itemsize + out_bands * 4)
         decision = needed <= self.memory_budget
-        log.info("Scene needs ~%.1f MiB in memory (budget %.1f MiB): %s.", needed / 2**20, self.memory_budget / 2**20,
-                 "loading it" if decision else "reading patches from the file")
+        log.info(
+            "Scene needs ~%.1f MiB in memory (budget %.1f MiB): %s.",
+            needed / 2**20,
+            self.memory_budget / 2**20,
+            "loading it" if decision else "reading patches from the file",
+        )
         return decision
 
 

@@ -33,9 +33,25 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _TAB20 = [
-    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75), (227, 119, 194),
-    (127, 127, 127), (188, 189, 34), (23, 190, 207), (174, 199, 232), (255, 187, 120), (152, 223, 138),
-    (255, 152, 150), (197, 176, 213), (196, 156, 148), (247, 182, 210), (199, 199, 199), (219, 219, 141),
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+    (174, 199, 232),
+    (255, 187, 120),
+    (152, 223, 138),
+    (255, 152, 150),
+    (197, 176, 213),
+    (196, 156, 148),
+    (247, 182, 210),
+    (199, 199, 199),
+    (219, 219, 141),
     (158, 218, 229),
 ]  # matplotlib's "tab20" order: dark tones first, so that up to 10 classes get clearly distinct colours
 
@@ -234,11 +250,13 @@ class PredictionMapWriter(pl.Callback):
             return
         crs = self.crs if self.crs is not None else getattr(dm, "crs", None)
         transform = self.transform if self.transform is not None else getattr(dm, "transform", None)
-        tif = write_prediction_geotiff(self.out_dir / f"{self.name}.tif", self.class_map, crs=crs,
-                                       transform=transform, num_classes=classes)
+        tif = write_prediction_geotiff(
+            self.out_dir / f"{self.name}.tif", self.class_map, crs=crs, transform=transform, num_classes=classes
+        )
         self.paths = [tif]
         if self.png:
             reference = getattr(getattr(dm, "scene", None), "labels", None)
-            self.paths.append(write_prediction_png(self.out_dir / f"{self.name}.png", self.class_map, names,
-                                                   reference=reference))
+            self.paths.append(
+                write_prediction_png(self.out_dir / f"{self.name}.png", self.class_map, names, reference=reference)
+            )
         log.info("Wrote the prediction map to %s", ", ".join(map(str, self.paths)))

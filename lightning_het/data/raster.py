@@ -152,8 +152,11 @@ def raster_info(path: str | os.PathLike, role: str = "image") -> RasterInfo:
 def _check_numeric(dtype: np.dtype | str, path: str) -> None:
     kind = np.dtype(dtype).kind
     if kind not in "uif":
-        raise RasterFormatError(path, f"its data type {np.dtype(dtype).name} is not a real number type",
-                                "convert it to an integer or float type")
+        raise RasterFormatError(
+            path,
+            f"its data type {np.dtype(dtype).name} is not a real number type",
+            "convert it to an integer or float type",
+        )
 
 
 def read_image(path: str | os.PathLike) -> tuple[np.ndarray, RasterInfo]:
@@ -202,9 +205,7 @@ def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int |
     return values.astype(np.int64), classes
 
 
-def read_labels(
-    path: str | os.PathLike, num_classes: int | None = None
-) -> tuple[np.ndarray, int, RasterInfo]:
+def read_labels(path: str | os.PathLike, num_classes: int | None = None) -> tuple[np.ndarray, int, RasterInfo]:
     """Read and validate a single-band label raster.
 
     Pixels equal to the raster's nodata value are treated as unlabelled (``0``).
@@ -220,8 +221,11 @@ def read_labels(
     with open_raster(path, "labels") as dataset:
         info = _info_from_dataset(dataset, os.fspath(path))
         if info.count != 1:
-            raise RasterFormatError(info.path, f"a label raster must have one band, but it has {info.count}",
-                                    "pass the ground-truth class map, not the image")
+            raise RasterFormatError(
+                info.path,
+                f"a label raster must have one band, but it has {info.count}",
+                "pass the ground-truth class map, not the image",
+            )
         raw = dataset.read(1)
     if info.nodata is not None:
         raw = np.where(raw == info.nodata, 0, raw) if not np.isnan(info.nodata) else np.nan_to_num(raw, nan=0)
@@ -270,9 +274,7 @@ def reflect_indices(start: int, size: int, length: int) -> np.ndarray:
     return np.where(idx >= length, period - idx, idx).astype(np.int64)
 
 
-def read_window(
-    dataset: Any, row: int, col: int, size: int, indexes: Sequence[int] | None = None
-) -> np.ndarray:
+def read_window(dataset: Any, row: int, col: int, size: int, indexes: Sequence[int] | None = None) -> np.ndarray:
     """Read the ``size x size`` window centred on pixel ``(row, col)``, reflect-padded at the scene borders.
 
     Only the pixels inside the window (clipped to the scene) are read from disk.
@@ -445,9 +447,7 @@ def _load_mat(path: str) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in content.items() if not k.startswith("__") and isinstance(v, np.ndarray)}
 
 
-def _pick(
-    arrays: dict[str, np.ndarray], key: str | None, ndim: int, path: str, what: str
-) -> dict[str, np.ndarray]:
+def _pick(arrays: dict[str, np.ndarray], key: str | None, ndim: int, path: str, what: str) -> dict[str, np.ndarray]:
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
     if key is not None:
         if key not in arrays:

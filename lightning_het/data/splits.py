@@ -49,9 +49,7 @@ class Split:
     def class_counts(self, labels: np.ndarray, num_classes: int) -> dict[str, list[int]]:
         """Pixels per class (index ``c - 1`` for class ``c``) in each subset."""
         flat = labels.reshape(-1)
-        return {
-            name: np.bincount(flat[getattr(self, name)], minlength=num_classes + 1)[1:].tolist() for name in SPLITS
-        }
+        return {name: np.bincount(flat[getattr(self, name)], minlength=num_classes + 1)[1:].tolist() for name in SPLITS}
 
 
 def format_class_counts(counts: dict[str, list[int]], class_names: list[str] | None = None) -> str:
@@ -74,8 +72,9 @@ def _check_amount(name: str, value: float | int, allow_zero: bool) -> None:
         if value < (0 if allow_zero else 1):
             raise ValueError(f"Expected argument `{name}` to be a count >= {0 if allow_zero else 1}, but got {value}.")
     elif not (0 <= value < 1 if allow_zero else 0 < value < 1):
-        raise ValueError(f"Expected argument `{name}` to be a fraction in {'[0' if allow_zero else '(0'}, 1), but got"
-                         f" {value}.")
+        raise ValueError(
+            f"Expected argument `{name}` to be a fraction in {'[0' if allow_zero else '(0'}, 1), but got {value}."
+        )
 
 
 def _amount(value: float | int, available: int) -> int:
@@ -303,8 +302,13 @@ def block_split(
             continue
         for c in np.nonzero((counts[k] == 0) & present)[0]:
             raise ClassTooSmallError(
-                source, int(c) + 1, int((hist[:, c] > 0).sum()), 3 if with_val else 2,
-                f"{description}; it got no {name} pixel", hint, unit="block",
+                source,
+                int(c) + 1,
+                int((hist[:, c] > 0).sum()),
+                3 if with_val else 2,
+                f"{description}; it got no {name} pixel",
+                hint,
+                unit="block",
             )
     for c in np.nonzero(totals == 0)[0]:
         log.warning("Class %d has no labelled pixel in %s; it is skipped.", int(c) + 1, source)

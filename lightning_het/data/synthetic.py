@@ -223,9 +223,10 @@ def make_synthetic_scene(
     onehot = (material[None] == np.arange(classes + 1)[:, None, None]).astype(np.float64)
     abundance = _blur(onehot, boundary_mixing)
     variant_mix = 0.5 + 0.5 * np.tanh(fields[classes + 1])  # (H, W) in 0..1
-    spectra = np.einsum("mhw,mb->bhw", abundance, variants[0]) * (1 - variant_mix) + np.einsum(
-        "mhw,mb->bhw", abundance, variants[1]
-    ) * variant_mix
+    spectra = (
+        np.einsum("mhw,mb->bhw", abundance, variants[0]) * (1 - variant_mix)
+        + np.einsum("mhw,mb->bhw", abundance, variants[1]) * variant_mix
+    )
     illumination = 1.0 + 0.1 * _smooth_fields(rng, 1, (height, width), 2 * region_scale)[0]
     spectra *= illumination[None]
     sigma = noise * (1.0 + 2.0 * _water_absorption(wavelengths) / 0.75)
