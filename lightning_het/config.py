@@ -164,6 +164,8 @@ class StrategyConfig:
     telemetry: bool = True
     #: node_local: optimizer steps of plain all-reduce before the local/global scheme starts
     comm_warmup_steps: int = 0
+    #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
+    comm_autotune_steps: int = 5
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
     gradient_averaging: GradientAveraging = GradientAveraging.weighted
     # --- DDPStrategy keywords
@@ -193,6 +195,7 @@ class StrategyConfig:
             _fail("strategy.node_ids", list(self.node_ids), "node ids must be integers >= 0")
         _check_int_at_least("strategy.rebalance_every_n_epochs", self.rebalance_every_n_epochs, 1)
         _check_int_at_least("strategy.comm_warmup_steps", self.comm_warmup_steps, 0)
+        _check_int_at_least("strategy.comm_autotune_steps", self.comm_autotune_steps, 0)
         for key, value in (("strategy.timeout", self.timeout), ("strategy.startup_timeout", self.startup_timeout)):
             if value is not None and not value > 0:
                 _fail(key, value, "it must be a positive number of seconds")

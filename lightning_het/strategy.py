@@ -148,16 +148,22 @@ class HeterogeneousStrategyBase:
         comm: gradient communication: ``"allreduce"`` (DDP's all-reduce of pre-scaled gradients), ``"hierarchical"``,
             ``"node_local"`` or ``"auto"``. See ``docs/communication.md``.
         global_sync_every: K for ``node_local``: optimizer steps between global parameter averages.
+        comm_autotune_steps: ``hierarchical`` (also when ``"auto"`` resolves to it): the first
+            ``2 * comm_autotune_steps + 1`` optimizer steps alternate the node hierarchy with a flat all-reduce and
+            time them; the faster is kept for the rest of ``fit`` (both are exact; ``strategy.comm_reduction`` says
+            which). ``0``: always the hierarchy. See :mod:`lightning_het.comm.tuning`.
         emulate_slowdown: *emulation only*: replica ``r``'s steps take ``emulate_slowdown[r]`` times their real compute
             time, in profiling and training alike, to reproduce a heterogeneous platform on homogeneous hardware. The
             replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
             times the backward time it just measured at the end of its local backward, before the gradients are
             synchronised (see :class:`~lightning_het.telemetry.StepClock`).
         profile_steps: timed steps per replica when profiling, at the batch sizes the replicas will run: the
-            warm-up steps run at an equal split and their times give a first allocation; the timed steps run at that
-            allocation and their median gives the speeds (``profile_warmup=0``: timed steps at the equal split).
-            Profiling costs about ``profile_warmup`` equal-split steps plus ``profile_steps`` balanced steps.
-        profile_warmup: untimed steps before them (at an equal split of the global batch). Raise it to 2 when a
+            warm-up steps run at a quarter of an equal split and their times give a first allocation; the timed steps
+            run at that allocation and their median gives the speeds (``profile_warmup=0``: timed steps at the equal
+            split). Profiling costs about ``profile_warmup`` quarter-size equal-split steps plus ``profile_steps``
+            balanced steps.
+        profile_warmup: untimed steps before them (each replica runs a quarter of its equal share of the global batch,
+            at least ``min_batch_size``). Raise it to 2 when a
             replica's first step is much slower than the next ones (CUDA context, ``cudnn.benchmark``, compilation).
         device_map: the device of each local replica, e.g. ``["cuda:0", "cuda:1", "cpu"]`` (the same on every node), or
             ``{node_rank: [...]}`` when nodes differ. Mixes CPU and GPU replicas in one job through a
@@ -206,6 +212,7 @@ class HeterogeneousStrategyBase:
         rebalance_threshold: float | None = None,
         telemetry: bool = True,
         comm_warmup_steps: int = 0,
+        comm_autotune_steps: int = 5,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("timeout") is not None:
@@ -231,6 +238,9 @@ class HeterogeneousStrategyBase:
         self._comm = comm
         self._global_sync_every = global_sync_every
         self._comm_warmup_steps = comm_warmup_steps
+        self._comm_autotune_steps = _positive_int(
+            "comm_autotune_steps", comm_autotune_steps, allow_none=False, minimum=0
+        )
         self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
         self._emulate_slowdown = _finite_positive_list("emulate_slowdown", emulate_slowdown)
         if self._emulate_slowdown is not None and any(f < 1.0 for f in self._emulate_slowdown):
@@ -374,6 +384,12 @@ class HeterogeneousStrategyBase:
         return None if self._comm_controller is None else self._comm_controller.mode
 
     @property
+    def comm_reduction(self) -> str | None:
+        """How exact steps reduce gradients under ``comm="hierarchical"``: ``"hierarchical"`` or ``"flat"`` (after
+        the measured choice, see ``comm_autotune_steps``); ``None`` in other modes."""
+        return None if self._comm_controller is None else self._comm_controller.reduction
+
+    @property
     def comm_stats(self) -> dict[str, float]:
         """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step (#3)."""
         return {} if self._comm_controller is None else self._comm_controller.stats
@@ -402,6 +418,7 @@ class HeterogeneousStrategyBase:
             self.global_rank,
             global_sync_every=self._global_sync_every,
             warmup_steps=self._comm_warmup_steps,
+            autotune_steps=self._comm_autotune_steps,
         )
         self._comm_controller.register(self.model)
 
@@ -610,8 +627,10 @@ class HeterogeneousStrategyBase:
         else:
             self._profile_seconds = 0.0
             probe_sizes = equal_split
-            if self._profile_warmup:  # warm-up at an equal split -> first allocation, where the timed steps run (#6)
-                rough = self._profile(dataloader, equal_split, shuffle, seed, steps=self._profile_warmup, rough=True)
+            if self._profile_warmup:  # cheap warm-up -> first allocation, where the timed steps run (#6)
+                # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
+                warm_sizes = [max(self._min_batch_size, -(-b // 4)) for b in equal_split]
+                rough = self._profile(dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, rough=True)
                 probe_sizes = allocate_batch_sizes(
                     global_batch, rough, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
                 )

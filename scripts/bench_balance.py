@@ -599,6 +599,44 @@ def _plots(summary: dict[str, Any], img_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def _brief(runs: list[dict], c0: float, command: str, elapsed: float) -> str:
+    """A short Markdown report of a ``--only`` subset: every run, and the ratios its pairs allow."""
+    by_name = {r["name"]: r for r in runs}
+    lines = [
+        f"Command: `{command}` ({elapsed / 60:.1f} min; c0 = {c0 * 1e3:g} ms per sample at speed 1, global batch"
+        f" {GLOBAL_BATCH})",
+        "",
+        "| run | steps | fit (s) | step median (ms) | batch sizes | profiling (s) |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['name']} | {r['global_step']} | {r['fit_s']:.2f} | {r['step_s_median'] * 1e3:.1f}"
+            f" | {r.get('batch_sizes')} | {r.get('profile_s', 0.0):.2f} |"
+        )
+    for name, speeds in PLATFORMS.items():
+        ddp, het = by_name.get(f"{name} ddp"), by_name.get(f"{name} het")
+        if ddp and het:
+            speedup = ddp["fit_s"] / het["fit_s"]
+            ideal = sum(speeds) / (len(speeds) * min(speeds))
+            lines.append(
+                f"\n{name}: speedup of the whole fit {speedup:.3f}x of the ideal {ideal:.3f}x ="
+                f" **{speedup / ideal:.1%}**; profiling {het.get('profile_s', 0.0) / het['fit_s']:.1%} of the fit"
+            )
+    speeds = list(PLATFORMS[SLOWDOWN["platform"]])
+    speeds[SLOWDOWN["rank"]] /= SLOWDOWN["factor"]
+    new_ideal = GLOBAL_BATCH / _ideal_step_s(speeds, c0)
+    for label in ("static", "rebalanced"):
+        r = by_name.get(f"slowdown {label}")
+        if r:
+            fractions = [GLOBAL_BATCH * r["steps"] / s / new_ideal for s in r["epoch_s"]]
+            lines.append(
+                f"\nslowdown {label}: throughput per epoch as a fraction of the new ideal:"
+                f" {', '.join(f'{f:.0%}' for f in fractions)}"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def _update_docs(doc: Path, section: str) -> None:
     text = doc.read_text()
     if DOC_BEGIN not in text or DOC_END not in text:
@@ -621,6 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="steps per epoch")
     parser.add_argument("--repeats", type=int, default=None, help="alternated DDP/heterogeneous overhead runs")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="PREFIX",
+        help="run only the platform jobs whose name starts with one of these (e.g. '1:2:4 ddp' '1:2:4 het' slowdown);"
+        " skips the overhead runs and prints a short table instead of the full report",
+    )
     args = parser.parse_args(argv)
     tiny = args.tiny
     args.c0 = args.c0 if args.c0 is not None else (0.002 if tiny else 0.016)
@@ -638,6 +684,16 @@ def main(argv: list[str] | None = None) -> int:
     platforms_plan, overhead_plan = _plan(args)
     start = time.perf_counter()
     timeout = 120 if tiny else 1200
+    if args.only:
+        keep = [p for p in platforms_plan[1:] if p["name"].startswith(tuple(args.only))]
+        if not keep:
+            parser.error(f"--only {args.only} matches none of {[p['name'] for p in platforms_plan[1:]]}")
+        runs = _launch("platforms", 3, platforms_plan[:1] + keep, out, args.c0, timeout)[1:]
+        brief = _brief(runs, args.c0, command.strip(), time.perf_counter() - start)
+        (out / "results.json").write_text(json.dumps(runs, indent=1))
+        (out / "results.md").write_text(brief)
+        print(brief)
+        return 0
     platforms = _launch("platforms", 3, platforms_plan, out, args.c0, timeout)
     overhead = _launch("overhead", 2, overhead_plan, out, args.c0, timeout)
     elapsed = time.perf_counter() - start

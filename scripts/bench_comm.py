@@ -10,7 +10,9 @@ the same initial weights and data:
 
 * ``ddp``: ``lightning.Trainer(strategy="ddp")`` (on CPU Lightning registers no comm hook: a flat all-reduce);
 * ``allreduce``, ``hierarchical``, ``node_local`` (K = 4 and 16): ``Trainer(strategy=HeterogeneousStrategy(comm=...,
-  global_sync_every=K))``, which must detect the two nodes by itself.
+  global_sync_every=K))``, which must detect the two nodes by itself. ``hierarchical`` runs as a user gets it: its
+  first ``2 * --autotune-steps + 1`` steps (untimed, inside the warm-up) time the flat and the hierarchical reduction
+  and keep the faster; ``hierarchy only`` forces the node hierarchy (``comm_autotune_steps=0``).
 
 ``--runner raw`` runs the same configurations on a bare ``DistributedDataParallel`` with
 :class:`lightning_het.comm.CommController` instead (no Lightning; ``ddp`` is then DDP without a hook).
@@ -52,12 +54,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 NODE_IDS = [0, 0, 1, 1]
 NODE_ADDRS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range
-CONFIGS: list[tuple[str, str, int | None]] = [
-    ("ddp", "ddp", None),
-    ("allreduce", "allreduce", None),
-    ("hierarchical", "hierarchical", None),
-    ("node_local K=4", "node_local", 4),
-    ("node_local K=16", "node_local", 16),
+#: (name, comm, K, measured flat-vs-hierarchical choice)
+CONFIGS: list[tuple[str, str, int | None, bool]] = [
+    ("ddp", "ddp", None, False),
+    ("allreduce", "allreduce", None, False),
+    ("hierarchical", "hierarchical", None, True),
+    ("hierarchy only", "hierarchical", None, False),
+    ("node_local K=4", "node_local", 4, False),
+    ("node_local K=16", "node_local", 16, False),
 ]
 
 
@@ -75,6 +79,7 @@ class Result:
     train_loss_last: float
     consensus: bool
     steps: int
+    reduction: str | None = None  #: ``hierarchical`` modes: the reduction that ran in the timed steps
     step_time_runs: list[float] | None = None  #: one mean step time per repeat (``--repeat``)
 
 
@@ -220,9 +225,9 @@ def markdown_table(results: list[Result], payload: dict[str, Any]) -> str:
         f" ({payload['grad_bytes'] / 1e6:.1f} MB of gradients); batch sizes {payload['batch_sizes']};"
         f" {payload['timed_steps']} timed steps after {payload['warmup_steps']} untimed",
         "",
-        "| configuration | step time (s) | speed-up vs ddp | inter-node MB/step measured | model | fewer bytes vs ddp"
-        " | held-out loss | consensus |",
-        "|---|---:|---:|---:|---:|---:|---:|:-:|",
+        "| configuration | reduction | step time (s) | speed-up vs ddp | inter-node MB/step measured | model"
+        " | fewer bytes vs ddp | held-out loss | consensus |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for r in results:
         measured = f"{r.inter_bytes_measured / 1e6:.1f}" if r.inter_bytes_measured is not None else "-"
@@ -230,7 +235,8 @@ def markdown_table(results: list[Result], payload: dict[str, Any]) -> str:
         mine = r.inter_bytes_measured if r.inter_bytes_measured is not None else r.inter_bytes_model
         fewer = f"{ref / mine:.1f}x" if mine else "all"
         lines.append(
-            f"| {r.name} | {r.step_time_s:.3f} | {base.step_time_s / r.step_time_s:.2f}x | {measured}"
+            f"| {r.name} | {r.reduction or '-'} | {r.step_time_s:.3f} | {base.step_time_s / r.step_time_s:.2f}x"
+            f" | {measured}"
             f" | {r.inter_bytes_model / 1e6:.1f} | {fewer} | {r.eval_loss:.5f} | {'yes' if r.consensus else 'NO'} |"
         )
     return "\n".join(lines)
@@ -243,7 +249,7 @@ def plot(results: list[Result], payload: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r.name for r in results]
-    colors = ["#777777", "#4c72b0", "#55a868", "#dd8452", "#c44e52"][: len(results)]
+    colors = ["#777777", "#4c72b0", "#55a868", "#8fd19e", "#dd8452", "#c44e52"][: len(results)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].bar(names, [r.step_time_s for r in results], color=colors)
     axes[0].set_ylabel("step time (s)")
@@ -321,7 +327,7 @@ class _Job:
         return torch.nn.Sequential(*layers, torch.nn.Linear(width, self.args.classes))
 
 
-def _run_config(job: _Job, name: str, comm: str, k: int | None) -> tuple[Result, int, int]:
+def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> tuple[Result, int, int]:
     """Train one configuration from the shared initial weights; return its result, #params and gradient bytes."""
     import torch
     import torch.distributed as dist
@@ -336,7 +342,16 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None) -> tuple[Result,
     grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
     ctl = None
     if comm != "ddp":
-        ctl = CommController(comm, NODE_IDS, sizes, rank, global_sync_every=k, groups=job.groups)  # type: ignore[arg-type]
+        autotune = args.autotune_steps if tune else 0
+        ctl = CommController(
+            comm,  # type: ignore[arg-type]
+            NODE_IDS,
+            sizes,
+            rank,
+            global_sync_every=k,
+            groups=job.groups,
+            autotune_steps=autotune,
+        )
         ctl.register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     scale = job.world * sizes[rank] / job.total  # the strategy's loss pre-scaling
@@ -384,11 +399,12 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None) -> tuple[Result,
         train_loss_last=float(last_loss),
         consensus=all(c == checks[0] for c in checks),
         steps=args.warmup_steps + args.steps,
+        reduction=ctl.reduction if ctl is not None else None,
     )
     return result, params, grad_bytes
 
 
-def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None) -> tuple[Result, int, int]:
+def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> tuple[Result, int, int]:
     """The same configuration through ``lightning.Trainer``: ``strategy="ddp"`` or ``HeterogeneousStrategy(comm=...)``.
 
     Each process was started by its own "launcher" with ``NODE_RANK`` / ``LOCAL_RANK`` set (Lightning's
@@ -434,6 +450,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None) -> tup
             dist.barrier()
             stats = getattr(trainer.strategy, "comm_stats", {}) or {}
             self.marks[key] = (time.perf_counter(), _read_link_bytes(args.ifname), stats.get("job_bytes_inter_total"))
+            self.marks[key + "_reduction"] = getattr(trainer.strategy, "comm_reduction", None)
 
         def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
             if trainer.global_step == args.warmup_steps:
@@ -453,6 +470,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None) -> tup
             speeds=[float(b) for b in job.batch_sizes],  # proportional allocation reproduces --batch-sizes exactly
             telemetry=False,
             process_group_backend="gloo",
+            comm_autotune_steps=args.autotune_steps if tune else 0,
         )
     model = Module()
     window = Window()
@@ -499,6 +517,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None) -> tup
         train_loss_last=float("nan"),
         consensus=all(c == checks[0] for c in checks),
         steps=total_steps,
+        reduction=window.marks["start_reduction"],
     )
     return result, params, grad_bytes
 
@@ -508,12 +527,12 @@ def worker(args: argparse.Namespace) -> None:
 
     job = _Job(args)
     configs = [c for c in CONFIGS if not args.only or c[0] in args.only]
-    runs: dict[str, list[Result]] = {name: [] for name, _, _ in configs}
+    runs: dict[str, list[Result]] = {name: [] for name, *_ in configs}
     params = grad_bytes = 0
     for _ in range(args.repeat):  # round robin, so slow drifts of the machine's load hit every configuration alike
-        for name, comm, k in configs:
+        for name, comm, k, tune in configs:
             run = _run_config_lightning if args.runner == "lightning" else _run_config
-            result, params, grad_bytes = run(job, name, comm, k)
+            result, params, grad_bytes = run(job, name, comm, k, tune)
             runs[name].append(result)
             if job.rank == 0:
                 print(json.dumps(asdict(result)), flush=True)
@@ -548,7 +567,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit", help="tc rate of the inter-node link, or 'none' to leave it unshaped")
     p.add_argument("--delay-ms", type=float, default=0.5, help="one-way netem delay if the kernel has sch_netem")
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 32; tiny 6)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 2; tiny 1)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 12; tiny 3)")
+    p.add_argument(
+        "--autotune-steps",
+        type=int,
+        default=None,
+        help="comm_autotune_steps of the 'hierarchical' row (default 5; tiny 1); keep 2x+1 <= --warmup-steps",
+    )
     p.add_argument("--features", type=int, default=None, help="input width (default 1024; tiny 32)")
     p.add_argument("--hidden", type=int, default=None, help="hidden width (default 2048; tiny 64)")
     p.add_argument("--layers", type=int, default=3, help="hidden layers")
@@ -579,7 +604,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ifname", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tiny = args.tiny
-    defaults = {"steps": (6, 32), "warmup_steps": (1, 2), "features": (32, 1024), "hidden": (64, 2048)}
+    defaults = {
+        "steps": (6, 32),
+        "warmup_steps": (3, 12),
+        "autotune_steps": (1, 5),
+        "features": (32, 1024),
+        "hidden": (64, 2048),
+    }
     for key, (small, big) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, small if tiny else big)
@@ -588,11 +619,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sizes = args.batch_sizes.split(",")
     if len(sizes) != len(NODE_IDS) or not all(b.isdigit() and int(b) > 0 for b in sizes):
         p.error(f"--batch-sizes needs {len(NODE_IDS)} positive integers (ranks 0..3), got {args.batch_sizes!r}")
-    if args.steps < 1 or args.warmup_steps < 0 or args.repeat < 1:
-        p.error("--steps and --repeat must be >= 1 and --warmup-steps >= 0")
+    if args.steps < 1 or args.warmup_steps < 0 or args.repeat < 1 or args.autotune_steps < 0:
+        p.error("--steps and --repeat must be >= 1, --warmup-steps and --autotune-steps >= 0")
     # what every worker needs to rebuild the same configuration
     args.passthrough = [
         "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--features", str(args.features),
+        "--autotune-steps", str(args.autotune_steps),
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--classes", str(args.classes),
         "--batch-sizes", args.batch_sizes, "--lr", str(args.lr), "--signal", str(args.signal),
         "--out", str(Path(args.out).resolve()),

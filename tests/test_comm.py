@@ -37,6 +37,7 @@ from lightning_het.comm.stats import (
     hierarchical_traffic,
     node_local_traffic,
 )
+from lightning_het.comm.tuning import ReductionTuner, choose_reduction
 from lightning_het.topology import NodeGroups, node_members
 
 STEPS = 4
@@ -100,7 +101,16 @@ def _train_ddp(
     world, total = len(batch_sizes), sum(batch_sizes)
     # one bucket per parameter: several buckets in flight exercise the ordering of the pipelined stages
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
+    tuner_times = kwargs.pop("tuner_times", None)
     ctl = CommController(mode, node_ids, batch_sizes, rank, **kwargs)  # type: ignore[arg-type]
+    if tuner_times is not None:  # a fake clock: each step lasts what this rank "measures" for its reduction
+        tuner, now = ctl._tuner, [0.0]
+
+        def clock() -> float:
+            now[0] += tuner_times[0] if tuner.current == "flat" else tuner_times[1]
+            return now[0]
+
+        tuner._clock = clock
     ctl.register(ddp)
     opt = _optimizer(ddp.parameters())
     mine = _slices(batch_sizes)[rank]
@@ -176,7 +186,29 @@ def _exact_worker(rank: int, world_size: int) -> dict[str, Any]:
                 "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
                 "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
             }
+    if world_size == 4:
+        node_ids, batch_sizes = EXACT_CASES_4[0]
+        for scenario, (flat_s, hier_s) in AUTOTUNE_TIMES.items():
+            # each rank "measures" its own step times; the decision must follow the slowest rank of each reduction
+            history, ctl, ddp = _train_ddp(
+                rank, "hierarchical", node_ids, batch_sizes, autotune_steps=1, tuner_times=(flat_s[rank], hier_s[rank])
+            )
+            result[("autotune", scenario)] = {
+                "final": history[-1],
+                "reference": _train_exact(batch_sizes)[-1],
+                "reduction": ctl.reduction,
+                "stats": ctl.stats,
+                "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
+            }
     return result
+
+
+#: per-rank fake step times (flat, hierarchical) for the measured-choice tests; max over ranks decides
+AUTOTUNE_TIMES = {
+    "flat_faster": ([1.0, 1.0, 1.2, 1.0], [2.0, 2.0, 2.0, 2.0]),
+    # rank 0 alone sees flat as faster; the slowest rank of each reduction (3.0 vs 2.5) says hierarchical
+    "slowest_rank_decides": ([1.0, 3.0, 3.0, 3.0], [2.0, 2.5, 2.5, 2.5]),
+}
 
 
 def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -265,6 +297,51 @@ def test_exact_mode_stats_follow_the_byte_model(
             assert stats["bytes_inter_per_step"] == pytest.approx(traffic.inter[rank])
             assert stats["bytes_intra_per_step"] == pytest.approx(traffic.intra[rank])
             assert stats["job_bytes_inter_per_step"] == pytest.approx(traffic.total_inter)
+
+
+@pytest.mark.parametrize(("scenario", "expected"), [("flat_faster", "flat"), ("slowest_rank_decides", "hierarchical")])
+def test_measured_choice_is_exact_and_agreed(exact4: list[dict[str, Any]], scenario: str, expected: str) -> None:
+    """autotune_steps=1 over 4 steps: hierarchical, flat (timed), hierarchical (timed, decision), the choice."""
+    node_ids, _ = EXACT_CASES_4[0]
+    entries = [r[("autotune", scenario)] for r in exact4]
+    assert [e["reduction"] for e in entries] == [expected] * 4
+    assert (entries[0]["final"] - entries[0]["reference"]).abs().max().item() < TOL
+    for e in entries[1:]:
+        assert torch.equal(e["final"], entries[0]["final"]), "replicas differ"
+    # bytes: 3 hierarchical steps + 1 flat one, or 2 + 2 when the flat reduction was kept
+    nbytes = entries[0]["grad_bytes"]
+    flat_steps = 2 if expected == "flat" else 1
+    inter = (
+        flat_allreduce_traffic(nbytes, node_ids).total_inter * flat_steps
+        + hierarchical_traffic(nbytes, node_ids).total_inter * (STEPS - flat_steps)
+    ) / STEPS
+    assert entries[0]["stats"]["job_bytes_inter_per_step"] == pytest.approx(inter)
+
+
+def test_choose_reduction_and_tuner_schedule() -> None:
+    assert choose_reduction(0.40, 0.50) == "flat"
+    assert choose_reduction(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
+    assert choose_reduction(float("nan"), 0.5) == "hierarchical"
+    with pytest.raises(ValueError, match="margin"):
+        choose_reduction(1.0, 2.0, margin=1.5)
+    with pytest.raises(ValueError, match="steps_per_candidate"):
+        ReductionTuner(0)
+    times = iter([0.0, 1.0, 3.0, 4.0, 6.0])  # untimed first step, then flat 1 s, hier 2 s, flat 1 s, hier 2 s
+    tuner = ReductionTuner(2, clock=lambda: next(times))
+    used = []
+    for _ in range(5):
+        used.append(tuner.current)
+        done = tuner.step_done()
+    assert used == ["hierarchical", "flat", "hierarchical", "flat", "hierarchical"]
+    assert done and tuner.measuring
+    assert tuner.medians() == [1.0, 2.0]
+    assert tuner.decide([1.0, 2.0]) == "flat"
+    assert tuner.current == "flat" and not tuner.measuring and tuner.step_done() is False
+
+
+def test_controller_rejects_bad_autotune_steps() -> None:
+    with pytest.raises(ValueError, match="autotune_steps"):
+        CommController("allreduce", [0, 0], [1, 1], 0, autotune_steps=-1)
 
 
 # --------------------------------------------------------------------------- node_local
@@ -512,13 +589,17 @@ def test_bench_comm_tiny_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-6000:]
     payload = json.loads((tmp_path / "results.json").read_text())
     rows = {r["name"]: r for r in payload["results"]}
-    assert list(rows) == ["ddp", "allreduce", "hierarchical", "node_local K=4", "node_local K=16"]
+    assert list(rows) == ["ddp", "allreduce", "hierarchical", "hierarchy only", "node_local K=4", "node_local K=16"]
     assert all(r["consensus"] for r in rows.values())
-    exact = [rows[n]["eval_loss"] for n in ("ddp", "allreduce", "hierarchical")]
+    exact = [rows[n]["eval_loss"] for n in ("ddp", "allreduce", "hierarchical", "hierarchy only")]
     assert max(exact) - min(exact) < 1e-5
     grad_bytes = payload["grad_bytes"]
     assert rows["ddp"]["inter_bytes_model"] == 3 * grad_bytes  # ring over [0, 0, 1, 1]: 2 of 4 hops cross, 1.5 n each
-    assert rows["hierarchical"]["inter_bytes_model"] == 2 * grad_bytes
+    assert rows["hierarchy only"]["inter_bytes_model"] == 2 * grad_bytes
+    assert rows["hierarchy only"]["reduction"] == "hierarchical"
+    # the measured choice is made inside the 3 untimed steps; the timed ones use it throughout
+    chosen = rows["hierarchical"]["reduction"]
+    assert rows["hierarchical"]["inter_bytes_model"] == {"flat": 3, "hierarchical": 2}[chosen] * grad_bytes
     assert rows["node_local K=16"]["inter_bytes_model"] == 0  # no global sync inside the 6 timed steps
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert "| hierarchical |" in result.stdout

@@ -20,7 +20,13 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_hierarchical_interleaved_nodes_exact_and_identical(tiny_job):
     cfg = {
         "devices": 3,
-        "strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "node_ids": [0, 1, 0], "comm": "hierarchical"},
+        "strategy": {
+            "speeds": [1, 2, 3],
+            "global_batch_size": 12,
+            "node_ids": [0, 1, 0],
+            "comm": "hierarchical",
+            "comm_autotune_steps": 0,  # the node hierarchy on every step
+        },
         "epochs": 2,
         "n": 60,
     }
@@ -28,12 +34,31 @@ def test_hierarchical_interleaved_nodes_exact_and_identical(tiny_job):
     reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
     for dump in dumps:
         assert dump["comm_mode"] == "hierarchical"
+        assert dump["comm_reduction"] == "hierarchical"
         assert dump["node_ids"] == [0, 1, 0]
         assert _max_diff(dump["state_dict"], reference) < 1e-5
         assert _max_diff(dump["state_dict"], dumps[0]["state_dict"]) == 0.0
     # rank 1 is alone on node 1: it sends nothing inside its node, only to the other leader
     assert dumps[1]["comm_stats"]["bytes_intra_per_step"] == 0
     assert dumps[1]["comm_stats"]["bytes_inter_per_step"] > 0
+
+
+def test_hierarchical_measured_choice_is_agreed_and_exact(tiny_job):
+    """Default-style `comm="auto"` on two nodes: steps 2-3 time flat vs hierarchy, then every rank keeps one."""
+    cfg = {
+        "devices": 3,
+        "strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "node_ids": [0, 0, 1], "comm_autotune_steps": 1},
+        "epochs": 2,
+        "n": 60,
+    }
+    dumps, _ = tiny_job(cfg)
+    reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
+    choices = {dump["comm_reduction"] for dump in dumps}
+    assert len(choices) == 1 and choices <= {"flat", "hierarchical"}
+    for dump in dumps:
+        assert dump["comm_mode"] == "hierarchical"  # what "auto" resolves to over [0, 0, 1]
+        assert _max_diff(dump["state_dict"], reference) < 1e-5
+        assert _max_diff(dump["state_dict"], dumps[0]["state_dict"]) == 0.0
 
 
 def test_node_local_differs_from_exact_but_ends_in_consensus(tiny_job):

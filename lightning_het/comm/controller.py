@@ -6,7 +6,9 @@ Modes (``comm=``):
   so it costs exactly what DDP costs. Best on a single node or with one replica per node.
 * ``"hierarchical"``: exact, like ``allreduce``, but reduces inside each node, all-reduces between node leaders and
   broadcasts inside each node (:func:`~lightning_het.comm.hooks.hierarchical_hook`). Faster when the network
-  between nodes is the bottleneck and nodes hold several replicas; never changes the maths.
+  between nodes is the bottleneck and nodes hold several replicas; never changes the maths. With
+  ``autotune_steps > 0`` the first steps alternate it with a flat all-reduce and the faster is kept
+  (:mod:`lightning_het.comm.tuning`), so it is never much slower than ``allreduce`` where the hierarchy cannot help.
 * ``"node_local"``: the paper's node-based optimisation steps. Every step gradients are combined only inside each node
   (each node follows the gradient of its own mean loss); every ``global_sync_every`` steps the parameters are
   averaged across all replicas, weighted by sample share ``b_r / B``. Not exact: it trades statistical efficiency
@@ -53,6 +55,7 @@ from lightning_het.comm.stats import (
     hierarchical_traffic,
     node_local_traffic,
 )
+from lightning_het.comm.tuning import ReductionTuner
 from lightning_het.topology import NodeGroups, build_node_groups, describe_topology, node_members, validate_node_ids
 
 __all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
@@ -179,6 +182,9 @@ class CommController:
         groups: prebuilt node groups (tests, or to share them); built here when ``None``.
         chunk_bytes: pipelining granularity of the hierarchical reduction (see
             :class:`~lightning_het.comm.hooks.HierarchicalState`).
+        autotune_steps: ``hierarchical`` only: optimizer steps timed with each of the flat and the hierarchical
+            reduction before keeping the faster (see :class:`~lightning_het.comm.tuning.ReductionTuner`); ``0``
+            always uses the hierarchy.
     """
 
     def __init__(
@@ -192,6 +198,7 @@ class CommController:
         warmup_steps: int = 0,
         groups: NodeGroups | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        autotune_steps: int = 0,
     ) -> None:
         if mode not in get_args(CommMode):
             raise ValueError(f"Expected argument `mode` to be one of {list(get_args(CommMode))}, but got {mode!r}.")
@@ -215,10 +222,14 @@ class CommController:
         if mode == "node_local":
             assert self._hier is not None
             self._local = NodeLocalState(self._hier, self._batch_sizes, warmup_steps)
+        if isinstance(autotune_steps, bool) or not isinstance(autotune_steps, int) or autotune_steps < 0:
+            raise ValueError(f"Expected argument `autotune_steps` to be an integer >= 0, but got {autotune_steps!r}.")
+        self._tuner = ReductionTuner(autotune_steps) if autotune_steps and mode == "hierarchical" else None
         self._stats = CommStats(rank=rank, world_size=len(self._node_ids))
         self._grad_bytes: int | None = None
         self._step_traffic: Traffic | None = None
         self._exact_traffic: Traffic | None = None
+        self._flat_traffic: Traffic | None = None
         self._in_consensus = True
         if rank == 0:
             extra = f", global_sync_every={global_sync_every}, warmup_steps={warmup_steps}" if self._local else ""
@@ -249,6 +260,13 @@ class CommController:
     def in_consensus(self) -> bool:
         """Whether all replicas hold the same parameters right now (always true for exact modes)."""
         return self._in_consensus
+
+    @property
+    def reduction(self) -> str | None:
+        """How ``"hierarchical"`` reduces gradients now: ``"flat"`` or ``"hierarchical"`` (``None`` in other modes)."""
+        if self._hier is None or self._mode != "hierarchical":
+            return None
+        return "flat" if self._hier.flat else "hierarchical"
 
     @property
     def stats(self) -> dict[str, float]:
@@ -299,8 +317,13 @@ class CommController:
         if self._grad_bytes is None:
             self._set_grad_bytes(params)
         exact_step = self._local is None or global_step <= self._warmup_steps
-        assert self._step_traffic is not None and self._exact_traffic is not None
-        self._stats.record_step(self._exact_traffic if exact_step and self._local else self._step_traffic)
+        assert self._step_traffic is not None and self._exact_traffic is not None and self._flat_traffic is not None
+        if self._hier is not None and self._hier.flat and self._mode == "hierarchical":
+            self._stats.record_step(self._flat_traffic)
+        else:
+            self._stats.record_step(self._exact_traffic if exact_step and self._local else self._step_traffic)
+        if self._tuner is not None and self._tuner.measuring:
+            self._tune(params)
         if self._local is None:
             return False
         self._local.completed_steps = global_step
@@ -342,6 +365,8 @@ class CommController:
         """One log line: mode, schedule and bytes per step, e.g. for ``on_train_end``."""
         s = self.stats
         schedule = f" K={self._sync_every} warmup={self._warmup_steps}" if self._local is not None else ""
+        if self._tuner is not None:
+            schedule += f" ({self.reduction} reduction, measured)" if self._tuner.choice else " (still measuring)"
         return (
             f"comm={self._mode}{schedule}: {int(s['steps'])} steps, {int(s['global_syncs'])} global syncs;"
             f" per step this rank sent {s['bytes_intra_per_step'] / 1e6:.3f} MB inside its node and"
@@ -350,10 +375,30 @@ class CommController:
         )
 
     # ------------------------------------------------------------------ internals
+    def _tune(self, params: list[torch.Tensor]) -> None:
+        """One step of the measured flat-vs-hierarchical choice; the decision itself is a small collective."""
+        assert self._tuner is not None and self._hier is not None
+        if self._tuner.step_done():
+            device = params[0].device if params else torch.device("cpu")
+            medians = torch.tensor(self._tuner.medians(), dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(medians, op=torch.distributed.ReduceOp.MAX)  # same decision everywhere
+            flat_s, hier_s = (float(v) for v in medians.tolist())
+            choice = self._tuner.decide([flat_s, hier_s])
+            if self._rank == 0:
+                log.info(
+                    "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
+                    " the node hierarchy; using the %s reduction from now on.",
+                    flat_s * 1e3,
+                    hier_s * 1e3,
+                    choice,
+                )
+        self._hier.flat = self._tuner.current == "flat"
+
     def _set_grad_bytes(self, params: Iterable[torch.Tensor]) -> None:
         nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         self._grad_bytes = nbytes
         self._exact_traffic = hierarchical_traffic(nbytes, self._node_ids)
+        self._flat_traffic = flat_allreduce_traffic(nbytes, self._node_ids)
         if self._mode == "allreduce":
             self._step_traffic = flat_allreduce_traffic(nbytes, self._node_ids)
         elif self._mode == "hierarchical":

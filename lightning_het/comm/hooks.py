@@ -107,6 +107,10 @@ class HierarchicalState:
             the node and chunk ``k-1`` is broadcast). Smaller chunks pipeline better but pay the per-collective
             latency more often; 1-8 MiB suits TCP and NCCL alike. ``0`` disables chunking.
 
+    Attributes:
+        flat: when ``True``, :func:`hierarchical_hook` runs one flat all-reduce over all ranks instead (same result;
+            set by the controller's measured choice, :mod:`lightning_het.comm.tuning`). Must be equal on all ranks.
+
     Tuning: ``comm="hierarchical"`` is exact, so it only changes speed. It pays off when the link between nodes is
     much slower than inside them (Ethernet between hosts, NVLink/shared memory inside) and nodes hold several
     replicas: only one replica per node sends over the network, and a ring among ``N`` leaders moves
@@ -114,13 +118,15 @@ class HierarchicalState:
     replica per node it equals a flat all-reduce, so the strategy falls back to ``allreduce`` there.
     """
 
-    # user-tuned: chunk_bytes; topology: groups, world_size; internal issue order: _bcast_order, _leader_order, _seq
-    __slots__ = ("_bcast_order", "_leader_order", "_seq", "chunk_bytes", "groups", "world_size")
+    # user-tuned: chunk_bytes; topology: groups, world_size; measured choice: flat;
+    # internal issue order: _bcast_order, _leader_order, _seq
+    __slots__ = ("_bcast_order", "_leader_order", "_seq", "chunk_bytes", "flat", "groups", "world_size")
 
     def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.groups = groups
         self.chunk_bytes = chunk_bytes
         self.world_size = groups.world_size
+        self.flat = False
         self._seq = 0
         self._leader_order = _InOrder()
         self._bcast_order = _InOrder()
@@ -231,7 +237,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """Exact gradient mean ``(1/W) * sum_r g_r``, reduced inside nodes, all-reduced between leaders, broadcast back.
 
     Divides by ``W`` before reducing (no overflow in low precision), then runs :func:`hierarchical_sum` on the
-    bucket in place.
+    bucket in place, or one flat all-reduce over the default group when ``state.flat`` is set (what DDP's own
+    all-reduce does).
 
     Example::
 
@@ -239,6 +246,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """
     tensor = bucket.buffer()
     tensor.div_(state.world_size)
+    if state.flat:
+        return dist.all_reduce(tensor, async_op=True).get_future().then(_first_tensor)
     return hierarchical_sum(state, tensor)
 
 

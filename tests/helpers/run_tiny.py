@@ -62,6 +62,7 @@ def main() -> None:
             "backend": s.process_group_backend,
             "comm_mode": s.comm_mode,
             "comm_stats": s.comm_stats,
+            "comm_reduction": s.comm_reduction,
         },
         out / f"rank{rank}.pt",
     )
