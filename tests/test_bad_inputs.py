@@ -69,6 +69,10 @@ CASES = {
         r"`global_batch_size` to be an integer >= 1, but got 8.5",
     ),
     "profile-steps-zero": (lambda: HeterogeneousStrategy(profile_steps=0), r"`profile_steps`.*got 0"),
+    "comm-autotune-steps-negative": (
+        lambda: HeterogeneousStrategy(comm_autotune_steps=-1),
+        r"`comm_autotune_steps`.*got -1",
+    ),
     "strategy-name-typo": (
         lambda: _trainer(strategy="heterogenous"),
         r"invalid strategy name: `strategy='heterogenous'`",
