@@ -488,10 +488,23 @@ def _report(err: BaseException) -> None:
     sys.stderr.flush()
 
 
+def _release_process_group() -> None:
+    """Destroy the default process group once the run is over, as torch asks programs to before they exit (leaving it
+    to interpreter shutdown races the backend's threads against the destruction of its objects)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
-        metrics = _run_sweep_job(cfg) if HydraConfig.get().mode == RunMode.MULTIRUN else train(cfg)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            metrics = _run_sweep_job(cfg)
+        else:
+            metrics = train(cfg)
+            _release_process_group()
         return _objective(cfg, metrics)
     except _user_error_types() as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

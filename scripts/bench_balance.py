@@ -216,6 +216,8 @@ def _worker(spec_path: str) -> None:
             print(f"[bench] {cfg['name']}: fit {results[-1]['fit_s']:.2f} s", flush=True)
     if rank == 0:
         (out / f"{spec['job']}.json").write_text(json.dumps(results, indent=1))
+    if torch.distributed.is_initialized():  # a clean end: no backend threads left to interpreter shutdown
+        torch.distributed.destroy_process_group()
 
 
 # ====================================================================== driver side
