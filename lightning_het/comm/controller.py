@@ -378,9 +378,12 @@ class CommController:
     def _tune(self, params: list[torch.Tensor]) -> None:
         """One step of the measured flat-vs-hierarchical choice; the decision itself is a small collective."""
         assert self._tuner is not None and self._hier is not None
+        device = params[0].device if params else torch.device("cpu")
+        if device.type == "cuda":  # time the step's kernels, not their launch (only while measuring: 2k + 1 steps)
+            torch.cuda.synchronize(device)
         if self._tuner.step_done():
-            device = params[0].device if params else torch.device("cpu")
-            medians = torch.tensor(self._tuner.medians(), dtype=torch.float64, device=device)
+            on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
+            medians = torch.tensor(self._tuner.medians(), dtype=torch.float64, device=on)
             torch.distributed.all_reduce(medians, op=torch.distributed.ReduceOp.MAX)  # same decision everywhere
             flat_s, hier_s = (float(v) for v in medians.tolist())
             choice = self._tuner.decide([flat_s, hier_s])
