@@ -383,25 +383,48 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
         ctl.synchronize(ddp.parameters())  # end of run = end of epoch: one consensus model
     else:
         model_bytes = flat_allreduce_traffic(grad_bytes, NODE_IDS).total_inter
-    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
-    checks: list[Any] = [None] * job.world
-    dist.all_gather_object(checks, (float(flat.sum()), float(flat.abs().sum())))
-    with torch.no_grad():
-        eval_loss = float(torch.nn.functional.cross_entropy(ddp.module(job.held_out[0]), job.held_out[1]))
-    result = Result(
+    result = _result(
+        job,
+        ddp.module,
         name=name,
         comm=comm,
         global_sync_every=k,
-        step_time_s=(t1 - t0) / args.steps,
-        inter_bytes_measured=None if link0 is None or link1 is None else (link1 - link0) / args.steps,
+        window=(t0, t1, link0, link1),
         inter_bytes_model=model_bytes,
-        eval_loss=eval_loss,
         train_loss_last=float(last_loss),
-        consensus=all(c == checks[0] for c in checks),
         steps=args.warmup_steps + args.steps,
         reduction=ctl.reduction if ctl is not None else None,
     )
     return result, params, grad_bytes
+
+
+def _result(
+    job: _Job,
+    net: Any,
+    window: tuple[float, float, int | None, int | None],
+    **fields: Any,
+) -> Result:
+    """Evaluate ``net`` on the held-out batch, check that all ranks hold the same weights, and fill a ``Result``.
+
+    ``window`` is ``(t0, t1, link_bytes0, link_bytes1)`` around the timed steps; ``fields`` are the rest of the row.
+    """
+    import torch
+    import torch.distributed as dist
+
+    steps = job.args.steps
+    t0, t1, link0, link1 = window
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    checks: list[Any] = [None] * job.world
+    dist.all_gather_object(checks, (float(flat.sum()), float(flat.abs().sum())))
+    with torch.no_grad():
+        eval_loss = float(torch.nn.functional.cross_entropy(net(job.held_out[0]), job.held_out[1]))
+    return Result(
+        step_time_s=(t1 - t0) / steps,
+        inter_bytes_measured=None if link0 is None or link1 is None else (link1 - link0) / steps,
+        eval_loss=eval_loss,
+        consensus=all(c == checks[0] for c in checks),
+        **fields,
+    )
 
 
 def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> tuple[Result, int, int]:
@@ -501,21 +524,15 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
                 f"strategy found node ids {detected} / batch sizes {sizes}, expected {NODE_IDS} / {job.batch_sizes}"
             )
         model_bytes = (bytes1 - bytes0) / args.steps
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    checks: list[Any] = [None] * job.world
-    dist.all_gather_object(checks, (float(flat.sum()), float(flat.abs().sum())))
-    with torch.no_grad():
-        eval_loss = float(torch.nn.functional.cross_entropy(model.net(job.held_out[0]), job.held_out[1]))
-    result = Result(
+    result = _result(
+        job,
+        model.net,
         name=name,
         comm=comm,
         global_sync_every=k,
-        step_time_s=(t1 - t0) / args.steps,
-        inter_bytes_measured=None if link0 is None or link1 is None else (link1 - link0) / args.steps,
+        window=(t0, t1, link0, link1),
         inter_bytes_model=model_bytes,
-        eval_loss=eval_loss,
         train_loss_last=float("nan"),
-        consensus=all(c == checks[0] for c in checks),
         steps=total_steps,
         reduction=window.marks["start_reduction"],
     )

@@ -2,44 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.jobs import REPO, free_port, job_env
+from tests.helpers.jobs import REPO, free_port, job_env, run_in_session
 
 __all__ = ["REPO", "free_port", "run_job"]
 
 
 def run_job(args: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Run ``python args...`` in its own session; on timeout kill the whole process group. Returns CompletedProcess."""
-    full_env = job_env(env)
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=cwd or REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout}s:\n{out[-4000:]}") from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # nothing of the job may outlive the test
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+    return run_in_session([sys.executable, *args], cwd=cwd or REPO, env=job_env(env), timeout=timeout)
 
 
 @pytest.fixture(autouse=True)

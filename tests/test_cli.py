@@ -6,12 +6,10 @@ Every process a test starts is killed with its whole process group when the test
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import zipfile
@@ -28,8 +26,8 @@ from lightning_het.data.raster import write_geotiff
 from lightning_het.data.synthetic import write_synthetic_scene
 from lightning_het.errors import ShapeMismatchError
 from lightning_het.train import main, train
+from tests.helpers.jobs import REPO, run_in_session
 
-REPO = Path(__file__).resolve().parents[1]
 _NEXT_TO_PYTHON = Path(sys.executable).parent / "lightning-het-train"  # the console script of this interpreter's env
 CONSOLE_SCRIPT = str(_NEXT_TO_PYTHON) if _NEXT_TO_PYTHON.exists() else shutil.which("lightning-het-train")
 #: variables of an enclosing distributed job that must not leak into the app's own launch
@@ -46,19 +44,7 @@ def run_app(args: list[str], *, cwd: Path, timeout: float, module: bool = False)
     command = [sys.executable, "-m", "lightning_het.train", *args] if module else [CONSOLE_SCRIPT, *args]
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{command} timed out after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}") from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+    return run_in_session(command, cwd=cwd, env=env, timeout=timeout, merge_stderr=False)
 
 
 def check_metrics(path: Path, world_size: int) -> dict:

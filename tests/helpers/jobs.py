@@ -51,6 +51,35 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def run_in_session(
+    command: list[str], *, cwd: Path, env: dict[str, str], timeout: float, merge_stderr: bool = True
+) -> subprocess.CompletedProcess:
+    """Run ``command`` in a new session and wait for it; nothing of its process group outlives the call.
+
+    A command still running after ``timeout`` seconds is killed (whole group) and reported as ``AssertionError`` with
+    the tail of its output. With ``merge_stderr`` the output is all in ``stdout``.
+    """
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{command} timed out after {timeout}s:\n{out[-3000:]}\n{(err or '')[-3000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # nothing of the job may outlive the caller
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 def run_helper(module: str, out: Path, cfg: dict, *, limit: float = 240, env: dict | None = None) -> JobResult:
     """``python -m module OUT JSON`` in a new session; returns once every process of the job has closed its output.
 
