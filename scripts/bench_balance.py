@@ -355,6 +355,18 @@ def _ideal_step_s(speeds: list[float], c0: float) -> float:
     return GLOBAL_BATCH * c0 / sum(speeds)
 
 
+def _ideal_speedup(speeds: list[float]) -> float:
+    """Best speedup of any split over DDP's equal split: ``sum(v) / (W * min(v))``."""
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def _slowed_ideal_samples_per_s(c0: float) -> float:
+    """Ideal throughput (samples/s) of the slowdown platform once ``SLOWDOWN["rank"]`` has slowed down."""
+    speeds = list(PLATFORMS[SLOWDOWN["platform"]])
+    speeds[SLOWDOWN["rank"]] /= SLOWDOWN["factor"]
+    return GLOBAL_BATCH / _ideal_step_s(speeds, c0)
+
+
 def _quantile(values: list[float], q: float) -> float:
     """The ``q``-quantile (nearest rank) of ``values``."""
     ordered = sorted(values)
@@ -391,7 +403,7 @@ def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[s
             "split_step_ms": max((b * c0 / v for b, v in zip(sizes, speeds)), default=float("nan")) * 1e3,
             "overhead_ms": overhead_s * 1e3,
             "speedup": ddp["fit_s"] / het["fit_s"],
-            "ideal_speedup": sum(speeds) / (len(speeds) * min(speeds)),
+            "ideal_speedup": _ideal_speedup(speeds),
             "ideal_speedup_with_overhead": (ddp_compute + overhead_s) / (ideal_step + overhead_s),
             "profile_s": het.get("profile_s", 0.0),
             "batch_sizes": sizes,
@@ -410,13 +422,10 @@ def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[s
         # fit time per optimizer step (this run is shorter than the platform rows)
         "speedup": (ref["fit_s"] / ref["global_step"]) / (emu["fit_s"] / emu["global_step"]),
     }
-    speeds = PLATFORMS[SLOWDOWN["platform"]]
-    new_speeds = list(speeds)
-    new_speeds[SLOWDOWN["rank"]] /= SLOWDOWN["factor"]
-    new_ideal = GLOBAL_BATCH / (_ideal_step_s(new_speeds, c0))
+    new_ideal = _slowed_ideal_samples_per_s(c0)
     slowdown: dict[str, Any] = {
         "new_ideal_samples_per_s": new_ideal,
-        "old_ideal_samples_per_s": GLOBAL_BATCH / _ideal_step_s(speeds, c0),
+        "old_ideal_samples_per_s": GLOBAL_BATCH / _ideal_step_s(PLATFORMS[SLOWDOWN["platform"]], c0),
     }
     for label in ("static", "rebalanced"):
         r = by_name[f"slowdown {label}"]
@@ -620,14 +629,12 @@ def _brief(runs: list[dict], c0: float, command: str, elapsed: float) -> str:
         ddp, het = by_name.get(f"{name} ddp"), by_name.get(f"{name} het")
         if ddp and het:
             speedup = ddp["fit_s"] / het["fit_s"]
-            ideal = sum(speeds) / (len(speeds) * min(speeds))
+            ideal = _ideal_speedup(speeds)
             lines.append(
                 f"\n{name}: speedup of the whole fit {speedup:.3f}x of the ideal {ideal:.3f}x ="
                 f" **{speedup / ideal:.1%}**; profiling {het.get('profile_s', 0.0) / het['fit_s']:.1%} of the fit"
             )
-    speeds = list(PLATFORMS[SLOWDOWN["platform"]])
-    speeds[SLOWDOWN["rank"]] /= SLOWDOWN["factor"]
-    new_ideal = GLOBAL_BATCH / _ideal_step_s(speeds, c0)
+    new_ideal = _slowed_ideal_samples_per_s(c0)
     for label in ("static", "rebalanced"):
         r = by_name.get(f"slowdown {label}")
         if r:

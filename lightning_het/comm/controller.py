@@ -318,7 +318,7 @@ class CommController:
             self._set_grad_bytes(params)
         exact_step = self._local is None or global_step <= self._warmup_steps
         assert self._step_traffic is not None and self._exact_traffic is not None and self._flat_traffic is not None
-        if self._hier is not None and self._hier.flat and self._mode == "hierarchical":
+        if self.reduction == "flat":  # the measured choice (or a measuring step) ran a flat all-reduce
             self._stats.record_step(self._flat_traffic)
         else:
             self._stats.record_step(self._exact_traffic if exact_step and self._local else self._step_traffic)
