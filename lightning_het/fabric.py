@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het.comm.controller import resolve_comm_mode
-from lightning_het.profiling import StepTiming, preserved_training_state, time_steps
+from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.strategy import CommMode, HeterogeneousStrategyBase, _rebuild_loader
 from lightning_het.watchdog import relaxed_startup_timeout
