@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.fabric.wrappers as fabric_wrappers
@@ -39,10 +38,10 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
+from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.strategy import CommMode, HeterogeneousStrategyBase, _rebuild_loader
+from lightning_het.strategy import HeterogeneousStrategyBase, _rebuild_loader
 from lightning_het.watchdog import relaxed_startup_timeout
 
 __all__ = ["HeterogeneousFabricStrategy"]
@@ -73,11 +72,11 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
 
     * ``fabric.setup(model, optimizer)``: DDP, plus the ``comm`` mode's gradient hook (on CPU/gloo too).
     * ``fabric.setup_dataloaders(train_loader)``: the first time, allocates the global batch from ``speeds`` (or by
-      profiling ``profile_step``), then rebuilds the loader around a :class:`~lightning_het.ProportionalDistributedSampler`
-      with this replica's batch size. Every loader whose sampler Fabric would make distributed (the default
-      ``use_distributed_sampler=True``) is split this way, so pass evaluation loaders with
-      ``sampler=strategy.eval_sampler(dataset)`` (each sample on exactly one replica), or with
-      ``use_distributed_sampler=False`` (every replica reads all of it).
+      profiling ``profile_step``), then rebuilds the loader around a
+      :class:`~lightning_het.ProportionalDistributedSampler` with this replica's batch size. Every loader whose
+      sampler Fabric would make distributed (the default ``use_distributed_sampler=True``) is split this way, so
+      pass evaluation loaders with ``sampler=strategy.eval_sampler(dataset)`` (each sample on exactly one replica),
+      or with ``use_distributed_sampler=False`` (every replica reads all of it).
     * ``fabric.backward(loss)``: back-propagates ``loss * loss_scale``; the loss you log stays unscaled.
     * ``optimizer.step()``: under ``comm="node_local"``, averages the parameters across all replicas every
       ``global_sync_every`` steps and after the last step of every epoch of the training loader (counting one
@@ -91,11 +90,11 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             runs it and back-propagates its loss ``profile_warmup + profile_steps`` times on real batches, without
             gradient synchronisation, and restores the model, gradients, optimizer state and RNG streams afterwards.
             Set the model up with ``fabric.setup`` before the training loader.
-        global_batch_size, speeds, min_batch_size, max_batch_sizes, node_ids, comm, global_sync_every,
-        comm_warmup_steps, comm_autotune_steps, profile_steps, profile_warmup, startup_timeout: as for
-            :class:`~lightning_het.HeterogeneousStrategy` (the default global batch is the training loader's
-            ``batch_size`` x world size).
-        **kwargs: everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
+        **kwargs: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the same meaning:
+            ``global_batch_size`` (default: the training loader's ``batch_size`` x world size), ``speeds``,
+            ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``, ``global_sync_every``,
+            ``comm_warmup_steps``, ``comm_autotune_steps``, ``profile_steps``, ``profile_warmup``,
+            ``startup_timeout``; everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
     Raises:
@@ -105,24 +104,7 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
 
     _spawn_launcher_cls = _MultiProcessingLauncher
 
-    def __init__(
-        self,
-        profile_step: ProfileStep | None = None,
-        *,
-        global_batch_size: int | None = None,
-        speeds: Sequence[float] | None = None,
-        min_batch_size: int = 1,
-        max_batch_sizes: Sequence[int] | None = None,
-        node_ids: Sequence[int] | None = None,
-        comm: CommMode = "auto",
-        global_sync_every: int | None = None,
-        comm_warmup_steps: int = 0,
-        comm_autotune_steps: int = 5,
-        profile_steps: int = 3,
-        profile_warmup: int = 1,
-        startup_timeout: float | timedelta | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
         unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
         if unsupported:
             raise ValueError(
@@ -135,22 +117,7 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
                 f"Expected argument `profile_step` to be a callable `profile_step(batch) -> loss`, but got"
                 f" {profile_step!r}."
             )
-        super().__init__(
-            global_batch_size=global_batch_size,
-            speeds=speeds,
-            min_batch_size=min_batch_size,
-            max_batch_sizes=max_batch_sizes,
-            node_ids=node_ids,
-            comm=comm,
-            global_sync_every=global_sync_every,
-            profile_steps=profile_steps,
-            profile_warmup=profile_warmup,
-            startup_timeout=startup_timeout,
-            telemetry=False,
-            comm_warmup_steps=comm_warmup_steps,
-            comm_autotune_steps=comm_autotune_steps,
-            **kwargs,
-        )
+        super().__init__(telemetry=False, **kwargs)  # the shared core validates and stores every other keyword
         self.profile_step = profile_step
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
         self._raw_optimizers: list[Optimizer] = []  # snapshotted and restored around profiling
