@@ -17,11 +17,13 @@ from lightning_het._version import __version__
 if TYPE_CHECKING:
     from lightning_het.balance.allocation import allocate_batch_sizes
     from lightning_het.datamodule import HeterogeneousDataModule
+    from lightning_het.fabric import HeterogeneousFabricStrategy
     from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
     from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
     "HeterogeneousDataModule",
+    "HeterogeneousFabricStrategy",
     "HeterogeneousStrategy",
     "ProportionalDistributedSampler",
     "UnpaddedDistributedSampler",
@@ -32,6 +34,7 @@ __all__ = [
 #: public name -> module that defines it (imported on first access)
 _LAZY = {
     "HeterogeneousDataModule": "lightning_het.datamodule",
+    "HeterogeneousFabricStrategy": "lightning_het.fabric",
     "HeterogeneousStrategy": "lightning_het.strategy",
     "ProportionalDistributedSampler": "lightning_het.sampler",
     "UnpaddedDistributedSampler": "lightning_het.sampler",

@@ -8,8 +8,13 @@ registration to run right after the module that needs it has finished executing:
 * ``lightning`` (``lightning.pytorch``'s registry): as soon as the ``lightning`` package is imported, whoever imports
   it; a ``Trainer`` cannot exist before that;
 * ``pytorch_lightning`` (the standalone package, whose registry and class hierarchy are separate): likewise;
-* ``lightning_het.strategy``: when the strategy module is imported before Lightning (it imports Lightning while it is
-  still executing, so the hooks above find it half-built), the registration runs when the strategy module is complete.
+* ``lightning_het.strategy``, ``lightning_het.fabric``, ``lightning_het._pl_compat``: when one of them is imported
+  before Lightning (it imports Lightning while it is still executing, so the hooks above find it half-built), the
+  registration runs when that module is complete.
+
+The registries: ``lightning.pytorch``'s (:class:`~lightning_het.HeterogeneousStrategy`), Lightning Fabric's
+(:class:`~lightning_het.HeterogeneousFabricStrategy`) and the standalone ``pytorch_lightning``'s (the same strategy on
+that package's classes, :mod:`lightning_het._pl_compat`).
 
 Registration is idempotent; the hooks remove themselves once they have fired.
 """
@@ -113,35 +118,44 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
     callback()
 
 
+def _ready(name: str) -> bool:
+    """Whether module ``name`` can be used now: complete, or absent and then imported here. ``False`` while it is
+    half-built (it is the module importing Lightning right now): its own hook registers once it is complete."""
+    if _is_loaded(name):
+        return True
+    if name in sys.modules:
+        return False
+    importlib.import_module(name)
+    return True
+
+
 def _register_all() -> None:
-    """Register in ``lightning.pytorch``'s registry, and in ``pytorch_lightning``'s when that package is loaded."""
+    """Register in every registry whose Lightning flavour is loaded: ``lightning.pytorch``, Lightning Fabric and, when
+    it is imported, the standalone ``pytorch_lightning``. Idempotent; safe to call from any hook."""
+    if not _ready("lightning_het.strategy"):  # the other two build on it
+        return
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_het.strategy import HeterogeneousStrategy
 
     HeterogeneousStrategy.register_strategies(StrategyRegistry)
-    if _is_loaded("pytorch_lightning"):
+    if _is_loaded("pytorch_lightning") and _ready("lightning_het._pl_compat"):
         from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
 
         from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
 
         PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)
+    if _ready("lightning_het.fabric"):
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
 
+        from lightning_het.fabric import HeterogeneousFabricStrategy
 
-def _with_strategy() -> None:
-    """A Lightning flavour finished loading: register now if the strategy module is complete, import it if absent (its
-    own hook registers), and leave it to its hook if it is the module that is importing Lightning right now."""
-    if _is_loaded("lightning_het.strategy"):
-        _register_all()
-    elif "lightning_het.strategy" not in sys.modules:
-        importlib.import_module("lightning_het.strategy")
-        _register_all()
+        HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
 
 
 def register() -> None:
-    """Register ``"heterogeneous"`` now (imports Lightning), in ``lightning.pytorch``'s StrategyRegistry and, when
-    that package is installed and imported, in ``pytorch_lightning``'s. Idempotent."""
-    importlib.import_module("lightning_het.strategy")
+    """Register ``"heterogeneous"`` now (imports Lightning): in ``lightning.pytorch``'s StrategyRegistry, in Lightning
+    Fabric's, and in ``pytorch_lightning``'s when that package is imported. Idempotent."""
     _register_all()
 
 
@@ -150,6 +164,7 @@ def register_on_import() -> None:
 
     Called by ``lightning_het/__init__.py``; imports nothing heavy itself.
     """
-    after_import("lightning_het.strategy", _register_all)
-    after_import("lightning", _with_strategy)
-    after_import("pytorch_lightning", _with_strategy)
+    for module in ("lightning_het.strategy", "lightning_het.fabric", "lightning_het._pl_compat"):
+        after_import(module, _register_all)
+    after_import("lightning", _register_all)
+    after_import("pytorch_lightning", _register_all)

@@ -62,6 +62,8 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
         strategy = lightning_het.HeterogeneousStrategy(speeds=[1, 2], global_batch_size=6)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="heterogeneous", logger=False)
         assert isinstance(trainer.strategy, lightning_het.HeterogeneousStrategy)
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        assert STRATEGY_REGISTRY["heterogeneous"]["strategy"] is lightning_het.HeterogeneousFabricStrategy
         assert lightning_het.allocate_batch_sizes(6, [1, 2]) == [2, 4]
         from lightning_het import ProportionalDistributedSampler, HeterogeneousDataModule
         import lightning_het.comm, lightning_het.balance, lightning_het.checkpointing, lightning_het.watchdog
@@ -81,7 +83,7 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
     assert result.stdout.strip().endswith("ok")
 
 
-@pytest.mark.slow  # six fresh interpreters importing Lightning
+@pytest.mark.slow  # eight fresh interpreters importing Lightning
 @pytest.mark.parametrize(
     "code",
     [
@@ -92,8 +94,20 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
         "import lightning_het.hsi.model; from lightning.pytorch.strategies import StrategyRegistry as R",
         "import lightning_het; import pytorch_lightning as P; R = P.strategies.StrategyRegistry",
         "import pytorch_lightning as P; import lightning_het; R = P.strategies.StrategyRegistry",
+        "import lightning_het; from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
+        "from lightning_het.fabric import HeterogeneousFabricStrategy\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
     ],
-    ids=["package-first", "lightning-first", "strategy-module", "hsi-module", "pl-after", "pl-before"],
+    ids=[
+        "package-first",
+        "lightning-first",
+        "strategy-module",
+        "hsi-module",
+        "pl-after",
+        "pl-before",
+        "fabric",
+        "fabric-module",
+    ],
 )
 def test_registered_whatever_the_import_order(code):
     if "pytorch_lightning" in code:
