@@ -4,7 +4,8 @@ JSON keys: ``devices``, ``strategy`` (HeterogeneousStrategy kwargs), ``epochs``,
 ``batch_size``, ``seed``, ``step_cost`` (seconds of sleep per sample in ``training_step``), ``num_workers``,
 ``ckpt_dir`` (a ``ModelCheckpoint`` writing there every 1000 steps, so only its directory matters), ``resume``
 (checkpoint path), ``ready_step`` (each rank writes ``OUT_DIR/ready{r}`` holding its pid once ``global_step`` reaches
-it), ``stuck_rank`` / ``stuck_step`` (that rank sleeps for good in ``training_step`` from that step on).
+it), ``stuck_rank`` / ``stuck_step`` (that rank writes ``OUT_DIR/stuck{r}`` and sleeps for good in ``training_step``
+from that step on).
 
 The default root directory is ``OUT_DIR``. Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (weights, global
 step); the launching process prints the exit statuses of the replicas it launched when it ends.
@@ -43,12 +44,13 @@ class Ready(Callback):
 
 
 class Stuck(TinyRegressor):
-    def __init__(self, stuck_rank: int, stuck_step: int, **kwargs) -> None:
+    def __init__(self, out: Path, stuck_rank: int, stuck_step: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.stuck_rank, self.stuck_step = stuck_rank, stuck_step
+        self.out, self.stuck_rank, self.stuck_step = out, stuck_rank, stuck_step
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.stuck_rank and self.trainer.global_step >= self.stuck_step:
+            (self.out / f"stuck{self.global_rank}").write_text(str(os.getpid()))
             while True:  # a replica that never reaches the step boundary
                 time.sleep(1)
         return super().training_step(batch, batch_idx)
@@ -66,10 +68,8 @@ def main() -> None:
     pl.seed_everything(cfg.get("seed", 0), workers=True)
     strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     kwargs = {"cost_per_sample_s": cfg.get("step_cost", 0.0)}
-    if "stuck_rank" in cfg:
-        model = Stuck(cfg["stuck_rank"], cfg["stuck_step"], **kwargs)
-    else:
-        model = TinyRegressor(**kwargs)
+    stuck = "stuck_rank" in cfg
+    model = Stuck(out, cfg["stuck_rank"], cfg["stuck_step"], **kwargs) if stuck else TinyRegressor(**kwargs)
     callbacks: list[Callback] = []
     if cfg.get("ready_step") is not None:
         callbacks.append(Ready(out, cfg["ready_step"]))
