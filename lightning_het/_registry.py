@@ -7,14 +7,16 @@ registration to run right after the module that needs it has finished executing:
 
 * ``lightning`` (``lightning.pytorch``'s registry): as soon as the ``lightning`` package is imported, whoever imports
   it; a ``Trainer`` cannot exist before that;
-* ``pytorch_lightning`` (the standalone package, whose registry and class hierarchy are separate): likewise;
-* ``lightning_het.strategy``, ``lightning_het.fabric``, ``lightning_het._pl_compat``: when one of them is imported
+* ``pytorch_lightning`` and ``lightning_fabric`` (the standalone packages, whose registries and class hierarchies are
+  separate): likewise;
+* ``lightning_het.strategy``, ``lightning_het.fabric`` and the two compatibility modules: when one of them is imported
   before Lightning (it imports Lightning while it is still executing, so the hooks above find it half-built), the
   registration runs when that module is complete.
 
 The registries: ``lightning.pytorch``'s (:class:`~lightning_het.HeterogeneousStrategy`), Lightning Fabric's
-(:class:`~lightning_het.HeterogeneousFabricStrategy`) and the standalone ``pytorch_lightning``'s (the same strategy on
-that package's classes, :mod:`lightning_het._pl_compat`).
+(:class:`~lightning_het.HeterogeneousFabricStrategy`), and those of the standalone ``pytorch_lightning`` and
+``lightning_fabric`` (the same strategies on those packages' classes: :mod:`lightning_het._pl_compat`,
+:mod:`lightning_het._fabric_compat`).
 
 Registration is idempotent; the hooks remove themselves once they have fired.
 """
@@ -131,7 +133,7 @@ def _ready(name: str) -> bool:
 
 def _register_all() -> None:
     """Register in every registry whose Lightning flavour is loaded: ``lightning.pytorch``, Lightning Fabric and, when
-    it is imported, the standalone ``pytorch_lightning``. Idempotent; safe to call from any hook."""
+    they are imported, the standalone ``pytorch_lightning`` and ``lightning_fabric``. Idempotent; safe from any hook."""
     if not _ready("lightning_het.strategy"):  # the other two build on it
         return
     from lightning.pytorch.strategies import StrategyRegistry
@@ -145,17 +147,24 @@ def _register_all() -> None:
         from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
 
         PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)
-    if _ready("lightning_het.fabric"):
-        from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
+    if not _ready("lightning_het.fabric"):
+        return
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
 
-        from lightning_het.fabric import HeterogeneousFabricStrategy
+    from lightning_het.fabric import HeterogeneousFabricStrategy
 
-        HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
+    HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
+    if _is_loaded("lightning_fabric") and _ready("lightning_het._fabric_compat"):
+        from lightning_fabric.strategies import STRATEGY_REGISTRY as LFStrategyRegistry
+
+        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as LFHeterogeneousFabricStrategy
+
+        LFHeterogeneousFabricStrategy.register_strategies(LFStrategyRegistry)
 
 
 def register() -> None:
     """Register ``"heterogeneous"`` now (imports Lightning): in ``lightning.pytorch``'s StrategyRegistry, in Lightning
-    Fabric's, and in ``pytorch_lightning``'s when that package is imported. Idempotent."""
+    Fabric's, and in the standalone packages' when they are imported. Idempotent."""
     _register_all()
 
 
@@ -164,7 +173,13 @@ def register_on_import() -> None:
 
     Called by ``lightning_het/__init__.py``; imports nothing heavy itself.
     """
-    for module in ("lightning_het.strategy", "lightning_het.fabric", "lightning_het._pl_compat"):
+    for module in (
+        "lightning_het.strategy",
+        "lightning_het.fabric",
+        "lightning_het._pl_compat",
+        "lightning_het._fabric_compat",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+    ):
         after_import(module, _register_all)
-    after_import("lightning", _register_all)
-    after_import("pytorch_lightning", _register_all)

@@ -19,9 +19,9 @@ See ``docs/fabric.md`` for a complete example.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import lightning.fabric.wrappers as fabric_wrappers
@@ -44,7 +44,7 @@ from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistri
 from lightning_het.strategy import HeterogeneousStrategyBase, _rebuild_loader
 from lightning_het.watchdog import relaxed_startup_timeout
 
-__all__ = ["HeterogeneousFabricStrategy"]
+__all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ _TRAINER_ONLY = (
 ProfileStep = Callable[[Any], Tensor]
 
 
-class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
+class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     """Lightning Fabric strategy: per-replica batch sizes proportional to speed, exact gradients, node-aware comm.
 
     ``import lightning_het`` registers it as ``"heterogeneous"`` in Fabric's strategy registry, so
@@ -102,7 +102,11 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``).
     """
 
-    _spawn_launcher_cls = _MultiProcessingLauncher
+    # set by the concrete class: the Fabric package's DDPStrategy, its `wrappers` module and its sampler wrapper
+    # (``lightning.fabric`` and the standalone ``lightning_fabric`` have separate classes and registries)
+    _fabric_ddp_cls: type
+    _fabric_wrappers: ModuleType
+    _sampler_wrapper_cls: type
 
     def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
         unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
@@ -154,7 +158,7 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = FabricDDPStrategy.optimizer_step(self, optimizer, **kwargs)
+        output = self._fabric_ddp_cls.optimizer_step(self, optimizer, **kwargs)
         self._optimizer_steps += 1
         if self._comm_controller is not None and self._ddp_model is not None:
             epoch_steps = self._steps_per_epoch
@@ -192,7 +196,7 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             return dataloader
         if isinstance(sampler, ProportionalDistributedSampler):
             return self._adopt_sampler(dataloader, sampler)
-        if type(sampler) is not DistributedSampler and not isinstance(sampler, DistributedSamplerWrapper):
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, self._sampler_wrapper_cls):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         return self._split_for_training(dataloader)
 
@@ -255,11 +259,22 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             return time_steps(
                 batches,
                 lambda batch, batch_idx: step(batch),
-                _local_backward,
+                self._local_backward,
                 warmup=0,
                 steps=steps,
                 device=self.root_device,
             )
+
+    def _local_backward(self, loss: Tensor) -> None:
+        """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only): Fabric refuses
+        a bare ``loss.backward()`` for strategies that override ``backward``, and profiling wants exactly that."""
+        wrappers = self._fabric_wrappers
+        previous = wrappers._in_fabric_backward
+        wrappers._in_fabric_backward = True
+        try:
+            loss.backward()
+        finally:
+            wrappers._in_fabric_backward = previous
 
     # ------------------------------------------------------------------ checkpoints and teardown
     @override
@@ -271,11 +286,11 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         self.synchronize()  # comm="node_local": a checkpoint holds the consensus model
-        FabricDDPStrategy.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
+        self._fabric_ddp_cls.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
 
     @override
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return FabricDDPStrategy.load_checkpoint(self, path, *args, **kwargs)
+        return self._fabric_ddp_cls.load_checkpoint(self, path, *args, **kwargs)
 
     @override
     def teardown(self) -> None:
@@ -284,21 +299,12 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
         self._comm_controller = None
         self._ddp_model = None
         self._raw_optimizers = []
-        FabricDDPStrategy.teardown(self)
+        self._fabric_ddp_cls.teardown(self)
 
 
-def _local_backward(loss: Tensor) -> None:
-    """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only)."""
-    with _inside_fabric_backward():
-        loss.backward()
-
-
-@contextlib.contextmanager
-def _inside_fabric_backward() -> Iterator[None]:
-    # Fabric refuses a bare `loss.backward()` for strategies that override `backward`; profiling wants exactly that
-    previous = fabric_wrappers._in_fabric_backward
-    fabric_wrappers._in_fabric_backward = True
-    try:
-        yield
-    finally:
-        fabric_wrappers._in_fabric_backward = previous
+class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, FabricDDPStrategy):
+    __doc__ = HeterogeneousFabricStrategyBase.__doc__
+    _fabric_ddp_cls = FabricDDPStrategy
+    _fabric_wrappers = fabric_wrappers
+    _sampler_wrapper_cls = DistributedSamplerWrapper
+    _spawn_launcher_cls = _MultiProcessingLauncher
