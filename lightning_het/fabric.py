@@ -19,17 +19,15 @@ See ``docs/fabric.md`` for a complete example.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import lightning.fabric.wrappers as fabric_wrappers
 import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -102,11 +100,22 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``).
     """
 
-    # set by the concrete class: the Fabric package's DDPStrategy, its `wrappers` module and its sampler wrapper
-    # (``lightning.fabric`` and the standalone ``lightning_fabric`` have separate classes and registries)
+    #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone
+    #: ``lightning_fabric`` have separate classes and registries); the package's other pieces are found from it
     _fabric_ddp_cls: type
-    _fabric_wrappers: ModuleType
-    _sampler_wrapper_cls: type
+
+    def _fabric_module(self, name: str) -> ModuleType:
+        """``<the Fabric package>.<name>``, e.g. ``lightning.fabric.wrappers`` or ``lightning_fabric.wrappers``."""
+        package = self._fabric_ddp_cls.__module__.split(".strategies")[0]
+        return importlib.import_module(f"{package}.{name}")
+
+    @property
+    def _spawn_launcher_cls(self) -> type:  # type: ignore[override]
+        return self._fabric_module("strategies.launchers.multiprocessing")._MultiProcessingLauncher
+
+    @property
+    def _sampler_wrapper_cls(self) -> type:
+        return self._fabric_module("utilities.distributed").DistributedSamplerWrapper
 
     def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
         unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
@@ -268,7 +277,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     def _local_backward(self, loss: Tensor) -> None:
         """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only): Fabric refuses
         a bare ``loss.backward()`` for strategies that override ``backward``, and profiling wants exactly that."""
-        wrappers = self._fabric_wrappers
+        wrappers = self._fabric_module("wrappers")
         previous = wrappers._in_fabric_backward
         wrappers._in_fabric_backward = True
         try:
@@ -305,6 +314,3 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, FabricDDPStrategy):
     __doc__ = HeterogeneousFabricStrategyBase.__doc__
     _fabric_ddp_cls = FabricDDPStrategy
-    _fabric_wrappers = fabric_wrappers
-    _sampler_wrapper_cls = DistributedSamplerWrapper
-    _spawn_launcher_cls = _MultiProcessingLauncher
