@@ -46,7 +46,8 @@ __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
 
 log = logging.getLogger(__name__)
 
-#: ``HeterogeneousStrategy`` keywords that need the Trainer's loop (telemetry, rebalancing, emulation, device maps)
+#: ``HeterogeneousStrategy`` keywords that need the Trainer's loop (telemetry, rebalancing, emulation, device maps,
+#: preemption checkpoints)
 _TRAINER_ONLY = (
     "emulate_slowdown",
     "device_map",
@@ -54,6 +55,8 @@ _TRAINER_ONLY = (
     "rebalance_every_n_epochs",
     "rebalance_threshold",
     "telemetry",
+    "preemption_checkpoint",
+    "preemption_grace",
 )
 
 #: ``profile_step(batch)``: forward pass of one training step on a device-ready batch; returns the loss
@@ -97,7 +100,8 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 
     Raises:
         ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the Trainer-only
-            keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``).
+            keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``,
+            ``preemption_*``).
     """
 
     #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone

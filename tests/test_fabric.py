@@ -67,6 +67,7 @@ def test_registered_for_standalone_lightning_fabric():
     [
         ({"emulate_slowdown": [1.0]}, "need the Trainer"),
         ({"rebalance_threshold": 1.2}, "need the Trainer"),
+        ({"preemption_grace": 5.0}, "need the Trainer"),
         ({"profile_step": 3}, "profile_step"),
         ({"comm": "ring"}, "comm"),
         ({"speeds": [1.0, float("nan")]}, "speeds"),
