@@ -688,7 +688,11 @@ class HeterogeneousStrategyBase:
             f" `Trainer(devices=...)` with {len(keep)} devices or `HeterogeneousStrategy(device_map={keep})`."
         )
 
-    def _adopt_allocation(self, batch_sizes: list[int], speeds: list[float]) -> None:
+    def _adopt_allocation(
+        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
+    ) -> None:
+        if costs is not None:  # a rebalancing check refreshed the cost model
+            self._cost_model = [AffineCost.from_dict(c) for c in costs]
         self._batch_sizes = list(batch_sizes)
         self._speeds = list(speeds)
         self._global_batch_size = sum(batch_sizes)

@@ -38,6 +38,7 @@ __all__ = [
     "allocate_affine",
     "costs_from_speeds",
     "fit_affine",
+    "refresh_costs",
     "step_time",
     "step_without",
     "useless_replicas",
@@ -147,6 +148,33 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
         slope = min_slope
         intercept = max(my - slope * mx, 0.0)
     return AffineCost(round(intercept, 15), round(slope, 15))
+
+
+def refresh_costs(
+    batch_sizes: Sequence[int], compute_times: Sequence[float], fixed_costs: Sequence[float]
+) -> list[AffineCost]:
+    """Costs that reproduce measured step times at the current allocation, keeping the profiled fixed costs.
+
+    One epoch runs every replica at one batch size, which cannot separate the two coefficients again; the fixed cost
+    comes from profiling (where two batch sizes ran back to back) and the slope is refreshed:
+    ``c_r = (t_r - a_r) / b_r``. A fixed cost above 90 % of the measured time is capped there, so every replica keeps
+    a positive per-sample cost.
+
+    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
+    [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
+    """
+    if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
+        raise ValueError(
+            f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
+            f" {len(compute_times)} and {len(fixed_costs)}."
+        )
+    out = []
+    for b, t, a in zip(batch_sizes, compute_times, fixed_costs):
+        if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
+            raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
+        fixed = min(float(a), 0.9 * float(t))
+        out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
+    return out
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
