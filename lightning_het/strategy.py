@@ -35,7 +35,7 @@ from lightning_het.accelerators import (
     unbound_process_group,
 )
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
-from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, step_without, useless_replicas
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
 from lightning_het.balance.profiling import (
     ProfileCache,
     StepTiming,
@@ -671,22 +671,16 @@ class HeterogeneousStrategyBase:
         rank_zero_info(self.balance_table())
 
     def _warn_useless_replicas(self, global_batch: int, costs: list[AffineCost], batch_sizes: list[int]) -> None:
-        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
-        useless = useless_replicas(global_batch, costs, **bounds)
-        if not useless:
-            return
-        with_all = step_time(batch_sizes, costs)
-        without = step_without(global_batch, costs, useless, **bounds)
-        labels = device_labels(self)
-        names = ", ".join(f"rank {r} ({labels[r] if r < len(labels) else '?'})" for r in useless)
-        keep = [labels[r] if r < len(labels) else str(r) for r in range(len(costs)) if r not in useless]
-        rank_zero_warn(
-            f"HeterogeneousStrategy: {names} only slow(s) the job down: its fixed cost per step"
-            f" ({', '.join(f'{costs[r].fixed_s * 1e3:.1f} ms' for r in useless)}) is at least the best step the other"
-            f" replicas reach on the whole global batch of {global_batch}. Predicted step: {with_all * 1e3:.1f} ms with"
-            f" it, {without * 1e3 if without is not None else float('nan'):.1f} ms without. HINT: leave it out, e.g."
-            f" `Trainer(devices=...)` with {len(keep)} devices or `HeterogeneousStrategy(device_map={keep})`."
+        message = useless_replica_message(
+            global_batch,
+            costs,
+            batch_sizes,
+            device_labels(self),
+            min_batch_size=self._min_batch_size,
+            max_batch_sizes=self._max_batch_sizes,
         )
+        if message is not None:
+            rank_zero_warn(message)
 
     def _adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None

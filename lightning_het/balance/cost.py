@@ -41,10 +41,14 @@ __all__ = [
     "refresh_costs",
     "step_time",
     "step_without",
+    "useless_replica_message",
     "useless_replicas",
 ]
 
 _BISECTION_STEPS = 100
+#: a replica that only slows the job down is reported when the job is predicted at least this much faster without it
+#: (a smaller gain may be timing noise)
+USELESS_MARGIN = 0.9
 #: the fitted slope is kept at least this fraction of the mean seconds per sample (a flat curve would attract every
 #: sample of the global batch to one replica on the strength of timing noise)
 _MIN_SLOPE_FRACTION = 0.01
@@ -350,3 +354,44 @@ def useless_replicas(
         if best is not None and cost.fixed_s >= best:
             useless.append(r)
     return useless
+
+
+def useless_replica_message(
+    global_batch_size: int,
+    costs: Sequence[AffineCost],
+    batch_sizes: Sequence[int],
+    labels: Sequence[str],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> str | None:
+    """The warning about replicas that only slow the job down, or ``None`` when there are none (or when the job would
+    be less than ``1 - USELESS_MARGIN`` = 10 % faster without them, which timing noise could explain).
+
+    Args:
+        global_batch_size: samples per step (``B``).
+        costs: every replica's cost.
+        batch_sizes: the allocation the job runs.
+        labels: every replica's device, e.g. ``"cuda:0"`` (for the HINT).
+    """
+    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
+    useless = useless_replicas(global_batch_size, costs, **bounds)
+    if not useless:
+        return None
+    with_all = step_time(batch_sizes, costs)
+    without = step_without(global_batch_size, costs, useless, **bounds)
+    if without is None or without > USELESS_MARGIN * with_all:
+        return None
+
+    def label(r: int) -> str:
+        return labels[r] if r < len(labels) else f"rank {r}"
+
+    names = ", ".join(f"rank {r} ({label(r)})" for r in useless)
+    fixed = ", ".join(f"{costs[r].fixed_s * 1e3:.1f} ms" for r in useless)
+    keep = [label(r) for r in range(len(costs)) if r not in useless]
+    return (
+        f"HeterogeneousStrategy: {names} only slow(s) the job down: its fixed cost per step ({fixed}) is at least the"
+        f" best step the other replicas reach on the whole global batch of {global_batch_size}. Predicted step:"
+        f" {with_all * 1e3:.1f} ms with it, {without * 1e3:.1f} ms without. HINT: leave it out, e.g. with"
+        f" `Trainer(devices=...)` set to {len(keep)} devices, or `HeterogeneousStrategy(device_map={keep})`."
+    )
