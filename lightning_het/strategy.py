@@ -445,8 +445,14 @@ class HeterogeneousStrategyBase:
                 ddp_comm_hook=self._ddp_comm_hook,
                 ddp_comm_wrapper=self._ddp_comm_wrapper,
             )
-        self._comm_controller = CommController(
-            mode,
+        self._comm_controller = self._new_comm_controller(mode)
+        self._comm_controller.register(self.model)
+
+    def _new_comm_controller(self, mode: str) -> CommController:
+        """This rank's communication controller for the resolved ``mode`` (a collective: call it on every rank)."""
+        assert self._node_ids is not None
+        return CommController(
+            mode,  # type: ignore[arg-type]
             self._node_ids,
             self._batch_sizes,
             self.global_rank,
@@ -454,7 +460,6 @@ class HeterogeneousStrategyBase:
             warmup_steps=self._comm_warmup_steps,
             autotune_steps=self._comm_autotune_steps,
         )
-        self._comm_controller.register(self.model)
 
     @override
     def optimizer_step(
@@ -740,7 +745,7 @@ class HeterogeneousStrategyBase:
 
     def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
         """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
-        if self._profile_cache_arg in (None, False):
+        if self._profile_cache_arg in (None, False) or getattr(self, "_lightning_module", None) is None:
             return None, None
         directory = ProfileCache.default_directory() if self._profile_cache_arg is True else self._profile_cache_arg
         cache = ProfileCache(directory)  # type: ignore[arg-type]
@@ -762,8 +767,12 @@ class HeterogeneousStrategyBase:
     @contextmanager
     def _profiling_mode(self) -> Iterator[None]:
         """Weights, optimizer, metrics and RNG restored on exit; logging silenced; DDP's reducer disarmed; the
-        strategy's ``backward``/``optimizer_step`` bypass the step clock, the comm controller and the optimizer."""
-        module = self.lightning_module
+        strategy's ``backward``/``optimizer_step`` bypass the step clock, the comm controller and the optimizer.
+        Without a LightningModule (Fabric), :meth:`_time_probe_steps` restores the state itself."""
+        module = getattr(self, "_lightning_module", None)
+        if module is None:
+            yield
+            return
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
         schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
         no_sync = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext()
@@ -779,7 +788,6 @@ class HeterogeneousStrategyBase:
         self, dataloader: DataLoader, probe_sizes: list[int], shuffle: bool, seed: int, *, steps: int
     ) -> list[StepTiming]:
         """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode)."""
-        module = self.lightning_module
         rank = self.global_rank
         sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
         # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
@@ -789,6 +797,13 @@ class HeterogeneousStrategyBase:
             else {}
         )
         probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
+        return self._time_probe_steps(probe, steps)
+
+    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
+        """Time ``steps`` local steps (the LightningModule's ``training_step`` and backward) on batches of ``probe``,
+        inside :meth:`_profiling_mode` (which restores the training state)."""
+        module = self.lightning_module
+        slowdown = self._emulate_slowdown[self.global_rank] if self._emulate_slowdown else 1.0
 
         def batches() -> Any:
             for batch in probe:
@@ -807,7 +822,7 @@ class HeterogeneousStrategyBase:
             warmup=0,
             steps=steps,
             device=self.root_device,
-            slowdown=self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0,
+            slowdown=slowdown,
         )
 
     def _export_allocation(self) -> dict[str, Any]:
