@@ -57,6 +57,14 @@ from lightning_het.checkpointing import (
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.devices import DeviceMapArg, DevicePlan
+from lightning_het.preemption import (
+    DEFAULT_GRACE,
+    PreemptionHandler,
+    attach_preemption,
+    detach_preemption,
+    shield_loader_workers,
+    validate_grace,
+)
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
@@ -203,6 +211,13 @@ class HeterogeneousStrategyBase:
             per-epoch figures through the trainer's loggers (``het/...``) and write a balance report (table and plot)
             into ``trainer.log_dir`` when ``fit`` ends. Required by rebalancing. See
             :mod:`lightning_het.balance.telemetry`.
+        preemption_checkpoint: where rank 0 writes the checkpoint when the job receives ``SIGTERM`` (or ``SIGUSR1``)
+            during ``fit``: a file path, or a directory (``last.ckpt`` inside it). Default: ``last.ckpt`` in the
+            directory of the trainer's first ``ModelCheckpoint``, else ``<default_root_dir>/checkpoints/last.ckpt``.
+            See ``docs/preemption.md``.
+        preemption_grace: seconds a replica has, from the signal, to reach the next step boundary, save and exit;
+            a replica still running then (e.g. stuck in a collective) ends with status 143 anyway. Keep it below the
+            scheduler's kill delay (SLURM ``KillWait``, often 30 s).
         **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
     """
@@ -232,6 +247,8 @@ class HeterogeneousStrategyBase:
         telemetry: bool = True,
         comm_warmup_steps: int = 0,
         comm_autotune_steps: int = 5,
+        preemption_checkpoint: str | os.PathLike | None = None,
+        preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("timeout") is not None:
@@ -239,6 +256,10 @@ class HeterogeneousStrategyBase:
         self._startup_timeout = as_timeout("startup_timeout", startup_timeout)
         self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown (#7)
         self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
+        # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
+        self._preemption_grace = validate_grace(preemption_grace)
+        self._preemption_checkpoint = None if preemption_checkpoint is None else os.fspath(preemption_checkpoint)
+        self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
@@ -510,6 +531,7 @@ class HeterogeneousStrategyBase:
             self._batch_sizes = None  # a new fit derives a new allocation
         super().setup(trainer)
         self._watchdog = start_watchdog(self, trainer)  # hung/dead replicas end the job (#7)
+        self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
             self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
 
@@ -517,6 +539,8 @@ class HeterogeneousStrategyBase:
     def teardown(self) -> None:
         stop_watchdog(self._watchdog, getattr(self._lightning_module, "_trainer", None))  # (#7)
         self._watchdog = None
+        detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
+        self._preemption = None
         self._resume_record = None
         super().teardown()
 
@@ -540,6 +564,10 @@ class HeterogeneousStrategyBase:
     # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
+        return shield_loader_workers(self._process_dataloader(dataloader), self.global_rank)
+
+    def _process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             return dataloader
         trainer = self.lightning_module.trainer
