@@ -20,6 +20,7 @@ See ``docs/fabric.md`` for a complete example.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from types import ModuleType
@@ -46,18 +47,31 @@ __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
 
 log = logging.getLogger(__name__)
 
-#: ``HeterogeneousStrategy`` keywords that need the Trainer's loop (telemetry, rebalancing, emulation, device maps,
-#: preemption checkpoints)
-_TRAINER_ONLY = (
-    "emulate_slowdown",
-    "device_map",
-    "cpu_threads",
-    "rebalance_every_n_epochs",
-    "rebalance_threshold",
-    "telemetry",
-    "preemption_checkpoint",
-    "preemption_grace",
+#: the ``HeterogeneousStrategy`` keywords that mean the same in a Fabric loop; its others (telemetry, rebalancing,
+#: emulation, device maps, preemption checkpoints, ...) need the Trainer's loop and are refused
+FABRIC_KEYWORDS = frozenset(
+    {
+        "global_batch_size",
+        "speeds",
+        "min_batch_size",
+        "max_batch_sizes",
+        "node_ids",
+        "comm",
+        "global_sync_every",
+        "comm_warmup_steps",
+        "comm_autotune_steps",
+        "profile_steps",
+        "profile_warmup",
+        "startup_timeout",
+    }
 )
+
+
+def _trainer_only_keywords() -> frozenset[str]:
+    parameters = inspect.signature(HeterogeneousStrategyBase.__init__).parameters.values()
+    named = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    return frozenset(named - FABRIC_KEYWORDS - {"self"})
+
 
 #: ``profile_step(batch)``: forward pass of one training step on a device-ready batch; returns the loss
 ProfileStep = Callable[[Any], Tensor]
@@ -99,9 +113,9 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
     Raises:
-        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the Trainer-only
-            keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``,
-            ``preemption_*``).
+        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the
+            ``HeterogeneousStrategy`` keywords outside :data:`FABRIC_KEYWORDS` (``emulate_slowdown``, ``device_map``,
+            ``cpu_threads``, rebalancing, ``telemetry``, ``preemption_*``: they need the Trainer's loop).
     """
 
     #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone
@@ -122,7 +136,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         return self._fabric_module("utilities.distributed").DistributedSamplerWrapper
 
     def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
-        unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
+        unsupported = sorted(_trainer_only_keywords().intersection(kwargs))
         if unsupported:
             raise ValueError(
                 f"You passed {unsupported} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
