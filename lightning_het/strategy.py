@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -56,6 +56,7 @@ from lightning_het.checkpointing import (
     synchronize_before_save,
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+from lightning_het.comm.modes import CommChoice
 from lightning_het.devices import DeviceMapArg, DevicePlan
 from lightning_het.preemption import (
     DEFAULT_GRACE,
@@ -79,7 +80,6 @@ __all__ = ["HeterogeneousStrategy"]
 
 log = logging.getLogger(__name__)
 
-CommMode = Literal["auto", "allreduce", "hierarchical", "node_local"]
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
 
@@ -233,7 +233,7 @@ class HeterogeneousStrategyBase:
         min_batch_size: int = 1,
         max_batch_sizes: Sequence[int] | None = None,
         node_ids: Sequence[int] | None = None,
-        comm: CommMode = "auto",
+        comm: CommChoice = "auto",
         global_sync_every: int | None = None,
         emulate_slowdown: Sequence[float] | None = None,
         profile_steps: int = 2,
