@@ -153,6 +153,14 @@ def test_eval_sampler_and_loaders_left_alone():
     assert sum(len(x) for x, _ in plain) == 7
 
 
+def test_a_second_training_split_is_refused():
+    fabric, strategy, *_ = _one_replica(speeds=[1.0])
+    fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
+    with pytest.raises(ValueError, match="eval_sampler"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(9), batch_size=8))
+    assert strategy.batch_sizes == [4]
+
+
 def test_profiling_needs_a_step_or_speeds():
     fabric, *_ = _one_replica()
     with pytest.raises(ValueError, match="profile_step"):
