@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
-from lightning_het.allocation import allocate_batch_sizes
+from lightning_het.balance.allocation import allocate_batch_sizes
 
 __all__ = ["ProportionalDistributedSampler", "UnpaddedDistributedSampler", "tail_batch_sizes"]
 

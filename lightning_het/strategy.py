@@ -33,7 +33,9 @@ from lightning_het.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.allocation import allocate_batch_sizes, loss_scale, sample_shares
+from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
+from lightning_het.balance.profiling import preserved_training_state, speed_from_timings, time_steps
+from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
     apply_sampler_resume,
@@ -45,9 +47,7 @@ from lightning_het.checkpointing import (
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.devices import DeviceMapArg, DevicePlan
-from lightning_het.profiling import preserved_training_state, speed_from_timings, time_steps
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.telemetry import BalanceMonitor, attach_monitor, telemetry_section
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     as_timeout,
@@ -136,7 +136,7 @@ class HeterogeneousStrategyBase:
     :func:`~lightning_het.allocate_batch_sizes` from their speeds (measured on the real training step unless given).
     Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
     ``loss_scale = W * b_r / B`` before backward, so DDP's mean all-reduce yields exactly the gradient of the mean loss
-    over the global batch (see :func:`~lightning_het.allocation.loss_scale`); the logged loss is not scaled.
+    over the global batch (see :func:`~lightning_het.balance.allocation.loss_scale`); the logged loss is not scaled.
 
     Args:
         global_batch_size: samples per optimizer step over all replicas. Default: the datamodule's
@@ -156,7 +156,7 @@ class HeterogeneousStrategyBase:
             time, in profiling and training alike, to reproduce a heterogeneous platform on homogeneous hardware. The
             replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
             times the backward time it just measured at the end of its local backward, before the gradients are
-            synchronised (see :class:`~lightning_het.telemetry.StepClock`).
+            synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
         profile_steps: timed steps per replica when profiling, at the batch sizes the replicas will run: the
             warm-up steps run at a quarter of an equal split and their times give a first allocation; the timed steps
             run at that allocation and their median gives the speeds (``profile_warmup=0``: timed steps at the equal
@@ -184,7 +184,7 @@ class HeterogeneousStrategyBase:
         telemetry: time every step of every replica (compute, wait in gradient synchronisation, samples/s), log
             per-epoch figures through the trainer's loggers (``het/...``) and write a balance report (table and plot)
             into ``trainer.log_dir`` when ``fit`` ends. Required by rebalancing. See
-            :mod:`lightning_het.telemetry`.
+            :mod:`lightning_het.balance.telemetry`.
         **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
     """
