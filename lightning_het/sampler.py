@@ -125,7 +125,9 @@ class ProportionalDistributedSampler(DistributedSampler):
         global_batch = sum(sizes)
         length = len(order_sampler) if order_sampler is not None else len(dataset)  # type: ignore[arg-type]
         if length < global_batch:
-            what = f"The sampler {type(order_sampler).__name__} yields" if order_sampler is not None else "The dataset holds"
+            what = (
+                "The dataset holds" if order_sampler is None else f"The sampler {type(order_sampler).__name__} yields"
+            )
             raise ValueError(
                 f"{what} {length} samples, fewer than one global batch of {global_batch}"
                 f" (batch_sizes={sizes}): no replica could run a single step. HINT: lower the global batch size"
