@@ -65,8 +65,15 @@ class TestProportionalDistributedSampler:
 
     @pytest.mark.parametrize(
         ("tail", "sizes", "minimum", "expected"),
-        [(4, [2, 6], 1, [1, 3]), (1, [2, 6], 1, None), (6, [2, 4, 6], 1, [1, 2, 3]), (5, [2, 4, 6], 2, None),
-         (6, [2, 4, 6], 2, [2, 2, 2]), (0, [3, 3], 1, None), (5, [1, 9], 1, [1, 4])],
+        [
+            (4, [2, 6], 1, [1, 3]),
+            (1, [2, 6], 1, None),
+            (6, [2, 4, 6], 1, [1, 2, 3]),
+            (5, [2, 4, 6], 2, None),
+            (6, [2, 4, 6], 2, [2, 2, 2]),
+            (0, [3, 3], 1, None),
+            (5, [1, 9], 1, [1, 4]),
+        ],
     )
     def test_tail_split(self, tail, sizes, minimum, expected):
         got = tail_batch_sizes(tail, sizes, minimum)
