@@ -8,16 +8,26 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register ``"heterogeneous"`` in ``lightning.pytorch``'s StrategyRegistry, and in ``pytorch_lightning``'s when
-    that package is installed (the two registries and class hierarchies are separate). Idempotent."""
+    """Register ``"heterogeneous"`` in ``lightning.pytorch``'s StrategyRegistry and in Lightning Fabric's, and in
+    those of the standalone ``pytorch_lightning`` / ``lightning_fabric`` packages when they are installed (the
+    registries and class hierarchies are separate). Idempotent."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_het.fabric import HeterogeneousFabricStrategy
     from lightning_het.strategy import HeterogeneousStrategy
 
     HeterogeneousStrategy.register_strategies(StrategyRegistry)
+    HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
     if importlib.util.find_spec("pytorch_lightning") is not None:
         from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
 
         from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
 
         PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)
+    if importlib.util.find_spec("lightning_fabric") is not None:
+        from lightning_fabric.strategies import STRATEGY_REGISTRY as LFStrategyRegistry
+
+        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as LFHeterogeneousFabricStrategy
+
+        LFHeterogeneousFabricStrategy.register_strategies(LFStrategyRegistry)

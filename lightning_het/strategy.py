@@ -35,7 +35,7 @@ from lightning_het.accelerators import (
     unbound_process_group,
 )
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
-from lightning_het.balance.profiling import preserved_training_state, speed_from_timings, time_steps
+from lightning_het.balance.profiling import StepTiming, preserved_training_state, speed_from_timings, time_steps
 from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
@@ -426,8 +426,14 @@ class HeterogeneousStrategyBase:
                 ddp_comm_hook=self._ddp_comm_hook,
                 ddp_comm_wrapper=self._ddp_comm_wrapper,
             )
-        self._comm_controller = CommController(
-            mode,
+        self._comm_controller = self._new_comm_controller(mode)
+        self._comm_controller.register(self.model)
+
+    def _new_comm_controller(self, mode: str) -> CommController:
+        """This rank's communication controller for the resolved ``mode`` (a collective: call it on every rank)."""
+        assert self._node_ids is not None
+        return CommController(
+            mode,  # type: ignore[arg-type]
             self._node_ids,
             self._batch_sizes,
             self.global_rank,
@@ -435,7 +441,6 @@ class HeterogeneousStrategyBase:
             warmup_steps=self._comm_warmup_steps,
             autotune_steps=self._comm_autotune_steps,
         )
-        self._comm_controller.register(self.model)
 
     @override
     def optimizer_step(
@@ -733,15 +738,28 @@ class HeterogeneousStrategyBase:
         median.
         """
         start = time.perf_counter()
-        module = self.lightning_module
         rank = self.global_rank
         sampler = ProportionalDistributedSampler(
             dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
         )
         probe = rebuild_loader(dataloader, sampler, probe_sizes[rank], num_workers=0, persistent_workers=False)
+        timings = self._time_probe_steps(probe, steps)
+        if rough:
+            speed = probe_sizes[rank] / max(min(t.total_s for t in timings), 1e-9)
+        else:
+            speed = speed_from_timings(probe_sizes[rank], timings)
+        gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
+        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
+        dist.all_gather(everyone, gathered)
+        self._profile_seconds += time.perf_counter() - start
+        return [float(t.item()) for t in everyone]
+
+    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
+        """Time ``steps`` training steps on batches of ``probe`` (the Trainer's ``training_step``), leaving no trace."""
+        module = self.lightning_module
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
         schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
-        slowdown = self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0
+        slowdown = self._emulate_slowdown[self.global_rank] if self._emulate_slowdown else 1.0
 
         def batches() -> Any:
             for batch in probe:
@@ -755,7 +773,7 @@ class HeterogeneousStrategyBase:
 
         with preserved_training_state(module, optimizers, schedulers), _silenced_logging(module):
             module.train()
-            timings = time_steps(
+            return time_steps(
                 batches(),
                 forward,
                 lambda loss: loss.backward(),
@@ -764,15 +782,6 @@ class HeterogeneousStrategyBase:
                 device=self.root_device,
                 slowdown=slowdown,
             )
-        if rough:
-            speed = probe_sizes[rank] / max(min(t.total_s for t in timings), 1e-9)
-        else:
-            speed = speed_from_timings(probe_sizes[rank], timings)
-        gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
-        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
-        dist.all_gather(everyone, gathered)
-        self._profile_seconds += time.perf_counter() - start
-        return [float(t.item()) for t in everyone]
 
     def _export_allocation(self) -> dict[str, Any]:
         return {
