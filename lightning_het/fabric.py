@@ -40,8 +40,8 @@ from typing_extensions import override
 
 from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
 from lightning_het.comm.controller import resolve_comm_mode
-from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.loaders import rebuild_loader, training_order
+from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.strategy import HeterogeneousStrategyBase
 from lightning_het.watchdog import relaxed_startup_timeout
 
