@@ -6,10 +6,7 @@ Only imported when ``lightning_fabric`` is installed; ``import lightning_het`` r
 
 from __future__ import annotations
 
-import lightning_fabric.wrappers as _wrappers
 from lightning_fabric.strategies import DDPStrategy as _LFDDPStrategy
-from lightning_fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher as _LFMultiProcessingLauncher
-from lightning_fabric.utilities.distributed import DistributedSamplerWrapper as _LFDistributedSamplerWrapper
 
 from lightning_het.fabric import HeterogeneousFabricStrategyBase
 
@@ -19,6 +16,3 @@ __all__ = ["HeterogeneousFabricStrategy"]
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, _LFDDPStrategy):
     __doc__ = HeterogeneousFabricStrategyBase.__doc__
     _fabric_ddp_cls = _LFDDPStrategy
-    _fabric_wrappers = _wrappers
-    _sampler_wrapper_cls = _LFDistributedSamplerWrapper
-    _spawn_launcher_cls = _LFMultiProcessingLauncher

@@ -19,17 +19,16 @@ See ``docs/fabric.md`` for a complete example.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import lightning.fabric.wrappers as fabric_wrappers
 import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -49,15 +48,31 @@ __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
 
 log = logging.getLogger(__name__)
 
-#: ``HeterogeneousStrategy`` keywords that need the Trainer's loop (telemetry, rebalancing, emulation, device maps)
-_TRAINER_ONLY = (
-    "emulate_slowdown",
-    "device_map",
-    "cpu_threads",
-    "rebalance_every_n_epochs",
-    "rebalance_threshold",
-    "telemetry",
+#: the ``HeterogeneousStrategy`` keywords that mean the same in a Fabric loop; its others (telemetry, rebalancing,
+#: emulation, device maps, preemption checkpoints, ...) need the Trainer's loop and are refused
+FABRIC_KEYWORDS = frozenset(
+    {
+        "global_batch_size",
+        "speeds",
+        "min_batch_size",
+        "max_batch_sizes",
+        "node_ids",
+        "comm",
+        "global_sync_every",
+        "comm_warmup_steps",
+        "comm_autotune_steps",
+        "profile_steps",
+        "profile_warmup",
+        "startup_timeout",
+    }
 )
+
+
+def _trainer_only_keywords() -> frozenset[str]:
+    parameters = inspect.signature(HeterogeneousStrategyBase.__init__).parameters.values()
+    named = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    return frozenset(named - FABRIC_KEYWORDS - {"self"})
+
 
 #: ``profile_step(batch)``: forward pass of one training step on a device-ready batch; returns the loss
 ProfileStep = Callable[[Any], Tensor]
@@ -99,18 +114,30 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
     Raises:
-        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the Trainer-only
-            keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``).
+        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the
+            ``HeterogeneousStrategy`` keywords outside :data:`FABRIC_KEYWORDS` (``emulate_slowdown``, ``device_map``,
+            ``cpu_threads``, rebalancing, ``telemetry``, ``preemption_*``: they need the Trainer's loop).
     """
 
-    # set by the concrete class: the Fabric package's DDPStrategy, its `wrappers` module and its sampler wrapper
-    # (``lightning.fabric`` and the standalone ``lightning_fabric`` have separate classes and registries)
+    #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone
+    #: ``lightning_fabric`` have separate classes and registries); the package's other pieces are found from it
     _fabric_ddp_cls: type
-    _fabric_wrappers: ModuleType
-    _sampler_wrapper_cls: type
+
+    def _fabric_module(self, name: str) -> ModuleType:
+        """``<the Fabric package>.<name>``, e.g. ``lightning.fabric.wrappers`` or ``lightning_fabric.wrappers``."""
+        package = self._fabric_ddp_cls.__module__.split(".strategies")[0]
+        return importlib.import_module(f"{package}.{name}")
+
+    @property
+    def _spawn_launcher_cls(self) -> type:  # type: ignore[override]
+        return self._fabric_module("strategies.launchers.multiprocessing")._MultiProcessingLauncher
+
+    @property
+    def _sampler_wrapper_cls(self) -> type:
+        return self._fabric_module("utilities.distributed").DistributedSamplerWrapper
 
     def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
-        unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
+        unsupported = sorted(_trainer_only_keywords().intersection(kwargs))
         if unsupported:
             raise ValueError(
                 f"You passed {unsupported} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
@@ -283,7 +310,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     def _local_backward(self, loss: Tensor) -> None:
         """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only): Fabric refuses
         a bare ``loss.backward()`` for strategies that override ``backward``, and profiling wants exactly that."""
-        wrappers = self._fabric_wrappers
+        wrappers = self._fabric_module("wrappers")
         previous = wrappers._in_fabric_backward
         wrappers._in_fabric_backward = True
         try:
@@ -320,6 +347,3 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, FabricDDPStrategy):
     __doc__ = HeterogeneousFabricStrategyBase.__doc__
     _fabric_ddp_cls = FabricDDPStrategy
-    _fabric_wrappers = fabric_wrappers
-    _sampler_wrapper_cls = DistributedSamplerWrapper
-    _spawn_launcher_cls = _MultiProcessingLauncher

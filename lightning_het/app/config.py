@@ -152,8 +152,10 @@ class StrategyConfig:
     global_sync_every: int | None = None
     #: emulation only: replica r's step takes emulate_slowdown[r] x its real time.
     emulate_slowdown: list[float] | None = None
-    profile_steps: int = 3
+    profile_steps: int = 2
     profile_warmup: int = 1
+    #: speed cache directory (true: ~/.cache/lightning_het/profiles); null/false: off
+    profile_cache: Any = None
     #: mixed CPU/GPU replicas, e.g. ["cuda:0", "cuda:1", "cpu"] or {node_rank: [...]} (see docs/mixed_devices.md)
     device_map: Any = None
     #: with device_map: intra-op threads per CPU replica (int) or per local replica (list)
