@@ -8,6 +8,7 @@ accelerator (default "cpu").
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def main() -> None:
             "comm_mode": s.comm_mode,
             "comm_stats": s.comm_stats,
             "comm_reduction": s.comm_reduction,
+            "cluster_environment": type(s.cluster_environment).__name__,
+            "hostname": socket.gethostname(),
         },
         out / f"rank{rank}.pt",
     )
