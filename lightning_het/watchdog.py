@@ -57,6 +57,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",
@@ -81,6 +82,7 @@ WATCHDOG_EXIT_CODE = 124
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 
+_PREEMPTED_EXIT_CODE = 143  # lightning_het.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
@@ -386,6 +388,9 @@ class Watchdog:
         up to a few heartbeats for a dead peer's heartbeat to stop). Any other exception is this replica's failure.
         Never raises (the original exception must propagate).
         """
+        if isinstance(exception, SIGTERMException):  # preemption (exit 143, lightning_het.preemption): not a failure
+            self.stop()
+            return
         try:
             self._local_failure = True
             symptom = is_collective_failure(exception)
@@ -538,7 +543,7 @@ class Watchdog:
         exited = []
         for rank, proc in self._children():
             code = proc.poll()
-            if code:
+            if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
                 exited.append((rank, proc.pid, code))
         if not exited:
             return None
