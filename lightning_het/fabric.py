@@ -62,6 +62,7 @@ FABRIC_KEYWORDS = frozenset(
         "comm_autotune_steps",
         "profile_steps",
         "profile_warmup",
+        "profile_cache",
         "startup_timeout",
     }
 )
@@ -109,6 +110,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             ``global_batch_size`` (default: the training loader's ``batch_size`` x world size), ``speeds``,
             ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``, ``global_sync_every``,
             ``comm_warmup_steps``, ``comm_autotune_steps``, ``profile_steps``, ``profile_warmup``,
+            ``profile_cache`` (the speed cache: when every replica finds its cost there, ``profile_step`` is not run),
             ``startup_timeout``; everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
@@ -302,6 +304,10 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             loss.backward()
         finally:
             wrappers._in_fabric_backward = previous
+
+    @override
+    def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
+        return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
 
     # ------------------------------------------------------------------ checkpoints and teardown
     @override

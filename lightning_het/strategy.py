@@ -771,9 +771,15 @@ class HeterogeneousStrategyBase:
         dist.all_gather(everyone, gathered)
         return [t.tolist() for t in everyone]
 
+    def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
+        """The module whose steps are profiled (``None`` before there is one) and the precision's name: what the
+        speed cache keys on besides the device and the data."""
+        return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
+
     def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
         """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
-        if self._profile_cache_arg in (None, False) or getattr(self, "_lightning_module", None) is None:
+        module, precision = self._profiled_module()
+        if self._profile_cache_arg in (None, False) or module is None:
             return None, None
         directory = ProfileCache.default_directory() if self._profile_cache_arg is True else self._profile_cache_arg
         cache = ProfileCache(directory)  # type: ignore[arg-type]
@@ -783,10 +789,10 @@ class HeterogeneousStrategyBase:
             return cache, None
         rank = self.global_rank
         key = cache_key(
-            self.lightning_module,
+            module,
             self.root_device,
             sample,
-            precision=type(self.precision_plugin).__name__,
+            precision=precision,
             slowdown=self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0,
             replicas_on_node=self.num_processes,
         )

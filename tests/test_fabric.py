@@ -124,6 +124,26 @@ def test_one_replica_profiles_and_trains_like_one_process(package):
     assert "global batch 12" in strategy.balance_table()
 
 
+def test_speed_cache_skips_profiling_the_second_time(tmp_path):
+    dataset = make_dataset(40)
+    calls = []
+    for _ in range(2):
+        fabric, strategy, _net, model, _opt = _one_replica(global_batch_size=8, profile_cache=tmp_path)
+
+        def step(batch, model=model):
+            calls.append(len(batch[0]))
+            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+        strategy.profile_step = step
+        fabric.setup_dataloaders(DataLoader(dataset, batch_size=4, shuffle=True))
+        report = strategy.balance_report()
+        assert report["batch_sizes"] == [8]
+        if not report["profile_cached"]:
+            profiled_calls = len(calls)
+    assert report["profile_cached"] and profiled_calls > 0 and len(calls) == profiled_calls
+    assert any(tmp_path.iterdir())
+
+
 def test_eval_sampler_and_loaders_left_alone():
     fabric, strategy, *_ = _one_replica(speeds=[1.0])
     dataset = make_dataset(7)
