@@ -153,6 +153,20 @@ def test_eval_sampler_and_loaders_left_alone():
     assert sum(len(x) for x, _ in plain) == 7
 
 
+def test_any_sampler_is_cut_into_global_batches():
+    """A WeightedRandomSampler (which Fabric wraps in its DistributedSamplerWrapper) gives the global batches' order."""
+    fabric, *_ = _one_replica(speeds=[1.0], global_batch_size=6)
+    dataset = make_dataset(30)
+    weights = torch.zeros(30)
+    weights[:10] = 1.0  # only the first ten samples can be drawn
+    sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=24, replacement=True)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3, sampler=sampler))
+    batches = [x for x, _ in loader]
+    assert [len(x) for x in batches] == [6] * 4
+    drawn = torch.cat(batches)
+    assert all(any(torch.equal(row, dataset.tensors[0][i]) for i in range(10)) for row in drawn)
+
+
 def test_a_second_training_split_is_refused():
     fabric, strategy, *_ = _one_replica(speeds=[1.0])
     fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
