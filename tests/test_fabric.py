@@ -65,13 +65,13 @@ def test_registered_for_standalone_lightning_fabric():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"emulate_slowdown": [1.0]}, "need the Trainer"),
-        ({"rebalance_threshold": 1.2}, "need the Trainer"),
-        ({"preemption_grace": 5.0}, "need the Trainer"),
-        ({"profile_step": 3}, "profile_step"),
-        ({"comm": "ring"}, "comm"),
-        ({"speeds": [1.0, float("nan")]}, "speeds"),
-        ({"global_batch_size": 0}, "global_batch_size"),
+        pytest.param({"emulate_slowdown": [1.0]}, "need the Trainer", id="trainer-only-emulate"),
+        pytest.param({"rebalance_threshold": 1.2}, "need the Trainer", id="trainer-only-rebalance"),
+        pytest.param({"preemption_grace": 5.0}, "need the Trainer", id="trainer-only-preemption"),
+        pytest.param({"profile_step": 3}, "profile_step", id="profile-step-not-callable"),
+        pytest.param({"comm": "ring"}, "comm", id="comm-unknown"),
+        pytest.param({"speeds": [1.0, float("nan")]}, "speeds", id="speeds-nan"),
+        pytest.param({"global_batch_size": 0}, "global_batch_size", id="global-batch-size-zero"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -165,6 +165,14 @@ def test_any_sampler_is_cut_into_global_batches():
     assert [len(x) for x in batches] == [6] * 4
     drawn = torch.cat(batches)
     assert all(any(torch.equal(row, dataset.tensors[0][i]) for i in range(10)) for row in drawn)
+
+
+def test_profiling_before_the_model_is_set_up_is_refused():
+    strategy = HeterogeneousFabricStrategy(profile_step=lambda batch: batch[0].sum(), process_group_backend="gloo")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\)"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
 
 
 def test_a_second_training_split_is_refused():
