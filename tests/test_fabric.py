@@ -21,7 +21,7 @@ from tests.helpers.tiny import make_dataset, make_net, reference_weights
 def fabric_job(tmp_path):
     """Run tests/helpers/run_fabric.py with a JSON config; return the per-rank dumps."""
 
-    def _run(cfg: dict, *, timeout: float = 180):
+    def _run(cfg: dict, *, timeout: float = 360):
         result = run_job(["-m", "tests.helpers.run_fabric", str(tmp_path), json.dumps(cfg)], timeout=timeout)
         assert result.returncode == 0, result.stdout[-6000:]
         return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg.get("devices", 3))]
@@ -261,6 +261,6 @@ def _documented_example() -> str:
 def test_documented_example_runs_as_written(tmp_path):
     script = tmp_path / "train_fabric.py"
     script.write_text(_documented_example())
-    result = run_job([str(script)], cwd=tmp_path, timeout=240)
+    result = run_job([str(script)], cwd=tmp_path, timeout=420)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "validation MSE" in result.stdout, result.stdout[-3000:]
