@@ -177,11 +177,11 @@ class HeterogeneousStrategyBase:
             synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
         profile_steps: timed steps per profiling stage. Profiling fits each replica's cost per step,
             ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`), from two stages run back
-            to back at a quarter and at half of the global batch, split by the warm-up's rough speeds; the fastest
+            to back at an eighth and at half of the global batch, split by the warm-up's rough speeds; the fastest
             step of each stage counts. The global batch is then split to minimise the slowest replica's step
             (:func:`~lightning_het.balance.cost.allocate_affine`). Only the local step is timed: DDP's reducer is
             disarmed, no optimizer steps and no gradient is communicated (manual optimization too). Profiling costs
-            about ``profile_warmup`` quarter-size equal-split steps plus ``1.5 * profile_steps`` balanced steps.
+            about ``profile_warmup`` quarter-size equal-split steps plus ``0.625 * profile_steps`` balanced steps.
             See ``docs/balancing.md``.
         profile_warmup: untimed steps before the stages (each replica runs a quarter of its equal share of the global
             batch, at least ``min_batch_size``); their fastest step gives the rough speeds that size the stages. A

@@ -4,8 +4,8 @@ The strategy profiles before the first epoch (see ``docs/balancing.md``):
 
 1. ``warmup`` untimed steps at a quarter of an equal split of the global batch (allocator, caches, CUDA context,
    compilation); the fastest of them gives a rough speed per replica;
-2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of a quarter and of half of the
-   global batch (:func:`stage_sizes`): every replica runs two different batch sizes, in similar wall time;
+2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of an eighth and of half of the
+   global batch (:func:`stage_sizes`): every replica runs two batch sizes about 4x apart, in similar wall time;
 3. each replica fits ``t(b) = a + c * b`` through the fastest step of each stage
    (:func:`~lightning_het.balance.cost.fit_affine`), and the costs are all-gathered.
 
@@ -146,12 +146,13 @@ def stage_sizes(
 ) -> tuple[list[int], list[int]]:
     """Per-replica batch sizes of the two timed profiling stages.
 
-    Stage one splits a quarter of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
-    every replica's two steps take about a quarter and half of a balanced step. Each replica's stage-two size is
-    larger than its stage-one size whenever its upper bound allows, so the fixed and per-sample costs separate.
+    Stage one splits an eighth of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
+    every replica's two steps take about an eighth and half of a balanced step, and its two batch sizes are about 4x
+    apart (a wide spread separates the fixed and per-sample costs better than timing noise). Each replica's stage-two
+    size is larger than its stage-one size whenever its upper bound allows.
 
     >>> stage_sizes(48, [1, 2, 4])
-    ([2, 3, 7], [3, 7, 14])
+    ([1, 2, 3], [3, 7, 14])
     """
     world = len(rough_speeds)
     floor = max(min_batch_size, 1)
@@ -161,7 +162,7 @@ def stage_sizes(
         total = min(max(total, world * floor), sum(upper))
         return allocate_batch_sizes(total, rough_speeds, min_batch_size=floor, max_batch_sizes=upper)
 
-    small = split(-(-global_batch_size // 4))
+    small = split(-(-global_batch_size // 8))
     large = split(-(-global_batch_size // 2))
     large = [max(lg, min(sm + 1, hi)) for sm, lg, hi in zip(small, large, upper)]
     return small, large
