@@ -170,3 +170,10 @@ class TestProfileCache:
     def test_invalid_argument(self) -> None:
         with pytest.raises(ValueError, match="profile_cache"):
             HeterogeneousStrategy(profile_cache=3)
+
+
+def test_fit_stage_timings_keeps_a_cautious_slope() -> None:
+    # two stages that timing noise made almost equal: the slope is kept at 10 % of 20 ms / 8 samples
+    cost = fit_stage_timings([(2, [StepTiming(0.0, 0.0199)]), (8, [StepTiming(0.0, 0.020)])])
+    assert cost.per_sample_s == pytest.approx(0.00025)
+    assert cost(8) == pytest.approx(0.020)

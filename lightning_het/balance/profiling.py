@@ -137,6 +137,10 @@ def time_steps(
     return timings
 
 
+#: smallest fitted per-sample cost, as a fraction of the average cost per sample at the largest profiled batch size
+_MIN_SLOPE_OF_AVERAGE = 0.1
+
+
 def stage_sizes(
     global_batch_size: int,
     rough_speeds: Sequence[float],
@@ -172,7 +176,8 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages.
 
     Each stage contributes its fastest step (timing noise on a shared machine only ever adds time, and the first
-    step at a new shape may include one-off costs such as autotuning).
+    step at a new shape may include one-off costs such as autotuning). The per-sample cost is kept at least 10 % of
+    the average cost per sample of the largest stage: a flatter fit is more likely noise than a real curve.
 
     Args:
         stages: ``(batch_size, timings)`` of each stage, in the order they ran.
@@ -181,7 +186,15 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
-    return fit_affine(sizes, seconds)
+    cost = fit_affine(sizes, seconds)
+    # a per-sample cost below 10 % of the average cost per sample at the largest size measured is more likely timing
+    # noise than a flat curve, and extrapolating it would pile the global batch onto this replica: keep the line
+    # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    floor = _MIN_SLOPE_OF_AVERAGE * seconds[largest] / sizes[largest]
+    if cost.per_sample_s < floor:
+        cost = AffineCost(max(seconds[largest] - floor * sizes[largest], 0.0), floor)
+    return cost
 
 
 def _describe(value: Any) -> Any:
