@@ -148,11 +148,13 @@ class _HeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _MultiProces
 
 
 class HeterogeneousStrategyBase:
-    """Data-parallel training where each replica's batch is proportional to its speed.
+    """Data-parallel training where each replica's batch is sized to its speed.
 
-    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas by
-    :func:`~lightning_het.allocate_batch_sizes` from their speeds (measured on the real training step unless given).
-    Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
+    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas so that
+    the slowest replica's step is as short as possible: by :func:`~lightning_het.balance.cost.allocate_affine` from each
+    replica's profiled cost per step (fixed seconds plus seconds per sample, measured on the real training step), or
+    in proportion to ``speeds`` when they are given (:func:`~lightning_het.allocate_batch_sizes`). See
+    ``docs/balancing.md``. Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
     ``loss_scale = W * b_r / B`` before backward, so DDP's mean all-reduce yields exactly the gradient of the mean loss
     over the global batch (see :func:`~lightning_het.balance.allocation.loss_scale`); the logged loss is not scaled.
 
@@ -754,6 +756,8 @@ class HeterogeneousStrategyBase:
                 local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
                 rough = [r[0] for r in self._all_gather_floats([local])]
             small, large = stage_sizes(global_batch, rough, **bounds)
+            if sum(large) > len(dataloader.dataset):  # a dataset barely above one global batch: one stage size only
+                large = small
             stages = [
                 (sizes[rank], self._time_local_steps(dataloader, sizes, shuffle, seed, steps=self._profile_steps))
                 for sizes in (small, large)
