@@ -56,6 +56,13 @@ def test_default_checkpoint_path(tmp_path):
     assert default_checkpoint_path(with_callback) == str(tmp_path / "ck" / "last.ckpt")
 
 
+def test_the_apps_strategy_schema_passes_the_preemption_keywords():
+    from lightning_het.app.config import StrategyConfig
+
+    strategy = HeterogeneousStrategy(**StrategyConfig(preemption_checkpoint="ck/", preemption_grace=5).to_kwargs())
+    assert strategy._preemption_grace == 5.0 and strategy._preemption_checkpoint == "ck/"
+
+
 class _SignalDisposition(Dataset):
     """Each item: whether SIGTERM and SIGUSR1 are ignored in the process that loads it."""
 
