@@ -228,6 +228,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             return self._adopt_sampler(dataloader, sampler)
         if type(sampler) is not DistributedSampler and not isinstance(sampler, self._sampler_wrapper_cls):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
+        if self._steps_per_epoch is not None:
+            # a second split could re-allocate, changing the loss scale under the first loader's batches
+            raise ValueError(
+                "HeterogeneousFabricStrategy has already split a training loader, and this loader would be split as"
+                " a second one (its sampler is Fabric's distributed sampler). HINT: set evaluation loaders up with"
+                " `sampler=strategy.eval_sampler(dataset)` (each sample on one replica) or with"
+                " `fabric.setup_dataloaders(loader, use_distributed_sampler=False)` (every replica reads it all)."
+            )
         return self._split_for_training(dataloader)
 
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
