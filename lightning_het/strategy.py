@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import operator
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -91,6 +93,35 @@ log = logging.getLogger(__name__)
 
 CommMode = Literal["auto", "allreduce", "hierarchical", "node_local"]
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+class _ExitCleanup:
+    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
+
+    Lightning never destroys the process group (a script may fit again). Left alive until interpreter shutdown, torch
+    tears the group, its Gloo threads and the rendezvous store down during finalisation, in no particular order; a
+    thread object destroyed while still joinable then aborts the process ("terminate called without an active
+    exception", exit status -6) after a successful run. Destroying the group from an ``atexit`` handler, while the
+    interpreter is still whole, joins those threads in order. After a failed run the group may hold a collective that
+    never completes, so it is left alone (the watchdog ends such processes).
+    """
+
+    registered = False
+    clean = True
+
+    @classmethod
+    def register(cls) -> None:
+        if not cls.registered:
+            atexit.register(cls.run)
+            cls.registered = True
+
+    @classmethod
+    def run(cls) -> None:
+        if cls.clean and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # never turn a finished run into a failure at exit
+                log.debug("lightning-het: destroying the process group at exit failed: %s", err)
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
@@ -443,6 +474,7 @@ class HeterogeneousStrategyBase:
         # rendezvous of replicas that start slowly (#7)
         with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
             super().setup_distributed()
+        _ExitCleanup.register()  # no "terminate called without an active exception" at interpreter exit
 
     def _detect_node_ids(self) -> list[int]:
         """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (#3)."""
@@ -600,6 +632,7 @@ class HeterogeneousStrategyBase:
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
+        _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints (#7, docs/reliability.md)
