@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence, Sized
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_het.allocation import allocate_batch_sizes
+from lightning_het.balance.allocation import allocate_batch_sizes
 
 __all__ = ["ProportionalDistributedSampler", "UnpaddedDistributedSampler"]
 

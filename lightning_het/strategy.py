@@ -35,7 +35,9 @@ from lightning_het.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.allocation import allocate_batch_sizes, loss_scale, sample_shares
+from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
+from lightning_het.balance.profiling import StepTiming, preserved_training_state, speed_from_timings, time_steps
+from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
     apply_sampler_resume,
@@ -48,10 +50,8 @@ from lightning_het.checkpointing import (
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.devices import DeviceMapArg, DevicePlan
 from lightning_het.lifecycle import HeterogeneousScriptLauncher
-from lightning_het.profiling import preserved_training_state, speed_from_timings, time_steps
 from lightning_het.rendezvous import create_store, keep_sockets_local
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.telemetry import BalanceMonitor, attach_monitor, telemetry_section
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
@@ -142,7 +142,7 @@ class HeterogeneousStrategyBase:
     :func:`~lightning_het.allocate_batch_sizes` from their speeds (measured on the real training step unless given).
     Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
     ``loss_scale = W * b_r / B`` before backward, so DDP's mean all-reduce yields exactly the gradient of the mean loss
-    over the global batch (see :func:`~lightning_het.allocation.loss_scale`); the logged loss is not scaled.
+    over the global batch (see :func:`~lightning_het.balance.allocation.loss_scale`); the logged loss is not scaled.
 
     Args:
         global_batch_size: samples per optimizer step over all replicas. Default: the datamodule's
@@ -162,7 +162,7 @@ class HeterogeneousStrategyBase:
             time, in profiling and training alike, to reproduce a heterogeneous platform on homogeneous hardware. The
             replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
             times the backward time it just measured at the end of its local backward, before the gradients are
-            synchronised (see :class:`~lightning_het.telemetry.StepClock`).
+            synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
         profile_steps: timed steps per replica when profiling, at the batch sizes the replicas will run: the
             warm-up steps run at a quarter of an equal split and their times give a first allocation; the timed steps
             run at that allocation and their median gives the speeds (``profile_warmup=0``: timed steps at the equal
@@ -190,7 +190,7 @@ class HeterogeneousStrategyBase:
         telemetry: time every step of every replica (compute, wait in gradient synchronisation, samples/s), log
             per-epoch figures through the trainer's loggers (``het/...``) and write a balance report (table and plot)
             into ``trainer.log_dir`` when ``fit`` ends. Required by rebalancing. See
-            :mod:`lightning_het.telemetry`.
+            :mod:`lightning_het.balance.telemetry`.
         **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
     """
@@ -457,8 +457,14 @@ class HeterogeneousStrategyBase:
                 ddp_comm_hook=self._ddp_comm_hook,
                 ddp_comm_wrapper=self._ddp_comm_wrapper,
             )
-        self._comm_controller = CommController(
-            mode,
+        self._comm_controller = self._new_comm_controller(mode)
+        self._comm_controller.register(self.model)
+
+    def _new_comm_controller(self, mode: str) -> CommController:
+        """This rank's communication controller for the resolved ``mode`` (a collective: call it on every rank)."""
+        assert self._node_ids is not None
+        return CommController(
+            mode,  # type: ignore[arg-type]
             self._node_ids,
             self._batch_sizes,
             self.global_rank,
@@ -466,7 +472,6 @@ class HeterogeneousStrategyBase:
             warmup_steps=self._comm_warmup_steps,
             autotune_steps=self._comm_autotune_steps,
         )
-        self._comm_controller.register(self.model)
 
     @override
     def optimizer_step(
@@ -724,13 +729,26 @@ class HeterogeneousStrategyBase:
         """
         self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
         start = time.perf_counter()
-        module = self.lightning_module
         rank = self.global_rank
         sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
         probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], num_workers=0, persistent_workers=False)
+        timings = self._time_probe_steps(probe, steps)
+        if rough:
+            speed = probe_sizes[rank] / max(min(t.total_s for t in timings), 1e-9)
+        else:
+            speed = speed_from_timings(probe_sizes[rank], timings)
+        gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
+        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
+        dist.all_gather(everyone, gathered)
+        self._profile_seconds += time.perf_counter() - start
+        return [float(t.item()) for t in everyone]
+
+    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
+        """Time ``steps`` training steps on batches of ``probe`` (the Trainer's ``training_step``), leaving no trace."""
+        module = self.lightning_module
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
         schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
-        slowdown = self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0
+        slowdown = self._emulate_slowdown[self.global_rank] if self._emulate_slowdown else 1.0
 
         def batches() -> Any:
             for batch in probe:
@@ -744,7 +762,7 @@ class HeterogeneousStrategyBase:
 
         with preserved_training_state(module, optimizers, schedulers), _silenced_logging(module):
             module.train()
-            timings = time_steps(
+            return time_steps(
                 batches(),
                 forward,
                 lambda loss: loss.backward(),
@@ -753,15 +771,6 @@ class HeterogeneousStrategyBase:
                 device=self.root_device,
                 slowdown=slowdown,
             )
-        if rough:
-            speed = probe_sizes[rank] / max(min(t.total_s for t in timings), 1e-9)
-        else:
-            speed = speed_from_timings(probe_sizes[rank], timings)
-        gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
-        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
-        dist.all_gather(everyone, gathered)
-        self._profile_seconds += time.perf_counter() - start
-        return [float(t.item()) for t in everyone]
 
     def _export_allocation(self) -> dict[str, Any]:
         return {

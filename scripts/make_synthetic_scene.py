@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_het.data.synthetic import make_synthetic_scene, write_synthetic_scene
+from lightning_het.hsi.synthetic import make_synthetic_scene, write_synthetic_scene
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

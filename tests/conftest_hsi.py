@@ -14,8 +14,8 @@ import torch
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.data.raster import write_geotiff
-from lightning_het.data.synthetic import write_synthetic_scene
+from lightning_het.hsi.raster import write_geotiff
+from lightning_het.hsi.synthetic import write_synthetic_scene
 
 #: A small scene: 24 x 20 pixels, 7 bands, 3 classes.
 HEIGHT, WIDTH, BANDS, CLASSES = 24, 20, 7, 3

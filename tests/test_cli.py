@@ -17,15 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
-from lightning_het.config import register_configs
-from lightning_het.data.raster import write_geotiff
-from lightning_het.data.synthetic import write_synthetic_scene
+from lightning_het.app import config_dir
+from lightning_het.app.config import register_configs
+from lightning_het.app.train import main, train
 from lightning_het.errors import ShapeMismatchError
-from lightning_het.train import main, train
+from lightning_het.hsi.raster import write_geotiff
+from lightning_het.hsi.synthetic import write_synthetic_scene
 from tests.helpers.jobs import REPO, run_in_session
 
 _NEXT_TO_PYTHON = Path(sys.executable).parent / "lightning-het-train"  # the console script of this interpreter's env
@@ -119,7 +120,7 @@ def test_missing_file_exits_with_one_clear_message(tmp_path):
 def compose_cfg(tmp_path):
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_module("lightning_het.conf", version_base="1.3"):
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
         yield lambda *overrides: compose("train", overrides=[f"output_dir={tmp_path}", *overrides])
     GlobalHydra.instance().clear()
 
@@ -191,7 +192,7 @@ class _FakePopen:
 @pytest.mark.parametrize("status", [0, 3])
 def test_each_sweep_job_runs_as_one_single_run(run_main, monkeypatch, capsys, tmp_path, status):
     """Under -m every job becomes `python -m lightning_het.train <job overrides> hydra.run.dir=<job dir>`, no -m."""
-    monkeypatch.setattr("lightning_het.train.subprocess.Popen", _FakePopen)
+    monkeypatch.setattr("lightning_het.app.train.subprocess.Popen", _FakePopen)
     monkeypatch.setattr(_FakePopen, "commands", [])
     monkeypatch.setattr(_FakePopen, "status", status)
     sweep = tmp_path / "sweep"
@@ -231,7 +232,7 @@ def test_missing_input_fails_before_anything_is_built(compose_cfg, tmp_path):
 
 
 def test_spawn_start_method_is_refused_with_a_hint(compose_cfg):
-    from lightning_het.train import UserError
+    from lightning_het.app.train import UserError
 
     with pytest.raises(UserError, match=r"start_method=popen"):
         train(compose_cfg("experiment=quick", "strategy.start_method=spawn"))
@@ -263,11 +264,11 @@ def test_installed_wheel_ships_and_finds_its_configs(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    conf = REPO / "lightning_het" / "conf"
+    conf = REPO / "conf"
     expected = {f"lightning_het/conf/{p.relative_to(conf).as_posix()}" for p in conf.rglob("*.yaml")}
     assert expected and expected <= names, sorted(expected - names)
     assert "lightning_het/conf/__init__.py" in names
-    assert "lightning-het-train = lightning_het.train:main" in entry_points
+    assert "lightning-het-train = lightning_het.app.train:main" in entry_points
 
     target = tmp_path / "site"
     installed = subprocess.run(
@@ -302,7 +303,7 @@ def test_unweighted_baseline_cancels_the_strategys_loss_scale():
 
     import torch
 
-    from lightning_het.train import unweighted_gradients
+    from lightning_het.app.train import unweighted_gradients
 
     strategy = SimpleNamespace(loss_scale=1.5)  # e.g. replica 2 of batch sizes [2, 4, 6]
     model = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy))

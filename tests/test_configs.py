@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from importlib.resources import files
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_het
-from lightning_het.config import (
+from lightning_het.app import config_dir
+from lightning_het.app.config import (
     ConfigValueError,
     DataConfig,
     StrategyConfig,
@@ -26,9 +26,9 @@ from lightning_het.config import (
     run_id,
     validate_config,
 )
-from lightning_het.train import _is_sweep_only, sweep_job_command
+from lightning_het.app.train import _is_sweep_only, sweep_job_command
 
-CONF = Path(str(files("lightning_het.conf")))
+CONF = config_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -41,7 +41,7 @@ def compose_cfg(tmp_path):
     """Compose ``train.yaml`` with overrides, outside a Hydra run (``output_dir`` points into ``tmp_path``)."""
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_module("lightning_het.conf", version_base="1.3"):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
 
         def _compose(*overrides: str) -> DictConfig:
             return compose("train", overrides=[f"output_dir={tmp_path}", *overrides])
@@ -61,9 +61,10 @@ class TestTree:
         assert EXPERIMENTS, "conf/experiment/ is empty"
         assert {"quick", "paper_comparison", "node_local", "gpu"} <= set(EXPERIMENTS)
 
-    def test_repo_conf_is_the_package_tree(self):
+    def test_repo_conf_is_the_config_tree(self):
         repo_conf = Path(lightning_het.__file__).resolve().parents[1] / "conf"
-        if repo_conf.exists():  # in the repository (not an installed wheel)
+        if (repo_conf / "train.yaml").exists():  # in the repository (not an installed wheel)
+            assert not repo_conf.is_symlink()
             assert repo_conf.resolve() == CONF.resolve()
 
     @pytest.mark.parametrize(
@@ -316,7 +317,7 @@ def test_slurm_launcher_config_composes(compose_cfg):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_module("lightning_het.conf", version_base="1.3"):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose(
             "train",
             overrides=["hydra/launcher=slurm", "trainer=gpu", "trainer.devices=4", "trainer.num_nodes=2"],

@@ -11,10 +11,6 @@ import torch
 from rasterio.crs import CRS
 from torch.utils.data import DataLoader
 
-from lightning_het.data import HyperspectralDataModule
-from lightning_het.data.datasets import InMemoryPatches, PatchDataset, WindowedPatches
-from lightning_het.data.preprocessing import fit_spectral_transform
-from lightning_het.data.raster import write_geotiff
 from lightning_het.errors import (
     ClassTooSmallError,
     GeoreferenceMismatchError,
@@ -23,6 +19,10 @@ from lightning_het.errors import (
     RasterNotFoundError,
     ShapeMismatchError,
 )
+from lightning_het.hsi import HyperspectralDataModule
+from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, WindowedPatches
+from lightning_het.hsi.preprocessing import fit_spectral_transform
+from lightning_het.hsi.raster import write_geotiff
 from tests.conftest_hsi import (
     BANDS,
     CLASSES,

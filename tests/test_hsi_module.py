@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_het.data import HyperspectralDataModule
-from lightning_het.model import HSIClassifier
-from lightning_het.networks import NETWORKS
+from lightning_het.hsi import HyperspectralDataModule
+from lightning_het.hsi.model import HSIClassifier
+from lightning_het.hsi.networks import NETWORKS
 from tests.conftest_hsi import TINY_SCENE, quiet_trainer, torch_single_thread
 
 __all__ = ["torch_single_thread"]

@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
-from lightning_het.data import HyperspectralDataModule
-from lightning_het.metrics import classification_metrics
-from lightning_het.model import HSIClassifier
+from lightning_het.hsi import HyperspectralDataModule
+from lightning_het.hsi.metrics import classification_metrics
+from lightning_het.hsi.model import HSIClassifier
 from tests.conftest_hsi import TINY_SCENE, quiet_trainer, torch_single_thread
 
 __all__ = ["torch_single_thread"]

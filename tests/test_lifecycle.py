@@ -38,7 +38,7 @@ from lightning_het.watchdog import (
     exit_code_for,
     judge,
 )
-from tests.helpers.jobs import REPO, free_port, group_members, job_env
+from tests.helpers.jobs import REPO, free_port, group_members, job_env, run_in_session
 
 TIMEOUT = 5.0
 
@@ -391,3 +391,20 @@ def test_unwritable_output_directory_fails_before_any_replica_starts(tmp_path):
     assert status != 0 and "OutputDirError: The output directory '/proc/self/lightning'" in out, out[-3000:]
     assert "[rank: 1]" not in out  # no replica was started
     assert survivors == []
+
+
+def test_app_output_directory_problem_is_one_line_and_exit_2(tmp_path):
+    """The Hydra app: an output directory that cannot be created ends with one ``error:`` line and status 2."""
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "out"
+    result = run_in_session(
+        [sys.executable, "-m", "lightning_het.app", f"output_dir={bad}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=job_env(),
+        timeout=120,
+        merge_stderr=False,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"'{bad}' does not exist and cannot be created" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

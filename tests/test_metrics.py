@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-from lightning_het.metrics import AverageAccuracy, classification_metrics, per_class_accuracy, summarize_confusion
+from lightning_het.hsi.metrics import AverageAccuracy, classification_metrics, per_class_accuracy, summarize_confusion
 
 
 def _reference(preds: torch.Tensor, target: torch.Tensor, classes: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_het.networks import NETWORKS, build_network
+from lightning_het.hsi.networks import NETWORKS, build_network
 from tests.conftest_hsi import torch_single_thread
 
 __all__ = ["torch_single_thread"]

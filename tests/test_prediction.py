@@ -9,16 +9,16 @@ import torch
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.data import HyperspectralDataModule
-from lightning_het.data.prediction import (
+from lightning_het.hsi import HyperspectralDataModule
+from lightning_het.hsi.model import HSIClassifier
+from lightning_het.hsi.prediction import (
     PredictionMapWriter,
     assemble_class_map,
     class_palette,
     write_prediction_geotiff,
     write_prediction_png,
 )
-from lightning_het.data.raster import raster_info, read_image, write_geotiff
-from lightning_het.model import HSIClassifier
+from lightning_het.hsi.raster import raster_info, read_image, write_geotiff
 from tests.conftest_hsi import quiet_trainer, synthetic_files, torch_single_thread
 
 __all__ = ["synthetic_files", "torch_single_thread"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_het.data.preprocessing import fit_spectral_transform, valid_mask
+from lightning_het.hsi.preprocessing import fit_spectral_transform, valid_mask
 
 
 def _spectra(n: int = 200, bands: int = 6, seed: int = 0) -> np.ndarray:

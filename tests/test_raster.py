@@ -12,7 +12,15 @@ import scipy.io
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.data.raster import (
+from lightning_het.errors import (
+    GeoreferenceMismatchError,
+    LabelValueError,
+    MatFileError,
+    RasterFormatError,
+    RasterNotFoundError,
+    ShapeMismatchError,
+)
+from lightning_het.hsi.raster import (
     RasterHandle,
     check_alignment,
     raster_info,
@@ -23,14 +31,6 @@ from lightning_het.data.raster import (
     read_window,
     reflect_indices,
     write_geotiff,
-)
-from lightning_het.errors import (
-    GeoreferenceMismatchError,
-    LabelValueError,
-    MatFileError,
-    RasterFormatError,
-    RasterNotFoundError,
-    ShapeMismatchError,
 )
 from tests.conftest_hsi import BANDS, CLASSES, HEIGHT, TRANSFORM, UTM, WIDTH, raster_pair, small_arrays
 

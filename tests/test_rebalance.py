@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
-from lightning_het.rebalance import (
+from lightning_het.balance.rebalance import (
     imbalance,
     is_check_epoch,
     plan_rebalance,

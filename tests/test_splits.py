@@ -7,9 +7,9 @@ import logging
 import numpy as np
 import pytest
 
-from lightning_het.data.splits import block_split, dilate, footprint_mask, format_class_counts, random_split
-from lightning_het.data.synthetic import make_synthetic_scene
 from lightning_het.errors import ClassTooSmallError, NoLabelledPixelsError
+from lightning_het.hsi.splits import block_split, dilate, footprint_mask, format_class_counts, random_split
+from lightning_het.hsi.synthetic import make_synthetic_scene
 
 
 @pytest.fixture(scope="module")

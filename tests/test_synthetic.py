@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_het.data.raster import raster_info, read_image, read_labels
-from lightning_het.data.splits import dilate
-from lightning_het.data.synthetic import make_synthetic_scene, write_synthetic_scene
+from lightning_het.hsi.raster import raster_info, read_image, read_labels
+from lightning_het.hsi.splits import dilate
+from lightning_het.hsi.synthetic import make_synthetic_scene, write_synthetic_scene
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_scene.py"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_het import telemetry
-from lightning_het.telemetry import (
+from lightning_het.balance import telemetry
+from lightning_het.balance.telemetry import (
     EpochTimings,
     StepClock,
     TelemetryHistory,

@@ -16,7 +16,7 @@ Two patch sources give identical patches:
 
 * :class:`InMemoryPatches` preprocesses the whole cube once and slices patches out of a padded copy;
 * :class:`WindowedPatches` opens the raster lazily in each process (see
-  :class:`~lightning_het.data.raster.RasterHandle`) and reads only the ``p x p`` window of each sample, so a replica
+  :class:`~lightning_het.hsi.raster.RasterHandle`) and reads only the ``p x p`` window of each sample, so a replica
   reads only the samples its sampler gives it.
 """
 
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_het.data.preprocessing import SpectralTransform, valid_mask
-from lightning_het.data.raster import RasterHandle, read_window
+from lightning_het.hsi.preprocessing import SpectralTransform, valid_mask
+from lightning_het.hsi.raster import RasterHandle, read_window
 
 __all__ = ["InMemoryPatches", "PatchDataset", "PatchSource", "WindowedPatches", "check_patch_size"]
 
@@ -67,7 +67,7 @@ class InMemoryPatches:
         patch_size: odd window side, in pixels.
         transform: fitted preprocessing; identity (cast to ``float32``) when ``None``.
         nodata: the raster's nodata value; nodata/NaN pixels are zero-filled after preprocessing (see
-            :class:`~lightning_het.data.preprocessing.SpectralTransform`).
+            :class:`~lightning_het.hsi.preprocessing.SpectralTransform`).
         valid: the ``(height, width)`` mask of usable pixels, when already computed (else derived from ``nodata``).
     """
 

@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.autograd import Variable
 
-from lightning_het.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, is_check_epoch, plan_rebalance
+from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, is_check_epoch, plan_rebalance
 
 __all__ = [
     "BalanceMonitor",
@@ -492,7 +492,7 @@ class BalanceMonitor:
 
     * ``on_train_epoch_end`` (every rank): flush the :class:`StepClock`, all-gather every replica's timings
       (:func:`gather_timings`), add them to the :class:`TelemetryHistory`, send the epoch's figures to the loggers,
-      and, when a check is due, re-allocate with :func:`~lightning_het.rebalance.plan_rebalance` (see
+      and, when a check is due, re-allocate with :func:`~lightning_het.balance.rebalance.plan_rebalance` (see
       :meth:`maybe_rebalance`);
     * ``on_train_end`` (every rank): gather what is left and let rank 0 write the balance report into
       ``trainer.log_dir`` (only when the trainer has loggers).

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_het.allocation import allocate_batch_sizes
+from lightning_het.balance.allocation import allocate_batch_sizes
 
 __all__ = [
     "DEFAULT_MIN_GAIN",
@@ -196,8 +196,8 @@ def plan_rebalance(
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
 
     The global batch ``sum(batch_sizes)`` is kept; the new sizes come from
-    :func:`~lightning_het.allocation.allocate_batch_sizes` with the re-estimated speeds and the same bounds, so equal
-    step counts and exact gradients are unaffected (only the split of each global batch changes).
+    :func:`~lightning_het.balance.allocation.allocate_batch_sizes` with the re-estimated speeds and the same bounds,
+    so equal step counts and exact gradients are unaffected (only the split of each global batch changes).
 
     Args:
         batch_sizes: current samples per step of each replica, indexed by global rank.

@@ -3,16 +3,16 @@
 See ``docs/hyperspectral.md`` for the pipeline and the conventions (array layouts, label values, sample dicts).
 """
 
-from lightning_het.data.datamodule import HyperspectralDataModule
-from lightning_het.data.datasets import InMemoryPatches, PatchDataset, WindowedPatches
-from lightning_het.data.prediction import (
+from lightning_het.hsi.datamodule import HyperspectralDataModule
+from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, WindowedPatches
+from lightning_het.hsi.prediction import (
     PredictionMapWriter,
     assemble_class_map,
     write_prediction_geotiff,
     write_prediction_png,
 )
-from lightning_het.data.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
-from lightning_het.data.raster import (
+from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
+from lightning_het.hsi.raster import (
     RasterInfo,
     check_alignment,
     raster_info,
@@ -21,8 +21,8 @@ from lightning_het.data.raster import (
     read_mat_scene,
     write_geotiff,
 )
-from lightning_het.data.splits import Split, block_split, footprint_mask, random_split
-from lightning_het.data.synthetic import SyntheticScene, make_synthetic_scene, write_synthetic_scene
+from lightning_het.hsi.splits import Split, block_split, footprint_mask, random_split
+from lightning_het.hsi.synthetic import SyntheticScene, make_synthetic_scene, write_synthetic_scene
 
 __all__ = [
     "HyperspectralDataModule",

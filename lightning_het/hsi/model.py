@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from lightning_het.metrics import classification_metrics, per_class_accuracy, summarize_confusion
-from lightning_het.networks import NETWORKS, build_network
+from lightning_het.hsi.metrics import classification_metrics, per_class_accuracy, summarize_confusion
+from lightning_het.hsi.networks import NETWORKS, build_network
 
 __all__ = ["HSIClassifier"]
 
@@ -20,7 +20,7 @@ _SHAPE_ATTRS = (("in_bands", "num_bands"), ("num_classes", "num_classes"), ("pat
 
 
 def _unpack(batch: Any) -> tuple[Tensor, Tensor]:
-    """``(image, label)`` from a sample dict (:mod:`lightning_het.data.datasets`) or an ``(x, y, ...)`` tuple."""
+    """``(image, label)`` from a sample dict (:mod:`lightning_het.hsi.datasets`) or an ``(x, y, ...)`` tuple."""
     if isinstance(batch, Mapping):
         return batch["image"], batch["label"]
     return batch[0], batch[1]
@@ -31,7 +31,7 @@ class HSIClassifier(pl.LightningModule):
 
     The network is built eagerly when ``in_bands``, ``num_classes`` and ``patch_size`` are all given, otherwise
     lazily in :meth:`configure_model` from the attached datamodule's ``num_bands``, ``num_classes`` and
-    ``patch_size`` (a :class:`~lightning_het.data.HyperspectralDataModule` has them). The sizes are then written
+    ``patch_size`` (a :class:`~lightning_het.hsi.HyperspectralDataModule` has them). The sizes are then written
     into ``hparams`` so that checkpoints restore without the datamodule.
 
     Logged: ``train/loss`` (epoch mean weighted by batch size, exact across uneven replicas), ``val/loss``,

@@ -12,9 +12,11 @@ import numpy as np
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.data.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
-from lightning_het.data.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
-from lightning_het.data.raster import (
+from lightning_het.datamodule import HeterogeneousDataModule
+from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError
+from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
+from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
+from lightning_het.hsi.raster import (
     RasterHandle,
     RasterInfo,
     check_alignment,
@@ -26,10 +28,8 @@ from lightning_het.data.raster import (
     read_mat_scene,
     read_pixels,
 )
-from lightning_het.data.splits import Split, block_split, format_class_counts, random_split
-from lightning_het.data.synthetic import make_synthetic_scene
-from lightning_het.datamodule import HeterogeneousDataModule
-from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError
+from lightning_het.hsi.splits import Split, block_split, format_class_counts, random_split
+from lightning_het.hsi.synthetic import make_synthetic_scene
 
 __all__ = ["HyperspectralDataModule"]
 
@@ -79,7 +79,7 @@ class HyperspectralDataModule(HeterogeneousDataModule):
     The scene comes from a multi-band image raster plus a single-band label raster (anything GDAL opens), from
     MATLAB ``.mat`` files (the classic benchmarks), or, when ``image`` is ``None``, from a seeded synthetic scene.
     Labels are ``0`` for unlabelled pixels and ``1..C`` for classes; samples carry class indices ``0..C-1`` (see
-    :mod:`lightning_het.data.datasets` for the sample dict).
+    :mod:`lightning_het.hsi.datasets` for the sample dict).
 
     ``setup`` (every process, deterministic, nothing communicated): read the labels, drop labelled pixels whose spectrum
     is nodata/NaN, split (stratified random or spatially disjoint blocks), fit standardisation and optional PCA on the
@@ -90,11 +90,11 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         image: multi-band raster or ``.mat`` file; ``None`` for a synthetic scene.
         labels: single-band label raster or ``.mat`` file; for ``.mat`` it may be omitted when the image file holds
             both arrays. Required with a raster ``image``.
-        synthetic: keyword arguments of :func:`~lightning_het.data.synthetic.make_synthetic_scene` when ``image`` is
+        synthetic: keyword arguments of :func:`~lightning_het.hsi.synthetic.make_synthetic_scene` when ``image`` is
             ``None`` (default: a 64x64 pixel, 32 band, 6 class scene).
         patch_size: odd side of the square patches, in pixels (``1`` = spectra only).
         split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see
-            :func:`~lightning_het.data.splits.block_split`).
+            :func:`~lightning_het.hsi.splits.block_split`).
         train_fraction: fraction of each class's pixels used for training.
         train_per_class: pixels per class used for training; takes precedence over ``train_fraction``.
         val_fraction: fraction of each class's pixels used for validation (``0`` for none).

@@ -33,7 +33,7 @@ import numpy as np
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.data.raster import write_geotiff
+from lightning_het.hsi.raster import write_geotiff
 
 __all__ = ["SyntheticScene", "make_synthetic_scene", "write_synthetic_scene"]
 

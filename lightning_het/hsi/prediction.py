@@ -20,7 +20,7 @@ import torch
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.data.raster import write_geotiff
+from lightning_het.hsi.raster import write_geotiff
 
 __all__ = [
     "PredictionMapWriter",
@@ -174,7 +174,7 @@ def _gather(local: np.ndarray) -> np.ndarray:
 class PredictionMapWriter(pl.Callback):
     """Collects ``predict_step`` outputs of every replica and writes the full-scene map once, from rank 0.
 
-    Expects :meth:`~lightning_het.model.HSIClassifier.predict_step` outputs (``pred``, ``row``, ``col``) and takes
+    Expects :meth:`~lightning_het.hsi.model.HSIClassifier.predict_step` outputs (``pred``, ``row``, ``col``) and takes
     the scene's ``shape``, ``crs``, ``transform``, ``class_names`` from the trainer's datamodule unless given. Writes
     ``<out_dir>/<name>.tif`` (classes ``1..C``, ``0`` = nodata, same CRS/transform/shape as the input) and
     ``<out_dir>/<name>.png`` (colour preview with legend, reference labels beside it when the datamodule has them).

@@ -1,6 +1,6 @@
 """Structured configs (schemas) of the Hydra app, registered in Hydra's ConfigStore.
 
-The YAML files under ``lightning_het/conf/strategy`` and ``lightning_het/conf/data`` start from these schemas
+The YAML files under ``conf/strategy`` and ``conf/data`` start from these schemas
 (``defaults: [schema, _self_]``), so Hydra type-checks every value when it composes the config: a wrong type or an
 unknown choice fails at the command line with Hydra's own message, e.g.::
 
@@ -68,7 +68,7 @@ class GradientAveraging(str, enum.Enum):
     ``weighted`` (the strategy's own): each replica's gradient counts in proportion to its share of the global batch,
     which gives exactly the gradient of the global-batch mean loss. ``unweighted``: the plain mean of the per-replica
     mean gradients, as in the 2020 code; biased toward the slow replicas' small batches. A baseline for comparisons,
-    applied by the app (see :func:`lightning_het.train.unweighted_gradients`); use it with ``comm=allreduce``.
+    applied by the app (see :func:`lightning_het.app.train.unweighted_gradients`); use it with ``comm=allreduce``.
     """
 
     weighted = "weighted"
@@ -243,7 +243,7 @@ class StrategyConfig:
 
 @dataclass
 class SyntheticSceneConfig:
-    """Schema of ``data.synthetic``: the arguments of :func:`lightning_het.data.synthetic.make_synthetic_scene`."""
+    """Schema of ``data.synthetic``: the arguments of :func:`lightning_het.hsi.synthetic.make_synthetic_scene`."""
 
     height: int = 64
     width: int = 64
@@ -261,13 +261,13 @@ class SyntheticSceneConfig:
 
 @dataclass
 class DataConfig:
-    """Schema of the ``data`` group: the keywords of :class:`~lightning_het.data.HyperspectralDataModule`.
+    """Schema of the ``data`` group: the keywords of :class:`~lightning_het.hsi.HyperspectralDataModule`.
 
     ``image: null`` gives a synthetic scene generated on the fly from ``synthetic``. The data module checks the values
     themselves (fractions, patch size, files) and names the offending argument.
     """
 
-    _target_: str = "lightning_het.data.datamodule.HyperspectralDataModule"
+    _target_: str = "lightning_het.hsi.datamodule.HyperspectralDataModule"
     #: multi-band raster (GeoTIFF, ENVI, anything rasterio opens) or a MATLAB .mat file; null: synthetic scene.
     #: MISSING in the schema so that a YAML file's ``???`` stays mandatory (merging ``???`` keeps a default).
     image: str | None = MISSING
@@ -452,8 +452,8 @@ def _register_resolvers() -> None:
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore (``strategy/schema``, ``data/schema``) and register the resolvers.
 
-    Idempotent; called when :mod:`lightning_het.train` is imported. Call it yourself before composing the configs with
-    Hydra's compose API.
+    Idempotent; called when :mod:`lightning_het.app.train` is imported. Call it yourself before composing the configs
+    with Hydra's compose API.
     """
     _register_resolvers()
     store = ConfigStore.instance()

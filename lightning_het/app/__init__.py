@@ -1,0 +1,31 @@
+"""The Hydra app (``lightning-het-train``): structured configs, the entry point, outputs and sweeps.
+
+Needs the ``app`` extra (Hydra) and the ``hsi`` extra (rasterio, matplotlib). The configuration tree is the
+repository's top-level ``conf/`` directory, shipped in the wheel as the package ``lightning_het.conf``; see
+:func:`config_dir`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["config_dir"]
+
+
+def config_dir() -> Path:
+    """The directory of the app's Hydra configs (``train.yaml`` and the config groups).
+
+    An installed wheel ships them inside the package (``lightning_het/conf``); a source checkout, used through an
+    editable install or ``PYTHONPATH``, has them at the repository's top level (``conf/``), next to the package.
+
+    Raises:
+        FileNotFoundError: neither place holds ``train.yaml`` (a broken installation).
+    """
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"lightning-het cannot find its configs: no train.yaml in {package / 'conf'} or {package.parent / 'conf'}."
+        " HINT: reinstall the package (`pip install lightning-het[app]`) or run from a full source checkout."
+    )

@@ -1,0 +1,324 @@
+"""Affine per-replica cost model and the allocation that minimises the step time under it.
+
+Model. Replica ``r`` needs ``t_r(b) = a_r + c_r * b`` seconds of local compute for a step of ``b`` samples: a fixed
+cost ``a_r`` per step (kernel launches, Python, framework overhead, an emulated per-step delay) plus ``c_r`` seconds
+per sample. Every replica runs every step and the step ends when the slowest one is done, so the step time of an
+allocation ``b`` is ``max_r t_r(b_r)``. The one-number throughput model (``speed_r = 1 / c_r``) is the special case
+``a_r = 0``, where the best split is proportional to speed.
+
+Allocation (:func:`allocate_affine`): minimise ``max_r t_r(b_r)`` subject to ``sum_r b_r = B``,
+``lo <= b_r <= hi_r`` and integer ``b_r``. For a common step time ``T``, replica ``r`` can take at most
+``n_r(T) = clip(floor((T - a_r) / c_r), lo, hi_r)`` samples; ``sum_r n_r(T)`` is non-decreasing in ``T``. Bisection
+finds the largest ``T`` whose capacity is still at most ``B`` (*water filling*: ``T`` is the water level, ``a_r`` the
+height of each vessel's floor and ``c_r`` its width), which places the first samples exactly as a greedy allocation
+would; the remaining ``< W`` samples (plus any a flat cost curve leaves) go, one at a time, to the replica whose step
+grows least, ``argmin_r t_r(b_r + 1)``. Handing out samples in increasing order of the step time they cause is
+optimal for a maximum of non-decreasing functions, so the result is an exact integer optimum (tested against brute
+force).
+
+A replica that only slows the job down (:func:`useless_replicas`): when ``a_r`` alone is at least the best step time
+the other replicas reach on the whole global batch without it, no allocation can make it useful: the strategy says so
+once, with both predicted step times.
+
+Fitting (:func:`fit_affine`): least squares through timed steps at two or more batch sizes, measured back to back so
+that a fixed cost is not confused with a later slowdown; the intercept and slope are kept non-negative.
+
+Nothing here touches ``torch`` or ``torch.distributed``; every function is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "AffineCost",
+    "allocate_affine",
+    "costs_from_speeds",
+    "fit_affine",
+    "step_time",
+    "step_without",
+    "useless_replicas",
+]
+
+_BISECTION_STEPS = 100
+#: the fitted slope is kept at least this fraction of the mean seconds per sample (a flat curve would attract every
+#: sample of the global batch to one replica on the strength of timing noise)
+_MIN_SLOPE_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class AffineCost:
+    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``.
+
+    Attributes:
+        fixed_s: seconds per step whatever the batch size (>= 0).
+        per_sample_s: seconds per sample (>= 0; ``fixed_s`` and ``per_sample_s`` are not both 0).
+    """
+
+    fixed_s: float
+    per_sample_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_sample_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"Expected `{name}` to be a finite number >= 0, but got {value!r}.")
+        if self.fixed_s == 0 and self.per_sample_s == 0:
+            raise ValueError("Expected a cost with `fixed_s` > 0 or `per_sample_s` > 0, but both are 0.")
+
+    def __call__(self, batch_size: float) -> float:
+        """Predicted seconds for a step of ``batch_size`` samples."""
+        return self.fixed_s + self.per_sample_s * batch_size
+
+    @property
+    def speed(self) -> float:
+        """Marginal throughput in samples/s, ``1 / per_sample_s`` (``inf`` when a sample costs nothing)."""
+        return math.inf if self.per_sample_s == 0 else 1.0 / self.per_sample_s
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain data, for reports and the speed cache."""
+        return {"fixed_s": self.fixed_s, "per_sample_s": self.per_sample_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> AffineCost:
+        """Inverse of :meth:`as_dict`."""
+        return cls(float(data["fixed_s"]), float(data["per_sample_s"]))
+
+
+def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
+    """The one-number model as affine costs: ``a_r = 0``, ``c_r = 1 / speed_r``.
+
+    >>> costs_from_speeds([2.0, 4.0])
+    [AffineCost(fixed_s=0.0, per_sample_s=0.5), AffineCost(fixed_s=0.0, per_sample_s=0.25)]
+    """
+    out = []
+    for rank, s in enumerate(speeds):
+        s = float(s)
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(
+                f"Expected argument `speeds` to hold positive finite numbers, but `speeds[{rank}]` is {s!r}."
+            )
+        out.append(AffineCost(0.0, 1.0 / s))
+    return out
+
+
+def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
+    """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0.
+
+    Args:
+        batch_sizes: samples of each timed step; at least two distinct values are needed to separate the fixed cost
+            from the per-sample cost (with one, the fixed cost is taken as 0: the one-number model).
+        seconds: measured seconds of each step (> 0).
+
+    Returns:
+        The fitted cost. A negative intercept is refitted through the origin (``fixed_s = 0``); a slope below 1 % of
+        the mean seconds per sample is raised to it, with the intercept re-centred on the mean point, so that a flat
+        measured curve does not make one replica look free.
+
+    Raises:
+        ValueError: for empty or mismatched inputs, non-positive batch sizes or non-positive / non-finite times.
+
+    >>> fit_affine([4, 8], [0.05, 0.07])
+    AffineCost(fixed_s=0.03, per_sample_s=0.005)
+    """
+    xs = [float(b) for b in batch_sizes]
+    ys = [float(t) for t in seconds]
+    if not xs or len(xs) != len(ys):
+        raise ValueError(f"Expected as many batch sizes as times (>= 1), but got {len(xs)} and {len(ys)}.")
+    if any(not math.isfinite(x) or x <= 0 for x in xs):
+        raise ValueError(f"Expected argument `batch_sizes` to hold positive numbers, but got {xs}.")
+    if any(not math.isfinite(y) or y <= 0 for y in ys):
+        raise ValueError(f"Expected argument `seconds` to hold positive finite numbers, but got {ys}.")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    min_slope = _MIN_SLOPE_FRACTION * my / mx
+    if sxx <= 0:
+        return AffineCost(0.0, my / mx)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    if intercept < 0:  # through the origin
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        intercept = 0.0
+    if slope < min_slope:
+        slope = min_slope
+        intercept = max(my - slope * mx, 0.0)
+    return AffineCost(round(intercept, 15), round(slope, 15))
+
+
+def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
+    """Predicted seconds per step of an allocation: ``max_r t_r(b_r)``.
+
+    >>> step_time([2, 4], [AffineCost(0.5, 0.25), AffineCost(0.0, 0.25)])
+    1.0
+    """
+    if len(batch_sizes) != len(costs):
+        raise ValueError(f"Expected one batch size per cost ({len(costs)}), but got {len(batch_sizes)}.")
+    return max(c(b) for b, c in zip(batch_sizes, costs))
+
+
+def _bounds(
+    world: int, global_batch_size: int, min_batch_size: int, max_batch_sizes: Sequence[int] | None
+) -> tuple[list[int], list[int]]:
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"Expected argument `global_batch_size` to be an integer >= 1, but got {global_batch_size!r}.")
+    if isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int) or min_batch_size < 0:
+        raise ValueError(f"Expected argument `min_batch_size` to be an integer >= 0, but got {min_batch_size!r}.")
+    lower = [min_batch_size] * world
+    if max_batch_sizes is None:
+        upper = [global_batch_size] * world
+    else:
+        upper = list(max_batch_sizes)
+        if len(upper) != world:
+            raise ValueError(
+                f"Expected argument `max_batch_sizes` to have one entry per replica ({world}), but got {len(upper)}:"
+                f" {upper}."
+            )
+        for rank, bound in enumerate(upper):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < max(min_batch_size, 1):
+                raise ValueError(
+                    f"Expected argument `max_batch_sizes` to hold integers >= max(min_batch_size, 1) ="
+                    f" {max(min_batch_size, 1)}, but `max_batch_sizes[{rank}]` is {bound!r}."
+                )
+    if global_batch_size < sum(lower):
+        raise ValueError(
+            f"`global_batch_size`={global_batch_size} is below what the bounds allow: {world} replicas x"
+            f" `min_batch_size`={min_batch_size} = {sum(lower)} samples. HINT: raise the global batch size or lower"
+            " `min_batch_size`."
+        )
+    if global_batch_size > sum(upper):
+        raise ValueError(
+            f"`max_batch_sizes`={upper} cannot hold `global_batch_size`={global_batch_size}: they sum to only"
+            f" {sum(upper)}. HINT: lower the global batch size, raise the bounds or add replicas."
+        )
+    return lower, upper
+
+
+def _capacity(cost: AffineCost, level: float, lo: int, hi: int) -> int:
+    """Most samples (within ``[lo, hi]``) replica can take without its step exceeding ``level`` seconds."""
+    if level < cost.fixed_s:
+        return lo
+    if cost.per_sample_s == 0:
+        return hi
+    return min(max(math.floor((level - cost.fixed_s) / cost.per_sample_s), lo), hi)
+
+
+def allocate_affine(
+    global_batch_size: int,
+    costs: Sequence[AffineCost],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> list[int]:
+    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal.
+
+    Args:
+        global_batch_size: samples per optimizer step, summed over all replicas (``B``).
+        costs: each replica's :class:`AffineCost`, indexed by global rank.
+        min_batch_size: no replica gets fewer samples per step.
+        max_batch_sizes: per-replica upper bounds (device memory), indexed by global rank.
+
+    Returns:
+        One batch size per replica, summing to ``B``, within the bounds, with the smallest possible step time over all
+        integer allocations (see the module docstring for the algorithm). Among optimal allocations, extra samples go
+        to the replica whose step grows least, ties to the lower rank. With every ``fixed_s = 0`` the split is the
+        proportional one up to rounding.
+
+    Raises:
+        ValueError: naming the offending argument, for malformed costs, a total below what the bounds allow or bounds
+            that cannot hold it.
+
+    >>> allocate_affine(48, [AffineCost(0.040, 0.0005), AffineCost(0.002, 0.006)])
+    [39, 9]
+    >>> allocate_affine(14, costs_from_speeds([1, 2, 4]))
+    [2, 4, 8]
+    """
+    costs = list(costs)
+    if not costs:
+        raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
+    for rank, cost in enumerate(costs):
+        if not isinstance(cost, AffineCost):
+            raise ValueError(f"Expected argument `costs` to hold AffineCost objects, but `costs[{rank}]` is {cost!r}.")
+    world = len(costs)
+    lower, upper = _bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
+    total = global_batch_size
+
+    def capacity(level: float) -> list[int]:
+        return [_capacity(c, level, lo, hi) for c, lo, hi in zip(costs, lower, upper)]
+
+    # bisection on the water level: `low` keeps capacity <= B, `high` reaches B
+    low = -1.0
+    high = max(c(hi) for c, hi in zip(costs, upper))
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (low + high)
+        if sum(capacity(mid)) <= total:
+            low = mid
+        else:
+            high = mid
+        if high - low <= 1e-12 * max(abs(high), 1.0):
+            break
+    sizes = capacity(low)
+    if sum(sizes) > total:  # pragma: no cover - `low` keeps capacity <= B by construction
+        sizes = list(lower)
+    # the rest, one sample at a time, to the replica whose step grows least (ties: lower rank)
+    heap = [(costs[r](sizes[r] + 1), r) for r in range(world) if sizes[r] < upper[r]]
+    heapq.heapify(heap)
+    for _ in range(total - sum(sizes)):
+        _, r = heapq.heappop(heap)
+        sizes[r] += 1
+        if sizes[r] < upper[r]:
+            heapq.heappush(heap, (costs[r](sizes[r] + 1), r))
+    return sizes
+
+
+def step_without(
+    global_batch_size: int,
+    costs: Sequence[AffineCost],
+    dropped: Sequence[int],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> float | None:
+    """Best predicted step time when the replicas in ``dropped`` leave the job (``None`` when the others cannot
+    hold the global batch within their bounds, or none is left)."""
+    keep = [r for r in range(len(costs)) if r not in set(dropped)]
+    if not keep:
+        return None
+    bounds = None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
+    try:
+        sizes = allocate_affine(
+            global_batch_size, [costs[r] for r in keep], min_batch_size=min_batch_size, max_batch_sizes=bounds
+        )
+    except ValueError:
+        return None
+    return step_time(sizes, [costs[r] for r in keep])
+
+
+def useless_replicas(
+    global_batch_size: int,
+    costs: Sequence[AffineCost],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> list[int]:
+    """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them.
+
+    Such a replica makes every step at least ``fixed_s`` long, which the rest of the job would beat on the whole
+    global batch: the job is faster without it, whatever the allocation.
+
+    >>> useless_replicas(48, [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)])
+    [1]
+    """
+    useless = []
+    for r, cost in enumerate(costs):
+        if len(costs) < 2:
+            break
+        best = step_without(
+            global_batch_size, costs, [r], min_batch_size=min_batch_size, max_batch_sizes=max_batch_sizes
+        )
+        if best is not None and cost.fixed_s >= best:
+            useless.append(r)
+    return useless

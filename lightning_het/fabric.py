@@ -1,0 +1,304 @@
+"""``Fabric(strategy="heterogeneous")``: speed-proportional batches, exact gradients and node-aware communication in a
+loop of your own.
+
+:class:`HeterogeneousFabricStrategy` is the Trainer's :class:`~lightning_het.HeterogeneousStrategy` core (argument
+checks, allocation, profiling schedule, loss scale, communication controller, balance report) on top of Lightning
+Fabric's ``DDPStrategy``; only the points where Fabric and the Trainer differ are written here:
+
+* ``fabric.setup_dataloaders(loader)`` re-splits a training loader into a
+  :class:`~lightning_het.ProportionalDistributedSampler` (same guarantees as with the Trainer: equal step counts,
+  the union of the replicas' batches at step ``k`` is the ``k``-th batch of one process);
+* ``fabric.backward(loss)`` multiplies the loss by ``loss_scale = W * b_r / B`` (the inherited ``backward``), so the
+  step applies exactly the gradient of the mean loss over the global batch;
+* ``fabric.setup(model, optimizer)`` wraps the model in DDP and registers the ``comm`` mode's hook on any device;
+  every optimizer step then drives the node-local parameter averaging;
+* profiling times a step function you pass (``profile_step``), since Fabric has no ``training_step`` to call.
+
+See ``docs/fabric.md`` for a complete example.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.fabric.wrappers as fabric_wrappers
+import torch
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
+from lightning_het.comm.controller import resolve_comm_mode
+from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.strategy import HeterogeneousStrategyBase, _rebuild_loader
+from lightning_het.watchdog import relaxed_startup_timeout
+
+__all__ = ["HeterogeneousFabricStrategy"]
+
+log = logging.getLogger(__name__)
+
+#: ``HeterogeneousStrategy`` keywords that need the Trainer's loop (telemetry, rebalancing, emulation, device maps)
+_TRAINER_ONLY = (
+    "emulate_slowdown",
+    "device_map",
+    "cpu_threads",
+    "rebalance_every_n_epochs",
+    "rebalance_threshold",
+    "telemetry",
+)
+
+#: ``profile_step(batch)``: forward pass of one training step on a device-ready batch; returns the loss
+ProfileStep = Callable[[Any], Tensor]
+
+
+class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
+    """Lightning Fabric strategy: per-replica batch sizes proportional to speed, exact gradients, node-aware comm.
+
+    ``import lightning_het`` registers it as ``"heterogeneous"`` in Fabric's strategy registry, so
+    ``Fabric(strategy="heterogeneous", ...)`` works; pass an instance for keywords.
+
+    What it does in your loop:
+
+    * ``fabric.setup(model, optimizer)``: DDP, plus the ``comm`` mode's gradient hook (on CPU/gloo too).
+    * ``fabric.setup_dataloaders(train_loader)``: the first time, allocates the global batch from ``speeds`` (or by
+      profiling ``profile_step``), then rebuilds the loader around a
+      :class:`~lightning_het.ProportionalDistributedSampler` with this replica's batch size. Every loader whose
+      sampler Fabric would make distributed (the default ``use_distributed_sampler=True``) is split this way, so
+      pass evaluation loaders with ``sampler=strategy.eval_sampler(dataset)`` (each sample on exactly one replica),
+      or with ``use_distributed_sampler=False`` (every replica reads all of it).
+    * ``fabric.backward(loss)``: back-propagates ``loss * loss_scale``; the loss you log stays unscaled.
+    * ``optimizer.step()``: under ``comm="node_local"``, averages the parameters across all replicas every
+      ``global_sync_every`` steps and after the last step of every epoch of the training loader (counting one
+      optimizer step per batch; call :meth:`synchronize` yourself when you step less often). ``fabric.save`` saves
+      the consensus model.
+
+    Args:
+        profile_step: ``profile_step(batch) -> loss``: the forward pass of your training step on a batch already on
+            the device (for example ``lambda batch: loss_fn(model(batch[0]), batch[1])`` with the model that
+            ``fabric.setup`` returned). Used to measure each replica's speed when ``speeds`` is not given: the strategy
+            runs it and back-propagates its loss ``profile_warmup + profile_steps`` times on real batches, without
+            gradient synchronisation, and restores the model, gradients, optimizer state and RNG streams afterwards.
+            Set the model up with ``fabric.setup`` before the training loader.
+        **kwargs: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the same meaning:
+            ``global_batch_size`` (default: the training loader's ``batch_size`` x world size), ``speeds``,
+            ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``, ``global_sync_every``,
+            ``comm_warmup_steps``, ``comm_autotune_steps``, ``profile_steps``, ``profile_warmup``,
+            ``startup_timeout``; everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
+            ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
+
+    Raises:
+        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the Trainer-only
+            keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``).
+    """
+
+    _spawn_launcher_cls = _MultiProcessingLauncher
+
+    def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
+        unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
+        if unsupported:
+            raise ValueError(
+                f"You passed {unsupported} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
+                " `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or emulate a slow replica inside your own"
+                " step function."
+            )
+        if profile_step is not None and not callable(profile_step):
+            raise ValueError(
+                f"Expected argument `profile_step` to be a callable `profile_step(batch) -> loss`, but got"
+                f" {profile_step!r}."
+            )
+        super().__init__(telemetry=False, **kwargs)  # the shared core validates and stores every other keyword
+        self.profile_step = profile_step
+        self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
+        self._raw_optimizers: list[Optimizer] = []  # snapshotted and restored around profiling
+        self._optimizer_steps = 0  # optimizer steps taken so far (drives the node_local schedule)
+        self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
+
+    # ------------------------------------------------------------------ launch / environment
+    @override
+    def _setup_distributed(self) -> None:
+        # a short `timeout` does not fail the rendezvous of replicas that start slowly
+        with relaxed_startup_timeout(self, self._startup_timeout):
+            super()._setup_distributed()
+
+    # ------------------------------------------------------------------ model and optimizers
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        """Wrap ``module`` in DDP and register the ``comm`` mode's gradient hook (a collective: every rank)."""
+        if self._ddp_model is not None:
+            raise RuntimeError(
+                "HeterogeneousFabricStrategy handles one model, but `fabric.setup` was called for a second one."
+                " HINT: put the networks into one `nn.Module` and set that up once."
+            )
+        ddp_model = super().setup_module(module)
+        assert self._node_ids is not None
+        self._comm_controller = self._new_comm_controller(resolve_comm_mode(self._comm, self._node_ids))
+        self._comm_controller.register(ddp_model)
+        self._ddp_model = ddp_model
+        return ddp_model
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._raw_optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = FabricDDPStrategy.optimizer_step(self, optimizer, **kwargs)
+        self._optimizer_steps += 1
+        if self._comm_controller is not None and self._ddp_model is not None:
+            epoch_steps = self._steps_per_epoch
+            with torch.no_grad():
+                self._comm_controller.after_optimizer_step(
+                    self._ddp_model.module.parameters(),
+                    self._optimizer_steps,
+                    end_of_epoch=bool(epoch_steps) and self._optimizer_steps % epoch_steps == 0,
+                )
+        return output
+
+    def synchronize(self) -> bool:
+        """``comm="node_local"``: average the parameters across all replicas now, weighted by sample share, unless
+        they already agree. Call it on every rank (a collective), e.g. before evaluating. No-op in exact modes.
+
+        Returns:
+            Whether an average ran.
+        """
+        if self._comm_controller is None or self._ddp_model is None:
+            return False
+        with torch.no_grad():
+            return self._comm_controller.synchronize(self._ddp_model.module.parameters())
+
+    # ------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(dataloader, DataLoader) or not isinstance(sampler, DistributedSampler):
+            return dataloader  # `use_distributed_sampler=False`: every replica reads the whole loader
+        if has_iterable_dataset(dataloader):
+            rank_zero_warn(
+                "The DataLoader wraps an IterableDataset, which HeterogeneousFabricStrategy cannot re-split: every"
+                " replica reads it as in plain DDP. HINT: use a map-style Dataset for speed-proportional batches."
+            )
+            return dataloader
+        if isinstance(sampler, ProportionalDistributedSampler):
+            return self._adopt_sampler(dataloader, sampler)
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, DistributedSamplerWrapper):
+            return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
+        return self._split_for_training(dataloader)
+
+    def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
+        """A sampler for evaluation loaders: every sample on exactly one replica (no padding, no duplicates), shares
+        proportional to the allocation (to ``speeds``, or equal, before it). Fabric leaves it in place."""
+        return UnpaddedDistributedSampler(dataset, self._eval_weights(), self.global_rank)
+
+    def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
+        sizes = list(sampler.batch_sizes)
+        if self._batch_sizes is not None and sizes != self._batch_sizes:
+            raise ValueError(
+                f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
+                f" {self._batch_sizes}. HINT: build it from `strategy.batch_sizes`."
+            )
+        self._adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
+        self._steps_per_epoch = sampler.num_steps
+        return dataloader
+
+    def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
+        """Allocate (profiling when needed) and rebuild the loader around this replica's proportional sampler."""
+        shuffle, seed = self._training_order(dataloader)
+        global_batch = self._global_batch_size_arg
+        if global_batch is None:
+            if dataloader.batch_size is None:
+                raise ValueError(
+                    "The DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
+                    " `HeterogeneousFabricStrategy(global_batch_size=...)`."
+                )
+            global_batch = dataloader.batch_size * self.world_size
+        if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
+            self._allocate(dataloader, global_batch, shuffle, seed)
+        assert self._batch_sizes is not None
+        sampler = ProportionalDistributedSampler(
+            dataloader.dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed
+        )
+        self._steps_per_epoch = sampler.num_steps
+        return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+
+    # ------------------------------------------------------------------ profiling
+    @override
+    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
+        """Time ``steps`` calls of ``profile_step`` (forward) plus the backward of its loss, without gradient sync."""
+        if self.profile_step is None:
+            raise ValueError(
+                "HeterogeneousFabricStrategy has neither `speeds` nor a `profile_step` to measure them with. HINT: pass"
+                " `profile_step=lambda batch: loss_fn(model(batch[0]), batch[1])` (after `fabric.setup`), or"
+                " `speeds=[...]` with one entry per replica."
+            )
+        if self._ddp_model is None:
+            raise RuntimeError(
+                "Profiling needs the model: call `fabric.setup(model, optimizer)` before"
+                " `fabric.setup_dataloaders(train_loader)`, or pass `speeds=[...]`."
+            )
+        model = self._ddp_model
+        step = self.profile_step
+        batches = (self.batch_to_device(batch) for batch in probe)
+        with preserved_training_state(model.module, self._raw_optimizers), model.no_sync():
+            model.train()
+            return time_steps(
+                batches,
+                lambda batch, batch_idx: step(batch),
+                _local_backward,
+                warmup=0,
+                steps=steps,
+                device=self.root_device,
+            )
+
+    # ------------------------------------------------------------------ checkpoints and teardown
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        self.synchronize()  # comm="node_local": a checkpoint holds the consensus model
+        FabricDDPStrategy.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return FabricDDPStrategy.load_checkpoint(self, path, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        if self._comm_controller is not None:
+            self._comm_controller.close()
+        self._comm_controller = None
+        self._ddp_model = None
+        self._raw_optimizers = []
+        FabricDDPStrategy.teardown(self)
+
+
+def _local_backward(loss: Tensor) -> None:
+    """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only)."""
+    with _inside_fabric_backward():
+        loss.backward()
+
+
+@contextlib.contextmanager
+def _inside_fabric_backward() -> Iterator[None]:
+    # Fabric refuses a bare `loss.backward()` for strategies that override `backward`; profiling wants exactly that
+    previous = fabric_wrappers._in_fabric_backward
+    fabric_wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        fabric_wrappers._in_fabric_backward = previous

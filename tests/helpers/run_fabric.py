@@ -1,0 +1,69 @@
+"""Run a tiny Fabric training loop on several replicas and dump what each rank saw.
+
+``python -m tests.helpers.run_fabric OUT_DIR JSON``. JSON keys: devices, strategy (kwargs for
+HeterogeneousFabricStrategy), epochs, n (dataset size), batch_size (loader batch size), lr, cost_per_sample_s (seconds
+slept per sample in every forward pass), slow_rank / slow_factor (that rank sleeps ``slow_factor`` times longer),
+profile (give the strategy a ``profile_step``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+from lightning_het import HeterogeneousFabricStrategy
+from tests.helpers.tiny import make_dataset, make_net
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = json.loads(sys.argv[2])
+    strategy = HeterogeneousFabricStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
+    fabric = Fabric(accelerator="cpu", devices=cfg.get("devices", 3), strategy=strategy)
+    fabric.launch()
+    rank = fabric.global_rank
+    cost = cfg.get("cost_per_sample_s", 0.0) * (cfg.get("slow_factor", 1.0) if rank == cfg.get("slow_rank") else 1.0)
+
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=cfg.get("lr", 0.05), momentum=0.9))
+
+    def loss_of(batch: list[torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        if cost:
+            time.sleep(cost * len(x))  # a slower replica: a fixed cost per sample
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    if cfg.get("profile"):
+        strategy.profile_step = loss_of
+    loader = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True)
+    loader = fabric.setup_dataloaders(loader)
+    seen = []
+    for _ in range(cfg.get("epochs", 2)):
+        for batch in loader:
+            optimizer.zero_grad()
+            fabric.backward(loss_of(batch))
+            optimizer.step()
+            seen.append(len(batch[0]))
+    torch.save(
+        {
+            "state_dict": {k: v.detach().cpu() for k, v in net.state_dict().items()},
+            "seen_batch_sizes": seen,
+            "batch_sizes": strategy.batch_sizes,
+            "speeds": strategy.speeds,
+            "node_ids": strategy.node_ids,
+            "loss_scale": strategy.loss_scale,
+            "comm_mode": strategy.comm_mode,
+            "comm_stats": strategy.comm_stats,
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

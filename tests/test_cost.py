@@ -1,0 +1,159 @@
+"""Affine cost model: fitting, the water-filling allocation (against brute force) and useless replicas."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import random
+
+import pytest
+
+from lightning_het import allocate_batch_sizes
+from lightning_het.balance import cost as cost_module
+from lightning_het.balance.cost import (
+    AffineCost,
+    allocate_affine,
+    costs_from_speeds,
+    fit_affine,
+    step_time,
+    step_without,
+    useless_replicas,
+)
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(cost_module).failed == 0
+
+
+def _brute_force(total: int, costs: list[AffineCost], lo: int, hi: list[int]) -> float:
+    best = float("inf")
+    for sizes in itertools.product(*(range(lo, h + 1) for h in hi)):
+        if sum(sizes) == total:
+            best = min(best, step_time(list(sizes), costs))
+    return best
+
+
+def _random_cost(rng: random.Random) -> AffineCost:
+    fixed = rng.choice([0.0, 0.0, rng.uniform(0, 0.05), rng.uniform(0, 0.5)])
+    per_sample = rng.choice([rng.uniform(0.001, 0.02), rng.uniform(0.0001, 0.1), 0.0 if fixed > 0 else 0.01])
+    return AffineCost(round(fixed, 4), round(per_sample, 5))
+
+
+class TestAllocateAffine:
+    @pytest.mark.parametrize("seed", range(300))
+    def test_optimal_against_brute_force(self, seed: int) -> None:
+        rng = random.Random(seed)
+        world = rng.randint(1, 4)
+        costs = [_random_cost(rng) for _ in range(world)]
+        lo = rng.choice([0, 1, 1, 2])
+        total = rng.randint(max(world * lo, 1), 14)
+        hi = [rng.randint(max(lo, 1), total) for _ in range(world)] if rng.random() < 0.4 else [total] * world
+        if sum(hi) < total:
+            hi[-1] += total - sum(hi)
+        sizes = allocate_affine(total, costs, min_batch_size=lo, max_batch_sizes=hi)
+        assert sum(sizes) == total
+        assert all(lo <= b <= h for b, h in zip(sizes, hi))
+        assert step_time(sizes, costs) == pytest.approx(_brute_force(total, costs, lo, hi), abs=1e-12)
+
+    @pytest.mark.parametrize("seed", range(50))
+    def test_proportional_when_no_fixed_cost(self, seed: int) -> None:
+        rng = random.Random(1000 + seed)
+        speeds = [rng.uniform(0.5, 8.0) for _ in range(rng.randint(2, 6))]
+        total = rng.randint(len(speeds), 500)
+        sizes = allocate_affine(total, costs_from_speeds(speeds))
+        shares = [total * s / sum(speeds) for s in speeds]
+        assert sum(sizes) == total
+        # within the optimal step of the proportional model: never worse than the largest-remainder split, and each
+        # replica's size within one sample of its share plus the rounding slack of the step
+        proportional = allocate_batch_sizes(total, speeds)
+        costs = costs_from_speeds(speeds)
+        assert step_time(sizes, costs) <= step_time(proportional, costs) + 1e-12
+        assert all(b <= share + 1 + 1e-9 + 1 / min(speeds) * max(speeds) for b, share in zip(sizes, shares))
+
+    def test_exactly_proportional(self) -> None:
+        assert allocate_affine(70, costs_from_speeds([1, 2, 4])) == [10, 20, 40]
+        assert allocate_affine(48, costs_from_speeds([1, 1, 1])) == [16, 16, 16]
+
+    def test_issue_platform(self) -> None:
+        costs = [AffineCost(0.040, 0.0005), AffineCost(0.002, 0.006)]
+        sizes = allocate_affine(48, costs)
+        assert sizes == [39, 9]
+        assert step_time(sizes, costs) == pytest.approx(0.0595)
+
+    def test_zero_slope_replica_takes_what_its_bound_allows(self) -> None:
+        costs = [AffineCost(0.01, 0.0), AffineCost(0.0, 0.001)]
+        sizes = allocate_affine(100, costs)  # rank 1 fills up to rank 0's flat 10 ms, rank 0 takes the rest
+        assert sizes[1] in (9, 10) and step_time(sizes, costs) == pytest.approx(0.01)
+        assert allocate_affine(100, costs, max_batch_sizes=[30, 100]) == [30, 70]
+
+    def test_bounds_and_minimum(self) -> None:
+        costs = [AffineCost(0.0, 0.001), AffineCost(1.0, 0.1)]
+        assert allocate_affine(10, costs, min_batch_size=2) == [8, 2]
+        assert allocate_affine(10, costs, min_batch_size=0) == [10, 0]
+
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"global_batch_size": 0}, "global_batch_size"),
+            ({"min_batch_size": 5}, "global_batch_size"),
+            ({"max_batch_sizes": [1, 1]}, "max_batch_sizes"),
+            ({"max_batch_sizes": [4]}, "max_batch_sizes"),
+            ({"costs": []}, "costs"),
+            ({"costs": [1.0, 2.0]}, "costs"),
+        ],
+    )
+    def test_invalid_input_names_argument(self, kwargs: dict, match: str) -> None:
+        args = {"global_batch_size": 8, "costs": costs_from_speeds([1, 1])} | kwargs
+        total, costs = args.pop("global_batch_size"), args.pop("costs")
+        with pytest.raises(ValueError, match=match):
+            allocate_affine(total, costs, **args)
+
+
+class TestFit:
+    def test_exact_line(self) -> None:
+        fit = fit_affine([4, 4, 8, 8], [0.05, 0.05, 0.07, 0.07])
+        assert fit.fixed_s == pytest.approx(0.03)
+        assert fit.per_sample_s == pytest.approx(0.005)
+
+    def test_negative_intercept_goes_through_origin(self) -> None:
+        fit = fit_affine([2, 4], [0.01, 0.03])
+        assert fit.fixed_s == 0.0
+        assert fit.per_sample_s == pytest.approx((0.02 + 0.12) / 20)
+
+    def test_flat_curve_keeps_a_minimum_slope(self) -> None:
+        fit = fit_affine([4, 8], [0.05, 0.049])
+        assert fit.per_sample_s > 0
+        assert fit(6) == pytest.approx(0.0495, rel=1e-6)
+
+    def test_one_batch_size_is_the_throughput_model(self) -> None:
+        assert fit_affine([8, 8], [0.1, 0.1]) == AffineCost(0.0, 0.1 / 8)
+
+    @pytest.mark.parametrize(("sizes", "times"), [([], []), ([1], [1.0, 2.0]), ([0], [1.0]), ([1], [0.0])])
+    def test_invalid(self, sizes: list, times: list) -> None:
+        with pytest.raises(ValueError):
+            fit_affine(sizes, times)
+
+    def test_cost_validation(self) -> None:
+        with pytest.raises(ValueError, match="fixed_s"):
+            AffineCost(-1.0, 0.1)
+        with pytest.raises(ValueError, match="both are 0"):
+            AffineCost(0.0, 0.0)
+        assert AffineCost.from_dict(AffineCost(0.1, 0.2).as_dict()) == AffineCost(0.1, 0.2)
+
+
+class TestUselessReplicas:
+    def test_fixed_cost_above_the_others_best(self) -> None:
+        costs = [AffineCost(0.0, 0.001), AffineCost(0.0, 0.001), AffineCost(0.5, 0.0001)]
+        assert useless_replicas(48, costs) == [2]
+        assert step_without(48, costs, [2]) == pytest.approx(0.024)
+        assert step_time(allocate_affine(48, costs), costs) > 0.5
+
+    def test_useful_replicas_are_not_flagged(self) -> None:
+        assert useless_replicas(48, [AffineCost(0.040, 0.0005), AffineCost(0.002, 0.006)]) == []
+        assert useless_replicas(48, costs_from_speeds([1, 2, 4])) == []
+        assert useless_replicas(48, costs_from_speeds([1])) == []
+
+    def test_bounds_that_need_the_replica(self) -> None:
+        costs = [AffineCost(0.0, 0.001), AffineCost(0.5, 0.0001)]
+        assert step_without(48, costs, [1], max_batch_sizes=[24, 48]) is None
+        assert useless_replicas(48, costs, max_batch_sizes=[24, 48]) == []

@@ -1,0 +1,187 @@
+"""Lightning Fabric: ``Fabric(strategy="heterogeneous")`` with the Trainer strategy's guarantees."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch.utils.data import DataLoader
+
+import lightning_het
+from lightning_het import HeterogeneousFabricStrategy, ProportionalDistributedSampler, UnpaddedDistributedSampler
+from tests.conftest import REPO, run_job
+from tests.helpers.tiny import make_dataset, make_net, reference_weights
+
+
+@pytest.fixture
+def fabric_job(tmp_path):
+    """Run tests/helpers/run_fabric.py with a JSON config; return the per-rank dumps."""
+
+    def _run(cfg: dict, *, timeout: float = 180):
+        result = run_job(["-m", "tests.helpers.run_fabric", str(tmp_path), json.dumps(cfg)], timeout=timeout)
+        assert result.returncode == 0, result.stdout[-6000:]
+        return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg.get("devices", 3))]
+
+    return _run
+
+
+def _assert_close(state: dict, reference: dict, atol: float = 1e-5) -> None:
+    for key, value in reference.items():
+        torch.testing.assert_close(state[key], value, atol=atol, rtol=0, msg=f"parameter {key}")
+
+
+# ---------------------------------------------------------------------- in-process
+
+
+def test_registered_in_fabric_registry():
+    assert "heterogeneous" in STRATEGY_REGISTRY
+    assert STRATEGY_REGISTRY["heterogeneous"]["strategy"] is HeterogeneousFabricStrategy
+    fabric = Fabric(strategy="heterogeneous", accelerator="cpu", devices=1)
+    assert isinstance(fabric.strategy, HeterogeneousFabricStrategy)
+    assert lightning_het.HeterogeneousFabricStrategy is HeterogeneousFabricStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"emulate_slowdown": [1.0]}, "need the Trainer"),
+        ({"rebalance_threshold": 1.2}, "need the Trainer"),
+        ({"profile_step": 3}, "profile_step"),
+        ({"comm": "ring"}, "comm"),
+        ({"speeds": [1.0, float("nan")]}, "speeds"),
+        ({"global_batch_size": 0}, "global_batch_size"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HeterogeneousFabricStrategy(**kwargs)
+
+
+def _one_replica(**strategy_kwargs):
+    strategy = HeterogeneousFabricStrategy(process_group_backend="gloo", **strategy_kwargs)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    return fabric, strategy, net, model, optimizer
+
+
+def test_one_replica_profiles_and_trains_like_one_process():
+    fabric, strategy, net, model, optimizer = _one_replica(global_batch_size=12)
+    calls = []
+
+    def step(batch):
+        calls.append(len(batch[0]))
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    strategy.profile_step = step
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    dataset = make_dataset(60)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=5, shuffle=True))
+    assert calls, "profile_step never ran"
+    _assert_close(net.state_dict(), before, atol=0)  # profiling left no trace
+    assert optimizer.state_dict()["state"] == {}
+    assert strategy.batch_sizes == [12] and strategy.loss_scale == 1.0 and strategy.speeds[0] > 0
+    assert isinstance(loader.sampler, ProportionalDistributedSampler)
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+    _assert_close(net.state_dict(), reference_weights(dataset, 12, epochs=2, seed=0))
+    assert "global batch 12" in strategy.balance_table()
+
+
+def test_eval_sampler_and_loaders_left_alone():
+    fabric, strategy, *_ = _one_replica(speeds=[1.0])
+    dataset = make_dataset(7)
+    val = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3, sampler=strategy.eval_sampler(dataset)))
+    assert isinstance(val.sampler, UnpaddedDistributedSampler) and sum(len(x) for x, _ in val) == 7
+    plain = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3), use_distributed_sampler=False)
+    assert sum(len(x) for x, _ in plain) == 7
+
+
+def test_profiling_needs_a_step_or_speeds():
+    fabric, *_ = _one_replica()
+    with pytest.raises(ValueError, match="profile_step"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
+
+
+# ---------------------------------------------------------------------- three replicas
+
+
+@pytest.mark.slow
+def test_three_replicas_equal_one_process(fabric_job):
+    """speeds 1:2:3 -> batches 2/4/6 of 12; the loop's parameters equal one process on the global batches."""
+    dumps = fabric_job({"strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "comm": "allreduce"}})
+    reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
+    for rank, dump in enumerate(dumps):
+        assert dump["batch_sizes"] == [2, 4, 6]
+        assert dump["seen_batch_sizes"] == [[2, 4, 6][rank]] * 10  # 5 equal steps per epoch on every rank
+        assert dump["loss_scale"] == pytest.approx(3 * [2, 4, 6][rank] / 12)
+        _assert_close(dump["state_dict"], reference)
+
+
+@pytest.mark.slow
+def test_profiling_sees_a_three_times_slower_replica_hierarchical_exact(fabric_job):
+    """Rank 2 pays 3x the per-sample cost in ``profile_step``: its measured speed is about a third, its batch about
+    a fifth of the global one (1:1:1/3); with comm='hierarchical' over nodes [0, 0, 1] training stays exact."""
+    cfg = {
+        "strategy": {"global_batch_size": 14, "comm": "hierarchical", "node_ids": [0, 0, 1], "profile_steps": 3},
+        "profile": True,
+        "cost_per_sample_s": 0.004,
+        "slow_rank": 2,
+        "slow_factor": 3.0,
+        "n": 56,
+    }
+    dumps = fabric_job(cfg)
+    speeds = dumps[0]["speeds"]
+    assert all(d["speeds"] == speeds and d["batch_sizes"] == dumps[0]["batch_sizes"] for d in dumps)
+    ratio = (speeds[0] + speeds[1]) / 2 / speeds[2]
+    assert 2.2 < ratio < 4.0, speeds
+    assert dumps[0]["batch_sizes"][2] < min(dumps[0]["batch_sizes"][:2]), dumps[0]["batch_sizes"]
+    assert dumps[0]["comm_mode"] == "hierarchical"
+    reference = reference_weights(make_dataset(56), 14, epochs=2, seed=0)
+    for dump in dumps:
+        _assert_close(dump["state_dict"], reference)
+
+
+@pytest.mark.slow
+def test_node_local_reaches_consensus(fabric_job):
+    """comm='node_local' over nodes [0, 0, 1]: replicas drift between averages and agree after the epoch-end one."""
+    cfg = {
+        "strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "comm": "node_local", "node_ids": [0, 0, 1]},
+        "epochs": 1,
+    }
+    dumps = fabric_job(cfg)
+    assert dumps[0]["comm_mode"] == "node_local"
+    assert dumps[0]["comm_stats"]["global_syncs"] >= 1
+    for dump in dumps[1:]:
+        _assert_close(dump["state_dict"], dumps[0]["state_dict"], atol=1e-6)
+    reference = reference_weights(make_dataset(60), 12, epochs=1, seed=0)
+    drift = max((dumps[0]["state_dict"][k] - v).abs().max().item() for k, v in reference.items())
+    assert drift > 1e-6  # node-local steps are not the exact algorithm
+
+
+# ---------------------------------------------------------------------- the documented example
+
+
+def _documented_example() -> str:
+    text = (REPO / "docs" / "fabric.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    complete = [b for b in blocks if 'if __name__ == "__main__":' in b]
+    assert len(complete) == 1, "docs/fabric.md must hold exactly one complete example"
+    return complete[0]
+
+
+@pytest.mark.slow
+def test_documented_example_runs_as_written(tmp_path):
+    script = tmp_path / "train_fabric.py"
+    script.write_text(_documented_example())
+    result = run_job([str(script)], cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert "validation MSE" in result.stdout, result.stdout[-3000:]
