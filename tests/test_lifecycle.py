@@ -334,6 +334,7 @@ PHASE_CASES = [
 def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, where, kind, rank, named):
     proc, _ = _start(tmp_path, {"timeout": TIMEOUT, "fault": {"kind": kind, "rank": rank, "where": where}})
     status, out, ended, survivors = _finish(proc)
+    assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
     fault = json.loads((tmp_path / "fault.json").read_text())
     assert survivors == [], out[-3000:]
     assert ended - fault["time"] < TIMEOUT + 30, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
@@ -393,6 +394,7 @@ def test_unwritable_output_directory_fails_before_any_replica_starts(tmp_path):
     assert survivors == []
 
 
+@pytest.mark.slow
 def test_app_output_directory_problem_is_one_line_and_exit_2(tmp_path):
     """The Hydra app: an output directory that cannot be created ends with one ``error:`` line and status 2."""
     (tmp_path / "file").write_text("x")

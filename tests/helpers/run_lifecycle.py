@@ -86,7 +86,7 @@ def main() -> None:
     strategy = lightning_het.HeterogeneousStrategy(
         process_group_backend="gloo",
         timeout=cfg.get("timeout", 5.0),
-        startup_timeout=cfg.get("startup_timeout", 30.0),
+        startup_timeout=cfg.get("startup_timeout", 300.0),
         profile_warmup=0,
         profile_steps=1,
         speeds=None if fault.get("where") == "profiling" else [1.0, 1.0],
