@@ -363,7 +363,7 @@ class HeterogeneousStrategyBase:
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
-        else:  # no orphans, run-to-the-end barrier, exit statuses 124/130, output directory check (#14)
+        elif isinstance(self, DDPStrategy):  # no orphans, end barrier, exit statuses 124/130, output dir check (#14)
             assert self.cluster_environment is not None
             self._launcher = HeterogeneousScriptLauncher(
                 self, self.cluster_environment, self.num_processes, self.num_nodes
@@ -373,12 +373,12 @@ class HeterogeneousStrategyBase:
     def setup_environment(self) -> None:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
-        # watched from here on: setup hooks, profiling, loops and teardown (#14)
-        self._watchdog = start_watchdog(self, self._trainer())
+        if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
+            self._watchdog = start_watchdog(self, self._trainer())
         self._node_ids = self._detect_node_ids()
 
     def _trainer(self) -> pl.Trainer | None:
-        return getattr(self._lightning_module, "_trainer", None)
+        return getattr(getattr(self, "_lightning_module", None), "_trainer", None)
 
     def _mark(self, phase: Phase) -> None:
         """Tell the watchdog where this replica is (setup, profiling, ...)."""

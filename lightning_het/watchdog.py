@@ -7,14 +7,16 @@ process outlives the others and holds the job's output open. On NCCL the waiting
 
 How it works (one :class:`Watchdog` per replica, started by the strategy once the process group exists):
 
-* **Progress markers.** A callback the strategy adds to the Trainer records where the main thread is: in
-  ``training_step``, ``backward`` or the optimizer step of training batch ``k``, between batches, loading or running
-  an evaluation batch, or done with evaluation (:class:`Phase`). Markers are plain attribute writes (no I/O).
+* **Progress markers.** The strategy and a callback it adds to the Trainer record where the main thread is: in setup
+  (from the rendezvous on: setup hooks, model wrapping), profiling, in ``training_step``, ``backward`` or the
+  optimizer step of training batch ``k``, between batches, loading or running evaluation batch ``i``, done with
+  evaluation, or in teardown (:class:`Phase`). Markers are plain attribute writes (no I/O).
 * **Heartbeats.** A daemon thread publishes the markers every ``interval`` seconds to a dedicated connection to the
-  job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port), together with whether
+  job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port; every record signed with
+  the job token, see :mod:`lightning_het.rendezvous`), together with whether
   the main thread is inside a ``torch.distributed`` call, and reads every other replica's heartbeat. Ages are
   measured with the reader's own monotonic clock, so clock skew between hosts does not matter.
-* **Judgement** (:func:`judge`, a pure function). While the training or evaluation loop runs, a replica whose main
+* **Judgement** (:func:`judge`, a pure function). From the rendezvous to the end of the run, a replica whose main
   thread made no progress for ``timeout`` seconds has *stalled*; a replica whose heartbeat stopped for ``timeout``
   has *gone silent* (process dead or frozen). The replica(s) to blame are the stalled ones furthest *behind*: with
   every replica running the same steps, the one stuck in ``training_step`` of batch ``k`` is behind those waiting
@@ -22,16 +24,17 @@ How it works (one :class:`Watchdog` per replica, started by the strategy once th
   ``k+1``. A replica inside a ``torch.distributed`` call or done with evaluation is waiting, never blamed.
 * **Abort.** The first replica to decide writes one abort record (compare-and-set, so every replica reports the same
   verdict); every watchdog thread that reads it logs ``replica(s) [r] stopped responding for N s ...``, acknowledges,
-  and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (a thread can end a process whose main thread is
-  blocked in a collective). The replica hosting the store waits (briefly) for the acknowledgements before exiting,
-  and the launching process kills the local replicas it started that are still alive.
+  and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (``INTERRUPTED_EXIT_CODE`` for Ctrl-C; a thread can end
+  a process whose main thread is blocked in a collective; nothing is registered with ``atexit``). The replica hosting the store waits (briefly) for the
+  acknowledgements before exiting, and the launching process kills the local replicas it started that are still alive.
 * **Fast paths.** A replica that raises (a real error, or a collective that timed out or lost its peer) publishes
   the failure from the Trainer's ``on_exception`` hook, so the others end at once instead of at their next
   collective's timeout; the launching process notices a local replica that exited non-zero within one interval.
 
 ``timeout`` is the strategy's ``timeout`` (as in ``DDPStrategy``): it must exceed the longest stretch a replica may
-spend without a progress marker inside the loops (one training step, one evaluation batch, an epoch-end hook, a
-checkpoint save). Setup and speed profiling are not judged; there Gloo's own collective timeout applies.
+spend without a progress marker (the setup hooks, one profiling call, one training step, one evaluation batch, an
+epoch-end hook, a checkpoint save, the end-of-run hooks). An exception inside the heartbeat thread that is not a
+failing store call is a bug of the watchdog: it is logged once and the thread carries on.
 """
 
 from __future__ import annotations
