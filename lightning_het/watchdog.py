@@ -25,8 +25,9 @@ How it works (one :class:`Watchdog` per replica, started by the strategy once th
 * **Abort.** The first replica to decide writes one abort record (compare-and-set, so every replica reports the same
   verdict); every watchdog thread that reads it logs ``replica(s) [r] stopped responding for N s ...``, acknowledges,
   and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (``INTERRUPTED_EXIT_CODE`` for Ctrl-C; a thread can end
-  a process whose main thread is blocked in a collective; nothing is registered with ``atexit``). The replica hosting the store waits (briefly) for the
-  acknowledgements before exiting, and the launching process kills the local replicas it started that are still alive.
+  a process whose main thread is blocked in a collective; nothing is registered with ``atexit``). The replica
+  hosting the store waits (briefly) for the acknowledgements before exiting, and the launching process kills the
+  local replicas it started that are still alive.
 * **Fast paths.** A replica that raises (a real error, or a collective that timed out or lost its peer) publishes
   the failure from the Trainer's ``on_exception`` hook, so the others end at once instead of at their next
   collective's timeout; the launching process notices a local replica that exited non-zero within one interval.
