@@ -1,13 +1,25 @@
-"""lightning-het: Lightning strategy for data-parallel training on heterogeneous platforms."""
+"""lightning-het: Lightning strategy for data-parallel training on heterogeneous platforms.
 
-from lightning_het._registry import register as _register
-from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.datamodule import HeterogeneousDataModule
-from lightning_het.fabric import HeterogeneousFabricStrategy
-from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.strategy import HeterogeneousStrategy
+Importing the package is cheap (it imports neither torch nor Lightning) and registers ``strategy="heterogeneous"``
+with Lightning as soon as Lightning is imported (see :mod:`lightning_het._registry`). The public names below are
+loaded on first use. The core plugin needs only torch and Lightning; :mod:`lightning_het.hsi` (hyperspectral data and
+models) needs the ``hsi`` extra and :mod:`lightning_het.app` (the Hydra app) the ``app`` extra.
+"""
 
-__version__ = "0.1.0.dev0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_het._registry import register_on_import as _register_on_import
+from lightning_het._version import __version__
+
+if TYPE_CHECKING:
+    from lightning_het.balance.allocation import allocate_batch_sizes
+    from lightning_het.datamodule import HeterogeneousDataModule
+    from lightning_het.fabric import HeterogeneousFabricStrategy
+    from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+    from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
     "HeterogeneousDataModule",
@@ -19,4 +31,27 @@ __all__ = [
     "allocate_batch_sizes",
 ]
 
-_register()
+#: public name -> module that defines it (imported on first access)
+_LAZY = {
+    "HeterogeneousDataModule": "lightning_het.datamodule",
+    "HeterogeneousFabricStrategy": "lightning_het.fabric",
+    "HeterogeneousStrategy": "lightning_het.strategy",
+    "ProportionalDistributedSampler": "lightning_het.sampler",
+    "UnpaddedDistributedSampler": "lightning_het.sampler",
+    "allocate_batch_sizes": "lightning_het.balance.allocation",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_het' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+_register_on_import()

@@ -1,27 +1,185 @@
-"""Registration of the ``"heterogeneous"`` strategy name with Lightning (the package's only import-time side effect)."""
+"""Registration of the ``"heterogeneous"`` strategy name with Lightning (the package's only import-time side effect).
+
+``import lightning_het`` must make ``Trainer(strategy="heterogeneous")`` work, but must not import Lightning (and so
+torch) itself: the app's ``--help`` and tools that only read the package's metadata would pay seconds for nothing. So
+:func:`register_on_import` registers at once when Lightning is already imported, and otherwise arranges for the
+registration to run right after the module that needs it has finished executing:
+
+* ``lightning`` (``lightning.pytorch``'s registry): as soon as the ``lightning`` package is imported, whoever imports
+  it; a ``Trainer`` cannot exist before that;
+* ``pytorch_lightning`` and ``lightning_fabric`` (the standalone packages, whose registries and class hierarchies are
+  separate): likewise;
+* ``lightning_het.strategy``, ``lightning_het.fabric`` and the two compatibility modules: when one of them is imported
+  before Lightning (it imports Lightning while it is still executing, so the hooks above find it half-built), the
+  registration runs when that module is complete.
+
+The registries: ``lightning.pytorch``'s (:class:`~lightning_het.HeterogeneousStrategy`), Lightning Fabric's
+(:class:`~lightning_het.HeterogeneousFabricStrategy`), and those of the standalone ``pytorch_lightning`` and
+``lightning_fabric`` (the same strategies on those packages' classes: :mod:`lightning_het._pl_compat`,
+:mod:`lightning_het._fabric_compat`).
+
+Registration is idempotent; the hooks remove themselves once they have fired.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
-__all__ = ["register"]
+__all__ = ["after_import", "register", "register_on_import"]
+
+_lock = threading.RLock()
+#: module name -> callbacks to run once that module has finished executing
+_pending: dict[str, list[Callable[[], None]]] = {}
 
 
-def register() -> None:
-    """Register ``"heterogeneous"`` in ``lightning.pytorch``'s StrategyRegistry, in Lightning Fabric's, and in
-    ``pytorch_lightning``'s when that package is installed (the registries and class hierarchies are separate).
-    Idempotent."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
+def _is_loaded(name: str) -> bool:
+    """Whether module ``name`` is imported and has finished executing (not half-way through its own imports)."""
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+class _RunAfterLoader(importlib.abc.Loader):
+    """Wraps a module's real loader: executes the module, then the callbacks waiting for it."""
+
+    def __init__(self, name: str, loader: importlib.abc.Loader) -> None:
+        self._name = name
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the module sees its real loader (source lookups, pickling, reloads); only this one execution is wrapped
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        if module.__spec__ is not None:
+            module.__spec__._initializing = (
+                False  # executed: the callbacks may import from it (importlib resets it too)
+            )
+        with _lock:
+            callbacks = _pending.pop(self._name, [])
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as err:  # never break the user's import of Lightning because of the registration
+                warnings.warn(
+                    f"lightning-het could not register strategy='heterogeneous' after importing {self._name}:"
+                    f" {type(err).__name__}: {err}. HINT: `import lightning_het.strategy` shows the full error.",
+                    stacklevel=2,
+                )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _RunAfterFinder(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path`` while callbacks are pending; finds only the modules they wait for."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RunAfterLoader(fullname, spec.loader)
+                return spec
+        return None
+
+
+_finder = _RunAfterFinder()
+
+
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Run ``callback()`` once module ``name`` is imported and executed: now if it already is, else right after.
+
+    Args:
+        name: the full module name (e.g. ``"lightning"``).
+        callback: called once, without arguments, in the thread that imports ``name``.
+    """
+    with _lock:
+        if not _is_loaded(name):
+            _pending.setdefault(name, []).append(callback)
+            if _finder not in sys.meta_path:
+                sys.meta_path.insert(0, _finder)
+            return
+    callback()
+
+
+def _ready(name: str) -> bool:
+    """Whether module ``name`` can be used now: complete, or absent and then imported here. ``False`` while it is
+    half-built (it is the module importing Lightning right now): its own hook registers once it is complete."""
+    if _is_loaded(name):
+        return True
+    if name in sys.modules:
+        return False
+    importlib.import_module(name)
+    return True
+
+
+def _register_all() -> None:
+    """Register in every registry whose Lightning flavour is loaded: ``lightning.pytorch``, Lightning Fabric and, when
+    they are imported, the standalone ``pytorch_lightning`` and ``lightning_fabric``. Idempotent; safe from any hook."""
+    if not _ready("lightning_het.strategy"):  # the other two build on it
+        return
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_het.fabric import HeterogeneousFabricStrategy
     from lightning_het.strategy import HeterogeneousStrategy
 
     HeterogeneousStrategy.register_strategies(StrategyRegistry)
-    HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
-    if importlib.util.find_spec("pytorch_lightning") is not None:
+    if _is_loaded("pytorch_lightning") and _ready("lightning_het._pl_compat"):
         from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
 
         from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
 
         PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)
+    if not _ready("lightning_het.fabric"):
+        return
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
+
+    from lightning_het.fabric import HeterogeneousFabricStrategy
+
+    HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
+    if _is_loaded("lightning_fabric") and _ready("lightning_het._fabric_compat"):
+        from lightning_fabric.strategies import STRATEGY_REGISTRY as LFStrategyRegistry
+
+        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as LFHeterogeneousFabricStrategy
+
+        LFHeterogeneousFabricStrategy.register_strategies(LFStrategyRegistry)
+
+
+def register() -> None:
+    """Register ``"heterogeneous"`` now (imports Lightning): in ``lightning.pytorch``'s StrategyRegistry, in Lightning
+    Fabric's, and in the standalone packages' when they are imported. Idempotent."""
+    _register_all()
+
+
+def register_on_import() -> None:
+    """Register ``"heterogeneous"`` with every Lightning flavour as soon as it is imported (see the module docstring).
+
+    Called by ``lightning_het/__init__.py``; imports nothing heavy itself.
+    """
+    for module in (
+        "lightning_het.strategy",
+        "lightning_het.fabric",
+        "lightning_het._pl_compat",
+        "lightning_het._fabric_compat",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+    ):
+        after_import(module, _register_all)

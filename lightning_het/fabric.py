@@ -19,17 +19,16 @@ See ``docs/fabric.md`` for a complete example.
 
 from __future__ import annotations
 
-import contextlib
+import importlib
+import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-import lightning.fabric.wrappers as fabric_wrappers
 import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -44,25 +43,41 @@ from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistri
 from lightning_het.strategy import HeterogeneousStrategyBase, _rebuild_loader
 from lightning_het.watchdog import relaxed_startup_timeout
 
-__all__ = ["HeterogeneousFabricStrategy"]
+__all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
 
 log = logging.getLogger(__name__)
 
-#: ``HeterogeneousStrategy`` keywords that need the Trainer's loop (telemetry, rebalancing, emulation, device maps)
-_TRAINER_ONLY = (
-    "emulate_slowdown",
-    "device_map",
-    "cpu_threads",
-    "rebalance_every_n_epochs",
-    "rebalance_threshold",
-    "telemetry",
+#: the ``HeterogeneousStrategy`` keywords that mean the same in a Fabric loop; its others (telemetry, rebalancing,
+#: emulation, device maps, preemption checkpoints, ...) need the Trainer's loop and are refused
+FABRIC_KEYWORDS = frozenset(
+    {
+        "global_batch_size",
+        "speeds",
+        "min_batch_size",
+        "max_batch_sizes",
+        "node_ids",
+        "comm",
+        "global_sync_every",
+        "comm_warmup_steps",
+        "comm_autotune_steps",
+        "profile_steps",
+        "profile_warmup",
+        "startup_timeout",
+    }
 )
+
+
+def _trainer_only_keywords() -> frozenset[str]:
+    parameters = inspect.signature(HeterogeneousStrategyBase.__init__).parameters.values()
+    named = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    return frozenset(named - FABRIC_KEYWORDS - {"self"})
+
 
 #: ``profile_step(batch)``: forward pass of one training step on a device-ready batch; returns the loss
 ProfileStep = Callable[[Any], Tensor]
 
 
-class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
+class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     """Lightning Fabric strategy: per-replica batch sizes proportional to speed, exact gradients, node-aware comm.
 
     ``import lightning_het`` registers it as ``"heterogeneous"`` in Fabric's strategy registry, so
@@ -98,14 +113,30 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
     Raises:
-        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the Trainer-only
-            keywords (``emulate_slowdown``, ``device_map``, ``cpu_threads``, rebalancing, ``telemetry``).
+        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the
+            ``HeterogeneousStrategy`` keywords outside :data:`FABRIC_KEYWORDS` (``emulate_slowdown``, ``device_map``,
+            ``cpu_threads``, rebalancing, ``telemetry``, ``preemption_*``: they need the Trainer's loop).
     """
 
-    _spawn_launcher_cls = _MultiProcessingLauncher
+    #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone
+    #: ``lightning_fabric`` have separate classes and registries); the package's other pieces are found from it
+    _fabric_ddp_cls: type
+
+    def _fabric_module(self, name: str) -> ModuleType:
+        """``<the Fabric package>.<name>``, e.g. ``lightning.fabric.wrappers`` or ``lightning_fabric.wrappers``."""
+        package = self._fabric_ddp_cls.__module__.split(".strategies")[0]
+        return importlib.import_module(f"{package}.{name}")
+
+    @property
+    def _spawn_launcher_cls(self) -> type:  # type: ignore[override]
+        return self._fabric_module("strategies.launchers.multiprocessing")._MultiProcessingLauncher
+
+    @property
+    def _sampler_wrapper_cls(self) -> type:
+        return self._fabric_module("utilities.distributed").DistributedSamplerWrapper
 
     def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
-        unsupported = sorted(name for name in _TRAINER_ONLY if name in kwargs)
+        unsupported = sorted(_trainer_only_keywords().intersection(kwargs))
         if unsupported:
             raise ValueError(
                 f"You passed {unsupported} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
@@ -154,7 +185,7 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = FabricDDPStrategy.optimizer_step(self, optimizer, **kwargs)
+        output = self._fabric_ddp_cls.optimizer_step(self, optimizer, **kwargs)
         self._optimizer_steps += 1
         if self._comm_controller is not None and self._ddp_model is not None:
             epoch_steps = self._steps_per_epoch
@@ -192,7 +223,7 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             return dataloader
         if isinstance(sampler, ProportionalDistributedSampler):
             return self._adopt_sampler(dataloader, sampler)
-        if type(sampler) is not DistributedSampler and not isinstance(sampler, DistributedSamplerWrapper):
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, self._sampler_wrapper_cls):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         return self._split_for_training(dataloader)
 
@@ -255,11 +286,22 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
             return time_steps(
                 batches,
                 lambda batch, batch_idx: step(batch),
-                _local_backward,
+                self._local_backward,
                 warmup=0,
                 steps=steps,
                 device=self.root_device,
             )
+
+    def _local_backward(self, loss: Tensor) -> None:
+        """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only): Fabric refuses
+        a bare ``loss.backward()`` for strategies that override ``backward``, and profiling wants exactly that."""
+        wrappers = self._fabric_module("wrappers")
+        previous = wrappers._in_fabric_backward
+        wrappers._in_fabric_backward = True
+        try:
+            loss.backward()
+        finally:
+            wrappers._in_fabric_backward = previous
 
     # ------------------------------------------------------------------ checkpoints and teardown
     @override
@@ -271,11 +313,11 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         self.synchronize()  # comm="node_local": a checkpoint holds the consensus model
-        FabricDDPStrategy.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
+        self._fabric_ddp_cls.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
 
     @override
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return FabricDDPStrategy.load_checkpoint(self, path, *args, **kwargs)
+        return self._fabric_ddp_cls.load_checkpoint(self, path, *args, **kwargs)
 
     @override
     def teardown(self) -> None:
@@ -284,21 +326,9 @@ class HeterogeneousFabricStrategy(HeterogeneousStrategyBase, FabricDDPStrategy):
         self._comm_controller = None
         self._ddp_model = None
         self._raw_optimizers = []
-        FabricDDPStrategy.teardown(self)
+        self._fabric_ddp_cls.teardown(self)
 
 
-def _local_backward(loss: Tensor) -> None:
-    """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only)."""
-    with _inside_fabric_backward():
-        loss.backward()
-
-
-@contextlib.contextmanager
-def _inside_fabric_backward() -> Iterator[None]:
-    # Fabric refuses a bare `loss.backward()` for strategies that override `backward`; profiling wants exactly that
-    previous = fabric_wrappers._in_fabric_backward
-    fabric_wrappers._in_fabric_backward = True
-    try:
-        yield
-    finally:
-        fabric_wrappers._in_fabric_backward = previous
+class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, FabricDDPStrategy):
+    __doc__ = HeterogeneousFabricStrategyBase.__doc__
+    _fabric_ddp_cls = FabricDDPStrategy

@@ -23,19 +23,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import errno
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
@@ -43,6 +39,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
 from lightning_het.rendezvous import ensure_job_token, keep_sockets_local
 from lightning_het.watchdog import (
     INTERRUPTED_EXIT_CODE,
@@ -59,61 +56,9 @@ __all__ = ["MIN_FREE_BYTES", "HeterogeneousScriptLauncher", "OutputDirError", "c
 
 log = logging.getLogger(__name__)
 
-#: free space an output directory must have before a run starts (bytes).
-MIN_FREE_BYTES = 16 * 2**20
 #: seconds beyond the strategy's ``timeout`` that the launching process waits, at exit, for its replicas to end.
 REAP_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
-
-
-class OutputDirError(ValueError):
-    """The run's output directory cannot hold the run's files (missing and not creatable, unwritable, disk full)."""
-
-
-def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_FREE_BYTES) -> Path:
-    """Create ``path`` if needed and make sure a run can write there; return it as an absolute path.
-
-    Writes, syncs and removes a small probe file, and checks that at least ``min_free_bytes`` are free.
-
-    Raises:
-        OutputDirError: one line naming the directory and the reason.
-    """
-    directory = Path(path).absolute()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise OutputDirError(f"The output directory '{directory}' exists but is not a directory.") from None
-    except OSError as err:
-        raise OutputDirError(
-            f"The output directory '{directory}' does not exist and cannot be created ({_reason(err)})."
-            " HINT: choose a directory whose parent exists and is writable."
-        ) from None
-    probe = directory / f".lightning_het_probe_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    try:
-        with open(probe, "wb") as handle:
-            handle.write(b"\0" * 4096)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as err:
-        hint = "free some space or choose another directory" if err.errno == errno.ENOSPC else "check its permissions"
-        raise OutputDirError(
-            f"The output directory '{directory}' is not writable ({_reason(err)}). HINT: {hint}."
-        ) from None
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    free = shutil.disk_usage(directory).free
-    if free < min_free_bytes:
-        raise OutputDirError(
-            f"The output directory '{directory}' is on a disk with only {free / 2**20:.1f} MiB free (a run needs at"
-            f" least {min_free_bytes / 2**20:.0f} MiB for its logs, checkpoints and metrics). HINT: free some space or"
-            " choose another directory."
-        )
-    return directory
-
-
-def _reason(err: OSError) -> str:
-    return err.strerror or type(err).__name__
 
 
 def _die_with_parent() -> None:
@@ -130,6 +75,9 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         strategy: the strategy (its ``_timeout`` bounds the waits, its watchdog is consulted).
         cluster_environment, num_processes, num_nodes: as for Lightning's launcher.
     """
+
+    #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
+    finishes_runs = True
 
     def __init__(self, strategy: Any, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)

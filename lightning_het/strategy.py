@@ -6,7 +6,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -36,7 +37,16 @@ from lightning_het.accelerators import (
     unbound_process_group,
 )
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
-from lightning_het.balance.profiling import StepTiming, preserved_training_state, speed_from_timings, time_steps
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
+from lightning_het.balance.profiling import (
+    ProfileCache,
+    StepTiming,
+    cache_key,
+    fit_stage_timings,
+    preserved_training_state,
+    stage_sizes,
+    time_steps,
+)
 from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
@@ -49,7 +59,14 @@ from lightning_het.checkpointing import (
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.devices import DeviceMapArg, DevicePlan
-from lightning_het.lifecycle import HeterogeneousScriptLauncher
+from lightning_het.preemption import (
+    DEFAULT_GRACE,
+    PreemptionHandler,
+    attach_preemption,
+    detach_preemption,
+    shield_loader_workers,
+    validate_grace,
+)
 from lightning_het.rendezvous import create_store, keep_sockets_local
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
@@ -163,14 +180,22 @@ class HeterogeneousStrategyBase:
             replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
             times the backward time it just measured at the end of its local backward, before the gradients are
             synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
-        profile_steps: timed steps per replica when profiling, at the batch sizes the replicas will run: the
-            warm-up steps run at a quarter of an equal split and their times give a first allocation; the timed steps
-            run at that allocation and their median gives the speeds (``profile_warmup=0``: timed steps at the equal
-            split). Profiling costs about ``profile_warmup`` quarter-size equal-split steps plus ``profile_steps``
-            balanced steps.
-        profile_warmup: untimed steps before them (each replica runs a quarter of its equal share of the global batch,
-            at least ``min_batch_size``). Raise it to 2 when a
-            replica's first step is much slower than the next ones (CUDA context, ``cudnn.benchmark``, compilation).
+        profile_steps: timed steps per profiling stage. Profiling fits each replica's cost per step,
+            ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`), from two stages run back
+            to back at a quarter and at half of the global batch, split by the warm-up's rough speeds; the fastest
+            step of each stage counts. The global batch is then split to minimise the slowest replica's step
+            (:func:`~lightning_het.balance.cost.allocate_affine`). Only the local step is timed: DDP's reducer is
+            disarmed, no optimizer steps and no gradient is communicated (manual optimization too). Profiling costs
+            about ``profile_warmup`` quarter-size equal-split steps plus ``1.5 * profile_steps`` balanced steps.
+            See ``docs/balancing.md``.
+        profile_warmup: untimed steps before the stages (each replica runs a quarter of its equal share of the global
+            batch, at least ``min_batch_size``); their fastest step gives the rough speeds that size the stages. A
+            slow first step (CUDA context, ``cudnn.benchmark``, compilation) only makes the stages less even.
+        profile_cache: speed cache: a directory (or ``True``: ``~/.cache/lightning_het/profiles``) where each
+            replica's fitted cost is kept under a key made of the module class and parameter count, the device, one
+            training sample's tensor shapes, the precision, the emulated slowdown and the replicas per node
+            (:func:`~lightning_het.balance.profiling.cache_key`). When every replica finds its entry, profiling is
+            skipped. ``None`` (default) or ``False``: off. Delete the directory to forget stale entries.
         device_map: the device of each local replica, e.g. ``["cuda:0", "cuda:1", "cpu"]`` (the same on every node), or
             ``{node_rank: [...]}`` when nodes differ. Mixes CPU and GPU replicas in one job through a
             :class:`~lightning_het.accelerators.MixedAccelerator` (leave ``Trainer(accelerator=..., devices=...)`` at
@@ -191,6 +216,13 @@ class HeterogeneousStrategyBase:
             per-epoch figures through the trainer's loggers (``het/...``) and write a balance report (table and plot)
             into ``trainer.log_dir`` when ``fit`` ends. Required by rebalancing. See
             :mod:`lightning_het.balance.telemetry`.
+        preemption_checkpoint: where rank 0 writes the checkpoint when the job receives ``SIGTERM`` (or ``SIGUSR1``)
+            during ``fit``: a file path, or a directory (``last.ckpt`` inside it). Default: ``last.ckpt`` in the
+            directory of the trainer's first ``ModelCheckpoint``, else ``<default_root_dir>/checkpoints/last.ckpt``.
+            See ``docs/preemption.md``.
+        preemption_grace: seconds a replica has, from the signal, to reach the next step boundary, save and exit;
+            a replica still running then (e.g. stuck in a collective) ends with status 143 anyway. Keep it below the
+            scheduler's kill delay (SLURM ``KillWait``, often 30 s).
         **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
     """
@@ -209,8 +241,9 @@ class HeterogeneousStrategyBase:
         comm: CommMode = "auto",
         global_sync_every: int | None = None,
         emulate_slowdown: Sequence[float] | None = None,
-        profile_steps: int = 3,
+        profile_steps: int = 2,
         profile_warmup: int = 1,
+        profile_cache: str | os.PathLike[str] | bool | None = None,
         device_map: DeviceMapArg | None = None,
         cpu_threads: int | Sequence[int] | None = None,
         startup_timeout: float | timedelta | None = None,
@@ -219,6 +252,8 @@ class HeterogeneousStrategyBase:
         telemetry: bool = True,
         comm_warmup_steps: int = 0,
         comm_autotune_steps: int = 5,
+        preemption_checkpoint: str | os.PathLike | None = None,
+        preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("timeout") is not None:
@@ -226,6 +261,10 @@ class HeterogeneousStrategyBase:
         self._startup_timeout = as_timeout("startup_timeout", startup_timeout)
         self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown (#7)
         self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
+        # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
+        self._preemption_grace = validate_grace(preemption_grace)
+        self._preemption_checkpoint = None if preemption_checkpoint is None else os.fspath(preemption_checkpoint)
+        self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
@@ -262,6 +301,15 @@ class HeterogeneousStrategyBase:
         self._node_ids: list[int] | None = None
         self._global_batch_size: int | None = None
         self._loss_scale = 1.0
+        if not isinstance(profile_cache, (str, os.PathLike, bool)) and profile_cache is not None:
+            raise ValueError(
+                f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
+                f" (off), but got {profile_cache!r}."
+            )
+        self._profile_cache_arg = profile_cache
+        self._profile_cached = False  # the last allocation's costs came from the cache
+        self._profiling = False  # inside `_profiling_mode`: backward/optimizer_step are local only
+        self._cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
         self._profile_seconds = 0.0
         self._eval_weights_used: list[float] | None = None
         # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
@@ -306,6 +354,12 @@ class HeterogeneousStrategyBase:
     def loss_scale(self) -> float:
         """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
         return self._loss_scale
+
+    @property
+    def cost_model(self) -> list[AffineCost] | None:
+        """Every replica's fitted cost ``t_r(b) = fixed_s + per_sample_s * b`` (seconds), indexed by global rank;
+        ``None`` when the speeds were given rather than profiled."""
+        return None if self._cost_model is None else list(self._cost_model)
 
     @property
     def profile_seconds(self) -> float:
@@ -364,6 +418,8 @@ class HeterogeneousStrategyBase:
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
         elif isinstance(self, DDPStrategy):  # no orphans, end barrier, exit statuses 124/130, output dir check (#14)
+            from lightning_het.lifecycle import HeterogeneousScriptLauncher  # (imports lightning: not at module import)
+
             assert self.cluster_environment is not None
             self._launcher = HeterogeneousScriptLauncher(
                 self, self.cluster_environment, self.num_processes, self.num_nodes
@@ -481,6 +537,8 @@ class HeterogeneousStrategyBase:
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        if self._profiling:  # a user's `opt.step()` under manual optimization while profiling: no update, no comm
+            return closure()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         controller = self._comm_controller
         if controller is not None and self._lightning_module is not None:
@@ -520,12 +578,15 @@ class HeterogeneousStrategyBase:
             self._batch_sizes = None  # a new fit derives a new allocation
         super().setup(trainer)
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
+        self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
             self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
 
     @override
     def teardown(self) -> None:
         self._end_watch()  # (#7, #14)
+        detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
+        self._preemption = None
         self._resume_record = None
         super().teardown()
 
@@ -534,7 +595,7 @@ class HeterogeneousStrategyBase:
         keep it watching the end-of-run hooks until every replica has finished (the popen launcher waits for that)."""
         trainer = self._trainer()
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        if interrupted or not isinstance(self._launcher, HeterogeneousScriptLauncher):
+        if interrupted or not getattr(self._launcher, "finishes_runs", False):
             stop_watchdog(self._watchdog, trainer, finished=not interrupted)
             self._watchdog = None
         else:
@@ -560,6 +621,10 @@ class HeterogeneousStrategyBase:
     # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
+        return shield_loader_workers(self._process_dataloader(dataloader), self.global_rank)
+
+    def _process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             return dataloader
         trainer = self.lightning_module.trainer
@@ -677,34 +742,42 @@ class HeterogeneousStrategyBase:
     # ------------------------------------------------------------------ allocation
     def _allocate(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> None:
         world = self.world_size
-        equal_split = allocate_batch_sizes(
-            global_batch, [1.0] * world, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
-        )  # validates the bounds on every rank before any profiling
+        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._speeds_arg)  # (#7)
-        if resume.speeds is not None:
-            speeds = resume.speeds
-        elif self._speeds_arg is not None:
-            speeds = list(self._speeds_arg)
+        if resume.speeds is not None or self._speeds_arg is not None:
+            # given (or resumed) speeds: the one-number model, proportional split
+            speeds = list(resume.speeds if resume.speeds is not None else self._speeds_arg)  # type: ignore[arg-type]
+            self._cost_model = None
+            batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
-            self._profile_seconds = 0.0
-            probe_sizes = equal_split
-            if self._profile_warmup:  # cheap warm-up -> first allocation, where the timed steps run (#6)
-                # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
-                warm_sizes = [max(self._min_batch_size, -(-b // 4)) for b in equal_split]
-                rough = self._profile(dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, rough=True)
-                probe_sizes = allocate_batch_sizes(
-                    global_batch, rough, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
-                )
-            speeds = self._profile(dataloader, probe_sizes, shuffle, seed, steps=self._profile_steps)
-        self._mark(Phase.BETWEEN_BATCHES)  # profiling over (#14)
-        batch_sizes = allocate_batch_sizes(
-            global_batch, speeds, min_batch_size=self._min_batch_size, max_batch_sizes=self._max_batch_sizes
-        )
+            costs = self._profile_costs(dataloader, global_batch, shuffle, seed)
+            self._mark(Phase.BETWEEN_BATCHES)  # profiling over (#14)
+            self._cost_model = costs
+            batch_sizes = allocate_affine(global_batch, costs, **bounds)
+            speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
+            self._warn_useless_replicas(global_batch, costs, batch_sizes)
         self._adopt_allocation(batch_sizes, speeds)
         log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
         rank_zero_info(self.balance_table())
 
-    def _adopt_allocation(self, batch_sizes: list[int], speeds: list[float]) -> None:
+    def _warn_useless_replicas(self, global_batch: int, costs: list[AffineCost], batch_sizes: list[int]) -> None:
+        message = useless_replica_message(
+            global_batch,
+            costs,
+            batch_sizes,
+            device_labels(self),
+            min_batch_size=self._min_batch_size,
+            max_batch_sizes=self._max_batch_sizes,
+        )
+        if message is not None:
+            rank_zero_warn(message)
+
+    def _adopt_allocation(
+        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
+    ) -> None:
+        if costs is not None:  # a rebalancing check refreshed the cost model
+            self._cost_model = [AffineCost.from_dict(c) for c in costs]
         self._batch_sizes = list(batch_sizes)
         self._speeds = list(speeds)
         self._global_batch_size = sum(batch_sizes)
@@ -712,42 +785,111 @@ class HeterogeneousStrategyBase:
         if self._comm_controller is not None:
             self._comm_controller.set_batch_sizes(self._batch_sizes)
 
-    def _profile(
-        self,
-        dataloader: DataLoader,
-        probe_sizes: list[int],
-        shuffle: bool,
-        seed: int,
-        *,
-        steps: int,
-        rough: bool = False,
-    ) -> list[float]:
-        """Time ``steps`` real training steps on this replica and all-gather every replica's samples/s.
-
-        ``rough=True`` (warm-up steps, which may include first-step costs): speed from the fastest step instead of the
-        median.
-        """
-        self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
+    def _profile_costs(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> list[AffineCost]:
+        """Every replica's :class:`~lightning_het.balance.cost.AffineCost`: from the speed cache when every replica
+        has an entry, else profiled (warm-up, then two timed stages; see :mod:`lightning_het.balance.profiling`)."""
         start = time.perf_counter()
-        rank = self.global_rank
-        sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
-        probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], num_workers=0, persistent_workers=False)
-        timings = self._time_probe_steps(probe, steps)
-        if rough:
-            speed = probe_sizes[rank] / max(min(t.total_s for t in timings), 1e-9)
-        else:
-            speed = speed_from_timings(probe_sizes[rank], timings)
-        gathered = torch.tensor([speed], dtype=torch.float64, device=self.root_device)
+        self._profile_seconds = 0.0
+        self._profile_cached = False
+        world, rank = self.world_size, self.global_rank
+        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        cache, key = self._profile_cache_entry(dataloader)
+        cached = cache.get(key) if cache is not None and key is not None else None
+        if cache is not None:  # every replica must agree to skip profiling
+            row = [1.0, cached.fixed_s, cached.per_sample_s] if cached is not None else [0.0, 0.0, 0.0]
+            rows = self._all_gather_floats(row)
+            if all(r[0] == 1.0 for r in rows):
+                self._profile_cached = True
+                self._profile_seconds = time.perf_counter() - start
+                return [AffineCost(r[1], r[2]) for r in rows]
+        equal_split = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)
+        with self._profiling_mode():
+            rough = [1.0] * world
+            if self._profile_warmup:
+                # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
+                warm_sizes = [max(self._min_batch_size, 1, -(-b // 4)) for b in equal_split]
+                warm = self._time_local_steps(dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup)
+                local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
+                rough = [r[0] for r in self._all_gather_floats([local])]
+            small, large = stage_sizes(global_batch, rough, **bounds)
+            stages = [
+                (sizes[rank], self._time_local_steps(dataloader, sizes, shuffle, seed, steps=self._profile_steps))
+                for sizes in (small, large)
+            ]
+        cost = fit_stage_timings(stages)
+        rows = self._all_gather_floats([cost.fixed_s, cost.per_sample_s])
+        if cache is not None and key is not None:
+            cache.put(key, cost)
+        self._profile_seconds = time.perf_counter() - start
+        return [AffineCost(r[0], r[1]) for r in rows]
+
+    def _all_gather_floats(self, values: list[float]) -> list[list[float]]:
+        gathered = torch.tensor(values, dtype=torch.float64, device=self.root_device)
         everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
         dist.all_gather(everyone, gathered)
-        self._profile_seconds += time.perf_counter() - start
-        return [float(t.item()) for t in everyone]
+        return [t.tolist() for t in everyone]
 
-    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
-        """Time ``steps`` training steps on batches of ``probe`` (the Trainer's ``training_step``), leaving no trace."""
-        module = self.lightning_module
+    def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
+        """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
+        if self._profile_cache_arg in (None, False) or getattr(self, "_lightning_module", None) is None:
+            return None, None
+        directory = ProfileCache.default_directory() if self._profile_cache_arg is True else self._profile_cache_arg
+        cache = ProfileCache(directory)  # type: ignore[arg-type]
+        try:
+            sample = dataloader.dataset[0]
+        except Exception:  # a dataset we cannot peek into is simply not cached
+            return cache, None
+        rank = self.global_rank
+        key = cache_key(
+            self.lightning_module,
+            self.root_device,
+            sample,
+            precision=type(self.precision_plugin).__name__,
+            slowdown=self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0,
+            replicas_on_node=self.num_processes,
+        )
+        return cache, key
+
+    @contextmanager
+    def _profiling_mode(self) -> Iterator[None]:
+        """Weights, optimizer, metrics and RNG restored on exit; logging silenced; DDP's reducer disarmed; the
+        strategy's ``backward``/``optimizer_step`` bypass the step clock, the comm controller and the optimizer.
+        Without a LightningModule (Fabric), :meth:`_time_probe_steps` restores the state itself."""
+        module = getattr(self, "_lightning_module", None)
+        if module is None:
+            yield
+            return
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
         schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
+        no_sync = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext()
+        self._profiling = True
+        try:
+            with preserved_training_state(module, optimizers, schedulers), _silenced_logging(module), no_sync:
+                module.train()
+                yield
+        finally:
+            self._profiling = False
+
+    def _time_local_steps(
+        self, dataloader: DataLoader, probe_sizes: list[int], shuffle: bool, seed: int, *, steps: int
+    ) -> list[StepTiming]:
+        """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode)."""
+        self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
+        rank = self.global_rank
+        sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
+        # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
+        single_process = (
+            {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "multiprocessing_context": None}
+            if dataloader.num_workers > 0
+            else {}
+        )
+        probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
+        return self._time_probe_steps(probe, steps)
+
+    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
+        """Time ``steps`` local steps (the LightningModule's ``training_step`` and backward) on batches of ``probe``,
+        inside :meth:`_profiling_mode` (which restores the training state)."""
+        module = self.lightning_module
         slowdown = self._emulate_slowdown[self.global_rank] if self._emulate_slowdown else 1.0
 
         def batches() -> Any:
@@ -760,17 +902,15 @@ class HeterogeneousStrategyBase:
             loss = output["loss"] if isinstance(output, dict) else output
             return loss if module.automatic_optimization and isinstance(loss, Tensor) else None
 
-        with preserved_training_state(module, optimizers, schedulers), _silenced_logging(module):
-            module.train()
-            return time_steps(
-                batches(),
-                forward,
-                lambda loss: loss.backward(),
-                warmup=0,
-                steps=steps,
-                device=self.root_device,
-                slowdown=slowdown,
-            )
+        return time_steps(
+            batches(),
+            forward,
+            lambda loss: loss.backward(),
+            warmup=0,
+            steps=steps,
+            device=self.root_device,
+            slowdown=slowdown,
+        )
 
     def _export_allocation(self) -> dict[str, Any]:
         return {
@@ -778,6 +918,8 @@ class HeterogeneousStrategyBase:
             "speeds": self._speeds,
             "node_ids": self._node_ids,
             "profile_seconds": self._profile_seconds,
+            "cost_model": [c.as_dict() for c in self._cost_model] if self._cost_model else None,
+            "profile_cached": self._profile_cached,
             "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=True),  # (#6)
         }
 
@@ -789,6 +931,9 @@ class HeterogeneousStrategyBase:
             self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
         self._node_ids = state.get("node_ids")
         self._profile_seconds = state.get("profile_seconds", 0.0)
+        if state.get("cost_model"):
+            self._cost_model = [AffineCost.from_dict(c) for c in state["cost_model"]]
+        self._profile_cached = bool(state.get("profile_cached", False))
         self._telemetry_snapshot = state.get("telemetry")
 
     # ------------------------------------------------------------------ reporting
@@ -811,6 +956,9 @@ class HeterogeneousStrategyBase:
             "emulate_slowdown": list(self._emulate_slowdown) if self._emulate_slowdown else None,
             "devices": device_labels(self),
             "profile_seconds": self._profile_seconds,
+            "profile_cached": self._profile_cached,
+            "cost_model": [c.as_dict() for c in self._cost_model] if self._cost_model else None,
+            "predicted_step_s": step_time(sizes, self._cost_model) if self._cost_model and sizes else None,
             "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series),
         }
 
@@ -821,14 +969,23 @@ class HeterogeneousStrategyBase:
             return "HeterogeneousStrategy: no allocation yet"
         devices = report["devices"]
         unit = "samples/s" if report["profiled"] else "(given)"
+        costs = report["cost_model"]
+        source = " (costs from the profile cache)" if report["profile_cached"] else ""
         lines = [
-            f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}",
-            f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}",
+            f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}{source}",
+            f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}"
+            + (f" {'fixed ms':>9} {'ms/sample':>9} {'step ms':>8}" if costs else ""),
         ]
         for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
             node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
             device = devices[r] if r < len(devices) else "?"
-            lines.append(f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}")
+            line = f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}"
+            if costs:
+                a, c = costs[r]["fixed_s"], costs[r]["per_sample_s"]
+                line += f" {a * 1e3:>9.2f} {c * 1e3:>9.3f} {(a + c * b) * 1e3:>8.2f}"
+            lines.append(line)
+        if report["predicted_step_s"] is not None:
+            lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ training hooks
@@ -844,6 +1001,9 @@ class HeterogeneousStrategyBase:
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._profiling:  # manual optimization while profiling: a plain local backward, nothing timed or slept
+            super().backward(closure_loss, optimizer, *args, **kwargs)
+            return closure_loss
         clock = self._monitor.clock if self._monitor is not None else None  # (#6)
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait

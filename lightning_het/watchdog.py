@@ -60,6 +60,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
 
@@ -108,6 +109,7 @@ def interruption_of(exception: BaseException) -> str | None:
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 
+_PREEMPTED_EXIT_CODE = 143  # lightning_het.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
@@ -556,6 +558,9 @@ class Watchdog:
             return self._standing
         self._handled = exception
         self._standing = None
+        if isinstance(exception, SIGTERMException):  # preemption (exit 143, lightning_het.preemption): not a failure
+            self.stop()
+            return None
         try:
             self._local_failure = True
             interruption = interruption_of(exception)
@@ -827,7 +832,7 @@ def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict 
     exited = []
     for rank, proc in children:
         code = proc.poll()
-        if code:
+        if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
             exited.append((rank, proc.pid, code))
     if not exited:
         return None

@@ -15,6 +15,9 @@ platforms, half as many on ``1:1:1`` and in the ``emulate_slowdown`` run, three 
   ``HeterogeneousStrategy()`` with default arguments (profiled), timed over the whole ``fit`` (profiling included);
   the *ideal* step is ``B / sum(speeds)`` = ``48 c0 / sum(s)`` and the ideal speedup over DDP ``sum(s) / (3 min(s))``;
 * ``1:2:4`` again with ``HeterogeneousStrategy(emulate_slowdown=[4, 2, 1])`` on a homogeneous model;
+* ``affine`` (2 replicas, its own job): step cost ``a_r + c_r * b`` with rank 0 like a GPU on a small model (40 ms
+  fixed, 0.5 ms per sample) and rank 1 like a CPU (2 ms, 6 ms per sample): DDP, the profiled affine split, and the
+  proportional split a one-number profile would give; ``--only affine`` runs just this job;
 * ``slowdown``: the ``1:2:4`` platform where the fastest replica becomes 2x slower from epoch 3 on, without and with
   ``rebalance_every_n_epochs=1``.
 
@@ -60,6 +63,9 @@ REPO = Path(__file__).resolve().parents[1]
 PLATFORMS: dict[str, list[float]] = {"1:1:1": [1.0, 1.0, 1.0], "1:2:4": [1.0, 2.0, 4.0], "1:1:8": [1.0, 1.0, 8.0]}
 GLOBAL_BATCH = 48
 SLOWDOWN = {"platform": "1:2:4", "rank": 2, "factor": 2.0, "epoch": 3}
+#: 2 replicas whose step costs ``fixed_s + per_sample_s * b`` (sleeps): rank 0 like a GPU on a small model, rank 1
+#: like a CPU; the one-number model mis-splits it
+AFFINE: dict[str, list[float]] = {"fixed_s": [0.040, 0.002], "per_sample_s": [0.0005, 0.006]}
 DOC_BEGIN, DOC_END = "<!-- bench_balance:begin -->", "<!-- bench_balance:end -->"
 
 
@@ -85,10 +91,13 @@ def _worker(spec_path: str) -> None:
     class SleepModel(pl.LightningModule):
         """Tiny compute plus ``per_sample_s[rank] x batch`` seconds of sleep (x ``factor`` after ``change``)."""
 
-        def __init__(self, per_sample_s: list[float], change: dict[str, Any] | None) -> None:
+        def __init__(
+            self, per_sample_s: list[float], change: dict[str, Any] | None, fixed_s: list[float] | None = None
+        ) -> None:
             super().__init__()
             self.net = nn.Linear(16, 1)
             self.per_sample_s = per_sample_s
+            self.fixed_s = fixed_s or [0.0] * len(per_sample_s)
             self.change = change
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -98,7 +107,7 @@ def _worker(spec_path: str) -> None:
             ch = self.change
             if ch and self.global_rank == ch["rank"] and self.current_epoch >= ch["epoch"]:
                 cost *= ch["factor"]
-            time.sleep(cost * x.shape[0])
+            time.sleep(self.fixed_s[self.global_rank] + cost * x.shape[0])
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -158,7 +167,10 @@ def _worker(spec_path: str) -> None:
             g = torch.Generator().manual_seed(1)
             n = GLOBAL_BATCH * steps
             data = TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 1, generator=g))
-            model = SleepModel([spec["c0"] / s for s in cfg["speeds"]], cfg.get("change"))
+            if cfg["model"] == "affine":
+                model = SleepModel(AFFINE["per_sample_s"], None, AFFINE["fixed_s"])
+            else:
+                model = SleepModel([spec["c0"] / s for s in cfg["speeds"]], cfg.get("change"))
             batch = GLOBAL_BATCH // world
         kwargs = dict(cfg.get("het_kwargs") or {})
         logger: Any = False
@@ -192,6 +204,7 @@ def _worker(spec_path: str) -> None:
             "fit_s": fit_s,
             "epoch_s": timer.epoch_s,
             "step_s_median": statistics.median(timer.step_times()),
+            "step_s_mean": statistics.fmean(timer.step_times()),
             "step_s_median_after_epoch0": statistics.median(timer.step_times(1) or timer.step_times()),
             "step_cpu_s_median": statistics.median(timer.step_times(cpu=True)),
             "step_s_p10": _quantile(timer.step_times(), 0.1),
@@ -203,6 +216,7 @@ def _worker(spec_path: str) -> None:
             result["batch_sizes"] = report["batch_sizes"]
             result["speeds"] = report["speeds"]
             result["profile_s"] = report["profile_seconds"]
+            result["cost_model"] = report.get("cost_model")
             result["telemetry"] = report["telemetry"]
             monitor = trainer.strategy._monitor
             if monitor is not None and monitor.report_paths:
@@ -349,6 +363,70 @@ def _plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         for strategy in ("ddp", "het") if i % 2 == 0 else ("het", "ddp"):
             overhead.append({**ov, "name": f"overhead {strategy} #{i}", "strategy": strategy})
     return platforms, overhead
+
+
+def _affine_plan(args: argparse.Namespace) -> list[dict]:
+    """The affine platform: DDP, the profiled affine split, and the proportional split a one-number profile at the
+    equal split would give (speeds ``b / t(b)`` at ``b = B / 2``), each for ``--epochs`` x ``--steps``."""
+    base = {"steps": args.steps, "epochs": args.epochs, "model": "affine", "platform": "affine"}
+    equal = GLOBAL_BATCH // 2
+    proportional = [equal / (a + c * equal) for a, c in zip(AFFINE["fixed_s"], AFFINE["per_sample_s"])]
+    return [
+        {**base, "name": "affine warm-up", "strategy": "ddp", "epochs": 1, "steps": 2},
+        {**base, "name": "affine ddp", "strategy": "ddp"},
+        {**base, "name": "affine het", "strategy": "het"},
+        {**base, "name": "affine het proportional", "strategy": "het", "het_kwargs": {"speeds": proportional}},
+    ]
+
+
+def _affine_summary(runs: list[dict]) -> dict[str, Any]:
+    """Mean step of each run against the best split's compute plus the per-step overhead measured on DDP."""
+    sys.path.insert(0, str(REPO))
+    from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
+
+    costs = [AffineCost(a, c) for a, c in zip(AFFINE["fixed_s"], AFFINE["per_sample_s"])]
+    by_name = {r["name"]: r for r in runs}
+    best_sizes = allocate_affine(GLOBAL_BATCH, costs)
+    best = step_time(best_sizes, costs)
+    ddp = by_name["affine ddp"]
+    ddp_mean = ddp["step_s_mean"]
+    overhead = max(ddp_mean - step_time([GLOBAL_BATCH // 2] * 2, costs), 0.0)
+    rows = []
+    for name in ("affine ddp", "affine het proportional", "affine het"):
+        r = by_name[name]
+        sizes = r.get("batch_sizes") or [GLOBAL_BATCH // 2] * 2
+        rows.append(
+            {
+                "run": name,
+                "batch_sizes": sizes,
+                "step_ms": r["step_s_mean"] * 1e3,
+                "compute_ms": step_time(sizes, costs) * 1e3,
+                "vs_best_plus_overhead": r["step_s_mean"] / (best + overhead),
+                "profile_s": r.get("profile_s", 0.0),
+                "cost_model": r.get("cost_model"),
+            }
+        )
+    return {"best_sizes": best_sizes, "best_ms": best * 1e3, "overhead_ms": overhead * 1e3, "rows": rows}
+
+
+def _affine_markdown(summary: dict[str, Any]) -> str:
+    lines = [
+        f"**Affine platform** (2 replicas, global batch {GLOBAL_BATCH}; rank 0 sleeps"
+        f" {AFFINE['fixed_s'][0] * 1e3:g} ms + {AFFINE['per_sample_s'][0] * 1e3:g} ms/sample per step, rank 1"
+        f" {AFFINE['fixed_s'][1] * 1e3:g} ms + {AFFINE['per_sample_s'][1] * 1e3:g} ms/sample). Best split"
+        f" {summary['best_sizes']} = {summary['best_ms']:.1f} ms of compute; per-step overhead *o* measured on DDP"
+        f" (its mean step minus its compute): {summary['overhead_ms']:.1f} ms. Mean step over the whole training"
+        " loop (profiling excluded, reported apart):",
+        "",
+        "| run | batch sizes | compute (ms) | mean step (ms) | / (best + o) | profiling (s) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['run']} | {r['batch_sizes']} | {r['compute_ms']:.1f} | {r['step_ms']:.1f} |"
+            f" **{r['vs_best_plus_overhead']:.3f}** | {r['profile_s']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _ideal_step_s(speeds: list[float], c0: float) -> float:
@@ -695,24 +773,34 @@ def main(argv: list[str] | None = None) -> int:
     timeout = 120 if tiny else 1200
     if args.only:
         keep = [p for p in platforms_plan[1:] if p["name"].startswith(tuple(args.only))]
-        if not keep:
-            parser.error(f"--only {args.only} matches none of {[p['name'] for p in platforms_plan[1:]]}")
-        runs = _launch("platforms", 3, platforms_plan[:1] + keep, out, args.c0, timeout)[1:]
-        brief = _brief(runs, args.c0, command.strip(), time.perf_counter() - start)
+        affine = "affine" in args.only
+        if not keep and not affine:
+            parser.error(f"--only {args.only} matches none of {[p['name'] for p in platforms_plan[1:]]} (or 'affine')")
+        runs = _launch("platforms", 3, platforms_plan[:1] + keep, out, args.c0, timeout)[1:] if keep else []
+        brief = _brief(runs, args.c0, command.strip(), time.perf_counter() - start) if runs else ""
+        if affine:
+            affine_runs = _launch("affine", 2, _affine_plan(args), out, args.c0, timeout)[1:]
+            runs += affine_runs
+            brief += (
+                f"\nload average {args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n\n"
+                + _affine_markdown(_affine_summary(affine_runs))
+            )
         (out / "results.json").write_text(json.dumps(runs, indent=1))
         (out / "results.md").write_text(brief)
         print(brief)
         return 0
     platforms = _launch("platforms", 3, platforms_plan, out, args.c0, timeout)
     overhead = _launch("overhead", 2, overhead_plan, out, args.c0, timeout)
+    affine_runs = _launch("affine", 2, _affine_plan(args), out, args.c0, timeout)[1:]
     elapsed = time.perf_counter() - start
     args.load_after = os.getloadavg()[0]
     summary = _summarise([r for r in platforms if r["name"] != "warm-up"], overhead[1:], args.c0)
+    summary["affine"] = _affine_summary(affine_runs)
     summary["clock_cost_us"] = _clock_cost_us()
     summary["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     summary["command"] = command
     summary["elapsed_s"] = elapsed
-    table = _markdown(summary, args, command.strip(), elapsed)
+    table = _markdown(summary, args, command.strip(), elapsed) + "\n" + _affine_markdown(summary["affine"])
     img_dir = REPO / "docs" / "img" if args.docs else out
     paths = _plots(summary, img_dir)
     summary["plots"] = {k: str(v) for k, v in paths.items()}

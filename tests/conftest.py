@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -44,3 +46,67 @@ def tiny_job(tmp_path):
         return dumps, result.stdout
 
     return _run
+
+
+# ------------------------------------------------------------------------------------------ the `slow` marker
+#: Calls that start other processes (multi-process jobs, the app, installs). A test is marked ``slow`` when its own
+#: source or the source of a fixture it uses (directly or through other fixtures) makes one of them, so a new
+#: multi-process test or fixture is marked without anyone remembering to: ``pytest -m "not slow"`` stays quick, and CI
+#: (plain ``pytest``) still runs everything.
+_STARTS_PROCESSES = (
+    "run_job(",
+    "run_helper(",
+    "run_in_session(",
+    "run_app(",
+    "_run_app(",
+    "subprocess.",
+    "Popen(",
+    "mp.spawn(",
+    "start_processes(",
+    "tiny_job(",
+    "fabric_job(",
+    "_trainer(2, strategy",
+)
+
+
+def _starts_processes(function: object, cache: dict[object, bool], depth: int = 3) -> bool:
+    """Whether ``function``'s source, or that of a test-tree function it calls by name (``depth`` levels), makes one
+    of the :data:`_STARTS_PROCESSES` calls."""
+    if function in cache:
+        return cache[function]
+    cache[function] = False  # recursion guard
+    try:
+        source = inspect.getsource(function)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+    found = any(call in source for call in _STARTS_PROCESSES)
+    if not found and depth > 0:
+        namespace = getattr(function, "__globals__", {})
+        for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", source)):
+            callee = namespace.get(name)
+            if inspect.isfunction(callee) and _in_tests(callee) and _starts_processes(callee, cache, depth - 1):
+                found = True
+                break
+    cache[function] = found
+    return found
+
+
+def _in_tests(function: object) -> bool:
+    try:
+        return Path(inspect.getfile(function)).resolve().is_relative_to(REPO / "tests")  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cache: dict[object, bool] = {}
+    for item in items:
+        if item.get_closest_marker("slow") is not None or not isinstance(item, pytest.Function):
+            continue
+        functions = [item.function]
+        for name in item.fixturenames:
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                if _in_tests(fixturedef.func):
+                    functions.append(fixturedef.func)
+        if any(_starts_processes(f, cache) for f in functions):
+            item.add_marker(pytest.mark.slow)

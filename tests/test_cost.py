@@ -17,6 +17,7 @@ from lightning_het.balance.cost import (
     fit_affine,
     step_time,
     step_without,
+    useless_replica_message,
     useless_replicas,
 )
 
@@ -157,3 +158,17 @@ class TestUselessReplicas:
         costs = [AffineCost(0.0, 0.001), AffineCost(0.5, 0.0001)]
         assert step_without(48, costs, [1], max_batch_sizes=[24, 48]) is None
         assert useless_replicas(48, costs, max_batch_sizes=[24, 48]) == []
+
+
+def test_useless_replica_message() -> None:
+    costs = [AffineCost(0.0, 0.001), AffineCost(0.0, 0.001), AffineCost(0.5, 0.0001)]
+    sizes = allocate_affine(48, costs)
+    message = useless_replica_message(48, costs, sizes, ["cpu", "cpu", "cuda:0"])
+    assert message is not None
+    assert "rank 2 (cuda:0)" in message and "500.1 ms with it, 24.0 ms without" in message
+    assert "HINT" in message and "device_map=['cpu', 'cpu']" in message
+    assert useless_replica_message(48, costs_from_speeds([1, 2]), [16, 32], ["cpu", "cpu"]) is None
+    # a gain within timing noise (< 10 %) is not reported
+    close = [AffineCost(0.0, 0.001), AffineCost(0.050, 0.001)]
+    assert useless_replicas(48, close) == [1]
+    assert useless_replica_message(48, close, allocate_affine(48, close), ["cpu", "cpu"]) is None

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, allocate_affine
 from lightning_het.balance.rebalance import (
     imbalance,
     is_check_epoch,
@@ -164,3 +165,27 @@ def test_rebalances_when_a_replica_slows_keeps_put_otherwise_and_stays_exact(tmp
         assert dump["loss_scale"] == pytest.approx(2 * new[rank] / 16)
         diff = max((dump["state_dict"][k] - reference[k]).abs().max().item() for k in reference)
         assert diff < 1e-5
+
+
+class TestAffineRebalance:
+    """With the profiled fixed costs, one check lands on the optimum and predicts the next epoch's step."""
+
+    TRUE = [AffineCost(0.040, 0.0005), AffineCost(0.002, 0.006)]
+
+    def _measured(self, sizes: list[int]) -> list[float]:
+        return [c(b) for c, b in zip(self.TRUE, sizes)]
+
+    def test_one_check_converges_and_predicts_the_step(self) -> None:
+        sizes = [35, 13]  # what the proportional model picked on this platform
+        decision = plan_rebalance(sizes, self._measured(sizes), fixed_costs=[0.040, 0.002])
+        assert decision.adopt and decision.batch_sizes == allocate_affine(48, self.TRUE) == [39, 9]
+        assert decision.predicted_step_s == pytest.approx(max(self._measured(decision.batch_sizes)), rel=0.10)
+        again = plan_rebalance(decision.batch_sizes, self._measured(decision.batch_sizes), fixed_costs=[0.040, 0.002])
+        assert not again.adopt
+        assert decision.costs is not None and decision.costs[1]["per_sample_s"] == pytest.approx(0.006)
+
+    def test_refreshed_slope_with_a_wrong_fixed_cost(self) -> None:
+        # a fixed cost above the measured time is capped at 90 % of it: the slope stays positive
+        decision = plan_rebalance([24, 24], [0.05, 0.15], fixed_costs=[0.2, 0.0])
+        assert decision.costs is not None and all(c["per_sample_s"] > 0 for c in decision.costs)
+        assert decision.batch_sizes[0] > 24

@@ -152,8 +152,10 @@ class StrategyConfig:
     global_sync_every: int | None = None
     #: emulation only: replica r's step takes emulate_slowdown[r] x its real time.
     emulate_slowdown: list[float] | None = None
-    profile_steps: int = 3
+    profile_steps: int = 2
     profile_warmup: int = 1
+    #: speed cache directory (true: ~/.cache/lightning_het/profiles); null/false: off
+    profile_cache: Any = None
     #: mixed CPU/GPU replicas, e.g. ["cuda:0", "cuda:1", "cpu"] or {node_rank: [...]} (see docs/mixed_devices.md)
     device_map: Any = None
     #: with device_map: intra-op threads per CPU replica (int) or per local replica (list)
@@ -166,6 +168,11 @@ class StrategyConfig:
     comm_warmup_steps: int = 0
     #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
     comm_autotune_steps: int = 5
+    #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (a file or a directory); null: last.ckpt of the run's
+    #: ModelCheckpoint, else <run dir>/checkpoints/last.ckpt (see docs/preemption.md)
+    preemption_checkpoint: str | None = None
+    #: seconds from the signal until a replica that could not stop in time is ended with status 143
+    preemption_grace: float = 25.0
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
     gradient_averaging: GradientAveraging = GradientAveraging.weighted
     # --- DDPStrategy keywords

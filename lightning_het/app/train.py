@@ -24,14 +24,12 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -39,10 +37,14 @@ import lightning_het  # noqa: F401  (registers strategy="heterogeneous", in ever
 from lightning_het.app import config_dir
 from lightning_het.app.config import DataConfig, GradientAveraging, StrategyConfig, register_configs, validate_config
 from lightning_het.errors import RasterNotFoundError
-from lightning_het.hsi.prediction import PredictionMapWriter
-from lightning_het.lifecycle import OutputDirError, check_output_dir
+from lightning_het.output_dir import OutputDirError, check_output_dir
 
-__all__ = ["EpochTimer", "main", "sweep_job_command", "train", "unweighted_gradients"]
+if TYPE_CHECKING:  # Lightning is imported only when a run starts, so that `--help` and config errors stay fast
+    import lightning.pytorch as pl
+
+    from lightning_het.app.callbacks import EpochTimer
+
+__all__ = ["main", "sweep_job_command", "train", "unweighted_gradients"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ValueError: for bad input data or strategy arguments (the message names the file, key or value).
     """
     started = time.perf_counter()
+    import lightning.pytorch as pl
+
+    from lightning_het.app.callbacks import EpochTimer
+    from lightning_het.hsi.prediction import PredictionMapWriter
+
     _quiet_known_warnings()
     strategy_cfg, data_cfg = validate_config(cfg)
     if strategy_cfg.start_method.value != "popen":
@@ -246,41 +253,6 @@ def _build_strategy(strategy_cfg: StrategyConfig) -> Any:
     return _instantiate("strategy", {"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
 
 
-# --------------------------------------------------------------------------------------------- epoch bookkeeping
-class EpochTimer(pl.Callback):
-    """Records each training epoch's wall time and epoch-level metrics; rank 0 prints one line per epoch.
-
-    Attributes:
-        epoch_seconds: wall time of every finished training epoch (validation excluded).
-        history: per epoch, ``epoch``, ``seconds`` and every logged ``stage/name`` metric.
-    """
-
-    def __init__(self) -> None:
-        self.epoch_seconds: list[float] = []
-        self.history: list[dict[str, Any]] = []
-        self._start = 0.0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        seconds = time.perf_counter() - self._start
-        self.epoch_seconds.append(seconds)
-        row: dict[str, Any] = {"epoch": trainer.current_epoch, "seconds": round(seconds, 4)}
-        row.update({k: _scalar(v) for k, v in trainer.callback_metrics.items() if "/" in k})
-        self.history.append(row)
-        if trainer.is_global_zero:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k not in ("epoch", "seconds") and _is_number(v))
-            print(f"epoch {row['epoch']:>3}  {seconds:7.2f} s  {shown}", flush=True)
-
-
-def _scalar(value: Any) -> Any:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -290,6 +262,8 @@ def _write_prediction_map(cfg: DictConfig, trainer: pl.Trainer, model: Any, data
     """Predict every pixel of the scene on all replicas; rank 0 writes the class map (GeoTIFF + PNG)."""
     if not cfg.get("prediction_map", True):
         return None
+    from lightning_het.hsi.prediction import PredictionMapWriter
+
     writer = next(c for c in trainer.callbacks if isinstance(c, PredictionMapWriter))
     trainer.predict(model, datamodule=datamodule, return_predictions=False)
     return {path.suffix.lstrip("."): str(path) for path in writer.paths}
@@ -457,7 +431,18 @@ def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix (config, values, files): one ``error:`` line, no traceback."""
-    return (UserError, ValueError, FileNotFoundError, OmegaConfBaseException, HydraException, MisconfigurationException)
+    types: tuple[type[BaseException], ...] = (
+        UserError,
+        ValueError,
+        FileNotFoundError,
+        OmegaConfBaseException,
+        HydraException,
+    )
+    if "lightning.fabric" in sys.modules:  # Lightning's own config errors can only come once Lightning is imported
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        types += (MisconfigurationException,)
+    return types
 
 
 def _error_text(err: BaseException) -> str:

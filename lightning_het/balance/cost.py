@@ -38,12 +38,17 @@ __all__ = [
     "allocate_affine",
     "costs_from_speeds",
     "fit_affine",
+    "refresh_costs",
     "step_time",
     "step_without",
+    "useless_replica_message",
     "useless_replicas",
 ]
 
 _BISECTION_STEPS = 100
+#: a replica that only slows the job down is reported when the job is predicted at least this much faster without it
+#: (a smaller gain may be timing noise)
+USELESS_MARGIN = 0.9
 #: the fitted slope is kept at least this fraction of the mean seconds per sample (a flat curve would attract every
 #: sample of the global batch to one replica on the strength of timing noise)
 _MIN_SLOPE_FRACTION = 0.01
@@ -147,6 +152,33 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
         slope = min_slope
         intercept = max(my - slope * mx, 0.0)
     return AffineCost(round(intercept, 15), round(slope, 15))
+
+
+def refresh_costs(
+    batch_sizes: Sequence[int], compute_times: Sequence[float], fixed_costs: Sequence[float]
+) -> list[AffineCost]:
+    """Costs that reproduce measured step times at the current allocation, keeping the profiled fixed costs.
+
+    One epoch runs every replica at one batch size, which cannot separate the two coefficients again; the fixed cost
+    comes from profiling (where two batch sizes ran back to back) and the slope is refreshed:
+    ``c_r = (t_r - a_r) / b_r``. A fixed cost above 90 % of the measured time is capped there, so every replica keeps
+    a positive per-sample cost.
+
+    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
+    [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
+    """
+    if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
+        raise ValueError(
+            f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
+            f" {len(compute_times)} and {len(fixed_costs)}."
+        )
+    out = []
+    for b, t, a in zip(batch_sizes, compute_times, fixed_costs):
+        if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
+            raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
+        fixed = min(float(a), 0.9 * float(t))
+        out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
+    return out
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
@@ -322,3 +354,44 @@ def useless_replicas(
         if best is not None and cost.fixed_s >= best:
             useless.append(r)
     return useless
+
+
+def useless_replica_message(
+    global_batch_size: int,
+    costs: Sequence[AffineCost],
+    batch_sizes: Sequence[int],
+    labels: Sequence[str],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> str | None:
+    """The warning about replicas that only slow the job down, or ``None`` when there are none (or when the job would
+    be less than ``1 - USELESS_MARGIN`` = 10 % faster without them, which timing noise could explain).
+
+    Args:
+        global_batch_size: samples per step (``B``).
+        costs: every replica's cost.
+        batch_sizes: the allocation the job runs.
+        labels: every replica's device, e.g. ``"cuda:0"`` (for the HINT).
+    """
+    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
+    useless = useless_replicas(global_batch_size, costs, **bounds)
+    if not useless:
+        return None
+    with_all = step_time(batch_sizes, costs)
+    without = step_without(global_batch_size, costs, useless, **bounds)
+    if without is None or without > USELESS_MARGIN * with_all:
+        return None
+
+    def label(r: int) -> str:
+        return labels[r] if r < len(labels) else f"rank {r}"
+
+    names = ", ".join(f"rank {r} ({label(r)})" for r in useless)
+    fixed = ", ".join(f"{costs[r].fixed_s * 1e3:.1f} ms" for r in useless)
+    keep = [label(r) for r in range(len(costs)) if r not in useless]
+    return (
+        f"HeterogeneousStrategy: {names} only slow(s) the job down: its fixed cost per step ({fixed}) is at least the"
+        f" best step the other replicas reach on the whole global batch of {global_batch_size}. Predicted step:"
+        f" {with_all * 1e3:.1f} ms with it, {without * 1e3:.1f} ms without. HINT: leave it out, e.g. with"
+        f" `Trainer(devices=...)` set to {len(keep)} devices, or `HeterogeneousStrategy(device_map={keep})`."
+    )

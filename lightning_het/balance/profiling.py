@@ -1,26 +1,56 @@
-"""Measuring each replica's speed on the real training step, without side effects.
+"""Measuring each replica's cost model on the real training step, without side effects.
 
-The strategy profiles before the first epoch: every replica runs ``warmup + steps`` forward/backward passes of the
-user's own ``training_step`` on real batches of the size it would get under an equal split, times each one, and reports
-``samples / median(step time)``. Everything the passes touch (parameters, buffers, gradients, optimizer and scheduler
-state, the torch/CUDA/numpy/python RNG streams, the module's train/eval flags) is snapshotted first and restored after,
+The strategy profiles before the first epoch (see ``docs/balancing.md``):
+
+1. ``warmup`` untimed steps at a quarter of an equal split of the global batch (allocator, caches, CUDA context,
+   compilation); the fastest of them gives a rough speed per replica;
+2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of a quarter and of half of the
+   global batch (:func:`stage_sizes`): every replica runs two different batch sizes, in similar wall time;
+3. each replica fits ``t(b) = a + c * b`` through the fastest step of each stage
+   (:func:`~lightning_het.balance.cost.fit_affine`), and the costs are all-gathered.
+
+Only the replica's local step is timed: the user's ``training_step`` and the local backward, with DDP's gradient
+reducer disarmed, no optimizer step and no communication (the strategy's profiling mode). Everything the steps touch
+(parameters, buffers, gradients, optimizer and scheduler state, torchmetrics states, the torch/CUDA/numpy/python RNG
+streams, the module's train/eval flags) is snapshotted first and restored after (:func:`preserved_training_state`),
 so training proceeds exactly as it would have without profiling.
+
+:class:`ProfileCache` keeps fitted costs on disk, keyed by what determines them (:func:`cache_key`), so a sweep's
+later jobs and a re-run skip the timed steps.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
-__all__ = ["StepTiming", "preserved_training_state", "speed_from_timings", "time_steps"]
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, fit_affine
+
+__all__ = [
+    "ProfileCache",
+    "StepTiming",
+    "cache_key",
+    "fit_stage_timings",
+    "preserved_training_state",
+    "speed_from_timings",
+    "stage_sizes",
+    "time_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -107,18 +137,162 @@ def time_steps(
     return timings
 
 
+def stage_sizes(
+    global_batch_size: int,
+    rough_speeds: Sequence[float],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Per-replica batch sizes of the two timed profiling stages.
+
+    Stage one splits a quarter of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
+    every replica's two steps take about a quarter and half of a balanced step. Each replica's stage-two size is
+    larger than its stage-one size whenever its upper bound allows, so the fixed and per-sample costs separate.
+
+    >>> stage_sizes(48, [1, 2, 4])
+    ([2, 3, 7], [3, 7, 14])
+    """
+    world = len(rough_speeds)
+    floor = max(min_batch_size, 1)
+    upper = list(max_batch_sizes) if max_batch_sizes is not None else [global_batch_size] * world
+
+    def split(total: int) -> list[int]:
+        total = min(max(total, world * floor), sum(upper))
+        return allocate_batch_sizes(total, rough_speeds, min_batch_size=floor, max_batch_sizes=upper)
+
+    small = split(-(-global_batch_size // 4))
+    large = split(-(-global_batch_size // 2))
+    large = [max(lg, min(sm + 1, hi)) for sm, lg, hi in zip(small, large, upper)]
+    return small, large
+
+
+def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> AffineCost:
+    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages.
+
+    Each stage contributes its fastest step (timing noise on a shared machine only ever adds time, and the first
+    step at a new shape may include one-off costs such as autotuning).
+
+    Args:
+        stages: ``(batch_size, timings)`` of each stage, in the order they ran.
+    """
+    sizes = [b for b, timings in stages if timings]
+    seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
+    if not sizes:
+        raise ValueError("Expected at least one timed profiling step, got none.")
+    return fit_affine(sizes, seconds)
+
+
+def _describe(value: Any) -> Any:
+    """Shapes and dtypes of the tensors in a (nested) sample: what its cost depends on, not its values."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return {str(k): _describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return type(value).__name__
+    return type(value).__qualname__
+
+
+def device_description(device: torch.device) -> str:
+    """What identifies a device's speed: the GPU model, or the CPU model and the intra-op thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{platform.machine()}:{platform.processor() or 'cpu'}:threads={torch.get_num_threads()}"
+
+
+def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extra: Any) -> str:
+    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes.
+
+    Args:
+        module: the LightningModule being trained.
+        device: the replica's device.
+        sample: one item of the training dataset (its tensor shapes and dtypes enter the key, not its values).
+        **extra: anything else the cost depends on (precision, an emulated slowdown, the number of replicas
+            sharing the machine); JSON-serialisable values.
+    """
+    cls = type(module)
+    data = {
+        "module": f"{cls.__module__}.{cls.__qualname__}",
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "device": device_description(device),
+        "sample": _describe(sample),
+        "torch": torch.__version__,
+        **{k: extra[k] for k in sorted(extra)},
+    }
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+class ProfileCache:
+    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas).
+
+    Args:
+        directory: where the entries live. ``True`` in the strategy means ``$XDG_CACHE_HOME/lightning_het/profiles``
+            (``~/.cache/lightning_het/profiles``).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory).expanduser()
+
+    @staticmethod
+    def default_directory() -> Path:
+        """``$XDG_CACHE_HOME/lightning_het/profiles``, else ``~/.cache/lightning_het/profiles``."""
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "lightning_het" / "profiles"
+
+    def _path(self, key: str) -> Path:
+        return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+    def get(self, key: str) -> AffineCost | None:
+        """The cost stored under ``key``, or ``None`` (missing, unreadable or for another key)."""
+        try:
+            data = json.loads(self._path(key).read_text())
+            if data.get("key") != key:
+                return None
+            cost = AffineCost.from_dict(data["cost"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return cost if math.isfinite(cost.fixed_s) else None
+
+    def put(self, key: str, cost: AffineCost) -> None:
+        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log)."""
+        path = self._path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "cost": cost.as_dict(), "time": time.time()}))
+            os.replace(tmp, path)
+        except OSError:
+            return
+
+
+def _metric_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The torchmetrics ``Metric`` submodules (their accumulated states are not in ``state_dict``)."""
+    return [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
+    return {name: copy.deepcopy(getattr(metric, name)) for name in names if hasattr(metric, name)}
+
+
 @contextmanager
 def preserved_training_state(
     module: torch.nn.Module,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     schedulers: Sequence[Any] = (),
 ) -> Iterator[None]:
-    """Restore parameters, buffers, gradients, optimizer/scheduler state, RNG streams and train flags on exit."""
+    """Restore parameters, buffers, gradients, optimizer/scheduler state, torchmetrics states, RNG streams and train
+    flags on exit."""
     module_state = copy.deepcopy(module.state_dict())
     grads = {name: (None if p.grad is None else p.grad.detach().clone()) for name, p in module.named_parameters()}
     optimizer_states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
     scheduler_states = [copy.deepcopy(s.state_dict()) for s in schedulers if hasattr(s, "state_dict")]
     training_flags = {name: m.training for name, m in module.named_modules()}
+    metrics = _metric_modules(module)
+    metric_states = [_metric_state(m) for m in metrics]
     # a CPU replica of a mixed CPU/GPU job has not initialised CUDA: reading the CUDA RNG would create a context on
     # every GPU (#8); a replica that has not touched CUDA has no CUDA RNG state to protect either
     rng_states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
@@ -135,4 +309,7 @@ def preserved_training_state(
             sched.load_state_dict(state)
         for name, m in module.named_modules():
             m.training = training_flags.get(name, m.training)
+        for metric, saved in zip(metrics, metric_states):
+            for name, value in saved.items():
+                setattr(metric, name, value)
         _set_rng_states(rng_states)

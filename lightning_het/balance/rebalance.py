@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.cost import allocate_affine, refresh_costs
 
 __all__ = [
     "DEFAULT_MIN_GAIN",
@@ -130,11 +131,16 @@ def robust_step_ratio(
     times = _check_times("compute_times", compute_times, len(batch_sizes))
     if len(proposal) != len(times):
         raise ValueError(f"Expected argument `proposal` to hold one entry per replica ({len(times)}).")
+    return _robust_ratio(times, [t * b_new / b for b, b_new, t in zip(batch_sizes, proposal, times)], noise)
+
+
+def _robust_ratio(times: Sequence[float], new_times: Sequence[float], noise: float) -> float:
+    """:func:`robust_step_ratio` with each replica's predicted time under the proposal given directly."""
     up, down = 1.0 + noise, 1.0 - noise
     worst = 0.0
-    for r, (b, b_new, t) in enumerate(zip(batch_sizes, proposal, times)):
+    for r, (t, t_new) in enumerate(zip(times, new_times)):
         others = max((t_s * down for s, t_s in enumerate(times) if s != r), default=0.0)
-        worst = max(worst, (t * b_new / b) * up / max(t * up, others))
+        worst = max(worst, t_new * up / max(t * up, others))
     return worst
 
 
@@ -154,6 +160,8 @@ class RebalanceDecision:
         robust_gain: the shortening guaranteed when the times are off by up to the tolerated noise,
             ``1 - robust_step_ratio(...)`` (what the hysteresis compares with ``min_gain``).
         reason: one line saying why the allocation changes or stays.
+        costs: with the affine model (``fixed_costs`` given), each replica's refreshed cost as
+            ``{"fixed_s", "per_sample_s"}``; else ``None``.
     """
 
     adopt: bool
@@ -166,6 +174,7 @@ class RebalanceDecision:
     gain: float
     robust_gain: float
     reason: str = field(default="")
+    costs: list[dict[str, float]] | None = field(default=None)
 
     def as_dict(self) -> dict[str, object]:
         """Plain data, for reports and loggers."""
@@ -180,6 +189,7 @@ class RebalanceDecision:
             "gain": self.gain,
             "robust_gain": self.robust_gain,
             "reason": self.reason,
+            "costs": self.costs,
         }
 
 
@@ -192,6 +202,7 @@ def plan_rebalance(
     noise: float | None = None,
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
+    fixed_costs: Sequence[float] | None = None,
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
 
@@ -209,6 +220,10 @@ def plan_rebalance(
             ``(threshold - 1) / (threshold + 1)``, the error that alone could produce an imbalance of ``threshold``.
         min_batch_size: lower bound per replica, as for the initial allocation.
         max_batch_sizes: upper bounds per replica (device memory), as for the initial allocation.
+        fixed_costs: each replica's fixed seconds per step from profiling: the affine model. The slopes are refreshed
+            from ``compute_times`` (:func:`~lightning_het.balance.cost.refresh_costs`), the proposal minimises the
+            predicted step (:func:`~lightning_het.balance.cost.allocate_affine`) and the predicted times are
+            ``a_r + c_r * b'_r``. ``None``: the one-number model (``a_r = 0``).
 
     Returns:
         The decision; ``decision.adopt`` is true only when both hysteresis conditions hold and the sizes change.
@@ -235,10 +250,18 @@ def plan_rebalance(
     speeds = speeds_from_step_times(sizes, times)
     ratio = max(times) / min(times)
     current = max(times)
-    proposal = allocate_batch_sizes(sum(sizes), speeds, min_batch_size=min_batch_size, max_batch_sizes=max_batch_sizes)
-    predicted = predicted_step_time(proposal, speeds)
+    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
+    costs = None
+    if fixed_costs is None:
+        proposal = allocate_batch_sizes(sum(sizes), speeds, **bounds)
+        new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
+    else:
+        costs = refresh_costs(sizes, times, fixed_costs)
+        proposal = allocate_affine(sum(sizes), costs, **bounds)
+        new_times = [c(b) for c, b in zip(costs, proposal)]
+    predicted = max(new_times)
     gain = 1.0 - predicted / current
-    robust_gain = 1.0 - robust_step_ratio(sizes, proposal, times, noise)
+    robust_gain = 1.0 - _robust_ratio(times, new_times, noise)
     if ratio < threshold:
         adopt, reason = False, f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
     elif proposal == sizes:
@@ -262,4 +285,5 @@ def plan_rebalance(
         gain=gain,
         robust_gain=robust_gain,
         reason=reason,
+        costs=[c.as_dict() for c in costs] if costs is not None else None,
     )

@@ -595,6 +595,7 @@ class BalanceMonitor:
             min_gain=self.min_gain,
             min_batch_size=strategy._min_batch_size,
             max_batch_sizes=strategy._max_batch_sizes,
+            fixed_costs=[c.fixed_s for c in strategy.cost_model] if strategy.cost_model else None,
         )
         self.history.record_check(
             decision.as_dict(), epoch=trainer.current_epoch, global_step=trainer.global_step, old=sizes
@@ -602,7 +603,7 @@ class BalanceMonitor:
         if not decision.adopt:
             log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
             return False
-        strategy._adopt_allocation(decision.batch_sizes, decision.speeds)
+        strategy._adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)
         self._request_reload(trainer)
         rank_zero_info(
             f"HeterogeneousStrategy: rebalanced at the end of epoch {trainer.current_epoch}: {sizes} ->"

@@ -2,7 +2,7 @@
 
 JSON keys: devices, num_nodes, strategy (kwargs for HeterogeneousStrategy or the string "heterogeneous"),
 epochs, seed, batch_size (loader batch size), n (dataset size), module (kwargs for TinyRegressor),
-accelerator (default "cpu").
+accelerator (default "cpu"), loader (extra DataLoader kwargs, e.g. num_workers).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    loader = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True)
+    loader = DataLoader(
+        make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True, **cfg.get("loader", {})
+    )
     val_n = cfg.get("val_n", 0)
     val_loader = DataLoader(make_dataset(val_n, seed=99), batch_size=5) if val_n else None
     trainer.fit(model, loader, val_loader)
@@ -63,6 +65,8 @@ def main() -> None:
             "comm_mode": s.comm_mode,
             "comm_stats": s.comm_stats,
             "comm_reduction": s.comm_reduction,
+            "cost_model": [c.as_dict() for c in s.cost_model] if s.cost_model else None,
+            "profile_seconds": s.profile_seconds,
         },
         out / f"rank{rank}.pt",
     )

@@ -1,0 +1,512 @@
+"""Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143.
+
+Schedulers (SLURM at the time limit or on preemption, Kubernetes, ``kill``) send ``SIGTERM`` and, a grace period
+later (SLURM's ``KillWait``, often 30 s), ``SIGKILL``. Lightning's own handler only logs the signal, tries a
+broadcast from inside the signal handler and lets training go on; whatever was learnt since the last checkpoint is
+then lost to the ``SIGKILL``. What this module does instead, per replica:
+
+1. **Notice (signal handler).** ``SIGTERM``, ``SIGUSR1`` (what ``sbatch --signal=USR1@...`` sends by default) and a
+   SLURM environment's ``requeue_signal`` get a Python handler that only records the signal, and
+   :func:`signal.set_wakeup_fd` makes the C-level handler write the signal number into a pipe at once. A small thread
+   reading that pipe sees the signal even while the main thread is blocked inside a collective (where Python-level
+   handlers cannot run) and arms the deadline (step 4).
+2. **Agree (step boundary).** After every optimizer step (``on_train_batch_end`` of a batch that stepped), the
+   replicas all-reduce (MAX) one small integer vector holding the signal each replica received, so they all stop
+   after the same step, whichever replica (or the launching process, which is rank 0) got the signal.
+3. **Save and stop.** Rank 0 writes the checkpoint through ``trainer.save_checkpoint`` (every rank takes part:
+   ``node_local`` synchronises the model first, and the checkpoint carries the strategy's allocation and sampler
+   position, so the resumed fit continues exactly, mid-epoch included) into a temporary file beside the target and
+   renames it (``os.replace``): an interrupted save never leaves a truncated checkpoint. Then every replica raises
+   :class:`Preempted` (a Lightning ``SIGTERMException`` with exit status :data:`PREEMPTION_EXIT_CODE` = 143 =
+   128 + SIGTERM). The launching process waits for the replicas it started before it exits.
+4. **Deadline.** From the moment a replica notices the signal (or learns of it at the agreement), a daemon thread
+   gives it ``grace`` seconds (``preemption_grace``, default 25 s) to end. A replica still alive then (one stuck in a
+   collective with a hung peer, in a long validation, in a slow teardown) kills the replicas it launched and ends
+   with ``os._exit(143)``: a stuck replica never keeps the others alive past the scheduler's ``SIGKILL``.
+
+Outside ``fit`` (``validate``, ``test``, ``predict``) there is nothing to save: the signal ends the replica at once,
+with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1`` (:func:`shield_loader_workers`), so a
+signal sent to the whole process group does not kill them before their replica reaches the step boundary; they end
+with their replica.
+
+See ``docs/preemption.md`` for the SLURM ``--signal`` / ``--requeue`` recipe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "PREEMPTION_EXIT_CODE",
+    "Preempted",
+    "PreemptionCallback",
+    "PreemptionHandler",
+    "attach_preemption",
+    "default_checkpoint_path",
+    "shield_loader_workers",
+]
+
+log = logging.getLogger(__name__)
+
+#: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
+PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
+#: seconds a replica has, from the signal, to save and exit before it is ended by force.
+DEFAULT_GRACE = 25.0
+#: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SIGTERMException):
+    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143.
+
+    A subclass of Lightning's ``SIGTERMException`` (itself a ``SystemExit``), so it passes through ``except
+    Exception`` and callbacks can recognise it in ``on_exception``.
+
+    Attributes:
+        checkpoint: path of the checkpoint written (``None`` if it could not be written).
+        signals: the signal number each replica received (0: none), indexed by global rank.
+    """
+
+    def __init__(self, checkpoint: str | None, signals: Sequence[int]) -> None:
+        super().__init__(PREEMPTION_EXIT_CODE)
+        self.checkpoint = checkpoint
+        self.signals = list(signals)
+
+
+def validate_grace(value: Any) -> float:
+    """``preemption_grace``: finite seconds > 0.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"Expected argument `preemption_grace` to be finite seconds > 0, but got {value!r}.")
+    return float(value)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# ---------------------------------------------------------------------------------------------------- data workers
+class _ShieldedWorkerInit:
+    """``worker_init_fn`` that makes a DataLoader worker ignore the preemption signals, then runs the original.
+
+    Picklable (workers started with ``spawn``/``forkserver`` receive it pickled). ``inner`` is the loader's own
+    ``worker_init_fn``; with ``None`` and ``seed_everything(workers=True)``, Lightning's seeding function is run as
+    Lightning would have added it.
+    """
+
+    def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
+        self.inner = inner
+        self.rank = rank
+        self.signals = tuple(int(s) for s in signals)
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
+        if self.inner is not None:
+            self.inner(worker_id)
+        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
+    """Make the worker processes of ``dataloader`` (if any) ignore the preemption signals; returns ``dataloader``.
+
+    Without this, a ``SIGTERM`` sent to the whole process group kills the workers first (torch's worker handler
+    re-raises it) and the replica fails with "DataLoader worker ... is killed by signal" before it can save.
+    """
+    if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
+        current = dataloader.worker_init_fn
+        if not isinstance(current, _ShieldedWorkerInit):
+            dataloader.worker_init_fn = _ShieldedWorkerInit(current, rank, signals)
+    return dataloader
+
+
+# ---------------------------------------------------------------------------------------------------- per replica
+class PreemptionHandler:
+    """One replica's signal notice, deadline and step-boundary agreement (see the module docstring).
+
+    Args:
+        grace: seconds from the signal (or the agreement) until the replica is ended by force.
+        checkpoint: where rank 0 writes the checkpoint; ``None``: :func:`default_checkpoint_path`.
+        children: the local replicas this process launched (``subprocess.Popen``), ended with it.
+        exit: ends the process (``os._exit``); replaced in tests.
+        fast_exit: once preempted and the main thread has returned, run the ``atexit`` handlers and end the process
+            without the interpreter's slow teardown of torch objects (seconds on a loaded host); off in tests.
+    """
+
+    def __init__(
+        self,
+        grace: float = DEFAULT_GRACE,
+        checkpoint: str | os.PathLike | None = None,
+        *,
+        children: Callable[[], Sequence[subprocess.Popen]] | None = None,
+        exit: Callable[[int], None] = os._exit,
+        fast_exit: bool = True,
+    ) -> None:
+        self.grace = float(grace)
+        self._fast_exit = fast_exit
+        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        self._children = children or (lambda: [])
+        self._exit = exit
+        self.rank = 0
+        self.world_size = 1
+        self.fitting = True
+        #: signal number received by this replica (0: none); written by the handler and the pipe reader
+        self.received = 0
+        self.received_at: float | None = None
+        self._handler_saw = 0  # written by the Python-level handler only (no lock: it may interrupt a holder)
+        self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
+        self._previous: dict[int, Any] = {}
+        self._previous_wakeup_fd: int | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._reader: threading.Thread | None = None
+        self._deadline: threading.Thread | None = None
+        self._deadline_at: float | None = None
+        self._lock = threading.Lock()
+        self._launched: list[subprocess.Popen] = []
+        self._preempting = False
+
+    # ------------------------------------------------------------------ signal handlers (main thread)
+    @property
+    def installed(self) -> bool:
+        return self._pipe is not None
+
+    @property
+    def preempting(self) -> bool:
+        """Whether the replicas agreed to stop (this replica is saving / exiting)."""
+        return self._preempting
+
+    def install(self, *, rank: int, world_size: int, fitting: bool, extra_signals: Sequence[int] = ()) -> None:
+        """Take over the preemption signals (main thread only; a no-op elsewhere)."""
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        self.rank, self.world_size, self.fitting = rank, world_size, fitting
+        self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, extra_signals)]))
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        for signum in self._signals:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._reader = threading.Thread(target=self._read_pipe, name="lightning-het-preemption", daemon=True)
+        self._reader.start()
+        log.debug("preemption handler installed on rank %d (grace %.1f s)", rank, self.grace)
+
+    def uninstall(self) -> None:
+        """Give the signals back (main thread). An armed deadline keeps running until the process ends."""
+        if not self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        assert self._pipe is not None
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
+        for signum, handler in self._previous.items():
+            with contextlib.suppress(TypeError, ValueError):
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+        read_fd, write_fd = self._pipe
+        with contextlib.suppress(OSError):
+            os.write(write_fd, b"\0")  # wakes the reader, which then ends
+        if self._reader is not None:
+            self._reader.join(timeout=1.0)
+        self._pipe = None
+        for fd in (read_fd, write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """Python-level handler (main thread, between bytecodes): only records; the pipe reader does the rest."""
+        self._handler_saw = signum
+
+    def _read_pipe(self) -> None:
+        assert self._pipe is not None
+        read_fd = self._pipe[0]
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data or 0 in data:
+                return
+            for signum in data:
+                if signum in self._signals:
+                    self._notice(signum)
+
+    def _notice(self, signum: int) -> None:
+        with self._lock:
+            if self.received:
+                return
+            self.received, self.received_at = signum, time.monotonic()
+        self._hold_launched_replicas()
+        # outside fit there is nothing to save: end now
+        self.arm_deadline(0.0 if not self.fitting else self.grace, f"received {_signal_name(signum)}")
+
+    # ------------------------------------------------------------------ deadline
+    def arm_deadline(self, seconds: float, reason: str) -> None:
+        """End this process (status 143) ``seconds`` from now unless it ends first; the earliest deadline wins."""
+        at = time.monotonic() + seconds
+        with self._lock:
+            if self._deadline_at is not None and self._deadline_at <= at:
+                return
+            self._deadline_at = at
+            if self._deadline is not None:
+                return  # the running thread re-reads `_deadline_at`
+            self._deadline = threading.Thread(
+                target=self._await_deadline, args=(reason,), name="lightning-het-preemption-deadline", daemon=True
+            )
+            self._deadline.start()
+
+    def _await_deadline(self, reason: str) -> None:
+        while True:
+            assert self._deadline_at is not None
+            left = self._deadline_at - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, 0.2))
+        if self.fitting:
+            message = (
+                f"[rank {self.rank}] lightning_het preemption: this replica {reason} and did not end within"
+                f" preemption_grace={self.grace:g} s (stuck in a collective, a long validation or a slow teardown);"
+                f" ending it now with exit status {PREEMPTION_EXIT_CODE}."
+            )
+        else:
+            message = (
+                f"[rank {self.rank}] lightning_het preemption: this replica {reason} outside fit (nothing to save);"
+                f" ending it with exit status {PREEMPTION_EXIT_CODE}."
+            )
+        print(message, file=sys.stderr, flush=True)
+        self.end_launched_replicas(0.0)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        self._exit(PREEMPTION_EXIT_CODE)
+
+    def _exit_after_main_thread(self) -> None:
+        """Non-daemon thread: the interpreter waits for it before its own teardown. Once the main thread has
+        returned (the ``Preempted`` exception ended the script), run the ``atexit`` handlers (loader workers, loggers,
+        the user's) and end with status 143, skipping the teardown of torch objects that can take seconds."""
+        main = threading.main_thread()
+        while main.is_alive():
+            time.sleep(0.02)
+        with contextlib.suppress(Exception):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        self._exit(PREEMPTION_EXIT_CODE)
+
+    # ------------------------------------------------------------------ launched replicas (launching process)
+    def _hold_launched_replicas(self) -> None:
+        """Keep our own list of the replicas this process launched, and stop Lightning's child-process observer.
+
+        The observer ``SIGKILL``s the launching process as soon as any replica exits non-zero; the replicas now end
+        with 143 around the same time as this process, which waits for them instead (:meth:`end_launched_replicas`).
+        """
+        with contextlib.suppress(Exception):
+            procs = list(self._children())
+            if procs:
+                self._launched = procs
+                for thread in threading.enumerate():
+                    if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+                        thread._child_processes = []  # its next check finds nothing to watch and ends
+
+    def end_launched_replicas(self, wait: float) -> None:
+        """Wait up to ``wait`` seconds for the replicas this process launched to exit, then kill the rest."""
+        deadline = time.monotonic() + wait
+        for proc in self._launched:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        for proc in self._launched:
+            with contextlib.suppress(Exception):
+                if proc.poll() is None:
+                    proc.kill()
+
+    # ------------------------------------------------------------------ step boundary (main thread)
+    def agree(self, device: torch.device) -> list[int]:
+        """All-reduce (MAX) which replica received which signal; every replica gets the same list (0: none)."""
+        local = [0] * self.world_size
+        local[self.rank] = int(self.received or self._handler_saw)
+        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return local
+        on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flags = torch.tensor(local, dtype=torch.int32, device=on)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [int(v) for v in flags.tolist()]
+
+    def preempt(self, trainer: pl.Trainer, signals: Sequence[int]) -> Preempted:
+        """Save the checkpoint (all ranks take part, rank 0 writes) and return the exception to raise."""
+        self._preempting = True
+        self._hold_launched_replicas()
+        self.arm_deadline(self.grace, "was preempted")
+        if self._fast_exit:
+            threading.Thread(target=self._exit_after_main_thread, name="lightning-het-preemption-exit").start()
+        who = [r for r, s in enumerate(signals) if s]
+        names = sorted({_signal_name(s) for s in signals if s})
+        started = time.monotonic()
+        path = self.checkpoint or default_checkpoint_path(trainer)
+        saved: str | None = None
+        try:
+            saved = save_atomically(trainer, path)
+        finally:
+            if self.rank == 0:
+                step = trainer.global_step
+                done = f"saved {saved}" if saved else "could NOT save a checkpoint"
+                print(
+                    f"lightning_het preemption: replica(s) {who} received {'/'.join(names)}; all {self.world_size}"
+                    f" replica(s) stopped after global step {step} (epoch {trainer.current_epoch}); {done} in"
+                    f" {time.monotonic() - started:.2f} s; exiting with status {PREEMPTION_EXIT_CODE}. Resume with"
+                    f" trainer.fit(..., ckpt_path={saved or path!r}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return Preempted(saved, signals)
+
+
+def save_atomically(trainer: pl.Trainer, path: str) -> str:
+    """``trainer.save_checkpoint`` into ``path + ".tmp"`` (all ranks), then rank 0 renames it to ``path``.
+
+    Remote paths (``scheme://``) are written directly. Returns ``path``.
+    """
+    if "://" in path:
+        trainer.save_checkpoint(path)
+        return path
+    tmp = f"{path}.tmp"
+    trainer.save_checkpoint(tmp)
+    if trainer.is_global_zero:
+        os.replace(tmp, path)
+    return path
+
+
+def default_checkpoint_path(trainer: pl.Trainer) -> str:
+    """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given.
+
+    ``last.ckpt`` in the directory of the trainer's first ``ModelCheckpoint`` (so ``ckpt_path="last"`` finds it),
+    else ``<default_root_dir>/checkpoints/last.ckpt``.
+    """
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+
+def _resolve_checkpoint(path: str | os.PathLike | None) -> str | None:
+    if path is None:
+        return None
+    path = os.fspath(path)
+    if Path(path).is_dir() or path.endswith(("/", os.sep)):
+        return os.path.join(path, "last.ckpt")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- Trainer wiring
+class PreemptionCallback(Callback):
+    """Runs the agreement after every optimizer step; added to the Trainer by the strategy (after its callbacks)."""
+
+    def __init__(self, handler: PreemptionHandler, device: Callable[[], torch.device]) -> None:
+        self.handler = handler
+        self._device = device
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # the gradients of this batch wait for the next ones: not a place to stop and save
+        signals = self.handler.agree(self._device())
+        if any(signals):
+            raise self.handler.preempt(trainer, signals)
+
+
+class _PreemptionSignalConnector:
+    """Stands in for the Trainer's signal connector: our handler instead of Lightning's SIGTERM/SIGUSR1 ones.
+
+    Lightning's ``_SignalConnector`` broadcasts from inside the signal handler and lets training continue.
+    ``received_sigterm`` stays ``False`` so Lightning's loops never raise their own (exit-status 0) exception.
+    """
+
+    def __init__(self, handler: PreemptionHandler, install: Callable[[], None]) -> None:
+        self.received_sigterm = False
+        self.handler = handler
+        self._install = install
+
+    def register_signal_handlers(self) -> None:
+        self._install()
+
+    def teardown(self) -> None:
+        self.handler.uninstall()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"received_sigterm": False, "handler": None, "_install": None}
+
+
+def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoint: Any) -> PreemptionHandler:
+    """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``).
+
+    The signal handlers are installed where Lightning would install its own (``register_signal_handlers``, right
+    before the run starts); the agreement callback goes after every other callback, so a ``ModelCheckpoint`` due at
+    the same step saves first.
+    """
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=_launched_replicas(strategy))
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallback)]
+    if fitting:
+        trainer.callbacks.append(PreemptionCallback(handler, lambda: strategy.root_device))
+
+    def install() -> None:
+        extra = []
+        environment = getattr(strategy, "cluster_environment", None)
+        requeue = getattr(environment, "requeue_signal", None)
+        if requeue is not None:
+            extra.append(int(requeue))
+        handler.install(rank=trainer.global_rank, world_size=trainer.world_size, fitting=fitting, extra_signals=extra)
+
+    trainer._signal_connector = _PreemptionSignalConnector(handler, install)
+    return handler
+
+
+def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | None = None) -> None:
+    """End of a run (normal or not): give the signals back; if preempting, wait for the launched replicas."""
+    if handler is None:
+        return
+    handler.uninstall()
+    if handler.preempting:
+        left = handler.grace
+        if handler._deadline_at is not None:
+            left = max(handler._deadline_at - time.monotonic() - 1.0, 0.0)
+        handler.end_launched_replicas(left)
+    if trainer is not None:
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallback)]
+
+
+def _launched_replicas(strategy: Any) -> Callable[[], list[subprocess.Popen]]:
+    def children() -> list[subprocess.Popen]:
+        return list(getattr(getattr(strategy, "launcher", None), "procs", None) or [])
+
+    return children

@@ -1,0 +1,164 @@
+"""The package as users install it: the core imports with torch and Lightning only, registration in any import order,
+a fast ``--help``, one version. Each check runs in a fresh interpreter (``sys.modules`` of this one is not clean)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import lightning_het
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: modules (and their distribution names) that the core plugin must not need
+OPTIONAL = ("rasterio", "hydra", "omegaconf", "matplotlib", "scipy", "PIL")
+
+_BLOCKER = textwrap.dedent(
+    """
+    import importlib.abc, importlib.metadata, sys
+    BLOCKED = {blocked!r}
+    DISTS = {{b.lower() for b in BLOCKED}} | {{"hydra-core", "hydra_core", "pillow"}}
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Block())
+    for _fn in ("version", "distribution", "metadata"):  # Lightning's availability checks read the metadata
+        def _hidden(name, _orig=getattr(importlib.metadata, _fn)):
+            if name.lower() in DISTS:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return _orig(name)
+        setattr(importlib.metadata, _fn, _hidden)
+    """
+)
+
+
+def _python(code: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, check=False, cwd=REPO
+    )
+
+
+def test_core_imports_and_trains_without_the_optional_dependencies():
+    """Only torch and Lightning: import, registration, a strategy instance, a Trainer with strategy="heterogeneous"."""
+    code = _BLOCKER.format(blocked=OPTIONAL) + textwrap.dedent(
+        """
+        import lightning_het
+        assert "lightning" not in sys.modules and "torch" not in sys.modules, "import lightning_het must stay light"
+        import lightning.pytorch as pl
+        from lightning.pytorch.strategies import StrategyRegistry
+        assert StrategyRegistry["heterogeneous"]["strategy"] is lightning_het.HeterogeneousStrategy
+        strategy = lightning_het.HeterogeneousStrategy(speeds=[1, 2], global_batch_size=6)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="heterogeneous", logger=False)
+        assert isinstance(trainer.strategy, lightning_het.HeterogeneousStrategy)
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        assert STRATEGY_REGISTRY["heterogeneous"]["strategy"] is lightning_het.HeterogeneousFabricStrategy
+        assert lightning_het.allocate_batch_sizes(6, [1, 2]) == [2, 4]
+        from lightning_het import ProportionalDistributedSampler, HeterogeneousDataModule
+        import lightning_het.comm, lightning_het.balance, lightning_het.checkpointing, lightning_het.watchdog
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+        try:
+            import lightning_het.hsi.raster
+        except ModuleNotFoundError as err:
+            assert "rasterio" in str(err), err
+        else:
+            raise AssertionError("the blocker let rasterio through")
+        print("ok")
+        """
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.slow  # eight fresh interpreters importing Lightning
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import lightning_het; from lightning.pytorch.strategies import StrategyRegistry as R",
+        "import lightning; import lightning_het; from lightning.pytorch.strategies import StrategyRegistry as R",
+        "from lightning_het.strategy import HeterogeneousStrategy; from lightning.pytorch.strategies import"
+        " StrategyRegistry as R",
+        "import lightning_het.hsi.model; from lightning.pytorch.strategies import StrategyRegistry as R",
+        "import lightning_het; import pytorch_lightning as P; R = P.strategies.StrategyRegistry",
+        "import pytorch_lightning as P; import lightning_het; R = P.strategies.StrategyRegistry",
+        "import lightning_het; from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
+        "from lightning_het.fabric import HeterogeneousFabricStrategy\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
+    ],
+    ids=[
+        "package-first",
+        "lightning-first",
+        "strategy-module",
+        "hsi-module",
+        "pl-after",
+        "pl-before",
+        "fabric",
+        "fabric-module",
+    ],
+)
+def test_registered_whatever_the_import_order(code):
+    if "pytorch_lightning" in code:
+        pytest.importorskip("pytorch_lightning")
+    result = _python(f"{code}\nprint('heterogeneous' in R)", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True"
+    assert "could not register" not in result.stderr
+
+
+def test_help_is_fast_and_imports_neither_torch_nor_lightning():
+    """``lightning-het-train --help`` composes no run: no torch/Lightning import, well under 2 s of CPU time."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.argv = ["lightning-het-train", "--help"]
+        from lightning_het.app.train import main
+        try:
+            main()
+        except SystemExit as stop:
+            assert not stop.code, stop.code
+        heavy = sorted(m for m in ("torch", "lightning", "rasterio", "matplotlib") if m in sys.modules)
+        print("heavy:", heavy)
+        """
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = _python(code, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "heavy: []" in result.stdout
+    assert "lightning-het-train" in result.stdout  # the app's help text
+    cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu_seconds < 2.0, cpu_seconds  # CPU time, not wall time: the test machine may be busy
+
+
+def test_one_version_source():
+    from lightning_het._version import __version__
+
+    assert lightning_het.__version__ == __version__
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text and "lightning_het._version.__version__" in text
+    try:
+        installed = importlib.metadata.version("lightning-het")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("lightning-het is not installed (running from PYTHONPATH)")
+    assert installed == __version__
+
+
+def test_public_names_resolve_lazily():
+    assert set(lightning_het.__all__) <= set(dir(lightning_het))
+    for name in lightning_het.__all__:
+        assert getattr(lightning_het, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = lightning_het.nope

@@ -1,0 +1,241 @@
+"""SIGTERM / SIGUSR1: the replicas agree at the next step boundary, rank 0 saves, all exit 143 (docs/preemption.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_het import HeterogeneousStrategy
+from lightning_het.preemption import (
+    PREEMPTION_EXIT_CODE,
+    Preempted,
+    PreemptionHandler,
+    _ShieldedWorkerInit,
+    default_checkpoint_path,
+    shield_loader_workers,
+)
+from tests.helpers.jobs import REPO, group_members, job_env, run_helper
+
+BASE = {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 2, "n": 80, "batch_size": 4}  # 10 steps per epoch
+
+
+# ---------------------------------------------------------------------------------------------------- in process
+def test_preempted_exits_143_and_is_lightnings_sigterm_exception():
+    err = Preempted("/x/last.ckpt", [0, 15])
+    assert isinstance(err, SIGTERMException) and isinstance(err, SystemExit)
+    assert err.code == PREEMPTION_EXIT_CODE == 143 and err.signals == [0, 15]
+
+
+@pytest.mark.parametrize("grace", [0, -1, float("nan"), "25", True])
+def test_bad_grace(grace):
+    with pytest.raises(ValueError, match=r"Expected argument `preemption_grace` to be finite seconds > 0"):
+        HeterogeneousStrategy(preemption_grace=grace)
+
+
+def test_default_checkpoint_path(tmp_path):
+    plain = SimpleNamespace(checkpoint_callbacks=[], default_root_dir=str(tmp_path))
+    assert default_checkpoint_path(plain) == str(tmp_path / "checkpoints" / "last.ckpt")
+    with_callback = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(tmp_path / "ck")], default_root_dir="/")
+    assert default_checkpoint_path(with_callback) == str(tmp_path / "ck" / "last.ckpt")
+
+
+def test_the_apps_strategy_schema_passes_the_preemption_keywords():
+    from lightning_het.app.config import StrategyConfig
+
+    strategy = HeterogeneousStrategy(**StrategyConfig(preemption_checkpoint="ck/", preemption_grace=5).to_kwargs())
+    assert strategy._preemption_grace == 5.0 and strategy._preemption_checkpoint == "ck/"
+
+
+class _SignalDisposition(Dataset):
+    """Each item: whether SIGTERM and SIGUSR1 are ignored in the process that loads it."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGUSR1)]
+        return torch.tensor([*ignored, os.environ.get("INNER_RAN") == "1"])
+
+
+def _inner(worker_id: int) -> None:
+    os.environ["INNER_RAN"] = "1"
+
+
+def test_loader_workers_ignore_the_preemption_signals_and_keep_their_init_fn():
+    loader = DataLoader(_SignalDisposition(), batch_size=2, num_workers=1, worker_init_fn=_inner)
+    assert shield_loader_workers(loader, rank=0) is loader
+    wrapped = loader.worker_init_fn
+    assert isinstance(wrapped, _ShieldedWorkerInit) and wrapped.inner is _inner
+    shield_loader_workers(loader, rank=0)
+    assert loader.worker_init_fn is wrapped  # not wrapped twice
+    pickle.dumps(wrapped)  # spawn/forkserver workers receive it pickled
+    assert next(iter(loader)).tolist() == [[True, True, True], [True, True, True]]
+    no_workers = DataLoader(_SignalDisposition())
+    assert shield_loader_workers(no_workers, rank=0).worker_init_fn is None
+
+
+class _Exits:
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+@pytest.mark.parametrize(("fitting", "grace", "signum"), [(True, 0.3, signal.SIGTERM), (False, 30.0, signal.SIGUSR1)])
+def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, signum):
+    """The C-level wakeup pipe notices the signal; the deadline ends the replica with 143 after `grace` (in fit) or
+    at once (outside fit); the previous handlers come back afterwards."""
+    previous = signal.getsignal(signum)
+    exits = _Exits()
+    handler = PreemptionHandler(grace, exit=exits, fast_exit=False)
+    handler.install(rank=0, world_size=1, fitting=fitting)
+    try:
+        started = time.monotonic()
+        os.kill(os.getpid(), signum)
+        assert exits.done.wait(10), "the deadline never fired"
+        assert exits.codes == [PREEMPTION_EXIT_CODE] and handler.received == signum
+        assert grace <= time.monotonic() - started < grace + 5 if fitting else time.monotonic() - started < 5
+        assert handler.agree(torch.device("cpu")) == [signum]  # one replica: no collective
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signum) == previous
+
+
+# ---------------------------------------------------------------------------------------------------- real jobs
+@dataclass
+class Stopped:
+    returncode: int
+    output: str
+    seconds: float  # from the signal until the last process holding the job's output ended
+    survivors: list[int] = field(default_factory=list)
+
+
+def _signal_job(out: Path, cfg: dict, *, target: str = "group", signum: int = signal.SIGTERM, wait_for: str = "ready",
+                limit: float = 240) -> Stopped:  # fmt: skip
+    """Start ``run_preempt`` in its own session, wait until it wrote ``{wait_for}{r}`` (every rank for "ready", rank
+    1 otherwise), send ``signum`` to the process group, the launcher (rank 0) or replica 1, and wait for the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.run_preempt", str(out), json.dumps(cfg)],
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    try:
+        markers = [out / f"{wait_for}{r}" for r in ((0, 1) if wait_for == "ready" else (1,))]
+        deadline = time.monotonic() + limit
+        while not all(m.exists() for m in markers):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                reader.join(5)
+                raise AssertionError(f"the job never reached its markers (status {proc.poll()}):\n{''.join(output)}")
+            time.sleep(0.02)
+        sent = time.monotonic()
+        if target == "group":
+            os.killpg(proc.pid, signum)
+        elif target == "launcher":
+            os.kill(proc.pid, signum)
+        else:
+            os.kill(int((out / "ready1").read_text()), signum)
+        reader.join(60)
+        assert not reader.is_alive(), "the job still holds its output 60 s after the signal"
+        seconds = time.monotonic() - sent
+        proc.wait(5)
+        end = time.monotonic() + 3
+        while group_members(proc.pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        return Stopped(proc.returncode, "".join(output), seconds, group_members(proc.pid))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path)["state_dict"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly(tmp_path):
+    (tmp_path / "full").mkdir()
+    full = run_helper("tests.helpers.run_preempt", tmp_path / "full", BASE)
+    assert full.returncode == 0, full.output[-4000:]
+
+    cfg = {**BASE, "step_cost": 0.02, "ready_step": 12, "num_workers": 1}  # signal in the middle of epoch 1
+    stopped = _signal_job(tmp_path / "pre", cfg)
+    assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
+    assert stopped.seconds < 30 and stopped.survivors == []
+    assert "launched replicas ended with [143]" in stopped.output  # replica 1 too
+    ckpt = tmp_path / "pre" / "checkpoints" / "last.ckpt"  # no ModelCheckpoint: <default_root_dir>/checkpoints
+    assert re.search(r"lightning_het preemption: replica\(s\) \[0, 1\] received SIGTERM; all 2 replica\(s\) stopped"
+                     rf" after global step 1\d \(epoch 1\); saved {re.escape(str(ckpt))}", stopped.output)  # fmt: skip
+    assert ckpt.exists() and not list((tmp_path / "pre" / "checkpoints").glob("*.tmp"))
+    assert not list((tmp_path / "pre").glob("rank*.pt"))  # nobody trained on to the end
+    saved = torch.load(ckpt, weights_only=True)
+    assert 12 <= saved["global_step"] < 20
+    sampler = saved["lightning_het"]["sampler"]
+    assert sampler["epoch"] == 1 and sampler["steps_done"] == saved["global_step"] - 10
+    assert "DataLoader worker" not in stopped.output  # the workers were not killed by the signal
+
+    (tmp_path / "resumed").mkdir()
+    resumed = run_helper("tests.helpers.run_preempt", tmp_path / "resumed", {**BASE, "resume": str(ckpt)})
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    for rank in range(2):
+        expected = _weights(tmp_path / "full" / f"rank{rank}.pt")
+        got = torch.load(tmp_path / "resumed" / f"rank{rank}.pt")
+        assert got["global_step"] == 20
+        assert len(got["seen_batch_sizes"]) == 20 - saved["global_step"]
+        for name, value in expected.items():
+            assert torch.allclose(got["state_dict"][name], value, rtol=1e-6, atol=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "signame"), [("launcher", "SIGTERM"), ("replica", "SIGUSR1")])
+def test_a_signal_to_one_process_stops_every_replica(tmp_path, target, signame):
+    """SIGTERM to the launching process (rank 0) only, or SLURM's SIGUSR1 to replica 1 only: all replicas agree, the
+    checkpoint goes where the user's ModelCheckpoint writes."""
+    cfg = {**BASE, "step_cost": 0.01, "ready_step": 3, "ckpt_dir": str(tmp_path / "ck")}
+    stopped = _signal_job(tmp_path / "job", cfg, target=target, signum=getattr(signal, signame))
+    assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
+    assert stopped.seconds < 30 and stopped.survivors == []
+    who = 0 if target == "launcher" else 1
+    assert f"replica(s) [{who}] received {signame}" in stopped.output
+    assert "launched replicas ended with [143]" in stopped.output
+    assert (tmp_path / "ck" / "last.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_a_stuck_replica_does_not_keep_the_others_alive(tmp_path):
+    """Replica 1 never reaches the step boundary (replica 0 waits for it in the gradient all-reduce): both end with
+    143 once `preemption_grace` has passed, and nothing is left."""
+    cfg = {**BASE, "strategy": {"speeds": [1, 3], "preemption_grace": 3}, "stuck_rank": 1, "stuck_step": 2}
+    stopped = _signal_job(tmp_path / "job", cfg, wait_for="stuck")
+    assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
+    assert 3 <= stopped.seconds < 20 and stopped.survivors == []
+    assert "did not end within preemption_grace=3 s" in stopped.output
+    assert not (tmp_path / "job" / "checkpoints" / "last.ckpt").exists()

@@ -1,0 +1,172 @@
+"""Profiling: any training loader, manual optimization, local-only timing, no trace left, and the speed cache."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_het import HeterogeneousStrategy
+from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings, stage_sizes
+from tests.helpers.tiny import TinyRegressor, make_dataset
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its ``step`` calls (a count that no state restore can hide)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        return super().step(closure)
+
+
+class Recorder(TinyRegressor):
+    """Records, when training starts (after profiling), everything profiling could have disturbed."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__(manual=manual)
+        self.train_mean = torchmetrics.MeanMetric()
+        self.seen: dict = {}
+
+    def training_step(self, batch, batch_idx):
+        self.train_mean.update(batch[1].mean())
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return CountingSGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def on_train_start(self) -> None:
+        opt = self.optimizers().optimizer
+        self.seen = {
+            "weights": {k: v.clone() for k, v in self.net.state_dict().items()},
+            "optimizer": repr(opt.state_dict()),
+            "optimizer_steps": opt.calls,
+            "metric_updates": self.train_mean._update_count,
+            "metric_value": self.train_mean.mean_value.clone(),
+            "rng": torch.rand(3),
+            "comm": dict(self.trainer.strategy.comm_stats),
+            "global_step": self.trainer.global_step,
+        }
+
+
+def _fit(speeds, manual: bool, **strategy_kwargs) -> tuple[dict, HeterogeneousStrategy]:
+    pl.seed_everything(5)
+    model = Recorder(manual)
+    strategy = HeterogeneousStrategy(speeds=speeds, process_group_backend="gloo", **strategy_kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(make_dataset(48), batch_size=12, shuffle=True))
+    return model.seen, strategy
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_profiling_leaves_weights_optimizer_rng_comm_and_metrics_unchanged(manual: bool) -> None:
+    profiled, strategy = _fit(None, manual)
+    given, _ = _fit([1.0], manual)
+    assert strategy.cost_model is not None and strategy.profile_seconds > 0
+    assert profiled["optimizer_steps"] == 0  # the user's opt.step() never ran while profiling
+    assert profiled["metric_updates"] == 0 and float(profiled["metric_value"]) == 0.0
+    assert profiled["global_step"] == 0
+    for key in ("weights",):
+        assert all(torch.equal(profiled[key][k], given[key][k]) for k in given[key])
+    for key in ("optimizer", "comm", "metric_updates"):
+        assert profiled[key] == given[key]
+    assert torch.equal(profiled["rng"], given["rng"])
+
+
+def _slow_job(tiny_job, loader: dict | None = None, manual: bool = False, batch_size: int = 16) -> list[dict]:
+    cfg = {
+        "devices": 2,
+        "strategy": "heterogeneous",
+        "epochs": 1,
+        "n": 64,
+        "batch_size": batch_size,
+        "module": {"cost_per_sample_s": 0.003, "slow_factor": 3.0, "slow_rank": 1, "manual": manual},
+        "loader": loader or {},
+    }
+    dumps, _ = tiny_job(cfg)
+    return dumps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "loader",
+    [{"num_workers": 1}, {"num_workers": 2, "persistent_workers": True, "pin_memory": True, "prefetch_factor": 3}],
+    ids=["workers1", "workers2-persistent"],
+)
+def test_loaders_with_workers_profile_and_balance(tiny_job, loader: dict) -> None:
+    dumps = _slow_job(tiny_job, loader)
+    sizes = dumps[0]["batch_sizes"]
+    assert sum(sizes) == 32 and 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
+    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
+
+
+@pytest.mark.slow
+def test_manual_optimization_profiles_the_slow_replica(tiny_job) -> None:
+    dumps = _slow_job(tiny_job, manual=True, batch_size=4)
+    sizes = dumps[0]["batch_sizes"]
+    assert sum(sizes) == 8 and sizes[0] >= 5, sizes  # 3x slower rank 1: 6 of 8 on rank 0 when balanced
+    costs = [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]]
+    assert costs[1].per_sample_s / costs[0].per_sample_s == pytest.approx(3.0, rel=0.4)
+
+
+def test_stage_sizes_grow_and_respect_bounds() -> None:
+    small, large = stage_sizes(48, [1.0, 2.0, 4.0])
+    assert sum(small) == 12 and sum(large) == 24
+    assert all(lg > sm for sm, lg in zip(small, large))
+    small, large = stage_sizes(8, [1.0, 3.0], max_batch_sizes=[1, 8])
+    assert small[0] == large[0] == 1 and large[1] > small[1]
+
+
+def test_fit_stage_timings_uses_the_fastest_step_of_each_stage() -> None:
+    slow_first = [StepTiming(0.0, 1.0), StepTiming(0.0, 0.03)]
+    cost = fit_stage_timings([(4, slow_first), (8, [StepTiming(0.0, 0.05), StepTiming(0.0, 0.051)])])
+    assert cost.fixed_s == pytest.approx(0.01) and cost.per_sample_s == pytest.approx(0.005)
+
+
+class TestProfileCache:
+    def test_round_trip_and_key_mismatch(self, tmp_path) -> None:
+        cache = ProfileCache(tmp_path / "c")
+        assert cache.get("k") is None
+        cache.put("k", AffineCost(0.01, 0.002))
+        assert cache.get("k") == AffineCost(0.01, 0.002)
+        assert cache.get("other") is None
+
+    def test_key_depends_on_what_sets_the_speed(self) -> None:
+        cpu = torch.device("cpu")
+        sample = (torch.zeros(4), torch.zeros(1))
+        base = cache_key(TinyRegressor(), cpu, sample, slowdown=1.0)
+        assert base == cache_key(TinyRegressor(), cpu, (torch.ones(4), torch.ones(1)), slowdown=1.0)
+        assert base != cache_key(TinyRegressor(), cpu, (torch.zeros(5), torch.zeros(1)), slowdown=1.0)
+        assert base != cache_key(TinyRegressor(), cpu, sample, slowdown=2.0)
+        wider = TinyRegressor()
+        wider.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        assert base != cache_key(wider, cpu, sample, slowdown=1.0)
+
+    def test_second_fit_skips_profiling(self, tmp_path) -> None:
+        _, first = _fit(None, False, profile_cache=str(tmp_path))
+        _, second = _fit(None, False, profile_cache=str(tmp_path))
+        assert not first.balance_report()["profile_cached"]
+        assert second.balance_report()["profile_cached"]
+        assert second.cost_model == first.cost_model
+        _, off = _fit(None, False, profile_cache=None)
+        assert not off.balance_report()["profile_cached"]
+
+    def test_invalid_argument(self) -> None:
+        with pytest.raises(ValueError, match="profile_cache"):
+            HeterogeneousStrategy(profile_cache=3)
