@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -14,19 +15,20 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset
+from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het.accelerators import (
@@ -59,6 +61,14 @@ from lightning_het.checkpointing import (
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.devices import DeviceMapArg, DevicePlan
+from lightning_het.loaders import (
+    as_batch_size,
+    batch_sampler_error,
+    loader_batch_size,
+    lost_batch_sampler,
+    rebuild_loader,
+    training_order,
+)
 from lightning_het.preemption import (
     DEFAULT_GRACE,
     PreemptionHandler,
@@ -91,9 +101,13 @@ _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANI
 def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
         raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
-    return value
+    return number
 
 
 def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
@@ -312,6 +326,8 @@ class HeterogeneousStrategyBase:
         self._cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
         self._profile_seconds = 0.0
         self._eval_weights_used: list[float] | None = None
+        self._train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
+        self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
         self._rebalance_every_n_epochs = _positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
         self._rebalance_threshold = _threshold("rebalance_threshold", rebalance_threshold)
@@ -573,10 +589,49 @@ class HeterogeneousStrategyBase:
                 self._comm_controller.synchronize(self._lightning_module.parameters())
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """All-reduce ``tensor``; an integer tensor under a mean is reduced as ``float64`` instead of in place.
+
+        Lightning's epoch-level ``self.log(..., sync_dist=True, batch_size=...)`` mean-reduces its integer
+        batch-size accumulator; DDP's in-place division would truncate it (e.g. ``(10 + 31) / 2 -> 20``), and with
+        uneven shares every epoch metric would be off. The weighted value and the sample count are then both exact.
+        """
+        if isinstance(tensor, Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
+            op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+            if op in ("mean", "avg", ReduceOp.AVG):
+                tensor = tensor.to(torch.float64)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @property
+    def _train_min_batch_size(self) -> int:
+        """Fewest training samples per replica and step: ``min_batch_size``, and 2 where batch norm trains per
+        replica (one sample has no batch statistics)."""
+        return max(self._min_batch_size, 2 if self._batchnorm_layers else 1)
+
+    def _check_batchnorm(self) -> None:
+        """Find batch norm layers that normalise per replica (no ``sync_batchnorm``) and warn once, naming them."""
+        module = self._lightning_module
+        self._batchnorm_layers = [
+            name
+            for name, layer in (module.named_modules() if module is not None else [])
+            if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm)
+        ]
+        if self._batchnorm_layers and self.world_size > 1:
+            shown = ", ".join(self._batchnorm_layers[:5]) + (", ..." if len(self._batchnorm_layers) > 5 else "")
+            rank_zero_warn(
+                f"The model has {len(self._batchnorm_layers)} batch norm layer(s) ({shown}) that normalise each"
+                " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
+                " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
+                " `Trainer(sync_batchnorm=True)` for global batch statistics."
+            )
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
+            self._train_sampler = None
         super().setup(trainer)
+        self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -588,6 +643,7 @@ class HeterogeneousStrategyBase:
         detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
         self._preemption = None
         self._resume_record = None
+        self._train_sampler = None
         super().teardown()
 
     def _end_watch(self) -> None:
@@ -643,42 +699,20 @@ class HeterogeneousStrategyBase:
             return self._split_eval_loader(dataloader)
         return dataloader
 
-    def _training_order(self, dataloader: DataLoader) -> tuple[bool, int]:
-        """(shuffle, seed) of the single-process order the global batches are cut from."""
-        sampler = dataloader.sampler
-        default_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        if type(dataloader.batch_sampler) is not BatchSampler and dataloader.batch_sampler is not None:
-            raise ValueError(
-                f"The training DataLoader uses a custom batch sampler ({type(dataloader.batch_sampler).__name__}),"
-                " which HeterogeneousStrategy cannot re-split into per-replica batch sizes. HINT: use a plain"
-                " `batch_size=` DataLoader, or a `ProportionalDistributedSampler` of your own."
-            )
-        if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
-            return bool(sampler.shuffle), int(sampler.seed)
-        if isinstance(sampler, RandomSampler):
-            return True, default_seed
-        if isinstance(sampler, SequentialSampler):
-            return False, default_seed
-        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
-        name = type(inner if inner is not None else sampler).__name__
-        raise ValueError(
-            f"The training DataLoader's sampler is a {name}; HeterogeneousStrategy can only re-split"
-            " loaders with a sequential or random order (or a ProportionalDistributedSampler). HINT: move the custom"
-            " sampling into the Dataset."
-        )
-
     def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
         if self._global_batch_size_arg is not None:
             return self._global_batch_size_arg
         datamodule_value = getattr(trainer.datamodule, "global_batch_size", None) if trainer.datamodule else None
-        if isinstance(datamodule_value, int) and datamodule_value > 0:
-            return datamodule_value
-        if dataloader.batch_size is None:
+        if as_batch_size(datamodule_value) is not None:  # int or NumPy integer
+            return int(as_batch_size(datamodule_value))  # type: ignore[arg-type]
+        per_replica = loader_batch_size(dataloader)
+        if per_replica is None:
             raise ValueError(
-                "The training DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
-                " `HeterogeneousStrategy(global_batch_size=...)`."
+                "The training DataLoader has no `batch_size` (built with `batch_size=None`), so the global batch cannot"
+                " be inferred. HINT: pass `HeterogeneousStrategy(global_batch_size=...)`, or give the DataLoader a"
+                " `batch_size`."
             )
-        return dataloader.batch_size * self.world_size
+        return per_replica * self.world_size
 
     def _split_training_loader(self, dataloader: DataLoader, trainer: pl.Trainer) -> DataLoader:
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
@@ -694,27 +728,46 @@ class HeterogeneousStrategyBase:
                 )
             apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
             self._resume_record = None
+            self._train_sampler = sampler
             return dataloader
-        shuffle, seed = self._training_order(dataloader)
+        if lost_batch_sampler(dataloader):  # `batch_sampler=` that Lightning's sampler injection dropped
+            raise batch_sampler_error("given as `batch_sampler=`")
+        order = training_order(dataloader)
         dataset = dataloader.dataset
         global_batch = self._resolve_global_batch_size(dataloader, trainer)
-        if len(dataset) < global_batch:
+        length = len(order.sampler) if order.sampler is not None else len(dataset)
+        if length < global_batch:
             raise ValueError(
-                f"The training dataset holds {len(dataset)} samples, fewer than one global batch of {global_batch}"
+                f"The training dataset holds {length} samples, fewer than one global batch of {global_batch}"
                 f" (global_batch_size={global_batch}, {self.world_size} replicas): no step could run. HINT: lower"
                 " `global_batch_size` or use more data."
             )
         if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
-            self._allocate(dataloader, global_batch, shuffle, seed)
+            self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
         assert self._batch_sizes is not None
         sampler = ProportionalDistributedSampler(
-            dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed
+            dataset,
+            self._batch_sizes,
+            self.global_rank,
+            shuffle=order.shuffle,
+            seed=order.seed,
+            drop_last=order.drop_last,
+            min_batch_size=self._train_min_batch_size,
+            order_sampler=order.sampler,
         )
+        if sampler.dropped_per_epoch and not order.drop_last:
+            rank_zero_warn(
+                f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
+                f" few for a last global batch over {self.world_size} replicas (at least"
+                f" {self._train_min_batch_size} each) and are not trained. HINT: choose `global_batch_size` so that"
+                " the remainder of the dataset size is 0 or at least that many."
+            )
         # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator (#7)
         apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
         self._resume_record = None
+        self._train_sampler = sampler
         self._reset_cached_eval_loaders(trainer)
-        return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+        return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
     def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
         if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
@@ -724,7 +777,14 @@ class HeterogeneousStrategyBase:
         weights = self._eval_weights()
         self._eval_weights_used = weights
         sampler = UnpaddedDistributedSampler(dataloader.dataset, weights, self.global_rank)
-        return _rebuild_loader(dataloader, sampler, dataloader.batch_size or 1, drop_last=dataloader.drop_last)
+        if sampler.repeats > 1:
+            rank_zero_warn(
+                f"HeterogeneousStrategy: the evaluation set holds {len(dataloader.dataset)} sample(s), fewer than the"
+                f" {self.world_size} replicas; every replica needs one, so the set is evaluated {sampler.repeats}"
+                " times over (each sample equally often): means and accuracies are exact, summed values are"
+                f" {sampler.repeats} times larger. HINT: evaluate at least one sample per replica."
+            )
+        return rebuild_loader(dataloader, sampler, dataloader.batch_size or 1, drop_last=dataloader.drop_last)
 
     def _eval_weights(self) -> list[float]:
         if self._batch_sizes is not None:
@@ -740,9 +800,11 @@ class HeterogeneousStrategyBase:
             val_loop._combined_loader = None
 
     # ------------------------------------------------------------------ allocation
-    def _allocate(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> None:
+    def _allocate(
+        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
+    ) -> None:
         world = self.world_size
-        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._speeds_arg)  # (#7)
         if resume.speeds is not None or self._speeds_arg is not None:
@@ -751,7 +813,7 @@ class HeterogeneousStrategyBase:
             self._cost_model = None
             batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
-            costs = self._profile_costs(dataloader, global_batch, shuffle, seed)
+            costs = self._profile_costs(dataloader, global_batch, shuffle, seed, order_sampler)
             self._mark(Phase.BETWEEN_BATCHES)  # profiling over (#14)
             self._cost_model = costs
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
@@ -767,7 +829,7 @@ class HeterogeneousStrategyBase:
             costs,
             batch_sizes,
             device_labels(self),
-            min_batch_size=self._min_batch_size,
+            min_batch_size=self._train_min_batch_size,
             max_batch_sizes=self._max_batch_sizes,
         )
         if message is not None:
@@ -785,14 +847,16 @@ class HeterogeneousStrategyBase:
         if self._comm_controller is not None:
             self._comm_controller.set_batch_sizes(self._batch_sizes)
 
-    def _profile_costs(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> list[AffineCost]:
+    def _profile_costs(
+        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
+    ) -> list[AffineCost]:
         """Every replica's :class:`~lightning_het.balance.cost.AffineCost`: from the speed cache when every replica
         has an entry, else profiled (warm-up, then two timed stages; see :mod:`lightning_het.balance.profiling`)."""
         start = time.perf_counter()
         self._profile_seconds = 0.0
         self._profile_cached = False
         world, rank = self.world_size, self.global_rank
-        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
         cache, key = self._profile_cache_entry(dataloader)
         cached = cache.get(key) if cache is not None and key is not None else None
         if cache is not None:  # every replica must agree to skip profiling
@@ -807,13 +871,20 @@ class HeterogeneousStrategyBase:
             rough = [1.0] * world
             if self._profile_warmup:
                 # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
-                warm_sizes = [max(self._min_batch_size, 1, -(-b // 4)) for b in equal_split]
-                warm = self._time_local_steps(dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup)
+                warm_sizes = [max(self._train_min_batch_size, 1, -(-b // 4)) for b in equal_split]
+                warm = self._time_local_steps(
+                    dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, order=order_sampler
+                )
                 local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
                 rough = [r[0] for r in self._all_gather_floats([local])]
             small, large = stage_sizes(global_batch, rough, **bounds)
             stages = [
-                (sizes[rank], self._time_local_steps(dataloader, sizes, shuffle, seed, steps=self._profile_steps))
+                (
+                    sizes[rank],
+                    self._time_local_steps(
+                        dataloader, sizes, shuffle, seed, steps=self._profile_steps, order=order_sampler
+                    ),
+                )
                 for sizes in (small, large)
             ]
         cost = fit_stage_timings(stages)
@@ -829,9 +900,15 @@ class HeterogeneousStrategyBase:
         dist.all_gather(everyone, gathered)
         return [t.tolist() for t in everyone]
 
+    def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
+        """The module whose steps are profiled (``None`` before there is one) and the precision's name: what the
+        speed cache keys on besides the device and the data."""
+        return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
+
     def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
         """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
-        if self._profile_cache_arg in (None, False) or getattr(self, "_lightning_module", None) is None:
+        module, precision = self._profiled_module()
+        if self._profile_cache_arg in (None, False) or module is None:
             return None, None
         directory = ProfileCache.default_directory() if self._profile_cache_arg is True else self._profile_cache_arg
         cache = ProfileCache(directory)  # type: ignore[arg-type]
@@ -841,10 +918,10 @@ class HeterogeneousStrategyBase:
             return cache, None
         rank = self.global_rank
         key = cache_key(
-            self.lightning_module,
+            module,
             self.root_device,
             sample,
-            precision=type(self.precision_plugin).__name__,
+            precision=precision,
             slowdown=self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0,
             replicas_on_node=self.num_processes,
         )
@@ -871,19 +948,29 @@ class HeterogeneousStrategyBase:
             self._profiling = False
 
     def _time_local_steps(
-        self, dataloader: DataLoader, probe_sizes: list[int], shuffle: bool, seed: int, *, steps: int
+        self,
+        dataloader: DataLoader,
+        probe_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        *,
+        steps: int,
+        order: Any = None,
     ) -> list[StepTiming]:
-        """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode)."""
+        """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode);
+        ``order``: the user's sampler whose order the training batches are cut from."""
         self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
         rank = self.global_rank
-        sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
+        sampler = ProportionalDistributedSampler(
+            dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
+        )
         # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
         single_process = (
             {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "multiprocessing_context": None}
             if dataloader.num_workers > 0
             else {}
         )
-        probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
+        probe = rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
         return self._time_probe_steps(probe, steps)
 
     def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
@@ -994,7 +1081,7 @@ class HeterogeneousStrategyBase:
         clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation (#6)
         if clock is None:
             return super().training_step(*args, **kwargs)
-        clock.step_start(self._batch_sizes[self.global_rank] if self._batch_sizes else 0)
+        clock.step_start(self._step_batch_sizes()[self.global_rank] if self._batch_sizes else 0)
         output = super().training_step(*args, **kwargs)
         clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
@@ -1007,11 +1094,30 @@ class HeterogeneousStrategyBase:
         clock = self._monitor.clock if self._monitor is not None else None  # (#6)
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
-        scale = self._loss_scale
+        scale = self._step_loss_scale()
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         if clock is not None:
             clock.after_backward()
         return closure_loss
+
+    def _step_batch_sizes(self) -> list[int]:
+        """Per-replica samples of the global batch being trained now: the allocation, or the tail batch's split on
+        the last step of an epoch whose tail is trained (see :class:`ProportionalDistributedSampler`)."""
+        sampler, sizes = self._train_sampler, list(self._batch_sizes or [])
+        if sampler is None or sampler.tail_batch_sizes is None or list(sampler.batch_sizes) != sizes:
+            return sizes
+        module = self._lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is None:
+            return sizes
+        return sampler.step_batch_sizes(trainer.fit_loop.epoch_loop.batch_idx)  # 0-based step within the epoch
+
+    def _step_loss_scale(self) -> float:
+        """``W * b_r / B`` for the global batch being trained now (the tail batch has its own)."""
+        sizes = self._step_batch_sizes()
+        if not sizes or sizes == self._batch_sizes:
+            return self._loss_scale
+        return loss_scale(sizes, self.global_rank)
 
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
@@ -1035,18 +1141,3 @@ class _silenced_logging:
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _rebuild_loader(
-    dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, **overrides: Any
-) -> DataLoader:
-    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest."""
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
-    arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
-    replacements = {"batch_size": batch_size, "drop_last": False, **overrides}
-    if arg_names:
-        args = tuple(
-            replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)
-        )
-    kwargs.update(replacements)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

@@ -124,6 +124,26 @@ def test_one_replica_profiles_and_trains_like_one_process(package):
     assert "global batch 12" in strategy.balance_table()
 
 
+def test_speed_cache_skips_profiling_the_second_time(tmp_path):
+    dataset = make_dataset(40)
+    calls = []
+    for _ in range(2):
+        fabric, strategy, _net, model, _opt = _one_replica(global_batch_size=8, profile_cache=tmp_path)
+
+        def step(batch, model=model):
+            calls.append(len(batch[0]))
+            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+        strategy.profile_step = step
+        fabric.setup_dataloaders(DataLoader(dataset, batch_size=4, shuffle=True))
+        report = strategy.balance_report()
+        assert report["batch_sizes"] == [8]
+        if not report["profile_cached"]:
+            profiled_calls = len(calls)
+    assert report["profile_cached"] and profiled_calls > 0 and len(calls) == profiled_calls
+    assert any(tmp_path.iterdir())
+
+
 def test_eval_sampler_and_loaders_left_alone():
     fabric, strategy, *_ = _one_replica(speeds=[1.0])
     dataset = make_dataset(7)
@@ -131,6 +151,28 @@ def test_eval_sampler_and_loaders_left_alone():
     assert isinstance(val.sampler, UnpaddedDistributedSampler) and sum(len(x) for x, _ in val) == 7
     plain = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3), use_distributed_sampler=False)
     assert sum(len(x) for x, _ in plain) == 7
+
+
+def test_any_sampler_is_cut_into_global_batches():
+    """A WeightedRandomSampler (which Fabric wraps in its DistributedSamplerWrapper) gives the global batches' order."""
+    fabric, *_ = _one_replica(speeds=[1.0], global_batch_size=6)
+    dataset = make_dataset(30)
+    weights = torch.zeros(30)
+    weights[:10] = 1.0  # only the first ten samples can be drawn
+    sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=24, replacement=True)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3, sampler=sampler))
+    batches = [x for x, _ in loader]
+    assert [len(x) for x in batches] == [6] * 4
+    drawn = torch.cat(batches)
+    assert all(any(torch.equal(row, dataset.tensors[0][i]) for i in range(10)) for row in drawn)
+
+
+def test_a_second_training_split_is_refused():
+    fabric, strategy, *_ = _one_replica(speeds=[1.0])
+    fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
+    with pytest.raises(ValueError, match="eval_sampler"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(9), batch_size=8))
+    assert strategy.batch_sizes == [4]
 
 
 def test_profiling_needs_a_step_or_speeds():

@@ -593,7 +593,7 @@ class BalanceMonitor:
             times,
             threshold=self.threshold if self.threshold is not None else DEFAULT_THRESHOLD,
             min_gain=self.min_gain,
-            min_batch_size=strategy._min_batch_size,
+            min_batch_size=getattr(strategy, "_train_min_batch_size", strategy._min_batch_size),
             max_batch_sizes=strategy._max_batch_sizes,
             fixed_costs=[c.fixed_s for c in strategy.cost_model] if strategy.cost_model else None,
         )
