@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import operator
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -60,6 +62,7 @@ from lightning_het.checkpointing import (
     synchronize_before_save,
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+from lightning_het.comm.modes import CommChoice
 from lightning_het.devices import DeviceMapArg, DevicePlan
 from lightning_het.loaders import (
     as_batch_size,
@@ -94,8 +97,36 @@ __all__ = ["HeterogeneousStrategy"]
 
 log = logging.getLogger(__name__)
 
-CommMode = Literal["auto", "allreduce", "hierarchical", "node_local"]
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+class _ExitCleanup:
+    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
+
+    Lightning never destroys the process group (a script may fit again). Left alive until interpreter shutdown, torch
+    tears the group, its Gloo threads and the rendezvous store down during finalisation, in no particular order; a
+    thread object destroyed while still joinable then aborts the process ("terminate called without an active
+    exception", exit status -6) after a successful run. Destroying the group from an ``atexit`` handler, while the
+    interpreter is still whole, joins those threads in order. After a failed run the group may hold a collective that
+    never completes, so it is left alone (the watchdog ends such processes).
+    """
+
+    registered = False
+    clean = True
+
+    @classmethod
+    def register(cls) -> None:
+        if not cls.registered:
+            atexit.register(cls.run)
+            cls.registered = True
+
+    @classmethod
+    def run(cls) -> None:
+        if cls.clean and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # never turn a finished run into a failure at exit
+                log.debug("lightning-het: destroying the process group at exit failed: %s", err)
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
@@ -167,11 +198,13 @@ class _HeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _MultiProces
 
 
 class HeterogeneousStrategyBase:
-    """Data-parallel training where each replica's batch is proportional to its speed.
+    """Data-parallel training where each replica's batch is sized to its speed.
 
-    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas by
-    :func:`~lightning_het.allocate_batch_sizes` from their speeds (measured on the real training step unless given).
-    Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
+    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas so that
+    the slowest replica's step is as short as possible: by :func:`~lightning_het.balance.cost.allocate_affine` from each
+    replica's profiled cost per step (fixed seconds plus seconds per sample, measured on the real training step), or
+    in proportion to ``speeds`` when they are given (:func:`~lightning_het.allocate_batch_sizes`). See
+    ``docs/balancing.md``. Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
     ``loss_scale = W * b_r / B`` before backward, so DDP's mean all-reduce yields exactly the gradient of the mean loss
     over the global batch (see :func:`~lightning_het.balance.allocation.loss_scale`); the logged loss is not scaled.
 
@@ -196,11 +229,11 @@ class HeterogeneousStrategyBase:
             synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
         profile_steps: timed steps per profiling stage. Profiling fits each replica's cost per step,
             ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`), from two stages run back
-            to back at a quarter and at half of the global batch, split by the warm-up's rough speeds; the fastest
+            to back at an eighth and at half of the global batch, split by the warm-up's rough speeds; the fastest
             step of each stage counts. The global batch is then split to minimise the slowest replica's step
             (:func:`~lightning_het.balance.cost.allocate_affine`). Only the local step is timed: DDP's reducer is
             disarmed, no optimizer steps and no gradient is communicated (manual optimization too). Profiling costs
-            about ``profile_warmup`` quarter-size equal-split steps plus ``1.5 * profile_steps`` balanced steps.
+            about ``profile_warmup`` quarter-size equal-split steps plus ``0.625 * profile_steps`` balanced steps.
             See ``docs/balancing.md``.
         profile_warmup: untimed steps before the stages (each replica runs a quarter of its equal share of the global
             batch, at least ``min_batch_size``); their fastest step gives the rough speeds that size the stages. A
@@ -252,7 +285,7 @@ class HeterogeneousStrategyBase:
         min_batch_size: int = 1,
         max_batch_sizes: Sequence[int] | None = None,
         node_ids: Sequence[int] | None = None,
-        comm: CommMode = "auto",
+        comm: CommChoice = "auto",
         global_sync_every: int | None = None,
         emulate_slowdown: Sequence[float] | None = None,
         profile_steps: int = 2,
@@ -463,6 +496,7 @@ class HeterogeneousStrategyBase:
         # rendezvous of replicas that start slowly (#7)
         with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
             self._init_process_group()
+        _ExitCleanup.register()  # no "terminate called without an active exception" at interpreter exit
 
     def _init_process_group(self) -> None:
         """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
@@ -644,6 +678,7 @@ class HeterogeneousStrategyBase:
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
+        _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
 
     def _end_watch(self) -> None:
@@ -878,6 +913,8 @@ class HeterogeneousStrategyBase:
                 local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
                 rough = [r[0] for r in self._all_gather_floats([local])]
             small, large = stage_sizes(global_batch, rough, **bounds)
+            if sum(large) > len(dataloader.dataset):  # a dataset barely above one global batch: one stage size only
+                large = small
             stages = [
                 (
                     sizes[rank],

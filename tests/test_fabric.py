@@ -21,7 +21,7 @@ from tests.helpers.tiny import make_dataset, make_net, reference_weights
 def fabric_job(tmp_path):
     """Run tests/helpers/run_fabric.py with a JSON config; return the per-rank dumps."""
 
-    def _run(cfg: dict, *, timeout: float = 180):
+    def _run(cfg: dict, *, timeout: float = 360):
         result = run_job(["-m", "tests.helpers.run_fabric", str(tmp_path), json.dumps(cfg)], timeout=timeout)
         assert result.returncode == 0, result.stdout[-6000:]
         return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg.get("devices", 3))]
@@ -65,13 +65,13 @@ def test_registered_for_standalone_lightning_fabric():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"emulate_slowdown": [1.0]}, "need the Trainer"),
-        ({"rebalance_threshold": 1.2}, "need the Trainer"),
-        ({"preemption_grace": 5.0}, "need the Trainer"),
-        ({"profile_step": 3}, "profile_step"),
-        ({"comm": "ring"}, "comm"),
-        ({"speeds": [1.0, float("nan")]}, "speeds"),
-        ({"global_batch_size": 0}, "global_batch_size"),
+        pytest.param({"emulate_slowdown": [1.0]}, "need the Trainer", id="trainer-only-emulate"),
+        pytest.param({"rebalance_threshold": 1.2}, "need the Trainer", id="trainer-only-rebalance"),
+        pytest.param({"preemption_grace": 5.0}, "need the Trainer", id="trainer-only-preemption"),
+        pytest.param({"profile_step": 3}, "profile_step", id="profile-step-not-callable"),
+        pytest.param({"comm": "ring"}, "comm", id="comm-unknown"),
+        pytest.param({"speeds": [1.0, float("nan")]}, "speeds", id="speeds-nan"),
+        pytest.param({"global_batch_size": 0}, "global_batch_size", id="global-batch-size-zero"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -167,6 +167,14 @@ def test_any_sampler_is_cut_into_global_batches():
     assert all(any(torch.equal(row, dataset.tensors[0][i]) for i in range(10)) for row in drawn)
 
 
+def test_profiling_before_the_model_is_set_up_is_refused():
+    strategy = HeterogeneousFabricStrategy(profile_step=lambda batch: batch[0].sum(), process_group_backend="gloo")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\)"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
+
+
 def test_a_second_training_split_is_refused():
     fabric, strategy, *_ = _one_replica(speeds=[1.0])
     fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
@@ -253,6 +261,6 @@ def _documented_example() -> str:
 def test_documented_example_runs_as_written(tmp_path):
     script = tmp_path / "train_fabric.py"
     script.write_text(_documented_example())
-    result = run_job([str(script)], cwd=tmp_path, timeout=240)
+    result = run_job([str(script)], cwd=tmp_path, timeout=420)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "validation MSE" in result.stdout, result.stdout[-3000:]
