@@ -9,9 +9,9 @@ registration to run right after the module that needs it has finished executing:
   it; a ``Trainer`` cannot exist before that;
 * ``pytorch_lightning`` and ``lightning_fabric`` (the standalone packages, whose registries and class hierarchies are
   separate): likewise;
-* ``lightning_het.strategy``, ``lightning_het.fabric`` and the two compatibility modules: when one of them is imported
-  before Lightning (it imports Lightning while it is still executing, so the hooks above find it half-built), the
-  registration runs when that module is complete.
+* any ``lightning_het`` submodule: when one of them is imported before Lightning (it imports Lightning while it is
+  still executing, so the hooks above find it half-built and leave it), the registration runs when the outermost one
+  is complete.
 
 The registries: ``lightning.pytorch``'s (:class:`~lightning_het.HeterogeneousStrategy`), Lightning Fabric's
 (:class:`~lightning_het.HeterogeneousFabricStrategy`), and those of the standalone ``pytorch_lightning`` and
@@ -38,6 +38,10 @@ __all__ = ["after_import", "register", "register_on_import"]
 _lock = threading.RLock()
 #: module name -> callbacks to run once that module has finished executing
 _pending: dict[str, list[Callable[[], None]]] = {}
+#: this package's submodules: when one finishes executing, registration runs if nothing of the package is half-built
+_FAMILY = "lightning_het."
+#: the Lightning flavours whose registries we fill
+_FLAVOURS = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 
 def _is_loaded(name: str) -> bool:
@@ -68,6 +72,8 @@ class _RunAfterLoader(importlib.abc.Loader):
             )
         with _lock:
             callbacks = _pending.pop(self._name, [])
+        if self._name.startswith(_FAMILY):
+            callbacks.append(_when_settled)
         for callback in callbacks:
             try:
                 callback()
@@ -83,12 +89,12 @@ class _RunAfterLoader(importlib.abc.Loader):
 
 
 class _RunAfterFinder(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path`` while callbacks are pending; finds only the modules they wait for."""
+    """First on ``sys.meta_path``; finds only the modules that callbacks wait for, and this package's submodules."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _pending:
+        if fullname not in _pending and not fullname.startswith(_FAMILY):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -118,6 +124,19 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
                 sys.meta_path.insert(0, _finder)
             return
     callback()
+
+
+def _settled() -> bool:
+    """No submodule of this package is half-way through its own imports (so the strategy module can be imported
+    without meeting a half-built dependency, e.g. ``accelerators`` importing Lightning when it is imported first)."""
+    return all(_is_loaded(name) for name in list(sys.modules) if name.startswith(_FAMILY))
+
+
+def _when_settled() -> None:
+    """After a Lightning flavour or one of our modules has loaded: register once nothing of ours is half-built (the
+    outermost of our modules being imported calls this again when it is complete)."""
+    if _settled() and any(_is_loaded(flavour) for flavour in _FLAVOURS):
+        _register_all()
 
 
 def _ready(name: str) -> bool:
@@ -173,13 +192,8 @@ def register_on_import() -> None:
 
     Called by ``lightning_het/__init__.py``; imports nothing heavy itself.
     """
-    for module in (
-        "lightning_het.strategy",
-        "lightning_het.fabric",
-        "lightning_het._pl_compat",
-        "lightning_het._fabric_compat",
-        "lightning",
-        "pytorch_lightning",
-        "lightning_fabric",
-    ):
-        after_import(module, _register_all)
+    for flavour in _FLAVOURS:
+        after_import(flavour, _when_settled)
+    with _lock:
+        if _finder not in sys.meta_path:  # our own submodules report when they are complete (see _when_settled)
+            sys.meta_path.insert(0, _finder)

@@ -25,9 +25,9 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
 from lightning.pytorch.accelerators import Accelerator
 
+from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory
 from lightning_het.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 __all__ = [
@@ -230,10 +230,11 @@ def _check_precision(strategy: Any, plan: DevicePlan) -> None:
 
 
 def configure_devices(strategy: Any) -> DevicePlan | None:
-    """Resolve the accelerator's device map for this node; set ``parallel_devices`` and the process-group backend.
+    """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``.
 
     Called from the strategy's ``_configure_launcher`` at ``Trainer`` construction, in the launching process (and in
-    every ``popen`` child), before any worker starts. Returns ``None`` (and changes nothing) without a device map.
+    every ``popen`` child), before any worker starts. Returns the plan, whose ``backend`` the strategy adopts, or
+    ``None`` (and changes nothing) without a device map.
 
     Raises:
         ValueError: everything :func:`~lightning_het.devices.plan_devices` checks, and ``precision='16-mixed'`` with
@@ -249,12 +250,11 @@ def configure_devices(strategy: Any) -> DevicePlan | None:
         num_nodes=strategy.num_nodes,
         local_world_size=strategy.num_processes,
         cuda_device_count=torch.cuda.device_count(),  # NVML-based under Lightning: creates no CUDA context
-        requested_backend=strategy._process_group_backend,
+        requested_backend=strategy.process_group_backend,
         cpu_threads=accelerator.cpu_threads,
     )
     _check_precision(strategy, plan)
     strategy.parallel_devices = list(plan.local_devices)
-    strategy._process_group_backend = plan.backend
     log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")
     return plan
 

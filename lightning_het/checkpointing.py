@@ -304,7 +304,7 @@ def checkpoint_record(strategy: Any) -> dict[str, Any]:
         strategy.batch_sizes,
         strategy.speeds,
         strategy.node_ids,
-        profiled=getattr(strategy, "_speeds_arg", None) is None,
+        profiled=not strategy.speeds_given,
         sampler=sampler_state,
     )
 

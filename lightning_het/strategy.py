@@ -18,21 +18,18 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_het._compat import _BatchNorm, _init_dist_connection, _MultiProcessingLauncher, _register_ddp_comm_hook
 from lightning_het.accelerators import (
     apply_local_settings,
     configure_devices,
@@ -396,6 +393,11 @@ class HeterogeneousStrategyBase:
         return None if self._speeds is None else list(self._speeds)
 
     @property
+    def speeds_given(self) -> bool:
+        """Whether the user gave ``speeds`` (``False``: they are, or will be, profiled)."""
+        return self._speeds_arg is not None
+
+    @property
     def node_ids(self) -> list[int] | None:
         return None if self._node_ids is None else list(self._node_ids)
 
@@ -461,6 +463,8 @@ class HeterogeneousStrategyBase:
     @override
     def _configure_launcher(self) -> None:
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
+        if self._device_plan is not None:
+            self._process_group_backend = self._device_plan.backend
         self._validate_against_world()
         validate_launch_environment(self.num_nodes, self.cluster_environment)  # multi-node rendezvous vars (#7)
         super()._configure_launcher()

@@ -83,7 +83,7 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
     assert result.stdout.strip().endswith("ok")
 
 
-@pytest.mark.slow  # eight fresh interpreters importing Lightning
+@pytest.mark.slow  # nine fresh interpreters importing Lightning
 @pytest.mark.parametrize(
     "code",
     [
@@ -92,6 +92,7 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
         "from lightning_het.strategy import HeterogeneousStrategy; from lightning.pytorch.strategies import"
         " StrategyRegistry as R",
         "import lightning_het.hsi.model; from lightning.pytorch.strategies import StrategyRegistry as R",
+        "import lightning_het.accelerators; from lightning.pytorch.strategies import StrategyRegistry as R",
         "import lightning_het; import pytorch_lightning as P; R = P.strategies.StrategyRegistry",
         "import pytorch_lightning as P; import lightning_het; R = P.strategies.StrategyRegistry",
         "import lightning_het; from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
@@ -103,6 +104,7 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
         "lightning-first",
         "strategy-module",
         "hsi-module",
+        "dependency-module",
         "pl-after",
         "pl-before",
         "fabric",

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
+from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, fit_affine
 
