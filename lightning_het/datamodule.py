@@ -7,6 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_het.loaders import as_batch_size
+
 __all__ = ["HeterogeneousDataModule"]
 
 
@@ -40,10 +42,11 @@ class HeterogeneousDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        if as_batch_size(global_batch_size) is None:  # a Python or NumPy integer >= 1
             raise ValueError(
                 f"Expected argument `global_batch_size` to be a positive integer, got {global_batch_size!r}."
             )
+        global_batch_size = int(global_batch_size)
         if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
             raise ValueError(f"Expected argument `eval_batch_size` to be a positive integer, got {eval_batch_size!r}.")
         if not isinstance(num_workers, int) or num_workers < 0:

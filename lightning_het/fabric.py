@@ -39,8 +39,9 @@ from typing_extensions import override
 
 from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
 from lightning_het.comm.controller import resolve_comm_mode
+from lightning_het.loaders import rebuild_loader, training_order
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.strategy import HeterogeneousStrategyBase, _rebuild_loader
+from lightning_het.strategy import HeterogeneousStrategyBase
 from lightning_het.watchdog import relaxed_startup_timeout
 
 __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
@@ -62,6 +63,7 @@ FABRIC_KEYWORDS = frozenset(
         "comm_autotune_steps",
         "profile_steps",
         "profile_warmup",
+        "profile_cache",
         "startup_timeout",
     }
 )
@@ -109,6 +111,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             ``global_batch_size`` (default: the training loader's ``batch_size`` x world size), ``speeds``,
             ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``, ``global_sync_every``,
             ``comm_warmup_steps``, ``comm_autotune_steps``, ``profile_steps``, ``profile_warmup``,
+            ``profile_cache`` (the speed cache: when every replica finds its cost there, ``profile_step`` is not run),
             ``startup_timeout``; everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
@@ -225,6 +228,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             return self._adopt_sampler(dataloader, sampler)
         if type(sampler) is not DistributedSampler and not isinstance(sampler, self._sampler_wrapper_cls):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
+        if self._steps_per_epoch is not None:
+            # a second split could re-allocate, changing the loss scale under the first loader's batches
+            raise ValueError(
+                "HeterogeneousFabricStrategy has already split a training loader, and this loader would be split as"
+                " a second one (its sampler is Fabric's distributed sampler). HINT: set evaluation loaders up with"
+                " `sampler=strategy.eval_sampler(dataset)` (each sample on one replica) or with"
+                " `fabric.setup_dataloaders(loader, use_distributed_sampler=False)` (every replica reads it all)."
+            )
         return self._split_for_training(dataloader)
 
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
@@ -239,13 +250,19 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
                 f" {self._batch_sizes}. HINT: build it from `strategy.batch_sizes`."
             )
+        if sampler.tail_batch_sizes is not None:
+            raise ValueError(
+                f"The DataLoader's ProportionalDistributedSampler trains the tail as a last, smaller global batch"
+                f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
+                " HINT: build it with `drop_last=True`."
+            )
         self._adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
         self._steps_per_epoch = sampler.num_steps
         return dataloader
 
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
         """Allocate (profiling when needed) and rebuild the loader around this replica's proportional sampler."""
-        shuffle, seed = self._training_order(dataloader)
+        order = training_order(dataloader)
         global_batch = self._global_batch_size_arg
         if global_batch is None:
             if dataloader.batch_size is None:
@@ -255,13 +272,21 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 )
             global_batch = dataloader.batch_size * self.world_size
         if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
-            self._allocate(dataloader, global_batch, shuffle, seed)
+            self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
         assert self._batch_sizes is not None
+        # the tail is dropped under Fabric: its step would need its own loss scale, and the strategy cannot tell
+        # which of your steps it is
         sampler = ProportionalDistributedSampler(
-            dataloader.dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed
+            dataloader.dataset,
+            self._batch_sizes,
+            self.global_rank,
+            shuffle=order.shuffle,
+            seed=order.seed,
+            drop_last=True,
+            order_sampler=order.sampler,
         )
         self._steps_per_epoch = sampler.num_steps
-        return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+        return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
     # ------------------------------------------------------------------ profiling
     @override
@@ -302,6 +327,10 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             loss.backward()
         finally:
             wrappers._in_fabric_backward = previous
+
+    @override
+    def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
+        return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
 
     # ------------------------------------------------------------------ checkpoints and teardown
     @override

@@ -2,36 +2,92 @@
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Iterator, Sequence, Sized
+from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_het.balance.allocation import allocate_batch_sizes
 
-__all__ = ["ProportionalDistributedSampler", "UnpaddedDistributedSampler"]
+__all__ = ["ProportionalDistributedSampler", "UnpaddedDistributedSampler", "tail_batch_sizes"]
 
 
-def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
+def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any]:
     """The order in which one process would visit the dataset in ``epoch``: a permutation seeded by ``seed + epoch``."""
     if not shuffle:
-        return torch.arange(length)
+        return list(range(length))
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
-    return torch.randperm(length, generator=generator)
+    return torch.randperm(length, generator=generator).tolist()
+
+
+def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
+    """Everything ``sampler`` yields in one pass, drawn with random generators seeded by ``seed + epoch``.
+
+    The global torch, NumPy and ``random`` generators are seeded for the draw and restored afterwards, and a
+    ``generator`` attribute of the sampler (``RandomSampler``, ``WeightedRandomSampler``, ...) is replaced by a seeded
+    one for the draw; ``set_epoch(epoch)`` is called when the sampler has it. Every replica therefore draws the same
+    order, and the same again when a run resumes.
+    """
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + epoch)
+        random.seed(seed + epoch)
+        np.random.seed((seed + epoch) % 2**32)
+        own = hasattr(sampler, "generator")
+        saved = getattr(sampler, "generator", None)
+        try:
+            if own:
+                sampler.generator = torch.Generator().manual_seed(seed + epoch)  # type: ignore[attr-defined]
+            return list(iter(sampler))
+        finally:
+            if own:
+                sampler.generator = saved  # type: ignore[attr-defined]
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int = 1) -> list[int] | None:
+    """How the last, smaller global batch of ``tail`` samples is split: ``None`` when it is not trained.
+
+    The tail is split by the same rule as a whole global batch (largest remainder, in proportion to ``batch_sizes``,
+    which follow the speeds), with every replica getting at least ``min_batch_size`` and at most its whole-batch size
+    ``batch_sizes[r]`` (so a loader with ``batch_size=batch_sizes[r]`` cuts it as one batch). A tail smaller than
+    ``len(batch_sizes) * min_batch_size`` cannot give every replica a batch and is not trained (``None``).
+
+    >>> tail_batch_sizes(4, [2, 6])
+    [1, 3]
+    >>> tail_batch_sizes(1, [2, 6]) is None
+    True
+    """
+    sizes = [int(b) for b in batch_sizes]
+    floor = max(1, min(int(min_batch_size), min(sizes)))
+    if tail < len(sizes) * floor or tail <= 0:
+        return None
+    return allocate_batch_sizes(tail, [float(b) for b in sizes], min_batch_size=floor, max_batch_sizes=sizes)
 
 
 class ProportionalDistributedSampler(DistributedSampler):
     """Yields this replica's slice of every global batch, with per-replica batch sizes.
 
-    For a given ``seed`` and epoch, the dataset is permuted once (the same permutation on every replica, seeded with
-    ``seed + epoch``) and cut into global batches of ``B = sum(batch_sizes)`` samples. At step ``k`` replica ``r`` takes
-    the contiguous slice ``[k*B + o_r, k*B + o_r + b_r)`` where ``o_r = sum(batch_sizes[:r])``. Hence the union of the
-    replicas' batches at step ``k`` is exactly the ``k``-th batch that one process with ``batch_sizes=[B]`` would draw.
+    For a given ``seed`` and epoch, one global order is drawn (the same on every replica): a permutation seeded with
+    ``seed + epoch`` (``shuffle=True``), the dataset order (``shuffle=False``), or everything ``order_sampler`` yields
+    in one pass, drawn with seeded generators (see :func:`draw_sampler_order`). The order is cut into global batches of
+    ``B = sum(batch_sizes)`` samples. At step ``k`` replica ``r`` takes the contiguous slice
+    ``[k*B + o_r, k*B + o_r + b_r)`` where ``o_r = sum(batch_sizes[:r])``. Hence the union of the replicas' batches at
+    step ``k`` is exactly the ``k``-th batch that one process with ``batch_sizes=[B]`` would draw.
 
-    Every replica yields ``len(dataset) // B`` batches' worth of indices, so all replicas run the same number of
-    steps. The tail of ``len(dataset) % B`` samples that cannot fill a whole global batch is dropped (like
-    ``drop_last=True``); a new permutation each epoch means different samples are dropped each epoch.
+    **The tail.** The last ``N % B`` samples of the order (``N`` its length) form a last, smaller global batch, split
+    by :func:`tail_batch_sizes` (same rule, at least ``min_batch_size`` and at most ``b_r`` per replica): every
+    sample trains every epoch. With ``drop_last=True``, or when the tail is too small to give every replica
+    ``min_batch_size`` samples, it is dropped (a new permutation each epoch drops different samples). Either way every
+    replica yields the same number of batches, ``num_steps``.
 
     Use it with a ``DataLoader(batch_size=batch_sizes[rank], drop_last=False)``; the sampler already yields a whole
     number of batches. Subclasses :class:`~torch.utils.data.DistributedSampler` so that Lightning leaves it alone.
@@ -40,8 +96,13 @@ class ProportionalDistributedSampler(DistributedSampler):
         dataset: any sized dataset.
         batch_sizes: samples per step of each replica, indexed by global rank (all positive).
         rank: this replica's global rank.
-        shuffle: draw a new permutation every epoch (see :meth:`set_epoch`); otherwise keep the dataset order.
-        seed: base seed of the permutation; must be the same on every replica.
+        shuffle: draw a new permutation every epoch (see :meth:`set_epoch`); otherwise keep the dataset order. Ignored
+            when ``order_sampler`` is given.
+        seed: base seed of the order; must be the same on every replica.
+        drop_last: drop the tail instead of training it as a last, smaller global batch.
+        min_batch_size: fewest samples per replica in the tail batch (``2`` where batch norm trains per replica).
+        order_sampler: a sampler whose order is cut into global batches instead of a permutation (e.g. a
+            ``WeightedRandomSampler``); its indices are passed to ``dataset`` unchanged.
     """
 
     def __init__(
@@ -52,6 +113,9 @@ class ProportionalDistributedSampler(DistributedSampler):
         *,
         shuffle: bool = True,
         seed: int = 0,
+        drop_last: bool = False,
+        min_batch_size: int = 1,
+        order_sampler: Sampler | None = None,
     ) -> None:
         sizes = [int(b) for b in batch_sizes]
         if not sizes or any(b < 1 for b in sizes):
@@ -59,25 +123,35 @@ class ProportionalDistributedSampler(DistributedSampler):
         if not 0 <= rank < len(sizes):
             raise ValueError(f"Expected argument `rank` in [0, {len(sizes)}), but got {rank}.")
         global_batch = sum(sizes)
-        if len(dataset) < global_batch:
+        length = len(order_sampler) if order_sampler is not None else len(dataset)  # type: ignore[arg-type]
+        if length < global_batch:
+            what = (
+                "The dataset holds" if order_sampler is None else f"The sampler {type(order_sampler).__name__} yields"
+            )
             raise ValueError(
-                f"The dataset holds {len(dataset)} samples, fewer than one global batch of {global_batch}"
+                f"{what} {length} samples, fewer than one global batch of {global_batch}"
                 f" (batch_sizes={sizes}): no replica could run a single step. HINT: lower the global batch size"
                 " or use a larger dataset."
             )
         super().__init__(dataset, num_replicas=len(sizes), rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.batch_sizes = sizes
         self.global_batch_size = global_batch
+        self.order_sampler = order_sampler
+        self.order_length = length
         self.offset = sum(sizes[:rank])
-        self.num_steps = len(dataset) // global_batch
-        self.num_samples = self.num_steps * sizes[rank]
-        self.total_size = self.num_steps * global_batch
+        self.num_full_steps = length // global_batch
+        tail = length - self.num_full_steps * global_batch
+        self.tail_batch_sizes = None if drop_last else tail_batch_sizes(tail, sizes, min_batch_size)
+        self.dropped_per_epoch = tail if self.tail_batch_sizes is None else 0
+        self.num_steps = self.num_full_steps + (self.tail_batch_sizes is not None)
+        self.num_samples = self.num_full_steps * sizes[rank] + (self.tail_batch_sizes or [0] * len(sizes))[rank]
+        self.total_size = length - self.dropped_per_epoch
         self._skip: tuple[int, int] | None = None  # (epoch, global batches to skip), set by `resume`
 
     def resume(self, epoch: int, skip_steps: int) -> None:
         """Continue epoch ``epoch`` after its first ``skip_steps`` global batches (mid-epoch resume).
 
-        The next iteration of that epoch starts at global batch ``skip_steps`` of the same permutation (so it yields
+        The next iteration of that epoch starts at global batch ``skip_steps`` of the same order (so it yields
         ``num_steps - skip_steps`` batches); later epochs are whole. ``len()`` keeps counting the whole epoch, as
         Lightning's loop counters do.
         """
@@ -88,17 +162,36 @@ class ProportionalDistributedSampler(DistributedSampler):
 
     @property
     def local_batch_size(self) -> int:
-        """Samples per step on this replica."""
+        """Samples per step on this replica (whole global batches; the tail batch may be smaller)."""
         return self.batch_sizes[self.rank]
 
-    def __iter__(self) -> Iterator[int]:
-        order = _global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)[: self.total_size]
+    def step_batch_sizes(self, step: int) -> list[int]:
+        """Per-replica samples of global batch ``step`` (0-based, within an epoch): ``batch_sizes``, or the tail's."""
+        if step >= self.num_full_steps and self.tail_batch_sizes is not None:
+            return list(self.tail_batch_sizes)
+        return list(self.batch_sizes)
+
+    def global_order(self) -> list[Any]:
+        """The single-process order of the current epoch (all ``N`` indices, before cutting)."""
+        if self.order_sampler is not None:
+            return draw_sampler_order(self.order_sampler, self.seed, self.epoch)
+        return _global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)  # type: ignore[arg-type]
+
+    def epoch_batches(self, start: int = 0) -> list[list[Any]]:
+        """This replica's batches of the current epoch from global batch ``start`` on (the tail batch last)."""
+        order = self.global_order()
+        batch, steps = self.global_batch_size, []
+        for k in range(start, self.num_steps):
+            sizes = self.step_batch_sizes(k)
+            begin = k * batch + sum(sizes[: self.rank])
+            steps.append(order[begin : begin + sizes[self.rank]])
+        return steps
+
+    def __iter__(self) -> Iterator[Any]:
         start = 0
         if self._skip is not None and self._skip[0] == self.epoch:  # one-shot: the resumed epoch only
             start, self._skip = self._skip[1], None
-        steps = order.view(self.num_steps, self.global_batch_size)[start:]
-        mine = steps[:, self.offset : self.offset + self.local_batch_size]
-        return iter(mine.reshape(-1).tolist())
+        return iter([i for step in self.epoch_batches(start) for i in step])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -108,21 +201,30 @@ class UnpaddedDistributedSampler(DistributedSampler):
     """Evaluation sampler: each sample goes to exactly one replica, no padding, shares proportional to ``weights``.
 
     Replica ``r`` takes a contiguous block of the dataset in its original order, of size
-    ``allocate_batch_sizes(len(dataset), weights, min_batch_size=0)[r]``. Replicas may therefore run different
-    numbers of evaluation batches; that is safe as long as metrics are synchronised only at epoch end
-    (torchmetrics, or ``self.log(..., on_epoch=True, sync_dist=True)``).
+    ``allocate_batch_sizes(len(dataset), weights, min_batch_size=1)[r]``: every replica gets at least one sample, so
+    none has an empty loader (Lightning refuses those, and a replica without batches would skip the epoch-end metric
+    synchronisation). Replicas may run different numbers of evaluation batches; that is safe as long as metrics are
+    synchronised only at epoch end (torchmetrics, or ``self.log(..., on_epoch=True, sync_dist=True)``).
+
+    A dataset with fewer samples than replicas (``0 < N < W``) is repeated whole ``repeats = ceil(W / N)`` times
+    before it is split, so every sample is evaluated exactly ``repeats`` times: means, accuracies and other ratios of
+    sums are unchanged, plain sums are ``repeats`` times larger.
     """
 
     def __init__(self, dataset: Sized, weights: Sequence[float], rank: int) -> None:
         super().__init__(dataset, num_replicas=len(weights), rank=rank, shuffle=False, drop_last=False)
-        sizes = allocate_batch_sizes(len(dataset), weights, min_batch_size=0) if len(dataset) else [0] * len(weights)
+        n = len(dataset)
+        self.repeats = math.ceil(len(weights) / n) if 0 < n < len(weights) else 1
+        total = n * self.repeats
+        sizes = allocate_batch_sizes(total, weights, min_batch_size=1) if total else [0] * len(weights)
         self.shard_sizes = sizes
         self.start = sum(sizes[:rank])
         self.num_samples = sizes[rank]
-        self.total_size = len(dataset)
+        self.total_size = total
+        self._length = n
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.start + self.num_samples))
+        return iter(i % self._length for i in range(self.start, self.start + self.num_samples))
 
     def __len__(self) -> int:
         return self.num_samples

@@ -2,29 +2,35 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import operator
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset
+from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het.accelerators import (
@@ -56,7 +62,16 @@ from lightning_het.checkpointing import (
     synchronize_before_save,
 )
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+from lightning_het.comm.modes import CommChoice
 from lightning_het.devices import DeviceMapArg, DevicePlan
+from lightning_het.loaders import (
+    as_batch_size,
+    batch_sampler_error,
+    loader_batch_size,
+    lost_batch_sampler,
+    rebuild_loader,
+    training_order,
+)
 from lightning_het.preemption import (
     DEFAULT_GRACE,
     PreemptionHandler,
@@ -65,10 +80,13 @@ from lightning_het.preemption import (
     shield_loader_workers,
     validate_grace,
 )
+from lightning_het.rendezvous import create_store, keep_sockets_local
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
+    Phase,
     as_timeout,
+    attach_watchdog,
     relaxed_startup_timeout,
     start_watchdog,
     stop_watchdog,
@@ -79,16 +97,48 @@ __all__ = ["HeterogeneousStrategy"]
 
 log = logging.getLogger(__name__)
 
-CommMode = Literal["auto", "allreduce", "hierarchical", "node_local"]
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+class _ExitCleanup:
+    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
+
+    Lightning never destroys the process group (a script may fit again). Left alive until interpreter shutdown, torch
+    tears the group, its Gloo threads and the rendezvous store down during finalisation, in no particular order; a
+    thread object destroyed while still joinable then aborts the process ("terminate called without an active
+    exception", exit status -6) after a successful run. Destroying the group from an ``atexit`` handler, while the
+    interpreter is still whole, joins those threads in order. After a failed run the group may hold a collective that
+    never completes, so it is left alone (the watchdog ends such processes).
+    """
+
+    registered = False
+    clean = True
+
+    @classmethod
+    def register(cls) -> None:
+        if not cls.registered:
+            atexit.register(cls.run)
+            cls.registered = True
+
+    @classmethod
+    def run(cls) -> None:
+        if cls.clean and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # never turn a finished run into a failure at exit
+                log.debug("lightning-het: destroying the process group at exit failed: %s", err)
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
         raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
-    return value
+    return number
 
 
 def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
@@ -148,11 +198,13 @@ class _HeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _MultiProces
 
 
 class HeterogeneousStrategyBase:
-    """Data-parallel training where each replica's batch is proportional to its speed.
+    """Data-parallel training where each replica's batch is sized to its speed.
 
-    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas by
-    :func:`~lightning_het.allocate_batch_sizes` from their speeds (measured on the real training step unless given).
-    Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
+    Every optimizer step consumes one *global batch* of ``global_batch_size`` samples, split among the replicas so that
+    the slowest replica's step is as short as possible: by :func:`~lightning_het.balance.cost.allocate_affine` from each
+    replica's profiled cost per step (fixed seconds plus seconds per sample, measured on the real training step), or
+    in proportion to ``speeds`` when they are given (:func:`~lightning_het.allocate_batch_sizes`). See
+    ``docs/balancing.md``. Every replica runs the same number of steps per epoch. Each replica's loss is multiplied by
     ``loss_scale = W * b_r / B`` before backward, so DDP's mean all-reduce yields exactly the gradient of the mean loss
     over the global batch (see :func:`~lightning_het.balance.allocation.loss_scale`); the logged loss is not scaled.
 
@@ -177,11 +229,11 @@ class HeterogeneousStrategyBase:
             synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
         profile_steps: timed steps per profiling stage. Profiling fits each replica's cost per step,
             ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`), from two stages run back
-            to back at a quarter and at half of the global batch, split by the warm-up's rough speeds; the fastest
+            to back at an eighth and at half of the global batch, split by the warm-up's rough speeds; the fastest
             step of each stage counts. The global batch is then split to minimise the slowest replica's step
             (:func:`~lightning_het.balance.cost.allocate_affine`). Only the local step is timed: DDP's reducer is
             disarmed, no optimizer steps and no gradient is communicated (manual optimization too). Profiling costs
-            about ``profile_warmup`` quarter-size equal-split steps plus ``1.5 * profile_steps`` balanced steps.
+            about ``profile_warmup`` quarter-size equal-split steps plus ``0.625 * profile_steps`` balanced steps.
             See ``docs/balancing.md``.
         profile_warmup: untimed steps before the stages (each replica runs a quarter of its equal share of the global
             batch, at least ``min_batch_size``); their fastest step gives the rough speeds that size the stages. A
@@ -233,7 +285,7 @@ class HeterogeneousStrategyBase:
         min_batch_size: int = 1,
         max_batch_sizes: Sequence[int] | None = None,
         node_ids: Sequence[int] | None = None,
-        comm: CommMode = "auto",
+        comm: CommChoice = "auto",
         global_sync_every: int | None = None,
         emulate_slowdown: Sequence[float] | None = None,
         profile_steps: int = 2,
@@ -307,6 +359,8 @@ class HeterogeneousStrategyBase:
         self._cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
         self._profile_seconds = 0.0
         self._eval_weights_used: list[float] | None = None
+        self._train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
+        self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
         self._rebalance_every_n_epochs = _positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
         self._rebalance_threshold = _threshold("rebalance_threshold", rebalance_threshold)
@@ -412,19 +466,62 @@ class HeterogeneousStrategyBase:
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
+        elif isinstance(self, DDPStrategy):  # no orphans, end barrier, exit statuses 124/130, output dir check (#14)
+            from lightning_het.lifecycle import HeterogeneousScriptLauncher  # (imports lightning: not at module import)
+
+            assert self.cluster_environment is not None
+            self._launcher = HeterogeneousScriptLauncher(
+                self, self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
+        if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
+            self._watchdog = start_watchdog(self, self._trainer())
         self._node_ids = self._detect_node_ids()
+
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(getattr(self, "_lightning_module", None), "_trainer", None)
+
+    def _mark(self, phase: Phase) -> None:
+        """Tell the watchdog where this replica is (setup, profiling, ...)."""
+        if self._watchdog is not None:
+            self._watchdog.mark(phase)
 
     @override
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
         with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
-            super().setup_distributed()
+            self._init_process_group()
+        _ExitCleanup.register()  # no "terminate called without an active exception" at interpreter exit
+
+    def _init_process_group(self) -> None:
+        """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
+        interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.rendezvous`)."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized():
+            super().setup_distributed()  # torchrun's agent hosts the store
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        env = self.cluster_environment
+        keep_sockets_local(self.num_nodes)
+        timeout = self._timeout if self._timeout is not None else timedelta(minutes=30)
+        store = create_store(
+            master_addr=env.main_address,
+            port=env.main_port,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            timeout=timeout,
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(env, self._process_group_backend, **kwargs)
 
     def _detect_node_ids(self) -> list[int]:
         """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (#3)."""
@@ -526,23 +623,74 @@ class HeterogeneousStrategyBase:
                 self._comm_controller.synchronize(self._lightning_module.parameters())
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """All-reduce ``tensor``; an integer tensor under a mean is reduced as ``float64`` instead of in place.
+
+        Lightning's epoch-level ``self.log(..., sync_dist=True, batch_size=...)`` mean-reduces its integer
+        batch-size accumulator; DDP's in-place division would truncate it (e.g. ``(10 + 31) / 2 -> 20``), and with
+        uneven shares every epoch metric would be off. The weighted value and the sample count are then both exact.
+        """
+        if isinstance(tensor, Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
+            op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+            if op in ("mean", "avg", ReduceOp.AVG):
+                tensor = tensor.to(torch.float64)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @property
+    def _train_min_batch_size(self) -> int:
+        """Fewest training samples per replica and step: ``min_batch_size``, and 2 where batch norm trains per
+        replica (one sample has no batch statistics)."""
+        return max(self._min_batch_size, 2 if self._batchnorm_layers else 1)
+
+    def _check_batchnorm(self) -> None:
+        """Find batch norm layers that normalise per replica (no ``sync_batchnorm``) and warn once, naming them."""
+        module = self._lightning_module
+        self._batchnorm_layers = [
+            name
+            for name, layer in (module.named_modules() if module is not None else [])
+            if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm)
+        ]
+        if self._batchnorm_layers and self.world_size > 1:
+            shown = ", ".join(self._batchnorm_layers[:5]) + (", ..." if len(self._batchnorm_layers) > 5 else "")
+            rank_zero_warn(
+                f"The model has {len(self._batchnorm_layers)} batch norm layer(s) ({shown}) that normalise each"
+                " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
+                " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
+                " `Trainer(sync_batchnorm=True)` for global batch statistics."
+            )
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
+            self._train_sampler = None
         super().setup(trainer)
-        self._watchdog = start_watchdog(self, trainer)  # hung/dead replicas end the job (#7)
+        self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
+        attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
             self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
 
     @override
     def teardown(self) -> None:
-        stop_watchdog(self._watchdog, getattr(self._lightning_module, "_trainer", None))  # (#7)
-        self._watchdog = None
+        self._end_watch()  # (#7, #14)
         detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
         self._preemption = None
         self._resume_record = None
+        self._train_sampler = None
+        _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
+
+    def _end_watch(self) -> None:
+        """Teardown: after an exception, stop the watchdog (the exception goes to the caller); after a normal run,
+        keep it watching the end-of-run hooks until every replica has finished (the popen launcher waits for that)."""
+        trainer = self._trainer()
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        if interrupted or not getattr(self._launcher, "finishes_runs", False):
+            stop_watchdog(self._watchdog, trainer, finished=not interrupted)
+            self._watchdog = None
+        else:
+            self._mark(Phase.TEARDOWN)
 
     # ------------------------------------------------------------------ checkpoints (#7, docs/reliability.md)
     @override
@@ -586,42 +734,20 @@ class HeterogeneousStrategyBase:
             return self._split_eval_loader(dataloader)
         return dataloader
 
-    def _training_order(self, dataloader: DataLoader) -> tuple[bool, int]:
-        """(shuffle, seed) of the single-process order the global batches are cut from."""
-        sampler = dataloader.sampler
-        default_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        if type(dataloader.batch_sampler) is not BatchSampler and dataloader.batch_sampler is not None:
-            raise ValueError(
-                f"The training DataLoader uses a custom batch sampler ({type(dataloader.batch_sampler).__name__}),"
-                " which HeterogeneousStrategy cannot re-split into per-replica batch sizes. HINT: use a plain"
-                " `batch_size=` DataLoader, or a `ProportionalDistributedSampler` of your own."
-            )
-        if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
-            return bool(sampler.shuffle), int(sampler.seed)
-        if isinstance(sampler, RandomSampler):
-            return True, default_seed
-        if isinstance(sampler, SequentialSampler):
-            return False, default_seed
-        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
-        name = type(inner if inner is not None else sampler).__name__
-        raise ValueError(
-            f"The training DataLoader's sampler is a {name}; HeterogeneousStrategy can only re-split"
-            " loaders with a sequential or random order (or a ProportionalDistributedSampler). HINT: move the custom"
-            " sampling into the Dataset."
-        )
-
     def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
         if self._global_batch_size_arg is not None:
             return self._global_batch_size_arg
         datamodule_value = getattr(trainer.datamodule, "global_batch_size", None) if trainer.datamodule else None
-        if isinstance(datamodule_value, int) and datamodule_value > 0:
-            return datamodule_value
-        if dataloader.batch_size is None:
+        if as_batch_size(datamodule_value) is not None:  # int or NumPy integer
+            return int(as_batch_size(datamodule_value))  # type: ignore[arg-type]
+        per_replica = loader_batch_size(dataloader)
+        if per_replica is None:
             raise ValueError(
-                "The training DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
-                " `HeterogeneousStrategy(global_batch_size=...)`."
+                "The training DataLoader has no `batch_size` (built with `batch_size=None`), so the global batch cannot"
+                " be inferred. HINT: pass `HeterogeneousStrategy(global_batch_size=...)`, or give the DataLoader a"
+                " `batch_size`."
             )
-        return dataloader.batch_size * self.world_size
+        return per_replica * self.world_size
 
     def _split_training_loader(self, dataloader: DataLoader, trainer: pl.Trainer) -> DataLoader:
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
@@ -637,27 +763,46 @@ class HeterogeneousStrategyBase:
                 )
             apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
             self._resume_record = None
+            self._train_sampler = sampler
             return dataloader
-        shuffle, seed = self._training_order(dataloader)
+        if lost_batch_sampler(dataloader):  # `batch_sampler=` that Lightning's sampler injection dropped
+            raise batch_sampler_error("given as `batch_sampler=`")
+        order = training_order(dataloader)
         dataset = dataloader.dataset
         global_batch = self._resolve_global_batch_size(dataloader, trainer)
-        if len(dataset) < global_batch:
+        length = len(order.sampler) if order.sampler is not None else len(dataset)
+        if length < global_batch:
             raise ValueError(
-                f"The training dataset holds {len(dataset)} samples, fewer than one global batch of {global_batch}"
+                f"The training dataset holds {length} samples, fewer than one global batch of {global_batch}"
                 f" (global_batch_size={global_batch}, {self.world_size} replicas): no step could run. HINT: lower"
                 " `global_batch_size` or use more data."
             )
         if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
-            self._allocate(dataloader, global_batch, shuffle, seed)
+            self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
         assert self._batch_sizes is not None
         sampler = ProportionalDistributedSampler(
-            dataset, self._batch_sizes, self.global_rank, shuffle=shuffle, seed=seed
+            dataset,
+            self._batch_sizes,
+            self.global_rank,
+            shuffle=order.shuffle,
+            seed=order.seed,
+            drop_last=order.drop_last,
+            min_batch_size=self._train_min_batch_size,
+            order_sampler=order.sampler,
         )
+        if sampler.dropped_per_epoch and not order.drop_last:
+            rank_zero_warn(
+                f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
+                f" few for a last global batch over {self.world_size} replicas (at least"
+                f" {self._train_min_batch_size} each) and are not trained. HINT: choose `global_batch_size` so that"
+                " the remainder of the dataset size is 0 or at least that many."
+            )
         # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator (#7)
         apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
         self._resume_record = None
+        self._train_sampler = sampler
         self._reset_cached_eval_loaders(trainer)
-        return _rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+        return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
     def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
         if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
@@ -667,7 +812,14 @@ class HeterogeneousStrategyBase:
         weights = self._eval_weights()
         self._eval_weights_used = weights
         sampler = UnpaddedDistributedSampler(dataloader.dataset, weights, self.global_rank)
-        return _rebuild_loader(dataloader, sampler, dataloader.batch_size or 1, drop_last=dataloader.drop_last)
+        if sampler.repeats > 1:
+            rank_zero_warn(
+                f"HeterogeneousStrategy: the evaluation set holds {len(dataloader.dataset)} sample(s), fewer than the"
+                f" {self.world_size} replicas; every replica needs one, so the set is evaluated {sampler.repeats}"
+                " times over (each sample equally often): means and accuracies are exact, summed values are"
+                f" {sampler.repeats} times larger. HINT: evaluate at least one sample per replica."
+            )
+        return rebuild_loader(dataloader, sampler, dataloader.batch_size or 1, drop_last=dataloader.drop_last)
 
     def _eval_weights(self) -> list[float]:
         if self._batch_sizes is not None:
@@ -683,9 +835,11 @@ class HeterogeneousStrategyBase:
             val_loop._combined_loader = None
 
     # ------------------------------------------------------------------ allocation
-    def _allocate(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> None:
+    def _allocate(
+        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
+    ) -> None:
         world = self.world_size
-        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._speeds_arg)  # (#7)
         if resume.speeds is not None or self._speeds_arg is not None:
@@ -694,7 +848,8 @@ class HeterogeneousStrategyBase:
             self._cost_model = None
             batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
-            costs = self._profile_costs(dataloader, global_batch, shuffle, seed)
+            costs = self._profile_costs(dataloader, global_batch, shuffle, seed, order_sampler)
+            self._mark(Phase.BETWEEN_BATCHES)  # profiling over (#14)
             self._cost_model = costs
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
@@ -709,7 +864,7 @@ class HeterogeneousStrategyBase:
             costs,
             batch_sizes,
             device_labels(self),
-            min_batch_size=self._min_batch_size,
+            min_batch_size=self._train_min_batch_size,
             max_batch_sizes=self._max_batch_sizes,
         )
         if message is not None:
@@ -727,14 +882,16 @@ class HeterogeneousStrategyBase:
         if self._comm_controller is not None:
             self._comm_controller.set_batch_sizes(self._batch_sizes)
 
-    def _profile_costs(self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int) -> list[AffineCost]:
+    def _profile_costs(
+        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
+    ) -> list[AffineCost]:
         """Every replica's :class:`~lightning_het.balance.cost.AffineCost`: from the speed cache when every replica
         has an entry, else profiled (warm-up, then two timed stages; see :mod:`lightning_het.balance.profiling`)."""
         start = time.perf_counter()
         self._profile_seconds = 0.0
         self._profile_cached = False
         world, rank = self.world_size, self.global_rank
-        bounds = {"min_batch_size": self._min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
         cache, key = self._profile_cache_entry(dataloader)
         cached = cache.get(key) if cache is not None and key is not None else None
         if cache is not None:  # every replica must agree to skip profiling
@@ -749,13 +906,22 @@ class HeterogeneousStrategyBase:
             rough = [1.0] * world
             if self._profile_warmup:
                 # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
-                warm_sizes = [max(self._min_batch_size, 1, -(-b // 4)) for b in equal_split]
-                warm = self._time_local_steps(dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup)
+                warm_sizes = [max(self._train_min_batch_size, 1, -(-b // 4)) for b in equal_split]
+                warm = self._time_local_steps(
+                    dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, order=order_sampler
+                )
                 local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
                 rough = [r[0] for r in self._all_gather_floats([local])]
             small, large = stage_sizes(global_batch, rough, **bounds)
+            if sum(large) > len(dataloader.dataset):  # a dataset barely above one global batch: one stage size only
+                large = small
             stages = [
-                (sizes[rank], self._time_local_steps(dataloader, sizes, shuffle, seed, steps=self._profile_steps))
+                (
+                    sizes[rank],
+                    self._time_local_steps(
+                        dataloader, sizes, shuffle, seed, steps=self._profile_steps, order=order_sampler
+                    ),
+                )
                 for sizes in (small, large)
             ]
         cost = fit_stage_timings(stages)
@@ -771,9 +937,15 @@ class HeterogeneousStrategyBase:
         dist.all_gather(everyone, gathered)
         return [t.tolist() for t in everyone]
 
+    def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
+        """The module whose steps are profiled (``None`` before there is one) and the precision's name: what the
+        speed cache keys on besides the device and the data."""
+        return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
+
     def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
         """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
-        if self._profile_cache_arg in (None, False) or getattr(self, "_lightning_module", None) is None:
+        module, precision = self._profiled_module()
+        if self._profile_cache_arg in (None, False) or module is None:
             return None, None
         directory = ProfileCache.default_directory() if self._profile_cache_arg is True else self._profile_cache_arg
         cache = ProfileCache(directory)  # type: ignore[arg-type]
@@ -783,10 +955,10 @@ class HeterogeneousStrategyBase:
             return cache, None
         rank = self.global_rank
         key = cache_key(
-            self.lightning_module,
+            module,
             self.root_device,
             sample,
-            precision=type(self.precision_plugin).__name__,
+            precision=precision,
             slowdown=self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0,
             replicas_on_node=self.num_processes,
         )
@@ -813,18 +985,29 @@ class HeterogeneousStrategyBase:
             self._profiling = False
 
     def _time_local_steps(
-        self, dataloader: DataLoader, probe_sizes: list[int], shuffle: bool, seed: int, *, steps: int
+        self,
+        dataloader: DataLoader,
+        probe_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        *,
+        steps: int,
+        order: Any = None,
     ) -> list[StepTiming]:
-        """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode)."""
+        """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode);
+        ``order``: the user's sampler whose order the training batches are cut from."""
+        self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
         rank = self.global_rank
-        sampler = ProportionalDistributedSampler(dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed)
+        sampler = ProportionalDistributedSampler(
+            dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
+        )
         # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
         single_process = (
             {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "multiprocessing_context": None}
             if dataloader.num_workers > 0
             else {}
         )
-        probe = _rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
+        probe = rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
         return self._time_probe_steps(probe, steps)
 
     def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
@@ -935,7 +1118,7 @@ class HeterogeneousStrategyBase:
         clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation (#6)
         if clock is None:
             return super().training_step(*args, **kwargs)
-        clock.step_start(self._batch_sizes[self.global_rank] if self._batch_sizes else 0)
+        clock.step_start(self._step_batch_sizes()[self.global_rank] if self._batch_sizes else 0)
         output = super().training_step(*args, **kwargs)
         clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
@@ -948,11 +1131,30 @@ class HeterogeneousStrategyBase:
         clock = self._monitor.clock if self._monitor is not None else None  # (#6)
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
-        scale = self._loss_scale
+        scale = self._step_loss_scale()
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         if clock is not None:
             clock.after_backward()
         return closure_loss
+
+    def _step_batch_sizes(self) -> list[int]:
+        """Per-replica samples of the global batch being trained now: the allocation, or the tail batch's split on
+        the last step of an epoch whose tail is trained (see :class:`ProportionalDistributedSampler`)."""
+        sampler, sizes = self._train_sampler, list(self._batch_sizes or [])
+        if sampler is None or sampler.tail_batch_sizes is None or list(sampler.batch_sizes) != sizes:
+            return sizes
+        module = self._lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is None:
+            return sizes
+        return sampler.step_batch_sizes(trainer.fit_loop.epoch_loop.batch_idx)  # 0-based step within the epoch
+
+    def _step_loss_scale(self) -> float:
+        """``W * b_r / B`` for the global batch being trained now (the tail batch has its own)."""
+        sizes = self._step_batch_sizes()
+        if not sizes or sizes == self._batch_sizes:
+            return self._loss_scale
+        return loss_scale(sizes, self.global_rank)
 
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
@@ -976,18 +1178,3 @@ class _silenced_logging:
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _rebuild_loader(
-    dataloader: DataLoader, sampler: DistributedSampler, batch_size: int, **overrides: Any
-) -> DataLoader:
-    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest."""
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
-    arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
-    replacements = {"batch_size": batch_size, "drop_last": False, **overrides}
-    if arg_names:
-        args = tuple(
-            replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)
-        )
-    kwargs.update(replacements)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from lightning_het import HeterogeneousStrategy
 from tests.helpers.tiny import TinyRegressor, make_dataset
@@ -25,6 +25,10 @@ DOC = REPO / "docs" / "reliability.md"
 
 
 class _CustomBatchSampler(BatchSampler):
+    pass
+
+
+class _MyDistributedSampler(DistributedSampler):
     pass
 
 
@@ -87,7 +91,11 @@ CASES = {
     ),
     "custom-batch-sampler": (
         lambda: _fit(DataLoader(DATASET, batch_sampler=_CustomBatchSampler(SequentialSampler(DATASET), 4, False))),
-        r"custom batch sampler \(_CustomBatchSampler\)",
+        r"from a batch sampler \(_CustomBatchSampler\).*HINT: give the DataLoader the index sampler",
+    ),
+    "distributed-sampler-subclass": (
+        lambda: _fit(DataLoader(DATASET, batch_size=4, sampler=_MyDistributedSampler(DATASET, num_replicas=1, rank=0))),
+        r"sampler is a _MyDistributedSampler, a DistributedSampler that yields one replica's share only",
     ),
 }
 

@@ -21,7 +21,7 @@ from tests.helpers.tiny import make_dataset, make_net, reference_weights
 def fabric_job(tmp_path):
     """Run tests/helpers/run_fabric.py with a JSON config; return the per-rank dumps."""
 
-    def _run(cfg: dict, *, timeout: float = 180):
+    def _run(cfg: dict, *, timeout: float = 360):
         result = run_job(["-m", "tests.helpers.run_fabric", str(tmp_path), json.dumps(cfg)], timeout=timeout)
         assert result.returncode == 0, result.stdout[-6000:]
         return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg.get("devices", 3))]
@@ -65,13 +65,13 @@ def test_registered_for_standalone_lightning_fabric():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"emulate_slowdown": [1.0]}, "need the Trainer"),
-        ({"rebalance_threshold": 1.2}, "need the Trainer"),
-        ({"preemption_grace": 5.0}, "need the Trainer"),
-        ({"profile_step": 3}, "profile_step"),
-        ({"comm": "ring"}, "comm"),
-        ({"speeds": [1.0, float("nan")]}, "speeds"),
-        ({"global_batch_size": 0}, "global_batch_size"),
+        pytest.param({"emulate_slowdown": [1.0]}, "need the Trainer", id="trainer-only-emulate"),
+        pytest.param({"rebalance_threshold": 1.2}, "need the Trainer", id="trainer-only-rebalance"),
+        pytest.param({"preemption_grace": 5.0}, "need the Trainer", id="trainer-only-preemption"),
+        pytest.param({"profile_step": 3}, "profile_step", id="profile-step-not-callable"),
+        pytest.param({"comm": "ring"}, "comm", id="comm-unknown"),
+        pytest.param({"speeds": [1.0, float("nan")]}, "speeds", id="speeds-nan"),
+        pytest.param({"global_batch_size": 0}, "global_batch_size", id="global-batch-size-zero"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -124,6 +124,26 @@ def test_one_replica_profiles_and_trains_like_one_process(package):
     assert "global batch 12" in strategy.balance_table()
 
 
+def test_speed_cache_skips_profiling_the_second_time(tmp_path):
+    dataset = make_dataset(40)
+    calls = []
+    for _ in range(2):
+        fabric, strategy, _net, model, _opt = _one_replica(global_batch_size=8, profile_cache=tmp_path)
+
+        def step(batch, model=model):
+            calls.append(len(batch[0]))
+            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+        strategy.profile_step = step
+        fabric.setup_dataloaders(DataLoader(dataset, batch_size=4, shuffle=True))
+        report = strategy.balance_report()
+        assert report["batch_sizes"] == [8]
+        if not report["profile_cached"]:
+            profiled_calls = len(calls)
+    assert report["profile_cached"] and profiled_calls > 0 and len(calls) == profiled_calls
+    assert any(tmp_path.iterdir())
+
+
 def test_eval_sampler_and_loaders_left_alone():
     fabric, strategy, *_ = _one_replica(speeds=[1.0])
     dataset = make_dataset(7)
@@ -131,6 +151,36 @@ def test_eval_sampler_and_loaders_left_alone():
     assert isinstance(val.sampler, UnpaddedDistributedSampler) and sum(len(x) for x, _ in val) == 7
     plain = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3), use_distributed_sampler=False)
     assert sum(len(x) for x, _ in plain) == 7
+
+
+def test_any_sampler_is_cut_into_global_batches():
+    """A WeightedRandomSampler (which Fabric wraps in its DistributedSamplerWrapper) gives the global batches' order."""
+    fabric, *_ = _one_replica(speeds=[1.0], global_batch_size=6)
+    dataset = make_dataset(30)
+    weights = torch.zeros(30)
+    weights[:10] = 1.0  # only the first ten samples can be drawn
+    sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=24, replacement=True)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=3, sampler=sampler))
+    batches = [x for x, _ in loader]
+    assert [len(x) for x in batches] == [6] * 4
+    drawn = torch.cat(batches)
+    assert all(any(torch.equal(row, dataset.tensors[0][i]) for i in range(10)) for row in drawn)
+
+
+def test_profiling_before_the_model_is_set_up_is_refused():
+    strategy = HeterogeneousFabricStrategy(profile_step=lambda batch: batch[0].sum(), process_group_backend="gloo")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\)"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
+
+
+def test_a_second_training_split_is_refused():
+    fabric, strategy, *_ = _one_replica(speeds=[1.0])
+    fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
+    with pytest.raises(ValueError, match="eval_sampler"):
+        fabric.setup_dataloaders(DataLoader(make_dataset(9), batch_size=8))
+    assert strategy.batch_sizes == [4]
 
 
 def test_profiling_needs_a_step_or_speeds():
@@ -211,6 +261,6 @@ def _documented_example() -> str:
 def test_documented_example_runs_as_written(tmp_path):
     script = tmp_path / "train_fabric.py"
     script.write_text(_documented_example())
-    result = run_job([str(script)], cwd=tmp_path, timeout=240)
+    result = run_job([str(script)], cwd=tmp_path, timeout=420)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "validation MSE" in result.stdout, result.stdout[-3000:]

@@ -122,12 +122,12 @@ def test_manual_optimization_profiles_the_slow_replica(tiny_job) -> None:
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 8 and sizes[0] >= 5, sizes  # 3x slower rank 1: 6 of 8 on rank 0 when balanced
     costs = [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]]
-    assert costs[1].per_sample_s / costs[0].per_sample_s == pytest.approx(3.0, rel=0.4)
+    assert costs[1](2) > costs[0](2)  # the slow replica's step is predicted slower at any size
 
 
 def test_stage_sizes_grow_and_respect_bounds() -> None:
     small, large = stage_sizes(48, [1.0, 2.0, 4.0])
-    assert sum(small) == 12 and sum(large) == 24
+    assert sum(small) == 6 and sum(large) == 24
     assert all(lg > sm for sm, lg in zip(small, large))
     small, large = stage_sizes(8, [1.0, 3.0], max_batch_sizes=[1, 8])
     assert small[0] == large[0] == 1 and large[1] > small[1]
@@ -170,3 +170,10 @@ class TestProfileCache:
     def test_invalid_argument(self) -> None:
         with pytest.raises(ValueError, match="profile_cache"):
             HeterogeneousStrategy(profile_cache=3)
+
+
+def test_fit_stage_timings_keeps_a_cautious_slope() -> None:
+    # two stages that timing noise made almost equal: the slope is kept at 10 % of 20 ms / 8 samples
+    cost = fit_stage_timings([(2, [StepTiming(0.0, 0.0199)]), (8, [StepTiming(0.0, 0.020)])])
+    assert cost.per_sample_s == pytest.approx(0.00025)
+    assert cost(8) == pytest.approx(0.020)

@@ -189,3 +189,31 @@ class TestAffineRebalance:
         decision = plan_rebalance([24, 24], [0.05, 0.15], fixed_costs=[0.2, 0.0])
         assert decision.costs is not None and all(c["per_sample_s"] > 0 for c in decision.costs)
         assert decision.batch_sizes[0] > 24
+
+
+class TestSecantRefresh:
+    """A wrong profiled fixed cost is corrected once a replica has run two batch sizes in training."""
+
+    TRUE = [AffineCost(0.030, 0.0011), AffineCost(0.060, 0.0022), AffineCost(0.120, 0.0044)]
+
+    def _measured(self, sizes: list[int]) -> list[float]:
+        return [c(b) for c, b in zip(self.TRUE, sizes)]
+
+    def test_secant_lands_on_the_optimum(self) -> None:
+        wrong_fixed = [0.0, 0.055, 0.013]  # a noisy profile
+        first = [63, 1, 32]
+        d1 = plan_rebalance(first, self._measured(first), fixed_costs=wrong_fixed)
+        assert d1.adopt
+        second = d1.batch_sizes
+        previous = [(b, t) for b, t in zip(first, self._measured(first))]
+        d2 = plan_rebalance(second, self._measured(second), fixed_costs=wrong_fixed, previous=previous)
+        best = allocate_affine(96, self.TRUE)
+        assert d2.batch_sizes == best or d2.predicted_step_s == pytest.approx(max(self._measured(best)), rel=0.02)
+        assert d2.predicted_step_s == pytest.approx(max(self._measured(d2.batch_sizes)), rel=1e-6)
+
+    def test_meaningless_secant_falls_back(self) -> None:
+        # the replica got slower at the smaller size: negative slope, ignored
+        d = plan_rebalance([10, 10], [0.05, 0.05], fixed_costs=[0.0, 0.0], previous=[(20, 0.04), None])
+        assert (
+            d.costs is not None and d.costs[0]["fixed_s"] == 0.0 and d.costs[0]["per_sample_s"] == pytest.approx(0.005)
+        )

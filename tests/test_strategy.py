@@ -7,7 +7,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import lightning_het
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
@@ -157,11 +157,13 @@ class TestEarlyErrors:
         with pytest.raises(ValueError, match=r"holds 60 samples, fewer than one global batch of 100"):
             trainer.fit(TinyRegressor(), DataLoader(make_dataset(60), batch_size=4))
 
-    def test_custom_sampler_refused(self):
+    @pytest.mark.parametrize("kind", ["plain", "custom"])
+    def test_batch_sampler_refused_with_advice(self, kind):
         dataset = make_dataset(40)
-        loader = DataLoader(dataset, batch_size=4, sampler=WeightedRandomSampler(torch.ones(40), 40))
+        cls = BatchSampler if kind == "plain" else type("MyBatchSampler", (BatchSampler,), {})
+        loader = DataLoader(dataset, batch_sampler=cls(RandomSampler(dataset), 4, False))
         trainer = _trainer(1, HeterogeneousStrategy(process_group_backend="gloo"), max_epochs=1)
-        with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        with pytest.raises(ValueError, match=r"batch sampler.*HINT: give the DataLoader the index sampler"):
             trainer.fit(TinyRegressor(), loader)
 
 

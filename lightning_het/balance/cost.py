@@ -155,27 +155,46 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
 
 
 def refresh_costs(
-    batch_sizes: Sequence[int], compute_times: Sequence[float], fixed_costs: Sequence[float]
+    batch_sizes: Sequence[int],
+    compute_times: Sequence[float],
+    fixed_costs: Sequence[float],
+    previous: Sequence[tuple[int, float] | None] | None = None,
 ) -> list[AffineCost]:
-    """Costs that reproduce measured step times at the current allocation, keeping the profiled fixed costs.
+    """Costs that reproduce measured step times at the current allocation.
 
-    One epoch runs every replica at one batch size, which cannot separate the two coefficients again; the fixed cost
-    comes from profiling (where two batch sizes ran back to back) and the slope is refreshed:
-    ``c_r = (t_r - a_r) / b_r``. A fixed cost above 90 % of the measured time is capped there, so every replica keeps
-    a positive per-sample cost.
+    One epoch runs every replica at one batch size, which cannot separate the two coefficients by itself:
+
+    * when ``previous[r]`` holds the replica's measured ``(batch size, seconds)`` of an earlier epoch at a *different*
+      batch size, the line through both measurements is used (a secant, in the spirit of Newton's method), provided
+      it has a positive slope and a non-negative intercept (otherwise the replica changed speed in between and the
+      secant means nothing);
+    * else the fixed cost comes from profiling (where two batch sizes ran back to back) and the slope is refreshed,
+      ``c_r = (t_r - a_r) / b_r``; a fixed cost above 90 % of the measured time is capped there, so every replica keeps
+      a positive per-sample cost.
 
     >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
     [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
+    >>> refresh_costs([10], [0.06], [0.0], previous=[(20, 0.08)])
+    [AffineCost(fixed_s=0.04, per_sample_s=0.002)]
     """
     if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
         raise ValueError(
             f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
             f" {len(compute_times)} and {len(fixed_costs)}."
         )
+    earlier = list(previous) if previous is not None else [None] * len(batch_sizes)
+    if len(earlier) != len(batch_sizes):
+        raise ValueError(f"Expected argument `previous` to hold one entry per replica ({len(batch_sizes)}).")
     out = []
-    for b, t, a in zip(batch_sizes, compute_times, fixed_costs):
+    for b, t, a, prev in zip(batch_sizes, compute_times, fixed_costs, earlier):
         if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
             raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
+        if prev is not None and prev[0] != b and math.isfinite(prev[1]) and prev[1] > 0:
+            slope = (t - prev[1]) / (b - prev[0])
+            intercept = t - slope * b
+            if slope > 0 and intercept >= 0:
+                out.append(AffineCost(round(intercept, 15), round(slope, 15)))
+                continue
         fixed = min(float(a), 0.9 * float(t))
         out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
     return out

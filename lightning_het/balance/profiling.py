@@ -4,8 +4,8 @@ The strategy profiles before the first epoch (see ``docs/balancing.md``):
 
 1. ``warmup`` untimed steps at a quarter of an equal split of the global batch (allocator, caches, CUDA context,
    compilation); the fastest of them gives a rough speed per replica;
-2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of a quarter and of half of the
-   global batch (:func:`stage_sizes`): every replica runs two different batch sizes, in similar wall time;
+2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of an eighth and of half of the
+   global batch (:func:`stage_sizes`): every replica runs two batch sizes about 4x apart, in similar wall time;
 3. each replica fits ``t(b) = a + c * b`` through the fastest step of each stage
    (:func:`~lightning_het.balance.cost.fit_affine`), and the costs are all-gathered.
 
@@ -76,12 +76,6 @@ def speed_from_timings(batch_size: int, timings: Sequence[StepTiming]) -> float:
     return batch_size / max(median, 1e-9)
 
 
-def backward_ratio(timings: Sequence[StepTiming]) -> float:
-    """Median of ``total / forward`` time: how much a full step costs relative to its forward pass (>= 1)."""
-    ratios = [t.total_s / t.forward_s for t in timings if t.forward_s > 0]
-    return max(statistics.median(ratios), 1.0) if ratios else 3.0
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -137,6 +131,10 @@ def time_steps(
     return timings
 
 
+#: smallest fitted per-sample cost, as a fraction of the average cost per sample at the largest profiled batch size
+_MIN_SLOPE_OF_AVERAGE = 0.1
+
+
 def stage_sizes(
     global_batch_size: int,
     rough_speeds: Sequence[float],
@@ -146,12 +144,13 @@ def stage_sizes(
 ) -> tuple[list[int], list[int]]:
     """Per-replica batch sizes of the two timed profiling stages.
 
-    Stage one splits a quarter of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
-    every replica's two steps take about a quarter and half of a balanced step. Each replica's stage-two size is
-    larger than its stage-one size whenever its upper bound allows, so the fixed and per-sample costs separate.
+    Stage one splits an eighth of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
+    every replica's two steps take about an eighth and half of a balanced step, and its two batch sizes are about 4x
+    apart (a wide spread separates the fixed and per-sample costs better than timing noise). Each replica's stage-two
+    size is larger than its stage-one size whenever its upper bound allows.
 
     >>> stage_sizes(48, [1, 2, 4])
-    ([2, 3, 7], [3, 7, 14])
+    ([1, 2, 3], [3, 7, 14])
     """
     world = len(rough_speeds)
     floor = max(min_batch_size, 1)
@@ -161,7 +160,7 @@ def stage_sizes(
         total = min(max(total, world * floor), sum(upper))
         return allocate_batch_sizes(total, rough_speeds, min_batch_size=floor, max_batch_sizes=upper)
 
-    small = split(-(-global_batch_size // 4))
+    small = split(-(-global_batch_size // 8))
     large = split(-(-global_batch_size // 2))
     large = [max(lg, min(sm + 1, hi)) for sm, lg, hi in zip(small, large, upper)]
     return small, large
@@ -171,7 +170,8 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages.
 
     Each stage contributes its fastest step (timing noise on a shared machine only ever adds time, and the first
-    step at a new shape may include one-off costs such as autotuning).
+    step at a new shape may include one-off costs such as autotuning). The per-sample cost is kept at least 10 % of
+    the average cost per sample of the largest stage: a flatter fit is more likely noise than a real curve.
 
     Args:
         stages: ``(batch_size, timings)`` of each stage, in the order they ran.
@@ -180,7 +180,15 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
-    return fit_affine(sizes, seconds)
+    cost = fit_affine(sizes, seconds)
+    # a per-sample cost below 10 % of the average cost per sample at the largest size measured is more likely timing
+    # noise than a flat curve, and extrapolating it would pile the global batch onto this replica: keep the line
+    # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    floor = _MIN_SLOPE_OF_AVERAGE * seconds[largest] / sizes[largest]
+    if cost.per_sample_s < floor:
+        cost = AffineCost(max(seconds[largest] - floor * sizes[largest], 0.0), floor)
+    return cost
 
 
 def _describe(value: Any) -> Any:

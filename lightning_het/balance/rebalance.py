@@ -203,6 +203,7 @@ def plan_rebalance(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
     fixed_costs: Sequence[float] | None = None,
+    previous: Sequence[tuple[int, float] | None] | None = None,
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
 
@@ -224,6 +225,9 @@ def plan_rebalance(
             from ``compute_times`` (:func:`~lightning_het.balance.cost.refresh_costs`), the proposal minimises the
             predicted step (:func:`~lightning_het.balance.cost.allocate_affine`) and the predicted times are
             ``a_r + c_r * b'_r``. ``None``: the one-number model (``a_r = 0``).
+        previous: with ``fixed_costs``: each replica's ``(batch size, median compute seconds)`` of the latest earlier
+            epoch that ran a different batch size, or ``None``; the line through it and the current measurement then
+            gives the replica's cost (see :func:`~lightning_het.balance.cost.refresh_costs`).
 
     Returns:
         The decision; ``decision.adopt`` is true only when both hysteresis conditions hold and the sizes change.
@@ -256,7 +260,7 @@ def plan_rebalance(
         proposal = allocate_batch_sizes(sum(sizes), speeds, **bounds)
         new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
     else:
-        costs = refresh_costs(sizes, times, fixed_costs)
+        costs = refresh_costs(sizes, times, fixed_costs, previous)
         proposal = allocate_affine(sum(sizes), costs, **bounds)
         new_times = [c(b) for c, b in zip(costs, proposal)]
     predicted = max(new_times)

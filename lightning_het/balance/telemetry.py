@@ -593,9 +593,10 @@ class BalanceMonitor:
             times,
             threshold=self.threshold if self.threshold is not None else DEFAULT_THRESHOLD,
             min_gain=self.min_gain,
-            min_batch_size=strategy._min_batch_size,
+            min_batch_size=getattr(strategy, "_train_min_batch_size", strategy._min_batch_size),
             max_batch_sizes=strategy._max_batch_sizes,
             fixed_costs=[c.fixed_s for c in strategy.cost_model] if strategy.cost_model else None,
+            previous=self._previous_points(sizes),
         )
         self.history.record_check(
             decision.as_dict(), epoch=trainer.current_epoch, global_step=trainer.global_step, old=sizes
@@ -610,6 +611,21 @@ class BalanceMonitor:
             f" {decision.batch_sizes} ({decision.reason})"
         )
         return True
+
+    def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
+        """Per replica, ``(batch size, median compute seconds)`` of the latest epoch before the current one that ran a
+        batch size other than ``sizes[r]`` (``None`` if none): the second point of the affine refresh."""
+        out: list[tuple[int, float] | None] = []
+        earlier = self.history.epochs[:-1]
+        for r, b in enumerate(sizes):
+            point = None
+            for epoch in reversed(earlier):
+                size, t = epoch["batch_sizes"][r], epoch["compute_s"][r]
+                if size != b and size > 0 and math.isfinite(t) and t > 0:
+                    point = (int(size), float(t))
+                    break
+            out.append(point)
+        return out
 
     def _request_reload(self, trainer: Any) -> None:
         """Make the fit loop rebuild the training loader when the next epoch starts, as

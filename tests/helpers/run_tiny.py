@@ -8,6 +8,7 @@ accelerator (default "cpu"), loader (extra DataLoader kwargs, e.g. num_workers).
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def main() -> None:
             "comm_mode": s.comm_mode,
             "comm_stats": s.comm_stats,
             "comm_reduction": s.comm_reduction,
+            "cluster_environment": type(s.cluster_environment).__name__,
+            "hostname": socket.gethostname(),
             "cost_model": [c.as_dict() for c in s.cost_model] if s.cost_model else None,
             "profile_seconds": s.profile_seconds,
         },

@@ -77,16 +77,26 @@ class TinyRegressor(pl.LightningModule):
 
 
 def reference_weights(
-    dataset, global_batch: int, epochs: int, seed: int, lr: float = 0.05, shuffle: bool = True, accumulate: int = 1
+    dataset,
+    global_batch: int,
+    epochs: int,
+    seed: int,
+    lr: float = 0.05,
+    shuffle: bool = True,
+    accumulate: int = 1,
+    order_sampler=None,
 ):
-    """One process, plain torch, training on the same global batches the distributed run draws.
+    """One process, plain torch, training on the same global batches the distributed run draws (the tail as a last,
+    smaller batch; ``order_sampler``: the user's sampler whose order is cut into batches).
 
     With ``accumulate > 1`` each optimizer step averages the gradients of ``accumulate`` consecutive global batches,
     as Lightning's ``accumulate_grad_batches`` does (a trailing partial group still steps at epoch end).
     """
     net = make_net()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    sampler = ProportionalDistributedSampler(dataset, [global_batch], 0, shuffle=shuffle, seed=seed)
+    sampler = ProportionalDistributedSampler(
+        dataset, [global_batch], 0, shuffle=shuffle, seed=seed, order_sampler=order_sampler
+    )
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         batches = list(DataLoader(dataset, batch_size=global_batch, sampler=sampler))

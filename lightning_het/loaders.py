@@ -1,0 +1,167 @@
+"""Reading a user's ``DataLoader`` and rebuilding it around our samplers, whatever way it was configured.
+
+Pure helpers (no ``torch.distributed``): which global order a training loader asks for (:func:`training_order`), how
+many samples it batches (:func:`loader_batch_size`), and :func:`rebuild_loader`, which re-instantiates the loader
+(any ``DataLoader`` subclass, with its dataset, collate function, workers, pinning, ...) with a new sampler and batch
+size. Loaders come in three shapes:
+
+* ``batch_size=b`` with a sampler (or ``shuffle=``): the usual case; the sampler's order is cut into global batches;
+* ``batch_size=None`` (no automatic batching: the collate function sees one sample at a time): rebuilt with automatic
+  batching; the user's per-sample collate function still sees one sample at a time (:class:`PerSampleCollate`);
+* ``batch_sampler=``: a plain :class:`~torch.utils.data.BatchSampler` is read as its sampler and batch size; other
+  batch samplers are refused with a message saying what to do instead.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+__all__ = [
+    "PerSampleCollate",
+    "TrainingOrder",
+    "as_batch_size",
+    "batch_sampler_error",
+    "loader_batch_size",
+    "rebuild_loader",
+    "training_order",
+]
+
+
+def as_batch_size(value: Any) -> int | None:
+    """``value`` as a positive ``int`` when it is one (Python or NumPy integer, not ``bool``), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number > 0 else None
+
+
+def batch_sampler_error(name: str) -> ValueError:
+    """The message for a training loader whose batches come from a batch sampler we cannot re-split."""
+    return ValueError(
+        f"The training DataLoader draws its batches from a batch sampler ({name}), which HeterogeneousStrategy"
+        " cannot re-split into speed-proportional global batches. HINT: give the DataLoader the index sampler"
+        " itself with `sampler=...` and `batch_size=...` (any sampler works: its order is cut into global batches),"
+        " move the grouping into the Dataset, or pass a `ProportionalDistributedSampler` of your own built from"
+        " `strategy.batch_sizes`."
+    )
+
+
+class TrainingOrder:
+    """Where the single-process order of a training loader comes from.
+
+    Attributes:
+        shuffle: a seeded permutation per epoch (``True``) or the dataset order (``False``); unused with ``sampler``.
+        seed: base seed of the order (``seed + epoch`` each epoch).
+        sampler: the user's own sampler whose order is drawn each epoch, or ``None``.
+        drop_last: the user asked for ``drop_last=True`` (the tail is then not trained).
+    """
+
+    __slots__ = ("drop_last", "sampler", "seed", "shuffle")
+
+    def __init__(self, shuffle: bool, seed: int, sampler: Sampler | None = None, drop_last: bool = False) -> None:
+        self.shuffle = shuffle
+        self.seed = seed
+        self.sampler = sampler
+        self.drop_last = drop_last
+
+
+def _unwrap(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (or ``sampler`` itself)."""
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    return inner if inner is not None else sampler
+
+
+def training_order(dataloader: DataLoader) -> TrainingOrder:
+    """The order one process would draw from ``dataloader`` (after Lightning's sampler injection).
+
+    Raises:
+        ValueError: for a batch sampler other than a plain :class:`~torch.utils.data.BatchSampler`.
+    """
+    default_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise batch_sampler_error(type(batch_sampler).__name__)
+    sampler = dataloader.sampler
+    drop_last = bool(dataloader.drop_last)
+    if batch_sampler is not None and dataloader.batch_size is None:  # DataLoader(batch_sampler=BatchSampler(...))
+        sampler, drop_last = batch_sampler.sampler, bool(batch_sampler.drop_last)
+    if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
+        return TrainingOrder(bool(sampler.shuffle), int(sampler.seed), drop_last=drop_last)
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return TrainingOrder(True, default_seed, drop_last=drop_last)
+    if type(sampler) is SequentialSampler:
+        return TrainingOrder(False, default_seed, drop_last=drop_last)
+    user = _unwrap(sampler)
+    if isinstance(user, BatchSampler):  # a batch sampler passed as `sampler=` with batch_size=None
+        raise batch_sampler_error(type(user).__name__)
+    if isinstance(user, DistributedSampler):
+        raise ValueError(
+            f"The training DataLoader's sampler is a {type(user).__name__}, a DistributedSampler that yields one"
+            " replica's share only, so the replicas' orders differ and cannot be cut into common global batches."
+            " HINT: give the DataLoader the non-distributed sampler (HeterogeneousStrategy distributes it), or a"
+            " `ProportionalDistributedSampler` built from `strategy.batch_sizes`."
+        )
+    return TrainingOrder(True, default_seed, sampler=user, drop_last=drop_last)
+
+
+def loader_batch_size(dataloader: DataLoader) -> int | None:
+    """Samples per batch of ``dataloader`` on one replica: ``batch_size``, or a plain ``BatchSampler``'s; ``None``
+    when it does not batch automatically (``batch_size=None``)."""
+    if dataloader.batch_size is not None:
+        return int(dataloader.batch_size)
+    batch_sampler = dataloader.batch_sampler
+    if type(batch_sampler) is BatchSampler:
+        return int(batch_sampler.batch_size)
+    return None
+
+
+def lost_batch_sampler(dataloader: DataLoader) -> bool:
+    """``dataloader`` batched through ``batch_sampler=`` before Lightning replaced its sampler: Lightning rebuilds
+    such a loader without the batch sampler (``batch_size=None``) but keeps its batching collate function."""
+    return (
+        dataloader.batch_size is None and dataloader.batch_sampler is None and dataloader.collate_fn is default_collate
+    )
+
+
+class PerSampleCollate:
+    """Collate of a loader rebuilt with automatic batching from one built with ``batch_size=None``: applies the
+    user's per-sample function to each sample, then stacks them with ``default_collate``. Picklable (workers)."""
+
+    def __init__(self, per_sample: Callable[[Any], Any]) -> None:
+        self.per_sample = per_sample
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return default_collate([self.per_sample(s) for s in samples])
+
+
+def rebuild_loader(dataloader: DataLoader, sampler: Sampler, batch_size: int, **overrides: Any) -> DataLoader:
+    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest.
+
+    A loader built with ``batch_size=None`` gets automatic batching: its default per-sample conversion becomes
+    ``default_collate``, a custom collate function is applied per sample first (:class:`PerSampleCollate`).
+    """
+    # imported here: importing Lightning runs the strategy registration, which imports this module (no cycle)
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
+    arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
+    replacements: dict[str, Any] = {"batch_size": batch_size, "drop_last": False, **overrides}
+    if dataloader.batch_size is None and dataloader.batch_sampler is None and "collate_fn" not in overrides:
+        collate = dataloader.collate_fn
+        replacements["collate_fn"] = default_collate if collate is default_convert else PerSampleCollate(collate)
+    if arg_names:
+        args = tuple(
+            replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)
+        )
+    kwargs.update(replacements)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
