@@ -20,6 +20,7 @@ __all__ = [
     "RasterFormatError",
     "RasterNotFoundError",
     "ShapeMismatchError",
+    "SingleClassError",
 ]
 
 PathType = str | PathLike
@@ -169,6 +170,27 @@ class NoLabelledPixelsError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.detail))
+
+
+class SingleClassError(ValueError):
+    """The label raster holds fewer than two classes, so there is nothing to classify.
+
+    Args:
+        path: the label raster.
+        present: the class values (``1..C``) that occur in it.
+    """
+
+    def __init__(self, path: PathType, present: Sequence[int]) -> None:
+        self.path = str(path)
+        self.present = [int(c) for c in present]
+        super().__init__(
+            f"The labels {self.path!r} contain a single class (value {self.present[0]}) besides 0 (unlabelled), but"
+            " classification needs at least two. HINT: check that you passed the ground-truth raster and not a"
+            " binary mask of one class; a mask's 0 means unlabelled here, not a second class."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.present))
 
 
 class ClassTooSmallError(ValueError):

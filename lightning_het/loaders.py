@@ -19,8 +19,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
@@ -151,6 +149,10 @@ def rebuild_loader(dataloader: DataLoader, sampler: Sampler, batch_size: int, **
     A loader built with ``batch_size=None`` gets automatic batching: its default per-sample conversion becomes
     ``default_collate``, a custom collate function is applied per sample first (:class:`PerSampleCollate`).
     """
+    # imported here: importing Lightning runs the strategy registration, which imports this module (no cycle)
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
     arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
     replacements: dict[str, Any] = {"batch_size": batch_size, "drop_last": False, **overrides}

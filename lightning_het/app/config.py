@@ -27,6 +27,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from lightning_het.comm.modes import COMM_CHOICES
+
 __all__ = [
     "Comm",
     "ConfigValueError",
@@ -53,13 +55,9 @@ class ConfigValueError(ValueError):
     """A config value has the right type but an impossible value (raised before anything is built)."""
 
 
-class Comm(str, enum.Enum):
-    """Gradient communication of :class:`~lightning_het.HeterogeneousStrategy` (see ``docs/communication.md``)."""
-
-    auto = "auto"
-    allreduce = "allreduce"
-    hierarchical = "hierarchical"
-    node_local = "node_local"
+#: Gradient communication of :class:`~lightning_het.HeterogeneousStrategy` (see ``docs/communication.md``): the
+#: choices of :data:`lightning_het.comm.modes.COMM_CHOICES`, as the enum OmegaConf needs to check them.
+Comm = enum.Enum("Comm", {choice: choice for choice in COMM_CHOICES}, type=str)  # type: ignore[misc]
 
 
 class GradientAveraging(str, enum.Enum):
@@ -288,7 +286,9 @@ class DataConfig:
     val_fraction: float = 0.1
     val_per_class: int | None = None
     block_size: int = 16
-    pca_components: int | None = None
+    #: an int, ``auto`` (min(30, bands - 1), chosen once the band count is known and logged) or null (every band).
+    #: ``Any`` because OmegaConf has no int-or-string type; the data module checks the value.
+    pca_components: Any = None
     standardize: bool = True
     num_classes: int | None = None
     class_names: list[str] | None = None
@@ -515,10 +515,3 @@ def _missing_keys(node: DictConfig | ListConfig, prefix: str = "", skip: tuple[s
         elif isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
             found += _missing_keys(child, full + ".")
     return found
-
-
-def as_list(value: Any) -> Any:
-    """Plain Python containers from OmegaConf nodes (other values unchanged)."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value

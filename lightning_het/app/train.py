@@ -30,13 +30,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
 import lightning_het  # noqa: F401  (registers strategy="heterogeneous", in every process that runs this module)
 from lightning_het.app import config_dir
 from lightning_het.app.config import DataConfig, GradientAveraging, StrategyConfig, register_configs, validate_config
 from lightning_het.errors import RasterNotFoundError
+from lightning_het.output_dir import OutputDirError, check_output_dir
 
 if TYPE_CHECKING:  # Lightning is imported only when a run starts, so that `--help` and config errors stay fast
     import lightning.pytorch as pl
@@ -106,6 +107,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
     output_dir = Path(str(cfg.output_dir)).absolute()
     _check_input_files(data_cfg)  # before anything is built: a typo in a path fails at once
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # unwritable, missing or full: one line, exit 2, no replica started
+        check_output_dir(output_dir)
+    ckpt_path = _checkpoint_to_resume(cfg)
     _configure_console_logging()
 
     if cfg.get("seed") is not None:
@@ -120,9 +124,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [timer]
     if cfg.get("prediction_map", True):
         callbacks.append(PredictionMapWriter(output_dir, name="prediction_map"))
-    trainer: pl.Trainer = _instantiate("trainer", cfg.trainer, strategy=strategy, callbacks=callbacks)
+    callbacks += _build_callbacks(cfg)
+    trainer: pl.Trainer = _instantiate(
+        "trainer",
+        cfg.trainer,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=_build_loggers(cfg),
+        enable_checkpointing=_checkpointing(cfg, callbacks),
+    )
 
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.perf_counter() - started
     test_results = trainer.test(model, datamodule=datamodule, verbose=False)
     prediction = _write_prediction_map(cfg, trainer, model, datamodule)
@@ -131,9 +143,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics["prediction_map"] = prediction
     metrics["output_dir"] = str(output_dir)
     if trainer.is_global_zero:
-        output_dir.mkdir(parents=True, exist_ok=True)
         path = output_dir / "metrics.json"
-        path.write_text(json.dumps(metrics, indent=2, sort_keys=True, default=_json_default) + "\n")
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(metrics, indent=2, sort_keys=True, default=_json_default) + "\n")
+        except OSError as err:  # e.g. the disk filled up during the run
+            raise OutputDirError(f"Cannot write '{path}' ({err.strerror or type(err).__name__}).") from None
         print(_summary(trainer, metrics, path), flush=True)
     return metrics
 
@@ -173,11 +188,15 @@ def _configure_console_logging() -> None:
 
 
 def _instantiate(group: str, node: DictConfig | dict[str, Any], **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` with an error that names the config group and the real cause."""
+    """``hydra.utils.instantiate`` with an error that names the config group and the real cause.
+
+    Arguments reach the object as plain ``dict``/``list`` (``_convert_="all"``), so that hyperparameters saved in
+    checkpoints load with ``torch.load(weights_only=True)``, which Lightning uses when resuming.
+    """
     target = node.get("_target_", "?")
     log.info("Instantiating %s <%s>", group, target)
     try:
-        return hydra.utils.instantiate(node, **kwargs)
+        return hydra.utils.instantiate(node, _convert_="all", **kwargs)
     except hydra.errors.InstantiationException as err:
         cause = err.__cause__
         if cause is None:
@@ -196,6 +215,57 @@ def _build_datamodule(data_cfg: DataConfig) -> Any:
     # fail fast, in this process only, before any replica starts: missing files, mismatched grids
     datamodule.prepare_data()
     return datamodule
+
+
+def _build_callbacks(cfg: DictConfig) -> list[Any]:
+    """The ``callbacks`` group's callbacks (a mapping of name -> config, ``null`` entries skipped), then any given as
+    ``trainer.callbacks`` (a list of configs): all of them are kept, none replaces another."""
+    built = [
+        _instantiate(f"callbacks.{name}", node)
+        for name, node in (cfg.get("callbacks") or {}).items()
+        if node is not None
+    ]
+    extra = cfg.trainer.get("callbacks")
+    if extra:
+        nodes = extra if isinstance(extra, ListConfig) else [extra]
+        built += [_instantiate("trainer.callbacks", node) for node in nodes]
+    return built
+
+
+def _build_loggers(cfg: DictConfig) -> list[Any] | bool:
+    """The ``logger`` group's loggers plus a ``trainer.logger`` config (one or a list); ``False`` when there is none,
+    or when ``trainer.logger=false`` switches logging off altogether."""
+    extra = cfg.trainer.get("logger")
+    if extra is False:
+        return False
+    built = [_instantiate(f"logger.{name}", node) for name, node in (cfg.get("logger") or {}).items() if node]
+    if isinstance(extra, (DictConfig, ListConfig)):
+        nodes = extra if isinstance(extra, ListConfig) else [extra]
+        built += [_instantiate("trainer.logger", node) for node in nodes]
+    return built or False
+
+
+def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> bool:
+    """``trainer.enable_checkpointing``, or when it is null, whether a ``ModelCheckpoint`` is among the callbacks (so
+    that ``callbacks=none`` writes no checkpoint at all, rather than Lightning's default one)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    value = cfg.trainer.get("enable_checkpointing")
+    return any(isinstance(c, ModelCheckpoint) for c in callbacks) if value is None else bool(value)
+
+
+def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
+    """``ckpt_path`` as an absolute path (relative to where the app was started), checked before anything starts."""
+    value = cfg.get("ckpt_path")
+    if value in (None, ""):
+        return None
+    path = _absolute(str(value))
+    if not os.path.isfile(path):
+        raise UserError(
+            f"You set `ckpt_path={value}`, but there is no such file ({path}). HINT: give a checkpoint written by an"
+            " earlier run, e.g. `<its output directory>/checkpoints/last.ckpt`."
+        )
+    return path
 
 
 def _check_input_files(data_cfg: DataConfig) -> None:

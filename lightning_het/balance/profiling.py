@@ -76,12 +76,6 @@ def speed_from_timings(batch_size: int, timings: Sequence[StepTiming]) -> float:
     return batch_size / max(median, 1e-9)
 
 
-def backward_ratio(timings: Sequence[StepTiming]) -> float:
-    """Median of ``total / forward`` time: how much a full step costs relative to its forward pass (>= 1)."""
-    ratios = [t.total_s / t.forward_s for t in timings if t.forward_s > 0]
-    return max(statistics.median(ratios), 1.0) if ratios else 3.0
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

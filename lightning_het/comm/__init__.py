@@ -4,25 +4,54 @@ The strategy drives one :class:`CommController` per process; the hooks, the aver
 are usable on their own with a raw :class:`~torch.nn.parallel.DistributedDataParallel`.
 """
 
-from lightning_het.comm.averaging import average_parameters, share_weights
-from lightning_het.comm.controller import (
-    COMM_CHOICES,
-    CommController,
-    CommMode,
-    resolve_comm_mode,
-    validate_comm_args,
-)
-from lightning_het.comm.hooks import (
-    HierarchicalState,
-    NodeLocalState,
-    hierarchical_hook,
-    hierarchical_sum,
-    node_local_hook,
-)
-from lightning_het.comm.stats import CommStats, Traffic
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_het.comm.modes import COMM_CHOICES, CommChoice, CommMode
+
+if TYPE_CHECKING:
+    from lightning_het.comm.averaging import average_parameters, share_weights
+    from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+    from lightning_het.comm.hooks import (
+        HierarchicalState,
+        NodeLocalState,
+        hierarchical_hook,
+        hierarchical_sum,
+        node_local_hook,
+    )
+    from lightning_het.comm.stats import CommStats, Traffic
+
+#: public name -> defining module, imported on first access (``lightning_het.comm.modes`` needs no torch, and the
+#: app's config schema imports it)
+_LAZY = {
+    "average_parameters": "averaging",
+    "share_weights": "averaging",
+    "CommController": "controller",
+    "resolve_comm_mode": "controller",
+    "validate_comm_args": "controller",
+    "HierarchicalState": "hooks",
+    "NodeLocalState": "hooks",
+    "hierarchical_hook": "hooks",
+    "hierarchical_sum": "hooks",
+    "node_local_hook": "hooks",
+    "CommStats": "stats",
+    "Traffic": "stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"lightning_het.comm.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_het.comm' has no attribute {name!r}")
+
 
 __all__ = [
     "COMM_CHOICES",
+    "CommChoice",
     "CommController",
     "CommMode",
     "CommStats",

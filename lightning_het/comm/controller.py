@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -48,6 +48,7 @@ from lightning_het.comm.hooks import (
     hierarchical_hook,
     node_local_hook,
 )
+from lightning_het.comm.modes import COMM_CHOICES, CommMode
 from lightning_het.comm.stats import (
     CommStats,
     Traffic,
@@ -61,10 +62,6 @@ from lightning_het.topology import NodeGroups, build_node_groups, describe_topol
 __all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
 
 log = logging.getLogger(__name__)
-
-CommMode = Literal["allreduce", "hierarchical", "node_local"]
-#: accepted values of ``comm``
-COMM_CHOICES: tuple[str, ...] = ("auto", *get_args(CommMode))
 
 
 def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_steps: int = 0) -> None:
@@ -255,11 +252,6 @@ class CommController:
     def global_sync_every(self) -> int | None:
         """``K`` of ``node_local``."""
         return self._sync_every
-
-    @property
-    def in_consensus(self) -> bool:
-        """Whether all replicas hold the same parameters right now (always true for exact modes)."""
-        return self._in_consensus
 
     @property
     def reduction(self) -> str | None:

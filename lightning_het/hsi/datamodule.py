@@ -13,7 +13,7 @@ from rasterio.crs import CRS
 from rasterio.transform import Affine
 
 from lightning_het.datamodule import HeterogeneousDataModule
-from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError
+from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError, SingleClassError
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
 from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
 from lightning_het.hsi.raster import (
@@ -100,7 +100,8 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         val_fraction: fraction of each class's pixels used for validation (``0`` for none).
         val_per_class: pixels per class for validation; takes precedence over ``val_fraction``.
         block_size: block side in pixels for ``split="blocks"``.
-        pca_components: keep this many principal components (fitted on training pixels); ``None`` keeps every band.
+        pca_components: keep this many principal components (fitted on training pixels); ``"auto"``:
+            ``min(30, bands - 1)``, decided once the band count is known and logged; ``None`` keeps every band.
         standardize: standardise each band with the training mean and standard deviation.
         num_classes: number of classes ``C``; default ``len(class_names)`` or the largest label. Labels above ``C``
             are an error.
@@ -135,7 +136,7 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         val_fraction: float = 0.1,
         val_per_class: int | None = None,
         block_size: int = 16,
-        pca_components: int | None = None,
+        pca_components: int | Literal["auto"] | None = None,
         standardize: bool = True,
         num_classes: int | None = None,
         class_names: Sequence[str] | None = None,
@@ -199,7 +200,8 @@ class HyperspectralDataModule(HeterogeneousDataModule):
                 " to less than 1 to leave test pixels. HINT: lower one of them."
             )
         _check_int("block_size", block_size, 1)
-        _check_int("pca_components", pca_components, 1, optional=True)
+        if pca_components != PCA_AUTO:
+            _check_int("pca_components", pca_components, 1, optional=True)
         _check_int("num_classes", num_classes, 1, optional=True)
         _check_int("memory_budget", memory_budget, 0, optional=True)
         if class_names is not None:
@@ -311,6 +313,10 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             if not np.any(labels > 0):
                 raise NoLabelledPixelsError(source, f"all {dropped} labelled pixels are nodata in the image")
 
+        present = np.unique(labels[labels > 0])
+        if present.size < 2:
+            raise SingleClassError(source, present.tolist())
+
         split = self._split(labels, scene.num_classes, source)
         log.info(
             "Split %r of %s (seed %d), pixels per class:\n%s",
@@ -325,7 +331,9 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         else:
             train_spectra = spectra[np.searchsorted(labelled, split.train)]
         transform = fit_spectral_transform(
-            train_spectra, standardize=self.standardize, pca_components=self.pca_components
+            train_spectra,
+            standardize=self.standardize,
+            pca_components=resolve_pca_components(self.pca_components, train_spectra.shape[1], log_choice=True),
         )
         patches: PatchSource
         if scene.cube is not None:
@@ -397,7 +405,7 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         """Whether to load the cube: ``in_memory`` when set, else whether raw + preprocessed copies fit the budget."""
         if self.in_memory is not None:
             return self.in_memory
-        out_bands = self.pca_components or info.count
+        out_bands = resolve_pca_components(self.pca_components, info.count) or info.count
         needed = info.height * info.width * (info.count * np.dtype(info.dtype).itemsize + out_bands * 4)
         decision = needed <= self.memory_budget
         log.info(
@@ -407,6 +415,35 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             "loading it" if decision else "reading patches from the file",
         )
         return decision
+
+
+#: ``pca_components="auto"``: keep ``min(PCA_AUTO_MAX, bands - 1)`` components
+PCA_AUTO = "auto"
+PCA_AUTO_MAX = 30
+
+
+def resolve_pca_components(value: int | str | None, bands: int, *, log_choice: bool = False) -> int | None:
+    """The number of principal components to keep for an image of ``bands`` bands.
+
+    Args:
+        value: ``pca_components`` as given: an int (kept), ``None`` (no PCA) or ``"auto"``.
+        bands: spectral bands of the image (>= 1).
+        log_choice: log what ``"auto"`` chose (once per scene, where the transform is fitted).
+
+    Returns:
+        ``value`` itself unless it is ``"auto"``: then ``min(30, bands - 1)``, or ``None`` (no PCA) for a single band.
+    """
+    if value != PCA_AUTO:
+        return value  # type: ignore[return-value]
+    chosen = min(PCA_AUTO_MAX, bands - 1) if bands > 1 else None
+    if log_choice:
+        log.info(
+            "pca_components=auto: %s of the image's %d bands (min(%d, bands - 1)).",
+            f"keeping {chosen} principal components" if chosen else "no PCA",
+            bands,
+            PCA_AUTO_MAX,
+        )
+    return chosen
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:

@@ -1,0 +1,174 @@
+"""The app as a new user meets it: any multi-band scene runs with no extra flag, callbacks and loggers from config
+groups merged with the user's, ``last.ckpt`` and an exact resume, clear errors, and the structured config in step with
+the strategy's signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import OmegaConf
+
+from lightning_het.app import config_dir
+from lightning_het.app.config import StrategyConfig, register_configs
+from lightning_het.errors import SingleClassError
+from lightning_het.hsi import HyperspectralDataModule
+from lightning_het.hsi.datamodule import resolve_pca_components
+from lightning_het.hsi.raster import write_geotiff
+from lightning_het.strategy import HeterogeneousStrategy
+from tests.test_cli import run_app
+
+#: StrategyConfig fields that are not strategy keywords (the app's own switches)
+APP_ONLY_FIELDS = {"_target_", "gradient_averaging", "ddp_kwargs"}
+#: StrategyConfig fields that DDPStrategy forwards to DistributedDataParallel through ``**kwargs``
+DDP_FORWARDED = {"find_unused_parameters"}
+
+
+@pytest.fixture
+def compose_cfg(tmp_path):
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        yield lambda *overrides: compose("train", overrides=[f"output_dir={tmp_path}", *overrides])
+    GlobalHydra.instance().clear()
+
+
+def _scene(out: Path, *, bands: int, classes: int) -> tuple[Path, Path]:
+    rng = np.random.default_rng(0)
+    labels = np.zeros((24, 24), dtype=np.uint8)
+    for c in range(classes):
+        labels[4 + c * 4 : 8 + c * 4, 2:22] = c + 1
+    image = rng.random((bands, 24, 24), dtype=np.float32) + labels[None].astype(np.float32)
+    write_geotiff(out / "image.tif", image)
+    write_geotiff(out / "labels.tif", labels[None])
+    return out / "image.tif", out / "labels.tif"
+
+
+# ------------------------------------------------------------------------------------------------- data
+@pytest.mark.parametrize(("value", "bands", "expected"), [("auto", 16, 15), ("auto", 200, 30), ("auto", 1, None)])
+def test_pca_auto_keeps_min_30_bands_minus_one(value, bands, expected):
+    assert resolve_pca_components(value, bands) == expected
+    assert resolve_pca_components(7, bands) == 7 and resolve_pca_components(None, bands) is None
+
+
+def test_a_16_band_scene_needs_no_pca_flag(tmp_path, caplog):
+    image, labels = _scene(tmp_path, bands=16, classes=3)
+    datamodule = HyperspectralDataModule(image=str(image), labels=str(labels), patch_size=3, pca_components="auto")
+    with caplog.at_level(logging.INFO, logger="lightning_het.hsi.datamodule"):
+        datamodule.setup("fit")
+    assert datamodule.num_bands == 15
+    assert "pca_components=auto: keeping 15 principal components of the image's 16 bands" in caplog.text
+
+
+def test_geotiff_config_defaults_to_auto(compose_cfg):
+    assert compose_cfg("data=geotiff", "data.image=a.tif", "data.labels=b.tif").data.pca_components == "auto"
+
+
+def test_one_class_labels_name_the_file(tmp_path):
+    image, labels = _scene(tmp_path, bands=4, classes=1)
+    datamodule = HyperspectralDataModule(image=str(image), labels=str(labels), patch_size=3)
+    with pytest.raises(SingleClassError, match=r"labels\.tif.*single class \(value 1\).*HINT"):
+        datamodule.setup("fit")
+
+
+# ------------------------------------------------------------------------------------------------- config
+def test_structured_strategy_config_matches_the_strategy_signature():
+    """Every StrategyConfig field is a keyword of HeterogeneousStrategy (or a DDPStrategy keyword it forwards), and the
+    defaults agree except where the app states its own choice in conf/strategy/heterogeneous.yaml."""
+    params = inspect.signature(HeterogeneousStrategy.__init__).parameters
+    ddp_params = inspect.signature(DDPStrategy.__init__).parameters
+    fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
+    unknown = sorted(set(fields) - APP_ONLY_FIELDS - DDP_FORWARDED - set(params) - set(ddp_params))
+    assert not unknown, f"StrategyConfig fields the strategy does not take: {unknown}"
+    keywords = [n for n, p in params.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    assert len(keywords) > 10, keywords
+    missing = sorted(n for n in keywords if n not in fields)
+    assert not missing, f"strategy keywords the app cannot set: {missing}"
+    yaml_text = (config_dir() / "strategy" / "heterogeneous.yaml").read_text()
+    for name, field in fields.items():
+        if name in APP_ONLY_FIELDS or name not in params or field.default is dataclasses.MISSING:
+            continue
+        code_default = params[name].default
+        schema_default = field.default.value if hasattr(field.default, "value") else field.default
+        assert schema_default == code_default, (name, schema_default, code_default)
+    # the YAML may differ from the code only where a comment says so
+    for name, value in OmegaConf.load(config_dir() / "strategy" / "heterogeneous.yaml").items():
+        if name in APP_ONLY_FIELDS or name == "defaults" or name not in params:
+            continue
+        if isinstance(value, str) and value.startswith("${"):
+            continue  # computed by the app (e.g. the emulated slowdowns)
+        code_default = params[name].default
+        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if plain != code_default and not (plain == {} and code_default is None):
+            block = yaml_text.split(f"\n{name}:")[0].rsplit("\n\n", 1)[-1]
+            assert "default" in block, f"{name}: YAML {plain!r} vs strategy {code_default!r}, with no comment saying so"
+
+
+# ------------------------------------------------------------------------------------------------- callbacks, loggers
+def test_callback_and_logger_groups_merge_with_the_users(compose_cfg, monkeypatch):
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_het.app import train as app_train
+
+    cfg = compose_cfg(
+        "+callbacks.early={_target_: lightning.pytorch.callbacks.EarlyStopping, monitor: val/loss}",
+        "+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]",
+    )
+    built = app_train._build_callbacks(cfg)
+    kinds = [type(c).__name__ for c in built]
+    assert kinds == ["ModelCheckpoint", "EarlyStopping", "LearningRateMonitor"], kinds
+    checkpoint = built[0]
+    assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and isinstance(built[1], EarlyStopping)
+    assert app_train._checkpointing(cfg, built) is True
+    assert app_train._checkpointing(compose_cfg("callbacks=none"), []) is False
+
+    loggers = app_train._build_loggers(cfg)
+    assert [type(x) for x in loggers] == [CSVLogger]
+    assert app_train._build_loggers(compose_cfg("logger=none")) is False
+    assert app_train._build_loggers(compose_cfg("trainer.logger=false")) is False
+    both = compose_cfg("logger=[csv,tensorboard]")
+    assert set(both.logger) == {"csv", "tensorboard"}
+
+
+def test_missing_checkpoint_names_the_file(compose_cfg, tmp_path):
+    from lightning_het.app.train import UserError, _checkpoint_to_resume
+
+    with pytest.raises(UserError, match=r"ckpt_path=.*nope\.ckpt.*HINT"):
+        _checkpoint_to_resume(compose_cfg(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+
+
+# ------------------------------------------------------------------------------------------------- resume (slow)
+@pytest.mark.slow
+def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
+    """Stop after 1 of 3 epochs (as if killed there: last.ckpt is what survives), resume with ``ckpt_path=``: the
+    weights after epoch 3 equal those of an uninterrupted 3-epoch run (<= 1e-6)."""
+    common = ["experiment=quick", "prediction_map=false"]
+
+    def run(name: str, *extra: str) -> Path:
+        out = tmp_path / name
+        result = run_app([*common, f"hydra.run.dir={out}", *extra], cwd=tmp_path, timeout=400, module=True)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return out
+
+    whole = run("whole", "trainer.max_epochs=3")
+    first = run("first", "trainer.max_epochs=1")
+    resumed = run("resumed", "trainer.max_epochs=3", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+
+    reference = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
+    final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)  # plain types only
+    assert final["global_step"] == reference["global_step"] and final["epoch"] == reference["epoch"]
+    worst = max(
+        (reference["state_dict"][k] - final["state_dict"][k]).abs().max().item() for k in reference["state_dict"]
+    )
+    assert worst <= 1e-6, worst
+    assert json.loads((resumed / "metrics.json").read_text())["epochs"] == 3
