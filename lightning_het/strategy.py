@@ -18,10 +18,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -78,10 +80,13 @@ from lightning_het.preemption import (
     shield_loader_workers,
     validate_grace,
 )
+from lightning_het.rendezvous import create_store, keep_sockets_local
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
+    Phase,
     as_timeout,
+    attach_watchdog,
     relaxed_startup_timeout,
     start_watchdog,
     stop_watchdog,
@@ -461,20 +466,65 @@ class HeterogeneousStrategyBase:
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
+        elif isinstance(self, DDPStrategy):  # no orphans, end barrier, exit statuses 124/130, output dir check (#14)
+            from lightning_het.lifecycle import HeterogeneousScriptLauncher  # (imports lightning: not at module import)
+
+            assert self.cluster_environment is not None
+            self._launcher = HeterogeneousScriptLauncher(
+                self, self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
+        if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
+            self._watchdog = start_watchdog(self, self._trainer())
         self._node_ids = self._detect_node_ids()
+
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(getattr(self, "_lightning_module", None), "_trainer", None)
+
+    def _mark(self, phase: Phase) -> None:
+        """Tell the watchdog where this replica is (setup, profiling, ...)."""
+        if self._watchdog is not None:
+            self._watchdog.mark(phase)
 
     @override
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
         with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
-            super().setup_distributed()
+            self._init_process_group()
         _ExitCleanup.register()  # no "terminate called without an active exception" at interpreter exit
+
+    def _init_process_group(self) -> None:
+        """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
+        interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.rendezvous`)."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized():
+            super().setup_distributed()  # torchrun's agent hosts the store
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        env = self.cluster_environment
+        keep_sockets_local(self.num_nodes)
+        timeout = self._timeout if self._timeout is not None else timedelta(minutes=30)
+        store = create_store(
+            master_addr=env.main_address,
+            port=env.main_port,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            timeout=timeout,
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        try:
+            _init_dist_connection(env, self._process_group_backend, **kwargs)
+        except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
+            raise _rendezvous_failed(err, timeout, self.global_rank, self.world_size) from err
 
     def _detect_node_ids(self) -> list[int]:
         """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (#3)."""
@@ -619,21 +669,31 @@ class HeterogeneousStrategyBase:
             self._train_sampler = None
         super().setup(trainer)
         self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
-        self._watchdog = start_watchdog(self, trainer)  # hung/dead replicas end the job (#7)
+        attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
             self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
 
     @override
     def teardown(self) -> None:
-        stop_watchdog(self._watchdog, getattr(self._lightning_module, "_trainer", None))  # (#7)
-        self._watchdog = None
+        self._end_watch()  # (#7, #14)
         detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
         _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
+
+    def _end_watch(self) -> None:
+        """Teardown: after an exception, stop the watchdog (the exception goes to the caller); after a normal run,
+        keep it watching the end-of-run hooks until every replica has finished (the popen launcher waits for that)."""
+        trainer = self._trainer()
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        if interrupted or not getattr(self._launcher, "finishes_runs", False):
+            stop_watchdog(self._watchdog, trainer, finished=not interrupted)
+            self._watchdog = None
+        else:
+            self._mark(Phase.TEARDOWN)
 
     # ------------------------------------------------------------------ checkpoints (#7, docs/reliability.md)
     @override
@@ -792,6 +852,7 @@ class HeterogeneousStrategyBase:
             batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
             costs = self._profile_costs(dataloader, global_batch, shuffle, seed, order_sampler)
+            self._mark(Phase.BETWEEN_BATCHES)  # profiling over (#14)
             self._cost_model = costs
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
@@ -938,6 +999,7 @@ class HeterogeneousStrategyBase:
     ) -> list[StepTiming]:
         """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode);
         ``order``: the user's sampler whose order the training batches are cut from."""
+        self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
         rank = self.global_rank
         sampler = ProportionalDistributedSampler(
             dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
@@ -1100,6 +1162,26 @@ class HeterogeneousStrategyBase:
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
+
+
+def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
+    """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
+    any other error is returned unchanged."""
+    from lightning_het.watchdog import WATCHDOG_EXIT_CODE, JobEnded
+
+    text = str(err).lower()
+    if "timeout" not in text and "timed out" not in text:
+        return err
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    print(
+        f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
+        f" {seconds:g} s (startup_timeout); a replica hung or died while starting ({str(err).splitlines()[0][:200]})."
+        f" Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the other replicas' output; raise"
+        " `startup_timeout` if they only start slowly.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return JobEnded(WATCHDOG_EXIT_CODE)
 
 
 class _silenced_logging:

@@ -7,14 +7,16 @@ process outlives the others and holds the job's output open. On NCCL the waiting
 
 How it works (one :class:`Watchdog` per replica, started by the strategy once the process group exists):
 
-* **Progress markers.** A callback the strategy adds to the Trainer records where the main thread is: in
-  ``training_step``, ``backward`` or the optimizer step of training batch ``k``, between batches, loading or running
-  an evaluation batch, or done with evaluation (:class:`Phase`). Markers are plain attribute writes (no I/O).
+* **Progress markers.** The strategy and a callback it adds to the Trainer record where the main thread is: in setup
+  (from the rendezvous on: setup hooks, model wrapping), profiling, in ``training_step``, ``backward`` or the
+  optimizer step of training batch ``k``, between batches, loading or running evaluation batch ``i``, done with
+  evaluation, or in teardown (:class:`Phase`). Markers are plain attribute writes (no I/O).
 * **Heartbeats.** A daemon thread publishes the markers every ``interval`` seconds to a dedicated connection to the
-  job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port), together with whether
+  job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port; every record signed with
+  the job token, see :mod:`lightning_het.rendezvous`), together with whether
   the main thread is inside a ``torch.distributed`` call, and reads every other replica's heartbeat. Ages are
   measured with the reader's own monotonic clock, so clock skew between hosts does not matter.
-* **Judgement** (:func:`judge`, a pure function). While the training or evaluation loop runs, a replica whose main
+* **Judgement** (:func:`judge`, a pure function). From the rendezvous to the end of the run, a replica whose main
   thread made no progress for ``timeout`` seconds has *stalled*; a replica whose heartbeat stopped for ``timeout``
   has *gone silent* (process dead or frozen). The replica(s) to blame are the stalled ones furthest *behind*: with
   every replica running the same steps, the one stuck in ``training_step`` of batch ``k`` is behind those waiting
@@ -22,21 +24,22 @@ How it works (one :class:`Watchdog` per replica, started by the strategy once th
   ``k+1``. A replica inside a ``torch.distributed`` call or done with evaluation is waiting, never blamed.
 * **Abort.** The first replica to decide writes one abort record (compare-and-set, so every replica reports the same
   verdict); every watchdog thread that reads it logs ``replica(s) [r] stopped responding for N s ...``, acknowledges,
-  and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (a thread can end a process whose main thread is
-  blocked in a collective). The replica hosting the store waits (briefly) for the acknowledgements before exiting,
-  and the launching process kills the local replicas it started that are still alive.
+  and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (``INTERRUPTED_EXIT_CODE`` for Ctrl-C; a thread can end
+  a process whose main thread is blocked in a collective; nothing is registered with ``atexit``). The replica
+  hosting the store waits (briefly) for the acknowledgements before exiting, and the launching process kills the
+  local replicas it started that are still alive.
 * **Fast paths.** A replica that raises (a real error, or a collective that timed out or lost its peer) publishes
   the failure from the Trainer's ``on_exception`` hook, so the others end at once instead of at their next
   collective's timeout; the launching process notices a local replica that exited non-zero within one interval.
 
 ``timeout`` is the strategy's ``timeout`` (as in ``DDPStrategy``): it must exceed the longest stretch a replica may
-spend without a progress marker inside the loops (one training step, one evaluation batch, an epoch-end hook, a
-checkpoint save). Setup and speed profiling are not judged; there Gloo's own collective timeout applies.
+spend without a progress marker (the setup hooks, one profiling call, one training step, one evaluation batch, an
+epoch-end hook, a checkpoint save, the end-of-run hooks). An exception inside the heartbeat thread that is not a
+failing store call is a bug of the watchdog: it is logged once and the thread carries on.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import json
@@ -59,6 +62,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
+
 __all__ = [
     "WATCHDOG_EXIT_CODE",
     "Phase",
@@ -79,6 +84,28 @@ log = logging.getLogger(__name__)
 
 #: exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out").
 WATCHDOG_EXIT_CODE = 124
+#: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).
+INTERRUPTED_EXIT_CODE = 130
+#: replica states (and verdict kinds) that are an interruption from outside the job, not a failure, with the exit
+#: status every replica ends with; everything else ends with :data:`WATCHDOG_EXIT_CODE`.
+INTERRUPTION_EXIT_CODES: dict[str, int] = {"interrupted": INTERRUPTED_EXIT_CODE}
+_INTERRUPTED_STATES = INTERRUPTION_EXIT_CODES  # the states are the keys
+#: a local replica's exit status (or ``-signal``) that tells it was interrupted, with the verdict kind it gets
+CHILD_INTERRUPTION_STATUS: dict[int, str] = {INTERRUPTED_EXIT_CODE: "interrupted", -2: "interrupted"}
+
+
+def exit_code_for(verdict: Verdict) -> int:
+    """The exit status of a replica ended by ``verdict``: 130 for Ctrl-C, else 124 (stalled, dead or failed)."""
+    return INTERRUPTION_EXIT_CODES.get(verdict.kind, WATCHDOG_EXIT_CODE)
+
+
+def interruption_of(exception: BaseException) -> str | None:
+    """The replica state for an exception that interrupts the job from outside (Ctrl-C), else ``None``."""
+    if isinstance(exception, KeyboardInterrupt):
+        return "interrupted"
+    return None
+
+
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 
@@ -87,18 +114,24 @@ _generation = itertools.count()  # one key space per watchdog started in this pr
 
 
 class Phase(IntEnum):
-    """Where a replica's main thread is. Within one training batch ``k`` the values increase with progress."""
+    """Where a replica's main thread is. Values increase with progress: through the job's stages, and within one
+    training batch ``k``."""
 
-    TRAINING_STEP = 1
-    BACKWARD = 2
-    OPTIMIZER_STEP = 3
-    BETWEEN_BATCHES = 4  # after batch k: loading batch k+1, epoch hooks, checkpointing
-    EVAL_LOADING = 5  # evaluation after batch k: between evaluation batches
-    EVAL_STEP = 6
-    EVAL_DONE = 7  # all evaluation batches done; epoch-end metric synchronisation
+    SETUP = 0  # process group up: setup hooks, model wrapping, checkpoint restore, building loaders
+    PROFILING = 1  # timing the training step to measure the replica's speed
+    TRAINING_STEP = 2
+    BACKWARD = 3
+    OPTIMIZER_STEP = 4
+    BETWEEN_BATCHES = 5  # after batch k: loading batch k+1, epoch hooks, checkpointing
+    EVAL_LOADING = 6  # evaluation after batch k: between evaluation batches
+    EVAL_STEP = 7
+    EVAL_DONE = 8  # all evaluation batches done; epoch-end metric synchronisation
+    TEARDOWN = 9  # the loops are over: teardown and end-of-run hooks, waiting for the others to finish
 
 
 _PHASE_TEXT = {
+    Phase.SETUP: "in setup (setup hooks, model wrapping, data loaders)",
+    Phase.PROFILING: "profiling the training step (speed measurement)",
     Phase.TRAINING_STEP: "in training_step",
     Phase.BACKWARD: "in backward (gradient all-reduce)",
     Phase.OPTIMIZER_STEP: "in the optimizer step",
@@ -106,7 +139,32 @@ _PHASE_TEXT = {
     Phase.EVAL_LOADING: "loading an evaluation batch",
     Phase.EVAL_STEP: "in an evaluation step",
     Phase.EVAL_DONE: "done with evaluation (synchronising metrics)",
+    Phase.TEARDOWN: "in teardown (end-of-run hooks)",
 }
+_EVAL_STEP_NAMES = {"validate": "validation_step", "sanity_check": "validation_step (sanity check)",
+                    "test": "test_step", "predict": "predict_step"}  # fmt: skip
+_EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP)
+
+
+def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
+    """Where a replica is, in words: the phase and the training (or evaluation) batch it concerns.
+
+    Args:
+        phase: the phase.
+        batch: training batches started so far (1-based index of the current training batch).
+        eval_stage: Lightning's running stage during evaluation (``"validate"``, ``"test"``, ...).
+        eval_batch: 0-based index of the evaluation batch last started (``-1``: none yet in this loop).
+    """
+    if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
+        return _PHASE_TEXT[phase]
+    if phase in _EVAL_PHASES and eval_stage:
+        step = _EVAL_STEP_NAMES.get(eval_stage, f"{eval_stage} step")
+        if phase == Phase.EVAL_STEP:
+            where = f"in {step} of evaluation batch {eval_batch}"
+        else:
+            where = f"loading evaluation batch {eval_batch + 1} for {step}"
+        return f"{where} (after training batch {batch})" if batch else where
+    return f"{_PHASE_TEXT[phase]} of batch {batch}"
 
 
 @dataclass(frozen=True)
@@ -125,6 +183,8 @@ class ReplicaStatus:
         silent_for: seconds since its heartbeat last changed.
         stalled_for: seconds since its main thread last made progress.
         error: for ``"failed"``: the error, one line.
+        eval_stage: during evaluation, Lightning's running stage (``"validate"``, ``"test"``, ...).
+        eval_batch: during evaluation, the 0-based index of the evaluation batch last started.
     """
 
     rank: int
@@ -138,6 +198,8 @@ class ReplicaStatus:
     silent_for: float = 0.0
     stalled_for: float = 0.0
     error: str = ""
+    eval_stage: str = ""
+    eval_batch: int = -1
 
     @property
     def position(self) -> tuple[int, int]:
@@ -145,7 +207,8 @@ class ReplicaStatus:
         return self.batch, int(self.phase)
 
     def describe(self) -> str:
-        return f"rank {self.rank} on {self.host} (pid {self.pid}): {_PHASE_TEXT[self.phase]} of batch {self.batch}"
+        where = describe_phase(self.phase, self.batch, self.eval_stage, self.eval_batch)
+        return f"rank {self.rank} on {self.host} (pid {self.pid}): {where}"
 
 
 @dataclass(frozen=True)
@@ -168,6 +231,7 @@ class Verdict:
 
 
 _HINTS = {
+    "interrupted": "the job was interrupted from outside (Ctrl-C); nothing failed.",
     "hung": "look at what the named replica(s) were doing (a stuck device, a deadlocked data loader, a step that"
     " waits on something outside the job); if they were only slow, raise the strategy's `timeout`.",
     "silent": "check the named replica(s)' host: a crash, an out-of-memory kill or a lost network link.",
@@ -192,6 +256,7 @@ def judge(
 
     Rules, in order:
 
+    0. a replica that was interrupted (Ctrl-C): end every replica the same way (not a failure);
     1. a replica that reported a failure: blame it;
     2. a running replica whose heartbeat is older than ``silence_timeout`` (default ``timeout``): its process died or
        froze;
@@ -213,6 +278,11 @@ def judge(
     """
     silence = timeout if silence_timeout is None else silence_timeout
     suspect = timeout / 2 if suspect_after is None else suspect_after
+    interrupted = [s for s in statuses if s.state in _INTERRUPTED_STATES]
+    if interrupted:
+        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or s.state}" for s in interrupted)
+        kind = interrupted[0].state
+        return Verdict(kind, tuple(_ranks(interrupted)), 0.0, f"replica(s) {_ranks(interrupted)} {kind} ({detail})")
     failed = [s for s in statuses if s.state == "failed"]
     if failed:
         detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or 'error'}" for s in failed)
@@ -221,7 +291,7 @@ def judge(
     silent = [s for s in running if s.silent_for > silence]
     if silent:
         seconds = max(s.silent_for for s in silent)
-        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}), last {_PHASE_TEXT[s.phase]}" for s in silent)
+        detail = "; ".join(f"{s.describe()} when last heard of" for s in silent)
         return Verdict(
             "silent",
             tuple(_ranks(silent)),
@@ -235,7 +305,7 @@ def judge(
     seconds = max(s.stalled_for for s in armed)
     waiting = {s.rank for s in running if s.waiting or s.phase == Phase.EVAL_DONE}
     suspects = [s for s in armed if s.stalled_for > suspect and s.rank not in waiting]
-    evaluating = [s for s in suspects if s.phase in (Phase.EVAL_LOADING, Phase.EVAL_STEP)]
+    evaluating = [s for s in suspects if s.phase in _EVAL_PHASES]
     if evaluating:
         culprits = evaluating
     elif suspects:
@@ -291,6 +361,29 @@ def _inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     return False
 
 
+class StoreUnreachable(RuntimeError):
+    """A call to the job's store failed: its host (rank 0) ended, or the network between the nodes failed."""
+
+
+class _GuardedStore:
+    """The watchdog's view of the store: every failure of a store call surfaces as :class:`StoreUnreachable`, so the
+    heartbeat thread can tell a lost store from a bug of its own."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except Exception as err:
+                raise StoreUnreachable(f"{type(err).__name__}: {err}") from err
+
+        return call
+
+
 class Watchdog:
     """Per-replica heartbeat thread and judge; see the module docstring.
 
@@ -304,7 +397,9 @@ class Watchdog:
         hosts_store: whether the store's server runs in this process (it then waits for the others to read the
             verdict before exiting).
         children: returns the local replicas this process launched, as ``(global_rank, Popen)`` pairs.
-        exit: ends the process (``os._exit``); replaced in tests.
+        exit: ends the process (``os._exit``, from the heartbeat thread only); replaced in tests.
+        token: the job's secret (:mod:`lightning_het.rendezvous`): every record is signed with it, and records
+            without a valid signature are ignored. ``""``: unsigned records (tests, single-process use).
     """
 
     def __init__(
@@ -318,10 +413,11 @@ class Watchdog:
         hosts_store: bool = False,
         children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
         exit: Callable[[int], None] = os._exit,
+        token: str = "",
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
-        self.store = store
+        self.store = _GuardedStore(store)
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
@@ -330,22 +426,49 @@ class Watchdog:
         self.hosts_store = hosts_store
         self._children = children or (lambda: [])
         self._exit = exit
+        self._token = token
         self._host = socket.gethostname()
         self._pid = os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
-        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.BETWEEN_BATCHES, time.monotonic())
-        self._armed: set[str] = set()
+        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())
+        self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
+        self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
         self._state = "running"
         self._error = ""
         self._local_failure = False
+        self._waited_in_collective = False  # set when a collective failed here (the replica was waiting in it)
+        self._handled: BaseException | None = None  # the exception on_exception already dealt with
+        self._standing: Verdict | None = None  # the verdict on_exception reached
         # heartbeat thread only
         self._beat = 0
         self._seen: dict[int, tuple[Any, float, Any, float]] = {}
         self._store_lost_since: float | None = None
+        self._bugs = 0
+        self._forgeries = 0
         self._stop = threading.Event()
         self._reported = False
         self._main_ident = threading.get_ident()
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
+
+    # ------------------------------------------------------------------ signed records
+    def _write(self, key: str, payload: str) -> None:
+        self.store.set(key, sign(self._token, key, payload) if self._token else payload)
+
+    def _read(self, key: str, raw: Any) -> str | None:
+        """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
+        if not self._token:
+            return raw.decode() if isinstance(raw, bytes) else raw
+        payload = verify(self._token, key, raw)
+        if payload is None:
+            self._forgeries += 1
+            if self._forgeries == 1:
+                log.warning(
+                    "[rank %d] lightning_het watchdog: ignored a record under %r without a valid signature (written"
+                    " by a client outside the job?)",
+                    self.rank,
+                    key,
+                )
+        return payload
 
     # ------------------------------------------------------------------ training thread
     def start(self) -> None:
@@ -357,13 +480,28 @@ class Watchdog:
         log.debug("watchdog started on rank %d: timeout %.1f s, heartbeat every %.2f s", self.rank, self.timeout,
                   self.interval)  # fmt: skip
 
-    def mark(self, phase: Phase, *, new_batch: bool = False) -> None:
-        """Record progress of the training thread (cheap; called from Trainer hooks)."""
+    @property
+    def running(self) -> bool:
+        """Whether the heartbeat thread runs (started and not stopped)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
+        """Record progress of the training thread (cheap; called from Trainer hooks).
+
+        Args:
+            phase: where the training thread is now.
+            new_batch: a new training batch starts.
+            eval_batch: during evaluation, the 0-based index of the evaluation batch that starts.
+            stage: during evaluation, Lightning's running stage (``"validate"``, ``"test"``, ...).
+        """
+        if eval_batch is not None or stage:
+            old_stage, old_batch = self._eval_where
+            self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
         seq, batch, _, _ = self._progress
         self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
 
     def arm(self, loop: str) -> None:
-        """Start judging stalls: the training thread entered a loop (``"fit"`` or ``"eval"``)."""
+        """Note that the training thread entered a loop (``"fit"`` or ``"eval"``); progress counts as made."""
         self._armed.add(loop)
         self.mark(self._progress[2])
 
@@ -371,55 +509,91 @@ class Watchdog:
         self._armed.discard(loop)
         self.mark(self._progress[2])
 
+    def finish(self, *, wait: bool = True) -> None:
+        """Normal end of this replica's run: say so, then (``wait``) wait until every replica has finished.
+
+        While this replica waits, its heartbeat thread keeps judging the others: one that stalls in its own teardown
+        for ``timeout`` ends the job, so no replica can outlive the job unnoticed. Returns early when the store is gone
+        (the replica hosting it finished and left).
+        """
+        self.mark(Phase.TEARDOWN)
+        if self._state == "running":
+            self._state = "finished"
+        try:
+            self._publish()
+            while wait and not self._stop.is_set():
+                if self._all_finished():
+                    break
+                time.sleep(min(self.interval, 0.2))
+        except StoreUnreachable:
+            pass
+        self.stop()
+
+    def _all_finished(self) -> bool:
+        others = [s for s in self._statuses() if s.rank != self.rank]
+        return all(s.state == "finished" for s in others)
+
     def stop(self) -> None:
-        """Normal end: tell the others this replica finished, and stop the thread."""
+        """Stop the thread (normal end, or this replica's own exception is reaching the caller)."""
         if self._state == "running":
             self._state = "finished"
         self._stop.set()
         with contextlib.suppress(Exception):
             self._publish()
-        if not self._local_failure and self._thread.is_alive() and threading.get_ident() != self._thread.ident:
+        if self._thread.is_alive() and threading.get_ident() != self._thread.ident:
             self._thread.join(timeout=2 * self.interval + 1.0)
 
-    def on_exception(self, exception: BaseException) -> None:
+    def on_exception(self, exception: BaseException) -> Verdict | None:
         """The training thread is raising: make sure the whole job ends, and say who is to blame.
 
         A collective that timed out or lost a peer is a symptom: the culprit is looked for among the others (waiting
-        up to a few heartbeats for a dead peer's heartbeat to stop). Any other exception is this replica's failure.
-        Never raises (the original exception must propagate).
+        up to a few heartbeats for a dead peer's heartbeat to stop). Ctrl-C ends the job as an interruption (exit
+        status 130 everywhere), not a failure. Any other exception is this replica's failure. Idempotent for the same
+        exception; never raises (the original exception must propagate).
+
+        Returns:
+            The verdict that stands (``None`` when none could be reached).
         """
+        if self._handled is exception or isinstance(exception, JobEnded):
+            return self._standing
+        self._handled = exception
+        self._standing = None
         if isinstance(exception, SIGTERMException):  # preemption (exit 143, lightning_het.preemption): not a failure
             self.stop()
-            return
+            return None
         try:
             self._local_failure = True
-            symptom = is_collective_failure(exception)
-            if symptom:
-                # once the traceback is printed, end without running torch's destructors: a process group with the
-                # collective that failed still pending blocks interpreter exit for many seconds
-                atexit.register(self._exit_now, WATCHDOG_EXIT_CODE)
-            if self._abort_record() is not None:
+            interruption = interruption_of(exception)
+            record = self._abort_record()
+            if record is not None:
                 self._acknowledge()
-                return
-            if symptom:
+                self._standing = record
+                return record
+            if interruption is not None:
+                self._state, self._error = interruption, _first_line(exception)
+                self._publish()
+                verdict = judge(self._statuses(), self.timeout)
+            elif is_collective_failure(exception):
                 verdict = self._judge_collective_failure(exception)
             else:
                 self._state, self._error = "failed", _first_line(exception)
                 self._publish()
                 verdict = judge(self._statuses(), self.timeout)
             if verdict is not None:
-                self._decide(verdict)
-        except Exception as err:  # the store is unreachable: its host (rank 0) has ended
+                self._standing = self._decide(verdict)
+        except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
-                self._report(
-                    Verdict(
-                        "lost_store",
-                        (0,),
-                        0.0,
-                        f"replica 0 ended: replica {self.rank} lost its connection to the rendezvous store that"
-                        f" replica 0 hosts ({type(err).__name__}) while raising {_first_line(exception)}",
-                    )
+                self._standing = Verdict(
+                    "lost_store",
+                    (0,),
+                    0.0,
+                    f"replica 0 ended: replica {self.rank} lost its connection to the rendezvous store that"
+                    f" replica 0 hosts ({err}) while raising {_first_line(exception)}",
                 )
+                self._report(self._standing)
+        except Exception:  # a bug of the watchdog: report it, let the original exception propagate
+            log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
+        return self._standing
 
     def _exit_now(self, code: int) -> None:
         sys.stdout.flush()
@@ -445,7 +619,7 @@ class Watchdog:
                 if verdict is not None:
                     self._end(self._decide(verdict))
                     return
-            except Exception as err:  # the store is gone: its host (rank 0) ended, or the network failed
+            except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
                 if self._stop.is_set():
                     return
                 now = time.monotonic()
@@ -456,14 +630,23 @@ class Watchdog:
                         (0,),
                         now - self._store_lost_since,
                         f"replica {self.rank} lost contact with the job's rendezvous store for"
-                        f" {now - self._store_lost_since:.1f} s ({type(err).__name__}: {err}); the replica hosting it"
-                        " (rank 0) ended or the network failed",
+                        f" {now - self._store_lost_since:.1f} s ({err}); the replica hosting it (rank 0) ended or the"
+                        " network failed",
                     )
                     self._end(verdict)
                     return
+            except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
+                self._bugs += 1
+                if self._bugs == 1:
+                    log.exception(
+                        "[rank %d] lightning_het watchdog: internal error in the heartbeat thread; the job goes on"
+                        " (this replica's stalls may go unnoticed until it recovers). Please report this.",
+                        self.rank,
+                    )
 
     def _publish(self) -> None:
         seq, batch, phase, _ = self._progress
+        stage, eval_batch = self._eval_where
         self._beat += 1
         frame = sys._current_frames().get(self._main_ident)
         status = {
@@ -471,14 +654,16 @@ class Watchdog:
             "seq": seq,
             "batch": batch,
             "phase": int(phase),
+            "eval_stage": stage,
+            "eval_batch": eval_batch,
             "armed": bool(self._armed),
-            "waiting": _inside_torch_distributed(frame),
+            "waiting": self._waited_in_collective or _inside_torch_distributed(frame),
             "state": self._state,
             "error": self._error,
             "host": self._host,
             "pid": self._pid,
         }
-        self.store.set(f"hb/{self.rank}", json.dumps(status))
+        self._write(f"hb/{self.rank}", json.dumps(status))
 
     def _statuses(self) -> list[ReplicaStatus]:
         now = time.monotonic()
@@ -495,14 +680,17 @@ class Watchdog:
             if r == self.rank:
                 statuses.append(self._own_status(now))
                 continue
-            data = json.loads(raw[r]) if r in raw else None
-            beat, seq = (data["beat"], data["seq"]) if data else (None, None)
+            payload = self._read(keys[r], raw[r]) if r in raw else None
+            data = json.loads(payload) if payload is not None else None
             old = self._seen.get(r)
+            if data is None and old is not None and old[4] is not None:
+                data = old[4]  # a forged or garbled record: keep the last genuine one
+            beat, seq = (data["beat"], data["seq"]) if data else (None, None)
             if old is None:
-                old = (beat, self._started, seq, self._started)
+                old = (beat, self._started, seq, self._started, None)
             beat_changed = old[1] if beat == old[0] else now
             seq_changed = old[3] if seq == old[2] else now
-            self._seen[r] = (beat, beat_changed, seq, seq_changed)
+            self._seen[r] = (beat, beat_changed, seq, seq_changed, data)
             if data is None:
                 statuses.append(ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed))
                 continue
@@ -519,12 +707,15 @@ class Watchdog:
                     silent_for=now - beat_changed,
                     stalled_for=now - seq_changed,
                     error=data["error"],
+                    eval_stage=data.get("eval_stage", ""),
+                    eval_batch=data.get("eval_batch", -1),
                 )
             )
         return statuses
 
     def _own_status(self, now: float) -> ReplicaStatus:
         _, batch, phase, last = self._progress
+        stage, eval_batch = self._eval_where
         frame = sys._current_frames().get(self._main_ident)
         return ReplicaStatus(
             rank=self.rank,
@@ -533,27 +724,21 @@ class Watchdog:
             batch=batch,
             phase=phase,
             armed=bool(self._armed),
-            waiting=_inside_torch_distributed(frame),
+            waiting=self._waited_in_collective or _inside_torch_distributed(frame),
             state=self._state,
             stalled_for=now - last,
             error=self._error,
+            eval_stage=stage,
+            eval_batch=eval_batch,
         )
 
     def _check_children(self) -> Verdict | None:
-        exited = []
-        for rank, proc in self._children():
-            code = proc.poll()
-            if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
-                exited.append((rank, proc.pid, code))
-        if not exited:
-            return None
-        detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
-        ranks = sorted(r for r, _, _ in exited)
-        return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
+        return check_children(self._children())
 
     def _judge_collective_failure(self, exception: BaseException) -> Verdict:
         """A collective failed here: find the peer at fault (a dead one shows within a few heartbeats)."""
         deadline = time.monotonic() + min(max(3 * self.interval, 1.0), self.timeout)
+        self._waited_in_collective = True  # this replica was waiting for the others: never a suspect itself
         while True:
             self._publish()
             record = self._abort_record()
@@ -577,12 +762,18 @@ class Watchdog:
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
             return None
-        return Verdict.from_json(self.store.get("abort"))
+        payload = self._read("abort", self.store.get("abort"))
+        return None if payload is None else Verdict.from_json(payload)
 
     def _decide(self, verdict: Verdict) -> Verdict:
         """Publish ``verdict`` unless another replica already did; return the one that stands."""
-        current = self.store.compare_set("abort", "", verdict.to_json())
-        standing = Verdict.from_json(current)
+        record = sign(self._token, "abort", verdict.to_json()) if self._token else verdict.to_json()
+        current = self.store.compare_set("abort", "", record)
+        payload = self._read("abort", current)
+        if payload is None:  # a forged record holds the key: replace it with ours
+            self.store.set("abort", record)
+            payload = verdict.to_json()
+        standing = Verdict.from_json(payload)
         self._report(standing)
         self._acknowledge()
         if self.hosts_store:
@@ -595,7 +786,7 @@ class Watchdog:
         self._reported = True
         message = (
             f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. Ending the job (timeout={self.timeout:g}"
-            f" s). HINT: {_HINTS.get(verdict.kind, _HINTS['hung'])}"
+            f" s, exit status {exit_code_for(verdict)}). HINT: {_HINTS.get(verdict.kind, _HINTS['hung'])}"
         )
         if log.hasHandlers():
             log.error(message)
@@ -625,11 +816,45 @@ class Watchdog:
         # exception then reaches the caller, who decides); end it here only if the teardown hangs
         if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
             return
-        for _, proc in self._children():
-            with contextlib.suppress(Exception):
-                if proc.poll() is None:
-                    proc.kill()
-        self._exit_now(WATCHDOG_EXIT_CODE)
+        kill_children(self._children())
+        self._exit_now(exit_code_for(verdict))
+
+
+class JobEnded(SystemExit):
+    """Raised in a replica's main thread in place of an exception that only reflects how the job ended elsewhere
+    (a peer stalled, died or was interrupted): the process exits with :attr:`code` (124 or 130), after the usual
+    clean-up (``finally`` blocks, exit handlers). The watchdog has already printed the reason.
+    """
+
+
+def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
+    """A verdict for local replicas that exited with a non-zero status (interrupted ones: ``"interrupted"``)."""
+    exited = []
+    for rank, proc in children:
+        code = proc.poll()
+        if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
+            exited.append((rank, proc.pid, code))
+    if not exited:
+        return None
+    ranks = sorted(r for r, _, _ in exited)
+    kinds = {CHILD_INTERRUPTION_STATUS.get(code) for _, _, code in exited}
+    if len(kinds) == 1 and None not in kinds:
+        kind = kinds.pop()
+        detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
+        return Verdict(str(kind), tuple(ranks), 0.0, f"replica(s) {ranks} {kind} ({detail})")
+    detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
+    return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
+
+
+def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
+    """SIGKILL the local replicas still running; returns their ranks."""
+    killed = []
+    for rank, proc in children:
+        with contextlib.suppress(Exception):
+            if proc.poll() is None:
+                proc.kill()
+                killed.append(rank)
+    return killed
 
 
 class WatchdogCallback(Callback):
@@ -638,16 +863,16 @@ class WatchdogCallback(Callback):
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
 
-    # loops: arm/disarm
+    # loops
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watchdog.arm("fit")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watchdog.disarm("fit")
 
-    def _eval_start(self, *args: Any) -> None:
+    def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.arm("eval")
-        self.watchdog.mark(Phase.EVAL_LOADING)
+        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=_stage(trainer))
 
     def _eval_end(self, *args: Any) -> None:
         self.watchdog.disarm("eval")
@@ -674,8 +899,10 @@ class WatchdogCallback(Callback):
     on_train_epoch_start = on_train_epoch_end = _between
 
     # evaluation batches
-    def _eval_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_STEP)
+    def _eval_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
 
     def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
         self.watchdog.mark(Phase.EVAL_LOADING)
@@ -692,6 +919,11 @@ class WatchdogCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
+
+
+def _stage(trainer: pl.Trainer) -> str:
+    stage = trainer.state.stage
+    return str(stage.value) if stage is not None else ""
 
 
 def as_timeout(name: str, value: Any) -> timedelta | None:
@@ -719,38 +951,57 @@ def _seconds(value: timedelta | float | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
-def start_watchdog(strategy: Any, trainer: pl.Trainer) -> Watchdog | None:
-    """Start a :class:`Watchdog` for this replica and add its callback to ``trainer`` (multi-replica jobs only).
+def start_watchdog(strategy: Any, trainer: pl.Trainer | None = None) -> Watchdog | None:
+    """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``.
+
+    Collective: every rank calls it right after the process group exists (the replicas agree on the job token).
 
     Args:
         strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist).
-        trainer: the Trainer that gets the :class:`WatchdogCallback`.
+        trainer: the Trainer that gets the :class:`WatchdogCallback` (else see :func:`attach_watchdog`).
 
     Returns:
         The running watchdog, or ``None`` for a single replica or without a process group.
     """
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
     timeout = _seconds(getattr(strategy, "_timeout", None))
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not timeout:
         return None
+    token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
     base = dist.distributed_c10d._get_default_store()
     connection = base.clone() if hasattr(base, "clone") else base
-    store = dist.PrefixStore(f"lightning_het/watchdog/{next(_generation)}/", connection)
+    store = dist.PrefixStore(f"lightning_het/watchdog/{key_prefix(token)}/{next(_generation)}/", connection)
     rank = dist.get_rank()
     hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
     watchdog = Watchdog(
-        store, rank, dist.get_world_size(), timeout, hosts_store=hosts_store, children=_launched_replicas(strategy)
+        store,
+        rank,
+        dist.get_world_size(),
+        timeout,
+        hosts_store=hosts_store,
+        children=_launched_replicas(strategy),
+        token=token,
     )
     watchdog.start()
-    trainer.callbacks.append(WatchdogCallback(watchdog))
+    if trainer is not None:
+        attach_watchdog(watchdog, trainer)
     return watchdog
 
 
-def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None) -> None:
-    """Stop ``watchdog`` (normal end of a fit/evaluation) and remove its callback."""
+def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
+    """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+    if watchdog is not None:
+        trainer.callbacks.append(WatchdogCallback(watchdog))
+
+
+def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
+    """Stop ``watchdog`` and remove its callback; ``finished``: first wait until every replica finished."""
     if watchdog is None:
         return
-    watchdog.stop()
+    if finished:
+        watchdog.finish()
+    else:
+        watchdog.stop()
     if trainer is not None:
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
 

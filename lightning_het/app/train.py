@@ -37,6 +37,7 @@ import lightning_het  # noqa: F401  (registers strategy="heterogeneous", in ever
 from lightning_het.app import config_dir
 from lightning_het.app.config import DataConfig, GradientAveraging, StrategyConfig, register_configs, validate_config
 from lightning_het.errors import RasterNotFoundError
+from lightning_het.output_dir import OutputDirError, check_output_dir
 
 if TYPE_CHECKING:  # Lightning is imported only when a run starts, so that `--help` and config errors stay fast
     import lightning.pytorch as pl
@@ -106,6 +107,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
     output_dir = Path(str(cfg.output_dir)).absolute()
     _check_input_files(data_cfg)  # before anything is built: a typo in a path fails at once
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # unwritable, missing or full: one line, exit 2, no replica started
+        check_output_dir(output_dir)
     ckpt_path = _checkpoint_to_resume(cfg)
     _configure_console_logging()
 
@@ -140,9 +143,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics["prediction_map"] = prediction
     metrics["output_dir"] = str(output_dir)
     if trainer.is_global_zero:
-        output_dir.mkdir(parents=True, exist_ok=True)
         path = output_dir / "metrics.json"
-        path.write_text(json.dumps(metrics, indent=2, sort_keys=True, default=_json_default) + "\n")
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(metrics, indent=2, sort_keys=True, default=_json_default) + "\n")
+        except OSError as err:  # e.g. the disk filled up during the run
+            raise OutputDirError(f"Cannot write '{path}' ({err.strerror or type(err).__name__}).") from None
         print(_summary(trainer, metrics, path), flush=True)
     return metrics
 

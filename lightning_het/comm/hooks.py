@@ -77,6 +77,14 @@ class _InOrder:
                 report(err)
 
 
+def _nothing() -> None:
+    """The action of a turn handed on by a failed chunk."""
+
+
+def _ignore(err: BaseException) -> None:
+    """Errors of a turn handed on by a failed chunk (there are none: the action does nothing)."""
+
+
 def _new_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """An unset future that DDP can wait on for ``tensor`` (device-aware on accelerators)."""
     if tensor.device.type == "cpu":
@@ -187,10 +195,20 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
     seq = state._seq
     state._seq += 1
     result = _new_future(tensor)
+    # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
+    # later chunk would wait for it until the watchdog ends the job
+    turns = {"leaders": groups.is_leader and groups.num_nodes > 1, "bcast": groups.node_size > 1}
+
+    def release() -> None:
+        if turns.pop("leaders", False):
+            state._leader_order.submit(seq, _nothing, _ignore)
+        if turns.pop("bcast", False):
+            state._bcast_order.submit(seq, _nothing, _ignore)
 
     def fail(err: BaseException) -> None:
         if not result.done():
             result.set_exception(err)
+        release()
 
     def chain(work: dist.Work, then: Callable[[], None]) -> None:
         def callback(fut: torch.futures.Future[list[torch.Tensor]]) -> None:
@@ -209,7 +227,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
         chain(dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True), finish)
 
     def after_leaders() -> None:
-        if groups.node_size > 1:
+        if turns.pop("bcast", False):
             state._bcast_order.submit(seq, broadcast, fail)
         else:
             finish()
@@ -218,7 +236,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
         chain(dist.all_reduce(tensor, group=groups.leader_group, async_op=True), after_leaders)
 
     def after_reduce() -> None:
-        if groups.is_leader and groups.num_nodes > 1:
+        if turns.pop("leaders", False):
             state._leader_order.submit(seq, leaders_allreduce, fail)
         else:
             after_leaders()

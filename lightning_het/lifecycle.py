@@ -1,0 +1,228 @@
+"""The job's lifecycle: launch, run to the end together, and leave no process behind, whatever happens.
+
+:class:`HeterogeneousScriptLauncher` replaces Lightning's ``popen`` launcher (``_SubprocessScriptLauncher``; the
+strategy installs it). In the launching process (local rank 0 of each node) it
+
+1. checks the output directory (:func:`check_output_dir`) before any replica starts: a missing parent, a directory
+   that cannot be written or a full disk is one :class:`OutputDirError` naming the path (the app: exit status 2);
+2. creates the per-job token and keeps a single-node job's sockets on loopback (:mod:`lightning_het.rendezvous`),
+   then starts the other local replicas with ``PR_SET_PDEATHSIG``: the kernel kills them if the launching process
+   dies, whatever kills it;
+3. watches them until the watchdog runs (a replica that dies during start-up ends the job within a second instead of
+   leaving the others in the rendezvous for ``startup_timeout``), and at exit waits for them (up to ``timeout``), then
+   kills any that are left.
+
+In every replica it runs the Trainer's entry point and then waits until every replica has finished it (the
+watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
+exit statuses: **130** when the job was interrupted (Ctrl-C), **124** when it was ended because a replica stalled or
+died (the exception this replica saw is only a symptom); a replica's own error propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
+from lightning_het.rendezvous import ensure_job_token, keep_sockets_local
+from lightning_het.watchdog import (
+    INTERRUPTED_EXIT_CODE,
+    WATCHDOG_EXIT_CODE,
+    JobEnded,
+    check_children,
+    exit_code_for,
+    interruption_of,
+    is_collective_failure,
+    kill_children,
+)
+
+__all__ = ["MIN_FREE_BYTES", "HeterogeneousScriptLauncher", "OutputDirError", "check_output_dir"]
+
+log = logging.getLogger(__name__)
+
+#: seconds beyond the strategy's ``timeout`` that the launching process waits, at exit, for its replicas to end.
+REAP_GRACE_S = 30.0
+#: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
+FAILED_REAP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn`` of a child replica: the kernel sends it SIGKILL when the launching process dies."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
+
+    Args:
+        strategy: the strategy (its ``_timeout`` bounds the waits, its watchdog is consulted).
+        cluster_environment, num_processes, num_nodes: as for Lightning's launcher.
+    """
+
+    #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
+    finishes_runs = True
+
+    def __init__(self, strategy: Any, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._strategy = strategy
+        self._in_run = False
+        self._failed = False  # a Trainer call of this process ended with an exception
+        self._observer: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ launching process
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            if trainer is not None and self.cluster_environment.global_rank() == 0:
+                check_output_dir(trainer.default_root_dir)  # before any replica starts
+            ensure_job_token()
+            keep_sockets_local(self.num_nodes)
+            self._call_children_scripts()
+            self._start_observer()
+            atexit.register(self._reap_children)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        self._in_run = True
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as exc:
+            self._in_run = False
+            self._failed = True
+            code = self._exit_code(exc)
+            if code is not None:
+                raise JobEnded(code) from exc
+            raise
+        self._in_run = False
+        self._finish(trainer)
+        return result
+
+    @override
+    def _call_children_scripts(self) -> None:
+        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux."""
+        self._check_can_spawn_children()
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = f"{local_rank}"
+            if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
+                del env["PL_GLOBAL_SEED"]
+            cwd: str | None = None
+            if _hydra_in_use():
+                command, cwd = _hydra_subprocess_cmd(local_rank)
+            else:
+                command = _basic_subprocess_cmd()
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
+
+    def _children(self) -> list[tuple[int, subprocess.Popen]]:
+        first = self.cluster_environment.node_rank() * self.num_processes
+        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
+
+    def _start_observer(self) -> None:
+        """Until the watchdog runs (start-up, between Trainer calls): a local replica that fails ends the job."""
+
+        def observe() -> None:
+            while True:
+                time.sleep(0.5)
+                watchdog = getattr(self._strategy, "_watchdog", None)
+                if not self._in_run or (watchdog is not None and watchdog.running):
+                    if all(proc.poll() is not None for proc in self.procs):
+                        return
+                    continue
+                verdict = check_children(self._children())
+                if verdict is None:
+                    continue
+                print(
+                    f"[rank {self.cluster_environment.global_rank()}] lightning_het: {verdict.message} before the"
+                    f" replicas could start their run. Ending the job (exit status {exit_code_for(verdict)}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                kill_children(self._children())
+                sys.stdout.flush()
+                os._exit(exit_code_for(verdict))
+
+        self._observer = threading.Thread(target=observe, name="lightning-het-replica-observer", daemon=True)
+        self._observer.start()
+
+    def _reap_children(self) -> None:
+        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
+        when they have the verdict already: at most 10 s), then kill them."""
+        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
+        if self._failed:
+            wait = min(wait, FAILED_REAP_GRACE_S)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(0.1)
+        killed = kill_children(self._children())
+        if killed:
+            print(
+                f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them.",
+                file=sys.stderr,
+                flush=True,
+            )
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+    # ------------------------------------------------------------------ every replica
+    def _finish(self, trainer: Any) -> None:
+        """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
+        from lightning_het.watchdog import stop_watchdog
+
+        watchdog = getattr(self._strategy, "_watchdog", None)
+        self._strategy._watchdog = None
+        stop_watchdog(watchdog, trainer, finished=True)
+
+    def _exit_code(self, exc: BaseException) -> int | None:
+        """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""
+        if isinstance(exc, JobEnded):
+            return None
+        watchdog = getattr(self._strategy, "_watchdog", None)
+        verdict = watchdog.on_exception(exc) if watchdog is not None else None
+        if interruption_of(exc) is not None:
+            return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
+        if verdict is None or not is_collective_failure(exc):
+            return None
+        if verdict.kind == "failed" and watchdog is not None and watchdog.rank in verdict.culprits:
+            return None
+        return exit_code_for(verdict) if verdict.kind != "failed" else WATCHDOG_EXIT_CODE
+
+
+def _hydra_in_use() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return HydraConfig.initialized()
+
+
+def _timeout_seconds(strategy: Any) -> float:
+    timeout = getattr(strategy, "_timeout", None)
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout) if timeout else 1800.0

@@ -1,0 +1,65 @@
+"""Checking a run's output directory before any replica starts (no torch or Lightning import: the app uses it early)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+__all__ = ["MIN_FREE_BYTES", "OutputDirError", "check_output_dir"]
+
+#: free space an output directory must have before a run starts (bytes).
+MIN_FREE_BYTES = 16 * 2**20
+
+
+class OutputDirError(ValueError):
+    """The run's output directory cannot hold the run's files (missing and not creatable, unwritable, disk full)."""
+
+
+def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_FREE_BYTES) -> Path:
+    """Create ``path`` if needed and make sure a run can write there; return it as an absolute path.
+
+    Writes, syncs and removes a small probe file, and checks that at least ``min_free_bytes`` are free.
+
+    Raises:
+        OutputDirError: one line naming the directory and the reason.
+    """
+    directory = Path(path).absolute()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputDirError(f"The output directory '{directory}' exists but is not a directory.") from None
+    except OSError as err:
+        raise OutputDirError(
+            f"The output directory '{directory}' does not exist and cannot be created ({_reason(err)})."
+            " HINT: choose a directory whose parent exists and is writable."
+        ) from None
+    probe = directory / f".lightning_het_probe_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(b"\0" * 4096)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        hint = "free some space or choose another directory" if err.errno == errno.ENOSPC else "check its permissions"
+        raise OutputDirError(
+            f"The output directory '{directory}' is not writable ({_reason(err)}). HINT: {hint}."
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    free = shutil.disk_usage(directory).free
+    if free < min_free_bytes:
+        raise OutputDirError(
+            f"The output directory '{directory}' is on a disk with only {free / 2**20:.1f} MiB free (a run needs at"
+            f" least {min_free_bytes / 2**20:.0f} MiB for its logs, checkpoints and metrics). HINT: free some space or"
+            " choose another directory."
+        )
+    return directory
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or type(err).__name__

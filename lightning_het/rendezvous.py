@@ -1,0 +1,206 @@
+"""The job's rendezvous: a store no stranger can reach, and a per-job secret that signs the watchdog's records.
+
+``torch.distributed``'s default ``env://`` rendezvous makes rank 0 host a TCPStore that listens on *every* interface
+(``*:MASTER_PORT``), even on a single machine with ``MASTER_ADDR=127.0.0.1``, and anybody who can connect may read and
+write any key. The strategy therefore creates the store itself (:func:`create_store`):
+
+* **single node**: the store listens on ``127.0.0.1`` only, and every replica connects there; Gloo's own sockets are
+  kept on the loopback interface too (``GLOO_SOCKET_IFNAME=lo`` unless set);
+* **several nodes**: the store listens on the address that ``MASTER_ADDR`` resolves to (the interface the other nodes
+  use), not on every interface.
+
+The listening socket is bound here and handed to the TCPStore (``master_listen_fd``), so the address is ours to choose.
+
+**Job token.** The launching process generates a random token (:func:`ensure_job_token`, 256 bits) and hands it to the
+replicas it starts through the environment variable :data:`TOKEN_ENV`; it never travels through the store. The
+watchdog signs every record it writes (heartbeats, the verdict) with an HMAC-SHA256 keyed by the token and ignores
+records whose signature does not match (:func:`sign`, :func:`verify`), and it derives its key names from the token,
+so a client that reaches the store without the token can neither dictate a verdict nor forge a replica's state. For
+multi-node jobs export the same token on every node (e.g. ``export LIGHTNING_HET_JOB_TOKEN=$(openssl rand -hex 32)``);
+otherwise the replicas adopt rank 0's token over the process group's own connections
+(:func:`agree_on_token`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+from collections.abc import MutableMapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "LOOPBACK",
+    "TOKEN_ENV",
+    "agree_on_token",
+    "create_store",
+    "ensure_job_token",
+    "keep_sockets_local",
+    "key_prefix",
+    "listen_address",
+    "sign",
+    "verify",
+]
+
+log = logging.getLogger(__name__)
+
+#: environment variable that carries the per-job secret from the launcher to the replicas (hex, >= 32 characters).
+TOKEN_ENV = "LIGHTNING_HET_JOB_TOKEN"
+#: the address a single-node job's store listens on.
+LOOPBACK = "127.0.0.1"
+_SEPARATOR = "\n"
+
+
+def ensure_job_token(environ: MutableMapping[str, str] | None = None) -> str:
+    """Return the job token from ``environ`` (default ``os.environ``), generating a random one there if absent.
+
+    Called by the launching process before it starts the other replicas, so that they inherit it.
+    """
+    environ = os.environ if environ is None else environ
+    token = environ.get(TOKEN_ENV, "")
+    if not token:
+        token = secrets.token_hex(32)
+        environ[TOKEN_ENV] = token
+    return token
+
+
+def sign(token: str, key: str, payload: str) -> str:
+    """``payload`` followed by its HMAC-SHA256 over ``key`` and ``payload`` (a record cannot move to another key)."""
+    mac = hmac.new(token.encode(), f"{key}{_SEPARATOR}{payload}".encode(), hashlib.sha256).hexdigest()
+    return f"{payload}{_SEPARATOR}{mac}"
+
+
+def verify(token: str, key: str, record: str | bytes) -> str | None:
+    """The payload of a record written by :func:`sign` with the same token and key, else ``None`` (forged/garbled)."""
+    if isinstance(record, bytes):
+        try:
+            record = record.decode()
+        except UnicodeDecodeError:
+            return None
+    payload, sep, mac = record.rpartition(_SEPARATOR)
+    if not sep:
+        return None
+    expected = hmac.new(token.encode(), f"{key}{_SEPARATOR}{payload}".encode(), hashlib.sha256).hexdigest()
+    return payload if hmac.compare_digest(mac, expected) else None
+
+
+def key_prefix(token: str) -> str:
+    """A key-space name derived from the token: a client without it cannot guess where the watchdog writes."""
+    return hmac.new(token.encode(), b"lightning_het/keys", hashlib.sha256).hexdigest()[:16]
+
+
+def agree_on_token(token: str) -> str:
+    """Make every replica use the same token (collective: every rank of the default process group calls it).
+
+    The replicas compare a hash of their token. When they differ (replicas started by another launcher on another
+    node, or by torchrun without the variable), rank 0's token is sent to the others over the process group's own
+    connections, never through the store.
+    """
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return token
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1 and token:
+        return token
+    shared = [token or secrets.token_hex(32)]
+    dist.broadcast_object_list(shared, src=0)
+    if dist.get_rank() == 0:
+        log.info(
+            "lightning_het: the replicas were started with different job tokens; they now use rank 0's. HINT: export"
+            " the same %s on every node.",
+            TOKEN_ENV,
+        )
+    return shared[0]
+
+
+def listen_address(num_nodes: int, master_addr: str) -> str:
+    """The address rank 0's store listens on: loopback for one node, else the address ``master_addr`` resolves to.
+
+    Raises:
+        ValueError: ``master_addr`` does not resolve to an IPv4 or IPv6 address.
+    """
+    if num_nodes <= 1:
+        return LOOPBACK
+    try:
+        infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(
+            f"You set MASTER_ADDR={master_addr!r}, but it does not resolve to an address ({err}). HINT: use the host"
+            " name or IP address of node 0 as the other nodes reach it."
+        ) from None
+    addresses = [info[4][0] for info in infos]
+    ipv4 = [a for a in addresses if ipaddress.ip_address(a).version == 4]
+    return (ipv4 or addresses)[0]
+
+
+def _listening_socket(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise RuntimeError(
+            f"The job's rendezvous store cannot listen on {address}:{port} ({err}). HINT: pick another MASTER_PORT,"
+            " or, on several nodes, set MASTER_ADDR to an address of node 0 itself."
+        ) from None
+    return sock
+
+
+#: listening sockets handed to stores in this process (kept open as long as the process lives)
+_sockets: list[socket.socket] = []
+
+
+def create_store(
+    *, master_addr: str, port: int, rank: int, world_size: int, num_nodes: int, timeout: timedelta
+) -> dist.TCPStore:
+    """The job's TCPStore: hosted by rank 0 on :func:`listen_address`, reached there by the other ranks.
+
+    Args:
+        master_addr: ``MASTER_ADDR`` (used as is by the other ranks of a multi-node job).
+        port: ``MASTER_PORT``.
+        rank: this process's global rank (0 hosts the store).
+        world_size: number of replicas.
+        num_nodes: number of nodes (1: loopback only).
+        timeout: how long a client waits for the store and for keys.
+    """
+    address = listen_address(num_nodes, master_addr)
+    if rank != 0:
+        host = LOOPBACK if num_nodes <= 1 else master_addr
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = _listening_socket(address, port)
+    _sockets.append(sock)
+    return dist.TCPStore(
+        address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
+    )
+
+
+def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose)."""
+    environ = os.environ if environ is None else environ
+    if num_nodes > 1:
+        return
+    loopback = _loopback_interface()
+    if loopback is None:
+        return
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        environ.setdefault(name, loopback)
+
+
+def _loopback_interface() -> str | None:
+    with contextlib.suppress(OSError):
+        for _, name in socket.if_nameindex():
+            if name == "lo" or name.startswith("lo0"):
+                return name
+    return None

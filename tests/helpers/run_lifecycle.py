@@ -1,0 +1,114 @@
+"""A tiny 2-replica fit with a fault in one phase of the job: ``python -m tests.helpers.run_lifecycle OUT_DIR JSON``.
+
+JSON keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``root`` (Trainer ``default_root_dir``),
+``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs; speeds are ``[1, 1]`` unless
+the fault is in profiling), and ``fault``:
+``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "setup" | "profiling" | "train" | "eval" |
+"teardown"}``. ``launch`` fires before the Trainer exists; ``setup`` in ``LightningModule.setup``; ``profiling`` in a
+training step the strategy times to measure speeds; ``train`` in training batch 2; ``eval`` in validation batch 1;
+``teardown`` in ``LightningModule.teardown``.
+
+Files written to OUT_DIR: ``fault.json`` (pid, wall-clock time) when the fault fires; ``training.json`` (rank 0, the
+job's pids) once training runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+import lightning_het
+from tests.helpers.tiny import TinyRegressor, make_dataset
+
+
+def _fire(out: Path, fault: dict, rank: int) -> None:
+    (out / "fault.json").write_text(json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time(), **fault}))
+    print(f"FAULT {fault['kind']} in {fault['where']} on rank {rank} (pid {os.getpid()})", flush=True)
+    if fault["kind"] == "hang":
+        while True:
+            time.sleep(3600)
+    os._exit(3)
+
+
+class ProbeRegressor(TinyRegressor):
+    def __init__(self, out: Path, fault: dict, step_sleep: float) -> None:
+        super().__init__()
+        self.out = out
+        self.fault = fault
+        self.step_sleep = step_sleep
+        self.in_loop = False
+
+    def _due(self, where: str) -> bool:
+        return self.fault["kind"] != "none" and self.fault["where"] == where and self.global_rank == self.fault["rank"]
+
+    def setup(self, stage: str) -> None:
+        if self._due("setup"):
+            _fire(self.out, self.fault, self.global_rank)
+
+    def on_train_start(self) -> None:
+        self.in_loop = True
+        if self.global_rank == 0:
+            pids = [os.getpid(), *[p.pid for p in getattr(self.trainer.strategy.launcher, "procs", [])]]
+            (self.out / "training.json").write_text(json.dumps({"pids": pids}))
+
+    def training_step(self, batch, batch_idx):
+        if not self.in_loop and self._due("profiling"):
+            _fire(self.out, self.fault, self.global_rank)
+        if self.in_loop and batch_idx == 2 and self._due("train"):
+            _fire(self.out, self.fault, self.global_rank)
+        if self.in_loop and self.step_sleep:
+            time.sleep(self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 1 and self._due("eval"):
+            _fire(self.out, self.fault, self.global_rank)
+        return super().validation_step(batch, batch_idx)
+
+    def teardown(self, stage: str) -> None:
+        if self._due("teardown"):
+            _fire(self.out, self.fault, self.global_rank)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = json.loads(sys.argv[2])
+    fault = cfg.get("fault", {"kind": "none"})
+    if fault.get("where") == "launch" and os.environ.get("LOCAL_RANK") == str(fault["rank"]):
+        _fire(out, fault, fault["rank"])
+    pl.seed_everything(0)
+    strategy = lightning_het.HeterogeneousStrategy(
+        process_group_backend="gloo",
+        timeout=cfg.get("timeout", 5.0),
+        startup_timeout=cfg.get("startup_timeout", 300.0),
+        profile_warmup=0,
+        profile_steps=1,
+        speeds=None if fault.get("where") == "profiling" else [1.0, 1.0],
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=cfg.get("root", str(out)),
+    )
+    train = DataLoader(make_dataset(48), batch_size=4, shuffle=True)
+    val = DataLoader(make_dataset(20, seed=99), batch_size=2)
+    trainer.fit(ProbeRegressor(out, fault, cfg.get("step_sleep", 0.0)), train, val)
+    if trainer.is_global_zero:
+        (out / "done.json").write_text(json.dumps({"time": time.time()}))
+
+
+if __name__ == "__main__":
+    main()

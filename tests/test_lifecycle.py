@@ -1,0 +1,422 @@
+"""Job lifecycle: no orphans from any phase, a rendezvous no stranger can reach, failures reported as what they are.
+
+The multi-process tests run ``tests/helpers/run_lifecycle.py`` (2 CPU replicas, ``timeout=5``) with a replica that
+hangs or dies in one phase, and check the exit status, the message, the time to end and that no process is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_het import rendezvous
+from lightning_het.comm import hooks
+from lightning_het.lifecycle import OutputDirError, check_output_dir
+from lightning_het.rendezvous import create_store, key_prefix, listen_address, sign, verify
+from lightning_het.watchdog import (
+    INTERRUPTED_EXIT_CODE,
+    WATCHDOG_EXIT_CODE,
+    Phase,
+    ReplicaStatus,
+    Verdict,
+    Watchdog,
+    describe_phase,
+    exit_code_for,
+    judge,
+)
+from tests.helpers.jobs import REPO, free_port, group_members, job_env, run_in_session
+
+TIMEOUT = 5.0
+STARTUP = 30.0  # startup_timeout of the launch-phase cases
+
+
+# ---------------------------------------------------------------------------------------------------- signing
+class TestSigning:
+    def test_round_trip_and_forgeries(self):
+        record = sign("secret", "abort", '{"kind": "hung"}')
+        assert verify("secret", "abort", record) == '{"kind": "hung"}'
+        assert verify("secret", "abort", record.encode()) == '{"kind": "hung"}'
+        assert verify("other", "abort", record) is None  # another job's token
+        assert verify("secret", "hb/1", record) is None  # moved to another key
+        assert verify("secret", "abort", '{"kind": "hung"}') is None  # unsigned
+        assert verify("secret", "abort", b"\xff\xfe") is None
+
+    def test_key_space_depends_on_the_token(self):
+        assert key_prefix("a") != key_prefix("b") and len(key_prefix("a")) == 16
+
+    def test_job_token_is_generated_once(self):
+        environ: dict[str, str] = {}
+        token = rendezvous.ensure_job_token(environ)
+        assert len(token) == 64 and environ[rendezvous.TOKEN_ENV] == token
+        assert rendezvous.ensure_job_token(environ) == token
+
+
+# ---------------------------------------------------------------------------------------------------- rendezvous
+def _listeners(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].rsplit(":", 1)
+                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+_LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+class TestRendezvous:
+    def test_listen_address(self):
+        assert listen_address(1, "node07.example") == "127.0.0.1"  # single node: loopback whatever MASTER_ADDR says
+        assert listen_address(2, "127.0.0.1") == "127.0.0.1"
+        assert listen_address(2, "localhost") in ("127.0.0.1", "::1")
+        with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host\.invalid'"):
+            listen_address(2, "no-such-host.invalid")
+
+    def test_single_node_store_listens_on_loopback_only(self):
+        port = free_port()
+        store = create_store(
+            master_addr="127.0.0.1", port=port, rank=0, world_size=2, num_nodes=1, timeout=timedelta(seconds=10)
+        )
+        client = create_store(
+            master_addr="ignored-on-one-node", port=port, rank=1, world_size=2, num_nodes=1,
+            timeout=timedelta(seconds=10),
+        )  # fmt: skip
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+        listeners = _listeners(port)
+        assert listeners and set(listeners) <= _LOOPBACK_HEX, listeners
+
+    def test_sockets_stay_on_loopback_for_one_node(self):
+        environ: dict[str, str] = {"NCCL_SOCKET_IFNAME": "eth9"}
+        rendezvous.keep_sockets_local(1, environ)
+        assert environ["GLOO_SOCKET_IFNAME"] == "lo"
+        assert environ["NCCL_SOCKET_IFNAME"] == "eth9"  # the user's choice stands
+        several: dict[str, str] = {}
+        rendezvous.keep_sockets_local(2, several)
+        assert several == {}
+
+
+# ---------------------------------------------------------------------------------------------------- watchdog
+class _Recorder:
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+def _pair(timeout: float = 30.0, token: str = "t0k3n") -> tuple[list[Watchdog], list[_Recorder], dist.Store]:
+    store = dist.HashStore()
+    recorders = [_Recorder(), _Recorder()]
+    dogs = [
+        Watchdog(dist.PrefixStore("w/", store), r, 2, timeout, interval=0.05, exit=recorders[r], token=token)
+        for r in range(2)
+    ]
+    for dog in dogs:
+        dog.start()
+    return dogs, recorders, store
+
+
+class TestWatchdog:
+    def test_unsigned_verdicts_and_heartbeats_are_ignored(self, caplog):
+        dogs, recorders, store = _pair()
+        foreign = dist.PrefixStore("w/", store)
+        forged = Verdict("hung", (1,), 9.0, "a stranger says so").to_json()
+        foreign.set("abort", forged)
+        foreign.set("hb/1", json.dumps({"state": "failed"}))
+        time.sleep(0.5)
+        assert not any(r.codes for r in recorders)
+        assert "without a valid signature" in caplog.text
+        # a genuine verdict still gets through, replacing the forged record
+        dogs[1].on_exception(RuntimeError("CUDA out of memory"))
+        assert recorders[0].done.wait(5) and recorders[0].codes == [WATCHDOG_EXIT_CODE]
+        assert Verdict.from_json(verify("t0k3n", "abort", foreign.get("abort"))).culprits == (1,)
+        for dog in dogs:
+            dog.stop()
+
+    def test_a_bug_in_the_thread_is_reported_not_fatal(self, monkeypatch, caplog):
+        def broken(*args, **kwargs):
+            raise KeyError("bug")
+
+        monkeypatch.setattr("lightning_het.watchdog.judge", broken)
+        with caplog.at_level(logging.ERROR):
+            dogs, recorders, _ = _pair(timeout=0.2)
+            time.sleep(0.8)  # several heartbeats, well past `timeout`
+        assert all(dog._thread.is_alive() for dog in dogs)
+        assert not any(r.codes for r in recorders)
+        assert caplog.text.count("internal error in the heartbeat thread") == 2  # once per replica
+        for dog in dogs:
+            dog.stop()
+
+    def test_ctrl_c_is_an_interruption_not_a_failure(self):
+        dogs, recorders, _ = _pair()
+        verdict = dogs[1].on_exception(KeyboardInterrupt())
+        assert verdict is not None and verdict.kind == "interrupted" and exit_code_for(verdict) == 130
+        assert recorders[0].done.wait(5) and recorders[0].codes == [INTERRUPTED_EXIT_CODE]
+        for dog in dogs:
+            dog.stop()
+
+    def test_no_exit_handler_ends_a_caller_that_caught_the_exception(self, monkeypatch):
+        registered = []
+        monkeypatch.setattr("atexit.register", lambda *a, **k: registered.append(a))
+        dogs, _, _ = _pair(timeout=0.5)
+        dogs[0].on_exception(RuntimeError("[gloo] Connection closed by peer"))
+        assert registered == []
+        for dog in dogs:
+            dog.stop()
+
+    def test_finish_waits_for_every_replica(self):
+        dogs, recorders, _ = _pair()
+        waiter = threading.Thread(target=dogs[0].finish)
+        waiter.start()
+        time.sleep(0.4)
+        assert waiter.is_alive()  # replica 1 is still running
+        dogs[1].finish()
+        waiter.join(5)
+        assert not waiter.is_alive() and not any(r.codes for r in recorders)
+
+
+class TestReports:
+    def test_evaluation_batch_index(self):
+        assert describe_phase(Phase.EVAL_STEP, 6, "validate", 1) == (
+            "in validation_step of evaluation batch 1 (after training batch 6)"
+        )
+        assert describe_phase(Phase.EVAL_LOADING, 0, "test", 2) == "loading evaluation batch 3 for test_step"
+        assert describe_phase(Phase.TRAINING_STEP, 4) == "in training_step of batch 4"
+        assert "profiling" in describe_phase(Phase.PROFILING, 0)
+
+    def test_stuck_in_profiling_is_named(self):
+        statuses = [
+            ReplicaStatus(0, phase=Phase.PROFILING, waiting=True, stalled_for=9.0),
+            ReplicaStatus(1, phase=Phase.PROFILING, stalled_for=9.0),
+        ]
+        verdict = judge(statuses, TIMEOUT)
+        assert verdict.culprits == (1,) and "rank 1 on ? (pid 0): profiling the training step" in verdict.message
+
+    def test_stuck_in_teardown_while_the_others_finished(self):
+        statuses = [
+            ReplicaStatus(0, phase=Phase.TEARDOWN, state="finished", stalled_for=9.0),
+            ReplicaStatus(1, phase=Phase.TEARDOWN, stalled_for=9.0),
+        ]
+        verdict = judge(statuses, TIMEOUT)
+        assert verdict.culprits == (1,) and "in teardown" in verdict.message
+
+
+# ---------------------------------------------------------------------------------------------------- comm hook
+class _Done:
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result([torch.zeros(1)])
+        return fut
+
+
+def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
+    """A chunk whose intra-node reduce fails must not leave later chunks waiting for its turn between leaders."""
+    calls = {"reduce": 0}
+
+    def reduce(*args, **kwargs):
+        calls["reduce"] += 1
+        if calls["reduce"] == 1:
+            raise RuntimeError("reduce failed")
+        return _Done()
+
+    monkeypatch.setattr(dist, "reduce", reduce)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: _Done())
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **k: _Done())
+    groups = SimpleNamespace(is_leader=True, num_nodes=2, node_size=2, leader=0, intra_group=None,
+                             intra_bcast_group=None, leader_group=None)  # fmt: skip
+    state = SimpleNamespace(groups=groups, _seq=0, _leader_order=hooks._InOrder(), _bcast_order=hooks._InOrder())
+    first = hooks._hierarchical_sum_chunk(state, torch.ones(2))
+    second = hooks._hierarchical_sum_chunk(state, torch.ones(2))
+    with pytest.raises(RuntimeError, match="reduce failed"):
+        first.wait()
+    assert second.done() and torch.equal(second.wait(), torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------------------- output dir
+class TestOutputDir:
+    def test_created_and_writable(self, tmp_path):
+        assert check_output_dir(tmp_path / "a" / "b") == (tmp_path / "a" / "b").absolute()
+        assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe is gone
+
+    def test_missing_and_not_creatable(self, tmp_path):
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(OutputDirError, match=r"'.*/file/out' does not exist and cannot be created"):
+            check_output_dir(tmp_path / "file" / "out")
+
+    def test_not_writable(self):
+        with pytest.raises(OutputDirError, match=r"'/proc/self' is not writable"):
+            check_output_dir("/proc/self")
+
+    def test_disk_full(self, tmp_path, monkeypatch):
+        monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(free=2**20, total=2**30, used=0))
+        with pytest.raises(OutputDirError, match=r"only 1.0 MiB free"):
+            check_output_dir(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- real jobs
+def _start(out: Path, cfg: dict) -> tuple[subprocess.Popen, dict[str, str]]:
+    env = job_env()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.run_lifecycle", str(out), json.dumps(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    return proc, env
+
+
+def _finish(proc: subprocess.Popen, limit: float = 240) -> tuple[int, str, float, list[int]]:
+    """Wait for the job; return (status, output, end time, processes of the job still alive 3 s later)."""
+    try:
+        output, _ = proc.communicate(timeout=limit)
+        ended = time.time()
+        deadline = time.monotonic() + 3
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return proc.returncode, output, ended, group_members(proc.pid)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"job still running after {limit}s:\n{output[-4000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 180) -> None:
+    deadline = time.monotonic() + limit
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended before {path.name} appeared"
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {limit}s"
+        time.sleep(0.1)
+
+
+PHASE_CASES = [
+    # (where, kind, rank, what the message must name)
+    ("launch", "exit", 1, "replica(s) [1] exited"),
+    ("launch", "hang", 1, "joined the rendezvous within 30 s"),  # replica 1 never joins: startup_timeout=30
+    ("setup", "hang", 1, "rank 1 on"),
+    ("setup", "exit", 1, "replica(s) [1] exited"),
+    ("profiling", "hang", 1, "profiling the training step"),
+    ("train", "exit", 0, None),  # the launching process dies: its replica must die with it
+    ("eval", "hang", 1, "in validation_step of evaluation batch 1"),
+    ("teardown", "hang", 1, "in teardown"),
+    ("teardown", "exit", 1, "replica(s) [1] exited"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "kind", "rank", "named"), PHASE_CASES, ids=[f"{w}-{k}" for w, k, _, _ in PHASE_CASES]
+)
+def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, where, kind, rank, named):
+    cfg = {"timeout": TIMEOUT, "fault": {"kind": kind, "rank": rank, "where": where}}
+    limit = TIMEOUT + 30  # from the fault to the end of the job
+    if where == "launch":
+        cfg["startup_timeout"] = STARTUP
+        limit = STARTUP + 30  # a replica that never joins is noticed when the others' rendezvous times out
+    proc, _ = _start(tmp_path, cfg)
+    status, out, ended, survivors = _finish(proc)
+    assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
+    fault = json.loads((tmp_path / "fault.json").read_text())
+    print(f"{where}-{kind}: status {status}, job ended {ended - fault['time']:.1f} s after the fault")
+    assert survivors == [], out[-3000:]
+    assert ended - fault["time"] < limit, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
+    if rank == 0:
+        assert status == 3  # the launching process's own exit status
+        return
+    assert status == WATCHDOG_EXIT_CODE, out[-3000:]
+    assert named in out, out[-3000:]
+    if where != "launch" or kind != "hang":  # a replica that never joined cannot be told apart from a slow one
+        assert f"replica(s) [{rank}]" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(tmp_path):
+    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": 0.4})
+    try:
+        _wait_for(tmp_path / "training.json", proc)
+        pids = json.loads((tmp_path / "training.json").read_text())["pids"]
+        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+        ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
+        assert ours, listening  # the store and Gloo listen somewhere
+        for line in ours:
+            address = line.split()[3].rsplit(":", 1)[0]
+            assert address in ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]"), line
+        stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
+        forged = Verdict("hung", (1,), 9.0, "a stranger says so").to_json()
+        stranger.set("abort", forged)
+        for key in [k for k in stranger.list_keys() if "/hb/" in k]:  # the watchdog's keys, found by listing
+            stranger.set(key.split("hb/")[0] + "abort", forged)
+            stranger.set(key, json.dumps({"state": "failed", "error": "a stranger says so"}))
+        status, out, _, survivors = _finish(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert status == 0, out[-3000:]
+    assert "a stranger says so" not in out
+    assert (tmp_path / "done.json").exists()
+    assert survivors == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_every_replica_with_130(tmp_path):
+    proc, _ = _start(tmp_path, {"timeout": 30, "step_sleep": 0.4})
+    _wait_for(tmp_path / "training.json", proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
+    status, out, _, survivors = _finish(proc, limit=120)
+    assert status == INTERRUPTED_EXIT_CODE, out[-3000:]
+    assert "] failed (" not in out and "] exited" not in out, out[-3000:]
+    assert survivors == []
+
+
+@pytest.mark.slow
+def test_unwritable_output_directory_fails_before_any_replica_starts(tmp_path):
+    proc, _ = _start(tmp_path, {"timeout": TIMEOUT, "root": "/proc/self/lightning"})
+    status, out, _, survivors = _finish(proc, limit=120)
+    assert status != 0 and "OutputDirError: The output directory '/proc/self/lightning'" in out, out[-3000:]
+    assert "[rank: 1]" not in out  # no replica was started
+    assert survivors == []
+
+
+@pytest.mark.slow
+def test_app_output_directory_problem_is_one_line_and_exit_2(tmp_path):
+    """The Hydra app: an output directory that cannot be created ends with one ``error:`` line and status 2."""
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "out"
+    result = run_in_session(
+        [sys.executable, "-m", "lightning_het.app", f"output_dir={bad}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=job_env(),
+        timeout=120,
+        merge_stderr=False,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"'{bad}' does not exist and cannot be created" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
