@@ -460,6 +460,9 @@ class HeterogeneousStrategyBase:
 
     @override
     def _configure_launcher(self) -> None:
+        # registered before the launcher's own exit handlers, so it runs after them (after the launching process has
+        # waited for its replicas): no "terminate called without an active exception" at interpreter exit
+        _ExitCleanup.register()
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
         self._validate_against_world()
         validate_launch_environment(self.num_nodes, self.cluster_environment)  # multi-node rendezvous vars (#7)
@@ -496,7 +499,6 @@ class HeterogeneousStrategyBase:
         # rendezvous of replicas that start slowly (#7)
         with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
             self._init_process_group()
-        _ExitCleanup.register()  # no "terminate called without an active exception" at interpreter exit
 
     def _init_process_group(self) -> None:
         """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
