@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 #: seconds beyond the strategy's ``timeout`` that the launching process waits, at exit, for its replicas to end.
 REAP_GRACE_S = 30.0
+#: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
+FAILED_REAP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -83,6 +85,7 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._strategy = strategy
         self._in_run = False
+        self._failed = False  # a Trainer call of this process ended with an exception
         self._observer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ launching process
@@ -103,6 +106,7 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
             result = function(*args, **kwargs)
         except BaseException as exc:
             self._in_run = False
+            self._failed = True
             code = self._exit_code(exc)
             if code is not None:
                 raise JobEnded(code) from exc
@@ -166,8 +170,12 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         self._observer.start()
 
     def _reap_children(self) -> None:
-        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end, then kill them."""
-        deadline = time.monotonic() + _timeout_seconds(self._strategy) + REAP_GRACE_S
+        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
+        when they have the verdict already: at most 10 s), then kill them."""
+        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
+        if self._failed:
+            wait = min(wait, FAILED_REAP_GRACE_S)
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
             time.sleep(0.1)
         killed = kill_children(self._children())

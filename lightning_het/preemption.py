@@ -21,8 +21,9 @@ then lost to the ``SIGKILL``. What this module does instead, per replica:
    128 + SIGTERM). The launching process waits for the replicas it started before it exits.
 4. **Deadline.** From the moment a replica notices the signal (or learns of it at the agreement), a daemon thread
    gives it ``grace`` seconds (``preemption_grace``, default 25 s) to end. A replica still alive then (one stuck in a
-   collective with a hung peer, in a long validation, in a slow teardown) kills the replicas it launched and ends
-   with ``os._exit(143)``: a stuck replica never keeps the others alive past the scheduler's ``SIGKILL``.
+   collective with a hung peer, in a long validation, in a slow teardown) kills the replicas and data-loader workers
+   it started and ends with ``os._exit(143)``: a stuck replica never keeps the others alive past the scheduler's
+   ``SIGKILL``.
 
 Outside ``fit`` (``validate``, ``test``, ``predict``) there is nothing to save: the signal ends the replica at once,
 with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1`` (:func:`shield_loader_workers`), so a
@@ -38,6 +39,7 @@ import atexit
 import contextlib
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -305,6 +307,9 @@ class PreemptionHandler:
             )
         print(message, file=sys.stderr, flush=True)
         self.end_launched_replicas(0.0)
+        for child in multiprocessing.active_children():  # data-loader workers ignore SIGTERM: they would linger
+            with contextlib.suppress(Exception):
+                child.kill()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         self._exit(PREEMPTION_EXIT_CODE)

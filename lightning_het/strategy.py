@@ -462,6 +462,9 @@ class HeterogeneousStrategyBase:
 
     @override
     def _configure_launcher(self) -> None:
+        # registered before the launcher's own exit handlers, so it runs after them (after the launching process has
+        # waited for its replicas): no "terminate called without an active exception" at interpreter exit
+        _ExitCleanup.register()
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
@@ -500,7 +503,6 @@ class HeterogeneousStrategyBase:
         # rendezvous of replicas that start slowly (#7)
         with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
             self._init_process_group()
-        _ExitCleanup.register()  # no "terminate called without an active exception" at interpreter exit
 
     def _init_process_group(self) -> None:
         """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
@@ -525,7 +527,10 @@ class HeterogeneousStrategyBase:
         )
         kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(env, self._process_group_backend, **kwargs)
+        try:
+            _init_dist_connection(env, self._process_group_backend, **kwargs)
+        except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
+            raise _rendezvous_failed(err, timeout, self.global_rank, self.world_size) from err
 
     def _detect_node_ids(self) -> list[int]:
         """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (#3)."""
@@ -1163,6 +1168,26 @@ class HeterogeneousStrategyBase:
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
+
+
+def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
+    """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
+    any other error is returned unchanged."""
+    from lightning_het.watchdog import WATCHDOG_EXIT_CODE, JobEnded
+
+    text = str(err).lower()
+    if "timeout" not in text and "timed out" not in text:
+        return err
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    print(
+        f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
+        f" {seconds:g} s (startup_timeout); a replica hung or died while starting ({str(err).splitlines()[0][:200]})."
+        f" Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the other replicas' output; raise"
+        " `startup_timeout` if they only start slowly.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return JobEnded(WATCHDOG_EXIT_CODE)
 
 
 class _silenced_logging:

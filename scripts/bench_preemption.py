@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -99,7 +100,8 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def _one_run(out: Path, cfg: dict[str, Any], limit: float = 300.0) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # no marker or checkpoint of an earlier run
+    out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), json.dumps(cfg)]

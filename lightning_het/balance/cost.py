@@ -166,8 +166,8 @@ def refresh_costs(
 
     * when ``previous[r]`` holds the replica's measured ``(batch size, seconds)`` of an earlier epoch at a *different*
       batch size, the line through both measurements is used (a secant, in the spirit of Newton's method), provided
-      it has a positive slope and a non-negative intercept (otherwise the replica changed speed in between and the
-      secant means nothing);
+      its slope is at least 10 % of the current average cost per sample and its intercept is non-negative (otherwise
+      the replica changed speed in between, or timing noise dominates, and the secant means nothing);
     * else the fixed cost comes from profiling (where two batch sizes ran back to back) and the slope is refreshed,
       ``c_r = (t_r - a_r) / b_r``; a fixed cost above 90 % of the measured time is capped there, so every replica keeps
       a positive per-sample cost.
@@ -192,7 +192,7 @@ def refresh_costs(
         if prev is not None and prev[0] != b and math.isfinite(prev[1]) and prev[1] > 0:
             slope = (t - prev[1]) / (b - prev[0])
             intercept = t - slope * b
-            if slope > 0 and intercept >= 0:
+            if slope >= 0.1 * t / b and intercept >= 0:  # a flatter secant is more likely noise than a real curve
                 out.append(AffineCost(round(intercept, 15), round(slope, 15)))
                 continue
         fixed = min(float(a), 0.9 * float(t))

@@ -224,7 +224,8 @@ def plan_rebalance(
         fixed_costs: each replica's fixed seconds per step from profiling: the affine model. The slopes are refreshed
             from ``compute_times`` (:func:`~lightning_het.balance.cost.refresh_costs`), the proposal minimises the
             predicted step (:func:`~lightning_het.balance.cost.allocate_affine`) and the predicted times are
-            ``a_r + c_r * b'_r``. ``None``: the one-number model (``a_r = 0``).
+            ``a_r + c_r * b'_r``; no replica more than doubles its batch (+2) in one check. ``None``: the one-number
+            model (``a_r = 0``).
         previous: with ``fixed_costs``: each replica's ``(batch size, median compute seconds)`` of the latest earlier
             epoch that ran a different batch size, or ``None``; the line through it and the current measurement then
             gives the replica's cost (see :func:`~lightning_het.balance.cost.refresh_costs`).
@@ -261,7 +262,11 @@ def plan_rebalance(
         new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
     else:
         costs = refresh_costs(sizes, times, fixed_costs, previous)
-        proposal = allocate_affine(sum(sizes), costs, **bounds)
+        # trust region: a replica at most doubles its batch (+2) per check, so a cost extrapolated far beyond what
+        # was measured cannot pile the batch onto one replica; the bounds still hold the total (sum >= 2B)
+        upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
+        trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
+        proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
         new_times = [c(b) for c, b in zip(costs, proposal)]
     predicted = max(new_times)
     gain = 1.0 - predicted / current
