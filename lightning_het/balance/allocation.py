@@ -70,6 +70,47 @@ def proportional_shares(
     return [min(max(x * scale, lo), hi) for x, lo, hi in zip(shares, lower, upper)]
 
 
+def batch_bounds(
+    world: int, global_batch_size: int, min_batch_size: int, max_batch_sizes: Sequence[int] | None
+) -> tuple[list[int], list[int]]:
+    """Validated per-replica bounds ``(lower, upper)``, in samples, for splitting ``global_batch_size`` over ``world``.
+
+    Invariant of the result: ``sum(lower) <= global_batch_size <= sum(upper)`` and ``lower[r] <= upper[r]``.
+
+    Raises:
+        ValueError: naming the offending argument when the bounds are malformed or cannot hold the total.
+    """
+    _check_int("global_batch_size", global_batch_size, 1)
+    _check_int("min_batch_size", min_batch_size, 0)
+    if max_batch_sizes is None:
+        upper = [global_batch_size] * world
+    else:
+        upper = list(max_batch_sizes)
+        if len(upper) != world:
+            raise ValueError(
+                f"Expected argument `max_batch_sizes` to have one entry per replica ({world}), but got {len(upper)}:"
+                f" {upper}."
+            )
+        for rank, bound in enumerate(upper):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < max(min_batch_size, 1):
+                raise ValueError(
+                    f"Expected argument `max_batch_sizes` to hold integers >= max(min_batch_size, 1) ="
+                    f" {max(min_batch_size, 1)}, but `max_batch_sizes[{rank}]` is {bound!r}."
+                )
+    if global_batch_size < world * min_batch_size:
+        raise ValueError(
+            f"`global_batch_size`={global_batch_size} is below what the bounds allow: {world} replicas x"
+            f" `min_batch_size`={min_batch_size} = {world * min_batch_size} samples. HINT: raise the global batch"
+            " size or lower `min_batch_size`."
+        )
+    if global_batch_size > sum(upper):
+        raise ValueError(
+            f"`max_batch_sizes`={upper} cannot hold `global_batch_size`={global_batch_size}: they sum to only"
+            f" {sum(upper)}. HINT: lower the global batch size, raise the bounds or add replicas."
+        )
+    return [min_batch_size] * world, upper
+
+
 def allocate_batch_sizes(
     global_batch_size: int,
     speeds: Sequence[float],
@@ -104,35 +145,7 @@ def allocate_batch_sizes(
     """
     values = _check_speeds(speeds)
     world = len(values)
-    _check_int("global_batch_size", global_batch_size, 1)
-    _check_int("min_batch_size", min_batch_size, 0)
-    if max_batch_sizes is None:
-        upper = [global_batch_size] * world
-    else:
-        upper = list(max_batch_sizes)
-        if len(upper) != world:
-            raise ValueError(
-                f"Expected argument `max_batch_sizes` to have one entry per replica ({world}), but got {len(upper)}:"
-                f" {upper}."
-            )
-        for rank, bound in enumerate(upper):
-            if isinstance(bound, bool) or not isinstance(bound, int) or bound < max(min_batch_size, 1):
-                raise ValueError(
-                    f"Expected argument `max_batch_sizes` to hold integers >= max(min_batch_size, 1) ="
-                    f" {max(min_batch_size, 1)}, but `max_batch_sizes[{rank}]` is {bound!r}."
-                )
-    if global_batch_size < world * min_batch_size:
-        raise ValueError(
-            f"`global_batch_size`={global_batch_size} is below what the bounds allow: {world} replicas x"
-            f" `min_batch_size`={min_batch_size} = {world * min_batch_size} samples. HINT: raise the global batch"
-            " size or lower `min_batch_size`."
-        )
-    if global_batch_size > sum(upper):
-        raise ValueError(
-            f"`max_batch_sizes`={upper} cannot hold `global_batch_size`={global_batch_size}: they sum to only"
-            f" {sum(upper)}. HINT: lower the global batch size, raise the bounds or add replicas."
-        )
-    lower = [min_batch_size] * world
+    lower, upper = batch_bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
     shares = proportional_shares(global_batch_size, values, lower, upper)
     sizes = [min(max(math.floor(x), lo), hi) for x, lo, hi in zip(shares, lower, upper)]
     remainder = global_batch_size - sum(sizes)

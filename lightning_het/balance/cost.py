@@ -33,6 +33,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .allocation import batch_bounds
+
 __all__ = [
     "AffineCost",
     "allocate_affine",
@@ -211,43 +213,6 @@ def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
     return max(c(b) for b, c in zip(batch_sizes, costs))
 
 
-def _bounds(
-    world: int, global_batch_size: int, min_batch_size: int, max_batch_sizes: Sequence[int] | None
-) -> tuple[list[int], list[int]]:
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"Expected argument `global_batch_size` to be an integer >= 1, but got {global_batch_size!r}.")
-    if isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int) or min_batch_size < 0:
-        raise ValueError(f"Expected argument `min_batch_size` to be an integer >= 0, but got {min_batch_size!r}.")
-    lower = [min_batch_size] * world
-    if max_batch_sizes is None:
-        upper = [global_batch_size] * world
-    else:
-        upper = list(max_batch_sizes)
-        if len(upper) != world:
-            raise ValueError(
-                f"Expected argument `max_batch_sizes` to have one entry per replica ({world}), but got {len(upper)}:"
-                f" {upper}."
-            )
-        for rank, bound in enumerate(upper):
-            if isinstance(bound, bool) or not isinstance(bound, int) or bound < max(min_batch_size, 1):
-                raise ValueError(
-                    f"Expected argument `max_batch_sizes` to hold integers >= max(min_batch_size, 1) ="
-                    f" {max(min_batch_size, 1)}, but `max_batch_sizes[{rank}]` is {bound!r}."
-                )
-    if global_batch_size < sum(lower):
-        raise ValueError(
-            f"`global_batch_size`={global_batch_size} is below what the bounds allow: {world} replicas x"
-            f" `min_batch_size`={min_batch_size} = {sum(lower)} samples. HINT: raise the global batch size or lower"
-            " `min_batch_size`."
-        )
-    if global_batch_size > sum(upper):
-        raise ValueError(
-            f"`max_batch_sizes`={upper} cannot hold `global_batch_size`={global_batch_size}: they sum to only"
-            f" {sum(upper)}. HINT: lower the global batch size, raise the bounds or add replicas."
-        )
-    return lower, upper
-
-
 def _capacity(cost: AffineCost, level: float, lo: int, hi: int) -> int:
     """Most samples (within ``[lo, hi]``) replica can take without its step exceeding ``level`` seconds."""
     if level < cost.fixed_s:
@@ -294,7 +259,7 @@ def allocate_affine(
         if not isinstance(cost, AffineCost):
             raise ValueError(f"Expected argument `costs` to hold AffineCost objects, but `costs[{rank}]` is {cost!r}.")
     world = len(costs)
-    lower, upper = _bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
+    lower, upper = batch_bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
     total = global_batch_size
 
     def capacity(level: float) -> list[int]:
