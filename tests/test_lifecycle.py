@@ -39,6 +39,7 @@ from lightning_het.watchdog import (
     judge,
 )
 from tests.helpers.jobs import REPO, free_port, group_members, job_env, run_in_session
+from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 TIMEOUT = 5.0
 STARTUP = 30.0  # startup_timeout of the launch-phase cases
@@ -115,26 +116,8 @@ class TestRendezvous:
 
 
 # ---------------------------------------------------------------------------------------------------- watchdog
-class _Recorder:
-    def __init__(self) -> None:
-        self.codes: list[int] = []
-        self.done = threading.Event()
-
-    def __call__(self, code: int) -> None:
-        self.codes.append(code)
-        self.done.set()
-
-
-def _pair(timeout: float = 30.0, token: str = "t0k3n") -> tuple[list[Watchdog], list[_Recorder], dist.Store]:
-    store = dist.HashStore()
-    recorders = [_Recorder(), _Recorder()]
-    dogs = [
-        Watchdog(dist.PrefixStore("w/", store), r, 2, timeout, interval=0.05, exit=recorders[r], token=token)
-        for r in range(2)
-    ]
-    for dog in dogs:
-        dog.start()
-    return dogs, recorders, store
+def _pair(timeout: float = 30.0, token: str = "t0k3n") -> tuple[list[Watchdog], list[ExitRecorder], dist.Store]:
+    return watchdog_pair(timeout, prefix="w/", start=True, token=token)
 
 
 class TestWatchdog:

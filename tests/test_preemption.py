@@ -32,6 +32,7 @@ from lightning_het.preemption import (
     shield_loader_workers,
 )
 from tests.helpers.jobs import REPO, group_members, job_env, run_helper
+from tests.helpers.watchdogs import ExitRecorder
 
 BASE = {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 2, "n": 80, "batch_size": 4}  # 10 steps per epoch
 
@@ -91,22 +92,12 @@ def test_loader_workers_ignore_the_preemption_signals_and_keep_their_init_fn():
     assert shield_loader_workers(no_workers, rank=0).worker_init_fn is None
 
 
-class _Exits:
-    def __init__(self) -> None:
-        self.codes: list[int] = []
-        self.done = threading.Event()
-
-    def __call__(self, code: int) -> None:
-        self.codes.append(code)
-        self.done.set()
-
-
 @pytest.mark.parametrize(("fitting", "grace", "signum"), [(True, 0.3, signal.SIGTERM), (False, 30.0, signal.SIGUSR1)])
 def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, signum):
     """The C-level wakeup pipe notices the signal; the deadline ends the replica with 143 after `grace` (in fit) or
     at once (outside fit); the previous handlers come back afterwards."""
     previous = signal.getsignal(signum)
-    exits = _Exits()
+    exits = ExitRecorder()
     handler = PreemptionHandler(grace, exit=exits, fast_exit=False)
     handler.install(rank=0, world_size=1, fitting=fitting)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ from lightning_het.watchdog import (
     validate_launch_environment,
 )
 from tests.helpers.jobs import run_helper
+from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 
 # ---------------------------------------------------------------------------------------------------- judge (pure)
@@ -110,24 +110,8 @@ def test_collective_failures_are_symptoms():
 
 
 # ---------------------------------------------------------------------------------------------------- threads
-class _Recorder:
-    def __init__(self) -> None:
-        self.codes: list[int] = []
-        self.done = threading.Event()
-
-    def __call__(self, code: int) -> None:
-        self.codes.append(code)
-        self.done.set()
-
-
-def _pair(timeout: float = 0.6) -> tuple[list[Watchdog], list[_Recorder], dist.Store]:
-    store = dist.HashStore()
-    recorders = [_Recorder(), _Recorder()]
-    dogs = [
-        Watchdog(dist.PrefixStore("t/", store), r, 2, timeout, interval=0.05, exit=recorders[r], hosts_store=r == 0)
-        for r in range(2)
-    ]
-    return dogs, recorders, store
+def _pair(timeout: float = 0.6) -> tuple[list[Watchdog], list[ExitRecorder], dist.Store]:
+    return watchdog_pair(timeout, prefix="t/")
 
 
 def test_threads_end_every_replica_and_blame_the_one_stuck_in_its_step(caplog):
@@ -164,7 +148,7 @@ def test_a_failing_replica_ends_the_others_at_once():
 def test_launching_process_notices_a_local_replica_that_exited():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     child.wait()
-    recorder = _Recorder()
+    recorder = ExitRecorder()
     dog = Watchdog(dist.HashStore(), 0, 2, 30.0, interval=0.05, exit=recorder, children=lambda: [(1, child)])
     dog._started = time.monotonic()
     verdict = dog._check_children()
