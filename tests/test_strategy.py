@@ -11,6 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import lightning_het
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from tests.helpers.run_fits import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
 
 
@@ -38,16 +39,31 @@ def test_three_replicas_speeds_123_exact_with_unpadded_validation(tiny_job):
     assert dumps[0]["val_mse"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_string_strategy_profiles_slow_replica_to_a_quarter(tiny_job):
-    cfg = {
+#: the two-replica fits of this module, run in one job (one launch and rendezvous instead of three); the first
+#: names the strategy by its registered string, so that fit also launches the replica
+TWO_REPLICA_FITS = {
+    "string": {
         "devices": 2,
         "strategy": "heterogeneous",
         "epochs": 1,
         "n": 64,
         "batch_size": 16,
         "module": {"cost_per_sample_s": 0.003, "slow_factor": 3.0, "slow_rank": 1},
-    }
-    dumps, out = tiny_job(cfg)
+    },
+    "manual": {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1, "n": 60, "module": {"manual": True}},
+    "accumulate": {"devices": 2, "strategy": {"speeds": [1, 2], "global_batch_size": 12}, "accumulate": 2, "n": 60},
+}
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """Each fit of :data:`TWO_REPLICA_FITS`: its per-rank dumps and its output."""
+    results = run_fits_job(tmp_path_factory.mktemp("two_replicas"), list(TWO_REPLICA_FITS.values()))
+    return dict(zip(TWO_REPLICA_FITS, results))
+
+
+def test_string_strategy_profiles_slow_replica_to_a_quarter(two_replicas):
+    dumps, out = two_replicas["string"]
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 32
     assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
@@ -56,17 +72,13 @@ def test_string_strategy_profiles_slow_replica_to_a_quarter(tiny_job):
     assert "balance" in out and "samples/s" in out
 
 
-def test_manual_optimization_and_gradient_accumulation_exact(tiny_job):
-    manual, _ = tiny_job(
-        {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1, "n": 60, "module": {"manual": True}}
-    )
+def test_manual_optimization_and_gradient_accumulation_exact(two_replicas):
+    manual, _ = two_replicas["manual"]
     assert manual[0]["batch_sizes"] == [2, 6]
     ref = reference_weights(make_dataset(60), 8, epochs=1, seed=0)
     assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in manual)
 
-    accum, _ = tiny_job(
-        {"devices": 2, "strategy": {"speeds": [1, 2], "global_batch_size": 12}, "accumulate": 2, "n": 60}
-    )
+    accum, _ = two_replicas["accumulate"]
     ref = reference_weights(make_dataset(60), 12, epochs=2, seed=0, accumulate=2)
     assert accum[1]["seen_batch_sizes"] == [8] * 10
     assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in accum)
