@@ -256,7 +256,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
                 " HINT: build it with `drop_last=True`."
             )
-        self._adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
+        self.adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
         self._steps_per_epoch = sampler.num_steps
         return dataloader
 

@@ -48,7 +48,7 @@ from lightning_het.balance.profiling import (
     stage_sizes,
     time_steps,
 )
-from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
+from lightning_het.balance.telemetry import BalanceMonitor, MonitorSettings, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
     apply_sampler_resume,
@@ -678,7 +678,7 @@ class HeterogeneousStrategyBase:
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
+            self._monitor = attach_monitor(self, trainer, self._monitor_settings(), self._monitor)  # (#6)
 
     @override
     def teardown(self) -> None:
@@ -762,7 +762,7 @@ class HeterogeneousStrategyBase:
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
             sampler = dataloader.sampler
             if self._batch_sizes is None:
-                self._adopt_allocation(
+                self.adopt_allocation(
                     list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes))
                 )
             elif list(sampler.batch_sizes) != self._batch_sizes:
@@ -863,7 +863,7 @@ class HeterogeneousStrategyBase:
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
             self._warn_useless_replicas(global_batch, costs, batch_sizes)
-        self._adopt_allocation(batch_sizes, speeds)
+        self.adopt_allocation(batch_sizes, speeds)
         log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
         rank_zero_info(self.balance_table())
 
@@ -879,9 +879,32 @@ class HeterogeneousStrategyBase:
         if message is not None:
             rank_zero_warn(message)
 
-    def _adopt_allocation(
+    def _monitor_settings(self) -> MonitorSettings:
+        """This replica's telemetry, emulation and rebalancing settings, and the batch bounds a rebalance keeps."""
+        factors = self._emulate_slowdown
+        return MonitorSettings(
+            record=self._telemetry,
+            slowdown=factors[self.global_rank] if factors else 1.0,
+            every_n_epochs=self._rebalance_every_n_epochs,
+            threshold=self._rebalance_threshold,
+            min_batch_size=self._train_min_batch_size,
+            max_batch_sizes=tuple(self._max_batch_sizes) if self._max_batch_sizes is not None else None,
+        )
+
+    def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None:
+        """Make ``batch_sizes`` (one per global rank) the allocation: batch sizes, speeds, global batch, loss scale and
+        the comm controller's sample shares change together, on this replica.
+
+        Every replica must call it with the same arguments (the allocation and rebalancing code do, from gathered
+        values); the training loader must then be rebuilt before the next step (``process_dataloader``).
+
+        Args:
+            batch_sizes: samples per step of every replica (``>= 0`` each, summing to the global batch).
+            speeds: relative throughput of every replica (samples/s when measured).
+            costs: a refreshed affine cost per replica (``AffineCost.as_dict()`` form), or ``None`` to keep the model.
+        """
         if costs is not None:  # a rebalancing check refreshed the cost model
             self._cost_model = [AffineCost.from_dict(c) for c in costs]
         self._batch_sizes = list(batch_sizes)
