@@ -82,9 +82,11 @@ from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistri
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
+    Watchdog,
+    apply_collective_timeout,
     as_timeout,
     attach_watchdog,
-    relaxed_startup_timeout,
+    rendezvous_timeout,
     start_watchdog,
     stop_watchdog,
     validate_launch_environment,
@@ -417,6 +419,51 @@ class HeterogeneousStrategyBase:
         """Wall-clock seconds this replica spent profiling."""
         return self._profile_seconds
 
+    @property
+    def process_group_timeout(self) -> timedelta | None:
+        """The collective timeout (the ``timeout`` keyword; ``None``: torch's default). During the rendezvous it is the
+        longer ``startup_timeout`` (see :meth:`_startup_timeout_scope`)."""
+        return self._timeout
+
+    @property
+    def device_plan(self) -> DevicePlan | None:
+        """Where every replica runs and with how many threads (``device_map``), resolved at Trainer construction;
+        ``None`` without a device map."""
+        return self._device_plan
+
+    @property
+    def comm_controller(self) -> CommController | None:
+        """The gradient communication of this replica (built when DDP wraps the model; ``None`` before)."""
+        return self._comm_controller
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """This replica's hung/dead-replica watchdog while one runs (multi-replica jobs, setup to teardown)."""
+        return self._watchdog
+
+    def release_watchdog(self) -> Watchdog | None:
+        """Hand the running watchdog over (to the launcher's run-to-the-end barrier, which stops it): the strategy
+        forgets it. Returns ``None`` when none runs."""
+        watchdog, self._watchdog = self._watchdog, None
+        return watchdog
+
+    @contextmanager
+    def _startup_timeout_scope(self) -> Iterator[None]:
+        """Around the rendezvous: the strategy's timeout becomes ``startup_timeout`` when that is longer (see
+        :func:`~lightning_het.watchdog.rendezvous_timeout`); afterwards ``timeout`` is restored, on the strategy and on
+        the default process group's collectives and store. The only place that changes the strategy's timeout."""
+        timeout = self._timeout
+        startup = rendezvous_timeout(timeout, self._startup_timeout)
+        if startup is None:
+            yield
+            return
+        self._timeout = startup
+        try:
+            yield
+        finally:
+            self._timeout = timeout
+        apply_collective_timeout(timeout)
+
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
@@ -486,7 +533,7 @@ class HeterogeneousStrategyBase:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
         if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
-            self._watchdog = start_watchdog(self, self._trainer())
+            self._watchdog = start_watchdog(self, self._timeout, self._trainer())
         self._node_ids = self._detect_node_ids()
 
     def _trainer(self) -> pl.Trainer | None:
@@ -501,7 +548,7 @@ class HeterogeneousStrategyBase:
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
-        with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
+        with unbound_process_group(self), self._startup_timeout_scope():
             self._init_process_group()
 
     def _init_process_group(self) -> None:
