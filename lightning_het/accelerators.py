@@ -95,7 +95,7 @@ class _MixedAcceleratorMixin:
 
     def setup(self, trainer: Any) -> None:
         strategy = trainer.strategy
-        if getattr(strategy, "_device_plan", None) is None:
+        if getattr(strategy, "device_plan", None) is None:
             raise TypeError(
                 f"MixedAccelerator places replicas through HeterogeneousStrategy, but the trainer uses"
                 f" {type(strategy).__name__}, which would run every replica on {strategy.root_device}. HINT: use"
@@ -265,7 +265,7 @@ def apply_local_settings(strategy: Any) -> None:
     Overrides Lightning's ``OMP_NUM_THREADS = cores // processes`` (set by its launchers when unset) with the plan's
     count for this local rank (:func:`~lightning_het.devices.plan_cpu_threads`).
     """
-    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None:
         return
     local_rank = strategy.local_rank
@@ -287,7 +287,7 @@ def unbound_process_group(strategy: Any) -> Iterator[None]:
     paths would not meet. Hiding the CUDA devices for the duration keeps every rank on the unbound path, as in an
     all-CPU Gloo job.
     """
-    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None or plan.bind_device_id:
         yield
         return
@@ -301,7 +301,7 @@ def unbound_process_group(strategy: Any) -> Iterator[None]:
 
 def device_labels(strategy: Any) -> list[str]:
     """The device of every global rank, as text (node-major ranks under a map; the local devices repeated otherwise)."""
-    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is not None:
         return [str(d) for d in plan.global_devices]
     local = [str(d) for d in (strategy.parallel_devices or [])]

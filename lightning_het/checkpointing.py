@@ -290,7 +290,7 @@ def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler |
 def checkpoint_record(strategy: Any) -> dict[str, Any]:
     """The entry for the checkpoint the strategy is saving now (allocation + training sampler position)."""
     sampler_state = None
-    module = getattr(strategy, "_lightning_module", None)
+    module = getattr(strategy, "lightning_module", None)
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if trainer is not None:
         combined = trainer.fit_loop._combined_loader
@@ -326,8 +326,8 @@ def synchronize_before_save(strategy: Any) -> None:
     controller (:class:`~lightning_het.comm.controller.CommController`) when it has one; a no-op for exact modes or
     when the replicas already agree.
     """
-    controller = getattr(strategy, "comm_controller", None) or getattr(strategy, "_comm_controller", None)
-    module = getattr(strategy, "_lightning_module", None)
+    controller = getattr(strategy, "comm_controller", None)
+    module = getattr(strategy, "lightning_module", None)
     if controller is None or module is None or not hasattr(controller, "synchronize"):
         return
     with torch.no_grad():

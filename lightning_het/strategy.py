@@ -48,7 +48,7 @@ from lightning_het.balance.profiling import (
     stage_sizes,
     time_steps,
 )
-from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
+from lightning_het.balance.telemetry import BalanceMonitor, MonitorSettings, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
     apply_sampler_resume,
@@ -82,9 +82,11 @@ from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistri
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
+    Watchdog,
+    apply_collective_timeout,
     as_timeout,
     attach_watchdog,
-    relaxed_startup_timeout,
+    rendezvous_timeout,
     start_watchdog,
     stop_watchdog,
     validate_launch_environment,
@@ -417,6 +419,51 @@ class HeterogeneousStrategyBase:
         """Wall-clock seconds this replica spent profiling."""
         return self._profile_seconds
 
+    @property
+    def process_group_timeout(self) -> timedelta | None:
+        """The collective timeout (the ``timeout`` keyword; ``None``: torch's default). During the rendezvous it is the
+        longer ``startup_timeout`` (see :meth:`_startup_timeout_scope`)."""
+        return self._timeout
+
+    @property
+    def device_plan(self) -> DevicePlan | None:
+        """Where every replica runs and with how many threads (``device_map``), resolved at Trainer construction;
+        ``None`` without a device map."""
+        return self._device_plan
+
+    @property
+    def comm_controller(self) -> CommController | None:
+        """The gradient communication of this replica (built when DDP wraps the model; ``None`` before)."""
+        return self._comm_controller
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """This replica's hung/dead-replica watchdog while one runs (multi-replica jobs, setup to teardown)."""
+        return self._watchdog
+
+    def release_watchdog(self) -> Watchdog | None:
+        """Hand the running watchdog over (to the launcher's run-to-the-end barrier, which stops it): the strategy
+        forgets it. Returns ``None`` when none runs."""
+        watchdog, self._watchdog = self._watchdog, None
+        return watchdog
+
+    @contextmanager
+    def _startup_timeout_scope(self) -> Iterator[None]:
+        """Around the rendezvous: the strategy's timeout becomes ``startup_timeout`` when that is longer (see
+        :func:`~lightning_het.watchdog.rendezvous_timeout`); afterwards ``timeout`` is restored, on the strategy and on
+        the default process group's collectives and store. The only place that changes the strategy's timeout."""
+        timeout = self._timeout
+        startup = rendezvous_timeout(timeout, self._startup_timeout)
+        if startup is None:
+            yield
+            return
+        self._timeout = startup
+        try:
+            yield
+        finally:
+            self._timeout = timeout
+        apply_collective_timeout(timeout)
+
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
@@ -486,7 +533,7 @@ class HeterogeneousStrategyBase:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
         if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
-            self._watchdog = start_watchdog(self, self._trainer())
+            self._watchdog = start_watchdog(self, self._timeout, self._trainer())
         self._node_ids = self._detect_node_ids()
 
     def _trainer(self) -> pl.Trainer | None:
@@ -501,7 +548,7 @@ class HeterogeneousStrategyBase:
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
-        with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
+        with unbound_process_group(self), self._startup_timeout_scope():
             self._init_process_group()
 
     def _init_process_group(self) -> None:
@@ -678,7 +725,7 @@ class HeterogeneousStrategyBase:
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
+            self._monitor = attach_monitor(self, trainer, self._monitor_settings(), self._monitor)  # (#6)
 
     @override
     def teardown(self) -> None:
@@ -762,7 +809,7 @@ class HeterogeneousStrategyBase:
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
             sampler = dataloader.sampler
             if self._batch_sizes is None:
-                self._adopt_allocation(
+                self.adopt_allocation(
                     list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes))
                 )
             elif list(sampler.batch_sizes) != self._batch_sizes:
@@ -863,7 +910,7 @@ class HeterogeneousStrategyBase:
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
             self._warn_useless_replicas(global_batch, costs, batch_sizes)
-        self._adopt_allocation(batch_sizes, speeds)
+        self.adopt_allocation(batch_sizes, speeds)
         log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
         rank_zero_info(self.balance_table())
 
@@ -879,9 +926,32 @@ class HeterogeneousStrategyBase:
         if message is not None:
             rank_zero_warn(message)
 
-    def _adopt_allocation(
+    def _monitor_settings(self) -> MonitorSettings:
+        """This replica's telemetry, emulation and rebalancing settings, and the batch bounds a rebalance keeps."""
+        factors = self._emulate_slowdown
+        return MonitorSettings(
+            record=self._telemetry,
+            slowdown=factors[self.global_rank] if factors else 1.0,
+            every_n_epochs=self._rebalance_every_n_epochs,
+            threshold=self._rebalance_threshold,
+            min_batch_size=self._train_min_batch_size,
+            max_batch_sizes=tuple(self._max_batch_sizes) if self._max_batch_sizes is not None else None,
+        )
+
+    def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None:
+        """Make ``batch_sizes`` (one per global rank) the allocation: batch sizes, speeds, global batch, loss scale and
+        the comm controller's sample shares change together, on this replica.
+
+        Every replica must call it with the same arguments (the allocation and rebalancing code do, from gathered
+        values); the training loader must then be rebuilt before the next step (``process_dataloader``).
+
+        Args:
+            batch_sizes: samples per step of every replica (``>= 0`` each, summing to the global batch).
+            speeds: relative throughput of every replica (samples/s when measured).
+            costs: a refreshed affine cost per replica (``AffineCost.as_dict()`` form), or ``None`` to keep the model.
+        """
         if costs is not None:  # a rebalancing check refreshed the cost model
             self._cost_model = [AffineCost.from_dict(c) for c in costs]
         self._batch_sizes = list(batch_sizes)
