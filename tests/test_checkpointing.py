@@ -194,12 +194,33 @@ def test_node_local_checkpoint_synchronises_the_consensus_model_first():
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
+#: the two-replica fits of this module that resume nothing, run in one job (one launch and rendezvous for both)
+TWO_REPLICA_FITS = {
+    # speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)
+    "uninterrupted": {"devices": 2, "strategy": {"speeds": [1, 3]}, "save_every": 7},
+    # two emulated nodes, ``comm="node_local"`` averaging only at epoch ends, a checkpoint after step 3
+    "node_local": {
+        "devices": 2,
+        "strategy": {"comm": "node_local", "node_ids": [0, 1], "speeds": [1, 3]},
+        "save_every": 3,
+        "epochs": 1,
+    },
+}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """2 replicas, speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    job = run_helper("tests.helpers.run_resume", out, {"devices": 2, "strategy": {"speeds": [1, 3]}, "save_every": 7})
+def two_replica_fits(tmp_path_factory) -> dict[str, Path]:
+    """The directory each fit of :data:`TWO_REPLICA_FITS` wrote into."""
+    out = tmp_path_factory.mktemp("two_replica_fits")
+    job = run_helper("tests.helpers.run_resume", out, list(TWO_REPLICA_FITS.values()))  # type: ignore[arg-type]
     assert job.returncode == 0, job.output[-4000:]
+    return {name: out / str(index) for index, name in enumerate(TWO_REPLICA_FITS)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(two_replica_fits):
+    """2 replicas, speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)."""
+    out = two_replica_fits["uninterrupted"]
     return out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -234,13 +255,10 @@ def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninter
 
 
 @pytest.mark.slow
-def test_node_local_checkpoint_holds_the_consensus_model(tmp_path):
+def test_node_local_checkpoint_holds_the_consensus_model(two_replica_fits):
     """Two emulated nodes, ``comm="node_local"`` averaging only at epoch ends: the replicas drift apart, yet a
     checkpoint taken mid-epoch (step 3) holds their share-weighted average, which every replica then holds."""
-    cfg = {"devices": 2, "strategy": {"comm": "node_local", "node_ids": [0, 1], "speeds": [1, 3]}, "save_every": 3,
-           "epochs": 1}  # fmt: skip
-    job = run_helper("tests.helpers.run_resume", tmp_path, cfg)
-    assert job.returncode == 0, job.output[-4000:]
+    tmp_path = two_replica_fits["node_local"]
     saved = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=True)["state_dict"]
     saved = {k.removeprefix("net."): v for k, v in saved.items() if k.startswith("net.")}
     before = [torch.load(tmp_path / f"before_step3_rank{r}.pt") for r in range(2)]
