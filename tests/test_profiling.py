@@ -111,19 +111,32 @@ WORKER_LOADERS = {
 
 
 @pytest.fixture(scope="module")
-def slow_replica_fits(tmp_path_factory) -> dict[str, list[dict]]:
-    """The profiled fits of this module, in one job (one launch and rendezvous instead of three): per-rank dumps of
-    each loader of :data:`WORKER_LOADERS` and of ``"manual"`` optimization (loader batch 4)."""
-    fits = {name: _slow_fit(loader) for name, loader in WORKER_LOADERS.items()}
+def slow_replica_fits(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """The profiled fits of this module, in one job (one launch and rendezvous instead of four): per-rank dumps and
+    output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` and of ``"manual"`` optimization
+    (loader batch 4)."""
+    fits = {"string": _slow_fit()}  # no loader workers; the first fit, the one that launches the replica
+    fits.update({name: _slow_fit(loader) for name, loader in WORKER_LOADERS.items()})
     fits["manual"] = _slow_fit(manual=True, batch_size=4)
     results = run_fits_job(tmp_path_factory.mktemp("slow_replica"), list(fits.values()))
-    return {name: dumps for name, (dumps, _) in zip(fits, results)}
+    return dict(zip(fits, results))
+
+
+@pytest.mark.slow
+def test_string_strategy_profiles_slow_replica_to_a_quarter(slow_replica_fits) -> None:
+    dumps, out = slow_replica_fits["string"]
+    sizes = dumps[0]["batch_sizes"]
+    assert sum(sizes) == 32
+    assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
+    assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
+    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
+    assert "balance" in out and "samples/s" in out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", list(WORKER_LOADERS))
 def test_loaders_with_workers_profile_and_balance(slow_replica_fits, loader: str) -> None:
-    dumps = slow_replica_fits[loader]
+    dumps, _ = slow_replica_fits[loader]
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 32 and 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
     assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
@@ -131,7 +144,7 @@ def test_loaders_with_workers_profile_and_balance(slow_replica_fits, loader: str
 
 @pytest.mark.slow
 def test_manual_optimization_profiles_the_slow_replica(slow_replica_fits) -> None:
-    dumps = slow_replica_fits["manual"]
+    dumps, _ = slow_replica_fits["manual"]
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 8 and sizes[0] >= 5, sizes  # 3x slower rank 1: 6 of 8 on rank 0 when balanced
     costs = [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]]
