@@ -4,6 +4,7 @@ the strategy's signature."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import inspect
 import json
@@ -160,8 +161,10 @@ def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
         assert result.returncode == 0, result.stderr[-4000:]
         return out
 
-    whole = run("whole", "trainer.max_epochs=2")
-    first = run("first", "trainer.max_epochs=1")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent runs: side by side
+        whole_run = pool.submit(run, "whole", "trainer.max_epochs=2")
+        first_run = pool.submit(run, "first", "trainer.max_epochs=1")
+        whole, first = whole_run.result(), first_run.result()
     resumed = run("resumed", "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
 
     reference = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
