@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import warnings
 from pathlib import Path
 
@@ -231,10 +232,26 @@ def _resume(tmp_path: Path, ckpt: Path, devices: int, strategy: dict):
     return job.output, [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
 
 
+@pytest.fixture(scope="module")
+def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
+    """Both resumes from the uninterrupted fit's step-7 checkpoint, side by side (independent, and neither times
+    anything): on the ``"same"`` 2 replicas without speeds (they would profile), and on ``"three"`` replicas with
+    speeds [1, 1, 2]. Each: the output and the per-rank dumps."""
+    ckpt = uninterrupted[0] / "ckpt" / "step=7.ckpt"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {
+            "same": pool.submit(_resume, tmp_path_factory.mktemp("same"), ckpt, 2, {}),
+            "three": pool.submit(
+                _resume, tmp_path_factory.mktemp("three"), ckpt, 3, {"speeds": [1, 1, 2], "global_batch_size": 8}
+            ),
+        }
+        return {name: run.result() for name, run in runs.items()}
+
+
 @pytest.mark.slow
-def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, tmp_path):
-    out, full = uninterrupted
-    log, dumps = _resume(tmp_path, out / "ckpt" / "step=7.ckpt", 2, {})  # speeds not given: would profile
+def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, resumed):
+    _, full = uninterrupted
+    log, dumps = resumed["same"]
     assert "resuming with the checkpoint's speeds [1.0, 3.0] (no re-profiling" in log
     assert "skips the 2 global batch(es) already trained on" in log
     for rank, dump in enumerate(dumps):
@@ -244,9 +261,9 @@ def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninterrupted, tmp_path):
-    out, full = uninterrupted
-    log, dumps = _resume(tmp_path, out / "ckpt" / "step=7.ckpt", 3, {"speeds": [1, 1, 2], "global_batch_size": 8})
+def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninterrupted, resumed):
+    _, full = uninterrupted
+    log, dumps = resumed["three"]
     assert "re-balancing on resume: the checkpoint was trained by 2 replica(s)" in log
     assert "batch sizes [2, 6] -> [2, 2, 4]" in log
     for dump in dumps:
