@@ -38,7 +38,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import multiprocessing
 import os
 import signal
@@ -92,17 +91,6 @@ class Preempted(SIGTERMException):
         super().__init__(PREEMPTION_EXIT_CODE)
         self.checkpoint = checkpoint
         self.signals = list(signals)
-
-
-def validate_grace(value: Any) -> float:
-    """``preemption_grace``: finite seconds > 0.
-
-    Raises:
-        ValueError: naming the argument.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Expected argument `preemption_grace` to be finite seconds > 0, but got {value!r}.")
-    return float(value)
 
 
 def _signal_name(signum: int) -> str:

@@ -44,7 +44,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import socket
 import subprocess
@@ -63,6 +62,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_het._compat import default_store, set_default_group_timeout
+from lightning_het.arguments import as_timeout
 from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
 
 __all__ = [
@@ -926,25 +926,6 @@ class WatchdogCallback(Callback):
 def _stage(trainer: pl.Trainer) -> str:
     stage = trainer.state.stage
     return str(stage.value) if stage is not None else ""
-
-
-def as_timeout(name: str, value: Any) -> timedelta | None:
-    """Validate a timeout given as seconds (int/float) or a ``timedelta``; ``None`` stays ``None``.
-
-    Raises:
-        ValueError: for anything else, or a value that is not a finite positive duration.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise ValueError(
-            f"Expected argument `{name}` to be seconds (a number) or a datetime.timedelta, but got {value!r}"
-            f" ({type(value).__name__})."
-        )
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
 def _seconds(value: timedelta | float | None) -> float | None:
