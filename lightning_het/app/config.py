@@ -20,6 +20,7 @@ module itself imports neither torch nor Lightning.
 """
 
 import enum
+import inspect
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -219,27 +220,7 @@ class StrategyConfig:
 
 
 #: the :class:`StrategyConfig` fields that :func:`~lightning_het.arguments.validate_strategy_arguments` checks
-STRATEGY_CHECKED_FIELDS: tuple[str, ...] = (
-    "global_batch_size",
-    "speeds",
-    "min_batch_size",
-    "max_batch_sizes",
-    "node_ids",
-    "comm",
-    "global_sync_every",
-    "comm_warmup_steps",
-    "comm_autotune_steps",
-    "emulate_slowdown",
-    "profile_steps",
-    "profile_warmup",
-    "profile_cache",
-    "startup_timeout",
-    "timeout",
-    "rebalance_every_n_epochs",
-    "rebalance_threshold",
-    "telemetry",
-    "preemption_grace",
-)
+STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(inspect.signature(validate_strategy_arguments).parameters)
 
 
 @dataclass
