@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -80,6 +81,8 @@ __all__ = [
     "_set_rng_states",
     "default_store",
     "flavour_private",
+    "is_standalone",
+    "on_flavour",
     "set_default_group_timeout",
 ]
 
@@ -108,6 +111,59 @@ def flavour_private(package: str, module: str, name: str) -> Any:
         ImportError: naming the API and the installed versions when the flavour no longer has it.
     """
     try:
-        return getattr(importlib.import_module(f"{package}.{module}"), name)
+        return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
     except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
         raise _missing_api_error(f"{package}.{module}.{name}", err) from err
+
+
+#: the standalone package's name, and the prefix of the ``lightning`` modules it mirrors
+_STANDALONE, _UNIFIED = "pytorch_lightning", "lightning.pytorch"
+
+
+def is_standalone(obj: Any) -> bool:
+    """Whether ``obj`` (a trainer, strategy, ... or its class, or a package name) is the standalone
+    ``pytorch_lightning``'s."""
+    if isinstance(obj, str):
+        return obj.split(".", 1)[0] == _STANDALONE
+    cls = obj if isinstance(obj, type) else type(obj)
+    return any(c.__module__.split(".", 1)[0] == _STANDALONE for c in cls.__mro__)
+
+
+def on_flavour(cls: type, like: Any) -> type:
+    """The standalone package's one way to get our ``lightning.pytorch`` classes: ``cls`` for ``like``'s flavour.
+
+    For ``lightning.pytorch`` (``like`` is one of its trainers, strategies, ... or classes) that is ``cls`` itself. For
+    the standalone ``pytorch_lightning`` it is the same class rebuilt once per process on that package's classes: every
+    direct base from ``lightning.pytorch`` (``Callback``, ``Accelerator``, ...) replaced by the standalone class of the
+    same module and name, the body copied, named ``PL<name>`` and published in ``cls``'s module (so instances pickle
+    by reference; a module that must unpickle it in a fresh process resolves the name with a module ``__getattr__``).
+    The trainer's type checks (``isinstance(cb, pytorch_lightning.Callback)``, ...) then hold.
+
+    Used for the callbacks the strategy adds (balance monitor, watchdog, preemption) and the mixed-device accelerator.
+    The strategy classes themselves have a module of their own (:mod:`lightning_het._pl_compat`).
+
+    Raises:
+        TypeError: ``cls``'s body uses zero-argument ``super()`` (the copy would point it at the original class).
+    """
+    if not is_standalone(like):
+        return cls
+    module = sys.modules[cls.__module__]
+    name = f"PL{cls.__name__}"
+    built = module.__dict__.get(name)
+    if isinstance(built, type):
+        return built
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    for value in namespace.values():
+        closure = getattr(value, "__closure__", None) or ()
+        if "__class__" in getattr(getattr(value, "__code__", None), "co_freevars", ()) and closure:
+            raise TypeError(f"{cls.__qualname__} uses zero-argument super(); it cannot be rebuilt on {_STANDALONE}.")
+    namespace.update(__module__=cls.__module__, __qualname__=name)
+    bases = tuple(
+        flavour_private(_STANDALONE + b.__module__[len(_UNIFIED) :], "", b.__name__)
+        if b.__module__.startswith(_UNIFIED + ".")
+        else b
+        for b in cls.__bases__
+    )
+    built = type(cls)(name, bases, namespace)
+    setattr(module, name, built)
+    return built

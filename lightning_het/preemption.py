@@ -55,6 +55,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_het._compat import on_flavour
+
 __all__ = [
     "DEFAULT_GRACE",
     "PREEMPTION_EXIT_CODE",
@@ -468,9 +470,10 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
 
     handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=_launched_replicas(strategy))
     fitting = trainer.state.fn == TrainerFn.FITTING
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallback)]
+    callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
     if fitting:
-        trainer.callbacks.append(PreemptionCallback(handler, lambda: strategy.root_device))
+        trainer.callbacks.append(callback_cls(handler, lambda: strategy.root_device))
 
     def install() -> None:
         extra = []
@@ -495,7 +498,8 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
             left = max(handler._deadline_at - time.monotonic() - 1.0, 0.0)
         handler.end_launched_replicas(left)
     if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallback)]
+        callback_cls = on_flavour(PreemptionCallback, trainer)
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
 def _launched_replicas(strategy: Any) -> Callable[[], list[subprocess.Popen]]:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import default_store, set_default_group_timeout
+from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
 from lightning_het.arguments import as_timeout
 from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
 
@@ -976,9 +976,10 @@ def start_watchdog(
 
 def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
     """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+    callback_cls = on_flavour(WatchdogCallback, trainer)  # the standalone pytorch_lightning's Callback for its trainers
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
     if watchdog is not None:
-        trainer.callbacks.append(WatchdogCallback(watchdog))
+        trainer.callbacks.append(callback_cls(watchdog))
 
 
 def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
@@ -990,7 +991,8 @@ def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, 
     else:
         watchdog.stop()
     if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+        callback_cls = on_flavour(WatchdogCallback, trainer)
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
 def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
