@@ -20,6 +20,10 @@ What uses what:
 * profiling: ``_collect_rng_states``, ``_set_rng_states`` (profiling leaves every random stream as it found it);
 * the watchdog and the start-up timeout: torch's ``_get_default_store`` and ``_set_pg_timeout``, wrapped in
   :func:`default_store` and :func:`set_default_group_timeout`;
+* private attributes of Lightning's trainer and loops, read or set through the accessors at the end of this module
+  (:func:`attached_trainer`, :func:`training_combined_loader`, :func:`cached_validation_loader`,
+  :func:`forget_validation_loader`, :func:`should_accumulate`, :func:`replace_signal_connector`): the checkpoint
+  record, the re-split evaluation loaders and the preemption handler;
 * the strategies on the standalone packages (``pytorch_lightning``, ``lightning_fabric``) and Fabric's spawn
   launcher: that package's ``_MultiProcessingLauncher``, through :func:`flavour_private` (imported only when that
   package is used).
@@ -79,11 +83,17 @@ __all__ = [
     "_reinstantiate_wrapped_cls",
     "_set_num_threads_if_needed",
     "_set_rng_states",
+    "attached_trainer",
+    "cached_validation_loader",
     "default_store",
     "flavour_private",
+    "forget_validation_loader",
     "is_standalone",
     "on_flavour",
+    "replace_signal_connector",
     "set_default_group_timeout",
+    "should_accumulate",
+    "training_combined_loader",
 ]
 
 
@@ -167,3 +177,44 @@ def on_flavour(cls: type, like: Any) -> type:
     built = type(cls)(name, bases, namespace)
     setattr(module, name, built)
     return built
+
+
+# ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
+def _private_attribute(owner: Any, name: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError as err:  # pragma: no cover - only with an untested Lightning release
+        raise _missing_api_error(f"{type(owner).__qualname__}.{name}", err) from err
+
+
+def attached_trainer(module: Any) -> Any:
+    """The trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def training_combined_loader(trainer: Any) -> Any:
+    """The fit loop's current training ``CombinedLoader`` (``None`` before the loop built it)."""
+    return _private_attribute(trainer.fit_loop, "_combined_loader")
+
+
+def cached_validation_loader(trainer: Any) -> Any:
+    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one)."""
+    return _private_attribute(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader")
+
+
+def forget_validation_loader(trainer: Any) -> None:
+    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    _private_attribute(val_loop, "_combined_loader")
+    val_loop._combined_loader = None
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it)."""
+    return bool(_private_attribute(trainer.fit_loop.epoch_loop, "_should_accumulate")())
+
+
+def replace_signal_connector(trainer: Any, connector: Any) -> None:
+    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers)."""
+    _private_attribute(trainer, "_signal_connector")
+    trainer._signal_connector = connector

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import on_flavour
+from lightning_het._compat import on_flavour, replace_signal_connector, should_accumulate
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -430,7 +430,7 @@ class PreemptionCallback(Callback):
         self._device = device
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return  # the gradients of this batch wait for the next ones: not a place to stop and save
         signals = self.handler.agree(self._device())
         if any(signals):
@@ -483,7 +483,7 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
             extra.append(int(requeue))
         handler.install(rank=trainer.global_rank, world_size=trainer.world_size, fitting=fitting, extra_signals=extra)
 
-    trainer._signal_connector = _PreemptionSignalConnector(handler, install)
+    replace_signal_connector(trainer, _PreemptionSignalConnector(handler, install))
     return handler
 
 

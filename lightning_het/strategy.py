@@ -27,7 +27,15 @@ from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._compat import _BatchNorm, _init_dist_connection, _MultiProcessingLauncher, _register_ddp_comm_hook
+from lightning_het._compat import (
+    _BatchNorm,
+    _init_dist_connection,
+    _MultiProcessingLauncher,
+    _register_ddp_comm_hook,
+    attached_trainer,
+    cached_validation_loader,
+    forget_validation_loader,
+)
 from lightning_het.accelerators import (
     apply_local_settings,
     configure_devices,
@@ -484,7 +492,7 @@ class HeterogeneousStrategyBase:
         self._node_ids = self._detect_node_ids()
 
     def _trainer(self) -> pl.Trainer | None:
-        return getattr(getattr(self, "_lightning_module", None), "_trainer", None)
+        return attached_trainer(getattr(self, "_lightning_module", None))
 
     def _mark(self, phase: Phase) -> None:
         """Tell the watchdog where this replica is (setup, profiling, ...)."""
@@ -677,7 +685,7 @@ class HeterogeneousStrategyBase:
     @override
     def teardown(self) -> None:
         self._end_watch()  # (#7, #14)
-        detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
+        detach_preemption(self._preemption, attached_trainer(self._lightning_module))
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
@@ -833,9 +841,8 @@ class HeterogeneousStrategyBase:
 
     def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
         """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them."""
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if val_loop._combined_loader is not None and self._eval_weights_used != self._eval_weights():
-            val_loop._combined_loader = None
+        if cached_validation_loader(trainer) is not None and self._eval_weights_used != self._eval_weights():
+            forget_validation_loader(trainer)
 
     # ------------------------------------------------------------------ allocation
     def _allocate(
@@ -1170,7 +1177,7 @@ class HeterogeneousStrategyBase:
         if sampler is None or sampler.tail_batch_sizes is None or list(sampler.batch_sizes) != sizes:
             return sizes
         module = self._lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = attached_trainer(module)
         if trainer is None:
             return sizes
         return sampler.step_batch_sizes(trainer.fit_loop.epoch_loop.batch_idx)  # 0-based step within the epoch
