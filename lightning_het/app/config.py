@@ -181,7 +181,7 @@ class StrategyConfig:
             validate_strategy_arguments(**values)
         except ArgumentError as err:
             key = f"strategy.{err.argument}"
-            raise ConfigValueError(f"You set `{key}={values.get(err.argument)}`: {err}") from None
+            raise ConfigValueError(f"Invalid `{key}` ({values.get(err.argument)!r}): {err}") from None
         if self.gradient_averaging == GradientAveraging.unweighted and self.comm != Comm.allreduce:
             _fail(
                 "strategy.gradient_averaging",
