@@ -21,13 +21,12 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import Accelerator
 
-from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory
+from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory, on_flavour
 from lightning_het.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 __all__ = [
@@ -167,26 +166,16 @@ class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
 
 
 def __getattr__(name: str) -> Any:
-    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use."""
+    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use
+    (so that it unpickles in a fresh process too)."""
     if name == "PLMixedAccelerator":
-        return _pl_mixed_accelerator()
+        return on_flavour(MixedAccelerator, "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@lru_cache(maxsize=1)
-def _pl_mixed_accelerator() -> type:
-    from pytorch_lightning.accelerators import Accelerator as PLAccelerator
-
-    cls = type("PLMixedAccelerator", (_MixedAcceleratorMixin, PLAccelerator), {"__doc__": MixedAccelerator.__doc__})
-    cls.__module__ = __name__  # picklable by reference through the module __getattr__
-    return cls
 
 
 def mixed_accelerator_class(strategy_cls: type) -> type:
     """The ``MixedAccelerator`` for a strategy's Lightning flavour (``lightning.pytorch`` or ``pytorch_lightning``)."""
-    if any(c.__module__.split(".")[0] == "pytorch_lightning" for c in strategy_cls.__mro__):
-        return _pl_mixed_accelerator()
-    return MixedAccelerator
+    return on_flavour(MixedAccelerator, strategy_cls)
 
 
 def mixed_accelerator_kwargs(

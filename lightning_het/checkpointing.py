@@ -51,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
+from lightning_het._compat import attached_trainer, training_combined_loader
 from lightning_het.sampler import ProportionalDistributedSampler
 
 __all__ = [
@@ -291,9 +292,9 @@ def checkpoint_record(strategy: Any) -> dict[str, Any]:
     """The entry for the checkpoint the strategy is saving now (allocation + training sampler position)."""
     sampler_state = None
     module = getattr(strategy, "lightning_module", None)
-    trainer = getattr(module, "_trainer", None) if module is not None else None
+    trainer = attached_trainer(module)
     if trainer is not None:
-        combined = trainer.fit_loop._combined_loader
+        combined = training_combined_loader(trainer)
         sampler = training_sampler(combined.flattened) if combined is not None else None
         if sampler is not None:
             done = trainer.fit_loop.epoch_loop.batch_progress.current.processed

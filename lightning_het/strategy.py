@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
-import operator
 import os
 import sys
 import time
@@ -29,7 +27,15 @@ from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._compat import _BatchNorm, _init_dist_connection, _MultiProcessingLauncher, _register_ddp_comm_hook
+from lightning_het._compat import (
+    _BatchNorm,
+    _init_dist_connection,
+    _MultiProcessingLauncher,
+    _register_ddp_comm_hook,
+    attached_trainer,
+    cached_validation_loader,
+    forget_validation_loader,
+)
 from lightning_het.accelerators import (
     apply_local_settings,
     configure_devices,
@@ -37,6 +43,7 @@ from lightning_het.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
+from lightning_het.arguments import validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
 from lightning_het.balance.profiling import (
@@ -75,7 +82,6 @@ from lightning_het.preemption import (
     attach_preemption,
     detach_preemption,
     shield_loader_workers,
-    validate_grace,
 )
 from lightning_het.rendezvous import create_store, keep_sockets_local
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
@@ -84,7 +90,6 @@ from lightning_het.watchdog import (
     Phase,
     Watchdog,
     apply_collective_timeout,
-    as_timeout,
     attach_watchdog,
     rendezvous_timeout,
     start_watchdog,
@@ -126,53 +131,6 @@ class _ExitCleanup:
                 dist.destroy_process_group()
             except Exception as err:  # never turn a finished run into a failure at exit
                 log.debug("lightning-het: destroying the process group at exit failed: %s", err)
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
-    if value is None and allow_none:
-        return None
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
-    except TypeError:
-        number = None
-    if number is None or number < minimum:
-        raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
-    return number
-
-
-def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
-    if values is None:
-        return None
-    if isinstance(values, (str, bytes)):  # "1,3" would otherwise be read character by character (#7)
-        raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got the string {values!r}.")
-    if not isinstance(values, Sequence):
-        try:
-            values = list(values)  # e.g. an omegaconf ListConfig
-        except TypeError:
-            raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from None
-    out = []
-    for i, v in enumerate(values):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"Expected argument `{name}` to hold numbers, but `{name}[{i}]` is {v!r}.") from None
-        if not math.isfinite(f) or f <= minimum:
-            raise ValueError(
-                f"Expected argument `{name}` to hold finite numbers > {minimum}, but `{name}[{i}]` is {v!r}"
-                f" ({name}={list(values)})."
-            )
-        out.append(f)
-    if not out:
-        raise ValueError(f"Expected argument `{name}` to be non-empty.")
-    return out
-
-
-def _threshold(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
-        raise ValueError(f"Expected argument `{name}` to be a finite number >= 1 (max / min ratio), but got {value!r}.")
-    return float(value)
 
 
 class AllocationResultsMixin:
@@ -302,56 +260,60 @@ class HeterogeneousStrategyBase:
         preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("timeout") is not None:
-            kwargs["timeout"] = as_timeout("timeout", kwargs["timeout"])  # seconds or timedelta (#7)
-        self._startup_timeout = as_timeout("startup_timeout", startup_timeout)
+        # every value check of our keywords, the same function the app's config schema calls
+        args = validate_strategy_arguments(
+            global_batch_size=global_batch_size,
+            speeds=speeds,
+            min_batch_size=min_batch_size,
+            max_batch_sizes=max_batch_sizes,
+            node_ids=node_ids,
+            comm=comm,
+            global_sync_every=global_sync_every,
+            comm_warmup_steps=comm_warmup_steps,
+            comm_autotune_steps=comm_autotune_steps,
+            emulate_slowdown=emulate_slowdown,
+            profile_steps=profile_steps,
+            profile_warmup=profile_warmup,
+            profile_cache=profile_cache,
+            startup_timeout=startup_timeout,
+            timeout=kwargs.get("timeout"),
+            rebalance_every_n_epochs=rebalance_every_n_epochs,
+            rebalance_threshold=rebalance_threshold,
+            telemetry=telemetry,
+            preemption_grace=preemption_grace,
+        )
+        validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # its warnings for settings that do nothing
+        if args["timeout"] is not None:
+            kwargs["timeout"] = args["timeout"]  # seconds or timedelta (#7)
+        self._startup_timeout = args["startup_timeout"]
         self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown (#7)
         self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
         # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
-        self._preemption_grace = validate_grace(preemption_grace)
+        self._preemption_grace = args["preemption_grace"]
         self._preemption_checkpoint = None if preemption_checkpoint is None else os.fspath(preemption_checkpoint)
         self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
-        self._global_batch_size_arg = _positive_int("global_batch_size", global_batch_size)
-        self._speeds_arg = _finite_positive_list("speeds", speeds)
-        self._min_batch_size = _positive_int("min_batch_size", min_batch_size, allow_none=False)
-        self._max_batch_sizes = None
-        if max_batch_sizes is not None:
-            self._max_batch_sizes = [
-                _positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(max_batch_sizes)
-            ]
-        self._node_ids_arg = None
-        if node_ids is not None:
-            self._node_ids_arg = [_positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
-        validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # unknown comm, K < 1, ... (#3)
+        self._global_batch_size_arg = args["global_batch_size"]
+        self._speeds_arg = args["speeds"]
+        self._min_batch_size = args["min_batch_size"]
+        self._max_batch_sizes = args["max_batch_sizes"]
+        self._node_ids_arg = args["node_ids"]
         self._comm = comm
         self._global_sync_every = global_sync_every
         self._comm_warmup_steps = comm_warmup_steps
-        self._comm_autotune_steps = _positive_int(
-            "comm_autotune_steps", comm_autotune_steps, allow_none=False, minimum=0
-        )
+        self._comm_autotune_steps = args["comm_autotune_steps"]
         self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
-        self._emulate_slowdown = _finite_positive_list("emulate_slowdown", emulate_slowdown)
-        if self._emulate_slowdown is not None and any(f < 1.0 for f in self._emulate_slowdown):
-            raise ValueError(
-                f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
-                f" got {self._emulate_slowdown}."
-            )
-        self._profile_steps = _positive_int("profile_steps", profile_steps, allow_none=False)
-        self._profile_warmup = _positive_int("profile_warmup", profile_warmup, allow_none=False, minimum=0)
+        self._emulate_slowdown = args["emulate_slowdown"]
+        self._profile_steps = args["profile_steps"]
+        self._profile_warmup = args["profile_warmup"]
         # set once the allocation is known (in the worker processes, and in the parent after spawn)
         self._batch_sizes: list[int] | None = None
         self._speeds: list[float] | None = None
         self._node_ids: list[int] | None = None
         self._global_batch_size: int | None = None
         self._loss_scale = 1.0
-        if not isinstance(profile_cache, (str, os.PathLike, bool)) and profile_cache is not None:
-            raise ValueError(
-                f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
-                f" (off), but got {profile_cache!r}."
-            )
         self._profile_cache_arg = profile_cache
         self._profile_cached = False  # the last allocation's costs came from the cache
         self._profiling = False  # inside `_profiling_mode`: backward/optimizer_step are local only
@@ -361,15 +323,8 @@ class HeterogeneousStrategyBase:
         self._train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
-        self._rebalance_every_n_epochs = _positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
-        self._rebalance_threshold = _threshold("rebalance_threshold", rebalance_threshold)
-        if not isinstance(telemetry, bool):
-            raise ValueError(f"Expected argument `telemetry` to be True or False, but got {telemetry!r}.")
-        if not telemetry and (rebalance_every_n_epochs is not None or rebalance_threshold is not None):
-            raise ValueError(
-                "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
-                " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments."
-            )
+        self._rebalance_every_n_epochs = args["rebalance_every_n_epochs"]
+        self._rebalance_threshold = args["rebalance_threshold"]
         self._telemetry = telemetry
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
@@ -537,7 +492,7 @@ class HeterogeneousStrategyBase:
         self._node_ids = self._detect_node_ids()
 
     def _trainer(self) -> pl.Trainer | None:
-        return getattr(getattr(self, "_lightning_module", None), "_trainer", None)
+        return attached_trainer(getattr(self, "_lightning_module", None))
 
     def _mark(self, phase: Phase) -> None:
         """Tell the watchdog where this replica is (setup, profiling, ...)."""
@@ -730,7 +685,7 @@ class HeterogeneousStrategyBase:
     @override
     def teardown(self) -> None:
         self._end_watch()  # (#7, #14)
-        detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
+        detach_preemption(self._preemption, attached_trainer(self._lightning_module))
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
@@ -886,9 +841,8 @@ class HeterogeneousStrategyBase:
 
     def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
         """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them."""
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if val_loop._combined_loader is not None and self._eval_weights_used != self._eval_weights():
-            val_loop._combined_loader = None
+        if cached_validation_loader(trainer) is not None and self._eval_weights_used != self._eval_weights():
+            forget_validation_loader(trainer)
 
     # ------------------------------------------------------------------ allocation
     def _allocate(
@@ -1223,7 +1177,7 @@ class HeterogeneousStrategyBase:
         if sampler is None or sampler.tail_batch_sizes is None or list(sampler.batch_sizes) != sizes:
             return sizes
         module = self._lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = attached_trainer(module)
         if trainer is None:
             return sizes
         return sampler.step_batch_sizes(trainer.fit_loop.epoch_loop.batch_idx)  # 0-based step within the epoch

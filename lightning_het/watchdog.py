@@ -44,7 +44,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import socket
 import subprocess
@@ -62,7 +61,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import default_store, set_default_group_timeout
+from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
+from lightning_het.arguments import as_timeout
 from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
 
 __all__ = [
@@ -928,25 +928,6 @@ def _stage(trainer: pl.Trainer) -> str:
     return str(stage.value) if stage is not None else ""
 
 
-def as_timeout(name: str, value: Any) -> timedelta | None:
-    """Validate a timeout given as seconds (int/float) or a ``timedelta``; ``None`` stays ``None``.
-
-    Raises:
-        ValueError: for anything else, or a value that is not a finite positive duration.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise ValueError(
-            f"Expected argument `{name}` to be seconds (a number) or a datetime.timedelta, but got {value!r}"
-            f" ({type(value).__name__})."
-        )
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
-
-
 def _seconds(value: timedelta | float | None) -> float | None:
     if value is None:
         return None
@@ -995,9 +976,10 @@ def start_watchdog(
 
 def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
     """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+    callback_cls = on_flavour(WatchdogCallback, trainer)  # the standalone pytorch_lightning's Callback for its trainers
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
     if watchdog is not None:
-        trainer.callbacks.append(WatchdogCallback(watchdog))
+        trainer.callbacks.append(callback_cls(watchdog))
 
 
 def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
@@ -1009,7 +991,8 @@ def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, 
     else:
         watchdog.stop()
     if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+        callback_cls = on_flavour(WatchdogCallback, trainer)
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
 def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:

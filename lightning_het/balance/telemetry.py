@@ -33,7 +33,6 @@ Report: :class:`TelemetryHistory` accumulates the gathered epochs on every rank;
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -51,6 +50,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.autograd import Variable
 
+from lightning_het._compat import on_flavour
 from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, is_check_epoch, plan_rebalance
 
 __all__ = [
@@ -732,20 +732,10 @@ def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
     """The callback forwarding ``trainer``'s epoch hooks to ``monitor``.
 
     Subclasses the ``Callback`` of the package the trainer comes from (``lightning.pytorch``, or the standalone
-    ``pytorch_lightning`` when the trainer is one of its), so the trainer's callback plumbing (ordering, checkpoint
-    state keys) treats it as any other callback.
+    ``pytorch_lightning`` when the trainer is one of its; see :func:`lightning_het._compat.on_flavour`), so the
+    trainer's callback plumbing (ordering, checkpoint state keys) treats it as any other callback.
     """
-    if not type(trainer).__module__.startswith("pytorch_lightning"):
-        return HeterogeneousBalanceCallback(monitor)
-    global _PLHeterogeneousBalanceCallback
-    if _PLHeterogeneousBalanceCallback is None:
-        base = importlib.import_module("pytorch_lightning").Callback
-        cls = type("_PLHeterogeneousBalanceCallback", (_BalanceCallbackMixin, base), {"__module__": __name__})
-        _PLHeterogeneousBalanceCallback = cls
-    return _PLHeterogeneousBalanceCallback(monitor)
-
-
-_PLHeterogeneousBalanceCallback: Any = None
+    return on_flavour(HeterogeneousBalanceCallback, trainer)(monitor)
 
 
 def attach_monitor(
