@@ -16,6 +16,7 @@ from lightning_het.balance.telemetry import (
     EpochTimings,
     StepClock,
     TelemetryHistory,
+    emulate_slower_device,
     epoch_summary,
     format_balance_table,
     gather_timings,
@@ -25,8 +26,16 @@ from lightning_het.balance.telemetry import (
 from tests.helpers.run_balance import run_balance_job
 
 
+def _burn(seconds: float) -> None:
+    """Compute (spin) until this process has used ``seconds`` of CPU time: work that the emulation stretches, unlike a
+    sleep (time off the CPU, as when a replica is descheduled on shared cores)."""
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+
 class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes ``seconds``."""
+    """Identity whose backward computes for ``seconds`` of CPU time."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -35,7 +44,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
+        _burn(ctx.seconds)
         return grad, None
 
 
@@ -56,7 +65,7 @@ def _loss(backward_s: float, sync_s: float) -> torch.Tensor:
 
 def _automatic_step(clock: StepClock, forward_s: float, backward_s: float, sync_s: float) -> None:
     clock.step_start(4)
-    time.sleep(forward_s)
+    _burn(forward_s)
     loss = _loss(backward_s, sync_s)
     clock.forward_end()
     clock.before_backward(loss)
@@ -81,7 +90,7 @@ class TestStepClock:
         """``manual_backward`` inside ``training_step``: the forward sleep excludes the time spent in backward."""
         clock = StepClock(slowdown=2.0)
         clock.step_start(8)
-        time.sleep(0.03)
+        _burn(0.03)
         loss = _loss(0.02, 0.03)
         clock.before_backward(loss)
         loss.backward()
@@ -114,9 +123,46 @@ class TestStepClock:
         loss.backward()  # not through the strategy: no hook may fire
         assert time.perf_counter() - start < 0.05
 
+    def test_time_off_the_cpu_is_not_stretched(self):
+        """A replica descheduled on shared cores (here: sleeping inside its step) is not slowed down ``f``-fold for
+        it: only the CPU work is stretched, so scheduling noise is not amplified into imbalance."""
+        clock = StepClock(slowdown=4.0)
+        for _ in range(3):
+            clock.step_start(4)
+            time.sleep(0.04)  # off the CPU
+            _burn(0.01)
+            loss = _loss(0.01, 0.0)
+            clock.forward_end()
+            clock.before_backward(loss)
+            loss.backward()
+            clock.after_backward()
+        compute = sorted(clock.flush().compute_s)[1]
+        assert 0.04 + 4 * 0.02 <= compute <= 0.04 + 4 * 0.02 + 0.05  # the wall-time rule would give >= 0.24
+
     def test_invalid_slowdown(self):
         with pytest.raises(ValueError, match="`slowdown`"):
             StepClock(slowdown=0.5)
+
+
+class TestEmulateSlowerDevice:
+    @pytest.mark.parametrize(
+        ("wall", "cpu", "expected"),
+        [
+            (0.010, None, 0.030),  # an accelerator: the synchronised wall time is the work
+            (0.010, 0.004, 0.012),  # descheduled for 6 ms on shared cores: only the 4 ms of CPU work are stretched
+            (0.010, 0.035, 0.030),  # intra-op threads: CPU time above wall time, the wall time counts
+            (0.0, 0.0, 0.0),
+        ],
+    )
+    def test_delay_is_f_minus_one_times_the_work(self, monkeypatch, wall, cpu, expected):
+        slept: list[float] = []
+        monkeypatch.setattr(telemetry.time, "sleep", slept.append)
+        assert emulate_slower_device(4.0, wall, cpu) == pytest.approx(expected)
+        assert slept == ([pytest.approx(expected)] if expected else [])
+
+    def test_factor_one_never_sleeps(self, monkeypatch):
+        monkeypatch.setattr(telemetry.time, "sleep", lambda s: pytest.fail(f"slept {s}"))
+        assert emulate_slower_device(1.0, 0.5, 0.5) == 0.0
 
 
 def _timings(compute, wait, batch):

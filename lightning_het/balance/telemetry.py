@@ -16,11 +16,15 @@ gradients. Hence, per step:
 * ``step_s``: start of this ``training_step`` to the start of the next one (for the last step of an epoch, to the end
   of its backward): the iteration time, so ``samples_per_s = batch_size / step_s`` is the achieved throughput.
 
-Emulation (``emulate_slowdown``, see :class:`StepClock`): after ``training_step`` returns, the clock sleeps
-``(f - 1) x`` the forward time it just measured; in the end-of-backward callback, ``(f - 1) x`` the backward time it
-just measured. Both happen *before* the gradients are synchronised, so a replica's busy time becomes ``f`` times its
-real compute time and its peers see it late, as on slower hardware. It is an emulation: the sleeping replica releases
-its CPU (or GPU) instead of computing.
+Emulation (``emulate_slowdown``, see :class:`StepClock` and :func:`emulate_slower_device`): after ``training_step``
+returns, the clock sleeps ``(f - 1) x`` the forward work it just measured; in the end-of-backward callback,
+``(f - 1) x`` the backward work it just measured. Both happen *before* the gradients are synchronised, so a replica's
+busy time becomes ``f`` times its real compute time and its peers see it late, as on slower hardware. On a CPU replica
+the work is the smaller of the wall time and the process's CPU time over the same span: when replicas share cores, the
+time a replica spends descheduled is not multiplied by ``f`` (that would turn every scheduling hiccup into an
+``f``-fold one and make the emulated platform unbalanceable). On CUDA the work is the synchronised wall time. It is an
+emulation: the sleeping replica releases its CPU (or GPU) instead of computing. Profiling
+(:func:`~lightning_het.balance.profiling.time_steps`) uses the same function, so profiled and trained steps agree.
 
 Cost: about six clock reads, one tensor hook and one autograd callback per step, and one small all-gather per epoch
 (:func:`gather_timings`). On CUDA replicas the clock synchronises the device at the two measurement points (host
@@ -39,7 +43,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,7 @@ __all__ = [
     "StepClock",
     "TelemetryHistory",
     "attach_monitor",
+    "emulate_slower_device",
     "epoch_summary",
     "format_balance_table",
     "gather_timings",
@@ -111,6 +116,33 @@ class EpochTimings:
         )
 
 
+def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
+    """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay.
+
+    The one slowdown emulation of the package (the step clock and profiling both call it).
+
+    Args:
+        slowdown: emulation factor ``f >= 1`` (1: no delay).
+        wall_s: wall-clock seconds of the work just done.
+        cpu_s: CPU seconds of the process over the same span (CPU replicas), or ``None`` (CUDA: the synchronised wall
+            time is the work). The work is ``min(wall_s, cpu_s)``: time spent descheduled on shared cores is not
+            stretched, and a multi-threaded step (CPU time above wall time) counts its wall time.
+
+    Returns:
+        The delay slept, ``(f - 1) x work`` seconds (``>= 0``).
+    """
+    work = max(wall_s if cpu_s is None else min(wall_s, cpu_s), 0.0)
+    delay = (slowdown - 1.0) * work
+    if delay > 0.0:
+        time.sleep(delay)
+    return max(delay, 0.0)
+
+
+def _cpu_seconds(device: torch.device | None) -> Callable[[], float] | None:
+    """The process CPU clock for a CPU replica, ``None`` for an accelerator (its work is synchronised wall time)."""
+    return time.process_time if device is None or device.type == "cpu" else None
+
+
 class StepClock:
     """Times one replica's training steps and, optionally, stretches them to emulate slower hardware.
 
@@ -121,15 +153,20 @@ class StepClock:
 
     Args:
         slowdown: emulation factor ``f >= 1``: the step's forward and backward compute each take ``f`` times their
-            measured duration (the clock sleeps ``(f - 1) x`` the measured time before the gradients are
-            synchronised). 1.0 disables the emulation.
+            measured work (the clock sleeps ``(f - 1) x`` the work before the gradients are synchronised; see
+            :func:`emulate_slower_device`). 1.0 disables the emulation.
         record: keep per-step timings (telemetry). With ``record=False`` the clock only emulates.
         device: the replica's device; CUDA devices are synchronised before each clock read.
     """
 
     __slots__ = (
         "_backward_call",
+        "_backward_call_cpu",
         "_backward_start",
+        "_backward_start_cpu",
+        "_cpu",
+        "_cpu_inner",
+        "_cpu_start",
         "_device",
         "_end",
         "_hook",
@@ -150,6 +187,8 @@ class StepClock:
         self.slowdown = float(slowdown)
         self.record = record
         self._device = device if device is not None and device.type == "cuda" else None
+        self._cpu = _cpu_seconds(device) if self.slowdown != 1.0 else None
+        self._cpu_start = self._cpu_inner = self._backward_call_cpu = self._backward_start_cpu = 0.0
         self._timings = EpochTimings()
         self._open = False
         self._start = self._end = self._inner = self._wait = 0.0
@@ -172,6 +211,8 @@ class StepClock:
         self._open = True
         self._start = self._end = now
         self._inner = self._wait = 0.0
+        self._cpu_start = self._cpu() if self._cpu is not None else 0.0
+        self._cpu_inner = 0.0
         self._step_batch = int(batch_size)
 
     def forward_end(self) -> None:
@@ -180,14 +221,16 @@ class StepClock:
             return
         now = self._now()
         if self.slowdown != 1.0:
-            forward = max(now - self._start - self._inner, 0.0)
-            time.sleep((self.slowdown - 1.0) * forward)
+            cpu = self._cpu() - self._cpu_start - self._cpu_inner if self._cpu is not None else None
+            emulate_slower_device(self.slowdown, now - self._start - self._inner, cpu)
             now = time.perf_counter()
         self._end = now
 
     def before_backward(self, loss: Tensor) -> None:
         """``backward(loss)`` is about to run: hook the loss to catch the end of local gradient computation."""
         self._backward_call = time.perf_counter()
+        if self._cpu is not None:
+            self._backward_call_cpu = self._cpu()
         self._ready = None
         if isinstance(loss, Tensor) and loss.requires_grad:
             self._hook = loss.register_hook(self._on_backward_start)
@@ -201,6 +244,8 @@ class StepClock:
         ready = self._ready if self._ready is not None else now
         self._wait += max(now - ready, 0.0)
         self._inner += now - self._backward_call
+        if self._cpu is not None:
+            self._cpu_inner += self._cpu() - self._backward_call_cpu
         self._end = now
 
     def flush(self) -> EpochTimings:
@@ -214,12 +259,15 @@ class StepClock:
     # ------------------------------------------------------------------ internals
     def _on_backward_start(self, grad: Tensor) -> None:
         self._backward_start = time.perf_counter()
+        if self._cpu is not None:
+            self._backward_start_cpu = self._cpu()
         Variable._execution_engine.queue_callback(self._on_local_backward_done)
 
     def _on_local_backward_done(self) -> None:
         now = self._now()
         if self.slowdown != 1.0:
-            time.sleep((self.slowdown - 1.0) * max(now - self._backward_start, 0.0))
+            cpu = self._cpu() - self._backward_start_cpu if self._cpu is not None else None
+            emulate_slower_device(self.slowdown, now - self._backward_start, cpu)
             now = time.perf_counter()
         self._ready = now
 
