@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine
+from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs
 from lightning_het.balance.rebalance import (
     imbalance,
     is_check_epoch,
@@ -217,3 +217,32 @@ class TestSecantRefresh:
         assert (
             d.costs is not None and d.costs[0]["fixed_s"] == 0.0 and d.costs[0]["per_sample_s"] == pytest.approx(0.005)
         )
+
+
+class TestNoiseGuards:
+    """Two guards against re-allocating for timing noise on a shared machine."""
+
+    def test_secant_needs_batch_sizes_far_enough_apart(self) -> None:
+        # 62 -> 66 samples (6 %): a few percent of noise in each median would dominate the slope; keep the profiled
+        # fixed cost and refresh the slope instead
+        close = refresh_costs([66], [0.0266], [0.0014], previous=[(62, 0.0242)])
+        far = refresh_costs([66], [0.0266], [0.0014], previous=[(40, 0.0166)])
+        assert far[0].per_sample_s == pytest.approx(0.01 / 26) and far[0].fixed_s == pytest.approx(
+            0.0266 - 66 * 0.01 / 26
+        )
+
+    def test_a_sudden_rise_is_confirmed_before_acting(self) -> None:
+        sizes, steady = [66, 24, 6], [0.0281, 0.0291, 0.0288]
+        spike = [0.0609, 0.0291, 0.0288]  # one epoch where rank 0 was crowded out
+        d = plan_rebalance(sizes, spike, fixed_costs=[0.0014, 0.003, 0.009], last_times=steady)
+        assert not d.adopt and "rank 0's step rose 2.17x" in d.reason and d.batch_sizes == sizes
+        assert plan_rebalance(sizes, spike, fixed_costs=[0.0014, 0.003, 0.009]).adopt  # what it did before
+        # the change persists: the next check compares with the spike epoch and acts
+        again = plan_rebalance(sizes, [0.0612, 0.0291, 0.0288], fixed_costs=[0.0014, 0.003, 0.009], last_times=spike)
+        assert again.adopt and again.batch_sizes[0] < 66
+
+    def test_invalid_surge_and_last_times(self) -> None:
+        with pytest.raises(ValueError, match="`surge`"):
+            plan_rebalance([8, 8], [0.1, 0.3], surge=1.0)
+        with pytest.raises(ValueError, match="`last_times`"):
+            plan_rebalance([8, 8], [0.1, 0.3], last_times=[0.1])

@@ -179,6 +179,17 @@ class TestSummaryAndHistory:
         assert s["samples_per_s"][1] == pytest.approx(24 / 0.903)
         assert math.isnan(epoch_summary([_timings([0.1], [0.0], 4), EpochTimings()])["imbalance"])
 
+    def test_epoch_summary_describes_the_allocation_not_the_tail(self):
+        """The tail (a smaller last global batch) neither sets the epoch's batch size nor enters the medians: the
+        rebalancer pairs the two, and the tail's size with the full steps' time gave nonsense per-sample costs."""
+        full = EpochTimings([0.02, 0.021, 0.019, 0.006], [0.001] * 4, [0.03] * 4, [64, 64, 64, 21])
+        s = epoch_summary([full, _timings([0.02, 0.02, 0.02, 0.02], [0.0] * 4, 4)])
+        assert s["batch_sizes"] == [64, 4]
+        assert s["compute_s"][0] == pytest.approx(0.02)  # median of the three full steps (0.0195 with the tail)
+        assert s["steps"] == [4, 4] and s["compute_total_s"][0] == pytest.approx(0.066)
+        tie = epoch_summary([EpochTimings([0.1, 0.2], [0.0, 0.0], [0.1, 0.2], [3, 5])])
+        assert tie["batch_sizes"] == [5] and tie["compute_s"] == [pytest.approx(0.2)]
+
     def test_gather_single_process_and_tensor_round_trip(self):
         t = _timings([0.1, 0.2], [0.0, 0.1], 5)
         assert gather_timings(t, 1, torch.device("cpu")) == [t]

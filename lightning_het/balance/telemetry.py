@@ -308,24 +308,45 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
+    """The epoch's most common batch size (ties: the largest) and the steps that ran it.
+
+    An epoch runs one allocation, plus the tail (a smaller last global batch) when the dataset is not a multiple of
+    the global batch; the tail's step must not stand for the allocation (its size would pair with the full steps'
+    median time and corrupt the cost refresh).
+    """
+    if not t.batch_sizes:
+        return 0, t
+    counts: dict[int, int] = {}
+    for b in t.batch_sizes:
+        counts[b] = counts.get(b, 0) + 1
+    size = max(counts, key=lambda b: (counts[b], b))
+    keep = [i for i, b in enumerate(t.batch_sizes) if b == size]
+    return size, EpochTimings(
+        [t.compute_s[i] for i in keep], [t.wait_s[i] for i in keep], [t.step_s[i] for i in keep], [size] * len(keep)
+    )
+
+
 def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
     """Per-replica figures of one epoch (lists indexed by global rank) and the imbalance.
 
-    Keys: ``steps``, ``batch_sizes`` (of the last step), ``compute_s`` / ``wait_s`` / ``step_s`` (medians, seconds),
-    ``compute_total_s`` / ``wait_total_s`` (sums, seconds), ``wait_fraction`` (wait / (compute + wait)),
-    ``samples_per_s`` (samples / summed step time), and ``imbalance`` (max / min median compute time; NaN when a
-    replica recorded nothing).
+    Keys: ``steps``, ``batch_sizes`` (the epoch's most common batch size: the allocation it ran), ``compute_s`` /
+    ``wait_s`` / ``step_s`` (medians over the steps at that batch size, seconds; the tail's smaller step is left
+    out), ``compute_total_s`` / ``wait_total_s`` (sums over all steps, seconds), ``wait_fraction``
+    (wait / (compute + wait)), ``samples_per_s`` (samples / summed step time), and ``imbalance`` (max / min median
+    compute time; NaN when a replica recorded nothing).
     """
-    compute = [_median(t.compute_s) for t in timings]
+    typical = [_typical_steps(t) for t in timings]
+    compute = [_median(t.compute_s) for _, t in typical]
     total_c = [math.fsum(t.compute_s) for t in timings]
     total_w = [math.fsum(t.wait_s) for t in timings]
     positive = [c for c in compute if math.isfinite(c) and c > 0]
     return {
         "steps": [len(t) for t in timings],
-        "batch_sizes": [t.batch_sizes[-1] if t.batch_sizes else 0 for t in timings],
+        "batch_sizes": [size for size, _ in typical],
         "compute_s": compute,
-        "wait_s": [_median(t.wait_s) for t in timings],
-        "step_s": [_median(t.step_s) for t in timings],
+        "wait_s": [_median(t.wait_s) for _, t in typical],
+        "step_s": [_median(t.step_s) for _, t in typical],
         "compute_total_s": total_c,
         "wait_total_s": total_w,
         "wait_fraction": [w / (c + w) if c + w > 0 else 0.0 for c, w in zip(total_c, total_w)],
@@ -645,6 +666,7 @@ class BalanceMonitor:
             max_batch_sizes=strategy._max_batch_sizes,
             fixed_costs=[c.fixed_s for c in strategy.cost_model] if strategy.cost_model else None,
             previous=self._previous_points(sizes),
+            last_times=self._last_times(sizes),
         )
         self.history.record_check(
             decision.as_dict(), epoch=trainer.current_epoch, global_step=trainer.global_step, old=sizes
@@ -659,6 +681,17 @@ class BalanceMonitor:
             f" {decision.batch_sizes} ({decision.reason})"
         )
         return True
+
+    def _last_times(self, sizes: Sequence[int]) -> list[float] | None:
+        """Median compute seconds of the epoch before the current one when it ran the same ``sizes`` (else ``None``):
+        a sudden rise is confirmed by one more check before re-allocating."""
+        if len(self.history.epochs) < 2:
+            return None
+        before = self.history.epochs[-2]
+        times = before["compute_s"]
+        if list(before["batch_sizes"]) != list(sizes) or not all(math.isfinite(t) and t > 0 for t in times):
+            return None
+        return [float(t) for t in times]
 
     def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
         """Per replica, ``(batch size, median compute seconds)`` of the latest epoch before the current one that ran a
