@@ -24,14 +24,7 @@ from lightning_het.balance.telemetry import (
     write_balance_report,
 )
 from tests.helpers.run_balance import run_balance_job
-
-
-def _burn(seconds: float) -> None:
-    """Compute (spin) until this process has used ``seconds`` of CPU time: work that the emulation stretches, unlike a
-    sleep (time off the CPU, as when a replica is descheduled on shared cores)."""
-    start = time.process_time()
-    while time.process_time() - start < seconds:
-        pass
+from tests.helpers.tiny import burn
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -44,7 +37,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _burn(ctx.seconds)
+        burn(ctx.seconds)
         return grad, None
 
 
@@ -65,7 +58,7 @@ def _loss(backward_s: float, sync_s: float) -> torch.Tensor:
 
 def _automatic_step(clock: StepClock, forward_s: float, backward_s: float, sync_s: float) -> None:
     clock.step_start(4)
-    _burn(forward_s)
+    burn(forward_s)
     loss = _loss(backward_s, sync_s)
     clock.forward_end()
     clock.before_backward(loss)
@@ -90,7 +83,7 @@ class TestStepClock:
         """``manual_backward`` inside ``training_step``: the forward sleep excludes the time spent in backward."""
         clock = StepClock(slowdown=2.0)
         clock.step_start(8)
-        _burn(0.03)
+        burn(0.03)
         loss = _loss(0.02, 0.03)
         clock.before_backward(loss)
         loss.backward()
@@ -130,7 +123,7 @@ class TestStepClock:
         for _ in range(3):
             clock.step_start(4)
             time.sleep(0.04)  # off the CPU
-            _burn(0.01)
+            burn(0.01)
             loss = _loss(0.01, 0.0)
             clock.forward_end()
             clock.before_backward(loss)
@@ -254,14 +247,14 @@ def test_fast_replica_waits_when_balancing_is_off(tmp_path):
         "epochs": 1,
         "n": 160,
         "batch_size": 8,
-        "module": {"cost_per_sample_s": 0.005},
+        "module": {"cost_per_sample_s": 0.005, "busy": True},  # computed: the emulation stretches CPU work
     }
     dumps = run_balance_job(tmp_path, cfg)
     report = dumps[0]["report"]
     epoch = report["telemetry"]["epochs"][0]
     compute, wait = epoch["compute_s"], epoch["wait_s"]
     assert epoch["steps"] == [10, 10]
-    assert 2.4 <= compute[1] / compute[0] <= 3.6, epoch  # the emulation factor
+    assert 2.2 <= compute[1] / compute[0] <= 3.6, epoch  # the emulation factor
     assert wait[0] >= 0.6 * (compute[1] - compute[0]), epoch  # the fast replica waits for the slow one ...
     assert wait[1] <= 0.25 * wait[0], epoch  # ... which hardly waits
     assert epoch["imbalance"] >= 2.0

@@ -22,10 +22,10 @@ A balanced job whose medians are off by less than ``noise`` fails (1), and an al
 within the measurement error (typically a neighbour of the current one when integer granularity limits the balance)
 fails (2), every epoch, instead of oscillating. A real change (a replica 2x slower) passes both by a wide margin.
 
-Confirmation: when the slowest replica's time rose by ``surge`` (default 1.25x) or more since the previous epoch at
-the *same* batch sizes, the check waits one epoch (a neighbour's job or a burst of I/O on a shared machine often
-lasts one epoch, and re-allocating for it would unbalance the next one). If the change persists, the next check
-sees it at a steady level and acts; a real change costs one extra epoch.
+Transients: when the slowest replica's time rose by ``surge`` (default 1.25x) or more since the previous epoch at the
+*same* batch sizes but its later half-epoch is back below that rise, the disturbance (a neighbour's job, a burst of
+I/O on a shared machine) has passed, and the check keeps the split instead of re-allocating for it (which would
+unbalance the next epoch). A change that lasts to the end of the epoch is acted on at once.
 """
 
 from __future__ import annotations
@@ -213,6 +213,7 @@ def plan_rebalance(
     fixed_costs: Sequence[float] | None = None,
     previous: Sequence[tuple[int, float] | None] | None = None,
     last_times: Sequence[float] | None = None,
+    recent_times: Sequence[float] | None = None,
     surge: float = DEFAULT_SURGE,
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
@@ -240,9 +241,11 @@ def plan_rebalance(
             epoch that ran a different batch size, or ``None``; the line through it and the current measurement then
             gives the replica's cost (see :func:`~lightning_het.balance.cost.refresh_costs`).
         last_times: each replica's busy seconds in the previous epoch when it ran the *same* ``batch_sizes``
-            (``None``: no such epoch). A rise of the slowest replica's time by ``surge`` or more is confirmed by the
-            next check before the allocation changes.
-        surge: see ``last_times`` (> 1).
+            (``None``: no such epoch).
+        recent_times: each replica's busy seconds over the later part of this epoch (``None``: not known). When the
+            slowest replica's time rose by ``surge`` or more over ``last_times`` but its recent time did not, the
+            rise was transient and the allocation stays.
+        surge: see ``recent_times`` (> 1).
 
     Returns:
         The decision; ``decision.adopt`` is true only when both hysteresis conditions hold and the sizes change.
@@ -269,6 +272,7 @@ def plan_rebalance(
     if not math.isfinite(surge) or surge <= 1.0:
         raise ValueError(f"Expected argument `surge` to be a finite number > 1, but got {surge!r}.")
     last = _check_times("last_times", last_times, len(sizes)) if last_times is not None else None
+    recent = _check_times("recent_times", recent_times, len(sizes)) if recent_times is not None else None
     speeds = speeds_from_step_times(sizes, times)
     ratio = max(times) / min(times)
     current = max(times)
@@ -290,13 +294,14 @@ def plan_rebalance(
     robust_gain = 1.0 - _robust_ratio(times, new_times, noise)
     slowest = times.index(current)
     rise = current / last[slowest] if last is not None else 1.0
+    recent_rise = recent[slowest] / last[slowest] if last is not None and recent is not None else rise
     if ratio < threshold:
         adopt, reason = False, f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
-    elif rise >= surge:
+    elif rise >= surge and recent_rise < surge:
         adopt, reason = (
             False,
             f"imbalance {ratio:.3f}, but rank {slowest}'s step rose {rise:.2f}x since the previous epoch at the same"
-            " batch sizes: waiting one epoch to confirm it",
+            f" batch sizes and is back to {recent_rise:.2f}x in the later half of the epoch: a transient",
         )
     elif proposal == sizes:
         adopt, reason = False, f"imbalance {ratio:.3f}, but the best allocation is the current one"

@@ -332,7 +332,8 @@ def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
 
     Keys: ``steps``, ``batch_sizes`` (the epoch's most common batch size: the allocation it ran), ``compute_s`` /
     ``wait_s`` / ``step_s`` (medians over the steps at that batch size, seconds; the tail's smaller step is left
-    out), ``compute_total_s`` / ``wait_total_s`` (sums over all steps, seconds), ``wait_fraction``
+    out), ``compute_recent_s`` (median compute over the later half of those steps: what the replica does *now*),
+    ``compute_total_s`` / ``wait_total_s`` (sums over all steps, seconds), ``wait_fraction``
     (wait / (compute + wait)), ``samples_per_s`` (samples / summed step time), and ``imbalance`` (max / min median
     compute time; NaN when a replica recorded nothing).
     """
@@ -345,6 +346,7 @@ def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
         "steps": [len(t) for t in timings],
         "batch_sizes": [size for size, _ in typical],
         "compute_s": compute,
+        "compute_recent_s": [_median(t.compute_s[len(t.compute_s) // 2 :]) for _, t in typical],
         "wait_s": [_median(t.wait_s) for _, t in typical],
         "step_s": [_median(t.step_s) for _, t in typical],
         "compute_total_s": total_c,
@@ -667,6 +669,7 @@ class BalanceMonitor:
             fixed_costs=[c.fixed_s for c in strategy.cost_model] if strategy.cost_model else None,
             previous=self._previous_points(sizes),
             last_times=self._last_times(sizes),
+            recent_times=summary.get("compute_recent_s"),
         )
         self.history.record_check(
             decision.as_dict(), epoch=trainer.current_epoch, global_step=trainer.global_step, old=sizes
