@@ -3,48 +3,218 @@
 Each name here is private upstream (a leading underscore) and may move or change in a release that the version
 bounds in ``pyproject.toml`` (``lightning>=2.4,<2.7``) do not yet exclude. Importing them here, behind one guard, turns
 such a change into one clear error at import time that names the missing API, rather than a failure deep inside a
-training run; and it lists, for whoever updates the bounds, what to check.
+training run; and it lists, for whoever updates the bounds, what to check. No other module of the package imports a
+private Lightning or torch name, or reaches into ``torch.distributed.distributed_c10d``.
 
 What uses what:
 
 * the strategy: ``_init_dist_connection`` (process-group set-up with our start-up timeout), ``_register_ddp_comm_hook``
   (our comm hooks on every device type), ``_MultiProcessingLauncher`` (the spawn launcher that returns the allocation
   to the parent), ``_BatchNorm`` (warning about per-replica batch statistics);
+* the launcher (:mod:`lightning_het.lifecycle`): ``_SubprocessScriptLauncher`` (the ``popen`` launcher it extends),
+  ``_basic_subprocess_cmd`` / ``_hydra_subprocess_cmd`` (each replica's command line), ``_set_num_threads_if_needed``;
+* the data-loader rebuilding (:mod:`lightning_het.loaders`): ``_get_dataloader_init_args_and_kwargs`` and
+  ``_reinstantiate_wrapped_cls`` (a user's DataLoader subclass re-created with a new sampler);
 * the mixed-device accelerator: ``_check_cuda_matmul_precision``, ``_clear_cuda_memory`` (what Lightning's CUDA
   accelerator does for a CUDA replica);
-* profiling: ``_collect_rng_states``, ``_set_rng_states`` (profiling leaves every random stream as it found it).
+* profiling: ``_collect_rng_states``, ``_set_rng_states`` (profiling leaves every random stream as it found it);
+* the watchdog and the start-up timeout: torch's ``_get_default_store`` and ``_set_pg_timeout``, wrapped in
+  :func:`default_store` and :func:`set_default_group_timeout`;
+* private attributes of Lightning's trainer and loops, read or set through the accessors at the end of this module
+  (:func:`attached_trainer`, :func:`training_combined_loader`, :func:`cached_validation_loader`,
+  :func:`forget_validation_loader`, :func:`should_accumulate`, :func:`replace_signal_connector`): the checkpoint
+  record, the re-split evaluation loaders and the preemption handler;
+* the strategies on the standalone packages (``pytorch_lightning``, ``lightning_fabric``) and Fabric's spawn
+  launcher: that package's ``_MultiProcessingLauncher``, through :func:`flavour_private` (imported only when that
+  package is used).
 
-The data-loader rebuilding (:mod:`lightning_het.loaders`) and the launch code (:mod:`lightning_het.lifecycle`) import
-a few more private helpers themselves; the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages have
-their own modules (:mod:`lightning_het._pl_compat`, :mod:`lightning_het._fabric_compat`).
+The standalone ``pytorch_lightning`` and ``lightning_fabric`` packages have their own modules
+(:mod:`lightning_het._pl_compat`, :mod:`lightning_het._fabric_compat`): they subclass that package's classes, so they
+can only be imported when it is installed, while this module must import without them.
 """
 
 from __future__ import annotations
 
-try:
-    from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
-    from lightning.fabric.utilities.distributed import _init_dist_connection
-    from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    from torch.nn.modules.batchnorm import _BatchNorm
-except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
+import contextlib
+import importlib
+import sys
+from datetime import timedelta
+from typing import Any
+
+
+def _missing_api_error(what: str, err: BaseException) -> ImportError:
     import lightning
     import torch
 
-    raise ImportError(
+    return ImportError(
         f"lightning-het needs a private API that this lightning {lightning.__version__} / torch {torch.__version__}"
-        f" does not have: {err}. HINT: install the versions lightning-het supports (`pip install"
+        f" does not have: {what} ({err}). HINT: install the versions lightning-het supports (`pip install"
         ' "lightning>=2.4,<2.7"`), or report the incompatibility; lightning_het/_compat.py lists every such API.'
-    ) from err
+    )
+
+
+try:
+    from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
+    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
+    from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+    from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+    from torch.nn.modules.batchnorm import _BatchNorm
+except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
+    raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 __all__ = [
     "_BatchNorm",
     "_MultiProcessingLauncher",
+    "_SubprocessScriptLauncher",
+    "_basic_subprocess_cmd",
     "_check_cuda_matmul_precision",
     "_clear_cuda_memory",
     "_collect_rng_states",
+    "_get_dataloader_init_args_and_kwargs",
+    "_hydra_subprocess_cmd",
     "_init_dist_connection",
     "_register_ddp_comm_hook",
+    "_reinstantiate_wrapped_cls",
+    "_set_num_threads_if_needed",
     "_set_rng_states",
+    "attached_trainer",
+    "cached_validation_loader",
+    "default_store",
+    "flavour_private",
+    "forget_validation_loader",
+    "is_standalone",
+    "on_flavour",
+    "replace_signal_connector",
+    "set_default_group_timeout",
+    "should_accumulate",
+    "training_combined_loader",
 ]
+
+
+def default_store() -> object:
+    """The ``torch.distributed.Store`` of the default process group (it must exist)."""
+    return _get_default_store()
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Make ``timeout`` the default process group's collective timeout and its store's timeout (best effort for the
+    store: some store types cannot change it)."""
+    _set_pg_timeout(timeout)
+    with contextlib.suppress(Exception):
+        _get_default_store().set_timeout(timeout)
+
+
+def flavour_private(package: str, module: str, name: str) -> Any:
+    """The private ``name`` of ``<package>.<module>`` in one Lightning flavour, imported on demand.
+
+    For the flavours that may be absent or have separate classes: ``package`` is ``"pytorch_lightning"``,
+    ``"lightning_fabric"`` or ``"lightning.fabric"``; e.g. ``flavour_private("pytorch_lightning",
+    "strategies.launchers.multiprocessing", "_MultiProcessingLauncher")``.
+
+    Raises:
+        ImportError: naming the API and the installed versions when the flavour no longer has it.
+    """
+    try:
+        return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
+    except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
+        raise _missing_api_error(f"{package}.{module}.{name}", err) from err
+
+
+#: the standalone package's name, and the prefix of the ``lightning`` modules it mirrors
+_STANDALONE, _UNIFIED = "pytorch_lightning", "lightning.pytorch"
+
+
+def is_standalone(obj: Any) -> bool:
+    """Whether ``obj`` (a trainer, strategy, ... or its class, or a package name) is the standalone
+    ``pytorch_lightning``'s."""
+    if isinstance(obj, str):
+        return obj.split(".", 1)[0] == _STANDALONE
+    cls = obj if isinstance(obj, type) else type(obj)
+    return any(c.__module__.split(".", 1)[0] == _STANDALONE for c in cls.__mro__)
+
+
+def on_flavour(cls: type, like: Any) -> type:
+    """The standalone package's one way to get our ``lightning.pytorch`` classes: ``cls`` for ``like``'s flavour.
+
+    For ``lightning.pytorch`` (``like`` is one of its trainers, strategies, ... or classes) that is ``cls`` itself. For
+    the standalone ``pytorch_lightning`` it is the same class rebuilt once per process on that package's classes: every
+    direct base from ``lightning.pytorch`` (``Callback``, ``Accelerator``, ...) replaced by the standalone class of the
+    same module and name, the body copied, named ``PL<name>`` and published in ``cls``'s module (so instances pickle
+    by reference; a module that must unpickle it in a fresh process resolves the name with a module ``__getattr__``).
+    The trainer's type checks (``isinstance(cb, pytorch_lightning.Callback)``, ...) then hold.
+
+    Used for the callbacks the strategy adds (balance monitor, watchdog, preemption) and the mixed-device accelerator.
+    The strategy classes themselves have a module of their own (:mod:`lightning_het._pl_compat`).
+
+    Raises:
+        TypeError: ``cls``'s body uses zero-argument ``super()`` (the copy would point it at the original class).
+    """
+    if not is_standalone(like):
+        return cls
+    module = sys.modules[cls.__module__]
+    name = f"PL{cls.__name__}"
+    built = module.__dict__.get(name)
+    if isinstance(built, type):
+        return built
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    for value in namespace.values():
+        closure = getattr(value, "__closure__", None) or ()
+        if "__class__" in getattr(getattr(value, "__code__", None), "co_freevars", ()) and closure:
+            raise TypeError(f"{cls.__qualname__} uses zero-argument super(); it cannot be rebuilt on {_STANDALONE}.")
+    namespace.update(__module__=cls.__module__, __qualname__=name)
+    bases = tuple(
+        flavour_private(_STANDALONE + b.__module__[len(_UNIFIED) :], "", b.__name__)
+        if b.__module__.startswith(_UNIFIED + ".")
+        else b
+        for b in cls.__bases__
+    )
+    built = type(cls)(name, bases, namespace)
+    setattr(module, name, built)
+    return built
+
+
+# ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
+def _private_attribute(owner: Any, name: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError as err:  # pragma: no cover - only with an untested Lightning release
+        raise _missing_api_error(f"{type(owner).__qualname__}.{name}", err) from err
+
+
+def attached_trainer(module: Any) -> Any:
+    """The trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def training_combined_loader(trainer: Any) -> Any:
+    """The fit loop's current training ``CombinedLoader`` (``None`` before the loop built it)."""
+    return _private_attribute(trainer.fit_loop, "_combined_loader")
+
+
+def cached_validation_loader(trainer: Any) -> Any:
+    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one)."""
+    return _private_attribute(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader")
+
+
+def forget_validation_loader(trainer: Any) -> None:
+    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    _private_attribute(val_loop, "_combined_loader")
+    val_loop._combined_loader = None
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it)."""
+    return bool(_private_attribute(trainer.fit_loop.epoch_loop, "_should_accumulate")())
+
+
+def replace_signal_connector(trainer: Any, connector: Any) -> None:
+    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers)."""
+    _private_attribute(trainer, "_signal_connector")
+    trainer._signal_connector = connector

@@ -7,11 +7,13 @@ Only imported when ``pytorch_lightning`` is installed; ``import lightning_het`` 
 from __future__ import annotations
 
 from pytorch_lightning.strategies import DDPStrategy as _PLDDPStrategy
-from pytorch_lightning.strategies.launchers.multiprocessing import (
-    _MultiProcessingLauncher as _PLMultiProcessingLauncher,
-)
 
+from lightning_het._compat import flavour_private
 from lightning_het.strategy import AllocationResultsMixin, HeterogeneousStrategyBase
+
+_PLMultiProcessingLauncher = flavour_private(
+    "pytorch_lightning", "strategies.launchers.multiprocessing", "_MultiProcessingLauncher"
+)
 
 __all__ = ["HeterogeneousStrategy"]
 

@@ -21,13 +21,12 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import Accelerator
 
-from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory
+from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory, on_flavour
 from lightning_het.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 __all__ = [
@@ -95,7 +94,7 @@ class _MixedAcceleratorMixin:
 
     def setup(self, trainer: Any) -> None:
         strategy = trainer.strategy
-        if getattr(strategy, "_device_plan", None) is None:
+        if getattr(strategy, "device_plan", None) is None:
             raise TypeError(
                 f"MixedAccelerator places replicas through HeterogeneousStrategy, but the trainer uses"
                 f" {type(strategy).__name__}, which would run every replica on {strategy.root_device}. HINT: use"
@@ -167,26 +166,16 @@ class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
 
 
 def __getattr__(name: str) -> Any:
-    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use."""
+    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use
+    (so that it unpickles in a fresh process too)."""
     if name == "PLMixedAccelerator":
-        return _pl_mixed_accelerator()
+        return on_flavour(MixedAccelerator, "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@lru_cache(maxsize=1)
-def _pl_mixed_accelerator() -> type:
-    from pytorch_lightning.accelerators import Accelerator as PLAccelerator
-
-    cls = type("PLMixedAccelerator", (_MixedAcceleratorMixin, PLAccelerator), {"__doc__": MixedAccelerator.__doc__})
-    cls.__module__ = __name__  # picklable by reference through the module __getattr__
-    return cls
 
 
 def mixed_accelerator_class(strategy_cls: type) -> type:
     """The ``MixedAccelerator`` for a strategy's Lightning flavour (``lightning.pytorch`` or ``pytorch_lightning``)."""
-    if any(c.__module__.split(".")[0] == "pytorch_lightning" for c in strategy_cls.__mro__):
-        return _pl_mixed_accelerator()
-    return MixedAccelerator
+    return on_flavour(MixedAccelerator, strategy_cls)
 
 
 def mixed_accelerator_kwargs(
@@ -265,7 +254,7 @@ def apply_local_settings(strategy: Any) -> None:
     Overrides Lightning's ``OMP_NUM_THREADS = cores // processes`` (set by its launchers when unset) with the plan's
     count for this local rank (:func:`~lightning_het.devices.plan_cpu_threads`).
     """
-    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None:
         return
     local_rank = strategy.local_rank
@@ -287,7 +276,7 @@ def unbound_process_group(strategy: Any) -> Iterator[None]:
     paths would not meet. Hiding the CUDA devices for the duration keeps every rank on the unbound path, as in an
     all-CPU Gloo job.
     """
-    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None or plan.bind_device_id:
         yield
         return
@@ -301,7 +290,7 @@ def unbound_process_group(strategy: Any) -> Iterator[None]:
 
 def device_labels(strategy: Any) -> list[str]:
     """The device of every global rank, as text (node-major ranks under a map; the local devices repeated otherwise)."""
-    plan: DevicePlan | None = getattr(strategy, "_device_plan", None)
+    plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is not None:
         return [str(d) for d in plan.global_devices]
     local = [str(d) for d in (strategy.parallel_devices or [])]

@@ -51,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
+from lightning_het._compat import attached_trainer, training_combined_loader
 from lightning_het.sampler import ProportionalDistributedSampler
 
 __all__ = [
@@ -290,10 +291,10 @@ def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler |
 def checkpoint_record(strategy: Any) -> dict[str, Any]:
     """The entry for the checkpoint the strategy is saving now (allocation + training sampler position)."""
     sampler_state = None
-    module = getattr(strategy, "_lightning_module", None)
-    trainer = getattr(module, "_trainer", None) if module is not None else None
+    module = getattr(strategy, "lightning_module", None)
+    trainer = attached_trainer(module)
     if trainer is not None:
-        combined = trainer.fit_loop._combined_loader
+        combined = training_combined_loader(trainer)
         sampler = training_sampler(combined.flattened) if combined is not None else None
         if sampler is not None:
             done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
@@ -326,8 +327,8 @@ def synchronize_before_save(strategy: Any) -> None:
     controller (:class:`~lightning_het.comm.controller.CommController`) when it has one; a no-op for exact modes or
     when the replicas already agree.
     """
-    controller = getattr(strategy, "comm_controller", None) or getattr(strategy, "_comm_controller", None)
-    module = getattr(strategy, "_lightning_module", None)
+    controller = getattr(strategy, "comm_controller", None)
+    module = getattr(strategy, "lightning_module", None)
     if controller is None or module is None or not hasattr(controller, "synchronize"):
         return
     with torch.no_grad():

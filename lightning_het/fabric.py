@@ -37,12 +37,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_het._compat import flavour_private
 from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.loaders import rebuild_loader, training_order
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.strategy import HeterogeneousStrategyBase
-from lightning_het.watchdog import relaxed_startup_timeout
 
 __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
 
@@ -132,7 +132,8 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 
     @property
     def _spawn_launcher_cls(self) -> type:  # type: ignore[override]
-        return self._fabric_module("strategies.launchers.multiprocessing")._MultiProcessingLauncher
+        package = self._fabric_ddp_cls.__module__.split(".strategies")[0]
+        return flavour_private(package, "strategies.launchers.multiprocessing", "_MultiProcessingLauncher")
 
     @property
     def _sampler_wrapper_cls(self) -> type:
@@ -162,7 +163,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     @override
     def _setup_distributed(self) -> None:
         # a short `timeout` does not fail the rendezvous of replicas that start slowly
-        with relaxed_startup_timeout(self, self._startup_timeout):
+        with self._startup_timeout_scope():
             super()._setup_distributed()
 
     # ------------------------------------------------------------------ model and optimizers
@@ -256,7 +257,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
                 " HINT: build it with `drop_last=True`."
             )
-        self._adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
+        self.adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
         self._steps_per_epoch = sampler.num_steps
         return dataloader
 

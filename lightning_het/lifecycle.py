@@ -34,11 +34,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_het._compat import (
+    _basic_subprocess_cmd,
+    _hydra_subprocess_cmd,
+    _set_num_threads_if_needed,
+    _SubprocessScriptLauncher,
+)
 from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
 from lightning_het.rendezvous import ensure_job_token, keep_sockets_local
 from lightning_het.watchdog import (
@@ -74,7 +77,7 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
 
     Args:
-        strategy: the strategy (its ``_timeout`` bounds the waits, its watchdog is consulted).
+        strategy: the strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted).
         cluster_environment, num_processes, num_nodes: as for Lightning's launcher.
     """
 
@@ -148,7 +151,7 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         def observe() -> None:
             while True:
                 time.sleep(0.5)
-                watchdog = getattr(self._strategy, "_watchdog", None)
+                watchdog = self._strategy.watchdog
                 if not self._in_run or (watchdog is not None and watchdog.running):
                     if all(proc.poll() is not None for proc in self.procs):
                         return
@@ -194,15 +197,14 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
         from lightning_het.watchdog import stop_watchdog
 
-        watchdog = getattr(self._strategy, "_watchdog", None)
-        self._strategy._watchdog = None
+        watchdog = self._strategy.release_watchdog()
         stop_watchdog(watchdog, trainer, finished=True)
 
     def _exit_code(self, exc: BaseException) -> int | None:
         """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""
         if isinstance(exc, JobEnded):
             return None
-        watchdog = getattr(self._strategy, "_watchdog", None)
+        watchdog = self._strategy.watchdog
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
         if interruption_of(exc) is not None:
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
@@ -222,7 +224,7 @@ def _hydra_in_use() -> bool:
 
 
 def _timeout_seconds(strategy: Any) -> float:
-    timeout = getattr(strategy, "_timeout", None)
+    timeout = strategy.process_group_timeout
     if isinstance(timeout, timedelta):
         return timeout.total_seconds()
     return float(timeout) if timeout else 1800.0

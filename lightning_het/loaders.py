@@ -19,8 +19,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_collate,
+    default_convert,
+)
 
 __all__ = [
     "PerSampleCollate",
@@ -150,8 +158,7 @@ def rebuild_loader(dataloader: DataLoader, sampler: Sampler, batch_size: int, **
     ``default_collate``, a custom collate function is applied per sample first (:class:`PerSampleCollate`).
     """
     # imported here: importing Lightning runs the strategy registration, which imports this module (no cycle)
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+    from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
     arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))

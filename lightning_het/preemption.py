@@ -38,7 +38,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import multiprocessing
 import os
 import signal
@@ -55,6 +54,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_het._compat import on_flavour, replace_signal_connector, should_accumulate
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -92,17 +93,6 @@ class Preempted(SIGTERMException):
         super().__init__(PREEMPTION_EXIT_CODE)
         self.checkpoint = checkpoint
         self.signals = list(signals)
-
-
-def validate_grace(value: Any) -> float:
-    """``preemption_grace``: finite seconds > 0.
-
-    Raises:
-        ValueError: naming the argument.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Expected argument `preemption_grace` to be finite seconds > 0, but got {value!r}.")
-    return float(value)
 
 
 def _signal_name(signum: int) -> str:
@@ -440,7 +430,7 @@ class PreemptionCallback(Callback):
         self._device = device
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return  # the gradients of this batch wait for the next ones: not a place to stop and save
         signals = self.handler.agree(self._device())
         if any(signals):
@@ -480,9 +470,10 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
 
     handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=_launched_replicas(strategy))
     fitting = trainer.state.fn == TrainerFn.FITTING
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallback)]
+    callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
     if fitting:
-        trainer.callbacks.append(PreemptionCallback(handler, lambda: strategy.root_device))
+        trainer.callbacks.append(callback_cls(handler, lambda: strategy.root_device))
 
     def install() -> None:
         extra = []
@@ -492,7 +483,7 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
             extra.append(int(requeue))
         handler.install(rank=trainer.global_rank, world_size=trainer.world_size, fitting=fitting, extra_signals=extra)
 
-    trainer._signal_connector = _PreemptionSignalConnector(handler, install)
+    replace_signal_connector(trainer, _PreemptionSignalConnector(handler, install))
     return handler
 
 
@@ -507,7 +498,8 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
             left = max(handler._deadline_at - time.monotonic() - 1.0, 0.0)
         handler.end_launched_replicas(left)
     if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallback)]
+        callback_cls = on_flavour(PreemptionCallback, trainer)
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
 def _launched_replicas(strategy: Any) -> Callable[[], list[subprocess.Popen]]:

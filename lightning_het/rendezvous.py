@@ -43,6 +43,7 @@ __all__ = [
     "agree_on_token",
     "create_store",
     "ensure_job_token",
+    "free_port",
     "keep_sockets_local",
     "key_prefix",
     "listen_address",
@@ -140,6 +141,18 @@ def listen_address(num_nodes: int, master_addr: str) -> str:
     addresses = [info[4][0] for info in infos]
     ipv4 = [a for a in addresses if ipaddress.ip_address(a).version == 4]
     return (ipv4 or addresses)[0]
+
+
+def free_port(address: str = LOOPBACK) -> int:
+    """A TCP port that is free on ``address`` now (the kernel's choice), e.g. a ``MASTER_PORT`` for a local job.
+
+    The port is released before returning, so another process may take it before the job binds it: meant for
+    launching test, benchmark and single-node jobs, not as a reservation.
+    """
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
 
 
 def _listening_socket(address: str, port: int) -> socket.socket:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
-import operator
 import os
 import sys
 import time
@@ -29,7 +27,15 @@ from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._compat import _BatchNorm, _init_dist_connection, _MultiProcessingLauncher, _register_ddp_comm_hook
+from lightning_het._compat import (
+    _BatchNorm,
+    _init_dist_connection,
+    _MultiProcessingLauncher,
+    _register_ddp_comm_hook,
+    attached_trainer,
+    cached_validation_loader,
+    forget_validation_loader,
+)
 from lightning_het.accelerators import (
     apply_local_settings,
     configure_devices,
@@ -37,6 +43,7 @@ from lightning_het.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
+from lightning_het.arguments import validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
 from lightning_het.balance.profiling import (
@@ -48,7 +55,7 @@ from lightning_het.balance.profiling import (
     stage_sizes,
     time_steps,
 )
-from lightning_het.balance.telemetry import BalanceMonitor, attach_monitor, telemetry_section
+from lightning_het.balance.telemetry import BalanceMonitor, MonitorSettings, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
     apply_sampler_resume,
@@ -75,16 +82,16 @@ from lightning_het.preemption import (
     attach_preemption,
     detach_preemption,
     shield_loader_workers,
-    validate_grace,
 )
 from lightning_het.rendezvous import create_store, keep_sockets_local
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
-    as_timeout,
+    Watchdog,
+    apply_collective_timeout,
     attach_watchdog,
-    relaxed_startup_timeout,
+    rendezvous_timeout,
     start_watchdog,
     stop_watchdog,
     validate_launch_environment,
@@ -124,53 +131,6 @@ class _ExitCleanup:
                 dist.destroy_process_group()
             except Exception as err:  # never turn a finished run into a failure at exit
                 log.debug("lightning-het: destroying the process group at exit failed: %s", err)
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
-    if value is None and allow_none:
-        return None
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
-    except TypeError:
-        number = None
-    if number is None or number < minimum:
-        raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
-    return number
-
-
-def _finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
-    if values is None:
-        return None
-    if isinstance(values, (str, bytes)):  # "1,3" would otherwise be read character by character (#7)
-        raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got the string {values!r}.")
-    if not isinstance(values, Sequence):
-        try:
-            values = list(values)  # e.g. an omegaconf ListConfig
-        except TypeError:
-            raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from None
-    out = []
-    for i, v in enumerate(values):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"Expected argument `{name}` to hold numbers, but `{name}[{i}]` is {v!r}.") from None
-        if not math.isfinite(f) or f <= minimum:
-            raise ValueError(
-                f"Expected argument `{name}` to hold finite numbers > {minimum}, but `{name}[{i}]` is {v!r}"
-                f" ({name}={list(values)})."
-            )
-        out.append(f)
-    if not out:
-        raise ValueError(f"Expected argument `{name}` to be non-empty.")
-    return out
-
-
-def _threshold(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
-        raise ValueError(f"Expected argument `{name}` to be a finite number >= 1 (max / min ratio), but got {value!r}.")
-    return float(value)
 
 
 class AllocationResultsMixin:
@@ -300,56 +260,60 @@ class HeterogeneousStrategyBase:
         preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("timeout") is not None:
-            kwargs["timeout"] = as_timeout("timeout", kwargs["timeout"])  # seconds or timedelta (#7)
-        self._startup_timeout = as_timeout("startup_timeout", startup_timeout)
+        # every value check of our keywords, the same function the app's config schema calls
+        args = validate_strategy_arguments(
+            global_batch_size=global_batch_size,
+            speeds=speeds,
+            min_batch_size=min_batch_size,
+            max_batch_sizes=max_batch_sizes,
+            node_ids=node_ids,
+            comm=comm,
+            global_sync_every=global_sync_every,
+            comm_warmup_steps=comm_warmup_steps,
+            comm_autotune_steps=comm_autotune_steps,
+            emulate_slowdown=emulate_slowdown,
+            profile_steps=profile_steps,
+            profile_warmup=profile_warmup,
+            profile_cache=profile_cache,
+            startup_timeout=startup_timeout,
+            timeout=kwargs.get("timeout"),
+            rebalance_every_n_epochs=rebalance_every_n_epochs,
+            rebalance_threshold=rebalance_threshold,
+            telemetry=telemetry,
+            preemption_grace=preemption_grace,
+        )
+        validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # its warnings for settings that do nothing
+        if args["timeout"] is not None:
+            kwargs["timeout"] = args["timeout"]  # seconds or timedelta (#7)
+        self._startup_timeout = args["startup_timeout"]
         self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown (#7)
         self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
         # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
-        self._preemption_grace = validate_grace(preemption_grace)
+        self._preemption_grace = args["preemption_grace"]
         self._preemption_checkpoint = None if preemption_checkpoint is None else os.fspath(preemption_checkpoint)
         self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
-        self._global_batch_size_arg = _positive_int("global_batch_size", global_batch_size)
-        self._speeds_arg = _finite_positive_list("speeds", speeds)
-        self._min_batch_size = _positive_int("min_batch_size", min_batch_size, allow_none=False)
-        self._max_batch_sizes = None
-        if max_batch_sizes is not None:
-            self._max_batch_sizes = [
-                _positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(max_batch_sizes)
-            ]
-        self._node_ids_arg = None
-        if node_ids is not None:
-            self._node_ids_arg = [_positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
-        validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # unknown comm, K < 1, ... (#3)
+        self._global_batch_size_arg = args["global_batch_size"]
+        self._speeds_arg = args["speeds"]
+        self._min_batch_size = args["min_batch_size"]
+        self._max_batch_sizes = args["max_batch_sizes"]
+        self._node_ids_arg = args["node_ids"]
         self._comm = comm
         self._global_sync_every = global_sync_every
         self._comm_warmup_steps = comm_warmup_steps
-        self._comm_autotune_steps = _positive_int(
-            "comm_autotune_steps", comm_autotune_steps, allow_none=False, minimum=0
-        )
+        self._comm_autotune_steps = args["comm_autotune_steps"]
         self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
-        self._emulate_slowdown = _finite_positive_list("emulate_slowdown", emulate_slowdown)
-        if self._emulate_slowdown is not None and any(f < 1.0 for f in self._emulate_slowdown):
-            raise ValueError(
-                f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
-                f" got {self._emulate_slowdown}."
-            )
-        self._profile_steps = _positive_int("profile_steps", profile_steps, allow_none=False)
-        self._profile_warmup = _positive_int("profile_warmup", profile_warmup, allow_none=False, minimum=0)
+        self._emulate_slowdown = args["emulate_slowdown"]
+        self._profile_steps = args["profile_steps"]
+        self._profile_warmup = args["profile_warmup"]
         # set once the allocation is known (in the worker processes, and in the parent after spawn)
         self._batch_sizes: list[int] | None = None
         self._speeds: list[float] | None = None
         self._node_ids: list[int] | None = None
         self._global_batch_size: int | None = None
         self._loss_scale = 1.0
-        if not isinstance(profile_cache, (str, os.PathLike, bool)) and profile_cache is not None:
-            raise ValueError(
-                f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
-                f" (off), but got {profile_cache!r}."
-            )
         self._profile_cache_arg = profile_cache
         self._profile_cached = False  # the last allocation's costs came from the cache
         self._profiling = False  # inside `_profiling_mode`: backward/optimizer_step are local only
@@ -359,15 +323,8 @@ class HeterogeneousStrategyBase:
         self._train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
-        self._rebalance_every_n_epochs = _positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
-        self._rebalance_threshold = _threshold("rebalance_threshold", rebalance_threshold)
-        if not isinstance(telemetry, bool):
-            raise ValueError(f"Expected argument `telemetry` to be True or False, but got {telemetry!r}.")
-        if not telemetry and (rebalance_every_n_epochs is not None or rebalance_threshold is not None):
-            raise ValueError(
-                "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
-                " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments."
-            )
+        self._rebalance_every_n_epochs = args["rebalance_every_n_epochs"]
+        self._rebalance_threshold = args["rebalance_threshold"]
         self._telemetry = telemetry
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
@@ -416,6 +373,51 @@ class HeterogeneousStrategyBase:
     def profile_seconds(self) -> float:
         """Wall-clock seconds this replica spent profiling."""
         return self._profile_seconds
+
+    @property
+    def process_group_timeout(self) -> timedelta | None:
+        """The collective timeout (the ``timeout`` keyword; ``None``: torch's default). During the rendezvous it is the
+        longer ``startup_timeout`` (see :meth:`_startup_timeout_scope`)."""
+        return self._timeout
+
+    @property
+    def device_plan(self) -> DevicePlan | None:
+        """Where every replica runs and with how many threads (``device_map``), resolved at Trainer construction;
+        ``None`` without a device map."""
+        return self._device_plan
+
+    @property
+    def comm_controller(self) -> CommController | None:
+        """The gradient communication of this replica (built when DDP wraps the model; ``None`` before)."""
+        return self._comm_controller
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """This replica's hung/dead-replica watchdog while one runs (multi-replica jobs, setup to teardown)."""
+        return self._watchdog
+
+    def release_watchdog(self) -> Watchdog | None:
+        """Hand the running watchdog over (to the launcher's run-to-the-end barrier, which stops it): the strategy
+        forgets it. Returns ``None`` when none runs."""
+        watchdog, self._watchdog = self._watchdog, None
+        return watchdog
+
+    @contextmanager
+    def _startup_timeout_scope(self) -> Iterator[None]:
+        """Around the rendezvous: the strategy's timeout becomes ``startup_timeout`` when that is longer (see
+        :func:`~lightning_het.watchdog.rendezvous_timeout`); afterwards ``timeout`` is restored, on the strategy and on
+        the default process group's collectives and store. The only place that changes the strategy's timeout."""
+        timeout = self._timeout
+        startup = rendezvous_timeout(timeout, self._startup_timeout)
+        if startup is None:
+            yield
+            return
+        self._timeout = startup
+        try:
+            yield
+        finally:
+            self._timeout = timeout
+        apply_collective_timeout(timeout)
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -486,11 +488,11 @@ class HeterogeneousStrategyBase:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
         if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
-            self._watchdog = start_watchdog(self, self._trainer())
+            self._watchdog = start_watchdog(self, self._timeout, self._trainer())
         self._node_ids = self._detect_node_ids()
 
     def _trainer(self) -> pl.Trainer | None:
-        return getattr(getattr(self, "_lightning_module", None), "_trainer", None)
+        return attached_trainer(getattr(self, "_lightning_module", None))
 
     def _mark(self, phase: Phase) -> None:
         """Tell the watchdog where this replica is (setup, profiling, ...)."""
@@ -501,7 +503,7 @@ class HeterogeneousStrategyBase:
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
-        with unbound_process_group(self), relaxed_startup_timeout(self, self._startup_timeout):
+        with unbound_process_group(self), self._startup_timeout_scope():
             self._init_process_group()
 
     def _init_process_group(self) -> None:
@@ -678,12 +680,12 @@ class HeterogeneousStrategyBase:
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._monitor = attach_monitor(self, trainer, self._monitor)  # telemetry, rebalancing, report (#6)
+            self._monitor = attach_monitor(self, trainer, self._monitor_settings(), self._monitor)  # (#6)
 
     @override
     def teardown(self) -> None:
         self._end_watch()  # (#7, #14)
-        detach_preemption(self._preemption, getattr(self._lightning_module, "_trainer", None))
+        detach_preemption(self._preemption, attached_trainer(self._lightning_module))
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
@@ -762,7 +764,7 @@ class HeterogeneousStrategyBase:
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
             sampler = dataloader.sampler
             if self._batch_sizes is None:
-                self._adopt_allocation(
+                self.adopt_allocation(
                     list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes))
                 )
             elif list(sampler.batch_sizes) != self._batch_sizes:
@@ -839,9 +841,8 @@ class HeterogeneousStrategyBase:
 
     def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
         """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them."""
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if val_loop._combined_loader is not None and self._eval_weights_used != self._eval_weights():
-            val_loop._combined_loader = None
+        if cached_validation_loader(trainer) is not None and self._eval_weights_used != self._eval_weights():
+            forget_validation_loader(trainer)
 
     # ------------------------------------------------------------------ allocation
     def _allocate(
@@ -863,7 +864,7 @@ class HeterogeneousStrategyBase:
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
             self._warn_useless_replicas(global_batch, costs, batch_sizes)
-        self._adopt_allocation(batch_sizes, speeds)
+        self.adopt_allocation(batch_sizes, speeds)
         log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
         rank_zero_info(self.balance_table())
 
@@ -879,9 +880,32 @@ class HeterogeneousStrategyBase:
         if message is not None:
             rank_zero_warn(message)
 
-    def _adopt_allocation(
+    def _monitor_settings(self) -> MonitorSettings:
+        """This replica's telemetry, emulation and rebalancing settings, and the batch bounds a rebalance keeps."""
+        factors = self._emulate_slowdown
+        return MonitorSettings(
+            record=self._telemetry,
+            slowdown=factors[self.global_rank] if factors else 1.0,
+            every_n_epochs=self._rebalance_every_n_epochs,
+            threshold=self._rebalance_threshold,
+            min_batch_size=self._train_min_batch_size,
+            max_batch_sizes=tuple(self._max_batch_sizes) if self._max_batch_sizes is not None else None,
+        )
+
+    def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None:
+        """Make ``batch_sizes`` (one per global rank) the allocation: batch sizes, speeds, global batch, loss scale and
+        the comm controller's sample shares change together, on this replica.
+
+        Every replica must call it with the same arguments (the allocation and rebalancing code do, from gathered
+        values); the training loader must then be rebuilt before the next step (``process_dataloader``).
+
+        Args:
+            batch_sizes: samples per step of every replica (``>= 0`` each, summing to the global batch).
+            speeds: relative throughput of every replica (samples/s when measured).
+            costs: a refreshed affine cost per replica (``AffineCost.as_dict()`` form), or ``None`` to keep the model.
+        """
         if costs is not None:  # a rebalancing check refreshed the cost model
             self._cost_model = [AffineCost.from_dict(c) for c in costs]
         self._batch_sizes = list(batch_sizes)
@@ -1153,7 +1177,7 @@ class HeterogeneousStrategyBase:
         if sampler is None or sampler.tail_batch_sizes is None or list(sampler.batch_sizes) != sizes:
             return sizes
         module = self._lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = attached_trainer(module)
         if trainer is None:
             return sizes
         return sampler.step_batch_sizes(trainer.fit_loop.epoch_loop.batch_idx)  # 0-based step within the epoch

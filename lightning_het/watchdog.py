@@ -44,14 +44,13 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
@@ -62,6 +61,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
+from lightning_het.arguments import as_timeout
 from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
 
 __all__ = [
@@ -71,10 +72,11 @@ __all__ = [
     "Verdict",
     "Watchdog",
     "WatchdogCallback",
+    "apply_collective_timeout",
     "as_timeout",
     "is_collective_failure",
     "judge",
-    "relaxed_startup_timeout",
+    "rendezvous_timeout",
     "start_watchdog",
     "stop_watchdog",
     "validate_launch_environment",
@@ -926,48 +928,33 @@ def _stage(trainer: pl.Trainer) -> str:
     return str(stage.value) if stage is not None else ""
 
 
-def as_timeout(name: str, value: Any) -> timedelta | None:
-    """Validate a timeout given as seconds (int/float) or a ``timedelta``; ``None`` stays ``None``.
-
-    Raises:
-        ValueError: for anything else, or a value that is not a finite positive duration.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise ValueError(
-            f"Expected argument `{name}` to be seconds (a number) or a datetime.timedelta, but got {value!r}"
-            f" ({type(value).__name__})."
-        )
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
-
-
 def _seconds(value: timedelta | float | None) -> float | None:
     if value is None:
         return None
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
-def start_watchdog(strategy: Any, trainer: pl.Trainer | None = None) -> Watchdog | None:
+def start_watchdog(
+    strategy: Any, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
+) -> Watchdog | None:
     """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``.
 
     Collective: every rank calls it right after the process group exists (the replicas agree on the job token).
 
     Args:
-        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist).
+        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist); its public
+            ``launcher``, ``node_rank`` and ``num_processes`` name the replicas this process launched.
+        timeout: the strategy's collective timeout (``None``: no watchdog).
         trainer: the Trainer that gets the :class:`WatchdogCallback` (else see :func:`attach_watchdog`).
 
     Returns:
         The running watchdog, or ``None`` for a single replica or without a process group.
     """
-    timeout = _seconds(getattr(strategy, "_timeout", None))
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not timeout:
+    seconds = _seconds(timeout)
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
         return None
     token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
-    base = dist.distributed_c10d._get_default_store()
+    base = default_store()
     connection = base.clone() if hasattr(base, "clone") else base
     store = dist.PrefixStore(f"lightning_het/watchdog/{key_prefix(token)}/{next(_generation)}/", connection)
     rank = dist.get_rank()
@@ -976,7 +963,7 @@ def start_watchdog(strategy: Any, trainer: pl.Trainer | None = None) -> Watchdog
         store,
         rank,
         dist.get_world_size(),
-        timeout,
+        seconds,
         hosts_store=hosts_store,
         children=_launched_replicas(strategy),
         token=token,
@@ -989,9 +976,10 @@ def start_watchdog(strategy: Any, trainer: pl.Trainer | None = None) -> Watchdog
 
 def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
     """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+    callback_cls = on_flavour(WatchdogCallback, trainer)  # the standalone pytorch_lightning's Callback for its trainers
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
     if watchdog is not None:
-        trainer.callbacks.append(WatchdogCallback(watchdog))
+        trainer.callbacks.append(callback_cls(watchdog))
 
 
 def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
@@ -1003,7 +991,8 @@ def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, 
     else:
         watchdog.stop()
     if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallback)]
+        callback_cls = on_flavour(WatchdogCallback, trainer)
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
 def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
@@ -1017,31 +1006,34 @@ def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess
     return children
 
 
-@contextlib.contextmanager
-def relaxed_startup_timeout(strategy: Any, startup_timeout: timedelta | float | None = None) -> Iterator[None]:
-    """Let the replicas find each other for ``startup_timeout``, then apply the strategy's (shorter) ``timeout``.
+def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
+    """The timeout the rendezvous should use instead of the strategy's ``timeout``, or ``None`` to keep ``timeout``.
 
     ``torch.distributed.init_process_group(timeout=...)`` uses one timeout for the rendezvous and for every
     collective; a ``timeout`` short enough to end a hung job quickly would also fail a job whose replicas take longer
-    to start (imports, a busy node, a scheduler starting nodes apart). Inside this context the strategy's timeout is
-    raised to ``startup_timeout`` (default: the larger of ``timeout`` and 10 minutes); afterwards the default
-    group's collectives and its store get ``timeout`` back.
+    to start (imports, a busy node, a scheduler starting nodes apart). The rendezvous therefore waits
+    ``startup_timeout`` (default 10 minutes) when that is longer; the strategy applies it to itself during the
+    rendezvous and then restores ``timeout`` with :func:`apply_collective_timeout`.
+
+    Args:
+        timeout: the strategy's collective timeout (``None``: torch's default, kept).
+        startup_timeout: the rendezvous timeout (seconds or ``timedelta``; ``None``: 10 minutes).
+
+    Returns:
+        The longer rendezvous timeout, or ``None`` when ``timeout`` is unset or already at least as long, or when the
+        default process group already exists (nothing to rendezvous).
     """
-    timeout = getattr(strategy, "_timeout", None)
     startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
     startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
     if timeout is None or startup <= timeout or dist.is_initialized():
-        yield
-        return
-    strategy._timeout = startup
-    try:
-        yield
-    finally:
-        strategy._timeout = timeout
+        return None
+    return startup
+
+
+def apply_collective_timeout(timeout: timedelta) -> None:
+    """Give the default process group's collectives and its store ``timeout`` (after a longer rendezvous)."""
     if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timeout)
-        with contextlib.suppress(Exception):
-            dist.distributed_c10d._get_default_store().set_timeout(timeout)
+        set_default_group_timeout(timeout)
 
 
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:

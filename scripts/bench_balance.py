@@ -52,7 +52,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the package without installing it (workers get it through PYTHONPATH)
+    sys.path.insert(0, str(REPO))
 PLATFORMS: dict[str, list[float]] = {"1:1:1": [1.0, 1.0, 1.0], "1:2:4": [1.0, 2.0, 4.0], "1:1:8": [1.0, 1.0, 8.0]}
 GLOBAL_BATCH = 48
 SLOWDOWN = {"platform": "1:2:4", "rank": 2, "factor": 2.0, "epoch": 3}
@@ -250,18 +251,14 @@ def _worker(spec_path: str) -> None:
 
 
 # ====================================================================== driver side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(job: str, world: int, runs: list[dict[str, Any]], out: Path, c0: float, timeout: float) -> list[dict]:
     """Run one job (``world`` worker processes running ``runs`` in sequence); returns rank 0's results."""
     spec = {"job": job, "runs": runs, "out": str(out), "c0": c0}
     spec_path = out / f"{job}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    port = str(_free_port())
+    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+
+    port = str(free_port())
     procs: list[subprocess.Popen] = []
     logs = []
     try:

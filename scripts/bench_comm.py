@@ -41,7 +41,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the package without installing it (workers get it through PYTHONPATH)
+    sys.path.insert(0, str(REPO))
 NODE_IDS = [0, 0, 1, 1]
 NODE_ADDRS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range
 #: (name, comm, K, measured flat-vs-hierarchical choice)
@@ -129,16 +130,12 @@ def _shape(ns: str, iface: str, rate: str | None, delay_ms: float) -> str:
 
 
 # --------------------------------------------------------------------------- orchestration
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_and_wait(
     args: argparse.Namespace, out: Path, namespaces: list[str] | None, ifaces: list[str] | None
 ) -> None:
-    port = _free_port() if namespaces is None else 29555
+    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+
+    port = free_port() if namespaces is None else 29555
     master = "127.0.0.1" if namespaces is None else NODE_ADDRS[0]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the package without installing it (workers get it through PYTHONPATH)
+    sys.path.insert(0, str(REPO))
 
 
 # ---------------------------------------------------------------------------------------------------- worker
@@ -82,12 +83,6 @@ def _worker(out: Path, cfg: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group_members(pgid: int) -> list[int]:
     alive = []
     for entry in os.listdir("/proc"):
@@ -102,7 +97,9 @@ def _group_members(pgid: int) -> list[int]:
 def _one_run(out: Path, cfg: dict[str, Any], limit: float = 300.0) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)  # no marker or checkpoint of an earlier run
     out.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), json.dumps(cfg)]
     log = (out / "job.log").open("w")

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -172,12 +171,6 @@ def run_worker(cfg: dict[str, Any], out: Path) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(name: str, cfg: dict[str, Any], out: Path, timeout: float) -> list[dict[str, Any]]:
     """Run one job in its own session; kill the whole process group on timeout. Returns the per-rank records."""
     job_dir = out / name
@@ -185,7 +178,9 @@ def launch(name: str, cfg: dict[str, Any], out: Path, timeout: float) -> list[di
     for stale in job_dir.glob("rank*"):
         stale.unlink()
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK")}
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg), str(job_dir)]
     print(f"[{name}] device_map={cfg['device_map']} global_batch={cfg['global_batch']} ...", flush=True)

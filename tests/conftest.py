@@ -63,6 +63,7 @@ _STARTS_PROCESSES = (
     "Popen(",
     "mp.spawn(",
     "start_processes(",
+    "run_gloo(",
     "tiny_job(",
     "fabric_job(",
     "_trainer(2, strategy",

@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_het.comm import (
@@ -39,34 +34,10 @@ from lightning_het.comm.stats import (
 )
 from lightning_het.comm.tuning import ReductionTuner, choose_reduction
 from lightning_het.topology import NodeGroups, node_members
+from tests.helpers.gloo import run_gloo
 
 STEPS = 4
 TOL = 1e-5
-
-
-# --------------------------------------------------------------------------- harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, out: str, worker: Callable[[int, int], dict[str, Any]]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        torch.save(worker(rank, world_size), Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(worker: Callable[[int, int], dict[str, Any]], world_size: int, out: Path) -> list[dict[str, Any]]:
-    mp.start_processes(
-        _entry, args=(world_size, _free_port(), str(out), worker), nprocs=world_size, start_method="fork"
-    )
-    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
 def _model() -> torch.nn.Module:
@@ -249,17 +220,17 @@ def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def exact3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(_exact_worker, 3, tmp_path_factory.mktemp("exact3"))
+    return run_gloo(_exact_worker, 3, tmp_path_factory.mktemp("exact3"))
 
 
 @pytest.fixture(scope="module")
 def exact4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(_exact_worker, 4, tmp_path_factory.mktemp("exact4"))
+    return run_gloo(_exact_worker, 4, tmp_path_factory.mktemp("exact4"))
 
 
 @pytest.fixture(scope="module")
 def node_local(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(_node_local_worker, 4, tmp_path_factory.mktemp("node_local"))
+    return run_gloo(_node_local_worker, 4, tmp_path_factory.mktemp("node_local"))
 
 
 # --------------------------------------------------------------------------- exact modes

@@ -326,3 +326,36 @@ def test_slurm_launcher_config_composes(compose_cfg):
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.nodes == 2 and launcher.tasks_per_node == 4 and launcher.gpus_per_node == 4
+
+
+class TestOneSourceOfTruth:
+    """The strategy node of the app mirrors the strategy: same keywords, same defaults, the same validators."""
+
+    def test_fields_and_defaults_match_the_strategy_signature(self):
+        import dataclasses
+        import enum
+        import inspect
+
+        from lightning_het.strategy import HeterogeneousStrategyBase
+
+        parameters = inspect.signature(HeterogeneousStrategyBase.__init__).parameters
+        app_only = {"_target_", "gradient_averaging", "ddp_kwargs"}  # app switches, not strategy keywords
+        ddp_keywords = {"process_group_backend", "start_method", "timeout", "find_unused_parameters"}  # **kwargs
+        fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
+        ours = {name for name, p in parameters.items() if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD}
+        assert ours == set(fields) - app_only - ddp_keywords
+        for name in ours:
+            default = fields[name].default
+            default = default.value if isinstance(default, enum.Enum) else default
+            assert default == parameters[name].default, name
+
+    def test_the_config_runs_the_strategy_validators(self):
+        import dataclasses
+
+        from lightning_het.app.config import STRATEGY_CHECKED_FIELDS
+
+        assert set(STRATEGY_CHECKED_FIELDS) <= {f.name for f in dataclasses.fields(StrategyConfig)}
+        with pytest.raises(ConfigValueError, match=r"strategy\.max_batch_sizes.*`min_batch_size`=4"):
+            StrategyConfig(min_batch_size=4, max_batch_sizes=[8, 2])
+        with pytest.raises(ConfigValueError, match=r"strategy\.telemetry"):
+            StrategyConfig(telemetry=False, rebalance_every_n_epochs=1)

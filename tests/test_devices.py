@@ -251,7 +251,7 @@ class TestStrategyWiring:
         _trainer(strategy, num_nodes=2)
         assert strategy.parallel_devices == [CPU, CPU]
         assert strategy.process_group_backend == "gloo"
-        strategy._adopt_allocation([8, 2, 2, 2], [8.0, 1.0, 1.0, 1.0])
+        strategy.adopt_allocation([8, 2, 2, 2], [8.0, 1.0, 1.0, 1.0])
         strategy._node_ids = [0, 0, 1, 1]
         rows = strategy.balance_table().splitlines()[2:]
         assert [row.split()[2] for row in rows] == ["cuda:0", "cpu", "cpu", "cpu"]

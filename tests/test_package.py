@@ -164,3 +164,34 @@ def test_public_names_resolve_lazily():
         assert getattr(lightning_het, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = lightning_het.nope
+
+
+def _private_api_uses(path: Path) -> list[str]:
+    """``from <lightning/torch flavour> import _name``, private module paths and ``distributed_c10d._x`` in a file."""
+    import ast
+
+    flavours = ("lightning", "torch", "pytorch_lightning", "lightning_fabric")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in flavours:
+            names = [a.name for a in node.names if a.name.startswith("_")]
+            if names or any(part.startswith("_") for part in node.module.split(".")):
+                found.append(f"{path.name}:{node.lineno}: from {node.module} import {names}")
+        private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        owner = ast.unparse(node.value) if private else ""
+        if private and (owner.endswith("distributed_c10d") or owner.endswith(("loop", "trainer"))):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")  # torch internals, Lightning's loops
+    return found
+
+
+def test_private_lightning_and_torch_apis_only_through_compat():
+    """Every private Lightning/torch API goes through ``lightning_het/_compat.py`` (one guarded import that names the
+    versions when one is missing), also those of the standalone ``pytorch_lightning`` / ``lightning_fabric``."""
+    uses = [
+        use
+        for path in sorted((REPO / "lightning_het").rglob("*.py"))
+        if path.name != "_compat.py"
+        for use in _private_api_uses(path)
+    ]
+    assert uses == []
+    assert _private_api_uses(REPO / "lightning_het" / "_compat.py")  # the guard itself is found by the scan

@@ -249,3 +249,59 @@ class TestNoiseGuards:
             plan_rebalance([8, 8], [0.1, 0.3], last_times=[0.1])
         with pytest.raises(ValueError, match="`recent_times`"):
             plan_rebalance([8, 8], [0.1, 0.3], recent_times=[0.1, -1.0])
+
+
+class _PublicOnlyStrategy:
+    """The strategy as the balance monitor may see it: public state and ``adopt_allocation`` only (``__slots__``:
+    reading or writing any private attribute raises ``AttributeError``)."""
+
+    __slots__ = ("adopted", "batch_sizes", "cost_model", "root_device", "world_size")
+
+    def __init__(self, batch_sizes: list[int]) -> None:
+        import torch
+
+        self.batch_sizes = batch_sizes
+        self.cost_model = None
+        self.root_device = torch.device("cpu")
+        self.world_size = len(batch_sizes)
+        self.adopted: list[tuple[list[int], list[float]]] = []
+
+    def adopt_allocation(self, batch_sizes, speeds, costs=None) -> None:
+        self.adopted.append((list(batch_sizes), list(speeds)))
+        self.batch_sizes = list(batch_sizes)
+
+    def balance_report(self, include_series: bool = False) -> dict:
+        return {}
+
+
+class TestMonitorInterface:
+    """The balance monitor takes its settings explicitly and hands its decision to the strategy's public method."""
+
+    @staticmethod
+    def _trainer(epoch: int):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            current_epoch=epoch, global_step=10 * (epoch + 1), max_epochs=5, max_steps=-1, should_stop=False,
+            reload_dataloaders_every_n_epochs=0, callbacks=[], loggers=[],
+        )  # fmt: skip
+
+    def test_decision_goes_to_adopt_allocation_within_the_given_bounds(self) -> None:
+        from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
+
+        strategy = _PublicOnlyStrategy([8, 8])
+        trainer = self._trainer(0)
+        settings = MonitorSettings(record=True, every_n_epochs=1, min_batch_size=2, max_batch_sizes=(12, 12))
+        monitor = attach_monitor(strategy, trainer, settings)
+        assert monitor is not None and len(trainer.callbacks) == 1
+        assert monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4]})  # rank 1 is 3x slower per sample
+        (sizes, speeds), = strategy.adopted  # fmt: skip
+        assert len(speeds) == 2 and speeds[0] > speeds[1]
+        assert sum(sizes) == 16 and sizes[0] == 12, sizes  # capped by max_batch_sizes, global batch kept
+        assert trainer.reload_dataloaders_every_n_epochs == 1  # the loader is rebuilt when the next epoch starts
+        assert attach_monitor(strategy, trainer, settings, monitor) is monitor and len(trainer.callbacks) == 1
+
+    def test_off_means_no_monitor(self) -> None:
+        from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
+
+        assert attach_monitor(_PublicOnlyStrategy([4, 4]), self._trainer(0), MonitorSettings(record=False)) is None

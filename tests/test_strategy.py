@@ -183,3 +183,23 @@ def test_registered_for_standalone_pytorch_lightning():
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=2, strategy="heterogeneous", logger=False)
     assert isinstance(trainer.strategy, PLHeterogeneousStrategy)
     assert isinstance(trainer.strategy, pytorch_lightning.strategies.DDPStrategy)
+
+
+def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechanism():
+    """The callbacks the strategy adds and the mixed accelerator subclass the trainer's own package's classes."""
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    from lightning.pytorch import Callback
+
+    from lightning_het._compat import on_flavour
+    from lightning_het.accelerators import MixedAccelerator
+    from lightning_het.balance.telemetry import HeterogeneousBalanceCallback
+    from lightning_het.preemption import PreemptionCallback
+    from lightning_het.watchdog import WatchdogCallback
+
+    trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
+    for cls in (WatchdogCallback, PreemptionCallback, HeterogeneousBalanceCallback):
+        assert on_flavour(cls, _trainer(1, "heterogeneous")) is cls
+        standalone = on_flavour(cls, trainer)
+        assert issubclass(standalone, pytorch_lightning.Callback) and not issubclass(standalone, Callback)
+        assert on_flavour(cls, trainer) is standalone and standalone.__name__ == f"PL{cls.__name__}"
+    assert issubclass(on_flavour(MixedAccelerator, trainer), pytorch_lightning.accelerators.Accelerator)

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_het.topology import (
     build_node_groups,
@@ -21,26 +17,10 @@ from lightning_het.topology import (
     node_members,
     validate_node_ids,
 )
+from tests.helpers.gloo import run_gloo
 
 
-# --------------------------------------------------------------------------- multi-process harness (gloo, fork)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        torch.save(_topology_worker(rank, world_size), Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
+# --------------------------------------------------------------------------- multi-process (gloo, fork)
 def _topology_worker(rank: int, world_size: int) -> dict[str, Any]:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
@@ -77,8 +57,7 @@ def _topology_worker(rank: int, world_size: int) -> dict[str, Any]:
 def gathered(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("topology")
     world_size = 4
-    mp.start_processes(_entry, args=(world_size, _free_port(), str(out)), nprocs=world_size, start_method="fork")
-    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+    return run_gloo(_topology_worker, world_size, out)
 
 
 # --------------------------------------------------------------------------- pure functions

@@ -10,15 +10,17 @@ unknown choice fails at the command line with Hydra's own message, e.g.::
         full_key: strategy.min_batch_size
 
 Range checks that a type cannot express (``min_batch_size >= 1``, slowdowns ``>= 1``, a ``???`` left unset, ...)
-live in :func:`validate_config` and the dataclasses' ``__post_init__``; they run before anything is built. The data
-module and the strategy check their own arguments again when they are constructed (fractions, files, world size).
+live in :func:`validate_config` and the dataclasses' ``__post_init__``; they run before anything is built. The strategy
+node is checked by the strategy's own validators (:func:`lightning_het.arguments.validate_strategy_arguments`, the
+function its constructor calls), so the config and the constructor share one rule per keyword. The data module checks
+its own arguments when it is constructed (fractions, files, world size).
 
 The resolvers registered here (``${lh.*:}``) derive defaults from the trainer settings (see ``docs/app.md``). This
 module itself imports neither torch nor Lightning.
 """
 
 import enum
-import math
+import inspect
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,6 +29,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from lightning_het.arguments import ArgumentError, validate_strategy_arguments
 from lightning_het.comm.modes import COMM_CHOICES
 
 __all__ = [
@@ -112,21 +115,13 @@ def _fail(key: str, value: Any, requirement: str, hint: str = "") -> None:
     raise ConfigValueError(message)
 
 
-def _check_int_at_least(key: str, value: int | None, minimum: int) -> None:
-    if value is not None and value < minimum:
-        _fail(key, value, f"it must be an integer >= {minimum}")
-
-
-def _check_list(key: str, values: list[float] | None, minimum: float, *, strict: bool) -> None:
-    if values is None:
-        return
-    if len(values) == 0:
-        _fail(key, "[]", "it must hold one entry per replica", f"use `{key}=null` to leave it unset")
-    for i, v in enumerate(values):
-        bad = not math.isfinite(v) or (v <= minimum if strict else v < minimum)
-        if bad:
-            bound = f"> {minimum}" if strict else f">= {minimum}"
-            _fail(key, list(values), f"`{key}[{i}]`={v} is not a finite number {bound}")
+def _plain(value: Any) -> Any:
+    """Enum members as their value, OmegaConf containers as Python ones."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
 
 
 @dataclass
@@ -181,29 +176,12 @@ class StrategyConfig:
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_int_at_least("strategy.global_batch_size", self.global_batch_size, 1)
-        _check_int_at_least("strategy.min_batch_size", self.min_batch_size, 1)
-        _check_int_at_least("strategy.global_sync_every", self.global_sync_every, 1)
-        _check_int_at_least("strategy.profile_steps", self.profile_steps, 1)
-        _check_int_at_least("strategy.profile_warmup", self.profile_warmup, 0)
-        _check_list("strategy.speeds", self.speeds, 0.0, strict=True)
-        _check_list("strategy.emulate_slowdown", self.emulate_slowdown, 1.0, strict=False)
-        if self.max_batch_sizes is not None:
-            for i, b in enumerate(self.max_batch_sizes):
-                if b < self.min_batch_size:
-                    _fail(
-                        "strategy.max_batch_sizes",
-                        list(self.max_batch_sizes),
-                        f"`max_batch_sizes[{i}]`={b} is below `strategy.min_batch_size`={self.min_batch_size}",
-                    )
-        if self.node_ids is not None and any(n < 0 for n in self.node_ids):
-            _fail("strategy.node_ids", list(self.node_ids), "node ids must be integers >= 0")
-        _check_int_at_least("strategy.rebalance_every_n_epochs", self.rebalance_every_n_epochs, 1)
-        _check_int_at_least("strategy.comm_warmup_steps", self.comm_warmup_steps, 0)
-        _check_int_at_least("strategy.comm_autotune_steps", self.comm_autotune_steps, 0)
-        for key, value in (("strategy.timeout", self.timeout), ("strategy.startup_timeout", self.startup_timeout)):
-            if value is not None and not value > 0:
-                _fail(key, value, "it must be a positive number of seconds")
+        values = {name: _plain(getattr(self, name)) for name in STRATEGY_CHECKED_FIELDS}
+        try:  # the strategy's own validators: one rule for the constructor and the config
+            validate_strategy_arguments(**values)
+        except ArgumentError as err:
+            key = f"strategy.{err.argument}"
+            raise ConfigValueError(f"Invalid `{key}` ({values.get(err.argument)!r}): {err}") from None
         if self.gradient_averaging == GradientAveraging.unweighted and self.comm != Comm.allreduce:
             _fail(
                 "strategy.gradient_averaging",
@@ -228,12 +206,7 @@ class StrategyConfig:
         for name in self.__dataclass_fields__:
             if name in ("_target_", "ddp_kwargs", "gradient_averaging"):
                 continue
-            value = getattr(self, name)
-            if isinstance(value, enum.Enum):
-                value = value.value
-            elif isinstance(value, (DictConfig, ListConfig)):
-                value = OmegaConf.to_container(value, resolve=True)
-            kwargs[name] = value
+            kwargs[name] = _plain(getattr(self, name))
         clash = sorted(set(self.ddp_kwargs) & set(kwargs))
         if clash:
             _fail(
@@ -244,6 +217,10 @@ class StrategyConfig:
             )
         kwargs.update(self.ddp_kwargs)
         return kwargs
+
+
+#: the :class:`StrategyConfig` fields that :func:`~lightning_het.arguments.validate_strategy_arguments` checks
+STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(inspect.signature(validate_strategy_arguments).parameters)
 
 
 @dataclass

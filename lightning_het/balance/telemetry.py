@@ -37,7 +37,6 @@ Report: :class:`TelemetryHistory` accumulates the gathered epochs on every rank;
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -46,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,12 +54,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.autograd import Variable
 
+from lightning_het._compat import on_flavour
 from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, is_check_epoch, plan_rebalance
 
 __all__ = [
     "BalanceMonitor",
+    "BalancedStrategy",
     "EpochTimings",
     "HeterogeneousBalanceCallback",
+    "MonitorSettings",
     "StepClock",
     "TelemetryHistory",
     "attach_monitor",
@@ -554,6 +556,60 @@ def _plain(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the per-process driver used by the strategy
+class BalancedStrategy(Protocol):
+    """What :class:`BalanceMonitor` uses of the strategy it serves: public state and two public methods, nothing else.
+
+    The monitor never writes the strategy's attributes; a rebalancing decision is handed to
+    :meth:`adopt_allocation`, and the strategy changes its own state there.
+    """
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def batch_sizes(self) -> list[int] | None: ...
+
+    @property
+    def cost_model(self) -> list[Any] | None: ...
+
+    def adopt_allocation(
+        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
+    ) -> None: ...
+
+    def balance_report(self, include_series: bool = False) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The strategy's telemetry and rebalancing settings for one replica, given explicitly to :func:`attach_monitor`.
+
+    Attributes:
+        record: collect telemetry (``telemetry=True`` on the strategy).
+        slowdown: this replica's emulation factor (``>= 1``; ``1.0``: no emulation).
+        every_n_epochs: rebalancing check period in epochs (``None``: see ``threshold``).
+        threshold: imbalance that makes a check act; with ``every_n_epochs=None`` a check runs every epoch.
+        min_batch_size: fewest training samples per replica and step that a new allocation may give (``>= 1``).
+        max_batch_sizes: per-replica upper bounds, indexed by global rank (``None``: unbounded).
+        min_gain: predicted relative step-time gain needed to adopt a new allocation.
+    """
+
+    record: bool
+    slowdown: float = 1.0
+    every_n_epochs: int | None = None
+    threshold: float | None = None
+    min_batch_size: int = 1
+    max_batch_sizes: tuple[int, ...] | None = None
+    min_gain: float = DEFAULT_MIN_GAIN
+
+    @property
+    def active(self) -> bool:
+        """Whether the monitor has anything to do (telemetry or emulation); off, training has no per-step cost."""
+        return self.record or self.slowdown != 1.0
+
+
 class BalanceMonitor:
     """Drives telemetry, rebalancing and the balance report of one strategy in one process.
 
@@ -568,34 +624,26 @@ class BalanceMonitor:
     * ``on_train_end`` (every rank): gather what is left and let rank 0 write the balance report into
       ``trainer.log_dir`` (only when the trainer has loggers).
 
+    It reads only the strategy's public interface (:class:`BalancedStrategy`) and the explicit ``settings``.
+
     Args:
         strategy: the :class:`~lightning_het.HeterogeneousStrategy` it serves.
-        record: collect telemetry (``telemetry=True`` on the strategy).
-        slowdown: this replica's emulation factor.
-        every_n_epochs: rebalancing check period in epochs (``None``: see ``threshold``).
-        threshold: imbalance that makes a check act; with ``every_n_epochs=None`` a check runs every epoch.
-        min_gain: predicted relative step-time gain needed to adopt a new allocation.
+        settings: telemetry, emulation, rebalancing and batch bounds (see :class:`MonitorSettings`).
     """
 
-    def __init__(
-        self,
-        strategy: Any,
-        *,
-        record: bool,
-        slowdown: float,
-        every_n_epochs: int | None,
-        threshold: float | None,
-        min_gain: float,
-    ) -> None:
+    def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
         self.strategy = strategy
-        self.record = record
+        self.settings = settings
+        self.record = settings.record
         self.clock: StepClock | None = (
-            StepClock(slowdown, record=record, device=strategy.root_device) if record or slowdown != 1.0 else None
+            StepClock(settings.slowdown, record=settings.record, device=strategy.root_device)
+            if settings.active
+            else None
         )
         self.history = TelemetryHistory()
-        self.every_n_epochs = every_n_epochs
-        self.threshold = threshold
-        self.min_gain = min_gain
+        self.every_n_epochs = settings.every_n_epochs
+        self.threshold = settings.threshold
+        self.min_gain = settings.min_gain
         self.report_paths: dict[str, Path] = {}
         self._saved_reload_every: int | None = None
 
@@ -644,18 +692,20 @@ class BalanceMonitor:
     def maybe_rebalance(self, trainer: Any, summary: dict[str, Any]) -> bool:
         """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows.
 
-        Every rank holds the same gathered ``summary`` and so reaches the same decision. On adoption the strategy's
-        allocation and loss scale change (``_adopt_allocation``), and ``trainer.reload_dataloaders_every_n_epochs`` is
-        set to 1 until the next epoch starts, so the fit loop rebuilds the training loader then (``train_dataloader()``
-        again, through the strategy's ``process_dataloader``) with the new per-replica batch sizes. The current loader
-        stays in place meanwhile, so epoch-end callbacks (checkpoints) still see the finished epoch's sampler. Each
-        global batch is the same as before, only its split changes, so gradients stay exact and step counts equal.
+        Every rank holds the same gathered ``summary`` and so reaches the same decision. On adoption the decision
+        goes to the strategy's ``adopt_allocation`` (it changes its own allocation and loss scale), and
+        ``trainer.reload_dataloaders_every_n_epochs`` is set to 1 until the next epoch starts, so the fit loop rebuilds
+        the training loader then (``train_dataloader()`` again, through the strategy's ``process_dataloader``) with the
+        new per-replica batch sizes. The current loader stays in place meanwhile, so epoch-end callbacks (checkpoints)
+        still see the finished epoch's sampler. Each global batch is the same as before, only its split changes, so
+        gradients stay exact and step counts equal.
 
         Returns:
             Whether the allocation changed.
         """
         strategy = self.strategy
         sizes = strategy.batch_sizes
+        cost_model = strategy.cost_model
         times = summary["compute_s"]
         if not self.check_due(trainer) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
             return False
@@ -664,9 +714,9 @@ class BalanceMonitor:
             times,
             threshold=self.threshold if self.threshold is not None else DEFAULT_THRESHOLD,
             min_gain=self.min_gain,
-            min_batch_size=getattr(strategy, "_train_min_batch_size", strategy._min_batch_size),
-            max_batch_sizes=strategy._max_batch_sizes,
-            fixed_costs=[c.fixed_s for c in strategy.cost_model] if strategy.cost_model else None,
+            min_batch_size=self.settings.min_batch_size,
+            max_batch_sizes=list(self.settings.max_batch_sizes) if self.settings.max_batch_sizes else None,
+            fixed_costs=[c.fixed_s for c in cost_model] if cost_model else None,
             previous=self._previous_points(sizes),
             last_times=self._last_times(sizes),
             recent_times=summary.get("compute_recent_s"),
@@ -677,7 +727,7 @@ class BalanceMonitor:
         if not decision.adopt:
             log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
             return False
-        strategy._adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)
+        strategy.adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)
         self._request_reload(trainer)
         rank_zero_info(
             f"HeterogeneousStrategy: rebalanced at the end of epoch {trainer.current_epoch}: {sizes} ->"
@@ -766,41 +816,30 @@ def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
     """The callback forwarding ``trainer``'s epoch hooks to ``monitor``.
 
     Subclasses the ``Callback`` of the package the trainer comes from (``lightning.pytorch``, or the standalone
-    ``pytorch_lightning`` when the trainer is one of its), so the trainer's callback plumbing (ordering, checkpoint
-    state keys) treats it as any other callback.
+    ``pytorch_lightning`` when the trainer is one of its; see :func:`lightning_het._compat.on_flavour`), so the
+    trainer's callback plumbing (ordering, checkpoint state keys) treats it as any other callback.
     """
-    if not type(trainer).__module__.startswith("pytorch_lightning"):
-        return HeterogeneousBalanceCallback(monitor)
-    global _PLHeterogeneousBalanceCallback
-    if _PLHeterogeneousBalanceCallback is None:
-        base = importlib.import_module("pytorch_lightning").Callback
-        cls = type("_PLHeterogeneousBalanceCallback", (_BalanceCallbackMixin, base), {"__module__": __name__})
-        _PLHeterogeneousBalanceCallback = cls
-    return _PLHeterogeneousBalanceCallback(monitor)
+    return on_flavour(HeterogeneousBalanceCallback, trainer)(monitor)
 
 
-_PLHeterogeneousBalanceCallback: Any = None
-
-
-def attach_monitor(strategy: Any, trainer: Any, monitor: BalanceMonitor | None = None) -> BalanceMonitor | None:
+def attach_monitor(
+    strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
+) -> BalanceMonitor | None:
     """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``.
 
-    Reads the strategy's ``_telemetry``, ``_emulate_slowdown``, ``_rebalance_every_n_epochs`` and
-    ``_rebalance_threshold``. Returns ``None`` (no per-step cost at all) when neither telemetry nor emulation is on.
+    Args:
+        strategy: the strategy the monitor serves (its public interface only, see :class:`BalancedStrategy`).
+        trainer: the Trainer whose ``callbacks`` get the monitor's callback (replacing an older one).
+        settings: this replica's settings, given by the strategy.
+        monitor: the previous fit's monitor, reused (reset) when its settings are the same.
+
+    Returns:
+        The monitor, or ``None`` (no per-step cost at all) when neither telemetry nor emulation is on.
     """
-    factors = strategy._emulate_slowdown
-    slowdown = factors[strategy.global_rank] if factors else 1.0
-    if not strategy._telemetry and slowdown == 1.0:
+    if not settings.active:
         return None
-    if monitor is None or monitor.clock is None or monitor.clock.slowdown != slowdown:
-        monitor = BalanceMonitor(
-            strategy,
-            record=strategy._telemetry,
-            slowdown=slowdown,
-            every_n_epochs=strategy._rebalance_every_n_epochs,
-            threshold=strategy._rebalance_threshold,
-            min_gain=DEFAULT_MIN_GAIN,
-        )
+    if monitor is None or monitor.settings != settings:
+        monitor = BalanceMonitor(strategy, settings)
     monitor.reset()
     callbacks = trainer.callbacks
     for i, cb in enumerate(callbacks):

@@ -40,6 +40,7 @@ from typing import get_args
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_het.arguments import check_comm_args
 from lightning_het.comm.averaging import average_parameters, share_weights
 from lightning_het.comm.hooks import (
     DEFAULT_CHUNK_BYTES,
@@ -80,23 +81,14 @@ def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_s
         UserWarning: when ``global_sync_every`` or ``warmup_steps`` is given but ``comm`` is not ``"node_local"``
             (they are ignored then).
     """
-    if not isinstance(comm, str) or comm not in COMM_CHOICES:
-        raise ValueError(f"Expected argument `comm` to be one of {list(COMM_CHOICES)}, but got {comm!r}.")
-    if global_sync_every is not None:
-        if isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1:
-            raise ValueError(
-                "Expected argument `global_sync_every` to be an integer >= 1 (optimizer steps between global"
-                f" parameter averages) or None, but got {global_sync_every!r}."
-            )
-        if comm != "node_local":
-            warnings.warn(
-                f"`global_sync_every={global_sync_every}` only applies to `comm='node_local'`; it is ignored with"
-                f" `comm={comm!r}`.",
-                UserWarning,
-                stacklevel=2,
-            )
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"Expected argument `warmup_steps` to be an integer >= 0, but got {warmup_steps!r}.")
+    check_comm_args(comm, global_sync_every, warmup_steps)
+    if global_sync_every is not None and comm != "node_local":
+        warnings.warn(
+            f"`global_sync_every={global_sync_every}` only applies to `comm='node_local'`; it is ignored with"
+            f" `comm={comm!r}`.",
+            UserWarning,
+            stacklevel=2,
+        )
     if warmup_steps and comm != "node_local":
         warnings.warn(
             f"`warmup_steps={warmup_steps}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`.",

@@ -1,0 +1,244 @@
+"""The one set of validators for :class:`~lightning_het.HeterogeneousStrategy`'s keywords (no torch, no Lightning).
+
+The strategy calls :func:`validate_strategy_arguments` in its constructor; the Hydra app's structured config
+(:mod:`lightning_het.app.config`) calls the same function when the config is composed, so a bad value fails before
+anything is built and with the same rule, and the two can never disagree. Every error is an :class:`ArgumentError`
+(a ``ValueError``) whose ``argument`` names the strategy keyword, so the app can name its config key.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from lightning_het.comm.modes import COMM_CHOICES
+
+__all__ = [
+    "ArgumentError",
+    "as_timeout",
+    "check_comm_args",
+    "finite_positive_list",
+    "positive_int",
+    "threshold",
+    "validate_grace",
+    "validate_strategy_arguments",
+]
+
+
+class ArgumentError(ValueError):
+    """A strategy keyword has an impossible value.
+
+    Attributes:
+        argument: the keyword (``"speeds"``, ``"max_batch_sizes"``, ...), without an index.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+def _error(name: str, message: str) -> ArgumentError:
+    return ArgumentError(name.split("[", 1)[0], message)
+
+
+def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
+    """``value`` as an ``int >= minimum`` (any integer type, not ``bool``); ``None`` stays ``None`` if allowed."""
+    if value is None and allow_none:
+        return None
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise _error(name, f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
+    return number
+
+
+def finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
+    """``values`` as a non-empty list of finite floats ``> minimum``; ``None`` stays ``None``."""
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)):  # "1,3" would otherwise be read character by character
+        raise _error(name, f"Expected argument `{name}` to be a sequence of numbers, but got the string {values!r}.")
+    if not isinstance(values, Sequence):
+        try:
+            values = list(values)  # e.g. an omegaconf ListConfig
+        except TypeError:
+            raise _error(name, f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from None
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise _error(name, f"Expected argument `{name}` to hold numbers, but `{name}[{i}]` is {v!r}.") from None
+        if not math.isfinite(f) or f <= minimum:
+            raise _error(
+                name,
+                f"Expected argument `{name}` to hold finite numbers > {minimum}, but `{name}[{i}]` is {v!r}"
+                f" ({name}={list(values)}).",
+            )
+        out.append(f)
+    if not out:
+        raise _error(name, f"Expected argument `{name}` to be non-empty.")
+    return out
+
+
+def threshold(name: str, value: Any) -> float | None:
+    """An imbalance threshold (max / min ratio): a finite number ``>= 1``; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
+        raise _error(
+            name, f"Expected argument `{name}` to be a finite number >= 1 (max / min ratio), but got {value!r}."
+        )
+    return float(value)
+
+
+def as_timeout(name: str, value: Any) -> timedelta | None:
+    """Validate a timeout given as seconds (int/float) or a ``timedelta``; ``None`` stays ``None``.
+
+    Raises:
+        ArgumentError: for anything else, or a value that is not a finite positive duration.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
+        raise _error(
+            name,
+            f"Expected argument `{name}` to be seconds (a number) or a datetime.timedelta, but got {value!r}"
+            f" ({type(value).__name__}).",
+        )
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise _error(name, f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def validate_grace(value: Any) -> float:
+    """``preemption_grace``: finite seconds > 0.
+
+    Raises:
+        ArgumentError: naming the argument.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _error(
+            "preemption_grace", f"Expected argument `preemption_grace` to be finite seconds > 0, but got {value!r}."
+        )
+    return float(value)
+
+
+def check_comm_args(
+    comm: Any, global_sync_every: Any = None, warmup_steps: Any = 0, *, warmup_name: str = "warmup_steps"
+) -> None:
+    """The communication arguments' values (no warnings; see :func:`~lightning_het.comm.validate_comm_args`).
+
+    Raises:
+        ArgumentError: an unknown ``comm`` (listing the allowed values), ``global_sync_every`` not an integer >= 1,
+            or ``warmup_steps`` (named ``warmup_name``) not an integer >= 0.
+    """
+    if not isinstance(comm, str) or comm not in COMM_CHOICES:
+        raise _error("comm", f"Expected argument `comm` to be one of {list(COMM_CHOICES)}, but got {comm!r}.")
+    if global_sync_every is not None and (
+        isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1
+    ):
+        raise _error(
+            "global_sync_every",
+            "Expected argument `global_sync_every` to be an integer >= 1 (optimizer steps between global"
+            f" parameter averages) or None, but got {global_sync_every!r}.",
+        )
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise _error(warmup_name, f"Expected argument `{warmup_name}` to be an integer >= 0, but got {warmup_steps!r}.")
+
+
+def validate_strategy_arguments(
+    *,
+    global_batch_size: Any,
+    speeds: Any,
+    min_batch_size: Any,
+    max_batch_sizes: Any,
+    node_ids: Any,
+    comm: Any,
+    global_sync_every: Any,
+    comm_warmup_steps: Any,
+    comm_autotune_steps: Any,
+    emulate_slowdown: Any,
+    profile_steps: Any,
+    profile_warmup: Any,
+    profile_cache: Any,
+    startup_timeout: Any,
+    timeout: Any,
+    rebalance_every_n_epochs: Any,
+    rebalance_threshold: Any,
+    telemetry: Any,
+    preemption_grace: Any,
+) -> dict[str, Any]:
+    """Check every keyword of the strategy that needs no world size, and return them normalised.
+
+    Every argument is required (the defaults live in the strategy's signature only). Checks that need the world size
+    or the data (list lengths, a global batch the bounds cannot hold) run when the Trainer or the allocation knows
+    them.
+
+    Returns:
+        The same keys: integers as ``int``, lists of numbers as ``list[float]`` (``node_ids``, ``max_batch_sizes``:
+        ``list[int]``), timeouts as ``timedelta``, ``rebalance_threshold`` and ``preemption_grace`` as ``float``; the
+        rest unchanged.
+
+    Raises:
+        ArgumentError: the first impossible value, its ``argument`` naming the keyword.
+    """
+    out: dict[str, Any] = {"comm": comm, "global_sync_every": global_sync_every, "telemetry": telemetry}
+    out["timeout"] = as_timeout("timeout", timeout)
+    out["startup_timeout"] = as_timeout("startup_timeout", startup_timeout)
+    out["preemption_grace"] = validate_grace(preemption_grace)
+    out["global_batch_size"] = positive_int("global_batch_size", global_batch_size)
+    out["speeds"] = finite_positive_list("speeds", speeds)
+    out["min_batch_size"] = positive_int("min_batch_size", min_batch_size, allow_none=False)
+    out["max_batch_sizes"] = None
+    if max_batch_sizes is not None:
+        out["max_batch_sizes"] = [
+            positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(max_batch_sizes)
+        ]
+        for i, b in enumerate(out["max_batch_sizes"]):
+            if b < out["min_batch_size"]:
+                raise _error(
+                    "max_batch_sizes",
+                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={min_batch_size}, but"
+                    f" `max_batch_sizes[{i}]` is {b}.",
+                )
+    out["node_ids"] = None
+    if node_ids is not None:
+        out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
+    check_comm_args(comm, global_sync_every, comm_warmup_steps, warmup_name="comm_warmup_steps")
+    out["comm_warmup_steps"] = comm_warmup_steps
+    out["comm_autotune_steps"] = positive_int("comm_autotune_steps", comm_autotune_steps, allow_none=False, minimum=0)
+    out["emulate_slowdown"] = slowdown = finite_positive_list("emulate_slowdown", emulate_slowdown)
+    if slowdown is not None and any(f < 1.0 for f in slowdown):
+        raise _error(
+            "emulate_slowdown",
+            f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
+            f" got {slowdown}.",
+        )
+    out["profile_steps"] = positive_int("profile_steps", profile_steps, allow_none=False)
+    out["profile_warmup"] = positive_int("profile_warmup", profile_warmup, allow_none=False, minimum=0)
+    if not isinstance(profile_cache, (str, os.PathLike, bool)) and profile_cache is not None:
+        raise _error(
+            "profile_cache",
+            f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
+            f" (off), but got {profile_cache!r}.",
+        )
+    out["profile_cache"] = profile_cache
+    out["rebalance_every_n_epochs"] = positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
+    out["rebalance_threshold"] = threshold("rebalance_threshold", rebalance_threshold)
+    if not isinstance(telemetry, bool):
+        raise _error("telemetry", f"Expected argument `telemetry` to be True or False, but got {telemetry!r}.")
+    if not telemetry and (rebalance_every_n_epochs is not None or rebalance_threshold is not None):
+        raise _error(
+            "telemetry",
+            "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
+            " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments.",
+        )
+    return out
