@@ -6,7 +6,8 @@ sleeps ``c0 / s_r`` seconds per sample, where ``s_r`` is replica ``r``'s relativ
 and 4). Sleeping replicas release the CPU, so three replicas on a two-core machine do not fight for cores and the
 figures measure the scheduling (who waits for whom), not CPU contention. Every strategy sees the same platform
 because the emulation lives in the model. One run also uses the strategy's own ``emulate_slowdown`` option
-instead, as a cross-check.
+instead, as a cross-check: there the model *computes* (spins on the CPU) for its per-sample cost instead of sleeping,
+because the strategy stretches CPU work, not time spent off the CPU.
 
 Job ``platforms`` (3 replicas, global batch 48, ``--epochs`` epochs; ``--steps`` steps per epoch on the heterogeneous
 platforms, half as many on ``1:1:1`` and in the ``emulate_slowdown`` run, three quarters in the slowdown runs):
@@ -89,17 +90,29 @@ def _worker(spec_path: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     out = Path(spec["out"])
 
+    def burn(seconds: float) -> None:
+        """Spin until the process has used ``seconds`` of CPU time (work the strategy's emulation stretches)."""
+        start = time.process_time()
+        while time.process_time() - start < seconds:
+            pass
+
     class SleepModel(pl.LightningModule):
-        """Tiny compute plus ``per_sample_s[rank] x batch`` seconds of sleep (x ``factor`` after ``change``)."""
+        """Tiny compute plus ``per_sample_s[rank] x batch`` seconds of sleep (x ``factor`` after ``change``); with
+        ``busy=True`` those seconds are spent computing (CPU time) instead of sleeping."""
 
         def __init__(
-            self, per_sample_s: list[float], change: dict[str, Any] | None, fixed_s: list[float] | None = None
+            self,
+            per_sample_s: list[float],
+            change: dict[str, Any] | None,
+            fixed_s: list[float] | None = None,
+            busy: bool = False,
         ) -> None:
             super().__init__()
             self.net = nn.Linear(16, 1)
             self.per_sample_s = per_sample_s
             self.fixed_s = fixed_s or [0.0] * len(per_sample_s)
             self.change = change
+            self.wait = burn if busy else time.sleep
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -108,7 +121,7 @@ def _worker(spec_path: str) -> None:
             ch = self.change
             if ch and self.global_rank == ch["rank"] and self.current_epoch >= ch["epoch"]:
                 cost *= ch["factor"]
-            time.sleep(self.fixed_s[self.global_rank] + cost * x.shape[0])
+            self.wait(self.fixed_s[self.global_rank] + cost * x.shape[0])
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -171,7 +184,9 @@ def _worker(spec_path: str) -> None:
             if cfg["model"] == "affine":
                 model = SleepModel(AFFINE["per_sample_s"], None, AFFINE["fixed_s"])
             else:
-                model = SleepModel([spec["c0"] / s for s in cfg["speeds"]], cfg.get("change"))
+                model = SleepModel(
+                    [spec["c0"] / s for s in cfg["speeds"]], cfg.get("change"), busy=cfg.get("busy", False)
+                )
             batch = GLOBAL_BATCH // world
         kwargs = dict(cfg.get("het_kwargs") or {})
         logger: Any = False
@@ -329,6 +344,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             "speeds": [fastest] * 3,
             "strategy": "het",
             "het_kwargs": {"emulate_slowdown": [fastest / s for s in PLATFORMS["1:2:4"]]},
+            "busy": True,
         }
     )
     change = {k: SLOWDOWN[k] for k in ("rank", "factor", "epoch")}

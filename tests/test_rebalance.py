@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine
+from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs
 from lightning_het.balance.rebalance import (
     imbalance,
     is_check_epoch,
@@ -217,6 +217,38 @@ class TestSecantRefresh:
         assert (
             d.costs is not None and d.costs[0]["fixed_s"] == 0.0 and d.costs[0]["per_sample_s"] == pytest.approx(0.005)
         )
+
+
+class TestNoiseGuards:
+    """Two guards against re-allocating for timing noise on a shared machine."""
+
+    def test_secant_needs_batch_sizes_far_enough_apart(self) -> None:
+        # 62 -> 66 samples (6 %): a few percent of noise in each median would dominate the slope; keep the profiled
+        # fixed cost and refresh the slope instead
+        close = refresh_costs([66], [0.0266], [0.0014], previous=[(62, 0.0242)])
+        assert close[0].fixed_s == 0.0014 and close[0].per_sample_s == pytest.approx((0.0266 - 0.0014) / 66)
+        far = refresh_costs([66], [0.0266], [0.0014], previous=[(40, 0.0166)])
+        assert far[0].per_sample_s == pytest.approx(0.01 / 26)
+        assert far[0].fixed_s == pytest.approx(0.0266 - 66 * 0.01 / 26)
+
+    def test_a_transient_rise_is_not_acted_on(self) -> None:
+        sizes, steady, costs = [66, 24, 6], [0.0281, 0.0291, 0.0288], [0.0014, 0.003, 0.009]
+        spike = [0.0609, 0.0291, 0.0288]  # rank 0 crowded out for most of the epoch ...
+        d = plan_rebalance(sizes, spike, fixed_costs=costs, last_times=steady, recent_times=[0.0285, 0.029, 0.0288])
+        assert not d.adopt and "rank 0's step rose 2.17x" in d.reason and "transient" in d.reason  # ... not any more
+        assert d.batch_sizes == sizes
+        assert plan_rebalance(sizes, spike, fixed_costs=costs).adopt  # what it did before
+        # a change that lasts to the end of the epoch is acted on at once
+        lasting = plan_rebalance(sizes, spike, fixed_costs=costs, last_times=steady, recent_times=spike)
+        assert lasting.adopt and lasting.batch_sizes[0] < 66
+
+    def test_invalid_surge_and_last_times(self) -> None:
+        with pytest.raises(ValueError, match="`surge`"):
+            plan_rebalance([8, 8], [0.1, 0.3], surge=1.0)
+        with pytest.raises(ValueError, match="`last_times`"):
+            plan_rebalance([8, 8], [0.1, 0.3], last_times=[0.1])
+        with pytest.raises(ValueError, match="`recent_times`"):
+            plan_rebalance([8, 8], [0.1, 0.3], recent_times=[0.1, -1.0])
 
 
 class _PublicOnlyStrategy:

@@ -16,6 +16,7 @@ from lightning_het.balance.telemetry import (
     EpochTimings,
     StepClock,
     TelemetryHistory,
+    emulate_slower_device,
     epoch_summary,
     format_balance_table,
     gather_timings,
@@ -23,10 +24,11 @@ from lightning_het.balance.telemetry import (
     write_balance_report,
 )
 from tests.helpers.run_balance import run_balance_job
+from tests.helpers.tiny import burn
 
 
 class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes ``seconds``."""
+    """Identity whose backward computes for ``seconds`` of CPU time."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -35,7 +37,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
+        burn(ctx.seconds)
         return grad, None
 
 
@@ -56,7 +58,7 @@ def _loss(backward_s: float, sync_s: float) -> torch.Tensor:
 
 def _automatic_step(clock: StepClock, forward_s: float, backward_s: float, sync_s: float) -> None:
     clock.step_start(4)
-    time.sleep(forward_s)
+    burn(forward_s)
     loss = _loss(backward_s, sync_s)
     clock.forward_end()
     clock.before_backward(loss)
@@ -81,7 +83,7 @@ class TestStepClock:
         """``manual_backward`` inside ``training_step``: the forward sleep excludes the time spent in backward."""
         clock = StepClock(slowdown=2.0)
         clock.step_start(8)
-        time.sleep(0.03)
+        burn(0.03)
         loss = _loss(0.02, 0.03)
         clock.before_backward(loss)
         loss.backward()
@@ -114,9 +116,46 @@ class TestStepClock:
         loss.backward()  # not through the strategy: no hook may fire
         assert time.perf_counter() - start < 0.05
 
+    def test_time_off_the_cpu_is_not_stretched(self):
+        """A replica descheduled on shared cores (here: sleeping inside its step) is not slowed down ``f``-fold for
+        it: only the CPU work is stretched, so scheduling noise is not amplified into imbalance."""
+        clock = StepClock(slowdown=4.0)
+        for _ in range(3):
+            clock.step_start(4)
+            time.sleep(0.04)  # off the CPU
+            burn(0.01)
+            loss = _loss(0.01, 0.0)
+            clock.forward_end()
+            clock.before_backward(loss)
+            loss.backward()
+            clock.after_backward()
+        compute = sorted(clock.flush().compute_s)[1]
+        assert 0.04 + 4 * 0.02 <= compute <= 0.04 + 4 * 0.02 + 0.05  # the wall-time rule would give >= 0.24
+
     def test_invalid_slowdown(self):
         with pytest.raises(ValueError, match="`slowdown`"):
             StepClock(slowdown=0.5)
+
+
+class TestEmulateSlowerDevice:
+    @pytest.mark.parametrize(
+        ("wall", "cpu", "expected"),
+        [
+            (0.010, None, 0.030),  # an accelerator: the synchronised wall time is the work
+            (0.010, 0.004, 0.012),  # descheduled for 6 ms on shared cores: only the 4 ms of CPU work are stretched
+            (0.010, 0.035, 0.030),  # intra-op threads: CPU time above wall time, the wall time counts
+            (0.0, 0.0, 0.0),
+        ],
+    )
+    def test_delay_is_f_minus_one_times_the_work(self, monkeypatch, wall, cpu, expected):
+        slept: list[float] = []
+        monkeypatch.setattr(telemetry.time, "sleep", slept.append)
+        assert emulate_slower_device(4.0, wall, cpu) == pytest.approx(expected)
+        assert slept == ([pytest.approx(expected)] if expected else [])
+
+    def test_factor_one_never_sleeps(self, monkeypatch):
+        monkeypatch.setattr(telemetry.time, "sleep", lambda s: pytest.fail(f"slept {s}"))
+        assert emulate_slower_device(1.0, 0.5, 0.5) == 0.0
 
 
 def _timings(compute, wait, batch):
@@ -132,6 +171,17 @@ class TestSummaryAndHistory:
         assert s["wait_fraction"][0] == pytest.approx(0.6 / 1.3)
         assert s["samples_per_s"][1] == pytest.approx(24 / 0.903)
         assert math.isnan(epoch_summary([_timings([0.1], [0.0], 4), EpochTimings()])["imbalance"])
+
+    def test_epoch_summary_describes_the_allocation_not_the_tail(self):
+        """The tail (a smaller last global batch) neither sets the epoch's batch size nor enters the medians: the
+        rebalancer pairs the two, and the tail's size with the full steps' time gave nonsense per-sample costs."""
+        full = EpochTimings([0.02, 0.021, 0.019, 0.006], [0.001] * 4, [0.03] * 4, [64, 64, 64, 21])
+        s = epoch_summary([full, _timings([0.02, 0.02, 0.02, 0.02], [0.0] * 4, 4)])
+        assert s["batch_sizes"] == [64, 4]
+        assert s["compute_s"][0] == pytest.approx(0.02)  # median of the three full steps (0.0195 with the tail)
+        assert s["steps"] == [4, 4] and s["compute_total_s"][0] == pytest.approx(0.066)
+        tie = epoch_summary([EpochTimings([0.1, 0.2], [0.0, 0.0], [0.1, 0.2], [3, 5])])
+        assert tie["batch_sizes"] == [5] and tie["compute_s"] == [pytest.approx(0.2)]
 
     def test_gather_single_process_and_tensor_round_trip(self):
         t = _timings([0.1, 0.2], [0.0, 0.1], 5)
@@ -197,14 +247,14 @@ def test_fast_replica_waits_when_balancing_is_off(tmp_path):
         "epochs": 1,
         "n": 160,
         "batch_size": 8,
-        "module": {"cost_per_sample_s": 0.005},
+        "module": {"cost_per_sample_s": 0.005, "busy": True},  # computed: the emulation stretches CPU work
     }
     dumps = run_balance_job(tmp_path, cfg)
     report = dumps[0]["report"]
     epoch = report["telemetry"]["epochs"][0]
     compute, wait = epoch["compute_s"], epoch["wait_s"]
     assert epoch["steps"] == [10, 10]
-    assert 2.4 <= compute[1] / compute[0] <= 3.6, epoch  # the emulation factor
+    assert 2.2 <= compute[1] / compute[0] <= 3.6, epoch  # the emulation factor
     assert wait[0] >= 0.6 * (compute[1] - compute[0]), epoch  # the fast replica waits for the slow one ...
     assert wait[1] <= 0.25 * wait[0], epoch  # ... which hardly waits
     assert epoch["imbalance"] >= 2.0

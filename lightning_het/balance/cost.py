@@ -47,6 +47,9 @@ __all__ = [
     "useless_replicas",
 ]
 
+#: smallest spread of two batch sizes, relative to the larger, for a secant through their measured times
+_SECANT_MIN_SPREAD = 0.15
+
 _BISECTION_STEPS = 100
 #: a replica that only slows the job down is reported when the job is predicted at least this much faster without it
 #: (a smaller gain may be timing noise)
@@ -166,10 +169,11 @@ def refresh_costs(
 
     One epoch runs every replica at one batch size, which cannot separate the two coefficients by itself:
 
-    * when ``previous[r]`` holds the replica's measured ``(batch size, seconds)`` of an earlier epoch at a *different*
-      batch size, the line through both measurements is used (a secant, in the spirit of Newton's method), provided
-      its slope is at least 10 % of the current average cost per sample and its intercept is non-negative (otherwise
-      the replica changed speed in between, or timing noise dominates, and the secant means nothing);
+    * when ``previous[r]`` holds the replica's measured ``(batch size, seconds)`` of an earlier epoch at a batch size
+      at least 15 % away from the current one, the line through both measurements is used (a secant, in the spirit of
+      Newton's method), provided its slope is at least 10 % of the current average cost per sample and its intercept
+      is non-negative (otherwise the replica changed speed in between, or timing noise dominates, and the secant
+      means nothing; closer batch sizes leave the slope to the noise of a few percent in each median);
     * else the fixed cost comes from profiling (where two batch sizes ran back to back) and the slope is refreshed,
       ``c_r = (t_r - a_r) / b_r``; a fixed cost above 90 % of the measured time is capped there, so every replica keeps
       a positive per-sample cost.
@@ -191,7 +195,7 @@ def refresh_costs(
     for b, t, a, prev in zip(batch_sizes, compute_times, fixed_costs, earlier):
         if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
             raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
-        if prev is not None and prev[0] != b and math.isfinite(prev[1]) and prev[1] > 0:
+        if prev is not None and _far_apart(prev[0], b) and math.isfinite(prev[1]) and prev[1] > 0:
             slope = (t - prev[1]) / (b - prev[0])
             intercept = t - slope * b
             if slope >= 0.1 * t / b and intercept >= 0:  # a flatter secant is more likely noise than a real curve
@@ -200,6 +204,11 @@ def refresh_costs(
         fixed = min(float(a), 0.9 * float(t))
         out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
     return out
+
+
+def _far_apart(b_prev: int, b: int) -> bool:
+    """Batch sizes far enough apart (15 % of the larger) for a secant through two epoch medians to mean something."""
+    return abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev)
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:

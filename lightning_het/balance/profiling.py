@@ -40,6 +40,7 @@ import torch
 from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, fit_affine
+from lightning_het.balance.telemetry import emulate_slower_device
 
 __all__ = [
     "ProfileCache",
@@ -100,7 +101,8 @@ def time_steps(
         warmup: untimed steps first (allocator, autotuning and cache warm-up).
         steps: timed steps.
         device: where to synchronise before reading the clock.
-        slowdown: emulation factor ``f``; each step is stretched to ``f`` times its measured duration by sleeping.
+        slowdown: emulation factor ``f``; each step's work is stretched ``f``-fold by sleeping, exactly as in training
+            (:func:`~lightning_het.balance.telemetry.emulate_slower_device`).
     """
     cached: list[Any] = []
     source: Iterator[Any] = iter(batches)
@@ -115,6 +117,7 @@ def time_steps(
             batch = cached[i % len(cached)]
         _synchronize(device)
         start = time.perf_counter()
+        cpu_start = time.process_time()
         loss = forward(batch, i)
         _synchronize(device)
         forward_end = time.perf_counter()
@@ -123,8 +126,9 @@ def time_steps(
         _synchronize(device)
         end = time.perf_counter()
         if slowdown != 1.0:
-            time.sleep((slowdown - 1.0) * (end - start))
-            forward_end = start + slowdown * (forward_end - start)
+            cpu = time.process_time() - cpu_start if device.type == "cpu" else None
+            delay = emulate_slower_device(slowdown, end - start, cpu)
+            forward_end = start + (forward_end - start) * (1.0 + delay / max(end - start, 1e-12))
             end = time.perf_counter()
         if i >= warmup:
             timings.append(StepTiming(forward_s=forward_end - start, total_s=end - start))

@@ -21,6 +21,11 @@ Hysteresis (so that timing noise does not make the allocation churn), both condi
 A balanced job whose medians are off by less than ``noise`` fails (1), and an allocation that is only "better"
 within the measurement error (typically a neighbour of the current one when integer granularity limits the balance)
 fails (2), every epoch, instead of oscillating. A real change (a replica 2x slower) passes both by a wide margin.
+
+Transients: when the slowest replica's time rose by ``surge`` (default 1.25x) or more since the previous epoch at the
+*same* batch sizes but its later half-epoch is back below that rise, the disturbance (a neighbour's job, a burst of
+I/O on a shared machine) has passed, and the check keeps the split instead of re-allocating for it (which would
+unbalance the next epoch). A change that lasts to the end of the epoch is acted on at once.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from lightning_het.balance.cost import allocate_affine, refresh_costs
 
 __all__ = [
     "DEFAULT_MIN_GAIN",
+    "DEFAULT_SURGE",
     "DEFAULT_THRESHOLD",
     "RebalanceDecision",
     "imbalance",
@@ -48,6 +54,8 @@ __all__ = [
 DEFAULT_THRESHOLD = 1.1
 #: smallest predicted relative shortening of the step that justifies a new allocation
 DEFAULT_MIN_GAIN = 0.03
+#: rise of the slowest replica's time since the previous epoch (same batch sizes) that is confirmed before acting
+DEFAULT_SURGE = 1.25
 
 
 def _check_times(name: str, values: Sequence[float], world: int | None = None) -> list[float]:
@@ -125,7 +133,7 @@ def robust_step_ratio(
     over ``r`` of ``t'_r (1 + noise) / max(t_r (1 + noise), max_{s != r} t_s (1 - noise))`` with
     ``t'_r = t_r b'_r / b_r``. With ``noise = 0`` it is the plain predicted ratio ``max t' / max t``.
 
-    >>> robust_step_ratio([8, 8], [12, 4], [0.1, 0.3], 0.0)
+    >>> round(robust_step_ratio([8, 8], [12, 4], [0.1, 0.3], 0.0), 12)
     0.5
     """
     times = _check_times("compute_times", compute_times, len(batch_sizes))
@@ -204,6 +212,9 @@ def plan_rebalance(
     max_batch_sizes: Sequence[int] | None = None,
     fixed_costs: Sequence[float] | None = None,
     previous: Sequence[tuple[int, float] | None] | None = None,
+    last_times: Sequence[float] | None = None,
+    recent_times: Sequence[float] | None = None,
+    surge: float = DEFAULT_SURGE,
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
 
@@ -229,6 +240,12 @@ def plan_rebalance(
         previous: with ``fixed_costs``: each replica's ``(batch size, median compute seconds)`` of the latest earlier
             epoch that ran a different batch size, or ``None``; the line through it and the current measurement then
             gives the replica's cost (see :func:`~lightning_het.balance.cost.refresh_costs`).
+        last_times: each replica's busy seconds in the previous epoch when it ran the *same* ``batch_sizes``
+            (``None``: no such epoch).
+        recent_times: each replica's busy seconds over the later part of this epoch (``None``: not known). When the
+            slowest replica's time rose by ``surge`` or more over ``last_times`` but its recent time did not, the
+            rise was transient and the allocation stays.
+        surge: see ``recent_times`` (> 1).
 
     Returns:
         The decision; ``decision.adopt`` is true only when both hysteresis conditions hold and the sizes change.
@@ -252,6 +269,10 @@ def plan_rebalance(
         noise = (threshold - 1.0) / (threshold + 1.0)
     if not math.isfinite(noise) or not 0.0 <= noise < 1.0:
         raise ValueError(f"Expected argument `noise` to be in [0, 1), but got {noise!r}.")
+    if not math.isfinite(surge) or surge <= 1.0:
+        raise ValueError(f"Expected argument `surge` to be a finite number > 1, but got {surge!r}.")
+    last = _check_times("last_times", last_times, len(sizes)) if last_times is not None else None
+    recent = _check_times("recent_times", recent_times, len(sizes)) if recent_times is not None else None
     speeds = speeds_from_step_times(sizes, times)
     ratio = max(times) / min(times)
     current = max(times)
@@ -271,8 +292,17 @@ def plan_rebalance(
     predicted = max(new_times)
     gain = 1.0 - predicted / current
     robust_gain = 1.0 - _robust_ratio(times, new_times, noise)
+    slowest = times.index(current)
+    rise = current / last[slowest] if last is not None else 1.0
+    recent_rise = recent[slowest] / last[slowest] if last is not None and recent is not None else rise
     if ratio < threshold:
         adopt, reason = False, f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
+    elif rise >= surge and recent_rise < surge:
+        adopt, reason = (
+            False,
+            f"imbalance {ratio:.3f}, but rank {slowest}'s step rose {rise:.2f}x since the previous epoch at the same"
+            f" batch sizes and is back to {recent_rise:.2f}x in the later half of the epoch: a transient",
+        )
     elif proposal == sizes:
         adopt, reason = False, f"imbalance {ratio:.3f}, but the best allocation is the current one"
     elif robust_gain < min_gain:

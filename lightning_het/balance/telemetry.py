@@ -16,11 +16,15 @@ gradients. Hence, per step:
 * ``step_s``: start of this ``training_step`` to the start of the next one (for the last step of an epoch, to the end
   of its backward): the iteration time, so ``samples_per_s = batch_size / step_s`` is the achieved throughput.
 
-Emulation (``emulate_slowdown``, see :class:`StepClock`): after ``training_step`` returns, the clock sleeps
-``(f - 1) x`` the forward time it just measured; in the end-of-backward callback, ``(f - 1) x`` the backward time it
-just measured. Both happen *before* the gradients are synchronised, so a replica's busy time becomes ``f`` times its
-real compute time and its peers see it late, as on slower hardware. It is an emulation: the sleeping replica releases
-its CPU (or GPU) instead of computing.
+Emulation (``emulate_slowdown``, see :class:`StepClock` and :func:`emulate_slower_device`): after ``training_step``
+returns, the clock sleeps ``(f - 1) x`` the forward work it just measured; in the end-of-backward callback,
+``(f - 1) x`` the backward work it just measured. Both happen *before* the gradients are synchronised, so a replica's
+busy time becomes ``f`` times its real compute time and its peers see it late, as on slower hardware. On a CPU replica
+the work is the smaller of the wall time and the process's CPU time over the same span: when replicas share cores, the
+time a replica spends descheduled is not multiplied by ``f`` (that would turn every scheduling hiccup into an
+``f``-fold one and make the emulated platform unbalanceable). On CUDA the work is the synchronised wall time. It is an
+emulation: the sleeping replica releases its CPU (or GPU) instead of computing. Profiling
+(:func:`~lightning_het.balance.profiling.time_steps`) uses the same function, so profiled and trained steps agree.
 
 Cost: about six clock reads, one tensor hook and one autograd callback per step, and one small all-gather per epoch
 (:func:`gather_timings`). On CUDA replicas the clock synchronises the device at the two measurement points (host
@@ -38,7 +42,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,6 +66,7 @@ __all__ = [
     "StepClock",
     "TelemetryHistory",
     "attach_monitor",
+    "emulate_slower_device",
     "epoch_summary",
     "format_balance_table",
     "gather_timings",
@@ -113,6 +118,33 @@ class EpochTimings:
         )
 
 
+def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
+    """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay.
+
+    The one slowdown emulation of the package (the step clock and profiling both call it).
+
+    Args:
+        slowdown: emulation factor ``f >= 1`` (1: no delay).
+        wall_s: wall-clock seconds of the work just done.
+        cpu_s: CPU seconds of the process over the same span (CPU replicas), or ``None`` (CUDA: the synchronised wall
+            time is the work). The work is ``min(wall_s, cpu_s)``: time spent descheduled on shared cores is not
+            stretched, and a multi-threaded step (CPU time above wall time) counts its wall time.
+
+    Returns:
+        The delay slept, ``(f - 1) x work`` seconds (``>= 0``).
+    """
+    work = max(wall_s if cpu_s is None else min(wall_s, cpu_s), 0.0)
+    delay = (slowdown - 1.0) * work
+    if delay > 0.0:
+        time.sleep(delay)
+    return max(delay, 0.0)
+
+
+def _cpu_seconds(device: torch.device | None) -> Callable[[], float] | None:
+    """The process CPU clock for a CPU replica, ``None`` for an accelerator (its work is synchronised wall time)."""
+    return time.process_time if device is None or device.type == "cpu" else None
+
+
 class StepClock:
     """Times one replica's training steps and, optionally, stretches them to emulate slower hardware.
 
@@ -123,15 +155,20 @@ class StepClock:
 
     Args:
         slowdown: emulation factor ``f >= 1``: the step's forward and backward compute each take ``f`` times their
-            measured duration (the clock sleeps ``(f - 1) x`` the measured time before the gradients are
-            synchronised). 1.0 disables the emulation.
+            measured work (the clock sleeps ``(f - 1) x`` the work before the gradients are synchronised; see
+            :func:`emulate_slower_device`). 1.0 disables the emulation.
         record: keep per-step timings (telemetry). With ``record=False`` the clock only emulates.
         device: the replica's device; CUDA devices are synchronised before each clock read.
     """
 
     __slots__ = (
         "_backward_call",
+        "_backward_call_cpu",
         "_backward_start",
+        "_backward_start_cpu",
+        "_cpu",
+        "_cpu_inner",
+        "_cpu_start",
         "_device",
         "_end",
         "_hook",
@@ -152,6 +189,8 @@ class StepClock:
         self.slowdown = float(slowdown)
         self.record = record
         self._device = device if device is not None and device.type == "cuda" else None
+        self._cpu = _cpu_seconds(device) if self.slowdown != 1.0 else None
+        self._cpu_start = self._cpu_inner = self._backward_call_cpu = self._backward_start_cpu = 0.0
         self._timings = EpochTimings()
         self._open = False
         self._start = self._end = self._inner = self._wait = 0.0
@@ -174,6 +213,8 @@ class StepClock:
         self._open = True
         self._start = self._end = now
         self._inner = self._wait = 0.0
+        self._cpu_start = self._cpu() if self._cpu is not None else 0.0
+        self._cpu_inner = 0.0
         self._step_batch = int(batch_size)
 
     def forward_end(self) -> None:
@@ -182,14 +223,16 @@ class StepClock:
             return
         now = self._now()
         if self.slowdown != 1.0:
-            forward = max(now - self._start - self._inner, 0.0)
-            time.sleep((self.slowdown - 1.0) * forward)
+            cpu = self._cpu() - self._cpu_start - self._cpu_inner if self._cpu is not None else None
+            emulate_slower_device(self.slowdown, now - self._start - self._inner, cpu)
             now = time.perf_counter()
         self._end = now
 
     def before_backward(self, loss: Tensor) -> None:
         """``backward(loss)`` is about to run: hook the loss to catch the end of local gradient computation."""
         self._backward_call = time.perf_counter()
+        if self._cpu is not None:
+            self._backward_call_cpu = self._cpu()
         self._ready = None
         if isinstance(loss, Tensor) and loss.requires_grad:
             self._hook = loss.register_hook(self._on_backward_start)
@@ -203,6 +246,8 @@ class StepClock:
         ready = self._ready if self._ready is not None else now
         self._wait += max(now - ready, 0.0)
         self._inner += now - self._backward_call
+        if self._cpu is not None:
+            self._cpu_inner += self._cpu() - self._backward_call_cpu
         self._end = now
 
     def flush(self) -> EpochTimings:
@@ -216,12 +261,15 @@ class StepClock:
     # ------------------------------------------------------------------ internals
     def _on_backward_start(self, grad: Tensor) -> None:
         self._backward_start = time.perf_counter()
+        if self._cpu is not None:
+            self._backward_start_cpu = self._cpu()
         Variable._execution_engine.queue_callback(self._on_local_backward_done)
 
     def _on_local_backward_done(self) -> None:
         now = self._now()
         if self.slowdown != 1.0:
-            time.sleep((self.slowdown - 1.0) * max(now - self._backward_start, 0.0))
+            cpu = self._cpu() - self._backward_start_cpu if self._cpu is not None else None
+            emulate_slower_device(self.slowdown, now - self._backward_start, cpu)
             now = time.perf_counter()
         self._ready = now
 
@@ -262,24 +310,47 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
+    """The epoch's most common batch size (ties: the largest) and the steps that ran it.
+
+    An epoch runs one allocation, plus the tail (a smaller last global batch) when the dataset is not a multiple of
+    the global batch; the tail's step must not stand for the allocation (its size would pair with the full steps'
+    median time and corrupt the cost refresh).
+    """
+    if not t.batch_sizes:
+        return 0, t
+    counts: dict[int, int] = {}
+    for b in t.batch_sizes:
+        counts[b] = counts.get(b, 0) + 1
+    size = max(counts, key=lambda b: (counts[b], b))
+    keep = [i for i, b in enumerate(t.batch_sizes) if b == size]
+    return size, EpochTimings(
+        [t.compute_s[i] for i in keep], [t.wait_s[i] for i in keep], [t.step_s[i] for i in keep], [size] * len(keep)
+    )
+
+
 def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
     """Per-replica figures of one epoch (lists indexed by global rank) and the imbalance.
 
-    Keys: ``steps``, ``batch_sizes`` (of the last step), ``compute_s`` / ``wait_s`` / ``step_s`` (medians, seconds),
-    ``compute_total_s`` / ``wait_total_s`` (sums, seconds), ``wait_fraction`` (wait / (compute + wait)),
-    ``samples_per_s`` (samples / summed step time), and ``imbalance`` (max / min median compute time; NaN when a
-    replica recorded nothing).
+    Keys: ``steps``, ``batch_sizes`` (the epoch's most common batch size: the allocation it ran), ``compute_s`` /
+    ``wait_s`` / ``step_s`` (medians over the steps at that batch size, seconds; the tail's smaller step is left
+    out), ``compute_recent_s`` (median compute over the later half of those steps: what the replica does *now*),
+    ``compute_total_s`` / ``wait_total_s`` (sums over all steps, seconds), ``wait_fraction``
+    (wait / (compute + wait)), ``samples_per_s`` (samples / summed step time), and ``imbalance`` (max / min median
+    compute time; NaN when a replica recorded nothing).
     """
-    compute = [_median(t.compute_s) for t in timings]
+    typical = [_typical_steps(t) for t in timings]
+    compute = [_median(t.compute_s) for _, t in typical]
     total_c = [math.fsum(t.compute_s) for t in timings]
     total_w = [math.fsum(t.wait_s) for t in timings]
     positive = [c for c in compute if math.isfinite(c) and c > 0]
     return {
         "steps": [len(t) for t in timings],
-        "batch_sizes": [t.batch_sizes[-1] if t.batch_sizes else 0 for t in timings],
+        "batch_sizes": [size for size, _ in typical],
         "compute_s": compute,
-        "wait_s": [_median(t.wait_s) for t in timings],
-        "step_s": [_median(t.step_s) for t in timings],
+        "compute_recent_s": [_median(t.compute_s[len(t.compute_s) // 2 :]) for _, t in typical],
+        "wait_s": [_median(t.wait_s) for _, t in typical],
+        "step_s": [_median(t.step_s) for _, t in typical],
         "compute_total_s": total_c,
         "wait_total_s": total_w,
         "wait_fraction": [w / (c + w) if c + w > 0 else 0.0 for c, w in zip(total_c, total_w)],
@@ -647,6 +718,8 @@ class BalanceMonitor:
             max_batch_sizes=list(self.settings.max_batch_sizes) if self.settings.max_batch_sizes else None,
             fixed_costs=[c.fixed_s for c in cost_model] if cost_model else None,
             previous=self._previous_points(sizes),
+            last_times=self._last_times(sizes),
+            recent_times=summary.get("compute_recent_s"),
         )
         self.history.record_check(
             decision.as_dict(), epoch=trainer.current_epoch, global_step=trainer.global_step, old=sizes
@@ -661,6 +734,17 @@ class BalanceMonitor:
             f" {decision.batch_sizes} ({decision.reason})"
         )
         return True
+
+    def _last_times(self, sizes: Sequence[int]) -> list[float] | None:
+        """Median compute seconds of the epoch before the current one when it ran the same ``sizes`` (else ``None``):
+        a sudden rise is confirmed by one more check before re-allocating."""
+        if len(self.history.epochs) < 2:
+            return None
+        before = self.history.epochs[-2]
+        times = before["compute_s"]
+        if list(before["batch_sizes"]) != list(sizes) or not all(math.isfinite(t) and t > 0 for t in times):
+            return None
+        return [float(t) for t in times]
 
     def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
         """Per replica, ``(batch size, median compute seconds)`` of the latest epoch before the current one that ran a
