@@ -257,14 +257,15 @@ def test_fast_replica_waits_when_balancing_is_off(tmp_path):
         "epochs": 1,
         "n": 160,
         "batch_size": 8,
-        "module": {"cost_per_sample_s": 0.005, "busy": True},  # computed: the emulation stretches CPU work
+        "module": {"cost_per_sample_s": 0.005},
+        "sleep_counts_as_cpu": True,  # the emulation stretches the sleeps as computation, exactly under any load
     }
     dumps = run_balance_job(tmp_path, cfg)
     report = dumps[0]["report"]
     epoch = report["telemetry"]["epochs"][0]
     compute, wait = epoch["compute_s"], epoch["wait_s"]
     assert epoch["steps"] == [10, 10]
-    assert 2.2 <= compute[1] / compute[0] <= 3.6, epoch  # the emulation factor
+    assert 2.4 <= compute[1] / compute[0] <= 3.6, epoch  # the emulation factor
     assert wait[0] >= 0.6 * (compute[1] - compute[0]), epoch  # the fast replica waits for the slow one ...
     assert wait[1] <= 0.25 * wait[0], epoch  # ... which hardly waits
     assert epoch["imbalance"] >= 2.0
