@@ -316,6 +316,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 warmup=0,
                 steps=steps,
                 device=self.root_device,
+                align=self._align_profiling_step if self.world_size > 1 else None,
             )
 
     def _local_backward(self, loss: Tensor) -> None:

@@ -1067,7 +1067,12 @@ class HeterogeneousStrategyBase:
             steps=steps,
             device=self.root_device,
             slowdown=slowdown,
+            align=self._align_profiling_step if self.world_size > 1 else None,
         )
+
+    def _align_profiling_step(self) -> None:
+        """Every replica starts its next profiling step together (see :func:`time_steps`)."""
+        self.barrier("lightning_het.profiling_step")
 
     def _export_allocation(self) -> dict[str, Any]:
         return {

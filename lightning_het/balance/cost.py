@@ -49,6 +49,8 @@ __all__ = [
 
 #: smallest spread of two batch sizes, relative to the larger, for a secant through their measured times
 _SECANT_MIN_SPREAD = 0.15
+#: smallest spread of the two measured times, relative to the larger, for that secant
+_SECANT_MIN_TIME_SPREAD = 0.25
 
 _BISECTION_STEPS = 100
 #: a replica that only slows the job down is reported when the job is predicted at least this much faster without it
@@ -170,7 +172,8 @@ def refresh_costs(
     One epoch runs every replica at one batch size, which cannot separate the two coefficients by itself:
 
     * when ``previous[r]`` holds the replica's measured ``(batch size, seconds)`` of an earlier epoch at a batch size
-      at least 15 % away from the current one, the line through both measurements is used (a secant, in the spirit of
+      at least 15 % away from the current one, with a time at least 25 % away, the line through both measurements is
+      used (a secant, in the spirit of
       Newton's method), provided its slope is at least 10 % of the current average cost per sample and its intercept
       is non-negative (otherwise the replica changed speed in between, or timing noise dominates, and the secant
       means nothing; closer batch sizes leave the slope to the noise of a few percent in each median);
@@ -195,7 +198,7 @@ def refresh_costs(
     for b, t, a, prev in zip(batch_sizes, compute_times, fixed_costs, earlier):
         if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
             raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
-        if prev is not None and _far_apart(prev[0], b) and math.isfinite(prev[1]) and prev[1] > 0:
+        if prev is not None and math.isfinite(prev[1]) and prev[1] > 0 and _far_apart(prev, (b, t)):
             slope = (t - prev[1]) / (b - prev[0])
             intercept = t - slope * b
             if slope >= 0.1 * t / b and intercept >= 0:  # a flatter secant is more likely noise than a real curve
@@ -206,9 +209,15 @@ def refresh_costs(
     return out
 
 
-def _far_apart(b_prev: int, b: int) -> bool:
-    """Batch sizes far enough apart (15 % of the larger) for a secant through two epoch medians to mean something."""
-    return abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev)
+def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
+    """Two ``(batch size, seconds)`` measurements far enough apart for a secant through them to mean something:
+    batch sizes 15 % of the larger apart, times 25 % (epoch medians on a shared machine move by 5-10 % between
+    epochs at an unchanged split; a 3-sample move of a replica with 11 samples changed its time by 7 %, and the
+    secant through that read a 32 ms fixed cost where profiling had measured 10 ms)."""
+    (b_prev, t_prev), (b, t) = earlier, now
+    return abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev) and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(
+        t, t_prev
+    )
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:

@@ -1,8 +1,10 @@
 """A tiny fit with telemetry and a CSV logger: ``python -m tests.helpers.run_balance OUT_DIR JSON``.
 
 JSON keys: devices, strategy (kwargs for HeterogeneousStrategy), epochs, n (dataset size), batch_size (loader batch
-size), module (kwargs for TinyRegressor: ``cost_per_sample_s``, ``slow_factor``, ``slow_rank``), and
-``slow_from_epoch`` (``slow_factor`` applies to ``slow_rank`` from that epoch on; default 0).
+size), module (kwargs for TinyRegressor: ``cost_per_sample_s``, ``slow_factor``, ``slow_rank``),
+``slow_from_epoch`` (``slow_factor`` applies to ``slow_rank`` from that epoch on; default 0), and
+``sleep_counts_as_cpu`` (the process CPU clock reads the wall clock, so ``emulate_slowdown`` stretches the module's
+sleeps as if they were computation, whatever the machine's load).
 Each rank dumps ``rank{r}.pt``: weights, the batch size of every step, the balance report (with the step series) and
 the paths of the report files.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,6 +40,8 @@ class ScheduledRegressor(TinyRegressor):
 def main() -> None:
     out = Path(sys.argv[1])
     cfg = json.loads(sys.argv[2])
+    if cfg.get("sleep_counts_as_cpu"):
+        time.process_time = time.perf_counter
     pl.seed_everything(cfg.get("seed", 0), workers=True)
     strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     model = ScheduledRegressor(slow_from_epoch=cfg.get("slow_from_epoch", 0), **cfg.get("module", {}))

@@ -35,10 +35,8 @@ def burn(seconds: float) -> None:
 
 
 class TinyRegressor(pl.LightningModule):
-    """MSE regression; records the batch size of every training step it runs.
-
-    ``cost_per_sample_s`` makes a step cost that many seconds per sample: slept, or computed with ``busy=True``.
-    """
+    """MSE regression; records the batch size of every training step it runs (``cost_per_sample_s``: seconds slept
+    per sample in each step)."""
 
     def __init__(
         self,
@@ -47,11 +45,9 @@ class TinyRegressor(pl.LightningModule):
         slow_factor: float = 1.0,
         slow_rank: int = -1,
         manual: bool = False,
-        busy: bool = False,
     ) -> None:
         super().__init__()
         self.cost_per_sample_s = cost_per_sample_s
-        self.busy = busy
         self.net = make_net()
         self.lr = lr
         self.slow_factor = slow_factor
@@ -67,7 +63,7 @@ class TinyRegressor(pl.LightningModule):
         if self.cost_per_sample_s:
             # a step whose cost is proportional to its batch; `slow_factor` times heavier on `slow_rank`
             factor = self.slow_factor if self.global_rank == self.slow_rank else 1.0
-            (burn if self.busy else time.sleep)(self.cost_per_sample_s * x.shape[0] * factor)
+            time.sleep(self.cost_per_sample_s * x.shape[0] * factor)
         self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=x.shape[0], sync_dist=True)
         if not self.automatic_optimization:
             opt = self.optimizers()
