@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import warnings
 from pathlib import Path
 
@@ -194,12 +195,33 @@ def test_node_local_checkpoint_synchronises_the_consensus_model_first():
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
+#: the two-replica fits of this module that resume nothing, run in one job (one launch and rendezvous for both)
+TWO_REPLICA_FITS = {
+    # speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)
+    "uninterrupted": {"devices": 2, "strategy": {"speeds": [1, 3]}, "save_every": 7},
+    # two emulated nodes, ``comm="node_local"`` averaging only at epoch ends, a checkpoint after step 3
+    "node_local": {
+        "devices": 2,
+        "strategy": {"comm": "node_local", "node_ids": [0, 1], "speeds": [1, 3]},
+        "save_every": 3,
+        "epochs": 1,
+    },
+}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """2 replicas, speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    job = run_helper("tests.helpers.run_resume", out, {"devices": 2, "strategy": {"speeds": [1, 3]}, "save_every": 7})
+def two_replica_fits(tmp_path_factory) -> dict[str, Path]:
+    """The directory each fit of :data:`TWO_REPLICA_FITS` wrote into."""
+    out = tmp_path_factory.mktemp("two_replica_fits")
+    job = run_helper("tests.helpers.run_resume", out, list(TWO_REPLICA_FITS.values()))  # type: ignore[arg-type]
     assert job.returncode == 0, job.output[-4000:]
+    return {name: out / str(index) for index, name in enumerate(TWO_REPLICA_FITS)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(two_replica_fits):
+    """2 replicas, speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)."""
+    out = two_replica_fits["uninterrupted"]
     return out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -210,10 +232,26 @@ def _resume(tmp_path: Path, ckpt: Path, devices: int, strategy: dict):
     return job.output, [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
 
 
+@pytest.fixture(scope="module")
+def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
+    """Both resumes from the uninterrupted fit's step-7 checkpoint, side by side (independent, and neither times
+    anything): on the ``"same"`` 2 replicas without speeds (they would profile), and on ``"three"`` replicas with
+    speeds [1, 1, 2]. Each: the output and the per-rank dumps."""
+    ckpt = uninterrupted[0] / "ckpt" / "step=7.ckpt"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {
+            "same": pool.submit(_resume, tmp_path_factory.mktemp("same"), ckpt, 2, {}),
+            "three": pool.submit(
+                _resume, tmp_path_factory.mktemp("three"), ckpt, 3, {"speeds": [1, 1, 2], "global_batch_size": 8}
+            ),
+        }
+        return {name: run.result() for name, run in runs.items()}
+
+
 @pytest.mark.slow
-def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, tmp_path):
-    out, full = uninterrupted
-    log, dumps = _resume(tmp_path, out / "ckpt" / "step=7.ckpt", 2, {})  # speeds not given: would profile
+def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, resumed):
+    _, full = uninterrupted
+    log, dumps = resumed["same"]
     assert "resuming with the checkpoint's speeds [1.0, 3.0] (no re-profiling" in log
     assert "skips the 2 global batch(es) already trained on" in log
     for rank, dump in enumerate(dumps):
@@ -223,9 +261,9 @@ def test_resume_on_the_same_replicas_continues_exactly(uninterrupted, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninterrupted, tmp_path):
-    out, full = uninterrupted
-    log, dumps = _resume(tmp_path, out / "ckpt" / "step=7.ckpt", 3, {"speeds": [1, 1, 2], "global_batch_size": 8})
+def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninterrupted, resumed):
+    _, full = uninterrupted
+    log, dumps = resumed["three"]
     assert "re-balancing on resume: the checkpoint was trained by 2 replica(s)" in log
     assert "batch sizes [2, 6] -> [2, 2, 4]" in log
     for dump in dumps:
@@ -234,13 +272,10 @@ def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninter
 
 
 @pytest.mark.slow
-def test_node_local_checkpoint_holds_the_consensus_model(tmp_path):
+def test_node_local_checkpoint_holds_the_consensus_model(two_replica_fits):
     """Two emulated nodes, ``comm="node_local"`` averaging only at epoch ends: the replicas drift apart, yet a
     checkpoint taken mid-epoch (step 3) holds their share-weighted average, which every replica then holds."""
-    cfg = {"devices": 2, "strategy": {"comm": "node_local", "node_ids": [0, 1], "speeds": [1, 3]}, "save_every": 3,
-           "epochs": 1}  # fmt: skip
-    job = run_helper("tests.helpers.run_resume", tmp_path, cfg)
-    assert job.returncode == 0, job.output[-4000:]
+    tmp_path = two_replica_fits["node_local"]
     saved = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=True)["state_dict"]
     saved = {k.removeprefix("net."): v for k, v in saved.items() if k.startswith("net.")}
     before = [torch.load(tmp_path / f"before_step3_rank{r}.pt") for r in range(2)]

@@ -3,6 +3,8 @@ norm, loaders without a batch size. Each multi-replica result is compared with o
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 from torch import nn
@@ -35,16 +37,27 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def two_replicas(tmp_path_factory):
-    scenarios = ["metrics_41", "tail", "weighted", "batchnorm", "no_batch_size", "numpy_global_batch"]
-    return _job(tmp_path_factory.mktemp("two"), 2, [1.0, 3.0], scenarios)
+def jobs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """The module's two jobs, side by side (independent, and neither times anything): ``"two"`` replicas with speeds
+    [1, 3] and ``"three"`` with [1, 1, 10]; each: the per-rank dumps and the output."""
+    two = ["metrics_41", "tail", "weighted", "batchnorm", "no_batch_size", "numpy_global_batch"]
+    three = ["metrics_40", "metrics_1", "metrics_2", "metrics_5"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {
+            "two": pool.submit(_job, tmp_path_factory.mktemp("two"), 2, [1.0, 3.0], two),
+            "three": pool.submit(_job, tmp_path_factory.mktemp("three"), 3, [1.0, 1.0, 10.0], three),
+        }
+        return {name: run.result() for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def three_replicas(tmp_path_factory):
-    return _job(
-        tmp_path_factory.mktemp("three"), 3, [1.0, 1.0, 10.0], ["metrics_40", "metrics_1", "metrics_2", "metrics_5"]
-    )
+def two_replicas(jobs):
+    return jobs["two"]
+
+
+@pytest.fixture(scope="module")
+def three_replicas(jobs):
+    return jobs["three"]
 
 
 def test_epoch_metric_with_uneven_shares_equals_one_process(two_replicas, three_replicas):

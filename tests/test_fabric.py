@@ -17,18 +17,6 @@ from tests.conftest import REPO, run_job
 from tests.helpers.tiny import make_dataset, make_net, reference_weights
 
 
-@pytest.fixture
-def fabric_job(tmp_path):
-    """Run tests/helpers/run_fabric.py with a JSON config; return the per-rank dumps."""
-
-    def _run(cfg: dict, *, timeout: float = 360):
-        result = run_job(["-m", "tests.helpers.run_fabric", str(tmp_path), json.dumps(cfg)], timeout=timeout)
-        assert result.returncode == 0, result.stdout[-6000:]
-        return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg.get("devices", 3))]
-
-    return _run
-
-
 def _assert_close(state: dict, reference: dict, atol: float = 1e-5) -> None:
     for key, value in reference.items():
         torch.testing.assert_close(state[key], value, atol=atol, rtol=0, msg=f"parameter {key}")
@@ -192,10 +180,50 @@ def test_profiling_needs_a_step_or_speeds():
 # ---------------------------------------------------------------------- three replicas
 
 
+#: the three-replica training loops of this module, run in one job (one launch and rendezvous instead of three)
+THREE_REPLICA_LOOPS = {
+    # speeds 1:2:3 -> batches 2/4/6 of 12
+    "exact": {"strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "comm": "allreduce"}},
+    # rank 2 pays 3x the per-sample cost in ``profile_step``
+    "profiled": {
+        "strategy": {"global_batch_size": 35, "comm": "hierarchical", "node_ids": [0, 0, 1], "profile_steps": 5},
+        "profile": True,
+        "cost_per_sample_s": 0.005,
+        "slow_rank": 2,
+        "slow_factor": 3.0,
+        "n": 70,
+    },
+    # comm='node_local' over nodes [0, 0, 1], K=2, one epoch
+    "node_local": {
+        "strategy": {
+            "speeds": [1, 2, 3],
+            "global_batch_size": 12,
+            "comm": "node_local",
+            "node_ids": [0, 0, 1],
+            "global_sync_every": 2,
+        },
+        "epochs": 1,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def three_replicas(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each loop of :data:`THREE_REPLICA_LOOPS`: its per-rank dumps."""
+    out = tmp_path_factory.mktemp("three_replicas")
+    loops = list(THREE_REPLICA_LOOPS.values())
+    result = run_job(["-m", "tests.helpers.run_fabric", str(out), json.dumps(loops)], timeout=360)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return {
+        name: [torch.load(out / str(index) / f"rank{r}.pt") for r in range(3)]
+        for index, name in enumerate(THREE_REPLICA_LOOPS)
+    }
+
+
 @pytest.mark.slow
-def test_three_replicas_equal_one_process(fabric_job):
+def test_three_replicas_equal_one_process(three_replicas):
     """speeds 1:2:3 -> batches 2/4/6 of 12; the loop's parameters equal one process on the global batches."""
-    dumps = fabric_job({"strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "comm": "allreduce"}})
+    dumps = three_replicas["exact"]
     reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
     for rank, dump in enumerate(dumps):
         assert dump["batch_sizes"] == [2, 4, 6]
@@ -205,21 +233,13 @@ def test_three_replicas_equal_one_process(fabric_job):
 
 
 @pytest.mark.slow
-def test_profiling_sees_a_three_times_slower_replica_hierarchical_exact(fabric_job):
+def test_profiling_sees_a_three_times_slower_replica_hierarchical_exact(three_replicas):
     """Rank 2 pays 3x the per-sample cost in ``profile_step``: its measured speed is about a third, its batch about
     a seventh of the global one (1:1:1/3); with comm='hierarchical' over nodes [0, 0, 1] training stays exact.
 
     The cost is a sleep long next to a step's compute (~75 ms per step at the balanced split), so that scheduling
     noise on a loaded machine cannot skew the ratio."""
-    cfg = {
-        "strategy": {"global_batch_size": 35, "comm": "hierarchical", "node_ids": [0, 0, 1], "profile_steps": 5},
-        "profile": True,
-        "cost_per_sample_s": 0.005,
-        "slow_rank": 2,
-        "slow_factor": 3.0,
-        "n": 70,
-    }
-    dumps = fabric_job(cfg)
+    dumps = three_replicas["profiled"]
     speeds = dumps[0]["speeds"]
     assert all(d["speeds"] == speeds and d["batch_sizes"] == dumps[0]["batch_sizes"] for d in dumps)
     ratio = (speeds[0] + speeds[1]) / 2 / speeds[2]
@@ -232,11 +252,10 @@ def test_profiling_sees_a_three_times_slower_replica_hierarchical_exact(fabric_j
 
 
 @pytest.mark.slow
-def test_node_local_reaches_consensus(fabric_job):
+def test_node_local_reaches_consensus(three_replicas):
     """comm='node_local' over nodes [0, 0, 1], K=2: averages after steps 2 and 4 and after the epoch's last step (5);
     the replicas end on one model, which is not the exact algorithm's."""
-    strategy = {"speeds": [1, 2, 3], "global_batch_size": 12, "comm": "node_local", "node_ids": [0, 0, 1]}
-    dumps = fabric_job({"strategy": {**strategy, "global_sync_every": 2}, "epochs": 1})
+    dumps = three_replicas["node_local"]
     assert dumps[0]["comm_mode"] == "node_local"
     assert dumps[0]["comm_stats"]["steps"] == 5 and dumps[0]["comm_stats"]["global_syncs"] == 3
     for dump in dumps[1:]:

@@ -43,6 +43,10 @@ from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 TIMEOUT = 5.0
 STARTUP = 30.0  # startup_timeout of the launch-phase cases
+#: startup_timeout when replica 1 hangs at launch: the job waits all of it, for a replica that never comes, so it is
+#: kept short; it must still exceed what replica 1 takes to import (it hangs only then), or the launcher would end the
+#: job before the fault fired (imports take ~4 s on an idle 2-core machine)
+HANG_STARTUP = 15.0
 
 
 # ---------------------------------------------------------------------------------------------------- signing
@@ -301,7 +305,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 180) -> None:
 PHASE_CASES = [
     # (where, kind, rank, what the message must name)
     ("launch", "exit", 1, "replica(s) [1] exited"),
-    ("launch", "hang", 1, "joined the rendezvous within 30 s"),  # replica 1 never joins: startup_timeout=30
+    ("launch", "hang", 1, f"joined the rendezvous within {HANG_STARTUP:g} s"),  # replica 1 never joins
     ("setup", "hang", 1, "rank 1 on"),
     ("setup", "exit", 1, "replica(s) [1] exited"),
     ("profiling", "hang", 1, "profiling the training step"),
@@ -320,8 +324,8 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, where, kind, 
     cfg = {"timeout": TIMEOUT, "fault": {"kind": kind, "rank": rank, "where": where}}
     limit = TIMEOUT + 30  # from the fault to the end of the job
     if where == "launch":
-        cfg["startup_timeout"] = STARTUP
-        limit = STARTUP + 30  # a replica that never joins is noticed when the others' rendezvous times out
+        cfg["startup_timeout"] = HANG_STARTUP if kind == "hang" else STARTUP
+        limit = cfg["startup_timeout"] + 30  # a replica that never joins is noticed when the rendezvous times out
     proc, _ = _start(tmp_path, cfg)
     status, out, ended, survivors = _finish(proc)
     assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"

@@ -3,7 +3,9 @@ a fast ``--help``, one version. Each check runs in a fresh interpreter (``sys.mo
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
+import importlib.util
 import os
 import resource
 import subprocess
@@ -83,38 +85,44 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
     assert result.stdout.strip().endswith("ok")
 
 
+#: import orders under which the strategy must be registered; ``R`` is the registry each one checks
+IMPORT_ORDERS = {
+    "package-first": "import lightning_het; from lightning.pytorch.strategies import StrategyRegistry as R",
+    "lightning-first": "import lightning; import lightning_het; from lightning.pytorch.strategies import"
+    " StrategyRegistry as R",
+    "strategy-module": "from lightning_het.strategy import HeterogeneousStrategy; from lightning.pytorch.strategies"
+    " import StrategyRegistry as R",
+    "hsi-module": "import lightning_het.hsi.model; from lightning.pytorch.strategies import StrategyRegistry as R",
+    "dependency-module": "import lightning_het.accelerators; from lightning.pytorch.strategies import"
+    " StrategyRegistry as R",
+    "pl-after": "import lightning_het; import pytorch_lightning as P; R = P.strategies.StrategyRegistry",
+    "pl-before": "import pytorch_lightning as P; import lightning_het; R = P.strategies.StrategyRegistry",
+    "fabric": "import lightning_het; from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
+    "fabric-module": "from lightning_het.fabric import HeterogeneousFabricStrategy\n"
+    "from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
+}
+
+
+@pytest.fixture(scope="module")
+def import_order_runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each of :data:`IMPORT_ORDERS` in its own fresh interpreter, as many at a time as there are CPU cores (the
+    runs are independent; importing Lightning nine times one after the other costs about half a minute)."""
+    have_pl = importlib.util.find_spec("pytorch_lightning") is not None
+    codes = {name: code for name, code in IMPORT_ORDERS.items() if have_pl or "pytorch_lightning" not in code}
+    workers = max(2, min(len(codes), os.cpu_count() or 2))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {
+            name: pool.submit(_python, f"{code}\nprint('heterogeneous' in R)", 120) for name, code in codes.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.mark.slow  # nine fresh interpreters importing Lightning
-@pytest.mark.parametrize(
-    "code",
-    [
-        "import lightning_het; from lightning.pytorch.strategies import StrategyRegistry as R",
-        "import lightning; import lightning_het; from lightning.pytorch.strategies import StrategyRegistry as R",
-        "from lightning_het.strategy import HeterogeneousStrategy; from lightning.pytorch.strategies import"
-        " StrategyRegistry as R",
-        "import lightning_het.hsi.model; from lightning.pytorch.strategies import StrategyRegistry as R",
-        "import lightning_het.accelerators; from lightning.pytorch.strategies import StrategyRegistry as R",
-        "import lightning_het; import pytorch_lightning as P; R = P.strategies.StrategyRegistry",
-        "import pytorch_lightning as P; import lightning_het; R = P.strategies.StrategyRegistry",
-        "import lightning_het; from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
-        "from lightning_het.fabric import HeterogeneousFabricStrategy\n"
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY as R",
-    ],
-    ids=[
-        "package-first",
-        "lightning-first",
-        "strategy-module",
-        "hsi-module",
-        "dependency-module",
-        "pl-after",
-        "pl-before",
-        "fabric",
-        "fabric-module",
-    ],
-)
-def test_registered_whatever_the_import_order(code):
-    if "pytorch_lightning" in code:
+@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+def test_registered_whatever_the_import_order(import_order_runs, order):
+    if "pytorch_lightning" in IMPORT_ORDERS[order]:
         pytest.importorskip("pytorch_lightning")
-    result = _python(f"{code}\nprint('heterogeneous' in R)", timeout=120)
+    result = import_order_runs[order]
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "True"
     assert "could not register" not in result.stderr

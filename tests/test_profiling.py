@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from lightning_het import HeterogeneousStrategy
 from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings, stage_sizes
+from tests.helpers.run_fits import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
 
@@ -89,8 +90,9 @@ def test_profiling_leaves_weights_optimizer_rng_comm_and_metrics_unchanged(manua
     assert torch.equal(profiled["rng"], given["rng"])
 
 
-def _slow_job(tiny_job, loader: dict | None = None, manual: bool = False, batch_size: int = 16) -> list[dict]:
-    cfg = {
+def _slow_fit(loader: dict | None = None, manual: bool = False, batch_size: int = 16) -> dict:
+    """Rank 1 pays 3x the per-sample cost; the strategy is named by its string, so it profiles."""
+    return {
         "devices": 2,
         "strategy": "heterogeneous",
         "epochs": 1,
@@ -99,26 +101,50 @@ def _slow_job(tiny_job, loader: dict | None = None, manual: bool = False, batch_
         "module": {"cost_per_sample_s": 0.003, "slow_factor": 3.0, "slow_rank": 1, "manual": manual},
         "loader": loader or {},
     }
-    dumps, _ = tiny_job(cfg)
-    return dumps
+
+
+#: loaders with worker processes that profiling must cope with
+WORKER_LOADERS = {
+    "workers1": {"num_workers": 1},
+    "workers2-persistent": {"num_workers": 2, "persistent_workers": True, "pin_memory": True, "prefetch_factor": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def slow_replica_fits(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """The profiled fits of this module, in one job (one launch and rendezvous instead of four): per-rank dumps and
+    output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` and of ``"manual"`` optimization
+    (loader batch 4)."""
+    fits = {"string": _slow_fit()}  # no loader workers; the first fit, the one that launches the replica
+    fits.update({name: _slow_fit(loader) for name, loader in WORKER_LOADERS.items()})
+    fits["manual"] = _slow_fit(manual=True, batch_size=4)
+    results = run_fits_job(tmp_path_factory.mktemp("slow_replica"), list(fits.values()))
+    return dict(zip(fits, results))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "loader",
-    [{"num_workers": 1}, {"num_workers": 2, "persistent_workers": True, "pin_memory": True, "prefetch_factor": 3}],
-    ids=["workers1", "workers2-persistent"],
-)
-def test_loaders_with_workers_profile_and_balance(tiny_job, loader: dict) -> None:
-    dumps = _slow_job(tiny_job, loader)
+def test_string_strategy_profiles_slow_replica_to_a_quarter(slow_replica_fits) -> None:
+    dumps, out = slow_replica_fits["string"]
+    sizes = dumps[0]["batch_sizes"]
+    assert sum(sizes) == 32
+    assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
+    assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
+    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
+    assert "balance" in out and "samples/s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", list(WORKER_LOADERS))
+def test_loaders_with_workers_profile_and_balance(slow_replica_fits, loader: str) -> None:
+    dumps, _ = slow_replica_fits[loader]
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 32 and 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
     assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
 
 
 @pytest.mark.slow
-def test_manual_optimization_profiles_the_slow_replica(tiny_job) -> None:
-    dumps = _slow_job(tiny_job, manual=True, batch_size=4)
+def test_manual_optimization_profiles_the_slow_replica(slow_replica_fits) -> None:
+    dumps, _ = slow_replica_fits["manual"]
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 8 and sizes[0] >= 5, sizes  # 3x slower rank 1: 6 of 8 on rank 0 when balanced
     costs = [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]]

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import lightning_het
-from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from lightning_het import HeterogeneousStrategy
+from tests.helpers.run_fits import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
 
 
@@ -18,55 +19,27 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def test_three_replicas_speeds_123_exact_with_unpadded_validation(tiny_job):
-    cfg = {"devices": 3, "strategy": {"speeds": [1, 2, 3], "global_batch_size": 12}, "epochs": 2, "n": 60, "val_n": 50}
-    dumps, _ = tiny_job(cfg)
-    reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
-    for rank, dump in enumerate(dumps):
-        assert dump["batch_sizes"] == [2, 4, 6]
-        assert dump["seen_batch_sizes"] == [[2, 4, 6][rank]] * 10  # 60 // 12 = 5 steps x 2 epochs
-        assert dump["global_step"] == 10
-        assert dump["loss_scale"] == pytest.approx([0.5, 1.0, 1.5][rank])
-        assert _max_diff(dump["state_dict"], reference) < 1e-5
-    # validation: every sample evaluated exactly once per epoch, shares follow the allocation
-    assert [d["val_seen"] for d in dumps] == [2 * n for n in allocate_batch_sizes(50, [2, 4, 6])]
-    val = make_dataset(50, seed=99)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    net.load_state_dict(dumps[0]["state_dict"])
-    with torch.no_grad():
-        expected = torch.nn.functional.mse_loss(net(val.tensors[0]), val.tensors[1]).item()
-    assert dumps[0]["val_mse"] == pytest.approx(expected, rel=1e-5)
+#: the two-replica fits of this module, run in one job (one launch and rendezvous instead of two)
+TWO_REPLICA_FITS = {
+    "manual": {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1, "n": 60, "module": {"manual": True}},
+    "accumulate": {"devices": 2, "strategy": {"speeds": [1, 2], "global_batch_size": 12}, "accumulate": 2, "n": 60},
+}
 
 
-def test_string_strategy_profiles_slow_replica_to_a_quarter(tiny_job):
-    cfg = {
-        "devices": 2,
-        "strategy": "heterogeneous",
-        "epochs": 1,
-        "n": 64,
-        "batch_size": 16,
-        "module": {"cost_per_sample_s": 0.003, "slow_factor": 3.0, "slow_rank": 1},
-    }
-    dumps, out = tiny_job(cfg)
-    sizes = dumps[0]["batch_sizes"]
-    assert sum(sizes) == 32
-    assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
-    assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
-    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
-    assert "balance" in out and "samples/s" in out
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """Each fit of :data:`TWO_REPLICA_FITS`: its per-rank dumps and its output."""
+    results = run_fits_job(tmp_path_factory.mktemp("two_replicas"), list(TWO_REPLICA_FITS.values()))
+    return dict(zip(TWO_REPLICA_FITS, results))
 
 
-def test_manual_optimization_and_gradient_accumulation_exact(tiny_job):
-    manual, _ = tiny_job(
-        {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1, "n": 60, "module": {"manual": True}}
-    )
+def test_manual_optimization_and_gradient_accumulation_exact(two_replicas):
+    manual, _ = two_replicas["manual"]
     assert manual[0]["batch_sizes"] == [2, 6]
     ref = reference_weights(make_dataset(60), 8, epochs=1, seed=0)
     assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in manual)
 
-    accum, _ = tiny_job(
-        {"devices": 2, "strategy": {"speeds": [1, 2], "global_batch_size": 12}, "accumulate": 2, "n": 60}
-    )
+    accum, _ = two_replicas["accumulate"]
     ref = reference_weights(make_dataset(60), 12, epochs=2, seed=0, accumulate=2)
     assert accum[1]["seen_batch_sizes"] == [8] * 10
     assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in accum)

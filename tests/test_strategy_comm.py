@@ -1,4 +1,5 @@
-"""The comm modes wired into HeterogeneousStrategy, end to end through Lightning (gloo, CPU)."""
+"""The comm modes wired into HeterogeneousStrategy, end to end through Lightning (gloo, CPU), from the default flat
+all-reduce (with unpadded validation) to the node hierarchy and node-local SGD."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from lightning_het import allocate_batch_sizes
 from tests.conftest import REPO, free_port, run_job
+from tests.helpers.run_fits import run_fits_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
 
@@ -17,20 +21,58 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def test_hierarchical_interleaved_nodes_exact_and_identical(tiny_job):
-    cfg = {
-        "devices": 3,
-        "strategy": {
-            "speeds": [1, 2, 3],
-            "global_batch_size": 12,
-            "node_ids": [0, 1, 0],
-            "comm": "hierarchical",
-            "comm_autotune_steps": 0,  # the node hierarchy on every step
-        },
-        "epochs": 2,
-        "n": 60,
-    }
-    dumps, _ = tiny_job(cfg)
+#: the three-replica fits of this module, run in one job (one launch and rendezvous instead of four)
+THREE_REPLICA_FITS = {
+    "allreduce": {"speeds": [1, 2, 3], "global_batch_size": 12},
+    "interleaved": {
+        "speeds": [1, 2, 3],
+        "global_batch_size": 12,
+        "node_ids": [0, 1, 0],
+        "comm": "hierarchical",
+        "comm_autotune_steps": 0,  # the node hierarchy on every step
+    },
+    "measured": {"speeds": [1, 2, 3], "global_batch_size": 12, "node_ids": [0, 0, 1], "comm_autotune_steps": 1},
+    "node_local": {
+        "speeds": [1, 2, 3],
+        "global_batch_size": 12,
+        "node_ids": [0, 0, 1],
+        "comm": "node_local",
+        "global_sync_every": 2,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def three_replicas(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each fit of :data:`THREE_REPLICA_FITS` (3 replicas, 2 epochs of 60 samples; the first one validates on 50
+    samples after each epoch): its per-rank dumps."""
+    cfgs = [{"devices": 3, "strategy": strategy, "epochs": 2, "n": 60} for strategy in THREE_REPLICA_FITS.values()]
+    cfgs[0]["val_n"] = 50
+    results = run_fits_job(tmp_path_factory.mktemp("three_replicas"), cfgs)
+    return {name: dumps for name, (dumps, _) in zip(THREE_REPLICA_FITS, results)}
+
+
+def test_three_replicas_speeds_123_exact_with_unpadded_validation(three_replicas):
+    dumps = three_replicas["allreduce"]
+    reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
+    for rank, dump in enumerate(dumps):
+        assert dump["batch_sizes"] == [2, 4, 6]
+        assert dump["seen_batch_sizes"] == [[2, 4, 6][rank]] * 10  # 60 // 12 = 5 steps x 2 epochs
+        assert dump["global_step"] == 10
+        assert dump["loss_scale"] == pytest.approx([0.5, 1.0, 1.5][rank])
+        assert _max_diff(dump["state_dict"], reference) < 1e-5
+    # validation: every sample evaluated exactly once per epoch, shares follow the allocation
+    assert [d["val_seen"] for d in dumps] == [2 * n for n in allocate_batch_sizes(50, [2, 4, 6])]
+    val = make_dataset(50, seed=99)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    net.load_state_dict(dumps[0]["state_dict"])
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(net(val.tensors[0]), val.tensors[1]).item()
+    assert dumps[0]["val_mse"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_hierarchical_interleaved_nodes_exact_and_identical(three_replicas):
+    dumps = three_replicas["interleaved"]
     reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
     for dump in dumps:
         assert dump["comm_mode"] == "hierarchical"
@@ -43,15 +85,9 @@ def test_hierarchical_interleaved_nodes_exact_and_identical(tiny_job):
     assert dumps[1]["comm_stats"]["bytes_inter_per_step"] > 0
 
 
-def test_hierarchical_measured_choice_is_agreed_and_exact(tiny_job):
+def test_hierarchical_measured_choice_is_agreed_and_exact(three_replicas):
     """Default-style `comm="auto"` on two nodes: steps 2-3 time flat vs hierarchy, then every rank keeps one."""
-    cfg = {
-        "devices": 3,
-        "strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "node_ids": [0, 0, 1], "comm_autotune_steps": 1},
-        "epochs": 2,
-        "n": 60,
-    }
-    dumps, _ = tiny_job(cfg)
+    dumps = three_replicas["measured"]
     reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
     choices = {dump["comm_reduction"] for dump in dumps}
     assert len(choices) == 1 and choices <= {"flat", "hierarchical"}
@@ -61,20 +97,8 @@ def test_hierarchical_measured_choice_is_agreed_and_exact(tiny_job):
         assert _max_diff(dump["state_dict"], dumps[0]["state_dict"]) == 0.0
 
 
-def test_node_local_differs_from_exact_but_ends_in_consensus(tiny_job):
-    cfg = {
-        "devices": 3,
-        "strategy": {
-            "speeds": [1, 2, 3],
-            "global_batch_size": 12,
-            "node_ids": [0, 0, 1],
-            "comm": "node_local",
-            "global_sync_every": 2,
-        },
-        "epochs": 2,
-        "n": 60,
-    }
-    dumps, _ = tiny_job(cfg)
+def test_node_local_differs_from_exact_but_ends_in_consensus(three_replicas):
+    dumps = three_replicas["node_local"]
     reference = reference_weights(make_dataset(60), 12, epochs=2, seed=0)
     for dump in dumps:
         assert dump["comm_mode"] == "node_local"

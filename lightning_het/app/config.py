@@ -181,7 +181,8 @@ class StrategyConfig:
             validate_strategy_arguments(**values)
         except ArgumentError as err:
             key = f"strategy.{err.argument}"
-            raise ConfigValueError(f"Invalid `{key}` ({values.get(err.argument)!r}): {err}") from None
+            value = values.get(err.argument)
+            raise ConfigValueError(f"You set `{key}={value}`; the strategy refuses it: {err}") from None
         if self.gradient_averaging == GradientAveraging.unweighted and self.comm != Comm.allreduce:
             _fail(
                 "strategy.gradient_averaging",

@@ -3,7 +3,11 @@
 ``python -m tests.helpers.run_fabric OUT_DIR JSON``. JSON keys: devices, strategy (kwargs for
 HeterogeneousFabricStrategy), epochs, n (dataset size), batch_size (loader batch size), lr, cost_per_sample_s (seconds
 slept per sample in every forward pass), slow_rank / slow_factor (that rank sleeps ``slow_factor`` times longer),
-profile (give the strategy a ``profile_step``).
+profile (give the strategy a ``profile_step``). Every rank dumps ``OUT_DIR/rank{r}.pt``.
+
+Several loops in one job (one launch and rendezvous for all): a JSON list of such configs, all with the same
+``devices``; loop ``i`` dumps ``OUT_DIR/<i>/rank{r}.pt``. The first loop's ``Fabric.launch`` starts the replicas and
+the process group; each loop has its own strategy, ``Fabric``, model and loader.
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from lightning_het import HeterogeneousFabricStrategy
 from tests.helpers.tiny import make_dataset, make_net
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = json.loads(sys.argv[2])
+def run(out: Path, cfg: dict) -> None:
+    """One training loop as ``cfg`` says; this rank's view goes to ``out/rank{r}.pt``."""
     strategy = HeterogeneousFabricStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     fabric = Fabric(accelerator="cpu", devices=cfg.get("devices", 3), strategy=strategy)
     fabric.launch()
@@ -63,6 +66,17 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = json.loads(sys.argv[2])
+    if isinstance(cfg, dict):
+        run(out, cfg)
+        return
+    for index, loop in enumerate(cfg):
+        (out / str(index)).mkdir(parents=True, exist_ok=True)
+        run(out / str(index), loop)
 
 
 if __name__ == "__main__":

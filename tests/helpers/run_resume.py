@@ -5,6 +5,9 @@ JSON keys: ``devices``, ``strategy`` (HeterogeneousStrategy kwargs), ``epochs``,
 path), ``max_steps``, ``num_workers``. Every rank dumps ``OUT_DIR/rank{r}.pt`` (weights, batch sizes seen, allocation),
 and, at every checkpoint, the weights it holds just before and right after to
 ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``.
+
+Several fits in one job (one launch and rendezvous for all): a JSON list of such configs, all with the same
+``devices``; fit ``i`` writes all of the above into ``OUT_DIR/<i>``.
 """
 
 from __future__ import annotations
@@ -41,9 +44,8 @@ class DumpOnSave(Callback):
         self._dump(trainer, pl_module, "saved")
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = json.loads(sys.argv[2])
+def run(out: Path, cfg: dict) -> None:
+    """One fit as ``cfg`` says, writing into ``out``."""
     pl.seed_everything(cfg.get("seed", 0), workers=True)
     strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     callbacks = []
@@ -83,6 +85,17 @@ def main() -> None:
         },
         out / f"rank{trainer.global_rank}.pt",
     )
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = json.loads(sys.argv[2])
+    if isinstance(cfg, dict):
+        run(out, cfg)
+        return
+    for index, fit in enumerate(cfg):
+        (out / str(index)).mkdir(parents=True, exist_ok=True)
+        run(out / str(index), fit)
 
 
 if __name__ == "__main__":

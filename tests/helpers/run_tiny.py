@@ -20,9 +20,8 @@ import lightning_het
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = json.loads(sys.argv[2])
+def fit_and_dump(out: Path, cfg: dict) -> None:
+    """Fit one tiny model as ``cfg`` says and dump this rank's view into ``out/rank{r}.pt``."""
     pl.seed_everything(cfg.get("seed", 0), workers=True)
     strategy = cfg.get("strategy", {})
     if isinstance(strategy, dict):
@@ -73,6 +72,10 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
+
+
+def main() -> None:
+    fit_and_dump(Path(sys.argv[1]), json.loads(sys.argv[2]))
 
 
 if __name__ == "__main__":
