@@ -51,15 +51,14 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _workers import REPO, Worker, run_workers, worker_env
+
 if str(REPO) not in sys.path:  # the package without installing it (workers get it through PYTHONPATH)
     sys.path.insert(0, str(REPO))
 PLATFORMS: dict[str, list[float]] = {"1:1:1": [1.0, 1.0, 1.0], "1:2:4": [1.0, 2.0, 4.0], "1:1:8": [1.0, 1.0, 8.0]}
@@ -258,54 +257,17 @@ def _launch(job: str, world: int, runs: list[dict[str, Any]], out: Path, c0: flo
     spec_path.write_text(json.dumps(spec, indent=1))
     from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
 
-    port = str(free_port())
-    procs: list[subprocess.Popen] = []
-    logs = []
-    try:
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "WORLD_SIZE": str(world),
-                "NODE_RANK": "0",
-                "LOCAL_RANK": str(rank),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONWARNINGS": "ignore",
-            }
-            log = open(out / f"{job}.rank{rank}.log", "w")  # noqa: SIM115 - closed in finally
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--worker", str(spec_path)],
-                    cwd=REPO,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                reason = "timed out" if not failed else f"a worker exited with {failed[0].returncode}"
-                tail = (out / f"{job}.rank{procs.index(failed[0]) if failed else 0}.log").read_text()[-3000:]
-                raise RuntimeError(f"bench job {job!r} {reason}; log tail:\n{tail}")
-            time.sleep(0.2)
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            tail = (out / f"{job}.rank{bad[0][0]}.log").read_text()[-3000:]
-            raise RuntimeError(f"bench job {job!r}: worker {bad[0][0]} exited with {bad[0][1]}:\n{tail}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
+    port = free_port()
+    extra = {"WORLD_SIZE": str(world), "NODE_RANK": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    workers = [
+        Worker(
+            [sys.executable, __file__, "--worker", str(spec_path)],
+            worker_env("127.0.0.1", port, LOCAL_RANK=str(rank), **extra),
+            out / f"{job}.rank{rank}.log",
+        )
+        for rank in range(world)
+    ]
+    run_workers(workers, timeout=timeout, name=f"bench job {job!r}")
     return json.loads((out / f"{job}.json").read_text())
 
 

@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _workers import REPO, Worker, run_workers, worker_env
+
 if str(REPO) not in sys.path:  # the package without installing it (workers get it through PYTHONPATH)
     sys.path.insert(0, str(REPO))
 NODE_IDS = [0, 0, 1, 1]
@@ -137,49 +138,24 @@ def _launch_and_wait(
 
     port = free_port() if namespaces is None else 29555
     master = "127.0.0.1" if namespaces is None else NODE_ADDRS[0]
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    try:
-        for rank, node in enumerate(NODE_IDS):
-            env = {
-                **os.environ,
-                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                "MASTER_ADDR": master,
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1",
-                "GLOO_SOCKET_IFNAME": "lo" if ifaces is None else ifaces[node],
-                # what one launcher per node sets (Lightning's LightningEnvironment): the strategy finds the nodes
-                "NODE_RANK": str(node),
-                "LOCAL_RANK": str(NODE_IDS[:rank].count(node)),
-                "WORLD_SIZE": str(len(NODE_IDS)),
-            }
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rank", str(rank), *args.passthrough]
-            if namespaces is not None:
-                cmd = ["ip", "netns", "exec", namespaces[node], *cmd, "--ifname", ifaces[node]]  # type: ignore[index]
-            log = open(out / f"worker{rank}.log", "wb")  # noqa: SIM115 - closed in finally
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + args.timeout
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"worker {failed[0]} failed; see {out / f'worker{failed[0]}.log'}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark workers still running after {args.timeout}s; see {out}/worker*.log")
-            time.sleep(0.2)
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            tail = (out / f"worker{failed[0]}.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"worker {failed[0]} exited with {procs[failed[0]].returncode}:\n{tail}")
-    finally:
-        for p in procs:  # only the processes started here, each in its own session
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
+    workers = []
+    for rank, node in enumerate(NODE_IDS):
+        env = worker_env(
+            master,
+            port,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME="lo" if ifaces is None else ifaces[node],
+            # what one launcher per node sets (Lightning's LightningEnvironment): the strategy finds the nodes
+            NODE_RANK=str(node),
+            LOCAL_RANK=str(NODE_IDS[:rank].count(node)),
+            WORLD_SIZE=str(len(NODE_IDS)),
+        )
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rank", str(rank), *args.passthrough]
+        if namespaces is not None:
+            cmd = ["ip", "netns", "exec", namespaces[node], *cmd, "--ifname", ifaces[node]]  # type: ignore[index]
+        workers.append(Worker(cmd, env, out / f"worker{rank}.log"))
+    run_workers(workers, timeout=args.timeout, name="bench_comm", cwd=Path.cwd())
 
 
 def _raise_on_signal(signum: int, _frame: Any) -> None:

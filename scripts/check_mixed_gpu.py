@@ -26,25 +26,25 @@ Paste the printed Markdown table into ``docs/mixed_devices.md`` ("Measured speed
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _workers import REPO, Worker, run_workers, worker_env
+
 if str(REPO) not in sys.path:  # runnable as `python scripts/check_mixed_gpu.py` without installing the package
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
+
+from lightning_het.rendezvous import free_port
 
 EXACT_SAMPLES, EXACT_BATCH, EXACT_EPOCHS, EXACT_FEATURES, EXACT_LR = 192, 24, 2, 16, 0.05
 IMAGE_POOL = 4096  # distinct synthetic images; the dataset indexes them modulo the pool
@@ -177,29 +177,18 @@ def launch(name: str, cfg: dict[str, Any], out: Path, timeout: float) -> list[di
     job_dir.mkdir(parents=True, exist_ok=True)
     for stale in job_dir.glob("rank*"):
         stale.unlink()
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK")}
-    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
-
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = worker_env("127.0.0.1", free_port())
+    for launcher_set in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK"):  # the job sets these itself
+        env.pop(launcher_set, None)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg), str(job_dir)]
     print(f"[{name}] device_map={cfg['device_map']} global_batch={cfg['global_batch']} ...", flush=True)
     start = time.perf_counter()
-    with open(job_dir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"[{name}] timed out after {timeout:.0f}s; killing it (see {job_dir / 'log.txt'})", flush=True)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # nothing of the job may outlive it
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    run_workers([Worker(cmd, env, job_dir / "log.txt")], timeout=timeout, name=f"[{name}]")
     world = len(cfg["device_map"])
     records = [json.loads(p.read_text()) for p in sorted(job_dir.glob("rank*.json"))]
-    if proc.returncode != 0 or len(records) != world:
+    if len(records) != world:
         tail = (job_dir / "log.txt").read_text()[-3000:]
-        raise RuntimeError(f"[{name}] failed (exit {proc.returncode}, {len(records)}/{world} ranks reported):\n{tail}")
+        raise RuntimeError(f"[{name}] only {len(records)}/{world} ranks reported:\n{tail}")
     print(f"[{name}] done in {time.perf_counter() - start:.0f}s", flush=True)
     return sorted(records, key=lambda r: r["rank"])
 
