@@ -42,6 +42,9 @@ from tests.helpers.jobs import REPO, free_port, group_members, job_env, run_in_s
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 TIMEOUT = 5.0
+#: seconds each training step of the Ctrl-C and stranger jobs sleeps: their six steps (6 s) outlast the test's
+#: reaction to `training.json` even on a loaded machine (at 0.4 s a Ctrl-C once arrived after the job had ended with 0)
+STEP_SLEEP = 1.0
 STARTUP = 30.0  # startup_timeout of the launch-phase cases
 #: startup_timeout when replica 1 hangs at launch: the job waits all of it, for a replica that never comes, so it is
 #: kept short; it must still exceed what replica 1 takes to import (it hangs only then), or the launcher would end the
@@ -345,7 +348,7 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, where, kind, 
 
 @pytest.mark.slow
 def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(tmp_path):
-    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": 0.4})
+    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": STEP_SLEEP})
     try:
         _wait_for(tmp_path / "training.json", proc)
         pids = json.loads((tmp_path / "training.json").read_text())["pids"]
@@ -373,7 +376,7 @@ def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_lo
 
 @pytest.mark.slow
 def test_ctrl_c_ends_every_replica_with_130(tmp_path):
-    proc, _ = _start(tmp_path, {"timeout": 30, "step_sleep": 0.4})
+    proc, _ = _start(tmp_path, {"timeout": 30, "step_sleep": STEP_SLEEP})
     _wait_for(tmp_path / "training.json", proc)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
     status, out, _, survivors = _finish(proc, limit=120)
