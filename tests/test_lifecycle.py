@@ -43,7 +43,7 @@ from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 TIMEOUT = 5.0
 #: seconds each training step of the Ctrl-C and stranger jobs sleeps: their six steps (6 s) outlast the test's
-#: reaction to `training.json` even on a loaded machine (at 0.4 s a Ctrl-C once arrived after the job had ended with 0)
+#: reaction to `training.json` even on a loaded machine
 STEP_SLEEP = 1.0
 STARTUP = 30.0  # startup_timeout of the launch-phase cases
 #: startup_timeout when replica 1 hangs at launch: the job waits all of it, for a replica that never comes, so it is
@@ -265,6 +265,13 @@ class TestOutputDir:
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
+def _default_sigint() -> None:
+    """In the job's process, before it starts Python: Ctrl-C does what it does in a terminal's foreground job. A
+    test run started in the background of a script (``cmd &`` without job control) inherits SIGINT *ignored*, and so
+    would the job, which would then rightly train on through the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(out: Path, cfg: dict) -> tuple[subprocess.Popen, dict[str, str]]:
     env = job_env()
     proc = subprocess.Popen(
@@ -275,6 +282,7 @@ def _start(out: Path, cfg: dict) -> tuple[subprocess.Popen, dict[str, str]]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     return proc, env
 
