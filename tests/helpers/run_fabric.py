@@ -12,7 +12,6 @@ the process group; each loop has its own strategy, ``Fabric``, model and loader.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousFabricStrategy
+from tests.helpers.jobs import run_configs
 from tests.helpers.tiny import make_dataset, make_net
 
 
@@ -69,14 +69,7 @@ def run(out: Path, cfg: dict) -> None:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = json.loads(sys.argv[2])
-    if isinstance(cfg, dict):
-        run(out, cfg)
-        return
-    for index, loop in enumerate(cfg):
-        (out / str(index)).mkdir(parents=True, exist_ok=True)
-        run(out / str(index), loop)
+    run_configs(run, sys.argv[1:3])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Several fits in one job (one launch and rendezvous for all): a JSON list of such
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_het
+from tests.helpers.jobs import run_configs
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
 
@@ -88,14 +88,7 @@ def run(out: Path, cfg: dict) -> None:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = json.loads(sys.argv[2])
-    if isinstance(cfg, dict):
-        run(out, cfg)
-        return
-    for index, fit in enumerate(cfg):
-        (out / str(index)).mkdir(parents=True, exist_ok=True)
-        run(out / str(index), fit)
+    run_configs(run, sys.argv[1:3])
 
 
 if __name__ == "__main__":
