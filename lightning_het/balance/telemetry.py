@@ -617,10 +617,14 @@ class BalanceMonitor:
     Lightning calls it through :class:`HeterogeneousBalanceCallback`, which the strategy appends to
     ``trainer.callbacks``:
 
-    * ``on_train_epoch_end`` (every rank): flush the :class:`StepClock`, all-gather every replica's timings
-      (:func:`gather_timings`), add them to the :class:`TelemetryHistory`, send the epoch's figures to the loggers,
-      and, when a check is due, re-allocate with :func:`~lightning_het.balance.rebalance.plan_rebalance` (see
-      :meth:`maybe_rebalance`);
+    * ``on_train_batch_end`` of an epoch's last batch (every rank): flush the :class:`StepClock`, all-gather every
+      replica's timings (:func:`gather_timings`), add them to the :class:`TelemetryHistory`, send the epoch's figures
+      to the loggers, and, when a check is due, re-allocate with
+      :func:`~lightning_het.balance.rebalance.plan_rebalance` (see :meth:`maybe_rebalance`). Not at
+      ``on_train_epoch_end``: there rank 0's progress bar starts the epoch metrics' ``sync_dist`` reduction alone, and
+      a collective of ours in between would pair with it on the other ranks (a deadlock). An epoch that ends early
+      (``max_steps``, ``should_stop``, ``on_train_batch_start`` returning ``-1``) is gathered when the next one
+      starts, or at ``on_train_end``;
     * ``on_train_end`` (every rank): gather what is left and let rank 0 write the balance report into
       ``trainer.log_dir`` (only when the trainer has loggers).
 
@@ -646,6 +650,8 @@ class BalanceMonitor:
         self.min_gain = settings.min_gain
         self.report_paths: dict[str, Path] = {}
         self._saved_reload_every: int | None = None
+        self._gathered_epoch: int | None = None  # the last epoch gathered at its last batch
+        self._pending_epoch: int | None = None  # an epoch that ended before its last batch, not gathered yet
 
     @property
     def rebalancing(self) -> bool:
@@ -658,8 +664,9 @@ class BalanceMonitor:
             self.clock.flush()
         self.history = TelemetryHistory()
         self.report_paths = {}
+        self._gathered_epoch = self._pending_epoch = None
 
-    def _gather(self, trainer: Any) -> dict[str, Any] | None:
+    def _gather(self, trainer: Any, epoch: int) -> dict[str, Any] | None:
         local = self.clock.flush() if self.clock is not None else EpochTimings()
         if not self.record:
             return None
@@ -667,21 +674,37 @@ class BalanceMonitor:
         timings = gather_timings(local, strategy.world_size, strategy.root_device)
         if not any(len(t) for t in timings):
             return None
-        return self.history.add(timings, epoch=trainer.current_epoch, global_step=trainer.global_step)
+        return self.history.add(timings, epoch=epoch, global_step=trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Any) -> None:
+        """Collective at an epoch's last batch: gather, log and maybe rebalance (see the class docstring)."""
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._end_epoch(trainer, trainer.current_epoch)
 
     def on_train_epoch_end(self, trainer: Any) -> None:
-        """Collective: gather, log and maybe rebalance (see the class docstring)."""
-        summary = self._gather(trainer)
+        """No collective here (see the class docstring): an epoch not gathered yet is gathered later."""
+        if self._gathered_epoch != trainer.current_epoch:
+            self._pending_epoch = trainer.current_epoch
+
+    def _end_epoch(self, trainer: Any, epoch: int) -> None:
+        self._gathered_epoch = epoch
+        summary = self._gather(trainer, epoch)
         if summary is None:
             return
         log_epoch_metrics(trainer.loggers, summary, step=trainer.global_step)
-        self.maybe_rebalance(trainer, summary)
+        self.maybe_rebalance(trainer, summary, epoch)
 
-    def check_due(self, trainer: Any) -> bool:
-        """A rebalancing check runs at the end of this epoch, and a next epoch exists to use its result."""
+    def _end_pending_epoch(self, trainer: Any) -> None:
+        if self._pending_epoch is not None:
+            epoch, self._pending_epoch = self._pending_epoch, None
+            self._end_epoch(trainer, epoch)
+
+    def check_due(self, trainer: Any, epoch: int | None = None) -> bool:
+        """A rebalancing check runs at the end of ``epoch`` (default: the current one), and a next epoch exists to use
+        its result."""
         if not self.rebalancing:
             return False
-        epoch = trainer.current_epoch
+        epoch = trainer.current_epoch if epoch is None else epoch
         due = is_check_epoch(epoch, self.every_n_epochs) if self.every_n_epochs is not None else True
         max_epochs = trainer.max_epochs
         last_epoch = max_epochs is not None and max_epochs >= 0 and epoch + 1 >= max_epochs
@@ -689,7 +712,7 @@ class BalanceMonitor:
         out_of_steps = max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps
         return due and not (last_epoch or out_of_steps or trainer.should_stop)
 
-    def maybe_rebalance(self, trainer: Any, summary: dict[str, Any]) -> bool:
+    def maybe_rebalance(self, trainer: Any, summary: dict[str, Any], epoch: int | None = None) -> bool:
         """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows.
 
         Every rank holds the same gathered ``summary`` and so reaches the same decision. On adoption the decision
@@ -707,7 +730,8 @@ class BalanceMonitor:
         sizes = strategy.batch_sizes
         cost_model = strategy.cost_model
         times = summary["compute_s"]
-        if not self.check_due(trainer) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
+        epoch = trainer.current_epoch if epoch is None else epoch
+        if not self.check_due(trainer, epoch) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
             return False
         decision = plan_rebalance(
             sizes,
@@ -721,16 +745,14 @@ class BalanceMonitor:
             last_times=self._last_times(sizes),
             recent_times=summary.get("compute_recent_s"),
         )
-        self.history.record_check(
-            decision.as_dict(), epoch=trainer.current_epoch, global_step=trainer.global_step, old=sizes
-        )
+        self.history.record_check(decision.as_dict(), epoch=epoch, global_step=trainer.global_step, old=sizes)
         if not decision.adopt:
             log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
             return False
         strategy.adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)
         self._request_reload(trainer)
         rank_zero_info(
-            f"HeterogeneousStrategy: rebalanced at the end of epoch {trainer.current_epoch}: {sizes} ->"
+            f"HeterogeneousStrategy: rebalanced at the end of epoch {epoch}: {sizes} ->"
             f" {decision.batch_sizes} ({decision.reason})"
         )
         return True
@@ -774,13 +796,17 @@ class BalanceMonitor:
             self._saved_reload_every = None
 
     def on_train_epoch_start(self, trainer: Any) -> None:
-        """The fit loop has (re)built the training loader for this epoch: restore the user's reload setting."""
+        """The fit loop has (re)built the training loader for this epoch: restore the user's reload setting; gather
+        an epoch that ended early (a rebalance then applies from the next epoch on)."""
         self._restore_reload(trainer)
+        self._end_pending_epoch(trainer)
 
     def on_train_end(self, trainer: Any) -> None:
-        """Collective: gather a trailing partial epoch, then rank 0 writes the balance report (with loggers)."""
+        """Collective: gather an epoch that ended early or a trailing partial epoch, then rank 0 writes the balance
+        report (with loggers)."""
         self._restore_reload(trainer)
-        self._gather(trainer)
+        self._end_pending_epoch(trainer)
+        self._gather(trainer, trainer.current_epoch)
         if not self.record or not trainer.loggers:
             return
         directory = trainer.log_dir  # a broadcast: every rank must ask
@@ -797,6 +823,9 @@ class _BalanceCallbackMixin:
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.monitor.on_train_epoch_start(trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.monitor.on_train_batch_end(trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.monitor.on_train_epoch_end(trainer)
