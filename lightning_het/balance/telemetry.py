@@ -250,6 +250,13 @@ class StepClock:
             self._cpu_inner += self._cpu() - self._backward_call_cpu
         self._end = now
 
+    def open_step(self) -> tuple[int, float] | None:
+        """The open step's batch size and compute seconds so far (at the end of a step: its whole compute, the wait
+        in gradient synchronisation left out), or ``None`` when no step is open."""
+        if not self._open:
+            return None
+        return self._step_batch, max(self._end - self._start - self._wait, 0.0)
+
     def flush(self) -> EpochTimings:
         """Close the open step and hand over (and forget) everything recorded so far."""
         if self._open:
@@ -594,6 +601,7 @@ class MonitorSettings:
         min_batch_size: fewest training samples per replica and step that a new allocation may give (``>= 1``).
         max_batch_sizes: per-replica upper bounds, indexed by global rank (``None``: unbounded).
         min_gain: predicted relative step-time gain needed to adopt a new allocation.
+        profile: the fit profiles on its first training steps (the clock then runs even without telemetry).
     """
 
     record: bool
@@ -603,11 +611,13 @@ class MonitorSettings:
     min_batch_size: int = 1
     max_batch_sizes: tuple[int, ...] | None = None
     min_gain: float = DEFAULT_MIN_GAIN
+    profile: bool = False
 
     @property
     def active(self) -> bool:
-        """Whether the monitor has anything to do (telemetry or emulation); off, training has no per-step cost."""
-        return self.record or self.slowdown != 1.0
+        """Whether the monitor has anything to do (telemetry, emulation or in-loop profiling, which reads the step
+        clock); off, training has no per-step cost."""
+        return self.record or self.slowdown != 1.0 or self.profile
 
 
 class BalanceMonitor:

@@ -1,0 +1,203 @@
+"""Profiling on the real training steps: the schedule (pure), the lazy sampler, and Lightning's contract kept.
+
+The multi-process fits (``tests/helpers/run_inloop.py``) train a module whose ``training_step(self, batch)`` has no
+``batch_idx``, that needs state made in ``on_train_start``, counts its hooks and records every step's split and
+synchronised gradient; they are compared with one process training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import random
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
+from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
+from lightning_het.sampler import ProportionalBatchSampler
+from tests.helpers.jobs import run_helper
+from tests.helpers.run_inloop import ContractModule
+from tests.helpers.tiny import make_dataset, make_net
+
+# ---------------------------------------------------------------------------------------------------------- schedule
+
+
+def test_trial_splits_cover_two_sizes_per_replica_within_bounds() -> None:
+    rng = random.Random(0)
+    for _ in range(400):
+        world = rng.randint(2, 6)
+        floor = rng.choice([1, 1, 2])
+        upper = [rng.randint(floor + 1, 40) for _ in range(world)] if rng.random() < 0.3 else None
+        cap = sum(upper) if upper else 200
+        total = rng.randint(2 * world * floor + world, max(2 * world * floor + world, min(cap, 200)))
+        try:
+            a, b = trial_splits(total, world, min_batch_size=floor, max_batch_sizes=upper)
+        except ValueError:  # bounds that cannot hold the total: refused like any allocation
+            continue
+        for split in (a, b):
+            assert sum(split) == total and min(split) >= floor
+            assert upper is None or all(s <= u for s, u in zip(split, upper))
+        equal = total // world
+        if upper is None and equal >= 2 * floor:  # room to give and to take: every replica sees two sizes
+            assert all(x != y for x, y in zip(a, b)), (total, world, floor, a, b)
+
+
+def test_profile_plan_switches_after_the_prefetched_steps() -> None:
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=3)
+    assert plan.splits[:5] == ((16, 16), (8, 24), (24, 8), (8, 24), (24, 8))
+    assert plan.timed == (False, True, True, True, True, False, False, False)
+    assert plan.gather_step == 4 and plan.switch_step == 8 and len(plan.splits) == 8
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        profile_plan(32, 1, warmup=1, steps=2, lag=1)
+
+
+def test_prefetch_depth_of_a_loader() -> None:
+    data = make_dataset(8)
+    assert loader_prefetch_depth(DataLoader(data)) == 1
+    assert loader_prefetch_depth(DataLoader(data, num_workers=2)) == 5
+    assert loader_prefetch_depth(DataLoader(data, num_workers=2, prefetch_factor=3)) == 7
+
+
+def _profiler(plan, clock=lambda: (8, 0.01)) -> InLoopProfiler:
+    return InLoopProfiler(plan, 32, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: None, {})
+
+
+def test_profiler_steps_count_across_epochs_and_refuse_a_step_drawn_too_early() -> None:
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    profiler = _profiler(plan)
+    assert profiler.split_for(0, 0) is None  # not bound to a sampler yet
+    profiler.bind(0, 2, 4)  # a resumed epoch: the plan starts at its global batch 2, epochs of 4 batches
+    profiler.bind(5, 0, 9)  # the first binding holds
+    assert profiler.split_for(0, 1) is None
+    assert profiler.split_for(0, 2) == [16, 16] and profiler.split_for(0, 3) == [8, 24]
+    assert profiler.split_for(1, 0) == [24, 8]
+    assert profiler.split_for(1, 3) == [16, 16]  # step 5: prefetched, kept at the equal split
+    with pytest.raises(RuntimeError, match="drew global batch 0 of epoch 2 before profiling ended"):
+        profiler.split_for(2, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------- sampler
+
+
+def test_lazy_batches_follow_the_schedule_and_stay_the_single_process_batches() -> None:
+    data = list(range(45))  # 5 global batches of 8 and a tail of 5
+    single = ProportionalDistributedSampler(data, [8], 0, seed=3)
+    single.set_epoch(1)
+    reference = single.epoch_batches()
+    schedule = {0: [2, 6], 1: [6, 2], 5: [4, 4]}  # step 5 is the tail: split like [4, 4]
+    samplers = [ProportionalDistributedSampler(data, [1, 7], r, seed=3) for r in range(2)]
+    iters = []
+    for s in samplers:
+        s.set_epoch(1)
+        s.split_schedule = lambda epoch, step: schedule.get(step) if epoch == 1 else None
+        iters.append(iter(ProportionalBatchSampler(s)))
+    drawn = []
+    for k in range(6):
+        if k == 3:  # a new allocation for the batches not drawn yet
+            for s in samplers:
+                s.set_batch_sizes([3, 5])
+        drawn.append([next(it) for it in iters])
+    sizes = [[len(b) for b in step] for step in drawn]
+    assert sizes == [[2, 6], [6, 2], [1, 7], [3, 5], [3, 5], [3, 2]]
+    assert [s.step_batch_sizes(k) for k in (0, 3, 5) for s in samplers[:1]] == [[2, 6], [3, 5], [3, 2]]
+    assert [step[0] + step[1] for step in drawn] == reference
+    assert len(ProportionalBatchSampler(samplers[0])) == 6
+
+
+# ---------------------------------------------------------------------------------------------------------- one replica
+
+
+def test_one_replica_neither_profiles_nor_gathers(monkeypatch) -> None:
+    calls = []
+    real = dist.all_gather
+    monkeypatch.setattr(dist, "all_gather", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pl.seed_everything(0)
+    model = ContractModule()
+    strategy = HeterogeneousStrategy(process_group_backend="gloo")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(make_dataset(40), batch_size=8, shuffle=True))
+    assert model.batch_sizes == [8] * 10 and model.problems == []
+    assert model.counts["training_step"] == model.counts["on_before_backward"] == trainer.global_step == 10
+    assert not strategy.profiling and strategy.cost_model is None and strategy.profile_seconds == 0.0
+    assert calls == []  # no timing collective
+
+
+# ---------------------------------------------------------------------------------------------------------- jobs
+
+
+def reference_gradients(n: int, global_batch: int, epochs: int, seed: int = 0) -> list[torch.Tensor]:
+    """Every step's gradient when one process trains on the whole global batches (same order, same optimizer)."""
+    data = make_dataset(n)
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sampler = ProportionalDistributedSampler(data, [global_batch], 0, shuffle=True, seed=seed)
+    grads = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=global_batch, sampler=sampler):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten().clone() for p in net.parameters()]))
+            opt.step()
+    return grads
+
+
+#: rank 1 emulates a 3x slower device; 10 global batches of 32 per epoch, 2 epochs
+SLOW = {"strategy": {"emulate_slowdown": [1, 3]}, "cost_per_sample_s": 0.001}
+INLOOP_FITS = {
+    "automatic": SLOW,
+    "manual": {**SLOW, "manual": True},
+    # 2 workers x prefetch 2 + Lightning's batch: 5 batches drawn ahead, the fitted split from step 10 (epoch 1)
+    "workers": {**SLOW, "loader": {"num_workers": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def inloop_fits(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("inloop")
+    job = run_helper("tests.helpers.run_inloop", out, list(INLOOP_FITS.values()), limit=300)  # type: ignore[arg-type]
+    assert job.returncode == 0, job.output[-6000:]
+    assert not job.survivors
+    return {name: [torch.load(out / str(i) / f"rank{r}.pt") for r in range(2)] for i, name in enumerate(INLOOP_FITS)}
+
+
+@pytest.mark.parametrize("name", list(INLOOP_FITS))
+def test_training_step_without_batch_idx_runs_once_per_step_with_its_state(inloop_fits, name: str) -> None:
+    for dump in inloop_fits[name]:
+        assert dump["problems"] == []
+        assert dump["global_step"] == 20
+        counts = dump["counts"]
+        assert counts["training_step"] == counts["on_train_batch_end"] == 20
+        assert counts["on_before_backward"] == counts["on_after_backward"] == 20
+
+
+@pytest.mark.parametrize("name", list(INLOOP_FITS))
+def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fits, name: str) -> None:
+    dumps = inloop_fits[name]
+    sizes = dumps[0]["batch_sizes"]
+    assert dumps[1]["batch_sizes"] == sizes and sum(sizes) == 32
+    assert 5 <= sizes[1] <= 11, sizes  # rank 1 is 3x slower: about a quarter
+    seen = list(zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"]))
+    assert seen[:5] == [(16, 16), (8, 24), (24, 8), (8, 24), (24, 8)]  # warm-up, then the trial splits A, B, A, B
+    switch = 10 if name == "workers" else 6  # Lightning's prefetched batch (+ the workers' 4)
+    assert all(s == (16, 16) for s in seen[5:switch])
+    assert all(list(s) == sizes for s in seen[switch:])  # within the first epoch (10 steps) without workers
+    reference = reference_gradients(320, 32, epochs=2)
+    for dump in dumps:
+        assert len(dump["grads"]) == 20
+        for step, (got, want) in enumerate(zip(dump["grads"], reference)):
+            # float rounding only (relative 1e-7 on the first steps, drifting to ~1e-6 over 20 steps)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (name, step)
