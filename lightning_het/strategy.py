@@ -936,7 +936,6 @@ class HeterogeneousStrategyBase:
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs (every rank, at the same step): the fitted split applies to the global
         batches not drawn yet."""
-        self._mark(Phase.BETWEEN_BATCHES)
         self._cost_model = costs
         speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
         self._warn_useless_replicas(sum(batch_sizes), costs, batch_sizes)
