@@ -201,3 +201,24 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
         for step, (got, want) in enumerate(zip(dump["grads"], reference)):
             # float rounding only (relative 1e-7 on the first steps, drifting to ~1e-6 over 20 steps)
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (name, step)
+
+
+def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(tmp_path) -> None:
+    """A checkpoint saved at step 3, inside the profiling steps, has no speeds yet: the resumed fit profiles again from
+    its first step (global batch 3) and ends where the uninterrupted fit ends (the same global batches)."""
+    first = {"devices": 2, "strategy": {}, "epochs": 2, "n": 80, "batch_size": 4, "save_every": 3}
+    resumed = {**first, "save_every": 0, "resume": str(tmp_path / "0" / "ckpt" / "step=3.ckpt")}
+    job = run_helper("tests.helpers.run_resume", tmp_path, [first, resumed], limit=300)  # type: ignore[arg-type]
+    assert job.returncode == 0, job.output[-6000:]
+    record = torch.load(tmp_path / "0" / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]
+    assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3
+    assert "skips the 3 global batch(es) already trained on" in job.output
+    assert job.output.count("profiling on the first 5 training steps") == 2
+    full = [torch.load(tmp_path / "0" / f"rank{r}.pt") for r in range(2)]
+    again = [torch.load(tmp_path / "1" / f"rank{r}.pt") for r in range(2)]
+    for rank in range(2):
+        assert again[rank]["global_step"] == 20
+        # global batches 3 .. 7 of epoch 0: the warm-up and the trial splits again, from the resumed step
+        assert again[rank]["seen_batch_sizes"][:5] == [[4, 2, 6, 2, 6], [4, 6, 2, 6, 2]][rank]
+        state = full[rank]["state_dict"]
+        assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)
