@@ -809,9 +809,7 @@ class HeterogeneousStrategyBase:
         self._reset_cached_eval_loaders(trainer)
         if self.profiling:  # the first steps' splits follow the profiler's plan: batches cut one at a time
             assert self._profiler is not None
-            epoch, start = sampler.position
-            self._profiler.bind(epoch, start, sampler.num_steps)
-            sampler.split_schedule = self._profiler.split_for
+            self._profiler.bind(sampler)
             return rebuild_loader(
                 dataloader,
                 sampler,
@@ -940,9 +938,10 @@ class HeterogeneousStrategyBase:
         speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
         self._warn_useless_replicas(sum(batch_sizes), costs, batch_sizes)
         self.adopt_allocation(batch_sizes, speeds)
-        if self._train_sampler is not None and self._train_sampler.global_batch_size == sum(batch_sizes):
-            self._train_sampler.set_batch_sizes(batch_sizes)
         assert self._profiler is not None
+        for sampler in self._profiler.samplers:  # every training loader's batches not drawn yet
+            if sampler.global_batch_size == sum(batch_sizes):
+                sampler.set_batch_sizes(batch_sizes)
         self._profile_seconds = self._profiler.overhead_s
         cache, key = self._cache_entry
         if cache is not None and key is not None:

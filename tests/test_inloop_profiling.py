@@ -70,8 +70,12 @@ def test_profiler_steps_count_across_epochs_and_refuse_a_step_drawn_too_early() 
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
     profiler = _profiler(plan)
     assert profiler.split_for(0, 0) is None  # not bound to a sampler yet
-    profiler.bind(0, 2, 4)  # a resumed epoch: the plan starts at its global batch 2, epochs of 4 batches
-    profiler.bind(5, 0, 9)  # the first binding holds
+    resumed = ProportionalDistributedSampler(list(range(32)), [4, 4], 0)  # epochs of 4 global batches
+    resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
+    profiler.bind(resumed)
+    other = ProportionalDistributedSampler(list(range(90)), [4, 4], 0)  # a second training loader, whole epochs
+    profiler.bind(other)  # the first binding holds: its global batch 3 of epoch 0 is step 1 of the plan
+    assert other.step_batch_sizes(3) == [8, 24] and len(profiler.samplers) == 2
     assert profiler.split_for(0, 1) is None
     assert profiler.split_for(0, 2) == [16, 16] and profiler.split_for(0, 3) == [8, 24]
     assert profiler.split_for(1, 0) == [24, 8]

@@ -219,6 +219,7 @@ class InLoopProfiler:
         self._adopt = adopt
         self._bounds = bounds
         self._origin: tuple[int, int, int] | None = None  # (epoch, step within it, steps per epoch) of step 0
+        self.samplers: list[Any] = []  # the training samplers following the plan (one per training loader)
         self._compute: list[float] = []  # this replica's compute seconds of steps 0 .. gather_step
         self._started = 0.0
         self.done = False
@@ -226,11 +227,14 @@ class InLoopProfiler:
         #: estimated seconds the profiled steps cost beyond balanced steps (slowest replica's compute)
         self.overhead_s = 0.0
 
-    def bind(self, epoch: int, start_step: int, num_steps: int) -> None:
-        """Step 0 of the plan is global batch ``start_step`` of ``epoch`` (epochs of ``num_steps`` global batches);
-        the first sampler bound decides."""
+    def bind(self, sampler: Any) -> None:
+        """Make ``sampler`` (a :class:`~lightning_het.sampler.ProportionalDistributedSampler` positioned for the epoch
+        it starts) follow the plan. Step 0 of the plan is the global batch the first sampler bound starts from."""
         if self._origin is None:
-            self._origin = (int(epoch), int(start_step), int(num_steps))
+            epoch, start = sampler.position
+            self._origin = (int(epoch), int(start), int(sampler.num_steps))
+        sampler.split_schedule = self.split_for
+        self.samplers.append(sampler)
 
     def step_index(self, epoch: int, step: int) -> int:
         """Steps since the plan's step 0 (negative before it)."""
