@@ -925,7 +925,7 @@ class HeterogeneousStrategyBase:
             return monitor.clock.open_step() if monitor is not None and monitor.clock is not None else None
 
         self._profiler = InLoopProfiler(
-            plan, global_batch, self.global_rank, self.world_size, self.root_device, clock, self._adopt_profiled, bounds
+            plan, self.global_rank, self.world_size, self.root_device, clock, self._adopt_profiled
         )
         trainer = self._trainer()
         if trainer is not None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
+from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
 from lightning_het.sampler import ProportionalBatchSampler
 from tests.helpers.jobs import run_helper
@@ -32,25 +32,31 @@ def test_trial_splits_cover_two_sizes_per_replica_within_bounds() -> None:
         world = rng.randint(2, 6)
         floor = rng.choice([1, 1, 2])
         upper = [rng.randint(floor + 1, 40) for _ in range(world)] if rng.random() < 0.3 else None
-        cap = sum(upper) if upper else 200
-        total = rng.randint(2 * world * floor + world, max(2 * world * floor + world, min(cap, 200)))
-        try:
-            a, b = trial_splits(total, world, min_batch_size=floor, max_batch_sizes=upper)
-        except ValueError:  # bounds that cannot hold the total: refused like any allocation
-            continue
+        total = rng.randint(world * floor, sum(upper) if upper else 200)
+        speeds = [rng.uniform(0.2, 5.0) for _ in range(world)]
+        around = allocate_batch_sizes(total, speeds, min_batch_size=floor, max_batch_sizes=upper)
+        a, b = trial_splits(around, min_batch_size=floor, max_batch_sizes=upper)
         for split in (a, b):
             assert sum(split) == total and min(split) >= floor
             assert upper is None or all(s <= u for s, u in zip(split, upper))
-        equal = total // world
-        if upper is None and equal >= 2 * floor:  # room to give and to take: every replica sees two sizes
-            assert all(x != y for x, y in zip(a, b)), (total, world, floor, a, b)
+        if upper is None and min(around) >= 2 * floor:  # room to give and to take: every replica sees two sizes
+            assert all(x != y for x, y in zip(a, b)), (around, floor, a, b)
+        # no replica more than doubles its share (+ 1): a trial step costs about 1.5x a balanced one, at most 2x
+        assert all(max(x, y) <= 2 * r + 1 for x, y, r in zip(a, b, around))
 
 
-def test_profile_plan_switches_after_the_prefetched_steps() -> None:
+def test_profile_plan_warms_up_agrees_on_rough_speeds_then_tries_around_them() -> None:
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=3)
-    assert plan.splits[:5] == ((16, 16), (8, 24), (24, 8), (8, 24), (24, 8))
-    assert plan.timed == (False, True, True, True, True, False, False, False)
-    assert plan.gather_step == 4 and plan.switch_step == 8 and len(plan.splits) == 8
+    assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 7, 11)
+    rough = [24, 8]
+    assert [plan.split(n, rough) for n in range(4)] == [[16, 16]] * 4  # drawn before the rough speeds are known
+    a, b = trial_splits(rough)
+    assert [plan.split(n, rough) for n in range(4, 8)] == [a, b, a, b] and a[1] != b[1] and a[0] != b[0]
+    assert [plan.split(n, rough) for n in range(8, 11)] == [rough] * 3  # drawn before the costs are agreed
+    assert [plan.timed(n) for n in range(9)] == [False] + [True] * 7 + [False]
+    no_warmup = profile_plan(32, 2, warmup=0, steps=1, lag=1)
+    assert (no_warmup.first_trial, no_warmup.gather_step, no_warmup.switch_step) == (0, 1, 3)
+    assert [no_warmup.split(n, None) for n in range(3)] == [[8, 24], [24, 8], [16, 16]]
     with pytest.raises(ValueError, match="world_size >= 2"):
         profile_plan(32, 1, warmup=1, steps=2, lag=1)
 
@@ -62,12 +68,12 @@ def test_prefetch_depth_of_a_loader() -> None:
     assert loader_prefetch_depth(DataLoader(data, num_workers=2, prefetch_factor=3)) == 7
 
 
-def _profiler(plan, clock=lambda: (8, 0.01)) -> InLoopProfiler:
-    return InLoopProfiler(plan, 32, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: None, {})
+def _profiler(plan) -> InLoopProfiler:
+    return InLoopProfiler(plan, 0, 2, torch.device("cpu"), lambda: (8, 0.01), lambda costs, sizes: None)
 
 
 def test_profiler_steps_count_across_epochs_and_refuse_a_step_drawn_too_early() -> None:
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # trials from step 2, switch at step 7
     profiler = _profiler(plan)
     assert profiler.split_for(0, 0) is None  # not bound to a sampler yet
     resumed = ProportionalDistributedSampler(list(range(32)), [4, 4], 0)  # epochs of 4 global batches
@@ -75,13 +81,18 @@ def test_profiler_steps_count_across_epochs_and_refuse_a_step_drawn_too_early() 
     profiler.bind(resumed)
     other = ProportionalDistributedSampler(list(range(90)), [4, 4], 0)  # a second training loader, whole epochs
     profiler.bind(other)  # the first binding holds: its global batch 3 of epoch 0 is step 1 of the plan
-    assert other.step_batch_sizes(3) == [8, 24] and len(profiler.samplers) == 2
-    assert profiler.split_for(0, 1) is None
-    assert profiler.split_for(0, 2) == [16, 16] and profiler.split_for(0, 3) == [8, 24]
-    assert profiler.split_for(1, 0) == [24, 8]
-    assert profiler.split_for(1, 3) == [16, 16]  # step 5: prefetched, kept at the equal split
-    with pytest.raises(RuntimeError, match="drew global batch 0 of epoch 2 before profiling ended"):
-        profiler.split_for(2, 0)
+    assert other.step_batch_sizes(3) == [16, 16] and len(profiler.samplers) == 2
+    assert profiler.split_for(0, 1) is None and profiler.split_for(0, 2) == [16, 16]
+    with pytest.raises(RuntimeError, match="drew global batch 0 of epoch 1 before the profiling step"):
+        profiler.split_for(1, 0)  # step 2, the first trial: its split needs the rough speeds
+    profiler.rough = [24, 8]
+    a, b = trial_splits([24, 8])
+    assert [profiler.split_for(1, k) for k in range(4)] == [a, b, a, b]  # steps 2 .. 5
+    assert profiler.split_for(2, 0) == [24, 8]  # step 6, drawn before the costs are agreed: the rough split
+    with pytest.raises(RuntimeError, match="drew global batch 1 of epoch 2"):
+        profiler.split_for(2, 1)  # step 7, the switch step: the costs are not agreed yet
+    profiler.done = True
+    assert profiler.split_for(2, 1) is None  # the allocation
 
 
 # ---------------------------------------------------------------------------------------------------------- sampler
@@ -194,11 +205,15 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
     sizes = dumps[0]["batch_sizes"]
     assert dumps[1]["batch_sizes"] == sizes and sum(sizes) == 32
     assert 5 <= sizes[1] <= 11, sizes  # rank 1 is 3x slower: about a quarter
-    seen = list(zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"]))
-    assert seen[:5] == [(16, 16), (8, 24), (24, 8), (8, 24), (24, 8)]  # warm-up, then the trial splits A, B, A, B
-    switch = 10 if name == "workers" else 6  # Lightning's prefetched batch (+ the workers' 4)
-    assert all(s == (16, 16) for s in seen[5:switch])
-    assert all(list(s) == sizes for s in seen[switch:])  # within the first epoch (10 steps) without workers
+    seen = [list(s) for s in zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"])]
+    lag = 5 if name == "workers" else 1  # Lightning's prefetched batch (+ 2 workers x 2)
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=lag)
+    trials = seen[plan.first_trial : plan.gather_step + 1]
+    rough = seen[plan.gather_step + 1]
+    assert seen[: plan.first_trial] == [[16, 16]] * plan.first_trial  # warm-up, and the batches drawn meanwhile
+    assert trials == [*trial_splits(rough)] * 2  # A, B, A, B around the rough split (from the first step: rough)
+    assert seen[plan.gather_step + 1 : plan.switch_step] == [rough] * lag
+    assert seen[plan.switch_step :] == [sizes] * (20 - plan.switch_step)  # step 7 without workers: in epoch 0
     reference = reference_gradients(320, 32, epochs=2)
     for dump in dumps:
         assert len(dump["grads"]) == 20
@@ -217,12 +232,13 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(tmp_path) -
     record = torch.load(tmp_path / "0" / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]
     assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3
     assert "skips the 3 global batch(es) already trained on" in job.output
-    assert job.output.count("profiling on the first 5 training steps") == 2
+    assert job.output.count("profiling on the first 6 training steps") == 2
     full = [torch.load(tmp_path / "0" / f"rank{r}.pt") for r in range(2)]
     again = [torch.load(tmp_path / "1" / f"rank{r}.pt") for r in range(2)]
     for rank in range(2):
         assert again[rank]["global_step"] == 20
-        # global batches 3 .. 7 of epoch 0: the warm-up and the trial splits again, from the resumed step
-        assert again[rank]["seen_batch_sizes"][:5] == [[4, 2, 6, 2, 6], [4, 6, 2, 6, 2]][rank]
+        # global batches 3 and 4 of epoch 0: the warm-up (and the batch drawn meanwhile) again, from the resumed step
+        assert again[rank]["seen_batch_sizes"][:2] == [4, 4]
+        assert len(set(again[rank]["seen_batch_sizes"][2:6])) == 2  # then the trial splits
         state = full[rank]["state_dict"]
         assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)

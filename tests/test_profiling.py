@@ -98,8 +98,8 @@ def test_one_replica_without_speeds_starts_training_untouched(manual: bool) -> N
 def _slow_fit(
     loader: dict | None = None, manual: bool = False, batch_size: int = 16, epochs: int = 1, strategy: Any = None
 ) -> dict:
-    """Rank 1 pays 3x the per-sample cost; the strategy is named by its string, so it profiles (on its first 5 steps;
-    the fitted split from step 6, or later when loader workers draw batches further ahead). 10 global batches an
+    """Rank 1 pays 3x the per-sample cost; the strategy is named by its string, so it profiles (on its first 6 steps;
+    the fitted split from step 7, or later when loader workers draw batches further ahead). 10 global batches an
     epoch."""
     return {
         "devices": 2,
@@ -122,11 +122,11 @@ WORKER_LOADERS = {
 @pytest.fixture(scope="module")
 def slow_replica_fits(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
     """The profiled fits of this module, in one job (one launch and rendezvous instead of six): per-rank dumps and
-    output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` (two epochs: with 2 workers
-    prefetching 3 batches each the fitted split starts in the second), of ``"manual"`` optimization (loader batch 4),
+    output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` (three epochs: with 2 workers
+    prefetching 3 batches each, 7 batches are drawn ahead and the fitted split starts at step 19), of ``"manual"`` optimization (loader batch 4),
     and twice with the speed cache on (``"cache_first"``, ``"cache_second"``)."""
     fits = {"string": _slow_fit()}  # no loader workers; the first fit, the one that launches the replica
-    fits.update({name: _slow_fit(loader, epochs=2) for name, loader in WORKER_LOADERS.items()})
+    fits.update({name: _slow_fit(loader, epochs=3) for name, loader in WORKER_LOADERS.items()})
     fits["manual"] = _slow_fit(manual=True, batch_size=4)
     # the replicas share the machine: the emulated slowdown is what gives them cache keys of their own
     cache = {"profile_cache": str(tmp_path_factory.mktemp("speed_cache")), "emulate_slowdown": [1, 1.5]}
@@ -144,8 +144,9 @@ def test_string_strategy_profiles_slow_replica_to_a_quarter(slow_replica_fits) -
     assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
     assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
     seen = dumps[1]["seen_batch_sizes"]
-    assert seen[:6] == [16, 24, 8, 24, 8, 16] and seen[6:] == [sizes[1]] * 4  # trial splits, then the fitted split
-    assert "profiling on the first 5 training steps" in out and "balance" in out and "samples/s" in out
+    # warm-up (and the batch drawn meanwhile), trials A B A B around the rough split, the rough split, the fitted one
+    assert seen[:2] == [16, 16] and seen[2] == seen[4] != seen[3] == seen[5] and seen[7:] == [sizes[1]] * 3
+    assert "profiling on the first 6 training steps" in out and "balance" in out and "samples/s" in out
 
 
 @pytest.mark.slow
@@ -155,7 +156,7 @@ def test_loaders_with_workers_profile_and_balance(slow_replica_fits, loader: str
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 32 and 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
     seen = dumps[1]["seen_batch_sizes"]
-    assert len(seen) == 20 and seen[-8:] == [sizes[1]] * 8  # the whole second epoch at the fitted split
+    assert len(seen) == 30 and seen[-10:] == [sizes[1]] * 10  # the whole third epoch at the fitted split
 
 
 @pytest.mark.slow

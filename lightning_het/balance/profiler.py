@@ -28,7 +28,7 @@ trained (:class:`~lightning_het.sampler.ProportionalDistributedSampler`'s ``spli
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,23 +53,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ProfilePlan:
-    """The split of every step before the fitted allocation, counted from the fit's first profiled step.
-
-    Attributes:
-        splits: per-replica batch sizes of steps ``0 .. switch_step - 1``.
-        timed: whether each of those steps is timed (the trial steps).
-        gather_step: the step at whose end the costs are fitted and agreed on.
-        switch_step: the first step split by the fitted allocation.
-    """
-
-    splits: tuple[tuple[int, ...], ...]
-    timed: tuple[bool, ...]
-    gather_step: int
-    switch_step: int
-
-
 def _spread(total: int, room: Sequence[int]) -> list[int]:
     """``total`` samples over slots of capacity ``room`` (``total <= sum(room)``), in proportion to ``room``, largest
     remainders first, ties to the lower index."""
@@ -88,34 +71,45 @@ def _spread(total: int, room: Sequence[int]) -> list[int]:
     return out
 
 
+def _halves(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Two groups of ranks holding about the same number of samples (largest first, each to the lighter group)."""
+    groups: tuple[list[int], list[int]] = ([], [])
+    totals = [0, 0]
+    for r in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        g = 0 if totals[0] <= totals[1] else 1
+        groups[g].append(r)
+        totals[g] += sizes[r]
+    return sorted(groups[0]), sorted(groups[1])
+
+
 def trial_splits(
-    global_batch_size: int,
-    world_size: int,
+    around: Sequence[int],
     *,
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """The two trial splits A and B of the global batch (each sums to it and respects the bounds).
+    """The two trial splits A and B around the split ``around`` (each sums to ``sum(around)``, within the bounds).
 
-    In A the even ranks give up to half of their equal share to the odd ranks (none of which more than doubles its
-    share), in B the odd ranks give to the even ones: every replica runs a smaller and a larger size, about 3x apart,
-    whenever the bounds leave room (a replica held at ``min_batch_size`` by an equal split too small to give from still
-    grows in the other split).
+    The replicas form two groups holding about half of the global batch each. In A the first group gives up to half
+    of its samples to the second (none of which more than doubles its share, + 1), in B the second group gives to the
+    first: every replica runs a smaller and a larger size, about 3x apart, wherever the bounds leave room (a replica
+    held at ``min_batch_size`` still grows in the other split). Around a balanced split, the trial steps take about
+    1.5x a balanced step.
 
-    >>> trial_splits(48, 2)
+    >>> trial_splits([24, 24])
     ([12, 36], [36, 12])
-    >>> trial_splits(48, 3)
+    >>> trial_splits([16, 16, 16])
     ([8, 32, 8], [20, 8, 20])
+    >>> trial_splits([7, 14, 27])
+    ([12, 23, 13], [3, 7, 38])
     """
     floor = max(int(min_batch_size), 1)
-    upper = list(max_batch_sizes) if max_batch_sizes is not None else [global_batch_size] * world_size
-    base = allocate_batch_sizes(
-        global_batch_size, [1.0] * world_size, min_batch_size=floor, max_batch_sizes=max_batch_sizes
-    )
+    base = [int(b) for b in around]
+    total = sum(base)
+    upper = list(max_batch_sizes) if max_batch_sizes is not None else [total] * len(base)
+    first, second = _halves(base)
     splits = []
-    for givers_parity in (0, 1):
-        givers = [r for r in range(world_size) if r % 2 == givers_parity]
-        takers = [r for r in range(world_size) if r % 2 != givers_parity]
+    for givers, takers in ((first, second), (second, first)):
         give = [max(base[r] - max(floor, base[r] // 2), 0) for r in givers]
         take = [max(min(upper[r], 2 * base[r] + 1) - base[r], 0) for r in takers]
         moved = min(sum(give), sum(take))
@@ -128,6 +122,69 @@ def trial_splits(
     return splits[0], splits[1]
 
 
+@dataclass(frozen=True)
+class ProfilePlan:
+    """The in-loop profiling schedule, in steps counted from the fit's first profiled step (pure; see
+    :func:`profile_plan`).
+
+    Attributes:
+        equal: the equal split (the allocation while profiling).
+        warmup: untimed equal-split steps first; the fastest gives each replica's rough speed (``0``: none).
+        steps: timed steps at each of the two trial splits.
+        lag: steps whose index lists the loader has drawn ahead of the step being trained.
+        min_batch_size: fewest samples per replica and step.
+        max_batch_sizes: per-replica upper bounds, or ``None``.
+    """
+
+    equal: tuple[int, ...]
+    warmup: int
+    steps: int
+    lag: int
+    min_batch_size: int = 1
+    max_batch_sizes: tuple[int, ...] | None = None
+
+    @property
+    def rough_step(self) -> int | None:
+        """The step at whose end the rough speeds are agreed on (``None`` without a warm-up)."""
+        return self.warmup - 1 if self.warmup else None
+
+    @property
+    def first_trial(self) -> int:
+        """The first trial step: the first step drawn after the rough speeds are known."""
+        return self.warmup + self.lag if self.warmup else 0
+
+    @property
+    def gather_step(self) -> int:
+        """The step at whose end the costs are fitted and agreed on."""
+        return self.first_trial + 2 * self.steps - 1
+
+    @property
+    def switch_step(self) -> int:
+        """The first step split by the fitted allocation (the first one drawn after ``gather_step`` ended)."""
+        return self.gather_step + 1 + self.lag
+
+    def timed(self, n: int) -> bool:
+        """Whether step ``n``'s compute time enters the fit (every step after the warm-up, up to ``gather_step``)."""
+        return self.warmup <= n <= self.gather_step
+
+    def trials(self, around: Sequence[int] | None) -> tuple[list[int], list[int]]:
+        """Trial splits A and B around the rough split (``None``: the equal split)."""
+        return trial_splits(
+            list(around if around is not None else self.equal),
+            min_batch_size=self.min_batch_size,
+            max_batch_sizes=self.max_batch_sizes,
+        )
+
+    def split(self, n: int, around: Sequence[int] | None) -> list[int]:
+        """The split of step ``n < switch_step``: the equal split up to the first trial, then A and B in turn, then
+        the rough split (``around``; the equal split without a warm-up) until the switch."""
+        if n < self.first_trial:
+            return list(self.equal)
+        if n <= self.gather_step:
+            return self.trials(around)[(n - self.first_trial) % 2]
+        return list(around if around is not None else self.equal)
+
+
 def profile_plan(
     global_batch_size: int,
     world_size: int,
@@ -138,37 +195,36 @@ def profile_plan(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> ProfilePlan:
-    """The in-loop profiling schedule (pure; the same on every rank).
+    """The in-loop profiling schedule (the same on every rank).
 
     Args:
         global_batch_size: samples per step.
         world_size: replicas (``>= 2``).
-        warmup: untimed steps at the equal split first.
+        warmup: untimed steps at the equal split first; the fastest gives the rough speeds that the trial splits
+            are centred on.
         steps: timed steps at each of the two trial splits (alternating).
         lag: steps whose index lists the loader draws ahead of the step being trained
-            (:func:`loader_prefetch_depth`): they keep the equal split.
+            (:func:`loader_prefetch_depth`).
         min_batch_size: fewest samples per replica and step.
         max_batch_sizes: per-replica upper bounds.
 
     >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
-    >>> plan.splits
-    ((24, 24), (12, 36), (36, 12), (12, 36), (36, 12), (24, 24))
-    >>> plan.gather_step, plan.switch_step
-    (4, 6)
+    >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
+    [[24, 24], [24, 24], [23, 25], [42, 6], [23, 25], [42, 6], [36, 12]]
+    >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
+    (0, 2, 5, 7)
     """
     if world_size < 2 or steps < 1 or warmup < 0 or lag < 0:
         raise ValueError(
             f"Expected world_size >= 2, steps >= 1, warmup >= 0 and lag >= 0, but got {world_size}, {steps}, {warmup}"
             f" and {lag}."
         )
-    bounds = {"min_batch_size": max(min_batch_size, 1), "max_batch_sizes": max_batch_sizes}
-    equal = tuple(allocate_batch_sizes(global_batch_size, [1.0] * world_size, **bounds))
-    a, b = (tuple(s) for s in trial_splits(global_batch_size, world_size, **bounds))  # type: ignore[arg-type]
-    trials = [a if i % 2 == 0 else b for i in range(2 * steps)]
-    splits = [equal] * warmup + trials + [equal] * lag
-    timed = [False] * warmup + [True] * len(trials) + [False] * lag
-    gather = warmup + len(trials) - 1
-    return ProfilePlan(tuple(splits), tuple(timed), gather, gather + 1 + lag)
+    floor = max(min_batch_size, 1)
+    equal = allocate_batch_sizes(
+        global_batch_size, [1.0] * world_size, min_batch_size=floor, max_batch_sizes=max_batch_sizes
+    )
+    upper = tuple(max_batch_sizes) if max_batch_sizes is not None else None
+    return ProfilePlan(tuple(equal), warmup, steps, lag, floor, upper)
 
 
 def loader_prefetch_depth(dataloader: Any) -> int:
@@ -182,46 +238,44 @@ def loader_prefetch_depth(dataloader: Any) -> int:
 class InLoopProfiler:
     """Runs one fit's :class:`ProfilePlan` on one replica: the split of each early step, the timings, the fit.
 
-    Owned by the strategy. :meth:`split_for` is the training sampler's ``split_schedule``; :meth:`on_train_batch_end`
-    is called at the end of every training step (:class:`ProfilerCallback`) and, at ``plan.gather_step``, fits this
-    replica's cost, all-gathers every replica's (a collective: every rank reaches that step) and hands the costs and
-    the allocation to ``adopt``.
+    Owned by the strategy. :meth:`split_for` is the training samplers' ``split_schedule``; :meth:`on_train_batch_end`
+    is called at the end of every training step (:class:`ProfilerCallback`). At ``plan.rough_step`` it agrees on
+    rough speeds (the fastest warm-up step of every replica, all-gathered) and the rough split the trials centre on;
+    at ``plan.gather_step`` it fits this replica's cost, all-gathers every replica's and hands the costs and the
+    allocation to ``adopt``. Both are collectives that every rank reaches at the end of the same step.
 
     Args:
         plan: the schedule.
-        global_batch_size: samples per step.
         rank: this replica's global rank.
         world_size: replicas.
         device: where the all-gather's tensors live (the backend's device).
-        clock: returns the open step's compute seconds at the end of a step
+        clock: returns the open step's batch size and compute seconds at the end of a step
             (:meth:`~lightning_het.balance.telemetry.StepClock.open_step`), or ``None`` when it has none.
         adopt: called once with ``(costs, batch_sizes)`` when the costs are agreed.
-        bounds: ``min_batch_size`` / ``max_batch_sizes`` of the allocation.
     """
 
     def __init__(
         self,
         plan: ProfilePlan,
-        global_batch_size: int,
         rank: int,
         world_size: int,
         device: torch.device,
         clock: Callable[[], tuple[int, float] | None],
         adopt: Callable[[list[AffineCost], list[int]], None],
-        bounds: dict[str, Any],
     ) -> None:
         self.plan = plan
-        self.global_batch_size = global_batch_size
+        self.global_batch_size = sum(plan.equal)
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self._clock = clock
         self._adopt = adopt
-        self._bounds = bounds
+        self._bounds = {"min_batch_size": plan.min_batch_size, "max_batch_sizes": plan.max_batch_sizes}
         self._origin: tuple[int, int, int] | None = None  # (epoch, step within it, steps per epoch) of step 0
         self.samplers: list[Any] = []  # the training samplers following the plan (one per training loader)
         self._compute: list[float] = []  # this replica's compute seconds of steps 0 .. gather_step
-        self._started = 0.0
+        self._sizes: list[int] = []  # and its batch sizes
+        self.rough: list[int] | None = None  # the rough split the trials centre on (after the warm-up)
         self.done = False
         self.costs: list[AffineCost] | None = None
         #: estimated seconds the profiled steps cost beyond balanced steps (slowest replica's compute)
@@ -247,52 +301,57 @@ class InLoopProfiler:
         """The split of global batch ``step`` of ``epoch`` while the plan runs, ``None`` where the allocation applies.
 
         Raises:
-            RuntimeError: a step from ``switch_step`` on is drawn before the costs are agreed (a loader that
-                prefetches deeper than :func:`loader_prefetch_depth` says): its split cannot be known yet.
+            RuntimeError: a step is drawn before what decides its split is agreed (a loader that prefetches deeper
+                than :func:`loader_prefetch_depth` says).
         """
         n = self.step_index(epoch, step)
-        if n < 0 or (self.done and n >= self.plan.switch_step):
+        plan = self.plan
+        if n < 0 or (self.done and n >= plan.switch_step):
             return None
-        if n < self.plan.switch_step:
-            return list(self.plan.splits[n])
+        if n < plan.switch_step and (n < plan.first_trial or self.rough is not None or not plan.warmup):
+            return plan.split(n, self.rough)
         raise RuntimeError(
-            f"lightning_het: the training loader drew global batch {step} of epoch {epoch} before profiling ended"
-            f" (step {self.plan.gather_step} of the plan; assumed {self.plan.switch_step - self.plan.gather_step - 1}"
-            " batches drawn ahead). HINT: pass `speeds=[...]`, or lower `prefetch_factor`."
+            f"lightning_het: the training loader drew global batch {step} of epoch {epoch} before the profiling step"
+            f" that decides its split had ended (assumed {plan.lag} batch(es) drawn ahead). HINT: pass"
+            " `speeds=[...]`, or lower `prefetch_factor`."
         )
 
     def on_train_batch_end(self, epoch: int, batch_idx: int) -> None:
-        """Record this step's compute time; at ``gather_step``, fit, agree and adopt (collective there)."""
+        """Record this step's compute time; agree on the rough speeds and then the costs at their steps."""
         if self.done:
             return
         n = self.step_index(epoch, batch_idx)
-        if n < 0:
-            return
-        if n == 0:
-            self._started = time.perf_counter()
-        if n < len(self._compute):
-            return  # the same step seen again (a cycling second loader)
+        if n < 0 or n < len(self._compute):
+            return  # before the plan, or the same step seen again (a cycling second loader)
         measured = self._clock()
-        self._compute.append(measured[1] if measured is not None else float("nan"))
+        self._compute.append(measured[1] if measured is not None and measured[1] > 0 else math.nan)
+        self._sizes.append(measured[0] if measured is not None else 0)
+        if n == self.plan.rough_step:
+            self._agree_rough()
         if n == self.plan.gather_step:
             self._finish()
+
+    def _agree_rough(self) -> None:
+        warm = [t for t in self._compute[: self.plan.warmup] if math.isfinite(t)]
+        local = self.plan.equal[self.rank] / min(warm) if warm else 1.0
+        speeds = [r[0] for r in _all_gather([local], self.world_size, self.device)]
+        self.rough = allocate_batch_sizes(self.global_batch_size, speeds, **self._bounds)
 
     def _finish(self) -> None:
         plan, rank = self.plan, self.rank
         stages: dict[int, list[StepTiming]] = {}
         for n, seconds in enumerate(self._compute):
-            if plan.timed[n] and seconds == seconds and seconds > 0:  # not NaN
-                stages.setdefault(plan.splits[n][rank], []).append(StepTiming(0.0, seconds))
+            if plan.timed(n) and math.isfinite(seconds):
+                stages.setdefault(plan.split(n, self.rough)[rank], []).append(StepTiming(0.0, seconds))
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
         rows = _all_gather([local.fixed_s, local.per_sample_s, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
         sizes = allocate_affine(self.global_batch_size, costs, **self._bounds)
         balanced = step_time(sizes, costs)
         slowest = [max(r[2 + n] for r in rows) for n in range(len(self._compute))]
-        equal = list(plan.splits[-1])
-        gap = plan.switch_step - plan.gather_step - 1
-        self.overhead_s = max(sum(s - balanced for s in slowest if s == s), 0.0) + gap * max(
-            step_time(equal, costs) - balanced, 0.0
+        gap = step_time(plan.split(plan.gather_step + 1, self.rough), costs) if plan.lag else balanced
+        self.overhead_s = sum(max(s - balanced, 0.0) for s in slowest if math.isfinite(s)) + plan.lag * max(
+            gap - balanced, 0.0
         )
         self.costs = costs
         self.done = True
