@@ -172,26 +172,30 @@ class HeterogeneousStrategyBase:
             time them; the faster is kept for the rest of ``fit`` (both are exact; ``strategy.comm_reduction`` says
             which). ``0``: always the hierarchy. See :mod:`lightning_het.comm.tuning`.
         emulate_slowdown: *emulation only*: replica ``r``'s steps take ``emulate_slowdown[r]`` times their real compute
-            time, in profiling and training alike, to reproduce a heterogeneous platform on homogeneous hardware. The
+            time (profiled steps included: they are training steps), to reproduce a heterogeneous platform on
+            homogeneous hardware. The
             replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
             times the backward time it just measured at the end of its local backward, before the gradients are
             synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
-        profile_steps: timed steps per profiling stage. Profiling fits each replica's cost per step,
-            ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`), from two stages run back
-            to back at an eighth and at half of the global batch, split by the warm-up's rough speeds; the fastest
-            step of each stage counts. The global batch is then split to minimise the slowest replica's step
-            (:func:`~lightning_het.balance.cost.allocate_affine`). Only the local step is timed: DDP's reducer is
-            disarmed, no optimizer steps and no gradient is communicated (manual optimization too). Profiling costs
-            about ``profile_warmup`` quarter-size equal-split steps plus ``0.625 * profile_steps`` balanced steps.
-            See ``docs/balancing.md``.
-        profile_warmup: untimed steps before the stages (each replica runs a quarter of its equal share of the global
-            batch, at least ``min_batch_size``); their fastest step gives the rough speeds that size the stages. A
-            slow first step (CUDA context, ``cudnn.benchmark``, compilation) only makes the stages less even.
+        profile_steps: trial steps per trial split. Without ``speeds``, the fit's first training steps profile each
+            replica's cost per step, ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`):
+            they are ordinary training steps (every hook in Lightning's order, exact gradients) whose global batches
+            are split by a schedule of trial splits instead of the allocation, and the step clock times each
+            replica's local compute (without the wait in the gradient all-reduce). After the warm-up, two trial
+            splits around the rough split alternate, ``profile_steps`` steps each, so every replica runs two batch
+            sizes about 3x apart; each replica fits its cost through its fastest step at each size, the costs are
+            all-gathered at the end of the last trial step, and the global batches not drawn yet by the loader are
+            split to minimise the slowest replica's step (:func:`~lightning_het.balance.cost.allocate_affine`).
+            Nothing profiles with one replica. See :mod:`lightning_het.balance.profiler` and ``docs/balancing.md``.
+        profile_warmup: untimed equal-split steps first (CUDA context, ``cudnn.benchmark``, compilation); their
+            fastest step gives the rough speeds that the trial splits are centred on (``0``: trials around the equal
+            split).
         profile_cache: speed cache: a directory (or ``True``: ``~/.cache/lightning_het/profiles``) where each
             replica's fitted cost is kept under a key made of the module class and parameter count, the device, one
             training sample's tensor shapes, the precision, the emulated slowdown and the replicas per node
             (:func:`~lightning_het.balance.profiling.cache_key`). When every replica finds its entry, profiling is
-            skipped. ``None`` (default) or ``False``: off. Delete the directory to forget stale entries.
+            skipped (no trial split at all). ``None`` (default) or ``False``: off. Delete the directory to forget stale
+            entries.
         device_map: the device of each local replica, e.g. ``["cuda:0", "cuda:1", "cpu"]`` (the same on every node), or
             ``{node_rank: [...]}`` when nodes differ. Mixes CPU and GPU replicas in one job through a
             :class:`~lightning_het.accelerators.MixedAccelerator` (leave ``Trainer(accelerator=..., devices=...)`` at

@@ -23,7 +23,8 @@ busy time becomes ``f`` times its real compute time and its peers see it late, a
 the work is the smaller of the wall time and the process's CPU time over the same span: when replicas share cores, the
 time a replica spends descheduled is not multiplied by ``f`` (that would turn every scheduling hiccup into an
 ``f``-fold one and make the emulated platform unbalanceable). On CUDA the work is the synchronised wall time. It is an
-emulation: the sleeping replica releases its CPU (or GPU) instead of computing. Profiling
+emulation: the sleeping replica releases its CPU (or GPU) instead of computing. The strategy's profiling reads this
+clock on its first training steps (:meth:`StepClock.open_step`, :mod:`lightning_het.balance.profiler`), and Fabric's
 (:func:`~lightning_het.balance.profiling.time_steps`) uses the same function, so profiled and trained steps agree.
 
 Cost: about six clock reads, one tensor hook and one autograd callback per step, and one small all-gather per epoch
