@@ -172,11 +172,10 @@ class HeterogeneousStrategyBase:
             time them; the faster is kept for the rest of ``fit`` (both are exact; ``strategy.comm_reduction`` says
             which). ``0``: always the hierarchy. See :mod:`lightning_het.comm.tuning`.
         emulate_slowdown: *emulation only*: replica ``r``'s steps take ``emulate_slowdown[r]`` times their real compute
-            time (profiled steps included: they are training steps), to reproduce a heterogeneous platform on
-            homogeneous hardware. The
-            replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
-            times the backward time it just measured at the end of its local backward, before the gradients are
-            synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
+            time (the profiled steps too: they are training steps), to reproduce a heterogeneous platform on
+            homogeneous hardware. The replica sleeps ``f - 1`` times the forward time it just measured after the
+            forward pass, and ``f - 1`` times the backward time it just measured at the end of its local backward,
+            before the gradients are synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
         profile_steps: trial steps per trial split. Without ``speeds``, the fit's first training steps profile each
             replica's cost per step, ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`):
             they are ordinary training steps (every hook in Lightning's order, exact gradients) whose global batches
