@@ -175,6 +175,8 @@ SLOW = {"strategy": {"emulate_slowdown": [1, 3]}, "cost_per_sample_s": 0.001}
 INLOOP_FITS = {
     "automatic": SLOW,
     "manual": {**SLOW, "manual": True},
+    # two networks, two optimizers, each backward reaching one network only
+    "gan": {**SLOW, "manual": True, "gan": True, "strategy": {**SLOW["strategy"], "find_unused_parameters": True}},
     # 2 workers x prefetch 2 + Lightning's batch: 5 batches drawn ahead, the fitted split from step 10 (epoch 1)
     "workers": {**SLOW, "loader": {"num_workers": 2}},
 }
@@ -193,10 +195,11 @@ def inloop_fits(tmp_path_factory) -> dict[str, list[dict]]:
 def test_training_step_without_batch_idx_runs_once_per_step_with_its_state(inloop_fits, name: str) -> None:
     for dump in inloop_fits[name]:
         assert dump["problems"] == []
-        assert dump["global_step"] == 20
+        twice = 40 if name == "gan" else 20  # the GAN's two backwards and two optimizer steps per batch
+        assert dump["global_step"] == twice
         counts = dump["counts"]
         assert counts["training_step"] == counts["on_train_batch_end"] == 20
-        assert counts["on_before_backward"] == counts["on_after_backward"] == 20
+        assert counts["on_before_backward"] == counts["on_after_backward"] == twice
 
 
 @pytest.mark.parametrize("name", list(INLOOP_FITS))

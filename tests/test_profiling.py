@@ -123,8 +123,8 @@ WORKER_LOADERS = {
 def slow_replica_fits(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
     """The profiled fits of this module, in one job (one launch and rendezvous instead of six): per-rank dumps and
     output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` (three epochs: with 2 workers
-    prefetching 3 batches each, 7 batches are drawn ahead and the fitted split starts at step 19), of ``"manual"`` optimization (loader batch 4),
-    and twice with the speed cache on (``"cache_first"``, ``"cache_second"``)."""
+    prefetching 3 batches each, 7 batches are drawn ahead and the fitted split starts at step 19), of ``"manual"``
+    optimization (loader batch 4), and twice with the speed cache on (``"cache_first"``, ``"cache_second"``)."""
     fits = {"string": _slow_fit()}  # no loader workers; the first fit, the one that launches the replica
     fits.update({name: _slow_fit(loader, epochs=3) for name, loader in WORKER_LOADERS.items()})
     fits["manual"] = _slow_fit(manual=True, batch_size=4)

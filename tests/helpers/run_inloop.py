@@ -1,10 +1,11 @@
 """Profiled fits whose modules check Lightning's contract: ``python -m tests.helpers.run_inloop OUT_DIR JSON``.
 
 JSON: one config or a list (see :func:`tests.helpers.jobs.run_configs`); keys ``devices`` (2), ``epochs`` (2),
-``n`` (320), ``batch_size`` (16, per replica), ``manual`` (manual optimization), ``strategy`` (extra
-``HeterogeneousStrategy`` keywords), ``loader`` (extra ``DataLoader`` keywords), ``cost_per_sample_s`` (CPU seconds
-burnt per sample, stretched by ``emulate_slowdown``). Every rank dumps ``OUT_DIR/rank{r}.pt``: the batch size and the
-synchronised gradient of every step, hook counts, what ``training_step`` found missing, the allocation.
+``n`` (320), ``batch_size`` (16, per replica), ``manual`` (manual optimization), ``gan`` (manual optimization of two
+networks, one per backward), ``strategy`` (extra ``HeterogeneousStrategy`` keywords), ``loader`` (extra
+``DataLoader`` keywords), ``cost_per_sample_s`` (CPU seconds burnt per sample, stretched by ``emulate_slowdown``).
+Every rank dumps ``OUT_DIR/rank{r}.pt``: the batch size and the synchronised gradient of every step, hook counts,
+what ``training_step`` found missing, the allocation.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ class ContractModule(pl.LightningModule):
     """``training_step(self, batch)`` without ``batch_idx``; state made in ``on_train_start`` and
     ``on_train_epoch_start``; counts its hooks; records every step's batch size and synchronised gradient."""
 
-    def __init__(self, cost_per_sample_s: float = 0.0, manual: bool = False) -> None:
+    def __init__(self, cost_per_sample_s: float = 0.0, manual: bool = False, gan: bool = False) -> None:
         super().__init__()
         self.net = make_net()
+        self.frozen = nn.Dropout(0.5).eval()  # a frozen submodule: Lightning keeps it in eval() mode
+        self.gan = gan  # manual optimization of two networks, each backward reaching one of them
+        self.disc = make_net(seed=8) if gan else None
         self.cost_per_sample_s = cost_per_sample_s
         self.automatic_optimization = not manual
         self.counts = {"training_step": 0, "on_before_backward": 0, "on_after_backward": 0, "on_train_batch_end": 0}
@@ -47,11 +51,23 @@ class ContractModule(pl.LightningModule):
             self.problems.append(f"step {self.counts['training_step']}: state from on_train_start missing")
         if self.trainer.train_dataloader is None:
             self.problems.append("trainer.train_dataloader is None")
+        if self.frozen.training:
+            self.problems.append(f"step {self.counts['training_step']}: the frozen submodule was put in train mode")
         x, y = batch
         self.batch_sizes.append(int(x.shape[0]))
         if self.cost_per_sample_s:
             burn(self.cost_per_sample_s * x.shape[0])
         loss = nn.functional.mse_loss(self.net(x), y)
+        if self.gan:
+            opt_g, opt_d = self.optimizers()
+            opt_g.zero_grad()
+            self.manual_backward(loss)  # the second network gets no gradient: find_unused_parameters=True
+            self._record_grad()
+            opt_g.step()
+            opt_d.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self.disc(x), y))
+            opt_d.step()
+            return None
         if not self.automatic_optimization:
             opt = self.optimizers()
             opt.zero_grad()
@@ -78,13 +94,18 @@ class ContractModule(pl.LightningModule):
         self.grads.append(torch.cat([p.grad.detach().flatten().clone() for p in self.net.parameters()]))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.gan:
+            return [
+                torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9),
+                torch.optim.SGD(self.disc.parameters(), lr=0.05, momentum=0.9),
+            ]
+        return torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
 
 
 def fit_and_dump(out, cfg: dict) -> None:
     pl.seed_everything(0)
     strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
-    model = ContractModule(cfg.get("cost_per_sample_s", 0.0), cfg.get("manual", False))
+    model = ContractModule(cfg.get("cost_per_sample_s", 0.0), cfg.get("manual", False), cfg.get("gan", False))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=cfg.get("devices", 2),
