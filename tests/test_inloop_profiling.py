@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
+from lightning_het.balance import profiler as profiler_module
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
 from lightning_het.sampler import ProportionalBatchSampler
 from tests.helpers.jobs import run_helper
@@ -72,27 +73,41 @@ def _profiler(plan) -> InLoopProfiler:
     return InLoopProfiler(plan, 0, 2, torch.device("cpu"), lambda: (8, 0.01), lambda costs, sizes: None)
 
 
-def test_profiler_steps_count_across_epochs_and_refuse_a_step_drawn_too_early() -> None:
+def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_too_early(monkeypatch) -> None:
+    gathered = []
+    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: gathered.append(v) or [list(v), list(v)])
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # trials from step 2, switch at step 7
     profiler = _profiler(plan)
-    assert profiler.split_for(0, 0) is None  # not bound to a sampler yet
     resumed = ProportionalDistributedSampler(list(range(32)), [4, 4], 0)  # epochs of 4 global batches
     resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
     profiler.bind(resumed)
-    other = ProportionalDistributedSampler(list(range(90)), [4, 4], 0)  # a second training loader, whole epochs
-    profiler.bind(other)  # the first binding holds: its global batch 3 of epoch 0 is step 1 of the plan
-    assert other.step_batch_sizes(3) == [16, 16] and len(profiler.samplers) == 2
-    assert profiler.split_for(0, 1) is None and profiler.split_for(0, 2) == [16, 16]
-    with pytest.raises(RuntimeError, match="drew global batch 0 of epoch 1 before the profiling step"):
-        profiler.split_for(1, 0)  # step 2, the first trial: its split needs the rough speeds
-    profiler.rough = [24, 8]
-    a, b = trial_splits([24, 8])
-    assert [profiler.split_for(1, k) for k in range(4)] == [a, b, a, b]  # steps 2 .. 5
-    assert profiler.split_for(2, 0) == [24, 8]  # step 6, drawn before the costs are agreed: the rough split
-    with pytest.raises(RuntimeError, match="drew global batch 1 of epoch 2"):
-        profiler.split_for(2, 1)  # step 7, the switch step: the costs are not agreed yet
-    profiler.done = True
-    assert profiler.split_for(2, 1) is None  # the allocation
+    assert resumed.step_batch_sizes(2) == [16, 16] and resumed.step_batch_sizes(3) == [16, 16]  # plan steps 0, 1
+    profiler.on_train_batch_end(0, 2)  # the warm-up ends: the rough split is agreed (equal speeds here)
+    assert gathered == [[16 / 0.01]] and profiler.rough == [16, 16]
+    profiler.on_train_batch_end(0, 3)
+    # the next epoch is drawn after the steps trained so far: its batch 0 is plan step 2, the first trial
+    a, b = trial_splits([16, 16])
+    assert [profiler.split_for(1, k) for k in range(4)] == [a, b, a, b]  # plan steps 2 .. 5
+    for k in range(4):
+        profiler.on_train_batch_end(1, k)
+    assert profiler.done and len(gathered) == 2
+    other = ProportionalDistributedSampler(list(range(90)), [4, 4], 0)  # a second loader follows the same plan
+    profiler.bind(other)
+    other.set_epoch(2)
+    assert other.step_batch_sizes(0) == [16, 16]  # plan step 6: drawn before the costs were agreed, the rough split
+    assert other.step_batch_sizes(1) == [4, 4] and profiler.split_for(2, 1) is None  # the allocation from step 7
+
+
+def test_an_epoch_shorter_than_its_loader_leaves_no_plan_step_out() -> None:
+    """``limit_train_batches``: epoch 0 trains 1 of its batches; epoch 1 starts at the next plan step."""
+    profiler = _profiler(profile_plan(32, 2, warmup=0, steps=1, lag=1))  # trials at steps 0 and 1, switch at 3
+    a, b = trial_splits([16, 16])
+    assert profiler.split_for(0, 0) == a and profiler.split_for(0, 1) == b  # step 1 drawn, never trained
+    profiler._clock = lambda: None
+    profiler.on_train_batch_end(0, 0)
+    assert profiler.split_for(1, 0) == b  # plan step 1
+    with pytest.raises(RuntimeError, match="drew global batch 2 of epoch 1 before the profiling step"):
+        profiler.split_for(1, 2)  # plan step 3, the switch: the costs are not agreed yet
 
 
 # ---------------------------------------------------------------------------------------------------------- sampler
@@ -153,8 +168,11 @@ def test_one_replica_neither_profiles_nor_gathers(monkeypatch) -> None:
 # ---------------------------------------------------------------------------------------------------------- jobs
 
 
-def reference_gradients(n: int, global_batch: int, epochs: int, seed: int = 0) -> list[torch.Tensor]:
-    """Every step's gradient when one process trains on the whole global batches (same order, same optimizer)."""
+def reference_gradients(
+    n: int, global_batch: int, epochs: int, seed: int = 0, limit: int | None = None
+) -> list[torch.Tensor]:
+    """Every step's gradient when one process trains on the whole global batches (same order, same optimizer;
+    ``limit``: the first global batches of each epoch only)."""
     data = make_dataset(n)
     net = make_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -162,7 +180,9 @@ def reference_gradients(n: int, global_batch: int, epochs: int, seed: int = 0) -
     grads = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for x, y in DataLoader(data, batch_size=global_batch, sampler=sampler):
+        for k, (x, y) in enumerate(DataLoader(data, batch_size=global_batch, sampler=sampler)):
+            if limit is not None and k >= limit:
+                break
             opt.zero_grad()
             nn.functional.mse_loss(net(x), y).backward()
             grads.append(torch.cat([p.grad.flatten().clone() for p in net.parameters()]))
@@ -179,6 +199,8 @@ INLOOP_FITS = {
     "gan": {**SLOW, "manual": True, "gan": True, "strategy": {**SLOW["strategy"], "find_unused_parameters": True}},
     # 2 workers x prefetch 2 + Lightning's batch: 5 batches drawn ahead, the fitted split from step 10 (epoch 1)
     "workers": {**SLOW, "loader": {"num_workers": 2}},
+    # epochs of 4 of the loader's 10 batches: the plan continues across them, the fitted split from step 7
+    "limited": {**SLOW, "limit_train_batches": 4, "epochs": 5},
 }
 
 
@@ -217,7 +239,8 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
     assert trials == [*trial_splits(rough)] * 2  # A, B, A, B around the rough split (from the first step: rough)
     assert seen[plan.gather_step + 1 : plan.switch_step] == [rough] * lag
     assert seen[plan.switch_step :] == [sizes] * (20 - plan.switch_step)  # step 7 without workers: in epoch 0
-    reference = reference_gradients(320, 32, epochs=2)
+    cfg = INLOOP_FITS[name]
+    reference = reference_gradients(320, 32, epochs=cfg.get("epochs", 2), limit=cfg.get("limit_train_batches"))
     for dump in dumps:
         assert len(dump["grads"]) == 20
         for step, (got, want) in enumerate(zip(dump["grads"], reference)):

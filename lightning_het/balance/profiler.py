@@ -271,7 +271,9 @@ class InLoopProfiler:
         self._clock = clock
         self._adopt = adopt
         self._bounds = {"min_batch_size": plan.min_batch_size, "max_batch_sizes": plan.max_batch_sizes}
-        self._origin: tuple[int, int, int] | None = None  # (epoch, step within it, steps per epoch) of step 0
+        #: per epoch: (plan step, global batch within the epoch) of the epoch's first drawn batch
+        self._anchors: dict[int, tuple[int, int]] = {}
+        self._trained = 0  # training steps ended since the plan started
         self.samplers: list[Any] = []  # the training samplers following the plan (one per training loader)
         self._compute: list[float] = []  # this replica's compute seconds of steps 0 .. gather_step
         self._sizes: list[int] = []  # and its batch sizes
@@ -282,20 +284,22 @@ class InLoopProfiler:
         self.overhead_s = 0.0
 
     def bind(self, sampler: Any) -> None:
-        """Make ``sampler`` (a :class:`~lightning_het.sampler.ProportionalDistributedSampler` positioned for the epoch
-        it starts) follow the plan. Step 0 of the plan is the global batch the first sampler bound starts from."""
-        if self._origin is None:
-            epoch, start = sampler.position
-            self._origin = (int(epoch), int(start), int(sampler.num_steps))
+        """Make ``sampler`` (a :class:`~lightning_het.sampler.ProportionalDistributedSampler`) follow the plan."""
         sampler.split_schedule = self.split_for
         self.samplers.append(sampler)
 
     def step_index(self, epoch: int, step: int) -> int:
-        """Steps since the plan's step 0 (negative before it)."""
-        if self._origin is None:
-            return -1
-        epoch0, start, per_epoch = self._origin
-        return (epoch - epoch0) * per_epoch + step - start
+        """The plan step of global batch ``step`` of ``epoch`` (negative: none).
+
+        An epoch's first drawn batch is the plan step after the steps trained so far: an epoch's batches are drawn
+        once the previous epoch has ended, the same on every rank. Step 0 of the plan is the fit's first batch (the
+        resumed one after a mid-epoch resume), and an epoch that trains fewer batches than its loader holds
+        (``limit_train_batches``) does not leave plan steps out.
+        """
+        anchor = self._anchors.get(epoch)
+        if anchor is None:
+            anchor = self._anchors[epoch] = (self._trained, step)
+        return anchor[0] + step - anchor[1]
 
     def split_for(self, epoch: int, step: int) -> list[int] | None:
         """The split of global batch ``step`` of ``epoch`` while the plan runs, ``None`` where the allocation applies.
@@ -318,11 +322,14 @@ class InLoopProfiler:
 
     def on_train_batch_end(self, epoch: int, batch_idx: int) -> None:
         """Record this step's compute time; agree on the rough speeds and then the costs at their steps."""
+        if epoch not in self._anchors:
+            return  # no batch of ours drawn in this epoch
+        n = self.step_index(epoch, batch_idx)
+        if n < self._trained:
+            return  # the same step seen again (a cycling second loader)
+        self._trained = n + 1
         if self.done:
             return
-        n = self.step_index(epoch, batch_idx)
-        if n < 0 or n < len(self._compute):
-            return  # before the plan, or the same step seen again (a cycling second loader)
         measured = self._clock()
         self._compute.append(measured[1] if measured is not None and measured[1] > 0 else math.nan)
         self._sizes.append(measured[0] if measured is not None else 0)

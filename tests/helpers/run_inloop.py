@@ -3,9 +3,9 @@
 JSON: one config or a list (see :func:`tests.helpers.jobs.run_configs`); keys ``devices`` (2), ``epochs`` (2),
 ``n`` (320), ``batch_size`` (16, per replica), ``manual`` (manual optimization), ``gan`` (manual optimization of two
 networks, one per backward), ``strategy`` (extra ``HeterogeneousStrategy`` keywords), ``loader`` (extra
-``DataLoader`` keywords), ``cost_per_sample_s`` (CPU seconds burnt per sample, stretched by ``emulate_slowdown``).
-Every rank dumps ``OUT_DIR/rank{r}.pt``: the batch size and the synchronised gradient of every step, hook counts,
-what ``training_step`` found missing, the allocation.
+``DataLoader`` keywords), ``limit_train_batches``, ``cost_per_sample_s`` (CPU seconds burnt per sample, stretched by
+``emulate_slowdown``). Every rank dumps ``OUT_DIR/rank{r}.pt``: the batch size and the synchronised gradient of every
+step, hook counts, what ``training_step`` found missing, the allocation.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def fit_and_dump(out, cfg: dict) -> None:
         devices=cfg.get("devices", 2),
         strategy=strategy,
         max_epochs=cfg.get("epochs", 2),
+        limit_train_batches=cfg.get("limit_train_batches"),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
