@@ -720,8 +720,9 @@ class BalanceMonitor:
         times = summary["compute_s"]
         if not self.check_due(trainer) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
             return False
-        if list(summary.get("batch_sizes", sizes)) != list(sizes):
-            # the epoch mostly ran other splits (a short epoch spent profiling): its medians do not describe `sizes`
+        if getattr(strategy, "profiling", False) or list(summary.get("batch_sizes", sizes)) != list(sizes):
+            # still profiling (the fitted split is coming), or the epoch mostly ran other splits (a short epoch spent
+            # profiling): its medians do not describe `sizes`
             return False
         decision = plan_rebalance(
             sizes,
