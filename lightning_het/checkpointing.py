@@ -282,9 +282,11 @@ def apply_sampler_resume(
 def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:
     """The first :class:`ProportionalDistributedSampler` among ``loaders`` (Lightning's flattened train loaders)."""
     for loader in loaders:
-        sampler = getattr(loader, "sampler", None) if isinstance(loader, DataLoader) else None
-        if isinstance(sampler, ProportionalDistributedSampler):
-            return sampler
+        if not isinstance(loader, DataLoader):
+            continue
+        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+            if isinstance(sampler, ProportionalDistributedSampler):
+                return sampler
     return None
 
 
@@ -301,9 +303,10 @@ def checkpoint_record(strategy: Any) -> dict[str, Any]:
             sampler_state = sampler_record(sampler, done)
             # the epoch's end-of-epoch bookkeeping already ran (saved in on_train_epoch_end or later)
             sampler_state["epoch_finished"] = trainer.fit_loop.epoch_progress.current.processed > sampler.epoch
+    # while the first steps still profile there are no speeds yet: a run resumed from here profiles again
     return allocation_record(
         strategy.batch_sizes,
-        strategy.speeds,
+        None if getattr(strategy, "profiling", False) else strategy.speeds,
         strategy.node_ids,
         profiled=not strategy.speeds_given,
         sampler=sampler_state,

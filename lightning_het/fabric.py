@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -38,7 +39,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het._compat import flavour_private
-from lightning_het.balance.profiling import StepTiming, preserved_training_state, time_steps
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.profiling import (
+    StepTiming,
+    fit_stage_timings,
+    preserved_training_state,
+    stage_sizes,
+    time_steps,
+)
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.loaders import rebuild_loader, training_order
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
@@ -291,6 +300,80 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 
     # ------------------------------------------------------------------ profiling
     @override
+    def _measured_costs(
+        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
+    ) -> list[AffineCost] | None:
+        """Every replica's :class:`~lightning_het.balance.cost.AffineCost`: from the speed cache when every replica
+        has an entry, else profiled before the loop runs (Fabric has no loop of ours to profile in): a warm-up, then
+        two timed stages of ``profile_step`` (see :mod:`lightning_het.balance.profiling`)."""
+        start = time.perf_counter()
+        self._profile_seconds = 0.0
+        self._profile_cached = False
+        cached = self._cached_costs(dataloader)
+        if cached is not None:
+            self._profile_seconds = time.perf_counter() - start
+            return cached
+        world, rank = self.world_size, self.global_rank
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        equal_split = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)
+        rough = [1.0] * world
+        if self._profile_warmup:
+            # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
+            warm_sizes = [max(self._train_min_batch_size, 1, -(-b // 4)) for b in equal_split]
+            warm = self._time_local_steps(
+                dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, order=order_sampler
+            )
+            local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
+            rough = [r[0] for r in self._all_gather_floats([local])]
+        small, large = stage_sizes(global_batch, rough, **bounds)
+        if sum(large) > len(dataloader.dataset):  # a dataset barely above one global batch: one stage size only
+            large = small
+        stages = [
+            (
+                sizes[rank],
+                self._time_local_steps(
+                    dataloader, sizes, shuffle, seed, steps=self._profile_steps, order=order_sampler
+                ),
+            )
+            for sizes in (small, large)
+        ]
+        cost = fit_stage_timings(stages)
+        rows = self._all_gather_floats([cost.fixed_s, cost.per_sample_s])
+        cache, key = self._cache_entry
+        if cache is not None and key is not None:
+            cache.put(key, cost)
+        self._profile_seconds = time.perf_counter() - start
+        return [AffineCost(r[0], r[1]) for r in rows]
+
+    def _time_local_steps(
+        self,
+        dataloader: DataLoader,
+        probe_sizes: list[int],
+        shuffle: bool,
+        seed: int,
+        *,
+        steps: int,
+        order: Any = None,
+    ) -> list[StepTiming]:
+        """Time ``steps`` local steps of this replica at ``probe_sizes[rank]`` samples; ``order``: the user's sampler
+        whose order the training batches are cut from."""
+        rank = self.global_rank
+        sampler = ProportionalDistributedSampler(
+            dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
+        )
+        # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
+        single_process = (
+            {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "multiprocessing_context": None}
+            if dataloader.num_workers > 0
+            else {}
+        )
+        probe = rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
+        return self._time_probe_steps(probe, steps)
+
+    def _align_profiling_step(self) -> None:
+        """Every replica starts its next profiling step together (see :func:`time_steps`)."""
+        self.barrier("lightning_het.profiling_step")
+
     def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
         """Time ``steps`` calls of ``profile_step`` (forward) plus the backward of its loss, without gradient sync."""
         if self.profile_step is None:

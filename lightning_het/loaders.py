@@ -151,11 +151,20 @@ class PerSampleCollate:
         return default_collate([self.per_sample(s) for s in samples])
 
 
-def rebuild_loader(dataloader: DataLoader, sampler: Sampler, batch_size: int, **overrides: Any) -> DataLoader:
+def rebuild_loader(
+    dataloader: DataLoader,
+    sampler: Sampler,
+    batch_size: int,
+    *,
+    batch_sampler: BatchSampler | None = None,
+    **overrides: Any,
+) -> DataLoader:
     """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest.
 
     A loader built with ``batch_size=None`` gets automatic batching: its default per-sample conversion becomes
-    ``default_collate``, a custom collate function is applied per sample first (:class:`PerSampleCollate`).
+    ``default_collate``, a custom collate function is applied per sample first (:class:`PerSampleCollate`). With
+    ``batch_sampler`` (whose ``sampler`` is ``sampler``) the loader draws its batches from it instead, each of the
+    size the batch sampler decides.
     """
     # imported here: importing Lightning runs the strategy registration, which imports this module (no cycle)
     from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
@@ -163,6 +172,8 @@ def rebuild_loader(dataloader: DataLoader, sampler: Sampler, batch_size: int, **
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
     arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
     replacements: dict[str, Any] = {"batch_size": batch_size, "drop_last": False, **overrides}
+    if batch_sampler is not None:
+        replacements.update(batch_sampler=batch_sampler, sampler=None, batch_size=1, shuffle=None)
     if dataloader.batch_size is None and dataloader.batch_sampler is None and "collate_fn" not in overrides:
         collate = dataloader.collate_fn
         replacements["collate_fn"] = default_collate if collate is default_convert else PerSampleCollate(collate)

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from lightning_het.balance.allocation import allocate_batch_sizes
 
-__all__ = ["ProportionalDistributedSampler", "UnpaddedDistributedSampler", "tail_batch_sizes"]
+__all__ = [
+    "ProportionalBatchSampler",
+    "ProportionalDistributedSampler",
+    "UnpaddedDistributedSampler",
+    "tail_batch_sizes",
+]
 
 
 def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any]:
@@ -142,6 +147,11 @@ class ProportionalDistributedSampler(DistributedSampler):
         self.num_full_steps = length // global_batch
         tail = length - self.num_full_steps * global_batch
         self.tail_batch_sizes = None if drop_last else tail_batch_sizes(tail, sizes, min_batch_size)
+        self._tail = tail
+        self._min_batch_size = min_batch_size
+        #: ``(epoch, step) -> split or None``: the split of a global batch that departs from ``batch_sizes`` (the
+        #: in-loop profiler's trial splits, see :mod:`lightning_het.balance.profiler`); ``None``: none does
+        self.split_schedule: Callable[[int, int], list[int] | None] | None = None
         self.dropped_per_epoch = tail if self.tail_batch_sizes is None else 0
         self.num_steps = self.num_full_steps + (self.tail_batch_sizes is not None)
         self.num_samples = self.num_full_steps * sizes[rank] + (self.tail_batch_sizes or [0] * len(sizes))[rank]
@@ -161,15 +171,39 @@ class ProportionalDistributedSampler(DistributedSampler):
         self._skip = (epoch, skip_steps) if skip_steps else None
 
     @property
+    def position(self) -> tuple[int, int]:
+        """The epoch and the global batch within it that the next iteration starts from."""
+        if self._skip is not None and self._skip[0] == self.epoch:
+            return self.epoch, self._skip[1]
+        return self.epoch, 0
+
+    @property
     def local_batch_size(self) -> int:
         """Samples per step on this replica (whole global batches; the tail batch may be smaller)."""
         return self.batch_sizes[self.rank]
 
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """Split the global batches not drawn yet by ``batch_sizes`` (same global batch: the same samples, the same
+        number of steps); the in-loop profiler's switch to the fitted allocation."""
+        sizes = [int(b) for b in batch_sizes]
+        if len(sizes) != len(self.batch_sizes) or sum(sizes) != self.global_batch_size or min(sizes) < 1:
+            raise ValueError(
+                f"Expected argument `batch_sizes` to split the global batch of {self.global_batch_size} among"
+                f" {len(self.batch_sizes)} replicas (positive integers), but got {sizes}."
+            )
+        self.batch_sizes = sizes
+        if self.tail_batch_sizes is not None:
+            self.tail_batch_sizes = tail_batch_sizes(self._tail, sizes, self._min_batch_size)
+
     def step_batch_sizes(self, step: int) -> list[int]:
-        """Per-replica samples of global batch ``step`` (0-based, within an epoch): ``batch_sizes``, or the tail's."""
+        """Per-replica samples of global batch ``step`` (0-based, within an epoch): ``batch_sizes``, a split that
+        ``split_schedule`` sets for that step, or the tail's (split in proportion to the step's split)."""
+        planned = self.split_schedule(self.epoch, step) if self.split_schedule is not None else None
         if step >= self.num_full_steps and self.tail_batch_sizes is not None:
-            return list(self.tail_batch_sizes)
-        return list(self.batch_sizes)
+            if planned is None:
+                return list(self.tail_batch_sizes)
+            return tail_batch_sizes(self._tail, planned, self._min_batch_size) or list(self.tail_batch_sizes)
+        return list(planned) if planned is not None else list(self.batch_sizes)
 
     def global_order(self) -> list[Any]:
         """The single-process order of the current epoch (all ``N`` indices, before cutting)."""
@@ -179,22 +213,49 @@ class ProportionalDistributedSampler(DistributedSampler):
 
     def epoch_batches(self, start: int = 0) -> list[list[Any]]:
         """This replica's batches of the current epoch from global batch ``start`` on (the tail batch last)."""
+        return list(self.iter_batches(start))
+
+    def iter_batches(self, start: int = 0) -> Iterator[list[Any]]:
+        """This replica's batches of the current epoch from global batch ``start`` on, each split decided when it is
+        drawn (:meth:`step_batch_sizes`): a split changed by :meth:`set_batch_sizes` applies to the batches not drawn
+        yet."""
         order = self.global_order()
-        batch, steps = self.global_batch_size, []
+        batch = self.global_batch_size
         for k in range(start, self.num_steps):
             sizes = self.step_batch_sizes(k)
             begin = k * batch + sum(sizes[: self.rank])
-            steps.append(order[begin : begin + sizes[self.rank]])
-        return steps
+            yield order[begin : begin + sizes[self.rank]]
 
-    def __iter__(self) -> Iterator[Any]:
+    def _start_step(self) -> int:
         start = 0
         if self._skip is not None and self._skip[0] == self.epoch:  # one-shot: the resumed epoch only
             start, self._skip = self._skip[1], None
-        return iter([i for step in self.epoch_batches(start) for i in step])
+        return start
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([i for step in self.epoch_batches(self._start_step()) for i in step])
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class ProportionalBatchSampler(BatchSampler):
+    """The batches of a :class:`ProportionalDistributedSampler`, one per global batch, each drawn lazily: its split is
+    decided when the loader asks for it, so a loader whose splits change from one step to the next (the in-loop
+    profiler's trial splits, then the fitted allocation) cuts every global batch as the strategy trains it.
+
+    ``sampler`` is the :class:`ProportionalDistributedSampler` (Lightning's ``set_epoch`` reaches it there).
+    """
+
+    def __init__(self, sampler: ProportionalDistributedSampler) -> None:
+        super().__init__(sampler, batch_size=sampler.local_batch_size, drop_last=False)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        sampler: ProportionalDistributedSampler = self.sampler  # type: ignore[assignment]
+        return sampler.iter_batches(sampler._start_step())
+
+    def __len__(self) -> int:
+        return self.sampler.num_steps  # type: ignore[attr-defined]
 
 
 class UnpaddedDistributedSampler(DistributedSampler):

@@ -6,9 +6,8 @@ import atexit
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -46,15 +45,8 @@ from lightning_het.accelerators import (
 from lightning_het.arguments import validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
-from lightning_het.balance.profiling import (
-    ProfileCache,
-    StepTiming,
-    cache_key,
-    fit_stage_timings,
-    preserved_training_state,
-    stage_sizes,
-    time_steps,
-)
+from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
+from lightning_het.balance.profiling import ProfileCache, cache_key
 from lightning_het.balance.telemetry import BalanceMonitor, MonitorSettings, attach_monitor, telemetry_section
 from lightning_het.checkpointing import (
     CHECKPOINT_KEY,
@@ -84,7 +76,7 @@ from lightning_het.preemption import (
     shield_loader_workers,
 )
 from lightning_het.rendezvous import create_store, keep_sockets_local
-from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.sampler import ProportionalBatchSampler, ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
@@ -180,26 +172,29 @@ class HeterogeneousStrategyBase:
             time them; the faster is kept for the rest of ``fit`` (both are exact; ``strategy.comm_reduction`` says
             which). ``0``: always the hierarchy. See :mod:`lightning_het.comm.tuning`.
         emulate_slowdown: *emulation only*: replica ``r``'s steps take ``emulate_slowdown[r]`` times their real compute
-            time, in profiling and training alike, to reproduce a heterogeneous platform on homogeneous hardware. The
-            replica sleeps ``f - 1`` times the forward time it just measured after the forward pass, and ``f - 1``
-            times the backward time it just measured at the end of its local backward, before the gradients are
-            synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
-        profile_steps: timed steps per profiling stage. Profiling fits each replica's cost per step,
-            ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`), from two stages run back
-            to back at an eighth and at half of the global batch, split by the warm-up's rough speeds; the fastest
-            step of each stage counts. The global batch is then split to minimise the slowest replica's step
-            (:func:`~lightning_het.balance.cost.allocate_affine`). Only the local step is timed: DDP's reducer is
-            disarmed, no optimizer steps and no gradient is communicated (manual optimization too). Profiling costs
-            about ``profile_warmup`` quarter-size equal-split steps plus ``0.625 * profile_steps`` balanced steps.
-            See ``docs/balancing.md``.
-        profile_warmup: untimed steps before the stages (each replica runs a quarter of its equal share of the global
-            batch, at least ``min_batch_size``); their fastest step gives the rough speeds that size the stages. A
-            slow first step (CUDA context, ``cudnn.benchmark``, compilation) only makes the stages less even.
+            time (the profiled steps too: they are training steps), to reproduce a heterogeneous platform on
+            homogeneous hardware. The replica sleeps ``f - 1`` times the forward time it just measured after the
+            forward pass, and ``f - 1`` times the backward time it just measured at the end of its local backward,
+            before the gradients are synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
+        profile_steps: trial steps per trial split. Without ``speeds``, the fit's first training steps profile each
+            replica's cost per step, ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`):
+            they are ordinary training steps (every hook in Lightning's order, exact gradients) whose global batches
+            are split by a schedule of trial splits instead of the allocation, and the step clock times each
+            replica's local compute (without the wait in the gradient all-reduce). After the warm-up, two trial
+            splits around the rough split alternate, ``profile_steps`` steps each, so every replica runs two batch
+            sizes about 3x apart; each replica fits its cost through its fastest step at each size, the costs are
+            all-gathered at the end of the last trial step, and the global batches not drawn yet by the loader are
+            split to minimise the slowest replica's step (:func:`~lightning_het.balance.cost.allocate_affine`).
+            Nothing profiles with one replica. See :mod:`lightning_het.balance.profiler` and ``docs/balancing.md``.
+        profile_warmup: untimed equal-split steps first (CUDA context, ``cudnn.benchmark``, compilation); their
+            fastest step gives the rough speeds that the trial splits are centred on (``0``: trials around the equal
+            split).
         profile_cache: speed cache: a directory (or ``True``: ``~/.cache/lightning_het/profiles``) where each
             replica's fitted cost is kept under a key made of the module class and parameter count, the device, one
             training sample's tensor shapes, the precision, the emulated slowdown and the replicas per node
             (:func:`~lightning_het.balance.profiling.cache_key`). When every replica finds its entry, profiling is
-            skipped. ``None`` (default) or ``False``: off. Delete the directory to forget stale entries.
+            skipped (no trial split at all). ``None`` (default) or ``False``: off. Delete the directory to forget stale
+            entries.
         device_map: the device of each local replica, e.g. ``["cuda:0", "cuda:1", "cpu"]`` (the same on every node), or
             ``{node_rank: [...]}`` when nodes differ. Mixes CPU and GPU replicas in one job through a
             :class:`~lightning_het.accelerators.MixedAccelerator` (leave ``Trainer(accelerator=..., devices=...)`` at
@@ -316,7 +311,9 @@ class HeterogeneousStrategyBase:
         self._loss_scale = 1.0
         self._profile_cache_arg = profile_cache
         self._profile_cached = False  # the last allocation's costs came from the cache
-        self._profiling = False  # inside `_profiling_mode`: backward/optimizer_step are local only
+        self._profiler: InLoopProfiler | None = None  # the fit's in-loop profiling (balance/profiler.py)
+        self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
+        self._cache_entry: tuple[ProfileCache | None, str | None] = (None, None)  # this replica's speed cache key
         self._cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
         self._profile_seconds = 0.0
         self._eval_weights_used: list[float] | None = None
@@ -598,8 +595,6 @@ class HeterogeneousStrategyBase:
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._profiling:  # a user's `opt.step()` under manual optimization while profiling: no update, no comm
-            return closure()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         controller = self._comm_controller
         if controller is not None and self._lightning_module is not None:
@@ -675,6 +670,8 @@ class HeterogeneousStrategyBase:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
             self._train_sampler = None
+            self._profiler = None
+            attach_profiler(None, trainer)
         super().setup(trainer)
         self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
@@ -813,6 +810,15 @@ class HeterogeneousStrategyBase:
         self._resume_record = None
         self._train_sampler = sampler
         self._reset_cached_eval_loaders(trainer)
+        if self.profiling:  # the first steps' splits follow the profiler's plan: batches cut one at a time
+            assert self._profiler is not None
+            self._profiler.bind(sampler)
+            return rebuild_loader(
+                dataloader,
+                sampler,
+                self._batch_sizes[self.global_rank],
+                batch_sampler=ProportionalBatchSampler(sampler),
+            )
         return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
     def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
@@ -852,21 +858,103 @@ class HeterogeneousStrategyBase:
         bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._speeds_arg)  # (#7)
+        costs = None
         if resume.speeds is not None or self._speeds_arg is not None:
             # given (or resumed) speeds: the one-number model, proportional split
             speeds = list(resume.speeds if resume.speeds is not None else self._speeds_arg)  # type: ignore[arg-type]
-            self._cost_model = None
+        else:
+            costs = self._measured_costs(dataloader, global_batch, shuffle, seed, order_sampler)
+            speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
+        self._cost_model = costs
+        if costs is None:
             batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
-            costs = self._profile_costs(dataloader, global_batch, shuffle, seed, order_sampler)
-            self._mark(Phase.BETWEEN_BATCHES)  # profiling over (#14)
-            self._cost_model = costs
             batch_sizes = allocate_affine(global_batch, costs, **bounds)
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
             self._warn_useless_replicas(global_batch, costs, batch_sizes)
         self.adopt_allocation(batch_sizes, speeds)
         log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
+        if self._profiler is None:
+            rank_zero_info(self.balance_table())
+        else:
+            rank_zero_info(
+                f"HeterogeneousStrategy: profiling on the first {self._profiler.plan.gather_step + 1} training steps"
+                f" (trial splits); the fitted split applies from step {self._profiler.plan.switch_step}"
+            )
+
+    def _measured_costs(
+        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
+    ) -> list[AffineCost] | None:
+        """Every replica's cost from the speed cache when every replica has an entry; else ``None``, and with more
+        than one replica the first training steps profile (:mod:`lightning_het.balance.profiler`)."""
+        self._profile_seconds = 0.0
+        self._profile_cached = False
+        if self.world_size == 1:
+            return None
+        costs = self._cached_costs(dataloader)
+        if costs is None:
+            self._start_profiler(dataloader, global_batch)
+        return costs
+
+    def _cached_costs(self, dataloader: DataLoader) -> list[AffineCost] | None:
+        """The costs of every replica from the speed cache (``profile_cache``) when every replica has an entry (one
+        all-gather when the cache is on), else ``None``."""
+        cache, key = self._profile_cache_entry(dataloader)
+        self._cache_entry = (cache, key)  # where the profiled cost goes
+        if cache is None:
+            return None
+        cached = cache.get(key) if key is not None else None
+        row = [1.0, cached.fixed_s, cached.per_sample_s] if cached is not None else [0.0, 0.0, 0.0]
+        rows = self._all_gather_floats(row)
+        if not all(r[0] == 1.0 for r in rows):
+            return None
+        self._profile_cached = True
+        return [AffineCost(r[1], r[2]) for r in rows]
+
+    def _start_profiler(self, dataloader: DataLoader, global_batch: int) -> None:
+        """Plan the trial splits of the first training steps and hook the profiler into the fit loop."""
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        plan = profile_plan(
+            global_batch,
+            self.world_size,
+            warmup=self._profile_warmup,
+            steps=self._profile_steps,
+            lag=loader_prefetch_depth(dataloader),
+            **bounds,
+        )
+        monitor = self._monitor
+
+        def clock() -> tuple[int, float] | None:
+            return monitor.clock.open_step() if monitor is not None and monitor.clock is not None else None
+
+        self._profiler = InLoopProfiler(
+            plan, self.global_rank, self.world_size, self.root_device, clock, self._adopt_profiled
+        )
+        trainer = self._trainer()
+        if trainer is not None:
+            attach_profiler(self._profiler, trainer)
+
+    def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
+        """The profiler agreed on the costs (every rank, at the same step): the fitted split applies to the global
+        batches not drawn yet."""
+        self._cost_model = costs
+        speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
+        self._warn_useless_replicas(sum(batch_sizes), costs, batch_sizes)
+        self.adopt_allocation(batch_sizes, speeds)
+        assert self._profiler is not None
+        for sampler in self._profiler.samplers:  # every training loader's batches not drawn yet
+            if sampler.global_batch_size == sum(batch_sizes):
+                sampler.set_batch_sizes(batch_sizes)
+        self._profile_seconds = self._profiler.overhead_s
+        cache, key = self._cache_entry
+        if cache is not None and key is not None:
+            cache.put(key, costs[self.global_rank])
         rank_zero_info(self.balance_table())
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the first training steps are still profiling (trial splits, costs not agreed yet)."""
+        return self._profiler is not None and not self._profiler.done
 
     def _warn_useless_replicas(self, global_batch: int, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         message = useless_replica_message(
@@ -886,6 +974,7 @@ class HeterogeneousStrategyBase:
         return MonitorSettings(
             record=self._telemetry,
             slowdown=factors[self.global_rank] if factors else 1.0,
+            profile=self._speeds_arg is None and self.world_size > 1,
             every_n_epochs=self._rebalance_every_n_epochs,
             threshold=self._rebalance_threshold,
             min_batch_size=self._train_min_batch_size,
@@ -914,55 +1003,7 @@ class HeterogeneousStrategyBase:
         self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
         if self._comm_controller is not None:
             self._comm_controller.set_batch_sizes(self._batch_sizes)
-
-    def _profile_costs(
-        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
-    ) -> list[AffineCost]:
-        """Every replica's :class:`~lightning_het.balance.cost.AffineCost`: from the speed cache when every replica
-        has an entry, else profiled (warm-up, then two timed stages; see :mod:`lightning_het.balance.profiling`)."""
-        start = time.perf_counter()
-        self._profile_seconds = 0.0
-        self._profile_cached = False
-        world, rank = self.world_size, self.global_rank
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
-        cache, key = self._profile_cache_entry(dataloader)
-        cached = cache.get(key) if cache is not None and key is not None else None
-        if cache is not None:  # every replica must agree to skip profiling
-            row = [1.0, cached.fixed_s, cached.per_sample_s] if cached is not None else [0.0, 0.0, 0.0]
-            rows = self._all_gather_floats(row)
-            if all(r[0] == 1.0 for r in rows):
-                self._profile_cached = True
-                self._profile_seconds = time.perf_counter() - start
-                return [AffineCost(r[1], r[2]) for r in rows]
-        equal_split = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)
-        with self._profiling_mode():
-            rough = [1.0] * world
-            if self._profile_warmup:
-                # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
-                warm_sizes = [max(self._train_min_batch_size, 1, -(-b // 4)) for b in equal_split]
-                warm = self._time_local_steps(
-                    dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, order=order_sampler
-                )
-                local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
-                rough = [r[0] for r in self._all_gather_floats([local])]
-            small, large = stage_sizes(global_batch, rough, **bounds)
-            if sum(large) > len(dataloader.dataset):  # a dataset barely above one global batch: one stage size only
-                large = small
-            stages = [
-                (
-                    sizes[rank],
-                    self._time_local_steps(
-                        dataloader, sizes, shuffle, seed, steps=self._profile_steps, order=order_sampler
-                    ),
-                )
-                for sizes in (small, large)
-            ]
-        cost = fit_stage_timings(stages)
-        rows = self._all_gather_floats([cost.fixed_s, cost.per_sample_s])
-        if cache is not None and key is not None:
-            cache.put(key, cost)
-        self._profile_seconds = time.perf_counter() - start
-        return [AffineCost(r[0], r[1]) for r in rows]
+            self._comm_sizes = list(self._batch_sizes)
 
     def _all_gather_floats(self, values: list[float]) -> list[list[float]]:
         gathered = torch.tensor(values, dtype=torch.float64, device=self.root_device)
@@ -996,83 +1037,6 @@ class HeterogeneousStrategyBase:
             replicas_on_node=self.num_processes,
         )
         return cache, key
-
-    @contextmanager
-    def _profiling_mode(self) -> Iterator[None]:
-        """Weights, optimizer, metrics and RNG restored on exit; logging silenced; DDP's reducer disarmed; the
-        strategy's ``backward``/``optimizer_step`` bypass the step clock, the comm controller and the optimizer.
-        Without a LightningModule (Fabric), :meth:`_time_probe_steps` restores the state itself."""
-        module = getattr(self, "_lightning_module", None)
-        if module is None:
-            yield
-            return
-        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
-        schedulers = [cfg.scheduler for cfg in self.lr_scheduler_configs]
-        no_sync = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else nullcontext()
-        self._profiling = True
-        try:
-            with preserved_training_state(module, optimizers, schedulers), _silenced_logging(module), no_sync:
-                module.train()
-                yield
-        finally:
-            self._profiling = False
-
-    def _time_local_steps(
-        self,
-        dataloader: DataLoader,
-        probe_sizes: list[int],
-        shuffle: bool,
-        seed: int,
-        *,
-        steps: int,
-        order: Any = None,
-    ) -> list[StepTiming]:
-        """Time ``steps`` local training steps of this replica at ``probe_sizes[rank]`` samples (profiling mode);
-        ``order``: the user's sampler whose order the training batches are cut from."""
-        self._mark(Phase.PROFILING)  # a replica stuck here is named as profiling (#14)
-        rank = self.global_rank
-        sampler = ProportionalDistributedSampler(
-            dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
-        )
-        # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
-        single_process = (
-            {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "multiprocessing_context": None}
-            if dataloader.num_workers > 0
-            else {}
-        )
-        probe = rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
-        return self._time_probe_steps(probe, steps)
-
-    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
-        """Time ``steps`` local steps (the LightningModule's ``training_step`` and backward) on batches of ``probe``,
-        inside :meth:`_profiling_mode` (which restores the training state)."""
-        module = self.lightning_module
-        slowdown = self._emulate_slowdown[self.global_rank] if self._emulate_slowdown else 1.0
-
-        def batches() -> Any:
-            for batch in probe:
-                yield self.batch_to_device(batch)
-
-        def forward(batch: Any, batch_idx: int) -> Tensor | None:
-            with self.precision_plugin.train_step_context():
-                output = module.training_step(batch, batch_idx)
-            loss = output["loss"] if isinstance(output, dict) else output
-            return loss if module.automatic_optimization and isinstance(loss, Tensor) else None
-
-        return time_steps(
-            batches(),
-            forward,
-            lambda loss: loss.backward(),
-            warmup=0,
-            steps=steps,
-            device=self.root_device,
-            slowdown=slowdown,
-            align=self._align_profiling_step if self.world_size > 1 else None,
-        )
-
-    def _align_profiling_step(self) -> None:
-        """Every replica starts its next profiling step together (see :func:`time_steps`)."""
-        self.barrier("lightning_het.profiling_step")
 
     def _export_allocation(self) -> dict[str, Any]:
         return {
@@ -1153,19 +1117,20 @@ class HeterogeneousStrategyBase:
     # ------------------------------------------------------------------ training hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        sizes = self._step_batch_sizes()
+        if self._comm_controller is not None and sizes and sizes != self._comm_sizes:
+            self._comm_controller.set_batch_sizes(sizes)  # the split of this step (trial, tail or allocation)
+            self._comm_sizes = sizes
         clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation (#6)
         if clock is None:
             return super().training_step(*args, **kwargs)
-        clock.step_start(self._step_batch_sizes()[self.global_rank] if self._batch_sizes else 0)
+        clock.step_start(sizes[self.global_rank] if sizes else 0)
         output = super().training_step(*args, **kwargs)
         clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._profiling:  # manual optimization while profiling: a plain local backward, nothing timed or slept
-            super().backward(closure_loss, optimizer, *args, **kwargs)
-            return closure_loss
         clock = self._monitor.clock if self._monitor is not None else None  # (#6)
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
@@ -1176,10 +1141,13 @@ class HeterogeneousStrategyBase:
         return closure_loss
 
     def _step_batch_sizes(self) -> list[int]:
-        """Per-replica samples of the global batch being trained now: the allocation, or the tail batch's split on
-        the last step of an epoch whose tail is trained (see :class:`ProportionalDistributedSampler`)."""
+        """Per-replica samples of the global batch being trained now: the allocation, a profiling trial split, or the
+        tail batch's split on the last step of an epoch whose tail is trained (see
+        :class:`ProportionalDistributedSampler`)."""
         sampler, sizes = self._train_sampler, list(self._batch_sizes or [])
-        if sampler is None or sampler.tail_batch_sizes is None or list(sampler.batch_sizes) != sizes:
+        if sampler is None or list(sampler.batch_sizes) != sizes:
+            return sizes
+        if sampler.tail_batch_sizes is None and sampler.split_schedule is None:
             return sizes
         module = self._lightning_module
         trainer = attached_trainer(module)
@@ -1217,22 +1185,3 @@ def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: 
         flush=True,
     )
     return JobEnded(WATCHDOG_EXIT_CODE)
-
-
-class _silenced_logging:
-    """Turn ``self.log``/``self.log_dict`` into no-ops while profiling (no result collection exists yet)."""
-
-    def __init__(self, module: pl.LightningModule) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.module.log = _no_op  # type: ignore[method-assign]
-        self.module.log_dict = _no_op  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: object) -> None:
-        del self.module.log
-        del self.module.log_dict
-
-
-def _no_op(*args: Any, **kwargs: Any) -> None:
-    return None

@@ -13,9 +13,11 @@ def test_bench_balance_tiny_runs_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "results.json").read_text())
     rows = {r["platform"]: r for r in summary["platforms"]}
     assert set(rows) == {"1:1:1", "1:2:4", "1:1:8"}
-    for row in rows.values():
+    for name, row in rows.items():
         assert sum(row["batch_sizes"]) == 48
-        assert row["ddp_fit_s"] > 0 and row["het_fit_s"] > 0 and row["profile_s"] > 0
+        assert row["ddp_fit_s"] > 0 and row["het_fit_s"] > 0
+        # profiling takes the first 7 steps: the 8-step heterogeneous fits finish it, the 4-step 1:1:1 fit does not
+        assert row["profile_s"] > 0 if name != "1:1:1" else row["profile_s"] >= 0
     assert rows["1:2:4"]["ideal_speedup"] == 7 / 3
     assert rows["1:2:4"]["batch_sizes"][2] > rows["1:2:4"]["batch_sizes"][0]  # the fast replica gets more
     assert rows["1:1:8"]["batch_sizes"][2] > rows["1:1:8"]["batch_sizes"][0]

@@ -319,7 +319,7 @@ PHASE_CASES = [
     ("launch", "hang", 1, f"joined the rendezvous within {HANG_STARTUP:g} s"),  # replica 1 never joins
     ("setup", "hang", 1, "rank 1 on"),
     ("setup", "exit", 1, "replica(s) [1] exited"),
-    ("profiling", "hang", 1, "profiling the training step"),
+    ("profiling", "hang", 1, "in training_step of batch 2"),  # batch_idx 1: the first steps profile, in the loop
     ("train", "exit", 0, None),  # the launching process dies: its replica must die with it
     ("eval", "hang", 1, "in validation_step of evaluation batch 1"),
     ("teardown", "hang", 1, "in teardown"),

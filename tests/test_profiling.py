@@ -1,6 +1,9 @@
-"""Profiling: any training loader, manual optimization, local-only timing, no trace left, and the speed cache."""
+"""Profiling on the first training steps: any training loader, manual optimization, one replica untouched, and the
+speed cache (see also tests/test_inloop_profiling.py)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -29,7 +32,7 @@ class CountingSGD(torch.optim.SGD):
 
 
 class Recorder(TinyRegressor):
-    """Records, when training starts (after profiling), everything profiling could have disturbed."""
+    """Records, when training starts, everything the old pre-training profiling could have disturbed."""
 
     def __init__(self, manual: bool) -> None:
         super().__init__(manual=manual)
@@ -76,10 +79,12 @@ def _fit(speeds, manual: bool, **strategy_kwargs) -> tuple[dict, HeterogeneousSt
 
 
 @pytest.mark.parametrize("manual", [False, True])
-def test_profiling_leaves_weights_optimizer_rng_comm_and_metrics_unchanged(manual: bool) -> None:
+def test_one_replica_without_speeds_starts_training_untouched(manual: bool) -> None:
+    """Nothing runs before training (one replica does not even profile): on_train_start sees what it sees with
+    speeds given."""
     profiled, strategy = _fit(None, manual)
     given, _ = _fit([1.0], manual)
-    assert strategy.cost_model is not None and strategy.profile_seconds > 0
+    assert strategy.cost_model is None and strategy.profile_seconds == 0.0 and not strategy.profiling
     assert profiled["optimizer_steps"] == 0  # the user's opt.step() never ran while profiling
     assert profiled["metric_updates"] == 0 and float(profiled["metric_value"]) == 0.0
     assert profiled["global_step"] == 0
@@ -90,13 +95,17 @@ def test_profiling_leaves_weights_optimizer_rng_comm_and_metrics_unchanged(manua
     assert torch.equal(profiled["rng"], given["rng"])
 
 
-def _slow_fit(loader: dict | None = None, manual: bool = False, batch_size: int = 16) -> dict:
-    """Rank 1 pays 3x the per-sample cost; the strategy is named by its string, so it profiles."""
+def _slow_fit(
+    loader: dict | None = None, manual: bool = False, batch_size: int = 16, epochs: int = 1, strategy: Any = None
+) -> dict:
+    """Rank 1 pays 3x the per-sample cost; the strategy is named by its string, so it profiles (on its first 6 steps;
+    the fitted split from step 7, or later when loader workers draw batches further ahead). 10 global batches an
+    epoch."""
     return {
         "devices": 2,
-        "strategy": "heterogeneous",
-        "epochs": 1,
-        "n": 64,
+        "strategy": strategy or "heterogeneous",
+        "epochs": epochs,
+        "n": 10 * 2 * batch_size,
         "batch_size": batch_size,
         "module": {"cost_per_sample_s": 0.003, "slow_factor": 3.0, "slow_rank": 1, "manual": manual},
         "loader": loader or {},
@@ -112,12 +121,17 @@ WORKER_LOADERS = {
 
 @pytest.fixture(scope="module")
 def slow_replica_fits(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
-    """The profiled fits of this module, in one job (one launch and rendezvous instead of four): per-rank dumps and
-    output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` and of ``"manual"`` optimization
-    (loader batch 4)."""
+    """The profiled fits of this module, in one job (one launch and rendezvous instead of six): per-rank dumps and
+    output of a plain loader (``"string"``), of each loader of :data:`WORKER_LOADERS` (three epochs: with 2 workers
+    prefetching 3 batches each, 7 batches are drawn ahead and the fitted split starts at step 19), of ``"manual"``
+    optimization (loader batch 4), and twice with the speed cache on (``"cache_first"``, ``"cache_second"``)."""
     fits = {"string": _slow_fit()}  # no loader workers; the first fit, the one that launches the replica
-    fits.update({name: _slow_fit(loader) for name, loader in WORKER_LOADERS.items()})
+    fits.update({name: _slow_fit(loader, epochs=3) for name, loader in WORKER_LOADERS.items()})
     fits["manual"] = _slow_fit(manual=True, batch_size=4)
+    # the replicas share the machine: the emulated slowdown is what gives them cache keys of their own
+    cache = {"profile_cache": str(tmp_path_factory.mktemp("speed_cache")), "emulate_slowdown": [1, 1.5]}
+    fits["cache_first"] = _slow_fit(strategy=cache)
+    fits["cache_second"] = _slow_fit(strategy=cache)
     results = run_fits_job(tmp_path_factory.mktemp("slow_replica"), list(fits.values()))
     return dict(zip(fits, results))
 
@@ -129,8 +143,10 @@ def test_string_strategy_profiles_slow_replica_to_a_quarter(slow_replica_fits) -
     assert sum(sizes) == 32
     assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
     assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
-    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
-    assert "balance" in out and "samples/s" in out
+    seen = dumps[1]["seen_batch_sizes"]
+    # warm-up (and the batch drawn meanwhile), trials A B A B around the rough split, the rough split, the fitted one
+    assert seen[:2] == [16, 16] and seen[2] == seen[4] != seen[3] == seen[5] and seen[7:] == [sizes[1]] * 3
+    assert "profiling on the first 6 training steps" in out and "balance" in out and "samples/s" in out
 
 
 @pytest.mark.slow
@@ -139,7 +155,8 @@ def test_loaders_with_workers_profile_and_balance(slow_replica_fits, loader: str
     dumps, _ = slow_replica_fits[loader]
     sizes = dumps[0]["batch_sizes"]
     assert sum(sizes) == 32 and 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
-    assert dumps[1]["seen_batch_sizes"] == [sizes[1]] * 2
+    seen = dumps[1]["seen_batch_sizes"]
+    assert len(seen) == 30 and seen[-10:] == [sizes[1]] * 10  # the whole third epoch at the fitted split
 
 
 @pytest.mark.slow
@@ -184,13 +201,16 @@ class TestProfileCache:
         wider.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
         assert base != cache_key(wider, cpu, sample, slowdown=1.0)
 
-    def test_second_fit_skips_profiling(self, tmp_path) -> None:
-        _, first = _fit(None, False, profile_cache=str(tmp_path))
-        _, second = _fit(None, False, profile_cache=str(tmp_path))
-        assert not first.balance_report()["profile_cached"]
-        assert second.balance_report()["profile_cached"]
-        assert second.cost_model == first.cost_model
-        _, off = _fit(None, False, profile_cache=None)
+    @pytest.mark.slow
+    def test_second_fit_skips_profiling(self, slow_replica_fits) -> None:
+        (first, first_out), (second, second_out) = slow_replica_fits["cache_first"], slow_replica_fits["cache_second"]
+        assert not first[0]["profile_cached"] and second[0]["profile_cached"]
+        assert second[0]["cost_model"] == first[0]["cost_model"]
+        assert second[0]["batch_sizes"] == first[0]["batch_sizes"]
+        assert set(second[1]["seen_batch_sizes"]) == {second[0]["batch_sizes"][1]}  # no trial split at all
+        assert "profiling on the first" in first_out and "profiling on the first" not in second_out
+        assert "costs from the profile cache" in second_out
+        _, off = _fit(None, False, profile_cache="unused")  # one replica: no profiling, the cache is not consulted
         assert not off.balance_report()["profile_cached"]
 
     def test_invalid_argument(self) -> None:

@@ -303,6 +303,17 @@ class TestMonitorInterface:
         assert trainer.reload_dataloaders_every_n_epochs == 1  # the loader is rebuilt when the next epoch starts
         assert attach_monitor(strategy, trainer, settings, monitor) is monitor and len(trainer.callbacks) == 1
 
+    def test_an_epoch_that_mostly_ran_other_splits_is_not_checked(self) -> None:
+        """A short first epoch spent profiling (trial splits) has medians at other sizes than the allocation."""
+        from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
+
+        strategy = _PublicOnlyStrategy([12, 4])
+        trainer = self._trainer(0)
+        monitor = attach_monitor(strategy, trainer, MonitorSettings(record=True, every_n_epochs=1))
+        assert monitor is not None
+        assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]})
+        assert strategy.adopted == []
+
     def test_off_means_no_monitor(self) -> None:
         from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
 

@@ -80,7 +80,7 @@ def test_single_device_runs_whole_batch_and_matches_reference():
 
 
 def test_profiling_leaves_no_trace():
-    """Profiling (5 timed + 2 warm-up steps) must not change weights, optimizer state or RNG streams."""
+    """One replica without speeds runs nothing before or besides training: weights and RNG streams as with speeds."""
     results = []
     for speeds in (None, [1.0]):
         pl.seed_everything(3)

@@ -1,22 +1,24 @@
-"""Measuring each replica's cost model on the real training step, without side effects.
+"""Timing and fitting a replica's cost model, and the speed cache.
 
-The strategy profiles before the first epoch (see ``docs/balancing.md``):
+:class:`~lightning_het.HeterogeneousStrategy` profiles on its real training steps
+(:mod:`lightning_het.balance.profiler`); what it shares with Fabric's profiling lives here:
+:func:`fit_stage_timings` (each replica's ``t(b) = a + c * b`` through its fastest step at each batch size, with a
+cautious slope floor) and :class:`ProfileCache` / :func:`cache_key`, which keep fitted costs on disk so that a
+sweep's later jobs and a re-run skip profiling.
+
+:class:`~lightning_het.HeterogeneousFabricStrategy` has no training loop of ours to profile in, so it times the
+``profile_step`` the user gives before the loop runs, on real batches of the training loader:
 
 1. ``warmup`` untimed steps at a quarter of an equal split of the global batch (allocator, caches, CUDA context,
    compilation); the fastest of them gives a rough speed per replica;
 2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of an eighth and of half of the
    global batch (:func:`stage_sizes`): every replica runs two batch sizes about 4x apart, in similar wall time;
-3. each replica fits ``t(b) = a + c * b`` through the fastest step of each stage
-   (:func:`~lightning_het.balance.cost.fit_affine`), and the costs are all-gathered.
+3. each replica fits its cost (:func:`fit_stage_timings`), and the costs are all-gathered.
 
-Only the replica's local step is timed: the user's ``training_step`` and the local backward, with DDP's gradient
-reducer disarmed, no optimizer step and no communication (the strategy's profiling mode). Everything the steps touch
-(parameters, buffers, gradients, optimizer and scheduler state, torchmetrics states, the torch/CUDA/numpy/python RNG
-streams, the module's train/eval flags) is snapshotted first and restored after (:func:`preserved_training_state`),
-so training proceeds exactly as it would have without profiling.
-
-:class:`ProfileCache` keeps fitted costs on disk, keyed by what determines them (:func:`cache_key`), so a sweep's
-later jobs and a re-run skip the timed steps.
+There only the local step is timed (:func:`time_steps`), with DDP's gradient reducer disarmed, no optimizer step and
+no communication; everything the steps touch (parameters, buffers, gradients, optimizer and scheduler state,
+torchmetrics states, RNG streams, train/eval flags) is snapshotted first and restored after
+(:func:`preserved_training_state`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ busy time becomes ``f`` times its real compute time and its peers see it late, a
 the work is the smaller of the wall time and the process's CPU time over the same span: when replicas share cores, the
 time a replica spends descheduled is not multiplied by ``f`` (that would turn every scheduling hiccup into an
 ``f``-fold one and make the emulated platform unbalanceable). On CUDA the work is the synchronised wall time. It is an
-emulation: the sleeping replica releases its CPU (or GPU) instead of computing. Profiling
+emulation: the sleeping replica releases its CPU (or GPU) instead of computing. The strategy's profiling reads this
+clock on its first training steps (:meth:`StepClock.open_step`, :mod:`lightning_het.balance.profiler`), and Fabric's
 (:func:`~lightning_het.balance.profiling.time_steps`) uses the same function, so profiled and trained steps agree.
 
 Cost: about six clock reads, one tensor hook and one autograd callback per step, and one small all-gather per epoch
@@ -249,6 +250,13 @@ class StepClock:
         if self._cpu is not None:
             self._cpu_inner += self._cpu() - self._backward_call_cpu
         self._end = now
+
+    def open_step(self) -> tuple[int, float] | None:
+        """The open step's batch size and compute seconds so far (at the end of a step: its whole compute, the wait
+        in gradient synchronisation left out), or ``None`` when no step is open."""
+        if not self._open:
+            return None
+        return self._step_batch, max(self._end - self._start - self._wait, 0.0)
 
     def flush(self) -> EpochTimings:
         """Close the open step and hand over (and forget) everything recorded so far."""
@@ -594,6 +602,7 @@ class MonitorSettings:
         min_batch_size: fewest training samples per replica and step that a new allocation may give (``>= 1``).
         max_batch_sizes: per-replica upper bounds, indexed by global rank (``None``: unbounded).
         min_gain: predicted relative step-time gain needed to adopt a new allocation.
+        profile: the fit profiles on its first training steps (the clock then runs even without telemetry).
     """
 
     record: bool
@@ -603,11 +612,13 @@ class MonitorSettings:
     min_batch_size: int = 1
     max_batch_sizes: tuple[int, ...] | None = None
     min_gain: float = DEFAULT_MIN_GAIN
+    profile: bool = False
 
     @property
     def active(self) -> bool:
-        """Whether the monitor has anything to do (telemetry or emulation); off, training has no per-step cost."""
-        return self.record or self.slowdown != 1.0
+        """Whether the monitor has anything to do (telemetry, emulation or in-loop profiling, which reads the step
+        clock); off, training has no per-step cost."""
+        return self.record or self.slowdown != 1.0 or self.profile
 
 
 class BalanceMonitor:
@@ -732,6 +743,10 @@ class BalanceMonitor:
         times = summary["compute_s"]
         epoch = trainer.current_epoch if epoch is None else epoch
         if not self.check_due(trainer, epoch) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
+            return False
+        if getattr(strategy, "profiling", False) or list(summary.get("batch_sizes", sizes)) != list(sizes):
+            # still profiling (the fitted split is coming), or the epoch mostly ran other splits (a short epoch spent
+            # profiling): its medians do not describe `sizes`
             return False
         decision = plan_rebalance(
             sizes,

@@ -4,9 +4,9 @@ JSON keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``roo
 ``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs; speeds are ``[1, 1]`` unless
 the fault is in profiling), and ``fault``:
 ``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "setup" | "profiling" | "train" | "eval" |
-"teardown"}``. ``launch`` fires before the Trainer exists; ``setup`` in ``LightningModule.setup``; ``profiling`` in a
-training step the strategy times to measure speeds; ``train`` in training batch 2; ``eval`` in validation batch 1;
-``teardown`` in ``LightningModule.teardown``.
+"teardown"}``. ``launch`` fires before the Trainer exists; ``setup`` in ``LightningModule.setup``; ``profiling`` in
+training batch 1, one of the first training steps, which the strategy times to measure speeds; ``train`` in training
+batch 2; ``eval`` in validation batch 1; ``teardown`` in ``LightningModule.teardown``.
 
 Files written to OUT_DIR: ``fault.json`` (pid, wall-clock time) when the fault fires; ``training.json`` (rank 0, the
 job's pids) once training runs.
@@ -58,7 +58,7 @@ class ProbeRegressor(TinyRegressor):
             (self.out / "training.json").write_text(json.dumps({"pids": pids}))
 
     def training_step(self, batch, batch_idx):
-        if not self.in_loop and self._due("profiling"):
+        if batch_idx == 1 and self.trainer.strategy.profiling and self._due("profiling"):
             _fire(self.out, self.fault, self.global_rank)
         if self.in_loop and batch_idx == 2 and self._due("train"):
             _fire(self.out, self.fault, self.global_rank)

@@ -69,6 +69,7 @@ def fit_and_dump(out: Path, cfg: dict) -> None:
             "hostname": socket.gethostname(),
             "cost_model": [c.as_dict() for c in s.cost_model] if s.cost_model else None,
             "profile_seconds": s.profile_seconds,
+            "profile_cached": s.balance_report()["profile_cached"],
         },
         out / f"rank{rank}.pt",
     )

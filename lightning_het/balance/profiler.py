@@ -1,0 +1,397 @@
+"""Profiling on the real training steps: the first steps of a fit run under trial splits and are timed.
+
+Every step applies the exact gradient of its global batch whatever the split (each replica's loss is scaled by
+``W * b_r / B``), so the fit's first global batches can be *trained* under splits chosen to measure each replica's
+cost ``t_r(b) = fixed + per_sample * b`` instead of being run twice (once to time, once to train). Nothing of the
+user's code runs outside Lightning's loop, and every hook runs in Lightning's order.
+
+The schedule (:func:`profile_plan`, pure), in steps counted from the first step of the fit:
+
+1. ``warmup`` steps at the equal split (untimed: the first steps carry one-off costs, allocator, caches, compilation);
+2. ``2 * steps`` trial steps alternating two splits, A and B (:func:`trial_splits`): in A the even ranks give up
+   about half of their equal share to the odd ranks, in B the odd ranks to the even ones, so every replica runs two
+   batch sizes about 3x apart (``steps`` times each, interleaved, so a later slowdown cannot pass for a fixed cost);
+3. at the end of the last trial step (``gather_step``, Lightning's ``on_train_batch_end``, where every rank is
+   aligned and no rank-0-only collective is pending) each replica fits its cost through the fastest step at each size
+   (:func:`~lightning_het.balance.profiling.fit_stage_timings`), the costs are all-gathered and
+   :func:`~lightning_het.balance.cost.allocate_affine` gives the split;
+4. the loader has already drawn the index lists of the next steps (Lightning prefetches one batch, worker processes
+   ``num_workers * prefetch_factor`` more): those ``lag`` steps keep the equal split, and the fitted split applies
+   from ``switch_step = gather_step + 1 + lag`` on, the same step on every rank.
+
+Each replica's compute time of a step is read from the training step clock
+(:class:`~lightning_het.balance.telemetry.StepClock`: the local forward and backward, without the wait in the
+gradient all-reduce). Global batch ``k`` is always the same set of samples as one process would draw; only its split
+changes, and the sampler, the loss scale and the communication controller all follow the split of the step being
+trained (:class:`~lightning_het.sampler.ProportionalDistributedSampler`'s ``split_schedule``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+from lightning_het._compat import on_flavour
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
+from lightning_het.balance.profiling import StepTiming, fit_stage_timings
+
+__all__ = [
+    "InLoopProfiler",
+    "ProfilePlan",
+    "ProfilerCallback",
+    "attach_profiler",
+    "loader_prefetch_depth",
+    "profile_plan",
+    "trial_splits",
+]
+
+
+def _spread(total: int, room: Sequence[int]) -> list[int]:
+    """``total`` samples over slots of capacity ``room`` (``total <= sum(room)``), in proportion to ``room``, largest
+    remainders first, ties to the lower index."""
+    capacity = sum(room)
+    if total <= 0 or capacity <= 0:
+        return [0] * len(room)
+    exact = [total * r / capacity for r in room]
+    out = [min(int(e), r) for e, r in zip(exact, room)]
+    order = sorted(range(len(room)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    left = total - sum(out)
+    while left > 0:
+        for i in order:
+            if left and out[i] < room[i]:
+                out[i] += 1
+                left -= 1
+    return out
+
+
+def _halves(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Two groups of ranks holding about the same number of samples (largest first, each to the lighter group)."""
+    groups: tuple[list[int], list[int]] = ([], [])
+    totals = [0, 0]
+    for r in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        g = 0 if totals[0] <= totals[1] else 1
+        groups[g].append(r)
+        totals[g] += sizes[r]
+    return sorted(groups[0]), sorted(groups[1])
+
+
+def trial_splits(
+    around: Sequence[int],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """The two trial splits A and B around the split ``around`` (each sums to ``sum(around)``, within the bounds).
+
+    The replicas form two groups holding about half of the global batch each. In A the first group gives up to half
+    of its samples to the second (none of which more than doubles its share, + 1), in B the second group gives to the
+    first: every replica runs a smaller and a larger size, about 3x apart, wherever the bounds leave room (a replica
+    held at ``min_batch_size`` still grows in the other split). Around a balanced split, the trial steps take about
+    1.5x a balanced step.
+
+    >>> trial_splits([24, 24])
+    ([12, 36], [36, 12])
+    >>> trial_splits([16, 16, 16])
+    ([8, 32, 8], [20, 8, 20])
+    >>> trial_splits([7, 14, 27])
+    ([12, 23, 13], [3, 7, 38])
+    """
+    floor = max(int(min_batch_size), 1)
+    base = [int(b) for b in around]
+    total = sum(base)
+    upper = list(max_batch_sizes) if max_batch_sizes is not None else [total] * len(base)
+    first, second = _halves(base)
+    splits = []
+    for givers, takers in ((first, second), (second, first)):
+        give = [max(base[r] - max(floor, base[r] // 2), 0) for r in givers]
+        take = [max(min(upper[r], 2 * base[r] + 1) - base[r], 0) for r in takers]
+        moved = min(sum(give), sum(take))
+        sizes = list(base)
+        for r, d in zip(givers, _spread(moved, give)):
+            sizes[r] -= d
+        for r, d in zip(takers, _spread(moved, take)):
+            sizes[r] += d
+        splits.append(sizes)
+    return splits[0], splits[1]
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """The in-loop profiling schedule, in steps counted from the fit's first profiled step (pure; see
+    :func:`profile_plan`).
+
+    Attributes:
+        equal: the equal split (the allocation while profiling).
+        warmup: untimed equal-split steps first; the fastest gives each replica's rough speed (``0``: none).
+        steps: timed steps at each of the two trial splits.
+        lag: steps whose index lists the loader has drawn ahead of the step being trained.
+        min_batch_size: fewest samples per replica and step.
+        max_batch_sizes: per-replica upper bounds, or ``None``.
+    """
+
+    equal: tuple[int, ...]
+    warmup: int
+    steps: int
+    lag: int
+    min_batch_size: int = 1
+    max_batch_sizes: tuple[int, ...] | None = None
+
+    @property
+    def rough_step(self) -> int | None:
+        """The step at whose end the rough speeds are agreed on (``None`` without a warm-up)."""
+        return self.warmup - 1 if self.warmup else None
+
+    @property
+    def first_trial(self) -> int:
+        """The first trial step: the first step drawn after the rough speeds are known."""
+        return self.warmup + self.lag if self.warmup else 0
+
+    @property
+    def gather_step(self) -> int:
+        """The step at whose end the costs are fitted and agreed on."""
+        return self.first_trial + 2 * self.steps - 1
+
+    @property
+    def switch_step(self) -> int:
+        """The first step split by the fitted allocation (the first one drawn after ``gather_step`` ended)."""
+        return self.gather_step + 1 + self.lag
+
+    def timed(self, n: int) -> bool:
+        """Whether step ``n``'s compute time enters the fit (every step after the warm-up, up to ``gather_step``)."""
+        return self.warmup <= n <= self.gather_step
+
+    def trials(self, around: Sequence[int] | None) -> tuple[list[int], list[int]]:
+        """Trial splits A and B around the rough split (``None``: the equal split)."""
+        return trial_splits(
+            list(around if around is not None else self.equal),
+            min_batch_size=self.min_batch_size,
+            max_batch_sizes=self.max_batch_sizes,
+        )
+
+    def split(self, n: int, around: Sequence[int] | None) -> list[int]:
+        """The split of step ``n < switch_step``: the equal split up to the first trial, then A and B in turn, then
+        the rough split (``around``; the equal split without a warm-up) until the switch."""
+        if n < self.first_trial:
+            return list(self.equal)
+        if n <= self.gather_step:
+            return self.trials(around)[(n - self.first_trial) % 2]
+        return list(around if around is not None else self.equal)
+
+
+def profile_plan(
+    global_batch_size: int,
+    world_size: int,
+    *,
+    warmup: int,
+    steps: int,
+    lag: int,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> ProfilePlan:
+    """The in-loop profiling schedule (the same on every rank).
+
+    Args:
+        global_batch_size: samples per step.
+        world_size: replicas (``>= 2``).
+        warmup: untimed steps at the equal split first; the fastest gives the rough speeds that the trial splits
+            are centred on.
+        steps: timed steps at each of the two trial splits (alternating).
+        lag: steps whose index lists the loader draws ahead of the step being trained
+            (:func:`loader_prefetch_depth`).
+        min_batch_size: fewest samples per replica and step.
+        max_batch_sizes: per-replica upper bounds.
+
+    >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
+    >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
+    [[24, 24], [24, 24], [23, 25], [42, 6], [23, 25], [42, 6], [36, 12]]
+    >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
+    (0, 2, 5, 7)
+    """
+    if world_size < 2 or steps < 1 or warmup < 0 or lag < 0:
+        raise ValueError(
+            f"Expected world_size >= 2, steps >= 1, warmup >= 0 and lag >= 0, but got {world_size}, {steps}, {warmup}"
+            f" and {lag}."
+        )
+    floor = max(min_batch_size, 1)
+    equal = allocate_batch_sizes(
+        global_batch_size, [1.0] * world_size, min_batch_size=floor, max_batch_sizes=max_batch_sizes
+    )
+    upper = tuple(max_batch_sizes) if max_batch_sizes is not None else None
+    return ProfilePlan(tuple(equal), warmup, steps, lag, floor, upper)
+
+
+def loader_prefetch_depth(dataloader: Any) -> int:
+    """Steps whose index lists a training loader has drawn when a step ends: Lightning's one prefetched batch, plus
+    ``num_workers * prefetch_factor`` with worker processes (the same on every rank)."""
+    workers = int(getattr(dataloader, "num_workers", 0) or 0)
+    factor = getattr(dataloader, "prefetch_factor", None)
+    return 1 + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
+
+
+class InLoopProfiler:
+    """Runs one fit's :class:`ProfilePlan` on one replica: the split of each early step, the timings, the fit.
+
+    Owned by the strategy. :meth:`split_for` is the training samplers' ``split_schedule``; :meth:`on_train_batch_end`
+    is called at the end of every training step (:class:`ProfilerCallback`). At ``plan.rough_step`` it agrees on
+    rough speeds (the fastest warm-up step of every replica, all-gathered) and the rough split the trials centre on;
+    at ``plan.gather_step`` it fits this replica's cost, all-gathers every replica's and hands the costs and the
+    allocation to ``adopt``. Both are collectives that every rank reaches at the end of the same step.
+
+    Args:
+        plan: the schedule.
+        rank: this replica's global rank.
+        world_size: replicas.
+        device: where the all-gather's tensors live (the backend's device).
+        clock: returns the open step's batch size and compute seconds at the end of a step
+            (:meth:`~lightning_het.balance.telemetry.StepClock.open_step`), or ``None`` when it has none.
+        adopt: called once with ``(costs, batch_sizes)`` when the costs are agreed.
+    """
+
+    def __init__(
+        self,
+        plan: ProfilePlan,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        clock: Callable[[], tuple[int, float] | None],
+        adopt: Callable[[list[AffineCost], list[int]], None],
+    ) -> None:
+        self.plan = plan
+        self.global_batch_size = sum(plan.equal)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self._clock = clock
+        self._adopt = adopt
+        self._bounds = {"min_batch_size": plan.min_batch_size, "max_batch_sizes": plan.max_batch_sizes}
+        #: per epoch: (plan step, global batch within the epoch) of the epoch's first drawn batch
+        self._anchors: dict[int, tuple[int, int]] = {}
+        self._trained = 0  # training steps ended since the plan started
+        self.samplers: list[Any] = []  # the training samplers following the plan (one per training loader)
+        self._compute: list[float] = []  # this replica's compute seconds of steps 0 .. gather_step
+        self._sizes: list[int] = []  # and its batch sizes
+        self.rough: list[int] | None = None  # the rough split the trials centre on (after the warm-up)
+        self.done = False
+        self.costs: list[AffineCost] | None = None
+        #: estimated seconds the profiled steps cost beyond balanced steps (slowest replica's compute)
+        self.overhead_s = 0.0
+
+    def bind(self, sampler: Any) -> None:
+        """Make ``sampler`` (a :class:`~lightning_het.sampler.ProportionalDistributedSampler`) follow the plan."""
+        sampler.split_schedule = self.split_for
+        self.samplers.append(sampler)
+
+    def step_index(self, epoch: int, step: int) -> int:
+        """The plan step of global batch ``step`` of ``epoch`` (negative: none).
+
+        An epoch's first drawn batch is the plan step after the steps trained so far: an epoch's batches are drawn
+        once the previous epoch has ended, the same on every rank. Step 0 of the plan is the fit's first batch (the
+        resumed one after a mid-epoch resume), and an epoch that trains fewer batches than its loader holds
+        (``limit_train_batches``) does not leave plan steps out.
+        """
+        anchor = self._anchors.get(epoch)
+        if anchor is None:
+            anchor = self._anchors[epoch] = (self._trained, step)
+        return anchor[0] + step - anchor[1]
+
+    def split_for(self, epoch: int, step: int) -> list[int] | None:
+        """The split of global batch ``step`` of ``epoch`` while the plan runs, ``None`` where the allocation applies.
+
+        Raises:
+            RuntimeError: a step is drawn before what decides its split is agreed (a loader that prefetches deeper
+                than :func:`loader_prefetch_depth` says).
+        """
+        n = self.step_index(epoch, step)
+        plan = self.plan
+        if n < 0 or (self.done and n >= plan.switch_step):
+            return None
+        if n < plan.switch_step and (n < plan.first_trial or self.rough is not None or not plan.warmup):
+            return plan.split(n, self.rough)
+        raise RuntimeError(
+            f"lightning_het: the training loader drew global batch {step} of epoch {epoch} before the profiling step"
+            f" that decides its split had ended (assumed {plan.lag} batch(es) drawn ahead). HINT: pass"
+            " `speeds=[...]`, or lower `prefetch_factor`."
+        )
+
+    def on_train_batch_end(self, epoch: int, batch_idx: int) -> None:
+        """Record this step's compute time; agree on the rough speeds and then the costs at their steps."""
+        if epoch not in self._anchors:
+            return  # no batch of ours drawn in this epoch
+        n = self.step_index(epoch, batch_idx)
+        if n < self._trained:
+            return  # the same step seen again (a cycling second loader)
+        self._trained = n + 1
+        if self.done:
+            return
+        measured = self._clock()
+        self._compute.append(measured[1] if measured is not None and measured[1] > 0 else math.nan)
+        self._sizes.append(measured[0] if measured is not None else 0)
+        if n == self.plan.rough_step:
+            self._agree_rough()
+        if n == self.plan.gather_step:
+            self._finish()
+
+    def _agree_rough(self) -> None:
+        warm = [t for t in self._compute[: self.plan.warmup] if math.isfinite(t)]
+        local = self.plan.equal[self.rank] / min(warm) if warm else 1.0
+        speeds = [r[0] for r in _all_gather([local], self.world_size, self.device)]
+        self.rough = allocate_batch_sizes(self.global_batch_size, speeds, **self._bounds)
+
+    def _finish(self) -> None:
+        plan, rank = self.plan, self.rank
+        stages: dict[int, list[StepTiming]] = {}
+        for n, seconds in enumerate(self._compute):
+            if plan.timed(n) and math.isfinite(seconds):
+                stages.setdefault(plan.split(n, self.rough)[rank], []).append(StepTiming(0.0, seconds))
+        local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
+        rows = _all_gather([local.fixed_s, local.per_sample_s, *self._compute], self.world_size, self.device)
+        costs = [AffineCost(r[0], r[1]) for r in rows]
+        sizes = allocate_affine(self.global_batch_size, costs, **self._bounds)
+        balanced = step_time(sizes, costs)
+        slowest = [max(r[2 + n] for r in rows) for n in range(len(self._compute))]
+        gap = step_time(plan.split(plan.gather_step + 1, self.rough), costs) if plan.lag else balanced
+        self.overhead_s = sum(max(s - balanced, 0.0) for s in slowest if math.isfinite(s)) + plan.lag * max(
+            gap - balanced, 0.0
+        )
+        self.costs = costs
+        self.done = True
+        self._adopt(costs, sizes)
+
+
+def _all_gather(values: list[float], world_size: int, device: torch.device) -> list[list[float]]:
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
+    return [t.tolist() for t in everyone]
+
+
+class _ProfilerCallbackMixin:
+    """Forwards the end of every training step to an :class:`InLoopProfiler`."""
+
+    def __init__(self, profiler: InLoopProfiler) -> None:
+        self.profiler = profiler
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.profiler.on_train_batch_end(trainer.current_epoch, batch_idx)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"profiler": None}  # per-process state: never travels
+
+
+class ProfilerCallback(_ProfilerCallbackMixin, Callback):
+    """Added by :class:`~lightning_het.HeterogeneousStrategy` to ``trainer.callbacks`` while it profiles."""
+
+
+def attach_profiler(profiler: InLoopProfiler | None, trainer: Any) -> None:
+    """Hook ``profiler`` into ``trainer`` (replacing a previous fit's), or remove the hook (``None``)."""
+    callbacks = trainer.callbacks
+    callbacks[:] = [cb for cb in callbacks if not isinstance(cb, _ProfilerCallbackMixin)]
+    if profiler is not None:
+        callbacks.append(on_flavour(ProfilerCallback, trainer)(profiler))

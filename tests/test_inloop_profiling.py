@@ -1,0 +1,270 @@
+"""Profiling on the real training steps: the schedule (pure), the lazy sampler, and Lightning's contract kept.
+
+The multi-process fits (``tests/helpers/run_inloop.py``) train a module whose ``training_step(self, batch)`` has no
+``batch_idx``, that needs state made in ``on_train_start``, counts its hooks and records every step's split and
+synchronised gradient; they are compared with one process training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import random
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
+from lightning_het.balance import profiler as profiler_module
+from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
+from lightning_het.sampler import ProportionalBatchSampler
+from tests.helpers.jobs import run_helper
+from tests.helpers.run_inloop import ContractModule
+from tests.helpers.tiny import make_dataset, make_net
+
+# ---------------------------------------------------------------------------------------------------------- schedule
+
+
+def test_trial_splits_cover_two_sizes_per_replica_within_bounds() -> None:
+    rng = random.Random(0)
+    for _ in range(400):
+        world = rng.randint(2, 6)
+        floor = rng.choice([1, 1, 2])
+        upper = [rng.randint(floor + 1, 40) for _ in range(world)] if rng.random() < 0.3 else None
+        total = rng.randint(world * floor, sum(upper) if upper else 200)
+        speeds = [rng.uniform(0.2, 5.0) for _ in range(world)]
+        around = allocate_batch_sizes(total, speeds, min_batch_size=floor, max_batch_sizes=upper)
+        a, b = trial_splits(around, min_batch_size=floor, max_batch_sizes=upper)
+        for split in (a, b):
+            assert sum(split) == total and min(split) >= floor
+            assert upper is None or all(s <= u for s, u in zip(split, upper))
+        if upper is None and min(around) >= 2 * floor:  # room to give and to take: every replica sees two sizes
+            assert all(x != y for x, y in zip(a, b)), (around, floor, a, b)
+        # no replica more than doubles its share (+ 1): a trial step costs about 1.5x a balanced one, at most 2x
+        assert all(max(x, y) <= 2 * r + 1 for x, y, r in zip(a, b, around))
+
+
+def test_profile_plan_warms_up_agrees_on_rough_speeds_then_tries_around_them() -> None:
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=3)
+    assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 7, 11)
+    rough = [24, 8]
+    assert [plan.split(n, rough) for n in range(4)] == [[16, 16]] * 4  # drawn before the rough speeds are known
+    a, b = trial_splits(rough)
+    assert [plan.split(n, rough) for n in range(4, 8)] == [a, b, a, b] and a[1] != b[1] and a[0] != b[0]
+    assert [plan.split(n, rough) for n in range(8, 11)] == [rough] * 3  # drawn before the costs are agreed
+    assert [plan.timed(n) for n in range(9)] == [False] + [True] * 7 + [False]
+    no_warmup = profile_plan(32, 2, warmup=0, steps=1, lag=1)
+    assert (no_warmup.first_trial, no_warmup.gather_step, no_warmup.switch_step) == (0, 1, 3)
+    assert [no_warmup.split(n, None) for n in range(3)] == [[8, 24], [24, 8], [16, 16]]
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        profile_plan(32, 1, warmup=1, steps=2, lag=1)
+
+
+def test_prefetch_depth_of_a_loader() -> None:
+    data = make_dataset(8)
+    assert loader_prefetch_depth(DataLoader(data)) == 1
+    assert loader_prefetch_depth(DataLoader(data, num_workers=2)) == 5
+    assert loader_prefetch_depth(DataLoader(data, num_workers=2, prefetch_factor=3)) == 7
+
+
+def _profiler(plan) -> InLoopProfiler:
+    return InLoopProfiler(plan, 0, 2, torch.device("cpu"), lambda: (8, 0.01), lambda costs, sizes: None)
+
+
+def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_too_early(monkeypatch) -> None:
+    gathered = []
+    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: gathered.append(v) or [list(v), list(v)])
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # trials from step 2, switch at step 7
+    profiler = _profiler(plan)
+    resumed = ProportionalDistributedSampler(list(range(32)), [4, 4], 0)  # epochs of 4 global batches
+    resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
+    profiler.bind(resumed)
+    assert resumed.step_batch_sizes(2) == [16, 16] and resumed.step_batch_sizes(3) == [16, 16]  # plan steps 0, 1
+    profiler.on_train_batch_end(0, 2)  # the warm-up ends: the rough split is agreed (equal speeds here)
+    assert gathered == [[16 / 0.01]] and profiler.rough == [16, 16]
+    profiler.on_train_batch_end(0, 3)
+    # the next epoch is drawn after the steps trained so far: its batch 0 is plan step 2, the first trial
+    a, b = trial_splits([16, 16])
+    assert [profiler.split_for(1, k) for k in range(4)] == [a, b, a, b]  # plan steps 2 .. 5
+    for k in range(4):
+        profiler.on_train_batch_end(1, k)
+    assert profiler.done and len(gathered) == 2
+    other = ProportionalDistributedSampler(list(range(90)), [4, 4], 0)  # a second loader follows the same plan
+    profiler.bind(other)
+    other.set_epoch(2)
+    assert other.step_batch_sizes(0) == [16, 16]  # plan step 6: drawn before the costs were agreed, the rough split
+    assert other.step_batch_sizes(1) == [4, 4] and profiler.split_for(2, 1) is None  # the allocation from step 7
+
+
+def test_an_epoch_shorter_than_its_loader_leaves_no_plan_step_out() -> None:
+    """``limit_train_batches``: epoch 0 trains 1 of its batches; epoch 1 starts at the next plan step."""
+    profiler = _profiler(profile_plan(32, 2, warmup=0, steps=1, lag=1))  # trials at steps 0 and 1, switch at 3
+    a, b = trial_splits([16, 16])
+    assert profiler.split_for(0, 0) == a and profiler.split_for(0, 1) == b  # step 1 drawn, never trained
+    profiler._clock = lambda: None
+    profiler.on_train_batch_end(0, 0)
+    assert profiler.split_for(1, 0) == b  # plan step 1
+    with pytest.raises(RuntimeError, match="drew global batch 2 of epoch 1 before the profiling step"):
+        profiler.split_for(1, 2)  # plan step 3, the switch: the costs are not agreed yet
+
+
+# ---------------------------------------------------------------------------------------------------------- sampler
+
+
+def test_lazy_batches_follow_the_schedule_and_stay_the_single_process_batches() -> None:
+    data = list(range(45))  # 5 global batches of 8 and a tail of 5
+    single = ProportionalDistributedSampler(data, [8], 0, seed=3)
+    single.set_epoch(1)
+    reference = single.epoch_batches()
+    schedule = {0: [2, 6], 1: [6, 2], 5: [4, 4]}  # step 5 is the tail: split like [4, 4]
+    samplers = [ProportionalDistributedSampler(data, [1, 7], r, seed=3) for r in range(2)]
+    iters = []
+    for s in samplers:
+        s.set_epoch(1)
+        s.split_schedule = lambda epoch, step: schedule.get(step) if epoch == 1 else None
+        iters.append(iter(ProportionalBatchSampler(s)))
+    drawn = []
+    for k in range(6):
+        if k == 3:  # a new allocation for the batches not drawn yet
+            for s in samplers:
+                s.set_batch_sizes([3, 5])
+        drawn.append([next(it) for it in iters])
+    sizes = [[len(b) for b in step] for step in drawn]
+    assert sizes == [[2, 6], [6, 2], [1, 7], [3, 5], [3, 5], [3, 2]]
+    assert [s.step_batch_sizes(k) for k in (0, 3, 5) for s in samplers[:1]] == [[2, 6], [3, 5], [3, 2]]
+    assert [step[0] + step[1] for step in drawn] == reference
+    assert len(ProportionalBatchSampler(samplers[0])) == 6
+
+
+# ---------------------------------------------------------------------------------------------------------- one replica
+
+
+def test_one_replica_neither_profiles_nor_gathers(monkeypatch) -> None:
+    calls = []
+    real = dist.all_gather
+    monkeypatch.setattr(dist, "all_gather", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pl.seed_everything(0)
+    model = ContractModule()
+    strategy = HeterogeneousStrategy(process_group_backend="gloo")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(make_dataset(40), batch_size=8, shuffle=True))
+    assert model.batch_sizes == [8] * 10 and model.problems == []
+    assert model.counts["training_step"] == model.counts["on_before_backward"] == trainer.global_step == 10
+    assert not strategy.profiling and strategy.cost_model is None and strategy.profile_seconds == 0.0
+    assert calls == []  # no timing collective
+
+
+# ---------------------------------------------------------------------------------------------------------- jobs
+
+
+def reference_gradients(
+    n: int, global_batch: int, epochs: int, seed: int = 0, limit: int | None = None
+) -> list[torch.Tensor]:
+    """Every step's gradient when one process trains on the whole global batches (same order, same optimizer;
+    ``limit``: the first global batches of each epoch only)."""
+    data = make_dataset(n)
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sampler = ProportionalDistributedSampler(data, [global_batch], 0, shuffle=True, seed=seed)
+    grads = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for k, (x, y) in enumerate(DataLoader(data, batch_size=global_batch, sampler=sampler)):
+            if limit is not None and k >= limit:
+                break
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten().clone() for p in net.parameters()]))
+            opt.step()
+    return grads
+
+
+#: rank 1 emulates a 3x slower device; 10 global batches of 32 per epoch, 2 epochs
+SLOW = {"strategy": {"emulate_slowdown": [1, 3]}, "cost_per_sample_s": 0.001}
+INLOOP_FITS = {
+    "automatic": SLOW,
+    "manual": {**SLOW, "manual": True},
+    # two networks, two optimizers, each backward reaching one network only
+    "gan": {**SLOW, "manual": True, "gan": True, "strategy": {**SLOW["strategy"], "find_unused_parameters": True}},
+    # 2 workers x prefetch 2 + Lightning's batch: 5 batches drawn ahead, the fitted split from step 10 (epoch 1)
+    "workers": {**SLOW, "loader": {"num_workers": 2}},
+    # epochs of 4 of the loader's 10 batches: the plan continues across them, the fitted split from step 7
+    "limited": {**SLOW, "limit_train_batches": 4, "epochs": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def inloop_fits(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("inloop")
+    job = run_helper("tests.helpers.run_inloop", out, list(INLOOP_FITS.values()), limit=300)  # type: ignore[arg-type]
+    assert job.returncode == 0, job.output[-6000:]
+    assert not job.survivors
+    return {name: [torch.load(out / str(i) / f"rank{r}.pt") for r in range(2)] for i, name in enumerate(INLOOP_FITS)}
+
+
+@pytest.mark.parametrize("name", list(INLOOP_FITS))
+def test_training_step_without_batch_idx_runs_once_per_step_with_its_state(inloop_fits, name: str) -> None:
+    for dump in inloop_fits[name]:
+        assert dump["problems"] == []
+        twice = 40 if name == "gan" else 20  # the GAN's two backwards and two optimizer steps per batch
+        assert dump["global_step"] == twice
+        counts = dump["counts"]
+        assert counts["training_step"] == counts["on_train_batch_end"] == 20
+        assert counts["on_before_backward"] == counts["on_after_backward"] == twice
+
+
+@pytest.mark.parametrize("name", list(INLOOP_FITS))
+def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fits, name: str) -> None:
+    dumps = inloop_fits[name]
+    sizes = dumps[0]["batch_sizes"]
+    assert dumps[1]["batch_sizes"] == sizes and sum(sizes) == 32
+    assert 5 <= sizes[1] <= 11, sizes  # rank 1 is 3x slower: about a quarter
+    seen = [list(s) for s in zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"])]
+    lag = 5 if name == "workers" else 1  # Lightning's prefetched batch (+ 2 workers x 2)
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=lag)
+    trials = seen[plan.first_trial : plan.gather_step + 1]
+    rough = seen[plan.gather_step + 1]
+    assert seen[: plan.first_trial] == [[16, 16]] * plan.first_trial  # warm-up, and the batches drawn meanwhile
+    assert trials == [*trial_splits(rough)] * 2  # A, B, A, B around the rough split (from the first step: rough)
+    assert seen[plan.gather_step + 1 : plan.switch_step] == [rough] * lag
+    assert seen[plan.switch_step :] == [sizes] * (20 - plan.switch_step)  # step 7 without workers: in epoch 0
+    cfg = INLOOP_FITS[name]
+    reference = reference_gradients(320, 32, epochs=cfg.get("epochs", 2), limit=cfg.get("limit_train_batches"))
+    for dump in dumps:
+        assert len(dump["grads"]) == 20
+        for step, (got, want) in enumerate(zip(dump["grads"], reference)):
+            # float rounding only (relative 1e-7 on the first steps, drifting to ~1e-6 over 20 steps)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (name, step)
+
+
+def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(tmp_path) -> None:
+    """A checkpoint saved at step 3, inside the profiling steps, has no speeds yet: the resumed fit profiles again from
+    its first step (global batch 3) and ends where the uninterrupted fit ends (the same global batches)."""
+    first = {"devices": 2, "strategy": {}, "epochs": 2, "n": 80, "batch_size": 4, "save_every": 3}
+    resumed = {**first, "save_every": 0, "resume": str(tmp_path / "0" / "ckpt" / "step=3.ckpt")}
+    job = run_helper("tests.helpers.run_resume", tmp_path, [first, resumed], limit=300)  # type: ignore[arg-type]
+    assert job.returncode == 0, job.output[-6000:]
+    record = torch.load(tmp_path / "0" / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]
+    assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3
+    assert "skips the 3 global batch(es) already trained on" in job.output
+    assert job.output.count("profiling on the first 6 training steps") == 2
+    full = [torch.load(tmp_path / "0" / f"rank{r}.pt") for r in range(2)]
+    again = [torch.load(tmp_path / "1" / f"rank{r}.pt") for r in range(2)]
+    for rank in range(2):
+        assert again[rank]["global_step"] == 20
+        # global batches 3 and 4 of epoch 0: the warm-up (and the batch drawn meanwhile) again, from the resumed step
+        assert again[rank]["seen_batch_sizes"][:2] == [4, 4]
+        assert len(set(again[rank]["seen_batch_sizes"][2:6])) == 2  # then the trial splits
+        state = full[rank]["state_dict"]
+        assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)
