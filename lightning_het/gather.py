@@ -19,15 +19,18 @@ reads past the data on other backends. :func:`all_gather_uneven` first exchanges
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["all_gather_uneven", "gather_shapes"]
+__all__ = ["all_gather_collection", "all_gather_uneven", "gather_shapes"]
 
 _INLINE_DIMS = 8  # dimensions exchanged in the first round; larger ranks take a second round
 
@@ -103,3 +106,46 @@ def _dtype_names(tensor: Tensor, codes: list[int]) -> list[str]:
 
 
 _ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def _structure(data: Any) -> str:
+    """A description of where the tensors sit in a nested collection (keys, lengths, types), without their values."""
+    if isinstance(data, Tensor):
+        return "T"
+    if isinstance(data, Mapping):
+        return "{" + ",".join(f"{k!r}:{_structure(v)}" for k, v in data.items()) + "}"
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        fields = ",".join(f"{f.name}:{_structure(getattr(data, f.name))}" for f in dataclasses.fields(data))
+        return f"{type(data).__name__}({fields})"
+    if isinstance(data, (list, tuple)):
+        return f"{type(data).__name__}[" + ",".join(_structure(v) for v in data) + "]"
+    return type(data).__name__
+
+
+def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+    """:func:`all_gather_uneven` applied to every tensor of ``data`` (a tensor or a nested collection, as Lightning's
+    ``apply_to_collection`` walks it); other leaves are returned unchanged.
+
+    For a collection, the replicas first agree that their collections have the same structure (keys, list lengths,
+    where the tensors are): a list of per-sample values is as long as each replica's share, and gathering it element
+    by element would pair different calls on different replicas. A mismatch raises :class:`ValueError` on every
+    replica, naming each replica's number of tensors.
+    """
+    if isinstance(data, Tensor):
+        return all_gather_uneven(data, group=group, sync_grads=sync_grads)
+    if dist.is_available() and dist.is_initialized():
+        group = group if group is not None else dist.group.WORLD
+        count = [0]
+        apply_to_collection(data, Tensor, lambda t: count.__setitem__(0, count[0] + 1))
+        mine = torch.tensor([zlib.crc32(_structure(data).encode()), count[0]], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+        if len({int(r[0]) for r in rows}) > 1:
+            counts = ", ".join(f"rank {r}: {int(row[1])}" for r, row in enumerate(rows))
+            raise ValueError(
+                "all_gather: the replicas passed collections of different structure (tensors per replica:"
+                f" {counts}), so their gathers cannot pair up. HINT: with uneven batch shares a list of per-sample"
+                " values has a different length on each replica: gather one tensor of them"
+                " (`torch.tensor(values)`) instead, its first dimension may differ."
+            )
+    return apply_to_collection(data, Tensor, all_gather_uneven, group=group, sync_grads=sync_grads)

@@ -20,7 +20,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
@@ -69,7 +68,7 @@ from lightning_het.checkpointing import (
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.comm.modes import CommChoice
 from lightning_het.devices import DeviceMapArg, DevicePlan
-from lightning_het.gather import all_gather_uneven
+from lightning_het.gather import all_gather_collection
 from lightning_het.loaders import (
     as_batch_size,
     batch_sampler_error,
@@ -661,9 +660,10 @@ class HeterogeneousStrategyBase:
         Tensors of the same shape on every replica are stacked to ``[W, *shape]``, exactly as in DDP. Per-sample
         tensors whose first dimension differs between replicas (each replica's share of the batch) are concatenated
         in rank order to ``[sum of n_r, *rest]``: every sample once. Other mismatches raise ``ValueError`` naming
-        every replica's shape, on every replica. See :mod:`lightning_het.gather`.
+        every replica's shape, on every replica; so do collections whose structure differs between replicas. See
+        :mod:`lightning_het.gather`.
         """
-        return apply_to_collection(tensor, Tensor, all_gather_uneven, group=group, sync_grads=sync_grads)
+        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     @property
     def _train_min_batch_size(self) -> int:

@@ -35,6 +35,7 @@ def _gather_worker(rank: int, world: int) -> dict:
         "ndim": torch.zeros([2] * (1 + rank)),
         "dtype": torch.zeros(2, dtype=[torch.float32, torch.int64][rank]),
         "scalar_vs_vector": torch.zeros([(), (1,)][rank]),
+        "structure": {"values": [torch.tensor(i) for i in range([3, 1][rank])]},  # a per-sample list
     }.items():
         try:
             strategy.all_gather(tensor)
@@ -83,6 +84,7 @@ def test_mismatch_raises_on_every_rank_naming_the_shapes(gathered):
         assert "rank 0: [2] torch.float32, rank 1: [2, 2] torch.float32" in out["error_ndim"]
         assert "rank 0: [2] torch.float32, rank 1: [2] torch.int64" in out["error_dtype"]
         assert "rank 0: [] torch.float32, rank 1: [1] torch.float32" in out["error_scalar_vs_vector"]
+        assert "different structure (tensors per replica: rank 0: 3, rank 1: 1)" in out["error_structure"]
         assert torch.equal(out["after_errors"], torch.tensor([[0], [1]]))
 
 
