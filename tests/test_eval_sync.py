@@ -54,3 +54,11 @@ def test_fit_sanity_check_validation_and_training_gather(dumps):
         assert r["train_shapes"] == [(8, 4)] * 10  # [6 + 2 samples, 4 features] at each of 5 steps x 2 epochs
         assert r["train_gathered_ok"]
         assert r["val_loss_dtype"] == torch.float32 and r["train_loss_dtype"] == torch.float32
+
+
+def test_predict_keeps_lightnings_split_every_sample_once_order_reconstructable(dumps):
+    targets = make_dataset(41, seed=99).tensors[1].squeeze(1)
+    indices = [i for d in dumps for i in d["predict"]["indices"]]
+    assert sorted(indices) == list(range(41))
+    for d in dumps:  # each prediction is put back in place by the batch indices Lightning records
+        assert torch.equal(d["predict"]["predictions"], targets[d["predict"]["indices"]])

@@ -6,6 +6,7 @@ JSON keys: ``devices`` and ``speeds``. Every rank runs, in order:
 * ``validate`` and ``test`` of an untrained model on 41 samples (loader batch 5), whose evaluation step logs
   ``self.log(..., on_step=True, sync_dist=True)`` every step, an epoch mean weighted by ``batch_size``, and gathers the
   batch's targets with ``self.all_gather``;
+* ``predict`` on the same samples (Lightning's own split), recording the dataset indices of each batch;
 * ``fit`` for 2 epochs (40 training samples, global batch 8, validation on the same 41 samples, sanity check of 2
   batches), gathering each training batch's inputs with ``self.all_gather``.
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -49,6 +51,9 @@ class StepSyncRegressor(TinyRegressor):
     def test_step(self, batch, batch_idx):
         self._eval_step(batch, "test")
 
+    def predict_step(self, batch, batch_idx):
+        return batch[1].squeeze(1)
+
     def training_step(self, batch, batch_idx):
         x, _ = batch
         gathered = self.all_gather({"x": x, "n": torch.tensor(len(x))})
@@ -58,6 +63,19 @@ class StepSyncRegressor(TinyRegressor):
         self.train_gathered_ok &= bool(torch.equal(gathered["x"][offset : offset + len(x)], x))
         self.train_gathered_ok &= int(gathered["n"].sum()) == gathered["x"].shape[0]
         return super().training_step(batch, batch_idx)
+
+
+class IndexWriter(BasePredictionWriter):
+    """Records each prediction batch with the dataset indices Lightning tracks for prediction writers."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch")
+        self.indices: list[int] = []
+        self.predictions: list[torch.Tensor] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        self.indices.extend(batch_indices)
+        self.predictions.append(prediction)
 
 
 def _trainer(devices: int, speeds, progress_bar: bool = True, **kwargs) -> pl.Trainer:
@@ -98,6 +116,10 @@ def main() -> None:
     results["validate"] = _eval_record(model, trainer, "val")
     trainer.test(model, val, verbose=False)
     results["test"] = _eval_record(model, trainer, "test")
+    writer = IndexWriter()
+    trainer = _trainer(devices, speeds, callbacks=[writer])
+    trainer.predict(model, val, return_predictions=False)
+    results["predict"] = {"indices": writer.indices, "predictions": torch.cat(writer.predictions)}
 
     pl.seed_everything(0)
     model = StepSyncRegressor()
