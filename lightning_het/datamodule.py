@@ -21,7 +21,9 @@ class HeterogeneousDataModule(pl.LightningDataModule):
 
     * training: ``global_batch_size`` samples per step in total, split in proportion to each replica's speed by a
       :class:`~lightning_het.ProportionalDistributedSampler` (same number of steps everywhere, exact gradients);
-    * validation / test: every sample evaluated exactly once, shares proportional to speed, no padding;
+    * validation / test: every sample evaluated exactly once, shares proportional to speed, no padding, the same
+      number of batches on every replica (batches proportional to the shares, see
+      :class:`~lightning_het.sampler.EvalBatchSampler`);
     * predict: Lightning's own unpadded split.
 
     Under any other strategy the module still works: each process gets ``global_batch_size // world_size``.
@@ -29,7 +31,8 @@ class HeterogeneousDataModule(pl.LightningDataModule):
     Args:
         global_batch_size: samples per optimizer step summed over all replicas. The strategy reads this value when
             its own ``global_batch_size`` is not set.
-        eval_batch_size: per-replica batch size for validation, test and predict (default: ``global_batch_size``).
+        eval_batch_size: per-replica batch size for validation, test and predict (default: ``global_batch_size``);
+            in validation and test it is the mean over replicas (fast replicas get larger batches).
         num_workers: ``DataLoader`` worker processes per replica.
         pin_memory: pin host memory (useful with CUDA replicas).
     """

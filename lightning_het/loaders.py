@@ -37,6 +37,7 @@ __all__ = [
     "batch_sampler_error",
     "loader_batch_size",
     "rebuild_loader",
+    "rebuild_with_batch_sampler",
     "training_order",
 ]
 
@@ -177,6 +178,30 @@ def rebuild_loader(
     if dataloader.batch_size is None and dataloader.batch_sampler is None and "collate_fn" not in overrides:
         collate = dataloader.collate_fn
         replacements["collate_fn"] = default_collate if collate is default_convert else PerSampleCollate(collate)
+    if arg_names:
+        args = tuple(
+            replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)
+        )
+    kwargs.update(replacements)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
+    """Re-instantiate ``dataloader`` (any DataLoader subclass) drawing its batches from ``batch_sampler`` (batches of
+    varying size, e.g. :class:`~lightning_het.sampler.EvalBatchSampler`), keeping the dataset, collate function,
+    workers, pinning, ..."""
+    from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
+
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, batch_sampler.sampler)
+    arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
+    # batch_sampler excludes batch_size, shuffle, sampler and drop_last
+    replacements: dict[str, Any] = {
+        "batch_sampler": batch_sampler,
+        "batch_size": 1,
+        "shuffle": False,
+        "sampler": None,
+        "drop_last": False,
+    }
     if arg_names:
         args = tuple(
             replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)

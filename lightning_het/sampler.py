@@ -14,9 +14,11 @@ from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 from lightning_het.balance.allocation import allocate_batch_sizes
 
 __all__ = [
+    "EvalBatchSampler",
     "ProportionalBatchSampler",
     "ProportionalDistributedSampler",
     "UnpaddedDistributedSampler",
+    "eval_batch_plan",
     "tail_batch_sizes",
 ]
 
@@ -270,14 +272,18 @@ class UnpaddedDistributedSampler(DistributedSampler):
     A dataset with fewer samples than replicas (``0 < N < W``) is repeated whole ``repeats = ceil(W / N)`` times
     before it is split, so every sample is evaluated exactly ``repeats`` times: means, accuracies and other ratios of
     sums are unchanged, plain sums are ``repeats`` times larger.
+
+    ``min_share`` (default 1) raises every replica's share to at least that many samples (capped at an equal split);
+    :class:`EvalBatchSampler` uses it so that the smallest share holds one sample per evaluation batch.
     """
 
-    def __init__(self, dataset: Sized, weights: Sequence[float], rank: int) -> None:
+    def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, *, min_share: int = 1) -> None:
         super().__init__(dataset, num_replicas=len(weights), rank=rank, shuffle=False, drop_last=False)
         n = len(dataset)
         self.repeats = math.ceil(len(weights) / n) if 0 < n < len(weights) else 1
         total = n * self.repeats
-        sizes = allocate_batch_sizes(total, weights, min_batch_size=1) if total else [0] * len(weights)
+        floor = max(1, min(int(min_share), total // len(weights)))
+        sizes = allocate_batch_sizes(total, weights, min_batch_size=floor) if total else [0] * len(weights)
         self.shard_sizes = sizes
         self.start = sum(sizes[:rank])
         self.num_samples = sizes[rank]
@@ -289,3 +295,71 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
+    """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``.
+
+    ``shares[r]`` is replica ``r``'s number of samples (in proportion to ``weights``; every sample once, or the set
+    repeated whole when ``0 < length < len(weights)``, as in :class:`UnpaddedDistributedSampler`) and
+    ``batch_sizes[r]`` the sizes of its evaluation batches. Every replica runs the **same number of batches**
+    ``K = min(ceil(total / (batch_size * W)), min(shares))``, so that a per-step collective in an evaluation step
+    (``self.log(..., on_step=True, sync_dist=True)``, ``self.all_gather``) pairs up across replicas, and no batch is
+    empty. Each replica's share is cut into ``K`` near-equal batches (sizes differ by at most one), so a replica's
+    batches are proportional to its share and the mean batch over replicas and steps is about ``batch_size``. Shares
+    are lifted to at least ``K`` samples where the proportional share would be smaller (one sample per batch on the
+    slowest replica), which bounds the fastest replica's batch by about ``batch_size * W``.
+
+    >>> eval_batch_plan(41, [1.0, 3.0], 5)
+    ([10, 31], [[2, 2, 2, 2, 2], [7, 6, 6, 6, 6]])
+    >>> eval_batch_plan(2, [1.0, 1.0, 1.0], 4)  # fewer samples than replicas: the set is evaluated twice
+    ([2, 1, 1], [[2], [1], [1]])
+    """
+    world = len(weights)
+    if world < 1 or int(batch_size) < 1:
+        raise ValueError(f"Expected at least one weight and a positive `batch_size`, but got {weights}, {batch_size}.")
+    repeats = math.ceil(world / length) if 0 < length < world else 1
+    total = length * repeats
+    if total == 0:
+        return [0] * world, [[] for _ in range(world)]
+    target = max(1, math.ceil(total / (int(batch_size) * world)))
+    shares = allocate_batch_sizes(total, weights, min_batch_size=max(1, min(target, total // world)))
+    steps = min(target, min(shares))
+    return shares, [[n // steps + (k < n % steps) for k in range(steps)] for n in shares]
+
+
+class EvalBatchSampler(BatchSampler):
+    """Evaluation batches with the same number of batches on every replica and speed-proportional batch sizes.
+
+    Replica ``rank`` takes the contiguous block of ``dataset`` (original order) that
+    :class:`UnpaddedDistributedSampler` gives it and cuts it into the batches of :func:`eval_batch_plan`: every sample
+    is evaluated exactly once (no padding, no duplicates), and every replica runs ``len(self)`` batches, so per-step
+    collectives in evaluation steps pair up. ``batch_size`` is the user's loader batch size, the **mean** batch per
+    replica; fast replicas get larger batches, slow ones smaller.
+
+    Attributes:
+        sampler: the replica's :class:`UnpaddedDistributedSampler` (its indices, in order).
+        batch_sizes: the sizes of this replica's batches; ``shares``: every replica's sample count.
+        repeats: how often the whole set is evaluated (``> 1`` only for sets with fewer samples than replicas).
+    """
+
+    def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, batch_size: int) -> None:
+        shares, plan = eval_batch_plan(len(dataset), weights, batch_size)
+        steps = len(plan[0])
+        sampler = UnpaddedDistributedSampler(dataset, weights, rank, min_share=max(1, steps))
+        if sampler.shard_sizes != shares:  # the same allocation, computed twice
+            raise AssertionError(f"evaluation shares disagree: {sampler.shard_sizes} != {shares}")
+        super().__init__(sampler, int(batch_size), drop_last=False)
+        self.shares = shares
+        self.batch_sizes = plan[rank]
+        self.repeats = sampler.repeats
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(self.sampler)
+        start = 0
+        for size in self.batch_sizes:
+            yield indices[start : start + size]
+            start += size
+
+    def __len__(self) -> int:
+        return len(self.batch_sizes)

@@ -60,12 +60,14 @@ from lightning_het.checkpointing import (
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.comm.modes import CommChoice
 from lightning_het.devices import DeviceMapArg, DevicePlan
+from lightning_het.gather import all_gather_collection
 from lightning_het.loaders import (
     as_batch_size,
     batch_sampler_error,
     loader_batch_size,
     lost_batch_sampler,
     rebuild_loader,
+    rebuild_with_batch_sampler,
     training_order,
 )
 from lightning_het.preemption import (
@@ -76,7 +78,7 @@ from lightning_het.preemption import (
     shield_loader_workers,
 )
 from lightning_het.rendezvous import create_store, keep_sockets_local
-from lightning_het.sampler import ProportionalBatchSampler, ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.sampler import EvalBatchSampler, ProportionalBatchSampler, ProportionalDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
@@ -630,17 +632,33 @@ class HeterogeneousStrategyBase:
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """All-reduce ``tensor``; an integer tensor under a mean is reduced as ``float64`` instead of in place.
+        """All-reduce ``tensor``; the mean of an integer tensor is computed in ``float64`` and returned as a float.
 
         Lightning's epoch-level ``self.log(..., sync_dist=True, batch_size=...)`` mean-reduces its integer
         batch-size accumulator; DDP's in-place division would truncate it (e.g. ``(10 + 31) / 2 -> 20``), and with
-        uneven shares every epoch metric would be off. The weighted value and the sample count are then both exact.
+        uneven shares every epoch metric would be off. Here the count is summed in ``float64`` (exact) and divided by
+        the world size, then returned in the default float dtype (``float32`` unless the default is ``float64``, as
+        Lightning keeps logged values), so that the logged ``value / count`` has the logged value's dtype, as in DDP.
         """
         if isinstance(tensor, Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
             op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
             if op in ("mean", "avg", ReduceOp.AVG):
-                tensor = tensor.to(torch.float64)
+                reduced = super().reduce(tensor.to(torch.float64), group=group, reduce_op=reduce_op)
+                default = torch.get_default_dtype()
+                return reduced.to(default if default in (torch.float32, torch.float64) else torch.float32)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """Gather a tensor (or every tensor of a nested collection) from all replicas, uneven batch shares included.
+
+        Tensors of the same shape on every replica are stacked to ``[W, *shape]``, exactly as in DDP. Per-sample
+        tensors whose first dimension differs between replicas (each replica's share of the batch) are concatenated
+        in rank order to ``[sum of n_r, *rest]``: every sample once. Other mismatches raise ``ValueError`` naming
+        every replica's shape, on every replica; so do collections whose structure differs between replicas. See
+        :mod:`lightning_het.gather`.
+        """
+        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     @property
     def _train_min_batch_size(self) -> int:
@@ -822,21 +840,24 @@ class HeterogeneousStrategyBase:
         return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
 
     def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
+        """Every replica runs the same number of evaluation batches, sized in proportion to its share
+        (:class:`~lightning_het.sampler.EvalBatchSampler`); each sample is evaluated once."""
         if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
             return dataloader  # the user's own distributed sampler
         if type(dataloader.batch_sampler) is not BatchSampler:
             return dataloader
         weights = self._eval_weights()
         self._eval_weights_used = weights
-        sampler = UnpaddedDistributedSampler(dataloader.dataset, weights, self.global_rank)
-        if sampler.repeats > 1:
+        batch_size = dataloader.batch_size or 1
+        batches = EvalBatchSampler(dataloader.dataset, weights, self.global_rank, batch_size)
+        if batches.repeats > 1:
             rank_zero_warn(
                 f"HeterogeneousStrategy: the evaluation set holds {len(dataloader.dataset)} sample(s), fewer than the"
-                f" {self.world_size} replicas; every replica needs one, so the set is evaluated {sampler.repeats}"
+                f" {self.world_size} replicas; every replica needs one, so the set is evaluated {batches.repeats}"
                 " times over (each sample equally often): means and accuracies are exact, summed values are"
-                f" {sampler.repeats} times larger. HINT: evaluate at least one sample per replica."
+                f" {batches.repeats} times larger. HINT: evaluate at least one sample per replica."
             )
-        return rebuild_loader(dataloader, sampler, dataloader.batch_size or 1, drop_last=dataloader.drop_last)
+        return rebuild_with_batch_sampler(dataloader, batches)
 
     def _eval_weights(self) -> list[float]:
         if self._batch_sizes is not None:

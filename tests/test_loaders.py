@@ -8,7 +8,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler
-from lightning_het.loaders import as_batch_size, loader_batch_size, rebuild_loader, training_order
+from lightning_het.loaders import (
+    as_batch_size,
+    loader_batch_size,
+    rebuild_loader,
+    rebuild_with_batch_sampler,
+    training_order,
+)
+from lightning_het.sampler import EvalBatchSampler
 from tests.helpers.tiny import make_dataset
 
 
@@ -70,3 +77,12 @@ class TestRebuildLoader:
         sampler = ProportionalDistributedSampler(data, [2, 4], 1, shuffle=False)
         sizes = [len(b[0]) for b in rebuild_loader(DataLoader(data, batch_size=3), sampler, 4)]
         assert sizes == [4, 4, 1]
+
+
+class TestRebuildWithBatchSampler:
+    def test_batches_of_varying_size_keep_the_collate_function(self):
+        data = make_dataset(41)
+        loader = DataLoader(data, batch_size=5, collate_fn=lambda samples: len(samples), num_workers=0)
+        rebuilt = rebuild_with_batch_sampler(loader, EvalBatchSampler(data, [3, 1], 0, 5))
+        assert type(rebuilt) is DataLoader and rebuilt.batch_size is None
+        assert list(rebuilt) == [7, 6, 6, 6, 6] and len(rebuilt) == 5

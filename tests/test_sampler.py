@@ -1,4 +1,4 @@
-"""ProportionalDistributedSampler and UnpaddedDistributedSampler."""
+"""ProportionalDistributedSampler, UnpaddedDistributedSampler and EvalBatchSampler."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler, WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.sampler import draw_sampler_order, tail_batch_sizes
+from lightning_het.sampler import EvalBatchSampler, draw_sampler_order, eval_batch_plan, tail_batch_sizes
 
 
 def _batches(dataset, sizes, rank, epoch=0, **kw):
@@ -191,3 +191,55 @@ class TestUnpaddedDistributedSampler:
     def test_shares_follow_weights(self):
         parts = [len(UnpaddedDistributedSampler(list(range(60)), [1, 2, 3], r)) for r in range(3)]
         assert parts == [10, 20, 30]
+
+
+class TestEvalBatchSampler:
+    CASES = [
+        (41, [1, 3], 5),
+        (41, [3, 1], 5),
+        (100, [5, 1], 8),
+        (60, [1, 2, 3], 4),
+        (7, [1, 1], 100),
+        (101, [100, 1], 4),
+    ]
+
+    @pytest.mark.parametrize(("n", "weights", "batch_size"), CASES)
+    def test_same_number_of_batches_each_sample_once(self, n, weights, batch_size):
+        samplers = [EvalBatchSampler(list(range(n)), weights, r, batch_size) for r in range(len(weights))]
+        batches = [list(s) for s in samplers]
+        counts = {len(b) for b in batches}
+        assert len(counts) == 1 and counts == {len(s) for s in samplers}  # the same number of batches everywhere
+        steps = counts.pop()
+        world = len(weights)
+        assert steps == min(-(-n // (batch_size * world)), min(samplers[0].shares))
+        assert sorted(i for b in batches for batch in b for i in batch) == list(range(n))  # once, no padding
+        for s, b in zip(samplers, batches):
+            assert [len(batch) for batch in b] == s.batch_sizes
+            assert min(s.batch_sizes) >= 1 and max(s.batch_sizes) - min(s.batch_sizes) <= 1  # even cut of a share
+
+    def test_batches_follow_the_shares_and_batch_size_is_the_mean(self):
+        samplers = [EvalBatchSampler(list(range(41)), [3, 1], r, 5) for r in range(2)]
+        assert samplers[0].shares == [31, 10]
+        assert [samplers[0].batch_sizes, samplers[1].batch_sizes] == [[7, 6, 6, 6, 6], [2, 2, 2, 2, 2]]
+        assert [next(iter(DataLoader(range(41), batch_sampler=s))).tolist() for s in samplers] == [
+            list(range(7)),
+            [31, 32],
+        ]
+
+    def test_a_tiny_share_is_lifted_to_one_sample_per_batch(self):
+        # proportional shares would be [100, 1]: one batch of 100 on the fast replica; instead 13 batches of ~7 and 1
+        shares, plan = eval_batch_plan(101, [100, 1], 4)
+        assert shares == [88, 13] and len(plan[0]) == len(plan[1]) == 13
+        assert max(plan[0]) == 7 and plan[1] == [1] * 13
+
+    @pytest.mark.parametrize("n", [1, 2, 5])
+    def test_tiny_sets_repeat_and_give_every_replica_one_batch(self, n):
+        samplers = [EvalBatchSampler(list(range(n)), [1, 1, 10], r, 4) for r in range(3)]
+        repeats = samplers[0].repeats
+        assert repeats == (1 if n >= 3 else -(-3 // n))
+        assert all(len(s) == 1 for s in samplers)
+        seen = sorted(i for s in samplers for batch in s for i in batch)
+        assert seen == sorted(list(range(n)) * repeats)
+
+    def test_empty_set(self):
+        assert len(EvalBatchSampler([], [1, 1], 0, 4)) == 0
