@@ -35,6 +35,8 @@ from lightning_het._compat import (
     attached_trainer,
     cached_validation_loader,
     forget_validation_loader,
+    record_loader_arguments,
+    uses_distributed_sampler,
 )
 from lightning_het.accelerators import (
     apply_local_settings,
@@ -328,6 +330,7 @@ class HeterogeneousStrategyBase:
         self._telemetry = telemetry
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
+        self._own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -674,7 +677,9 @@ class HeterogeneousStrategyBase:
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
+            self._loss_scale = 1.0  # until then (and for good with a loader we leave alone): plain DDP
             self._train_sampler = None
+        record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         super().setup(trainer)
         self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
@@ -739,11 +744,25 @@ class HeterogeneousStrategyBase:
                     " map-style Dataset for speed-proportional batches and exact gradients."
                 )
             return dataloader
+        if stage in (RunningStage.TRAINING, *_EVAL_STAGES) and not uses_distributed_sampler(trainer):
+            self._warn_own_sharding()
+            return dataloader
         if stage == RunningStage.TRAINING:
             return self._split_training_loader(dataloader, trainer)
         if stage in _EVAL_STAGES:
             return self._split_eval_loader(dataloader)
         return dataloader
+
+    def _warn_own_sharding(self) -> None:
+        if self._own_sharding_warned:
+            return
+        self._own_sharding_warned = True
+        rank_zero_warn(
+            "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its DataLoaders"
+            " whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP behaviour for them:"
+            " no speed-proportional batches, equal weights in the gradient mean (exact when the replicas' batches are"
+            " equal). HINT: leave `use_distributed_sampler` at True for load balancing."
+        )
 
     def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
         if self._global_batch_size_arg is not None:
