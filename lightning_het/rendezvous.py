@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = [
+    "JOB_ENVIRONMENT",
     "LOOPBACK",
     "TOKEN_ENV",
     "agree_on_token",
@@ -47,6 +48,8 @@ __all__ = [
     "keep_sockets_local",
     "key_prefix",
     "listen_address",
+    "restore_job_environment",
+    "save_job_environment",
     "sign",
     "verify",
 ]
@@ -209,6 +212,31 @@ def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None 
         return
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         environ.setdefault(name, loopback)
+
+
+#: the variables a Trainer call sets in ``os.environ`` (the job token, the loopback interfaces); they are put back as
+#: they were when the call ends, so that a later job in the same process (another node set-up) does not inherit them.
+JOB_ENVIRONMENT = (TOKEN_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def save_job_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
+    """The values of :data:`JOB_ENVIRONMENT` in ``environ`` (default ``os.environ``; ``None``: unset)."""
+    environ = os.environ if environ is None else environ
+    return {name: environ.get(name) for name in JOB_ENVIRONMENT}
+
+
+def restore_job_environment(
+    saved: dict[str, str | None] | None, environ: MutableMapping[str, str] | None = None
+) -> None:
+    """Put the variables of ``saved`` (from :func:`save_job_environment`) back; ``None``: nothing to do."""
+    if saved is None:
+        return
+    environ = os.environ if environ is None else environ
+    for name, value in saved.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
 
 
 def _loopback_interface() -> str | None:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -85,7 +85,12 @@ from lightning_het.preemption import (
     detach_preemption,
     shield_loader_workers,
 )
-from lightning_het.rendezvous import create_store, keep_sockets_local
+from lightning_het.rendezvous import (
+    create_store,
+    keep_sockets_local,
+    restore_job_environment,
+    save_job_environment,
+)
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
@@ -136,7 +141,13 @@ class _ExitCleanup:
 
 
 class AllocationResultsMixin:
-    """Spawn/fork launcher mixin that also sends the allocation back to the parent process."""
+    """Spawn/fork launcher mixin that also sends the allocation back to the parent process, and checks a multi-node
+    job's rendezvous variables before it starts the workers."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        strategy = self._strategy  # type: ignore[attr-defined]
+        validate_launch_environment(strategy.num_nodes, strategy.cluster_environment)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)  # type: ignore[misc]
@@ -225,7 +236,9 @@ class HeterogeneousStrategyBase:
         preemption_checkpoint: where rank 0 writes the checkpoint when the job receives ``SIGTERM`` (or ``SIGUSR1``)
             during ``fit``: a file path, or a directory (``last.ckpt`` inside it). Default: ``last.ckpt`` in the
             directory of the trainer's first ``ModelCheckpoint``, else ``<default_root_dir>/checkpoints/last.ckpt``.
-            See ``docs/preemption.md``.
+            ``False``: no checkpoint; the replicas still stop together at a step boundary and exit with status 143.
+            ``Trainer(enable_checkpointing=False)`` does not switch the preemption save off. See
+            ``docs/preemption.md``.
         preemption_grace: seconds a replica has, from the signal, to reach the next step boundary, save and exit;
             a replica still running then (e.g. stuck in a collective) ends with status 143 anyway. Keep it below the
             scheduler's kill delay (SLURM ``KillWait``, often 30 s).
@@ -258,7 +271,7 @@ class HeterogeneousStrategyBase:
         telemetry: bool = True,
         comm_warmup_steps: int = 0,
         comm_autotune_steps: int = 5,
-        preemption_checkpoint: str | os.PathLike | None = None,
+        preemption_checkpoint: str | os.PathLike | Literal[False] | None = None,
         preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
@@ -283,6 +296,7 @@ class HeterogeneousStrategyBase:
             rebalance_threshold=rebalance_threshold,
             telemetry=telemetry,
             preemption_grace=preemption_grace,
+            preemption_checkpoint=preemption_checkpoint,
         )
         validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # its warnings for settings that do nothing
         if args["timeout"] is not None:
@@ -292,7 +306,7 @@ class HeterogeneousStrategyBase:
         self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
         # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
         self._preemption_grace = args["preemption_grace"]
-        self._preemption_checkpoint = None if preemption_checkpoint is None else os.fspath(preemption_checkpoint)
+        self._preemption_checkpoint = args["preemption_checkpoint"]  # a path, None (default) or False (no save)
         self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
@@ -331,6 +345,7 @@ class HeterogeneousStrategyBase:
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self._own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
+        self._saved_environment: dict[str, str | None] | None = None  # os.environ before this Trainer call set ours
 
     # ------------------------------------------------------------------ public state
     @property
@@ -473,8 +488,7 @@ class HeterogeneousStrategyBase:
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
-        self._validate_against_world()
-        validate_launch_environment(self.num_nodes, self.cluster_environment)  # multi-node rendezvous vars (#7)
+        self._validate_against_world()  # (the multi-node rendezvous variables are checked by the launcher)
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
@@ -506,21 +520,26 @@ class HeterogeneousStrategyBase:
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
+        if self._saved_environment is None:  # the job token and socket variables, put back at teardown
+            self._saved_environment = save_job_environment()
         with unbound_process_group(self), self._startup_timeout_scope():
             self._init_process_group()
 
     def _init_process_group(self) -> None:
         """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
         interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.rendezvous`)."""
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized():
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             super().setup_distributed()  # torchrun's agent hosts the store
+            return
+        keep_sockets_local(self.num_nodes)  # also for the subgroups a later Trainer call adds to an existing group
+        if dist.is_initialized():
+            super().setup_distributed()
             return
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         env = self.cluster_environment
-        keep_sockets_local(self.num_nodes)
         timeout = self._timeout if self._timeout is not None else timedelta(minutes=30)
         store = create_store(
             master_addr=env.main_address,
@@ -696,6 +715,8 @@ class HeterogeneousStrategyBase:
         self._train_sampler = None
         _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
+        restore_job_environment(self._saved_environment)  # GLOO/NCCL_SOCKET_IFNAME as before this Trainer call
+        self._saved_environment = None
 
     def _end_watch(self) -> None:
         """Teardown: after an exception, stop the watchdog (the exception goes to the caller); after a normal run,

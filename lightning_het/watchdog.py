@@ -41,6 +41,7 @@ failing store call is a bug of the watchdog: it is logged once and the thread ca
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import json
 import logging
@@ -864,6 +865,11 @@ class WatchdogCallback(Callback):
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
+        """A copy that shares this process's running watchdog (its threads and store connection are not state to
+        duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        return copy.copy(self)
 
     # loops
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
