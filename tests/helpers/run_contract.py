@@ -1,7 +1,10 @@
-"""A tiny fit that uses Lightning's data contract the way DDP users do; dumps what each rank saw and what the fit left
-behind: ``python -m tests.helpers.run_contract OUT_DIR JSON``.
+"""Tiny fits that use Lightning's contract the way DDP users do; each dumps what each rank saw and what the fit left
+behind: ``python -m tests.helpers.run_contract OUT_DIR JSON`` (one config, or a list run one after another in the
+same processes: see :func:`tests.helpers.jobs.run_configs`).
 
-JSON keys: devices (default 2), epochs, n (dataset size), batch_size, seed,
+Every fit deep-copies ``trainer.callbacks`` in ``on_train_start`` (as Lightning's own tests do) and records the error,
+if any. JSON keys: devices (default 2), strategy (HeterogeneousStrategy kwargs), epochs, n (dataset size),
+batch_size, seed,
 loader: ``"plain"`` or ``"custom"`` (:class:`FeatureLoader`, a DataLoader subclass with an ``__init__`` argument of
 its own, for the training and the validation loader), val_n (validation set size, 0: none),
 own_sharding: ``Trainer(use_distributed_sampler=False)`` and each rank's Dataset holds its own shard
@@ -10,7 +13,7 @@ own_sharding: ``Trainer(use_distributed_sampler=False)`` and each rank's Dataset
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 import sys
 import threading
@@ -22,6 +25,7 @@ from torch.utils.data import DataLoader, Subset
 
 import lightning_het
 from lightning_het.rendezvous import TOKEN_ENV
+from tests.helpers.jobs import run_configs
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
 #: what the strategy may set in the environment of a Trainer call
@@ -35,6 +39,19 @@ class FeatureLoader(DataLoader):
     def __init__(self, num_features: int, dataset, *args, **kwargs) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.features_expected = num_features
+
+
+class DeepCopyCallbacks(pl.Callback):
+    """``copy.deepcopy(trainer.callbacks)`` once training starts (the strategy's callbacks are attached by then)."""
+
+    error: str | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            copied = copy.deepcopy(trainer.callbacks)
+            assert [type(c) for c in copied] == [type(c) for c in trainer.callbacks]
+        except Exception as err:
+            self.error = f"{type(err).__name__}: {err}"
 
 
 class ContractModel(TinyRegressor):
@@ -67,8 +84,10 @@ def run(out: Path, cfg: dict) -> None:
     env_before = {name: os.environ.get(name) for name in WATCHED_ENV}
     strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     model = ContractModel(cfg)
+    deepcopy = DeepCopyCallbacks()
     trainer = pl.Trainer(
         accelerator="cpu",
+        callbacks=[deepcopy],
         devices=cfg.get("devices", 2),
         strategy=strategy,
         max_epochs=cfg.get("epochs", 1),
@@ -92,13 +111,14 @@ def run(out: Path, cfg: dict) -> None:
             "threads_after_fit": threads,
             "env_before": env_before,
             "env_after": {name: os.environ.get(name) for name in WATCHED_ENV},
+            "deepcopy_error": deepcopy.error,
         },
         out / f"rank{trainer.global_rank}.pt",
     )
 
 
 def main() -> None:
-    run(Path(sys.argv[1]), json.loads(sys.argv[2]))
+    run_configs(run, sys.argv[1:])
 
 
 if __name__ == "__main__":
