@@ -94,6 +94,10 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
+    #: multi-node rendezvous variables are checked at launch (:meth:`launch`), not at Trainer construction
+    validates_launch_environment = True
+    _token: str | None = None  # the job token the replicas this process launched were given
+    _observer_stop: threading.Event | None = None  # set to end the observer thread
 
     def __init__(self, strategy: Any, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
@@ -101,8 +105,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         self._in_run = False
         self._failed = False  # a Trainer call of this process ended with an exception
         self._observer: threading.Thread | None = None
-        self._observer_stop = threading.Event()
-        self._token: str | None = None  # the job token the replicas this process launched were given
 
     # ------------------------------------------------------------------ launching process
     @override
@@ -175,10 +177,10 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
     def _start_observer(self) -> None:
         """During a Trainer call, until the watchdog runs (start-up): a local replica that fails ends the job. Stopped
         (joined) when the call returns (:meth:`_stop_observer`)."""
-        self._observer_stop.clear()
+        stop = self._observer_stop = threading.Event()
 
         def observe() -> None:
-            while not self._observer_stop.wait(0.5):
+            while not stop.wait(0.5):
                 watchdog = self._strategy.watchdog
                 if not self._in_run or (watchdog is not None and watchdog.running):
                     if all(proc.poll() is not None for proc in self.procs):
@@ -202,7 +204,7 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
 
     def _stop_observer(self) -> None:
         observer, self._observer = self._observer, None
-        if observer is None:
+        if observer is None or self._observer_stop is None:
             return
         self._observer_stop.set()
         if observer is not threading.current_thread():

@@ -144,6 +144,9 @@ class AllocationResultsMixin:
     """Spawn/fork launcher mixin that also sends the allocation back to the parent process, and checks a multi-node
     job's rendezvous variables before it starts the workers."""
 
+    #: multi-node rendezvous variables are checked at launch, not at Trainer construction
+    validates_launch_environment = True
+
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self._strategy  # type: ignore[attr-defined]
         validate_launch_environment(strategy.num_nodes, strategy.cluster_environment)
@@ -488,7 +491,7 @@ class HeterogeneousStrategyBase:
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
-        self._validate_against_world()  # (the multi-node rendezvous variables are checked by the launcher)
+        self._validate_against_world()
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
@@ -499,6 +502,8 @@ class HeterogeneousStrategyBase:
             self._launcher = HeterogeneousScriptLauncher(
                 self, self.cluster_environment, self.num_processes, self.num_nodes
             )
+        if not getattr(self._launcher, "validates_launch_environment", False):  # one of Lightning's: check now
+            validate_launch_environment(self.num_nodes, self.cluster_environment)
 
     @override
     def setup_environment(self) -> None:
