@@ -770,8 +770,8 @@ class HeterogeneousStrategyBase:
                     " map-style Dataset for speed-proportional batches and exact gradients."
                 )
             return dataloader
-        if stage in (RunningStage.TRAINING, *_EVAL_STAGES) and not uses_distributed_sampler(trainer):
-            self._warn_own_sharding()
+        if stage in (RunningStage.TRAINING, *_EVAL_STAGES) and _read_as_given(dataloader, trainer):
+            self._warn_own_sharding()  # plain DDP behaviour for this loader
             return dataloader
         if stage == RunningStage.TRAINING:
             return self._split_training_loader(dataloader, trainer)
@@ -1262,6 +1262,14 @@ def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: 
         flush=True,
     )
     return JobEnded(WATCHDOG_EXIT_CODE)
+
+
+def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
+    """``Trainer(use_distributed_sampler=False)``: every replica reads ``dataloader`` whole, as under DDP (the user
+    shards inside the Dataset); a loader with a :class:`ProportionalDistributedSampler` of the user's own is still
+    adopted (its batch sizes are the allocation)."""
+    own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
+    return not own_sampler and not uses_distributed_sampler(trainer)
 
 
 class _silenced_logging:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_het import HeterogeneousStrategy
+from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
 from lightning_het.rendezvous import TOKEN_ENV
 from tests.helpers.jobs import run_helper
 from tests.helpers.run_contract import WATCHED_ENV as JOB_ENVIRONMENT
@@ -118,6 +118,19 @@ def test_use_distributed_sampler_false_reads_every_loader_whole_as_plain_ddp(con
     assert (
         contract_job.output.count("use_distributed_sampler=False") == 1
     )  # one warning (rank 0, once for every loader)
+
+
+def test_use_distributed_sampler_false_still_adopts_a_proportional_sampler_of_the_users_own():
+    """Only a plain loader falls back to DDP behaviour; a ``ProportionalDistributedSampler`` built by the user is the
+    allocation (its loss scale with it)."""
+    results = {}
+    for name, sampler in (("plain", None), ("proportional", ProportionalDistributedSampler(make_dataset(24), [6], 0))):
+        strategy = HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo")
+        trainer = _trainer(1, strategy, max_epochs=1, use_distributed_sampler=False)
+        model = TinyRegressor()
+        trainer.fit(model, DataLoader(make_dataset(24), batch_size=6, sampler=sampler))
+        results[name] = (strategy.batch_sizes, strategy.loss_scale, model.seen_batch_sizes)
+    assert results == {"plain": (None, 1.0, [6] * 4), "proportional": ([6], 1.0, [6] * 4)}
 
 
 # ---------------------------------------------------------------------------------------------------- callbacks
