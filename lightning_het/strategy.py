@@ -703,8 +703,8 @@ class HeterogeneousStrategyBase:
             self._batch_sizes = None  # a new fit derives a new allocation
             self._loss_scale = 1.0  # until then (and for good with a loader we leave alone): plain DDP
             self._train_sampler = None
-        record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         super().setup(trainer)
+        record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
@@ -1244,6 +1244,14 @@ class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
 
 
+def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
+    """``Trainer(use_distributed_sampler=False)``: every replica reads ``dataloader`` whole, as under DDP (the user
+    shards inside the Dataset); a loader with a :class:`ProportionalDistributedSampler` of the user's own is still
+    adopted (its batch sizes are the allocation)."""
+    own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
+    return not own_sampler and not uses_distributed_sampler(trainer)
+
+
 def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
     """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
     any other error is returned unchanged."""
@@ -1262,14 +1270,6 @@ def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: 
         flush=True,
     )
     return JobEnded(WATCHDOG_EXIT_CODE)
-
-
-def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
-    """``Trainer(use_distributed_sampler=False)``: every replica reads ``dataloader`` whole, as under DDP (the user
-    shards inside the Dataset); a loader with a :class:`ProportionalDistributedSampler` of the user's own is still
-    adopted (its batch sizes are the allocation)."""
-    own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
-    return not own_sampler and not uses_distributed_sampler(trainer)
 
 
 class _silenced_logging:
