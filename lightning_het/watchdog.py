@@ -1045,6 +1045,10 @@ def apply_collective_timeout(timeout: timedelta) -> None:
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
     """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen.
 
+    Called by the strategy's launchers when they start the processes (``fit``, ``validate``, ...), before any starts;
+    not at Trainer construction, so that a Trainer can be built where the variables are not set (a login node, a unit
+    test, printing a config), as Lightning allows.
+
     With Lightning's default environment (no SLURM, torchrun, ...), every node must be given the same
     ``MASTER_ADDR`` and ``MASTER_PORT``; otherwise each node silently rendezvouses on its own localhost / a random
     port and waits until the start-up timeout.
