@@ -202,16 +202,22 @@ def create_store(
     )
 
 
-def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> None:
-    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose)."""
+def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose).
+
+    Returns:
+        The variables it set (those that were unset), for the caller to remove when its Trainer call ends.
+    """
     environ = os.environ if environ is None else environ
     if num_nodes > 1:
-        return
+        return []
     loopback = _loopback_interface()
     if loopback is None:
-        return
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        environ.setdefault(name, loopback)
+        return []
+    names = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in environ]
+    for name in names:
+        environ[name] = loopback
+    return names
 
 
 #: the variables a Trainer call sets in ``os.environ`` (the job token, the loopback interfaces); they are put back as

@@ -89,7 +89,6 @@ from lightning_het.rendezvous import (
     create_store,
     keep_sockets_local,
     restore_job_environment,
-    save_job_environment,
 )
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
@@ -348,7 +347,7 @@ class HeterogeneousStrategyBase:
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self._own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
-        self._saved_environment: dict[str, str | None] | None = None  # os.environ before this Trainer call set ours
+        self._sockets_set: list[str] = []  # socket variables this Trainer call set in os.environ (unset at teardown)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -525,8 +524,6 @@ class HeterogeneousStrategyBase:
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
         # rendezvous of replicas that start slowly (#7)
-        if self._saved_environment is None:  # the job token and socket variables, put back at teardown
-            self._saved_environment = save_job_environment()
         with unbound_process_group(self), self._startup_timeout_scope():
             self._init_process_group()
 
@@ -536,7 +533,8 @@ class HeterogeneousStrategyBase:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             super().setup_distributed()  # torchrun's agent hosts the store
             return
-        keep_sockets_local(self.num_nodes)  # also for the subgroups a later Trainer call adds to an existing group
+        # also for the subgroups a later Trainer call adds to an existing group; unset again at teardown
+        self._sockets_set += keep_sockets_local(self.num_nodes)
         if dist.is_initialized():
             super().setup_distributed()
             return
@@ -720,8 +718,8 @@ class HeterogeneousStrategyBase:
         self._train_sampler = None
         _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
-        restore_job_environment(self._saved_environment)  # GLOO/NCCL_SOCKET_IFNAME as before this Trainer call
-        self._saved_environment = None
+        restore_job_environment(dict.fromkeys(self._sockets_set))  # GLOO/NCCL_SOCKET_IFNAME as before the call
+        self._sockets_set = []
 
     def _end_watch(self) -> None:
         """Teardown: after an exception, stop the watchdog (the exception goes to the caller); after a normal run,

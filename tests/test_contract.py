@@ -7,6 +7,7 @@ leaves neither threads nor environment variables behind.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -173,11 +174,21 @@ def test_job_variables_are_restored_after_fit(contract_job):
         assert fit[1]["env_before"][TOKEN_ENV] and fit[1]["env_before"]["GLOO_SOCKET_IFNAME"] == "lo", name
 
 
-def test_single_process_fit_leaves_no_thread_and_no_variable(monkeypatch):
+class _FailingRegressor(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("a bug in the user's step")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["ends", "raises"])
+def test_single_process_fit_leaves_no_thread_and_no_variable(monkeypatch, fails):
+    """Also when the fit raises (Lightning then tears the strategy down after the launcher has returned)."""
     for name in JOB_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     strategy = HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo")
-    _trainer(1, strategy, max_steps=2).fit(TinyRegressor(), DataLoader(make_dataset(16), batch_size=4))
+    trainer = _trainer(1, strategy, max_steps=2)
+    model = _FailingRegressor() if fails else TinyRegressor()
+    with pytest.raises(RuntimeError, match="a bug in the user's step") if fails else contextlib.nullcontext():
+        trainer.fit(model, DataLoader(make_dataset(16), batch_size=4))
     assert not [t.name for t in threading.enumerate() if t.name.startswith("lightning-het")]
     assert {name: os.environ.get(name) for name in JOB_ENVIRONMENT} == dict.fromkeys(JOB_ENVIRONMENT)
 
