@@ -421,8 +421,8 @@ def default_checkpoint_path(trainer: pl.Trainer) -> str:
 
 
 def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | None:
-    if path is None or isinstance(path, bool):
-        return None if path is True else path  # False: no checkpoint on preemption
+    if path is None or path is False:  # the default location / no checkpoint on preemption
+        return path
     path = os.fspath(path)
     if Path(path).is_dir() or path.endswith(("/", os.sep)):
         return os.path.join(path, "last.ckpt")

@@ -85,11 +85,7 @@ from lightning_het.preemption import (
     detach_preemption,
     shield_loader_workers,
 )
-from lightning_het.rendezvous import (
-    create_store,
-    keep_sockets_local,
-    restore_job_environment,
-)
+from lightning_het.rendezvous import create_store, keep_sockets_local, restore_job_environment
 from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
