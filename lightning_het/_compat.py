@@ -14,7 +14,9 @@ What uses what:
 * the launcher (:mod:`lightning_het.lifecycle`): ``_SubprocessScriptLauncher`` (the ``popen`` launcher it extends),
   ``_basic_subprocess_cmd`` / ``_hydra_subprocess_cmd`` (each replica's command line), ``_set_num_threads_if_needed``;
 * the data-loader rebuilding (:mod:`lightning_het.loaders`): ``_get_dataloader_init_args_and_kwargs`` and
-  ``_reinstantiate_wrapped_cls`` (a user's DataLoader subclass re-created with a new sampler);
+  ``_reinstantiate_wrapped_cls`` (a user's DataLoader subclass re-created with a new sampler), and
+  ``_replace_dunder_methods`` (:func:`record_loader_arguments`: Lightning's own copy of a loader keeps the
+  subclass's ``__init__`` arguments, so that it can be re-created once more);
 * the mixed-device accelerator: ``_check_cuda_matmul_precision``, ``_clear_cuda_memory`` (what Lightning's CUDA
   accelerator does for a CUDA replica);
 * profiling: ``_collect_rng_states``, ``_set_rng_states`` (profiling leaves every random stream as it found it);
@@ -22,8 +24,9 @@ What uses what:
   :func:`default_store` and :func:`set_default_group_timeout`;
 * private attributes of Lightning's trainer and loops, read or set through the accessors at the end of this module
   (:func:`attached_trainer`, :func:`training_combined_loader`, :func:`cached_validation_loader`,
-  :func:`forget_validation_loader`, :func:`should_accumulate`, :func:`replace_signal_connector`): the checkpoint
-  record, the re-split evaluation loaders and the preemption handler;
+  :func:`forget_validation_loader`, :func:`should_accumulate`, :func:`replace_signal_connector`,
+  :func:`record_loader_arguments`, :func:`uses_distributed_sampler`): the checkpoint record, the re-split loaders and
+  the preemption handler;
 * the strategies on the standalone packages (``pytorch_lightning``, ``lightning_fabric``) and Fabric's spawn
   launcher: that package's ``_MultiProcessingLauncher``, through :func:`flavour_private` (imported only when that
   package is used).
@@ -56,7 +59,7 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
 try:
     from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
     from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
     from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
     from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
     from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
@@ -81,6 +84,7 @@ __all__ = [
     "_init_dist_connection",
     "_register_ddp_comm_hook",
     "_reinstantiate_wrapped_cls",
+    "_replace_dunder_methods",
     "_set_num_threads_if_needed",
     "_set_rng_states",
     "attached_trainer",
@@ -90,10 +94,12 @@ __all__ = [
     "forget_validation_loader",
     "is_standalone",
     "on_flavour",
+    "record_loader_arguments",
     "replace_signal_connector",
     "set_default_group_timeout",
     "should_accumulate",
     "training_combined_loader",
+    "uses_distributed_sampler",
 ]
 
 
@@ -218,3 +224,32 @@ def replace_signal_connector(trainer: Any, connector: Any) -> None:
     """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
+
+
+def uses_distributed_sampler(trainer: Any) -> bool:
+    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given)."""
+    return bool(_private_attribute(trainer, "_accelerator_connector").use_distributed_sampler)
+
+
+def record_loader_arguments(trainer: Any) -> None:
+    """Make the DataLoader that Lightning re-creates around its distributed sampler record its ``__init__`` arguments.
+
+    Lightning calls the user's ``*_dataloader()`` hooks with ``DataLoader.__init__`` (and every subclass's) wrapped by
+    ``_replace_dunder_methods``, which saves the arguments on the instance; it re-creates the loader from them to
+    inject its sampler, but without the wrapper, so its copy has none, and a subclass with arguments of its own
+    (``MyLoader(num_features, dataset, ...)``) could not be re-created once more from the copy's attributes. The
+    trainer's ``_prepare_dataloader`` (the sampler injection) runs under the same wrapper from here on (idempotent).
+    """
+    from torch.utils.data import BatchSampler, DataLoader
+
+    connector = _private_attribute(trainer, "_data_connector")
+    prepare = _private_attribute(connector, "_prepare_dataloader")
+    if getattr(prepare, "_records_loader_arguments", False):
+        return
+
+    def prepare_recording(*args: Any, **kwargs: Any) -> Any:
+        with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+            return prepare(*args, **kwargs)
+
+    prepare_recording._records_loader_arguments = True  # type: ignore[attr-defined]
+    connector._prepare_dataloader = prepare_recording

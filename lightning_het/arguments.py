@@ -25,6 +25,7 @@ __all__ = [
     "positive_int",
     "threshold",
     "validate_grace",
+    "validate_preemption_checkpoint",
     "validate_strategy_arguments",
 ]
 
@@ -131,6 +132,24 @@ def validate_grace(value: Any) -> float:
     return float(value)
 
 
+def validate_preemption_checkpoint(value: Any) -> str | bool | None:
+    """``preemption_checkpoint``: a path (``str`` or ``os.PathLike``), ``None`` (the default location) or ``False``
+    (no checkpoint on preemption). Returns the path as ``str``, or ``None`` / ``False``.
+
+    Raises:
+        ArgumentError: naming the argument.
+    """
+    if value is None or value is False:
+        return value
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return str(os.fspath(value))
+    raise _error(
+        "preemption_checkpoint",
+        "Expected argument `preemption_checkpoint` to be a file or directory path, None (the default location) or"
+        f" False (no checkpoint on preemption), but got {value!r}.",
+    )
+
+
 def check_comm_args(
     comm: Any, global_sync_every: Any = None, warmup_steps: Any = 0, *, warmup_name: str = "warmup_steps"
 ) -> None:
@@ -175,6 +194,7 @@ def validate_strategy_arguments(
     rebalance_threshold: Any,
     telemetry: Any,
     preemption_grace: Any,
+    preemption_checkpoint: Any,
 ) -> dict[str, Any]:
     """Check every keyword of the strategy that needs no world size, and return them normalised.
 
@@ -194,6 +214,7 @@ def validate_strategy_arguments(
     out["timeout"] = as_timeout("timeout", timeout)
     out["startup_timeout"] = as_timeout("startup_timeout", startup_timeout)
     out["preemption_grace"] = validate_grace(preemption_grace)
+    out["preemption_checkpoint"] = validate_preemption_checkpoint(preemption_checkpoint)
     out["global_batch_size"] = positive_int("global_batch_size", global_batch_size)
     out["speeds"] = finite_positive_list("speeds", speeds)
     out["min_batch_size"] = positive_int("min_batch_size", min_batch_size, allow_none=False)

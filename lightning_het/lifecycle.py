@@ -7,10 +7,14 @@ strategy installs it). In the launching process (local rank 0 of each node) it
    that cannot be written or a full disk is one :class:`OutputDirError` naming the path (the app: exit status 2);
 2. creates the per-job token and keeps a single-node job's sockets on loopback (:mod:`lightning_het.rendezvous`),
    then starts the other local replicas with ``PR_SET_PDEATHSIG``: the kernel kills them if the launching process
-   dies, whatever kills it;
-3. watches them until the watchdog runs (a replica that dies during start-up ends the job within a second instead of
-   leaving the others in the rendezvous for ``startup_timeout``), and at exit waits for them (up to ``timeout``), then
-   kills any that are left.
+   dies, whatever kills it; when the Trainer call ends, the token and the socket variables are put back as they were
+   (:data:`~lightning_het.rendezvous.JOB_ENVIRONMENT`; a later call of the same job sets them again);
+3. watches them during each Trainer call until the watchdog runs (a replica that dies during start-up ends the job
+   within a second instead of leaving the others in the rendezvous for ``startup_timeout``; the observer thread ends
+   with the call), and at exit waits for them (up to ``timeout``), then kills any that are left.
+
+Multi-node jobs check their rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``) here, when the
+processes start (:func:`~lightning_het.watchdog.validate_launch_environment`), not when the Trainer is built.
 
 In every replica it runs the Trainer's entry point and then waits until every replica has finished it (the
 watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
@@ -43,7 +47,13 @@ from lightning_het._compat import (
     _SubprocessScriptLauncher,
 )
 from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
-from lightning_het.rendezvous import ensure_job_token, keep_sockets_local
+from lightning_het.rendezvous import (
+    TOKEN_ENV,
+    ensure_job_token,
+    keep_sockets_local,
+    restore_job_environment,
+    save_job_environment,
+)
 from lightning_het.watchdog import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
@@ -53,6 +63,7 @@ from lightning_het.watchdog import (
     interruption_of,
     is_collective_failure,
     kill_children,
+    validate_launch_environment,
 )
 
 __all__ = ["MIN_FREE_BYTES", "HeterogeneousScriptLauncher", "OutputDirError", "check_output_dir"]
@@ -83,6 +94,10 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
+    #: multi-node rendezvous variables are checked at launch (:meth:`launch`), not at Trainer construction
+    validates_launch_environment = True
+    _token: str | None = None  # the job token the replicas this process launched were given
+    _observer_stop: threading.Event | None = None  # set to end the observer thread
 
     def __init__(self, strategy: Any, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
@@ -95,14 +110,28 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        # multi-node rendezvous variables: checked here, when processes start, not at Trainer construction
+        validate_launch_environment(self.num_nodes, self.cluster_environment)
+        environment = save_job_environment()  # put back when this Trainer call ends (a later job starts clean)
+        try:
+            return self._launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            self._stop_observer()
+            restore_job_environment(environment)
+
+    def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if not self.cluster_environment.creates_processes_externally:
             if trainer is not None and self.cluster_environment.global_rank() == 0:
                 check_output_dir(trainer.default_root_dir)  # before any replica starts
-            ensure_job_token()
+            self._token = ensure_job_token()
             keep_sockets_local(self.num_nodes)
             self._call_children_scripts()
-            self._start_observer()
             atexit.register(self._reap_children)
+        elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
+            os.environ[TOKEN_ENV] = self._token
+            keep_sockets_local(self.num_nodes)
+        if self.procs:
+            self._start_observer()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         self._in_run = True
         try:
@@ -146,11 +175,12 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
 
     def _start_observer(self) -> None:
-        """Until the watchdog runs (start-up, between Trainer calls): a local replica that fails ends the job."""
+        """During a Trainer call, until the watchdog runs (start-up): a local replica that fails ends the job. Stopped
+        (joined) when the call returns (:meth:`_stop_observer`)."""
+        stop = self._observer_stop = threading.Event()
 
         def observe() -> None:
-            while True:
-                time.sleep(0.5)
+            while not stop.wait(0.5):
                 watchdog = self._strategy.watchdog
                 if not self._in_run or (watchdog is not None and watchdog.running):
                     if all(proc.poll() is not None for proc in self.procs):
@@ -171,6 +201,14 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
 
         self._observer = threading.Thread(target=observe, name="lightning-het-replica-observer", daemon=True)
         self._observer.start()
+
+    def _stop_observer(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is None or self._observer_stop is None:
+            return
+        self._observer_stop.set()
+        if observer is not threading.current_thread():
+            observer.join(timeout=5.0)
 
     def _reap_children(self) -> None:
         """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import logging
 import multiprocessing
 import os
@@ -148,7 +149,8 @@ class PreemptionHandler:
 
     Args:
         grace: seconds from the signal (or the agreement) until the replica is ended by force.
-        checkpoint: where rank 0 writes the checkpoint; ``None``: :func:`default_checkpoint_path`.
+        checkpoint: where rank 0 writes the checkpoint; ``None``: :func:`default_checkpoint_path`; ``False``: no
+            checkpoint (the replicas still stop together at a step boundary and end with status 143).
         children: the local replicas this process launched (``subprocess.Popen``), ended with it.
         exit: ends the process (``os._exit``); replaced in tests.
         fast_exit: once preempted and the main thread has returned, run the ``atexit`` handlers and end the process
@@ -158,7 +160,7 @@ class PreemptionHandler:
     def __init__(
         self,
         grace: float = DEFAULT_GRACE,
-        checkpoint: str | os.PathLike | None = None,
+        checkpoint: str | os.PathLike | bool | None = None,
         *,
         children: Callable[[], Sequence[subprocess.Popen]] | None = None,
         exit: Callable[[int], None] = os._exit,
@@ -166,7 +168,9 @@ class PreemptionHandler:
     ) -> None:
         self.grace = float(grace)
         self._fast_exit = fast_exit
-        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        #: whether the preempted fit saves a checkpoint (``preemption_checkpoint=False``: no)
+        self.saves = checkpoint is not False
+        self.checkpoint = None if checkpoint is None or isinstance(checkpoint, bool) else os.fspath(checkpoint)
         self._children = children or (lambda: [])
         self._exit = exit
         self.rank = 0
@@ -366,19 +370,23 @@ class PreemptionHandler:
         who = [r for r, s in enumerate(signals) if s]
         names = sorted({_signal_name(s) for s in signals if s})
         started = time.monotonic()
-        path = self.checkpoint or default_checkpoint_path(trainer)
+        path = (self.checkpoint or default_checkpoint_path(trainer)) if self.saves else None
         saved: str | None = None
         try:
-            saved = save_atomically(trainer, path)
+            if path is not None:
+                saved = save_atomically(trainer, path)
         finally:
             if self.rank == 0:
                 step = trainer.global_step
-                done = f"saved {saved}" if saved else "could NOT save a checkpoint"
+                if path is None:
+                    done, resume = "saved no checkpoint (preemption_checkpoint=False)", ""
+                else:
+                    done = f"saved {saved}" if saved else "could NOT save a checkpoint"
+                    resume = f" Resume with trainer.fit(..., ckpt_path={saved or path!r})."
                 print(
                     f"lightning_het preemption: replica(s) {who} received {'/'.join(names)}; all {self.world_size}"
                     f" replica(s) stopped after global step {step} (epoch {trainer.current_epoch}); {done} in"
-                    f" {time.monotonic() - started:.2f} s; exiting with status {PREEMPTION_EXIT_CODE}. Resume with"
-                    f" trainer.fit(..., ckpt_path={saved or path!r}).",
+                    f" {time.monotonic() - started:.2f} s; exiting with status {PREEMPTION_EXIT_CODE}.{resume}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -412,9 +420,9 @@ def default_checkpoint_path(trainer: pl.Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
 
 
-def _resolve_checkpoint(path: str | os.PathLike | None) -> str | None:
-    if path is None:
-        return None
+def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | None:
+    if path is None or path is False:  # the default location / no checkpoint on preemption
+        return path
     path = os.fspath(path)
     if Path(path).is_dir() or path.endswith(("/", os.sep)):
         return os.path.join(path, "last.ckpt")
@@ -426,11 +434,19 @@ class PreemptionCallback(Callback):
     """Runs the agreement after every optimizer step; added to the Trainer by the strategy (after its callbacks)."""
 
     def __init__(self, handler: PreemptionHandler, device: Callable[[], torch.device]) -> None:
-        self.handler = handler
+        self.handler: PreemptionHandler | None = handler
         self._device = device
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallback:
+        """A copy that shares this process's live handler (its lock, pipe reader and signal handlers are not state
+        to duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        return copy.copy(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "handler": None, "_device": None}  # pickled: the live handler stays in its process
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if should_accumulate(trainer):
+        if self.handler is None or should_accumulate(trainer):
             return  # the gradients of this batch wait for the next ones: not a place to stop and save
         signals = self.handler.agree(self._device())
         if any(signals):

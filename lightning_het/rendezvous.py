@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = [
+    "JOB_ENVIRONMENT",
     "LOOPBACK",
     "TOKEN_ENV",
     "agree_on_token",
@@ -47,6 +48,8 @@ __all__ = [
     "keep_sockets_local",
     "key_prefix",
     "listen_address",
+    "restore_job_environment",
+    "save_job_environment",
     "sign",
     "verify",
 ]
@@ -199,16 +202,47 @@ def create_store(
     )
 
 
-def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> None:
-    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose)."""
+def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose).
+
+    Returns:
+        The variables it set (those that were unset), for the caller to remove when its Trainer call ends.
+    """
     environ = os.environ if environ is None else environ
     if num_nodes > 1:
-        return
+        return []
     loopback = _loopback_interface()
     if loopback is None:
+        return []
+    names = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in environ]
+    for name in names:
+        environ[name] = loopback
+    return names
+
+
+#: the variables a Trainer call sets in ``os.environ`` (the job token, the loopback interfaces); they are put back as
+#: they were when the call ends, so that a later job in the same process (another node set-up) does not inherit them.
+JOB_ENVIRONMENT = (TOKEN_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def save_job_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
+    """The values of :data:`JOB_ENVIRONMENT` in ``environ`` (default ``os.environ``; ``None``: unset)."""
+    environ = os.environ if environ is None else environ
+    return {name: environ.get(name) for name in JOB_ENVIRONMENT}
+
+
+def restore_job_environment(
+    saved: dict[str, str | None] | None, environ: MutableMapping[str, str] | None = None
+) -> None:
+    """Put the variables of ``saved`` (from :func:`save_job_environment`) back; ``None``: nothing to do."""
+    if saved is None:
         return
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        environ.setdefault(name, loopback)
+    environ = os.environ if environ is None else environ
+    for name, value in saved.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
 
 
 def _loopback_interface() -> str | None:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -34,6 +34,8 @@ from lightning_het._compat import (
     attached_trainer,
     cached_validation_loader,
     forget_validation_loader,
+    record_loader_arguments,
+    uses_distributed_sampler,
 )
 from lightning_het.accelerators import (
     apply_local_settings,
@@ -77,7 +79,7 @@ from lightning_het.preemption import (
     detach_preemption,
     shield_loader_workers,
 )
-from lightning_het.rendezvous import create_store, keep_sockets_local
+from lightning_het.rendezvous import create_store, keep_sockets_local, restore_job_environment
 from lightning_het.sampler import EvalBatchSampler, ProportionalBatchSampler, ProportionalDistributedSampler
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
@@ -128,7 +130,16 @@ class _ExitCleanup:
 
 
 class AllocationResultsMixin:
-    """Spawn/fork launcher mixin that also sends the allocation back to the parent process."""
+    """Spawn/fork launcher mixin that also sends the allocation back to the parent process, and checks a multi-node
+    job's rendezvous variables before it starts the workers."""
+
+    #: multi-node rendezvous variables are checked at launch, not at Trainer construction
+    validates_launch_environment = True
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        strategy = self._strategy  # type: ignore[attr-defined]
+        validate_launch_environment(strategy.num_nodes, strategy.cluster_environment)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)  # type: ignore[misc]
@@ -220,7 +231,9 @@ class HeterogeneousStrategyBase:
         preemption_checkpoint: where rank 0 writes the checkpoint when the job receives ``SIGTERM`` (or ``SIGUSR1``)
             during ``fit``: a file path, or a directory (``last.ckpt`` inside it). Default: ``last.ckpt`` in the
             directory of the trainer's first ``ModelCheckpoint``, else ``<default_root_dir>/checkpoints/last.ckpt``.
-            See ``docs/preemption.md``.
+            ``False``: no checkpoint; the replicas still stop together at a step boundary and exit with status 143.
+            ``Trainer(enable_checkpointing=False)`` does not switch the preemption save off. See
+            ``docs/preemption.md``.
         preemption_grace: seconds a replica has, from the signal, to reach the next step boundary, save and exit;
             a replica still running then (e.g. stuck in a collective) ends with status 143 anyway. Keep it below the
             scheduler's kill delay (SLURM ``KillWait``, often 30 s).
@@ -253,7 +266,7 @@ class HeterogeneousStrategyBase:
         telemetry: bool = True,
         comm_warmup_steps: int = 0,
         comm_autotune_steps: int = 5,
-        preemption_checkpoint: str | os.PathLike | None = None,
+        preemption_checkpoint: str | os.PathLike | Literal[False] | None = None,
         preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
@@ -278,6 +291,7 @@ class HeterogeneousStrategyBase:
             rebalance_threshold=rebalance_threshold,
             telemetry=telemetry,
             preemption_grace=preemption_grace,
+            preemption_checkpoint=preemption_checkpoint,
         )
         validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # its warnings for settings that do nothing
         if args["timeout"] is not None:
@@ -287,7 +301,7 @@ class HeterogeneousStrategyBase:
         self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
         # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
         self._preemption_grace = args["preemption_grace"]
-        self._preemption_checkpoint = None if preemption_checkpoint is None else os.fspath(preemption_checkpoint)
+        self._preemption_checkpoint = args["preemption_checkpoint"]  # a path, None (default) or False (no save)
         self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
         super().__init__(**kwargs)
@@ -327,6 +341,8 @@ class HeterogeneousStrategyBase:
         self._telemetry = telemetry
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
+        self._own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
+        self._sockets_set: list[str] = []  # socket variables this Trainer call set in os.environ (unset at teardown)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -470,7 +486,6 @@ class HeterogeneousStrategyBase:
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
         self._validate_against_world()
-        validate_launch_environment(self.num_nodes, self.cluster_environment)  # multi-node rendezvous vars (#7)
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
@@ -481,6 +496,8 @@ class HeterogeneousStrategyBase:
             self._launcher = HeterogeneousScriptLauncher(
                 self, self.cluster_environment, self.num_processes, self.num_nodes
             )
+        if not getattr(self._launcher, "validates_launch_environment", False):  # one of Lightning's: check now
+            validate_launch_environment(self.num_nodes, self.cluster_environment)
 
     @override
     def setup_environment(self) -> None:
@@ -508,15 +525,19 @@ class HeterogeneousStrategyBase:
     def _init_process_group(self) -> None:
         """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
         interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.rendezvous`)."""
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized():
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             super().setup_distributed()  # torchrun's agent hosts the store
+            return
+        # also for the subgroups a later Trainer call adds to an existing group; unset again at teardown
+        self._sockets_set += keep_sockets_local(self.num_nodes)
+        if dist.is_initialized():
+            super().setup_distributed()
             return
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         env = self.cluster_environment
-        keep_sockets_local(self.num_nodes)
         timeout = self._timeout if self._timeout is not None else timedelta(minutes=30)
         store = create_store(
             master_addr=env.main_address,
@@ -687,10 +708,12 @@ class HeterogeneousStrategyBase:
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
+            self._loss_scale = 1.0  # until then (and for good with a loader we leave alone): plain DDP
             self._train_sampler = None
             self._profiler = None
             attach_profiler(None, trainer)
         super().setup(trainer)
+        record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
         attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
         self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
@@ -706,6 +729,8 @@ class HeterogeneousStrategyBase:
         self._train_sampler = None
         _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
+        restore_job_environment(dict.fromkeys(self._sockets_set))  # GLOO/NCCL_SOCKET_IFNAME as before the call
+        self._sockets_set = []
 
     def _end_watch(self) -> None:
         """Teardown: after an exception, stop the watchdog (the exception goes to the caller); after a normal run,
@@ -754,11 +779,25 @@ class HeterogeneousStrategyBase:
                     " map-style Dataset for speed-proportional batches and exact gradients."
                 )
             return dataloader
+        if stage in (RunningStage.TRAINING, *_EVAL_STAGES) and _read_as_given(dataloader, trainer):
+            self._warn_own_sharding()  # plain DDP behaviour for this loader
+            return dataloader
         if stage == RunningStage.TRAINING:
             return self._split_training_loader(dataloader, trainer)
         if stage in _EVAL_STAGES:
             return self._split_eval_loader(dataloader)
         return dataloader
+
+    def _warn_own_sharding(self) -> None:
+        if self._own_sharding_warned:
+            return
+        self._own_sharding_warned = True
+        rank_zero_warn(
+            "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its DataLoaders"
+            " whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP behaviour for them:"
+            " no speed-proportional batches, equal weights in the gradient mean (exact when the replicas' batches are"
+            " equal). HINT: leave `use_distributed_sampler` at True for load balancing."
+        )
 
     def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
         if self._global_batch_size_arg is not None:
@@ -1186,6 +1225,14 @@ class HeterogeneousStrategyBase:
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
+
+
+def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
+    """``Trainer(use_distributed_sampler=False)``: every replica reads ``dataloader`` whole, as under DDP (the user
+    shards inside the Dataset); a loader with a :class:`ProportionalDistributedSampler` of the user's own is still
+    adopted (its batch sizes are the allocation)."""
+    own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
+    return not own_sampler and not uses_distributed_sampler(trainer)
 
 
 def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:

@@ -41,6 +41,7 @@ failing store call is a bug of the watchdog: it is logged once and the thread ca
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import json
 import logging
@@ -865,6 +866,11 @@ class WatchdogCallback(Callback):
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
+        """A copy that shares this process's running watchdog (its threads and store connection are not state to
+        duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        return copy.copy(self)
+
     # loops
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watchdog.arm("fit")
@@ -1038,6 +1044,10 @@ def apply_collective_timeout(timeout: timedelta) -> None:
 
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
     """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen.
+
+    Called by the strategy's launchers when they start the processes (``fit``, ``validate``, ...), before any starts;
+    not at Trainer construction, so that a Trainer can be built where the variables are not set (a login node, a unit
+    test, printing a config), as Lightning allows.
 
     With Lightning's default environment (no SLURM, torchrun, ...), every node must be given the same
     ``MASTER_ADDR`` and ``MASTER_PORT``; otherwise each node silently rendezvouses on its own localhost / a random

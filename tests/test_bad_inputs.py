@@ -111,15 +111,18 @@ def test_bad_input(case):
 
 @pytest.mark.parametrize("missing", [("MASTER_ADDR",), ("MASTER_PORT",), ("NODE_RANK",), ("MASTER_ADDR", "NODE_RANK")])
 def test_multi_node_without_rendezvous_variables(monkeypatch, missing):
-    """Refused at Trainer construction, before any process starts (instead of waiting for a rendezvous forever)."""
+    """Refused when the fit launches, before any process starts (instead of waiting for a rendezvous forever); the
+    Trainer itself builds (a login node, a unit test, printing a config)."""
     for name, value in (("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("NODE_RANK", "0")):
         monkeypatch.setenv(name, value)
     for name in missing:
         monkeypatch.delenv(name)
     monkeypatch.delenv("LOCAL_RANK", raising=False)  # set by an earlier in-process fit's launcher
     expected = rf"You set num_nodes=2, but the environment variable\(s\) {', '.join(missing)} are not set"
+    trainer = _trainer(devices=1, num_nodes=2, strategy=HeterogeneousStrategy())
     with pytest.raises(ValueError, match=expected):
-        _trainer(devices=1, num_nodes=2, strategy=HeterogeneousStrategy())
+        trainer.fit(TinyRegressor(), DataLoader(make_dataset(8), batch_size=4))
+    assert not trainer.strategy.launcher.procs
 
 
 def test_short_timeout_does_not_fail_a_slow_start():

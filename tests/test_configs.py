@@ -238,6 +238,15 @@ class TestValidation:
             strategy_cfg, _ = validate_config(cfg)
             strategy_cfg.to_kwargs()
 
+    @pytest.mark.parametrize(("override", "expected"), [("false", False), ("ck/", "ck/"), ("null", None)])
+    def test_preemption_checkpoint_path_or_false(self, compose_cfg, override, expected):
+        strategy_cfg, _ = validate_config(compose_cfg(f"strategy.preemption_checkpoint={override}"))
+        assert strategy_cfg.to_kwargs()["preemption_checkpoint"] == expected
+
+    def test_preemption_checkpoint_true_names_the_key(self, compose_cfg):
+        with pytest.raises(ConfigValueError, match=r"strategy\.preemption_checkpoint"):
+            validate_config(compose_cfg("strategy.preemption_checkpoint=true"))[0].to_kwargs()
+
     def test_geotiff_requires_both_files(self, compose_cfg):
         with pytest.raises(ConfigValueError, match=r"`data\.image`, `data\.labels`"):
             validate_config(compose_cfg("data=geotiff"))

@@ -64,6 +64,33 @@ def test_the_apps_strategy_schema_passes_the_preemption_keywords():
     assert strategy._preemption_grace == 5.0 and strategy._preemption_checkpoint == "ck/"
 
 
+def test_preemption_checkpoint_false_is_accepted_by_the_strategy_and_the_apps_schema():
+    from lightning_het.app.config import StrategyConfig
+
+    assert HeterogeneousStrategy(preemption_checkpoint=False)._preemption_checkpoint is False
+    strategy = HeterogeneousStrategy(**StrategyConfig(preemption_checkpoint=False).to_kwargs())
+    assert strategy._preemption_checkpoint is False
+    with pytest.raises(ValueError, match=r"`preemption_checkpoint` to be a file or directory path.*got True"):
+        HeterogeneousStrategy(preemption_checkpoint=True)
+
+
+def test_preemption_checkpoint_false_stops_without_saving(capsys):
+    """The replicas still stop at the agreed step and end with 143; nothing is written."""
+
+    def no_save(path):
+        raise AssertionError(f"saved {path}")
+
+    trainer = SimpleNamespace(global_step=7, current_epoch=1, save_checkpoint=no_save, checkpoint_callbacks=[])
+    exits = ExitRecorder()
+    handler = PreemptionHandler(0.2, False, exit=exits, fast_exit=False)
+    err = handler.preempt(trainer, [int(signal.SIGTERM)])
+    assert isinstance(err, Preempted) and err.checkpoint is None and err.code == PREEMPTION_EXIT_CODE
+    assert "stopped after global step 7 (epoch 1); saved no checkpoint (preemption_checkpoint=False)" in (
+        capsys.readouterr().err
+    )
+    assert exits.done.wait(10) and exits.codes == [PREEMPTION_EXIT_CODE]  # the deadline still ends a stuck replica
+
+
 class _SignalDisposition(Dataset):
     """Each item: whether SIGTERM and SIGUSR1 are ignored in the process that loads it."""
 
@@ -218,6 +245,19 @@ def test_a_signal_to_one_process_stops_every_replica(tmp_path, target, signame):
     assert f"replica(s) [{who}] received {signame}" in stopped.output
     assert "launched replicas ended with [143]" in stopped.output
     assert (tmp_path / "ck" / "last.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_without_a_preemption_checkpoint_stops_every_replica_and_saves_nothing(tmp_path):
+    """`preemption_checkpoint=False` (with `enable_checkpointing=False`, which alone does not switch the save off):
+    every replica stops at the same step boundary and exits 143; no checkpoint is written."""
+    cfg = {**BASE, "strategy": {"speeds": [1, 3], "preemption_checkpoint": False}, "step_cost": 0.01, "ready_step": 3}
+    stopped = _signal_job(tmp_path / "job", cfg)
+    assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
+    assert stopped.seconds < 30 and stopped.survivors == []
+    assert "saved no checkpoint (preemption_checkpoint=False)" in stopped.output
+    assert "launched replicas ended with [143]" in stopped.output
+    assert not list((tmp_path / "job").rglob("*.ckpt*"))
 
 
 @pytest.mark.slow

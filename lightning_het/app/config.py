@@ -162,8 +162,8 @@ class StrategyConfig:
     #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
     comm_autotune_steps: int = 5
     #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (a file or a directory); null: last.ckpt of the run's
-    #: ModelCheckpoint, else <run dir>/checkpoints/last.ckpt (see docs/preemption.md)
-    preemption_checkpoint: str | None = None
+    #: ModelCheckpoint, else <run dir>/checkpoints/last.ckpt; false: none (see docs/preemption.md)
+    preemption_checkpoint: Any = None
     #: seconds from the signal until a replica that could not stop in time is ended with status 143
     preemption_grace: float = 25.0
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
