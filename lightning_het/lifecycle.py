@@ -41,6 +41,7 @@ from lightning_het._compat import (
     _hydra_subprocess_cmd,
     _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
+    on_flavour,
 )
 from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
 from lightning_het.rendezvous import ensure_job_token, keep_sockets_local
@@ -76,20 +77,31 @@ def _die_with_parent() -> None:
 class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
 
-    Args:
-        strategy: the strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted).
-        cluster_environment, num_processes, num_nodes: as for Lightning's launcher.
+    Build it with :meth:`for_strategy`, which picks the class of the strategy's package: this class (on
+    ``lightning.pytorch``'s launcher) or the same body on the standalone ``pytorch_lightning``'s launcher (see
+    :func:`~lightning_het._compat.on_flavour`; hence no zero-argument ``super()`` in this class).
     """
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
+    _strategy: Any = None
+    _in_run = False
+    _failed = False  # a Trainer call of this process ended with an exception
+    _observer: threading.Thread | None = None
 
-    def __init__(self, strategy: Any, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
-        super().__init__(cluster_environment, num_processes, num_nodes)
-        self._strategy = strategy
-        self._in_run = False
-        self._failed = False  # a Trainer call of this process ended with an exception
-        self._observer: threading.Thread | None = None
+    @classmethod
+    def for_strategy(cls, strategy: Any) -> HeterogeneousScriptLauncher:
+        """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package.
+
+        Args:
+            strategy: a Trainer strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted;
+                its cluster environment, ``num_processes`` and ``num_nodes`` are Lightning's launcher's arguments).
+        """
+        launcher = on_flavour(HeterogeneousScriptLauncher, strategy)(
+            strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
+        launcher._strategy = strategy
+        return launcher
 
     # ------------------------------------------------------------------ launching process
     @override
