@@ -125,7 +125,8 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     #: ``lightning_fabric`` have separate classes and registries); the package's other pieces (wrappers, samplers, the
     #: spawn launcher) are found from it
     _fabric_ddp_cls: type
-    #: your own loop drives the strategy: no Trainer hooks to feed the watchdog, so Fabric's own launcher stays
+    #: your own loop drives the strategy: no Trainer hooks to feed the watchdog; Fabric's own launcher, with the
+    #: replicas started so that none outlives the launching process (``lifecycle.fabric_script_launcher``)
     _trainer_loop = False
 
     @property
@@ -170,6 +171,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
 
     # ------------------------------------------------------------------ launch / environment
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # no orphans: see lightning_het.lifecycle.fabric_script_launcher
+            from lightning_het.lifecycle import fabric_script_launcher
+
+            self._launcher = fabric_script_launcher(self, self._launcher)
+
     @override
     def _setup_distributed(self) -> None:
         # a short `timeout` does not fail the rendezvous of replicas that start slowly

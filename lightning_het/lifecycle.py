@@ -16,6 +16,10 @@ In every replica it runs the Trainer's entry point and then waits until every re
 watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
 exit statuses: **130** when the job was interrupted (Ctrl-C), **124** when it was ended because a replica stalled or
 died (the exception this replica saw is only a symptom); a replica's own error propagates unchanged.
+
+Fabric's ``popen`` launcher gets the part that concerns the replicas' processes (:func:`fabric_script_launcher`):
+``PR_SET_PDEATHSIG`` and the reaping at exit; your loop runs after ``fabric.launch()`` has returned, out of the
+launcher's reach, so there is no end-of-run barrier or exit-status mapping there.
 """
 
 from __future__ import annotations
@@ -56,7 +60,13 @@ from lightning_het.watchdog import (
     kill_children,
 )
 
-__all__ = ["MIN_FREE_BYTES", "HeterogeneousScriptLauncher", "OutputDirError", "check_output_dir"]
+__all__ = [
+    "MIN_FREE_BYTES",
+    "HeterogeneousScriptLauncher",
+    "OutputDirError",
+    "check_output_dir",
+    "fabric_script_launcher",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +84,69 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
+class _ReplicaProcesses:
+    """The part of the lifecycle that concerns the launching process's replicas, for any Lightning launcher: they are
+    started with ``PR_SET_PDEATHSIG`` and, at exit, given ``timeout`` + 30 s to end (10 s after a failed run), then
+    killed. Mixed into the Trainer's and Fabric's ``popen`` launchers (no zero-argument ``super()``: see
+    :func:`~lightning_het._compat.on_flavour`)."""
+
+    _strategy: Any = None
+    _failed = False  # a run of this process ended with an exception
+    procs: list[subprocess.Popen]
+    cluster_environment: Any
+    num_processes: int
+    num_nodes: int
+
+    def _call_children_scripts(self) -> None:
+        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux, and the exit
+        handler that reaps the replicas."""
+        self._check_can_spawn_children()  # type: ignore[attr-defined]
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = f"{local_rank}"
+            if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
+                del env["PL_GLOBAL_SEED"]
+            cwd: str | None = None
+            if _hydra_in_use():
+                command, cwd = _hydra_subprocess_cmd(local_rank)
+            else:
+                command = _basic_subprocess_cmd()
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
+        atexit.register(self._reap_children)
+
+    def _children(self) -> list[tuple[int, subprocess.Popen]]:
+        first = self.cluster_environment.node_rank() * self.num_processes
+        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
+
+    def _reap_children(self) -> None:
+        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
+        when they have the verdict already: at most 10 s), then kill them."""
+        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
+        if self._failed:
+            wait = min(wait, FAILED_REAP_GRACE_S)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(0.1)
+        killed = kill_children(self._children())
+        if killed:
+            print(
+                f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them.",
+                file=sys.stderr,
+                flush=True,
+            )
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+
+class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
 
     Build it with :meth:`for_strategy`, which picks the class of the strategy's package: this class (on
@@ -84,9 +156,7 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
-    _strategy: Any = None
     _in_run = False
-    _failed = False  # a Trainer call of this process ended with an exception
     _observer: threading.Thread | None = None
 
     @classmethod
@@ -114,7 +184,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
             keep_sockets_local(self.num_nodes)
             self._call_children_scripts()
             self._start_observer()
-            atexit.register(self._reap_children)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         self._in_run = True
         try:
@@ -129,33 +198,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         self._in_run = False
         self._finish(trainer)
         return result
-
-    @override
-    def _call_children_scripts(self) -> None:
-        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux."""
-        self._check_can_spawn_children()
-        self.procs = []
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
-        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
-        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        for local_rank in range(1, self.num_processes):
-            env = os.environ.copy()
-            env["LOCAL_RANK"] = f"{local_rank}"
-            if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
-                del env["PL_GLOBAL_SEED"]
-            cwd: str | None = None
-            if _hydra_in_use():
-                command, cwd = _hydra_subprocess_cmd(local_rank)
-            else:
-                command = _basic_subprocess_cmd()
-            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
-
-    def _children(self) -> list[tuple[int, subprocess.Popen]]:
-        first = self.cluster_environment.node_rank() * self.num_processes
-        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
 
     def _start_observer(self) -> None:
         """Until the watchdog runs (start-up, between Trainer calls): a local replica that fails ends the job."""
@@ -184,26 +226,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         self._observer = threading.Thread(target=observe, name="lightning-het-replica-observer", daemon=True)
         self._observer.start()
 
-    def _reap_children(self) -> None:
-        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
-        when they have the verdict already: at most 10 s), then kill them."""
-        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
-        if self._failed:
-            wait = min(wait, FAILED_REAP_GRACE_S)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-            time.sleep(0.1)
-        killed = kill_children(self._children())
-        if killed:
-            print(
-                f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them.",
-                file=sys.stderr,
-                flush=True,
-            )
-        for proc in self.procs:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=5)
-
     # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
@@ -225,6 +247,48 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         if verdict.kind == "failed" and watchdog is not None and watchdog.rank in verdict.culprits:
             return None
         return exit_code_for(verdict) if verdict.kind != "failed" else WATCHDOG_EXIT_CODE
+
+
+#: Fabric's popen launcher class (one per Fabric package) -> the same with :class:`_ReplicaProcesses`
+_FABRIC_LAUNCHERS: dict[type, type] = {}
+
+
+def fabric_script_launcher(strategy: Any, launcher: Any) -> Any:
+    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans.
+
+    Fabric runs your loop after ``fabric.launch()`` has returned, so the Trainer's run-to-the-end barrier and exit
+    statuses cannot apply; what does: the replicas are started with ``PR_SET_PDEATHSIG`` (the kernel kills them when
+    the launching process dies, e.g. after a collective timed out on a replica that hangs) and reaped at exit (given
+    ``timeout`` + 30 s to end, 10 s after an uncaught exception). Fabric's own observer still ends the job when a
+    replica exits with an error.
+
+    Args:
+        strategy: the Fabric strategy (its ``process_group_timeout`` bounds the wait at exit).
+        launcher: the ``_SubprocessScriptLauncher`` that Fabric's ``DDPStrategy`` configured.
+    """
+    base = type(launcher)
+    cls = _FABRIC_LAUNCHERS.get(base)
+    if cls is None:
+        cls = _FABRIC_LAUNCHERS[base] = type(
+            "HeterogeneousFabricScriptLauncher",
+            (_FabricReplicaProcesses, base),
+            {"__module__": __name__, "__doc__": fabric_script_launcher.__doc__},
+        )
+    built = cls(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+    built._strategy = strategy
+    return built
+
+
+class _FabricReplicaProcesses(_ReplicaProcesses):
+    def _call_children_scripts(self) -> None:
+        _ReplicaProcesses._call_children_scripts(self)
+        previous = sys.excepthook
+
+        def note_failure(*exc_info: Any) -> None:  # the loop runs outside the launcher: see an uncaught exception
+            self._failed = True
+            previous(*exc_info)
+
+        sys.excepthook = note_failure
 
 
 def _hydra_in_use() -> bool:

@@ -40,7 +40,7 @@ from lightning_het.watchdog import (
     exit_code_for,
     judge,
 )
-from tests.helpers.jobs import REPO, free_port, group_members, job_env, run_in_session
+from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
@@ -313,16 +313,6 @@ def _finish(proc: subprocess.Popen, limit: float = 240) -> tuple[int, str, float
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _alive(pids: list[int]) -> list[int]:
-    """The processes among ``pids`` that still run (zombies count as ended)."""
-    alive = []
-    for pid in pids:
-        with contextlib.suppress(OSError, IndexError):
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.append(pid)
-    return alive
-
-
 def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 180) -> None:
     deadline = time.monotonic() + limit
     while not path.exists():
@@ -371,7 +361,7 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, wher
     assert survivors == [], out[-3000:]
     if (tmp_path / "training.json").exists():  # every replica's pid, whatever process group it may have moved to
         pids = json.loads((tmp_path / "training.json").read_text())["pids"]
-        assert len(pids) == 2 and _alive(pids) == [], out[-3000:]
+        assert len(pids) == 2 and alive(pids) == [], out[-3000:]
     assert ended - fault["time"] < limit, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
     if rank == 0:
         assert status == 3  # the launching process's own exit status
@@ -421,7 +411,7 @@ def test_ctrl_c_ends_every_replica_with_130(tmp_path, flavour):
     status, out, _, survivors = _finish(proc, limit=120)
     assert status == INTERRUPTED_EXIT_CODE, out[-3000:]
     assert "] failed (" not in out and "] exited" not in out, out[-3000:]
-    assert survivors == [] and _alive(pids) == []
+    assert survivors == [] and alive(pids) == []
 
 
 @pytest.mark.slow
