@@ -25,3 +25,4 @@ class _PLHeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _PLMultiPr
 class HeterogeneousStrategy(HeterogeneousStrategyBase, _PLDDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
     _spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher
+    _trainer_loop = True  # the standalone Trainer: the watchdog and the lifecycle launcher, as on lightning.pytorch

@@ -131,8 +131,19 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     """
 
     #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone
-    #: ``lightning_fabric`` have separate classes and registries); the package's other pieces are found from it
+    #: ``lightning_fabric`` have separate classes and registries); the package's other pieces (wrappers, samplers, the
+    #: spawn launcher) are found from it
     _fabric_ddp_cls: type
+    #: your own loop drives the strategy: no Trainer hooks to feed the watchdog; Fabric's own launcher, with the
+    #: replicas started so that none outlives the launching process (``lifecycle.fabric_script_launcher``)
+    _trainer_loop = False
+
+    @property
+    def _fabric(self) -> Any:
+        """The next classes in the method order after the shared core: Fabric's ``DDPStrategy`` (of this class's
+        package). The core's ``optimizer_step``, ``teardown`` and checkpoint methods serve the Trainer (its signatures
+        and loops), so the Fabric overrides that replace them continue past it, through ``super()`` from the core."""
+        return super(HeterogeneousStrategyBase, self)
 
     def _fabric_module(self, name: str) -> ModuleType:
         """``<the Fabric package>.<name>``, e.g. ``lightning.fabric.wrappers`` or ``lightning_fabric.wrappers``."""
@@ -170,6 +181,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 
     # ------------------------------------------------------------------ launch / environment
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # no orphans: see lightning_het.lifecycle.fabric_script_launcher
+            from lightning_het.lifecycle import fabric_script_launcher
+
+            self._launcher = fabric_script_launcher(self, self._launcher)
+
+    @override
     def _setup_distributed(self) -> None:
         # a short `timeout` does not fail the rendezvous of replicas that start slowly
         with self._startup_timeout_scope():
@@ -198,7 +217,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = self._fabric_ddp_cls.optimizer_step(self, optimizer, **kwargs)
+        output = self._fabric.optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
         if self._comm_controller is not None and self._ddp_model is not None:
             epoch_steps = self._steps_per_epoch
@@ -427,11 +446,11 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         self.synchronize()  # comm="node_local": a checkpoint holds the consensus model
-        self._fabric_ddp_cls.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
+        self._fabric.save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self._fabric_ddp_cls.load_checkpoint(self, path, *args, **kwargs)
+        return self._fabric.load_checkpoint(path, *args, **kwargs)
 
     @override
     def teardown(self) -> None:
@@ -440,7 +459,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         self._comm_controller = None
         self._ddp_model = None
         self._raw_optimizers = []
-        self._fabric_ddp_cls.teardown(self)
+        self._fabric.teardown()
 
 
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, FabricDDPStrategy):

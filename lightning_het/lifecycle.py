@@ -20,6 +20,10 @@ In every replica it runs the Trainer's entry point and then waits until every re
 watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
 exit statuses: **130** when the job was interrupted (Ctrl-C), **124** when it was ended because a replica stalled or
 died (the exception this replica saw is only a symptom); a replica's own error propagates unchanged.
+
+Fabric's ``popen`` launcher gets the part that concerns the replicas' processes (:func:`fabric_script_launcher`):
+``PR_SET_PDEATHSIG`` and the reaping at exit; your loop runs after ``fabric.launch()`` has returned, out of the
+launcher's reach, so there is no end-of-run barrier or exit-status mapping there.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from lightning_het._compat import (
     _hydra_subprocess_cmd,
     _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
+    on_flavour,
 )
 from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
 from lightning_het.rendezvous import (
@@ -66,7 +71,13 @@ from lightning_het.watchdog import (
     validate_launch_environment,
 )
 
-__all__ = ["MIN_FREE_BYTES", "HeterogeneousScriptLauncher", "OutputDirError", "check_output_dir"]
+__all__ = [
+    "MIN_FREE_BYTES",
+    "HeterogeneousScriptLauncher",
+    "OutputDirError",
+    "check_output_dir",
+    "fabric_script_launcher",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,27 +95,98 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
+class _ReplicaProcesses:
+    """The part of the lifecycle that concerns the launching process's replicas, for any Lightning launcher: they are
+    started with ``PR_SET_PDEATHSIG`` and, at exit, given ``timeout`` + 30 s to end (10 s after a failed run), then
+    killed. Mixed into the Trainer's and Fabric's ``popen`` launchers (no zero-argument ``super()``: see
+    :func:`~lightning_het._compat.on_flavour`)."""
+
+    _strategy: Any = None
+    _failed = False  # a run of this process ended with an exception
+    procs: list[subprocess.Popen]
+    cluster_environment: Any
+    num_processes: int
+    num_nodes: int
+
+    def _call_children_scripts(self) -> None:
+        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux, and the exit
+        handler that reaps the replicas."""
+        self._check_can_spawn_children()  # type: ignore[attr-defined]
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = f"{local_rank}"
+            if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
+                del env["PL_GLOBAL_SEED"]
+            cwd: str | None = None
+            if _hydra_in_use():
+                command, cwd = _hydra_subprocess_cmd(local_rank)
+            else:
+                command = _basic_subprocess_cmd()
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
+        atexit.register(self._reap_children)
+
+    def _children(self) -> list[tuple[int, subprocess.Popen]]:
+        first = self.cluster_environment.node_rank() * self.num_processes
+        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
+
+    def _reap_children(self) -> None:
+        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
+        when they have the verdict already: at most 10 s), then kill them."""
+        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
+        if self._failed:
+            wait = min(wait, FAILED_REAP_GRACE_S)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(0.1)
+        killed = kill_children(self._children())
+        if killed:
+            print(
+                f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them.",
+                file=sys.stderr,
+                flush=True,
+            )
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+
+class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
 
-    Args:
-        strategy: the strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted).
-        cluster_environment, num_processes, num_nodes: as for Lightning's launcher.
+    Build it with :meth:`for_strategy`, which picks the class of the strategy's package: this class (on
+    ``lightning.pytorch``'s launcher) or the same body on the standalone ``pytorch_lightning``'s launcher (see
+    :func:`~lightning_het._compat.on_flavour`; hence no zero-argument ``super()`` in this class).
     """
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
     #: multi-node rendezvous variables are checked at launch (:meth:`launch`), not at Trainer construction
     validates_launch_environment = True
+    _in_run = False
+    _observer: threading.Thread | None = None
     _token: str | None = None  # the job token the replicas this process launched were given
     _observer_stop: threading.Event | None = None  # set to end the observer thread
 
-    def __init__(self, strategy: Any, cluster_environment: Any, num_processes: int, num_nodes: int) -> None:
-        super().__init__(cluster_environment, num_processes, num_nodes)
-        self._strategy = strategy
-        self._in_run = False
-        self._failed = False  # a Trainer call of this process ended with an exception
-        self._observer: threading.Thread | None = None
+    @classmethod
+    def for_strategy(cls, strategy: Any) -> HeterogeneousScriptLauncher:
+        """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package.
+
+        Args:
+            strategy: a Trainer strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted;
+                its cluster environment, ``num_processes`` and ``num_nodes`` are Lightning's launcher's arguments).
+        """
+        launcher = on_flavour(HeterogeneousScriptLauncher, strategy)(
+            strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
+        launcher._strategy = strategy
+        return launcher
 
     # ------------------------------------------------------------------ launching process
     @override
@@ -126,7 +208,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
             self._token = ensure_job_token()
             keep_sockets_local(self.num_nodes)
             self._call_children_scripts()
-            atexit.register(self._reap_children)
         elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
             os.environ[TOKEN_ENV] = self._token
             keep_sockets_local(self.num_nodes)
@@ -146,33 +227,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         self._in_run = False
         self._finish(trainer)
         return result
-
-    @override
-    def _call_children_scripts(self) -> None:
-        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux."""
-        self._check_can_spawn_children()
-        self.procs = []
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
-        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
-        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        for local_rank in range(1, self.num_processes):
-            env = os.environ.copy()
-            env["LOCAL_RANK"] = f"{local_rank}"
-            if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
-                del env["PL_GLOBAL_SEED"]
-            cwd: str | None = None
-            if _hydra_in_use():
-                command, cwd = _hydra_subprocess_cmd(local_rank)
-            else:
-                command = _basic_subprocess_cmd()
-            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
-
-    def _children(self) -> list[tuple[int, subprocess.Popen]]:
-        first = self.cluster_environment.node_rank() * self.num_processes
-        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
 
     def _start_observer(self) -> None:
         """During a Trainer call, until the watchdog runs (start-up): a local replica that fails ends the job. Stopped
@@ -210,26 +264,6 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         if observer is not threading.current_thread():
             observer.join(timeout=5.0)
 
-    def _reap_children(self) -> None:
-        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
-        when they have the verdict already: at most 10 s), then kill them."""
-        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
-        if self._failed:
-            wait = min(wait, FAILED_REAP_GRACE_S)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-            time.sleep(0.1)
-        killed = kill_children(self._children())
-        if killed:
-            print(
-                f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them.",
-                file=sys.stderr,
-                flush=True,
-            )
-        for proc in self.procs:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=5)
-
     # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
@@ -251,6 +285,48 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
         if verdict.kind == "failed" and watchdog is not None and watchdog.rank in verdict.culprits:
             return None
         return exit_code_for(verdict) if verdict.kind != "failed" else WATCHDOG_EXIT_CODE
+
+
+#: Fabric's popen launcher class (one per Fabric package) -> the same with :class:`_ReplicaProcesses`
+_FABRIC_LAUNCHERS: dict[type, type] = {}
+
+
+def fabric_script_launcher(strategy: Any, launcher: Any) -> Any:
+    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans.
+
+    Fabric runs your loop after ``fabric.launch()`` has returned, so the Trainer's run-to-the-end barrier and exit
+    statuses cannot apply; what does: the replicas are started with ``PR_SET_PDEATHSIG`` (the kernel kills them when
+    the launching process dies, e.g. after a collective timed out on a replica that hangs) and reaped at exit (given
+    ``timeout`` + 30 s to end, 10 s after an uncaught exception). Fabric's own observer still ends the job when a
+    replica exits with an error.
+
+    Args:
+        strategy: the Fabric strategy (its ``process_group_timeout`` bounds the wait at exit).
+        launcher: the ``_SubprocessScriptLauncher`` that Fabric's ``DDPStrategy`` configured.
+    """
+    base = type(launcher)
+    cls = _FABRIC_LAUNCHERS.get(base)
+    if cls is None:
+        cls = _FABRIC_LAUNCHERS[base] = type(
+            "HeterogeneousFabricScriptLauncher",
+            (_FabricReplicaProcesses, base),
+            {"__module__": __name__, "__doc__": fabric_script_launcher.__doc__},
+        )
+    built = cls(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+    built._strategy = strategy
+    return built
+
+
+class _FabricReplicaProcesses(_ReplicaProcesses):
+    def _call_children_scripts(self) -> None:
+        _ReplicaProcesses._call_children_scripts(self)
+        previous = sys.excepthook
+
+        def note_failure(*exc_info: Any) -> None:  # the loop runs outside the launcher: see an uncaught exception
+            self._failed = True
+            previous(*exc_info)
+
+        sys.excepthook = note_failure
 
 
 def _hydra_in_use() -> bool:

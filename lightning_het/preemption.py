@@ -408,6 +408,14 @@ def save_atomically(trainer: pl.Trainer, path: str) -> str:
     return path
 
 
+def _is_model_checkpoint(callback: Any) -> bool:
+    """A ``ModelCheckpoint`` of ``lightning.pytorch`` or of the standalone ``pytorch_lightning`` (separate classes)."""
+    return isinstance(callback, ModelCheckpoint) or any(
+        cls.__name__ == "ModelCheckpoint" and cls.__module__.startswith("pytorch_lightning.")
+        for cls in type(callback).__mro__
+    )
+
+
 def default_checkpoint_path(trainer: pl.Trainer) -> str:
     """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given.
 
@@ -415,7 +423,7 @@ def default_checkpoint_path(trainer: pl.Trainer) -> str:
     else ``<default_root_dir>/checkpoints/last.ckpt``.
     """
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+        if _is_model_checkpoint(callback) and callback.dirpath:
             return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
 

@@ -244,6 +244,11 @@ class HeterogeneousStrategyBase:
     strategy_name = "heterogeneous"
     #: launcher class used for ``start_method`` spawn/fork/forkserver (set by the concrete class)
     _spawn_launcher_cls: type = _HeterogeneousMultiProcessingLauncher
+    #: whether a Lightning ``Trainer`` drives this strategy (set by each concrete class, whatever its package:
+    #: ``lightning.pytorch`` or the standalone ``pytorch_lightning``). A Trainer strategy gets the hung/dead-replica
+    #: watchdog from ``setup_environment`` on and, under ``popen``, the :mod:`lightning_het.lifecycle` launcher; a
+    #: Fabric strategy (your own loop, no progress hooks) keeps Fabric's launcher.
+    _trainer_loop: bool = False
 
     def __init__(
         self,
@@ -489,13 +494,11 @@ class HeterogeneousStrategyBase:
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
-        elif isinstance(self, DDPStrategy):  # no orphans, end barrier, exit statuses 124/130, output dir check (#14)
+        elif self._trainer_loop:  # no orphans, end barrier, exit statuses 124/130, output dir check
             from lightning_het.lifecycle import HeterogeneousScriptLauncher  # (imports lightning: not at module import)
 
             assert self.cluster_environment is not None
-            self._launcher = HeterogeneousScriptLauncher(
-                self, self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            self._launcher = HeterogeneousScriptLauncher.for_strategy(self)  # on the strategy's Lightning package
         if not getattr(self._launcher, "validates_launch_environment", False):  # one of Lightning's: check now
             validate_launch_environment(self.num_nodes, self.cluster_environment)
 
@@ -503,7 +506,7 @@ class HeterogeneousStrategyBase:
     def setup_environment(self) -> None:
         apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
         super().setup_environment()
-        if isinstance(self, DDPStrategy):  # the Trainer's loops: watched from here on, setup hooks to teardown (#14)
+        if self._trainer_loop:  # the Trainer's loops (either package): watched from here on, setup hooks to teardown
             self._watchdog = start_watchdog(self, self._timeout, self._trainer())
         self._node_ids = self._detect_node_ids()
 
@@ -1225,6 +1228,7 @@ class HeterogeneousStrategyBase:
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
+    _trainer_loop = True
 
 
 def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:

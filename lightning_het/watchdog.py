@@ -60,7 +60,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
 from lightning_het.arguments import as_timeout
@@ -107,6 +106,15 @@ def interruption_of(exception: BaseException) -> str | None:
     if isinstance(exception, KeyboardInterrupt):
         return "interrupted"
     return None
+
+
+def is_sigterm_exit(exception: BaseException) -> bool:
+    """Whether ``exception`` is a Lightning ``SIGTERMException`` (the job was told to stop, e.g. preempted), from
+    ``lightning.pytorch`` or the standalone ``pytorch_lightning``: the two packages have separate classes."""
+    return isinstance(exception, SystemExit) and any(
+        cls.__name__ == "SIGTERMException" and cls.__module__.endswith(".utilities.exceptions")
+        for cls in type(exception).__mro__
+    )
 
 
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
@@ -561,7 +569,7 @@ class Watchdog:
             return self._standing
         self._handled = exception
         self._standing = None
-        if isinstance(exception, SIGTERMException):  # preemption (exit 143, lightning_het.preemption): not a failure
+        if is_sigterm_exit(exception):  # preemption (exit 143, lightning_het.preemption): not a failure
             self.stop()
             return None
         try:

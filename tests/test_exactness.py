@@ -1,5 +1,8 @@
 """Exact and robust in ordinary Lightning setups: epoch metrics, tiny evaluation sets, the tail, any sampler, batch
-norm, loaders without a batch size. Each multi-replica result is compared with one process doing the same."""
+norm, loaders without a batch size. Each multi-replica result is compared with one process doing the same.
+
+The two-replica job runs on both Lightning packages: ``lightning.pytorch`` and the standalone ``pytorch_lightning``
+(its ``Trainer`` and ``LightningModule``, the strategy from :mod:`lightning_het.pl`)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,24 @@ from torch.utils.data import WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler
 from tests.helpers.jobs import run_helper
-from tests.helpers.tiny import make_dataset, make_net, reference_weights
+from tests.helpers.tiny import FLAVOUR_ENV, FLAVOURS, make_dataset, make_net, reference_weights
 
 pytestmark = pytest.mark.slow
 
 
-def _job(tmp_path, devices: int, speeds: list[float], scenarios: list[str]) -> tuple[list[dict], str]:
+#: the scenarios of the two-replica job (speeds [1, 3]) and of the three-replica one (speeds [1, 1, 10])
+TWO = ["metrics_41", "tail", "weighted", "batchnorm", "no_batch_size", "numpy_global_batch"]
+THREE = ["metrics_40", "metrics_1", "metrics_2", "metrics_5"]
+
+
+def _job(
+    tmp_path, devices: int, speeds: list[float], scenarios: list[str], flavour: str = "lightning"
+) -> tuple[list[dict], str]:
     result = run_helper(
-        "tests.helpers.run_exact", tmp_path, {"devices": devices, "speeds": speeds, "scenarios": scenarios}
+        "tests.helpers.run_exact",
+        tmp_path,
+        {"devices": devices, "speeds": speeds, "scenarios": scenarios},
+        env={FLAVOUR_ENV: flavour},
     )
     assert result.returncode == 0, result.output[-6000:]
     assert not result.survivors
@@ -40,19 +53,21 @@ def _max_diff(a: dict, b: dict) -> float:
 def jobs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
     """The module's two jobs, side by side (independent, and neither times anything): ``"two"`` replicas with speeds
     [1, 3] and ``"three"`` with [1, 1, 10]; each: the per-rank dumps and the output."""
-    two = ["metrics_41", "tail", "weighted", "batchnorm", "no_batch_size", "numpy_global_batch"]
-    three = ["metrics_40", "metrics_1", "metrics_2", "metrics_5"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         runs = {
-            "two": pool.submit(_job, tmp_path_factory.mktemp("two"), 2, [1.0, 3.0], two),
-            "three": pool.submit(_job, tmp_path_factory.mktemp("three"), 3, [1.0, 1.0, 10.0], three),
+            "two": pool.submit(_job, tmp_path_factory.mktemp("two"), 2, [1.0, 3.0], TWO),
+            "three": pool.submit(_job, tmp_path_factory.mktemp("three"), 3, [1.0, 1.0, 10.0], THREE),
         }
         return {name: run.result() for name, run in runs.items()}
 
 
-@pytest.fixture(scope="module")
-def two_replicas(jobs):
-    return jobs["two"]
+@pytest.fixture(scope="module", params=FLAVOURS)
+def two_replicas(request, tmp_path_factory):
+    """The two-replica job on each Lightning package (the standalone one: skipped when it is not installed)."""
+    if request.param == "lightning":
+        return request.getfixturevalue("jobs")["two"]
+    pytest.importorskip(request.param)
+    return _job(tmp_path_factory.mktemp(f"two-{request.param}"), 2, [1.0, 3.0], TWO, request.param)
 
 
 @pytest.fixture(scope="module")

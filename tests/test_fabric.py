@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 
@@ -14,7 +15,8 @@ from torch.utils.data import DataLoader
 import lightning_het
 from lightning_het import HeterogeneousFabricStrategy, ProportionalDistributedSampler, UnpaddedDistributedSampler
 from tests.conftest import REPO, run_job
-from tests.helpers.tiny import make_dataset, make_net, reference_weights
+from tests.helpers.jobs import alive, run_helper
+from tests.helpers.tiny import FLAVOUR_ENV, FLAVOURS, make_dataset, make_net, reference_weights
 
 
 def _assert_close(state: dict, reference: dict, atol: float = 1e-5) -> None:
@@ -283,3 +285,35 @@ def test_documented_example_runs_as_written(tmp_path):
     result = run_job([str(script)], cwd=tmp_path, timeout=420)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "validation MSE" in result.stdout, result.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------- lifecycle
+@pytest.mark.parametrize("package", ["lightning.fabric", "lightning_fabric"])
+def test_popen_launcher_starts_replicas_that_cannot_outlive_it(package):
+    fabric_cls, strategy_cls = _standalone() if package == "lightning_fabric" else (Fabric, HeterogeneousFabricStrategy)
+    from lightning_het.lifecycle import _ReplicaProcesses
+
+    launcher = fabric_cls(accelerator="cpu", devices=2, strategy=strategy_cls())._strategy.launcher
+    fabric_launcher = importlib.import_module(f"{package}.strategies.launchers.subprocess_script")
+    assert isinstance(launcher, _ReplicaProcesses) and isinstance(launcher, fabric_launcher._SubprocessScriptLauncher)
+    assert launcher._strategy is not None and launcher.num_processes == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_replica_that_hangs_does_not_outlive_the_job(tmp_path, flavour):
+    """Replica 1 hangs in the loop: replica 0's all-reduce times out after `timeout`, its process ends (Fabric raises
+    in your loop), and the hung replica ends with it instead of running on; on both Fabric packages."""
+    if flavour != "lightning":
+        pytest.importorskip(flavour)
+    timeout = 10
+    cfg = {"devices": 2, "epochs": 1, "strategy": {"speeds": [1, 1], "timeout": timeout}}
+    cfg["fault"] = {"rank": 1, "step": 2}
+    result = run_helper("tests.helpers.run_fabric", tmp_path, cfg, limit=180, env={FLAVOUR_ENV: flavour})
+    assert (tmp_path / "fault.json").exists(), result.output[-3000:]
+    fault = json.loads((tmp_path / "fault.json").read_text())
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    print(f"{flavour}: status {result.returncode}, job ended {result.ended - fault['time']:.1f} s after the fault")
+    assert result.returncode != 0 and result.survivors == [] and alive(pids) == [], result.output[-3000:]
+    assert result.ended - fault["time"] < timeout + 30, result.output[-3000:]
+    assert "replica(s) [1] still ran when the launching process ended; killed them" in result.output

@@ -1,7 +1,9 @@
 """Job lifecycle: no orphans from any phase, a rendezvous no stranger can reach, failures reported as what they are.
 
 The multi-process tests run ``tests/helpers/run_lifecycle.py`` (2 CPU replicas, ``timeout=5``) with a replica that
-hangs or dies in one phase, and check the exit status, the message, the time to end and that no process is left.
+hangs or dies in one phase, and check the exit status, the message, the time to end and that no process is left. The
+same job on the standalone ``pytorch_lightning`` package (``timeout=10``, ``pytorch_lightning.Trainer``, the strategy
+from :mod:`lightning_het.pl`) must end the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from lightning_het.watchdog import (
     exit_code_for,
     judge,
 )
-from tests.helpers.jobs import REPO, free_port, group_members, job_env, run_in_session
+from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
+from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 TIMEOUT = 5.0
@@ -50,6 +53,8 @@ STARTUP = 30.0  # startup_timeout of the launch-phase cases
 #: kept short; it must still exceed what replica 1 takes to import (it hangs only then), or the launcher would end the
 #: job before the fault fired (imports take ~4 s on an idle 2-core machine)
 HANG_STARTUP = 15.0
+#: the strategy `timeout` of the fault jobs on each Lightning package (the standalone one: what its users reported)
+FLAVOUR_TIMEOUT = {"lightning": TIMEOUT, "pytorch_lightning": 10.0}
 
 
 # ---------------------------------------------------------------------------------------------------- signing
@@ -272,8 +277,11 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start(out: Path, cfg: dict) -> tuple[subprocess.Popen, dict[str, str]]:
-    env = job_env()
+def _start(out: Path, cfg: dict, flavour: str = "lightning") -> tuple[subprocess.Popen, dict[str, str]]:
+    """Start the job on the Lightning package ``flavour`` (skips the test when that package is not installed)."""
+    if flavour != "lightning":
+        pytest.importorskip(flavour)
+    env = job_env({FLAVOUR_ENV: flavour})
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.run_lifecycle", str(out), json.dumps(cfg)],
         cwd=REPO,
@@ -325,24 +333,35 @@ PHASE_CASES = [
     ("teardown", "hang", 1, "in teardown"),
     ("teardown", "exit", 1, "replica(s) [1] exited"),
 ]
+#: the standalone pytorch_lightning package: a replica that hangs, or dies, while the others train
+PL_PHASE_CASES = [
+    ("train", "hang", 1, "in training_step of batch"),
+    ("train", "exit", 1, "replica(s) [1] exited"),
+]
+FAULT_CASES = [
+    *(pytest.param("lightning", *case, id=f"{case[0]}-{case[1]}") for case in PHASE_CASES),
+    *(pytest.param("pytorch_lightning", *case, id=f"pytorch_lightning-{case[0]}-{case[1]}") for case in PL_PHASE_CASES),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("where", "kind", "rank", "named"), PHASE_CASES, ids=[f"{w}-{k}" for w, k, _, _ in PHASE_CASES]
-)
-def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, where, kind, rank, named):
-    cfg = {"timeout": TIMEOUT, "fault": {"kind": kind, "rank": rank, "where": where}}
-    limit = TIMEOUT + 30  # from the fault to the end of the job
+@pytest.mark.parametrize(("flavour", "where", "kind", "rank", "named"), FAULT_CASES)
+def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, where, kind, rank, named):
+    timeout = FLAVOUR_TIMEOUT[flavour]
+    cfg = {"timeout": timeout, "fault": {"kind": kind, "rank": rank, "where": where}}
+    limit = timeout + 30  # from the fault to the end of the job
     if where == "launch":
         cfg["startup_timeout"] = HANG_STARTUP if kind == "hang" else STARTUP
         limit = cfg["startup_timeout"] + 30  # a replica that never joins is noticed when the rendezvous times out
-    proc, _ = _start(tmp_path, cfg)
+    proc, _ = _start(tmp_path, cfg, flavour)
     status, out, ended, survivors = _finish(proc)
     assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
     fault = json.loads((tmp_path / "fault.json").read_text())
-    print(f"{where}-{kind}: status {status}, job ended {ended - fault['time']:.1f} s after the fault")
+    print(f"{flavour} {where}-{kind}: status {status}, job ended {ended - fault['time']:.1f} s after the fault")
     assert survivors == [], out[-3000:]
+    if (tmp_path / "training.json").exists():  # every replica's pid, whatever process group it may have moved to
+        pids = json.loads((tmp_path / "training.json").read_text())["pids"]
+        assert len(pids) == 2 and alive(pids) == [], out[-3000:]
     assert ended - fault["time"] < limit, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
     if rank == 0:
         assert status == 3  # the launching process's own exit status
@@ -383,14 +402,16 @@ def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_lo
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_every_replica_with_130(tmp_path):
-    proc, _ = _start(tmp_path, {"timeout": 30, "step_sleep": STEP_SLEEP})
+@pytest.mark.parametrize("flavour", ["lightning", "pytorch_lightning"])
+def test_ctrl_c_ends_every_replica_with_130(tmp_path, flavour):
+    proc, _ = _start(tmp_path, {"timeout": 30, "step_sleep": STEP_SLEEP}, flavour)
     _wait_for(tmp_path / "training.json", proc)
+    pids = json.loads((tmp_path / "training.json").read_text())["pids"]
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
     status, out, _, survivors = _finish(proc, limit=120)
     assert status == INTERRUPTED_EXIT_CODE, out[-3000:]
     assert "] failed (" not in out and "] exited" not in out, out[-3000:]
-    assert survivors == []
+    assert survivors == [] and alive(pids) == []
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from lightning_het.preemption import (
     shield_loader_workers,
 )
 from tests.helpers.jobs import REPO, group_members, job_env, run_helper
+from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder
 
 BASE = {"devices": 2, "strategy": {"speeds": [1, 3]}, "epochs": 2, "n": 80, "batch_size": 4}  # 10 steps per epoch
@@ -149,14 +150,15 @@ class Stopped:
 
 
 def _signal_job(out: Path, cfg: dict, *, target: str = "group", signum: int = signal.SIGTERM, wait_for: str = "ready",
-                limit: float = 240) -> Stopped:  # fmt: skip
-    """Start ``run_preempt`` in its own session, wait until it wrote ``{wait_for}{r}`` (every rank for "ready", rank
-    1 otherwise), send ``signum`` to the process group, the launcher (rank 0) or replica 1, and wait for the end."""
+                limit: float = 240, flavour: str = "lightning") -> Stopped:  # fmt: skip
+    """Start ``run_preempt`` in its own session (on the Lightning package ``flavour``), wait until it wrote
+    ``{wait_for}{r}`` (every rank for "ready", rank 1 otherwise), send ``signum`` to the process group, the launcher
+    (rank 0) or replica 1, and wait for the end."""
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.run_preempt", str(out), json.dumps(cfg)],
         cwd=REPO,
-        env=job_env(),
+        env=job_env({FLAVOUR_ENV: flavour}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -233,12 +235,21 @@ def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("target", "signame"), [("launcher", "SIGTERM"), ("replica", "SIGUSR1")])
-def test_a_signal_to_one_process_stops_every_replica(tmp_path, target, signame):
+@pytest.mark.parametrize(
+    ("flavour", "target", "signame"),
+    [
+        pytest.param("lightning", "launcher", "SIGTERM", id="launcher-SIGTERM"),
+        pytest.param("lightning", "replica", "SIGUSR1", id="replica-SIGUSR1"),
+        pytest.param("pytorch_lightning", "launcher", "SIGTERM", id="pytorch_lightning-launcher-SIGTERM"),
+    ],
+)
+def test_a_signal_to_one_process_stops_every_replica(tmp_path, flavour, target, signame):
     """SIGTERM to the launching process (rank 0) only, or SLURM's SIGUSR1 to replica 1 only: all replicas agree, the
-    checkpoint goes where the user's ModelCheckpoint writes."""
+    checkpoint goes where the user's ModelCheckpoint writes (on the standalone ``pytorch_lightning`` too)."""
+    if flavour != "lightning":
+        pytest.importorskip(flavour)
     cfg = {**BASE, "step_cost": 0.01, "ready_step": 3, "ckpt_dir": str(tmp_path / "ck")}
-    stopped = _signal_job(tmp_path / "job", cfg, target=target, signum=getattr(signal, signame))
+    stopped = _signal_job(tmp_path / "job", cfg, target=target, signum=getattr(signal, signame), flavour=flavour)
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert stopped.seconds < 30 and stopped.survivors == []
     who = 0 if target == "launcher" else 1

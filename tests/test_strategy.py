@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -156,6 +157,57 @@ def test_registered_for_standalone_pytorch_lightning():
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=2, strategy="heterogeneous", logger=False)
     assert isinstance(trainer.strategy, PLHeterogeneousStrategy)
     assert isinstance(trainer.strategy, pytorch_lightning.strategies.DDPStrategy)
+
+
+def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_watchdog():
+    """Whether a strategy gets the watchdog and the popen launcher depends on who drives it (a Trainer, of either
+    package), never on which package's DDPStrategy it subclasses."""
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as PLScriptLauncher
+
+    import lightning_het.pl
+    from lightning_het.lifecycle import HeterogeneousScriptLauncher
+
+    unified = _trainer(2, "heterogeneous").strategy
+    standalone = pytorch_lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="heterogeneous", logger=False
+    ).strategy
+    for strategy in (unified, standalone):
+        assert strategy._trainer_loop and strategy.launcher.finishes_runs and strategy.launcher._strategy is strategy
+    assert type(unified.launcher) is HeterogeneousScriptLauncher
+    assert isinstance(standalone.launcher, PLScriptLauncher)  # what pytorch_lightning's Ctrl-C handling looks for
+    assert type(standalone.launcher).__name__ == "PLHeterogeneousScriptLauncher"
+    assert not lightning_het.HeterogeneousFabricStrategy._trainer_loop
+    assert not lightning_het.pl.HeterogeneousFabricStrategy._trainer_loop  # your own loop: Fabric's launcher
+
+
+def test_public_import_for_the_standalone_packages(monkeypatch):
+    pytest.importorskip("pytorch_lightning")
+    import lightning_het.pl
+    from lightning_het._fabric_compat import HeterogeneousFabricStrategy as LFStrategy
+    from lightning_het._pl_compat import HeterogeneousStrategy as PLStrategy
+    from lightning_het.pl import HeterogeneousFabricStrategy, HeterogeneousStrategy
+
+    assert HeterogeneousStrategy is PLStrategy and HeterogeneousFabricStrategy is LFStrategy
+    assert dir(lightning_het.pl) == ["HeterogeneousFabricStrategy", "HeterogeneousStrategy"]
+    monkeypatch.delitem(vars(lightning_het.pl), "HeterogeneousFabricStrategy")
+    monkeypatch.setitem(sys.modules, "lightning_fabric", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"`lightning_fabric` package, which is not installed.*pip install"):
+        lightning_het.pl.HeterogeneousFabricStrategy  # noqa: B018
+    with pytest.raises(AttributeError):
+        lightning_het.pl.Nothing  # noqa: B018
+
+
+def test_the_watchdog_knows_either_packages_sigterm_exception():
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_het.preemption import Preempted
+    from lightning_het.watchdog import is_sigterm_exit
+
+    assert is_sigterm_exit(SIGTERMException()) and is_sigterm_exit(Preempted(None, [15, 0]))
+    assert is_sigterm_exit(pytorch_lightning.utilities.exceptions.SIGTERMException())
+    assert not is_sigterm_exit(SystemExit(1)) and not is_sigterm_exit(KeyboardInterrupt())
 
 
 def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechanism():

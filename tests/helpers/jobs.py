@@ -31,6 +31,16 @@ def group_members(pgid: int) -> list[int]:
     return alive
 
 
+def alive(pids: list[int]) -> list[int]:
+    """The processes among ``pids`` that still run (zombies count as ended), whatever process group they are in."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                running.append(pid)
+    return running
+
+
 @dataclass
 class JobResult:
     returncode: int

@@ -20,14 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
-import lightning_het
-from tests.helpers.tiny import TinyRegressor, make_dataset
+from tests.helpers.tiny import HeterogeneousStrategy, TinyRegressor, make_dataset, pl
 
 
 class LoggingRegressor(TinyRegressor):
@@ -60,7 +58,7 @@ def _trainer(devices: int, speeds, epochs: int = 2, **strategy) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=lightning_het.HeterogeneousStrategy(process_group_backend="gloo", speeds=speeds, **strategy),
+        strategy=HeterogeneousStrategy(process_group_backend="gloo", speeds=speeds, **strategy),
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,

@@ -3,7 +3,10 @@
 ``python -m tests.helpers.run_fabric OUT_DIR JSON``. JSON keys: devices, strategy (kwargs for
 HeterogeneousFabricStrategy), epochs, n (dataset size), batch_size (loader batch size), lr, cost_per_sample_s (seconds
 slept per sample in every forward pass), slow_rank / slow_factor (that rank sleeps ``slow_factor`` times longer),
-profile (give the strategy a ``profile_step``). Every rank dumps ``OUT_DIR/rank{r}.pt``.
+profile (give the strategy a ``profile_step``), fault (``{"rank": r, "step": k}``: that rank writes
+``OUT_DIR/fault.json`` (pid, time) and hangs for good before its ``k``-th step). Every rank writes its pid to
+``OUT_DIR/pid{r}`` once launched and dumps ``OUT_DIR/rank{r}.pt`` at the end. With
+``LIGHTNING_HET_TEST_FLAVOUR=pytorch_lightning`` the loop runs on the standalone ``lightning_fabric``.
 
 Several loops in one job (one launch and rendezvous for all): a JSON list of such configs, all with the same
 ``devices``; loop ``i`` dumps ``OUT_DIR/<i>/rank{r}.pt``. The first loop's ``Fabric.launch`` starts the replicas and
@@ -12,17 +15,26 @@ the process group; each loop has its own strategy, ``Fabric``, model and loader.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from lightning_het import HeterogeneousFabricStrategy
 from tests.helpers.jobs import run_configs
-from tests.helpers.tiny import make_dataset, make_net
+from tests.helpers.tiny import FLAVOUR, make_dataset, make_net
+
+if FLAVOUR == "pytorch_lightning":  # the standalone packages: lightning_fabric and our strategy on it
+    from lightning_fabric import Fabric
+
+    from lightning_het.pl import HeterogeneousFabricStrategy
+else:
+    from lightning.fabric import Fabric
+
+    from lightning_het import HeterogeneousFabricStrategy
 
 
 def run(out: Path, cfg: dict) -> None:
@@ -31,6 +43,8 @@ def run(out: Path, cfg: dict) -> None:
     fabric = Fabric(accelerator="cpu", devices=cfg.get("devices", 3), strategy=strategy)
     fabric.launch()
     rank = fabric.global_rank
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    fault = cfg.get("fault", {})
     cost = cfg.get("cost_per_sample_s", 0.0) * (cfg.get("slow_factor", 1.0) if rank == cfg.get("slow_rank") else 1.0)
 
     net = make_net()
@@ -49,6 +63,10 @@ def run(out: Path, cfg: dict) -> None:
     seen = []
     for _ in range(cfg.get("epochs", 2)):
         for batch in loader:
+            if fault.get("rank") == rank and len(seen) == fault["step"]:
+                (out / "fault.json").write_text(json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time()}))
+                while True:
+                    time.sleep(3600)
             optimizer.zero_grad()
             fabric.backward(loss_of(batch))
             optimizer.step()

@@ -20,11 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-import lightning_het
-from tests.helpers.tiny import TinyRegressor, make_dataset
+from tests.helpers.tiny import HeterogeneousStrategy, TinyRegressor, make_dataset, pl
 
 
 def _fire(out: Path, fault: dict, rank: int) -> None:
@@ -83,7 +81,7 @@ def main() -> None:
     if fault.get("where") == "launch" and os.environ.get("LOCAL_RANK") == str(fault["rank"]):
         _fire(out, fault, fault["rank"])
     pl.seed_everything(0)
-    strategy = lightning_het.HeterogeneousStrategy(
+    strategy = HeterogeneousStrategy(
         process_group_backend="gloo",
         timeout=cfg.get("timeout", 5.0),
         startup_timeout=cfg.get("startup_timeout", 300.0),

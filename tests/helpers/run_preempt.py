@@ -20,13 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-import lightning_het
-from tests.helpers.tiny import TinyRegressor, make_dataset
+from tests.helpers.tiny import HeterogeneousStrategy, TinyRegressor, make_dataset, pl
+
+Callback, ModelCheckpoint = pl.callbacks.Callback, pl.callbacks.ModelCheckpoint
 
 
 class Ready(Callback):
@@ -66,7 +65,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     cfg = json.loads(sys.argv[2])
     pl.seed_everything(cfg.get("seed", 0), workers=True)
-    strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
+    strategy = HeterogeneousStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     kwargs = {"cost_per_sample_s": cfg.get("step_cost", 0.0)}
     stuck = "stuck_rank" in cfg
     model = Stuck(out, cfg["stuck_rank"], cfg["stuck_step"], **kwargs) if stuck else TinyRegressor(**kwargs)

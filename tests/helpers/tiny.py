@@ -1,16 +1,40 @@
-"""Tiny models, data and a reference single-process trainer shared by the multi-process tests."""
+"""Tiny models, data and a reference single-process trainer shared by the multi-process tests.
+
+The Lightning package (*flavour*) of ``pl`` and :data:`HeterogeneousStrategy` here, and so of every helper job's
+trainer and modules, is ``lightning.pytorch``, or the standalone ``pytorch_lightning`` when the environment variable
+:data:`FLAVOUR_ENV` says so (a test runs a job on that flavour with ``job_env({FLAVOUR_ENV: "pytorch_lightning"})``;
+the replicas inherit it).
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
 import time
 
-import lightning.pytorch as pl
 import torch
 import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_het
 from lightning_het import ProportionalDistributedSampler
+
+#: environment variable naming the Lightning package of the helper jobs: ``lightning`` (default) or
+#: ``pytorch_lightning``
+FLAVOUR_ENV = "LIGHTNING_HET_TEST_FLAVOUR"
+#: the Lightning packages a helper job can run on
+FLAVOURS = ("lightning", "pytorch_lightning")
+FLAVOUR = os.environ.get(FLAVOUR_ENV, "lightning")
+if FLAVOUR not in FLAVOURS:
+    raise ValueError(f"{FLAVOUR_ENV}={FLAVOUR!r}: expected one of {FLAVOURS}")
+pl = importlib.import_module("pytorch_lightning" if FLAVOUR == "pytorch_lightning" else "lightning.pytorch")
+#: the Trainer strategy class of that package
+HeterogeneousStrategy = (
+    importlib.import_module("lightning_het.pl").HeterogeneousStrategy
+    if FLAVOUR == "pytorch_lightning"
+    else lightning_het.HeterogeneousStrategy
+)
 
 
 def make_dataset(n: int = 60, features: int = 4, seed: int = 123) -> TensorDataset:
