@@ -101,7 +101,8 @@ class HeterogeneousScriptLauncher(_SubprocessScriptLauncher):
             ensure_job_token()
             keep_sockets_local(self.num_nodes)
             self._call_children_scripts()
-            self._start_observer()
+            if self.procs:  # one device: no replica to watch, and no thread left running after the run
+                self._start_observer()
             atexit.register(self._reap_children)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         self._in_run = True

@@ -91,7 +91,14 @@ def _on_alarm(signum, frame):
     raise _TestTimeout(message)
 
 
+def _is_group(error: object) -> bool:
+    """An exception group (Python 3.11's ``BaseExceptionGroup`` or the ``exceptiongroup`` backport)."""
+    return isinstance(error, BaseException) and isinstance(getattr(error, "exceptions", None), (list, tuple))
+
+
 def _first_line(report) -> str:
+    if getattr(report, "het_message", None):
+        return report.het_message[:600]
     longrepr = report.longrepr
     if longrepr is None:
         return ""
@@ -125,6 +132,23 @@ if pytest is not None:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        outcome = yield
+        error = call.excinfo.value if call.excinfo is not None else None
+        if _is_group(error):  # e.g. several fixtures failing at teardown: name each error
+            leaves, stack = [], [error]
+            while stack:
+                current = stack.pop()
+                if _is_group(current):
+                    stack.extend(reversed(current.exceptions))
+                else:
+                    leaves.append(current)
+            first = [(str(e).strip().splitlines() or [""])[0] for e in leaves]
+            outcome.get_result().het_message = "; ".join(
+                f"{type(e).__name__}: {line}" for e, line in zip(leaves, first, strict=True)
+            )
 
     _outcomes: dict[str, tuple[str, str]] = {}
 
