@@ -9,6 +9,8 @@
   that processes started by a test (``ddp_spawn`` children, ``ddp`` re-launches) substitute too.
 * ``LIGHTNING_TESTS_TIMEOUT=<seconds>``: a test still running after that long is failed (``TimeoutError``) after its
   child processes are killed (a deadlocked collective would otherwise hold the run forever).
+* ``flaky`` (pytest-rerunfailures' marker, which Lightning's tests use) is registered when that plugin is missing, so
+  those files are collected (each test then runs once).
 * ``LIGHTNING_TESTS_RESULTS=<path>``: one JSON line per test is appended to the file: ``nodeid``, ``outcome``
   (``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed``, ``error``) and ``message`` (the failure's first
   line).
@@ -119,6 +121,10 @@ except ImportError:  # imported from sitecustomize in a process without pytest
     pytest = None
 
 if pytest is not None:
+
+    def pytest_configure(config) -> None:
+        if not config.pluginmanager.hasplugin("rerunfailures"):  # Lightning marks some tests `flaky` (no reruns here)
+            config.addinivalue_line("markers", "flaky(reruns, reruns_delay): rerun marker of pytest-rerunfailures")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
