@@ -909,9 +909,23 @@ class HeterogeneousStrategyBase:
         return [1.0] * self.world_size
 
     def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
-        """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them."""
-        if cached_validation_loader(trainer) is not None and self._eval_weights_used != self._eval_weights():
-            forget_validation_loader(trainer)
+        """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them when the
+        allocation changes a replica's shard (Lightning then calls ``val_dataloader()`` again). Shares that split
+        every cached loader as before (speeds ``[1, 1]`` and batches ``[2, 2]``) keep the loaders, as DDP would."""
+        cached = cached_validation_loader(trainer)
+        weights = self._eval_weights()
+        if cached is None or self._eval_weights_used == weights:
+            return
+        for loader in getattr(cached, "flattened", [cached]):
+            sampler = getattr(loader, "sampler", None)
+            if not isinstance(sampler, UnpaddedDistributedSampler):
+                continue  # not split by the weights (the user's own sampler, an iterable dataset)
+            if sampler.total_size and allocate_batch_sizes(sampler.total_size, weights, min_batch_size=1) != list(
+                sampler.shard_sizes
+            ):
+                forget_validation_loader(trainer)
+                return
+        self._eval_weights_used = weights
 
     # ------------------------------------------------------------------ allocation
     def _allocate(
