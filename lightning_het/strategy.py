@@ -80,7 +80,12 @@ from lightning_het.preemption import (
     shield_loader_workers,
 )
 from lightning_het.rendezvous import create_store, keep_sockets_local, restore_job_environment
-from lightning_het.sampler import EvalBatchSampler, ProportionalBatchSampler, ProportionalDistributedSampler
+from lightning_het.sampler import (
+    EvalBatchSampler,
+    ProportionalBatchSampler,
+    ProportionalDistributedSampler,
+    eval_batch_plan,
+)
 from lightning_het.topology import gather_node_ids, validate_node_ids
 from lightning_het.watchdog import (
     Phase,
@@ -917,12 +922,10 @@ class HeterogeneousStrategyBase:
         if cached is None or self._eval_weights_used == weights:
             return
         for loader in getattr(cached, "flattened", [cached]):
-            sampler = getattr(loader, "sampler", None)
-            if not isinstance(sampler, UnpaddedDistributedSampler):
+            batches = getattr(loader, "batch_sampler", None)
+            if not isinstance(batches, EvalBatchSampler):
                 continue  # not split by the weights (the user's own sampler, an iterable dataset)
-            if sampler.total_size and allocate_batch_sizes(sampler.total_size, weights, min_batch_size=1) != list(
-                sampler.shard_sizes
-            ):
+            if eval_batch_plan(len(batches.sampler.dataset), weights, batches.batch_size)[0] != batches.shares:
                 forget_validation_loader(trainer)
                 return
         self._eval_weights_used = weights

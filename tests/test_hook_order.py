@@ -52,11 +52,6 @@ GROUPS: dict[str, tuple[int, list[tuple[tuple, dict]]]] = {
     ),
 }
 
-PROFILER_OUTSIDE_LOOP = (
-    "profiling calls the user's training_step (batch transfer, backward hooks) itself, before on_train_start; due to"
-    " go with in-loop profiling"
-)
-
 
 class _Jobs:
     """Runs each group's job once, when a test first needs it; ``calls(key)`` is the per-rank recording."""
@@ -95,12 +90,7 @@ def _cases():
         for variant in VARIANTS[devices]:
             for opt in OPTIMIZATION:
                 for stage in STAGES:
-                    marks = []
-                    if variant == "profiled" and stage == "fit":
-                        marks.append(pytest.mark.xfail(strict=True, reason=PROFILER_OUTSIDE_LOOP))
-                    yield pytest.param(
-                        devices, variant, opt, stage, marks=marks, id=f"{devices}dev-{variant}-{opt}-{stage}"
-                    )
+                    yield pytest.param(devices, variant, opt, stage, id=f"{devices}dev-{variant}-{opt}-{stage}")
 
 
 @pytest.mark.parametrize(("devices", "variant", "optimization", "stage"), list(_cases()))
@@ -149,10 +139,10 @@ def test_validation_loader_rebuilt_only_when_its_shards_change(monkeypatch, batc
 
     import lightning_het.strategy as strategy_module
     from lightning_het import HeterogeneousStrategy
-    from lightning_het.sampler import UnpaddedDistributedSampler
+    from lightning_het.sampler import EvalBatchSampler
 
     strategy = HeterogeneousStrategy(speeds=[1, 1])
-    loader = DataLoader(range(8), batch_size=2, sampler=UnpaddedDistributedSampler(range(8), [1.0, 1.0], 0))
+    loader = DataLoader(range(8), batch_sampler=EvalBatchSampler(range(8), [1.0, 1.0], 0, batch_size=2))
     cached = SimpleNamespace(flattened=[loader])
     forgotten = []
     monkeypatch.setattr(strategy_module, "cached_validation_loader", lambda trainer: cached)
