@@ -62,6 +62,7 @@ __all__ = [
     "plan_allocation",
     "plan_sampler_resume",
     "read_record",
+    "resumed_global_batch_size",
     "sampler_record",
     "synchronize_before_save",
 ]
@@ -127,6 +128,16 @@ def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
             f" checkpoint[{CHECKPOINT_KEY!r}] to start a fresh allocation."
         )
     return dict(record)
+
+
+def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
+    """The global batch the checkpoint's run trained with (``None`` when not resuming or not recorded): a resumed fit
+    keeps it unless ``global_batch_size`` is given, so that resuming on another number of replicas draws the same
+    global batches."""
+    if not record:
+        return None
+    saved = (record.get("sampler") or {}).get("global_batch_size", record.get("global_batch_size"))
+    return int(saved) if isinstance(saved, int) and saved > 0 else None
 
 
 # ---------------------------------------------------------------------------------------------------------- decisions

@@ -356,9 +356,18 @@ def is_collective_failure(exception: BaseException) -> bool:
     return any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
 
 
-def _first_line(exception: BaseException) -> str:
+def _first_line(exception: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of ``exception``, at most about ``limit`` characters; a long message keeps its ``HINT:``
+    (what to do), shortening the part before it instead."""
     text = str(exception).strip().splitlines()
-    return f"{type(exception).__name__}: {text[0] if text else ''}"[:300]
+    line = f"{type(exception).__name__}: {text[0] if text else ''}"
+    if len(line) <= limit:
+        return line
+    head, sep, hint = line.partition(" HINT: ")
+    if not sep:
+        return line[: limit - 1] + "…"
+    hint = hint if len(hint) <= limit else hint[: limit - 1] + "…"
+    return f"{head[: max(limit // 2, limit - len(hint) - 8)].rstrip()}… HINT: {hint}"
 
 
 def _inside_torch_distributed(frame: Any, depth: int = 12) -> bool:

@@ -77,6 +77,22 @@ CASES = {
         lambda: HeterogeneousStrategy(comm_autotune_steps=-1),
         r"`comm_autotune_steps`.*got -1",
     ),
+    "ddp-keyword-typo": (
+        lambda: HeterogeneousStrategy(find_unused_parameter=True),
+        r"unexpected keyword argument `find_unused_parameter`=True.*HINT: did you mean `find_unused_parameters`\?",
+    ),
+    "ddp-device-ids": (
+        lambda: HeterogeneousStrategy(device_ids=[0]),
+        r"unexpected keyword argument `device_ids`.*HINT: the strategy sets it",
+    ),
+    "process-group-backend-unknown": (
+        lambda: HeterogeneousStrategy(process_group_backend="bogus"),
+        r"`process_group_backend` to be one of \[.*'gloo'.*'nccl'.*\].*but got 'bogus'",
+    ),
+    "preemption-checkpoint-int": (
+        lambda: HeterogeneousStrategy(preemption_checkpoint=123),
+        r"`preemption_checkpoint` to be a file or directory path.*but got 123",
+    ),
     "strategy-name-typo": (
         lambda: _trainer(strategy="heterogenous"),
         r"invalid strategy name: `strategy='heterogenous'`",
@@ -107,6 +123,31 @@ def test_bad_input(case):
         make()
     first_line = str(info.value).splitlines()[0]
     assert re.search(pattern, first_line), first_line
+
+
+def test_bad_inputs_name_the_argument_before_any_launch():
+    """The constructor's errors carry the keyword (``ArgumentError.argument``), as the other strategy arguments."""
+    for kwargs, name in [
+        ({"find_unused_parameter": True}, "find_unused_parameter"),
+        ({"process_group_backend": "bogus"}, "process_group_backend"),
+        ({"preemption_checkpoint": 123}, "preemption_checkpoint"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            HeterogeneousStrategy(**kwargs)
+        assert info.value.argument == name
+
+
+def test_ddp_keywords_and_backends_that_exist_are_accepted():
+    strategy = HeterogeneousStrategy(
+        find_unused_parameters=True, gradient_as_bucket_view=True, process_group_backend="GLOO", timeout=30
+    )
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+    HeterogeneousStrategy(process_group_backend="nccl")  # known by name, whether or not this build has it
+
+
+def test_global_sync_every_without_node_local_warns():
+    with pytest.warns(UserWarning, match=r"`global_sync_every=5` only applies to `comm='node_local'`; it is ignored"):
+        HeterogeneousStrategy(global_sync_every=5)
 
 
 @pytest.mark.parametrize("missing", [("MASTER_ADDR",), ("MASTER_PORT",), ("NODE_RANK",), ("MASTER_ADDR", "NODE_RANK")])

@@ -119,7 +119,7 @@ def test_resumed_sampler_continues_the_same_global_batches_on_another_split():
 
 
 # ---------------------------------------------------------------------------------------------------- one replica
-def _fit(tmp_path: Path, *, ckpt: str | None = None, save_every: int = 0, global_batch: int = 8, **kwargs):
+def _fit(tmp_path: Path, *, ckpt: str | None = None, save_every: int = 0, global_batch: int | None = 8, **kwargs):
     pl.seed_everything(0)
     model = TinyRegressor()
     callbacks = []
@@ -163,6 +163,16 @@ def test_mid_epoch_resume_with_another_global_batch_is_refused(tmp_path):
     _fit(tmp_path, save_every=7, max_steps=7)
     with pytest.raises(ValueError, match=r"middle of epoch 1 .*global_batch_size 8 -> 4.*HINT"):
         _fit(tmp_path / "resumed", ckpt=str(tmp_path / "step=7.ckpt"), global_batch=4)
+
+
+def test_resume_keeps_the_checkpoints_global_batch_unless_one_is_given(tmp_path):
+    """The default global batch (the DataLoader's batch_size 4 x 1 replica here) does not replace the checkpoint's 8,
+    as on a resume on another number of replicas: the fit continues on the same global batches."""
+    full, _ = _fit(tmp_path, save_every=7)
+    resumed, trainer = _fit(tmp_path / "resumed", ckpt=str(tmp_path / "step=7.ckpt"), global_batch=None)
+    assert resumed.seen_batch_sizes == [8, 8, 8] and trainer.global_step == 10
+    assert trainer.strategy.global_batch_size == 8
+    assert all(torch.equal(a, b) for a, b in zip(_weights(full).values(), _weights(resumed).values()))
 
 
 def test_epoch_boundary_resume_may_change_the_global_batch(tmp_path):
@@ -236,14 +246,13 @@ def _resume(tmp_path: Path, ckpt: Path, devices: int, strategy: dict):
 def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
     """Both resumes from the uninterrupted fit's step-7 checkpoint, side by side (independent, and neither times
     anything): on the ``"same"`` 2 replicas without speeds (they would profile), and on ``"three"`` replicas with
-    speeds [1, 1, 2]. Each: the output and the per-rank dumps."""
+    speeds [1, 1, 2] and no ``global_batch_size`` (the checkpoint's 8 is kept, not the DataLoader's 4 x 3).
+    Each: the output and the per-rank dumps."""
     ckpt = uninterrupted[0] / "ckpt" / "step=7.ckpt"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         runs = {
             "same": pool.submit(_resume, tmp_path_factory.mktemp("same"), ckpt, 2, {}),
-            "three": pool.submit(
-                _resume, tmp_path_factory.mktemp("three"), ckpt, 3, {"speeds": [1, 1, 2], "global_batch_size": 8}
-            ),
+            "three": pool.submit(_resume, tmp_path_factory.mktemp("three"), ckpt, 3, {"speeds": [1, 1, 2]}),
         }
         return {name: run.result() for name, run in runs.items()}
 
@@ -266,6 +275,8 @@ def test_resume_on_three_replicas_rebalances_and_stays_on_the_trajectory(uninter
     log, dumps = resumed["three"]
     assert "re-balancing on resume: the checkpoint was trained by 2 replica(s)" in log
     assert "batch sizes [2, 6] -> [2, 2, 4]" in log
+    # no global_batch_size given: the checkpoint's 8, not the DataLoader's batch_size 4 x 3 replicas
+    assert "resuming with the checkpoint's global batch of 8 samples" in log
     for dump in dumps:
         assert dump["batch_sizes"] == [2, 2, 4] and dump["global_step"] == 10
         assert _close(dump["state_dict"], full[0]["state_dict"])  # the same global batches, split differently

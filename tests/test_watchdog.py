@@ -145,6 +145,22 @@ def test_a_failing_replica_ends_the_others_at_once():
     dogs[1].stop()
 
 
+def test_a_long_error_keeps_its_hint_in_the_verdict():
+    """The one-line verdict shortens a long message before its ``HINT:``, not the HINT (what to do) itself."""
+    dogs, recorders, store = _pair(timeout=30.0)
+    for dog in dogs:
+        dog.start()
+        dog.arm("fit")
+    cause = "You resumed from a checkpoint taken in the middle of epoch 1, " + "and so on " * 40
+    dogs[1].on_exception(ValueError(f"{cause}HINT: keep `global_batch_size` unchanged."))
+    assert recorders[0].done.wait(5)
+    verdict = Verdict.from_json(dist.PrefixStore("t/", store).get("abort"))
+    assert "ValueError: You resumed from a checkpoint" in verdict.message
+    assert "HINT: keep `global_batch_size` unchanged." in verdict.message
+    assert len(verdict.message) < 500
+    dogs[1].stop()
+
+
 def test_launching_process_notices_a_local_replica_that_exited():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     child.wait()
