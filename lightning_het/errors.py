@@ -135,19 +135,30 @@ class LabelValueError(ValueError):
         num_classes: the number of classes ``C``; valid labels are ``0`` (unlabelled) and ``1..C``.
     """
 
-    def __init__(self, path: PathType, bad_values: Sequence[Any], num_classes: int | None) -> None:
+    def __init__(
+        self, path: PathType, bad_values: Sequence[Any], num_classes: int | None, non_integer: bool = False
+    ) -> None:
         self.path = str(path)
         self.bad_values = list(bad_values)
         self.num_classes = num_classes
-        allowed = "0 (unlabelled) and 1..C" if num_classes is None else f"0 (unlabelled) and 1..{num_classes}"
-        super().__init__(
-            f"The labels {self.path!r} hold values {self.bad_values} outside {allowed}. HINT: labels must be integers,"
-            " 0 for unlabelled pixels and 1..C for the C classes; raise `num_classes` (or pass more `class_names`)"
-            " if the scene really has more classes, or remap the raster."
-        )
+        self.non_integer = non_integer
+        if non_integer:  # e.g. a probability map or a label map resampled bilinearly: no class count to speak of
+            message = (
+                f"The labels {self.path!r} hold values {self.bad_values} that are not class numbers: labels must be"
+                " integers, 0 for unlabelled pixels and 1..C for the C classes. HINT: pass the ground-truth class map"
+                " (an integer raster, resampled with nearest-neighbour), not a probability or resampled map."
+            )
+        else:
+            allowed = "0 (unlabelled) and 1..C" if not num_classes else f"0 (unlabelled) and 1..{num_classes}"
+            message = (
+                f"The labels {self.path!r} hold values {self.bad_values} outside {allowed}. HINT: labels must be"
+                " integers, 0 for unlabelled pixels and 1..C for the C classes; raise `num_classes` (or pass more"
+                " `class_names`) if the scene really has more classes, or remap the raster."
+            )
+        super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.bad_values, self.num_classes))
+        return (type(self), (self.path, self.bad_values, self.num_classes, self.non_integer))
 
 
 class NoLabelledPixelsError(ValueError):

@@ -104,6 +104,18 @@ class TestErrors:
         with pytest.raises(LabelValueError, match=r"gt.tif.*\[-2.0, 1.5\]"):
             read_labels(write_geotiff(tmp_path / "gt.tif", bad))
 
+    def test_float_labels_name_the_file_and_ask_for_integers(self, tmp_path):
+        """A float map (probabilities, a bilinearly resampled class map) has no integer class to infer a count from:
+        the message says labels must be integers, not "outside 0 (unlabelled) and 1..0"."""
+        soft = np.full((4, 4), 0.25, dtype=np.float32)
+        soft[0, 0] = 0.75
+        with pytest.raises(LabelValueError, match=r"gt.tif.*\[0.25, 0.75\].*labels must be integers") as info:
+            read_labels(write_geotiff(tmp_path / "gt.tif", soft))
+        assert "1..0" not in str(info.value) and info.value.non_integer
+        with pytest.raises(LabelValueError, match=r"outside 0 \(unlabelled\) and 1..C\. HINT") as info:
+            read_labels(write_geotiff(tmp_path / "neg.tif", np.full((4, 4), -1, dtype=np.int16)))
+        assert "1..0" not in str(info.value)
+
     def test_shape_mismatch_names_both_files_and_shapes(self, raster_pair, tmp_path):
         image, *_ = raster_pair
         other = write_geotiff(tmp_path / "small.tif", np.ones((10, 12), np.uint8), crs=UTM, transform=TRANSFORM)

@@ -194,14 +194,17 @@ def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int |
     values = np.asarray(labels)
     _check_numeric(values.dtype, os.fspath(path))
     bad = values < 0
+    fractional = np.zeros(values.shape, dtype=bool)
     if values.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
-            bad |= ~(np.isfinite(values) & (values == np.floor(values)))
+            fractional = ~(np.isfinite(values) & (values == np.floor(values)))
+        bad |= fractional
     largest = int(values[~bad].max()) if np.any(~bad) else 0
     classes = largest if num_classes is None else int(num_classes)
     bad |= values > classes
     if bad.any():
-        raise LabelValueError(path, np.unique(values[bad])[:5].tolist(), classes)
+        # non-integer values: a message about integers, not about a class count inferred from the rest (e.g. "1..0")
+        raise LabelValueError(path, np.unique(values[bad])[:5].tolist(), classes, non_integer=bool(fractional.any()))
     return values.astype(np.int64), classes
 
 
