@@ -175,3 +175,24 @@ def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
     )
     assert worst <= 1e-6, worst
     assert json.loads((resumed / "metrics.json").read_text())["epochs"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ console (slow)
+@pytest.mark.slow
+def test_each_lightning_and_strategy_message_is_printed_once(tmp_path):
+    """Lightning's own console handler and Hydra's root handler both printed every Lightning/strategy record."""
+    out = tmp_path / "run"
+    result = run_app(
+        ["experiment=quick", "trainer.max_epochs=1", "prediction_map=false", f"hydra.run.dir={out}"],
+        cwd=tmp_path,
+        timeout=400,
+        module=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    console = result.stdout + result.stderr
+    assert console.count("GPU available:") == 1, console  # Lightning's
+    assert console.count("HeterogeneousStrategy: profiling on the first") == 1, console  # the strategy's
+    # the balance table: logged once when profiling ends, and once more in the run's closing summary
+    assert console.count("rank node   device") == 2, console
+    assert "INFO: " not in console  # Lightning's own handler's format
+    assert "GPU available:" in (out / "train.log").read_text()  # the job's log file still has Lightning's records

@@ -174,13 +174,23 @@ class _DropAdverts(logging.Filter):
         return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
 
 
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+
+
 def _configure_console_logging() -> None:
     """Rank 0 logs to the console at INFO; the other replicas only warnings (their log files keep everything)."""
     quiet = _process_label() is not None
     # lightning.* and the standalone pytorch_lightning/lightning_fabric packages each log through their own handler
     names = [""] + [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] in _LIGHTNING_LOGGER_ROOTS]
+    root_prints = any(_is_console(h) for h in logging.getLogger().handlers)
     for name in names:
-        for handler in logging.getLogger(name).handlers:
+        logger = logging.getLogger(name)
+        if name and root_prints and logger.propagate:
+            # the record also reaches the root logger's console handler (Hydra's): print it once, there
+            for handler in [h for h in logger.handlers if _is_console(h)]:
+                logger.removeHandler(handler)
+        for handler in logger.handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 if not any(isinstance(f, _DropAdverts) for f in handler.filters):
                     handler.addFilter(_DropAdverts())
