@@ -106,6 +106,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             " handled, see docs/app.md), or use HeterogeneousStrategy(start_method=...) from Python."
         )
     _check_cpu_replicas(cfg)
+    test_ckpt = str(cfg.get("test_ckpt", "best"))
+    if test_ckpt not in TEST_CKPT_CHOICES:
+        raise UserError(
+            f"You set `test_ckpt={test_ckpt}`, but it must be one of {list(TEST_CKPT_CHOICES)}. HINT: `test_ckpt=best`"
+            " tests the weights of the best validation epoch, `test_ckpt=last` those of the last epoch."
+        )
     output_dir = Path(str(cfg.output_dir)).absolute()
     _check_input_files(data_cfg)  # before anything is built: a typo in a path fails at once
     if os.environ.get("LOCAL_RANK", "0") == "0":  # unwritable, missing or full: one line, exit 2, no replica started
@@ -137,10 +143,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.perf_counter() - started
-    test_results = trainer.test(model, datamodule=datamodule, verbose=False)
+    tested = _test_checkpoint(trainer, test_ckpt)
+    test_results = trainer.test(model, datamodule=datamodule, verbose=False, ckpt_path=tested.get("path"))
     prediction = _write_prediction_map(cfg, trainer, model, datamodule)
 
     metrics = _collect_metrics(trainer, test_results, timer, fit_seconds, time.perf_counter() - started)
+    metrics["test_ckpt"] = tested
     metrics["prediction_map"] = prediction
     metrics["output_dir"] = str(output_dir)
     if trainer.is_global_zero:
@@ -309,6 +317,35 @@ def _unreadable_checkpoint(path: str) -> str | None:
     except Exception as err:  # whatever the reason, it cannot be resumed from
         return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'unreadable'}"
     return None
+
+
+#: Values of ``test_ckpt``: the weights the test set and the prediction map are evaluated with.
+TEST_CKPT_CHOICES = ("best", "last")
+
+
+def _test_checkpoint(trainer: pl.Trainer, choice: str) -> dict[str, Any]:
+    """Which weights to test (``test_ckpt``), as recorded in ``metrics.json``; ``path`` goes to ``trainer.test``.
+
+    ``best``: the best checkpoint of the first ``ModelCheckpoint`` that monitors a metric and saved one (Lightning's
+    ``ckpt_path="best"``, resolved here so that the record names the file); without one, the last epoch's weights.
+    """
+    record: dict[str, Any] = {"requested": choice, "used": "last", "path": None}
+    if choice != "best":
+        return record
+    for callback in trainer.checkpoint_callbacks:
+        best = getattr(callback, "best_model_path", "")
+        if getattr(callback, "monitor", None) and best:
+            score = callback.best_model_score
+            record.update(
+                used="best",
+                path=str(best),
+                monitor=callback.monitor,
+                score=None if score is None else float(score),
+            )
+            return record
+    record["note"] = "no checkpoint of a monitored metric (e.g. callbacks=none): the last epoch's weights"
+    log.warning("test_ckpt=best, but %s; testing the last epoch's weights", record["note"].split(":")[0])
+    return record
 
 
 #: CPU replicas per core of a node above which the app refuses to start (between 1 and this, it warns).
