@@ -127,9 +127,10 @@ def test_callback_and_logger_groups_merge_with_the_users(compose_cfg, monkeypatc
     )
     built = app_train._build_callbacks(cfg)
     kinds = [type(c).__name__ for c in built]
-    assert kinds == ["ModelCheckpoint", "EarlyStopping", "LearningRateMonitor"], kinds
-    checkpoint = built[0]
-    assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and isinstance(built[1], EarlyStopping)
+    assert kinds == ["ModelCheckpoint", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor"], kinds
+    checkpoint, best = built[0], built[1]
+    assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and isinstance(built[2], EarlyStopping)
+    assert best.monitor == "val/oa" and not best.save_last
     assert app_train._checkpointing(cfg, built) is True
     assert app_train._checkpointing(compose_cfg("callbacks=none"), []) is False
 
@@ -175,3 +176,87 @@ def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
     )
     assert worst <= 1e-6, worst
     assert json.loads((resumed / "metrics.json").read_text())["epochs"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ console (slow)
+@pytest.mark.slow
+def test_each_lightning_and_strategy_message_is_printed_once(tmp_path):
+    """Lightning's own console handler and Hydra's root handler both printed every Lightning/strategy record."""
+    out = tmp_path / "run"
+    result = run_app(
+        ["experiment=quick", "trainer.max_epochs=1", "prediction_map=false", f"hydra.run.dir={out}"],
+        cwd=tmp_path,
+        timeout=400,
+        module=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    console = result.stdout + result.stderr
+    assert console.count("GPU available:") == 1, console  # Lightning's
+    assert console.count("HeterogeneousStrategy: profiling on the first") == 1, console  # the strategy's
+    # the balance table: logged once when profiling ends, and once more in the run's closing summary
+    assert console.count("rank node   device") == 2, console
+    assert "INFO: " not in console  # Lightning's own handler's format
+    assert "GPU available:" in (out / "train.log").read_text()  # the job's log file still has Lightning's records
+
+
+# ------------------------------------------------------------------------------------------ which weights are tested
+class _FakeCheckpoint:
+    def __init__(self, monitor, best_model_path, best_model_score=None):
+        self.monitor, self.best_model_path = monitor, best_model_path
+        self.best_model_score = None if best_model_score is None else torch.tensor(best_model_score)
+
+
+class _FakeTrainer:
+    def __init__(self, *callbacks):
+        self.checkpoint_callbacks = list(callbacks)
+
+
+def test_test_ckpt_best_uses_the_monitored_checkpoint():
+    from lightning_het.app.train import _test_checkpoint
+
+    trainer = _FakeTrainer(_FakeCheckpoint(None, ""), _FakeCheckpoint("val/oa", "/run/checkpoints/best.ckpt", 0.75))
+    assert _test_checkpoint(trainer, "best") == {
+        "requested": "best",
+        "used": "best",
+        "path": "/run/checkpoints/best.ckpt",
+        "monitor": "val/oa",
+        "score": 0.75,
+    }
+    assert _test_checkpoint(trainer, "last") == {"requested": "last", "used": "last", "path": None}
+
+
+def test_test_ckpt_best_without_a_monitored_checkpoint_tests_the_last_weights(caplog):
+    from lightning_het.app.train import _test_checkpoint
+
+    with caplog.at_level(logging.WARNING, logger="lightning_het.app.train"):
+        record = _test_checkpoint(_FakeTrainer(_FakeCheckpoint(None, "")), "best")
+    assert record["used"] == "last" and record["path"] is None and "callbacks=none" in record["note"]
+    assert "testing the last epoch's weights" in caplog.text
+
+
+def test_default_config_tests_the_best_validation_checkpoint(compose_cfg):
+    cfg = compose_cfg()
+    assert cfg.test_ckpt == "best"
+    best = cfg.callbacks.best_checkpoint
+    assert best.monitor == "val/oa" and best.mode == "max" and best.save_top_k == 1
+
+
+def test_unknown_test_ckpt_is_refused(compose_cfg):
+    from lightning_het.app.train import UserError, train
+
+    with pytest.raises(UserError, match=r"test_ckpt=first"):
+        train(compose_cfg("experiment=quick", "test_ckpt=first"))
+
+
+@pytest.mark.slow
+def test_the_run_tests_its_best_validation_epoch(tmp_path):
+    out = tmp_path / "run"
+    result = run_app(
+        ["experiment=quick", "prediction_map=false", f"hydra.run.dir={out}"], cwd=tmp_path, timeout=400, module=True
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    tested = metrics["test_ckpt"]
+    assert tested["requested"] == "best" and tested["used"] == "best" and tested["monitor"] == "val/oa"
+    assert Path(tested["path"]) == out / "checkpoints" / "best.ckpt" and Path(tested["path"]).is_file()
+    assert tested["score"] == pytest.approx(max(h["val/oa"] for h in metrics["history"]))

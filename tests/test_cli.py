@@ -166,6 +166,90 @@ def test_bad_value_exits_2_with_one_line(run_main, capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_uncreatable_run_directory_exits_2_naming_it(run_main, capsys, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    run_dir = tmp_path / "file" / "out"
+    assert run_main("experiment=quick", f"hydra.run.dir={run_dir}") == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(run_dir) in line and "hydra.run.dir" in line and "cannot be created" in line
+
+
+def test_unwritable_sweep_directory_exits_2_naming_it(run_main, capsys, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    sweep_dir = tmp_path / "file" / "sweep"
+    assert run_main("-m", "experiment=quick", "seed=0,1", f"hydra.sweep.dir={sweep_dir}") == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(sweep_dir) in line and "hydra.sweep.dir" in line
+
+
+def _damaged_checkpoint(path: Path, damage: str) -> Path:
+    import torch
+
+    if damage == "truncated":
+        torch.save({"state_dict": {"w": torch.zeros(1000)}, "epoch": 1}, path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random"])
+def test_corrupt_checkpoint_is_refused_before_anything_starts(compose_cfg, tmp_path, damage):
+    from lightning_het.app.train import UserError, _checkpoint_to_resume
+
+    path = _damaged_checkpoint(tmp_path / "last.ckpt", damage)
+    with pytest.raises(UserError, match="not a readable checkpoint") as info:
+        _checkpoint_to_resume(compose_cfg(f"ckpt_path={path}"))
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random"])
+def test_corrupt_checkpoint_exits_2_naming_the_file(run_main, capsys, tmp_path, damage):
+    path = _damaged_checkpoint(tmp_path / "last.ckpt", damage)
+    assert run_main("experiment=quick", f"ckpt_path={path}", f"hydra.run.dir={tmp_path / 'run'}") == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(path) in line and "not a readable checkpoint" in line
+
+
+def test_a_valid_checkpoint_passes_the_check(tmp_path):
+    import torch
+
+    from lightning_het.app.train import _unreadable_checkpoint
+
+    torch.save({"state_dict": {"w": torch.zeros(3)}, "epoch": 1}, tmp_path / "ok.ckpt")
+    assert _unreadable_checkpoint(str(tmp_path / "ok.ckpt")) is None
+
+
+def test_far_more_cpu_replicas_than_cores_is_refused(run_main, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("lightning_het.app.train._usable_cores", lambda: 2)
+    assert run_main("experiment=quick", "trainer.devices=64", f"hydra.run.dir={tmp_path / 'run'}") == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "trainer.devices=64" in line and "2 usable core(s)" in line and "HINT: use `trainer.devices=2`" in line
+
+
+def test_a_few_more_cpu_replicas_than_cores_warn(compose_cfg, monkeypatch, caplog):
+    from lightning_het.app.train import _check_cpu_replicas
+
+    monkeypatch.setattr("lightning_het.app.train._usable_cores", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_het.app.train"):
+        _check_cpu_replicas(compose_cfg("trainer.devices=3"))
+        _check_cpu_replicas(compose_cfg("trainer.devices=8"))  # 4 per core: still accepted
+        _check_cpu_replicas(compose_cfg("trainer.devices=2"))
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "3 CPU replicas on 2 usable core(s)",
+        "8 CPU replicas on 2 usable core(s)",
+    ]
+
+
 class _FakePopen:
     """Stands in for the sweep job's single run: records the command, exits with ``status``."""
 

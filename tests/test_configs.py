@@ -27,6 +27,9 @@ from lightning_het.app.config import (
     validate_config,
 )
 from lightning_het.app.train import _is_sweep_only, sweep_job_command
+from tests.conftest_hsi import CLASSES, raster_pair
+
+__all__ = ["raster_pair"]
 
 CONF = config_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -101,6 +104,29 @@ class TestExperiments:
         trainer = instantiate(trainer_cfg, strategy=strategy)
         assert isinstance(trainer, pl.Trainer)
         assert trainer.strategy is strategy
+
+    def test_paper_comparison_on_your_own_scene(self, compose_cfg, raster_pair):
+        """`run_experiments.py -- data=geotiff data.image=... data.labels=...`: the scene replaces the synthetic one."""
+        image, labels, _, _ = raster_pair
+        cfg = compose_cfg(
+            "experiment=paper_comparison",
+            "strategy=heterogeneous",
+            "seed=0",
+            "data=geotiff",
+            f"data.image={image}",
+            f"data.labels={labels}",
+            "data.pca_components=auto",
+        )
+        assert cfg.data.synthetic is None
+        assert cfg.data.patch_size == 5 and cfg.data.global_batch_size == 84  # the experiment's other settings
+        _, data_cfg = validate_config(cfg)
+        datamodule = instantiate({"_target_": data_cfg._target_, **data_cfg.to_kwargs()})
+        datamodule.setup("fit")
+        assert datamodule.num_classes == CLASSES
+
+    def test_paper_comparison_keeps_its_synthetic_scene(self, compose_cfg):
+        cfg = compose_cfg("experiment=paper_comparison")
+        assert dict(cfg.data.synthetic)["height"] == 80 and cfg.data.synthetic.bands == 32
 
     def test_gpu_experiment_uses_every_gpu_without_emulation(self, compose_cfg):
         cfg = compose_cfg("experiment=gpu")

@@ -105,6 +105,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             " metrics.json would miss them. HINT: leave `strategy.start_method=popen` (the default; sweeps are"
             " handled, see docs/app.md), or use HeterogeneousStrategy(start_method=...) from Python."
         )
+    _check_cpu_replicas(cfg)
+    test_ckpt = str(cfg.get("test_ckpt", "best"))
+    if test_ckpt not in TEST_CKPT_CHOICES:
+        raise UserError(
+            f"You set `test_ckpt={test_ckpt}`, but it must be one of {list(TEST_CKPT_CHOICES)}. HINT: `test_ckpt=best`"
+            " tests the weights of the best validation epoch, `test_ckpt=last` those of the last epoch."
+        )
     output_dir = Path(str(cfg.output_dir)).absolute()
     _check_input_files(data_cfg)  # before anything is built: a typo in a path fails at once
     if os.environ.get("LOCAL_RANK", "0") == "0":  # unwritable, missing or full: one line, exit 2, no replica started
@@ -136,10 +143,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.perf_counter() - started
-    test_results = trainer.test(model, datamodule=datamodule, verbose=False)
+    tested = _test_checkpoint(trainer, test_ckpt)
+    test_results = trainer.test(model, datamodule=datamodule, verbose=False, ckpt_path=tested.get("path"))
     prediction = _write_prediction_map(cfg, trainer, model, datamodule)
 
     metrics = _collect_metrics(trainer, test_results, timer, fit_seconds, time.perf_counter() - started)
+    metrics["test_ckpt"] = tested
     metrics["prediction_map"] = prediction
     metrics["output_dir"] = str(output_dir)
     if trainer.is_global_zero:
@@ -173,13 +182,23 @@ class _DropAdverts(logging.Filter):
         return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
 
 
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+
+
 def _configure_console_logging() -> None:
     """Rank 0 logs to the console at INFO; the other replicas only warnings (their log files keep everything)."""
     quiet = _process_label() is not None
     # lightning.* and the standalone pytorch_lightning/lightning_fabric packages each log through their own handler
     names = [""] + [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] in _LIGHTNING_LOGGER_ROOTS]
+    root_prints = any(_is_console(h) for h in logging.getLogger().handlers)
     for name in names:
-        for handler in logging.getLogger(name).handlers:
+        logger = logging.getLogger(name)
+        if name and root_prints and logger.propagate:
+            # the record also reaches the root logger's console handler (Hydra's): print it once, there
+            for handler in [h for h in logger.handlers if _is_console(h)]:
+                logger.removeHandler(handler)
+        for handler in logger.handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 if not any(isinstance(f, _DropAdverts) for f in handler.filters):
                     handler.addFilter(_DropAdverts())
@@ -265,7 +284,110 @@ def _checkpoint_to_resume(cfg: DictConfig) -> str | None:
             f"You set `ckpt_path={value}`, but there is no such file ({path}). HINT: give a checkpoint written by an"
             " earlier run, e.g. `<its output directory>/checkpoints/last.ckpt`."
         )
+    problem = _unreadable_checkpoint(path)
+    if problem is not None:
+        raise UserError(
+            f"You set `ckpt_path={value}`, but {path} is not a readable checkpoint ({problem}). HINT: it may be"
+            " truncated (a run stopped while writing it) or not a checkpoint; give another one, e.g. the run's"
+            " `checkpoints/last.ckpt` or an epoch checkpoint."
+        )
     return path
+
+
+def _unreadable_checkpoint(path: str) -> str | None:
+    """Why ``path`` cannot be loaded as a checkpoint, or ``None`` when it can.
+
+    A checkpoint in torch's zip format is checked without unpickling it (its archive and every member's CRC: catches
+    truncated and overwritten files); any other file is loaded once with ``torch.load`` on the CPU.
+    """
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+                if bad is not None:
+                    return f"corrupt entry {bad!r}"
+                if not any(name.endswith("data.pkl") for name in archive.namelist()):
+                    return "a zip archive without torch's data.pkl"
+            return None
+        import torch
+
+        torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # whatever the reason, it cannot be resumed from
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'unreadable'}"
+    return None
+
+
+#: Values of ``test_ckpt``: the weights the test set and the prediction map are evaluated with.
+TEST_CKPT_CHOICES = ("best", "last")
+
+
+def _test_checkpoint(trainer: pl.Trainer, choice: str) -> dict[str, Any]:
+    """Which weights to test (``test_ckpt``), as recorded in ``metrics.json``; ``path`` goes to ``trainer.test``.
+
+    ``best``: the best checkpoint of the first ``ModelCheckpoint`` that monitors a metric and saved one (Lightning's
+    ``ckpt_path="best"``, resolved here so that the record names the file); without one, the last epoch's weights.
+    """
+    record: dict[str, Any] = {"requested": choice, "used": "last", "path": None}
+    if choice != "best":
+        return record
+    for callback in trainer.checkpoint_callbacks:
+        best = getattr(callback, "best_model_path", "")
+        if getattr(callback, "monitor", None) and best:
+            score = callback.best_model_score
+            record.update(
+                used="best",
+                path=str(best),
+                monitor=callback.monitor,
+                score=None if score is None else float(score),
+            )
+            return record
+    record["note"] = "no checkpoint of a monitored metric (e.g. callbacks=none): the last epoch's weights"
+    log.warning("test_ckpt=best, but %s; testing the last epoch's weights", record["note"].split(":")[0])
+    return record
+
+
+#: CPU replicas per core of a node above which the app refuses to start (between 1 and this, it warns).
+MAX_CPU_REPLICAS_PER_CORE = 4
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's or Slurm's allocation), else all."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _check_cpu_replicas(cfg: DictConfig) -> None:
+    """Refuse far more CPU replicas on a node than it has cores; warn when there are more replicas than cores.
+
+    A few more replicas than cores is what the default run does on a small machine (3 emulated replicas on 2 cores:
+    they take turns, which only slows the run down); ``trainer.devices=64`` on 2 cores is a typo or a misunderstanding
+    (64 processes, each with its own copy of the model and data) and is refused before any process starts.
+    """
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, DictConfig) or trainer.get("accelerator") != "cpu":
+        return
+    devices = trainer.get("devices")
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        return
+    cores = _usable_cores()
+    if devices > MAX_CPU_REPLICAS_PER_CORE * cores:
+        raise UserError(
+            f"You set `trainer.devices={devices}` CPU replicas, but this node has {cores} usable core(s): more than"
+            f" {MAX_CPU_REPLICAS_PER_CORE} replicas per core only take turns on the cores and multiply the memory"
+            f" used. HINT: use `trainer.devices={cores}` (one replica per core); at most"
+            f" {MAX_CPU_REPLICAS_PER_CORE * cores} are accepted on this node."
+        )
+    if devices > cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        log.warning(
+            "%d CPU replicas on %d usable core(s): the replicas take turns on the cores, so epoch times measure the"
+            " sharing as well as the (emulated) speeds",
+            devices,
+            cores,
+        )
 
 
 def _check_input_files(data_cfg: DataConfig) -> None:
