@@ -46,6 +46,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -417,7 +418,8 @@ class Watchdog:
         hosts_store: whether the store's server runs in this process (it then waits for the others to read the
             verdict before exiting).
         children: returns the local replicas this process launched, as ``(global_rank, Popen)`` pairs.
-        exit: ends the process (``os._exit``, from the heartbeat thread only); replaced in tests.
+        exit: ends the process and its descendants (:func:`exit_job`, from the heartbeat thread only); replaced in
+            tests.
         token: the job's secret (:mod:`lightning_het.rendezvous`): every record is signed with it, and records
             without a valid signature are ignored. ``""``: unsigned records (tests, single-process use).
     """
@@ -432,7 +434,7 @@ class Watchdog:
         interval: float | None = None,
         hosts_store: bool = False,
         children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
-        exit: Callable[[int], None] = os._exit,
+        exit: Callable[[int], None] | None = None,
         token: str = "",
     ) -> None:
         if timeout <= 0:
@@ -445,7 +447,7 @@ class Watchdog:
         self.grace = min(max(2 * self.interval, 1.0), 10.0)
         self.hosts_store = hosts_store
         self._children = children or (lambda: [])
-        self._exit = exit
+        self._exit = exit or exit_job
         self._token = token
         self._host = socket.gethostname()
         self._pid = os.getpid()
@@ -866,13 +868,50 @@ def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict 
     return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
 
 
+def descendants(pid: int) -> list[int]:
+    """The live descendants of process ``pid`` (children first), read from ``/proc/<pid>/task/*/children`` (Linux;
+    elsewhere, or without that file: ``[]``). Read them before ``pid`` ends: its orphans are then reparented."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop(0)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(OSError, ValueError), open(f"/proc/{parent}/task/{task}/children") as fh:
+                    for child in (int(c) for c in fh.read().split()):
+                        if child not in found and child != pid:
+                            found.append(child)
+                            pending.append(child)
+    return found
+
+
+def kill_pids(pids: Sequence[int]) -> None:
+    """SIGKILL every process in ``pids`` that still exists."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def exit_job(code: int) -> None:
+    """End this replica with ``code`` and its whole process tree with it: its DataLoader workers, compiler workers and
+    any other descendants get SIGKILL first (a worker blocked in ``Dataset.__getitem__`` would otherwise outlive the
+    job, reparented to init, and keep its output open)."""
+    kill_pids(descendants(os.getpid()))
+    os._exit(code)
+
+
 def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
-    """SIGKILL the local replicas still running; returns their ranks."""
+    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran.
+
+    The descendants are read before the replica is killed (orphans leave its tree), and killed after it (it can no
+    longer start new ones)."""
     killed = []
     for rank, proc in children:
         with contextlib.suppress(Exception):
             if proc.poll() is None:
+                tree = descendants(proc.pid)
                 proc.kill()
+                kill_pids(tree)
                 killed.append(rank)
     return killed
 

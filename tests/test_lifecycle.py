@@ -39,6 +39,7 @@ from lightning_het.watchdog import (
     describe_phase,
     exit_code_for,
     judge,
+    kill_children,
 )
 from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
 from tests.helpers.tiny import FLAVOUR_ENV
@@ -248,6 +249,65 @@ def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
     assert second.done() and torch.equal(second.wait(), torch.ones(2))
 
 
+# ---------------------------------------------------------------------------------------------------- process trees
+_GRANDCHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_a_replica_kills_its_descendants():
+    """A replica's children (DataLoader or compiler workers) must not outlive it, reparented to init."""
+    replica = subprocess.Popen([sys.executable, "-c", _GRANDCHILD], stdout=subprocess.PIPE, text=True)
+    grandchild = int(replica.stdout.readline())
+    try:
+        assert kill_children([(1, replica)]) == [1]
+        replica.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive([grandchild]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive([grandchild]) == []
+    finally:
+        for pid in (replica.pid, grandchild):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        replica.stdout.close()
+        replica.wait()
+
+
+_ORPHANED_WORKER = """
+import os, sys, time
+from lightning_het.preemption import shield_loader_workers
+from torch.utils.data import DataLoader
+loader = shield_loader_workers(DataLoader(range(4), num_workers=1), rank=0)
+pid = os.fork()
+if pid == 0:
+    loader.worker_init_fn(0)  # what the DataLoader worker runs first
+    time.sleep(600)
+    os._exit(0)
+print(pid, flush=True)
+os._exit(0)  # the replica ends; its worker must end with it
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_a_loader_worker_dies_with_its_replica(tmp_path):
+    with open(tmp_path / "out", "w") as fh:  # a file, not a pipe: a surviving worker would hold a pipe open
+        subprocess.run([sys.executable, "-c", _ORPHANED_WORKER], env=job_env(), stdout=fh, timeout=120, check=True)
+    worker = int((tmp_path / "out").read_text().split()[-1])
+    try:
+        deadline = time.monotonic() + 10
+        while alive([worker]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive([worker]) == []
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(worker, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------------------------------------------- output dir
 class TestOutputDir:
     def test_created_and_writable(self, tmp_path):
@@ -371,6 +431,34 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, wher
     if where != "launch" or kind != "hang":  # a replica that never joined cannot be told apart from a slow one
         assert f"replica(s) [{rank}]" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_hung_loader_worker_does_not_outlive_the_job(tmp_path):
+    """Replica 1's ``Dataset.__getitem__`` blocks forever in its DataLoader workers (``num_workers=2``): the job ends
+    with 124 within ``timeout`` + 30 s of the fault and no worker process of either replica survives it (workers
+    reparented to init would keep the job's output open)."""
+    timeout = 10.0
+    cfg = {"timeout": timeout, "fault": {"kind": "hang", "rank": 1, "where": "loader"}}
+    proc, _ = _start(tmp_path, cfg)
+    try:
+        status, out, ended, survivors = _finish(proc, limit=timeout + 90)
+    finally:  # on failure too: no worker of this test may outlive it
+        workers = [int(p.name) for p in (tmp_path / "workers").glob("*")] if (tmp_path / "workers").exists() else []
+        for pid in alive(workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    fault = json.loads((tmp_path / "fault.json").read_text())
+    print(
+        f"loader-hang: status {status}, job ended {ended - fault['time']:.1f} s after the fault, {len(workers)} workers"
+    )
+    assert len(workers) >= 4, out[-3000:]  # two per replica
+    assert survivors == [] and alive(workers) == [], out[-3000:]
+    pids = json.loads((tmp_path / "training.json").read_text())["pids"]
+    assert alive(pids) == [], out[-3000:]
+    assert ended - fault["time"] < timeout + 30, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
+    assert status == WATCHDOG_EXIT_CODE, out[-3000:]
+    assert "replica(s) [1]" in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -4,12 +4,14 @@ JSON keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``roo
 ``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs; speeds are ``[1, 1]`` unless
 the fault is in profiling), and ``fault``:
 ``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "setup" | "profiling" | "train" | "eval" |
-"teardown"}``. ``launch`` fires before the Trainer exists; ``setup`` in ``LightningModule.setup``; ``profiling`` in
-training batch 1, one of the first training steps, which the strategy times to measure speeds; ``train`` in training
-batch 2; ``eval`` in validation batch 1; ``teardown`` in ``LightningModule.teardown``.
+"teardown" | "loader"}``. ``launch`` fires before the Trainer exists; ``setup`` in ``LightningModule.setup``;
+``profiling`` in training batch 1, one of the first training steps, which the strategy times to measure speeds;
+``train`` in training batch 2; ``eval`` in validation batch 1; ``teardown`` in ``LightningModule.teardown``; ``loader``
+in ``Dataset.__getitem__`` of the training DataLoader's worker processes (``num_workers=2``; each worker serves one
+batch, then the fault fires in its next item).
 
 Files written to OUT_DIR: ``fault.json`` (pid, wall-clock time) when the fault fires; ``training.json`` (rank 0, the
-job's pids) once training runs.
+job's pids) once training runs; ``workers/<pid>`` for every DataLoader worker process (``loader`` faults).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from tests.helpers.tiny import HeterogeneousStrategy, TinyRegressor, make_dataset, pl
 
@@ -32,6 +34,39 @@ def _fire(out: Path, fault: dict, rank: int) -> None:
         while True:
             time.sleep(3600)
     os._exit(3)
+
+
+class _RecordWorker:
+    """``worker_init_fn``: records the worker's pid as ``OUT/workers/<pid>`` (the strategy wraps it)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __call__(self, worker_id: int) -> None:
+        (self.out / "workers").mkdir(exist_ok=True)
+        (self.out / "workers" / str(os.getpid())).write_text(str(worker_id))
+
+
+class FaultyDataset(Dataset):
+    """Wraps a dataset; in the worker processes of replica ``fault["rank"]``, items after the first ``served`` fire the
+    fault (a ``__getitem__`` blocked on, say, a network read)."""
+
+    def __init__(self, inner: Dataset, out: Path, fault: dict, served: int) -> None:
+        self.inner = inner
+        self.out = out
+        self.fault = fault
+        self.served = served
+        self.count = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        self.count += 1
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        if self.count > self.served and rank == self.fault["rank"]:
+            _fire(self.out, self.fault, rank)
+        return self.inner[index]
 
 
 class ProbeRegressor(TinyRegressor):
@@ -101,7 +136,11 @@ def main() -> None:
         num_sanity_val_steps=0,
         default_root_dir=cfg.get("root", str(out)),
     )
-    train = DataLoader(make_dataset(48), batch_size=4, shuffle=True)
+    if fault.get("where") == "loader":
+        dataset = FaultyDataset(make_dataset(48), out, fault, served=4)
+        train = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, worker_init_fn=_RecordWorker(out))
+    else:
+        train = DataLoader(make_dataset(48), batch_size=4, shuffle=True)
     val = DataLoader(make_dataset(20, seed=99), batch_size=2)
     trainer.fit(ProbeRegressor(out, fault, cfg.get("step_sleep", 0.0)), train, val)
     if trainer.is_global_zero:
