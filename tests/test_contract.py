@@ -23,7 +23,7 @@ from lightning_het.rendezvous import TOKEN_ENV
 from tests.helpers.jobs import run_helper
 from tests.helpers.run_contract import WATCHED_ENV as JOB_ENVIRONMENT
 from tests.helpers.run_contract import FeatureLoader
-from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
+from tests.helpers.tiny import TinyRegressor, make_dataset, quiet_trainer, reference_weights
 
 #: two fits, one after the other in the same two replicas (the second is a later Trainer call of the same job)
 FITS = {
@@ -63,19 +63,6 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def _trainer(devices: int, strategy, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 # ---------------------------------------------------------------------------------------------------- data loaders
 def test_dataloader_subclass_with_its_own_init_arguments_is_re_split(contract_job):
     """``FeatureLoader(num_features, dataset, ...)`` made in the hooks, for training and validation: re-split (2 + 6
@@ -97,7 +84,7 @@ def test_dataloader_subclass_in_a_single_process_fit():
 
     pl.seed_everything(0)
     model = Model()
-    trainer = _trainer(1, HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo"), max_epochs=1)
+    trainer = quiet_trainer(1, HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo"), max_epochs=1)
     trainer.fit(model)
     assert model.seen_batch_sizes == [6] * 4
 
@@ -127,7 +114,7 @@ def test_use_distributed_sampler_false_still_adopts_a_proportional_sampler_of_th
     results = {}
     for name, sampler in (("plain", None), ("proportional", ProportionalDistributedSampler(make_dataset(24), [6], 0))):
         strategy = HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo")
-        trainer = _trainer(1, strategy, max_epochs=1, use_distributed_sampler=False)
+        trainer = quiet_trainer(1, strategy, max_epochs=1, use_distributed_sampler=False)
         model = TinyRegressor()
         trainer.fit(model, DataLoader(make_dataset(24), batch_size=6, sampler=sampler))
         results[name] = (strategy.batch_sizes, strategy.loss_scale, model.seen_batch_sizes)
@@ -148,7 +135,7 @@ def test_trainer_callbacks_can_be_deep_copied_in_a_single_process_fit():
             copies.append(copy.deepcopy(trainer.callbacks))
 
     strategy = HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo")
-    trainer = _trainer(1, strategy, max_steps=2, callbacks=[Copy()])
+    trainer = quiet_trainer(1, strategy, max_steps=2, callbacks=[Copy()])
     trainer.fit(TinyRegressor(), DataLoader(make_dataset(16), batch_size=4))
     assert "PreemptionCallback" in [type(c).__name__ for c in copies[0]]
 
@@ -185,7 +172,7 @@ def test_single_process_fit_leaves_no_thread_and_no_variable(monkeypatch, fails)
     for name in JOB_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     strategy = HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo")
-    trainer = _trainer(1, strategy, max_steps=2)
+    trainer = quiet_trainer(1, strategy, max_steps=2)
     model = _FailingRegressor() if fails else TinyRegressor()
     with pytest.raises(RuntimeError, match="a bug in the user's step") if fails else contextlib.nullcontext():
         trainer.fit(model, DataLoader(make_dataset(16), batch_size=4))
@@ -201,7 +188,7 @@ def test_multi_node_trainer_builds_without_rendezvous_variables_and_launch_refus
     for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
     strategy = HeterogeneousStrategy(process_group_backend="gloo", start_method=start_method)
-    trainer = _trainer(1, strategy, num_nodes=2)
+    trainer = quiet_trainer(1, strategy, num_nodes=2)
     assert trainer.num_nodes == 2
     started: list[int] = []
     with pytest.raises(ValueError, match=r"num_nodes=2.*MASTER_ADDR, MASTER_PORT, NODE_RANK.*HINT"):

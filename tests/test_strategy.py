@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 import lightning_het
 from lightning_het import HeterogeneousStrategy
 from tests.helpers.run_fits import run_fits_job
-from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
+from tests.helpers.tiny import TinyRegressor, make_dataset, quiet_trainer, reference_weights
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -47,23 +47,10 @@ def test_manual_optimization_and_gradient_accumulation_exact(two_replicas):
     assert all(_max_diff(d["state_dict"], ref) < 1e-5 for d in accum)
 
 
-def _trainer(devices: int, strategy, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 def test_spawn_parent_sees_allocation():
     pl.seed_everything(0)
     strategy = HeterogeneousStrategy(speeds=[1, 3], start_method="spawn", process_group_backend="gloo")
-    trainer = _trainer(2, strategy, max_epochs=1, num_sanity_val_steps=0)
+    trainer = quiet_trainer(2, strategy, max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(TinyRegressor(), DataLoader(make_dataset(40), batch_size=4))
     assert trainer.strategy.batch_sizes == [2, 6]
     assert trainer.strategy.speeds == [1.0, 3.0]
@@ -74,7 +61,7 @@ def test_single_device_runs_whole_batch_and_matches_reference():
     pl.seed_everything(0)
     model = TinyRegressor()
     threads = set(threading.enumerate())
-    trainer = _trainer(1, HeterogeneousStrategy(process_group_backend="gloo", profile_steps=1), max_epochs=2)
+    trainer = quiet_trainer(1, HeterogeneousStrategy(process_group_backend="gloo", profile_steps=1), max_epochs=2)
     trainer.fit(model, DataLoader(make_dataset(60), batch_size=12, shuffle=True))
     # the popen launcher has no replica to watch: no thread of ours outlives the fit (DDP leaves none either)
     assert [t.name for t in set(threading.enumerate()) - threads if t.name.startswith("lightning-het")] == []
@@ -90,7 +77,7 @@ def test_profiling_leaves_no_trace():
     for speeds in (None, [1.0]):
         pl.seed_everything(3)
         model = TinyRegressor()
-        trainer = _trainer(1, HeterogeneousStrategy(speeds=speeds, process_group_backend="gloo"), max_epochs=1)
+        trainer = quiet_trainer(1, HeterogeneousStrategy(speeds=speeds, process_group_backend="gloo"), max_epochs=1)
         trainer.fit(model, DataLoader(make_dataset(48), batch_size=12, shuffle=True))
         results.append(({k: v.clone() for k, v in model.net.state_dict().items()}, torch.rand(3)))
     assert _max_diff(results[0][0], results[1][0]) == 0.0
@@ -128,10 +115,12 @@ class TestEarlyErrors:
     )
     def test_at_trainer_construction_before_workers(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
-            _trainer(2, HeterogeneousStrategy(**kwargs))
+            quiet_trainer(2, HeterogeneousStrategy(**kwargs))
 
     def test_dataset_smaller_than_global_batch(self):
-        trainer = _trainer(1, HeterogeneousStrategy(global_batch_size=100, process_group_backend="gloo"), max_epochs=1)
+        trainer = quiet_trainer(
+            1, HeterogeneousStrategy(global_batch_size=100, process_group_backend="gloo"), max_epochs=1
+        )
         with pytest.raises(ValueError, match=r"holds 60 samples, fewer than one global batch of 100"):
             trainer.fit(TinyRegressor(), DataLoader(make_dataset(60), batch_size=4))
 
@@ -140,7 +129,7 @@ class TestEarlyErrors:
         dataset = make_dataset(40)
         cls = BatchSampler if kind == "plain" else type("MyBatchSampler", (BatchSampler,), {})
         loader = DataLoader(dataset, batch_sampler=cls(RandomSampler(dataset), 4, False))
-        trainer = _trainer(1, HeterogeneousStrategy(process_group_backend="gloo"), max_epochs=1)
+        trainer = quiet_trainer(1, HeterogeneousStrategy(process_group_backend="gloo"), max_epochs=1)
         with pytest.raises(ValueError, match=r"batch sampler.*HINT: give the DataLoader the index sampler"):
             trainer.fit(TinyRegressor(), loader)
 
@@ -150,7 +139,7 @@ def test_registered_on_import():
 
     assert "heterogeneous" in StrategyRegistry
     assert StrategyRegistry["heterogeneous"]["strategy"] is lightning_het.HeterogeneousStrategy
-    trainer = _trainer(2, "heterogeneous")
+    trainer = quiet_trainer(2, "heterogeneous")
     assert isinstance(trainer.strategy, HeterogeneousStrategy)
 
 
@@ -172,7 +161,7 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
     import lightning_het.pl
     from lightning_het.lifecycle import HeterogeneousScriptLauncher
 
-    unified = _trainer(2, "heterogeneous").strategy
+    unified = quiet_trainer(2, "heterogeneous").strategy
     standalone = pytorch_lightning.Trainer(
         accelerator="cpu", devices=2, strategy="heterogeneous", logger=False
     ).strategy
@@ -227,7 +216,7 @@ def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechani
 
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
     for cls in (WatchdogCallback, PreemptionCallback, HeterogeneousBalanceCallback):
-        assert on_flavour(cls, _trainer(1, "heterogeneous")) is cls
+        assert on_flavour(cls, quiet_trainer(1, "heterogeneous")) is cls
         standalone = on_flavour(cls, trainer)
         assert issubclass(standalone, pytorch_lightning.Callback) and not issubclass(standalone, Callback)
         assert on_flavour(cls, trainer) is standalone and standalone.__name__ == f"PL{cls.__name__}"

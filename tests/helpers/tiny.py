@@ -37,6 +37,23 @@ HeterogeneousStrategy = (
 )
 
 
+def quiet_trainer(devices: int, strategy, **kwargs) -> pl.Trainer:
+    """A ``lightning.pytorch`` CPU Trainer with no logger, checkpoints, progress bar or model summary (``kwargs`` go
+    to the Trainer)."""
+    import lightning.pytorch
+
+    return lightning.pytorch.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def make_dataset(n: int = 60, features: int = 4, seed: int = 123) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)
