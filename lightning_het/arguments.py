@@ -8,10 +8,12 @@ anything is built and with the same rule, and the two can never disagree. Every 
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -263,3 +265,57 @@ def validate_strategy_arguments(
             " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments.",
         )
     return out
+
+
+#: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)
+_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+def _named_parameters(function: Callable[..., Any]) -> set[str]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds} - {"self"}
+
+
+def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str, Any]) -> None:
+    """The keywords a strategy passes on to its ``DDPStrategy`` base (whichever package it comes from): each must be
+    a parameter of that ``DDPStrategy`` or of ``torch.nn.parallel.DistributedDataParallel`` (which the extra ones
+    reach, only when the model is wrapped), and ``process_group_backend`` a backend torch knows. Checked in the
+    constructor, so that a misspelt keyword fails before any replica is launched.
+
+    Raises:
+        ArgumentError: naming the keyword, with the closest known name when there is one.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_cls = next((c for c in strategy_cls.__mro__ if c.__name__ == "DDPStrategy"), None)
+    ddp_names = _named_parameters(ddp_cls.__init__) if ddp_cls is not None else set()  # type: ignore[misc]
+    wrapper_names = _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
+    known = ddp_names | wrapper_names
+    for name in kwargs:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known | set(own)), n=1)
+        if name in ("module", "device_ids"):
+            hint = "the strategy sets it when it wraps the model (one device per replica); drop it."
+        elif close:
+            hint = f"did you mean `{close[0]}`?"
+        else:
+            hint = "see the keywords of `DDPStrategy` and of `DistributedDataParallel`."
+        raise ArgumentError(
+            name,
+            f"`{strategy_cls.__name__}` got an unexpected keyword argument `{name}`={kwargs[name]!r}: it is not a"
+            f" keyword of the strategy, of Lightning's `DDPStrategy`, nor of torch's `DistributedDataParallel`"
+            f" (which receives the extra keywords). HINT: {hint}",
+        )
+    backend = kwargs.get("process_group_backend")
+    if backend is not None:
+        registered = {str(b).lower() for b in getattr(dist.Backend, "backend_list", ())} - {"undefined"}
+        allowed = sorted(set(_KNOWN_BACKENDS) | registered)
+        if not isinstance(backend, str) or backend.lower() not in allowed:
+            raise ArgumentError(
+                "process_group_backend",
+                f"Expected argument `process_group_backend` to be one of {allowed} (or a backend registered with"
+                f" `torch.distributed.Backend.register_backend`), but got {backend!r}. HINT: use 'nccl' for CUDA"
+                " GPUs, 'gloo' for CPUs, or leave it unset to let Lightning choose.",
+            )

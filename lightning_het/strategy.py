@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import difflib
 import inspect
 import logging
 import os
@@ -46,7 +45,7 @@ from lightning_het.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.arguments import ArgumentError, validate_strategy_arguments
+from lightning_het.arguments import check_ddp_keywords, validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
@@ -106,56 +105,6 @@ __all__ = ["HeterogeneousStrategy"]
 log = logging.getLogger(__name__)
 
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
-
-#: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)
-_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-
-
-def _named_parameters(function: Callable[..., Any]) -> set[str]:
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds} - {"self"}
-
-
-def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str, Any]) -> None:
-    """The keywords a strategy passes on to its ``DDPStrategy`` base (whichever package it comes from): each must be
-    a parameter of that ``DDPStrategy`` or of ``torch.nn.parallel.DistributedDataParallel`` (which the extra ones
-    reach, only when the model is wrapped), and ``process_group_backend`` a backend torch knows. Checked in the
-    constructor, so that a misspelt keyword fails before any replica is launched.
-
-    Raises:
-        ArgumentError: naming the keyword, with the closest known name when there is one.
-    """
-    ddp_cls = next((c for c in strategy_cls.__mro__ if c.__name__ == "DDPStrategy"), None)
-    ddp_names = _named_parameters(ddp_cls.__init__) if ddp_cls is not None else set()  # type: ignore[misc]
-    wrapper_names = _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
-    known = ddp_names | wrapper_names
-    for name in kwargs:
-        if name in known:
-            continue
-        close = difflib.get_close_matches(name, sorted(known | set(own)), n=1)
-        if name in ("module", "device_ids"):
-            hint = "the strategy sets it when it wraps the model (one device per replica); drop it."
-        elif close:
-            hint = f"did you mean `{close[0]}`?"
-        else:
-            hint = "see the keywords of `DDPStrategy` and of `DistributedDataParallel`."
-        raise ArgumentError(
-            name,
-            f"`{strategy_cls.__name__}` got an unexpected keyword argument `{name}`={kwargs[name]!r}: it is not a"
-            f" keyword of the strategy, of Lightning's `DDPStrategy`, nor of torch's `DistributedDataParallel`"
-            f" (which receives the extra keywords). HINT: {hint}",
-        )
-    backend = kwargs.get("process_group_backend")
-    if backend is not None:
-        registered = {str(b).lower() for b in getattr(dist.Backend, "backend_list", ())} - {"undefined"}
-        allowed = sorted(set(_KNOWN_BACKENDS) | registered)
-        if not isinstance(backend, str) or backend.lower() not in allowed:
-            raise ArgumentError(
-                "process_group_backend",
-                f"Expected argument `process_group_backend` to be one of {allowed} (or a backend registered with"
-                f" `torch.distributed.Backend.register_backend`), but got {backend!r}. HINT: use 'nccl' for CUDA"
-                " GPUs, 'gloo' for CPUs, or leave it unset to let Lightning choose.",
-            )
 
 
 class _ExitCleanup:
