@@ -11,6 +11,7 @@ rendezvous) once for several strategy settings, whether Lightning launches the r
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,19 +25,18 @@ MARKER = "=== run_fits fit "
 
 
 def split_output(output: str, fits: int) -> list[str]:
-    """The output of each fit: from its marker to the next marker (the first part also holds the job's start-up).
+    """The output of each fit: from its first marker to the next fit's (the first part also holds the start-up).
 
-    The ranks share one output, so a line that a rank prints at the very end of fit ``i`` may land after another
-    rank's marker for fit ``i + 1``; what rank 0 prints while a fit sets up (e.g. the balance table) stays with it.
+    The ranks share one output, so a marker may land in the middle of another rank's line, and a line that a rank
+    prints at the very end of fit ``i`` may land after another rank's marker for fit ``i + 1``; what rank 0 prints
+    while a fit sets up (e.g. the balance table) stays with it. The fit index never goes back.
     """
     parts = [""] * fits
-    current = 0
-    for line in output.splitlines(keepends=True):
-        tail = line[len(MARKER) :].strip()
-        if line.startswith(MARKER) and tail.isdigit():
-            current = int(tail)
-            continue
-        parts[current] += line
+    current, start = 0, 0
+    for found in re.finditer(re.escape(MARKER) + r"(\d+)\n?", output):
+        parts[current] += output[start : found.start()]
+        current, start = max(current, int(found.group(1))), found.end()
+    parts[current] += output[start:]
     return parts
 
 
