@@ -16,9 +16,9 @@ from lightning_het._version import __version__
 
 if TYPE_CHECKING:
     from lightning_het.balance.allocation import allocate_batch_sizes
-    from lightning_het.datamodule import HeterogeneousDataModule
+    from lightning_het.data.datamodule import HeterogeneousDataModule
+    from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
     from lightning_het.fabric import HeterogeneousFabricStrategy
-    from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
     from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
@@ -33,11 +33,11 @@ __all__ = [
 
 #: public name -> module that defines it (imported on first access)
 _LAZY = {
-    "HeterogeneousDataModule": "lightning_het.datamodule",
+    "HeterogeneousDataModule": "lightning_het.data.datamodule",
     "HeterogeneousFabricStrategy": "lightning_het.fabric",
     "HeterogeneousStrategy": "lightning_het.strategy",
-    "ProportionalDistributedSampler": "lightning_het.sampler",
-    "UnpaddedDistributedSampler": "lightning_het.sampler",
+    "ProportionalDistributedSampler": "lightning_het.data.sampler",
+    "UnpaddedDistributedSampler": "lightning_het.data.sampler",
     "allocate_batch_sizes": "lightning_het.balance.allocation",
 }
 

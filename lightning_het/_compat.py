@@ -11,9 +11,10 @@ What uses what:
 * the strategy: ``_init_dist_connection`` (process-group set-up with our start-up timeout), ``_register_ddp_comm_hook``
   (our comm hooks on every device type), ``_MultiProcessingLauncher`` (the spawn launcher that returns the allocation
   to the parent), ``_BatchNorm`` (warning about per-replica batch statistics);
-* the launcher (:mod:`lightning_het.lifecycle`): ``_SubprocessScriptLauncher`` (the ``popen`` launcher it extends),
-  ``_basic_subprocess_cmd`` / ``_hydra_subprocess_cmd`` (each replica's command line), ``_set_num_threads_if_needed``;
-* the data-loader rebuilding (:mod:`lightning_het.loaders`): ``_get_dataloader_init_args_and_kwargs`` and
+* the launcher (:mod:`lightning_het.reliability.lifecycle`): ``_SubprocessScriptLauncher`` (the ``popen`` launcher it
+  extends), ``_basic_subprocess_cmd`` / ``_hydra_subprocess_cmd`` (each replica's command line),
+  ``_set_num_threads_if_needed``;
+* the data-loader rebuilding (:mod:`lightning_het.data.loaders`): ``_get_dataloader_init_args_and_kwargs`` and
   ``_reinstantiate_wrapped_cls`` (a user's DataLoader subclass re-created with a new sampler), and
   ``_replace_dunder_methods`` (:func:`record_loader_arguments`: Lightning's own copy of a loader keeps the
   subclass's ``__init__`` arguments, so that it can be re-created once more);

@@ -49,8 +49,8 @@ from lightning_het.balance.profiling import (
     time_steps,
 )
 from lightning_het.comm.controller import resolve_comm_mode
-from lightning_het.loaders import rebuild_loader, training_order
-from lightning_het.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.data.loaders import rebuild_loader, training_order
+from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.strategy import HeterogeneousStrategyBase
 
 __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
@@ -183,8 +183,8 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._start_method == "popen":  # no orphans: see lightning_het.lifecycle.fabric_script_launcher
-            from lightning_het.lifecycle import fabric_script_launcher
+        if self._start_method == "popen":  # no orphans: see lightning_het.reliability.lifecycle.fabric_script_launcher
+            from lightning_het.reliability.lifecycle import fabric_script_launcher
 
             self._launcher = fabric_script_launcher(self, self._launcher)
 

@@ -38,20 +38,41 @@ from lightning_het._compat import (
     record_loader_arguments,
     uses_distributed_sampler,
 )
-from lightning_het.accelerators import (
-    apply_local_settings,
-    configure_devices,
-    device_labels,
-    mixed_accelerator_kwargs,
-    unbound_process_group,
-)
 from lightning_het.arguments import check_ddp_keywords, validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
 from lightning_het.balance.profiling import ProfileCache, cache_key
 from lightning_het.balance.telemetry import BalanceMonitor, MonitorSettings, attach_monitor, telemetry_section
-from lightning_het.checkpointing import (
+from lightning_het.cluster.accelerators import (
+    apply_local_settings,
+    configure_devices,
+    device_labels,
+    mixed_accelerator_kwargs,
+    unbound_process_group,
+)
+from lightning_het.cluster.devices import DeviceMapArg, DevicePlan
+from lightning_het.cluster.rendezvous import create_store, keep_sockets_local, restore_job_environment
+from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
+from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+from lightning_het.comm.gather import all_gather_collection
+from lightning_het.comm.modes import CommChoice
+from lightning_het.data.loaders import (
+    as_batch_size,
+    batch_sampler_error,
+    loader_batch_size,
+    lost_batch_sampler,
+    rebuild_loader,
+    rebuild_with_batch_sampler,
+    training_order,
+)
+from lightning_het.data.sampler import (
+    EvalBatchSampler,
+    ProportionalBatchSampler,
+    ProportionalDistributedSampler,
+    eval_batch_plan,
+)
+from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     apply_sampler_resume,
     checkpoint_record,
@@ -61,35 +82,14 @@ from lightning_het.checkpointing import (
     resumed_global_batch_size,
     synchronize_before_save,
 )
-from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
-from lightning_het.comm.modes import CommChoice
-from lightning_het.devices import DeviceMapArg, DevicePlan
-from lightning_het.gather import all_gather_collection
-from lightning_het.loaders import (
-    as_batch_size,
-    batch_sampler_error,
-    loader_batch_size,
-    lost_batch_sampler,
-    rebuild_loader,
-    rebuild_with_batch_sampler,
-    training_order,
-)
-from lightning_het.preemption import (
+from lightning_het.reliability.preemption import (
     DEFAULT_GRACE,
     PreemptionHandler,
     attach_preemption,
     detach_preemption,
     shield_loader_workers,
 )
-from lightning_het.rendezvous import create_store, keep_sockets_local, restore_job_environment
-from lightning_het.sampler import (
-    EvalBatchSampler,
-    ProportionalBatchSampler,
-    ProportionalDistributedSampler,
-    eval_batch_plan,
-)
-from lightning_het.topology import gather_node_ids, validate_node_ids
-from lightning_het.watchdog import (
+from lightning_het.reliability.watchdog import (
     Phase,
     Watchdog,
     apply_collective_timeout,
@@ -217,8 +217,9 @@ class HeterogeneousStrategyBase:
             entries.
         device_map: the device of each local replica, e.g. ``["cuda:0", "cuda:1", "cpu"]`` (the same on every node), or
             ``{node_rank: [...]}`` when nodes differ. Mixes CPU and GPU replicas in one job through a
-            :class:`~lightning_het.accelerators.MixedAccelerator` (leave ``Trainer(accelerator=..., devices=...)`` at
-            ``"auto"``); Gloo is chosen when any replica is a CPU. See ``docs/mixed_devices.md``.
+            :class:`~lightning_het.cluster.accelerators.MixedAccelerator` (leave
+            ``Trainer(accelerator=..., devices=...)`` at ``"auto"``); Gloo is chosen when any replica is a CPU. See
+            ``docs/mixed_devices.md``.
         cpu_threads: with ``device_map``: intra-op threads per CPU replica (int) or per local replica (list).
             Default: the node's cores minus one per GPU replica, split evenly among the CPU replicas.
         startup_timeout: seconds (or ``timedelta``) the replicas wait for each other at start-up; ``timeout`` then
@@ -253,7 +254,8 @@ class HeterogeneousStrategyBase:
     _spawn_launcher_cls: type = _HeterogeneousMultiProcessingLauncher
     #: whether a Lightning ``Trainer`` drives this strategy (set by each concrete class, whatever its package:
     #: ``lightning.pytorch`` or the standalone ``pytorch_lightning``). A Trainer strategy gets the hung/dead-replica
-    #: watchdog from ``setup_environment`` on and, under ``popen``, the :mod:`lightning_het.lifecycle` launcher; a
+    #: watchdog from ``setup_environment`` on and, under ``popen``, the
+    #: :mod:`lightning_het.reliability.lifecycle` launcher; a
     #: Fabric strategy (your own loop, no progress hooks) keeps Fabric's launcher.
     _trainer_loop: bool = False
 
@@ -434,8 +436,9 @@ class HeterogeneousStrategyBase:
     @contextmanager
     def _startup_timeout_scope(self) -> Iterator[None]:
         """Around the rendezvous: the strategy's timeout becomes ``startup_timeout`` when that is longer (see
-        :func:`~lightning_het.watchdog.rendezvous_timeout`); afterwards ``timeout`` is restored, on the strategy and on
-        the default process group's collectives and store. The only place that changes the strategy's timeout."""
+        :func:`~lightning_het.reliability.watchdog.rendezvous_timeout`); afterwards ``timeout`` is restored, on the
+        strategy and on the default process group's collectives and store. The only place that changes the
+        strategy's timeout."""
         timeout = self._timeout
         startup = rendezvous_timeout(timeout, self._startup_timeout)
         if startup is None:
@@ -504,7 +507,9 @@ class HeterogeneousStrategyBase:
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
         elif self._trainer_loop:  # no orphans, end barrier, exit statuses 124/130, output dir check
-            from lightning_het.lifecycle import HeterogeneousScriptLauncher  # (imports lightning: not at module import)
+            from lightning_het.reliability.lifecycle import (
+                HeterogeneousScriptLauncher,  # (imports lightning: not at module import)
+            )
 
             assert self.cluster_environment is not None
             self._launcher = HeterogeneousScriptLauncher.for_strategy(self)  # on the strategy's Lightning package
@@ -536,7 +541,7 @@ class HeterogeneousStrategyBase:
 
     def _init_process_group(self) -> None:
         """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
-        interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.rendezvous`)."""
+        interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.cluster.rendezvous`)."""
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             super().setup_distributed()  # torchrun's agent hosts the store
             return
@@ -689,7 +694,7 @@ class HeterogeneousStrategyBase:
         tensors whose first dimension differs between replicas (each replica's share of the batch) are concatenated
         in rank order to ``[sum of n_r, *rest]``: every sample once. Other mismatches raise ``ValueError`` naming
         every replica's shape, on every replica; so do collections whose structure differs between replicas. See
-        :mod:`lightning_het.gather`.
+        :mod:`lightning_het.comm.gather`.
         """
         return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
@@ -902,7 +907,7 @@ class HeterogeneousStrategyBase:
 
     def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
         """Every replica runs the same number of evaluation batches, sized in proportion to its share
-        (:class:`~lightning_het.sampler.EvalBatchSampler`); each sample is evaluated once."""
+        (:class:`~lightning_het.data.sampler.EvalBatchSampler`); each sample is evaluated once."""
         if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
             return dataloader  # the user's own distributed sampler
         if type(dataloader.batch_sampler) is not BatchSampler:
@@ -1273,7 +1278,7 @@ def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
 def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
     """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
     any other error is returned unchanged."""
-    from lightning_het.watchdog import WATCHDOG_EXIT_CODE, JobEnded
+    from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, JobEnded
 
     text = str(err).lower()
     if "timeout" not in text and "timed out" not in text:

@@ -255,7 +255,7 @@ def _launch(job: str, world: int, runs: list[dict[str, Any]], out: Path, c0: flo
     spec = {"job": job, "runs": runs, "out": str(out), "c0": c0}
     spec_path = out / f"{job}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+    from lightning_het.cluster.rendezvous import free_port  # torch is imported only when a job starts
 
     port = free_port()
     extra = {"WORLD_SIZE": str(world), "NODE_RANK": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

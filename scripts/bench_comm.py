@@ -134,7 +134,7 @@ def _shape(ns: str, iface: str, rate: str | None, delay_ms: float) -> str:
 def _launch_and_wait(
     args: argparse.Namespace, out: Path, namespaces: list[str] | None, ifaces: list[str] | None
 ) -> None:
-    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+    from lightning_het.cluster.rendezvous import free_port  # torch is imported only when a job starts
 
     port = free_port() if namespaces is None else 29555
     master = "127.0.0.1" if namespaces is None else NODE_ADDRS[0]
@@ -267,7 +267,7 @@ class _Job:
         import torch
         import torch.distributed as dist
 
-        from lightning_het.topology import build_node_groups
+        from lightning_het.cluster.topology import build_node_groups
 
         self.args = args
         self.rank, self.world = args.rank, len(NODE_IDS)

@@ -97,7 +97,7 @@ def _group_members(pgid: int) -> list[int]:
 def _one_run(out: Path, cfg: dict[str, Any], limit: float = 300.0) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)  # no marker or checkpoint of an earlier run
     out.mkdir(parents=True)
-    from lightning_het.rendezvous import free_port  # torch is imported only when a job starts
+    from lightning_het.cluster.rendezvous import free_port  # torch is imported only when a job starts
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.pop("LOCAL_RANK", None)

@@ -44,7 +44,7 @@ if str(REPO) not in sys.path:  # runnable as `python scripts/check_mixed_gpu.py`
 import torch
 from torch import nn
 
-from lightning_het.rendezvous import free_port
+from lightning_het.cluster.rendezvous import free_port
 
 EXACT_SAMPLES, EXACT_BATCH, EXACT_EPOCHS, EXACT_FEATURES, EXACT_LR = 192, 24, 2, 16, 0.05
 IMAGE_POOL = 4096  # distinct synthetic images; the dataset indexes them modulo the pool

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
-from lightning_het.checkpointing import (
+from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     allocation_record,
     plan_allocation,

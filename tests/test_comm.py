@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_het.cluster.topology import NodeGroups, node_members
 from lightning_het.comm import (
     CommController,
     NodeLocalState,
@@ -33,7 +34,6 @@ from lightning_het.comm.stats import (
     node_local_traffic,
 )
 from lightning_het.comm.tuning import ReductionTuner, choose_reduction
-from lightning_het.topology import NodeGroups, node_members
 from tests.helpers.gloo import run_gloo
 
 STEPS = 4

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
-from lightning_het.rendezvous import TOKEN_ENV
+from lightning_het.cluster.rendezvous import TOKEN_ENV
 from tests.helpers.jobs import run_helper
 from tests.helpers.run_contract import WATCHED_ENV as JOB_ENVIRONMENT
 from tests.helpers.run_contract import FeatureLoader

@@ -14,16 +14,16 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import lightning_het.accelerators as accelerators
+import lightning_het.cluster.accelerators as accelerators
 from lightning_het import HeterogeneousStrategy
-from lightning_het.accelerators import (
+from lightning_het.cluster.accelerators import (
     MixedAccelerator,
     apply_local_settings,
     device_labels,
     mixed_accelerator_class,
     unbound_process_group,
 )
-from lightning_het.devices import (
+from lightning_het.cluster.devices import (
     choose_backend,
     node_device_maps,
     parse_device_map,
@@ -42,7 +42,7 @@ def cuda(i: int) -> torch.device:
 @pytest.fixture(autouse=True)
 def sixteen_cores(monkeypatch):
     """Thread plans of in-process Trainers as on a 16-core host (this one has 2)."""
-    monkeypatch.setattr("lightning_het.devices.available_cpu_cores", lambda: 16)
+    monkeypatch.setattr("lightning_het.cluster.devices.available_cpu_cores", lambda: 16)
 
 
 @pytest.fixture

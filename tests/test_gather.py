@@ -1,5 +1,5 @@
-"""``all_gather`` with uneven first dimensions (lightning_het.gather, HeterogeneousStrategy.all_gather), and the dtype
-of integer means (HeterogeneousStrategy.reduce), on forked gloo processes."""
+"""``all_gather`` with uneven first dimensions (lightning_het.comm.gather, HeterogeneousStrategy.all_gather), and the
+dtype of integer means (HeterogeneousStrategy.reduce), on forked gloo processes."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_sync_grads_reach_each_ranks_rows(gathered):
 
 
 def test_not_distributed_returns_the_input():
-    from lightning_het.gather import all_gather_uneven
+    from lightning_het.comm.gather import all_gather_uneven
 
     x = torch.arange(3)
     assert all_gather_uneven(x) is x

@@ -139,7 +139,7 @@ def test_validation_loader_rebuilt_only_when_its_shards_change(monkeypatch, batc
 
     import lightning_het.strategy as strategy_module
     from lightning_het import HeterogeneousStrategy
-    from lightning_het.sampler import EvalBatchSampler
+    from lightning_het.data.sampler import EvalBatchSampler
 
     strategy = HeterogeneousStrategy(speeds=[1, 1])
     loader = DataLoader(range(8), batch_sampler=EvalBatchSampler(range(8), [1.0, 1.0], 0, batch_size=2))

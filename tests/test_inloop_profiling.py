@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
 from lightning_het.balance import profiler as profiler_module
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
-from lightning_het.sampler import ProportionalBatchSampler
+from lightning_het.data.sampler import ProportionalBatchSampler
 from tests.helpers.jobs import run_helper
 from tests.helpers.run_inloop import ContractModule
 from tests.helpers.tiny import make_dataset, make_net

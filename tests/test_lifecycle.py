@@ -25,11 +25,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_het import rendezvous
+from lightning_het.cluster import rendezvous
+from lightning_het.cluster.rendezvous import create_store, key_prefix, listen_address, sign, verify
 from lightning_het.comm import hooks
-from lightning_het.lifecycle import OutputDirError, check_output_dir
-from lightning_het.rendezvous import create_store, key_prefix, listen_address, sign, verify
-from lightning_het.watchdog import (
+from lightning_het.reliability.lifecycle import OutputDirError, check_output_dir
+from lightning_het.reliability.watchdog import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     Phase,
@@ -154,7 +154,7 @@ class TestWatchdog:
         def broken(*args, **kwargs):
             raise KeyError("bug")
 
-        monkeypatch.setattr("lightning_het.watchdog.judge", broken)
+        monkeypatch.setattr("lightning_het.reliability.watchdog.judge", broken)
         with caplog.at_level(logging.ERROR):
             dogs, recorders, _ = _pair(timeout=0.2)
             time.sleep(0.8)  # several heartbeats, well past `timeout`
@@ -280,7 +280,7 @@ def test_killing_a_replica_kills_its_descendants():
 
 _ORPHANED_WORKER = """
 import os, sys, time
-from lightning_het.preemption import shield_loader_workers
+from lightning_het.reliability.preemption import shield_loader_workers
 from torch.utils.data import DataLoader
 loader = shield_loader_workers(DataLoader(range(4), num_workers=1), rank=0)
 pid = os.fork()

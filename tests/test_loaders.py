@@ -1,4 +1,4 @@
-"""lightning_het.loaders: reading a user's DataLoader and rebuilding it around our samplers (no processes)."""
+"""lightning_het.data.loaders: reading a user's DataLoader and rebuilding it around our samplers (no processes)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler
-from lightning_het.loaders import (
+from lightning_het.data.loaders import (
     as_batch_size,
     loader_batch_size,
     rebuild_loader,
     rebuild_with_batch_sampler,
     training_order,
 )
-from lightning_het.sampler import EvalBatchSampler
+from lightning_het.data.sampler import EvalBatchSampler
 from tests.helpers.tiny import make_dataset
 
 

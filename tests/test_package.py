@@ -68,7 +68,8 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
         assert STRATEGY_REGISTRY["heterogeneous"]["strategy"] is lightning_het.HeterogeneousFabricStrategy
         assert lightning_het.allocate_batch_sizes(6, [1, 2]) == [2, 4]
         from lightning_het import ProportionalDistributedSampler, HeterogeneousDataModule
-        import lightning_het.comm, lightning_het.balance, lightning_het.checkpointing, lightning_het.watchdog
+        import lightning_het.comm, lightning_het.balance
+        import lightning_het.reliability.checkpointing, lightning_het.reliability.watchdog
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
         assert not loaded, loaded
         try:
@@ -93,7 +94,7 @@ IMPORT_ORDERS = {
     "strategy-module": "from lightning_het.strategy import HeterogeneousStrategy; from lightning.pytorch.strategies"
     " import StrategyRegistry as R",
     "hsi-module": "import lightning_het.hsi.model; from lightning.pytorch.strategies import StrategyRegistry as R",
-    "dependency-module": "import lightning_het.accelerators; from lightning.pytorch.strategies import"
+    "dependency-module": "import lightning_het.cluster.accelerators; from lightning.pytorch.strategies import"
     " StrategyRegistry as R",
     "pl-after": "import lightning_het; import pytorch_lightning as P; R = P.strategies.StrategyRegistry",
     "pl-before": "import pytorch_lightning as P; import lightning_het; R = P.strategies.StrategyRegistry",

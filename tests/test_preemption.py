@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_het import HeterogeneousStrategy
-from lightning_het.preemption import (
+from lightning_het.reliability.preemption import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler, WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler, UnpaddedDistributedSampler
-from lightning_het.sampler import EvalBatchSampler, draw_sampler_order, eval_batch_plan, tail_batch_sizes
+from lightning_het.data.sampler import EvalBatchSampler, draw_sampler_order, eval_batch_plan, tail_batch_sizes
 
 
 def _batches(dataset, sizes, rank, epoch=0, **kw):

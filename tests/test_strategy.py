@@ -160,7 +160,7 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
     from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as PLScriptLauncher
 
     import lightning_het.pl
-    from lightning_het.lifecycle import HeterogeneousScriptLauncher
+    from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
 
     unified = quiet_trainer(2, "heterogeneous").strategy
     standalone = pytorch_lightning.Trainer(
@@ -196,8 +196,8 @@ def test_the_watchdog_knows_either_packages_sigterm_exception():
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_het.preemption import Preempted
-    from lightning_het.watchdog import is_sigterm_exit
+    from lightning_het.reliability.preemption import Preempted
+    from lightning_het.reliability.watchdog import is_sigterm_exit
 
     assert is_sigterm_exit(SIGTERMException()) and is_sigterm_exit(Preempted(None, [15, 0]))
     assert is_sigterm_exit(pytorch_lightning.utilities.exceptions.SIGTERMException())
@@ -210,10 +210,10 @@ def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechani
     from lightning.pytorch import Callback
 
     from lightning_het._compat import on_flavour
-    from lightning_het.accelerators import MixedAccelerator
     from lightning_het.balance.telemetry import HeterogeneousBalanceCallback
-    from lightning_het.preemption import PreemptionCallback
-    from lightning_het.watchdog import WatchdogCallback
+    from lightning_het.cluster.accelerators import MixedAccelerator
+    from lightning_het.reliability.preemption import PreemptionCallback
+    from lightning_het.reliability.watchdog import WatchdogCallback
 
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
     for cls in (WatchdogCallback, PreemptionCallback, HeterogeneousBalanceCallback):

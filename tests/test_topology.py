@@ -1,4 +1,4 @@
-"""Tests of lightning_het.topology: node detection, validation of the override, process groups."""
+"""Tests of lightning_het.cluster.topology: node detection, validation of the override, process groups."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_het.topology import (
+from lightning_het.cluster.topology import (
     build_node_groups,
     describe_topology,
     gather_node_ids,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_het.watchdog import (
+from lightning_het.reliability.watchdog import (
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
@@ -247,7 +247,7 @@ class TestRendezvousTimeout:
     def test_longer_startup_only(self) -> None:
         from datetime import timedelta
 
-        from lightning_het.watchdog import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
+        from lightning_het.reliability.watchdog import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
 
         assert rendezvous_timeout(timedelta(seconds=5)) == DEFAULT_STARTUP_TIMEOUT
         assert rendezvous_timeout(timedelta(seconds=5), 30) == timedelta(seconds=30)

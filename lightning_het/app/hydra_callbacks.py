@@ -29,7 +29,7 @@ class OutputDirCheck(Callback):
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:
         from lightning_het.app.train import USER_ERROR_EXIT, _report
-        from lightning_het.output_dir import OutputDirError, check_output_dir
+        from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
 
         try:
             directory = OmegaConf.select(config, key, throw_on_resolution_failure=False)

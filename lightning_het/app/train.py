@@ -37,7 +37,7 @@ import lightning_het  # noqa: F401  (registers strategy="heterogeneous", in ever
 from lightning_het.app import config_dir
 from lightning_het.app.config import DataConfig, GradientAveraging, StrategyConfig, register_configs, validate_config
 from lightning_het.errors import RasterNotFoundError
-from lightning_het.output_dir import OutputDirError, check_output_dir
+from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
 
 if TYPE_CHECKING:  # Lightning is imported only when a run starts, so that `--help` and config errors stay fast
     import lightning.pytorch as pl

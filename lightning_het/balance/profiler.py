@@ -23,7 +23,7 @@ Each replica's compute time of a step is read from the training step clock
 (:class:`~lightning_het.balance.telemetry.StepClock`: the local forward and backward, without the wait in the
 gradient all-reduce). Global batch ``k`` is always the same set of samples as one process would draw; only its split
 changes, and the sampler, the loss scale and the communication controller all follow the split of the step being
-trained (:class:`~lightning_het.sampler.ProportionalDistributedSampler`'s ``split_schedule``).
+trained (:class:`~lightning_het.data.sampler.ProportionalDistributedSampler`'s ``split_schedule``).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ class InLoopProfiler:
         self.overhead_s = 0.0
 
     def bind(self, sampler: Any) -> None:
-        """Make ``sampler`` (a :class:`~lightning_het.sampler.ProportionalDistributedSampler`) follow the plan."""
+        """Make ``sampler`` (a :class:`~lightning_het.data.sampler.ProportionalDistributedSampler`) follow the plan."""
         sampler.split_schedule = self.split_for
         self.samplers.append(sampler)
 

@@ -41,6 +41,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_het.arguments import check_comm_args
+from lightning_het.cluster.topology import (
+    NodeGroups,
+    build_node_groups,
+    describe_topology,
+    node_members,
+    validate_node_ids,
+)
 from lightning_het.comm.averaging import average_parameters, share_weights
 from lightning_het.comm.hooks import (
     DEFAULT_CHUNK_BYTES,
@@ -58,7 +65,6 @@ from lightning_het.comm.stats import (
     node_local_traffic,
 )
 from lightning_het.comm.tuning import ReductionTuner
-from lightning_het.topology import NodeGroups, build_node_groups, describe_topology, node_members, validate_node_ids
 
 __all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
 

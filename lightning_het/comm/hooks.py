@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_het.topology import NodeGroups
+from lightning_het.cluster.topology import NodeGroups
 
 __all__ = [
     "HierarchicalState",
@@ -109,7 +109,7 @@ class HierarchicalState:
     """State of :func:`hierarchical_hook` and :func:`hierarchical_sum`.
 
     Args:
-        groups: the job's node groups (:func:`lightning_het.topology.build_node_groups`).
+        groups: the job's node groups (:func:`lightning_het.cluster.topology.build_node_groups`).
         chunk_bytes: tensors larger than this are reduced in chunks of at most this many bytes, so that the three
             stages of successive chunks overlap (chunk ``k`` crosses the network while chunk ``k+1`` is reduced inside
             the node and chunk ``k-1`` is broadcast). Smaller chunks pipeline better but pay the per-collective

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_het.topology import node_members
+from lightning_het.cluster.topology import node_members
 
 __all__ = [
     "CommStats",

@@ -12,7 +12,7 @@ import numpy as np
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.datamodule import HeterogeneousDataModule
+from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError, SingleClassError
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
 from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask

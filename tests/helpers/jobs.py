@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_het.rendezvous import free_port
+from lightning_het.cluster.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import lightning_het
-from lightning_het.rendezvous import TOKEN_ENV
+from lightning_het.cluster.rendezvous import TOKEN_ENV
 from tests.helpers.jobs import run_configs
 from tests.helpers.tiny import TinyRegressor, make_dataset
 

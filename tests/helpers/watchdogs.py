@@ -6,7 +6,7 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_het.watchdog import Watchdog
+from lightning_het.reliability.watchdog import Watchdog
 
 
 class ExitRecorder:

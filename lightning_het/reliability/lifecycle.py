@@ -5,16 +5,18 @@ strategy installs it). In the launching process (local rank 0 of each node) it
 
 1. checks the output directory (:func:`check_output_dir`) before any replica starts: a missing parent, a directory
    that cannot be written or a full disk is one :class:`OutputDirError` naming the path (the app: exit status 2);
-2. creates the per-job token and keeps a single-node job's sockets on loopback (:mod:`lightning_het.rendezvous`),
-   then starts the other local replicas with ``PR_SET_PDEATHSIG``: the kernel kills them if the launching process
+2. creates the per-job token and keeps a single-node job's sockets on loopback
+   (:mod:`lightning_het.cluster.rendezvous`), then starts the other local replicas with ``PR_SET_PDEATHSIG``: the
+   kernel kills them if the launching process
    dies, whatever kills it; when the Trainer call ends, the token and the socket variables are put back as they were
-   (:data:`~lightning_het.rendezvous.JOB_ENVIRONMENT`; a later call of the same job sets them again);
+   (:data:`~lightning_het.cluster.rendezvous.JOB_ENVIRONMENT`; a later call of the same job sets them again);
 3. watches them during each Trainer call until the watchdog runs (a replica that dies during start-up ends the job
    within a second instead of leaving the others in the rendezvous for ``startup_timeout``; the observer thread ends
    with the call), and at exit waits for them (up to ``timeout``), then kills any that are left.
 
 Multi-node jobs check their rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``) here, when the
-processes start (:func:`~lightning_het.watchdog.validate_launch_environment`), not when the Trainer is built.
+processes start (:func:`~lightning_het.reliability.watchdog.validate_launch_environment`), not when the Trainer is
+built.
 
 In every replica it runs the Trainer's entry point and then waits until every replica has finished it (the
 watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
@@ -51,15 +53,15 @@ from lightning_het._compat import (
     _SubprocessScriptLauncher,
     on_flavour,
 )
-from lightning_het.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
-from lightning_het.rendezvous import (
+from lightning_het.cluster.rendezvous import (
     TOKEN_ENV,
     ensure_job_token,
     keep_sockets_local,
     restore_job_environment,
     save_job_environment,
 )
-from lightning_het.watchdog import (
+from lightning_het.reliability.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
+from lightning_het.reliability.watchdog import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     JobEnded,
@@ -267,7 +269,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
-        from lightning_het.watchdog import stop_watchdog
+        from lightning_het.reliability.watchdog import stop_watchdog
 
         watchdog = self._strategy.release_watchdog()
         stop_watchdog(watchdog, trainer, finished=True)

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
 from lightning_het._compat import attached_trainer, training_combined_loader
-from lightning_het.sampler import ProportionalDistributedSampler
+from lightning_het.data.sampler import ProportionalDistributedSampler
 
 __all__ = [
     "CHECKPOINT_KEY",

@@ -13,7 +13,7 @@ How it works (one :class:`Watchdog` per replica, started by the strategy once th
   evaluation, or in teardown (:class:`Phase`). Markers are plain attribute writes (no I/O).
 * **Heartbeats.** A daemon thread publishes the markers every ``interval`` seconds to a dedicated connection to the
   job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port; every record signed with
-  the job token, see :mod:`lightning_het.rendezvous`), together with whether
+  the job token, see :mod:`lightning_het.cluster.rendezvous`), together with whether
   the main thread is inside a ``torch.distributed`` call, and reads every other replica's heartbeat. Ages are
   measured with the reader's own monotonic clock, so clock skew between hosts does not matter.
 * **Judgement** (:func:`judge`, a pure function). From the rendezvous to the end of the run, a replica whose main
@@ -64,7 +64,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
 from lightning_het.arguments import as_timeout
-from lightning_het.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
+from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token, key_prefix, sign, verify
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",
@@ -121,7 +121,7 @@ def is_sigterm_exit(exception: BaseException) -> bool:
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 
-_PREEMPTED_EXIT_CODE = 143  # lightning_het.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
+_PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
@@ -420,7 +420,7 @@ class Watchdog:
         children: returns the local replicas this process launched, as ``(global_rank, Popen)`` pairs.
         exit: ends the process and its descendants (:func:`exit_job`, from the heartbeat thread only); replaced in
             tests.
-        token: the job's secret (:mod:`lightning_het.rendezvous`): every record is signed with it, and records
+        token: the job's secret (:mod:`lightning_het.cluster.rendezvous`): every record is signed with it, and records
             without a valid signature are ignored. ``""``: unsigned records (tests, single-process use).
     """
 
@@ -580,7 +580,7 @@ class Watchdog:
             return self._standing
         self._handled = exception
         self._standing = None
-        if is_sigterm_exit(exception):  # preemption (exit 143, lightning_het.preemption): not a failure
+        if is_sigterm_exit(exception):  # preemption (exit 143, lightning_het.reliability.preemption): not a failure
             self.stop()
             return None
         try:

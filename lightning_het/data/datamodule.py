@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_het.loaders import as_batch_size
+from lightning_het.data.loaders import as_batch_size
 
 __all__ = ["HeterogeneousDataModule"]
 
@@ -23,7 +23,7 @@ class HeterogeneousDataModule(pl.LightningDataModule):
       :class:`~lightning_het.ProportionalDistributedSampler` (same number of steps everywhere, exact gradients);
     * validation / test: every sample evaluated exactly once, shares proportional to speed, no padding, the same
       number of batches on every replica (batches proportional to the shares, see
-      :class:`~lightning_het.sampler.EvalBatchSampler`);
+      :class:`~lightning_het.data.sampler.EvalBatchSampler`);
     * predict: Lightning's own unpadded split.
 
     Under any other strategy the module still works: each process gets ``global_batch_size // world_size``.

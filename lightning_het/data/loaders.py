@@ -188,7 +188,7 @@ def rebuild_loader(
 
 def rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
     """Re-instantiate ``dataloader`` (any DataLoader subclass) drawing its batches from ``batch_sampler`` (batches of
-    varying size, e.g. :class:`~lightning_het.sampler.EvalBatchSampler`), keeping the dataset, collate function,
+    varying size, e.g. :class:`~lightning_het.data.sampler.EvalBatchSampler`), keeping the dataset, collate function,
     workers, pinning, ..."""
     from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 

@@ -4,7 +4,7 @@ Lightning gives a ``Trainer`` one accelerator, and its CPU and CUDA accelerators
 (``CPUAccelerator.setup_device(cuda:0)`` raises). ``MixedAccelerator`` accepts both: it sets the CUDA device of CUDA
 replicas, leaves CPU replicas alone (they never create a CUDA context through it), and reports the stats of whichever
 device a replica has. Where each replica runs is decided by :class:`~lightning_het.HeterogeneousStrategy` from the
-accelerator's device map (see :mod:`lightning_het.devices`); the functions at the bottom of this module are the
+accelerator's device map (see :mod:`lightning_het.cluster.devices`); the functions at the bottom of this module are the
 strategy's glue:
 
 * :func:`mixed_accelerator_kwargs` turns ``HeterogeneousStrategy(device_map=...)`` into a ``MixedAccelerator``;
@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator
 
 from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory, on_flavour
-from lightning_het.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
+from lightning_het.cluster.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 __all__ = [
     "MixedAccelerator",
@@ -159,7 +159,8 @@ class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
 
     Args:
         device_map: the device of each local replica, the same on every node (``["cuda:0", "cuda:1", "cpu"]``), or
-            ``{node_rank: [...]}`` when nodes differ (same length on every node). See :mod:`lightning_het.devices`.
+            ``{node_rank: [...]}`` when nodes differ (same length on every node).
+            See :mod:`lightning_het.cluster.devices`.
         cpu_threads: intra-op threads per CPU replica (int) or per local replica (list). Default: the node's cores
             minus one per CUDA replica, split evenly among the CPU replicas.
     """
@@ -226,8 +227,8 @@ def configure_devices(strategy: Any) -> DevicePlan | None:
     ``None`` (and changes nothing) without a device map.
 
     Raises:
-        ValueError: everything :func:`~lightning_het.devices.plan_devices` checks, and ``precision='16-mixed'`` with
-            CPU replicas.
+        ValueError: everything :func:`~lightning_het.cluster.devices.plan_devices` checks, and
+            ``precision='16-mixed'`` with CPU replicas.
     """
     accelerator = strategy.accelerator
     if not isinstance(accelerator, _MixedAcceleratorMixin):
@@ -252,7 +253,7 @@ def apply_local_settings(strategy: Any) -> None:
     """In each worker: this replica's intra-op threads, and its own autocast device under ``bf16-mixed``.
 
     Overrides Lightning's ``OMP_NUM_THREADS = cores // processes`` (set by its launchers when unset) with the plan's
-    count for this local rank (:func:`~lightning_het.devices.plan_cpu_threads`).
+    count for this local rank (:func:`~lightning_het.cluster.devices.plan_cpu_threads`).
     """
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None:
