@@ -7,6 +7,7 @@ import inspect
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -107,6 +108,9 @@ log = logging.getLogger(__name__)
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
 
+_WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit
+
+
 class _ExitCleanup:
     """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
 
@@ -134,6 +138,9 @@ class _ExitCleanup:
                 dist.destroy_process_group()
             except Exception as err:  # never turn a finished run into a failure at exit
                 log.debug("lightning-het: destroying the process group at exit failed: %s", err)
+            # a Gloo worker thread may still hold the last collective's tensors; it needs the GIL to free them, and a
+            # thread that asks for it once finalisation has begun is ended by a forced unwind that aborts the process
+            time.sleep(_WORKER_DRAIN_S)
 
 
 class AllocationResultsMixin:
@@ -350,6 +357,8 @@ class HeterogeneousStrategyBase:
         self._profile_seconds = 0.0
         self._eval_weights_used: list[float] | None = None
         self._train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
+        #: (the loader set-up of this fit it belongs to, the global batch of its first training loader)
+        self._train_pass: tuple[Any, int] | None = None
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
         self._rebalance_every_n_epochs = args["rebalance_every_n_epochs"]
@@ -727,6 +736,7 @@ class HeterogeneousStrategyBase:
             self._batch_sizes = None  # a new fit derives a new allocation
             self._loss_scale = 1.0  # until then (and for good with a loader we leave alone): plain DDP
             self._train_sampler = None
+            self._train_pass = None
             self._profiler = None
             attach_profiler(None, trainer)
         super().setup(trainer)
@@ -869,9 +879,13 @@ class HeterogeneousStrategyBase:
                 f" (global_batch_size={global_batch}, {self.world_size} replicas): no step could run. HINT: lower"
                 " `global_batch_size` or use more data."
             )
+        pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
+        if self._train_pass is not None and self._train_pass[0] == pass_key and self._train_pass[1] != global_batch:
+            return self._split_other_training_loader(dataloader, order, global_batch)
         if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
             self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
         assert self._batch_sizes is not None
+        self._train_pass = (pass_key, global_batch)
         sampler = ProportionalDistributedSampler(
             dataset,
             self._batch_sizes,
@@ -904,6 +918,30 @@ class HeterogeneousStrategyBase:
                 batch_sampler=ProportionalBatchSampler(sampler),
             )
         return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+
+    def _split_other_training_loader(self, dataloader: DataLoader, order: Any, global_batch: int) -> DataLoader:
+        """A further training loader of the same fit (Lightning combines a dict or list of them) whose global batch
+        differs from the first's: split in proportion to the same speeds (during profiling, to each step's trial
+        split). The first loader keeps the allocation, the loss scale and the checkpointed position."""
+        assert self._batch_sizes is not None
+        sizes = allocate_batch_sizes(global_batch, self._batch_sizes, min_batch_size=self._train_min_batch_size)
+        sampler = ProportionalDistributedSampler(
+            dataloader.dataset,
+            sizes,
+            self.global_rank,
+            shuffle=order.shuffle,
+            seed=order.seed,
+            drop_last=order.drop_last,
+            min_batch_size=self._train_min_batch_size,
+            order_sampler=order.sampler,
+        )
+        sampler.set_epoch(self._train_sampler.epoch if self._train_sampler is not None else 0)
+        if not self.profiling:
+            return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
+        assert self._profiler is not None
+        self._profiler.bind(sampler)
+        batches = ProportionalBatchSampler(sampler)
+        return rebuild_loader(dataloader, sampler, sizes[self.global_rank], batch_sampler=batches)
 
     def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
         """Every replica runs the same number of evaluation batches, sized in proportion to its share
@@ -1042,8 +1080,11 @@ class HeterogeneousStrategyBase:
         self.adopt_allocation(batch_sizes, speeds)
         assert self._profiler is not None
         for sampler in self._profiler.samplers:  # every training loader's batches not drawn yet
-            if sampler.global_batch_size == sum(batch_sizes):
-                sampler.set_batch_sizes(batch_sizes)
+            total = sampler.global_batch_size
+            floor = self._train_min_batch_size
+            sampler.set_batch_sizes(
+                batch_sizes if total == sum(batch_sizes) else allocate_batch_sizes(total, speeds, min_batch_size=floor)
+            )
         self._profile_seconds = self._profiler.overhead_s
         cache, key = self._cache_entry
         if cache is not None and key is not None:

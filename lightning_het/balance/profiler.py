@@ -284,8 +284,21 @@ class InLoopProfiler:
         self.overhead_s = 0.0
 
     def bind(self, sampler: Any) -> None:
-        """Make ``sampler`` (a :class:`~lightning_het.data.sampler.ProportionalDistributedSampler`) follow the plan."""
-        sampler.split_schedule = self.split_for
+        """Make ``sampler`` (a :class:`~lightning_het.data.sampler.ProportionalDistributedSampler`) follow the plan.
+
+        A training loader with another global batch (one of several that Lightning combines) follows it in
+        proportion: each step's split, scaled to that loader's global batch.
+        """
+        total = sampler.global_batch_size
+        if total == self.global_batch_size:
+            sampler.split_schedule = self.split_for
+        else:
+
+            def scaled(epoch: int, step: int) -> list[int] | None:
+                split = self.split_for(epoch, step)
+                return None if split is None else allocate_batch_sizes(total, split)
+
+            sampler.split_schedule = scaled
         self.samplers.append(sampler)
 
     def step_index(self, epoch: int, step: int) -> int:

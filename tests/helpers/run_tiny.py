@@ -2,7 +2,8 @@
 
 JSON keys: devices, num_nodes, strategy (kwargs for HeterogeneousStrategy or the string "heterogeneous"),
 epochs, seed, batch_size (loader batch size), n (dataset size), module (kwargs for TinyRegressor),
-accelerator (default "cpu"), loader (extra DataLoader kwargs, e.g. num_workers).
+accelerator (default "cpu"), loader (extra DataLoader kwargs, e.g. num_workers), train_loaders ("dict" or "list": a
+second training loader of n2 samples at half the batch size, combined by Lightning).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def fit_and_dump(out: Path, cfg: dict) -> None:
     loader = DataLoader(
         make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True, **cfg.get("loader", {})
     )
+    if cfg.get("train_loaders"):  # several training loaders ("dict" or "list"): a second one, half the batch size
+        second = DataLoader(make_dataset(cfg.get("n2", 30), seed=5), batch_size=max(1, cfg.get("batch_size", 4) // 2))
+        loader = {"a": loader, "b": second} if cfg["train_loaders"] == "dict" else [loader, second]
     val_n = cfg.get("val_n", 0)
     val_loader = DataLoader(make_dataset(val_n, seed=99), batch_size=5) if val_n else None
     trainer.fit(model, loader, val_loader)

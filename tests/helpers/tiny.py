@@ -75,6 +75,14 @@ def burn(seconds: float) -> None:
         pass
 
 
+def _loader_parts(batch) -> list:
+    """The ``(x, y)`` of each training loader in ``batch``: one, or one per loader of a dict or list that Lightning
+    combined."""
+    if isinstance(batch, dict):
+        return list(batch.values())
+    return list(batch) if isinstance(batch[0], (list, tuple)) else [batch]
+
+
 class TinyRegressor(pl.LightningModule):
     """MSE regression; records the batch size of every training step it runs (``cost_per_sample_s``: seconds slept
     per sample in each step)."""
@@ -86,6 +94,7 @@ class TinyRegressor(pl.LightningModule):
         slow_factor: float = 1.0,
         slow_rank: int = -1,
         manual: bool = False,
+        without_loss: bool = False,
     ) -> None:
         super().__init__()
         self.cost_per_sample_s = cost_per_sample_s
@@ -97,10 +106,12 @@ class TinyRegressor(pl.LightningModule):
         self.val_seen = 0
         self.val_mse = torchmetrics.MeanSquaredError()
         self.automatic_optimization = not manual
+        self.without_loss = without_loss  # training_step returns a dict without "loss" (a user mistake)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
+        parts = _loader_parts(batch)
+        loss = sum(nn.functional.mse_loss(self.net(x), y) for x, y in parts)
+        x = torch.cat([x for x, _ in parts])
         if self.cost_per_sample_s:
             # a step whose cost is proportional to its batch; `slow_factor` times heavier on `slow_rank`
             factor = self.slow_factor if self.global_rank == self.slow_rank else 1.0
@@ -111,7 +122,7 @@ class TinyRegressor(pl.LightningModule):
             opt.zero_grad()
             self.manual_backward(loss)
             opt.step()
-        return loss
+        return {"mse": loss} if self.without_loss else loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -120,7 +131,8 @@ class TinyRegressor(pl.LightningModule):
         self.log("val/mse", self.val_mse, on_epoch=True)
 
     def on_train_batch_start(self, batch, batch_idx):
-        self.seen_batch_sizes.append(int(batch[0].shape[0]))
+        sizes = [int(x.shape[0]) for x, _ in _loader_parts(batch)]
+        self.seen_batch_sizes.append(sizes[0] if len(sizes) == 1 else sizes)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
