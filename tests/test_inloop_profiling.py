@@ -78,9 +78,12 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: gathered.append(v) or [list(v), list(v)])
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # trials from step 2, switch at step 7
     profiler = _profiler(plan)
-    resumed = ProportionalDistributedSampler(list(range(32)), [4, 4], 0)  # epochs of 4 global batches
+    resumed = ProportionalDistributedSampler(list(range(128)), [12, 20], 0)  # epochs of 4 global batches of 32
     resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
     profiler.bind(resumed)
+    half = ProportionalDistributedSampler(list(range(64)), [8, 8], 0)  # another loader, global batch 16
+    profiler.bind(half)
+    half.set_epoch(1)
     assert resumed.step_batch_sizes(2) == [16, 16] and resumed.step_batch_sizes(3) == [16, 16]  # plan steps 0, 1
     profiler.on_train_batch_end(0, 2)  # the warm-up ends: the rough split is agreed (equal speeds here)
     assert gathered == [[16 / 0.01]] and profiler.rough == [16, 16]
@@ -88,14 +91,16 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     # the next epoch is drawn after the steps trained so far: its batch 0 is plan step 2, the first trial
     a, b = trial_splits([16, 16])
     assert [profiler.split_for(1, k) for k in range(4)] == [a, b, a, b]  # plan steps 2 .. 5
+    # the other loader's splits are the plan's, scaled to its global batch
+    assert [half.step_batch_sizes(k) for k in range(4)] == [allocate_batch_sizes(16, s) for s in (a, b, a, b)]
     for k in range(4):
         profiler.on_train_batch_end(1, k)
     assert profiler.done and len(gathered) == 2
-    other = ProportionalDistributedSampler(list(range(90)), [4, 4], 0)  # a second loader follows the same plan
+    other = ProportionalDistributedSampler(list(range(360)), [12, 20], 0)  # a second loader follows the same plan
     profiler.bind(other)
     other.set_epoch(2)
     assert other.step_batch_sizes(0) == [16, 16]  # plan step 6: drawn before the costs were agreed, the rough split
-    assert other.step_batch_sizes(1) == [4, 4] and profiler.split_for(2, 1) is None  # the allocation from step 7
+    assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 7
 
 
 def test_an_epoch_shorter_than_its_loader_leaves_no_plan_step_out() -> None:
