@@ -58,7 +58,7 @@ def test_runner_lists_exactly_the_differences(tmp_path):
     (tests / "test_fake.py").write_text(textwrap.dedent(FAKE_TESTS))
     report = tmp_path / "report.json"
     command = [sys.executable, str(REPO / "scripts" / "run_lightning_tests.py"), "--lightning-repo", str(checkout)]
-    command += ["tests_pytorch/test_fake.py", "--timeout", "20", "--json", str(report)]
+    command += ["tests_pytorch/test_fake.py", "--timeout", "12", "--json", str(report)]
     result = run_in_session(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert result.returncode == 1, result.stdout[-4000:]  # 1: there are differences
     data = json.loads(report.read_text())
