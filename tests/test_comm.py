@@ -25,7 +25,7 @@ from lightning_het.comm import (
     share_weights,
     validate_comm_args,
 )
-from lightning_het.comm import controller as controller_module
+from lightning_het.comm import node_local as node_local_module
 from lightning_het.comm.hooks import HierarchicalState
 from lightning_het.comm.stats import (
     CommStats,
@@ -73,15 +73,15 @@ def _train_ddp(
     # one bucket per parameter: several buckets in flight exercise the ordering of the pipelined stages
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
     tuner_times = kwargs.pop("tuner_times", None)
-    ctl = CommController(mode, node_ids, batch_sizes, rank, **kwargs)  # type: ignore[arg-type]
     if tuner_times is not None:  # a fake clock: each step lasts what this rank "measures" for its reduction
-        tuner, now = ctl._tuner, [0.0]
+        now = [0.0]
 
         def clock() -> float:
-            now[0] += tuner_times[0] if tuner.current == "flat" else tuner_times[1]
+            now[0] += tuner_times[0] if ctl.algorithm.tuner.current == "flat" else tuner_times[1]
             return now[0]
 
-        tuner._clock = clock
+        kwargs["autotune_clock"] = clock
+    ctl = CommController(mode, node_ids, batch_sizes, rank, **kwargs)  # type: ignore[arg-type]
     ctl.register(ddp)
     opt = _optimizer(ddp.parameters())
     mine = _slices(batch_sizes)[rank]
@@ -396,7 +396,7 @@ def test_controller_schedule_takes_phase_from_global_step(monkeypatch: pytest.Mo
         calls.append(weight)
         return 100
 
-    monkeypatch.setattr(controller_module, "average_parameters", fake_average)
+    monkeypatch.setattr(node_local_module, "average_parameters", fake_average)
     ctl = CommController(
         "node_local", [0, 0, 1], [2, 3, 5], 1, global_sync_every=3, warmup_steps=2, groups=_fake_groups([0, 0, 1], 1)
     )
@@ -430,9 +430,9 @@ def test_allreduce_controller_needs_no_groups_and_counts_bytes() -> None:
 
 def test_controller_without_allocation_counts_replicas_as_equal() -> None:
     ctl = CommController("node_local", [0, 0, 1], None, 0, global_sync_every=2, groups=_fake_groups([0, 0, 1], 0))
-    assert ctl._local is not None and ctl._local.node_scale == pytest.approx(0.5)  # mean over the node's 2 replicas
+    assert ctl.algorithm.state.node_scale == pytest.approx(0.5)  # mean over the node's 2 replicas
     ctl.set_batch_sizes([1, 1, 2])
-    assert ctl._local.node_scale == pytest.approx(4 / (3 * 2))
+    assert ctl.algorithm.state.node_scale == pytest.approx(4 / (3 * 2))
     with pytest.raises(ValueError, match="`batch_sizes`"):
         ctl.set_batch_sizes([1, 1])
 

@@ -1,7 +1,9 @@
 """Communication modes of lightning-het: flat all-reduce, exact hierarchical reduction, node-local steps.
 
-The strategy drives one :class:`CommController` per process; the hooks, the averaging function and the byte model
-are usable on their own with a raw :class:`~torch.nn.parallel.DistributedDataParallel`.
+One object per mode (:class:`FlatAllReduce`, :class:`Hierarchical`, :class:`NodeLocal`, one module each) behind the
+same small protocol; the strategy drives one :class:`CommController` per process, which builds the mode's object.
+The hooks, the averaging function and the byte model are usable on their own with a raw
+:class:`~torch.nn.parallel.DistributedDataParallel`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 from lightning_het.comm.modes import COMM_CHOICES, CommChoice, CommMode
 
 if TYPE_CHECKING:
+    from lightning_het.comm.allreduce import FlatAllReduce
     from lightning_het.comm.averaging import average_parameters, share_weights
     from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
+    from lightning_het.comm.hierarchical import Hierarchical
     from lightning_het.comm.hooks import (
         HierarchicalState,
         NodeLocalState,
@@ -21,11 +25,15 @@ if TYPE_CHECKING:
         hierarchical_sum,
         node_local_hook,
     )
+    from lightning_het.comm.node_local import NodeLocal
     from lightning_het.comm.stats import CommStats, Traffic
 
 #: public name -> defining module, imported on first access (``lightning_het.comm.modes`` needs no torch, and the
 #: app's config schema imports it)
 _LAZY = {
+    "FlatAllReduce": "allreduce",
+    "Hierarchical": "hierarchical",
+    "NodeLocal": "node_local",
     "average_parameters": "averaging",
     "share_weights": "averaging",
     "CommController": "controller",
@@ -55,7 +63,10 @@ __all__ = [
     "CommController",
     "CommMode",
     "CommStats",
+    "FlatAllReduce",
+    "Hierarchical",
     "HierarchicalState",
+    "NodeLocal",
     "NodeLocalState",
     "Traffic",
     "average_parameters",

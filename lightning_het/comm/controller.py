@@ -33,9 +33,10 @@ from those, which is a valid state of the algorithm.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
-from collections.abc import Iterable, Sequence
-from typing import get_args
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, get_args
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -48,23 +49,12 @@ from lightning_het.cluster.topology import (
     node_members,
     validate_node_ids,
 )
-from lightning_het.comm.averaging import average_parameters, share_weights
-from lightning_het.comm.hooks import (
-    DEFAULT_CHUNK_BYTES,
-    HierarchicalState,
-    NodeLocalState,
-    hierarchical_hook,
-    node_local_hook,
-)
+from lightning_het.comm.allreduce import FlatAllReduce
+from lightning_het.comm.hierarchical import Hierarchical
+from lightning_het.comm.hooks import DEFAULT_CHUNK_BYTES
 from lightning_het.comm.modes import COMM_CHOICES, CommMode
-from lightning_het.comm.stats import (
-    CommStats,
-    Traffic,
-    flat_allreduce_traffic,
-    hierarchical_traffic,
-    node_local_traffic,
-)
-from lightning_het.comm.tuning import ReductionTuner
+from lightning_het.comm.node_local import NodeLocal
+from lightning_het.comm.stats import CommStats
 
 __all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
 
@@ -180,6 +170,7 @@ class CommController:
         autotune_steps: ``hierarchical`` only: optimizer steps timed with each of the flat and the hierarchical
             reduction before keeping the faster (see :class:`~lightning_het.comm.tuning.ReductionTuner`); ``0``
             always uses the hierarchy.
+        autotune_clock: the clock those steps are timed with (seconds).
     """
 
     def __init__(
@@ -194,6 +185,7 @@ class CommController:
         groups: NodeGroups | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         autotune_steps: int = 0,
+        autotune_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if mode not in get_args(CommMode):
             raise ValueError(f"Expected argument `mode` to be one of {list(get_args(CommMode))}, but got {mode!r}.")
@@ -203,38 +195,42 @@ class CommController:
             raise ValueError(f"Expected argument `rank` in [0, {len(self._node_ids)}), but got {rank}.")
         if mode == "node_local" and len(node_members(self._node_ids)) < 2:
             resolve_comm_mode(mode, self._node_ids)  # raises the documented error
-        self._mode: CommMode = mode
-        self._rank = rank
+        if isinstance(autotune_steps, bool) or not isinstance(autotune_steps, int) or autotune_steps < 0:
+            raise ValueError(f"Expected argument `autotune_steps` to be an integer >= 0, but got {autotune_steps!r}.")
         world_size = len(self._node_ids)
         self._batch_sizes = [1] * world_size if batch_sizes is None else _check_batch_sizes(batch_sizes, world_size)
         self._sync_every = global_sync_every
-        self._warmup_steps = warmup_steps
+        self._stats = CommStats(rank=rank, world_size=world_size)
         self._groups = groups
         if self._groups is None and mode != "allreduce":
             self._groups = build_node_groups(self._node_ids, rank)
-        self._hier = HierarchicalState(self._groups, chunk_bytes) if self._groups is not None else None
-        self._local: NodeLocalState | None = None
-        if mode == "node_local":
-            assert self._hier is not None
-            self._local = NodeLocalState(self._hier, self._batch_sizes, warmup_steps)
-        if isinstance(autotune_steps, bool) or not isinstance(autotune_steps, int) or autotune_steps < 0:
-            raise ValueError(f"Expected argument `autotune_steps` to be an integer >= 0, but got {autotune_steps!r}.")
-        self._tuner = ReductionTuner(autotune_steps) if autotune_steps and mode == "hierarchical" else None
-        self._stats = CommStats(rank=rank, world_size=len(self._node_ids))
+        self._algorithm = _build(
+            mode,
+            self._node_ids,
+            rank,
+            self._stats,
+            groups=self._groups,
+            chunk_bytes=chunk_bytes,
+            autotune_steps=autotune_steps,
+            autotune_clock=autotune_clock,
+            batch_sizes=self._batch_sizes,
+            global_sync_every=global_sync_every,
+            warmup_steps=warmup_steps,
+        )
         self._grad_bytes: int | None = None
-        self._step_traffic: Traffic | None = None
-        self._exact_traffic: Traffic | None = None
-        self._flat_traffic: Traffic | None = None
-        self._in_consensus = True
         if rank == 0:
-            extra = f", global_sync_every={global_sync_every}, warmup_steps={warmup_steps}" if self._local else ""
-            log.info("lightning-het comm=%r%s over %s", mode, extra, describe_topology(self._node_ids))
+            log.info("lightning-het comm=%r%s over %s", mode, self._algorithm.describe(), describe_topology(node_ids))
 
     # ------------------------------------------------------------------ properties
     @property
+    def algorithm(self) -> FlatAllReduce:
+        """The running mode's object (:class:`~lightning_het.comm.allreduce.FlatAllReduce` or a subclass)."""
+        return self._algorithm
+
+    @property
     def mode(self) -> CommMode:
         """The running mode."""
-        return self._mode
+        return self._algorithm.mode  # type: ignore[return-value]
 
     @property
     def node_ids(self) -> list[int]:
@@ -254,9 +250,7 @@ class CommController:
     @property
     def reduction(self) -> str | None:
         """How ``"hierarchical"`` reduces gradients now: ``"flat"`` or ``"hierarchical"`` (``None`` in other modes)."""
-        if self._hier is None or self._mode != "hierarchical":
-            return None
-        return "flat" if self._hier.flat else "hierarchical"
+        return self._algorithm.reduction
 
     @property
     def stats(self) -> dict[str, float]:
@@ -270,22 +264,17 @@ class CommController:
         ``"allreduce"`` registers nothing: DDP's built-in all-reduce already does it at no extra cost. Also records
         the gradient payload (bytes of all parameters that require grad) for byte accounting.
         """
-        self._set_grad_bytes(ddp_model.parameters())
-        if self._mode == "hierarchical":
-            ddp_model.register_comm_hook(self._hier, hierarchical_hook)
-        elif self._mode == "node_local":
-            ddp_model.register_comm_hook(self._local, node_local_hook)
+        self._grad_bytes = _grad_bytes(ddp_model.parameters())
+        self._algorithm.register(ddp_model)
 
     def set_step(self, completed_steps: int) -> None:
         """Set the number of optimizer steps already taken (call at fit start with ``trainer.global_step``)."""
-        if self._local is not None:
-            self._local.completed_steps = completed_steps
+        self._algorithm.set_step(completed_steps)
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         """Use a new allocation (e.g. after rebalancing at an epoch boundary); same list on every rank."""
         self._batch_sizes = _check_batch_sizes(batch_sizes, len(self._node_ids))
-        if self._local is not None:
-            self._local.set_batch_sizes(self._batch_sizes)
+        self._algorithm.set_batch_sizes(self._batch_sizes)
 
     def after_optimizer_step(
         self, params: Iterable[torch.Tensor], global_step: int, *, end_of_epoch: bool = False
@@ -305,28 +294,9 @@ class CommController:
         """
         params = list(params)
         if self._grad_bytes is None:
-            self._set_grad_bytes(params)
-        exact_step = self._local is None or global_step <= self._warmup_steps
-        assert self._step_traffic is not None and self._exact_traffic is not None and self._flat_traffic is not None
-        if self.reduction == "flat":  # the measured choice (or a measuring step) ran a flat all-reduce
-            self._stats.record_step(self._flat_traffic)
-        else:
-            self._stats.record_step(self._exact_traffic if exact_step and self._local else self._step_traffic)
-        if self._tuner is not None and self._tuner.measuring:
-            self._tune(params)
-        if self._local is None:
-            return False
-        self._local.completed_steps = global_step
-        if not exact_step:
-            self._in_consensus = False
-        due = (
-            self._sync_every is not None
-            and global_step > self._warmup_steps
-            and (global_step - self._warmup_steps) % self._sync_every == 0
-        )
-        if due or end_of_epoch:
-            return self.synchronize(params)
-        return False
+            self._grad_bytes = _grad_bytes(params)
+        self._stats.record_step(self._algorithm.step_traffic(self._grad_bytes, global_step))
+        return self._algorithm.after_step(params, global_step, end_of_epoch)
 
     def synchronize(self, params: Iterable[torch.Tensor]) -> bool:
         """Bring all replicas to one consensus model now (``node_local``); a no-op if they already agree. Collective.
@@ -336,65 +306,43 @@ class CommController:
         Returns:
             Whether an average ran.
         """
-        if self._local is None or self._in_consensus:
-            return False
-        assert self._hier is not None
-        weight = share_weights(self._batch_sizes)[self._rank]
-        payload = average_parameters(params, weight, self._hier)
-        self._stats.record_sync(hierarchical_traffic(payload, self._node_ids))
-        self._in_consensus = True
-        return True
+        return self._algorithm.synchronize(list(params))
 
     def close(self) -> None:
         """Drop references to the process groups (they are destroyed with the default group)."""
         self._groups = None
-        self._hier = None
-        self._local = None
+        self._algorithm = FlatAllReduce(self._node_ids, self._algorithm.rank, self._stats)
 
     def summary(self) -> str:
         """One log line: mode, schedule and bytes per step, e.g. for ``on_train_end``."""
         s = self.stats
-        schedule = f" K={self._sync_every} warmup={self._warmup_steps}" if self._local is not None else ""
-        if self._tuner is not None:
-            schedule += f" ({self.reduction} reduction, measured)" if self._tuner.choice else " (still measuring)"
         return (
-            f"comm={self._mode}{schedule}: {int(s['steps'])} steps, {int(s['global_syncs'])} global syncs;"
-            f" per step this rank sent {s['bytes_intra_per_step'] / 1e6:.3f} MB inside its node and"
+            f"comm={self.mode}{self._algorithm.describe()}: {int(s['steps'])} steps, {int(s['global_syncs'])} global"
+            f" syncs; per step this rank sent {s['bytes_intra_per_step'] / 1e6:.3f} MB inside its node and"
             f" {s['bytes_inter_per_step'] / 1e6:.3f} MB to other nodes"
             f" (whole job: {s['job_bytes_inter_per_step'] / 1e6:.3f} MB between nodes)"
         )
 
-    # ------------------------------------------------------------------ internals
-    def _tune(self, params: list[torch.Tensor]) -> None:
-        """One step of the measured flat-vs-hierarchical choice; the decision itself is a small collective."""
-        assert self._tuner is not None and self._hier is not None
-        device = params[0].device if params else torch.device("cpu")
-        if device.type == "cuda":  # time the step's kernels, not their launch (only while measuring: 2k + 1 steps)
-            torch.cuda.synchronize(device)
-        if self._tuner.step_done():
-            on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
-            medians = torch.tensor(self._tuner.medians(), dtype=torch.float64, device=on)
-            torch.distributed.all_reduce(medians, op=torch.distributed.ReduceOp.MAX)  # same decision everywhere
-            flat_s, hier_s = (float(v) for v in medians.tolist())
-            choice = self._tuner.decide([flat_s, hier_s])
-            if self._rank == 0:
-                log.info(
-                    "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
-                    " the node hierarchy; using the %s reduction from now on.",
-                    flat_s * 1e3,
-                    hier_s * 1e3,
-                    choice,
-                )
-        self._hier.flat = self._tuner.current == "flat"
 
-    def _set_grad_bytes(self, params: Iterable[torch.Tensor]) -> None:
-        nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        self._grad_bytes = nbytes
-        self._exact_traffic = hierarchical_traffic(nbytes, self._node_ids)
-        self._flat_traffic = flat_allreduce_traffic(nbytes, self._node_ids)
-        if self._mode == "allreduce":
-            self._step_traffic = flat_allreduce_traffic(nbytes, self._node_ids)
-        elif self._mode == "hierarchical":
-            self._step_traffic = self._exact_traffic
-        else:
-            self._step_traffic = node_local_traffic(nbytes, self._node_ids)
+def _grad_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+def _build(mode: CommMode, node_ids: list[int], rank: int, stats: CommStats, **settings: Any) -> FlatAllReduce:
+    """The mode's object; each takes the settings it uses."""
+    if mode == "allreduce":
+        return FlatAllReduce(node_ids, rank, stats)
+    common = {"groups": settings["groups"], "chunk_bytes": settings["chunk_bytes"]}
+    if mode == "hierarchical":
+        return Hierarchical(
+            node_ids, rank, stats, autotune_steps=settings["autotune_steps"], clock=settings["autotune_clock"], **common
+        )
+    return NodeLocal(
+        node_ids,
+        rank,
+        stats,
+        batch_sizes=settings["batch_sizes"],
+        global_sync_every=settings["global_sync_every"],
+        warmup_steps=settings["warmup_steps"],
+        **common,
+    )

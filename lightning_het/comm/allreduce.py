@@ -1,0 +1,63 @@
+"""``comm="allreduce"``: DDP's own flat all-reduce, and the small protocol every communication mode follows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_het.comm.stats import CommStats, Traffic, flat_allreduce_traffic
+
+__all__ = ["FlatAllReduce"]
+
+
+class FlatAllReduce:
+    """DDP's built-in all-reduce (mean over the replicas) of the pre-scaled gradients: exact, nothing registered.
+
+    The base of every mode: the controller calls :meth:`register` once, :meth:`step_traffic` and :meth:`after_step`
+    after every optimizer step and :meth:`synchronize` before validation and checkpoints; each mode overrides what it
+    does differently.
+
+    Args:
+        node_ids: node of every global rank.
+        rank: this process's global rank.
+        stats: the byte counters the mode records its parameter syncs in.
+    """
+
+    mode = "allreduce"
+
+    def __init__(self, node_ids: Sequence[int], rank: int, stats: CommStats) -> None:
+        self.node_ids = list(node_ids)
+        self.rank = rank
+        self.stats = stats
+
+    @property
+    def reduction(self) -> str | None:
+        """How gradients are reduced now, where a mode chooses (``None``: fixed by the mode)."""
+        return None
+
+    def describe(self) -> str:
+        """The schedule, for the summary line (empty: none)."""
+        return ""
+
+    def register(self, ddp_model: DistributedDataParallel) -> None:
+        """Install the mode's gradient hook on ``ddp_model`` (nothing: DDP all-reduces already)."""
+
+    def step_traffic(self, grad_bytes: int, global_step: int) -> Traffic:
+        """The bytes of optimizer step ``global_step``'s gradient exchange."""
+        return flat_allreduce_traffic(grad_bytes, self.node_ids)
+
+    def after_step(self, params: list[torch.Tensor], global_step: int, end_of_epoch: bool) -> bool:
+        """Called after every optimizer step, on every rank; returns whether parameters were averaged."""
+        return False
+
+    def synchronize(self, params: list[torch.Tensor]) -> bool:
+        """Bring every replica to one model now; returns whether an average ran (never: they always agree)."""
+        return False
+
+    def set_step(self, completed_steps: int) -> None:
+        """Optimizer steps already taken (a resumed fit keeps its schedule)."""
+
+    def set_batch_sizes(self, batch_sizes: list[int]) -> None:
+        """A new allocation (same list on every rank)."""
