@@ -119,34 +119,35 @@ def test_callback_and_logger_groups_merge_with_the_users(compose_cfg, monkeypatc
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_het.app import train as app_train
+    from lightning_het.app import build as app_build
 
     cfg = compose_cfg(
         "+callbacks.early={_target_: lightning.pytorch.callbacks.EarlyStopping, monitor: val/loss}",
         "+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]",
     )
-    built = app_train._build_callbacks(cfg)
+    built = app_build._build_callbacks(cfg)
     kinds = [type(c).__name__ for c in built]
     assert kinds == ["ModelCheckpoint", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor"], kinds
     checkpoint, best = built[0], built[1]
     assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and isinstance(built[2], EarlyStopping)
     assert best.monitor == "val/oa" and not best.save_last
-    assert app_train._checkpointing(cfg, built) is True
-    assert app_train._checkpointing(compose_cfg("callbacks=none"), []) is False
+    assert app_build._checkpointing(cfg, built) is True
+    assert app_build._checkpointing(compose_cfg("callbacks=none"), []) is False
 
-    loggers = app_train._build_loggers(cfg)
+    loggers = app_build._build_loggers(cfg)
     assert [type(x) for x in loggers] == [CSVLogger]
-    assert app_train._build_loggers(compose_cfg("logger=none")) is False
-    assert app_train._build_loggers(compose_cfg("trainer.logger=false")) is False
+    assert app_build._build_loggers(compose_cfg("logger=none")) is False
+    assert app_build._build_loggers(compose_cfg("trainer.logger=false")) is False
     both = compose_cfg("logger=[csv,tensorboard]")
     assert set(both.logger) == {"csv", "tensorboard"}
 
 
 def test_missing_checkpoint_names_the_file(compose_cfg, tmp_path):
-    from lightning_het.app.train import UserError, _checkpoint_to_resume
+    from lightning_het.app.checks import checkpoint_to_resume
+    from lightning_het.app.messages import UserError
 
     with pytest.raises(UserError, match=r"ckpt_path=.*nope\.ckpt.*HINT"):
-        _checkpoint_to_resume(compose_cfg(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+        checkpoint_to_resume(compose_cfg(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
 
 
 # ------------------------------------------------------------------------------------------------- resume (slow)
@@ -212,7 +213,7 @@ class _FakeTrainer:
 
 
 def test_test_ckpt_best_uses_the_monitored_checkpoint():
-    from lightning_het.app.train import _test_checkpoint
+    from lightning_het.app.run import _test_checkpoint
 
     trainer = _FakeTrainer(_FakeCheckpoint(None, ""), _FakeCheckpoint("val/oa", "/run/checkpoints/best.ckpt", 0.75))
     assert _test_checkpoint(trainer, "best") == {
@@ -226,9 +227,9 @@ def test_test_ckpt_best_uses_the_monitored_checkpoint():
 
 
 def test_test_ckpt_best_without_a_monitored_checkpoint_tests_the_last_weights(caplog):
-    from lightning_het.app.train import _test_checkpoint
+    from lightning_het.app.run import _test_checkpoint
 
-    with caplog.at_level(logging.WARNING, logger="lightning_het.app.train"):
+    with caplog.at_level(logging.WARNING, logger="lightning_het.app.run"):
         record = _test_checkpoint(_FakeTrainer(_FakeCheckpoint(None, "")), "best")
     assert record["used"] == "last" and record["path"] is None and "callbacks=none" in record["note"]
     assert "testing the last epoch's weights" in caplog.text
@@ -242,7 +243,8 @@ def test_default_config_tests_the_best_validation_checkpoint(compose_cfg):
 
 
 def test_unknown_test_ckpt_is_refused(compose_cfg):
-    from lightning_het.app.train import UserError, train
+    from lightning_het.app.messages import UserError
+    from lightning_het.app.run import train
 
     with pytest.raises(UserError, match=r"test_ckpt=first"):
         train(compose_cfg("experiment=quick", "test_ckpt=first"))

@@ -15,17 +15,16 @@ from rasterio.transform import Affine
 from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError, SingleClassError
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
+from lightning_het.hsi.matfile import is_mat_file, read_mat_scene
 from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
 from lightning_het.hsi.raster import (
     RasterHandle,
     RasterInfo,
     check_alignment,
     check_labels,
-    is_mat_file,
     raster_info,
     read_image,
     read_labels,
-    read_mat_scene,
     read_pixels,
 )
 from lightning_het.hsi.splits import Split, block_split, format_class_counts, random_split
