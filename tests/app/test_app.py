@@ -26,7 +26,7 @@ from lightning_het.hsi import HyperspectralDataModule
 from lightning_het.hsi.datamodule import resolve_pca_components
 from lightning_het.hsi.raster import write_geotiff
 from lightning_het.strategy import HeterogeneousStrategy
-from tests.test_cli import run_app
+from tests.app.test_cli import run_app
 
 #: StrategyConfig fields that are not strategy keywords (the app's own switches)
 APP_ONLY_FIELDS = {"_target_", "gradient_averaging", "ddp_kwargs"}
