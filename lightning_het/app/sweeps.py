@@ -65,6 +65,12 @@ def sweep_job_command(hydra_cfg: DictConfig, python: str | None = None) -> list[
 
 
 def _is_sweep_only(override: str) -> bool:
+    """Whether a Hydra override only concerns the sweep (not passed on to a job's single run).
+
+    Example:
+        >>> _is_sweep_only("hydra.sweep.dir=out"), _is_sweep_only("hydra/launcher=basic"), _is_sweep_only("seed=1")
+        (True, True, False)
+    """
     key = override.split("=", 1)[0].lstrip("+~").strip()
     return any(key == k or key.startswith(k + ".") for k in _SWEEP_ONLY_KEYS)
 
