@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -150,25 +151,35 @@ def test_missing_checkpoint_names_the_file(compose_cfg, tmp_path):
         checkpoint_to_resume(compose_cfg(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
 
 
-# ------------------------------------------------------------------------------------------------- resume (slow)
-@pytest.mark.slow
-def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
-    """Stop after 1 of 2 epochs (as if killed there: last.ckpt is what survives), resume with ``ckpt_path=``: the
-    weights after epoch 2 equal those of an uninterrupted 2-epoch run (<= 1e-6)."""
+# ------------------------------------------------------------------------------------------- shared app runs (slow)
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """Three runs of ``experiment=quick`` without a map, shared by the tests below (each checks other things):
+    ``whole`` (2 epochs) and ``first`` (1 epoch) side by side, then ``resumed`` (2 epochs from ``first``'s
+    ``last.ckpt``). Maps each name to ``(its output directory, its completed process)``."""
+    root = tmp_path_factory.mktemp("quick_runs")
     common = ["experiment=quick", "prediction_map=false"]
 
-    def run(name: str, *extra: str) -> Path:
-        out = tmp_path / name
-        result = run_app([*common, f"hydra.run.dir={out}", *extra], cwd=tmp_path, timeout=400, module=True)
+    def run(name: str, *extra: str) -> tuple[Path, subprocess.CompletedProcess]:
+        out = root / name
+        result = run_app([*common, f"hydra.run.dir={out}", *extra], cwd=root, timeout=400, module=True)
         assert result.returncode == 0, result.stderr[-4000:]
-        return out
+        return out, result
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent runs: side by side
         whole_run = pool.submit(run, "whole", "trainer.max_epochs=2")
         first_run = pool.submit(run, "first", "trainer.max_epochs=1")
-        whole, first = whole_run.result(), first_run.result()
-    resumed = run("resumed", "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+        runs = {"whole": whole_run.result(), "first": first_run.result()}
+    first = runs["first"][0]
+    runs["resumed"] = run("resumed", "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    return runs
 
+
+@pytest.mark.slow
+def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(quick_runs):
+    """Stop after 1 of 2 epochs (as if killed there: last.ckpt is what survives), resume with ``ckpt_path=``: the
+    weights after epoch 2 equal those of an uninterrupted 2-epoch run (<= 1e-6)."""
+    whole, resumed = quick_runs["whole"][0], quick_runs["resumed"][0]
     reference = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
     final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)  # plain types only
     assert final["global_step"] == reference["global_step"] and final["epoch"] == reference["epoch"]
@@ -179,18 +190,10 @@ def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
     assert json.loads((resumed / "metrics.json").read_text())["epochs"] == 2
 
 
-# ------------------------------------------------------------------------------------------------ console (slow)
 @pytest.mark.slow
-def test_each_lightning_and_strategy_message_is_printed_once(tmp_path):
+def test_each_lightning_and_strategy_message_is_printed_once(quick_runs):
     """Lightning's own console handler and Hydra's root handler both printed every Lightning/strategy record."""
-    out = tmp_path / "run"
-    result = run_app(
-        ["experiment=quick", "trainer.max_epochs=1", "prediction_map=false", f"hydra.run.dir={out}"],
-        cwd=tmp_path,
-        timeout=400,
-        module=True,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    out, result = quick_runs["first"]  # a one-epoch run
     console = result.stdout + result.stderr
     assert console.count("GPU available:") == 1, console  # Lightning's
     assert console.count("HeterogeneousStrategy: profiling on the first") == 1, console  # the strategy's
@@ -251,12 +254,8 @@ def test_unknown_test_ckpt_is_refused(compose_cfg):
 
 
 @pytest.mark.slow
-def test_the_run_tests_its_best_validation_epoch(tmp_path):
-    out = tmp_path / "run"
-    result = run_app(
-        ["experiment=quick", "prediction_map=false", f"hydra.run.dir={out}"], cwd=tmp_path, timeout=400, module=True
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_the_run_tests_its_best_validation_epoch(quick_runs):
+    out = quick_runs["whole"][0]  # the default test_ckpt=best, over 2 epochs
     metrics = json.loads((out / "metrics.json").read_text())
     tested = metrics["test_ckpt"]
     assert tested["requested"] == "best" and tested["used"] == "best" and tested["monitor"] == "val/oa"
