@@ -69,7 +69,7 @@ class GradientAveraging(str, enum.Enum):
     ``weighted`` (the strategy's own): each replica's gradient counts in proportion to its share of the global batch,
     which gives exactly the gradient of the global-batch mean loss. ``unweighted``: the plain mean of the per-replica
     mean gradients, as in the 2020 code; biased toward the slow replicas' small batches. A baseline for comparisons,
-    applied by the app (see :func:`lightning_het.app.train.unweighted_gradients`); use it with ``comm=allreduce``.
+    applied by the app (see :func:`lightning_het.app.build.unweighted_gradients`); use it with ``comm=allreduce``.
     """
 
     weighted = "weighted"

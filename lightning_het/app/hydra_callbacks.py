@@ -28,7 +28,7 @@ class OutputDirCheck(Callback):
 
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:
-        from lightning_het.app.train import USER_ERROR_EXIT, _report
+        from lightning_het.app.messages import USER_ERROR_EXIT, report
         from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
 
         try:
@@ -42,5 +42,5 @@ class OutputDirCheck(Callback):
         except OutputDirError as err:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            _report(OutputDirError(f"`{key}`: {err}"))
+            report(OutputDirError(f"`{key}`: {err}"))
             sys.exit(USER_ERROR_EXIT)

@@ -5,6 +5,7 @@ See ``docs/hyperspectral.md`` for the pipeline and the conventions (array layout
 
 from lightning_het.hsi.datamodule import HyperspectralDataModule
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, WindowedPatches
+from lightning_het.hsi.matfile import read_mat_scene
 from lightning_het.hsi.prediction import (
     PredictionMapWriter,
     assemble_class_map,
@@ -18,7 +19,6 @@ from lightning_het.hsi.raster import (
     raster_info,
     read_image,
     read_labels,
-    read_mat_scene,
     write_geotiff,
 )
 from lightning_het.hsi.splits import Split, block_split, footprint_mask, random_split

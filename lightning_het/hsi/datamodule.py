@@ -15,17 +15,16 @@ from rasterio.transform import Affine
 from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError, SingleClassError
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
+from lightning_het.hsi.matfile import is_mat_file, read_mat_scene
 from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
 from lightning_het.hsi.raster import (
     RasterHandle,
     RasterInfo,
     check_alignment,
     check_labels,
-    is_mat_file,
     raster_info,
     read_image,
     read_labels,
-    read_mat_scene,
     read_pixels,
 )
 from lightning_het.hsi.splits import Split, block_split, format_class_counts, random_split
@@ -160,57 +159,16 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         self.image = os.fspath(image) if image is not None else None
         self.labels = os.fspath(labels) if labels is not None else None
         self._mat = self.image is not None and is_mat_file(self.image)
-        if self.image is None:
-            if self.labels is not None:
-                raise ValueError(
-                    f"You set labels={self.labels!r}, but no `image`. HINT: pass the image raster too, or neither to"
-                    " use a synthetic scene."
-                )
-            if in_memory is False:
-                raise ValueError(
-                    "You set in_memory=False, but synthetic scenes exist only in memory. HINT: write one"
-                    " with scripts/make_synthetic_scene.py and pass its files as `image`/`labels`."
-                )
-        elif self._mat:
-            if in_memory is False:
-                raise ValueError(
-                    f"You set in_memory=False, but {self.image!r} is a .mat file, which is read whole."
-                    " HINT: convert it to GeoTIFF for windowed reads."
-                )
-        elif self.labels is None:
-            raise ValueError(
-                f"You set image={self.image!r}, but no `labels` raster. HINT: pass the single-band ground-truth"
-                " raster (0 = unlabelled, 1..C = classes) as `labels`."
-            )
-        if synthetic is not None and self.image is not None:
-            raise ValueError("You set both `image` and `synthetic`. HINT: `synthetic` applies only when image=None.")
+        _check_inputs(self.image, self.labels, mat=self._mat, synthetic=synthetic, in_memory=in_memory)
         if split not in ("random", "blocks"):
             raise ValueError(f"Expected argument `split` to be 'random' or 'blocks', but got {split!r}.")
         self.patch_size = check_patch_size(patch_size)
         self.split = split
         self.train_amount: float | int = _amount("train", train_fraction, train_per_class, allow_zero=False)
         self.val_amount: float | int = _amount("val", val_fraction, val_per_class, allow_zero=True)
-        if (
-            isinstance(self.train_amount, float)
-            and isinstance(self.val_amount, float)
-            and (self.train_amount + self.val_amount >= 1)
-        ):
-            raise ValueError(
-                f"You set train_fraction={self.train_amount} and val_fraction={self.val_amount}, but they must sum"
-                " to less than 1 to leave test pixels. HINT: lower one of them."
-            )
-        _check_int("block_size", block_size, 1)
-        if pca_components != PCA_AUTO:
-            _check_int("pca_components", pca_components, 1, optional=True)
-        _check_int("num_classes", num_classes, 1, optional=True)
-        _check_int("memory_budget", memory_budget, 0, optional=True)
-        if class_names is not None:
-            class_names = [str(n) for n in class_names]
-            if num_classes is not None and len(class_names) != num_classes:
-                raise ValueError(
-                    f"You set num_classes={num_classes}, but gave {len(class_names)} class_names. HINT: give one name"
-                    " per class, or drop `num_classes`."
-                )
+        _check_fractions(self.train_amount, self.val_amount)
+        _check_counts(block_size, pca_components, num_classes, memory_budget)
+        class_names = _check_class_names(class_names, num_classes)
         self.synthetic = dict(synthetic or {})
         self.block_size = block_size
         self.pca_components = pca_components
@@ -292,26 +250,11 @@ class HyperspectralDataModule(HeterogeneousDataModule):
     # ------------------------------------------------------------------ internals
     def _build(self) -> _Scene:
         scene = self._read()
-        labels, source = scene.labels, scene.source
-        labelled = np.nonzero(labels.reshape(-1) > 0)[0]
+        source = scene.source
+        labelled = np.nonzero(scene.labels.reshape(-1) > 0)[0]
         if labelled.size == 0:
             raise NoLabelledPixelsError(source)
-        if scene.cube is not None:
-            valid = valid_mask(scene.cube, scene.nodata)
-        else:  # windowed: read the spectra of the labelled pixels only (needed for the nodata check and the fit)
-            handle = RasterHandle(self.image, "image")  # type: ignore[arg-type]
-            spectra = read_pixels(handle.dataset, *np.divmod(labelled, labels.shape[1]))
-            handle.close()
-            valid = np.zeros(labels.shape, dtype=bool)
-            valid.reshape(-1)[labelled] = valid_mask(spectra.T, scene.nodata)
-        dropped = int(np.count_nonzero(~valid.reshape(-1)[labelled]))
-        if dropped:
-            log.warning(
-                "%d labelled pixels of %s have nodata/NaN spectra and are treated as unlabelled.", dropped, source
-            )
-            labels = np.where(valid, labels, 0)
-            if not np.any(labels > 0):
-                raise NoLabelledPixelsError(source, f"all {dropped} labelled pixels are nodata in the image")
+        valid, labels, spectra = self._drop_nodata(scene, labelled)
 
         present = np.unique(labels[labels > 0])
         if present.size < 2:
@@ -351,6 +294,28 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             class_names=scene.class_names,
             labels_source=source,
         )
+
+    def _drop_nodata(self, scene: _Input, labelled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(valid-pixel mask, labels with nodata pixels unlabelled, spectra of the labelled pixels)``; the spectra
+        are read only for a windowed scene (``None`` for a cube in memory)."""
+        labels, source, spectra = scene.labels, scene.source, None
+        if scene.cube is not None:
+            valid = valid_mask(scene.cube, scene.nodata)
+        else:  # windowed: read the spectra of the labelled pixels only (needed for the nodata check and the fit)
+            handle = RasterHandle(self.image, "image")  # type: ignore[arg-type]
+            spectra = read_pixels(handle.dataset, *np.divmod(labelled, labels.shape[1]))
+            handle.close()
+            valid = np.zeros(labels.shape, dtype=bool)
+            valid.reshape(-1)[labelled] = valid_mask(spectra.T, scene.nodata)
+        dropped = int(np.count_nonzero(~valid.reshape(-1)[labelled]))
+        if dropped:
+            log.warning(
+                "%d labelled pixels of %s have nodata/NaN spectra and are treated as unlabelled.", dropped, source
+            )
+            labels = np.where(valid, labels, 0)
+            if not np.any(labels > 0):
+                raise NoLabelledPixelsError(source, f"all {dropped} labelled pixels are nodata in the image")
+        return valid, labels, spectra
 
     def _read(self) -> _Input:
         """Labels, metadata and (unless patches will be read from the file) the cube, validated."""
@@ -452,6 +417,66 @@ def _check_int(name: str, value: object, minimum: int, optional: bool = False) -
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         extra = " or None" if optional else ""
         raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}{extra}, but got {value!r}.")
+
+
+def _check_inputs(
+    image: str | None, labels: str | None, *, mat: bool, synthetic: dict[str, Any] | None, in_memory: bool | None
+) -> None:
+    """Refuse a combination of inputs that names no scene, or two (one ``ValueError`` with a hint)."""
+    if image is None:
+        if labels is not None:
+            raise ValueError(
+                f"You set labels={labels!r}, but no `image`. HINT: pass the image raster too, or neither to"
+                " use a synthetic scene."
+            )
+        if in_memory is False:
+            raise ValueError(
+                "You set in_memory=False, but synthetic scenes exist only in memory. HINT: write one"
+                " with scripts/make_synthetic_scene.py and pass its files as `image`/`labels`."
+            )
+    elif mat:
+        if in_memory is False:
+            raise ValueError(
+                f"You set in_memory=False, but {image!r} is a .mat file, which is read whole."
+                " HINT: convert it to GeoTIFF for windowed reads."
+            )
+    elif labels is None:
+        raise ValueError(
+            f"You set image={image!r}, but no `labels` raster. HINT: pass the single-band ground-truth"
+            " raster (0 = unlabelled, 1..C = classes) as `labels`."
+        )
+    if synthetic is not None and image is not None:
+        raise ValueError("You set both `image` and `synthetic`. HINT: `synthetic` applies only when image=None.")
+
+
+def _check_counts(block_size: int, pca_components: Any, num_classes: int | None, memory_budget: int | None) -> None:
+    """The integer arguments: positive, ``memory_budget`` non-negative, all but ``block_size`` optional."""
+    _check_int("block_size", block_size, 1)
+    if pca_components != PCA_AUTO:
+        _check_int("pca_components", pca_components, 1, optional=True)
+    _check_int("num_classes", num_classes, 1, optional=True)
+    _check_int("memory_budget", memory_budget, 0, optional=True)
+
+
+def _check_fractions(train: float | int, val: float | int) -> None:
+    """Training and validation fractions must leave test pixels."""
+    if isinstance(train, float) and isinstance(val, float) and (train + val >= 1):
+        raise ValueError(
+            f"You set train_fraction={train} and val_fraction={val}, but they must sum"
+            " to less than 1 to leave test pixels. HINT: lower one of them."
+        )
+
+
+def _check_class_names(class_names: Sequence[str] | None, num_classes: int | None) -> list[str] | None:
+    """``class_names`` as strings, one per class when ``num_classes`` is given."""
+    if class_names is not None:
+        class_names = [str(n) for n in class_names]
+        if num_classes is not None and len(class_names) != num_classes:
+            raise ValueError(
+                f"You set num_classes={num_classes}, but gave {len(class_names)} class_names. HINT: give one name"
+                " per class, or drop `num_classes`."
+            )
+    return class_names
 
 
 def _amount(name: str, fraction: float | None, per_class: int | None, allow_zero: bool) -> float | int:

@@ -67,6 +67,12 @@ def classification_metrics(num_classes: int, prefix: str = "") -> MetricCollecti
 
     Log the collection itself (``self.log_dict(collection, on_epoch=True)``) so that Lightning synchronises the
     counts at epoch end; do not log per-step values.
+
+    Example:
+        >>> metrics = classification_metrics(2, prefix="test/")
+        >>> values = metrics(torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+        >>> {k: round(float(v), 4) for k, v in sorted(values.items())}
+        {'test/aa': 0.875, 'test/kappa': 0.75, 'test/oa': 0.875}
     """
     return MetricCollection(
         {
@@ -80,7 +86,12 @@ def classification_metrics(num_classes: int, prefix: str = "") -> MetricCollecti
 
 def per_class_accuracy(confusion: Tensor) -> Tensor:
     """Per-class accuracy ``M[c, c] / sum(M[c, :])`` from a confusion matrix (rows = reference); NaN for absent
-    classes. Shape ``(C, C) -> (C,)``."""
+    classes. Shape ``(C, C) -> (C,)``.
+
+    Example:
+        >>> per_class_accuracy(torch.tensor([[3, 1], [0, 4]])).tolist()
+        [0.75, 1.0]
+    """
     confusion = confusion.double()
     support = confusion.sum(dim=1)
     diag = torch.diagonal(confusion)
@@ -95,6 +106,10 @@ def summarize_confusion(confusion: Tensor) -> dict[str, float | list[float]]:
 
     Returns:
         ``{"oa": float, "aa": float, "kappa": float, "per_class": [C floats, NaN for absent classes]}``.
+
+    Example:
+        >>> summarize_confusion(torch.tensor([[3, 1], [0, 4]]))
+        {'oa': 0.875, 'aa': 0.875, 'kappa': 0.75, 'per_class': [0.75, 1.0]}
     """
     m = confusion.double()
     n = m.sum()

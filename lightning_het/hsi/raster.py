@@ -4,8 +4,8 @@ Array layout everywhere in this package: image cubes are ``(bands, height, width
 channel-first order), label maps ``(height, width)``. Pixel ``(row, col)`` counts from the top-left corner. Label value
 ``0`` means unlabelled, ``1..C`` are the ``C`` classes.
 
-This module depends on rasterio and numpy only (no torch, no Lightning). ``.mat`` files are read with scipy, imported
-lazily so that scipy stays optional.
+This module depends on rasterio and numpy only (no torch, no Lightning). MATLAB ``.mat`` scenes are read by
+:mod:`lightning_het.hsi.matfile`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from rasterio.windows import Window
 from lightning_het.errors import (
     GeoreferenceMismatchError,
     LabelValueError,
-    MatFileError,
     RasterFormatError,
     RasterNotFoundError,
     ShapeMismatchError,
@@ -38,12 +37,11 @@ __all__ = [
     "RasterHandle",
     "RasterInfo",
     "check_alignment",
+    "check_exists",
     "check_labels",
-    "is_mat_file",
     "raster_info",
     "read_image",
     "read_labels",
-    "read_mat_scene",
     "read_pixels",
     "read_window",
     "reflect_indices",
@@ -93,12 +91,8 @@ class RasterInfo:
         return self.crs is not None or self.transform is not None
 
 
-def is_mat_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a MATLAB file (by its ``.mat`` suffix, case-insensitive)."""
-    return Path(path).suffix.lower() == ".mat"
-
-
-def _check_exists(path: str | os.PathLike, role: str) -> str:
+def check_exists(path: str | os.PathLike, role: str) -> str:
+    """``path`` as a string; a :class:`~lightning_het.errors.RasterNotFoundError` naming ``role`` when it is missing."""
     text = os.fspath(path)
     if not os.path.exists(text):
         raise RasterNotFoundError(text, role)
@@ -116,7 +110,7 @@ def open_raster(path: str | os.PathLike, role: str = "image") -> rasterio.io.Dat
         RasterNotFoundError: the file does not exist.
         RasterFormatError: GDAL cannot open it.
     """
-    text = _check_exists(path, role)
+    text = check_exists(path, role)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotGeoreferencedWarning)
@@ -431,97 +425,3 @@ def write_geotiff(
             if colormap is not None:
                 dst.write_colormap(1, colormap)
     return out
-
-
-def _load_mat(path: str) -> dict[str, np.ndarray]:
-    try:
-        import scipy.io
-    except ImportError as err:  # pragma: no cover - scipy is installed in dev environments
-        raise ImportError(
-            f"Reading the MATLAB file {path!r} needs scipy, which is not installed. HINT: `pip install"
-            " 'lightning-het[mat]'` or convert the file to GeoTIFF."
-        ) from err
-    try:
-        content = scipy.io.loadmat(path)
-    except NotImplementedError as err:  # MATLAB v7.3 (HDF5)
-        raise MatFileError(path, f"scipy cannot read this MATLAB version ({err})") from err
-    except (ValueError, OSError, TypeError) as err:
-        raise MatFileError(path, f"scipy cannot parse it ({err})") from err
-    return {k: np.asarray(v) for k, v in content.items() if not k.startswith("__") and isinstance(v, np.ndarray)}
-
-
-def _pick(arrays: dict[str, np.ndarray], key: str | None, ndim: int, path: str, what: str) -> dict[str, np.ndarray]:
-    shapes = {k: tuple(v.shape) for k, v in arrays.items()}
-    if key is not None:
-        if key not in arrays:
-            raise MatFileError(path, f"the variable {key!r} requested for the {what} is missing", shapes)
-        if arrays[key].ndim != ndim or arrays[key].dtype.kind not in "uif":
-            raise MatFileError(path, f"the variable {key!r} is not a {ndim}-D numeric array", shapes)
-        return {key: arrays[key]}
-    found = {k: v for k, v in arrays.items() if v.ndim == ndim and v.dtype.kind in "uif" and min(v.shape) > 1}
-    if not found:
-        raise MatFileError(path, f"no {ndim}-D numeric array to use as the {what}", shapes)
-    return found
-
-
-def read_mat_scene(
-    image_path: str | os.PathLike,
-    labels_path: str | os.PathLike | None = None,
-    *,
-    image_key: str | None = None,
-    labels_key: str | None = None,
-    num_classes: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Read a hyperspectral cube and its labels from MATLAB ``.mat`` files (as the classic benchmarks circulate).
-
-    Without keys, the cube is the 3-D numeric variable and the labels the 2-D numeric variable whose shape equals two
-    axes of the cube: ``(H, W, B)`` (the usual MATLAB layout, e.g. ``indian_pines_corrected`` 145x145x200 with
-    ``indian_pines_gt`` 145x145) or ``(B, H, W)``. Exactly one such pair must exist.
-
-    Args:
-        image_path: the ``.mat`` holding the cube.
-        labels_path: the ``.mat`` holding the labels; the same file as the image when ``None``.
-        image_key: variable name of the cube, to skip the search.
-        labels_key: variable name of the labels, to skip the search.
-        num_classes: the number of classes; inferred from the labels when ``None``.
-
-    Returns:
-        The cube ``(bands, height, width)`` in its stored dtype, the labels ``(height, width)`` as ``int64`` and the
-        number of classes.
-
-    Raises:
-        RasterNotFoundError: a file does not exist.
-        ImportError: scipy is missing.
-        MatFileError: no (or more than one) matching pair of variables, or an unreadable file.
-        ShapeMismatchError: explicit keys whose shapes disagree.
-        LabelValueError: see :func:`check_labels`.
-    """
-    image_text = _check_exists(image_path, "image")
-    labels_text = _check_exists(labels_path, "labels") if labels_path is not None else image_text
-    image_arrays = _load_mat(image_text)
-    labels_arrays = image_arrays if labels_text == image_text else _load_mat(labels_text)
-    cubes = _pick(image_arrays, image_key, 3, image_text, "image cube")
-    maps = _pick(labels_arrays, labels_key, 2, labels_text, "label map")
-    pairs = []
-    for ck, cube in cubes.items():
-        for lk, lab in maps.items():
-            if cube.shape[:2] == lab.shape:
-                pairs.append((ck, lk, "hwb"))
-            elif cube.shape[1:] == lab.shape:
-                pairs.append((ck, lk, "bhw"))
-    if not pairs:
-        if image_key is not None and labels_key is not None:
-            cube, lab = cubes[image_key], maps[labels_key]
-            raise ShapeMismatchError(image_text, cube.shape[:2], labels_text, lab.shape)
-        shapes = {k: tuple(v.shape) for k, v in {**image_arrays, **labels_arrays}.items()}
-        raise MatFileError(image_text, "no 3-D cube has two axes equal to the shape of a 2-D label map", shapes)
-    if len(pairs) > 1:
-        shapes = {k: tuple(v.shape) for k, v in {**image_arrays, **labels_arrays}.items()}
-        raise MatFileError(image_text, f"several (cube, labels) pairs match: {[p[:2] for p in pairs]}", shapes)
-    ck, lk, layout = pairs[0]
-    cube = cubes[ck]
-    if layout == "hwb":
-        cube = np.ascontiguousarray(np.moveaxis(cube, -1, 0))
-    labels, classes = check_labels(maps[lk], labels_text, num_classes)
-    log.info("Read %s[%r] %s and %s[%r] %s", image_text, ck, cube.shape, labels_text, lk, labels.shape)
-    return cube, labels, classes

@@ -53,7 +53,15 @@ class Split:
 
 
 def format_class_counts(counts: dict[str, list[int]], class_names: list[str] | None = None) -> str:
-    """A small text table of :meth:`Split.class_counts`, one row per class, for logs."""
+    """A small text table of :meth:`Split.class_counts`, one row per class, for logs.
+
+    Example:
+        >>> print(format_class_counts({"train": [1, 1], "val": [0, 0], "test": [3, 2]}, ["grass", "water"]))
+        class      train     val    test
+        grass          1       0       3
+        water          1       0       2
+        total          2       0       5
+    """
     num = len(counts["train"])
     names = class_names or [f"class_{c}" for c in range(1, num + 1)]
     width = max(8, *(len(n) for n in names))
@@ -125,6 +133,14 @@ def random_split(
     Raises:
         NoLabelledPixelsError: no pixel is labelled.
         ClassTooSmallError: a class has fewer pixels than ``n_train + n_val + 1``.
+
+    Example:
+        >>> labels = np.array([[1, 1, 1, 2], [2, 2, 0, 1]])
+        >>> split = random_split(labels, train=1, seed=0)
+        >>> split.train.tolist(), split.test.tolist()
+        ([2, 5], [0, 1, 3, 4, 7])
+        >>> split.class_counts(labels, num_classes=2)
+        {'train': [1, 1], 'val': [0, 0], 'test': [3, 2]}
     """
     _check_amount("train", train, allow_zero=False)
     _check_amount("val", val, allow_zero=True)
@@ -149,7 +165,14 @@ def random_split(
 
 
 def dilate(mask: np.ndarray, radius: int) -> np.ndarray:
-    """Binary dilation of a 2-D mask by a ``(2*radius+1)`` square (Chebyshev ball), separable, clipped at borders."""
+    """Binary dilation of a 2-D mask by a ``(2*radius+1)`` square (Chebyshev ball), separable, clipped at borders.
+
+    Example:
+        >>> dilate(np.eye(3, 4, dtype=bool), 1).astype(int)
+        array([[1, 1, 1, 0],
+               [1, 1, 1, 1],
+               [1, 1, 1, 1]])
+    """
     out = mask.astype(bool)
     if radius <= 0:
         return out.copy()
@@ -165,7 +188,14 @@ def dilate(mask: np.ndarray, radius: int) -> np.ndarray:
 
 def footprint_mask(indices: np.ndarray, shape: tuple[int, int], patch_size: int) -> np.ndarray:
     """Pixels read by the ``patch_size x patch_size`` patches centred on ``indices`` (reflect padding reads nothing
-    outside the patch's own square), as a ``(height, width)`` boolean map."""
+    outside the patch's own square), as a ``(height, width)`` boolean map.
+
+    Example:
+        >>> footprint_mask(np.array([5]), (3, 4), patch_size=3).astype(int)  # pixel 5 is (row 1, col 1)
+        array([[1, 1, 1, 0],
+               [1, 1, 1, 0],
+               [1, 1, 1, 0]])
+    """
     return dilate(_centres(indices, shape), patch_size // 2)
 
 

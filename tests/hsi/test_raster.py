@@ -20,13 +20,13 @@ from lightning_het.errors import (
     RasterNotFoundError,
     ShapeMismatchError,
 )
+from lightning_het.hsi.matfile import read_mat_scene
 from lightning_het.hsi.raster import (
     RasterHandle,
     check_alignment,
     raster_info,
     read_image,
     read_labels,
-    read_mat_scene,
     read_pixels,
     read_window,
     reflect_indices,

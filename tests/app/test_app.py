@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from lightning_het.hsi import HyperspectralDataModule
 from lightning_het.hsi.datamodule import resolve_pca_components
 from lightning_het.hsi.raster import write_geotiff
 from lightning_het.strategy import HeterogeneousStrategy
-from tests.test_cli import run_app
+from tests.app.test_cli import run_app
 
 #: StrategyConfig fields that are not strategy keywords (the app's own switches)
 APP_ONLY_FIELDS = {"_target_", "gradient_averaging", "ddp_kwargs"}
@@ -119,55 +120,66 @@ def test_callback_and_logger_groups_merge_with_the_users(compose_cfg, monkeypatc
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_het.app import train as app_train
+    from lightning_het.app import build as app_build
 
     cfg = compose_cfg(
         "+callbacks.early={_target_: lightning.pytorch.callbacks.EarlyStopping, monitor: val/loss}",
         "+trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]",
     )
-    built = app_train._build_callbacks(cfg)
+    built = app_build._build_callbacks(cfg)
     kinds = [type(c).__name__ for c in built]
     assert kinds == ["ModelCheckpoint", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor"], kinds
     checkpoint, best = built[0], built[1]
     assert isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and isinstance(built[2], EarlyStopping)
     assert best.monitor == "val/oa" and not best.save_last
-    assert app_train._checkpointing(cfg, built) is True
-    assert app_train._checkpointing(compose_cfg("callbacks=none"), []) is False
+    assert app_build._checkpointing(cfg, built) is True
+    assert app_build._checkpointing(compose_cfg("callbacks=none"), []) is False
 
-    loggers = app_train._build_loggers(cfg)
+    loggers = app_build._build_loggers(cfg)
     assert [type(x) for x in loggers] == [CSVLogger]
-    assert app_train._build_loggers(compose_cfg("logger=none")) is False
-    assert app_train._build_loggers(compose_cfg("trainer.logger=false")) is False
+    assert app_build._build_loggers(compose_cfg("logger=none")) is False
+    assert app_build._build_loggers(compose_cfg("trainer.logger=false")) is False
     both = compose_cfg("logger=[csv,tensorboard]")
     assert set(both.logger) == {"csv", "tensorboard"}
 
 
 def test_missing_checkpoint_names_the_file(compose_cfg, tmp_path):
-    from lightning_het.app.train import UserError, _checkpoint_to_resume
+    from lightning_het.app.checks import checkpoint_to_resume
+    from lightning_het.app.messages import UserError
 
     with pytest.raises(UserError, match=r"ckpt_path=.*nope\.ckpt.*HINT"):
-        _checkpoint_to_resume(compose_cfg(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+        checkpoint_to_resume(compose_cfg(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
 
 
-# ------------------------------------------------------------------------------------------------- resume (slow)
-@pytest.mark.slow
-def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
-    """Stop after 1 of 2 epochs (as if killed there: last.ckpt is what survives), resume with ``ckpt_path=``: the
-    weights after epoch 2 equal those of an uninterrupted 2-epoch run (<= 1e-6)."""
+# ------------------------------------------------------------------------------------------- shared app runs (slow)
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """Three runs of ``experiment=quick`` without a map, shared by the tests below (each checks other things):
+    ``whole`` (2 epochs) and ``first`` (1 epoch) side by side, then ``resumed`` (2 epochs from ``first``'s
+    ``last.ckpt``). Maps each name to ``(its output directory, its completed process)``."""
+    root = tmp_path_factory.mktemp("quick_runs")
     common = ["experiment=quick", "prediction_map=false"]
 
-    def run(name: str, *extra: str) -> Path:
-        out = tmp_path / name
-        result = run_app([*common, f"hydra.run.dir={out}", *extra], cwd=tmp_path, timeout=400, module=True)
+    def run(name: str, *extra: str) -> tuple[Path, subprocess.CompletedProcess]:
+        out = root / name
+        result = run_app([*common, f"hydra.run.dir={out}", *extra], cwd=root, timeout=400, module=True)
         assert result.returncode == 0, result.stderr[-4000:]
-        return out
+        return out, result
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent runs: side by side
         whole_run = pool.submit(run, "whole", "trainer.max_epochs=2")
         first_run = pool.submit(run, "first", "trainer.max_epochs=1")
-        whole, first = whole_run.result(), first_run.result()
-    resumed = run("resumed", "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+        runs = {"whole": whole_run.result(), "first": first_run.result()}
+    first = runs["first"][0]
+    runs["resumed"] = run("resumed", "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    return runs
 
+
+@pytest.mark.slow
+def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(quick_runs):
+    """Stop after 1 of 2 epochs (as if killed there: last.ckpt is what survives), resume with ``ckpt_path=``: the
+    weights after epoch 2 equal those of an uninterrupted 2-epoch run (<= 1e-6)."""
+    whole, resumed = quick_runs["whole"][0], quick_runs["resumed"][0]
     reference = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
     final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)  # plain types only
     assert final["global_step"] == reference["global_step"] and final["epoch"] == reference["epoch"]
@@ -178,18 +190,10 @@ def test_a_limited_run_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
     assert json.loads((resumed / "metrics.json").read_text())["epochs"] == 2
 
 
-# ------------------------------------------------------------------------------------------------ console (slow)
 @pytest.mark.slow
-def test_each_lightning_and_strategy_message_is_printed_once(tmp_path):
+def test_each_lightning_and_strategy_message_is_printed_once(quick_runs):
     """Lightning's own console handler and Hydra's root handler both printed every Lightning/strategy record."""
-    out = tmp_path / "run"
-    result = run_app(
-        ["experiment=quick", "trainer.max_epochs=1", "prediction_map=false", f"hydra.run.dir={out}"],
-        cwd=tmp_path,
-        timeout=400,
-        module=True,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    out, result = quick_runs["first"]  # a one-epoch run
     console = result.stdout + result.stderr
     assert console.count("GPU available:") == 1, console  # Lightning's
     assert console.count("HeterogeneousStrategy: profiling on the first") == 1, console  # the strategy's
@@ -212,7 +216,7 @@ class _FakeTrainer:
 
 
 def test_test_ckpt_best_uses_the_monitored_checkpoint():
-    from lightning_het.app.train import _test_checkpoint
+    from lightning_het.app.run import _test_checkpoint
 
     trainer = _FakeTrainer(_FakeCheckpoint(None, ""), _FakeCheckpoint("val/oa", "/run/checkpoints/best.ckpt", 0.75))
     assert _test_checkpoint(trainer, "best") == {
@@ -226,9 +230,9 @@ def test_test_ckpt_best_uses_the_monitored_checkpoint():
 
 
 def test_test_ckpt_best_without_a_monitored_checkpoint_tests_the_last_weights(caplog):
-    from lightning_het.app.train import _test_checkpoint
+    from lightning_het.app.run import _test_checkpoint
 
-    with caplog.at_level(logging.WARNING, logger="lightning_het.app.train"):
+    with caplog.at_level(logging.WARNING, logger="lightning_het.app.run"):
         record = _test_checkpoint(_FakeTrainer(_FakeCheckpoint(None, "")), "best")
     assert record["used"] == "last" and record["path"] is None and "callbacks=none" in record["note"]
     assert "testing the last epoch's weights" in caplog.text
@@ -242,19 +246,16 @@ def test_default_config_tests_the_best_validation_checkpoint(compose_cfg):
 
 
 def test_unknown_test_ckpt_is_refused(compose_cfg):
-    from lightning_het.app.train import UserError, train
+    from lightning_het.app.messages import UserError
+    from lightning_het.app.run import train
 
     with pytest.raises(UserError, match=r"test_ckpt=first"):
         train(compose_cfg("experiment=quick", "test_ckpt=first"))
 
 
 @pytest.mark.slow
-def test_the_run_tests_its_best_validation_epoch(tmp_path):
-    out = tmp_path / "run"
-    result = run_app(
-        ["experiment=quick", "prediction_map=false", f"hydra.run.dir={out}"], cwd=tmp_path, timeout=400, module=True
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_the_run_tests_its_best_validation_epoch(quick_runs):
+    out = quick_runs["whole"][0]  # the default test_ckpt=best, over 2 epochs
     metrics = json.loads((out / "metrics.json").read_text())
     tested = metrics["test_ckpt"]
     assert tested["requested"] == "best" and tested["used"] == "best" and tested["monitor"] == "val/oa"

@@ -26,7 +26,7 @@ from lightning_het.app.config import (
     run_id,
     validate_config,
 )
-from lightning_het.app.train import _is_sweep_only, sweep_job_command
+from lightning_het.app.sweeps import _is_sweep_only, sweep_job_command
 from tests.conftest_hsi import CLASSES, raster_pair
 
 __all__ = ["raster_pair"]

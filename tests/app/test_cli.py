@@ -203,11 +203,12 @@ def _damaged_checkpoint(path: Path, damage: str) -> Path:
 
 @pytest.mark.parametrize("damage", ["truncated", "random"])
 def test_corrupt_checkpoint_is_refused_before_anything_starts(compose_cfg, tmp_path, damage):
-    from lightning_het.app.train import UserError, _checkpoint_to_resume
+    from lightning_het.app.checks import checkpoint_to_resume
+    from lightning_het.app.messages import UserError
 
     path = _damaged_checkpoint(tmp_path / "last.ckpt", damage)
     with pytest.raises(UserError, match="not a readable checkpoint") as info:
-        _checkpoint_to_resume(compose_cfg(f"ckpt_path={path}"))
+        checkpoint_to_resume(compose_cfg(f"ckpt_path={path}"))
     assert str(path) in str(info.value)
 
 
@@ -222,28 +223,28 @@ def test_corrupt_checkpoint_exits_2_naming_the_file(run_main, capsys, tmp_path, 
 def test_a_valid_checkpoint_passes_the_check(tmp_path):
     import torch
 
-    from lightning_het.app.train import _unreadable_checkpoint
+    from lightning_het.app.checks import _unreadable_checkpoint
 
     torch.save({"state_dict": {"w": torch.zeros(3)}, "epoch": 1}, tmp_path / "ok.ckpt")
     assert _unreadable_checkpoint(str(tmp_path / "ok.ckpt")) is None
 
 
 def test_far_more_cpu_replicas_than_cores_is_refused(run_main, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("lightning_het.app.train._usable_cores", lambda: 2)
+    monkeypatch.setattr("lightning_het.app.checks._usable_cores", lambda: 2)
     assert run_main("experiment=quick", "trainer.devices=64", f"hydra.run.dir={tmp_path / 'run'}") == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "trainer.devices=64" in line and "2 usable core(s)" in line and "HINT: use `trainer.devices=2`" in line
 
 
 def test_a_few_more_cpu_replicas_than_cores_warn(compose_cfg, monkeypatch, caplog):
-    from lightning_het.app.train import _check_cpu_replicas
+    from lightning_het.app.checks import check_cpu_replicas
 
-    monkeypatch.setattr("lightning_het.app.train._usable_cores", lambda: 2)
+    monkeypatch.setattr("lightning_het.app.checks._usable_cores", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    with caplog.at_level(logging.WARNING, logger="lightning_het.app.train"):
-        _check_cpu_replicas(compose_cfg("trainer.devices=3"))
-        _check_cpu_replicas(compose_cfg("trainer.devices=8"))  # 4 per core: still accepted
-        _check_cpu_replicas(compose_cfg("trainer.devices=2"))
+    with caplog.at_level(logging.WARNING, logger="lightning_het.app.checks"):
+        check_cpu_replicas(compose_cfg("trainer.devices=3"))
+        check_cpu_replicas(compose_cfg("trainer.devices=8"))  # 4 per core: still accepted
+        check_cpu_replicas(compose_cfg("trainer.devices=2"))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "3 CPU replicas on 2 usable core(s)",
         "8 CPU replicas on 2 usable core(s)",
@@ -276,7 +277,7 @@ class _FakePopen:
 @pytest.mark.parametrize("status", [0, 3])
 def test_each_sweep_job_runs_as_one_single_run(run_main, monkeypatch, capsys, tmp_path, status):
     """Under -m every job becomes `python -m lightning_het.train <job overrides> hydra.run.dir=<job dir>`, no -m."""
-    monkeypatch.setattr("lightning_het.app.train.subprocess.Popen", _FakePopen)
+    monkeypatch.setattr("lightning_het.app.sweeps.subprocess.Popen", _FakePopen)
     monkeypatch.setattr(_FakePopen, "commands", [])
     monkeypatch.setattr(_FakePopen, "status", status)
     sweep = tmp_path / "sweep"
@@ -316,7 +317,7 @@ def test_missing_input_fails_before_anything_is_built(compose_cfg, tmp_path):
 
 
 def test_spawn_start_method_is_refused_with_a_hint(compose_cfg):
-    from lightning_het.app.train import UserError
+    from lightning_het.app.messages import UserError
 
     with pytest.raises(UserError, match=r"start_method=popen"):
         train(compose_cfg("experiment=quick", "strategy.start_method=spawn"))
@@ -387,7 +388,7 @@ def test_unweighted_baseline_cancels_the_strategys_loss_scale():
 
     import torch
 
-    from lightning_het.app.train import unweighted_gradients
+    from lightning_het.app.build import unweighted_gradients
 
     strategy = SimpleNamespace(loss_scale=1.5)  # e.g. replica 2 of batch sizes [2, 4, 6]
     model = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy))

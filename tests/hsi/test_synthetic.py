@@ -14,7 +14,7 @@ from lightning_het.hsi.raster import raster_info, read_image, read_labels
 from lightning_het.hsi.splits import dilate
 from lightning_het.hsi.synthetic import make_synthetic_scene, write_synthetic_scene
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_scene.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_synthetic_scene.py"
 
 
 def test_default_scene_shapes_dtypes_and_georeference():

@@ -65,7 +65,9 @@ def test_uneven_replicas_learn_and_match_one_process():
     model = _model(dm)
     initial = {k: v.clone() for k, v in model.net.state_dict().items()}
     pl.seed_everything(SEED)  # PL_GLOBAL_SEED: the seed of the global batch order
-    strategy = HeterogeneousStrategy(speeds=[1, 3], process_group_backend="gloo", start_method="spawn")
+    # fork: the replicas start from this process as it is, without importing torch and Lightning again (spawn
+    # spent most of the test doing that)
+    strategy = HeterogeneousStrategy(speeds=[1, 3], process_group_backend="gloo", start_method="fork")
     trainer = quiet_trainer(devices=2, strategy=strategy, max_epochs=EPOCHS, num_sanity_val_steps=0)
     trainer.fit(model, dm)  # the parent gets rank 0's weights and logged metrics back
     assert trainer.strategy.batch_sizes == [6, 18]

@@ -50,7 +50,7 @@ def _load_script():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "run_experiments.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "run_experiments.py"
     spec = importlib.util.spec_from_file_location("run_experiments", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
