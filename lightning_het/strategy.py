@@ -42,9 +42,10 @@ from lightning_het._compat import (
 from lightning_het.arguments import check_ddp_keywords, validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
+from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
 from lightning_het.balance.profiling import ProfileCache, cache_key
-from lightning_het.balance.telemetry import BalanceMonitor, MonitorSettings, attach_monitor, telemetry_section
+from lightning_het.balance.report import telemetry_section
 from lightning_het.cluster.accelerators import (
     apply_local_settings,
     configure_devices,

@@ -513,11 +513,11 @@ def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[s
 
 
 def _clock_cost_us(iterations: int = 3000, repeats: int = 5) -> float:
-    """Extra microseconds per step that :class:`~lightning_het.balance.telemetry.StepClock` adds to a tiny autograd step
+    """Extra microseconds per step that :class:`~lightning_het.balance.clock.StepClock` adds to a tiny autograd step
     (best of ``repeats``, single process, no DDP): the telemetry's own per-step cost."""
     import torch
 
-    from lightning_het.balance.telemetry import StepClock
+    from lightning_het.balance.clock import StepClock
 
     w = torch.ones(4, requires_grad=True)
 

@@ -289,7 +289,7 @@ class TestMonitorInterface:
         )  # fmt: skip
 
     def test_decision_goes_to_adopt_allocation_within_the_given_bounds(self) -> None:
-        from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
 
         strategy = _PublicOnlyStrategy([8, 8])
         trainer = self._trainer(0)
@@ -305,7 +305,7 @@ class TestMonitorInterface:
 
     def test_an_epoch_that_mostly_ran_other_splits_is_not_checked(self) -> None:
         """A short first epoch spent profiling (trial splits) has medians at other sizes than the allocation."""
-        from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
 
         strategy = _PublicOnlyStrategy([12, 4])
         trainer = self._trainer(0)
@@ -315,6 +315,6 @@ class TestMonitorInterface:
         assert strategy.adopted == []
 
     def test_off_means_no_monitor(self) -> None:
-        from lightning_het.balance.telemetry import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
 
         assert attach_monitor(_PublicOnlyStrategy([4, 4]), self._trainer(0), MonitorSettings(record=False)) is None

@@ -210,7 +210,7 @@ def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechani
     from lightning.pytorch import Callback
 
     from lightning_het._compat import on_flavour
-    from lightning_het.balance.telemetry import HeterogeneousBalanceCallback
+    from lightning_het.balance.monitor import HeterogeneousBalanceCallback
     from lightning_het.cluster.accelerators import MixedAccelerator
     from lightning_het.reliability.preemption import PreemptionCallback
     from lightning_het.reliability.watchdog import WatchdogCallback

@@ -11,18 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_het.balance import telemetry
-from lightning_het.balance.telemetry import (
-    EpochTimings,
-    StepClock,
-    TelemetryHistory,
-    emulate_slower_device,
-    epoch_summary,
-    format_balance_table,
-    gather_timings,
-    log_epoch_metrics,
-    write_balance_report,
-)
+from lightning_het.balance import clock as clock_module
+from lightning_het.balance import history as history_module
+from lightning_het.balance import report as report_module
+from lightning_het.balance.clock import EpochTimings, StepClock, emulate_slower_device
+from lightning_het.balance.history import TelemetryHistory, epoch_summary, gather_timings
+from lightning_het.balance.report import format_balance_table, log_epoch_metrics, write_balance_report
 from tests.helpers.run_balance import run_balance_job
 from tests.helpers.tiny import burn
 
@@ -159,12 +153,12 @@ class TestEmulateSlowerDevice:
     )
     def test_delay_is_f_minus_one_times_the_work(self, monkeypatch, wall, cpu, expected):
         slept: list[float] = []
-        monkeypatch.setattr(telemetry.time, "sleep", slept.append)
+        monkeypatch.setattr(clock_module.time, "sleep", slept.append)
         assert emulate_slower_device(4.0, wall, cpu) == pytest.approx(expected)
         assert slept == ([pytest.approx(expected)] if expected else [])
 
     def test_factor_one_never_sleeps(self, monkeypatch):
-        monkeypatch.setattr(telemetry.time, "sleep", lambda s: pytest.fail(f"slept {s}"))
+        monkeypatch.setattr(clock_module.time, "sleep", lambda s: pytest.fail(f"slept {s}"))
         assert emulate_slower_device(1.0, 0.5, 0.5) == 0.0
 
 
@@ -199,7 +193,7 @@ class TestSummaryAndHistory:
         assert EpochTimings.from_tensor(t.as_tensor()) == t
 
     def test_history_thins_long_series(self, monkeypatch):
-        monkeypatch.setattr(telemetry, "_MAX_SERIES_POINTS", 10)
+        monkeypatch.setattr(history_module, "_MAX_SERIES_POINTS", 10)
         history = TelemetryHistory()
         for epoch in range(3):
             history.add([_timings([0.1] * 8, [0.0] * 8, 4)] * 2, epoch=epoch, global_step=8 * (epoch + 1))
@@ -237,7 +231,7 @@ def test_report_files(tmp_path, world):
         "global_batch_size": 4 * world,
         "batch_sizes": [4] * world,
         "speeds": [1.0] * world,
-        "telemetry": telemetry._plain(history.as_dict()),
+        "telemetry": report_module._plain(history.as_dict()),
     }
     report["telemetry"]["epochs"][0]["imbalance"] = float("nan")  # must not leak into the JSON
     paths = write_balance_report(report, tmp_path / "out")

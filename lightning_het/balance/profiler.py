@@ -20,7 +20,7 @@ The schedule (:func:`profile_plan`, pure), in steps counted from the first step 
    from ``switch_step = gather_step + 1 + lag`` on, the same step on every rank.
 
 Each replica's compute time of a step is read from the training step clock
-(:class:`~lightning_het.balance.telemetry.StepClock`: the local forward and backward, without the wait in the
+(:class:`~lightning_het.balance.clock.StepClock`: the local forward and backward, without the wait in the
 gradient all-reduce). Global batch ``k`` is always the same set of samples as one process would draw; only its split
 changes, and the sampler, the loss scale and the communication controller all follow the split of the step being
 trained (:class:`~lightning_het.data.sampler.ProportionalDistributedSampler`'s ``split_schedule``).
@@ -250,7 +250,7 @@ class InLoopProfiler:
         world_size: replicas.
         device: where the all-gather's tensors live (the backend's device).
         clock: returns the open step's batch size and compute seconds at the end of a step
-            (:meth:`~lightning_het.balance.telemetry.StepClock.open_step`), or ``None`` when it has none.
+            (:meth:`~lightning_het.balance.clock.StepClock.open_step`), or ``None`` when it has none.
         adopt: called once with ``(costs, batch_sizes)`` when the costs are agreed.
     """
 

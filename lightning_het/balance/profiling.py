@@ -41,8 +41,8 @@ import torch
 
 from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.clock import emulate_slower_device
 from lightning_het.balance.cost import AffineCost, fit_affine
-from lightning_het.balance.telemetry import emulate_slower_device
 
 __all__ = [
     "ProfileCache",
@@ -105,7 +105,7 @@ def time_steps(
         steps: timed steps.
         device: where to synchronise before reading the clock.
         slowdown: emulation factor ``f``; each step's work is stretched ``f``-fold by sleeping, exactly as in training
-            (:func:`~lightning_het.balance.telemetry.emulate_slower_device`).
+            (:func:`~lightning_het.balance.clock.emulate_slower_device`).
         align: called before every step, untimed, on every replica (a barrier): the replicas' steps then start
             together, as in training, where the gradient all-reduce aligns them. Without it the fastest replica ends
             its steps first and the others are timed on an emptier machine (3 replicas sharing 2 cores: the slower

@@ -1,0 +1,242 @@
+"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation.
+
+How a step is split (:class:`StepClock`). For every training batch the strategy reads a monotonic clock at the start
+of ``training_step`` and around every ``backward``. When backward starts, a tensor hook on the loss queues an
+*autograd end-of-backward callback*, which runs before DDP's own (it is queued only when the last gradient bucket is
+ready): at the moment this replica has finished computing its local gradients. Per step, in seconds:
+
+* ``wait_s``: from the end of local backward compute to the return of ``backward()`` (gradient synchronisation).
+* ``compute_s``: the rest of the step from the start of ``training_step`` to the end of its last backward: forward,
+  backward and an emulated slowdown. Data loading and ``optimizer.step`` fall between steps and are not counted.
+* ``step_s``: start of this ``training_step`` to the start of the next one (the last step of an epoch: to the end of
+  its backward), so ``samples_per_s = batch_size / step_s``.
+
+Emulation (``emulate_slowdown``): the clock sleeps ``(f - 1) x`` the forward work after ``training_step`` returns and
+``(f - 1) x`` the backward work in the end-of-backward callback, both before the gradients are synchronised
+(:func:`emulate_slower_device`, also used by Fabric's profiling). Cost: about six clock reads, one tensor hook and one
+autograd callback per step; on CUDA the device is synchronised at the two measurement points. The design narrative is
+in ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd import Variable
+
+__all__ = ["EpochTimings", "StepClock", "emulate_slower_device"]
+
+
+@dataclass
+class EpochTimings:
+    """One replica's per-step timings since the last flush, in seconds (one entry per training batch).
+
+    Attributes:
+        compute_s: busy time of each step (forward, backward, emulated slowdown), seconds.
+        wait_s: time blocked in gradient synchronisation, seconds.
+        step_s: iteration time, seconds.
+        batch_sizes: samples of each step.
+    """
+
+    compute_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.compute_s)
+
+    def as_tensor(self) -> Tensor:
+        """``float64`` tensor of shape ``(steps, 4)``: compute, wait, step seconds and batch size."""
+        rows = list(zip(self.compute_s, self.wait_s, self.step_s, map(float, self.batch_sizes)))
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
+
+    @classmethod
+    def from_tensor(cls, rows: Tensor) -> EpochTimings:
+        """Inverse of :meth:`as_tensor`."""
+        data = rows.detach().cpu().tolist()
+        return cls(
+            compute_s=[r[0] for r in data],
+            wait_s=[r[1] for r in data],
+            step_s=[r[2] for r in data],
+            batch_sizes=[round(r[3]) for r in data],
+        )
+
+
+def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
+    """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay.
+
+    The one slowdown emulation of the package (the step clock and profiling both call it).
+
+    Args:
+        slowdown: emulation factor ``f >= 1`` (1: no delay).
+        wall_s: wall-clock seconds of the work just done.
+        cpu_s: CPU seconds of the process over the same span (CPU replicas), or ``None`` (CUDA: the synchronised wall
+            time is the work). The work is ``min(wall_s, cpu_s)``: time spent descheduled on shared cores is not
+            stretched, and a multi-threaded step (CPU time above wall time) counts its wall time.
+
+    Returns:
+        The delay slept, ``(f - 1) x work`` seconds (``>= 0``).
+    """
+    work = max(wall_s if cpu_s is None else min(wall_s, cpu_s), 0.0)
+    delay = (slowdown - 1.0) * work
+    if delay > 0.0:
+        time.sleep(delay)
+    return max(delay, 0.0)
+
+
+def _cpu_seconds(device: torch.device | None) -> Callable[[], float] | None:
+    """The process CPU clock for a CPU replica, ``None`` for an accelerator (its work is synchronised wall time)."""
+    return time.process_time if device is None or device.type == "cpu" else None
+
+
+class StepClock:
+    """Times one replica's training steps and, optionally, stretches them to emulate slower hardware.
+
+    The strategy calls, for each training batch: :meth:`step_start` when ``training_step`` starts,
+    :meth:`forward_end` when it returns, and :meth:`before_backward` / :meth:`after_backward` around every
+    ``backward`` (inside ``training_step`` under manual optimisation, after it otherwise). A step is closed when the
+    next one starts or on :meth:`flush`.
+
+    Args:
+        slowdown: emulation factor ``f >= 1``: the step's forward and backward compute each take ``f`` times their
+            measured work (the clock sleeps ``(f - 1) x`` the work before the gradients are synchronised; see
+            :func:`emulate_slower_device`). 1.0 disables the emulation.
+        record: keep per-step timings (telemetry). With ``record=False`` the clock only emulates.
+        device: the replica's device; CUDA devices are synchronised before each clock read.
+    """
+
+    __slots__ = (
+        "_backward_call",
+        "_backward_call_cpu",
+        "_backward_start",
+        "_backward_start_cpu",
+        "_cpu",
+        "_cpu_inner",
+        "_cpu_start",
+        "_device",
+        "_end",
+        "_hook",
+        "_inner",
+        "_open",
+        "_ready",
+        "_start",
+        "_step_batch",
+        "_timings",
+        "_wait",
+        "record",
+        "slowdown",
+    )
+
+    def __init__(self, slowdown: float = 1.0, record: bool = True, device: torch.device | None = None) -> None:
+        if not math.isfinite(slowdown) or slowdown < 1.0:
+            raise ValueError(f"Expected argument `slowdown` to be a finite number >= 1, but got {slowdown!r}.")
+        self.slowdown = float(slowdown)
+        self.record = record
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._cpu = _cpu_seconds(device) if self.slowdown != 1.0 else None
+        self._cpu_start = self._cpu_inner = self._backward_call_cpu = self._backward_start_cpu = 0.0
+        self._timings = EpochTimings()
+        self._open = False
+        self._start = self._end = self._inner = self._wait = 0.0
+        self._backward_call = self._backward_start = 0.0
+        self._ready: float | None = None
+        self._hook: Any = None
+        self._step_batch = 0
+
+    def _now(self) -> float:
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ driven by the strategy
+    def step_start(self, batch_size: int) -> None:
+        """A training batch starts (``training_step`` entry); closes the previous step."""
+        now = self._now()
+        if self._open:
+            self._close(now - self._start)
+        self._open = True
+        self._start = self._end = now
+        self._inner = self._wait = 0.0
+        self._cpu_start = self._cpu() if self._cpu is not None else 0.0
+        self._cpu_inner = 0.0
+        self._step_batch = int(batch_size)
+
+    def forward_end(self) -> None:
+        """``training_step`` returned: emulate the slower forward pass."""
+        if not self._open:
+            return
+        now = self._now()
+        if self.slowdown != 1.0:
+            cpu = self._cpu() - self._cpu_start - self._cpu_inner if self._cpu is not None else None
+            emulate_slower_device(self.slowdown, now - self._start - self._inner, cpu)
+            now = time.perf_counter()
+        self._end = now
+
+    def before_backward(self, loss: Tensor) -> None:
+        """``backward(loss)`` is about to run: hook the loss to catch the end of local gradient computation."""
+        self._backward_call = time.perf_counter()
+        if self._cpu is not None:
+            self._backward_call_cpu = self._cpu()
+        self._ready = None
+        if isinstance(loss, Tensor) and loss.requires_grad:
+            self._hook = loss.register_hook(self._on_backward_start)
+
+    def after_backward(self) -> None:
+        """``backward`` returned (gradients synchronised): book the wait."""
+        now = self._now()
+        if self._hook is not None:  # a retained graph backwarded again must not fire this step's hook
+            self._hook.remove()
+            self._hook = None
+        ready = self._ready if self._ready is not None else now
+        self._wait += max(now - ready, 0.0)
+        self._inner += now - self._backward_call
+        if self._cpu is not None:
+            self._cpu_inner += self._cpu() - self._backward_call_cpu
+        self._end = now
+
+    def open_step(self) -> tuple[int, float] | None:
+        """The open step's batch size and compute seconds so far (at the end of a step: its whole compute, the wait
+        in gradient synchronisation left out), or ``None`` when no step is open."""
+        if not self._open:
+            return None
+        return self._step_batch, max(self._end - self._start - self._wait, 0.0)
+
+    def flush(self) -> EpochTimings:
+        """Close the open step and hand over (and forget) everything recorded so far."""
+        if self._open:
+            self._close(self._end - self._start)
+            self._open = False
+        timings, self._timings = self._timings, EpochTimings()
+        return timings
+
+    # ------------------------------------------------------------------ internals
+    def _on_backward_start(self, grad: Tensor) -> None:
+        self._backward_start = time.perf_counter()
+        if self._cpu is not None:
+            self._backward_start_cpu = self._cpu()
+        Variable._execution_engine.queue_callback(self._on_local_backward_done)
+
+    def _on_local_backward_done(self) -> None:
+        now = self._now()
+        if self.slowdown != 1.0:
+            cpu = self._cpu() - self._backward_start_cpu if self._cpu is not None else None
+            emulate_slower_device(self.slowdown, now - self._backward_start, cpu)
+            now = time.perf_counter()
+        self._ready = now
+
+    def _close(self, step_s: float) -> None:
+        if not self.record:
+            return
+        busy = max(self._end - self._start - self._wait, 0.0)
+        t = self._timings
+        t.compute_s.append(busy)
+        t.wait_s.append(self._wait)
+        t.step_s.append(max(step_s, busy + self._wait))
+        t.batch_sizes.append(self._step_batch)

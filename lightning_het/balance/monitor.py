@@ -1,0 +1,368 @@
+"""The per-process driver of telemetry and rebalancing: :class:`BalanceMonitor`, its settings and its callback.
+
+The strategy builds one :class:`BalanceMonitor` per process (:func:`attach_monitor`) from explicit
+:class:`MonitorSettings`; Lightning drives it through :class:`HeterogeneousBalanceCallback`. At an epoch's last batch
+it gathers every replica's timings, logs them and, when a check is due, re-allocates with
+:func:`~lightning_het.balance.rebalance.plan_rebalance`; at the end of ``fit`` rank 0 writes the balance report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_het._compat import on_flavour
+from lightning_het.balance.clock import EpochTimings, StepClock
+from lightning_het.balance.history import TelemetryHistory, gather_timings
+from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, is_check_epoch, plan_rebalance
+from lightning_het.balance.report import log_epoch_metrics, write_balance_report
+
+__all__ = [
+    "BalanceMonitor",
+    "BalancedStrategy",
+    "HeterogeneousBalanceCallback",
+    "MonitorSettings",
+    "attach_monitor",
+    "monitor_callback",
+]
+
+log = logging.getLogger(__name__)
+
+
+class BalancedStrategy(Protocol):
+    """What :class:`BalanceMonitor` uses of the strategy it serves: public state and two public methods, nothing else.
+
+    The monitor never writes the strategy's attributes; a rebalancing decision is handed to
+    :meth:`adopt_allocation`, and the strategy changes its own state there.
+    """
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def batch_sizes(self) -> list[int] | None: ...
+
+    @property
+    def cost_model(self) -> list[Any] | None: ...
+
+    def adopt_allocation(
+        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
+    ) -> None: ...
+
+    def balance_report(self, include_series: bool = False) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The strategy's telemetry and rebalancing settings for one replica, given explicitly to :func:`attach_monitor`.
+
+    Attributes:
+        record: collect telemetry (``telemetry=True`` on the strategy).
+        slowdown: this replica's emulation factor (``>= 1``; ``1.0``: no emulation).
+        every_n_epochs: rebalancing check period in epochs (``None``: see ``threshold``).
+        threshold: imbalance that makes a check act; with ``every_n_epochs=None`` a check runs every epoch.
+        min_batch_size: fewest training samples per replica and step that a new allocation may give (``>= 1``).
+        max_batch_sizes: per-replica upper bounds, indexed by global rank (``None``: unbounded).
+        min_gain: predicted relative step-time gain needed to adopt a new allocation.
+        profile: the fit profiles on its first training steps (the clock then runs even without telemetry).
+    """
+
+    record: bool
+    slowdown: float = 1.0
+    every_n_epochs: int | None = None
+    threshold: float | None = None
+    min_batch_size: int = 1
+    max_batch_sizes: tuple[int, ...] | None = None
+    min_gain: float = DEFAULT_MIN_GAIN
+    profile: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether the monitor has anything to do (telemetry, emulation or in-loop profiling, which reads the step
+        clock); off, training has no per-step cost."""
+        return self.record or self.slowdown != 1.0 or self.profile
+
+
+class BalanceMonitor:
+    """Drives telemetry, rebalancing and the balance report of one strategy in one process.
+
+    Built by the strategy in ``setup`` (in every worker; it holds a reference to the strategy and is not pickled).
+    Lightning calls it through :class:`HeterogeneousBalanceCallback`, which the strategy appends to
+    ``trainer.callbacks``:
+
+    * ``on_train_batch_end`` of an epoch's last batch (every rank): flush the :class:`StepClock`, all-gather every
+      replica's timings (:func:`gather_timings`), add them to the :class:`TelemetryHistory`, send the epoch's figures
+      to the loggers, and, when a check is due, re-allocate with
+      :func:`~lightning_het.balance.rebalance.plan_rebalance` (see :meth:`maybe_rebalance`). Not at
+      ``on_train_epoch_end``: there rank 0's progress bar starts the epoch metrics' ``sync_dist`` reduction alone, and
+      a collective of ours in between would pair with it on the other ranks (a deadlock). An epoch that ends early
+      (``max_steps``, ``should_stop``, ``on_train_batch_start`` returning ``-1``) is gathered when the next one
+      starts, or at ``on_train_end``;
+    * ``on_train_end`` (every rank): gather what is left and let rank 0 write the balance report into
+      ``trainer.log_dir`` (only when the trainer has loggers).
+
+    It reads only the strategy's public interface (:class:`BalancedStrategy`) and the explicit ``settings``.
+
+    Args:
+        strategy: the :class:`~lightning_het.HeterogeneousStrategy` it serves.
+        settings: telemetry, emulation, rebalancing and batch bounds (see :class:`MonitorSettings`).
+    """
+
+    def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
+        self.strategy = strategy
+        self.settings = settings
+        self.record = settings.record
+        self.clock: StepClock | None = (
+            StepClock(settings.slowdown, record=settings.record, device=strategy.root_device)
+            if settings.active
+            else None
+        )
+        self.history = TelemetryHistory()
+        self.every_n_epochs = settings.every_n_epochs
+        self.threshold = settings.threshold
+        self.min_gain = settings.min_gain
+        self.report_paths: dict[str, Path] = {}
+        self._saved_reload_every: int | None = None
+        self._gathered_epoch: int | None = None  # the last epoch gathered at its last batch
+        self._pending_epoch: int | None = None  # an epoch that ended before its last batch, not gathered yet
+
+    @property
+    def rebalancing(self) -> bool:
+        """Whether any rebalancing check is configured."""
+        return self.every_n_epochs is not None or self.threshold is not None
+
+    def reset(self) -> None:
+        """A new ``fit`` starts: forget the previous one's timings."""
+        if self.clock is not None:
+            self.clock.flush()
+        self.history = TelemetryHistory()
+        self.report_paths = {}
+        self._gathered_epoch = self._pending_epoch = None
+
+    def _gather(self, trainer: Any, epoch: int) -> dict[str, Any] | None:
+        local = self.clock.flush() if self.clock is not None else EpochTimings()
+        if not self.record:
+            return None
+        strategy = self.strategy
+        timings = gather_timings(local, strategy.world_size, strategy.root_device)
+        if not any(len(t) for t in timings):
+            return None
+        return self.history.add(timings, epoch=epoch, global_step=trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Any) -> None:
+        """Collective at an epoch's last batch: gather, log and maybe rebalance (see the class docstring)."""
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._end_epoch(trainer, trainer.current_epoch)
+
+    def on_train_epoch_end(self, trainer: Any) -> None:
+        """No collective here (see the class docstring): an epoch not gathered yet is gathered later."""
+        if self._gathered_epoch != trainer.current_epoch:
+            self._pending_epoch = trainer.current_epoch
+
+    def _end_epoch(self, trainer: Any, epoch: int) -> None:
+        self._gathered_epoch = epoch
+        summary = self._gather(trainer, epoch)
+        if summary is None:
+            return
+        log_epoch_metrics(trainer.loggers, summary, step=trainer.global_step)
+        self.maybe_rebalance(trainer, summary, epoch)
+
+    def _end_pending_epoch(self, trainer: Any) -> None:
+        if self._pending_epoch is not None:
+            epoch, self._pending_epoch = self._pending_epoch, None
+            self._end_epoch(trainer, epoch)
+
+    def check_due(self, trainer: Any, epoch: int | None = None) -> bool:
+        """A rebalancing check runs at the end of ``epoch`` (default: the current one), and a next epoch exists to use
+        its result."""
+        if not self.rebalancing:
+            return False
+        epoch = trainer.current_epoch if epoch is None else epoch
+        due = is_check_epoch(epoch, self.every_n_epochs) if self.every_n_epochs is not None else True
+        max_epochs = trainer.max_epochs
+        last_epoch = max_epochs is not None and max_epochs >= 0 and epoch + 1 >= max_epochs
+        max_steps = trainer.max_steps
+        out_of_steps = max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps
+        return due and not (last_epoch or out_of_steps or trainer.should_stop)
+
+    def maybe_rebalance(self, trainer: Any, summary: dict[str, Any], epoch: int | None = None) -> bool:
+        """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows.
+
+        Every rank holds the same gathered ``summary`` and so reaches the same decision. On adoption the decision
+        goes to the strategy's ``adopt_allocation`` (it changes its own allocation and loss scale), and
+        ``trainer.reload_dataloaders_every_n_epochs`` is set to 1 until the next epoch starts, so the fit loop rebuilds
+        the training loader then (``train_dataloader()`` again, through the strategy's ``process_dataloader``) with the
+        new per-replica batch sizes. The current loader stays in place meanwhile, so epoch-end callbacks (checkpoints)
+        still see the finished epoch's sampler. Each global batch is the same as before, only its split changes, so
+        gradients stay exact and step counts equal.
+
+        Returns:
+            Whether the allocation changed.
+        """
+        strategy = self.strategy
+        sizes = strategy.batch_sizes
+        cost_model = strategy.cost_model
+        times = summary["compute_s"]
+        epoch = trainer.current_epoch if epoch is None else epoch
+        if not self.check_due(trainer, epoch) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
+            return False
+        if getattr(strategy, "profiling", False) or list(summary.get("batch_sizes", sizes)) != list(sizes):
+            # still profiling (the fitted split is coming), or the epoch mostly ran other splits (a short epoch spent
+            # profiling): its medians do not describe `sizes`
+            return False
+        decision = plan_rebalance(
+            sizes,
+            times,
+            threshold=self.threshold if self.threshold is not None else DEFAULT_THRESHOLD,
+            min_gain=self.min_gain,
+            min_batch_size=self.settings.min_batch_size,
+            max_batch_sizes=list(self.settings.max_batch_sizes) if self.settings.max_batch_sizes else None,
+            fixed_costs=[c.fixed_s for c in cost_model] if cost_model else None,
+            previous=self._previous_points(sizes),
+            last_times=self._last_times(sizes),
+            recent_times=summary.get("compute_recent_s"),
+        )
+        self.history.record_check(decision.as_dict(), epoch=epoch, global_step=trainer.global_step, old=sizes)
+        if not decision.adopt:
+            log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
+            return False
+        strategy.adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)
+        self._request_reload(trainer)
+        rank_zero_info(
+            f"HeterogeneousStrategy: rebalanced at the end of epoch {epoch}: {sizes} ->"
+            f" {decision.batch_sizes} ({decision.reason})"
+        )
+        return True
+
+    def _last_times(self, sizes: Sequence[int]) -> list[float] | None:
+        """Median compute seconds of the epoch before the current one when it ran the same ``sizes`` (else ``None``):
+        a sudden rise is confirmed by one more check before re-allocating."""
+        if len(self.history.epochs) < 2:
+            return None
+        before = self.history.epochs[-2]
+        times = before["compute_s"]
+        if list(before["batch_sizes"]) != list(sizes) or not all(math.isfinite(t) and t > 0 for t in times):
+            return None
+        return [float(t) for t in times]
+
+    def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
+        """Per replica, ``(batch size, median compute seconds)`` of the latest epoch before the current one that ran a
+        batch size other than ``sizes[r]`` (``None`` if none): the second point of the affine refresh."""
+        out: list[tuple[int, float] | None] = []
+        earlier = self.history.epochs[:-1]
+        for r, b in enumerate(sizes):
+            point = None
+            for epoch in reversed(earlier):
+                size, t = epoch["batch_sizes"][r], epoch["compute_s"][r]
+                if size != b and size > 0 and math.isfinite(t) and t > 0:
+                    point = (int(size), float(t))
+                    break
+            out.append(point)
+        return out
+
+    def _request_reload(self, trainer: Any) -> None:
+        """Make the fit loop rebuild the training loader when the next epoch starts, as
+        ``reload_dataloaders_every_n_epochs`` does; the setting is restored once that happened."""
+        if self._saved_reload_every is None:
+            self._saved_reload_every = trainer.reload_dataloaders_every_n_epochs
+        trainer.reload_dataloaders_every_n_epochs = 1
+
+    def _restore_reload(self, trainer: Any) -> None:
+        if self._saved_reload_every is not None:
+            trainer.reload_dataloaders_every_n_epochs = self._saved_reload_every
+            self._saved_reload_every = None
+
+    def on_train_epoch_start(self, trainer: Any) -> None:
+        """The fit loop has (re)built the training loader for this epoch: restore the user's reload setting; gather
+        an epoch that ended early (a rebalance then applies from the next epoch on)."""
+        self._restore_reload(trainer)
+        self._end_pending_epoch(trainer)
+
+    def on_train_end(self, trainer: Any) -> None:
+        """Collective: gather an epoch that ended early or a trailing partial epoch, then rank 0 writes the balance
+        report (with loggers)."""
+        self._restore_reload(trainer)
+        self._end_pending_epoch(trainer)
+        self._gather(trainer, trainer.current_epoch)
+        if not self.record or not trainer.loggers:
+            return
+        directory = trainer.log_dir  # a broadcast: every rank must ask
+        if trainer.is_global_zero and directory:
+            self.report_paths = write_balance_report(self.strategy.balance_report(include_series=True), directory)
+            rank_zero_info(f"HeterogeneousStrategy: balance report written to {self.report_paths['table']}")
+
+
+class _BalanceCallbackMixin:
+    """Forwards the fit loop's epoch hooks to a :class:`BalanceMonitor` (mixed into the package's ``Callback``)."""
+
+    def __init__(self, monitor: BalanceMonitor) -> None:
+        self.monitor = monitor
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.monitor.on_train_epoch_start(trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.monitor.on_train_batch_end(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.monitor.on_train_epoch_end(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.monitor.on_train_end(trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"monitor": None}  # per-process state (it references the strategy): never travels
+
+
+class HeterogeneousBalanceCallback(_BalanceCallbackMixin, Callback):
+    """Added by :class:`~lightning_het.HeterogeneousStrategy` to ``trainer.callbacks`` (``lightning.pytorch``)."""
+
+
+def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
+    """The callback forwarding ``trainer``'s epoch hooks to ``monitor``.
+
+    Subclasses the ``Callback`` of the package the trainer comes from (``lightning.pytorch``, or the standalone
+    ``pytorch_lightning`` when the trainer is one of its; see :func:`lightning_het._compat.on_flavour`), so the
+    trainer's callback plumbing (ordering, checkpoint state keys) treats it as any other callback.
+    """
+    return on_flavour(HeterogeneousBalanceCallback, trainer)(monitor)
+
+
+def attach_monitor(
+    strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
+) -> BalanceMonitor | None:
+    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``.
+
+    Args:
+        strategy: the strategy the monitor serves (its public interface only, see :class:`BalancedStrategy`).
+        trainer: the Trainer whose ``callbacks`` get the monitor's callback (replacing an older one).
+        settings: this replica's settings, given by the strategy.
+        monitor: the previous fit's monitor, reused (reset) when its settings are the same.
+
+    Returns:
+        The monitor, or ``None`` (no per-step cost at all) when neither telemetry nor emulation is on.
+    """
+    if not settings.active:
+        return None
+    if monitor is None or monitor.settings != settings:
+        monitor = BalanceMonitor(strategy, settings)
+    monitor.reset()
+    callbacks = trainer.callbacks
+    for i, cb in enumerate(callbacks):
+        if isinstance(cb, _BalanceCallbackMixin):
+            callbacks[i] = monitor_callback(monitor, trainer)
+            break
+    else:
+        callbacks.append(monitor_callback(monitor, trainer))
+    return monitor
