@@ -1,5 +1,5 @@
 """Profiling on the first training steps: any training loader, manual optimization, one replica untouched, and the
-speed cache (see also tests/test_inloop_profiling.py)."""
+speed cache (see also tests/balance/test_inloop_profiling.py)."""
 
 from __future__ import annotations
 

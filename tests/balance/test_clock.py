@@ -1,0 +1,153 @@
+"""The step clock (compute vs gradient-sync wait) and the slowdown emulation factor."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_het.balance import clock as clock_module
+from lightning_het.balance.clock import StepClock, emulate_slower_device
+from tests.helpers.tiny import burn
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes ``seconds``: slept, or computed (CPU time) with ``busy``."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, busy):
+        ctx.seconds, ctx.busy = seconds, busy
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (burn if ctx.busy else time.sleep)(ctx.seconds)
+        return grad, None, None
+
+
+@pytest.fixture
+def sleeping_counts_as_computing(monkeypatch):
+    """The process CPU clock reads the wall clock: a step that sleeps is timed as one that computes throughout, so
+    the emulation tests below are exact whatever the machine's load (a real computation would be stretched by it)."""
+    monkeypatch.setattr(time, "process_time", time.perf_counter)
+
+
+def _loss(backward_s: float, sync_s: float, busy: bool = False) -> torch.Tensor:
+    """A loss whose backward computes for ``backward_s`` and then, like DDP, blocks ``sync_s`` in a final callback.
+
+    DDP queues its end-of-backward callback (the one waiting for the all-reduce) when the last gradient is ready; the
+    leaf hook below does the same, so it runs after the clock's callback, as in a real job.
+    """
+    w = torch.ones(3, requires_grad=True)
+
+    def last_gradient_ready(grad):
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: time.sleep(sync_s))
+
+    w.register_hook(last_gradient_ready)
+    return _SlowBackward.apply(w, backward_s, busy).sum()
+
+
+def _automatic_step(clock: StepClock, forward_s: float, backward_s: float, sync_s: float) -> None:
+    clock.step_start(4)
+    time.sleep(forward_s)
+    loss = _loss(backward_s, sync_s)
+    clock.forward_end()
+    clock.before_backward(loss)
+    loss.backward()
+    clock.after_backward()
+
+
+class TestStepClock:
+    @pytest.mark.parametrize("factor", [1.0, 3.0])
+    @pytest.mark.usefixtures("sleeping_counts_as_computing")
+    def test_compute_wait_and_emulation_factor(self, factor):
+        clock = StepClock(slowdown=factor)
+        for _ in range(3):
+            _automatic_step(clock, forward_s=0.03, backward_s=0.02, sync_s=0.03)
+        t = clock.flush()
+        assert len(t) == 3 and t.batch_sizes == [4, 4, 4]
+        compute, wait = sorted(t.compute_s)[1], sorted(t.wait_s)[1]
+        assert factor * 0.05 <= compute <= factor * 0.05 + 0.04  # the slowdown stretches forward and backward ...
+        assert 0.03 <= wait <= 0.07  # ... but happens before the gradient synchronisation
+        assert all(s >= c + w for s, c, w in zip(t.step_s, t.compute_s, t.wait_s))
+
+    @pytest.mark.usefixtures("sleeping_counts_as_computing")
+    def test_manual_optimisation_order(self):
+        """``manual_backward`` inside ``training_step``: the forward sleep excludes the time spent in backward."""
+        clock = StepClock(slowdown=2.0)
+        clock.step_start(8)
+        time.sleep(0.03)
+        loss = _loss(0.02, 0.03)
+        clock.before_backward(loss)
+        loss.backward()
+        clock.after_backward()
+        clock.forward_end()  # training_step returns after its own backward
+        t = clock.flush()
+        assert 0.10 <= t.compute_s[0] <= 0.14
+        assert 0.03 <= t.wait_s[0] <= 0.07
+
+    @pytest.mark.usefixtures("sleeping_counts_as_computing")
+    def test_flush_closes_step_and_record_false_still_emulates(self):
+        clock = StepClock(slowdown=2.0, record=False)
+        start = time.perf_counter()
+        _automatic_step(clock, forward_s=0.02, backward_s=0.01, sync_s=0.0)
+        assert time.perf_counter() - start >= 0.06
+        assert len(clock.flush()) == 0
+        recording = StepClock()
+        _automatic_step(recording, 0.0, 0.0, 0.0)
+        assert len(recording.flush()) == 1 and len(recording.flush()) == 0
+
+    def test_retained_graph_does_not_fire_twice(self):
+        clock = StepClock(slowdown=3.0)
+        w = torch.ones(2, requires_grad=True)
+        clock.step_start(2)
+        loss = (w * 2).sum()
+        clock.forward_end()
+        clock.before_backward(loss)
+        loss.backward(retain_graph=True)
+        clock.after_backward()
+        start = time.perf_counter()
+        loss.backward()  # not through the strategy: no hook may fire
+        assert time.perf_counter() - start < 0.05
+
+    def test_time_off_the_cpu_is_not_stretched(self):
+        """A replica descheduled on shared cores (here: sleeping inside its step) is not slowed down ``f``-fold for
+        it: only the CPU work is stretched, so scheduling noise is not amplified into imbalance."""
+        clock = StepClock(slowdown=4.0)
+        for _ in range(3):
+            clock.step_start(4)
+            time.sleep(0.04)  # off the CPU
+            burn(0.01)
+            loss = _loss(0.01, 0.0, busy=True)
+            clock.forward_end()
+            clock.before_backward(loss)
+            loss.backward()
+            clock.after_backward()
+        compute = sorted(clock.flush().compute_s)[1]
+        assert 0.04 + 4 * 0.02 <= compute <= 0.04 + 4 * 0.02 + 0.07  # the wall-time rule would give >= 0.24
+
+    def test_invalid_slowdown(self):
+        with pytest.raises(ValueError, match="`slowdown`"):
+            StepClock(slowdown=0.5)
+
+
+class TestEmulateSlowerDevice:
+    @pytest.mark.parametrize(
+        ("wall", "cpu", "expected"),
+        [
+            (0.010, None, 0.030),  # an accelerator: the synchronised wall time is the work
+            (0.010, 0.004, 0.012),  # descheduled for 6 ms on shared cores: only the 4 ms of CPU work are stretched
+            (0.010, 0.035, 0.030),  # intra-op threads: CPU time above wall time, the wall time counts
+            (0.0, 0.0, 0.0),
+        ],
+    )
+    def test_delay_is_f_minus_one_times_the_work(self, monkeypatch, wall, cpu, expected):
+        slept: list[float] = []
+        monkeypatch.setattr(clock_module.time, "sleep", slept.append)
+        assert emulate_slower_device(4.0, wall, cpu) == pytest.approx(expected)
+        assert slept == ([pytest.approx(expected)] if expected else [])
+
+    def test_factor_one_never_sleeps(self, monkeypatch):
+        monkeypatch.setattr(clock_module.time, "sleep", lambda s: pytest.fail(f"slept {s}"))
+        assert emulate_slower_device(1.0, 0.5, 0.5) == 0.0

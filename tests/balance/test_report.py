@@ -1,0 +1,56 @@
+"""The balance report: logger metrics, the table, the plot and the files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_het.balance import report as report_module
+from lightning_het.balance.clock import EpochTimings
+from lightning_het.balance.history import TelemetryHistory, epoch_summary
+from lightning_het.balance.report import format_balance_table, log_epoch_metrics, write_balance_report
+
+
+def _timings(compute, wait, batch):
+    return EpochTimings(compute, wait, [c + w + 0.001 for c, w in zip(compute, wait)], [batch] * len(compute))
+
+
+def test_loggers_receive_per_replica_keys():
+    class Logger:
+        def __init__(self):
+            self.calls = []
+
+        def log_metrics(self, metrics, step):
+            self.calls.append((metrics, step))
+
+    logger = Logger()
+    summary = epoch_summary([_timings([0.1], [0.2], 8), _timings([0.3], [0.0], 8)])
+    log_epoch_metrics([logger], summary, step=7)
+    metrics, step = logger.calls[0]
+    assert step == 7 and metrics["het/imbalance"] == pytest.approx(3.0)
+    assert metrics["het/wait_s/rank0"] == pytest.approx(0.2) and metrics["het/batch_size/rank1"] == 8.0
+
+
+@pytest.mark.parametrize("world", [2, 10])
+def test_report_files(tmp_path, world):
+    history = TelemetryHistory()
+    for epoch in range(2):
+        history.add([_timings([0.1 * (r + 1)] * 5, [0.05] * 5, 4) for r in range(world)], epoch=epoch, global_step=5)
+    history.record_check(
+        {"adopt": True, "batch_sizes": [4] * world, "reason": "test"}, epoch=0, global_step=5, old=[4] * world
+    )
+    report = {
+        "global_batch_size": 4 * world,
+        "batch_sizes": [4] * world,
+        "speeds": [1.0] * world,
+        "telemetry": report_module._plain(history.as_dict()),
+    }
+    report["telemetry"]["epochs"][0]["imbalance"] = float("nan")  # must not leak into the JSON
+    paths = write_balance_report(report, tmp_path / "out")
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loaded = json.loads(paths["json"].read_text())  # strict JSON: no NaN
+    assert loaded["telemetry"]["epochs"][0]["imbalance"] is None
+    table = paths["table"].read_text()
+    assert "| 0 | 4 |" in table and "end of epoch 0" in table
+    assert format_balance_table({"batch_sizes": []}).startswith("HeterogeneousStrategy: no allocation")
