@@ -56,6 +56,9 @@ class BalancedStrategy(Protocol):
     @property
     def cost_model(self) -> list[Any] | None: ...
 
+    @property
+    def profiling(self) -> bool: ...
+
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None: ...
@@ -217,7 +220,7 @@ class BalanceMonitor:
         epoch = trainer.current_epoch if epoch is None else epoch
         if not self.check_due(trainer, epoch) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
             return False
-        if getattr(strategy, "profiling", False) or list(summary.get("batch_sizes", sizes)) != list(sizes):
+        if strategy.profiling or list(summary.get("batch_sizes", sizes)) != list(sizes):
             # still profiling (the fitted split is coming), or the epoch mostly ran other splits (a short epoch spent
             # profiling): its medians do not describe `sizes`
             return False

@@ -289,13 +289,17 @@ class ProfileCache:
             return
 
 
+#: a torchmetrics ``Metric``'s bookkeeping besides its declared states; torchmetrics has no public setter for them
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
+
+
 def _metric_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The torchmetrics ``Metric`` submodules (their accumulated states are not in ``state_dict``)."""
-    return [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
+    return [m for m in module.modules() if hasattr(m, "metric_state") and hasattr(m, "update_count")]
 
 
 def _metric_state(metric: Any) -> dict[str, Any]:
-    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
+    names = [*metric.metric_state, *_METRIC_BOOKKEEPING]
     return {name: copy.deepcopy(getattr(metric, name)) for name in names if hasattr(metric, name)}
 
 

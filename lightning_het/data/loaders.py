@@ -89,6 +89,15 @@ def _unwrap(sampler: Any) -> Any:
     return inner if inner is not None else sampler
 
 
+def _draws_one_permutation(sampler: RandomSampler) -> bool:
+    """A ``RandomSampler`` without replacement draws one permutation of its data per epoch: its ``num_samples`` is the
+    data's length (the default, or the same number passed explicitly)."""
+    try:
+        return sampler.num_samples == len(sampler.data_source)  # type: ignore[arg-type]
+    except TypeError:  # a data source without a length
+        return False
+
+
 def training_order(dataloader: DataLoader) -> TrainingOrder:
     """The order one process would draw from ``dataloader`` (after Lightning's sampler injection).
 
@@ -105,7 +114,7 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
         sampler, drop_last = batch_sampler.sampler, bool(batch_sampler.drop_last)
     if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
         return TrainingOrder(bool(sampler.shuffle), int(sampler.seed), drop_last=drop_last)
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+    if type(sampler) is RandomSampler and not sampler.replacement and _draws_one_permutation(sampler):
         return TrainingOrder(True, default_seed, drop_last=drop_last)
     if type(sampler) is SequentialSampler:
         return TrainingOrder(False, default_seed, drop_last=drop_last)

@@ -228,14 +228,16 @@ class ProportionalDistributedSampler(DistributedSampler):
             begin = k * batch + sum(sizes[: self.rank])
             yield order[begin : begin + sizes[self.rank]]
 
-    def _start_step(self) -> int:
+    def take_start_step(self) -> int:
+        """The global batch this epoch's iteration starts from: the resumed step once, for the resumed epoch only
+        (consumed by the call), else 0."""
         start = 0
         if self._skip is not None and self._skip[0] == self.epoch:  # one-shot: the resumed epoch only
             start, self._skip = self._skip[1], None
         return start
 
     def __iter__(self) -> Iterator[Any]:
-        return iter([i for step in self.epoch_batches(self._start_step()) for i in step])
+        return iter([i for step in self.epoch_batches(self.take_start_step()) for i in step])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -254,7 +256,7 @@ class ProportionalBatchSampler(BatchSampler):
 
     def __iter__(self) -> Iterator[list[Any]]:
         sampler: ProportionalDistributedSampler = self.sampler  # type: ignore[assignment]
-        return sampler.iter_batches(sampler._start_step())
+        return sampler.iter_batches(sampler.take_start_step())
 
     def __len__(self) -> int:
         return self.sampler.num_steps  # type: ignore[attr-defined]

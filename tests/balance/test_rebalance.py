@@ -257,7 +257,7 @@ class _PublicOnlyStrategy:
     """The strategy as the balance monitor may see it: public state and ``adopt_allocation`` only (``__slots__``:
     reading or writing any private attribute raises ``AttributeError``)."""
 
-    __slots__ = ("adopted", "batch_sizes", "cost_model", "root_device", "world_size")
+    __slots__ = ("adopted", "batch_sizes", "cost_model", "profiling", "root_device", "world_size")
 
     def __init__(self, batch_sizes: list[int]) -> None:
         import torch
@@ -266,6 +266,7 @@ class _PublicOnlyStrategy:
         self.cost_model = None
         self.root_device = torch.device("cpu")
         self.world_size = len(batch_sizes)
+        self.profiling = False
         self.adopted: list[tuple[list[int], list[float]]] = []
 
     def adopt_allocation(self, batch_sizes, speeds, costs=None) -> None:

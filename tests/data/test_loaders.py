@@ -40,6 +40,14 @@ class TestTrainingOrder:
         assert training_order(DataLoader(data, batch_size=2, sampler=weighted)).sampler is weighted
         with_replacement = RandomSampler(data, replacement=True)
         assert training_order(DataLoader(data, batch_size=2, sampler=with_replacement)).sampler is with_replacement
+        fewer = RandomSampler(data, num_samples=6)
+        assert training_order(DataLoader(data, batch_size=2, sampler=fewer)).sampler is fewer
+
+    def test_random_sampler_of_one_permutation_is_a_plain_shuffle(self):
+        data = make_dataset(10)
+        for sampler in (RandomSampler(data), RandomSampler(data, num_samples=10)):
+            order = training_order(DataLoader(data, batch_size=2, sampler=sampler))
+            assert order.shuffle is True and order.sampler is None
 
     def test_plain_batch_sampler_is_read_as_sampler_and_batch_size(self):
         data = make_dataset(10)
