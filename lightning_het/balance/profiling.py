@@ -319,7 +319,7 @@ def preserved_training_state(
     metrics = _metric_modules(module)
     metric_states = [_metric_state(m) for m in metrics]
     # a CPU replica of a mixed CPU/GPU job has not initialised CUDA: reading the CUDA RNG would create a context on
-    # every GPU (#8); a replica that has not touched CUDA has no CUDA RNG state to protect either
+    # every GPU; a replica that has not touched CUDA has no CUDA RNG state to protect either
     rng_states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
     try:
         yield

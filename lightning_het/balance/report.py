@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_het.balance.monitor import BalanceMonitor
 
-__all__ = ["format_balance_table", "log_epoch_metrics", "plot_balance", "telemetry_section", "write_balance_report"]
+__all__ = [
+    "balance_report_paths",
+    "format_balance_table",
+    "log_epoch_metrics",
+    "plot_balance",
+    "telemetry_section",
+    "write_balance_report",
+]
 
 
 def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int) -> None:
@@ -126,15 +133,21 @@ def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[str, Path]:
-    """Write ``balance_report.json``, ``balance_report.md`` (table) and ``balance_report.png`` into ``directory``."""
+def balance_report_paths(directory: str | Path) -> dict[str, Path]:
+    """Where :func:`write_balance_report` puts its files in ``directory``, keyed ``json``, ``table`` and ``plot``."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
+    return {
         "json": out / "balance_report.json",
         "table": out / "balance_report.md",
         "plot": out / "balance_report.png",
     }
+
+
+def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[str, Path]:
+    """Write ``balance_report.json``, ``balance_report.md`` (table) and ``balance_report.png`` into ``directory``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = balance_report_paths(out)
     paths["json"].write_text(json.dumps(_plain(report), indent=1) + "\n")
     paths["table"].write_text(format_balance_table(report) + "\n")
     plot_balance(report, paths["plot"])

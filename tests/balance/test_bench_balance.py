@@ -1,4 +1,4 @@
-"""`scripts/bench_balance.py` end to end in its CI-sized mode (#6): the plumbing, not the figures (noise here)."""
+"""`scripts/bench_balance.py` end to end in its CI-sized mode: the plumbing, not the figures (noise here)."""
 
 from __future__ import annotations
 

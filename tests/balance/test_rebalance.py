@@ -1,4 +1,4 @@
-"""Semi-dynamic rebalancing: the pure decision (hysteresis, convergence) and the strategy end to end (#6)."""
+"""Semi-dynamic rebalancing: the pure decision (hysteresis, convergence) and the strategy end to end."""
 
 from __future__ import annotations
 

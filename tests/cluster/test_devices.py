@@ -1,4 +1,4 @@
-"""Device maps (#8): parsing, backend choice, CPU threads, MixedAccelerator and the strategy wiring.
+"""Device maps: parsing, backend choice, CPU threads, MixedAccelerator and the strategy wiring.
 
 No GPU is available here: CUDA replicas are tested with *faked* maps (``torch.cuda.device_count`` /
 ``is_available`` monkeypatched) up to the point where a real GPU would be touched (``torch.cuda.set_device`` and
