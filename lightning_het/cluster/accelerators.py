@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.accelerators import Accelerator
@@ -30,6 +30,7 @@ from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memo
 from lightning_het.cluster.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 __all__ = [
+    "DeviceStrategy",
     "MixedAccelerator",
     "apply_local_settings",
     "configure_devices",
@@ -207,7 +208,41 @@ def mixed_accelerator_kwargs(
     return {**kwargs, "accelerator": mixed_accelerator_class(strategy_cls)(device_map, cpu_threads=cpu_threads)}
 
 
-def _check_precision(strategy: Any, plan: DevicePlan) -> None:
+class DeviceStrategy(Protocol):
+    """What the device functions below use of the strategy: Lightning's public strategy attributes (and, when a device
+    map is set, its ``device_plan``); ``parallel_devices`` is the one attribute they set."""
+
+    parallel_devices: list[torch.device] | None
+
+    @property
+    def accelerator(self) -> Any: ...
+
+    @property
+    def cluster_environment(self) -> Any: ...
+
+    @property
+    def precision_plugin(self) -> Any: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def process_group_backend(self) -> str | None: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+def _check_precision(strategy: DeviceStrategy, plan: DevicePlan) -> None:
     plugin = getattr(strategy, "precision_plugin", None)
     names = {c.__name__ for c in type(plugin).__mro__}
     has_cpu = any(d.type == "cpu" for d in plan.global_devices)
@@ -219,7 +254,7 @@ def _check_precision(strategy: Any, plan: DevicePlan) -> None:
         )
 
 
-def configure_devices(strategy: Any) -> DevicePlan | None:
+def configure_devices(strategy: DeviceStrategy) -> DevicePlan | None:
     """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``.
 
     Called from the strategy's ``_configure_launcher`` at ``Trainer`` construction, in the launching process (and in
@@ -249,7 +284,7 @@ def configure_devices(strategy: Any) -> DevicePlan | None:
     return plan
 
 
-def apply_local_settings(strategy: Any) -> None:
+def apply_local_settings(strategy: DeviceStrategy) -> None:
     """In each worker: this replica's intra-op threads, and its own autocast device under ``bf16-mixed``.
 
     Overrides Lightning's ``OMP_NUM_THREADS = cores // processes`` (set by its launchers when unset) with the plan's
@@ -269,7 +304,7 @@ def apply_local_settings(strategy: Any) -> None:
 
 
 @contextmanager
-def unbound_process_group(strategy: Any) -> Iterator[None]:
+def unbound_process_group(strategy: DeviceStrategy) -> Iterator[None]:
     """Around ``setup_distributed``: in a mixed job, no rank binds a device to the default process group.
 
     Lightning passes ``init_process_group(device_id=root_device)`` on non-CPU ranks. A bound device makes torch create
@@ -289,7 +324,7 @@ def unbound_process_group(strategy: Any) -> Iterator[None]:
         strategy.parallel_devices = devices
 
 
-def device_labels(strategy: Any) -> list[str]:
+def device_labels(strategy: DeviceStrategy) -> list[str]:
     """The device of every global rank, as text (node-major ranks under a map; the local devices repeated otherwise)."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is not None:
