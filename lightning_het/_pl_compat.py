@@ -9,7 +9,8 @@ from __future__ import annotations
 from pytorch_lightning.strategies import DDPStrategy as _PLDDPStrategy
 
 from lightning_het._compat import flavour_private
-from lightning_het.strategy import AllocationResultsMixin, HeterogeneousStrategyBase
+from lightning_het.reliability.launcher import AllocationResultsMixin
+from lightning_het.strategy import HeterogeneousStrategyBase
 
 _PLMultiProcessingLauncher = flavour_private(
     "pytorch_lightning", "strategies.launchers.multiprocessing", "_MultiProcessingLauncher"

@@ -205,7 +205,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             )
         ddp_model = super().setup_module(module)
         assert self._node_ids is not None
-        self._comm_controller = self._new_comm_controller(resolve_comm_mode(self._comm, self._node_ids))
+        self._comm_controller = self._new_comm_controller(resolve_comm_mode(self._config.comm, self._node_ids))
         self._comm_controller.register(ddp_model)
         self._ddp_model = ddp_model
         return ddp_model
@@ -285,14 +285,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
                 " HINT: build it with `drop_last=True`."
             )
-        self.adopt_allocation(sizes, self._speeds_arg or [float(b) for b in sizes])
+        self.adopt_allocation(sizes, self._config.speeds or [float(b) for b in sizes])
         self._steps_per_epoch = sampler.num_steps
         return dataloader
 
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
         """Allocate (profiling when needed) and rebuild the loader around this replica's proportional sampler."""
         order = training_order(dataloader)
-        global_batch = self._global_batch_size_arg
+        global_batch = self._config.global_batch_size
         if global_batch is None:
             if dataloader.batch_size is None:
                 raise ValueError(
@@ -333,14 +333,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             self._profile_seconds = time.perf_counter() - start
             return cached
         world, rank = self.world_size, self.global_rank
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
         equal_split = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)
         rough = [1.0] * world
-        if self._profile_warmup:
+        if self._config.profile_warmup:
             # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
             warm_sizes = [max(self._train_min_batch_size, 1, -(-b // 4)) for b in equal_split]
             warm = self._time_local_steps(
-                dataloader, warm_sizes, shuffle, seed, steps=self._profile_warmup, order=order_sampler
+                dataloader, warm_sizes, shuffle, seed, steps=self._config.profile_warmup, order=order_sampler
             )
             local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
             rough = [r[0] for r in self._all_gather_floats([local])]
@@ -351,7 +351,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             (
                 sizes[rank],
                 self._time_local_steps(
-                    dataloader, sizes, shuffle, seed, steps=self._profile_steps, order=order_sampler
+                    dataloader, sizes, shuffle, seed, steps=self._config.profile_steps, order=order_sampler
                 ),
             )
             for sizes in (small, large)

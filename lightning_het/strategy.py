@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import inspect
-import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,7 +28,6 @@ from typing_extensions import override
 from lightning_het._compat import (
     _BatchNorm,
     _init_dist_connection,
-    _MultiProcessingLauncher,
     _register_ddp_comm_hook,
     attached_trainer,
     cached_validation_loader,
@@ -39,7 +35,7 @@ from lightning_het._compat import (
     record_loader_arguments,
     uses_distributed_sampler,
 )
-from lightning_het.arguments import check_ddp_keywords, validate_strategy_arguments
+from lightning_het.arguments import check_ddp_keywords
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
@@ -59,6 +55,7 @@ from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.comm.modes import CommChoice
+from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.loaders import (
     as_batch_size,
     batch_sampler_error,
@@ -84,6 +81,7 @@ from lightning_het.reliability.checkpointing import (
     resumed_global_batch_size,
     synchronize_before_save,
 )
+from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
 from lightning_het.reliability.preemption import (
     DEFAULT_GRACE,
     PreemptionHandler,
@@ -104,74 +102,8 @@ from lightning_het.reliability.watchdog import (
 
 __all__ = ["HeterogeneousStrategy"]
 
-log = logging.getLogger(__name__)
 
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
-
-
-_WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit
-
-
-class _ExitCleanup:
-    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
-
-    Lightning never destroys the process group (a script may fit again). Left alive until interpreter shutdown, torch
-    tears the group, its Gloo threads and the rendezvous store down during finalisation, in no particular order; a
-    thread object destroyed while still joinable then aborts the process ("terminate called without an active
-    exception", exit status -6) after a successful run. Destroying the group from an ``atexit`` handler, while the
-    interpreter is still whole, joins those threads in order. After a failed run the group may hold a collective that
-    never completes, so it is left alone (the watchdog ends such processes).
-    """
-
-    registered = False
-    clean = True
-
-    @classmethod
-    def register(cls) -> None:
-        if not cls.registered:
-            atexit.register(cls.run)
-            cls.registered = True
-
-    @classmethod
-    def run(cls) -> None:
-        if cls.clean and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as err:  # never turn a finished run into a failure at exit
-                log.debug("lightning-het: destroying the process group at exit failed: %s", err)
-            # a Gloo worker thread may still hold the last collective's tensors; it needs the GIL to free them, and a
-            # thread that asks for it once finalisation has begun is ended by a forced unwind that aborts the process
-            time.sleep(_WORKER_DRAIN_S)
-
-
-class AllocationResultsMixin:
-    """Spawn/fork launcher mixin that also sends the allocation back to the parent process, and checks a multi-node
-    job's rendezvous variables before it starts the workers."""
-
-    #: multi-node rendezvous variables are checked at launch, not at Trainer construction
-    validates_launch_environment = True
-
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        strategy = self._strategy  # type: ignore[attr-defined]
-        validate_launch_environment(strategy.num_nodes, strategy.cluster_environment)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
-
-    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
-        extra = super().get_extra_results(trainer)  # type: ignore[misc]
-        strategy = trainer.strategy
-        if isinstance(strategy, HeterogeneousStrategyBase):
-            extra["lightning_het"] = strategy._export_allocation()
-        return extra
-
-    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
-        super().update_main_process_results(trainer, extra)  # type: ignore[misc]
-        strategy = trainer.strategy
-        if isinstance(strategy, HeterogeneousStrategyBase) and extra.get("lightning_het"):
-            strategy._import_allocation(extra["lightning_het"])
-
-
-class _HeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _MultiProcessingLauncher):
-    pass
 
 
 class HeterogeneousStrategyBase:
@@ -259,7 +191,7 @@ class HeterogeneousStrategyBase:
 
     strategy_name = "heterogeneous"
     #: launcher class used for ``start_method`` spawn/fork/forkserver (set by the concrete class)
-    _spawn_launcher_cls: type = _HeterogeneousMultiProcessingLauncher
+    _spawn_launcher_cls: type = HeterogeneousMultiProcessingLauncher
     #: whether a Lightning ``Trainer`` drives this strategy (set by each concrete class, whatever its package:
     #: ``lightning.pytorch`` or the standalone ``pytorch_lightning``). A Trainer strategy gets the hung/dead-replica
     #: watchdog from ``setup_environment`` on and, under ``popen``, the
@@ -292,8 +224,8 @@ class HeterogeneousStrategyBase:
         preemption_grace: float = DEFAULT_GRACE,
         **kwargs: Any,
     ) -> None:
-        # every value check of our keywords, the same function the app's config schema calls
-        args = validate_strategy_arguments(
+        # every value check of our keywords (the validators the app's config schema calls too)
+        self._config = config = HeterogeneousConfig.from_keywords(
             global_batch_size=global_batch_size,
             speeds=speeds,
             min_batch_size=min_batch_size,
@@ -318,38 +250,22 @@ class HeterogeneousStrategyBase:
         validate_comm_args(comm, global_sync_every, comm_warmup_steps)  # its warnings for settings that do nothing
         # a misspelt DDP keyword or an unknown backend would otherwise fail only after the launch
         check_ddp_keywords(type(self), list(inspect.signature(HeterogeneousStrategyBase.__init__).parameters), kwargs)
-        if args["timeout"] is not None:
-            kwargs["timeout"] = args["timeout"]  # seconds or timedelta (#7)
-        self._startup_timeout = args["startup_timeout"]
-        self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown (#7)
-        self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed (#7)
+        if config.timeout is not None:
+            kwargs["timeout"] = config.timeout  # seconds or timedelta
+        self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown
+        self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed
         # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
-        self._preemption_grace = args["preemption_grace"]
-        self._preemption_checkpoint = args["preemption_checkpoint"]  # a path, None (default) or False (no save)
         self._preemption: PreemptionHandler | None = None
-        kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator (#8)
+        kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator
         super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
-        self._global_batch_size_arg = args["global_batch_size"]
-        self._speeds_arg = args["speeds"]
-        self._min_batch_size = args["min_batch_size"]
-        self._max_batch_sizes = args["max_batch_sizes"]
-        self._node_ids_arg = args["node_ids"]
-        self._comm = comm
-        self._global_sync_every = global_sync_every
-        self._comm_warmup_steps = comm_warmup_steps
-        self._comm_autotune_steps = args["comm_autotune_steps"]
         self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
-        self._emulate_slowdown = args["emulate_slowdown"]
-        self._profile_steps = args["profile_steps"]
-        self._profile_warmup = args["profile_warmup"]
         # set once the allocation is known (in the worker processes, and in the parent after spawn)
         self._batch_sizes: list[int] | None = None
         self._speeds: list[float] | None = None
         self._node_ids: list[int] | None = None
         self._global_batch_size: int | None = None
         self._loss_scale = 1.0
-        self._profile_cache_arg = profile_cache
         self._profile_cached = False  # the last allocation's costs came from the cache
         self._profiler: InLoopProfiler | None = None  # the fit's in-loop profiling (balance/profiler.py)
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
@@ -361,16 +277,18 @@ class HeterogeneousStrategyBase:
         #: (the loader set-up of this fit it belongs to, the global batch of its first training loader)
         self._train_pass: tuple[Any, int] | None = None
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
-        # telemetry and semi-dynamic rebalancing (#6); the monitor is built per process in `setup`
-        self._rebalance_every_n_epochs = args["rebalance_every_n_epochs"]
-        self._rebalance_threshold = args["rebalance_threshold"]
-        self._telemetry = telemetry
+        # telemetry and semi-dynamic rebalancing; the monitor is built per process in `setup`
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self._own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
         self._sockets_set: list[str] = []  # socket variables this Trainer call set in os.environ (unset at teardown)
 
     # ------------------------------------------------------------------ public state
+    @property
+    def config(self) -> HeterogeneousConfig:
+        """The validated keywords of this strategy (frozen)."""
+        return self._config
+
     @property
     def batch_sizes(self) -> list[int] | None:
         """Samples per step of every replica, indexed by global rank (``None`` before the allocation)."""
@@ -393,7 +311,7 @@ class HeterogeneousStrategyBase:
     @property
     def speeds_given(self) -> bool:
         """Whether the user gave ``speeds`` (``False``: they are, or will be, profiled)."""
-        return self._speeds_arg is not None
+        return self._config.speeds is not None
 
     @property
     def node_ids(self) -> list[int] | None:
@@ -450,7 +368,7 @@ class HeterogeneousStrategyBase:
         strategy and on the default process group's collectives and store. The only place that changes the
         strategy's timeout."""
         timeout = self._timeout
-        startup = rendezvous_timeout(timeout, self._startup_timeout)
+        startup = rendezvous_timeout(timeout, self._config.startup_timeout)
         if startup is None:
             yield
             return
@@ -484,10 +402,10 @@ class HeterogeneousStrategyBase:
         if world < 1:
             return
         for name, values in (
-            ("speeds", self._speeds_arg),
-            ("max_batch_sizes", self._max_batch_sizes),
-            ("node_ids", self._node_ids_arg),
-            ("emulate_slowdown", self._emulate_slowdown),
+            ("speeds", self._config.speeds),
+            ("max_batch_sizes", self._config.max_batch_sizes),
+            ("node_ids", self._config.node_ids),
+            ("emulate_slowdown", self._config.emulate_slowdown),
         ):
             if values is not None and len(values) != world:
                 raise ValueError(
@@ -495,21 +413,21 @@ class HeterogeneousStrategyBase:
                     f" (num_nodes={self.num_nodes} x devices={self.num_processes}). HINT: give one entry per global"
                     " rank."
                 )
-        if self._global_batch_size_arg is not None:
+        if self._config.global_batch_size is not None:
             # raises ValueError naming global_batch_size / max_batch_sizes when the bounds cannot hold it
             allocate_batch_sizes(
-                self._global_batch_size_arg,
-                self._speeds_arg or [1.0] * world,
-                min_batch_size=self._min_batch_size,
-                max_batch_sizes=self._max_batch_sizes,
+                self._config.global_batch_size,
+                self._config.speeds or [1.0] * world,
+                min_batch_size=self._config.min_batch_size,
+                max_batch_sizes=self._config.max_batch_sizes,
             )
 
     @override
     def _configure_launcher(self) -> None:
         # registered before the launcher's own exit handlers, so it runs after them (after the launching process has
         # waited for its replicas): no "terminate called without an active exception" at interpreter exit
-        _ExitCleanup.register()
-        self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads (#8)
+        ExitCleanup.register()
+        self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
         self._validate_against_world()
@@ -528,7 +446,7 @@ class HeterogeneousStrategyBase:
 
     @override
     def setup_environment(self) -> None:
-        apply_local_settings(self)  # device map: this replica's intra-op threads (#8)
+        apply_local_settings(self)  # device map: this replica's intra-op threads
         super().setup_environment()
         if self._trainer_loop:  # the Trainer's loops (either package): watched from here on, setup hooks to teardown
             self._watchdog = start_watchdog(self, self._timeout, self._trainer())
@@ -544,13 +462,13 @@ class HeterogeneousStrategyBase:
 
     @override
     def setup_distributed(self) -> None:
-        # mixed CPU/GPU job: no rank binds a device to the default group (#8); a short `timeout` does not fail the
-        # rendezvous of replicas that start slowly (#7)
+        # mixed CPU/GPU job: no rank binds a device to the default group; a short `timeout` does not fail the
+        # rendezvous of replicas that start slowly
         with unbound_process_group(self), self._startup_timeout_scope():
             self._init_process_group()
 
     def _init_process_group(self) -> None:
-        """``DDPStrategy.setup_distributed`` on a store that only the job can reach (#14): loopback for one node, the
+        """``DDPStrategy.setup_distributed`` on a store that only the job can reach: loopback for one node, the
         interface of ``MASTER_ADDR`` for several (see :mod:`lightning_het.cluster.rendezvous`)."""
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             super().setup_distributed()  # torchrun's agent hosts the store
@@ -582,9 +500,9 @@ class HeterogeneousStrategyBase:
             raise _rendezvous_failed(err, timeout, self.global_rank, self.world_size) from err
 
     def _detect_node_ids(self) -> list[int]:
-        """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (#3)."""
-        if self._node_ids_arg is not None:
-            return validate_node_ids(self._node_ids_arg, self.world_size)
+        """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
+        if self._config.node_ids is not None:
+            return validate_node_ids(self._config.node_ids, self.world_size)
         assert self.cluster_environment is not None
         return gather_node_ids(self.cluster_environment)
 
@@ -601,14 +519,14 @@ class HeterogeneousStrategyBase:
 
     @property
     def comm_stats(self) -> dict[str, float]:
-        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step (#3)."""
+        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step."""
         return {} if self._comm_controller is None else self._comm_controller.stats
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers comm hooks only on CUDA; ours (and a user's `ddp_comm_hook`) run on any device (#3)
+        # Lightning registers comm hooks only on CUDA; ours (and a user's `ddp_comm_hook`) run on any device
         assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
-        mode = resolve_comm_mode(self._comm, self._node_ids)
+        mode = resolve_comm_mode(self._config.comm, self._node_ids)
         if self._ddp_comm_hook is not None:
             if mode != "allreduce":
                 raise ValueError(
@@ -632,9 +550,9 @@ class HeterogeneousStrategyBase:
             self._node_ids,
             self._batch_sizes,
             self.global_rank,
-            global_sync_every=self._global_sync_every,
-            warmup_steps=self._comm_warmup_steps,
-            autotune_steps=self._comm_autotune_steps,
+            global_sync_every=self._config.global_sync_every,
+            warmup_steps=self._config.comm_warmup_steps,
+            autotune_steps=self._config.comm_autotune_steps,
         )
 
     @override
@@ -712,7 +630,7 @@ class HeterogeneousStrategyBase:
     def _train_min_batch_size(self) -> int:
         """Fewest training samples per replica and step: ``min_batch_size``, and 2 where batch norm trains per
         replica (one sample has no batch statistics)."""
-        return max(self._min_batch_size, 2 if self._batchnorm_layers else 1)
+        return max(self._config.min_batch_size, 2 if self._batchnorm_layers else 1)
 
     def _check_batchnorm(self) -> None:
         """Find batch norm layers that normalise per replica (no ``sync_batchnorm``) and warn once, naming them."""
@@ -743,19 +661,20 @@ class HeterogeneousStrategyBase:
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         self._check_batchnorm()  # after super(): `sync_batchnorm=True` has converted the layers by now
-        attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job (#7, #14)
-        self._preemption = attach_preemption(self, trainer, self._preemption_grace, self._preemption_checkpoint)
+        attach_watchdog(self._watchdog, trainer)  # hung/dead replicas end the job
+        config = self._config
+        self._preemption = attach_preemption(self, trainer, config.preemption_grace, config.preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._monitor = attach_monitor(self, trainer, self._monitor_settings(), self._monitor)  # (#6)
+            self._monitor = attach_monitor(self, trainer, self._monitor_settings(), self._monitor)
 
     @override
     def teardown(self) -> None:
-        self._end_watch()  # (#7, #14)
+        self._end_watch()
         detach_preemption(self._preemption, attached_trainer(self._lightning_module))
         self._preemption = None
         self._resume_record = None
         self._train_sampler = None
-        _ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
+        ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
         restore_job_environment(dict.fromkeys(self._sockets_set))  # GLOO/NCCL_SOCKET_IFNAME as before the call
         self._sockets_set = []
@@ -771,7 +690,7 @@ class HeterogeneousStrategyBase:
         else:
             self._mark(Phase.TEARDOWN)
 
-    # ------------------------------------------------------------------ checkpoints (#7, docs/reliability.md)
+    # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         synchronize_before_save(self)  # comm="node_local": a checkpoint holds the consensus model
@@ -828,8 +747,8 @@ class HeterogeneousStrategyBase:
         )
 
     def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
-        if self._global_batch_size_arg is not None:
-            return self._global_batch_size_arg
+        if self._config.global_batch_size is not None:
+            return self._config.global_batch_size
         datamodule_value = getattr(trainer.datamodule, "global_batch_size", None) if trainer.datamodule else None
         if as_batch_size(datamodule_value) is not None:  # int or NumPy integer
             return int(as_batch_size(datamodule_value))  # type: ignore[arg-type]
@@ -857,7 +776,7 @@ class HeterogeneousStrategyBase:
             sampler = dataloader.sampler
             if self._batch_sizes is None:
                 self.adopt_allocation(
-                    list(sampler.batch_sizes), self._speeds_arg or list(map(float, sampler.batch_sizes))
+                    list(sampler.batch_sizes), self._config.speeds or list(map(float, sampler.batch_sizes))
                 )
             elif list(sampler.batch_sizes) != self._batch_sizes:
                 raise ValueError(
@@ -904,7 +823,7 @@ class HeterogeneousStrategyBase:
                 f" {self._train_min_batch_size} each) and are not trained. HINT: choose `global_batch_size` so that"
                 " the remainder of the dataset size is 0 or at least that many."
             )
-        # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator (#7)
+        # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator
         apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
         self._resume_record = None
         self._train_sampler = sampler
@@ -967,8 +886,8 @@ class HeterogeneousStrategyBase:
     def _eval_weights(self) -> list[float]:
         if self._batch_sizes is not None:
             return [float(b) for b in self._batch_sizes]
-        if self._speeds_arg is not None:
-            return list(self._speeds_arg)
+        if self._config.speeds is not None:
+            return list(self._config.speeds)
         return [1.0] * self.world_size
 
     def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
@@ -993,13 +912,13 @@ class HeterogeneousStrategyBase:
         self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
     ) -> None:
         world = self.world_size
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
-        resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._speeds_arg)  # (#7)
+        resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._config.speeds)
         costs = None
-        if resume.speeds is not None or self._speeds_arg is not None:
+        if resume.speeds is not None or self._config.speeds is not None:
             # given (or resumed) speeds: the one-number model, proportional split
-            speeds = list(resume.speeds if resume.speeds is not None else self._speeds_arg)  # type: ignore[arg-type]
+            speeds = list(resume.speeds if resume.speeds is not None else self._config.speeds)  # type: ignore[arg-type]
         else:
             costs = self._measured_costs(dataloader, global_batch, shuffle, seed, order_sampler)
             speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
@@ -1011,7 +930,7 @@ class HeterogeneousStrategyBase:
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
             self._warn_useless_replicas(global_batch, costs, batch_sizes)
         self.adopt_allocation(batch_sizes, speeds)
-        log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume (#7)
+        log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume
         if self._profiler is None:
             rank_zero_info(self.balance_table())
         else:
@@ -1051,12 +970,12 @@ class HeterogeneousStrategyBase:
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int) -> None:
         """Plan the trial splits of the first training steps and hook the profiler into the fit loop."""
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._max_batch_sizes}
+        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
         plan = profile_plan(
             global_batch,
             self.world_size,
-            warmup=self._profile_warmup,
-            steps=self._profile_steps,
+            warmup=self._config.profile_warmup,
+            steps=self._config.profile_steps,
             lag=loader_prefetch_depth(dataloader),
             **bounds,
         )
@@ -1104,22 +1023,22 @@ class HeterogeneousStrategyBase:
             batch_sizes,
             device_labels(self),
             min_batch_size=self._train_min_batch_size,
-            max_batch_sizes=self._max_batch_sizes,
+            max_batch_sizes=self._config.max_batch_sizes,
         )
         if message is not None:
             rank_zero_warn(message)
 
     def _monitor_settings(self) -> MonitorSettings:
         """This replica's telemetry, emulation and rebalancing settings, and the batch bounds a rebalance keeps."""
-        factors = self._emulate_slowdown
+        factors = self._config.emulate_slowdown
         return MonitorSettings(
-            record=self._telemetry,
+            record=self._config.telemetry,
             slowdown=factors[self.global_rank] if factors else 1.0,
-            profile=self._speeds_arg is None and self.world_size > 1,
-            every_n_epochs=self._rebalance_every_n_epochs,
-            threshold=self._rebalance_threshold,
+            profile=self._config.speeds is None and self.world_size > 1,
+            every_n_epochs=self._config.rebalance_every_n_epochs,
+            threshold=self._config.rebalance_threshold,
             min_batch_size=self._train_min_batch_size,
-            max_batch_sizes=tuple(self._max_batch_sizes) if self._max_batch_sizes is not None else None,
+            max_batch_sizes=tuple(self._config.max_batch_sizes) if self._config.max_batch_sizes is not None else None,
         )
 
     def adopt_allocation(
@@ -1160,9 +1079,10 @@ class HeterogeneousStrategyBase:
     def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
         """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
         module, precision = self._profiled_module()
-        if self._profile_cache_arg in (None, False) or module is None:
+        if self._config.profile_cache in (None, False) or module is None:
             return None, None
-        directory = ProfileCache.default_directory() if self._profile_cache_arg is True else self._profile_cache_arg
+        given = self._config.profile_cache
+        directory = ProfileCache.default_directory() if given is True else given
         cache = ProfileCache(directory)  # type: ignore[arg-type]
         try:
             sample = dataloader.dataset[0]
@@ -1174,12 +1094,13 @@ class HeterogeneousStrategyBase:
             self.root_device,
             sample,
             precision=precision,
-            slowdown=self._emulate_slowdown[rank] if self._emulate_slowdown else 1.0,
+            slowdown=self._config.emulate_slowdown[rank] if self._config.emulate_slowdown else 1.0,
             replicas_on_node=self.num_processes,
         )
         return cache, key
 
-    def _export_allocation(self) -> dict[str, Any]:
+    def export_allocation(self) -> dict[str, Any]:
+        """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
         return {
             "batch_sizes": self._batch_sizes,
             "speeds": self._speeds,
@@ -1187,10 +1108,11 @@ class HeterogeneousStrategyBase:
             "profile_seconds": self._profile_seconds,
             "cost_model": [c.as_dict() for c in self._cost_model] if self._cost_model else None,
             "profile_cached": self._profile_cached,
-            "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=True),  # (#6)
+            "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=True),
         }
 
-    def _import_allocation(self, state: dict[str, Any]) -> None:
+    def import_allocation(self, state: dict[str, Any]) -> None:
+        """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""
         if state.get("batch_sizes"):
             self._batch_sizes = list(state["batch_sizes"])
             self._speeds = list(state["speeds"])
@@ -1219,8 +1141,8 @@ class HeterogeneousStrategyBase:
             "speeds": list(self._speeds or []),
             "shares": sample_shares(sizes) if sizes else [],
             "node_ids": list(self._node_ids or []),
-            "profiled": self._speeds_arg is None,
-            "emulate_slowdown": list(self._emulate_slowdown) if self._emulate_slowdown else None,
+            "profiled": self._config.speeds is None,
+            "emulate_slowdown": list(self._config.emulate_slowdown) if self._config.emulate_slowdown else None,
             "devices": device_labels(self),
             "profile_seconds": self._profile_seconds,
             "profile_cached": self._profile_cached,
@@ -1262,7 +1184,7 @@ class HeterogeneousStrategyBase:
         if self._comm_controller is not None and sizes and sizes != self._comm_sizes:
             self._comm_controller.set_batch_sizes(sizes)  # the split of this step (trial, tail or allocation)
             self._comm_sizes = sizes
-        clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation (#6)
+        clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation
         if clock is None:
             return super().training_step(*args, **kwargs)
         clock.step_start(sizes[self.global_rank] if sizes else 0)
@@ -1272,7 +1194,7 @@ class HeterogeneousStrategyBase:
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        clock = self._monitor.clock if self._monitor is not None else None  # (#6)
+        clock = self._monitor.clock if self._monitor is not None else None
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
         scale = self._step_loss_scale()

@@ -169,7 +169,7 @@ def test_multi_node_without_rendezvous_variables(monkeypatch, missing):
 def test_short_timeout_does_not_fail_a_slow_start():
     """A ``timeout`` of a few seconds no longer fails the rendezvous of replicas that take longer to start."""
     strategy = HeterogeneousStrategy(timeout=2, startup_timeout=120)
-    assert strategy._timeout == timedelta(seconds=2) and strategy._startup_timeout == timedelta(seconds=120)
+    assert strategy._timeout == timedelta(seconds=2) and strategy.config.startup_timeout == timedelta(seconds=120)
 
 
 # ---------------------------------------------------------------------------------------------------- the catalogue

@@ -1,0 +1,66 @@
+"""HeterogeneousConfig: the strategy's keywords validated once into one frozen object."""
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from lightning_het.arguments import ArgumentError
+from lightning_het.config import HeterogeneousConfig
+
+DEFAULTS = {
+    "global_batch_size": None,
+    "speeds": None,
+    "min_batch_size": 1,
+    "max_batch_sizes": None,
+    "node_ids": None,
+    "comm": "auto",
+    "global_sync_every": None,
+    "comm_warmup_steps": 0,
+    "comm_autotune_steps": 5,
+    "emulate_slowdown": None,
+    "profile_steps": 2,
+    "profile_warmup": 1,
+    "profile_cache": None,
+    "startup_timeout": None,
+    "timeout": None,
+    "rebalance_every_n_epochs": None,
+    "rebalance_threshold": None,
+    "telemetry": True,
+    "preemption_grace": 25.0,
+    "preemption_checkpoint": None,
+}
+
+
+def test_fields_are_the_validated_keywords():
+    assert [f.name for f in dataclasses.fields(HeterogeneousConfig)] == list(DEFAULTS)
+
+
+def test_values_are_normalised():
+    config = HeterogeneousConfig.from_keywords(
+        **{**DEFAULTS, "speeds": (1, 3), "max_batch_sizes": [4, 8], "startup_timeout": 30, "timeout": 5}
+    )
+    assert config.speeds == [1.0, 3.0] and config.max_batch_sizes == [4, 8]
+    assert config.startup_timeout == timedelta(seconds=30) and config.timeout == timedelta(seconds=5)
+    assert config.as_dict()["speeds"] == [1.0, 3.0]
+
+
+def test_is_frozen():
+    config = HeterogeneousConfig.from_keywords(**DEFAULTS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.speeds = [1.0]  # type: ignore[misc]
+
+
+def test_a_bad_value_names_its_keyword():
+    with pytest.raises(ArgumentError, match=r"`global_batch_size` to be an integer >= 1") as err:
+        HeterogeneousConfig.from_keywords(**{**DEFAULTS, "global_batch_size": 0})
+    assert err.value.argument == "global_batch_size"
+
+
+def test_the_strategy_holds_it():
+    from lightning_het import HeterogeneousStrategy
+
+    strategy = HeterogeneousStrategy(speeds=[1, 2], profile_steps=3)
+    assert isinstance(strategy.config, HeterogeneousConfig)
+    assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profile_steps == 3
+    assert strategy.speeds_given
