@@ -13,16 +13,15 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import (
@@ -30,10 +29,7 @@ from lightning_het._compat import (
     _init_dist_connection,
     _register_ddp_comm_hook,
     attached_trainer,
-    cached_validation_loader,
-    forget_validation_loader,
     record_loader_arguments,
-    uses_distributed_sampler,
 )
 from lightning_het.arguments import check_ddp_keywords
 from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
@@ -56,29 +52,13 @@ from lightning_het.comm.controller import CommController, resolve_comm_mode, val
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.comm.modes import CommChoice
 from lightning_het.config import HeterogeneousConfig
-from lightning_het.data.loaders import (
-    as_batch_size,
-    batch_sampler_error,
-    loader_batch_size,
-    lost_batch_sampler,
-    rebuild_loader,
-    rebuild_with_batch_sampler,
-    training_order,
-)
-from lightning_het.data.sampler import (
-    EvalBatchSampler,
-    ProportionalBatchSampler,
-    ProportionalDistributedSampler,
-    eval_batch_plan,
-)
+from lightning_het.data.splitting import LoaderSplitter, TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
-    apply_sampler_resume,
     checkpoint_record,
     log_resumed_allocation,
     plan_allocation,
     read_record,
-    resumed_global_batch_size,
     synchronize_before_save,
 )
 from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
@@ -101,9 +81,6 @@ from lightning_het.reliability.watchdog import (
 )
 
 __all__ = ["HeterogeneousStrategy"]
-
-
-_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
 
 class HeterogeneousStrategyBase:
@@ -253,7 +230,6 @@ class HeterogeneousStrategyBase:
         if config.timeout is not None:
             kwargs["timeout"] = config.timeout  # seconds or timedelta
         self._watchdog = None  # hung/dead-replica watchdog, running between setup and teardown
-        self._resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed
         # SIGTERM/SIGUSR1: agree at a step boundary, save, exit 143 (docs/preemption.md)
         self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator
@@ -272,15 +248,11 @@ class HeterogeneousStrategyBase:
         self._cache_entry: tuple[ProfileCache | None, str | None] = (None, None)  # this replica's speed cache key
         self._cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
         self._profile_seconds = 0.0
-        self._eval_weights_used: list[float] | None = None
-        self._train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
-        #: (the loader set-up of this fit it belongs to, the global batch of its first training loader)
-        self._train_pass: tuple[Any, int] | None = None
+        self._loaders = LoaderSplitter()  # the loader split: training sampler, resume record, evaluation weights
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing; the monitor is built per process in `setup`
         self._monitor: BalanceMonitor | None = None
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
-        self._own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
         self._sockets_set: list[str] = []  # socket variables this Trainer call set in os.environ (unset at teardown)
 
     # ------------------------------------------------------------------ public state
@@ -654,8 +626,8 @@ class HeterogeneousStrategyBase:
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_sizes = None  # a new fit derives a new allocation
             self._loss_scale = 1.0  # until then (and for good with a loader we leave alone): plain DDP
-            self._train_sampler = None
-            self._train_pass = None
+            self._loaders.train_sampler = None
+            self._loaders.train_pass = None
             self._profiler = None
             attach_profiler(None, trainer)
         super().setup(trainer)
@@ -672,8 +644,8 @@ class HeterogeneousStrategyBase:
         self._end_watch()
         detach_preemption(self._preemption, attached_trainer(self._lightning_module))
         self._preemption = None
-        self._resume_record = None
-        self._train_sampler = None
+        self._loaders.resume_record = None
+        self._loaders.train_sampler = None
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
         restore_job_environment(dict.fromkeys(self._sockets_set))  # GLOO/NCCL_SOCKET_IFNAME as before the call
@@ -704,7 +676,7 @@ class HeterogeneousStrategyBase:
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._resume_record = read_record(checkpoint)  # used by the next training loader split
+        self._loaders.resume_record = read_record(checkpoint)  # used by the next training loader split
         return checkpoint
 
     # ------------------------------------------------------------------ data
@@ -717,195 +689,26 @@ class HeterogeneousStrategyBase:
         if not isinstance(dataloader, DataLoader):
             return dataloader
         trainer = self.lightning_module.trainer
-        stage = trainer.state.stage
-        if has_iterable_dataset(dataloader):
-            if stage == RunningStage.TRAINING:
-                rank_zero_warn(
-                    "The training DataLoader wraps an IterableDataset, which HeterogeneousStrategy cannot re-split:"
-                    " every replica reads it as in plain DDP, with equal weights and no load balancing. HINT: use a"
-                    " map-style Dataset for speed-proportional batches and exact gradients."
-                )
-            return dataloader
-        if stage in (RunningStage.TRAINING, *_EVAL_STAGES) and _read_as_given(dataloader, trainer):
-            self._warn_own_sharding()  # plain DDP behaviour for this loader
-            return dataloader
-        if stage == RunningStage.TRAINING:
-            return self._split_training_loader(dataloader, trainer)
-        if stage in _EVAL_STAGES:
-            return self._split_eval_loader(dataloader)
-        return dataloader
+        return self._loaders.process(dataloader, trainer, self._training_split(), self._eval_weights())
 
-    def _warn_own_sharding(self) -> None:
-        if self._own_sharding_warned:
-            return
-        self._own_sharding_warned = True
-        rank_zero_warn(
-            "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its DataLoaders"
-            " whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP behaviour for them:"
-            " no speed-proportional batches, equal weights in the gradient mean (exact when the replicas' batches are"
-            " equal). HINT: leave `use_distributed_sampler` at True for load balancing."
-        )
-
-    def _resolve_global_batch_size(self, dataloader: DataLoader, trainer: pl.Trainer) -> int:
-        if self._config.global_batch_size is not None:
-            return self._config.global_batch_size
-        datamodule_value = getattr(trainer.datamodule, "global_batch_size", None) if trainer.datamodule else None
-        if as_batch_size(datamodule_value) is not None:  # int or NumPy integer
-            return int(as_batch_size(datamodule_value))  # type: ignore[arg-type]
-        saved = resumed_global_batch_size(self._resume_record)
-        if saved is not None:  # resuming: the checkpoint's global batch, whatever the number of replicas now
-            per_replica = loader_batch_size(dataloader)
-            if per_replica is not None and per_replica * self.world_size != saved:
-                rank_zero_info(
-                    f"HeterogeneousStrategy: resuming with the checkpoint's global batch of {saved} samples (not the"
-                    f" DataLoader's batch_size {per_replica} x {self.world_size} replicas); pass `global_batch_size`"
-                    " to change it"
-                )
-            return saved
-        per_replica = loader_batch_size(dataloader)
-        if per_replica is None:
-            raise ValueError(
-                "The training DataLoader has no `batch_size` (built with `batch_size=None`), so the global batch cannot"
-                " be inferred. HINT: pass `HeterogeneousStrategy(global_batch_size=...)`, or give the DataLoader a"
-                " `batch_size`."
-            )
-        return per_replica * self.world_size
-
-    def _split_training_loader(self, dataloader: DataLoader, trainer: pl.Trainer) -> DataLoader:
-        if isinstance(dataloader.sampler, ProportionalDistributedSampler):
-            sampler = dataloader.sampler
-            if self._batch_sizes is None:
-                self.adopt_allocation(
-                    list(sampler.batch_sizes), self._config.speeds or list(map(float, sampler.batch_sizes))
-                )
-            elif list(sampler.batch_sizes) != self._batch_sizes:
-                raise ValueError(
-                    f"The training DataLoader's ProportionalDistributedSampler has batch_sizes={sampler.batch_sizes},"
-                    f" but the strategy allocated {self._batch_sizes}. HINT: build it from `strategy.batch_sizes`."
-                )
-            apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
-            self._resume_record = None
-            self._train_sampler = sampler
-            return dataloader
-        if lost_batch_sampler(dataloader):  # `batch_sampler=` that Lightning's sampler injection dropped
-            raise batch_sampler_error("given as `batch_sampler=`")
-        order = training_order(dataloader)
-        dataset = dataloader.dataset
-        global_batch = self._resolve_global_batch_size(dataloader, trainer)
-        length = len(order.sampler) if order.sampler is not None else len(dataset)
-        if length < global_batch:
-            raise ValueError(
-                f"The training dataset holds {length} samples, fewer than one global batch of {global_batch}"
-                f" (global_batch_size={global_batch}, {self.world_size} replicas): no step could run. HINT: lower"
-                " `global_batch_size` or use more data."
-            )
-        pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
-        if self._train_pass is not None and self._train_pass[0] == pass_key and self._train_pass[1] != global_batch:
-            return self._split_other_training_loader(dataloader, order, global_batch)
-        if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
-            self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
-        assert self._batch_sizes is not None
-        self._train_pass = (pass_key, global_batch)
-        sampler = ProportionalDistributedSampler(
-            dataset,
-            self._batch_sizes,
-            self.global_rank,
-            shuffle=order.shuffle,
-            seed=order.seed,
-            drop_last=order.drop_last,
+    def _training_split(self) -> TrainingSplit:
+        """What the loader splitter needs to split a training loader: this replica and the allocation's callables."""
+        return TrainingSplit(
+            rank=self.global_rank,
+            world_size=self.world_size,
             min_batch_size=self._train_min_batch_size,
-            order_sampler=order.sampler,
+            given_global_batch=self._config.global_batch_size,
+            given_speeds=self._config.speeds,
+            batch_sizes=lambda: self._batch_sizes,
+            allocate=lambda loader, global_batch, order: self._allocate(
+                loader, global_batch, order.shuffle, order.seed, order.sampler
+            ),
+            adopt=self.adopt_allocation,
+            profiler=lambda: self._profiler if self.profiling else None,
         )
-        if sampler.dropped_per_epoch and not order.drop_last:
-            rank_zero_warn(
-                f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
-                f" few for a last global batch over {self.world_size} replicas (at least"
-                f" {self._train_min_batch_size} each) and are not trained. HINT: choose `global_batch_size` so that"
-                " the remainder of the dataset size is 0 or at least that many."
-            )
-        # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator
-        apply_sampler_resume(sampler, self._resume_record, trainer.fit_loop.epoch_progress.current.processed)
-        self._resume_record = None
-        self._train_sampler = sampler
-        self._reset_cached_eval_loaders(trainer)
-        if self.profiling:  # the first steps' splits follow the profiler's plan: batches cut one at a time
-            assert self._profiler is not None
-            self._profiler.bind(sampler)
-            return rebuild_loader(
-                dataloader,
-                sampler,
-                self._batch_sizes[self.global_rank],
-                batch_sampler=ProportionalBatchSampler(sampler),
-            )
-        return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
-
-    def _split_other_training_loader(self, dataloader: DataLoader, order: Any, global_batch: int) -> DataLoader:
-        """A further training loader of the same fit (Lightning combines a dict or list of them) whose global batch
-        differs from the first's: split in proportion to the same speeds (during profiling, to each step's trial
-        split). The first loader keeps the allocation, the loss scale and the checkpointed position."""
-        assert self._batch_sizes is not None
-        sizes = allocate_batch_sizes(global_batch, self._batch_sizes, min_batch_size=self._train_min_batch_size)
-        sampler = ProportionalDistributedSampler(
-            dataloader.dataset,
-            sizes,
-            self.global_rank,
-            shuffle=order.shuffle,
-            seed=order.seed,
-            drop_last=order.drop_last,
-            min_batch_size=self._train_min_batch_size,
-            order_sampler=order.sampler,
-        )
-        sampler.set_epoch(self._train_sampler.epoch if self._train_sampler is not None else 0)
-        if not self.profiling:
-            return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
-        assert self._profiler is not None
-        self._profiler.bind(sampler)
-        batches = ProportionalBatchSampler(sampler)
-        return rebuild_loader(dataloader, sampler, sizes[self.global_rank], batch_sampler=batches)
-
-    def _split_eval_loader(self, dataloader: DataLoader) -> DataLoader:
-        """Every replica runs the same number of evaluation batches, sized in proportion to its share
-        (:class:`~lightning_het.data.sampler.EvalBatchSampler`); each sample is evaluated once."""
-        if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
-            return dataloader  # the user's own distributed sampler
-        if type(dataloader.batch_sampler) is not BatchSampler:
-            return dataloader
-        weights = self._eval_weights()
-        self._eval_weights_used = weights
-        batch_size = dataloader.batch_size or 1
-        batches = EvalBatchSampler(dataloader.dataset, weights, self.global_rank, batch_size)
-        if batches.repeats > 1:
-            rank_zero_warn(
-                f"HeterogeneousStrategy: the evaluation set holds {len(dataloader.dataset)} sample(s), fewer than the"
-                f" {self.world_size} replicas; every replica needs one, so the set is evaluated {batches.repeats}"
-                " times over (each sample equally often): means and accuracies are exact, summed values are"
-                f" {batches.repeats} times larger. HINT: evaluate at least one sample per replica."
-            )
-        return rebuild_with_batch_sampler(dataloader, batches)
 
     def _eval_weights(self) -> list[float]:
-        if self._batch_sizes is not None:
-            return [float(b) for b in self._batch_sizes]
-        if self._config.speeds is not None:
-            return list(self._config.speeds)
-        return [1.0] * self.world_size
-
-    def _reset_cached_eval_loaders(self, trainer: pl.Trainer) -> None:
-        """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them when the
-        allocation changes a replica's shard (Lightning then calls ``val_dataloader()`` again). Shares that split
-        every cached loader as before (speeds ``[1, 1]`` and batches ``[2, 2]``) keep the loaders, as DDP would."""
-        cached = cached_validation_loader(trainer)
-        weights = self._eval_weights()
-        if cached is None or self._eval_weights_used == weights:
-            return
-        for loader in getattr(cached, "flattened", [cached]):
-            batches = getattr(loader, "batch_sampler", None)
-            if not isinstance(batches, EvalBatchSampler):
-                continue  # not split by the weights (the user's own sampler, an iterable dataset)
-            if eval_batch_plan(len(batches.sampler.dataset), weights, batches.batch_size)[0] != batches.shares:
-                forget_validation_loader(trainer)
-                return
-        self._eval_weights_used = weights
+        return eval_weights(self._batch_sizes, self._config.speeds, self.world_size)
 
     # ------------------------------------------------------------------ allocation
     def _allocate(
@@ -914,7 +717,7 @@ class HeterogeneousStrategyBase:
         world = self.world_size
         bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
-        resume = plan_allocation(self._resume_record, world_size=world, given_speeds=self._config.speeds)
+        resume = plan_allocation(self._loaders.resume_record, world_size=world, given_speeds=self._config.speeds)
         costs = None
         if resume.speeds is not None or self._config.speeds is not None:
             # given (or resumed) speeds: the one-number model, proportional split
@@ -930,7 +733,7 @@ class HeterogeneousStrategyBase:
             speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
             self._warn_useless_replicas(global_batch, costs, batch_sizes)
         self.adopt_allocation(batch_sizes, speeds)
-        log_resumed_allocation(resume, self._resume_record, batch_sizes)  # re-balanced or reused on resume
+        log_resumed_allocation(resume, self._loaders.resume_record, batch_sizes)  # re-balanced or reused on resume
         if self._profiler is None:
             rank_zero_info(self.balance_table())
         else:
@@ -1207,7 +1010,7 @@ class HeterogeneousStrategyBase:
         """Per-replica samples of the global batch being trained now: the allocation, a profiling trial split, or the
         tail batch's split on the last step of an epoch whose tail is trained (see
         :class:`ProportionalDistributedSampler`)."""
-        sampler, sizes = self._train_sampler, list(self._batch_sizes or [])
+        sampler, sizes = self._loaders.train_sampler, list(self._batch_sizes or [])
         if sampler is None or list(sampler.batch_sizes) != sizes:
             return sizes
         if sampler.tail_batch_sizes is None and sampler.split_schedule is None:
@@ -1229,14 +1032,6 @@ class HeterogeneousStrategyBase:
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
     _trainer_loop = True
-
-
-def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
-    """``Trainer(use_distributed_sampler=False)``: every replica reads ``dataloader`` whole, as under DDP (the user
-    shards inside the Dataset); a loader with a :class:`ProportionalDistributedSampler` of the user's own is still
-    adopted (its batch sizes are the allocation)."""
-    own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
-    return not own_sampler and not uses_distributed_sampler(trainer)
 
 
 def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:

@@ -137,17 +137,16 @@ def test_validation_loader_rebuilt_only_when_its_shards_change(monkeypatch, batc
 
     from torch.utils.data import DataLoader
 
-    import lightning_het.strategy as strategy_module
-    from lightning_het import HeterogeneousStrategy
+    import lightning_het.data.splitting as splitting_module
     from lightning_het.data.sampler import EvalBatchSampler
+    from lightning_het.data.splitting import LoaderSplitter
 
-    strategy = HeterogeneousStrategy(speeds=[1, 1])
+    splitter = LoaderSplitter()
     loader = DataLoader(range(8), batch_sampler=EvalBatchSampler(range(8), [1.0, 1.0], 0, batch_size=2))
     cached = SimpleNamespace(flattened=[loader])
     forgotten = []
-    monkeypatch.setattr(strategy_module, "cached_validation_loader", lambda trainer: cached)
-    monkeypatch.setattr(strategy_module, "forget_validation_loader", forgotten.append)
-    strategy._eval_weights_used = [1.0, 1.0]
-    strategy._batch_sizes = batch_sizes
-    strategy._reset_cached_eval_loaders("trainer")
+    monkeypatch.setattr(splitting_module, "cached_validation_loader", lambda trainer: cached)
+    monkeypatch.setattr(splitting_module, "forget_validation_loader", forgotten.append)
+    splitter.eval_weights_used = [1.0, 1.0]
+    splitter.reset_cached_eval_loaders("trainer", [float(b) for b in batch_sizes])
     assert forgotten == (["trainer"] if reloaded else [])

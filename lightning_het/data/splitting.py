@@ -83,9 +83,7 @@ class LoaderSplitter:
         self.train_pass: tuple[Any, int] | None = None
         self.own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
 
-    def process(
-        self, dataloader: DataLoader, trainer: Any, training: Callable[[], TrainingSplit], weights: list[float]
-    ) -> DataLoader:
+    def process(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit, weights: list[float]) -> DataLoader:
         """``dataloader`` split for this replica at the trainer's stage (as given where it cannot be split)."""
         stage = trainer.state.stage
         if has_iterable_dataset(dataloader):
@@ -100,9 +98,9 @@ class LoaderSplitter:
             self.warn_own_sharding()  # plain DDP behaviour for this loader
             return dataloader
         if stage == RunningStage.TRAINING:
-            return self.split_training_loader(dataloader, trainer, training())
+            return self.split_training_loader(dataloader, trainer, split)
         if stage in EVAL_STAGES:
-            return self.split_eval_loader(dataloader, weights, training().rank, len(weights))
+            return self.split_eval_loader(dataloader, weights, split.rank, split.world_size)
         return dataloader
 
     def warn_own_sharding(self) -> None:
