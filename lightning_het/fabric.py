@@ -274,10 +274,10 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
 
     def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
         sizes = list(sampler.batch_sizes)
-        if self._batch_sizes is not None and sizes != self._batch_sizes:
+        if self._allocation.batch_sizes is not None and sizes != self._allocation.batch_sizes:
             raise ValueError(
                 f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
-                f" {self._batch_sizes}. HINT: build it from `strategy.batch_sizes`."
+                f" {self._allocation.batch_sizes}. HINT: build it from `strategy.batch_sizes`."
             )
         if sampler.tail_batch_sizes is not None:
             raise ValueError(
@@ -300,14 +300,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                     " `HeterogeneousFabricStrategy(global_batch_size=...)`."
                 )
             global_batch = dataloader.batch_size * self.world_size
-        if self._batch_sizes is None or sum(self._batch_sizes) != global_batch:
+        if self._allocation.batch_sizes is None or sum(self._allocation.batch_sizes) != global_batch:
             self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
-        assert self._batch_sizes is not None
+        assert self._allocation.batch_sizes is not None
         # the tail is dropped under Fabric: its step would need its own loss scale, and the strategy cannot tell
         # which of your steps it is
         sampler = ProportionalDistributedSampler(
             dataloader.dataset,
-            self._batch_sizes,
+            self._allocation.batch_sizes,
             self.global_rank,
             shuffle=order.shuffle,
             seed=order.seed,
@@ -315,7 +315,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             order_sampler=order.sampler,
         )
         self._steps_per_epoch = sampler.num_steps
-        return rebuild_loader(dataloader, sampler, self._batch_sizes[self.global_rank])
+        return rebuild_loader(dataloader, sampler, self._allocation.batch_sizes[self.global_rank])
 
     # ------------------------------------------------------------------ profiling
     @override
@@ -326,11 +326,11 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         has an entry, else profiled before the loop runs (Fabric has no loop of ours to profile in): a warm-up, then
         two timed stages of ``profile_step`` (see :mod:`lightning_het.balance.profiling`)."""
         start = time.perf_counter()
-        self._profile_seconds = 0.0
-        self._profile_cached = False
+        self._allocation.profile_seconds = 0.0
+        self._allocation.profile_cached = False
         cached = self._cached_costs(dataloader)
         if cached is not None:
-            self._profile_seconds = time.perf_counter() - start
+            self._allocation.profile_seconds = time.perf_counter() - start
             return cached
         world, rank = self.world_size, self.global_rank
         bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
@@ -361,7 +361,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         cache, key = self._cache_entry
         if cache is not None and key is not None:
             cache.put(key, cost)
-        self._profile_seconds = time.perf_counter() - start
+        self._allocation.profile_seconds = time.perf_counter() - start
         return [AffineCost(r[0], r[1]) for r in rows]
 
     def _time_local_steps(

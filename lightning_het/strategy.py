@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,18 +26,18 @@ from typing_extensions import override
 
 from lightning_het._compat import (
     _BatchNorm,
-    _init_dist_connection,
     _register_ddp_comm_hook,
     attached_trainer,
     record_loader_arguments,
 )
 from lightning_het.arguments import check_ddp_keywords
-from lightning_het.balance.allocation import allocate_batch_sizes, loss_scale, sample_shares
-from lightning_het.balance.cost import AffineCost, allocate_affine, step_time, useless_replica_message
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, allocate_affine, useless_replica_message
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
 from lightning_het.balance.profiling import ProfileCache, cache_key
 from lightning_het.balance.report import telemetry_section
+from lightning_het.balance.state import Allocation, render_balance_table
 from lightning_het.cluster.accelerators import (
     apply_local_settings,
     configure_devices,
@@ -46,8 +46,8 @@ from lightning_het.cluster.accelerators import (
     unbound_process_group,
 )
 from lightning_het.cluster.devices import DeviceMapArg, DevicePlan
-from lightning_het.cluster.rendezvous import create_store, keep_sockets_local, restore_job_environment
-from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
+from lightning_het.cluster.rendezvous import keep_sockets_local, restore_job_environment
+from lightning_het.cluster.startup import detect_node_ids, init_process_group, startup_timeout_scope
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.comm.modes import CommChoice
@@ -72,9 +72,7 @@ from lightning_het.reliability.preemption import (
 from lightning_het.reliability.watchdog import (
     Phase,
     Watchdog,
-    apply_collective_timeout,
     attach_watchdog,
-    rendezvous_timeout,
     start_watchdog,
     stop_watchdog,
     validate_launch_environment,
@@ -237,22 +235,15 @@ class HeterogeneousStrategyBase:
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
         self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
         # set once the allocation is known (in the worker processes, and in the parent after spawn)
-        self._batch_sizes: list[int] | None = None
-        self._speeds: list[float] | None = None
+        self._allocation = Allocation()
         self._node_ids: list[int] | None = None
-        self._global_batch_size: int | None = None
-        self._loss_scale = 1.0
-        self._profile_cached = False  # the last allocation's costs came from the cache
         self._profiler: InLoopProfiler | None = None  # the fit's in-loop profiling (balance/profiler.py)
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
         self._cache_entry: tuple[ProfileCache | None, str | None] = (None, None)  # this replica's speed cache key
-        self._cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
-        self._profile_seconds = 0.0
         self._loaders = LoaderSplitter()  # the loader split: training sampler, resume record, evaluation weights
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing; the monitor is built per process in `setup`
         self._monitor: BalanceMonitor | None = None
-        self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self._sockets_set: list[str] = []  # socket variables this Trainer call set in os.environ (unset at teardown)
 
     # ------------------------------------------------------------------ public state
@@ -264,21 +255,21 @@ class HeterogeneousStrategyBase:
     @property
     def batch_sizes(self) -> list[int] | None:
         """Samples per step of every replica, indexed by global rank (``None`` before the allocation)."""
-        return None if self._batch_sizes is None else list(self._batch_sizes)
+        return None if self._allocation.batch_sizes is None else list(self._allocation.batch_sizes)
 
     @property
     def local_batch_size(self) -> int | None:
         """Samples per step on this replica."""
-        return None if self._batch_sizes is None else self._batch_sizes[self.global_rank]
+        return None if self._allocation.batch_sizes is None else self._allocation.batch_sizes[self.global_rank]
 
     @property
     def global_batch_size(self) -> int | None:
-        return self._global_batch_size
+        return self._allocation.global_batch_size
 
     @property
     def speeds(self) -> list[float] | None:
         """Relative throughput (samples/s when profiled) of every replica, indexed by global rank."""
-        return None if self._speeds is None else list(self._speeds)
+        return None if self._allocation.speeds is None else list(self._allocation.speeds)
 
     @property
     def speeds_given(self) -> bool:
@@ -292,18 +283,18 @@ class HeterogeneousStrategyBase:
     @property
     def loss_scale(self) -> float:
         """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
-        return self._loss_scale
+        return self._allocation.loss_scale
 
     @property
     def cost_model(self) -> list[AffineCost] | None:
         """Every replica's fitted cost ``t_r(b) = fixed_s + per_sample_s * b`` (seconds), indexed by global rank;
         ``None`` when the speeds were given rather than profiled."""
-        return None if self._cost_model is None else list(self._cost_model)
+        return None if self._allocation.cost_model is None else list(self._allocation.cost_model)
 
     @property
     def profile_seconds(self) -> float:
         """Wall-clock seconds this replica spent profiling."""
-        return self._profile_seconds
+        return self._allocation.profile_seconds
 
     @property
     def process_group_timeout(self) -> timedelta | None:
@@ -333,23 +324,13 @@ class HeterogeneousStrategyBase:
         watchdog, self._watchdog = self._watchdog, None
         return watchdog
 
-    @contextmanager
-    def _startup_timeout_scope(self) -> Iterator[None]:
-        """Around the rendezvous: the strategy's timeout becomes ``startup_timeout`` when that is longer (see
-        :func:`~lightning_het.reliability.watchdog.rendezvous_timeout`); afterwards ``timeout`` is restored, on the
-        strategy and on the default process group's collectives and store. The only place that changes the
-        strategy's timeout."""
-        timeout = self._timeout
-        startup = rendezvous_timeout(timeout, self._config.startup_timeout)
-        if startup is None:
-            yield
-            return
-        self._timeout = startup
-        try:
-            yield
-        finally:
-            self._timeout = timeout
-        apply_collective_timeout(timeout)
+    def _startup_timeout_scope(self) -> AbstractContextManager[None]:
+        """Around the rendezvous: ``startup_timeout`` when longer than ``timeout``, then ``timeout`` again (see
+        :func:`~lightning_het.cluster.startup.startup_timeout_scope`). The only place that changes the timeout."""
+        return startup_timeout_scope(self._timeout, self._config.startup_timeout, self._set_timeout)
+
+    def _set_timeout(self, timeout: timedelta | None) -> None:
+        self._timeout = timeout
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -422,7 +403,7 @@ class HeterogeneousStrategyBase:
         super().setup_environment()
         if self._trainer_loop:  # the Trainer's loops (either package): watched from here on, setup hooks to teardown
             self._watchdog = start_watchdog(self, self._timeout, self._trainer())
-        self._node_ids = self._detect_node_ids()
+        self._node_ids = detect_node_ids(self._config.node_ids, self.world_size, self.cluster_environment)
 
     def _trainer(self) -> pl.Trainer | None:
         return attached_trainer(getattr(self, "_lightning_module", None))
@@ -454,29 +435,15 @@ class HeterogeneousStrategyBase:
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        env = self.cluster_environment
-        timeout = self._timeout if self._timeout is not None else timedelta(minutes=30)
-        store = create_store(
-            master_addr=env.main_address,
-            port=env.main_port,
+        init_process_group(
+            self.cluster_environment,
+            self._process_group_backend,
             rank=self.global_rank,
             world_size=self.world_size,
             num_nodes=self.num_nodes,
-            timeout=timeout,
+            timeout=self._timeout,
+            device=self.root_device,
         )
-        kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
-        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
-        try:
-            _init_dist_connection(env, self._process_group_backend, **kwargs)
-        except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
-            raise _rendezvous_failed(err, timeout, self.global_rank, self.world_size) from err
-
-    def _detect_node_ids(self) -> list[int]:
-        """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
-        if self._config.node_ids is not None:
-            return validate_node_ids(self._config.node_ids, self.world_size)
-        assert self.cluster_environment is not None
-        return gather_node_ids(self.cluster_environment)
 
     @property
     def comm_mode(self) -> str | None:
@@ -520,7 +487,7 @@ class HeterogeneousStrategyBase:
         return CommController(
             mode,  # type: ignore[arg-type]
             self._node_ids,
-            self._batch_sizes,
+            self._allocation.batch_sizes,
             self.global_rank,
             global_sync_every=self._config.global_sync_every,
             warmup_steps=self._config.comm_warmup_steps,
@@ -624,8 +591,7 @@ class HeterogeneousStrategyBase:
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            self._batch_sizes = None  # a new fit derives a new allocation
-            self._loss_scale = 1.0  # until then (and for good with a loader we leave alone): plain DDP
+            self._allocation.reset()  # a new fit derives a new allocation
             self._loaders.train_sampler = None
             self._loaders.train_pass = None
             self._profiler = None
@@ -699,7 +665,7 @@ class HeterogeneousStrategyBase:
             min_batch_size=self._train_min_batch_size,
             given_global_batch=self._config.global_batch_size,
             given_speeds=self._config.speeds,
-            batch_sizes=lambda: self._batch_sizes,
+            batch_sizes=lambda: self._allocation.batch_sizes,
             allocate=lambda loader, global_batch, order: self._allocate(
                 loader, global_batch, order.shuffle, order.seed, order.sampler
             ),
@@ -708,7 +674,7 @@ class HeterogeneousStrategyBase:
         )
 
     def _eval_weights(self) -> list[float]:
-        return eval_weights(self._batch_sizes, self._config.speeds, self.world_size)
+        return eval_weights(self._allocation.batch_sizes, self._config.speeds, self.world_size)
 
     # ------------------------------------------------------------------ allocation
     def _allocate(
@@ -725,7 +691,7 @@ class HeterogeneousStrategyBase:
         else:
             costs = self._measured_costs(dataloader, global_batch, shuffle, seed, order_sampler)
             speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
-        self._cost_model = costs
+        self._allocation.cost_model = costs
         if costs is None:
             batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
@@ -747,8 +713,8 @@ class HeterogeneousStrategyBase:
     ) -> list[AffineCost] | None:
         """Every replica's cost from the speed cache when every replica has an entry; else ``None``, and with more
         than one replica the first training steps profile (:mod:`lightning_het.balance.profiler`)."""
-        self._profile_seconds = 0.0
-        self._profile_cached = False
+        self._allocation.profile_seconds = 0.0
+        self._allocation.profile_cached = False
         if self.world_size == 1:
             return None
         costs = self._cached_costs(dataloader)
@@ -768,7 +734,7 @@ class HeterogeneousStrategyBase:
         rows = self._all_gather_floats(row)
         if not all(r[0] == 1.0 for r in rows):
             return None
-        self._profile_cached = True
+        self._allocation.profile_cached = True
         return [AffineCost(r[1], r[2]) for r in rows]
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int) -> None:
@@ -797,7 +763,7 @@ class HeterogeneousStrategyBase:
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs (every rank, at the same step): the fitted split applies to the global
         batches not drawn yet."""
-        self._cost_model = costs
+        self._allocation.cost_model = costs
         speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
         self._warn_useless_replicas(sum(batch_sizes), costs, batch_sizes)
         self.adopt_allocation(batch_sizes, speeds)
@@ -808,7 +774,7 @@ class HeterogeneousStrategyBase:
             sampler.set_batch_sizes(
                 batch_sizes if total == sum(batch_sizes) else allocate_batch_sizes(total, speeds, min_batch_size=floor)
             )
-        self._profile_seconds = self._profiler.overhead_s
+        self._allocation.profile_seconds = self._profiler.overhead_s
         cache, key = self._cache_entry
         if cache is not None and key is not None:
             cache.put(key, costs[self.global_rank])
@@ -858,15 +824,10 @@ class HeterogeneousStrategyBase:
             speeds: relative throughput of every replica (samples/s when measured).
             costs: a refreshed affine cost per replica (``AffineCost.as_dict()`` form), or ``None`` to keep the model.
         """
-        if costs is not None:  # a rebalancing check refreshed the cost model
-            self._cost_model = [AffineCost.from_dict(c) for c in costs]
-        self._batch_sizes = list(batch_sizes)
-        self._speeds = list(speeds)
-        self._global_batch_size = sum(batch_sizes)
-        self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
+        self._allocation.adopt(batch_sizes, speeds, self.global_rank, costs)
         if self._comm_controller is not None:
-            self._comm_controller.set_batch_sizes(self._batch_sizes)
-            self._comm_sizes = list(self._batch_sizes)
+            self._comm_controller.set_batch_sizes(self._allocation.batch_sizes)
+            self._comm_sizes = list(self._allocation.batch_sizes)
 
     def _all_gather_floats(self, values: list[float]) -> list[list[float]]:
         gathered = torch.tensor(values, dtype=torch.float64, device=self.root_device)
@@ -904,29 +865,13 @@ class HeterogeneousStrategyBase:
 
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
-        return {
-            "batch_sizes": self._batch_sizes,
-            "speeds": self._speeds,
-            "node_ids": self._node_ids,
-            "profile_seconds": self._profile_seconds,
-            "cost_model": [c.as_dict() for c in self._cost_model] if self._cost_model else None,
-            "profile_cached": self._profile_cached,
-            "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=True),
-        }
+        telemetry = telemetry_section(self._monitor, self._allocation.telemetry_snapshot, include_series=True)
+        return self._allocation.export(self._node_ids, telemetry)
 
     def import_allocation(self, state: dict[str, Any]) -> None:
         """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""
-        if state.get("batch_sizes"):
-            self._batch_sizes = list(state["batch_sizes"])
-            self._speeds = list(state["speeds"])
-            self._global_batch_size = sum(self._batch_sizes)
-            self._loss_scale = loss_scale(self._batch_sizes, self.global_rank)
+        self._allocation.import_(state, self.global_rank)
         self._node_ids = state.get("node_ids")
-        self._profile_seconds = state.get("profile_seconds", 0.0)
-        if state.get("cost_model"):
-            self._cost_model = [AffineCost.from_dict(c) for c in state["cost_model"]]
-        self._profile_cached = bool(state.get("profile_cached", False))
-        self._telemetry_snapshot = state.get("telemetry")
 
     # ------------------------------------------------------------------ reporting
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
@@ -937,48 +882,18 @@ class HeterogeneousStrategyBase:
         ``include_series=True``, the step-by-step ``series`` behind the balance plot. ``"profile_seconds"`` is the
         time this replica spent profiling.
         """
-        sizes = self._batch_sizes or []
-        return {
-            "global_batch_size": self._global_batch_size,
-            "batch_sizes": list(sizes),
-            "speeds": list(self._speeds or []),
-            "shares": sample_shares(sizes) if sizes else [],
-            "node_ids": list(self._node_ids or []),
-            "profiled": self._config.speeds is None,
-            "emulate_slowdown": list(self._config.emulate_slowdown) if self._config.emulate_slowdown else None,
-            "devices": device_labels(self),
-            "profile_seconds": self._profile_seconds,
-            "profile_cached": self._profile_cached,
-            "cost_model": [c.as_dict() for c in self._cost_model] if self._cost_model else None,
-            "predicted_step_s": step_time(sizes, self._cost_model) if self._cost_model and sizes else None,
-            "telemetry": telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series),
-        }
+        allocation = self._allocation
+        return allocation.report(
+            node_ids=self._node_ids,
+            profiled=self._config.speeds is None,
+            emulate_slowdown=self._config.emulate_slowdown,
+            devices=device_labels(self),
+            telemetry=telemetry_section(self._monitor, allocation.telemetry_snapshot, include_series=include_series),
+        )
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
-        report = self.balance_report()
-        if not report["batch_sizes"]:
-            return "HeterogeneousStrategy: no allocation yet"
-        devices = report["devices"]
-        unit = "samples/s" if report["profiled"] else "(given)"
-        costs = report["cost_model"]
-        source = " (costs from the profile cache)" if report["profile_cached"] else ""
-        lines = [
-            f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}{source}",
-            f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}"
-            + (f" {'fixed ms':>9} {'ms/sample':>9} {'step ms':>8}" if costs else ""),
-        ]
-        for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
-            node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
-            device = devices[r] if r < len(devices) else "?"
-            line = f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}"
-            if costs:
-                a, c = costs[r]["fixed_s"], costs[r]["per_sample_s"]
-                line += f" {a * 1e3:>9.2f} {c * 1e3:>9.3f} {(a + c * b) * 1e3:>8.2f}"
-            lines.append(line)
-        if report["predicted_step_s"] is not None:
-            lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")
-        return "\n".join(lines)
+        return render_balance_table(self.balance_report())
 
     # ------------------------------------------------------------------ training hooks
     @override
@@ -1007,48 +922,19 @@ class HeterogeneousStrategyBase:
         return closure_loss
 
     def _step_batch_sizes(self) -> list[int]:
-        """Per-replica samples of the global batch being trained now: the allocation, a profiling trial split, or the
-        tail batch's split on the last step of an epoch whose tail is trained (see
-        :class:`ProportionalDistributedSampler`)."""
-        sampler, sizes = self._loaders.train_sampler, list(self._batch_sizes or [])
-        if sampler is None or list(sampler.batch_sizes) != sizes:
-            return sizes
-        if sampler.tail_batch_sizes is None and sampler.split_schedule is None:
-            return sizes
-        module = self._lightning_module
-        trainer = attached_trainer(module)
-        if trainer is None:
-            return sizes
-        return sampler.step_batch_sizes(trainer.fit_loop.epoch_loop.batch_idx)  # 0-based step within the epoch
+        """Per-replica samples of the global batch being trained now (see :meth:`Allocation.step_batch_sizes`)."""
+
+        def batch_idx() -> int | None:
+            trainer = attached_trainer(self._lightning_module)
+            return None if trainer is None else trainer.fit_loop.epoch_loop.batch_idx  # 0-based step within the epoch
+
+        return self._allocation.step_batch_sizes(self._loaders.train_sampler, batch_idx)
 
     def _step_loss_scale(self) -> float:
         """``W * b_r / B`` for the global batch being trained now (the tail batch has its own)."""
-        sizes = self._step_batch_sizes()
-        if not sizes or sizes == self._batch_sizes:
-            return self._loss_scale
-        return loss_scale(sizes, self.global_rank)
+        return self._allocation.step_loss_scale(self._step_batch_sizes(), self.global_rank)
 
 
 class HeterogeneousStrategy(HeterogeneousStrategyBase, DDPStrategy):
     __doc__ = HeterogeneousStrategyBase.__doc__
     _trainer_loop = True
-
-
-def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
-    """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
-    any other error is returned unchanged."""
-    from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, JobEnded
-
-    text = str(err).lower()
-    if "timeout" not in text and "timed out" not in text:
-        return err
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    print(
-        f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
-        f" {seconds:g} s (startup_timeout); a replica hung or died while starting ({str(err).splitlines()[0][:200]})."
-        f" Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the other replicas' output; raise"
-        " `startup_timeout` if they only start slowly.",
-        file=sys.stderr,
-        flush=True,
-    )
-    return JobEnded(WATCHDOG_EXIT_CODE)

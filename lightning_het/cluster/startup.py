@@ -1,0 +1,98 @@
+"""Process-group start-up: the rendezvous on a store only the job can reach, the longer start-up timeout around
+it, and the node id of every global rank."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_het._compat import _init_dist_connection
+from lightning_het.cluster.rendezvous import create_store
+from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
+from lightning_het.reliability.watchdog import apply_collective_timeout, rendezvous_timeout
+
+__all__ = ["detect_node_ids", "init_process_group", "rendezvous_failed", "startup_timeout_scope"]
+
+
+@contextmanager
+def startup_timeout_scope(
+    timeout: timedelta | None, startup_timeout: timedelta | None, set_timeout: Callable[[timedelta | None], None]
+) -> Iterator[None]:
+    """Around the rendezvous: the timeout becomes ``startup_timeout`` when that is longer (see
+    :func:`~lightning_het.reliability.watchdog.rendezvous_timeout`), through ``set_timeout``; afterwards ``timeout``
+    is restored, there and on the default process group's collectives and store."""
+    startup = rendezvous_timeout(timeout, startup_timeout)
+    if startup is None:
+        yield
+        return
+    set_timeout(startup)
+    try:
+        yield
+    finally:
+        set_timeout(timeout)
+    apply_collective_timeout(timeout)
+
+
+def init_process_group(
+    env: Any,
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    num_nodes: int,
+    timeout: timedelta | None,
+    device: torch.device,
+) -> None:
+    """Start the default process group on a store that only the job can reach: loopback for one node, the interface
+    of ``MASTER_ADDR`` for several (see :mod:`lightning_het.cluster.rendezvous`). ``env`` is the cluster
+    environment; a rendezvous that times out ends the job (:func:`rendezvous_failed`)."""
+    store_timeout = timeout if timeout is not None else timedelta(minutes=30)
+    store = create_store(
+        master_addr=env.main_address,
+        port=env.main_port,
+        rank=rank,
+        world_size=world_size,
+        num_nodes=num_nodes,
+        timeout=store_timeout,
+    )
+    kwargs: dict[str, Any] = {"timeout": timeout, "store": store}
+    kwargs["device_id"] = device if device.type != "cpu" else None
+    try:
+        _init_dist_connection(env, backend, **kwargs)
+    except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
+        raise rendezvous_failed(err, store_timeout, rank, world_size) from err
+
+
+def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[int]:
+    """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (``env``: the cluster
+    environment)."""
+    if given is not None:
+        return validate_node_ids(given, world_size)
+    assert env is not None
+    return gather_node_ids(env)
+
+
+def rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
+    """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
+    any other error is returned unchanged."""
+    from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, JobEnded
+
+    text = str(err).lower()
+    if "timeout" not in text and "timed out" not in text:
+        return err
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    print(
+        f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
+        f" {seconds:g} s (startup_timeout); a replica hung or died while starting ({str(err).splitlines()[0][:200]})."
+        f" Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the other replicas' output; raise"
+        " `startup_timeout` if they only start slowly.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return JobEnded(WATCHDOG_EXIT_CODE)
