@@ -32,10 +32,20 @@ from lightning_het._compat import (
 )
 from lightning_het.arguments import check_ddp_keywords
 from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine, useless_replica_message
-from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
-from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
-from lightning_het.balance.profiling import ProfileCache, cache_key
+from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
+from lightning_het.balance.planner import (
+    batch_bounds,
+    cached_costs,
+    measured_speeds,
+    monitor_settings,
+    profile_cache_entry,
+    split_global_batch,
+    start_profiler,
+    warn_useless_replicas,
+)
+from lightning_het.balance.profiler import InLoopProfiler, attach_profiler
+from lightning_het.balance.profiling import ProfileCache
 from lightning_het.balance.report import telemetry_section
 from lightning_het.balance.state import Allocation, render_balance_table
 from lightning_het.cluster.accelerators import (
@@ -603,7 +613,12 @@ class HeterogeneousStrategyBase:
         config = self._config
         self._preemption = attach_preemption(self, trainer, config.preemption_grace, config.preemption_checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._monitor = attach_monitor(self, trainer, self._monitor_settings(), self._monitor)
+            self._monitor = attach_monitor(
+                self,
+                trainer,
+                monitor_settings(self._config, self.global_rank, self.world_size, self._train_min_batch_size),
+                self._monitor,
+            )
 
     @override
     def teardown(self) -> None:
@@ -681,7 +696,7 @@ class HeterogeneousStrategyBase:
         self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
     ) -> None:
         world = self.world_size
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
+        bounds = self._batch_bounds
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(self._loaders.resume_record, world_size=world, given_speeds=self._config.speeds)
         costs = None
@@ -692,12 +707,9 @@ class HeterogeneousStrategyBase:
             costs = self._measured_costs(dataloader, global_batch, shuffle, seed, order_sampler)
             speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
         self._allocation.cost_model = costs
-        if costs is None:
-            batch_sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
-        else:
-            batch_sizes = allocate_affine(global_batch, costs, **bounds)
-            speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]  # samples/s at the allocation
-            self._warn_useless_replicas(global_batch, costs, batch_sizes)
+        batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds)
+        if costs is not None:
+            warn_useless_replicas(global_batch, costs, batch_sizes, device_labels(self), bounds)
         self.adopt_allocation(batch_sizes, speeds)
         log_resumed_allocation(resume, self._loaders.resume_record, batch_sizes)  # re-balanced or reused on resume
         if self._profiler is None:
@@ -707,6 +719,10 @@ class HeterogeneousStrategyBase:
                 f"HeterogeneousStrategy: profiling on the first {self._profiler.plan.gather_step + 1} training steps"
                 f" (trial splits); the fitted split applies from step {self._profiler.plan.switch_step}"
             )
+
+    @property
+    def _batch_bounds(self) -> dict[str, Any]:
+        return batch_bounds(self._train_min_batch_size, self._config.max_batch_sizes)
 
     def _measured_costs(
         self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
@@ -719,53 +735,50 @@ class HeterogeneousStrategyBase:
             return None
         costs = self._cached_costs(dataloader)
         if costs is None:
-            self._start_profiler(dataloader, global_batch)
+            monitor = self._monitor
+
+            def clock() -> tuple[int, float] | None:
+                return monitor.clock.open_step() if monitor is not None and monitor.clock is not None else None
+
+            self._profiler = start_profiler(
+                dataloader,
+                global_batch,
+                self._config,
+                self._batch_bounds,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                device=self.root_device,
+                clock=clock,
+                on_agreed=self._adopt_profiled,
+                trainer=self._trainer(),
+            )
         return costs
 
     def _cached_costs(self, dataloader: DataLoader) -> list[AffineCost] | None:
         """The costs of every replica from the speed cache (``profile_cache``) when every replica has an entry (one
         all-gather when the cache is on), else ``None``."""
-        cache, key = self._profile_cache_entry(dataloader)
-        self._cache_entry = (cache, key)  # where the profiled cost goes
-        if cache is None:
-            return None
-        cached = cache.get(key) if key is not None else None
-        row = [1.0, cached.fixed_s, cached.per_sample_s] if cached is not None else [0.0, 0.0, 0.0]
-        rows = self._all_gather_floats(row)
-        if not all(r[0] == 1.0 for r in rows):
-            return None
-        self._allocation.profile_cached = True
-        return [AffineCost(r[1], r[2]) for r in rows]
-
-    def _start_profiler(self, dataloader: DataLoader, global_batch: int) -> None:
-        """Plan the trial splits of the first training steps and hook the profiler into the fit loop."""
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
-        plan = profile_plan(
-            global_batch,
-            self.world_size,
-            warmup=self._config.profile_warmup,
-            steps=self._config.profile_steps,
-            lag=loader_prefetch_depth(dataloader),
-            **bounds,
+        module, precision = self._profiled_module()
+        factors = self._config.emulate_slowdown
+        self._cache_entry = profile_cache_entry(  # where the profiled cost goes
+            self._config.profile_cache,
+            module,
+            dataloader,
+            precision=precision,
+            device=self.root_device,
+            slowdown=factors[self.global_rank] if factors else 1.0,
+            replicas_on_node=self.num_processes,
         )
-        monitor = self._monitor
-
-        def clock() -> tuple[int, float] | None:
-            return monitor.clock.open_step() if monitor is not None and monitor.clock is not None else None
-
-        self._profiler = InLoopProfiler(
-            plan, self.global_rank, self.world_size, self.root_device, clock, self._adopt_profiled
-        )
-        trainer = self._trainer()
-        if trainer is not None:
-            attach_profiler(self._profiler, trainer)
+        costs = cached_costs(*self._cache_entry, self._all_gather_floats)
+        if costs is not None:
+            self._allocation.profile_cached = True
+        return costs
 
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs (every rank, at the same step): the fitted split applies to the global
         batches not drawn yet."""
         self._allocation.cost_model = costs
-        speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
-        self._warn_useless_replicas(sum(batch_sizes), costs, batch_sizes)
+        speeds = measured_speeds(batch_sizes, costs)
+        warn_useless_replicas(sum(batch_sizes), costs, batch_sizes, device_labels(self), self._batch_bounds)
         self.adopt_allocation(batch_sizes, speeds)
         assert self._profiler is not None
         for sampler in self._profiler.samplers:  # every training loader's batches not drawn yet
@@ -784,31 +797,6 @@ class HeterogeneousStrategyBase:
     def profiling(self) -> bool:
         """Whether the first training steps are still profiling (trial splits, costs not agreed yet)."""
         return self._profiler is not None and not self._profiler.done
-
-    def _warn_useless_replicas(self, global_batch: int, costs: list[AffineCost], batch_sizes: list[int]) -> None:
-        message = useless_replica_message(
-            global_batch,
-            costs,
-            batch_sizes,
-            device_labels(self),
-            min_batch_size=self._train_min_batch_size,
-            max_batch_sizes=self._config.max_batch_sizes,
-        )
-        if message is not None:
-            rank_zero_warn(message)
-
-    def _monitor_settings(self) -> MonitorSettings:
-        """This replica's telemetry, emulation and rebalancing settings, and the batch bounds a rebalance keeps."""
-        factors = self._config.emulate_slowdown
-        return MonitorSettings(
-            record=self._config.telemetry,
-            slowdown=factors[self.global_rank] if factors else 1.0,
-            profile=self._config.speeds is None and self.world_size > 1,
-            every_n_epochs=self._config.rebalance_every_n_epochs,
-            threshold=self._config.rebalance_threshold,
-            min_batch_size=self._train_min_batch_size,
-            max_batch_sizes=tuple(self._config.max_batch_sizes) if self._config.max_batch_sizes is not None else None,
-        )
 
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
@@ -839,29 +827,6 @@ class HeterogeneousStrategyBase:
         """The module whose steps are profiled (``None`` before there is one) and the precision's name: what the
         speed cache keys on besides the device and the data."""
         return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
-
-    def _profile_cache_entry(self, dataloader: DataLoader) -> tuple[ProfileCache | None, str | None]:
-        """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
-        module, precision = self._profiled_module()
-        if self._config.profile_cache in (None, False) or module is None:
-            return None, None
-        given = self._config.profile_cache
-        directory = ProfileCache.default_directory() if given is True else given
-        cache = ProfileCache(directory)  # type: ignore[arg-type]
-        try:
-            sample = dataloader.dataset[0]
-        except Exception:  # a dataset we cannot peek into is simply not cached
-            return cache, None
-        rank = self.global_rank
-        key = cache_key(
-            module,
-            self.root_device,
-            sample,
-            precision=precision,
-            slowdown=self._config.emulate_slowdown[rank] if self._config.emulate_slowdown else 1.0,
-            replicas_on_node=self.num_processes,
-        )
-        return cache, key
 
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""

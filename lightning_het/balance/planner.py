@@ -1,0 +1,142 @@
+"""Allocation planning: the split of a global batch from given speeds or measured costs, the speed cache
+(``profile_cache``), the start of the in-loop profiler, and the monitor's settings. Functions of values; the
+strategy holds the results."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, allocate_affine, useless_replica_message
+from lightning_het.balance.monitor import MonitorSettings
+from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
+from lightning_het.balance.profiling import ProfileCache, cache_key
+from lightning_het.config import HeterogeneousConfig
+
+__all__ = [
+    "batch_bounds",
+    "cached_costs",
+    "measured_speeds",
+    "monitor_settings",
+    "profile_cache_entry",
+    "split_global_batch",
+    "start_profiler",
+    "warn_useless_replicas",
+]
+
+
+def batch_bounds(min_batch_size: int, max_batch_sizes: Sequence[int] | None) -> dict[str, Any]:
+    """The keywords that bound every replica's batch in :func:`allocate_batch_sizes` and :func:`allocate_affine`."""
+    return {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
+
+
+def measured_speeds(batch_sizes: list[int], costs: list[AffineCost]) -> list[float]:
+    """Samples/s of every replica at the allocation ``batch_sizes``, from its cost per step."""
+    return [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
+
+
+def split_global_batch(
+    global_batch: int, speeds: list[float], costs: list[AffineCost] | None, bounds: dict[str, Any]
+) -> tuple[list[int], list[float]]:
+    """Batch sizes and speeds: in proportion to ``speeds`` without costs, else minimising the slowest replica's step
+    (the speeds then are samples/s at the allocation)."""
+    if costs is None:
+        return allocate_batch_sizes(global_batch, speeds, **bounds), speeds
+    batch_sizes = allocate_affine(global_batch, costs, **bounds)
+    return batch_sizes, measured_speeds(batch_sizes, costs)
+
+
+def warn_useless_replicas(
+    global_batch: int, costs: list[AffineCost], batch_sizes: list[int], devices: list[str], bounds: dict[str, Any]
+) -> None:
+    """Warn (rank 0) about replicas that slow the step down more than they help."""
+    message = useless_replica_message(global_batch, costs, batch_sizes, devices, **bounds)
+    if message is not None:
+        rank_zero_warn(message)
+
+
+def profile_cache_entry(
+    setting: str | os.PathLike[str] | bool | None,
+    module: torch.nn.Module | None,
+    dataloader: DataLoader,
+    *,
+    precision: str,
+    device: torch.device,
+    slowdown: float,
+    replicas_on_node: int,
+) -> tuple[ProfileCache | None, str | None]:
+    """The speed cache (``profile_cache``) and this replica's key in it, or ``(None, None)`` when it is off."""
+    if setting in (None, False) or module is None:
+        return None, None
+    directory = ProfileCache.default_directory() if setting is True else setting
+    cache = ProfileCache(directory)  # type: ignore[arg-type]
+    try:
+        sample = dataloader.dataset[0]
+    except Exception:  # a dataset we cannot peek into is simply not cached
+        return cache, None
+    key = cache_key(module, device, sample, precision=precision, slowdown=slowdown, replicas_on_node=replicas_on_node)
+    return cache, key
+
+
+def cached_costs(
+    cache: ProfileCache | None, key: str | None, all_gather_floats: Callable[[list[float]], list[list[float]]]
+) -> list[AffineCost] | None:
+    """The costs of every replica from the speed cache when every replica has an entry (one all-gather when the
+    cache is on), else ``None``."""
+    if cache is None:
+        return None
+    cached = cache.get(key) if key is not None else None
+    row = [1.0, cached.fixed_s, cached.per_sample_s] if cached is not None else [0.0, 0.0, 0.0]
+    rows = all_gather_floats(row)
+    if not all(r[0] == 1.0 for r in rows):
+        return None
+    return [AffineCost(r[1], r[2]) for r in rows]
+
+
+def start_profiler(
+    dataloader: DataLoader,
+    global_batch: int,
+    config: HeterogeneousConfig,
+    bounds: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    clock: Callable[[], tuple[int, float] | None],
+    on_agreed: Callable[[list[AffineCost], list[int]], None],
+    trainer: Any,
+) -> InLoopProfiler:
+    """Plan the trial splits of the first training steps and hook the profiler into the fit loop (when there is a
+    trainer). ``clock`` opens the step being timed; ``on_agreed`` receives the agreed costs and split."""
+    plan = profile_plan(
+        global_batch,
+        world_size,
+        warmup=config.profile_warmup,
+        steps=config.profile_steps,
+        lag=loader_prefetch_depth(dataloader),
+        **bounds,
+    )
+    profiler = InLoopProfiler(plan, rank, world_size, device, clock, on_agreed)
+    if trainer is not None:
+        attach_profiler(profiler, trainer)
+    return profiler
+
+
+def monitor_settings(config: HeterogeneousConfig, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
+    """This replica's telemetry, emulation and rebalancing settings, and the batch bounds a rebalance keeps."""
+    factors = config.emulate_slowdown
+    return MonitorSettings(
+        record=config.telemetry,
+        slowdown=factors[rank] if factors else 1.0,
+        profile=config.speeds is None and world_size > 1,
+        every_n_epochs=config.rebalance_every_n_epochs,
+        threshold=config.rebalance_threshold,
+        min_batch_size=min_batch_size,
+        max_batch_sizes=tuple(config.max_batch_sizes) if config.max_batch_sizes is not None else None,
+    )
