@@ -3,7 +3,8 @@
 :class:`~lightning_het.HeterogeneousStrategy` and the Fabric strategy build it in their constructors with
 :meth:`HeterogeneousConfig.from_keywords`; the checks are the pure validators of :mod:`lightning_het.arguments`,
 which the app's config schema (:mod:`lightning_het.app.config`) calls too, so the two can never disagree. Checks
-that need the world size or the data run later, in the strategy.
+that need the world size run at Trainer construction (:meth:`HeterogeneousConfig.check_world`); those that need the
+data, in the strategy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from lightning_het.arguments import validate_strategy_arguments
+from lightning_het.balance.allocation import allocate_batch_sizes
 
 __all__ = ["HeterogeneousConfig"]
 
@@ -53,6 +55,36 @@ class HeterogeneousConfig:
             ArgumentError: the first impossible value, its ``argument`` naming the keyword (a ``ValueError``).
         """
         return cls(**validate_strategy_arguments(**keywords))
+
+    def check_world(self, num_nodes: int, devices: int) -> None:
+        """Checks that need only the world size (``num_nodes x devices`` replicas): one entry per global rank in the
+        per-replica lists, and a global batch the batch bounds can hold. Run at Trainer construction.
+
+        Raises:
+            ValueError: naming the keyword that does not fit the job.
+        """
+        world = num_nodes * devices
+        if world < 1:
+            return
+        for name, values in (
+            ("speeds", self.speeds),
+            ("max_batch_sizes", self.max_batch_sizes),
+            ("node_ids", self.node_ids),
+            ("emulate_slowdown", self.emulate_slowdown),
+        ):
+            if values is not None and len(values) != world:
+                raise ValueError(
+                    f"You set `{name}` with {len(values)} entries ({list(values)}), but the job has {world} replicas"
+                    f" (num_nodes={num_nodes} x devices={devices}). HINT: give one entry per global rank."
+                )
+        if self.global_batch_size is not None:
+            # raises ValueError naming global_batch_size / max_batch_sizes when the bounds cannot hold it
+            allocate_batch_sizes(
+                self.global_batch_size,
+                self.speeds or [1.0] * world,
+                min_batch_size=self.min_batch_size,
+                max_batch_sizes=self.max_batch_sizes,
+            )
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name (shallow: the lists are shared)."""

@@ -355,36 +355,6 @@ class HeterogeneousStrategyBase:
         )
 
     # ------------------------------------------------------------------ launch / environment
-    @property
-    def _world(self) -> int:
-        return self.num_nodes * self.num_processes
-
-    def _validate_against_world(self) -> None:
-        """Checks that need only the world size; run at Trainer construction, before any worker starts."""
-        world = self._world
-        if world < 1:
-            return
-        for name, values in (
-            ("speeds", self._config.speeds),
-            ("max_batch_sizes", self._config.max_batch_sizes),
-            ("node_ids", self._config.node_ids),
-            ("emulate_slowdown", self._config.emulate_slowdown),
-        ):
-            if values is not None and len(values) != world:
-                raise ValueError(
-                    f"You set `{name}` with {len(values)} entries ({list(values)}), but the job has {world} replicas"
-                    f" (num_nodes={self.num_nodes} x devices={self.num_processes}). HINT: give one entry per global"
-                    " rank."
-                )
-        if self._config.global_batch_size is not None:
-            # raises ValueError naming global_batch_size / max_batch_sizes when the bounds cannot hold it
-            allocate_batch_sizes(
-                self._config.global_batch_size,
-                self._config.speeds or [1.0] * world,
-                min_batch_size=self._config.min_batch_size,
-                max_batch_sizes=self._config.max_batch_sizes,
-            )
-
     @override
     def _configure_launcher(self) -> None:
         # registered before the launcher's own exit handlers, so it runs after them (after the launching process has
@@ -393,7 +363,7 @@ class HeterogeneousStrategyBase:
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
-        self._validate_against_world()
+        self._config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)

@@ -64,3 +64,13 @@ def test_the_strategy_holds_it():
     assert isinstance(strategy.config, HeterogeneousConfig)
     assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profile_steps == 3
     assert strategy.speeds_given
+
+
+def test_check_world_wants_one_entry_per_replica_and_a_batch_the_bounds_hold():
+    config = HeterogeneousConfig.from_keywords(**{**DEFAULTS, "speeds": [1, 2, 3]})
+    config.check_world(1, 3)
+    with pytest.raises(ValueError, match=r"You set `speeds` with 3 entries .*\(num_nodes=1 x devices=2\)"):
+        config.check_world(1, 2)
+    bounded = HeterogeneousConfig.from_keywords(**{**DEFAULTS, "global_batch_size": 20, "max_batch_sizes": [4, 8]})
+    with pytest.raises(ValueError, match="max_batch_sizes"):
+        bounded.check_world(1, 2)
