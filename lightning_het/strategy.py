@@ -242,6 +242,10 @@ class HeterogeneousStrategyBase:
         self._preemption: PreemptionHandler | None = None
         kwargs = mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs)  # MixedAccelerator
         super().__init__(**kwargs)
+        self._init_parts()
+
+    def _init_parts(self) -> None:
+        """The per-process state and the parts the strategy owns (empty until the Trainer sets them up)."""
         self._device_plan: DevicePlan | None = None  # resolved from the device map at Trainer construction
         self._comm_controller: CommController | None = None  # built per process when DDP wraps the model
         # set once the allocation is known (in the worker processes, and in the parent after spawn)
