@@ -120,7 +120,7 @@ class HeterogeneousStrategyBase:
             time (the profiled steps too: they are training steps), to reproduce a heterogeneous platform on
             homogeneous hardware. The replica sleeps ``f - 1`` times the forward time it just measured after the
             forward pass, and ``f - 1`` times the backward time it just measured at the end of its local backward,
-            before the gradients are synchronised (see :class:`~lightning_het.balance.telemetry.StepClock`).
+            before the gradients are synchronised (see :class:`~lightning_het.balance.clock.StepClock`).
         profile_steps: trial steps per trial split. Without ``speeds``, the fit's first training steps profile each
             replica's cost per step, ``t(b) = fixed + per_sample * b`` seconds (:mod:`lightning_het.balance.cost`):
             they are ordinary training steps (every hook in Lightning's order, exact gradients) whose global batches
@@ -160,7 +160,7 @@ class HeterogeneousStrategyBase:
         telemetry: time every step of every replica (compute, wait in gradient synchronisation, samples/s), log
             per-epoch figures through the trainer's loggers (``het/...``) and write a balance report (table and plot)
             into ``trainer.log_dir`` when ``fit`` ends. Required by rebalancing. See
-            :mod:`lightning_het.balance.telemetry`.
+            :mod:`lightning_het.balance.monitor`.
         preemption_checkpoint: where rank 0 writes the checkpoint when the job receives ``SIGTERM`` (or ``SIGUSR1``)
             during ``fit``: a file path, or a directory (``last.ckpt`` inside it). Default: ``last.ckpt`` in the
             directory of the trainer's first ``ModelCheckpoint``, else ``<default_root_dir>/checkpoints/last.ckpt``.
