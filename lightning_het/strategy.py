@@ -83,16 +83,14 @@ from lightning_het.reliability.checkpointing import (
     resumed_global_batch_size,
     synchronize_before_save,
 )
+from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.preemption import (
     DEFAULT_GRACE,
     PreemptionHandler,
     attach_preemption,
     detach_preemption,
-    shield_loader_workers,
 )
-from lightning_het.reliability.watchdog import (
-    Phase,
-    Watchdog,
+from lightning_het.reliability.supervision import (
     apply_collective_timeout,
     attach_watchdog,
     rendezvous_timeout,
@@ -100,6 +98,8 @@ from lightning_het.reliability.watchdog import (
     stop_watchdog,
     validate_launch_environment,
 )
+from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import Watchdog
 
 __all__ = ["HeterogeneousStrategy"]
 
@@ -1319,7 +1319,7 @@ def _read_as_given(dataloader: DataLoader, trainer: pl.Trainer) -> bool:
 def _rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
     """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
     any other error is returned unchanged."""
-    from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, JobEnded
+    from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
 
     text = str(err).lower()
     if "timeout" not in text and "timed out" not in text:

@@ -29,18 +29,18 @@ from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, key_prefix, listen_address, sign, verify
 from lightning_het.comm import hooks
 from lightning_het.reliability.lifecycle import OutputDirError, check_output_dir
-from lightning_het.reliability.watchdog import (
+from lightning_het.reliability.processes import kill_children
+from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
-    Watchdog,
     describe_phase,
     exit_code_for,
     judge,
-    kill_children,
 )
+from lightning_het.reliability.watchdog import Watchdog
 from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
@@ -280,7 +280,7 @@ def test_killing_a_replica_kills_its_descendants():
 
 _ORPHANED_WORKER = """
 import os, sys, time
-from lightning_het.reliability.preemption import shield_loader_workers
+from lightning_het.reliability.loader_workers import shield_loader_workers
 from torch.utils.data import DataLoader
 loader = shield_loader_workers(DataLoader(range(4), num_workers=1), rank=0)
 pid = os.fork()
