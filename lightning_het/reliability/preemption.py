@@ -26,9 +26,9 @@ then lost to the ``SIGKILL``. What this module does instead, per replica:
    ``SIGKILL``.
 
 Outside ``fit`` (``validate``, ``test``, ``predict``) there is nothing to save: the signal ends the replica at once,
-with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1`` (:func:`~lightning_het.reliability.loader_workers.shield_loader_workers`), so a
-signal sent to the whole process group does not kill them before their replica reaches the step boundary; they end
-with their replica.
+with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1``
+(:func:`~lightning_het.reliability.loader_workers.shield_loader_workers`), so a signal sent to the whole process group
+does not kill them before their replica reaches the step boundary; they end with their replica.
 
 See ``docs/preemption.md`` for the SLURM ``--signal`` / ``--requeue`` recipe.
 """
