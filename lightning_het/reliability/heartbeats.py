@@ -1,15 +1,58 @@
-"""The watchdog's heartbeat records in the job's store: the guarded store connection, reading a record back into a
-:class:`~lightning_het.reliability.verdicts.ReplicaStatus`, and whether a thread's stack is waiting in
-``torch.distributed``."""
+"""The watchdog's records in the job's store: signing and verifying them, and what one observer knows of the other
+replicas' heartbeats (:class:`HeartbeatBook`: the last genuine record of each, its age, and tampering detected).
+
+Freshness: every heartbeat carries its sender's rank and a per-replica counter (``beat``) that only grows, and the
+signature covers the full key name (the watchdog's key space included) and the payload. A record that fails
+verification, names another replica, goes backwards or disappears is *tampering*: it is ignored (one warning per key,
+naming it) and the last genuine record is kept. A heartbeat that stopped is taken as a dead replica only when a
+second signal confirms it where one exists: for a replica on this node, its process must be gone.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import sys
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from lightning_het.cluster.rendezvous import sign, verify
+from lightning_het.reliability.processes import process_alive
 from lightning_het.reliability.verdicts import Phase, ReplicaStatus
 
-__all__ = ["GuardedStore", "StoreUnreachable", "inside_torch_distributed", "status_from_record"]
+__all__ = [
+    "BOOT_ID",
+    "GuardedStore",
+    "HeartbeatBook",
+    "StoreUnreachable",
+    "inside_torch_distributed",
+    "status_from_record",
+    "warn",
+]
+
+log = logging.getLogger("lightning_het.reliability.watchdog")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+#: this machine's boot id (Linux; else ``""``): with the host name, tells whether a replica runs on this node.
+BOOT_ID = _boot_id()
+
+
+def warn(message: str) -> None:
+    """Log ``message`` as a warning, or print it to stderr when no logging handler is configured."""
+    if log.hasHandlers():
+        log.warning(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
@@ -63,3 +106,124 @@ def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stall
         eval_stage=data.get("eval_stage", ""),
         eval_batch=data.get("eval_batch", -1),
     )
+
+
+class HeartbeatBook:
+    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock.
+
+    Args:
+        rank: the observer's rank (for messages).
+        token: the job token (``""``: unsigned records, no verification).
+        namespace: the watchdog's key space (the store prefix), covered by every signature.
+        host: the observer's host name.
+        stale_after: seconds without a new heartbeat after which a replica on this node whose process is alive is
+            reported as "not visible" rather than silent (its ages are reset: nobody is blamed for what nobody sees).
+        alive: whether a local process id is alive (replaced in tests).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        token: str,
+        namespace: str,
+        host: str,
+        stale_after: float,
+        alive: Callable[[int], bool] = process_alive,
+    ) -> None:
+        self.rank, self.token, self.namespace, self.host = rank, token, namespace, host
+        self.stale_after = stale_after
+        self.alive = alive
+        self.started = 0.0
+        self.seen: dict[int, tuple[Any, float, Any, float, dict[str, Any] | None]] = {}
+        self.tampered: set[str] = set()
+        self._hidden: set[int] = set()
+        self._forgeries = 0
+
+    # ------------------------------------------------------------------ signed records
+    def sign(self, key: str, payload: str) -> str:
+        return sign(self.token, self.namespace + key, payload) if self.token else payload
+
+    def verify(self, key: str, raw: Any) -> str | None:
+        """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
+        if not self.token:
+            return raw.decode() if isinstance(raw, bytes) else raw
+        payload = verify(self.token, self.namespace + key, raw)
+        if payload is None:
+            self._forgeries += 1
+            if self._forgeries == 1:
+                warn(
+                    f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid"
+                    " signature (written by a client outside the job?)"
+                )
+        return payload
+
+    def tamper(self, key: str, what: str) -> None:
+        """Note tampering with ``key`` (one warning per key)."""
+        if key not in self.tampered:
+            self.tampered.add(key)
+            warn(
+                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
+                f" {what}; ignored, the last genuine record is kept (a client outside the job writes to the store)"
+            )
+
+    # ------------------------------------------------------------------ heartbeats
+    def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
+        """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
+        key = f"hb/{r}"
+        last = self.seen.get(r, (None, 0.0, None, 0.0, None))[4]
+        if raw is None:
+            if last is not None:
+                self.tamper(key, "the record was deleted")
+            return None
+        payload = self.verify(key, raw)
+        if payload is None:
+            self.tamper(key, "a record without a valid signature")
+            return None
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            self.tamper(key, "a record that is not a heartbeat")
+            return None
+        if data.get("rank", r) != r:
+            self.tamper(key, f"a record of replica {data.get('rank')}")
+            return None
+        if last is not None and data["beat"] < last["beat"]:
+            self.tamper(key, f"an older record replayed (beat {data['beat']} after {last['beat']})")
+            return None
+        return data
+
+    def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
+        """Replica ``r``'s status from the record just read (``None``: missing), judged against what was seen."""
+        data = self.genuine(r, raw)
+        old = self.seen.get(r)
+        if data is None and old is not None and old[4] is not None:
+            data = old[4]  # a forged, replayed, deleted or garbled record: keep the last genuine one
+        beat, seq = (data["beat"], data["seq"]) if data else (None, None)
+        if old is None:
+            old = (beat, self.started, seq, self.started, None)
+        beat_changed = old[1] if beat == old[0] else now
+        seq_changed = old[3] if seq == old[2] else now
+        self.seen[r] = (beat, beat_changed, seq, seq_changed, data)
+        if data is None:
+            return ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
+        status = status_from_record(r, data, now - beat_changed, now - seq_changed)
+        if status.silent_for > self.stale_after and self._alive_here(data):
+            self._note_hidden(r, status.silent_for, data["pid"])
+            return replace(status, silent_for=0.0, stalled_for=0.0)
+        self._hidden.discard(r)
+        return status
+
+    def _alive_here(self, data: dict[str, Any]) -> bool:
+        """The second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat."""
+        local = data.get("host") == self.host and data.get("boot", "") == BOOT_ID
+        return local and self.alive(int(data["pid"]))
+
+    def _note_hidden(self, r: int, seconds: float, pid: int) -> None:
+        if r in self._hidden:
+            return
+        self._hidden.add(r)
+        warn(
+            f"[rank {self.rank}] lightning_het watchdog: no new heartbeat of replica {r} for {seconds:.1f} s, but its"
+            f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}' is hidden"
+            " by tampering with the store, or the process is frozen)"
+        )

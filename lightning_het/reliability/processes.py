@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from lightning_het.reliability.verdicts import CHILD_INTERRUPTION_STATUS, Verdict
 
-__all__ = ["check_children", "descendants", "exit_job", "kill_children", "kill_pids"]
+__all__ = ["check_children", "descendants", "exit_job", "kill_children", "kill_pids", "process_alive"]
 
 _PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
 
@@ -81,3 +81,19 @@ def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]
                 kill_pids(tree)
                 killed.append(rank)
     return killed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this node exists and is not a zombie (``os.kill(pid, 0)``, ``/proc/<pid>/stat``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")

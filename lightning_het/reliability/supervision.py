@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
-from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token, key_prefix
+from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
 
@@ -138,7 +138,8 @@ def start_watchdog(
     token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
     base = default_store()
     connection = base.clone() if hasattr(base, "clone") else base
-    store = dist.PrefixStore(f"lightning_het/watchdog/{key_prefix(token)}/{next(_generation)}/", connection)
+    namespace = f"lightning_het/watchdog/{next(_generation)}/"
+    store = dist.PrefixStore(namespace, connection)
     rank = dist.get_rank()
     hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
     watchdog = Watchdog(
@@ -149,6 +150,7 @@ def start_watchdog(
         hosts_store=hosts_store,
         children=_launched_replicas(strategy),
         token=token,
+        namespace=namespace,
     )
     watchdog.start()
     if trainer is not None:

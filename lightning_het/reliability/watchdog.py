@@ -52,12 +52,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_het.cluster.rendezvous import sign, verify
 from lightning_het.reliability.heartbeats import (
+    BOOT_ID,
     GuardedStore,
+    HeartbeatBook,
     StoreUnreachable,
     inside_torch_distributed,
-    status_from_record,
 )
 from lightning_het.reliability.processes import check_children, exit_job, kill_children
 from lightning_het.reliability.verdicts import (
@@ -96,6 +96,8 @@ class Watchdog:
             tests.
         token: the job's secret (:mod:`lightning_het.cluster.rendezvous`): every record is signed with it, and records
             without a valid signature are ignored. ``""``: unsigned records (tests, single-process use).
+        namespace: the key space of ``store`` (its prefix), covered by every signature so that a record cannot be
+            moved between watchdogs.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class Watchdog:
         children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
         exit: Callable[[int], None] | None = None,
         token: str = "",
+        namespace: str = "",
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
@@ -137,10 +140,9 @@ class Watchdog:
         self._standing: Verdict | None = None  # the verdict on_exception reached
         # heartbeat thread only
         self._beat = 0
-        self._seen: dict[int, tuple[Any, float, Any, float]] = {}
+        self._book = HeartbeatBook(rank, token, namespace, self._host, stale_after=max(3 * self.interval, 1.0))
         self._store_lost_since: float | None = None
         self._bugs = 0
-        self._forgeries = 0
         self._stop = threading.Event()
         self._reported = False
         self._main_ident = threading.get_ident()
@@ -148,29 +150,17 @@ class Watchdog:
 
     # ------------------------------------------------------------------ signed records
     def _write(self, key: str, payload: str) -> None:
-        self.store.set(key, sign(self._token, key, payload) if self._token else payload)
+        self.store.set(key, self._book.sign(key, payload))
 
     def _read(self, key: str, raw: Any) -> str | None:
         """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
-        if not self._token:
-            return raw.decode() if isinstance(raw, bytes) else raw
-        payload = verify(self._token, key, raw)
-        if payload is None:
-            self._forgeries += 1
-            if self._forgeries == 1:
-                log.warning(
-                    "[rank %d] lightning_het watchdog: ignored a record under %r without a valid signature (written"
-                    " by a client outside the job?)",
-                    self.rank,
-                    key,
-                )
-        return payload
+        return self._book.verify(key, raw)
 
     # ------------------------------------------------------------------ training thread
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
         self._main_ident = threading.get_ident()
-        self._started = time.monotonic()
+        self._started = self._book.started = time.monotonic()
         self._publish()
         self._thread.start()
         log.debug("watchdog started on rank %d: timeout %.1f s, heartbeat every %.2f s", self.rank, self.timeout,
@@ -357,6 +347,8 @@ class Watchdog:
             "state": self._state,
             "error": self._error,
             "host": self._host,
+            "boot": BOOT_ID,
+            "rank": self.rank,
             "pid": self._pid,
         }
         self._write(f"hb/{self.rank}", json.dumps(status))
@@ -375,22 +367,8 @@ class Watchdog:
         for r in range(self.world_size):
             if r == self.rank:
                 statuses.append(self._own_status(now))
-                continue
-            payload = self._read(keys[r], raw[r]) if r in raw else None
-            data = json.loads(payload) if payload is not None else None
-            old = self._seen.get(r)
-            if data is None and old is not None and old[4] is not None:
-                data = old[4]  # a forged or garbled record: keep the last genuine one
-            beat, seq = (data["beat"], data["seq"]) if data else (None, None)
-            if old is None:
-                old = (beat, self._started, seq, self._started, None)
-            beat_changed = old[1] if beat == old[0] else now
-            seq_changed = old[3] if seq == old[2] else now
-            self._seen[r] = (beat, beat_changed, seq, seq_changed, data)
-            if data is None:
-                statuses.append(ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed))
-                continue
-            statuses.append(status_from_record(r, data, now - beat_changed, now - seq_changed))
+            else:
+                statuses.append(self._book.status(r, raw.get(r), now))
         return statuses
 
     def _own_status(self, now: float) -> ReplicaStatus:
@@ -447,7 +425,7 @@ class Watchdog:
 
     def _decide(self, verdict: Verdict) -> Verdict:
         """Publish ``verdict`` unless another replica already did; return the one that stands."""
-        record = sign(self._token, "abort", verdict.to_json()) if self._token else verdict.to_json()
+        record = self._book.sign("abort", verdict.to_json())
         current = self.store.compare_set("abort", "", record)
         payload = self._read("abort", current)
         if payload is None:  # a forged record holds the key: replace it with ours
