@@ -486,6 +486,50 @@ def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_lo
     assert survivors == []
 
 
+def _tamper_with_heartbeats(store: dist.TCPStore, proc: subprocess.Popen, seconds: float) -> int:
+    """A stranger on the store: for ``seconds`` (or until the job ends), overwrite, delete and replay every heartbeat
+    key it can list; returns how many rounds it made."""
+    captured: dict[str, bytes] = {}
+    rounds = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(Exception):
+            for key in [k for k in store.list_keys() if "/hb/" in k]:
+                captured.setdefault(key, store.get(key))  # a genuine record, replayed later
+                action = rounds % 3
+                if action == 0:
+                    store.set(key, json.dumps({"state": "failed", "error": "a stranger says so"}))
+                elif action == 1:
+                    store.delete_key(key)
+                else:
+                    store.set(key, captured[key])
+            rounds += 1
+        time.sleep(0.02)
+    return rounds
+
+
+@pytest.mark.slow
+def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(tmp_path):
+    """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
+    the job finishes (exit 0), warns about tampering naming the key, and blames nobody."""
+    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": 2 * STEP_SLEEP})
+    try:
+        _wait_for(tmp_path / "training.json", proc)
+        stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
+        rounds = _tamper_with_heartbeats(stranger, proc, seconds=3 * TIMEOUT)
+        status, out, _, survivors = _finish(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rounds > 10
+    assert status == 0, out[-3000:]
+    assert "tampering with the job's store detected under 'hb/" in out, out[-3000:]
+    assert "stopped responding" not in out and "replica(s) [" not in out, out[-3000:]
+    assert "a stranger says so" not in out
+    assert (tmp_path / "done.json").exists()
+    assert survivors == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["lightning", "pytorch_lightning"])
 def test_ctrl_c_ends_every_replica_with_130(tmp_path, flavour):
