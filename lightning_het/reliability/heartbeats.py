@@ -55,11 +55,29 @@ def warn(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+#: packages whose barriers call a process group's C++ method directly (no Python frame in ``torch.distributed``)
+_LIGHTNING_PACKAGES = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
+                                                                 "lightning_het"))  # fmt: skip
+#: functions of those packages that wait for every replica: Lightning's ``strategy.barrier``, ``_sync_dir`` and the
+#: ``_InfiniteBarrier`` around ``prepare_data``
+_WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
+
+
+def _waits(code: Any) -> bool:
+    if _TORCH_DISTRIBUTED in code.co_filename:
+        return True
+    if not any(package in code.co_filename for package in _LIGHTNING_PACKAGES):
+        return False
+    qualname = getattr(code, "co_qualname", code.co_name)
+    return qualname in _WAITING_FUNCTIONS or code.co_name in _WAITING_FUNCTIONS
+
+
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
-    """Whether one of the innermost ``depth`` Python frames belongs to ``torch.distributed`` (a collective wait)."""
-    marker = os.sep + os.path.join("torch", "distributed") + os.sep
+    """Whether one of the innermost ``depth`` Python frames waits for the other replicas: a ``torch.distributed``
+    call, or a barrier of Lightning or lightning-het (which may call a process group's C++ method directly)."""
     while frame is not None and depth > 0:
-        if marker in frame.f_code.co_filename:
+        if _waits(frame.f_code):
             return True
         frame = frame.f_back
         depth -= 1

@@ -59,6 +59,7 @@ class WatchdogCallback(Callback):
         self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=_stage(trainer))
 
     def _eval_end(self, *args: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_DONE)
         self.watchdog.disarm("eval")
 
     on_validation_start = on_test_start = on_predict_start = _eval_start
@@ -91,12 +92,12 @@ class WatchdogCallback(Callback):
     def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
         self.watchdog.mark(Phase.EVAL_LOADING)
 
-    def _eval_done(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_DONE)
+    def _eval_epoch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_EPOCH_END)  # the callbacks' hooks run before the LightningModule's
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_batch_end
-    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_done
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         self.watchdog.mark(self.watchdog._progress[2])

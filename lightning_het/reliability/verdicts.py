@@ -78,8 +78,9 @@ class Phase(IntEnum):
     BETWEEN_BATCHES = 5  # after batch k: loading batch k+1, epoch hooks, checkpointing
     EVAL_LOADING = 6  # evaluation after batch k: between evaluation batches
     EVAL_STEP = 7
-    EVAL_DONE = 8  # all evaluation batches done; epoch-end metric synchronisation
-    TEARDOWN = 9  # the loops are over: teardown and end-of-run hooks, waiting for the others to finish
+    EVAL_EPOCH_END = 8  # all evaluation batches done: the evaluation epoch-end hooks (``on_validation_epoch_end``)
+    EVAL_DONE = 9  # the evaluation loop ended (``on_validation_end``): metrics synchronised, waiting for the others
+    TEARDOWN = 10  # the loops are over: teardown and end-of-run hooks, waiting for the others to finish
 
 
 _PHASE_TEXT = {
@@ -91,12 +92,15 @@ _PHASE_TEXT = {
     Phase.BETWEEN_BATCHES: "between training batches (loading data, epoch hooks, checkpointing)",
     Phase.EVAL_LOADING: "loading an evaluation batch",
     Phase.EVAL_STEP: "in an evaluation step",
+    Phase.EVAL_EPOCH_END: "in the evaluation epoch-end hooks",
     Phase.EVAL_DONE: "done with evaluation (synchronising metrics)",
     Phase.TEARDOWN: "in teardown (end-of-run hooks)",
 }
 _EVAL_STEP_NAMES = {"validate": "validation_step", "sanity_check": "validation_step (sanity check)",
                     "test": "test_step", "predict": "predict_step"}  # fmt: skip
-_EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP)
+_EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP, Phase.EVAL_EPOCH_END)
+_EPOCH_END_HOOKS = {"validate": "on_validation_epoch_end", "sanity_check": "on_validation_epoch_end",
+                    "test": "on_test_epoch_end", "predict": "on_predict_epoch_end"}  # fmt: skip
 
 
 def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
@@ -114,6 +118,8 @@ def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: i
         step = _EVAL_STEP_NAMES.get(eval_stage, f"{eval_stage} step")
         if phase == Phase.EVAL_STEP:
             where = f"in {step} of evaluation batch {eval_batch}"
+        elif phase == Phase.EVAL_EPOCH_END:
+            where = f"in {_EPOCH_END_HOOKS.get(eval_stage, 'the evaluation epoch-end hooks')}"
         else:
             where = f"loading evaluation batch {eval_batch + 1} for {step}"
         return f"{where} (after training batch {batch})" if batch else where

@@ -431,6 +431,27 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, wher
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "rank", "named"),
+    [("prepare_data", 0, "in setup"), ("epoch_end", 1, "in on_validation_epoch_end")],
+    ids=["prepare_data-rank0", "validation_epoch_end-rank1"],
+)
+def test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier(tmp_path, where, rank, named):
+    """A hang in ``prepare_data`` on rank 0 (rank 1 waits in Lightning's barrier around it) or in
+    ``on_validation_epoch_end`` on rank 1: the job ends with 124 naming only the stuck replica."""
+    cfg = {"timeout": TIMEOUT, "fault": {"kind": "hang", "rank": rank, "where": where}}
+    proc, _ = _start(tmp_path, cfg)
+    status, out, ended, survivors = _finish(proc)
+    assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
+    assert status == WATCHDOG_EXIT_CODE, out[-3000:]
+    assert f"replica(s) [{rank}] stopped responding" in out, out[-3000:]
+    assert f"rank {rank} on" in out and named in out, out[-3000:]
+    assert "replica(s) [0, 1]" not in out, out[-3000:]
+    assert ended - json.loads((tmp_path / "fault.json").read_text())["time"] < TIMEOUT + 30, out[-3000:]
+    assert survivors == []
+
+
+@pytest.mark.slow
 def test_a_hung_loader_worker_does_not_outlive_the_job(tmp_path):
     """Replica 1's ``Dataset.__getitem__`` blocks forever in its DataLoader workers (``num_workers=2``): the job ends
     with 124 within ``timeout`` + 30 s of the fault and no worker process of either replica survives it (workers
