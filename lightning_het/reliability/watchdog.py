@@ -21,7 +21,8 @@ How it works (one :class:`Watchdog` per replica, started by the strategy once th
   has *gone silent* (process dead or frozen). The replica(s) to blame are the stalled ones furthest *behind*: with
   every replica running the same steps, the one stuck in ``training_step`` of batch ``k`` is behind those waiting
   for it in the all-reduce of ``backward`` of batch ``k``; one stuck loading batch ``k+1`` is behind those in batch
-  ``k+1``. A replica inside a ``torch.distributed`` call or done with evaluation is waiting, never blamed.
+  ``k+1``. A replica inside a ``torch.distributed`` call or a Lightning barrier, or done with evaluation, is waiting,
+  never blamed. Tampered records and the second signal for a dead replica: :mod:`lightning_het.reliability.heartbeats`.
 * **Abort.** The first replica to decide writes one abort record (compare-and-set, so every replica reports the same
   verdict); every watchdog thread that reads it logs ``replica(s) [r] stopped responding for N s ...``, acknowledges,
   and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (``INTERRUPTED_EXIT_CODE`` for Ctrl-C; a thread can end
