@@ -231,6 +231,16 @@ class HeartbeatBook:
         self._hidden.discard(r)
         return status
 
+    def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
+        """The second signal for a replica this process launched: exited with 0, it finished (its last records may
+        have been hidden); still running, it is not silent, whatever its heartbeat."""
+        if exit_code == 0:
+            return replace(status, state="finished")
+        if exit_code is None and status.silent_for > self.stale_after:
+            self._note_hidden(status.rank, status.silent_for, status.pid)
+            return replace(status, silent_for=0.0, stalled_for=0.0)
+        return status
+
     def _alive_here(self, data: dict[str, Any]) -> bool:
         """The second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat."""
         local = data.get("host") == self.host and data.get("boot", "") == BOOT_ID

@@ -364,12 +364,15 @@ class Watchdog:
             for r, key in enumerate(keys):
                 if self.store.check([key]):
                     raw[r] = self.store.get(key)
+        children = dict(self._children())
         statuses = []
         for r in range(self.world_size):
             if r == self.rank:
                 statuses.append(self._own_status(now))
-            else:
-                statuses.append(self._book.status(r, raw.get(r), now))
+                continue
+            status = self._book.status(r, raw.get(r), now)
+            child = children.get(r)
+            statuses.append(status if child is None else self._book.child_status(status, child.poll()))
         return statuses
 
     def _own_status(self, now: float) -> ReplicaStatus:

@@ -77,3 +77,11 @@ def test_a_silent_remote_replica_still_counts_as_silent():
 def test_process_alive():
     assert process_alive(os.getpid())
     assert not process_alive(2**22 + 12345)
+
+
+def test_a_launched_replica_is_judged_by_its_process():
+    book = _book(alive=lambda pid: False)
+    status = book.status(1, None, now=30.0)  # never heard of
+    assert book.child_status(status, None).silent_for == 0.0  # still running: not silent
+    assert book.child_status(status, 0).state == "finished"  # exited with 0: finished
+    assert book.child_status(status, 3).silent_for == 30.0
