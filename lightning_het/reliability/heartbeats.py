@@ -137,6 +137,8 @@ class HeartbeatBook:
         stale_after: seconds without a new heartbeat after which a replica on this node whose process is alive is
             reported as "not visible" rather than silent (its ages are reset: nobody is blamed for what nobody sees).
         alive: whether a local process id is alive (replaced in tests).
+        peers: every replica's ``(host, boot id, pid)``, exchanged over the process group (not the store) when the
+            watchdog starts, so a replica never heard of can be checked too (``{}``: use the records' own).
     """
 
     def __init__(
@@ -147,7 +149,9 @@ class HeartbeatBook:
         host: str,
         stale_after: float,
         alive: Callable[[int], bool] = process_alive,
+        peers: dict[int, tuple[str, str, int]] | None = None,
     ) -> None:
+        self.peers = peers or {}
         self.rank, self.token, self.namespace, self.host = rank, token, namespace, host
         self.stale_after = stale_after
         self.alive = alive
@@ -223,10 +227,12 @@ class HeartbeatBook:
         seq_changed = old[3] if seq == old[2] else now
         self.seen[r] = (beat, beat_changed, seq, seq_changed, data)
         if data is None:
-            return ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
-        status = status_from_record(r, data, now - beat_changed, now - seq_changed)
-        if status.silent_for > self.stale_after and self._alive_here(data):
-            self._note_hidden(r, status.silent_for, data["pid"])
+            status = ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
+        else:
+            status = status_from_record(r, data, now - beat_changed, now - seq_changed)
+        identity = self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"]))
+        if status.silent_for > self.stale_after and identity and self._alive_here(*identity):
+            self._note_hidden(r, status.silent_for, identity[2])
             return replace(status, silent_for=0.0, stalled_for=0.0)
         self._hidden.discard(r)
         return status
@@ -241,10 +247,9 @@ class HeartbeatBook:
             return replace(status, silent_for=0.0, stalled_for=0.0)
         return status
 
-    def _alive_here(self, data: dict[str, Any]) -> bool:
+    def _alive_here(self, host: str, boot: str, pid: int) -> bool:
         """The second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat."""
-        local = data.get("host") == self.host and data.get("boot", "") == BOOT_ID
-        return local and self.alive(int(data["pid"]))
+        return host == self.host and boot == BOOT_ID and self.alive(int(pid))
 
     def _note_hidden(self, r: int, seconds: float, pid: int) -> None:
         if r in self._hidden:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import socket
 import subprocess
 from collections.abc import Callable
 from datetime import timedelta
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
+from lightning_het.reliability.heartbeats import BOOT_ID
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
 
@@ -142,6 +144,8 @@ def start_watchdog(
     namespace = f"lightning_het/watchdog/{next(_generation)}/"
     store = dist.PrefixStore(namespace, connection)
     rank = dist.get_rank()
+    identities: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(identities, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
     hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
     watchdog = Watchdog(
         store,
@@ -152,6 +156,7 @@ def start_watchdog(
         children=_launched_replicas(strategy),
         token=token,
         namespace=namespace,
+        peers=dict(enumerate(identities)),
     )
     watchdog.start()
     if trainer is not None:

@@ -99,6 +99,7 @@ class Watchdog:
             without a valid signature are ignored. ``""``: unsigned records (tests, single-process use).
         namespace: the key space of ``store`` (its prefix), covered by every signature so that a record cannot be
             moved between watchdogs.
+        peers: every replica's ``(host, boot id, pid)`` (:class:`~lightning_het.reliability.heartbeats.HeartbeatBook`).
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class Watchdog:
         exit: Callable[[int], None] | None = None,
         token: str = "",
         namespace: str = "",
+        peers: dict[int, tuple[str, str, int]] | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
@@ -141,7 +143,9 @@ class Watchdog:
         self._standing: Verdict | None = None  # the verdict on_exception reached
         # heartbeat thread only
         self._beat = 0
-        self._book = HeartbeatBook(rank, token, namespace, self._host, stale_after=max(3 * self.interval, 1.0))
+        self._book = HeartbeatBook(
+            rank, token, namespace, self._host, stale_after=max(3 * self.interval, 1.0), peers=peers
+        )
         self._store_lost_since: float | None = None
         self._bugs = 0
         self._stop = threading.Event()

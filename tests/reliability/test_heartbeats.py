@@ -85,3 +85,9 @@ def test_a_launched_replica_is_judged_by_its_process():
     assert book.child_status(status, None).silent_for == 0.0  # still running: not silent
     assert book.child_status(status, 0).state == "finished"  # exited with 0: finished
     assert book.child_status(status, 3).silent_for == 30.0
+
+
+def test_a_replica_never_heard_of_is_checked_through_the_identities_exchanged_at_start():
+    book = HeartbeatBook(0, "secret", "ns/0/", HOST, stale_after=1.0, alive=lambda pid: True,
+                         peers={1: (HOST, BOOT_ID, 4242)})  # fmt: skip
+    assert book.status(1, None, now=30.0).silent_for == 0.0
