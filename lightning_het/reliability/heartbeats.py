@@ -234,7 +234,6 @@ class HeartbeatBook:
         if status.silent_for > self.stale_after and identity and self._alive_here(*identity):
             self._note_hidden(r, status.silent_for, identity[2])
             return replace(status, silent_for=0.0, stalled_for=0.0)
-        self._hidden.discard(r)
         return status
 
     def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
