@@ -72,21 +72,21 @@ from lightning_het.reliability.checkpointing import (
     synchronize_before_save,
 )
 from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
+from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.preemption import (
     DEFAULT_GRACE,
     PreemptionHandler,
     attach_preemption,
     detach_preemption,
-    shield_loader_workers,
 )
-from lightning_het.reliability.watchdog import (
-    Phase,
-    Watchdog,
+from lightning_het.reliability.supervision import (
     attach_watchdog,
     start_watchdog,
     stop_watchdog,
     validate_launch_environment,
 )
+from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import Watchdog
 
 __all__ = ["HeterogeneousStrategy"]
 

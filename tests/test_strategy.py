@@ -197,7 +197,7 @@ def test_the_watchdog_knows_either_packages_sigterm_exception():
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from lightning_het.reliability.preemption import Preempted
-    from lightning_het.reliability.watchdog import is_sigterm_exit
+    from lightning_het.reliability.verdicts import is_sigterm_exit
 
     assert is_sigterm_exit(SIGTERMException()) and is_sigterm_exit(Preempted(None, [15, 0]))
     assert is_sigterm_exit(pytorch_lightning.utilities.exceptions.SIGTERMException())
@@ -213,7 +213,7 @@ def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechani
     from lightning_het.balance.monitor import HeterogeneousBalanceCallback
     from lightning_het.cluster.accelerators import MixedAccelerator
     from lightning_het.reliability.preemption import PreemptionCallback
-    from lightning_het.reliability.watchdog import WatchdogCallback
+    from lightning_het.reliability.supervision import WatchdogCallback
 
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
     for cls in (WatchdogCallback, PreemptionCallback, HeterogeneousBalanceCallback):

@@ -14,8 +14,9 @@ The listening socket is bound here and handed to the TCPStore (``master_listen_f
 **Job token.** The launching process generates a random token (:func:`ensure_job_token`, 256 bits) and hands it to the
 replicas it starts through the environment variable :data:`TOKEN_ENV`; it never travels through the store. The
 watchdog signs every record it writes (heartbeats, the verdict) with an HMAC-SHA256 keyed by the token and ignores
-records whose signature does not match (:func:`sign`, :func:`verify`), and it derives its key names from the token,
-so a client that reaches the store without the token can neither dictate a verdict nor forge a replica's state. For
+records whose signature does not match (:func:`sign`, :func:`verify`), so a client that reaches the store without
+the token can neither dictate a verdict nor forge a replica's state. Key names are not secret (``list_keys`` shows
+them); the records carry their own freshness (:mod:`lightning_het.reliability.heartbeats`). For
 multi-node jobs export the same token on every node (e.g. ``export LIGHTNING_HET_JOB_TOKEN=$(openssl rand -hex 32)``);
 otherwise the replicas adopt rank 0's token over the process group's own connections
 (:func:`agree_on_token`).
@@ -46,7 +47,6 @@ __all__ = [
     "ensure_job_token",
     "free_port",
     "keep_sockets_local",
-    "key_prefix",
     "listen_address",
     "restore_job_environment",
     "save_job_environment",
@@ -94,11 +94,6 @@ def verify(token: str, key: str, record: str | bytes) -> str | None:
         return None
     expected = hmac.new(token.encode(), f"{key}{_SEPARATOR}{payload}".encode(), hashlib.sha256).hexdigest()
     return payload if hmac.compare_digest(mac, expected) else None
-
-
-def key_prefix(token: str) -> str:
-    """A key-space name derived from the token: a client without it cannot guess where the watchdog writes."""
-    return hmac.new(token.encode(), b"lightning_het/keys", hashlib.sha256).hexdigest()[:16]
 
 
 def agree_on_token(token: str) -> str:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_het._compat import _init_dist_connection
 from lightning_het.cluster.rendezvous import create_store
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
-from lightning_het.reliability.watchdog import apply_collective_timeout, rendezvous_timeout
+from lightning_het.reliability.supervision import apply_collective_timeout, rendezvous_timeout
 
 __all__ = ["detect_node_ids", "init_process_group", "rendezvous_failed", "startup_timeout_scope"]
 
@@ -25,7 +25,7 @@ def startup_timeout_scope(
     timeout: timedelta | None, startup_timeout: timedelta | None, set_timeout: Callable[[timedelta | None], None]
 ) -> Iterator[None]:
     """Around the rendezvous: the timeout becomes ``startup_timeout`` when that is longer (see
-    :func:`~lightning_het.reliability.watchdog.rendezvous_timeout`), through ``set_timeout``; afterwards ``timeout``
+    :func:`~lightning_het.reliability.supervision.rendezvous_timeout`), through ``set_timeout``; afterwards ``timeout``
     is restored, there and on the default process group's collectives and store."""
     startup = rendezvous_timeout(timeout, startup_timeout)
     if startup is None:
@@ -81,7 +81,7 @@ def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[
 def rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
     """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
     any other error is returned unchanged."""
-    from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, JobEnded
+    from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
 
     text = str(err).lower()
     if "timeout" not in text and "timed out" not in text:

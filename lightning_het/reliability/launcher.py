@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch.distributed as dist
 
 from lightning_het._compat import _MultiProcessingLauncher
-from lightning_het.reliability.watchdog import validate_launch_environment
+from lightning_het.reliability.supervision import validate_launch_environment
 
 __all__ = ["AllocationResultsMixin", "ExitCleanup", "HeterogeneousMultiProcessingLauncher"]
 

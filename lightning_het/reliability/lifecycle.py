@@ -15,7 +15,7 @@ strategy installs it). In the launching process (local rank 0 of each node) it
    with the call), and at exit waits for them (up to ``timeout``), then kills any that are left.
 
 Multi-node jobs check their rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``) here, when the
-processes start (:func:`~lightning_het.reliability.watchdog.validate_launch_environment`), not when the Trainer is
+processes start (:func:`~lightning_het.reliability.supervision.validate_launch_environment`), not when the Trainer is
 built.
 
 In every replica it runs the Trainer's entry point and then waits until every replica has finished it (the
@@ -61,16 +61,15 @@ from lightning_het.cluster.rendezvous import (
     save_job_environment,
 )
 from lightning_het.reliability.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
-from lightning_het.reliability.watchdog import (
+from lightning_het.reliability.processes import check_children, kill_children
+from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     JobEnded,
-    check_children,
     exit_code_for,
     interruption_of,
     is_collective_failure,
-    kill_children,
-    validate_launch_environment,
 )
 
 __all__ = [
@@ -269,7 +268,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
-        from lightning_het.reliability.watchdog import stop_watchdog
+        from lightning_het.reliability.supervision import stop_watchdog
 
         watchdog = self._strategy.release_watchdog()
         stop_watchdog(watchdog, trainer, finished=True)

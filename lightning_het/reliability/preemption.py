@@ -26,9 +26,9 @@ then lost to the ``SIGKILL``. What this module does instead, per replica:
    ``SIGKILL``.
 
 Outside ``fit`` (``validate``, ``test``, ``predict``) there is nothing to save: the signal ends the replica at once,
-with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1`` (:func:`shield_loader_workers`), so a
-signal sent to the whole process group does not kill them before their replica reaches the step boundary; they end
-with their replica.
+with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1``
+(:func:`~lightning_het.reliability.loader_workers.shield_loader_workers`), so a signal sent to the whole process group
+does not kill them before their replica reaches the step boundary; they end with their replica.
 
 See ``docs/preemption.md`` for the SLURM ``--signal`` / ``--requeue`` recipe.
 """
@@ -66,7 +66,6 @@ __all__ = [
     "PreemptionHandler",
     "attach_preemption",
     "default_checkpoint_path",
-    "shield_loader_workers",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,67 +100,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-# ---------------------------------------------------------------------------------------------------- data workers
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the parent ends (Linux; elsewhere nothing).
-
-    A DataLoader worker blocked in ``Dataset.__getitem__`` (a stuck read) never gets to torch's own parent check:
-    without this it outlives its replica, reparented to init. The signal comes when the parent *thread* that started
-    the worker ends; Lightning iterates its loaders in the main thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-class _ShieldedWorkerInit:
-    """``worker_init_fn`` that makes a DataLoader worker ignore the preemption signals and die with its replica
-    (``PR_SET_PDEATHSIG``), then runs the original.
-
-    Picklable (workers started with ``spawn``/``forkserver`` receive it pickled). ``inner`` is the loader's own
-    ``worker_init_fn``; with ``None`` and ``seed_everything(workers=True)``, Lightning's seeding function is run as
-    Lightning would have added it.
-    """
-
-    def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
-        self.inner = inner
-        self.rank = rank
-        self.signals = tuple(int(s) for s in signals)
-
-    def __call__(self, worker_id: int) -> None:
-        _die_with_parent()
-        for signum in self.signals:
-            signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
-        with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
-        if self.inner is not None:
-            self.inner(worker_id)
-        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
-            from lightning.fabric.utilities.seed import pl_worker_init_function
-
-            pl_worker_init_function(worker_id, rank=self.rank)
-
-
-def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
-    """Make the worker processes of ``dataloader`` (if any) ignore the preemption signals and die with their replica
-    (SIGKILL when it ends, however it ends); returns ``dataloader``.
-
-    Without this, a ``SIGTERM`` sent to the whole process group kills the workers first (torch's worker handler
-    re-raises it) and the replica fails with "DataLoader worker ... is killed by signal" before it can save.
-    """
-    if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
-        current = dataloader.worker_init_fn
-        if not isinstance(current, _ShieldedWorkerInit):
-            dataloader.worker_init_fn = _ShieldedWorkerInit(current, rank, signals)
-    return dataloader
 
 
 # ---------------------------------------------------------------------------------------------------- per replica

@@ -3,12 +3,14 @@
 JSON keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``root`` (Trainer ``default_root_dir``),
 ``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs; speeds are ``[1, 1]`` unless
 the fault is in profiling), and ``fault``:
-``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "setup" | "profiling" | "train" | "eval" |
-"teardown" | "loader"}``. ``launch`` fires before the Trainer exists; ``setup`` in ``LightningModule.setup``;
-``profiling`` in training batch 1, one of the first training steps, which the strategy times to measure speeds;
-``train`` in training batch 2; ``eval`` in validation batch 1; ``teardown`` in ``LightningModule.teardown``; ``loader``
-in ``Dataset.__getitem__`` of the training DataLoader's worker processes (``num_workers=2``; each worker serves one
-batch, then the fault fires in its next item).
+``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "prepare_data" | "setup" | "profiling" | "train" |
+"eval" | "epoch_end" | "teardown" | "loader"}``. ``launch`` fires before the Trainer exists; ``prepare_data`` in
+``LightningModule.prepare_data`` (rank 0 only runs it; the others wait in Lightning's barrier around it); ``setup`` in
+``LightningModule.setup``; ``profiling`` in training batch 1, one of the first training steps, which the strategy
+times to measure speeds; ``train`` in training batch 2; ``eval`` in validation batch 1; ``epoch_end`` in
+``on_validation_epoch_end``; ``teardown`` in ``LightningModule.teardown``; ``loader`` in ``Dataset.__getitem__``
+of the training DataLoader's worker processes (``num_workers=2``; each worker serves one batch, then the fault fires
+in its next item).
 
 Files written to OUT_DIR: ``fault.json`` (pid, wall-clock time) when the fault fires; ``training.json`` (rank 0, the
 job's pids) once training runs; ``workers/<pid>`` for every DataLoader worker process (``loader`` faults).
@@ -80,6 +82,10 @@ class ProbeRegressor(TinyRegressor):
     def _due(self, where: str) -> bool:
         return self.fault["kind"] != "none" and self.fault["where"] == where and self.global_rank == self.fault["rank"]
 
+    def prepare_data(self) -> None:
+        if self._due("prepare_data"):
+            _fire(self.out, self.fault, self.global_rank)
+
     def setup(self, stage: str) -> None:
         if self._due("setup"):
             _fire(self.out, self.fault, self.global_rank)
@@ -103,6 +109,10 @@ class ProbeRegressor(TinyRegressor):
         if batch_idx == 1 and self._due("eval"):
             _fire(self.out, self.fault, self.global_rank)
         return super().validation_step(batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        if self._due("epoch_end"):
+            _fire(self.out, self.fault, self.global_rank)
 
     def teardown(self, stage: str) -> None:
         if self._due("teardown"):

@@ -26,21 +26,21 @@ import torch
 import torch.distributed as dist
 
 from lightning_het.cluster import rendezvous
-from lightning_het.cluster.rendezvous import create_store, key_prefix, listen_address, sign, verify
+from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hooks
 from lightning_het.reliability.lifecycle import OutputDirError, check_output_dir
-from lightning_het.reliability.watchdog import (
+from lightning_het.reliability.processes import kill_children
+from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
-    Watchdog,
     describe_phase,
     exit_code_for,
     judge,
-    kill_children,
 )
+from lightning_het.reliability.watchdog import Watchdog
 from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
@@ -68,9 +68,6 @@ class TestSigning:
         assert verify("secret", "hb/1", record) is None  # moved to another key
         assert verify("secret", "abort", '{"kind": "hung"}') is None  # unsigned
         assert verify("secret", "abort", b"\xff\xfe") is None
-
-    def test_key_space_depends_on_the_token(self):
-        assert key_prefix("a") != key_prefix("b") and len(key_prefix("a")) == 16
 
     def test_job_token_is_generated_once(self):
         environ: dict[str, str] = {}
@@ -280,7 +277,7 @@ def test_killing_a_replica_kills_its_descendants():
 
 _ORPHANED_WORKER = """
 import os, sys, time
-from lightning_het.reliability.preemption import shield_loader_workers
+from lightning_het.reliability.loader_workers import shield_loader_workers
 from torch.utils.data import DataLoader
 loader = shield_loader_workers(DataLoader(range(4), num_workers=1), rank=0)
 pid = os.fork()
@@ -434,6 +431,27 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, wher
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "rank", "named"),
+    [("prepare_data", 0, "in setup"), ("epoch_end", 1, "in on_validation_epoch_end")],
+    ids=["prepare_data-rank0", "validation_epoch_end-rank1"],
+)
+def test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier(tmp_path, where, rank, named):
+    """A hang in ``prepare_data`` on rank 0 (rank 1 waits in Lightning's barrier around it) or in
+    ``on_validation_epoch_end`` on rank 1: the job ends with 124 naming only the stuck replica."""
+    cfg = {"timeout": TIMEOUT, "fault": {"kind": "hang", "rank": rank, "where": where}}
+    proc, _ = _start(tmp_path, cfg)
+    status, out, ended, survivors = _finish(proc)
+    assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
+    assert status == WATCHDOG_EXIT_CODE, out[-3000:]
+    assert f"replica(s) [{rank}] stopped responding" in out, out[-3000:]
+    assert f"rank {rank} on" in out and named in out, out[-3000:]
+    assert "replica(s) [0, 1]" not in out, out[-3000:]
+    assert ended - json.loads((tmp_path / "fault.json").read_text())["time"] < TIMEOUT + 30, out[-3000:]
+    assert survivors == []
+
+
+@pytest.mark.slow
 def test_a_hung_loader_worker_does_not_outlive_the_job(tmp_path):
     """Replica 1's ``Dataset.__getitem__`` blocks forever in its DataLoader workers (``num_workers=2``): the job ends
     with 124 within ``timeout`` + 30 s of the fault and no worker process of either replica survives it (workers
@@ -484,6 +502,52 @@ def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_lo
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert status == 0, out[-3000:]
+    assert "a stranger says so" not in out
+    assert (tmp_path / "done.json").exists()
+    assert survivors == []
+
+
+def _tamper_with_heartbeats(store: dist.TCPStore, proc: subprocess.Popen, seconds: float) -> int:
+    """A stranger on the store: for ``seconds`` (or until the job ends), overwrite, delete and replay every heartbeat
+    key it can list; returns how many rounds tampered with at least one key."""
+    captured: dict[str, bytes] = {}
+    rounds = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(Exception):
+            keys = [k for k in store.list_keys() if "/hb/" in k]
+            for key in keys:
+                if key not in captured:
+                    captured[key] = store.get(key)  # a genuine record, replayed later
+                action = rounds % 3
+                if action == 0:
+                    store.set(key, json.dumps({"state": "failed", "error": "a stranger says so"}))
+                elif action == 1:
+                    store.delete_key(key)
+                else:
+                    store.set(key, captured[key])
+            rounds += bool(keys)
+        time.sleep(0.02)
+    return rounds
+
+
+@pytest.mark.slow
+def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(tmp_path):
+    """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
+    the job finishes (exit 0), warns about tampering naming the key, and blames nobody."""
+    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": 2 * STEP_SLEEP})
+    try:
+        _wait_for(tmp_path / "training.json", proc)
+        stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
+        rounds = _tamper_with_heartbeats(stranger, proc, seconds=2 * TIMEOUT)  # training lasts 6 x 2 s
+        status, out, _, survivors = _finish(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rounds > 10
+    assert status == 0, out[-3000:]
+    assert "tampering with the job's store detected under 'hb/" in out, out[-3000:]
+    assert "stopped responding" not in out and "replica(s) [" not in out, out[-3000:]
     assert "a stranger says so" not in out
     assert (tmp_path / "done.json").exists()
     assert survivors == []

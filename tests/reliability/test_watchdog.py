@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_het.reliability.watchdog import (
+from lightning_het.arguments import as_timeout
+from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.verdicts import (
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
-    Watchdog,
-    as_timeout,
     is_collective_failure,
     judge,
-    validate_launch_environment,
 )
+from lightning_het.reliability.watchdog import Watchdog
 from tests.helpers.jobs import run_helper
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
@@ -247,7 +247,7 @@ class TestRendezvousTimeout:
     def test_longer_startup_only(self) -> None:
         from datetime import timedelta
 
-        from lightning_het.reliability.watchdog import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
+        from lightning_het.reliability.supervision import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
 
         assert rendezvous_timeout(timedelta(seconds=5)) == DEFAULT_STARTUP_TIMEOUT
         assert rendezvous_timeout(timedelta(seconds=5), 30) == timedelta(seconds=30)

@@ -23,13 +23,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_het import HeterogeneousStrategy
+from lightning_het.reliability.loader_workers import _ShieldedWorkerInit, shield_loader_workers
 from lightning_het.reliability.preemption import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,
-    _ShieldedWorkerInit,
     default_checkpoint_path,
-    shield_loader_workers,
 )
 from tests.helpers.jobs import REPO, group_members, job_env, run_helper
 from tests.helpers.tiny import FLAVOUR_ENV

@@ -1,0 +1,99 @@
+"""Child processes of a replica: local replicas that exited (:func:`check_children`), and ending a replica's whole
+process tree (:func:`exit_job`, :func:`kill_children`; Linux ``/proc``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+
+from lightning_het.reliability.verdicts import CHILD_INTERRUPTION_STATUS, Verdict
+
+__all__ = ["check_children", "descendants", "exit_job", "kill_children", "kill_pids", "process_alive"]
+
+_PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
+
+
+def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
+    """A verdict for local replicas that exited with a non-zero status (interrupted ones: ``"interrupted"``)."""
+    exited = []
+    for rank, proc in children:
+        code = proc.poll()
+        if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
+            exited.append((rank, proc.pid, code))
+    if not exited:
+        return None
+    ranks = sorted(r for r, _, _ in exited)
+    kinds = {CHILD_INTERRUPTION_STATUS.get(code) for _, _, code in exited}
+    if len(kinds) == 1 and None not in kinds:
+        kind = kinds.pop()
+        detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
+        return Verdict(str(kind), tuple(ranks), 0.0, f"replica(s) {ranks} {kind} ({detail})")
+    detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
+    return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
+
+
+def descendants(pid: int) -> list[int]:
+    """The live descendants of process ``pid`` (children first), read from ``/proc/<pid>/task/*/children`` (Linux;
+    elsewhere, or without that file: ``[]``). Read them before ``pid`` ends: its orphans are then reparented."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop(0)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(OSError, ValueError), open(f"/proc/{parent}/task/{task}/children") as fh:
+                    for child in (int(c) for c in fh.read().split()):
+                        if child not in found and child != pid:
+                            found.append(child)
+                            pending.append(child)
+    return found
+
+
+def kill_pids(pids: Sequence[int]) -> None:
+    """SIGKILL every process in ``pids`` that still exists."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def exit_job(code: int) -> None:
+    """End this replica with ``code`` and its whole process tree with it: its DataLoader workers, compiler workers and
+    any other descendants get SIGKILL first (a worker blocked in ``Dataset.__getitem__`` would otherwise outlive the
+    job, reparented to init, and keep its output open)."""
+    kill_pids(descendants(os.getpid()))
+    os._exit(code)
+
+
+def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
+    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran.
+
+    The descendants are read before the replica is killed (orphans leave its tree), and killed after it (it can no
+    longer start new ones)."""
+    killed = []
+    for rank, proc in children:
+        with contextlib.suppress(Exception):
+            if proc.poll() is None:
+                tree = descendants(proc.pid)
+                proc.kill()
+                kill_pids(tree)
+                killed.append(rank)
+    return killed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this node exists and is not a zombie (``os.kill(pid, 0)``, ``/proc/<pid>/stat``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")

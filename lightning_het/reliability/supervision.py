@@ -1,0 +1,255 @@
+"""Wiring the :class:`~lightning_het.reliability.watchdog.Watchdog` into a run: the Trainer callback that feeds it
+progress markers, starting / attaching / stopping it, and the launch-time checks and timeouts around the rendezvous."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import socket
+import subprocess
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
+from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
+from lightning_het.reliability.heartbeats import BOOT_ID
+from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import Watchdog
+
+__all__ = [
+    "DEFAULT_STARTUP_TIMEOUT",
+    "WatchdogCallback",
+    "apply_collective_timeout",
+    "attach_watchdog",
+    "rendezvous_timeout",
+    "start_watchdog",
+    "stop_watchdog",
+    "validate_launch_environment",
+]
+
+#: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
+DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
+_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
+
+
+class WatchdogCallback(Callback):
+    """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
+        """A copy that shares this process's running watchdog (its threads and store connection are not state to
+        duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        return copy.copy(self)
+
+    # loops
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.arm("fit")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.disarm("fit")
+
+    def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.watchdog.arm("eval")
+        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=_stage(trainer))
+
+    def _eval_end(self, *args: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_DONE)
+        self.watchdog.disarm("eval")
+
+    on_validation_start = on_test_start = on_predict_start = _eval_start
+    on_validation_end = on_test_end = on_predict_end = _eval_end
+
+    # training batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.watchdog.mark(Phase.TRAINING_STEP, new_batch=True)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.watchdog.mark(Phase.BACKWARD)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.mark(Phase.OPTIMIZER_STEP)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.watchdog.mark(Phase.BETWEEN_BATCHES)
+
+    def _between(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.BETWEEN_BATCHES)
+
+    on_train_epoch_start = on_train_epoch_end = _between
+
+    # evaluation batches
+    def _eval_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
+
+    def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_LOADING)
+
+    def _eval_epoch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_EPOCH_END)  # the callbacks' hooks run before the LightningModule's
+
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_batch_end
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        self.watchdog.mark(self.watchdog._progress[2])
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.watchdog.on_exception(exception)
+
+
+def _stage(trainer: pl.Trainer) -> str:
+    stage = trainer.state.stage
+    return str(stage.value) if stage is not None else ""
+
+
+def _seconds(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def start_watchdog(
+    strategy: Any, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
+) -> Watchdog | None:
+    """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``.
+
+    Collective: every rank calls it right after the process group exists (the replicas agree on the job token).
+
+    Args:
+        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist); its public
+            ``launcher``, ``node_rank`` and ``num_processes`` name the replicas this process launched.
+        timeout: the strategy's collective timeout (``None``: no watchdog).
+        trainer: the Trainer that gets the :class:`WatchdogCallback` (else see :func:`attach_watchdog`).
+
+    Returns:
+        The running watchdog, or ``None`` for a single replica or without a process group.
+    """
+    seconds = _seconds(timeout)
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
+        return None
+    token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
+    base = default_store()
+    connection = base.clone() if hasattr(base, "clone") else base
+    namespace = f"lightning_het/watchdog/{next(_generation)}/"
+    store = dist.PrefixStore(namespace, connection)
+    rank = dist.get_rank()
+    identities: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(identities, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    watchdog = Watchdog(
+        store,
+        rank,
+        dist.get_world_size(),
+        seconds,
+        hosts_store=hosts_store,
+        children=_launched_replicas(strategy),
+        token=token,
+        namespace=namespace,
+        peers=dict(enumerate(identities)),
+    )
+    watchdog.start()
+    if trainer is not None:
+        attach_watchdog(watchdog, trainer)
+    return watchdog
+
+
+def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
+    """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
+    callback_cls = on_flavour(WatchdogCallback, trainer)  # the standalone pytorch_lightning's Callback for its trainers
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
+    if watchdog is not None:
+        trainer.callbacks.append(callback_cls(watchdog))
+
+
+def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
+    """Stop ``watchdog`` and remove its callback; ``finished``: first wait until every replica finished."""
+    if watchdog is None:
+        return
+    if finished:
+        watchdog.finish()
+    else:
+        watchdog.stop()
+    if trainer is not None:
+        callback_cls = on_flavour(WatchdogCallback, trainer)
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
+
+
+def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
+    """The local replicas that this process launched (Lightning's ``popen`` launcher), with their global ranks."""
+
+    def children() -> list[tuple[int, subprocess.Popen]]:
+        procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+        first = strategy.node_rank * strategy.num_processes
+        return [(first + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
+
+    return children
+
+
+def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
+    """The timeout the rendezvous should use instead of the strategy's ``timeout``, or ``None`` to keep ``timeout``.
+
+    ``torch.distributed.init_process_group(timeout=...)`` uses one timeout for the rendezvous and for every
+    collective; a ``timeout`` short enough to end a hung job quickly would also fail a job whose replicas take longer
+    to start (imports, a busy node, a scheduler starting nodes apart). The rendezvous therefore waits
+    ``startup_timeout`` (default 10 minutes) when that is longer; the strategy applies it to itself during the
+    rendezvous and then restores ``timeout`` with :func:`apply_collective_timeout`.
+
+    Args:
+        timeout: the strategy's collective timeout (``None``: torch's default, kept).
+        startup_timeout: the rendezvous timeout (seconds or ``timedelta``; ``None``: 10 minutes).
+
+    Returns:
+        The longer rendezvous timeout, or ``None`` when ``timeout`` is unset or already at least as long, or when the
+        default process group already exists (nothing to rendezvous).
+    """
+    startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
+    startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
+    if timeout is None or startup <= timeout or dist.is_initialized():
+        return None
+    return startup
+
+
+def apply_collective_timeout(timeout: timedelta) -> None:
+    """Give the default process group's collectives and its store ``timeout`` (after a longer rendezvous)."""
+    if dist.is_initialized():
+        set_default_group_timeout(timeout)
+
+
+def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
+    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen.
+
+    Called by the strategy's launchers when they start the processes (``fit``, ``validate``, ...), before any starts;
+    not at Trainer construction, so that a Trainer can be built where the variables are not set (a login node, a unit
+    test, printing a config), as Lightning allows.
+
+    With Lightning's default environment (no SLURM, torchrun, ...), every node must be given the same
+    ``MASTER_ADDR`` and ``MASTER_PORT``; otherwise each node silently rendezvouses on its own localhost / a random
+    port and waits until the start-up timeout.
+
+    Raises:
+        ValueError: naming the missing variable(s).
+    """
+    environ = os.environ if environ is None else environ
+    if num_nodes <= 1 or cluster_environment is None or cluster_environment.creates_processes_externally:
+        return
+    if type(cluster_environment).__name__ != "LightningEnvironment":
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]
+    if missing:
+        raise ValueError(
+            f"You set num_nodes={num_nodes}, but the environment variable(s) {', '.join(missing)} are not set, so the"
+            " nodes cannot find each other (each would wait for its own rendezvous until the start-up timeout)."
+            " HINT: on every node export MASTER_ADDR=<host of node 0>, MASTER_PORT=<free port, same on all nodes>"
+            " and NODE_RANK=<0..num_nodes-1>, or launch through SLURM / torchrun."
+        )

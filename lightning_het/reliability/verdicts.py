@@ -1,0 +1,325 @@
+"""What the watchdog concludes: progress phases, replica statuses, verdicts and the pure :func:`judge`, exit statuses
+and the classification of exceptions (collective failure, interruption, preemption).
+
+Pure values and functions (no threads, no store); the design is described in ``docs/reliability.md`` and in
+:mod:`lightning_het.reliability.watchdog`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch.distributed as dist
+
+__all__ = [
+    "CHILD_INTERRUPTION_STATUS",
+    "HINTS",
+    "INTERRUPTED_EXIT_CODE",
+    "INTERRUPTION_EXIT_CODES",
+    "WATCHDOG_EXIT_CODE",
+    "JobEnded",
+    "Phase",
+    "ReplicaStatus",
+    "Verdict",
+    "describe_phase",
+    "exit_code_for",
+    "first_line",
+    "interruption_of",
+    "is_collective_failure",
+    "is_sigterm_exit",
+    "judge",
+]
+
+#: exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out").
+WATCHDOG_EXIT_CODE = 124
+#: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).
+INTERRUPTED_EXIT_CODE = 130
+#: replica states (and verdict kinds) that are an interruption from outside the job, not a failure, with the exit
+#: status every replica ends with; everything else ends with :data:`WATCHDOG_EXIT_CODE`.
+INTERRUPTION_EXIT_CODES: dict[str, int] = {"interrupted": INTERRUPTED_EXIT_CODE}
+_INTERRUPTED_STATES = INTERRUPTION_EXIT_CODES  # the states are the keys
+#: a local replica's exit status (or ``-signal``) that tells it was interrupted, with the verdict kind it gets
+CHILD_INTERRUPTION_STATUS: dict[int, str] = {INTERRUPTED_EXIT_CODE: "interrupted", -2: "interrupted"}
+
+
+def exit_code_for(verdict: Verdict) -> int:
+    """The exit status of a replica ended by ``verdict``: 130 for Ctrl-C, else 124 (stalled, dead or failed)."""
+    return INTERRUPTION_EXIT_CODES.get(verdict.kind, WATCHDOG_EXIT_CODE)
+
+
+def interruption_of(exception: BaseException) -> str | None:
+    """The replica state for an exception that interrupts the job from outside (Ctrl-C), else ``None``."""
+    if isinstance(exception, KeyboardInterrupt):
+        return "interrupted"
+    return None
+
+
+def is_sigterm_exit(exception: BaseException) -> bool:
+    """Whether ``exception`` is a Lightning ``SIGTERMException`` (the job was told to stop, e.g. preempted), from
+    ``lightning.pytorch`` or the standalone ``pytorch_lightning``: the two packages have separate classes."""
+    return isinstance(exception, SystemExit) and any(
+        cls.__name__ == "SIGTERMException" and cls.__module__.endswith(".utilities.exceptions")
+        for cls in type(exception).__mro__
+    )
+
+
+class Phase(IntEnum):
+    """Where a replica's main thread is. Values increase with progress: through the job's stages, and within one
+    training batch ``k``."""
+
+    SETUP = 0  # process group up: setup hooks, model wrapping, checkpoint restore, building loaders
+    PROFILING = 1  # timing the training step to measure the replica's speed
+    TRAINING_STEP = 2
+    BACKWARD = 3
+    OPTIMIZER_STEP = 4
+    BETWEEN_BATCHES = 5  # after batch k: loading batch k+1, epoch hooks, checkpointing
+    EVAL_LOADING = 6  # evaluation after batch k: between evaluation batches
+    EVAL_STEP = 7
+    EVAL_EPOCH_END = 8  # all evaluation batches done: the evaluation epoch-end hooks (``on_validation_epoch_end``)
+    EVAL_DONE = 9  # the evaluation loop ended (``on_validation_end``): metrics synchronised, waiting for the others
+    TEARDOWN = 10  # the loops are over: teardown and end-of-run hooks, waiting for the others to finish
+
+
+_PHASE_TEXT = {
+    Phase.SETUP: "in setup (setup hooks, model wrapping, data loaders)",
+    Phase.PROFILING: "profiling the training step (speed measurement)",
+    Phase.TRAINING_STEP: "in training_step",
+    Phase.BACKWARD: "in backward (gradient all-reduce)",
+    Phase.OPTIMIZER_STEP: "in the optimizer step",
+    Phase.BETWEEN_BATCHES: "between training batches (loading data, epoch hooks, checkpointing)",
+    Phase.EVAL_LOADING: "loading an evaluation batch",
+    Phase.EVAL_STEP: "in an evaluation step",
+    Phase.EVAL_EPOCH_END: "in the evaluation epoch-end hooks",
+    Phase.EVAL_DONE: "done with evaluation (synchronising metrics)",
+    Phase.TEARDOWN: "in teardown (end-of-run hooks)",
+}
+_EVAL_STEP_NAMES = {"validate": "validation_step", "sanity_check": "validation_step (sanity check)",
+                    "test": "test_step", "predict": "predict_step"}  # fmt: skip
+_EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP, Phase.EVAL_EPOCH_END)
+_EPOCH_END_HOOKS = {"validate": "on_validation_epoch_end", "sanity_check": "on_validation_epoch_end",
+                    "test": "on_test_epoch_end", "predict": "on_predict_epoch_end"}  # fmt: skip
+
+
+def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
+    """Where a replica is, in words: the phase and the training (or evaluation) batch it concerns.
+
+    Args:
+        phase: the phase.
+        batch: training batches started so far (1-based index of the current training batch).
+        eval_stage: Lightning's running stage during evaluation (``"validate"``, ``"test"``, ...).
+        eval_batch: 0-based index of the evaluation batch last started (``-1``: none yet in this loop).
+    """
+    if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
+        return _PHASE_TEXT[phase]
+    if phase in _EVAL_PHASES and eval_stage:
+        step = _EVAL_STEP_NAMES.get(eval_stage, f"{eval_stage} step")
+        if phase == Phase.EVAL_STEP:
+            where = f"in {step} of evaluation batch {eval_batch}"
+        elif phase == Phase.EVAL_EPOCH_END:
+            where = f"in {_EPOCH_END_HOOKS.get(eval_stage, 'the evaluation epoch-end hooks')}"
+        else:
+            where = f"loading evaluation batch {eval_batch + 1} for {step}"
+        return f"{where} (after training batch {batch})" if batch else where
+    return f"{_PHASE_TEXT[phase]} of batch {batch}"
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as seen by an observer (the input of :func:`judge`).
+
+    Args:
+        rank: global rank.
+        host: host name.
+        pid: process id on that host.
+        batch: training batches started so far (the same count on every replica in lock-step).
+        phase: where the main thread is within that batch.
+        armed: whether the replica is inside a training/evaluation loop (only then are stalls judged).
+        waiting: whether its main thread is inside a ``torch.distributed`` call.
+        state: ``"running"``, ``"finished"`` or ``"failed"``.
+        silent_for: seconds since its heartbeat last changed.
+        stalled_for: seconds since its main thread last made progress.
+        error: for ``"failed"``: the error, one line.
+        eval_stage: during evaluation, Lightning's running stage (``"validate"``, ``"test"``, ...).
+        eval_batch: during evaluation, the 0-based index of the evaluation batch last started.
+    """
+
+    rank: int
+    host: str = "?"
+    pid: int = 0
+    batch: int = 0
+    phase: Phase = Phase.BETWEEN_BATCHES
+    armed: bool = True
+    waiting: bool = False
+    state: str = "running"
+    silent_for: float = 0.0
+    stalled_for: float = 0.0
+    error: str = ""
+    eval_stage: str = ""
+    eval_batch: int = -1
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Progress through the lock-step schedule: later batches, then later phases, compare greater."""
+        return self.batch, int(self.phase)
+
+    def describe(self) -> str:
+        where = describe_phase(self.phase, self.batch, self.eval_stage, self.eval_batch)
+        return f"rank {self.rank} on {self.host} (pid {self.pid}): {where}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which replica(s) to blame, and the message every replica prints before ending."""
+
+    kind: str  # "hung", "silent", "exited", "failed" or "lost_store"
+    culprits: tuple[int, ...]
+    seconds: float
+    message: str
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "culprits": list(self.culprits), "seconds": self.seconds,
+                           "message": self.message})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Verdict:
+        data = json.loads(text)
+        return cls(data["kind"], tuple(data["culprits"]), float(data["seconds"]), data["message"])
+
+
+HINTS = {
+    "interrupted": "the job was interrupted from outside (Ctrl-C); nothing failed.",
+    "hung": "look at what the named replica(s) were doing (a stuck device, a deadlocked data loader, a step that"
+    " waits on something outside the job); if they were only slow, raise the strategy's `timeout`.",
+    "silent": "check the named replica(s)' host: a crash, an out-of-memory kill or a lost network link.",
+    "exited": "the named replica(s)' own output shows why they exited.",
+    "failed": "the named replica(s)' traceback shows the cause.",
+    "lost_store": "check rank 0's output (it hosts the rendezvous store) and the network between the nodes.",
+}
+
+
+def _ranks(statuses: Sequence[ReplicaStatus]) -> list[int]:
+    return sorted(s.rank for s in statuses)
+
+
+def judge(
+    statuses: Sequence[ReplicaStatus],
+    timeout: float,
+    *,
+    silence_timeout: float | None = None,
+    suspect_after: float | None = None,
+) -> Verdict | None:
+    """Decide whether the job must end and whom to blame. Pure: the same statuses give the same verdict.
+
+    Rules, in order:
+
+    0. a replica that was interrupted (Ctrl-C): end every replica the same way (not a failure);
+    1. a replica that reported a failure: blame it;
+    2. a running replica whose heartbeat is older than ``silence_timeout`` (default ``timeout``): its process died or
+       froze;
+    3. some replica inside a loop made no progress for ``timeout``: the job has stalled. Suspects are the replicas
+       without progress for ``suspect_after`` (default ``timeout / 2``; observers see a peer's progress up to one
+       heartbeat late) that are not known to be waiting (inside a ``torch.distributed`` call, or done with
+       evaluation). Blame the suspects in an evaluation phase (evaluation has no collectives between batches), else
+       the suspects furthest behind (:attr:`ReplicaStatus.position`), else the replicas still making progress that the
+       others wait for.
+
+    Args:
+        statuses: every replica, as the observer sees it.
+        timeout: seconds without progress after which the job has stalled.
+        silence_timeout: seconds without a heartbeat after which a replica is presumed dead.
+        suspect_after: seconds without progress that make a replica a suspect once the job has stalled.
+
+    Returns:
+        ``None`` while the job is healthy, else the :class:`Verdict`.
+    """
+    silence = timeout if silence_timeout is None else silence_timeout
+    suspect = timeout / 2 if suspect_after is None else suspect_after
+    interrupted = [s for s in statuses if s.state in _INTERRUPTED_STATES]
+    if interrupted:
+        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or s.state}" for s in interrupted)
+        kind = interrupted[0].state
+        return Verdict(kind, tuple(_ranks(interrupted)), 0.0, f"replica(s) {_ranks(interrupted)} {kind} ({detail})")
+    failed = [s for s in statuses if s.state == "failed"]
+    if failed:
+        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or 'error'}" for s in failed)
+        return Verdict("failed", tuple(_ranks(failed)), 0.0, f"replica(s) {_ranks(failed)} failed ({detail})")
+    running = [s for s in statuses if s.state == "running"]
+    silent = [s for s in running if s.silent_for > silence]
+    if silent:
+        seconds = max(s.silent_for for s in silent)
+        detail = "; ".join(f"{s.describe()} when last heard of" for s in silent)
+        return Verdict(
+            "silent",
+            tuple(_ranks(silent)),
+            seconds,
+            f"replica(s) {_ranks(silent)} stopped responding for {seconds:.1f} s: no heartbeat, the process died or"
+            f" froze ({detail})",
+        )
+    armed = [s for s in running if s.armed]
+    if not any(s.stalled_for > timeout for s in armed):
+        return None
+    seconds = max(s.stalled_for for s in armed)
+    waiting = {s.rank for s in running if s.waiting or s.phase == Phase.EVAL_DONE}
+    suspects = [s for s in armed if s.stalled_for > suspect and s.rank not in waiting]
+    evaluating = [s for s in suspects if s.phase in _EVAL_PHASES]
+    if evaluating:
+        culprits = evaluating
+    elif suspects:
+        behind = min(s.position for s in suspects)
+        culprits = [s for s in suspects if s.position == behind]
+    else:
+        culprits = [s for s in running if s.rank not in waiting]
+    progressing = bool(culprits) and all(s.stalled_for <= suspect for s in culprits)
+    if not culprits:  # everyone waits on everyone: report them all
+        culprits = armed
+    others = [s for s in running if s not in culprits]
+    context = "; ".join(s.describe() for s in culprits)
+    if others:
+        context += "; the others wait: " + "; ".join(s.describe() for s in others)
+    if progressing:
+        text = f"kept the other replicas waiting for {seconds:.1f} s"
+    else:
+        seconds = max(s.stalled_for for s in culprits)
+        text = f"stopped responding for {seconds:.1f} s"
+    return Verdict("hung", tuple(_ranks(culprits)), seconds, f"replica(s) {_ranks(culprits)} {text} ({context})")
+
+
+_COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
+
+
+def is_collective_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection).
+
+    Such an error is a symptom on the replica that raises it; the cause is elsewhere, and :class:`Watchdog` names it.
+    """
+    dist_errors = tuple(getattr(dist, name) for name in ("DistError",) if hasattr(dist, name))
+    if dist_errors and isinstance(exception, dist_errors):
+        return True
+    if not isinstance(exception, RuntimeError):
+        return False
+    text = str(exception).lower()
+    return any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def first_line(exception: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of ``exception``, at most about ``limit`` characters; a long message keeps its ``HINT:``
+    (what to do), shortening the part before it instead."""
+    text = str(exception).strip().splitlines()
+    line = f"{type(exception).__name__}: {text[0] if text else ''}"
+    if len(line) <= limit:
+        return line
+    head, sep, hint = line.partition(" HINT: ")
+    if not sep:
+        return line[: limit - 1] + "…"
+    hint = hint if len(hint) <= limit else hint[: limit - 1] + "…"
+    return f"{head[: max(limit // 2, limit - len(hint) - 8)].rstrip()}… HINT: {hint}"
+
+
+class JobEnded(SystemExit):
+    """Raised in a replica's main thread in place of an exception that only reflects how the job ended elsewhere
+    (a peer stalled, died or was interrupted): the process exits with :attr:`code` (124 or 130), after the usual
+    clean-up (``finally`` blocks, exit handlers). The watchdog has already printed the reason.
+    """
