@@ -62,6 +62,7 @@ _LIGHTNING_PACKAGES = tuple(os.sep + name + os.sep for name in ("lightning", "py
 #: functions of those packages that wait for every replica: Lightning's ``strategy.barrier``, ``_sync_dir`` and the
 #: ``_InfiniteBarrier`` around ``prepare_data``
 _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
+_BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
 
 def _waits(code: Any) -> bool:
@@ -69,8 +70,11 @@ def _waits(code: Any) -> bool:
         return True
     if not any(package in code.co_filename for package in _LIGHTNING_PACKAGES):
         return False
-    qualname = getattr(code, "co_qualname", code.co_name)
-    return qualname in _WAITING_FUNCTIONS or code.co_name in _WAITING_FUNCTIONS
+    if code.co_name in _WAITING_FUNCTIONS or getattr(code, "co_qualname", None) in _WAITING_FUNCTIONS:
+        return True
+    # Python 3.10 has no co_qualname: the _InfiniteBarrier methods are known by their file
+    infinite_barrier = code.co_filename.endswith(_BARRIER_FILE) and code.co_name in ("__exit__", "__call__")
+    return not hasattr(code, "co_qualname") and infinite_barrier
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:

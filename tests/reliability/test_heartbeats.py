@@ -91,3 +91,17 @@ def test_a_replica_never_heard_of_is_checked_through_the_identities_exchanged_at
     book = HeartbeatBook(0, "secret", "ns/0/", HOST, stale_after=1.0, alive=lambda pid: True,
                          peers={1: (HOST, BOOT_ID, 4242)})  # fmt: skip
     assert book.status(1, None, now=30.0).silent_for == 0.0
+
+
+def test_lightnings_infinite_barrier_waits_also_where_code_has_no_qualname():
+    """Python 3.10 code objects have no ``co_qualname``: the barrier around ``prepare_data`` is known by its file."""
+    from types import SimpleNamespace
+
+    from lightning_het.reliability.heartbeats import _waits
+
+    barrier = os.path.join("site-packages", "lightning", "fabric", "utilities", "distributed.py")
+    assert _waits(SimpleNamespace(co_filename=barrier, co_name="__exit__"))  # 3.10
+    assert _waits(SimpleNamespace(co_filename=barrier, co_name="__exit__", co_qualname="_InfiniteBarrier.__exit__"))
+    assert not _waits(SimpleNamespace(co_filename=barrier, co_name="__exit__", co_qualname="Other.__exit__"))
+    user = os.path.join("home", "me", "train.py")
+    assert not _waits(SimpleNamespace(co_filename=user, co_name="__exit__"))
