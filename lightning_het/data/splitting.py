@@ -180,21 +180,13 @@ class LoaderSplitter:
         pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
         if self.train_pass is not None and self.train_pass[0] == pass_key and self.train_pass[1] != global_batch:
             return self.split_other_training_loader(dataloader, order, global_batch, split)
-        if split.batch_sizes() is None or sum(split.batch_sizes() or []) != global_batch:
+        allocated = split.batch_sizes()
+        if allocated is None or sum(allocated) != global_batch:
             split.allocate(dataloader, global_batch, order)
         batch_sizes = split.batch_sizes()
         assert batch_sizes is not None
         self.train_pass = (pass_key, global_batch)
-        sampler = ProportionalDistributedSampler(
-            dataset,
-            batch_sizes,
-            split.rank,
-            shuffle=order.shuffle,
-            seed=order.seed,
-            drop_last=order.drop_last,
-            min_batch_size=split.min_batch_size,
-            order_sampler=order.sampler,
-        )
+        sampler = _training_sampler(dataset, batch_sizes, order, split)
         if sampler.dropped_per_epoch and not order.drop_last:
             rank_zero_warn(
                 f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
@@ -207,14 +199,7 @@ class LoaderSplitter:
         self.resume_record = None
         self.train_sampler = sampler
         self.reset_cached_eval_loaders(trainer, eval_weights(batch_sizes, split.given_speeds, split.world_size))
-        profiler = split.profiler()
-        if profiler is None:
-            return rebuild_loader(dataloader, sampler, batch_sizes[split.rank])
-        # the first steps' splits follow the profiler's plan: batches cut one at a time
-        profiler.bind(sampler)
-        return rebuild_loader(
-            dataloader, sampler, batch_sizes[split.rank], batch_sampler=ProportionalBatchSampler(sampler)
-        )
+        return _rebuild_training_loader(dataloader, sampler, split)
 
     def split_other_training_loader(
         self, dataloader: DataLoader, order: TrainingOrder, global_batch: int, split: TrainingSplit
@@ -225,23 +210,7 @@ class LoaderSplitter:
         allocated = split.batch_sizes()
         assert allocated is not None
         sizes = allocate_batch_sizes(global_batch, allocated, min_batch_size=split.min_batch_size)
-        sampler = ProportionalDistributedSampler(
-            dataloader.dataset,
-            sizes,
-            split.rank,
-            shuffle=order.shuffle,
-            seed=order.seed,
-            drop_last=order.drop_last,
-            min_batch_size=split.min_batch_size,
-            order_sampler=order.sampler,
-        )
-        sampler.set_epoch(self.train_sampler.epoch if self.train_sampler is not None else 0)
-        profiler = split.profiler()
-        if profiler is None:
-            return rebuild_loader(dataloader, sampler, sizes[split.rank])
-        profiler.bind(sampler)
-        batches = ProportionalBatchSampler(sampler)
-        return rebuild_loader(dataloader, sampler, sizes[split.rank], batch_sampler=batches)
+        return _rebuild_training_loader(dataloader, _training_sampler(dataloader.dataset, sizes, order, split), split)
 
     def split_eval_loader(self, dataloader: DataLoader, weights: list[float], rank: int, world_size: int) -> DataLoader:
         """Every replica runs the same number of evaluation batches, sized in proportion to its share
@@ -277,3 +246,29 @@ class LoaderSplitter:
                 forget_validation_loader(trainer)
                 return
         self.eval_weights_used = weights
+
+
+def _training_sampler(
+    dataset: Any, batch_sizes: list[int], order: TrainingOrder, split: TrainingSplit
+) -> ProportionalDistributedSampler:
+    """This replica's sampler of ``dataset`` for the split ``batch_sizes``, in the user's loader's order."""
+    return ProportionalDistributedSampler(
+        dataset,
+        batch_sizes,
+        split.rank,
+        shuffle=order.shuffle,
+        seed=order.seed,
+        drop_last=order.drop_last,
+        min_batch_size=split.min_batch_size,
+        order_sampler=order.sampler,
+    )
+
+
+def _rebuild_training_loader(dataloader: DataLoader, sampler: ProportionalDistributedSampler, split: TrainingSplit):
+    """The user's loader around ``sampler``; while profiling, its batches are cut one at a time by the plan."""
+    profiler = split.profiler()
+    size = sampler.batch_sizes[split.rank]
+    if profiler is None:
+        return rebuild_loader(dataloader, sampler, size)
+    profiler.bind(sampler)
+    return rebuild_loader(dataloader, sampler, size, batch_sampler=ProportionalBatchSampler(sampler))
