@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import re
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import harness
 from tests.helpers.jobs import REPO, free_port, job_env, run_in_session
 
 __all__ = ["REPO", "free_port", "run_job"]
@@ -36,10 +36,10 @@ def _no_leftover_process_group():
 
 @pytest.fixture
 def tiny_job(tmp_path):
-    """Run tests/helpers/run_tiny.py with a JSON config; return the per-rank dumps."""
+    """Run the harness's ``tiny`` job with a config; return the per-rank dumps and the output."""
 
     def _run(cfg: dict, *, timeout: float = 300, env: dict[str, str] | None = None):
-        result = run_job(["-m", "tests.helpers.run_tiny", str(tmp_path), json.dumps(cfg)], timeout=timeout, env=env)
+        result = run_job(harness.command("tiny", tmp_path, cfg), timeout=timeout, env=env)
         assert result.returncode == 0, result.stdout[-6000:]
         world = cfg.get("devices", 2) * cfg.get("num_nodes", 1)
         dumps = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
@@ -56,6 +56,9 @@ def tiny_job(tmp_path):
 _STARTS_PROCESSES = (
     "run_job(",
     "run_helper(",
+    "run_harness(",
+    "run_command(",
+    "harness.command(",
     "run_in_session(",
     "run_app(",
     "_run_app(",

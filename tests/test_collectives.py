@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers.jobs import run_helper
+from tests.helpers.harness import run_harness
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ CONFIGS = {
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("collectives")
     cfgs = [{"strategy": spec} for spec in CONFIGS.values()]
-    job = run_helper("tests.helpers.run_collectives", out, cfgs, limit=240)  # type: ignore[arg-type]
+    job = run_harness("collectives", out, cfgs, limit=240)
     assert job.returncode == 0, job.output[-6000:]
     assert not job.survivors
     return {name: json.loads((out / str(i) / "result.json").read_text()) for i, name in enumerate(CONFIGS)}

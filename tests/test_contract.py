@@ -20,15 +20,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
 from lightning_het.cluster.rendezvous import TOKEN_ENV
-from tests.helpers.jobs import run_helper
-from tests.helpers.run_contract import WATCHED_ENV as JOB_ENVIRONMENT
-from tests.helpers.run_contract import FeatureLoader
+from tests.helpers.harness import run_harness
+from tests.helpers.harness_fit import WATCHED_ENV as JOB_ENVIRONMENT
+from tests.helpers.harness_fit import FeatureLoader
 from tests.helpers.tiny import TinyRegressor, make_dataset, quiet_trainer, reference_weights
 
 #: two fits, one after the other in the same two replicas (the second is a later Trainer call of the same job)
 FITS = {
     "own_sharding": {"own_sharding": True, "val_n": 10, "epochs": 2, "n": 40, "batch_size": 4},
-    "custom_loader": {"loader": "custom", "val_n": 10, "strategy": {"speeds": [1, 3]}, "n": 40, "batch_size": 4},
+    "custom_loader": {"custom_loader": True, "val_n": 10, "strategy": {"speeds": [1, 3]}, "n": 40, "batch_size": 4},
 }
 
 
@@ -50,7 +50,7 @@ def contract_job(tmp_path_factory) -> ContractJob:
     with pytest.MonkeyPatch.context() as env:
         for name in JOB_ENVIRONMENT:
             env.delenv(name, raising=False)
-        job = run_helper("tests.helpers.run_contract", out, list(FITS.values()))
+        job = run_harness("contract", out, list(FITS.values()))
     dumps = {}
     for index, name in enumerate(FITS):
         paths = [out / str(index) / f"rank{r}.pt" for r in range(2)]

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import harness
 from tests.helpers.jobs import REPO, job_env, run_in_session
 from tests.helpers.tiny import make_dataset, reference_weights
 
@@ -87,7 +88,7 @@ def test_srun_three_tasks_profiled_exact(slurm_env, job_name, tmp_path):
     """``srun --ntasks-per-node=3``: Lightning takes the ranks from SLURM; the profiled split trains exactly."""
     cfg = {"devices": 3, "strategy": "heterogeneous", "epochs": 2, "n": 60}
     command = ["srun", "--nodes=1", "--ntasks-per-node=3", f"--job-name={job_name}", "--time=10"]
-    command += ["--kill-on-bad-exit=1", sys.executable, "-m", "tests.helpers.run_tiny", str(tmp_path), json.dumps(cfg)]
+    command += ["--kill-on-bad-exit=1", sys.executable, *harness.command("tiny", tmp_path, cfg)]
     result = run_in_session(command, cwd=REPO, env=slurm_env, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
 
@@ -269,7 +270,7 @@ def test_torchrun_two_hosts_hierarchical_and_node_local(two_hosts, tmp_path):
             # which agent hosts the rendezvous store: its host name does not resolve to the endpoint's address here
             f"--rdzv-conf=is_host={int(index == 0)},join_timeout=120",
             f"--local-addr={addr}",  # what the workers get as MASTER_ADDR (else: this host's name)
-            "-m", "tests.helpers.run_fits", str(tmp_path), json.dumps(fits),
+            *harness.command("tiny", tmp_path, fits),
         ]  # fmt: skip
         # gloo binds to the address the host name resolves to (127.0.0.1 here) unless told the interface
         command = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "unshare", "--uts", "sh", "-c"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.jobs import run_helper
+from tests.helpers.harness import run_harness
 from tests.helpers.tiny import make_dataset, make_net
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("eval_sync")
-    result = run_helper("tests.helpers.run_eval_sync", out, {"devices": 2, "speeds": [3.0, 1.0]}, limit=240)
+    result = run_harness("eval_sync", out, {"devices": 2, "speeds": [3.0, 1.0]}, limit=240)
     assert result.returncode == 0, result.output[-6000:]
     assert not result.survivors
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]

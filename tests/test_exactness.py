@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler
-from tests.helpers.jobs import run_helper
+from tests.helpers.harness import run_harness
 from tests.helpers.tiny import FLAVOUR_ENV, FLAVOURS, make_dataset, make_net, reference_weights
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,8 @@ THREE = ["metrics_40", "metrics_1", "metrics_2", "metrics_5"]
 def _job(
     tmp_path, devices: int, speeds: list[float], scenarios: list[str], flavour: str = "lightning"
 ) -> tuple[list[dict], str]:
-    result = run_helper(
-        "tests.helpers.run_exact",
+    result = run_harness(
+        "exact",
         tmp_path,
         {"devices": devices, "speeds": speeds, "scenarios": scenarios},
         env={FLAVOUR_ENV: flavour},

@@ -2,9 +2,9 @@
 as often, under ``strategy="heterogeneous"`` as under stock DDP, in fit, validate, test and predict, with 1 and 2
 devices, automatic and manual optimization.
 
-The calls are recorded by ``tests/helpers/run_hooks.py`` (every LightningModule and Callback hook wrapped). Each
-configuration group runs as one job, several Trainers one after another in the same processes: 1 device (DDP and
-ours in one process), 2 devices under DDP, 2 devices under ours (launched by each strategy's own ``popen``
+The calls are recorded by the ``hooks`` job of ``tests/helpers/harness.py`` (every LightningModule and Callback hook
+wrapped). Each configuration group runs as one job, several Trainers one after another in the same processes: 1 device
+(DDP and ours in one process), 2 devices under DDP, 2 devices under ours (launched by each strategy's own ``popen``
 launcher). The strategy runs both with given speeds (no profiling) and with profiled speeds; the profiled 2-device
 case is held to an even split (``max_batch_sizes=[2, 2]``) so that its validation shards are DDP's whatever the
 timings say.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import run_helper
+from tests.helpers.harness import run_harness
 
 STAGES = ("fit", "validate", "test", "predict")
 OPTIMIZATION = ("automatic", "manual")
@@ -27,7 +27,7 @@ VARIANTS = {
     1: {"speeds": {"speeds": [1]}, "profiled": "heterogeneous"},
     2: {"speeds": {"speeds": [1, 1]}, "profiled": {"max_batch_sizes": [2, 2]}},
 }
-#: one job per group: (devices, the configs it runs); a config is (key, run_hooks config)
+#: one job per group: (devices, the configs it runs); a config is (key, ``hooks`` config)
 GROUPS: dict[str, tuple[int, list[tuple[tuple, dict]]]] = {
     "1 device": (
         1,
@@ -67,7 +67,7 @@ class _Jobs:
             assert name not in self.failed, self.failed[name]  # a failed job is not run again for every case
             out = self.root / name.replace(" ", "_").replace(",", "")
             out.mkdir()
-            job = run_helper("tests.helpers.run_hooks", out, [cfg for _, cfg in configs], limit=300)  # type: ignore[arg-type]
+            job = run_harness("hooks", out, [cfg for _, cfg in configs], limit=300)
             if job.returncode != 0 or job.survivors:
                 self.failed[name] = (
                     f"job {name!r}: exit {job.returncode}, survivors {job.survivors}\n{job.output[-6000:]}"

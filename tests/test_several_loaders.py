@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.jobs import run_helper
-from tests.helpers.run_fits import run_fits_job
+from tests.helpers.harness import run_fits_job, run_harness
 
 SEVERAL = {
     # loader a: 48 samples, batch 4 (global 8); loader b: 24 samples, batch 2 (global 4): 6 steps per epoch each
@@ -43,7 +42,7 @@ def test_given_speeds_split_every_loader_in_their_proportion(several):
 @pytest.mark.slow
 def test_a_dict_without_loss_gets_lightnings_message(tmp_path):
     cfg = {"strategy": "heterogeneous", "module": {"without_loss": True}, "epochs": 1}
-    job = run_helper("tests.helpers.run_tiny", tmp_path, cfg, limit=120)
+    job = run_harness("tiny", tmp_path, cfg, limit=120)
     assert job.returncode == 1, job.output[-3000:]  # the launching replica raised its own error
     assert "when `training_step` returns a dict, the 'loss' key needs to be present" in job.output
     assert "KeyError" not in job.output and not job.survivors

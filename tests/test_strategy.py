@@ -13,8 +13,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import lightning_het
 from lightning_het import HeterogeneousStrategy
-from tests.helpers import run_fits
-from tests.helpers.run_fits import run_fits_job
+from tests.helpers import harness
+from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset, quiet_trainer, reference_weights
 
 
@@ -225,6 +225,6 @@ def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechani
 
 
 def test_fit_outputs_are_split_even_when_a_marker_lands_inside_another_ranks_line():
-    marker = run_fits.MARKER
+    marker = harness.MARKER
     output = f"start\n{marker}0\na\nhalf of a line{marker}1\nb\n{marker}0\nlate rank 1 line\n{marker}1\nc\n"
-    assert run_fits.split_output(output, 2) == ["start\na\nhalf of a line", "b\nlate rank 1 line\nc\n"]
+    assert harness.split_output(output, 2) == ["start\na\nhalf of a line", "b\nlate rank 1 line\nc\n"]

@@ -3,7 +3,6 @@ all-reduce (with unpadded validation) to the node hierarchy and node-local SGD."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,8 @@ import torch
 
 from lightning_het import allocate_batch_sizes
 from tests.conftest import REPO, free_port, run_job
-from tests.helpers.run_fits import run_fits_job
+from tests.helpers import harness
+from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
 
@@ -111,10 +111,10 @@ def test_node_local_differs_from_exact_but_ends_in_consensus(three_replicas):
 def test_two_launchers_with_node_rank_are_two_nodes(tmp_path):
     """Two launchers on one machine, NODE_RANK=0/1, num_nodes=2, one device each: detected as two nodes."""
     port = str(free_port())
-    cfg = json.dumps({"devices": 1, "num_nodes": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1})
+    cfg = {"devices": 1, "num_nodes": 2, "strategy": {"speeds": [1, 3]}, "epochs": 1}
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": "1", "PYTHONPATH": str(REPO)}
     second = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.run_tiny", str(tmp_path), cfg],
+        [sys.executable, *harness.command("tiny", tmp_path, cfg)],
         cwd=REPO,
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
@@ -123,7 +123,7 @@ def test_two_launchers_with_node_rank_are_two_nodes(tmp_path):
     )
     try:
         first = run_job(
-            ["-m", "tests.helpers.run_tiny", str(tmp_path), cfg],
+            harness.command("tiny", tmp_path, cfg),
             env={"MASTER_PORT": port, "NODE_RANK": "0"},
             timeout=150,
         )

@@ -1,6 +1,6 @@
 """Profiling on the real training steps: the schedule (pure), the lazy sampler, and Lightning's contract kept.
 
-The multi-process fits (``tests/helpers/run_inloop.py``) train a module whose ``training_step(self, batch)`` has no
+The multi-process fits (the harness's ``inloop`` job) train a module whose ``training_step(self, batch)`` has no
 ``batch_idx``, that needs state made in ``on_train_start``, counts its hooks and records every step's split and
 synchronised gradient; they are compared with one process training on the same global batches.
 """
@@ -20,8 +20,8 @@ from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler,
 from lightning_het.balance import profiler as profiler_module
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
 from lightning_het.data.sampler import ProportionalBatchSampler
-from tests.helpers.jobs import run_helper
-from tests.helpers.run_inloop import ContractModule
+from tests.helpers.harness import run_harness
+from tests.helpers.harness_steps import ContractModule
 from tests.helpers.tiny import make_dataset, make_net
 
 # ---------------------------------------------------------------------------------------------------------- schedule
@@ -212,7 +212,7 @@ INLOOP_FITS = {
 @pytest.fixture(scope="module")
 def inloop_fits(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("inloop")
-    job = run_helper("tests.helpers.run_inloop", out, list(INLOOP_FITS.values()), limit=300)  # type: ignore[arg-type]
+    job = run_harness("inloop", out, list(INLOOP_FITS.values()), limit=300)
     assert job.returncode == 0, job.output[-6000:]
     assert not job.survivors
     return {name: [torch.load(out / str(i) / f"rank{r}.pt") for r in range(2)] for i, name in enumerate(INLOOP_FITS)}
@@ -258,7 +258,7 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(tmp_path) -
     its first step (global batch 3) and ends where the uninterrupted fit ends (the same global batches)."""
     first = {"devices": 2, "strategy": {}, "epochs": 2, "n": 80, "batch_size": 4, "save_every": 3}
     resumed = {**first, "save_every": 0, "resume": str(tmp_path / "0" / "ckpt" / "step=3.ckpt")}
-    job = run_helper("tests.helpers.run_resume", tmp_path, [first, resumed], limit=300)  # type: ignore[arg-type]
+    job = run_harness("resume", tmp_path, [first, resumed], limit=300)
     assert job.returncode == 0, job.output[-6000:]
     record = torch.load(tmp_path / "0" / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]
     assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3

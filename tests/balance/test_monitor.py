@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run_balance import run_balance_job
+from tests.helpers.harness import run_balance_job
 
 
 def test_fast_replica_waits_when_balancing_is_off(tmp_path):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from lightning_het import HeterogeneousStrategy
 from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings, stage_sizes
-from tests.helpers.run_fits import run_fits_job
+from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
 

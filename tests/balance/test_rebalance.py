@@ -17,7 +17,7 @@ from lightning_het.balance.rebalance import (
     robust_step_ratio,
     speeds_from_step_times,
 )
-from tests.helpers.run_balance import run_balance_job
+from tests.helpers.harness import run_balance_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
 

@@ -100,13 +100,18 @@ def run_configs(run: Callable[[Path, dict], None], argv: list[str]) -> None:
 
 
 def run_helper(module: str, out: Path, cfg: dict, *, limit: float = 240, env: dict | None = None) -> JobResult:
-    """``python -m module OUT JSON`` in a new session; returns once every process of the job has closed its output.
+    """``python -m module OUT JSON`` in a new session (see :func:`run_command`)."""
+    return run_command(["-m", module, str(out), json.dumps(cfg)], limit=limit, env=env)
+
+
+def run_command(args: list[str], *, limit: float = 240, env: dict | None = None) -> JobResult:
+    """``python args...`` in a new session; returns once every process of the job has closed its output.
 
     The job has to end on its own within ``limit`` seconds (else ``AssertionError``); whatever is left of its process
     group afterwards is recorded in ``survivors`` and then killed.
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, str(out), json.dumps(cfg)],
+        [sys.executable, *args],
         cwd=REPO,
         env=job_env(env),
         stdout=subprocess.PIPE,

@@ -21,7 +21,7 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
-from tests.helpers.jobs import run_helper
+from tests.helpers.harness import run_harness
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
 
 
@@ -223,7 +223,7 @@ TWO_REPLICA_FITS = {
 def two_replica_fits(tmp_path_factory) -> dict[str, Path]:
     """The directory each fit of :data:`TWO_REPLICA_FITS` wrote into."""
     out = tmp_path_factory.mktemp("two_replica_fits")
-    job = run_helper("tests.helpers.run_resume", out, list(TWO_REPLICA_FITS.values()))  # type: ignore[arg-type]
+    job = run_harness("resume", out, list(TWO_REPLICA_FITS.values()))
     assert job.returncode == 0, job.output[-4000:]
     return {name: out / str(index) for index, name in enumerate(TWO_REPLICA_FITS)}
 
@@ -237,7 +237,7 @@ def uninterrupted(two_replica_fits):
 
 def _resume(tmp_path: Path, ckpt: Path, devices: int, strategy: dict):
     cfg = {"devices": devices, "strategy": strategy, "resume": str(ckpt)}
-    job = run_helper("tests.helpers.run_resume", tmp_path, cfg)
+    job = run_harness("resume", tmp_path, cfg)
     assert job.returncode == 0, job.output[-4000:]
     return job.output, [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
 

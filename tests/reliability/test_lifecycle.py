@@ -1,6 +1,6 @@
 """Job lifecycle: no orphans from any phase, a rendezvous no stranger can reach, failures reported as what they are.
 
-The multi-process tests run ``tests/helpers/run_lifecycle.py`` (2 CPU replicas, ``timeout=5``) with a replica that
+The multi-process tests run the harness's ``lifecycle`` job (2 CPU replicas, ``timeout=5``) with a replica that
 hangs or dies in one phase, and check the exit status, the message, the time to end and that no process is left. The
 same job on the standalone ``pytorch_lightning`` package (``timeout=10``, ``pytorch_lightning.Trainer``, the strategy
 from :mod:`lightning_het.pl`) must end the same way.
@@ -41,6 +41,7 @@ from lightning_het.reliability.verdicts import (
     judge,
 )
 from lightning_het.reliability.watchdog import Watchdog
+from tests.helpers import harness
 from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
@@ -340,7 +341,7 @@ def _start(out: Path, cfg: dict, flavour: str = "lightning") -> tuple[subprocess
         pytest.importorskip(flavour)
     env = job_env({FLAVOUR_ENV: flavour})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.run_lifecycle", str(out), json.dumps(cfg)],
+        [sys.executable, *harness.command("lifecycle", out, cfg)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import re
@@ -30,7 +29,9 @@ from lightning_het.reliability.preemption import (
     PreemptionHandler,
     default_checkpoint_path,
 )
-from tests.helpers.jobs import REPO, group_members, job_env, run_helper
+from tests.helpers import harness
+from tests.helpers.harness import run_harness
+from tests.helpers.jobs import REPO, group_members, job_env
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder
 
@@ -150,12 +151,12 @@ class Stopped:
 
 def _signal_job(out: Path, cfg: dict, *, target: str = "group", signum: int = signal.SIGTERM, wait_for: str = "ready",
                 limit: float = 240, flavour: str = "lightning") -> Stopped:  # fmt: skip
-    """Start ``run_preempt`` in its own session (on the Lightning package ``flavour``), wait until it wrote
-    ``{wait_for}{r}`` (every rank for "ready", rank 1 otherwise), send ``signum`` to the process group, the launcher
-    (rank 0) or replica 1, and wait for the end."""
+    """Start the harness's ``preempt`` job in its own session (on the Lightning package ``flavour``), wait until it
+    wrote ``{wait_for}{r}`` (every rank for "ready", rank 1 otherwise), send ``signum`` to the process group, the
+    launcher (rank 0) or replica 1, and wait for the end."""
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.run_preempt", str(out), json.dumps(cfg)],
+        [sys.executable, *harness.command("preempt", out, cfg)],
         cwd=REPO,
         env=job_env({FLAVOUR_ENV: flavour}),
         stdout=subprocess.PIPE,
@@ -202,10 +203,15 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly(tmp_path):
     (tmp_path / "full").mkdir()
-    full = run_helper("tests.helpers.run_preempt", tmp_path / "full", BASE)
+    full = run_harness("preempt", tmp_path / "full", BASE)
     assert full.returncode == 0, full.output[-4000:]
 
-    cfg = {**BASE, "step_cost": 0.02, "ready_step": 12, "num_workers": 1}  # signal in the middle of epoch 1
+    cfg = {
+        **BASE,
+        "step_cost": 0.02,
+        "ready_step": 12,
+        "loader": {"num_workers": 1, "persistent_workers": True},
+    }  # signal in the middle of epoch 1
     stopped = _signal_job(tmp_path / "pre", cfg)
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert stopped.seconds < 30 and stopped.survivors == []
@@ -222,7 +228,7 @@ def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactl
     assert "DataLoader worker" not in stopped.output  # the workers were not killed by the signal
 
     (tmp_path / "resumed").mkdir()
-    resumed = run_helper("tests.helpers.run_preempt", tmp_path / "resumed", {**BASE, "resume": str(ckpt)})
+    resumed = run_harness("preempt", tmp_path / "resumed", {**BASE, "resume": str(ckpt)})
     assert resumed.returncode == 0, resumed.output[-4000:]
     for rank in range(2):
         expected = _weights(tmp_path / "full" / f"rank{rank}.pt")

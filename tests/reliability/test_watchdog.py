@@ -23,7 +23,7 @@ from lightning_het.reliability.verdicts import (
     judge,
 )
 from lightning_het.reliability.watchdog import Watchdog
-from tests.helpers.jobs import run_helper
+from tests.helpers.harness import run_harness
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 
@@ -208,8 +208,8 @@ class TestArguments:
 
 # ---------------------------------------------------------------------------------------------------- real jobs
 def _run_faulty(tmp_path: Path, cfg: dict) -> tuple[int, str, float, list[int]]:
-    """Run tests/helpers/run_faulty.py; return (status, output, seconds from the fault to the job's end, survivors)."""
-    job = run_helper("tests.helpers.run_faulty", tmp_path, cfg)
+    """Run the harness's ``faulty`` job; return (status, output, seconds from the fault to the job's end, survivors)."""
+    job = run_harness("faulty", tmp_path, cfg)
     fault = json.loads((tmp_path / "fault.json").read_text())
     return job.returncode, job.output, job.ended - fault["time"], job.survivors
 

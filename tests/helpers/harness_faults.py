@@ -1,8 +1,14 @@
-"""A tiny 2-replica fit with a fault in one phase of the job: ``python -m tests.helpers.run_lifecycle OUT_DIR JSON``.
+"""The harness's jobs with an injected fault: a replica that misbehaves in a training or validation step
+(``faulty``) or in one phase of the job's life (``lifecycle``).
 
-JSON keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``root`` (Trainer ``default_root_dir``),
-``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs; speeds are ``[1, 1]`` unless
-the fault is in profiling), and ``fault``:
+``faulty`` config keys: ``devices`` (default 3), ``timeout`` (strategy ``timeout``, seconds), ``epochs``, ``n``
+(dataset size), and ``fault``: ``{"kind": "hang" | "exit" | "raise", "rank": r, "step": k, "where": "training_step" |
+"validation_step"}`` (replica ``r`` misbehaves in that hook at global step ``k``). When the fault fires, the replica
+writes ``OUT_DIR/fault.json`` with its pid and the wall-clock time, so a test can measure how long the job took to end.
+
+``lifecycle`` (2 replicas) config keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``root``
+(Trainer ``default_root_dir``), ``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs;
+speeds are ``[1, 1]`` unless the fault is in profiling), and ``fault``:
 ``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "prepare_data" | "setup" | "profiling" | "train" |
 "eval" | "epoch_end" | "teardown" | "loader"}``. ``launch`` fires before the Trainer exists; ``prepare_data`` in
 ``LightningModule.prepare_data`` (rank 0 only runs it; the others wait in Lightning's barrier around it); ``setup`` in
@@ -20,22 +26,56 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers.tiny import HeterogeneousStrategy, TinyRegressor, make_dataset, pl
+from tests.helpers.harness_parts import fire, make_strategy, make_trainer
+from tests.helpers.tiny import TinyRegressor, make_dataset, pl
 
 
+# ---------------------------------------------------------------------------------------------------- faulty
+class FaultyRegressor(TinyRegressor):
+    def __init__(self, out: Path, fault: dict) -> None:
+        super().__init__()
+        self.out = out
+        self.fault = fault
+
+    def _due(self, where: str) -> bool:
+        f = self.fault
+        mine = self.global_rank == f["rank"] and self.global_step == f["step"]
+        return mine and f.get("where", "training_step") == where
+
+    def training_step(self, batch, batch_idx):
+        if self._due("training_step"):
+            fire(self.out, self.fault, self.global_rank)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if self._due("validation_step"):
+            fire(self.out, self.fault, self.global_rank)
+        return super().validation_step(batch, batch_idx)
+
+
+def faulty(out: Path, cfg: dict) -> None:
+    fault = cfg["fault"]
+    pl.seed_everything(0)
+    devices = cfg.get("devices", 3)
+    trainer = make_trainer(
+        devices,
+        make_strategy({"speeds": [1.0] * devices, "timeout": cfg.get("timeout", 5.0)}),
+        max_epochs=cfg.get("epochs", 3),
+    )
+    train = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=4, shuffle=True)
+    val = DataLoader(make_dataset(30, seed=99), batch_size=5) if fault.get("where") == "validation_step" else None
+    trainer.fit(FaultyRegressor(out, fault), train, val)
+
+
+# ---------------------------------------------------------------------------------------------------- lifecycle
 def _fire(out: Path, fault: dict, rank: int) -> None:
-    (out / "fault.json").write_text(json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time(), **fault}))
-    print(f"FAULT {fault['kind']} in {fault['where']} on rank {rank} (pid {os.getpid()})", flush=True)
-    if fault["kind"] == "hang":
-        while True:
-            time.sleep(3600)
-    os._exit(3)
+    """A lifecycle fault: hang, or exit with status 3."""
+    fire(out, fault, rank, f" in {fault['where']}")
 
 
 class _RecordWorker:
@@ -119,33 +159,21 @@ class ProbeRegressor(TinyRegressor):
             _fire(self.out, self.fault, self.global_rank)
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = json.loads(sys.argv[2])
+def lifecycle(out: Path, cfg: dict) -> None:
     fault = cfg.get("fault", {"kind": "none"})
     if fault.get("where") == "launch" and os.environ.get("LOCAL_RANK") == str(fault["rank"]):
         _fire(out, fault, fault["rank"])
     pl.seed_everything(0)
-    strategy = HeterogeneousStrategy(
-        process_group_backend="gloo",
-        timeout=cfg.get("timeout", 5.0),
-        startup_timeout=cfg.get("startup_timeout", 300.0),
-        profile_warmup=0,
-        profile_steps=1,
-        speeds=None if fault.get("where") == "profiling" else [1.0, 1.0],
+    strategy = make_strategy(
+        {
+            "timeout": cfg.get("timeout", 5.0),
+            "startup_timeout": cfg.get("startup_timeout", 300.0),
+            "profile_warmup": 0,
+            "profile_steps": 1,
+            "speeds": None if fault.get("where") == "profiling" else [1.0, 1.0],
+        }
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=cfg.get("root", str(out)),
-    )
+    trainer = make_trainer(2, strategy, max_epochs=1, default_root_dir=cfg.get("root", str(out)))
     if fault.get("where") == "loader":
         dataset = FaultyDataset(make_dataset(48), out, fault, served=4)
         train = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, worker_init_fn=_RecordWorker(out))
@@ -155,7 +183,3 @@ def main() -> None:
     trainer.fit(ProbeRegressor(out, fault, cfg.get("step_sleep", 0.0)), train, val)
     if trainer.is_global_zero:
         (out / "done.json").write_text(json.dumps({"time": time.time()}))
-
-
-if __name__ == "__main__":
-    main()

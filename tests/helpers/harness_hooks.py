@@ -1,30 +1,30 @@
-"""Record the hooks Lightning calls in a tiny fit, validate, test and predict: ``python -m tests.helpers.run_hooks
-OUT_DIR JSON``.
+"""The harness's jobs on Lightning's hooks and collectives: the hooks Lightning calls (``hooks``), and the values of
+Lightning's collectives in every hook (``collectives``), each to be compared with stock DDP.
 
-JSON is one config or a list of them (run one after another in the same processes, each into ``OUT_DIR/<index>``;
-see :func:`tests.helpers.jobs.run_configs`). Keys: ``strategy`` (``"ddp"``, ``"heterogeneous"`` or a dict of
-``HeterogeneousStrategy`` keywords), ``devices`` (default 2), ``manual`` (manual optimization, default false).
+``hooks`` config keys: ``strategy`` (``"ddp"``, ``"heterogeneous"`` or a dict of ``HeterogeneousStrategy`` keywords),
+``devices`` (default 2), ``manual`` (manual optimization, default false). One ``Trainer`` runs ``fit``, ``validate``,
+``test`` and ``predict`` in turn on a fresh model; every rank writes ``rank<r>.json``: for each stage, the calls in
+order, each ``"module.<hook>"`` or ``"callback.<hook>"`` (``setup`` and ``teardown`` with their stage). The data are
+sized so that DDP and an even split give every rank the same batches: 16 training samples (batch 2 per rank), 8
+validation, test and predict samples each.
 
-One ``Trainer`` runs ``fit``, ``validate``, ``test`` and ``predict`` in turn on a fresh model; every rank writes
-``rank<r>.json``: for each stage, the calls in order, each ``"module.<hook>"`` or ``"callback.<hook>"`` (``setup`` and
-``teardown`` with their stage). The data are sized so that DDP and an even split give every rank the same batches:
-16 training samples (batch 2 per rank), 8 validation, test and predict samples each.
+``collectives`` config keys: ``strategy`` (keywords of ``HeterogeneousStrategy``, or ``"ddp"`` for stock DDP),
+``epochs``, ``batches``; the fit logs with ``sync_dist`` and the progress bar is on. Rank 0 writes ``result.json``: the
+logged epoch metrics and, per rank, every value ``self.all_gather`` returned.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.hooks import CheckpointHooks, DataHooks, ModelHooks
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import lightning_het
-from tests.helpers.jobs import run_configs
+from tests.helpers.harness_parts import make_strategy, make_trainer
+from tests.helpers.tiny import pl
 
 STAGES = ("fit", "validate", "test", "predict")
 
@@ -127,23 +127,18 @@ class HookedCallback(pl.Callback):
         _wrap(self, "callback", CALLBACK_HOOKS, calls)
 
 
-def record(out: Path, cfg: dict) -> None:
+def hooks(out: Path, cfg: dict) -> None:
     pl.seed_everything(0)
-    strategy = cfg["strategy"]
-    if isinstance(strategy, dict):
-        strategy = lightning_het.HeterogeneousStrategy(**strategy)
     calls: list[str] = []
     model = HookedModule(calls, manual=cfg.get("manual", False))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=cfg.get("devices", 2),
-        strategy=strategy,
+    trainer = make_trainer(
+        cfg.get("devices", 2),
+        make_strategy(cfg["strategy"], gloo=False),
         max_epochs=1,
         callbacks=[HookedCallback(calls)],
         default_root_dir=out,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
+        num_sanity_val_steps=None,
     )
     recorded = {}
     for stage in STAGES:
@@ -153,5 +148,53 @@ def record(out: Path, cfg: dict) -> None:
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(recorded, indent=1))
 
 
-if __name__ == "__main__":
-    run_configs(record, sys.argv[1:])
+# ---------------------------------------------------------------------------------------------------- collectives
+class Chatty(pl.LightningModule):
+    """Logs with ``sync_dist`` on step and on epoch and all-gathers a scalar where stock DDP allows it (not in
+    ``on_train_epoch_end``, where rank 0's progress bar reduces the epoch metrics alone, under DDP too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.gathered: list[list[float]] = []
+
+    def _gather(self, name: str) -> None:
+        value = self.all_gather(torch.tensor(float(self.global_rank + 1)))
+        self.gathered.append([name, *value.tolist()])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_epoch_loss", loss, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
+        self.log("train_step_loss", loss, on_step=True, on_epoch=False, sync_dist=True, prog_bar=True)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._gather("on_train_epoch_start")
+
+    def on_train_end(self) -> None:
+        self._gather("on_train_end")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def collectives(out: Path, cfg: dict[str, Any]) -> None:
+    pl.seed_everything(0)
+    batches, world = cfg.get("batches", 3), 2
+    data = TensorDataset(torch.randn(8 * batches, 4), torch.randn(8 * batches, 1))
+    model = Chatty()
+    trainer = make_trainer(
+        world,
+        make_strategy(cfg.get("strategy", {}), gloo=False, timeout=30),
+        max_epochs=cfg.get("epochs", 2),
+        enable_progress_bar=True,
+        default_root_dir=out,
+        num_sanity_val_steps=None,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    ranks = [None] * world
+    torch.distributed.all_gather_object(ranks, model.gathered)
+    if trainer.is_global_zero:
+        (out / "result.json").write_text(json.dumps({"metrics": metrics, "gathered": ranks}))
