@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -160,6 +161,9 @@ class ProbeRegressor(TinyRegressor):
 
 
 def lifecycle(out: Path, cfg: dict) -> None:
+    # Ctrl-C does what it does in a terminal's foreground job, also when the test run inherited SIGINT ignored (started
+    # in the background of a script), which the job and its replicas would inherit in turn
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fault = cfg.get("fault", {"kind": "none"})
     if fault.get("where") == "launch" and os.environ.get("LOCAL_RANK") == str(fault["rank"]):
         _fire(out, fault, fault["rank"])

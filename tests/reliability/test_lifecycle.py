@@ -8,7 +8,10 @@ from :mod:`lightning_het.pl`) must end the same way.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
+import importlib.util
 import json
 import logging
 import os
@@ -17,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,10 +56,11 @@ TIMEOUT = 5.0
 #: reaction to `training.json` even on a loaded machine
 STEP_SLEEP = 1.0
 STARTUP = 30.0  # startup_timeout of the launch-phase cases
-#: startup_timeout when replica 1 hangs at launch: the job waits all of it, for a replica that never comes, so it is
-#: kept short; it must still exceed what replica 1 takes to import (it hangs only then), or the launcher would end the
-#: job before the fault fired (imports take ~4 s on an idle 2-core machine)
-HANG_STARTUP = 15.0
+#: startup_timeout when replica 1 hangs at launch: the job waits all of it, for a replica that never comes (it runs
+#: first, while the other jobs run beside it); it must exceed what replica 1 takes to import (it hangs only then), or
+#: the launcher would end the job before the fault fired (imports take ~4 s on an idle 2-core machine, several times
+#: that while other jobs import beside it)
+HANG_STARTUP = 30.0
 #: the strategy `timeout` of the fault jobs on each Lightning package (the standalone one: what its users reported)
 FLAVOUR_TIMEOUT = {"lightning": TIMEOUT, "pytorch_lightning": 10.0}
 
@@ -328,17 +334,9 @@ class TestOutputDir:
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
-def _default_sigint() -> None:
-    """In the job's process, before it starts Python: Ctrl-C does what it does in a terminal's foreground job. A
-    test run started in the background of a script (``cmd &`` without job control) inherits SIGINT *ignored*, and so
-    would the job, which would then rightly train on through the test's Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _start(out: Path, cfg: dict, flavour: str = "lightning") -> tuple[subprocess.Popen, dict[str, str]]:
-    """Start the job on the Lightning package ``flavour`` (skips the test when that package is not installed)."""
-    if flavour != "lightning":
-        pytest.importorskip(flavour)
+    """Start the job on the Lightning package ``flavour`` (Ctrl-C does in it what it does in a terminal's foreground
+    job, even where this process inherited SIGINT ignored: the job resets it)."""
     env = job_env({FLAVOUR_ENV: flavour})
     proc = subprocess.Popen(
         [sys.executable, *harness.command("lifecycle", out, cfg)],
@@ -348,7 +346,6 @@ def _start(out: Path, cfg: dict, flavour: str = "lightning") -> tuple[subprocess
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        preexec_fn=_default_sigint,
     )
     return proc, env
 
@@ -379,6 +376,60 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 180) -> None:
         time.sleep(0.1)
 
 
+@dataclass
+class Ended:
+    """A job that ended: its directory, exit status, output, end time (``time.time()``), the processes of its group
+    still alive 3 s later, and what the scenario recorded besides."""
+
+    out: Path
+    status: int
+    output: str
+    ended: float
+    survivors: list[int]
+    extra: dict = field(default_factory=dict)
+
+    def json(self, name: str) -> dict:
+        return json.loads((self.out / name).read_text())
+
+
+def _run_to_end(out: Path, cfg: dict, flavour: str = "lightning", limit: float = 240) -> Ended:
+    proc, _ = _start(out, cfg, flavour)
+    return Ended(out, *_finish(proc, limit))
+
+
+#: the real-job scenarios of this module, by the name of the test that checks one: started side by side (the jobs are
+#: independent, and mostly wait: for a hung replica's ``timeout``, a rendezvous, a sleeping step), at most
+#: :data:`SIDE_BY_SIDE` at a time, longest first; each test then asserts on its own scenario's :class:`Ended`
+SCENARIOS: dict[str, Callable[[Path], Ended]] = {}
+SIDE_BY_SIDE = 3
+
+
+def scenario(name: str):
+    def register(run: Callable[[Path], Ended]) -> Callable[[Path], Ended]:
+        SCENARIOS[name] = run
+        return run
+
+    return register
+
+
+@pytest.fixture(scope="module")
+def ended(request, tmp_path_factory) -> dict[str, Ended | BaseException]:
+    """Every scenario a selected test of this module checks, run side by side: its :class:`Ended`, or what it raised
+    (re-raised by the test that checks it)."""
+    wanted = [item.name for item in request.session.items if item.module is request.module]
+    names = [name for name in SCENARIOS if name in wanted]
+    with concurrent.futures.ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        futures = {name: pool.submit(SCENARIOS[name], tmp_path_factory.mktemp("job")) for name in names}
+        return {name: future.exception() or future.result() for name, future in futures.items()}
+
+
+def _ended(ended: dict[str, Ended | BaseException], request) -> Ended:
+    run = ended[request.node.name]
+    if isinstance(run, BaseException):
+        raise run
+    return run
+
+
 PHASE_CASES = [
     # (where, kind, rank, what the message must name)
     ("launch", "exit", 1, "replica(s) [1] exited"),
@@ -402,25 +453,47 @@ FAULT_CASES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("flavour", "where", "kind", "rank", "named"), FAULT_CASES)
-def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, where, kind, rank, named):
+def _fault_cfg(flavour: str, where: str, kind: str, rank: int) -> tuple[dict, float]:
+    """The job's config and the seconds it may take from the fault to its end."""
     timeout = FLAVOUR_TIMEOUT[flavour]
     cfg = {"timeout": timeout, "fault": {"kind": kind, "rank": rank, "where": where}}
     limit = timeout + 30  # from the fault to the end of the job
     if where == "launch":
         cfg["startup_timeout"] = HANG_STARTUP if kind == "hang" else STARTUP
         limit = cfg["startup_timeout"] + 30  # a replica that never joins is noticed when the rendezvous times out
-    proc, _ = _start(tmp_path, cfg, flavour)
-    status, out, ended, survivors = _finish(proc)
-    assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
-    fault = json.loads((tmp_path / "fault.json").read_text())
-    print(f"{flavour} {where}-{kind}: status {status}, job ended {ended - fault['time']:.1f} s after the fault")
-    assert survivors == [], out[-3000:]
-    if (tmp_path / "training.json").exists():  # every replica's pid, whatever process group it may have moved to
-        pids = json.loads((tmp_path / "training.json").read_text())["pids"]
+    return cfg, limit
+
+
+def _register_fault_cases() -> None:
+    # the hang at launch waits out its whole start-up timeout: it goes first
+    cases = sorted(FAULT_CASES, key=lambda case: case.values[1:3] != ("launch", "hang"))
+    for case in cases:
+        flavour, where, kind, rank, _ = case.values
+        if flavour != "lightning" and importlib.util.find_spec(flavour) is None:
+            continue  # the test skips
+        name = f"test_fault_in_any_phase_ends_the_job_without_orphans[{case.id}]"
+        scenario(name)(functools.partial(_run_to_end, cfg=_fault_cfg(flavour, where, kind, rank)[0], flavour=flavour))
+
+
+_register_fault_cases()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("flavour", "where", "kind", "rank", "named"), FAULT_CASES)
+def test_fault_in_any_phase_ends_the_job_without_orphans(ended, request, flavour, where, kind, rank, named):
+    if flavour != "lightning":
+        pytest.importorskip(flavour)
+    limit = _fault_cfg(flavour, where, kind, rank)[1]
+    run = _ended(ended, request)
+    status, out = run.status, run.output
+    assert (run.out / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
+    fault = run.json("fault.json")
+    print(f"{flavour} {where}-{kind}: status {status}, job ended {run.ended - fault['time']:.1f} s after the fault")
+    assert run.survivors == [], out[-3000:]
+    if (run.out / "training.json").exists():  # every replica's pid, whatever process group it may have moved to
+        pids = run.json("training.json")["pids"]
         assert len(pids) == 2 and alive(pids) == [], out[-3000:]
-    assert ended - fault["time"] < limit, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
+    assert run.ended - fault["time"] < limit, f"ended {run.ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
     if rank == 0:
         assert status == 3  # the launching process's own exit status
         return
@@ -431,81 +504,108 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(tmp_path, flavour, wher
     assert "Traceback" not in out, out[-3000:]
 
 
+BLAME_CASES = {"prepare_data-rank0": ("prepare_data", 0), "validation_epoch_end-rank1": ("epoch_end", 1)}
+for _id, (_where, _rank) in BLAME_CASES.items():
+    scenario(f"test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier[{_id}]")(
+        functools.partial(
+            _run_to_end, cfg={"timeout": TIMEOUT, "fault": {"kind": "hang", "rank": _rank, "where": _where}}
+        )
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("where", "rank", "named"),
     [("prepare_data", 0, "in setup"), ("epoch_end", 1, "in on_validation_epoch_end")],
-    ids=["prepare_data-rank0", "validation_epoch_end-rank1"],
+    ids=list(BLAME_CASES),
 )
-def test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier(tmp_path, where, rank, named):
+def test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier(ended, request, where, rank, named):
     """A hang in ``prepare_data`` on rank 0 (rank 1 waits in Lightning's barrier around it) or in
     ``on_validation_epoch_end`` on rank 1: the job ends with 124 naming only the stuck replica."""
-    cfg = {"timeout": TIMEOUT, "fault": {"kind": "hang", "rank": rank, "where": where}}
-    proc, _ = _start(tmp_path, cfg)
-    status, out, ended, survivors = _finish(proc)
-    assert (tmp_path / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
+    run = _ended(ended, request)
+    status, out = run.status, run.output
+    assert (run.out / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
     assert status == WATCHDOG_EXIT_CODE, out[-3000:]
     assert f"replica(s) [{rank}] stopped responding" in out, out[-3000:]
     assert f"rank {rank} on" in out and named in out, out[-3000:]
     assert "replica(s) [0, 1]" not in out, out[-3000:]
-    assert ended - json.loads((tmp_path / "fault.json").read_text())["time"] < TIMEOUT + 30, out[-3000:]
-    assert survivors == []
+    assert run.ended - run.json("fault.json")["time"] < TIMEOUT + 30, out[-3000:]
+    assert run.survivors == []
 
 
-@pytest.mark.slow
-def test_a_hung_loader_worker_does_not_outlive_the_job(tmp_path):
-    """Replica 1's ``Dataset.__getitem__`` blocks forever in its DataLoader workers (``num_workers=2``): the job ends
-    with 124 within ``timeout`` + 30 s of the fault and no worker process of either replica survives it (workers
-    reparented to init would keep the job's output open)."""
-    timeout = 10.0
-    cfg = {"timeout": timeout, "fault": {"kind": "hang", "rank": 1, "where": "loader"}}
-    proc, _ = _start(tmp_path, cfg)
+LOADER_TIMEOUT = 10.0
+
+
+@scenario("test_a_hung_loader_worker_does_not_outlive_the_job")
+def _hung_loader_worker(out: Path) -> Ended:
+    proc, _ = _start(out, {"timeout": LOADER_TIMEOUT, "fault": {"kind": "hang", "rank": 1, "where": "loader"}})
     try:
-        status, out, ended, survivors = _finish(proc, limit=timeout + 90)
-    finally:  # on failure too: no worker of this test may outlive it
-        workers = [int(p.name) for p in (tmp_path / "workers").glob("*")] if (tmp_path / "workers").exists() else []
+        run = Ended(out, *_finish(proc, limit=LOADER_TIMEOUT + 90))
+    finally:  # on failure too: no worker of this job may outlive it
+        workers = [int(p.name) for p in (out / "workers").glob("*")] if (out / "workers").exists() else []
         for pid in alive(workers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    fault = json.loads((tmp_path / "fault.json").read_text())
+    run.extra["workers"] = workers
+    return run
+
+
+@pytest.mark.slow
+def test_a_hung_loader_worker_does_not_outlive_the_job(ended, request):
+    """Replica 1's ``Dataset.__getitem__`` blocks forever in its DataLoader workers (``num_workers=2``): the job ends
+    with 124 within ``timeout`` + 30 s of the fault and no worker process of either replica survives it (workers
+    reparented to init would keep the job's output open)."""
+    run = _ended(ended, request)
+    status, out, workers = run.status, run.output, run.extra["workers"]
+    fault = run.json("fault.json")
     print(
-        f"loader-hang: status {status}, job ended {ended - fault['time']:.1f} s after the fault, {len(workers)} workers"
+        f"loader-hang: status {status}, job ended {run.ended - fault['time']:.1f} s after the fault, "
+        f"{len(workers)} workers"
     )
     assert len(workers) >= 4, out[-3000:]  # two per replica
-    assert survivors == [] and alive(workers) == [], out[-3000:]
-    pids = json.loads((tmp_path / "training.json").read_text())["pids"]
+    assert run.survivors == [] and alive(workers) == [], out[-3000:]
+    pids = run.json("training.json")["pids"]
     assert alive(pids) == [], out[-3000:]
-    assert ended - fault["time"] < timeout + 30, f"ended {ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
+    limit = LOADER_TIMEOUT + 30
+    assert run.ended - fault["time"] < limit, f"ended {run.ended - fault['time']:.1f}s after the fault\n{out[-3000:]}"
     assert status == WATCHDOG_EXIT_CODE, out[-3000:]
     assert "replica(s) [1]" in out, out[-3000:]
 
 
-@pytest.mark.slow
-def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(tmp_path):
-    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": STEP_SLEEP})
+@scenario("test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback")
+def _stranger_on_the_port(out: Path) -> Ended:
+    proc, env = _start(out, {"timeout": TIMEOUT, "step_sleep": STEP_SLEEP})
     try:
-        _wait_for(tmp_path / "training.json", proc)
-        pids = json.loads((tmp_path / "training.json").read_text())["pids"]
+        _wait_for(out / "training.json", proc)
+        pids = json.loads((out / "training.json").read_text())["pids"]
         listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
         ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
-        assert ours, listening  # the store and Gloo listen somewhere
-        for line in ours:
-            address = line.split()[3].rsplit(":", 1)[0]
-            assert address in ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]"), line
         stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
         forged = Verdict("hung", (1,), 9.0, "a stranger says so").to_json()
         stranger.set("abort", forged)
         for key in [k for k in stranger.list_keys() if "/hb/" in k]:  # the watchdog's keys, found by listing
             stranger.set(key.split("hb/")[0] + "abort", forged)
             stranger.set(key, json.dumps({"state": "failed", "error": "a stranger says so"}))
-        status, out, _, survivors = _finish(proc)
+        run = Ended(out, *_finish(proc))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert status == 0, out[-3000:]
-    assert "a stranger says so" not in out
-    assert (tmp_path / "done.json").exists()
-    assert survivors == []
+    run.extra.update(listening=listening, ours=ours)
+    return run
+
+
+@pytest.mark.slow
+def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(ended, request):
+    run = _ended(ended, request)
+    listening, ours = run.extra["listening"], run.extra["ours"]
+    assert ours, listening  # the store and Gloo listen somewhere
+    for line in ours:
+        address = line.split()[3].rsplit(":", 1)[0]
+        assert address in ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]"), line
+    assert run.status == 0, run.output[-3000:]
+    assert "a stranger says so" not in run.output
+    assert (run.out / "done.json").exists()
+    assert run.survivors == []
 
 
 def _tamper_with_heartbeats(store: dist.TCPStore, proc: subprocess.Popen, seconds: float) -> int:
@@ -532,63 +632,102 @@ def _tamper_with_heartbeats(store: dist.TCPStore, proc: subprocess.Popen, second
     return rounds
 
 
-@pytest.mark.slow
-def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(tmp_path):
-    """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
-    the job finishes (exit 0), warns about tampering naming the key, and blames nobody."""
-    proc, env = _start(tmp_path, {"timeout": TIMEOUT, "step_sleep": 2 * STEP_SLEEP})
+@scenario("test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job")
+def _tampering_stranger(out: Path) -> Ended:
+    proc, env = _start(out, {"timeout": TIMEOUT, "step_sleep": 2 * STEP_SLEEP})
     try:
-        _wait_for(tmp_path / "training.json", proc)
+        _wait_for(out / "training.json", proc)
         stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
         rounds = _tamper_with_heartbeats(stranger, proc, seconds=2 * TIMEOUT)  # training lasts 6 x 2 s
-        status, out, _, survivors = _finish(proc)
+        run = Ended(out, *_finish(proc))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert rounds > 10
-    assert status == 0, out[-3000:]
+    run.extra["rounds"] = rounds
+    return run
+
+
+@pytest.mark.slow
+def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(ended, request):
+    """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
+    the job finishes (exit 0), warns about tampering naming the key, and blames nobody."""
+    run = _ended(ended, request)
+    out = run.output
+    assert run.extra["rounds"] > 10
+    assert run.status == 0, out[-3000:]
     assert "tampering with the job's store detected under 'hb/" in out, out[-3000:]
     assert "stopped responding" not in out and "replica(s) [" not in out, out[-3000:]
     assert "a stranger says so" not in out
-    assert (tmp_path / "done.json").exists()
-    assert survivors == []
+    assert (run.out / "done.json").exists()
+    assert run.survivors == []
+
+
+def _ctrl_c(out: Path, flavour: str) -> Ended:
+    proc, _ = _start(out, {"timeout": 30, "step_sleep": STEP_SLEEP}, flavour)
+    try:
+        _wait_for(out / "training.json", proc)
+        pids = json.loads((out / "training.json").read_text())["pids"]
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
+        run = Ended(out, *_finish(proc, limit=120))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    run.extra["alive"] = alive(pids)
+    return run
+
+
+for _flavour in ("lightning", "pytorch_lightning"):
+    if importlib.util.find_spec(_flavour) is not None:
+        scenario(f"test_ctrl_c_ends_every_replica_with_130[{_flavour}]")(functools.partial(_ctrl_c, flavour=_flavour))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["lightning", "pytorch_lightning"])
-def test_ctrl_c_ends_every_replica_with_130(tmp_path, flavour):
-    proc, _ = _start(tmp_path, {"timeout": 30, "step_sleep": STEP_SLEEP}, flavour)
-    _wait_for(tmp_path / "training.json", proc)
-    pids = json.loads((tmp_path / "training.json").read_text())["pids"]
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
-    status, out, _, survivors = _finish(proc, limit=120)
-    assert status == INTERRUPTED_EXIT_CODE, out[-3000:]
-    assert "] failed (" not in out and "] exited" not in out, out[-3000:]
-    assert survivors == [] and alive(pids) == []
+def test_ctrl_c_ends_every_replica_with_130(ended, request, flavour):
+    if flavour != "lightning":
+        pytest.importorskip(flavour)
+    run = _ended(ended, request)
+    assert run.status == INTERRUPTED_EXIT_CODE, run.output[-3000:]
+    assert "] failed (" not in run.output and "] exited" not in run.output, run.output[-3000:]
+    assert run.survivors == [] and run.extra["alive"] == []
+
+
+scenario("test_unwritable_output_directory_fails_before_any_replica_starts")(
+    functools.partial(_run_to_end, cfg={"timeout": TIMEOUT, "root": "/proc/self/lightning"}, limit=120)
+)
 
 
 @pytest.mark.slow
-def test_unwritable_output_directory_fails_before_any_replica_starts(tmp_path):
-    proc, _ = _start(tmp_path, {"timeout": TIMEOUT, "root": "/proc/self/lightning"})
-    status, out, _, survivors = _finish(proc, limit=120)
+def test_unwritable_output_directory_fails_before_any_replica_starts(ended, request):
+    run = _ended(ended, request)
+    status, out = run.status, run.output
     assert status != 0 and "OutputDirError: The output directory '/proc/self/lightning'" in out, out[-3000:]
     assert "[rank: 1]" not in out  # no replica was started
-    assert survivors == []
+    assert run.survivors == []
 
 
-@pytest.mark.slow
-def test_app_output_directory_problem_is_one_line_and_exit_2(tmp_path):
-    """The Hydra app: an output directory that cannot be created ends with one ``error:`` line and status 2."""
-    (tmp_path / "file").write_text("x")
-    bad = tmp_path / "file" / "out"
+@scenario("test_app_output_directory_problem_is_one_line_and_exit_2")
+def _app_output_directory(out: Path) -> Ended:
+    (out / "file").write_text("x")
+    bad = out / "file" / "out"
     result = run_in_session(
-        [sys.executable, "-m", "lightning_het.app", f"output_dir={bad}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
+        [sys.executable, "-m", "lightning_het.app", f"output_dir={bad}", f"hydra.run.dir={out / 'run'}"],
+        cwd=out,
         env=job_env(),
         timeout=120,
         merge_stderr=False,
     )
-    assert result.returncode == 2, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"'{bad}' does not exist and cannot be created" in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    return Ended(out, result.returncode, result.stderr, time.time(), [], {"bad": bad})
+
+
+@pytest.mark.slow
+def test_app_output_directory_problem_is_one_line_and_exit_2(ended, request):
+    """The Hydra app: an output directory that cannot be created ends with one ``error:`` line and status 2."""
+    run = _ended(ended, request)
+    stderr = run.output
+    assert run.status == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"'{run.extra['bad']}' does not exist and cannot be created" in errors[0], stderr[
+        -3000:
+    ]
+    assert "Traceback" not in stderr
