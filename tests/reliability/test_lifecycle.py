@@ -8,7 +8,6 @@ from :mod:`lightning_het.pl`) must end the same way.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import importlib.util
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +46,7 @@ from lightning_het.reliability.verdicts import (
 from lightning_het.reliability.watchdog import Watchdog
 from tests.helpers import harness
 from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
+from tests.helpers.side_by_side import Results, SideBySide
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
@@ -379,7 +378,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 180) -> None:
 @dataclass
 class Ended:
     """A job that ended: its directory, exit status, output, end time (``time.time()``), the processes of its group
-    still alive 3 s later, and what the scenario recorded besides."""
+    still alive 3 s later, and what the job's test recorded besides."""
 
     out: Path
     status: int
@@ -397,37 +396,15 @@ def _run_to_end(out: Path, cfg: dict, flavour: str = "lightning", limit: float =
     return Ended(out, *_finish(proc, limit))
 
 
-#: the real-job scenarios of this module, by the name of the test that checks one: started side by side (the jobs are
-#: independent, and mostly wait: for a hung replica's ``timeout``, a rendezvous, a sleeping step), at most
-#: :data:`SIDE_BY_SIDE` at a time, longest first; each test then asserts on its own scenario's :class:`Ended`
-SCENARIOS: dict[str, Callable[[Path], Ended]] = {}
-SIDE_BY_SIDE = 3
-
-
-def scenario(name: str):
-    def register(run: Callable[[Path], Ended]) -> Callable[[Path], Ended]:
-        SCENARIOS[name] = run
-        return run
-
-    return register
+#: the real jobs of this module, each named after the test that checks it: independent, and mostly waiting (for a
+#: hung replica's ``timeout``, a rendezvous, a sleeping step), so they run side by side, longest first
+JOBS = SideBySide(width=3)
 
 
 @pytest.fixture(scope="module")
-def ended(request, tmp_path_factory) -> dict[str, Ended | BaseException]:
-    """Every scenario a selected test of this module checks, run side by side: its :class:`Ended`, or what it raised
-    (re-raised by the test that checks it)."""
-    wanted = [item.name for item in request.session.items if item.module is request.module]
-    names = [name for name in SCENARIOS if name in wanted]
-    with concurrent.futures.ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
-        futures = {name: pool.submit(SCENARIOS[name], tmp_path_factory.mktemp("job")) for name in names}
-        return {name: future.exception() or future.result() for name, future in futures.items()}
-
-
-def _ended(ended: dict[str, Ended | BaseException], request) -> Ended:
-    run = ended[request.node.name]
-    if isinstance(run, BaseException):
-        raise run
-    return run
+def ended(request, tmp_path_factory) -> Results:
+    """The :class:`Ended` of every job a selected test of this module checks."""
+    return JOBS.run(request, tmp_path_factory)
 
 
 PHASE_CASES = [
@@ -472,7 +449,7 @@ def _register_fault_cases() -> None:
         if flavour != "lightning" and importlib.util.find_spec(flavour) is None:
             continue  # the test skips
         name = f"test_fault_in_any_phase_ends_the_job_without_orphans[{case.id}]"
-        scenario(name)(functools.partial(_run_to_end, cfg=_fault_cfg(flavour, where, kind, rank)[0], flavour=flavour))
+        JOBS.add(name, functools.partial(_run_to_end, cfg=_fault_cfg(flavour, where, kind, rank)[0], flavour=flavour))
 
 
 _register_fault_cases()
@@ -484,7 +461,7 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(ended, request, flavour
     if flavour != "lightning":
         pytest.importorskip(flavour)
     limit = _fault_cfg(flavour, where, kind, rank)[1]
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     status, out = run.status, run.output
     assert (run.out / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
     fault = run.json("fault.json")
@@ -506,10 +483,11 @@ def test_fault_in_any_phase_ends_the_job_without_orphans(ended, request, flavour
 
 BLAME_CASES = {"prepare_data-rank0": ("prepare_data", 0), "validation_epoch_end-rank1": ("epoch_end", 1)}
 for _id, (_where, _rank) in BLAME_CASES.items():
-    scenario(f"test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier[{_id}]")(
+    JOBS.add(
+        f"test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier[{_id}]",
         functools.partial(
             _run_to_end, cfg={"timeout": TIMEOUT, "fault": {"kind": "hang", "rank": _rank, "where": _where}}
-        )
+        ),
     )
 
 
@@ -522,7 +500,7 @@ for _id, (_where, _rank) in BLAME_CASES.items():
 def test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier(ended, request, where, rank, named):
     """A hang in ``prepare_data`` on rank 0 (rank 1 waits in Lightning's barrier around it) or in
     ``on_validation_epoch_end`` on rank 1: the job ends with 124 naming only the stuck replica."""
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     status, out = run.status, run.output
     assert (run.out / "fault.json").exists(), f"the fault did not fire (status {status})\n{out[-3000:]}"
     assert status == WATCHDOG_EXIT_CODE, out[-3000:]
@@ -536,7 +514,7 @@ def test_only_the_stuck_replica_is_blamed_not_the_one_waiting_in_a_barrier(ended
 LOADER_TIMEOUT = 10.0
 
 
-@scenario("test_a_hung_loader_worker_does_not_outlive_the_job")
+@JOBS.job("test_a_hung_loader_worker_does_not_outlive_the_job")
 def _hung_loader_worker(out: Path) -> Ended:
     proc, _ = _start(out, {"timeout": LOADER_TIMEOUT, "fault": {"kind": "hang", "rank": 1, "where": "loader"}})
     try:
@@ -555,7 +533,7 @@ def test_a_hung_loader_worker_does_not_outlive_the_job(ended, request):
     """Replica 1's ``Dataset.__getitem__`` blocks forever in its DataLoader workers (``num_workers=2``): the job ends
     with 124 within ``timeout`` + 30 s of the fault and no worker process of either replica survives it (workers
     reparented to init would keep the job's output open)."""
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     status, out, workers = run.status, run.output, run.extra["workers"]
     fault = run.json("fault.json")
     print(
@@ -572,7 +550,7 @@ def test_a_hung_loader_worker_does_not_outlive_the_job(ended, request):
     assert "replica(s) [1]" in out, out[-3000:]
 
 
-@scenario("test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback")
+@JOBS.job("test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback")
 def _stranger_on_the_port(out: Path) -> Ended:
     proc, env = _start(out, {"timeout": TIMEOUT, "step_sleep": STEP_SLEEP})
     try:
@@ -596,7 +574,7 @@ def _stranger_on_the_port(out: Path) -> Ended:
 
 @pytest.mark.slow
 def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(ended, request):
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     listening, ours = run.extra["listening"], run.extra["ours"]
     assert ours, listening  # the store and Gloo listen somewhere
     for line in ours:
@@ -632,7 +610,7 @@ def _tamper_with_heartbeats(store: dist.TCPStore, proc: subprocess.Popen, second
     return rounds
 
 
-@scenario("test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job")
+@JOBS.job("test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job")
 def _tampering_stranger(out: Path) -> Ended:
     proc, env = _start(out, {"timeout": TIMEOUT, "step_sleep": 2 * STEP_SLEEP})
     try:
@@ -651,7 +629,7 @@ def _tampering_stranger(out: Path) -> Ended:
 def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(ended, request):
     """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
     the job finishes (exit 0), warns about tampering naming the key, and blames nobody."""
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     out = run.output
     assert run.extra["rounds"] > 10
     assert run.status == 0, out[-3000:]
@@ -678,7 +656,7 @@ def _ctrl_c(out: Path, flavour: str) -> Ended:
 
 for _flavour in ("lightning", "pytorch_lightning"):
     if importlib.util.find_spec(_flavour) is not None:
-        scenario(f"test_ctrl_c_ends_every_replica_with_130[{_flavour}]")(functools.partial(_ctrl_c, flavour=_flavour))
+        JOBS.add(f"test_ctrl_c_ends_every_replica_with_130[{_flavour}]", functools.partial(_ctrl_c, flavour=_flavour))
 
 
 @pytest.mark.slow
@@ -686,27 +664,28 @@ for _flavour in ("lightning", "pytorch_lightning"):
 def test_ctrl_c_ends_every_replica_with_130(ended, request, flavour):
     if flavour != "lightning":
         pytest.importorskip(flavour)
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     assert run.status == INTERRUPTED_EXIT_CODE, run.output[-3000:]
     assert "] failed (" not in run.output and "] exited" not in run.output, run.output[-3000:]
     assert run.survivors == [] and run.extra["alive"] == []
 
 
-scenario("test_unwritable_output_directory_fails_before_any_replica_starts")(
-    functools.partial(_run_to_end, cfg={"timeout": TIMEOUT, "root": "/proc/self/lightning"}, limit=120)
+JOBS.add(
+    "test_unwritable_output_directory_fails_before_any_replica_starts",
+    functools.partial(_run_to_end, cfg={"timeout": TIMEOUT, "root": "/proc/self/lightning"}, limit=120),
 )
 
 
 @pytest.mark.slow
 def test_unwritable_output_directory_fails_before_any_replica_starts(ended, request):
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     status, out = run.status, run.output
     assert status != 0 and "OutputDirError: The output directory '/proc/self/lightning'" in out, out[-3000:]
     assert "[rank: 1]" not in out  # no replica was started
     assert run.survivors == []
 
 
-@scenario("test_app_output_directory_problem_is_one_line_and_exit_2")
+@JOBS.job("test_app_output_directory_problem_is_one_line_and_exit_2")
 def _app_output_directory(out: Path) -> Ended:
     (out / "file").write_text("x")
     bad = out / "file" / "out"
@@ -723,7 +702,7 @@ def _app_output_directory(out: Path) -> Ended:
 @pytest.mark.slow
 def test_app_output_directory_problem_is_one_line_and_exit_2(ended, request):
     """The Hydra app: an output directory that cannot be created ends with one ``error:`` line and status 2."""
-    run = _ended(ended, request)
+    run = ended[request.node.name]
     stderr = run.output
     assert run.status == 2, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]

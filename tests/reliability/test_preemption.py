@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 import pickle
 import re
@@ -31,7 +33,8 @@ from lightning_het.reliability.preemption import (
 )
 from tests.helpers import harness
 from tests.helpers.harness import run_harness
-from tests.helpers.jobs import REPO, group_members, job_env
+from tests.helpers.jobs import REPO, JobResult, group_members, job_env
+from tests.helpers.side_by_side import Results, SideBySide
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder
 
@@ -143,6 +146,7 @@ def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, sig
 # ---------------------------------------------------------------------------------------------------- real jobs
 @dataclass
 class Stopped:
+    out: Path  # the job's directory
     returncode: int
     output: str
     seconds: float  # from the signal until the last process holding the job's output ended
@@ -189,7 +193,7 @@ def _signal_job(out: Path, cfg: dict, *, target: str = "group", signum: int = si
         end = time.monotonic() + 3
         while group_members(proc.pid) and time.monotonic() < end:
             time.sleep(0.1)
-        return Stopped(proc.returncode, "".join(output), seconds, group_members(proc.pid))
+        return Stopped(out, proc.returncode, "".join(output), seconds, group_members(proc.pid))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -200,89 +204,132 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path)["state_dict"]
 
 
+#: the real jobs of this module: independent (but for the resume of a stopped fit), and mostly waiting (for the
+#: signal, the grace, the checkpoint), so they run side by side; the chain of three jobs first
+JOBS = SideBySide(width=3)
+SIGTERM_TEST = "test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly"
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory) -> Results:
+    return JOBS.run(request, tmp_path_factory)
+
+
+@JOBS.job("preempted and resumed", SIGTERM_TEST)
+def _preempted_and_resumed(out: Path) -> tuple[Stopped, JobResult | None]:
+    """A fit stopped by SIGTERM to its process group in the middle of epoch 1, and the fit resumed from its checkpoint
+    (``None`` when it saved none)."""
+    cfg = {**BASE, "step_cost": 0.02, "ready_step": 12, "loader": {"num_workers": 1, "persistent_workers": True}}
+    stopped = _signal_job(out / "pre", cfg)
+    ckpt = out / "pre" / "checkpoints" / "last.ckpt"  # no ModelCheckpoint: <default_root_dir>/checkpoints
+    if not ckpt.exists():
+        return stopped, None
+    (out / "resumed").mkdir()
+    return stopped, run_harness("preempt", out / "resumed", {**BASE, "resume": str(ckpt)})
+
+
+@JOBS.job("full", SIGTERM_TEST)
+def _full(out: Path) -> tuple[Path, JobResult]:
+    """The same fit, uninterrupted: its directory and its end."""
+    return out, run_harness("preempt", out, BASE)
+
+
 @pytest.mark.slow
-def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly(tmp_path):
-    (tmp_path / "full").mkdir()
-    full = run_harness("preempt", tmp_path / "full", BASE)
+def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly(jobs):
+    full_dir, full = jobs["full"]
     assert full.returncode == 0, full.output[-4000:]
 
-    cfg = {
-        **BASE,
-        "step_cost": 0.02,
-        "ready_step": 12,
-        "loader": {"num_workers": 1, "persistent_workers": True},
-    }  # signal in the middle of epoch 1
-    stopped = _signal_job(tmp_path / "pre", cfg)
+    stopped, resumed = jobs["preempted and resumed"]
+    pre = stopped.out
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert stopped.seconds < 30 and stopped.survivors == []
     assert "launched replicas ended with [143]" in stopped.output  # replica 1 too
-    ckpt = tmp_path / "pre" / "checkpoints" / "last.ckpt"  # no ModelCheckpoint: <default_root_dir>/checkpoints
+    ckpt = pre / "checkpoints" / "last.ckpt"  # no ModelCheckpoint: <default_root_dir>/checkpoints
     assert re.search(r"lightning_het preemption: replica\(s\) \[0, 1\] received SIGTERM; all 2 replica\(s\) stopped"
                      rf" after global step 1\d \(epoch 1\); saved {re.escape(str(ckpt))}", stopped.output)  # fmt: skip
-    assert ckpt.exists() and not list((tmp_path / "pre" / "checkpoints").glob("*.tmp"))
-    assert not list((tmp_path / "pre").glob("rank*.pt"))  # nobody trained on to the end
+    assert ckpt.exists() and not list((pre / "checkpoints").glob("*.tmp"))
+    assert not list(pre.glob("rank*.pt"))  # nobody trained on to the end
     saved = torch.load(ckpt, weights_only=True)
     assert 12 <= saved["global_step"] < 20
     sampler = saved["lightning_het"]["sampler"]
     assert sampler["epoch"] == 1 and sampler["steps_done"] == saved["global_step"] - 10
     assert "DataLoader worker" not in stopped.output  # the workers were not killed by the signal
 
-    (tmp_path / "resumed").mkdir()
-    resumed = run_harness("preempt", tmp_path / "resumed", {**BASE, "resume": str(ckpt)})
     assert resumed.returncode == 0, resumed.output[-4000:]
     for rank in range(2):
-        expected = _weights(tmp_path / "full" / f"rank{rank}.pt")
-        got = torch.load(tmp_path / "resumed" / f"rank{rank}.pt")
+        expected = _weights(full_dir / f"rank{rank}.pt")
+        got = torch.load(pre.parent / "resumed" / f"rank{rank}.pt")
         assert got["global_step"] == 20
         assert len(got["seen_batch_sizes"]) == 20 - saved["global_step"]
         for name, value in expected.items():
             assert torch.allclose(got["state_dict"][name], value, rtol=1e-6, atol=1e-6), name
 
 
+SIGNAL_CASES = [
+    pytest.param("lightning", "launcher", "SIGTERM", id="launcher-SIGTERM"),
+    pytest.param("lightning", "replica", "SIGUSR1", id="replica-SIGUSR1"),
+    pytest.param("pytorch_lightning", "launcher", "SIGTERM", id="pytorch_lightning-launcher-SIGTERM"),
+]
+
+
+def _signal_to_one(out: Path, flavour: str, target: str, signame: str) -> Stopped:
+    cfg = {**BASE, "step_cost": 0.01, "ready_step": 3, "ckpt_dir": str(out / "ck")}
+    return _signal_job(out / "job", cfg, target=target, signum=getattr(signal, signame), flavour=flavour)
+
+
+for _case in SIGNAL_CASES:
+    if _case.values[0] == "lightning" or importlib.util.find_spec(_case.values[0]) is not None:
+        _name = f"test_a_signal_to_one_process_stops_every_replica[{_case.id}]"
+        JOBS.add(_name, functools.partial(_signal_to_one, flavour=_case.values[0], target=_case.values[1],
+                                          signame=_case.values[2]))  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("flavour", "target", "signame"),
-    [
-        pytest.param("lightning", "launcher", "SIGTERM", id="launcher-SIGTERM"),
-        pytest.param("lightning", "replica", "SIGUSR1", id="replica-SIGUSR1"),
-        pytest.param("pytorch_lightning", "launcher", "SIGTERM", id="pytorch_lightning-launcher-SIGTERM"),
-    ],
-)
-def test_a_signal_to_one_process_stops_every_replica(tmp_path, flavour, target, signame):
+@pytest.mark.parametrize(("flavour", "target", "signame"), SIGNAL_CASES)
+def test_a_signal_to_one_process_stops_every_replica(jobs, request, flavour, target, signame):
     """SIGTERM to the launching process (rank 0) only, or SLURM's SIGUSR1 to replica 1 only: all replicas agree, the
     checkpoint goes where the user's ModelCheckpoint writes (on the standalone ``pytorch_lightning`` too)."""
     if flavour != "lightning":
         pytest.importorskip(flavour)
-    cfg = {**BASE, "step_cost": 0.01, "ready_step": 3, "ckpt_dir": str(tmp_path / "ck")}
-    stopped = _signal_job(tmp_path / "job", cfg, target=target, signum=getattr(signal, signame), flavour=flavour)
+    stopped = jobs[request.node.name]
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert stopped.seconds < 30 and stopped.survivors == []
     who = 0 if target == "launcher" else 1
     assert f"replica(s) [{who}] received {signame}" in stopped.output
     assert "launched replicas ended with [143]" in stopped.output
-    assert (tmp_path / "ck" / "last.ckpt").exists()
+    assert (stopped.out.parent / "ck" / "last.ckpt").exists()
+
+
+@JOBS.job("test_sigterm_without_a_preemption_checkpoint_stops_every_replica_and_saves_nothing")
+def _without_checkpoint(out: Path) -> Stopped:
+    cfg = {**BASE, "strategy": {"speeds": [1, 3], "preemption_checkpoint": False}, "step_cost": 0.01, "ready_step": 3}
+    return _signal_job(out / "job", cfg)
 
 
 @pytest.mark.slow
-def test_sigterm_without_a_preemption_checkpoint_stops_every_replica_and_saves_nothing(tmp_path):
+def test_sigterm_without_a_preemption_checkpoint_stops_every_replica_and_saves_nothing(jobs, request):
     """`preemption_checkpoint=False` (with `enable_checkpointing=False`, which alone does not switch the save off):
     every replica stops at the same step boundary and exits 143; no checkpoint is written."""
-    cfg = {**BASE, "strategy": {"speeds": [1, 3], "preemption_checkpoint": False}, "step_cost": 0.01, "ready_step": 3}
-    stopped = _signal_job(tmp_path / "job", cfg)
+    stopped = jobs[request.node.name]
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert stopped.seconds < 30 and stopped.survivors == []
     assert "saved no checkpoint (preemption_checkpoint=False)" in stopped.output
     assert "launched replicas ended with [143]" in stopped.output
-    assert not list((tmp_path / "job").rglob("*.ckpt*"))
+    assert not list(stopped.out.rglob("*.ckpt*"))
+
+
+@JOBS.job("test_a_stuck_replica_does_not_keep_the_others_alive")
+def _stuck_replica(out: Path) -> Stopped:
+    cfg = {**BASE, "strategy": {"speeds": [1, 3], "preemption_grace": 3}, "stuck_rank": 1, "stuck_step": 2}
+    return _signal_job(out / "job", cfg, wait_for="stuck")
 
 
 @pytest.mark.slow
-def test_a_stuck_replica_does_not_keep_the_others_alive(tmp_path):
+def test_a_stuck_replica_does_not_keep_the_others_alive(jobs, request):
     """Replica 1 never reaches the step boundary (replica 0 waits for it in the gradient all-reduce): both end with
     143 once `preemption_grace` has passed, and nothing is left."""
-    cfg = {**BASE, "strategy": {"speeds": [1, 3], "preemption_grace": 3}, "stuck_rank": 1, "stuck_step": 2}
-    stopped = _signal_job(tmp_path / "job", cfg, wait_for="stuck")
+    stopped = jobs[request.node.name]
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert 3 <= stopped.seconds < 20 and stopped.survivors == []
     assert "did not end within preemption_grace=3 s" in stopped.output
-    assert not (tmp_path / "job" / "checkpoints" / "last.ckpt").exists()
+    assert not (stopped.out / "checkpoints" / "last.ckpt").exists()
