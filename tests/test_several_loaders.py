@@ -3,9 +3,12 @@ combines), and a ``training_step`` mistake that Lightning explains; both with pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers.harness import run_fits_job, run_harness
+from tests.helpers.harness import load_dumps, run_harness, split_output
+from tests.helpers.jobs import JobResult
 
 SEVERAL = {
     # loader a: 48 samples, batch 4 (global 8); loader b: 24 samples, batch 2 (global 4): 6 steps per epoch each
@@ -14,10 +17,22 @@ SEVERAL = {
 }
 
 
+#: the last fit of the job: ``training_step`` returns a dict without "loss" (a user mistake); the job ends with it
+WITHOUT_LOSS = {"strategy": "heterogeneous", "module": {"without_loss": True}, "epochs": 1}
+
+
 @pytest.fixture(scope="module")
-def several(tmp_path_factory):
-    results = run_fits_job(tmp_path_factory.mktemp("several_loaders"), list(SEVERAL.values()))
-    return {name: dumps for name, (dumps, _) in zip(SEVERAL, results)}
+def job(tmp_path_factory) -> tuple[Path, JobResult]:
+    """:data:`SEVERAL` and then :data:`WITHOUT_LOSS`, one after another in one job: its directory and its end."""
+    out = tmp_path_factory.mktemp("several_loaders")
+    return out, run_harness("tiny", out, [*SEVERAL.values(), WITHOUT_LOSS], limit=240)
+
+
+@pytest.fixture(scope="module")
+def several(job):
+    out, result = job
+    assert all((out / str(i) / "rank1.pt").exists() for i in range(len(SEVERAL))), result.output[-6000:]
+    return {name: load_dumps(out / str(i), 2) for i, name in enumerate(SEVERAL)}
 
 
 @pytest.mark.slow
@@ -40,9 +55,9 @@ def test_given_speeds_split_every_loader_in_their_proportion(several):
 
 
 @pytest.mark.slow
-def test_a_dict_without_loss_gets_lightnings_message(tmp_path):
-    cfg = {"strategy": "heterogeneous", "module": {"without_loss": True}, "epochs": 1}
-    job = run_harness("tiny", tmp_path, cfg, limit=120)
-    assert job.returncode == 1, job.output[-3000:]  # the launching replica raised its own error
-    assert "when `training_step` returns a dict, the 'loss' key needs to be present" in job.output
-    assert "KeyError" not in job.output and not job.survivors
+def test_a_dict_without_loss_gets_lightnings_message(job):
+    _, result = job
+    output = split_output(result.output, len(SEVERAL) + 1)[-1]
+    assert result.returncode == 1, result.output[-3000:]  # the launching replica raised its own error
+    assert "when `training_step` returns a dict, the 'loss' key needs to be present" in output
+    assert "KeyError" not in result.output and not result.survivors
