@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
 CFG = {"devices": 2, "epochs": 2, "n": 40, "batch_size": 4, "seed": 0}
@@ -15,17 +16,18 @@ def _identical(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
-def test_pinning_the_profiled_speeds_reproduces_the_run(tiny_job):
+def test_pinning_the_profiled_speeds_reproduces_the_run(tmp_path):
     """Run 1 profiles its speeds (on its first training steps, under trial splits); run 2 pins them.
 
     Both train on the same global batches with exact gradients, so they end on the same weights up to float rounding
     (the trial splits sum each gradient in another order); the pinned run, whose splits depend on nothing measured,
-    is the one that reproduces bit for bit (the replicas agree bit for bit in both runs).
+    is the one that reproduces bit for bit (the replicas agree bit for bit in both runs). Both run in one job, the
+    second pinning the speeds the first measured.
     """
-    profiled, _ = tiny_job({**CFG, "strategy": {}})
+    (profiled, _), (pinned, _) = run_fits_job(tmp_path, [{**CFG, "strategy": {}}, {**CFG, "pin_previous_speeds": True}])
     speeds = profiled[0]["speeds"]
     assert profiled[1]["speeds"] == speeds and len(speeds) == 2
-    pinned, _ = tiny_job({**CFG, "strategy": {"speeds": speeds}})
+    assert [d["speeds"] for d in pinned] == [speeds, speeds]
     for rank in range(2):
         assert pinned[rank]["batch_sizes"] == profiled[rank]["batch_sizes"]
         state = profiled[rank]["state_dict"]

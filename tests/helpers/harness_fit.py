@@ -18,7 +18,8 @@ steps, with the weights just before and when saved in ``OUT_DIR/{before,saved}_s
 ``OUT_DIR/ready{r}`` holding its pid once ``global_step`` reaches it), ``stuck_rank`` / ``stuck_step`` (that rank
 writes ``OUT_DIR/stuck{r}`` and sleeps for good in ``training_step`` from that step on), ``own_sharding``
 (``use_distributed_sampler=False``, each rank's Dataset its own ``dataset[rank::world]``), ``custom_loader``
-(:class:`FeatureLoader`). The default root directory is ``OUT_DIR``.
+(:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets the speeds the previous fit of the same job
+ended with, as its ``speeds``). The default root directory is ``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -43,6 +44,9 @@ from tests.helpers.tiny import TinyRegressor, make_dataset, pl
 
 #: what the strategy may set in the environment of a Trainer call
 WATCHED_ENV = (TOKEN_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+#: the speeds the last fit of this process ended with (``pin_previous_speeds``)
+_previous_speeds: list[list[float]] = []
 
 #: job name -> the defaults of its config
 FIT_JOBS: dict[str, dict[str, Any]] = {
@@ -189,7 +193,10 @@ def fit(out: Path, cfg: dict) -> None:
         time.process_time = time.perf_counter
     pl.seed_everything(cfg.get("seed", 0), workers=True)
     env_before = {name: os.environ.get(name) for name in WATCHED_ENV}
-    strategy = make_strategy(cfg.get("strategy", {}))
+    spec = cfg.get("strategy", {})
+    if cfg.get("pin_previous_speeds"):
+        spec = {**spec, "speeds": _previous_speeds[-1]}
+    strategy = make_strategy(spec)
     module = {**cfg.get("module", {}), **({"cost_per_sample_s": cfg["step_cost"]} if "step_cost" in cfg else {})}
     model = (LoaderRegressor if cfg.get("module_loaders") else FitRegressor)(out, cfg, **module)
     callbacks = _callbacks(out, cfg)
@@ -215,6 +222,7 @@ def fit(out: Path, cfg: dict) -> None:
     else:
         trainer.fit(model, *_loaders(cfg), ckpt_path=cfg.get("resume"))
     record = fit_record(trainer, model)
+    _previous_speeds.append(record["speeds"])
     record["env_before"] = env_before
     record["deepcopy_error"] = next((c.error for c in callbacks if isinstance(c, DeepCopyCallbacks)), None)
     save_rank(out, trainer.global_rank, record)
