@@ -99,20 +99,17 @@ def test_console_script_on_a_geotiff_pair_with_two_replicas(tmp_path, scene):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-@pytest.mark.slow
-def test_missing_file_exits_with_one_clear_message(tmp_path):
+def test_missing_file_exits_with_one_clear_message(run_main, capsys, tmp_path):
     missing = tmp_path / "nope.tif"
-    result = run_app(
-        ["data=geotiff", f"data.image={missing}", f"data.labels={missing}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        timeout=120,
-        module=True,
+    code = run_main(
+        "data=geotiff", f"data.image={missing}", f"data.labels={missing}", f"hydra.run.dir={tmp_path / 'run'}"
     )
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
     assert str(missing) in errors[0] and "image" in errors[0]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------- in-process error paths
