@@ -115,6 +115,7 @@ def _cases():
                     yield pytest.param(devices, variant, opt, stage, id=f"{devices}dev-{variant}-{opt}-{stage}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("devices", "variant", "optimization", "stage"), list(_cases()))
 def test_same_hooks_as_ddp(jobs: _Jobs, devices: int, variant: str, optimization: str, stage: str) -> None:
     ddp = jobs.calls(("ddp", devices, optimization))
@@ -128,6 +129,7 @@ def test_same_hooks_as_ddp(jobs: _Jobs, devices: int, variant: str, optimization
         )
 
 
+@pytest.mark.slow
 def test_recording_sees_the_hooks(jobs: _Jobs) -> None:
     """The recorder works: DDP's fit calls the hooks in Lightning's documented order (a few landmarks)."""
     fit = jobs.calls(("ddp", 1, "automatic"))[0]["fit"]
