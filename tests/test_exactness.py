@@ -7,6 +7,7 @@ The two-replica job runs on both Lightning packages: ``lightning.pytorch`` and t
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 
 import pytest
 import torch
@@ -51,23 +52,29 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
-    """The module's two jobs, side by side (independent, and neither times anything): ``"two"`` replicas with speeds
-    [1, 3] and ``"three"`` with [1, 1, 10]; each: the per-rank dumps and the output."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    """The module's jobs, side by side (independent, and none times anything): ``"two"`` replicas with speeds [1, 3]
+    on each installed Lightning package (``"two-<package>"`` for the standalone one) and ``"three"`` with
+    [1, 1, 10]; each: the per-rank dumps and the output."""
+    standalone = [f for f in FLAVOURS if f != "lightning" and importlib.util.find_spec(f) is not None]
+    with concurrent.futures.ThreadPoolExecutor(2 + len(standalone)) as pool:
         runs = {
             "two": pool.submit(_job, tmp_path_factory.mktemp("two"), 2, [1.0, 3.0], TWO),
             "three": pool.submit(_job, tmp_path_factory.mktemp("three"), 3, [1.0, 1.0, 10.0], THREE),
         }
+        for flavour in standalone:
+            runs[f"two-{flavour}"] = pool.submit(
+                _job, tmp_path_factory.mktemp(f"two-{flavour}"), 2, [1.0, 3.0], TWO, flavour
+            )
         return {name: run.result() for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
-def two_replicas(request, tmp_path_factory):
+def two_replicas(request, jobs):
     """The two-replica job on each Lightning package (the standalone one: skipped when it is not installed)."""
     if request.param == "lightning":
-        return request.getfixturevalue("jobs")["two"]
+        return jobs["two"]
     pytest.importorskip(request.param)
-    return _job(tmp_path_factory.mktemp(f"two-{request.param}"), 2, [1.0, 3.0], TWO, request.param)
+    return jobs[f"two-{request.param}"]
 
 
 @pytest.fixture(scope="module")
