@@ -8,6 +8,7 @@ synchronised gradient; they are compared with one process training on the same g
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -20,8 +21,9 @@ from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler,
 from lightning_het.balance import profiler as profiler_module
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
 from lightning_het.data.sampler import ProportionalBatchSampler
-from tests.helpers.harness import run_harness
+from tests.helpers.harness import run_harness, split_output
 from tests.helpers.harness_steps import ContractModule
+from tests.helpers.jobs import JobResult
 from tests.helpers.tiny import make_dataset, make_net
 
 # ---------------------------------------------------------------------------------------------------------- schedule
@@ -209,12 +211,31 @@ INLOOP_FITS = {
 }
 
 
+#: after the in-loop fits, in the same job: a profiled fit saving a checkpoint at step 3 (inside the profiling steps),
+#: and the fit resumed from it (``RESUME_FROM``: the checkpoint's path under the job's directory)
+RESUME_FITS = [
+    {"job": "resume", "devices": 2, "strategy": {}, "epochs": 2, "n": 80, "batch_size": 4, "save_every": 3},
+    {"job": "resume", "devices": 2, "strategy": {}, "epochs": 2, "n": 80, "batch_size": 4, "save_every": 0},
+]
+FIRST = len(INLOOP_FITS)  # the index of the first resume fit in the job
+RESUME_FROM = f"{FIRST}/ckpt/step=3.ckpt"
+
+
 @pytest.fixture(scope="module")
-def inloop_fits(tmp_path_factory) -> dict[str, list[dict]]:
+def inloop_job(tmp_path_factory) -> tuple[Path, JobResult]:
+    """:data:`INLOOP_FITS`, then :data:`RESUME_FITS`, in one job: its directory and its end."""
     out = tmp_path_factory.mktemp("inloop")
-    job = run_harness("inloop", out, list(INLOOP_FITS.values()), limit=300)
+    first, resumed = RESUME_FITS
+    cfgs = [*INLOOP_FITS.values(), first, {**resumed, "resume": str(out / RESUME_FROM)}]
+    job = run_harness("inloop", out, cfgs, limit=300)
     assert job.returncode == 0, job.output[-6000:]
     assert not job.survivors
+    return out, job
+
+
+@pytest.fixture(scope="module")
+def inloop_fits(inloop_job) -> dict[str, list[dict]]:
+    out, _ = inloop_job
     return {name: [torch.load(out / str(i) / f"rank{r}.pt") for r in range(2)] for i, name in enumerate(INLOOP_FITS)}
 
 
@@ -253,19 +274,17 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (name, step)
 
 
-def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(tmp_path) -> None:
+def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(inloop_job) -> None:
     """A checkpoint saved at step 3, inside the profiling steps, has no speeds yet: the resumed fit profiles again from
     its first step (global batch 3) and ends where the uninterrupted fit ends (the same global batches)."""
-    first = {"devices": 2, "strategy": {}, "epochs": 2, "n": 80, "batch_size": 4, "save_every": 3}
-    resumed = {**first, "save_every": 0, "resume": str(tmp_path / "0" / "ckpt" / "step=3.ckpt")}
-    job = run_harness("resume", tmp_path, [first, resumed], limit=300)
-    assert job.returncode == 0, job.output[-6000:]
-    record = torch.load(tmp_path / "0" / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]
+    out, job = inloop_job
+    output = "".join(split_output(job.output, FIRST + 2)[FIRST:])  # what the two resume fits printed
+    record = torch.load(out / RESUME_FROM, weights_only=True)["lightning_het"]
     assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3
-    assert "skips the 3 global batch(es) already trained on" in job.output
-    assert job.output.count("profiling on the first 6 training steps") == 2
-    full = [torch.load(tmp_path / "0" / f"rank{r}.pt") for r in range(2)]
-    again = [torch.load(tmp_path / "1" / f"rank{r}.pt") for r in range(2)]
+    assert "skips the 3 global batch(es) already trained on" in output
+    assert output.count("profiling on the first 6 training steps") == 2
+    full = [torch.load(out / str(FIRST) / f"rank{r}.pt") for r in range(2)]
+    again = [torch.load(out / str(FIRST + 1) / f"rank{r}.pt") for r in range(2)]
     for rank in range(2):
         assert again[rank]["global_step"] == 20
         # global batches 3 and 4 of epoch 0: the warm-up (and the batch drawn meanwhile) again, from the resumed step

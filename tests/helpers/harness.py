@@ -2,10 +2,11 @@
 
 ``JOB`` names a job of :data:`JOBS`; ``JSON`` is its config (a dict, run into ``OUT_DIR``) or a list of configs run
 one after another in the same processes, config ``i`` into ``OUT_DIR/<i>``, each rank printing the line
-``MARKER + str(i)`` before it (see :func:`split_output`). The configs of a list share the job's processes and its
-default process group (started once, by the first), so the job pays its start-up cost (the launch of the replicas,
-their imports, the rendezvous) once for several settings, whether Lightning launches the replicas or an external
-launcher (``srun``, ``torchrun``) does. Each config is freshly seeded, with a fresh model, strategy and Trainer.
+``MARKER + str(i)`` before it (see :func:`split_output`); a config of a list may name another job under ``"job"``.
+The configs of a list share the job's processes and its default process group (started once, by the first), so the
+job pays its start-up cost (the launch of the replicas, their imports, the rendezvous) once for several settings,
+whether Lightning launches the replicas or an external launcher (``srun``, ``torchrun``) does. Each config is freshly
+seeded, with a fresh model, strategy and Trainer.
 
 The test side: :func:`command` (the command line), :func:`run_harness` (run it in its own session and wait),
 :func:`load_dumps`, :func:`run_fits_job` (fits of the ``tiny`` job with their outputs), :func:`run_balance_job`.
@@ -107,6 +108,7 @@ def main(argv: list[str]) -> None:
     for index, one in enumerate(cfg):
         print(f"{MARKER}{index}", flush=True)
         (out / str(index)).mkdir(parents=True, exist_ok=True)
+        run, defaults = JOBS[one.get("job", job)]
         run(out / str(index), {**defaults, **one})
 
 
