@@ -12,7 +12,8 @@ Fabric's ``DDPStrategy``; only the points where Fabric and the Trainer differ ar
   step applies exactly the gradient of the mean loss over the global batch;
 * ``fabric.setup(model, optimizer)`` wraps the model in DDP and registers the ``comm`` mode's hook on any device;
   every optimizer step then drives the node-local parameter averaging;
-* profiling times a step function you pass (``profile_step``), since Fabric has no ``training_step`` to call.
+* without ``speeds``, your loop's first training steps run under trial splits and are timed (from the model's first
+  forward of a step to the end of its local backward), as the Trainer's first steps are.
 
 See ``docs/fabric.md`` for a complete example.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -34,23 +34,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het._compat import flavour_private
-from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost
-from lightning_het.balance.profiling import (
-    StepTiming,
-    fit_stage_timings,
-    preserved_training_state,
-    stage_sizes,
-    time_steps,
-)
+from lightning_het.balance.clock import StepClock
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.data.loaders import rebuild_loader, training_order
-from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.data.sampler import (
+    ProportionalBatchSampler,
+    ProportionalDistributedSampler,
+    UnpaddedDistributedSampler,
+)
 from lightning_het.strategy import HeterogeneousStrategyBase
 
 __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
@@ -84,10 +79,6 @@ def _trainer_only_keywords() -> frozenset[str]:
     return frozenset(named - FABRIC_KEYWORDS - {"self"})
 
 
-#: ``profile_step(batch)``: forward pass of one training step on a device-ready batch; returns the loss
-ProfileStep = Callable[[Any], Tensor]
-
-
 class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     """Lightning Fabric strategy: per-replica batch sizes proportional to speed, exact gradients, node-aware comm.
 
@@ -97,8 +88,8 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     What it does in your loop:
 
     * ``fabric.setup(model, optimizer)``: DDP, plus the ``comm`` mode's gradient hook (on CPU/gloo too).
-    * ``fabric.setup_dataloaders(train_loader)``: the first time, allocates the global batch from ``speeds`` (or by
-      profiling ``profile_step``), then rebuilds the loader around a
+    * ``fabric.setup_dataloaders(train_loader)``: the first time, allocates the global batch from ``speeds`` (or
+      plans the profiling of your first steps), then rebuilds the loader around a
       :class:`~lightning_het.ProportionalDistributedSampler` with this replica's batch size. Every loader whose
       sampler Fabric would make distributed (the default ``use_distributed_sampler=True``) is split this way, so
       pass evaluation loaders with ``sampler=strategy.eval_sampler(dataset)`` (each sample on exactly one replica),
@@ -110,22 +101,16 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
       the consensus model.
 
     Args:
-        profile_step: ``profile_step(batch) -> loss``: the forward pass of your training step on a batch already on
-            the device (for example ``lambda batch: loss_fn(model(batch[0]), batch[1])`` with the model that
-            ``fabric.setup`` returned). Used to measure each replica's speed when ``speeds`` is not given: the strategy
-            runs it and back-propagates its loss ``profile_warmup + profile_steps`` times on real batches, without
-            gradient synchronisation, and restores the model, gradients, optimizer state and RNG streams afterwards.
-            Set the model up with ``fabric.setup`` before the training loader.
         **kwargs: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the same meaning:
             ``global_batch_size`` (default: the training loader's ``batch_size`` x world size), ``speeds``,
             ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``, ``global_sync_every``,
             ``comm_warmup_steps``, ``comm_autotune_steps``, ``profile_steps``, ``profile_warmup``,
-            ``profile_cache`` (the speed cache: when every replica finds its cost there, ``profile_step`` is not run),
+            ``profile_cache`` (the speed cache: when every replica finds its cost there, nothing is profiled),
             ``startup_timeout``; everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
     Raises:
-        ValueError: everything ``HeterogeneousStrategy`` checks, a non-callable ``profile_step``, and the
+        ValueError: everything ``HeterogeneousStrategy`` checks, and the
             ``HeterogeneousStrategy`` keywords outside :data:`FABRIC_KEYWORDS` (``emulate_slowdown``, ``device_map``,
             ``cpu_threads``, rebalancing, ``telemetry``, ``preemption_*``: they need the Trainer's loop).
     """
@@ -159,7 +144,10 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     def _sampler_wrapper_cls(self) -> type:
         return self._fabric_module("utilities.distributed").DistributedSamplerWrapper
 
-    def __init__(self, profile_step: ProfileStep | None = None, **kwargs: Any) -> None:
+    #: a plain ``for batch in loader`` loop fetches no batch ahead of the one it trains
+    _loop_prefetch = 0
+
+    def __init__(self, **kwargs: Any) -> None:
         unsupported = sorted(_trainer_only_keywords().intersection(kwargs))
         if unsupported:
             raise ValueError(
@@ -167,15 +155,13 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 " `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or emulate a slow replica inside your own"
                 " step function."
             )
-        if profile_step is not None and not callable(profile_step):
-            raise ValueError(
-                f"Expected argument `profile_step` to be a callable `profile_step(batch) -> loss`, but got"
-                f" {profile_step!r}."
-            )
         super().__init__(telemetry=False, **kwargs)  # the shared core validates and stores every other keyword
-        self.profile_step = profile_step
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
-        self._raw_optimizers: list[Optimizer] = []  # snapshotted and restored around profiling
+        self._train_sampler: ProportionalDistributedSampler | None = None  # the training loader's
+        self._epoch_steps = (-1, 0)  # (sampler epoch, optimizer steps taken in it)
+        self._clock: StepClock | None = None  # times your first steps while they profile
+        self._forward_hook: Any = None  # on the DDP model while profiling: opens each step on the clock
+        self._step_open = False
         self._optimizer_steps = 0  # optimizer steps taken so far (drives the node_local schedule)
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
 
@@ -208,17 +194,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         self._comm_controller = self._new_comm_controller(resolve_comm_mode(self._config.comm, self._node_ids))
         self._comm_controller.register(ddp_model)
         self._ddp_model = ddp_model
+        self._hook_forward()  # the training loader was set up first and profiling is planned
         return ddp_model
-
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._raw_optimizers.append(optimizer)
-        return super().setup_optimizer(optimizer)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = self._fabric.optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
+        self._step_ended()
         if self._comm_controller is not None and self._ddp_model is not None:
             epoch_steps = self._steps_per_epoch
             with torch.no_grad():
@@ -287,6 +270,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             )
         self.adopt_allocation(sizes, self._config.speeds or [float(b) for b in sizes])
         self._steps_per_epoch = sampler.num_steps
+        self._train_sampler = sampler
         return dataloader
 
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
@@ -315,122 +299,60 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             order_sampler=order.sampler,
         )
         self._steps_per_epoch = sampler.num_steps
-        return rebuild_loader(dataloader, sampler, self._allocation.batch_sizes[self.global_rank])
+        self._train_sampler = sampler
+        size = self._allocation.batch_sizes[self.global_rank]
+        if self._profiler is None:
+            return rebuild_loader(dataloader, sampler, size)
+        self._profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
+        self._hook_forward()
+        return rebuild_loader(dataloader, sampler, size, batch_sampler=ProportionalBatchSampler(sampler))
 
-    # ------------------------------------------------------------------ profiling
+    # ------------------------------------------------------------------ profiling on your first steps
+    def _step_clock(self) -> StepClock | None:
+        return self._clock if self.profiling else None
+
+    def _on_forward(self, module: Module, args: Any) -> None:
+        """The DDP model's first training forward of a step opens the step on the profiling clock."""
+        if self._clock is not None and not self._step_open and module.training and torch.is_grad_enabled():
+            self._step_open = True
+            self._clock.step_start(self._step_batch_sizes()[self.global_rank])
+
+    def _hook_forward(self) -> None:
+        if self.profiling and self._ddp_model is not None and self._forward_hook is None:
+            self._clock = StepClock(record=False, device=self.root_device)
+            self._forward_hook = self._ddp_model.register_forward_pre_hook(self._on_forward)
+
+    def _unhook_forward(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        self._forward_hook = self._clock = None
+
+    def _step_position(self) -> tuple[int, int]:
+        """(epoch, step within the epoch) of the global batch being trained: the training sampler's epoch (Fabric's
+        loader sets it on every pass) and the optimizer steps taken in that epoch."""
+        epoch = self._train_sampler.epoch if self._train_sampler is not None else 0
+        return epoch, self._epoch_steps[1] if self._epoch_steps[0] == epoch else 0
+
+    def _step_batch_sizes(self) -> list[int]:
+        return self._allocation.step_batch_sizes(self._train_sampler, lambda: self._step_position()[1])
+
     @override
-    def _measured_costs(
-        self, dataloader: DataLoader, global_batch: int, shuffle: bool, seed: int, order_sampler: Any = None
-    ) -> list[AffineCost] | None:
-        """Every replica's :class:`~lightning_het.balance.cost.AffineCost`: from the speed cache when every replica
-        has an entry, else profiled before the loop runs (Fabric has no loop of ours to profile in): a warm-up, then
-        two timed stages of ``profile_step`` (see :mod:`lightning_het.balance.profiling`)."""
-        start = time.perf_counter()
-        self._allocation.profile_seconds = 0.0
-        self._allocation.profile_cached = False
-        cached = self._cached_costs(dataloader)
-        if cached is not None:
-            self._allocation.profile_seconds = time.perf_counter() - start
-            return cached
-        world, rank = self.world_size, self.global_rank
-        bounds = {"min_batch_size": self._train_min_batch_size, "max_batch_sizes": self._config.max_batch_sizes}
-        equal_split = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)
-        rough = [1.0] * world
-        if self._config.profile_warmup:
-            # a quarter of the equal split: the slowest replica's warm-up costs a quarter of a DDP step
-            warm_sizes = [max(self._train_min_batch_size, 1, -(-b // 4)) for b in equal_split]
-            warm = self._time_local_steps(
-                dataloader, warm_sizes, shuffle, seed, steps=self._config.profile_warmup, order=order_sampler
-            )
-            local = warm_sizes[rank] / max(min(t.total_s for t in warm), 1e-9)
-            rough = [r[0] for r in self._all_gather_floats([local])]
-        small, large = stage_sizes(global_batch, rough, **bounds)
-        if sum(large) > len(dataloader.dataset):  # a dataset barely above one global batch: one stage size only
-            large = small
-        stages = [
-            (
-                sizes[rank],
-                self._time_local_steps(
-                    dataloader, sizes, shuffle, seed, steps=self._config.profile_steps, order=order_sampler
-                ),
-            )
-            for sizes in (small, large)
-        ]
-        cost = fit_stage_timings(stages)
-        rows = self._all_gather_floats([cost.fixed_s, cost.per_sample_s])
-        cache, key = self._cache_entry
-        if cache is not None and key is not None:
-            cache.put(key, cost)
-        self._allocation.profile_seconds = time.perf_counter() - start
-        return [AffineCost(r[0], r[1]) for r in rows]
+    def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
+        sizes = self._step_batch_sizes()
+        if self._comm_controller is not None and sizes and sizes != self._comm_sizes:
+            self._comm_controller.set_batch_sizes(sizes)  # the split of this step (trial or allocation)
+            self._comm_sizes = sizes
+        return super().backward(tensor, module, *args, **kwargs)
 
-    def _time_local_steps(
-        self,
-        dataloader: DataLoader,
-        probe_sizes: list[int],
-        shuffle: bool,
-        seed: int,
-        *,
-        steps: int,
-        order: Any = None,
-    ) -> list[StepTiming]:
-        """Time ``steps`` local steps of this replica at ``probe_sizes[rank]`` samples; ``order``: the user's sampler
-        whose order the training batches are cut from."""
-        rank = self.global_rank
-        sampler = ProportionalDistributedSampler(
-            dataloader.dataset, probe_sizes, rank, shuffle=shuffle, seed=seed, drop_last=True, order_sampler=order
-        )
-        # the main process loads the few probe batches: no worker start-up; the multiprocessing-only options go too
-        single_process = (
-            {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "multiprocessing_context": None}
-            if dataloader.num_workers > 0
-            else {}
-        )
-        probe = rebuild_loader(dataloader, sampler, probe_sizes[rank], **single_process)
-        return self._time_probe_steps(probe, steps)
-
-    def _align_profiling_step(self) -> None:
-        """Every replica starts its next profiling step together (see :func:`time_steps`)."""
-        self.barrier("lightning_het.profiling_step")
-
-    def _time_probe_steps(self, probe: DataLoader, steps: int) -> list[StepTiming]:
-        """Time ``steps`` calls of ``profile_step`` (forward) plus the backward of its loss, without gradient sync."""
-        if self.profile_step is None:
-            raise ValueError(
-                "HeterogeneousFabricStrategy has neither `speeds` nor a `profile_step` to measure them with. HINT: pass"
-                " `profile_step=lambda batch: loss_fn(model(batch[0]), batch[1])` (after `fabric.setup`), or"
-                " `speeds=[...]` with one entry per replica."
-            )
-        if self._ddp_model is None:
-            raise RuntimeError(
-                "Profiling needs the model: call `fabric.setup(model, optimizer)` before"
-                " `fabric.setup_dataloaders(train_loader)`, or pass `speeds=[...]`."
-            )
-        model = self._ddp_model
-        step = self.profile_step
-        batches = (self.batch_to_device(batch) for batch in probe)
-        with preserved_training_state(model.module, self._raw_optimizers), model.no_sync():
-            model.train()
-            return time_steps(
-                batches,
-                lambda batch, batch_idx: step(batch),
-                self._local_backward,
-                warmup=0,
-                steps=steps,
-                device=self.root_device,
-                align=self._align_profiling_step if self.world_size > 1 else None,
-            )
-
-    def _local_backward(self, loss: Tensor) -> None:
-        """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only): Fabric refuses
-        a bare ``loss.backward()`` for strategies that override ``backward``, and profiling wants exactly that."""
-        wrappers = self._fabric_module("wrappers")
-        previous = wrappers._in_fabric_backward
-        wrappers._in_fabric_backward = True
-        try:
-            loss.backward()
-        finally:
-            wrappers._in_fabric_backward = previous
+    def _step_ended(self) -> None:
+        """An optimizer step ended: the profiler reads the step's compute time; the step counter moves on."""
+        epoch, step = self._step_position()
+        if self._profiler is not None and not self._profiler.done:
+            self._profiler.on_train_batch_end(epoch, step)
+            if self._profiler.done:
+                self._unhook_forward()
+        self._epoch_steps = (epoch, step + 1)
+        self._step_open = False
 
     @override
     def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
@@ -457,8 +379,9 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         if self._comm_controller is not None:
             self._comm_controller.close()
         self._comm_controller = None
+        self._unhook_forward()
         self._ddp_model = None
-        self._raw_optimizers = []
+        self._train_sampler = None
         self._fabric.teardown()
 
 

@@ -32,6 +32,7 @@ from lightning_het._compat import (
 )
 from lightning_het.arguments import check_ddp_keywords
 from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
 from lightning_het.balance.planner import (
@@ -183,6 +184,8 @@ class HeterogeneousStrategyBase:
     #: :mod:`lightning_het.reliability.lifecycle` launcher; a
     #: Fabric strategy (your own loop, no progress hooks) keeps Fabric's launcher.
     _trainer_loop: bool = False
+    #: batches the training loop fetches ahead of the step it trains (Lightning's fit loop: one)
+    _loop_prefetch: int = 1
 
     def __init__(
         self,
@@ -253,7 +256,8 @@ class HeterogeneousStrategyBase:
         self._node_ids: list[int] | None = None
         self._profiler: InLoopProfiler | None = None  # the fit's in-loop profiling (balance/profiler.py)
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
-        self._cache_entry: tuple[ProfileCache | None, str | None] = (None, None)  # this replica's speed cache key
+        #: this replica's speed cache and key in it, for the module set up by then (``(None, None)``: none)
+        self._cache_entry: Callable[[], tuple[ProfileCache | None, str | None]] = lambda: (None, None)
         self._loaders = LoaderSplitter()  # the loader split: training sampler, resume record, evaluation weights
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing; the monitor is built per process in `setup`
@@ -709,10 +713,9 @@ class HeterogeneousStrategyBase:
             return None
         costs = self._cached_costs(dataloader)
         if costs is None:
-            monitor = self._monitor
-
             def clock() -> tuple[int, float] | None:
-                return monitor.clock.open_step() if monitor is not None and monitor.clock is not None else None
+                step_clock = self._step_clock()
+                return None if step_clock is None else step_clock.open_step()
 
             self._profiler = start_profiler(
                 dataloader,
@@ -725,24 +728,29 @@ class HeterogeneousStrategyBase:
                 clock=clock,
                 on_agreed=self._adopt_profiled,
                 trainer=self._trainer(),
+                loop_prefetch=self._loop_prefetch,
             )
         return costs
 
     def _cached_costs(self, dataloader: DataLoader) -> list[AffineCost] | None:
         """The costs of every replica from the speed cache (``profile_cache``) when every replica has an entry (one
         all-gather when the cache is on), else ``None``."""
-        module, precision = self._profiled_module()
         factors = self._config.emulate_slowdown
-        self._cache_entry = profile_cache_entry(  # where the profiled cost goes
-            self._config.profile_cache,
-            module,
-            dataloader,
-            precision=precision,
-            device=self.root_device,
-            slowdown=factors[self.global_rank] if factors else 1.0,
-            replicas_on_node=self.num_processes,
-        )
-        costs = cached_costs(*self._cache_entry, self._all_gather_floats)
+
+        def entry() -> tuple[ProfileCache | None, str | None]:  # where the cost goes (the module may come later)
+            module, precision = self._profiled_module()
+            return profile_cache_entry(
+                self._config.profile_cache,
+                module,
+                dataloader,
+                precision=precision,
+                device=self.root_device,
+                slowdown=factors[self.global_rank] if factors else 1.0,
+                replicas_on_node=self.num_processes,
+            )
+
+        self._cache_entry = entry
+        costs = cached_costs(*entry(), self._all_gather_floats)
         if costs is not None:
             self._allocation.profile_cached = True
         return costs
@@ -762,7 +770,7 @@ class HeterogeneousStrategyBase:
                 batch_sizes if total == sum(batch_sizes) else allocate_batch_sizes(total, speeds, min_batch_size=floor)
             )
         self._allocation.profile_seconds = self._profiler.overhead_s
-        cache, key = self._cache_entry
+        cache, key = self._cache_entry()
         if cache is not None and key is not None:
             cache.put(key, costs[self.global_rank])
         rank_zero_info(self.balance_table())
@@ -841,7 +849,7 @@ class HeterogeneousStrategyBase:
         if self._comm_controller is not None and sizes and sizes != self._comm_sizes:
             self._comm_controller.set_batch_sizes(sizes)  # the split of this step (trial, tail or allocation)
             self._comm_sizes = sizes
-        clock = self._monitor.clock if self._monitor is not None else None  # telemetry / emulation
+        clock = self._step_clock()  # telemetry / emulation / profiling
         if clock is None:
             return super().training_step(*args, **kwargs)
         clock.step_start(sizes[self.global_rank] if sizes else 0)
@@ -851,7 +859,7 @@ class HeterogeneousStrategyBase:
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        clock = self._monitor.clock if self._monitor is not None else None
+        clock = self._step_clock()
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
         scale = self._step_loss_scale()
@@ -859,6 +867,10 @@ class HeterogeneousStrategyBase:
         if clock is not None:
             clock.after_backward()
         return closure_loss
+
+    def _step_clock(self) -> StepClock | None:
+        """The clock timing this replica's training steps (telemetry, emulation, profiling), if any."""
+        return self._monitor.clock if self._monitor is not None else None
 
     def _step_batch_sizes(self) -> list[int]:
         """Per-replica samples of the global batch being trained now (see :meth:`Allocation.step_batch_sizes`)."""

@@ -13,7 +13,7 @@ ready): at the moment this replica has finished computing its local gradients. P
 
 Emulation (``emulate_slowdown``): the clock sleeps ``(f - 1) x`` the forward work after ``training_step`` returns and
 ``(f - 1) x`` the backward work in the end-of-backward callback, both before the gradients are synchronised
-(:func:`emulate_slower_device`, also used by Fabric's profiling). Cost: about six clock reads, one tensor hook and one
+(:func:`emulate_slower_device`). Cost: about six clock reads, one tensor hook and one
 autograd callback per step; on CUDA the device is synchronised at the two measurement points. The design narrative is
 in ``docs/benchmarks.md``.
 """

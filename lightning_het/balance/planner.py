@@ -111,15 +111,17 @@ def start_profiler(
     clock: Callable[[], tuple[int, float] | None],
     on_agreed: Callable[[list[AffineCost], list[int]], None],
     trainer: Any,
+    loop_prefetch: int = 1,
 ) -> InLoopProfiler:
     """Plan the trial splits of the first training steps and hook the profiler into the fit loop (when there is a
-    trainer). ``clock`` opens the step being timed; ``on_agreed`` receives the agreed costs and split."""
+    trainer). ``clock`` opens the step being timed; ``on_agreed`` receives the agreed costs and split;
+    ``loop_prefetch``: batches the training loop fetches ahead of the step it trains."""
     plan = profile_plan(
         global_batch,
         world_size,
         warmup=config.profile_warmup,
         steps=config.profile_steps,
-        lag=loader_prefetch_depth(dataloader),
+        lag=loader_prefetch_depth(dataloader, loop_prefetch),
         **bounds,
     )
     profiler = InLoopProfiler(plan, rank, world_size, device, clock, on_agreed)

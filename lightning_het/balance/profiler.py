@@ -227,12 +227,17 @@ def profile_plan(
     return ProfilePlan(tuple(equal), warmup, steps, lag, floor, upper)
 
 
-def loader_prefetch_depth(dataloader: Any) -> int:
-    """Steps whose index lists a training loader has drawn when a step ends: Lightning's one prefetched batch, plus
-    ``num_workers * prefetch_factor`` with worker processes (the same on every rank)."""
+def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
+    """Steps whose index lists a training loader has drawn when a step ends: the batches the loop fetches ahead
+    (``loop_prefetch``: 1 in Lightning's fit loop, 0 in a plain ``for batch in loader`` loop), plus
+    ``num_workers * prefetch_factor`` with worker processes (the same on every rank).
+
+    >>> loader_prefetch_depth(torch.utils.data.DataLoader(range(8), num_workers=2), loop_prefetch=0)
+    4
+    """
     workers = int(getattr(dataloader, "num_workers", 0) or 0)
     factor = getattr(dataloader, "prefetch_factor", None)
-    return 1 + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
+    return loop_prefetch + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
 
 
 class InLoopProfiler:
