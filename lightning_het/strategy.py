@@ -57,7 +57,7 @@ from lightning_het.cluster.accelerators import (
     unbound_process_group,
 )
 from lightning_het.cluster.devices import DeviceMapArg, DevicePlan
-from lightning_het.cluster.rendezvous import keep_sockets_local, restore_job_environment
+from lightning_het.cluster.rendezvous import local_sockets
 from lightning_het.cluster.startup import detect_node_ids, init_process_group, startup_timeout_scope
 from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
 from lightning_het.comm.gather import all_gather_collection
@@ -256,13 +256,11 @@ class HeterogeneousStrategyBase:
         self._node_ids: list[int] | None = None
         self._profiler: InLoopProfiler | None = None  # the fit's in-loop profiling (balance/profiler.py)
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
-        #: this replica's speed cache and key in it, for the module set up by then (``(None, None)``: none)
-        self._cache_entry: Callable[[], tuple[ProfileCache | None, str | None]] = lambda: (None, None)
+        self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._loaders = LoaderSplitter()  # the loader split: training sampler, resume record, evaluation weights
         self._batchnorm_layers: list[str] = []  # per-replica batch norm layers found at setup
         # telemetry and semi-dynamic rebalancing; the monitor is built per process in `setup`
         self._monitor: BalanceMonitor | None = None
-        self._sockets_set: list[str] = []  # socket variables this Trainer call set in os.environ (unset at teardown)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -414,8 +412,6 @@ class HeterogeneousStrategyBase:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             super().setup_distributed()  # torchrun's agent hosts the store
             return
-        # also for the subgroups a later Trainer call adds to an existing group; unset again at teardown
-        self._sockets_set += keep_sockets_local(self.num_nodes)
         if dist.is_initialized():
             super().setup_distributed()
             return
@@ -423,15 +419,16 @@ class HeterogeneousStrategyBase:
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        init_process_group(
-            self.cluster_environment,
-            self._process_group_backend,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            num_nodes=self.num_nodes,
-            timeout=self._timeout,
-            device=self.root_device,
-        )
+        with local_sockets(self.num_nodes):  # loopback for one node while the group is created, then as before
+            init_process_group(
+                self.cluster_environment,
+                self._process_group_backend,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+                timeout=self._timeout,
+                device=self.root_device,
+            )
 
     @property
     def comm_mode(self) -> str | None:
@@ -607,8 +604,6 @@ class HeterogeneousStrategyBase:
         self._loaders.train_sampler = None
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
-        restore_job_environment(dict.fromkeys(self._sockets_set))  # GLOO/NCCL_SOCKET_IFNAME as before the call
-        self._sockets_set = []
 
     def _end_watch(self) -> None:
         """Teardown: after an exception, stop the watchdog (the exception goes to the caller); after a normal run,
@@ -713,6 +708,7 @@ class HeterogeneousStrategyBase:
             return None
         costs = self._cached_costs(dataloader)
         if costs is None:
+
             def clock() -> tuple[int, float] | None:
                 step_clock = self._step_clock()
                 return None if step_clock is None else step_clock.open_step()
@@ -735,25 +731,27 @@ class HeterogeneousStrategyBase:
     def _cached_costs(self, dataloader: DataLoader) -> list[AffineCost] | None:
         """The costs of every replica from the speed cache (``profile_cache``) when every replica has an entry (one
         all-gather when the cache is on), else ``None``."""
-        factors = self._config.emulate_slowdown
-
-        def entry() -> tuple[ProfileCache | None, str | None]:  # where the cost goes (the module may come later)
-            module, precision = self._profiled_module()
-            return profile_cache_entry(
-                self._config.profile_cache,
-                module,
-                dataloader,
-                precision=precision,
-                device=self.root_device,
-                slowdown=factors[self.global_rank] if factors else 1.0,
-                replicas_on_node=self.num_processes,
-            )
-
-        self._cache_entry = entry
-        costs = cached_costs(*entry(), self._all_gather_floats)
+        self._cache_loader = dataloader
+        costs = cached_costs(*self._cache_entry(), self._all_gather_floats)
         if costs is not None:
             self._allocation.profile_cached = True
         return costs
+
+    def _cache_entry(self) -> tuple[ProfileCache | None, str | None]:
+        """This replica's speed cache and key in it, for the module set up by now (``(None, None)``: none)."""
+        if self._cache_loader is None:
+            return None, None
+        module, precision = self._profiled_module()
+        factors = self._config.emulate_slowdown
+        return profile_cache_entry(
+            self._config.profile_cache,
+            module,
+            self._cache_loader,
+            precision=precision,
+            device=self.root_device,
+            slowdown=factors[self.global_rank] if factors else 1.0,
+            replicas_on_node=self.num_processes,
+        )
 
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs (every rank, at the same step): the fitted split applies to the global

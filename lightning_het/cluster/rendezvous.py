@@ -32,7 +32,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "free_port",
     "keep_sockets_local",
     "listen_address",
+    "local_sockets",
     "restore_job_environment",
     "save_job_environment",
     "sign",
@@ -213,6 +214,18 @@ def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None 
     for name in names:
         environ[name] = loopback
     return names
+
+
+@contextlib.contextmanager
+def local_sockets(num_nodes: int) -> Iterator[None]:
+    """While process groups are created: Gloo's and NCCL's sockets on loopback for a single-node job (see
+    :func:`keep_sockets_local`); afterwards the variables are as they were (a group reads them when it is created)."""
+    saved = {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    keep_sockets_local(num_nodes)
+    try:
+        yield
+    finally:
+        restore_job_environment(saved)
 
 
 #: the variables a Trainer call sets in ``os.environ`` (the job token, the loopback interfaces); they are put back as

@@ -19,6 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
+from lightning_het.cluster.rendezvous import local_sockets
+
 __all__ = [
     "NodeGroups",
     "build_node_groups",
@@ -236,10 +238,11 @@ def build_node_groups(node_ids: Sequence[int], rank: int) -> NodeGroups:
     """
     ids = validate_node_ids(node_ids, dist.get_world_size())
     members = node_members(ids)
-    intra, _ = dist.new_subgroups_by_enumeration(members)
-    intra_bcast, _ = dist.new_subgroups_by_enumeration(members)
     leaders = [m[0] for m in members]
-    leader_group = dist.new_group(ranks=leaders)
+    with local_sockets(len(members)):
+        intra, _ = dist.new_subgroups_by_enumeration(members)
+        intra_bcast, _ = dist.new_subgroups_by_enumeration(members)
+        leader_group = dist.new_group(ranks=leaders)
     groups = NodeGroups(
         node_ids=tuple(ids),
         rank=rank,
