@@ -94,6 +94,7 @@ __all__ = [
     "flavour_private",
     "forget_validation_loader",
     "is_standalone",
+    "mirror_module",
     "on_flavour",
     "record_loader_arguments",
     "replace_signal_connector",
@@ -184,6 +185,27 @@ def on_flavour(cls: type, like: Any) -> type:
     built = type(cls)(name, bases, namespace)
     setattr(module, name, built)
     return built
+
+
+def mirror_module(source: str, target: str, packages: dict[str, str]) -> dict[str, Any]:
+    """Run module ``source``'s code as module ``target`` with its imports of one Lightning package pointing at another
+    (e.g. ``{"lightning.pytorch": "pytorch_lightning"}``), the way Lightning derives its standalone packages from its
+    own sources; returns ``target``'s namespace. Line numbers are kept: tracebacks show ``source``'s file.
+
+    The standalone flavours' strategies (:mod:`lightning_het._pl_compat`, :mod:`lightning_het._fabric_compat`) are
+    built so: the same class body on the other package's ``DDPStrategy``, with working zero-argument ``super()``.
+    """
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec(source)
+    assert spec is not None and spec.loader is not None and spec.origin is not None
+    code = spec.loader.get_source(source)  # type: ignore[attr-defined]
+    for old, new in packages.items():
+        code = re.sub(rf"\b{re.escape(old)}\b", new, code)
+    namespace = sys.modules[target].__dict__
+    exec(compile(code, spec.origin, "exec"), namespace)
+    return namespace
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops

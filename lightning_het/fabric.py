@@ -1,186 +1,120 @@
-"""``Fabric(strategy="heterogeneous")``: speed-proportional batches, exact gradients and node-aware communication in a
-loop of your own.
+"""``Fabric(strategy="heterogeneous")``: speed-proportional batch shares, exact gradients and node-aware communication
+in a loop of your own (see ``docs/fabric.md``).
 
-:class:`HeterogeneousFabricStrategy` is the Trainer's :class:`~lightning_het.HeterogeneousStrategy` core (argument
-checks, allocation, profiling schedule, loss scale, communication controller, balance report) on top of Lightning
-Fabric's ``DDPStrategy``; only the points where Fabric and the Trainer differ are written here:
-
-* ``fabric.setup_dataloaders(loader)`` re-splits a training loader into a
-  :class:`~lightning_het.ProportionalDistributedSampler` (same guarantees as with the Trainer: equal step counts,
-  the union of the replicas' batches at step ``k`` is the ``k``-th batch of one process);
-* ``fabric.backward(loss)`` multiplies the loss by ``loss_scale = W * b_r / B`` (the inherited ``backward``), so the
-  step applies exactly the gradient of the mean loss over the global batch;
-* ``fabric.setup(model, optimizer)`` wraps the model in DDP and registers the ``comm`` mode's hook on any device;
-  every optimizer step then drives the node-local parameter averaging;
-* without ``speeds``, your loop's first training steps run under trial splits and are timed (from the model's first
-  forward of a step to the end of its local backward), as the Trainer's first steps are.
-
-See ``docs/fabric.md`` for a complete example.
+Fabric glue over the same parts as the Trainer strategy (the balancer, the communication controller). The standalone
+``lightning_fabric`` flavour runs this module's code on that package (:mod:`lightning_het.pl`).
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import logging
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._compat import flavour_private
+from lightning_het.balance.balancer import Balancer, BalanceView, FitContext
 from lightning_het.balance.clock import StepClock
+from lightning_het.cluster.accelerators import device_labels
+from lightning_het.cluster.startup import detect_node_ids, startup_timeout_scope
 from lightning_het.comm.controller import resolve_comm_mode
+from lightning_het.comm.gather import all_gather_collection
+from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
 from lightning_het.data.loaders import rebuild_loader, training_order
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
     UnpaddedDistributedSampler,
 )
-from lightning_het.strategy import HeterogeneousStrategyBase
+from lightning_het.reliability.launcher import ExitCleanup
+from lightning_het.reliability.supervision import validate_launch_environment
 
-__all__ = ["HeterogeneousFabricStrategy", "HeterogeneousFabricStrategyBase"]
-
-log = logging.getLogger(__name__)
-
-#: the ``HeterogeneousStrategy`` keywords that mean the same in a Fabric loop; its others (telemetry, rebalancing,
-#: emulation, device maps, preemption checkpoints, ...) need the Trainer's loop and are refused
-FABRIC_KEYWORDS = frozenset(
-    {
-        "global_batch_size",
-        "speeds",
-        "min_batch_size",
-        "max_batch_sizes",
-        "node_ids",
-        "comm",
-        "global_sync_every",
-        "comm_warmup_steps",
-        "comm_autotune_steps",
-        "profile_steps",
-        "profile_warmup",
-        "profile_cache",
-        "startup_timeout",
-    }
-)
+__all__ = ["HeterogeneousFabricStrategy"]
 
 
-def _trainer_only_keywords() -> frozenset[str]:
-    parameters = inspect.signature(HeterogeneousStrategyBase.__init__).parameters.values()
-    named = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
-    return frozenset(named - FABRIC_KEYWORDS - {"self"})
+class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
+    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients.
 
+    ``fabric.setup(model, optimizer)`` wraps the model in DDP with the ``comm`` mode's gradient hook;
+    ``fabric.setup_dataloaders(train_loader)`` allocates the global batch and re-splits the loader;
+    ``fabric.backward(loss)`` back-propagates ``loss * loss_scale``; ``optimizer.step()`` drives ``node_local``
+    averaging. Without ``speeds``, your loop's first steps profile. Keywords: those of
+    :data:`~lightning_het.config.FABRIC_KEYWORDS`, meaning what they mean for the Trainer strategy; the others raise
+    ``ValueError`` (they need the Trainer's loop); everything else goes to Fabric's ``DDPStrategy``.
 
-class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
-    """Lightning Fabric strategy: per-replica batch sizes proportional to speed, exact gradients, node-aware comm.
-
-    ``import lightning_het`` registers it as ``"heterogeneous"`` in Fabric's strategy registry, so
-    ``Fabric(strategy="heterogeneous", ...)`` works; pass an instance for keywords.
-
-    What it does in your loop:
-
-    * ``fabric.setup(model, optimizer)``: DDP, plus the ``comm`` mode's gradient hook (on CPU/gloo too).
-    * ``fabric.setup_dataloaders(train_loader)``: the first time, allocates the global batch from ``speeds`` (or
-      plans the profiling of your first steps), then rebuilds the loader around a
-      :class:`~lightning_het.ProportionalDistributedSampler` with this replica's batch size. Every loader whose
-      sampler Fabric would make distributed (the default ``use_distributed_sampler=True``) is split this way, so
-      pass evaluation loaders with ``sampler=strategy.eval_sampler(dataset)`` (each sample on exactly one replica),
-      or with ``use_distributed_sampler=False`` (every replica reads all of it).
-    * ``fabric.backward(loss)``: back-propagates ``loss * loss_scale``; the loss you log stays unscaled.
-    * ``optimizer.step()``: under ``comm="node_local"``, averages the parameters across all replicas every
-      ``global_sync_every`` steps and after the last step of every epoch of the training loader (counting one
-      optimizer step per batch; call :meth:`synchronize` yourself when you step less often). ``fabric.save`` saves
-      the consensus model.
-
-    Args:
-        **kwargs: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the same meaning:
-            ``global_batch_size`` (default: the training loader's ``batch_size`` x world size), ``speeds``,
-            ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``, ``global_sync_every``,
-            ``comm_warmup_steps``, ``comm_autotune_steps``, ``profile_steps``, ``profile_warmup``,
-            ``profile_cache`` (the speed cache: when every replica finds its cost there, nothing is profiled),
-            ``startup_timeout``; everything else goes to Fabric's ``DDPStrategy`` (``timeout``, ``start_method``,
-            ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
-
-    Raises:
-        ValueError: everything ``HeterogeneousStrategy`` checks, and the
-            ``HeterogeneousStrategy`` keywords outside :data:`FABRIC_KEYWORDS` (``emulate_slowdown``, ``device_map``,
-            ``cpu_threads``, rebalancing, ``telemetry``, ``preemption_*``: they need the Trainer's loop).
+    >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
+    [1.0, 3.0]
     """
 
-    #: set by the concrete class: the ``DDPStrategy`` of its Fabric package (``lightning.fabric`` and the standalone
-    #: ``lightning_fabric`` have separate classes and registries); the package's other pieces (wrappers, samplers, the
-    #: spawn launcher) are found from it
-    _fabric_ddp_cls: type
-    #: your own loop drives the strategy: no Trainer hooks to feed the watchdog; Fabric's own launcher, with the
-    #: replicas started so that none outlives the launching process (``lifecycle.fabric_script_launcher``)
-    _trainer_loop = False
-
-    @property
-    def _fabric(self) -> Any:
-        """The next classes in the method order after the shared core: Fabric's ``DDPStrategy`` (of this class's
-        package). The core's ``optimizer_step``, ``teardown`` and checkpoint methods serve the Trainer (its signatures
-        and loops), so the Fabric overrides that replace them continue past it, through ``super()`` from the core."""
-        return super(HeterogeneousStrategyBase, self)
-
-    def _fabric_module(self, name: str) -> ModuleType:
-        """``<the Fabric package>.<name>``, e.g. ``lightning.fabric.wrappers`` or ``lightning_fabric.wrappers``."""
-        package = self._fabric_ddp_cls.__module__.split(".strategies")[0]
-        return importlib.import_module(f"{package}.{name}")
-
-    @property
-    def _spawn_launcher_cls(self) -> type:  # type: ignore[override]
-        package = self._fabric_ddp_cls.__module__.split(".strategies")[0]
-        return flavour_private(package, "strategies.launchers.multiprocessing", "_MultiProcessingLauncher")
-
-    @property
-    def _sampler_wrapper_cls(self) -> type:
-        return self._fabric_module("utilities.distributed").DistributedSamplerWrapper
-
-    #: a plain ``for batch in loader`` loop fetches no batch ahead of the one it trains
-    _loop_prefetch = 0
+    strategy_name = "heterogeneous"
 
     def __init__(self, **kwargs: Any) -> None:
-        unsupported = sorted(_trainer_only_keywords().intersection(kwargs))
-        if unsupported:
+        trainer_only = sorted(set(KEYWORD_DEFAULTS).difference(FABRIC_KEYWORDS).intersection(kwargs))
+        if trainer_only:
             raise ValueError(
-                f"You passed {unsupported} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
+                f"You passed {trainer_only} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
                 " `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or emulate a slow replica inside your own"
                 " step function."
             )
-        super().__init__(telemetry=False, **kwargs)  # the shared core validates and stores every other keyword
+        config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
+        super().__init__(**kwargs)
+        self.balancer = Balancer(config)
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
-        self._train_sampler: ProportionalDistributedSampler | None = None  # the training loader's
+        self._train_sampler: ProportionalDistributedSampler | None = None
+        self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
+        self._optimizer_steps = 0  # drives the node_local schedule
         self._epoch_steps = (-1, 0)  # (sampler epoch, optimizer steps taken in it)
         self._clock: StepClock | None = None  # times your first steps while they profile
         self._forward_hook: Any = None  # on the DDP model while profiling: opens each step on the clock
         self._step_open = False
-        self._optimizer_steps = 0  # optimizer steps taken so far (drives the node_local schedule)
-        self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
 
-    # ------------------------------------------------------------------ launch / environment
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous data parallelism")
+
+    @property
+    def process_group_timeout(self) -> Any:
+        """The collective timeout (``timeout``; during the rendezvous the longer ``startup_timeout``)."""
+        return self._timeout
+
+    def _set_timeout(self, timeout: Any) -> None:
+        self._timeout = timeout
+
+    # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
+        ExitCleanup.register()  # runs after the launcher's own exit handlers
+        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
-        if self._start_method == "popen":  # no orphans: see lightning_het.reliability.lifecycle.fabric_script_launcher
-            from lightning_het.reliability.lifecycle import fabric_script_launcher
+        if self._start_method == "popen":  # replicas that cannot outlive the launching process
+            from lightning_het.reliability.lifecycle import fabric_script_launcher  # imports Lightning
 
             self._launcher = fabric_script_launcher(self, self._launcher)
+        validate_launch_environment(self.num_nodes, self.cluster_environment)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.balancer.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
+        self.balancer.node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
 
     @override
     def _setup_distributed(self) -> None:
         # a short `timeout` does not fail the rendezvous of replicas that start slowly
-        with self._startup_timeout_scope():
+        with startup_timeout_scope(self._timeout, self.config.startup_timeout, self._set_timeout):
             super()._setup_distributed()
 
-    # ------------------------------------------------------------------ model and optimizers
+    # ------------------------------------------------------------------ model and optimizer
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DDP and register the ``comm`` mode's gradient hook (a collective: every rank)."""
@@ -190,22 +124,33 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 " HINT: put the networks into one `nn.Module` and set that up once."
             )
         ddp_model = super().setup_module(module)
-        assert self._node_ids is not None
-        self._comm_controller = self._new_comm_controller(resolve_comm_mode(self._config.comm, self._node_ids))
-        self._comm_controller.register(ddp_model)
+        assert self.balancer.node_ids is not None
+        self.balancer.new_comm(resolve_comm_mode(self.config.comm, self.balancer.node_ids)).register(ddp_model)
         self._ddp_model = ddp_model
         self._hook_forward()  # the training loader was set up first and profiling is planned
         return ddp_model
 
     @override
+    def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Back-propagate ``tensor * loss_scale`` (the scale of the step's split); returns ``tensor`` unscaled."""
+        scale = self.balancer.loss_scale(self._step_split())
+        clock = self._step_clock()
+        if clock is not None:
+            clock.before_backward(tensor)  # end of local backward compute vs gradient-sync wait
+        super().backward(tensor * scale if scale != 1.0 else tensor, module, *args, **kwargs)
+        if clock is not None:
+            clock.after_backward()
+        return tensor
+
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = self._fabric.optimizer_step(optimizer, **kwargs)
+        output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
         self._step_ended()
-        if self._comm_controller is not None and self._ddp_model is not None:
+        if self.balancer.comm is not None and self._ddp_model is not None:
             epoch_steps = self._steps_per_epoch
             with torch.no_grad():
-                self._comm_controller.after_optimizer_step(
+                self.balancer.comm.after_optimizer_step(
                     self._ddp_model.module.parameters(),
                     self._optimizer_steps,
                     end_of_epoch=bool(epoch_steps) and self._optimizer_steps % epoch_steps == 0,
@@ -213,16 +158,17 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         return output
 
     def synchronize(self) -> bool:
-        """``comm="node_local"``: average the parameters across all replicas now, weighted by sample share, unless
-        they already agree. Call it on every rank (a collective), e.g. before evaluating. No-op in exact modes.
-
-        Returns:
-            Whether an average ran.
-        """
-        if self._comm_controller is None or self._ddp_model is None:
+        """``comm="node_local"``: average the parameters across all replicas now (weighted by sample share) unless
+        they already agree; a collective, e.g. before evaluating. Returns whether an average ran."""
+        if self.balancer.comm is None or self._ddp_model is None:
             return False
         with torch.no_grad():
-            return self._comm_controller.synchronize(self._ddp_model.module.parameters())
+            return self.balancer.comm.synchronize(self._ddp_model.module.parameters())
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """As :meth:`lightning_het.HeterogeneousStrategy.all_gather`: uneven per-sample shares concatenated."""
+        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ data
     @override
@@ -238,7 +184,7 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             return dataloader
         if isinstance(sampler, ProportionalDistributedSampler):
             return self._adopt_sampler(dataloader, sampler)
-        if type(sampler) is not DistributedSampler and not isinstance(sampler, self._sampler_wrapper_cls):
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, DistributedSamplerWrapper):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         if self._steps_per_epoch is not None:
             # a second split could re-allocate, changing the loss scale under the first loader's batches
@@ -251,16 +197,16 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         return self._split_for_training(dataloader)
 
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
-        """A sampler for evaluation loaders: every sample on exactly one replica (no padding, no duplicates), shares
-        proportional to the allocation (to ``speeds``, or equal, before it). Fabric leaves it in place."""
-        return UnpaddedDistributedSampler(dataset, self._eval_weights(), self.global_rank)
+        """A sampler for evaluation loaders: every sample on exactly one replica, shares proportional to the
+        allocation (to ``speeds``, or equal, before it). Fabric leaves it in place."""
+        return UnpaddedDistributedSampler(dataset, self.balancer.eval_weights(), self.global_rank)
 
     def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
-        sizes = list(sampler.batch_sizes)
-        if self._allocation.batch_sizes is not None and sizes != self._allocation.batch_sizes:
+        sizes, allocated = list(sampler.batch_sizes), self.balancer.allocation.batch_sizes
+        if allocated is not None and sizes != allocated:
             raise ValueError(
                 f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
-                f" {self._allocation.batch_sizes}. HINT: build it from `strategy.batch_sizes`."
+                f" {allocated}. HINT: build it from `strategy.batch_sizes`."
             )
         if sampler.tail_batch_sizes is not None:
             raise ValueError(
@@ -268,15 +214,14 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                 f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
                 " HINT: build it with `drop_last=True`."
             )
-        self.adopt_allocation(sizes, self._config.speeds or [float(b) for b in sizes])
-        self._steps_per_epoch = sampler.num_steps
-        self._train_sampler = sampler
+        self.adopt_allocation(sizes, self.config.speeds or [float(b) for b in sizes])
+        self._steps_per_epoch, self._train_sampler = sampler.num_steps, sampler
         return dataloader
 
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
-        """Allocate (profiling when needed) and rebuild the loader around this replica's proportional sampler."""
+        """Allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler."""
         order = training_order(dataloader)
-        global_batch = self._config.global_batch_size
+        global_batch = self.config.global_batch_size
         if global_batch is None:
             if dataloader.batch_size is None:
                 raise ValueError(
@@ -284,38 +229,38 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
                     " `HeterogeneousFabricStrategy(global_batch_size=...)`."
                 )
             global_batch = dataloader.batch_size * self.world_size
-        if self._allocation.batch_sizes is None or sum(self._allocation.batch_sizes) != global_batch:
-            self._allocate(dataloader, global_batch, order.shuffle, order.seed, order.sampler)
-        assert self._allocation.batch_sizes is not None
-        # the tail is dropped under Fabric: its step would need its own loss scale, and the strategy cannot tell
-        # which of your steps it is
+        allocation = self.balancer.allocation
+        if allocation.batch_sizes is None or sum(allocation.batch_sizes) != global_batch:
+            fit = FitContext(self._profiled_module, self._step_clock, device_labels(self), loop_prefetch=0)
+            self.balancer.allocate(dataloader, global_batch, fit)
+        sizes = allocation.batch_sizes
+        assert sizes is not None
+        # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
         sampler = ProportionalDistributedSampler(
             dataloader.dataset,
-            self._allocation.batch_sizes,
+            sizes,
             self.global_rank,
             shuffle=order.shuffle,
             seed=order.seed,
             drop_last=True,
             order_sampler=order.sampler,
         )
-        self._steps_per_epoch = sampler.num_steps
-        self._train_sampler = sampler
-        size = self._allocation.batch_sizes[self.global_rank]
-        if self._profiler is None:
-            return rebuild_loader(dataloader, sampler, size)
-        self._profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
+        self._steps_per_epoch, self._train_sampler = sampler.num_steps, sampler
+        profiler = self.balancer.profiler
+        if profiler is None:
+            return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
+        profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
         self._hook_forward()
-        return rebuild_loader(dataloader, sampler, size, batch_sampler=ProportionalBatchSampler(sampler))
+        return rebuild_loader(
+            dataloader, sampler, sizes[self.global_rank], batch_sampler=ProportionalBatchSampler(sampler)
+        )
 
     # ------------------------------------------------------------------ profiling on your first steps
+    def _profiled_module(self) -> tuple[Module | None, str]:
+        return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
+
     def _step_clock(self) -> StepClock | None:
         return self._clock if self.profiling else None
-
-    def _on_forward(self, module: Module, args: Any) -> None:
-        """The DDP model's first training forward of a step opens the step on the profiling clock."""
-        if self._clock is not None and not self._step_open and module.training and torch.is_grad_enabled():
-            self._step_open = True
-            self._clock.step_start(self._step_batch_sizes()[self.global_rank])
 
     def _hook_forward(self) -> None:
         if self.profiling and self._ddp_model is not None and self._forward_hook is None:
@@ -327,38 +272,32 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
             self._forward_hook.remove()
         self._forward_hook = self._clock = None
 
+    def _on_forward(self, module: Module, args: Any) -> None:
+        """The DDP model's first training forward of a step opens the step on the profiling clock."""
+        if self._clock is not None and not self._step_open and module.training and torch.is_grad_enabled():
+            self._step_open = True
+            self._clock.step_start(self._step_split()[self.global_rank])
+
     def _step_position(self) -> tuple[int, int]:
-        """(epoch, step within the epoch) of the global batch being trained: the training sampler's epoch (Fabric's
-        loader sets it on every pass) and the optimizer steps taken in that epoch."""
+        """(epoch, step within it) of the global batch being trained: the training sampler's epoch (Fabric's loader
+        sets it on every pass) and the optimizer steps taken in that epoch."""
         epoch = self._train_sampler.epoch if self._train_sampler is not None else 0
         return epoch, self._epoch_steps[1] if self._epoch_steps[0] == epoch else 0
 
-    def _step_batch_sizes(self) -> list[int]:
-        return self._allocation.step_batch_sizes(self._train_sampler, lambda: self._step_position()[1])
-
-    @override
-    def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
-        sizes = self._step_batch_sizes()
-        if self._comm_controller is not None and sizes and sizes != self._comm_sizes:
-            self._comm_controller.set_batch_sizes(sizes)  # the split of this step (trial or allocation)
-            self._comm_sizes = sizes
-        return super().backward(tensor, module, *args, **kwargs)
+    def _step_split(self) -> list[int]:
+        return self.balancer.step_split(self._train_sampler, lambda: self._step_position()[1])
 
     def _step_ended(self) -> None:
-        """An optimizer step ended: the profiler reads the step's compute time; the step counter moves on."""
+        """An optimizer step ended: the profiler reads its compute time; the step counter moves on."""
         epoch, step = self._step_position()
-        if self._profiler is not None and not self._profiler.done:
-            self._profiler.on_train_batch_end(epoch, step)
-            if self._profiler.done:
+        profiler = self.balancer.profiler
+        if profiler is not None and not profiler.done:
+            profiler.on_train_batch_end(epoch, step)
+            if profiler.done:
                 self._unhook_forward()
-        self._epoch_steps = (epoch, step + 1)
-        self._step_open = False
+        self._epoch_steps, self._step_open = (epoch, step + 1), False
 
-    @override
-    def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
-        return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
-
-    # ------------------------------------------------------------------ checkpoints and teardown
+    # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
     def save_checkpoint(
         self,
@@ -368,23 +307,22 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         self.synchronize()  # comm="node_local": a checkpoint holds the consensus model
-        self._fabric.save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
-    @override
-    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self._fabric.load_checkpoint(path, *args, **kwargs)
+    def balance_report(self) -> dict[str, Any]:
+        """The allocation as plain data."""
+        return self.balancer.report(device_labels(self))
+
+    def balance_table(self) -> str:
+        """A human-readable table: rank, node, device, speed, batch size, share."""
+        return self.balancer.table(device_labels(self))
 
     @override
     def teardown(self) -> None:
-        if self._comm_controller is not None:
-            self._comm_controller.close()
-        self._comm_controller = None
+        self.balancer.close_comm()
         self._unhook_forward()
-        self._ddp_model = None
-        self._train_sampler = None
-        self._fabric.teardown()
+        self._ddp_model = self._train_sampler = None
+        super().teardown()
 
 
-class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, FabricDDPStrategy):
-    __doc__ = HeterogeneousFabricStrategyBase.__doc__
-    _fabric_ddp_cls = FabricDDPStrategy
+HeterogeneousFabricStrategy.__init__.__signature__ = keyword_signature(FABRIC_KEYWORDS)  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["all_gather_collection", "all_gather_uneven", "gather_shapes"]
+__all__ = ["all_gather_collection", "all_gather_uneven", "gather_shapes", "reduce_counts"]
 
 _INLINE_DIMS = 8  # dimensions exchanged in the first round; larger ranks take a second round
 
@@ -149,3 +149,20 @@ def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False
                 " (`torch.tensor(values)`) instead, its first dimension may differ."
             )
     return apply_to_collection(data, Tensor, all_gather_uneven, group=group, sync_grads=sync_grads)
+
+
+def reduce_counts(reduce: Any, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+    """``reduce(tensor, group=..., reduce_op=...)`` (a strategy's all-reduce), except that the mean of an integer
+    tensor is summed in ``float64`` and returned in the default float dtype.
+
+    Lightning's epoch-level ``self.log(..., sync_dist=True)`` mean-reduces its integer batch-size count; DDP's
+    in-place division would truncate it (``(10 + 31) / 2 -> 20``), and with uneven shares every epoch metric would be
+    off. The logged ``value / count`` then has the logged value's dtype, as in DDP.
+    """
+    if isinstance(tensor, torch.Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
+        op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+        if op in ("mean", "avg", dist.ReduceOp.AVG):
+            reduced = reduce(tensor.to(torch.float64), group=group, reduce_op=reduce_op)
+            default = torch.get_default_dtype()
+            return reduced.to(default if default in (torch.float32, torch.float64) else torch.float32)
+    return reduce(tensor, group=group, reduce_op=reduce_op)

@@ -57,6 +57,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_het._compat import on_flavour, replace_signal_connector, should_accumulate
+from lightning_het.config import DEFAULT_GRACE
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -72,8 +73,6 @@ log = logging.getLogger(__name__)
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
-#: seconds a replica has, from the signal, to save and exit before it is ended by force.
-DEFAULT_GRACE = 25.0
 #: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
