@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._compat import flavour_private
+from lightning_het._compat import flavour_private, inside_fabric_backward
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.profiling import (
@@ -424,13 +424,8 @@ class HeterogeneousFabricStrategyBase(HeterogeneousStrategyBase):
     def _local_backward(self, loss: Tensor) -> None:
         """``loss.backward()`` while Fabric believes it runs inside ``fabric.backward`` (profiling only): Fabric refuses
         a bare ``loss.backward()`` for strategies that override ``backward``, and profiling wants exactly that."""
-        wrappers = self._fabric_module("wrappers")
-        previous = wrappers._in_fabric_backward
-        wrappers._in_fabric_backward = True
-        try:
+        with inside_fabric_backward(self._fabric_module("wrappers")):
             loss.backward()
-        finally:
-            wrappers._in_fabric_backward = previous
 
     @override
     def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:

@@ -620,12 +620,16 @@ class HeterogeneousStrategyBase:
     # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        synchronize_before_save(self)  # comm="node_local": a checkpoint holds the consensus model
+        synchronize_before_save(self.comm_controller, self.lightning_module)  # node_local: save the consensus model
         return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = checkpoint_record(self)  # allocation + training sampler position
+        speeds = None if self.profiling else self.speeds  # still profiling: none yet (a resumed run profiles again)
+        record = checkpoint_record(
+            self._trainer(), self.batch_sizes, speeds, self.node_ids, profiled=not self.speeds_given
+        )
+        checkpoint[CHECKPOINT_KEY] = record  # allocation + training sampler position
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
