@@ -3,7 +3,7 @@
 An AST walk over every module flags, with file:line:
 
 * an attribute access ``x._name`` (read, write or delete; single leading underscore, not a dunder) whose object is not
-  ``self``, ``cls``, ``type(self)`` or ``super()``;
+  ``self``, ``cls`` or ``super()``;
 * ``getattr``/``setattr``/``hasattr``/``delattr`` of a literal private name on such an object;
 * an import of a private name (``from lightning.x import _Private``) or from a private module of another package
   (``from torch._C import ...``), and an import of a private name of one of our modules into another
@@ -42,14 +42,10 @@ def _is_private(name: str) -> bool:
 
 
 def _is_owner(node: ast.expr) -> bool:
-    """``self``, ``cls``, ``super()`` or ``type(self)``: the object's own attributes."""
+    """``self``, ``cls`` or ``super()``: the object's own attributes."""
     if isinstance(node, ast.Name):
         return node.id in ("self", "cls")
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-        if node.func.id == "super" and not node.args:
-            return True
-        return node.func.id == "type" and len(node.args) == 1 and _is_owner(node.args[0])
-    return False
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
 
 
 def _compat_exports() -> set[str]:
@@ -141,7 +137,6 @@ def test_the_fence_sees_each_kind_of_offence():
         "getattr(other, '_seq', None)\n"
         "b = self._seq\n"
         "c = super()._seq\n"
-        "d = type(self)._seq\n"
         "os._exit(1)\n"
         "cfg._target_\n"
     )

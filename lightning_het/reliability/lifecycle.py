@@ -115,16 +115,12 @@ class LaunchingStrategy(TimedStrategy, Protocol):
 
     @property
     def cluster_environment(self) -> Any: ...
-
     @property
     def num_processes(self) -> int: ...
-
     @property
     def num_nodes(self) -> int: ...
-
     @property
     def watchdog(self) -> Watchdog | None: ...
-
     def release_watchdog(self) -> Watchdog | None: ...
 
 

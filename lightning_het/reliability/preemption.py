@@ -456,10 +456,8 @@ class PreemptibleStrategy(Protocol):
 
     @property
     def launcher(self) -> Any: ...
-
     @property
     def root_device(self) -> torch.device: ...
-
     @property
     def cluster_environment(self) -> Any: ...
 
@@ -475,7 +473,10 @@ def attach_preemption(
     """
     from lightning.pytorch.trainer.states import TrainerFn
 
-    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=_launched_replicas(strategy))
+    def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
+        return list(getattr(strategy.launcher, "procs", None) or [])
+
+    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
     fitting = trainer.state.fn == TrainerFn.FITTING
     callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
@@ -507,10 +508,3 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
     if trainer is not None:
         callback_cls = on_flavour(PreemptionCallback, trainer)
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
-
-
-def _launched_replicas(strategy: PreemptibleStrategy) -> Callable[[], list[subprocess.Popen]]:
-    def children() -> list[subprocess.Popen]:
-        return list(getattr(strategy.launcher, "procs", None) or [])
-
-    return children

@@ -126,10 +126,8 @@ class LaunchingReplicas(Protocol):
 
     @property
     def launcher(self) -> Any: ...
-
     @property
     def node_rank(self) -> int: ...
-
     @property
     def num_processes(self) -> int: ...
 
