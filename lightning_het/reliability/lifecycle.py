@@ -102,8 +102,8 @@ def _die_with_parent() -> None:
 
 
 class TimedStrategy(Protocol):
-    """What the replicas' processes read of their strategy: its collective timeout (seconds or ``timedelta``;
-    ``None``: 30 minutes), when the launching process exits (during the rendezvous it is the longer start-up one)."""
+    """What the launching process reads of its strategy when it exits: the collective timeout (seconds or
+    ``timedelta``; ``None``: 30 minutes), which bounds its wait for the replicas it started."""
 
     @property
     def process_group_timeout(self) -> timedelta | float | None: ...
