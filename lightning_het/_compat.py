@@ -28,6 +28,10 @@ What uses what:
   :func:`forget_validation_loader`, :func:`should_accumulate`, :func:`replace_signal_connector`,
   :func:`record_loader_arguments`, :func:`uses_distributed_sampler`): the checkpoint record, the re-split loaders and
   the preemption handler;
+* private attributes of torch, the standard library and Lightning's helpers, behind the small functions after those
+  (:func:`queue_backward_callback`: the step clock; :func:`run_atexit_handlers`,
+  :func:`stop_child_process_observers`: the preemption handler; :func:`wrapped_sampler`: the loader rebuilding;
+  :func:`inside_fabric_backward`: Fabric's profiling);
 * the strategies on the standalone packages (``pytorch_lightning``, ``lightning_fabric``) and Fabric's spawn
   launcher: that package's ``_MultiProcessingLauncher``, through :func:`flavour_private` (imported only when that
   package is used).
@@ -39,10 +43,14 @@ can only be imported when it is installed, while this module must import without
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 
@@ -93,15 +101,20 @@ __all__ = [
     "default_store",
     "flavour_private",
     "forget_validation_loader",
+    "inside_fabric_backward",
     "is_standalone",
     "mirror_module",
     "on_flavour",
+    "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
+    "run_atexit_handlers",
     "set_default_group_timeout",
     "should_accumulate",
+    "stop_child_process_observers",
     "training_combined_loader",
     "uses_distributed_sampler",
+    "wrapped_sampler",
 ]
 
 
@@ -276,3 +289,43 @@ def record_loader_arguments(trainer: Any) -> None:
 
     prepare_recording._records_loader_arguments = True  # type: ignore[attr-defined]
     connector._prepare_dataloader = prepare_recording
+
+
+# ------------------------------------------------------ private attributes of torch, the stdlib and Lightning helpers
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass has finished (called from inside a backward hook); torch's
+    ``Variable._execution_engine.queue_callback``, which has no public equivalent."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(callback)
+
+
+def run_atexit_handlers() -> None:
+    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``."""
+    atexit._run_exitfuncs()
+
+
+def stop_child_process_observers() -> None:
+    """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
+    replica exits non-zero) watch nothing: its next check finds no process and it ends."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []
+
+
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
+    ``None`` when ``sampler`` is no such wrapper."""
+    return getattr(getattr(sampler, "dataset", None), "_sampler", None)
+
+
+@contextlib.contextmanager
+def inside_fabric_backward(wrappers: ModuleType) -> Iterator[None]:
+    """While the block runs, Fabric's ``wrappers`` module (of either Fabric package) believes that it runs inside
+    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed."""
+    previous = wrappers._in_fabric_backward
+    wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        wrappers._in_fabric_backward = previous

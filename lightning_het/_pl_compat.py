@@ -24,4 +24,4 @@ class _PLHeterogeneousMultiProcessingLauncher(
     pass
 
 
-HeterogeneousStrategy._spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher  # type: ignore[attr-defined]
+HeterogeneousStrategy.spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher  # type: ignore[attr-defined]

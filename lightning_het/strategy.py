@@ -87,7 +87,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
 
     strategy_name = "heterogeneous"
     #: the spawn/fork launcher (it sends the allocation back to the parent), of this strategy's Lightning package
-    _spawn_launcher_cls: type = HeterogeneousMultiProcessingLauncher
+    spawn_launcher_cls: type = HeterogeneousMultiProcessingLauncher
 
     def __init__(self, **kwargs: Any) -> None:
         config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, kwargs)
@@ -148,7 +148,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
         if self._start_method != "popen":
-            self._launcher = self._spawn_launcher_cls(self, start_method=self._start_method)
+            self._launcher = self.spawn_launcher_cls(self, start_method=self._start_method)
         else:  # no orphans, end barrier, exit statuses 124/130, output dir check
             from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher  # imports Lightning
 
@@ -368,12 +368,16 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        synchronize_before_save(self)  # comm="node_local": a checkpoint holds the consensus model
+        synchronize_before_save(self.comm_controller, self.lightning_module)  # node_local: save the consensus model
         return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = checkpoint_record(self)  # allocation + training sampler position
+        speeds = None if self.profiling else self.speeds  # still profiling: none yet (a resumed run profiles again)
+        record = checkpoint_record(
+            self._trainer(), self.batch_sizes, speeds, self.node_ids, profiled=not self.speeds_given
+        )
+        checkpoint[CHECKPOINT_KEY] = record  # allocation + training sampler position
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

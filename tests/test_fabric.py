@@ -278,7 +278,7 @@ def test_popen_launcher_starts_replicas_that_cannot_outlive_it(package):
     launcher = fabric_cls(accelerator="cpu", devices=2, strategy=strategy_cls())._strategy.launcher
     fabric_launcher = importlib.import_module(f"{package}.strategies.launchers.subprocess_script")
     assert isinstance(launcher, _ReplicaProcesses) and isinstance(launcher, fabric_launcher._SubprocessScriptLauncher)
-    assert launcher._strategy is not None and launcher.num_processes == 2
+    assert launcher.strategy is not None and launcher.num_processes == 2
 
 
 @pytest.mark.slow

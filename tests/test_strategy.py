@@ -167,7 +167,7 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
         accelerator="cpu", devices=2, strategy="heterogeneous", logger=False
     ).strategy
     for strategy in (unified, standalone):
-        assert strategy.launcher.finishes_runs and strategy.launcher._strategy is strategy
+        assert strategy.launcher.finishes_runs and strategy.launcher.strategy is strategy
         assert strategy.watchdog is None  # started with the replicas (setup_environment), not at construction
     assert type(unified.launcher) is HeterogeneousScriptLauncher
     assert isinstance(standalone.launcher, PLScriptLauncher)  # what pytorch_lightning's Ctrl-C handling looks for

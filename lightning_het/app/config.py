@@ -484,12 +484,13 @@ def _missing_keys(node: DictConfig | ListConfig, prefix: str = "", skip: tuple[s
     for key in keys:
         if key in skip:
             continue
-        child = node._get_node(key)
         full = f"{prefix}{key}" if isinstance(node, DictConfig) else f"{prefix.rstrip('.')}[{key}]"
-        if child is None or child._is_interpolation():
+        if OmegaConf.is_interpolation(node, key):
             continue
-        if child._is_missing():
+        if OmegaConf.is_missing(node, key):
             found.append(full)
-        elif isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
+            continue
+        child = node[key]  # neither an interpolation nor missing: a value, a container or None, as stored
+        if isinstance(child, (DictConfig, ListConfig)):
             found += _missing_keys(child, full + ".")
     return found

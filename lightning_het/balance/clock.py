@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd import Variable
+
+from lightning_het._compat import queue_backward_callback
 
 __all__ = ["EpochTimings", "StepClock", "emulate_slower_device"]
 
@@ -221,7 +222,7 @@ class StepClock:
         self._backward_start = time.perf_counter()
         if self._cpu is not None:
             self._backward_start_cpu = self._cpu()
-        Variable._execution_engine.queue_callback(self._on_local_backward_done)
+        queue_backward_callback(self._on_local_backward_done)
 
     def _on_local_backward_done(self) -> None:
         now = self._now()

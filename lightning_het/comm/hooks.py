@@ -139,6 +139,20 @@ class HierarchicalState:
         self._leader_order = _InOrder()
         self._bcast_order = _InOrder()
 
+    def next_seq(self) -> int:
+        """The issue number of the next chunk (0, 1, 2, ...; every rank numbers its chunks in the same order)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def in_leader_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """Run chunk ``seq``'s all-reduce between node leaders once every earlier chunk has issued its own."""
+        self._leader_order.submit(seq, action, on_error)
+
+    def in_bcast_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """Run chunk ``seq``'s broadcast inside the node once every earlier chunk has issued its own."""
+        self._bcast_order.submit(seq, action, on_error)
+
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Sum a contiguous ``tensor`` over all ranks, in place, through the node hierarchy; return a future of it.
@@ -192,8 +206,7 @@ def _when_all(
 def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Stages 1-3 of :func:`hierarchical_sum` on one contiguous chunk."""
     groups = state.groups
-    seq = state._seq
-    state._seq += 1
+    seq = state.next_seq()
     result = _new_future(tensor)
     # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
     # later chunk would wait for it until the watchdog ends the job
@@ -201,9 +214,9 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def release() -> None:
         if turns.pop("leaders", False):
-            state._leader_order.submit(seq, _nothing, _ignore)
+            state.in_leader_order(seq, _nothing, _ignore)
         if turns.pop("bcast", False):
-            state._bcast_order.submit(seq, _nothing, _ignore)
+            state.in_bcast_order(seq, _nothing, _ignore)
 
     def fail(err: BaseException) -> None:
         if not result.done():
@@ -228,7 +241,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_leaders() -> None:
         if turns.pop("bcast", False):
-            state._bcast_order.submit(seq, broadcast, fail)
+            state.in_bcast_order(seq, broadcast, fail)
         else:
             finish()
 
@@ -237,7 +250,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_reduce() -> None:
         if turns.pop("leaders", False):
-            state._leader_order.submit(seq, leaders_allreduce, fail)
+            state.in_leader_order(seq, leaders_allreduce, fail)
         else:
             after_leaders()
 

@@ -85,7 +85,9 @@ class TrainingOrder:
 
 def _unwrap(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (or ``sampler`` itself)."""
-    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    from lightning_het._compat import wrapped_sampler
+
+    inner = wrapped_sampler(sampler)
     return inner if inner is not None else sampler
 
 

@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
-from lightning_het._compat import attached_trainer, training_combined_loader
+from lightning_het._compat import training_combined_loader
 from lightning_het.data.sampler import ProportionalDistributedSampler
 
 __all__ = [
@@ -301,11 +301,24 @@ def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler |
     return None
 
 
-def checkpoint_record(strategy: Any) -> dict[str, Any]:
-    """The entry for the checkpoint the strategy is saving now (allocation + training sampler position)."""
+def checkpoint_record(
+    trainer: Any,
+    batch_sizes: Sequence[int] | None,
+    speeds: Sequence[float] | None,
+    node_ids: Sequence[int] | None,
+    *,
+    profiled: bool,
+) -> dict[str, Any]:
+    """The entry for the checkpoint being saved now: the allocation and the training sampler's position.
+
+    Args:
+        trainer: the Trainer whose fit loop holds the training loader (``None``: no sampler position).
+        batch_sizes, node_ids: the strategy's allocation and node of every replica.
+        speeds: the replicas' speeds; ``None`` while the first steps still profile (a run resumed from there profiles
+            again).
+        profiled: whether the speeds were measured (not given by the user).
+    """
     sampler_state = None
-    module = getattr(strategy, "lightning_module", None)
-    trainer = attached_trainer(module)
     if trainer is not None:
         combined = training_combined_loader(trainer)
         sampler = training_sampler(combined.flattened) if combined is not None else None
@@ -314,14 +327,7 @@ def checkpoint_record(strategy: Any) -> dict[str, Any]:
             sampler_state = sampler_record(sampler, done)
             # the epoch's end-of-epoch bookkeeping already ran (saved in on_train_epoch_end or later)
             sampler_state["epoch_finished"] = trainer.fit_loop.epoch_progress.current.processed > sampler.epoch
-    # while the first steps still profile there are no speeds yet: a run resumed from here profiles again
-    return allocation_record(
-        strategy.batch_sizes,
-        None if getattr(strategy, "profiling", False) else strategy.speeds,
-        strategy.node_ids,
-        profiled=not strategy.speeds_given,
-        sampler=sampler_state,
-    )
+    return allocation_record(batch_sizes, speeds, node_ids, profiled=profiled, sampler=sampler_state)
 
 
 def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | None, batch_sizes: Sequence[int]) -> None:
@@ -334,15 +340,13 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
     )
 
 
-def synchronize_before_save(strategy: Any) -> None:
+def synchronize_before_save(controller: Any, module: torch.nn.Module | None) -> None:
     """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights.
 
-    Collective (checkpoints are saved on every rank). Calls ``synchronize(params)`` on the strategy's communication
-    controller (:class:`~lightning_het.comm.controller.CommController`) when it has one; a no-op for exact modes or
-    when the replicas already agree.
+    Collective (checkpoints are saved on every rank). Calls ``synchronize(module.parameters())`` on the strategy's
+    communication controller ``controller`` (:class:`~lightning_het.comm.controller.CommController`; ``None`` before
+    DDP wrapped the model); a no-op for exact modes or when the replicas already agree.
     """
-    controller = getattr(strategy, "comm_controller", None)
-    module = getattr(strategy, "lightning_module", None)
     if controller is None or module is None or not hasattr(controller, "synchronize"):
         return
     with torch.no_grad():

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from typing_extensions import override
 
@@ -72,10 +72,15 @@ from lightning_het.reliability.verdicts import (
     is_collective_failure,
 )
 
+if TYPE_CHECKING:
+    from lightning_het.reliability.watchdog import Watchdog
+
 __all__ = [
     "MIN_FREE_BYTES",
     "HeterogeneousScriptLauncher",
+    "LaunchingStrategy",
     "OutputDirError",
+    "TimedStrategy",
     "check_output_dir",
     "fabric_script_launcher",
 ]
@@ -96,13 +101,38 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+class TimedStrategy(Protocol):
+    """What the launching process reads of its strategy when it exits: the collective timeout (seconds or
+    ``timedelta``; ``None``: 30 minutes), which bounds its wait for the replicas it started."""
+
+    @property
+    def process_group_timeout(self) -> timedelta | float | None: ...
+
+
+class LaunchingStrategy(TimedStrategy, Protocol):
+    """What :class:`HeterogeneousScriptLauncher` reads of the Trainer strategy it launches for: Lightning's launcher
+    arguments, and the watchdog that judges how a run ended."""
+
+    @property
+    def cluster_environment(self) -> Any: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def watchdog(self) -> Watchdog | None: ...
+    def release_watchdog(self) -> Watchdog | None: ...
+
+
 class _ReplicaProcesses:
     """The part of the lifecycle that concerns the launching process's replicas, for any Lightning launcher: they are
     started with ``PR_SET_PDEATHSIG`` and, at exit, given ``timeout`` + 30 s to end (10 s after a failed run), then
     killed. Mixed into the Trainer's and Fabric's ``popen`` launchers (no zero-argument ``super()``: see
     :func:`~lightning_het._compat.on_flavour`)."""
 
-    _strategy: Any = None
+    #: the strategy this launcher launches for (set by the factories :meth:`HeterogeneousScriptLauncher.for_strategy`
+    #: and :func:`fabric_script_launcher`)
+    strategy: TimedStrategy
     _failed = False  # a run of this process ended with an exception
     procs: list[subprocess.Popen]
     cluster_environment: Any
@@ -140,7 +170,7 @@ class _ReplicaProcesses:
     def _reap_children(self) -> None:
         """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
         when they have the verdict already: at most 10 s), then kill them."""
-        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
+        wait = _timeout_seconds(self.strategy.process_group_timeout) + REAP_GRACE_S
         if self._failed:
             wait = min(wait, FAILED_REAP_GRACE_S)
         deadline = time.monotonic() + wait
@@ -174,9 +204,10 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     _observer: threading.Thread | None = None
     _token: str | None = None  # the job token the replicas this process launched were given
     _observer_stop: threading.Event | None = None  # set to end the observer thread
+    strategy: LaunchingStrategy
 
     @classmethod
-    def for_strategy(cls, strategy: Any) -> HeterogeneousScriptLauncher:
+    def for_strategy(cls, strategy: LaunchingStrategy) -> HeterogeneousScriptLauncher:
         """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package.
 
         Args:
@@ -186,7 +217,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         launcher = on_flavour(HeterogeneousScriptLauncher, strategy)(
             strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
-        launcher._strategy = strategy
+        launcher.strategy = strategy
         return launcher
 
     # ------------------------------------------------------------------ launching process
@@ -236,7 +267,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
 
         def observe() -> None:
             while not stop.wait(0.5):
-                watchdog = self._strategy.watchdog
+                watchdog = self.strategy.watchdog
                 if not self._in_run or (watchdog is not None and watchdog.running):
                     if all(proc.poll() is not None for proc in self.procs):
                         return
@@ -270,14 +301,14 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
         from lightning_het.reliability.supervision import stop_watchdog
 
-        watchdog = self._strategy.release_watchdog()
+        watchdog = self.strategy.release_watchdog()
         stop_watchdog(watchdog, trainer, finished=True)
 
     def _exit_code(self, exc: BaseException) -> int | None:
         """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""
         if isinstance(exc, JobEnded):
             return None
-        watchdog = self._strategy.watchdog
+        watchdog = self.strategy.watchdog
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
         if interruption_of(exc) is not None:
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
@@ -292,7 +323,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
 _FABRIC_LAUNCHERS: dict[type, type] = {}
 
 
-def fabric_script_launcher(strategy: Any, launcher: Any) -> Any:
+def fabric_script_launcher(strategy: TimedStrategy, launcher: Any) -> Any:
     """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans.
 
     Fabric runs your loop after ``fabric.launch()`` has returned, so the Trainer's run-to-the-end barrier and exit
@@ -314,13 +345,13 @@ def fabric_script_launcher(strategy: Any, launcher: Any) -> Any:
             {"__module__": __name__, "__doc__": fabric_script_launcher.__doc__},
         )
     built = cls(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
-    built._strategy = strategy
+    built.strategy = strategy
     return built
 
 
 class _FabricReplicaProcesses(_ReplicaProcesses):
     def _call_children_scripts(self) -> None:
-        _ReplicaProcesses._call_children_scripts(self)
+        super()._call_children_scripts()
         previous = sys.excepthook
 
         def note_failure(*exc_info: Any) -> None:  # the loop runs outside the launcher: see an uncaught exception
@@ -338,8 +369,7 @@ def _hydra_in_use() -> bool:
     return HydraConfig.initialized()
 
 
-def _timeout_seconds(strategy: Any) -> float:
-    timeout = strategy.process_group_timeout
+def _timeout_seconds(timeout: timedelta | float | None) -> float:
     if isinstance(timeout, timedelta):
         return timeout.total_seconds()
     return float(timeout) if timeout else 1800.0

@@ -35,7 +35,6 @@ See ``docs/preemption.md`` for the SLURM ``--signal`` / ``--requeue`` recipe.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import logging
@@ -48,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -56,7 +55,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import on_flavour, replace_signal_connector, should_accumulate
+from lightning_het._compat import (
+    on_flavour,
+    replace_signal_connector,
+    run_atexit_handlers,
+    should_accumulate,
+    stop_child_process_observers,
+)
 from lightning_het.config import DEFAULT_GRACE
 
 __all__ = [
@@ -153,6 +158,11 @@ class PreemptionHandler:
     @property
     def installed(self) -> bool:
         return self._pipe is not None
+
+    @property
+    def deadline_at(self) -> float | None:
+        """When (``time.monotonic()``) the armed deadline ends this process; ``None``: no deadline armed."""
+        return self._deadline_at
 
     @property
     def preempting(self) -> bool:
@@ -274,7 +284,7 @@ class PreemptionHandler:
         while main.is_alive():
             time.sleep(0.02)
         with contextlib.suppress(Exception):
-            atexit._run_exitfuncs()
+            run_atexit_handlers()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -291,9 +301,7 @@ class PreemptionHandler:
             procs = list(self._children())
             if procs:
                 self._launched = procs
-                for thread in threading.enumerate():
-                    if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-                        thread._child_processes = []  # its next check finds nothing to watch and ends
+                stop_child_process_observers()
 
     def end_launched_replicas(self, wait: float) -> None:
         """Wait up to ``wait`` seconds for the replicas this process launched to exit, then kill the rest."""
@@ -441,7 +449,21 @@ class _PreemptionSignalConnector:
         return {"received_sigterm": False, "handler": None, "_install": None}
 
 
-def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoint: Any) -> PreemptionHandler:
+class PreemptibleStrategy(Protocol):
+    """What :func:`attach_preemption` reads of the strategy, when it needs it: its launcher (the replicas it started,
+    ``launcher.procs``), the device of the agreement and the cluster environment (its ``requeue_signal``)."""
+
+    @property
+    def launcher(self) -> Any: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def cluster_environment(self) -> Any: ...
+
+
+def attach_preemption(
+    strategy: PreemptibleStrategy, trainer: pl.Trainer, grace: float, checkpoint: Any
+) -> PreemptionHandler:
     """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``).
 
     The signal handlers are installed where Lightning would install its own (``register_signal_handlers``, right
@@ -450,7 +472,10 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
     """
     from lightning.pytorch.trainer.states import TrainerFn
 
-    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=_launched_replicas(strategy))
+    def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
+        return list(getattr(strategy.launcher, "procs", None) or [])
+
+    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
     fitting = trainer.state.fn == TrainerFn.FITTING
     callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
@@ -459,7 +484,7 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
 
     def install() -> None:
         extra = []
-        environment = getattr(strategy, "cluster_environment", None)
+        environment = strategy.cluster_environment
         requeue = getattr(environment, "requeue_signal", None)
         if requeue is not None:
             extra.append(int(requeue))
@@ -476,16 +501,9 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
     handler.uninstall()
     if handler.preempting:
         left = handler.grace
-        if handler._deadline_at is not None:
-            left = max(handler._deadline_at - time.monotonic() - 1.0, 0.0)
+        if handler.deadline_at is not None:
+            left = max(handler.deadline_at - time.monotonic() - 1.0, 0.0)
         handler.end_launched_replicas(left)
     if trainer is not None:
         callback_cls = on_flavour(PreemptionCallback, trainer)
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
-
-
-def _launched_replicas(strategy: Any) -> Callable[[], list[subprocess.Popen]]:
-    def children() -> list[subprocess.Popen]:
-        return list(getattr(getattr(strategy, "launcher", None), "procs", None) or [])
-
-    return children

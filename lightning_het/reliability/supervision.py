@@ -10,7 +10,7 @@ import socket
 import subprocess
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -102,7 +102,7 @@ class WatchdogCallback(Callback):
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
-        self.watchdog.mark(self.watchdog._progress[2])
+        self.watchdog.mark(self.watchdog.phase)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
@@ -119,15 +119,28 @@ def _seconds(value: timedelta | float | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+class LaunchingReplicas(Protocol):
+    """What :func:`start_watchdog` reads of the strategy: the local replicas its launcher started (``launcher.procs``,
+    local ranks 1, 2, ...; none for a launcher without ``procs``) and where this node's global ranks begin
+    (``node_rank * num_processes``)."""
+
+    @property
+    def launcher(self) -> Any: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+
+
 def start_watchdog(
-    strategy: Any, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
+    strategy: LaunchingReplicas, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
 ) -> Watchdog | None:
     """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``.
 
     Collective: every rank calls it right after the process group exists (the replicas agree on the job token).
 
     Args:
-        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist); its public
+        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist); its
             ``launcher``, ``node_rank`` and ``num_processes`` name the replicas this process launched.
         timeout: the strategy's collective timeout (``None``: no watchdog).
         trainer: the Trainer that gets the :class:`WatchdogCallback` (else see :func:`attach_watchdog`).
@@ -185,11 +198,11 @@ def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, 
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
-def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
+def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
     """The local replicas that this process launched (Lightning's ``popen`` launcher), with their global ranks."""
 
     def children() -> list[tuple[int, subprocess.Popen]]:
-        procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+        procs = getattr(strategy.launcher, "procs", None) or []
         first = strategy.node_rank * strategy.num_processes
         return [(first + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
 

@@ -176,6 +176,11 @@ class Watchdog:
         """Whether the heartbeat thread runs (started and not stopped)."""
         return self._thread.is_alive() and not self._stop.is_set()
 
+    @property
+    def phase(self) -> Phase:
+        """Where the training thread was at its last :meth:`mark`."""
+        return self._progress[2]
+
     def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
         """Record progress of the training thread (cheap; called from Trainer hooks).
 

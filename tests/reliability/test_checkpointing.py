@@ -201,7 +201,7 @@ def test_node_local_checkpoint_synchronises_the_consensus_model_first():
     strategy.balancer.comm = _FakeController()
     state = strategy.lightning_module_state_dict()
     assert strategy.balancer.comm.calls == 1 and "net.0.weight" in state
-    synchronize_before_save(HeterogeneousStrategy())  # no controller: nothing to do
+    synchronize_before_save(None, TinyRegressor())  # no controller: nothing to do
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
