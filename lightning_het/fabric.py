@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_het.balance.balancer import Balancer, BalanceView, FitContext
 from lightning_het.balance.clock import StepClock
+from lightning_het.balance.profiler import LoopSteps
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.startup import detect_node_ids, startup_timeout_scope
 from lightning_het.comm.controller import resolve_comm_mode
@@ -68,13 +69,9 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
         super().__init__(**kwargs)
         self.balancer = Balancer(config)
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
-        self._train_sampler: ProportionalDistributedSampler | None = None
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
         self._optimizer_steps = 0  # drives the node_local schedule
-        self._epoch_steps = (-1, 0)  # (sampler epoch, optimizer steps taken in it)
-        self._clock: StepClock | None = None  # times your first steps while they profile
-        self._forward_hook: Any = None  # on the DDP model while profiling: opens each step on the clock
-        self._step_open = False
+        self._steps = LoopSteps()  # the step being trained; its clock while your first steps profile
 
     @classmethod
     @override
@@ -127,7 +124,7 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
         assert self.balancer.node_ids is not None
         self.balancer.new_comm(resolve_comm_mode(self.config.comm, self.balancer.node_ids)).register(ddp_model)
         self._ddp_model = ddp_model
-        self._hook_forward()  # the training loader was set up first and profiling is planned
+        self._watch_steps()  # the training loader was set up first and profiling is planned
         return ddp_model
 
     @override
@@ -146,7 +143,7 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
-        self._step_ended()
+        self._steps.step_ended(self.balancer.profiler)
         if self.balancer.comm is not None and self._ddp_model is not None:
             epoch_steps = self._steps_per_epoch
             with torch.no_grad():
@@ -215,7 +212,7 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
                 " HINT: build it with `drop_last=True`."
             )
         self.adopt_allocation(sizes, self.config.speeds or [float(b) for b in sizes])
-        self._steps_per_epoch, self._train_sampler = sampler.num_steps, sampler
+        self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
         return dataloader
 
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
@@ -245,12 +242,12 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
             drop_last=True,
             order_sampler=order.sampler,
         )
-        self._steps_per_epoch, self._train_sampler = sampler.num_steps, sampler
+        self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
         profiler = self.balancer.profiler
         if profiler is None:
             return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
         profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
-        self._hook_forward()
+        self._watch_steps()
         return rebuild_loader(
             dataloader, sampler, sizes[self.global_rank], batch_sampler=ProportionalBatchSampler(sampler)
         )
@@ -260,42 +257,14 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
         return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
 
     def _step_clock(self) -> StepClock | None:
-        return self._clock if self.profiling else None
-
-    def _hook_forward(self) -> None:
-        if self.profiling and self._ddp_model is not None and self._forward_hook is None:
-            self._clock = StepClock(record=False, device=self.root_device)
-            self._forward_hook = self._ddp_model.register_forward_pre_hook(self._on_forward)
-
-    def _unhook_forward(self) -> None:
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-        self._forward_hook = self._clock = None
-
-    def _on_forward(self, module: Module, args: Any) -> None:
-        """The DDP model's first training forward of a step opens the step on the profiling clock."""
-        if self._clock is not None and not self._step_open and module.training and torch.is_grad_enabled():
-            self._step_open = True
-            self._clock.step_start(self._step_split()[self.global_rank])
-
-    def _step_position(self) -> tuple[int, int]:
-        """(epoch, step within it) of the global batch being trained: the training sampler's epoch (Fabric's loader
-        sets it on every pass) and the optimizer steps taken in that epoch."""
-        epoch = self._train_sampler.epoch if self._train_sampler is not None else 0
-        return epoch, self._epoch_steps[1] if self._epoch_steps[0] == epoch else 0
+        return self._steps.clock if self.profiling else None
 
     def _step_split(self) -> list[int]:
-        return self.balancer.step_split(self._train_sampler, lambda: self._step_position()[1])
+        return self.balancer.step_split(self._steps.sampler, lambda: self._steps.position()[1])
 
-    def _step_ended(self) -> None:
-        """An optimizer step ended: the profiler reads its compute time; the step counter moves on."""
-        epoch, step = self._step_position()
-        profiler = self.balancer.profiler
-        if profiler is not None and not profiler.done:
-            profiler.on_train_batch_end(epoch, step)
-            if profiler.done:
-                self._unhook_forward()
-        self._epoch_steps, self._step_open = (epoch, step + 1), False
+    def _watch_steps(self) -> None:
+        if self.profiling and self._ddp_model is not None:
+            self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split()[self.global_rank])
 
     # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
@@ -320,8 +289,8 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
     @override
     def teardown(self) -> None:
         self.balancer.close_comm()
-        self._unhook_forward()
-        self._ddp_model = self._train_sampler = None
+        self._steps.unwatch()
+        self._ddp_model = self._steps.sampler = None
         super().teardown()
 
 

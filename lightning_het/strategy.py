@@ -260,21 +260,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         return shield_loader_workers(dataloader, self.global_rank)
 
     def _training_split(self) -> TrainingSplit:
-        """What the loader splitter needs to split a training loader."""
-        balancer = self.balancer
-        return TrainingSplit(
-            rank=self.global_rank,
-            world_size=self.world_size,
-            min_batch_size=balancer.min_batch_size,
-            given_global_batch=self.config.global_batch_size,
-            given_speeds=self.config.speeds,
-            batch_sizes=lambda: balancer.allocation.batch_sizes,
-            allocate=lambda loader, global_batch, order: balancer.allocate(
-                loader, global_batch, self._fit_context(), self._loaders.resume_record
-            ),
-            adopt=self.adopt_allocation,
-            profiler=lambda: balancer.profiler if balancer.profiling else None,
-        )
+        """What the loader splitter needs to split a training loader: the balancer's split, for this fit."""
+        return self.balancer.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
 
     def _fit_context(self) -> FitContext:
         return FitContext(self._profiled_module, self._step_clock, device_labels(self), self._trainer())

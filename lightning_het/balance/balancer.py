@@ -34,7 +34,7 @@ from lightning_het.balance.profiling import ProfileCache
 from lightning_het.balance.state import Allocation, render_balance_table
 from lightning_het.comm.controller import CommController
 from lightning_het.config import HeterogeneousConfig
-from lightning_het.data.splitting import eval_weights
+from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import log_resumed_allocation, plan_allocation
 
 __all__ = ["BalanceView", "Balancer", "FitContext", "per_replica_batchnorm"]
@@ -158,6 +158,21 @@ class Balancer:
                 f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps"
                 f" (trial splits); the fitted split applies from step {plan.switch_step}"
             )
+
+    def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
+        """What the loader splitter needs to split a training loader (``fit``: this fit's context and the checkpoint
+        record it resumes from, read when the allocation is made)."""
+        return TrainingSplit(
+            rank=self.rank,
+            world_size=self.world_size,
+            min_batch_size=self.min_batch_size,
+            given_global_batch=self.config.global_batch_size,
+            given_speeds=self.config.speeds,
+            batch_sizes=lambda: self.allocation.batch_sizes,
+            allocate=lambda loader, global_batch, order: self.allocate(loader, global_batch, *fit()),
+            adopt=self.adopt,
+            profiler=lambda: self.profiler if self.profiling else None,
+        )
 
     def _known_costs(self, dataloader: DataLoader, global_batch: int) -> list[AffineCost] | None:
         """Every replica's cost from the speed cache when every replica has an entry; else ``None``, and with more

@@ -39,11 +39,13 @@ from lightning.pytorch import Callback
 
 from lightning_het._compat import on_flavour
 from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings
 
 __all__ = [
     "InLoopProfiler",
+    "LoopSteps",
     "ProfilePlan",
     "ProfilerCallback",
     "attach_profiler",
@@ -413,3 +415,50 @@ def attach_profiler(profiler: InLoopProfiler | None, trainer: Any) -> None:
     callbacks[:] = [cb for cb in callbacks if not isinstance(cb, _ProfilerCallbackMixin)]
     if profiler is not None:
         callbacks.append(on_flavour(ProfilerCallback, trainer)(profiler))
+
+
+class LoopSteps:
+    """The steps of a training loop of your own (Fabric): which global batch of the training sampler is being trained
+    (the sampler's epoch, which Fabric's loader sets on every pass, and the optimizer steps taken in it), and, while
+    the profiler runs, a step clock that a forward pre-hook on the model opens at the step's first training forward.
+
+    Installs its hook with :meth:`watch` and removes it with :meth:`unwatch` (also once profiling is done).
+    """
+
+    def __init__(self) -> None:
+        self.sampler: Any = None  # the training loader's ProportionalDistributedSampler
+        self.clock: StepClock | None = None  # while profiling
+        self._epoch_steps = (-1, 0)  # (sampler epoch, optimizer steps taken in it)
+        self._hook: Any = None
+        self._open = False
+        self._batch_size: Callable[[], int] = lambda: 0
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, step within the epoch) of the global batch being trained."""
+        epoch = self.sampler.epoch if self.sampler is not None else 0
+        return epoch, self._epoch_steps[1] if self._epoch_steps[0] == epoch else 0
+
+    def watch(self, model: torch.nn.Module, device: torch.device, batch_size: Callable[[], int]) -> None:
+        """Time ``model``'s training steps (``batch_size``: this replica's samples in the step being trained)."""
+        if self._hook is None:
+            self.clock, self._batch_size = StepClock(record=False, device=device), batch_size
+            self._hook = model.register_forward_pre_hook(self._on_forward)
+
+    def unwatch(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = self.clock = None
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.clock is not None and not self._open and module.training and torch.is_grad_enabled():
+            self._open = True
+            self.clock.step_start(self._batch_size())
+
+    def step_ended(self, profiler: InLoopProfiler | None) -> None:
+        """An optimizer step ended: ``profiler`` reads its compute time (the clock goes once it is done)."""
+        epoch, step = self.position()
+        if profiler is not None and not profiler.done:
+            profiler.on_train_batch_end(epoch, step)
+            if profiler.done:
+                self.unwatch()
+        self._epoch_steps, self._open = (epoch, step + 1), False
