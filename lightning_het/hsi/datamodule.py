@@ -75,16 +75,6 @@ class _Scene:
 class HyperspectralDataModule(HeterogeneousDataModule):
     """Hyperspectral land-cover classification data: read, check, split, preprocess, cut patches.
 
-    The scene comes from a multi-band image raster plus a single-band label raster (anything GDAL opens), from
-    MATLAB ``.mat`` files (the classic benchmarks), or, when ``image`` is ``None``, from a seeded synthetic scene.
-    Labels are ``0`` for unlabelled pixels and ``1..C`` for classes; samples carry class indices ``0..C-1`` (see
-    :mod:`lightning_het.hsi.datasets` for the sample dict).
-
-    ``setup`` (every process, deterministic, nothing communicated): read the labels, drop labelled pixels whose spectrum
-    is nodata/NaN, split (stratified random or spatially disjoint blocks), fit standardisation and optional PCA on the
-    training pixels only, and build the patch datasets. ``predict_dataset`` covers every pixel of the scene, so that
-    ``trainer.predict`` can produce a full map.
-
     Args:
         image: multi-band raster or ``.mat`` file; ``None`` for a synthetic scene.
         labels: single-band label raster or ``.mat`` file; for ``.mat`` it may be omitted when the image file holds
@@ -388,16 +378,7 @@ PCA_AUTO_MAX = 30
 
 
 def resolve_pca_components(value: int | str | None, bands: int, *, log_choice: bool = False) -> int | None:
-    """The number of principal components to keep for an image of ``bands`` bands.
-
-    Args:
-        value: ``pca_components`` as given: an int (kept), ``None`` (no PCA) or ``"auto"``.
-        bands: spectral bands of the image (>= 1).
-        log_choice: log what ``"auto"`` chose (once per scene, where the transform is fitted).
-
-    Returns:
-        ``value`` itself unless it is ``"auto"``: then ``min(30, bands - 1)``, or ``None`` (no PCA) for a single band.
-    """
+    """The number of principal components to keep for an image of ``bands`` bands."""
     if value != PCA_AUTO:
         return value  # type: ignore[return-value]
     chosen = min(PCA_AUTO_MAX, bands - 1) if bands > 1 else None

@@ -1,9 +1,4 @@
-"""Full-scene prediction maps: assemble per-pixel predictions, write a GeoTIFF and a colour PNG preview with a legend.
-
-Map values follow the label-raster convention: ``0`` = no prediction (nodata pixel, or not predicted), ``1..C`` =
-predicted class. The GeoTIFF keeps the input's CRS, transform and shape, stores ``0`` as nodata and carries a colour
-palette matching the PNG.
-"""
+"""Full-scene prediction maps: assemble per-pixel predictions, write a GeoTIFF and a colour PNG preview."""
 
 from __future__ import annotations
 
@@ -57,10 +52,7 @@ _TAB20 = [
 
 
 def class_palette(num_classes: int) -> list[tuple[int, int, int]]:
-    """RGB colours (0-255) for map values ``0..C``: black for ``0`` (no prediction), distinct colours for classes.
-
-    Up to 20 classes use the tab20 colours; more get evenly spaced hues.
-    """
+    """RGB colours (0-255) for map values ``0..C``: black for ``0`` (no prediction), distinct colours for classes."""
     if num_classes <= len(_TAB20):
         colours = _TAB20[:num_classes]
     else:
@@ -173,11 +165,6 @@ def _gather(local: np.ndarray) -> np.ndarray:
 
 class PredictionMapWriter(pl.Callback):
     """Collects ``predict_step`` outputs of every replica and writes the full-scene map once, from rank 0.
-
-    Expects :meth:`~lightning_het.hsi.model.HSIClassifier.predict_step` outputs (``pred``, ``row``, ``col``) and takes
-    the scene's ``shape``, ``crs``, ``transform``, ``class_names`` from the trainer's datamodule unless given. Writes
-    ``<out_dir>/<name>.tif`` (classes ``1..C``, ``0`` = nodata, same CRS/transform/shape as the input) and
-    ``<out_dir>/<name>.png`` (colour preview with legend, reference labels beside it when the datamodule has them).
 
     Args:
         out_dir: output folder (created).

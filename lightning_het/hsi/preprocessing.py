@@ -1,9 +1,4 @@
-"""Spectral preprocessing: nodata masks, per-band standardisation and PCA, all fitted on training pixels only.
-
-Pure numpy functions plus one frozen dataclass, :class:`SpectralTransform`, that applies the fitted maths to any array
-whose first axis is the band axis: a cube ``(bands, height, width)``, a patch ``(bands, p, p)`` or spectra
-``(bands, n)``. Fitting uses ``float64``; applying returns ``float32``.
-"""
+"""Spectral preprocessing: nodata masks, per-band standardisation and PCA, all fitted on training pixels only."""
 
 from __future__ import annotations
 
@@ -16,9 +11,6 @@ __all__ = ["SpectralTransform", "fit_spectral_transform", "valid_mask"]
 
 def valid_mask(values: np.ndarray, nodata: float | None = None) -> np.ndarray:
     """Which pixels have a usable spectrum.
-
-    A pixel is invalid when any of its bands is NaN or infinite, or equals ``nodata`` (GDAL's nodata is per band;
-    a spectrum with one missing band cannot be classified).
 
     Args:
         values: band-first array ``(bands, ...)``, any real dtype (``uint16``, ``float32``, ...).

@@ -1,17 +1,4 @@
-"""Train / validation / test splits of the labelled pixels of a scene: stratified random or spatially disjoint blocks.
-
-Pixels are identified by their *flat index* ``row * width + col`` (``int64``). Every split is a pure function of the
-label map, the arguments and ``seed``.
-
-**Random** (:func:`random_split`): per class, a seeded permutation of its pixels; the first ``n_train`` go to training,
-the next ``n_val`` to validation, the rest to test. Patches of neighbouring pixels overlap, so test accuracy is
-optimistic (the well-known leak of random HSI splits).
-
-**Blocks** (:func:`block_split`): the scene is tiled into ``block_size x block_size`` blocks and whole blocks are
-assigned to a split, greedily, so that each split approaches its per-class target. Then every validation or test pixel
-whose ``patch_size x patch_size`` footprint would overlap the footprint of a training patch (Chebyshev distance
-``<= patch_size - 1`` from a training pixel) is dropped: training and evaluation patches share no pixel.
-"""
+"""Train/validation/test splits of the labelled pixels of a scene: stratified random or spatially disjoint blocks."""
 
 from __future__ import annotations
 
@@ -250,12 +237,6 @@ def block_split(
     trials: int = 32,
 ) -> Split:
     """Spatially disjoint split: whole blocks per subset, and no evaluation patch overlapping a training patch.
-
-    Blocks are visited in a seeded random order; each goes to the subset (training first, then validation) whose
-    per-class deficit it reduces most, minus half the pixels it would add beyond the target, or to test when it helps
-    neither. Targets are ``train``/``val`` fractions of each class's pixels, or per-class counts. This greedy pass is
-    repeated for ``trials`` seeded block orders and the assignment kept is the one that (after dropping the buffer
-    pixels) leaves the fewest classes without training/validation/test pixels, then deviates least from the targets.
 
     Args:
         labels: ``(height, width)`` integer map; ``0`` = unlabelled.
