@@ -1,11 +1,5 @@
 """The watchdog's records in the job's store: signing and verifying them, and what one observer knows of the other
 replicas' heartbeats (:class:`HeartbeatBook`: the last genuine record of each, its age, and tampering detected).
-
-Freshness: every heartbeat carries its sender's rank and a per-replica counter (``beat``) that only grows, and the
-signature covers the full key name (the watchdog's key space included) and the payload. A record that fails
-verification, names another replica, goes backwards or disappears is *tampering*: it is ignored (one warning per key,
-naming it) and the last genuine record is kept. A heartbeat that stopped is taken as a dead replica only when a
-second signal confirms it where one exists: for a replica on this node, its process must be gone.
 """
 
 from __future__ import annotations
@@ -131,19 +125,7 @@ def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stall
 
 
 class HeartbeatBook:
-    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock.
-
-    Args:
-        rank: the observer's rank (for messages).
-        token: the job token (``""``: unsigned records, no verification).
-        namespace: the watchdog's key space (the store prefix), covered by every signature.
-        host: the observer's host name.
-        stale_after: seconds without a new heartbeat after which a replica on this node whose process is alive is
-            reported as "not visible" rather than silent (its ages are reset: nobody is blamed for what nobody sees).
-        alive: whether a local process id is alive (replaced in tests).
-        peers: every replica's ``(host, boot id, pid)``, exchanged over the process group (not the store) when the
-            watchdog starts, so a replica never heard of can be checked too (``{}``: use the records' own).
-    """
+    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock."""
 
     def __init__(
         self,

@@ -21,15 +21,7 @@ _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for 
 
 
 class ExitCleanup:
-    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
-
-    Lightning never destroys the process group (a script may fit again). Left alive until interpreter shutdown, torch
-    tears the group, its Gloo threads and the rendezvous store down during finalisation, in no particular order; a
-    thread object destroyed while still joinable then aborts the process ("terminate called without an active
-    exception", exit status -6) after a successful run. Destroying the group from an ``atexit`` handler, while the
-    interpreter is still whole, joins those threads in order. After a failed run the group may hold a collective that
-    never completes, so it is left alone (the watchdog ends such processes).
-    """
+    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally."""
 
     registered = False
     clean = True

@@ -20,9 +20,8 @@ _PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:
     """Ask the kernel for SIGKILL when the parent ends (Linux; elsewhere nothing).
 
-    A DataLoader worker blocked in ``Dataset.__getitem__`` (a stuck read) never gets to torch's own parent check:
-    without this it outlives its replica, reparented to init. The signal comes when the parent *thread* that started
-    the worker ends; Lightning iterates its loaders in the main thread.
+    A worker stuck in ``__getitem__`` never reaches torch's own parent check. The signal comes when the parent
+    *thread* ends; Lightning iterates its loaders in the main thread.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -35,10 +34,6 @@ def _die_with_parent() -> None:
 class _ShieldedWorkerInit:
     """``worker_init_fn`` that makes a DataLoader worker ignore the preemption signals and die with its replica
     (``PR_SET_PDEATHSIG``), then runs the original.
-
-    Picklable (workers started with ``spawn``/``forkserver`` receive it pickled). ``inner`` is the loader's own
-    ``worker_init_fn``; with ``None`` and ``seed_everything(workers=True)``, Lightning's seeding function is run as
-    Lightning would have added it.
     """
 
     def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
@@ -63,9 +58,6 @@ class _ShieldedWorkerInit:
 def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
     """Make the worker processes of ``dataloader`` (if any) ignore the preemption signals and die with their replica
     (SIGKILL when it ends, however it ends); returns ``dataloader``.
-
-    Without this, a ``SIGTERM`` sent to the whole process group kills the workers first (torch's worker handler
-    re-raises it) and the replica fails with "DataLoader worker ... is killed by signal" before it can save.
     """
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn

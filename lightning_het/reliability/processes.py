@@ -68,10 +68,7 @@ def exit_job(code: int) -> None:
 
 
 def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
-    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran.
-
-    The descendants are read before the replica is killed (orphans leave its tree), and killed after it (it can no
-    longer start new ones)."""
+    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran."""
     killed = []
     for rank, proc in children:
         with contextlib.suppress(Exception):
