@@ -1,25 +1,4 @@
-"""Timing and fitting a replica's cost model, and the speed cache.
-
-:class:`~lightning_het.HeterogeneousStrategy` profiles on its real training steps
-(:mod:`lightning_het.balance.profiler`); what it shares with Fabric's profiling lives here:
-:func:`fit_stage_timings` (each replica's ``t(b) = a + c * b`` through its fastest step at each batch size, with a
-cautious slope floor) and :class:`ProfileCache` / :func:`cache_key`, which keep fitted costs on disk so that a
-sweep's later jobs and a re-run skip profiling.
-
-:class:`~lightning_het.HeterogeneousFabricStrategy` has no training loop of ours to profile in, so it times the
-``profile_step`` the user gives before the loop runs, on real batches of the training loader:
-
-1. ``warmup`` untimed steps at a quarter of an equal split of the global batch (allocator, caches, CUDA context,
-   compilation); the fastest of them gives a rough speed per replica;
-2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of an eighth and of half of the
-   global batch (:func:`stage_sizes`): every replica runs two batch sizes about 4x apart, in similar wall time;
-3. each replica fits its cost (:func:`fit_stage_timings`), and the costs are all-gathered.
-
-There only the local step is timed (:func:`time_steps`), with DDP's gradient reducer disarmed, no optimizer step and
-no communication; everything the steps touch (parameters, buffers, gradients, optimizer and scheduler state,
-torchmetrics states, RNG streams, train/eval flags) is snapshotted first and restored after
-(:func:`preserved_training_state`).
-"""
+"""Timing and fitting a replica's cost model, and the speed cache."""
 
 from __future__ import annotations
 
@@ -69,10 +48,7 @@ class StepTiming:
 
 
 def speed_from_timings(batch_size: int, timings: Sequence[StepTiming]) -> float:
-    """Robust throughput in samples/s: ``batch_size / median(total step time)``.
-
-    The median ignores the odd step that hit a page fault, a garbage collection or a noisy neighbour.
-    """
+    """Robust throughput in samples/s: ``batch_size / median(total step time)``."""
     if not timings:
         raise ValueError("Expected at least one timed step to estimate a speed, got none.")
     median = statistics.median(t.total_s for t in timings)
@@ -95,22 +71,7 @@ def time_steps(
     slowdown: float = 1.0,
     align: Callable[[], None] | None = None,
 ) -> list[StepTiming]:
-    """Run ``warmup + steps`` steps and return the timings of the last ``steps``.
-
-    Args:
-        batches: iterable of device-ready batches; it is cycled when shorter than ``warmup + steps``.
-        forward: ``forward(batch, batch_idx)`` returns the loss (or ``None`` when the step did its own backward).
-        backward: back-propagates a loss.
-        warmup: untimed steps first (allocator, autotuning and cache warm-up).
-        steps: timed steps.
-        device: where to synchronise before reading the clock.
-        slowdown: emulation factor ``f``; each step's work is stretched ``f``-fold by sleeping, exactly as in training
-            (:func:`~lightning_het.balance.clock.emulate_slower_device`).
-        align: called before every step, untimed, on every replica (a barrier): the replicas' steps then start
-            together, as in training, where the gradient all-reduce aligns them. Without it the fastest replica ends
-            its steps first and the others are timed on an emptier machine (3 replicas sharing 2 cores: the slower
-            replicas' per-sample costs came out ~25 % low).
-    """
+    """Run ``warmup + steps`` steps and return the timings of the last ``steps``."""
     cached: list[Any] = []
     source: Iterator[Any] = iter(batches)
     timings: list[StepTiming] = []
@@ -157,11 +118,6 @@ def stage_sizes(
 ) -> tuple[list[int], list[int]]:
     """Per-replica batch sizes of the two timed profiling stages.
 
-    Stage one splits an eighth of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
-    every replica's two steps take about an eighth and half of a balanced step, and its two batch sizes are about 4x
-    apart (a wide spread separates the fixed and per-sample costs better than timing noise). Each replica's stage-two
-    size is larger than its stage-one size whenever its upper bound allows.
-
     >>> stage_sizes(48, [1, 2, 4])
     ([1, 2, 3], [3, 7, 14])
     """
@@ -180,15 +136,7 @@ def stage_sizes(
 
 
 def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> AffineCost:
-    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages.
-
-    Each stage contributes its fastest step (timing noise on a shared machine only ever adds time, and the first
-    step at a new shape may include one-off costs such as autotuning). The per-sample cost is kept at least 10 % of
-    the average cost per sample of the largest stage: a flatter fit is more likely noise than a real curve.
-
-    Args:
-        stages: ``(batch_size, timings)`` of each stage, in the order they ran.
-    """
+    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages."""
     sizes = [b for b, timings in stages if timings]
     seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
@@ -225,15 +173,7 @@ def device_description(device: torch.device) -> str:
 
 
 def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extra: Any) -> str:
-    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes.
-
-    Args:
-        module: the LightningModule being trained.
-        device: the replica's device.
-        sample: one item of the training dataset (its tensor shapes and dtypes enter the key, not its values).
-        **extra: anything else the cost depends on (precision, an emulated slowdown, the number of replicas
-            sharing the machine); JSON-serialisable values.
-    """
+    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes."""
     cls = type(module)
     data = {
         "module": f"{cls.__module__}.{cls.__qualname__}",
@@ -247,12 +187,7 @@ def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extr
 
 
 class ProfileCache:
-    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas).
-
-    Args:
-        directory: where the entries live. ``True`` in the strategy means ``$XDG_CACHE_HOME/lightning_het/profiles``
-            (``~/.cache/lightning_het/profiles``).
-    """
+    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).expanduser()
