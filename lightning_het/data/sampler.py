@@ -33,13 +33,7 @@ def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any
 
 
 def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
-    """Everything ``sampler`` yields in one pass, drawn with random generators seeded by ``seed + epoch``.
-
-    The global torch, NumPy and ``random`` generators are seeded for the draw and restored afterwards, and a
-    ``generator`` attribute of the sampler (``RandomSampler``, ``WeightedRandomSampler``, ...) is replaced by a seeded
-    one for the draw; ``set_epoch(epoch)`` is called when the sampler has it. Every replica therefore draws the same
-    order, and the same again when a run resumes.
-    """
+    """Everything ``sampler`` yields in one pass, drawn with random generators seeded by ``seed + epoch``."""
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     python_state, numpy_state = random.getstate(), np.random.get_state()
@@ -63,11 +57,6 @@ def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
 def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int = 1) -> list[int] | None:
     """How the last, smaller global batch of ``tail`` samples is split: ``None`` when it is not trained.
 
-    The tail is split by the same rule as a whole global batch (largest remainder, in proportion to ``batch_sizes``,
-    which follow the speeds), with every replica getting at least ``min_batch_size`` and at most its whole-batch size
-    ``batch_sizes[r]`` (so a loader with ``batch_size=batch_sizes[r]`` cuts it as one batch). A tail smaller than
-    ``len(batch_sizes) * min_batch_size`` cannot give every replica a batch and is not trained (``None``).
-
     >>> tail_batch_sizes(4, [2, 6])
     [1, 3]
     >>> tail_batch_sizes(1, [2, 6]) is None
@@ -83,21 +72,9 @@ def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int 
 class ProportionalDistributedSampler(DistributedSampler):
     """Yields this replica's slice of every global batch, with per-replica batch sizes.
 
-    For a given ``seed`` and epoch, one global order is drawn (the same on every replica): a permutation seeded with
-    ``seed + epoch`` (``shuffle=True``), the dataset order (``shuffle=False``), or everything ``order_sampler`` yields
-    in one pass, drawn with seeded generators (see :func:`draw_sampler_order`). The order is cut into global batches of
-    ``B = sum(batch_sizes)`` samples. At step ``k`` replica ``r`` takes the contiguous slice
-    ``[k*B + o_r, k*B + o_r + b_r)`` where ``o_r = sum(batch_sizes[:r])``. Hence the union of the replicas' batches at
-    step ``k`` is exactly the ``k``-th batch that one process with ``batch_sizes=[B]`` would draw.
-
-    **The tail.** The last ``N % B`` samples of the order (``N`` its length) form a last, smaller global batch, split
-    by :func:`tail_batch_sizes` (same rule, at least ``min_batch_size`` and at most ``b_r`` per replica): every
-    sample trains every epoch. With ``drop_last=True``, or when the tail is too small to give every replica
-    ``min_batch_size`` samples, it is dropped (a new permutation each epoch drops different samples). Either way every
-    replica yields the same number of batches, ``num_steps``.
-
-    Use it with a ``DataLoader(batch_size=batch_sizes[rank], drop_last=False)``; the sampler already yields a whole
-    number of batches. Subclasses :class:`~torch.utils.data.DistributedSampler` so that Lightning leaves it alone.
+    At step ``k`` replica ``r`` takes ``[k*B + o_r, k*B + o_r + b_r)`` of one seeded global order (``B`` the global
+    batch, ``o_r = sum(batch_sizes[:r])``); the last ``N % B`` samples form a smaller global batch split by
+    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small). Every replica yields ``num_steps`` batches.
 
     Args:
         dataset: any sized dataset.
@@ -161,12 +138,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         self._skip: tuple[int, int] | None = None  # (epoch, global batches to skip), set by `resume`
 
     def resume(self, epoch: int, skip_steps: int) -> None:
-        """Continue epoch ``epoch`` after its first ``skip_steps`` global batches (mid-epoch resume).
-
-        The next iteration of that epoch starts at global batch ``skip_steps`` of the same order (so it yields
-        ``num_steps - skip_steps`` batches); later epochs are whole. ``len()`` keeps counting the whole epoch, as
-        Lightning's loop counters do.
-        """
+        """Continue epoch ``epoch`` after its first ``skip_steps`` global batches (mid-epoch resume)."""
         if not 0 <= skip_steps <= self.num_steps:
             raise ValueError(f"Expected argument `skip_steps` in [0, {self.num_steps}], but got {skip_steps}.")
         self.set_epoch(epoch)
@@ -247,8 +219,6 @@ class ProportionalBatchSampler(BatchSampler):
     """The batches of a :class:`ProportionalDistributedSampler`, one per global batch, each drawn lazily: its split is
     decided when the loader asks for it, so a loader whose splits change from one step to the next (the in-loop
     profiler's trial splits, then the fitted allocation) cuts every global batch as the strategy trains it.
-
-    ``sampler`` is the :class:`ProportionalDistributedSampler` (Lightning's ``set_epoch`` reaches it there).
     """
 
     def __init__(self, sampler: ProportionalDistributedSampler) -> None:
@@ -265,18 +235,8 @@ class ProportionalBatchSampler(BatchSampler):
 class UnpaddedDistributedSampler(DistributedSampler):
     """Evaluation sampler: each sample goes to exactly one replica, no padding, shares proportional to ``weights``.
 
-    Replica ``r`` takes a contiguous block of the dataset in its original order, of size
-    ``allocate_batch_sizes(len(dataset), weights, min_batch_size=1)[r]``: every replica gets at least one sample, so
-    none has an empty loader (Lightning refuses those, and a replica without batches would skip the epoch-end metric
-    synchronisation). Replicas may run different numbers of evaluation batches; that is safe as long as metrics are
-    synchronised only at epoch end (torchmetrics, or ``self.log(..., on_epoch=True, sync_dist=True)``).
-
-    A dataset with fewer samples than replicas (``0 < N < W``) is repeated whole ``repeats = ceil(W / N)`` times
-    before it is split, so every sample is evaluated exactly ``repeats`` times: means, accuracies and other ratios of
-    sums are unchanged, plain sums are ``repeats`` times larger.
-
-    ``min_share`` (default 1) raises every replica's share to at least that many samples (capped at an equal split);
-    :class:`EvalBatchSampler` uses it so that the smallest share holds one sample per evaluation batch.
+    Replica ``r`` takes a contiguous block, at least one sample (``min_share``); a set smaller than the number of
+    replicas is repeated whole ``ceil(W / N)`` times first.
     """
 
     def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, *, min_share: int = 1) -> None:
@@ -302,15 +262,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
     """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``.
 
-    ``shares[r]`` is replica ``r``'s number of samples (in proportion to ``weights``; every sample once, or the set
-    repeated whole when ``0 < length < len(weights)``, as in :class:`UnpaddedDistributedSampler`) and
-    ``batch_sizes[r]`` the sizes of its evaluation batches. Every replica runs the **same number of batches**
-    ``K = min(ceil(total / (batch_size * W)), min(shares))``, so that a per-step collective in an evaluation step
-    (``self.log(..., on_step=True, sync_dist=True)``, ``self.all_gather``) pairs up across replicas, and no batch is
-    empty. Each replica's share is cut into ``K`` near-equal batches (sizes differ by at most one), so a replica's
-    batches are proportional to its share and the mean batch over replicas and steps is about ``batch_size``. Shares
-    are lifted to at least ``K`` samples where the proportional share would be smaller (one sample per batch on the
-    slowest replica), which bounds the fastest replica's batch by about ``batch_size * W``.
+    Every replica runs ``K = min(ceil(total / (batch_size * W)), min(shares))`` batches, so per-step collectives pair.
 
     >>> eval_batch_plan(41, [1.0, 3.0], 5)
     ([10, 31], [[2, 2, 2, 2, 2], [7, 6, 6, 6, 6]])
@@ -332,12 +284,6 @@ def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> t
 
 class EvalBatchSampler(BatchSampler):
     """Evaluation batches with the same number of batches on every replica and speed-proportional batch sizes.
-
-    Replica ``rank`` takes the contiguous block of ``dataset`` (original order) that
-    :class:`UnpaddedDistributedSampler` gives it and cuts it into the batches of :func:`eval_batch_plan`: every sample
-    is evaluated exactly once (no padding, no duplicates), and every replica runs ``len(self)`` batches, so per-step
-    collectives in evaluation steps pair up. ``batch_size`` is the user's loader batch size, the **mean** batch per
-    replica; fast replicas get larger batches, slow ones smaller.
 
     Attributes:
         sampler: the replica's :class:`UnpaddedDistributedSampler` (its indices, in order).
