@@ -1,9 +1,4 @@
-"""Exceptions raised for bad input data, each naming the offending file or value and how to fix it.
-
-Every class subclasses a builtin (``FileNotFoundError`` or ``ValueError``) so that callers who catch the builtin keep
-working, and keeps the offending objects as attributes (``path``, ``shape``, ...) for programmatic use. Messages follow
-the project's pattern: what was found, why it is a problem, then ``HINT:`` and the fix.
-"""
+"""Exceptions raised for bad input data, each naming the offending file or value and how to fix it."""
 
 from __future__ import annotations
 
@@ -27,12 +22,7 @@ PathType = str | PathLike
 
 
 class RasterNotFoundError(FileNotFoundError):
-    """A raster (or ``.mat``) file given by the user does not exist.
-
-    Args:
-        path: the missing file.
-        role: what the file was meant to hold, e.g. ``"image"`` or ``"labels"``.
-    """
+    """A raster (or ``.mat``) file given by the user does not exist."""
 
     def __init__(self, path: PathType, role: str = "raster") -> None:
         self.path = str(path)
@@ -47,13 +37,7 @@ class RasterNotFoundError(FileNotFoundError):
 
 
 class RasterFormatError(ValueError):
-    """A file exists but cannot be used as the requested raster (unreadable, wrong band count, unsupported dtype).
-
-    Args:
-        path: the offending file.
-        problem: what is wrong, as a sentence fragment.
-        hint: how to fix it.
-    """
+    """A file exists but cannot be used as the requested raster (unreadable, wrong band count, unsupported dtype)."""
 
     def __init__(self, path: PathType, problem: str, hint: str = "") -> None:
         self.path = str(path)
@@ -69,14 +53,7 @@ class RasterFormatError(ValueError):
 
 
 class ShapeMismatchError(ValueError):
-    """The image and the label raster do not cover the same pixel grid.
-
-    Args:
-        image_path: the multi-band image.
-        image_shape: ``(height, width)`` of the image, in pixels.
-        labels_path: the label raster.
-        labels_shape: ``(height, width)`` of the labels, in pixels.
-    """
+    """The image and the label raster do not cover the same pixel grid."""
 
     def __init__(
         self, image_path: PathType, image_shape: Sequence[int], labels_path: PathType, labels_shape: Sequence[int]
@@ -97,15 +74,7 @@ class ShapeMismatchError(ValueError):
 
 
 class GeoreferenceMismatchError(ValueError):
-    """Both rasters are georeferenced but their CRS or geotransform differ.
-
-    Args:
-        image_path: the multi-band image.
-        labels_path: the label raster.
-        what: ``"CRS"`` or ``"transform"``.
-        image_value: the image's CRS or transform, as text.
-        labels_value: the labels' CRS or transform, as text.
-    """
+    """Both rasters are georeferenced but their CRS or geotransform differ."""
 
     def __init__(
         self, image_path: PathType, labels_path: PathType, what: str, image_value: Any, labels_value: Any
@@ -127,13 +96,7 @@ class GeoreferenceMismatchError(ValueError):
 
 
 class LabelValueError(ValueError):
-    """The label raster holds values outside ``0..num_classes`` (or non-integers).
-
-    Args:
-        path: the label raster.
-        bad_values: a few of the offending values.
-        num_classes: the number of classes ``C``; valid labels are ``0`` (unlabelled) and ``1..C``.
-    """
+    """The label raster holds values outside ``0..num_classes`` (or non-integers)."""
 
     def __init__(
         self, path: PathType, bad_values: Sequence[Any], num_classes: int | None, non_integer: bool = False
@@ -162,12 +125,7 @@ class LabelValueError(ValueError):
 
 
 class NoLabelledPixelsError(ValueError):
-    """The label raster has no labelled pixel (every value is 0, or every labelled pixel is nodata in the image).
-
-    Args:
-        path: the label raster.
-        detail: extra context, e.g. how many labelled pixels were dropped as nodata.
-    """
+    """The label raster has no labelled pixel (every value is 0, or every labelled pixel is nodata in the image)."""
 
     def __init__(self, path: PathType, detail: str = "") -> None:
         self.path = str(path)
@@ -184,12 +142,7 @@ class NoLabelledPixelsError(ValueError):
 
 
 class SingleClassError(ValueError):
-    """The label raster holds fewer than two classes, so there is nothing to classify.
-
-    Args:
-        path: the label raster.
-        present: the class values (``1..C``) that occur in it.
-    """
+    """The label raster holds fewer than two classes, so there is nothing to classify."""
 
     def __init__(self, path: PathType, present: Sequence[int]) -> None:
         self.path = str(path)
@@ -205,17 +158,7 @@ class SingleClassError(ValueError):
 
 
 class ClassTooSmallError(ValueError):
-    """A class has too few labelled pixels for the requested split.
-
-    Args:
-        source: the label raster (or a description of the labels).
-        class_id: the class label value (``1..C``).
-        available: labelled pixels of the class that can be used.
-        needed: the minimum number the split requires.
-        split: a description of the requested split, e.g. ``"train_per_class=50, val_per_class=10"``.
-        hint: how to fix it.
-        unit: what ``available`` and ``needed`` count (``"pixel"`` or ``"block"``).
-    """
+    """A class has too few labelled pixels for the requested split."""
 
     def __init__(
         self,
@@ -250,13 +193,7 @@ class ClassTooSmallError(ValueError):
 
 
 class MatFileError(ValueError):
-    """A MATLAB ``.mat`` file does not hold the arrays we look for (or is in an unsupported format).
-
-    Args:
-        path: the ``.mat`` file.
-        problem: what is wrong.
-        variables: the variables found in the file, as ``{name: shape}``.
-    """
+    """A MATLAB ``.mat`` file does not hold the arrays we look for (or is in an unsupported format)."""
 
     def __init__(self, path: PathType, problem: str, variables: dict[str, tuple[int, ...]] | None = None) -> None:
         self.path = str(path)
