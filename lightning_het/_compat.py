@@ -77,8 +77,7 @@ def default_store() -> object:
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:
-    """Make ``timeout`` the default process group's collective timeout and its store's timeout (best effort for the
-    store: some store types cannot change it)."""
+    """Make ``timeout`` the default group's collective and (best effort) store timeout."""
     _set_pg_timeout(timeout)
     with contextlib.suppress(Exception):
         _get_default_store().set_timeout(timeout)
@@ -97,8 +96,7 @@ _STANDALONE, _UNIFIED = "pytorch_lightning", "lightning.pytorch"
 
 
 def is_standalone(obj: Any) -> bool:
-    """Whether ``obj`` (a trainer, strategy, ... or its class, or a package name) is the standalone
-    ``pytorch_lightning``'s."""
+    """Whether ``obj`` (a trainer, strategy, ..., its class or a package name) is standalone ``pytorch_lightning``."""
     if isinstance(obj, str):
         return obj.split(".", 1)[0] == _STANDALONE
     cls = obj if isinstance(obj, type) else type(obj)

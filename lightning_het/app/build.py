@@ -68,8 +68,7 @@ def build_trainer(cfg: DictConfig, strategy_cfg: StrategyConfig, callbacks: list
 
 
 def _build_callbacks(cfg: DictConfig) -> list[Any]:
-    """The ``callbacks`` group's callbacks (a mapping of name -> config, ``null`` entries skipped), then any given as
-    ``trainer.callbacks`` (a list of configs): all of them are kept, none replaces another."""
+    """The ``callbacks`` group's callbacks (``null`` skipped), then any ``trainer.callbacks`` configs: all kept."""
     built = [
         instantiate(f"callbacks.{name}", node)
         for name, node in (cfg.get("callbacks") or {}).items()
@@ -83,8 +82,7 @@ def _build_callbacks(cfg: DictConfig) -> list[Any]:
 
 
 def _build_loggers(cfg: DictConfig) -> list[Any] | bool:
-    """The ``logger`` group's loggers plus a ``trainer.logger`` config (one or a list); ``False`` when there is none,
-    or when ``trainer.logger=false`` switches logging off altogether."""
+    """The ``logger`` group's loggers plus ``trainer.logger`` configs; ``False`` when none or switched off."""
     extra = cfg.trainer.get("logger")
     if extra is False:
         return False
@@ -96,8 +94,7 @@ def _build_loggers(cfg: DictConfig) -> list[Any] | bool:
 
 
 def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> bool:
-    """``trainer.enable_checkpointing``, or when it is null, whether a ``ModelCheckpoint`` is among the callbacks (so
-    that ``callbacks=none`` writes no checkpoint at all, rather than Lightning's default one)."""
+    """``trainer.enable_checkpointing``, or when null, whether a ``ModelCheckpoint`` is among the callbacks."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     value = cfg.trainer.get("enable_checkpointing")

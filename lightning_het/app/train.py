@@ -34,8 +34,7 @@ def objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
 
 
 def _release_process_group() -> None:
-    """Destroy the default process group once the run is over, as torch asks programs to before they exit (leaving it
-    to interpreter shutdown races the backend's threads against the destruction of its objects)."""
+    """Destroy the default process group once the run is over (not racing the interpreter's shutdown)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -151,8 +151,7 @@ class StepClock:
         self._end = now
 
     def open_step(self) -> tuple[int, float] | None:
-        """The open step's batch size and compute seconds so far (at the end of a step: its whole compute, the wait
-        in gradient synchronisation left out), or ``None`` when no step is open."""
+        """The open step's batch size and compute seconds so far (wait left out), or ``None``."""
         if not self._open:
             return None
         return self._step_batch, max(self._end - self._start - self._wait, 0.0)

@@ -154,10 +154,7 @@ def refresh_costs(
 
 
 def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
-    """Two ``(batch size, seconds)`` measurements far enough apart for a secant through them to mean something:
-    batch sizes 15 % of the larger apart, times 25 % (epoch medians on a shared machine move by 5-10 % between
-    epochs at an unchanged split; a 3-sample move of a replica with 11 samples changed its time by 7 %, and the
-    secant through that read a 32 ms fixed cost where profiling had measured 10 ms)."""
+    """Two ``(batch size, seconds)`` points far enough apart for a secant: sizes 15 %, times 25 % apart."""
     (b_prev, t_prev), (b, t) = earlier, now
     return abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev) and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(
         t, t_prev
@@ -244,8 +241,7 @@ def step_without(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> float | None:
-    """Best predicted step time when the replicas in ``dropped`` leave the job (``None`` when the others cannot
-    hold the global batch within their bounds, or none is left)."""
+    """Best predicted step time without the replicas in ``dropped`` (``None`` when the others cannot hold it)."""
     keep = [r for r in range(len(costs)) if r not in set(dropped)]
     if not keep:
         return None
@@ -292,9 +288,7 @@ def useless_replica_message(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> str | None:
-    """The warning about replicas that only slow the job down, or ``None`` when there are none (or when the job would
-    be less than ``1 - USELESS_MARGIN`` = 10 % faster without them, which timing noise could explain).
-    """
+    """The warning about replicas that only slow the job down (by more than ``USELESS_MARGIN``), or ``None``."""
     bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
     useless = useless_replicas(global_batch_size, costs, **bounds)
     if not useless:

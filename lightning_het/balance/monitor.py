@@ -36,23 +36,17 @@ class BalancedStrategy(Protocol):
 
     @property
     def world_size(self) -> int: ...
-
     @property
     def root_device(self) -> torch.device: ...
-
     @property
     def batch_sizes(self) -> list[int] | None: ...
-
     @property
     def cost_model(self) -> list[Any] | None: ...
-
     @property
     def profiling(self) -> bool: ...
-
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None: ...
-
     def balance_report(self, include_series: bool = False) -> dict[str, Any]: ...
 
 
@@ -71,8 +65,7 @@ class MonitorSettings:
 
     @property
     def active(self) -> bool:
-        """Whether the monitor has anything to do (telemetry, emulation or in-loop profiling, which reads the step
-        clock); off, training has no per-step cost."""
+        """Whether the monitor has anything to do; off, training has no per-step cost."""
         return self.record or self.slowdown != 1.0 or self.profile
 
 
@@ -148,8 +141,7 @@ class BalanceMonitor:
             self._end_epoch(trainer, epoch)
 
     def check_due(self, trainer: Any, epoch: int | None = None) -> bool:
-        """A rebalancing check runs at the end of ``epoch`` (default: the current one), and a next epoch exists to use
-        its result."""
+        """Whether a rebalancing check runs at the end of ``epoch`` (default: the current one), with a next epoch."""
         if not self.rebalancing:
             return False
         epoch = trainer.current_epoch if epoch is None else epoch
@@ -198,8 +190,7 @@ class BalanceMonitor:
         return True
 
     def _last_times(self, sizes: Sequence[int]) -> list[float] | None:
-        """Median compute seconds of the epoch before the current one when it ran the same ``sizes`` (else ``None``):
-        a sudden rise is confirmed by one more check before re-allocating."""
+        """Median compute seconds of the previous epoch if it ran the same ``sizes``, else ``None``."""
         if len(self.history.epochs) < 2:
             return None
         before = self.history.epochs[-2]
@@ -209,8 +200,7 @@ class BalanceMonitor:
         return [float(t) for t in times]
 
     def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
-        """Per replica, ``(batch size, median compute seconds)`` of the latest epoch before the current one that ran a
-        batch size other than ``sizes[r]`` (``None`` if none): the second point of the affine refresh."""
+        """Per replica, ``(batch size, median seconds)`` of the latest earlier epoch at another size, or ``None``."""
         out: list[tuple[int, float] | None] = []
         earlier = self.history.epochs[:-1]
         for r, b in enumerate(sizes):
@@ -224,8 +214,7 @@ class BalanceMonitor:
         return out
 
     def _request_reload(self, trainer: Any) -> None:
-        """Make the fit loop rebuild the training loader when the next epoch starts, as
-        ``reload_dataloaders_every_n_epochs`` does; the setting is restored once that happened."""
+        """Make the fit loop rebuild the training loader when the next epoch starts (restored afterwards)."""
         if self._saved_reload_every is None:
             self._saved_reload_every = trainer.reload_dataloaders_every_n_epochs
         trainer.reload_dataloaders_every_n_epochs = 1
@@ -236,14 +225,12 @@ class BalanceMonitor:
             self._saved_reload_every = None
 
     def on_train_epoch_start(self, trainer: Any) -> None:
-        """The fit loop has (re)built the training loader for this epoch: restore the user's reload setting; gather
-        an epoch that ended early (a rebalance then applies from the next epoch on)."""
+        """Restore the user's reload setting; gather an epoch that ended early."""
         self._restore_reload(trainer)
         self._end_pending_epoch(trainer)
 
     def on_train_end(self, trainer: Any) -> None:
-        """Collective: gather an epoch that ended early or a trailing partial epoch, then rank 0 writes the balance
-        report (with loggers)."""
+        """Collective: gather what is left, then rank 0 writes the balance report (with loggers)."""
         self._restore_reload(trainer)
         self._end_pending_epoch(trainer)
         self._gather(trainer, trainer.current_epoch)

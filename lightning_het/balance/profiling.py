@@ -244,8 +244,7 @@ def preserved_training_state(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     schedulers: Sequence[Any] = (),
 ) -> Iterator[None]:
-    """Restore parameters, buffers, gradients, optimizer/scheduler state, torchmetrics states, RNG streams and train
-    flags on exit."""
+    """Restore parameters, gradients, optimizer, scheduler, metric and RNG states and train flags on exit."""
     module_state = copy.deepcopy(module.state_dict())
     grads = {name: (None if p.grad is None else p.grad.detach().clone()) for name, p in module.named_parameters()}
     optimizer_states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]

@@ -141,8 +141,7 @@ class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
 
 
 def __getattr__(name: str) -> Any:
-    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use
-    (so that it unpickles in a fresh process too)."""
+    """``PLMixedAccelerator``: the class for the standalone ``pytorch_lightning``, built on first use."""
     if name == "PLMixedAccelerator":
         return on_flavour(MixedAccelerator, "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -177,35 +176,26 @@ def mixed_accelerator_kwargs(
 
 
 class DeviceStrategy(Protocol):
-    """What the device functions below use of the strategy: Lightning's public strategy attributes (and, when a device
-    map is set, its ``device_plan``); ``parallel_devices`` is the one attribute they set."""
+    """What the device functions use of the strategy; ``parallel_devices`` is the one attribute they set."""
 
     parallel_devices: list[torch.device] | None
 
     @property
     def accelerator(self) -> Any: ...
-
     @property
     def cluster_environment(self) -> Any: ...
-
     @property
     def precision_plugin(self) -> Any: ...
-
     @property
     def num_nodes(self) -> int: ...
-
     @property
     def num_processes(self) -> int: ...
-
     @property
     def process_group_backend(self) -> str | None: ...
-
     @property
     def local_rank(self) -> int: ...
-
     @property
     def global_rank(self) -> int: ...
-
     @property
     def root_device(self) -> torch.device: ...
 

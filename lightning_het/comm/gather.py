@@ -101,9 +101,7 @@ def _structure(data: Any) -> str:
 
 
 def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-    """:func:`all_gather_uneven` applied to every tensor of ``data`` (a tensor or a nested collection, as Lightning's
-    ``apply_to_collection`` walks it); other leaves are returned unchanged.
-    """
+    """:func:`all_gather_uneven` applied to every tensor of ``data``; other leaves are returned unchanged."""
     if isinstance(data, Tensor):
         return all_gather_uneven(data, group=group, sync_grads=sync_grads)
     if dist.is_available() and dist.is_initialized():

@@ -17,9 +17,7 @@ __all__ = ["NodeLocal"]
 
 
 class NodeLocal(FlatAllReduce):
-    """The node-based optimisation steps (:func:`~lightning_het.comm.hooks.node_local_hook`) and the share-weighted
-    parameter average across all replicas (:func:`~lightning_het.comm.averaging.average_parameters`). The schedule
-    depends only on the global step, so a resumed run keeps its phase.
+    """Node-local optimisation steps plus a periodic share-weighted parameter average (resumes in phase).
 
     Args:
         node_ids, rank, stats: as :class:`~lightning_het.comm.allreduce.FlatAllReduce`.

@@ -21,15 +21,10 @@ __all__ = [
 
 @dataclass
 class Traffic:
-    """Bytes sent by every global rank during one collective pattern, split by destination.
+    """Bytes sent by every global rank (indexed by global rank) during one collective pattern, by destination."""
 
-    Attributes:
-        intra: bytes each rank sends to ranks on its own node, indexed by global rank.
-        inter: bytes each rank sends to ranks on other nodes, indexed by global rank.
-    """
-
-    intra: list[float]
-    inter: list[float]
+    intra: list[float]  # to ranks on the sender's node
+    inter: list[float]  # to ranks on other nodes
 
     @classmethod
     def zeros(cls, world_size: int) -> Traffic:
@@ -127,20 +122,13 @@ def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
 
 @dataclass
 class CommStats:
-    """Running byte counters of one job, kept identically on every rank.
-
-    Attributes:
-        rank: this process's global rank.
-        steps: optimizer steps recorded.
-        syncs: global parameter averages recorded.
-        total: bytes sent by every rank so far (gradients and syncs).
-    """
+    """Running byte counters of one job, kept identically on every rank."""
 
     rank: int
     world_size: int
-    steps: int = 0
-    syncs: int = 0
-    total: Traffic = field(init=False)
+    steps: int = 0  # optimizer steps recorded
+    syncs: int = 0  # global parameter averages recorded
+    total: Traffic = field(init=False)  # bytes sent by every rank so far (gradients and syncs)
 
     def __post_init__(self) -> None:
         self.total = Traffic.zeros(self.world_size)

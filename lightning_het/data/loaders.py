@@ -71,8 +71,7 @@ def _unwrap(sampler: Any) -> Any:
 
 
 def _draws_one_permutation(sampler: RandomSampler) -> bool:
-    """A ``RandomSampler`` without replacement draws one permutation of its data per epoch: its ``num_samples`` is the
-    data's length (the default, or the same number passed explicitly)."""
+    """Whether ``sampler`` is a ``RandomSampler`` drawing one permutation of its data per epoch."""
     try:
         return sampler.num_samples == len(sampler.data_source)  # type: ignore[arg-type]
     except TypeError:  # a data source without a length
@@ -109,8 +108,7 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
 
 
 def loader_batch_size(dataloader: DataLoader) -> int | None:
-    """Samples per batch of ``dataloader`` on one replica: ``batch_size``, or a plain ``BatchSampler``'s; ``None``
-    when it does not batch automatically (``batch_size=None``)."""
+    """Samples per batch of ``dataloader`` on one replica; ``None`` without automatic batching."""
     if dataloader.batch_size is not None:
         return int(dataloader.batch_size)
     batch_sampler = dataloader.batch_sampler
@@ -120,16 +118,14 @@ def loader_batch_size(dataloader: DataLoader) -> int | None:
 
 
 def lost_batch_sampler(dataloader: DataLoader) -> bool:
-    """``dataloader`` batched through ``batch_sampler=`` before Lightning replaced its sampler: Lightning rebuilds
-    such a loader without the batch sampler (``batch_size=None``) but keeps its batching collate function."""
+    """Whether Lightning rebuilt a ``batch_sampler=`` loader without it (``batch_size=None``)."""
     return (
         dataloader.batch_size is None and dataloader.batch_sampler is None and dataloader.collate_fn is default_collate
     )
 
 
 class PerSampleCollate:
-    """Collate of a loader rebuilt with automatic batching from one built with ``batch_size=None``: applies the
-    user's per-sample function to each sample, then stacks them with ``default_collate``. Picklable (workers)."""
+    """The user's per-sample collate applied to each sample, then ``default_collate``. Picklable."""
 
     def __init__(self, per_sample: Callable[[Any], Any]) -> None:
         self.per_sample = per_sample
@@ -167,9 +163,7 @@ def rebuild_loader(
 
 
 def rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
-    """Re-instantiate ``dataloader`` (any DataLoader subclass) drawing its batches from ``batch_sampler`` (batches of
-    varying size, e.g. :class:`~lightning_het.data.sampler.EvalBatchSampler`), keeping the dataset, collate function,
-    workers, pinning, ..."""
+    """Re-instantiate ``dataloader`` (any subclass) drawing its batches from ``batch_sampler``."""
     from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, batch_sampler.sampler)

@@ -157,8 +157,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         return self.batch_sizes[self.rank]
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
-        """Split the global batches not drawn yet by ``batch_sizes`` (same global batch: the same samples, the same
-        number of steps); the in-loop profiler's switch to the fitted allocation."""
+        """Split the global batches not drawn yet by ``batch_sizes`` (same samples, same number of steps)."""
         sizes = [int(b) for b in batch_sizes]
         if len(sizes) != len(self.batch_sizes) or sum(sizes) != self.global_batch_size or min(sizes) < 1:
             raise ValueError(
@@ -170,8 +169,7 @@ class ProportionalDistributedSampler(DistributedSampler):
             self.tail_batch_sizes = tail_batch_sizes(self._tail, sizes, self._min_batch_size)
 
     def step_batch_sizes(self, step: int) -> list[int]:
-        """Per-replica samples of global batch ``step`` (0-based, within an epoch): ``batch_sizes``, a split that
-        ``split_schedule`` sets for that step, or the tail's (split in proportion to the step's split)."""
+        """Per-replica samples of global batch ``step``: ``batch_sizes``, a scheduled split, or the tail's."""
         planned = self.split_schedule(self.epoch, step) if self.split_schedule is not None else None
         if step >= self.num_full_steps and self.tail_batch_sizes is not None:
             if planned is None:
@@ -190,9 +188,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         return list(self.iter_batches(start))
 
     def iter_batches(self, start: int = 0) -> Iterator[list[Any]]:
-        """This replica's batches of the current epoch from global batch ``start`` on, each split decided when it is
-        drawn (:meth:`step_batch_sizes`): a split changed by :meth:`set_batch_sizes` applies to the batches not drawn
-        yet."""
+        """This replica's batches of the current epoch from global batch ``start`` on, each split when drawn."""
         order = self.global_order()
         batch = self.global_batch_size
         for k in range(start, self.num_steps):
@@ -201,8 +197,7 @@ class ProportionalDistributedSampler(DistributedSampler):
             yield order[begin : begin + sizes[self.rank]]
 
     def take_start_step(self) -> int:
-        """The global batch this epoch's iteration starts from: the resumed step once, for the resumed epoch only
-        (consumed by the call), else 0."""
+        """The global batch this epoch starts from: the resumed step once, else 0."""
         start = 0
         if self._skip is not None and self._skip[0] == self.epoch:  # one-shot: the resumed epoch only
             start, self._skip = self._skip[1], None
@@ -216,10 +211,7 @@ class ProportionalDistributedSampler(DistributedSampler):
 
 
 class ProportionalBatchSampler(BatchSampler):
-    """The batches of a :class:`ProportionalDistributedSampler`, one per global batch, each drawn lazily: its split is
-    decided when the loader asks for it, so a loader whose splits change from one step to the next (the in-loop
-    profiler's trial splits, then the fitted allocation) cuts every global batch as the strategy trains it.
-    """
+    """The batches of a :class:`ProportionalDistributedSampler`, each split decided when the loader draws it."""
 
     def __init__(self, sampler: ProportionalDistributedSampler) -> None:
         super().__init__(sampler, batch_size=sampler.local_batch_size, drop_last=False)

@@ -286,8 +286,7 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         )
 
     def _drop_nodata(self, scene: _Input, labelled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(valid-pixel mask, labels with nodata pixels unlabelled, spectra of the labelled pixels)``; the spectra
-        are read only for a windowed scene (``None`` for a cube in memory)."""
+        """``(valid mask, labels with nodata unlabelled, labelled spectra or None)``."""
         labels, source, spectra = scene.labels, scene.source, None
         if scene.cube is not None:
             valid = valid_mask(scene.cube, scene.nodata)

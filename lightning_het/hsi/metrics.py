@@ -56,8 +56,7 @@ def classification_metrics(num_classes: int, prefix: str = "") -> MetricCollecti
 
 
 def per_class_accuracy(confusion: Tensor) -> Tensor:
-    """Per-class accuracy ``M[c, c] / sum(M[c, :])`` from a confusion matrix (rows = reference); NaN for absent
-    classes. Shape ``(C, C) -> (C,)``.
+    """Per-class accuracy ``M[c, c] / sum(M[c, :])`` (rows = reference); NaN for absent classes.
 
     Example:
         >>> per_class_accuracy(torch.tensor([[3, 1], [0, 4]])).tolist()

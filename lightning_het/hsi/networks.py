@@ -84,9 +84,7 @@ class CNN3D(nn.Module):
 
 
 class HybridSN(nn.Module):
-    """HybridSN-style network (Roy et al., 2020): three 3-D convolutions, then a 2-D convolution over the stacked
-    spectral feature maps, then fully connected layers.
-    """
+    """HybridSN-style network (Roy et al., 2020): three 3-D convolutions, a 2-D one, then dense layers."""
 
     def __init__(self, in_bands: int, num_classes: int, patch_size: int = 5, width: int = 4, dropout: float = 0.0):
         super().__init__()

@@ -29,20 +29,12 @@ def valid_mask(values: np.ndarray, nodata: float | None = None) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SpectralTransform:
-    """``y = components @ ((x - shift) / scale)``: standardisation, then an optional PCA projection.
+    """``y = components @ ((x - shift) / scale)``: standardisation, then an optional PCA projection."""
 
-    Attributes:
-        shift: ``(in_bands,)`` subtracted per band (the training mean, or zeros without standardisation nor PCA).
-        scale: ``(in_bands,)`` divisor per band (the training standard deviation, or ones); never zero.
-        components: ``(out_bands, in_bands)`` orthonormal PCA rows ordered by decreasing variance, or ``None``.
-        explained_variance_ratio: ``(out_bands,)`` fraction of the training variance each component keeps, or
-            ``None`` without PCA.
-    """
-
-    shift: np.ndarray
-    scale: np.ndarray
-    components: np.ndarray | None = None
-    explained_variance_ratio: np.ndarray | None = None
+    shift: np.ndarray  # (in_bands,): the training mean, or zeros without standardisation nor PCA
+    scale: np.ndarray  # (in_bands,): the training standard deviation, or ones; never zero
+    components: np.ndarray | None = None  # (out_bands, in_bands) orthonormal PCA rows, decreasing variance
+    explained_variance_ratio: np.ndarray | None = None  # (out_bands,) training variance kept by each component
 
     @property
     def in_bands(self) -> int:

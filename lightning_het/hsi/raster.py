@@ -48,29 +48,17 @@ STRIP_BYTES = 32 * 2**20
 
 @dataclass(frozen=True)
 class RasterInfo:
-    """Metadata of one raster, read without its pixels.
-
-    Attributes:
-        path: the file.
-        height: rows, in pixels.
-        width: columns, in pixels.
-        count: bands.
-        dtype: numpy dtype name of the first band (``"uint16"``, ``"float32"``, ...).
-        crs: coordinate reference system, ``None`` when the file has none.
-        transform: pixel-to-map affine transform, ``None`` when the file is not georeferenced.
-        nodata: the nodata value of the first band, ``None`` when unset.
-        driver: GDAL driver short name (``"GTiff"``, ``"ENVI"``, ``"MAT"`` for MATLAB files).
-    """
+    """Metadata of one raster, read without its pixels (sizes in pixels; dtype and nodata of the first band)."""
 
     path: str
     height: int
     width: int
-    count: int
-    dtype: str
+    count: int  # bands
+    dtype: str  # numpy dtype name, "uint16", "float32", ...
     crs: CRS | None
-    transform: Affine | None
+    transform: Affine | None  # pixel-to-map; None when not georeferenced
     nodata: float | None
-    driver: str
+    driver: str  # GDAL short name: "GTiff", "ENVI", "MAT" for MATLAB files
 
     @property
     def shape(self) -> tuple[int, int]:

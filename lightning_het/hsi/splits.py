@@ -19,19 +19,12 @@ SPLITS = ("train", "val", "test")
 
 @dataclass(frozen=True)
 class Split:
-    """Flat pixel indices (``row * width + col``, sorted ``int64``) of each subset.
-
-    Attributes:
-        train: training pixels.
-        val: validation pixels (may be empty).
-        test: test pixels.
-        shape: ``(height, width)`` of the scene.
-    """
+    """Flat pixel indices (``row * width + col``, sorted ``int64``) of each subset (``val`` may be empty)."""
 
     train: np.ndarray
     val: np.ndarray
     test: np.ndarray
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # (height, width) of the scene
 
     def class_counts(self, labels: np.ndarray, num_classes: int) -> dict[str, list[int]]:
         """Pixels per class (index ``c - 1`` for class ``c``) in each subset."""
@@ -174,8 +167,7 @@ def dilate(mask: np.ndarray, radius: int) -> np.ndarray:
 
 
 def footprint_mask(indices: np.ndarray, shape: tuple[int, int], patch_size: int) -> np.ndarray:
-    """Pixels read by the ``patch_size x patch_size`` patches centred on ``indices`` (reflect padding reads nothing
-    outside the patch's own square), as a ``(height, width)`` boolean map.
+    """Pixels read by the ``patch_size`` patches centred on ``indices``, as a ``(height, width)`` mask.
 
     Example:
         >>> footprint_mask(np.array([5]), (3, 4), patch_size=3).astype(int)  # pixel 5 is (row 1, col 1)

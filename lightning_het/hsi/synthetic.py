@@ -23,25 +23,15 @@ _WATER_BANDS_NM = ((1400.0, 60.0, 0.6), (1900.0, 80.0, 0.75), (970.0, 25.0, 0.08
 
 @dataclass
 class SyntheticScene:
-    """A synthetic scene and the truth it was drawn from.
+    """A synthetic scene and the truth it was drawn from."""
 
-    Attributes:
-        image: ``(bands, height, width)``, ``uint16`` digital numbers or ``float32`` reflectance.
-        labels: ``(height, width)`` ``uint8``/``uint16``; ``0`` = unlabelled background, ``1..classes``.
-        wavelengths: ``(bands,)`` band centres in nanometres.
-        signatures: ``(classes, bands)`` mean reflectance of each class (before mixing and noise).
-        class_names: one name per class.
-        crs: coordinate reference system.
-        transform: pixel-to-map transform (north-up, square pixels).
-    """
-
-    image: np.ndarray
-    labels: np.ndarray
-    wavelengths: np.ndarray
-    signatures: np.ndarray
+    image: np.ndarray  # (bands, height, width), uint16 digital numbers or float32 reflectance
+    labels: np.ndarray  # (height, width) uint8/uint16; 0 = unlabelled background, 1..classes
+    wavelengths: np.ndarray  # (bands,) band centres in nanometres
+    signatures: np.ndarray  # (classes, bands) mean reflectance of each class (before mixing and noise)
     class_names: list[str]
     crs: CRS
-    transform: Affine
+    transform: Affine  # pixel-to-map, north-up, square pixels
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -89,9 +89,7 @@ def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
-    """The global batch the checkpoint's run trained with (``None`` when not resuming or not recorded): a resumed fit
-    keeps it unless ``global_batch_size`` is given, so that resuming on another number of replicas draws the same
-    global batches."""
+    """The checkpoint's global batch (``None`` when not resuming), kept unless ``global_batch_size`` is given."""
     if not record:
         return None
     saved = (record.get("sampler") or {}).get("global_batch_size", record.get("global_batch_size"))
@@ -186,9 +184,7 @@ def plan_sampler_resume(
 def apply_sampler_resume(
     sampler: ProportionalDistributedSampler, record: Mapping[str, Any] | None, epoch: int
 ) -> SamplerResume | None:
-    """Position a freshly built training sampler: at ``epoch`` (Lightning's epoch counter), or, when resuming from
-    ``record``, at the checkpoint's place. Returns the resume plan (``None`` when not resuming).
-    """
+    """Position a fresh training sampler at ``epoch`` or at the checkpoint's place; return the resume plan."""
     plan = None
     if record is not None:
         plan = plan_sampler_resume(

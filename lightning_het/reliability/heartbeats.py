@@ -1,6 +1,4 @@
-"""The watchdog's records in the job's store: signing and verifying them, and what one observer knows of the other
-replicas' heartbeats (:class:`HeartbeatBook`: the last genuine record of each, its age, and tampering detected).
-"""
+"""The watchdog's signed records in the job's store, and one observer's view of the others' heartbeats."""
 
 from __future__ import annotations
 
@@ -72,8 +70,7 @@ def _waits(code: Any) -> bool:
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
-    """Whether one of the innermost ``depth`` Python frames waits for the other replicas: a ``torch.distributed``
-    call, or a barrier of Lightning or lightning-het (which may call a process group's C++ method directly)."""
+    """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
     while frame is not None and depth > 0:
         if _waits(frame.f_code):
             return True
@@ -87,8 +84,7 @@ class StoreUnreachable(RuntimeError):
 
 
 class GuardedStore:
-    """The watchdog's view of the store: every failure of a store call surfaces as :class:`StoreUnreachable`, so the
-    heartbeat thread can tell a lost store from a bug of its own."""
+    """The store, every failing call raising :class:`StoreUnreachable` (a lost store, not a watchdog bug)."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -223,8 +219,7 @@ class HeartbeatBook:
         return status
 
     def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
-        """The second signal for a replica this process launched: exited with 0, it finished (its last records may
-        have been hidden); still running, it is not silent, whatever its heartbeat."""
+        """Second signal for a replica this process launched: exited 0 is finished; running is not silent."""
         if exit_code == 0:
             return replace(status, state="finished")
         if exit_code is None and status.silent_for > self.stale_after:

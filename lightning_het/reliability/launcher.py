@@ -49,13 +49,11 @@ class AllocationCarrier(Protocol):
     """A strategy whose allocation travels from the spawned workers back to the parent process."""
 
     def export_allocation(self) -> dict[str, Any]: ...
-
     def import_allocation(self, state: dict[str, Any]) -> None: ...
 
 
 class AllocationResultsMixin:
-    """Spawn/fork launcher mixin that also sends the allocation back to the parent process, and checks a multi-node
-    job's rendezvous variables before it starts the workers."""
+    """Spawn/fork launcher mixin: sends the allocation back to the parent, checks the multi-node rendezvous."""
 
     #: multi-node rendezvous variables are checked at launch, not at Trainer construction
     validates_launch_environment = True

@@ -69,10 +69,7 @@ def _die_with_parent() -> None:
 
 
 class _ReplicaProcesses:
-    """The part of the lifecycle that concerns the launching process's replicas, for any Lightning launcher: they are
-    started with ``PR_SET_PDEATHSIG`` and, at exit, given ``timeout`` + 30 s to end (10 s after a failed run), then
-    killed. Mixed into the Trainer's and Fabric's ``popen`` launchers (no zero-argument ``super()``: see
-    :func:`~lightning_het._compat.on_flavour`)."""
+    """The launching process's replicas: started with ``PR_SET_PDEATHSIG``, reaped or killed at exit."""
 
     _strategy: Any = None
     _failed = False  # a run of this process ended with an exception
@@ -82,8 +79,7 @@ class _ReplicaProcesses:
     num_nodes: int
 
     def _call_children_scripts(self) -> None:
-        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux, and the exit
-        handler that reaps the replicas."""
+        """Lightning's child start with ``PR_SET_PDEATHSIG`` on Linux, and the exit handler that reaps them."""
         self._check_can_spawn_children()  # type: ignore[attr-defined]
         self.procs = []
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
@@ -110,8 +106,7 @@ class _ReplicaProcesses:
         return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
 
     def _reap_children(self) -> None:
-        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
-        when they have the verdict already: at most 10 s), then kill them."""
+        """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
         wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
         if self._failed:
             wait = min(wait, FAILED_REAP_GRACE_S)
@@ -192,8 +187,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         return result
 
     def _start_observer(self) -> None:
-        """During a Trainer call, until the watchdog runs (start-up): a local replica that fails ends the job. Stopped
-        (joined) when the call returns (:meth:`_stop_observer`)."""
+        """During a Trainer call, until the watchdog runs: a local replica that fails ends the job."""
         stop = self._observer_stop = threading.Event()
 
         def observe() -> None:

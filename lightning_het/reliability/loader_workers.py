@@ -1,5 +1,4 @@
-"""DataLoader worker processes of a replica: they ignore the preemption signals (the replica saves first) and die
-with their replica however it ends (``PR_SET_PDEATHSIG`` on Linux)."""
+"""DataLoader workers that ignore the preemption signals and die with their replica however it ends."""
 
 from __future__ import annotations
 
@@ -32,9 +31,7 @@ def _die_with_parent() -> None:
 
 
 class _ShieldedWorkerInit:
-    """``worker_init_fn`` that makes a DataLoader worker ignore the preemption signals and die with its replica
-    (``PR_SET_PDEATHSIG``), then runs the original.
-    """
+    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original."""
 
     def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
         self.inner = inner
@@ -56,9 +53,7 @@ class _ShieldedWorkerInit:
 
 
 def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
-    """Make the worker processes of ``dataloader`` (if any) ignore the preemption signals and die with their replica
-    (SIGKILL when it ends, however it ends); returns ``dataloader``.
-    """
+    """Make ``dataloader``'s workers ignore the preemption signals and die with their replica; return it."""
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn
         if not isinstance(current, _ShieldedWorkerInit):

@@ -223,9 +223,7 @@ class PreemptionHandler:
         self._exit(PREEMPTION_EXIT_CODE)
 
     def _exit_after_main_thread(self) -> None:
-        """Non-daemon thread: the interpreter waits for it before its own teardown. Once the main thread has
-        returned (the ``Preempted`` exception ended the script), run the ``atexit`` handlers (loader workers, loggers,
-        the user's) and end with status 143, skipping the teardown of torch objects that can take seconds."""
+        """Non-daemon thread: once the main thread returned, run ``atexit`` handlers and exit 143 at once."""
         main = threading.main_thread()
         while main.is_alive():
             time.sleep(0.02)
@@ -349,8 +347,7 @@ class PreemptionCallback(Callback):
         self._device = device
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallback:
-        """A copy that shares this process's live handler (its lock, pipe reader and signal handlers are not state
-        to duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        """A copy sharing this process's live handler, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,5 +1,4 @@
-"""Wiring the :class:`~lightning_het.reliability.watchdog.Watchdog` into a run: the Trainer callback that feeds it
-progress markers, starting / attaching / stopping it, and the launch-time checks and timeouts around the rendezvous."""
+"""Wiring the watchdog into a run: its Trainer callback, start/attach/stop, launch checks and timeouts."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class WatchdogCallback(Callback):
         self.watchdog = watchdog
 
     def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
-        """A copy that shares this process's running watchdog (its threads and store connection are not state to
-        duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
     # loops

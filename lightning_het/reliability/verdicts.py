@@ -1,6 +1,4 @@
-"""What the watchdog concludes: progress phases, replica statuses, verdicts and the pure :func:`judge`, exit statuses
-and the classification of exceptions (collective failure, interruption, preemption).
-"""
+"""What the watchdog concludes: phases, statuses, verdicts, the pure :func:`judge` and exit statuses."""
 
 from __future__ import annotations
 
@@ -55,8 +53,7 @@ def interruption_of(exception: BaseException) -> str | None:
 
 
 def is_sigterm_exit(exception: BaseException) -> bool:
-    """Whether ``exception`` is a Lightning ``SIGTERMException`` (the job was told to stop, e.g. preempted), from
-    ``lightning.pytorch`` or the standalone ``pytorch_lightning``: the two packages have separate classes."""
+    """Whether ``exception`` is a ``SIGTERMException`` of either Lightning package (e.g. preempted)."""
     return isinstance(exception, SystemExit) and any(
         cls.__name__ == "SIGTERMException" and cls.__module__.endswith(".utilities.exceptions")
         for cls in type(exception).__mro__
@@ -64,8 +61,7 @@ def is_sigterm_exit(exception: BaseException) -> bool:
 
 
 class Phase(IntEnum):
-    """Where a replica's main thread is. Values increase with progress: through the job's stages, and within one
-    training batch ``k``."""
+    """Where a replica's main thread is; values increase with progress."""
 
     SETUP = 0  # process group up: setup hooks, model wrapping, checkpoint restore, building loaders
     PROFILING = 1  # timing the training step to measure the replica's speed
@@ -258,8 +254,7 @@ def is_collective_failure(exception: BaseException) -> bool:
 
 
 def first_line(exception: BaseException, limit: int = 300) -> str:
-    """``Type: first line`` of ``exception``, at most about ``limit`` characters; a long message keeps its ``HINT:``
-    (what to do), shortening the part before it instead."""
+    """``Type: first line`` of ``exception``, about ``limit`` characters at most, keeping its ``HINT:``."""
     text = str(exception).strip().splitlines()
     line = f"{type(exception).__name__}: {text[0] if text else ''}"
     if len(line) <= limit:
@@ -272,7 +267,4 @@ def first_line(exception: BaseException, limit: int = 300) -> str:
 
 
 class JobEnded(SystemExit):
-    """Raised in a replica's main thread in place of an exception that only reflects how the job ended elsewhere
-    (a peer stalled, died or was interrupted): the process exits with :attr:`code` (124 or 130), after the usual
-    clean-up (``finally`` blocks, exit handlers). The watchdog has already printed the reason.
-    """
+    """Raised instead of an exception that only reflects the job ending elsewhere; exits with :attr:`code`."""
