@@ -133,7 +133,6 @@ def on_flavour(cls: type, like: Any) -> type:
     return built
 
 
-# ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
 def _private_attribute(owner: Any, name: str) -> Any:
     try:
         return getattr(owner, name)

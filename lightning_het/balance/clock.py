@@ -104,7 +104,6 @@ class StepClock:
             torch.cuda.synchronize(self._device)
         return time.perf_counter()
 
-    # ------------------------------------------------------------------ driven by the strategy
     def step_start(self, batch_size: int) -> None:
         """A training batch starts (``training_step`` entry); closes the previous step."""
         now = self._now()
@@ -164,7 +163,6 @@ class StepClock:
         timings, self._timings = self._timings, EpochTimings()
         return timings
 
-    # ------------------------------------------------------------------ internals
     def _on_backward_start(self, grad: Tensor) -> None:
         self._backward_start = time.perf_counter()
         if self._cpu is not None:

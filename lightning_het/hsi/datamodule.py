@@ -172,7 +172,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         self.memory_budget = _default_memory_budget() if memory_budget is None else int(memory_budget)
         self._scene: _Scene | None = None
 
-    # ------------------------------------------------------------------ scene properties (built on first access)
     @property
     def scene(self) -> _Scene:
         """The processed scene; built on first access (``setup`` does it on every rank)."""
@@ -215,7 +214,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         """Pixels per class in the ``train``/``val``/``test`` subsets."""
         return self.scene.split.class_counts(self.scene.labels, self.scene.num_classes)
 
-    # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:
         """Fail fast on missing or unreadable files (metadata only; nothing is downloaded or written)."""
         if self.image is None:
@@ -237,7 +235,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             self.test_dataset = PatchDataset(scene.source, split.test, labels[split.test] - 1)
             self.predict_dataset = PatchDataset(scene.source, np.arange(labels.size), labels - 1)
 
-    # ------------------------------------------------------------------ internals
     def _build(self) -> _Scene:
         scene = self._read()
         source = scene.source

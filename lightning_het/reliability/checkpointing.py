@@ -37,7 +37,6 @@ _VERSION = 1
 _LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-# ---------------------------------------------------------------------------------------------------------- records
 def sampler_record(sampler: ProportionalDistributedSampler, steps_done: int) -> dict[str, Any]:
     """Where ``sampler`` stands: its epoch, the global batches of that epoch done, and what fixes its order."""
     return {
@@ -96,7 +95,6 @@ def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
     return int(saved) if isinstance(saved, int) and saved > 0 else None
 
 
-# ---------------------------------------------------------------------------------------------------------- decisions
 @dataclass(frozen=True)
 class AllocationPlan:
     """What a resumed fit uses as speeds, and the log line explaining it."""
@@ -180,7 +178,6 @@ def plan_sampler_resume(
     return SamplerResume(epoch, done)
 
 
-# ---------------------------------------------------------------------------------------------------------- wiring
 def apply_sampler_resume(
     sampler: ProportionalDistributedSampler, record: Mapping[str, Any] | None, epoch: int
 ) -> SamplerResume | None:

@@ -143,7 +143,6 @@ class HeartbeatBook:
         self._hidden: set[int] = set()
         self._forgeries = 0
 
-    # ------------------------------------------------------------------ signed records
     def sign(self, key: str, payload: str) -> str:
         return sign(self.token, self.namespace + key, payload) if self.token else payload
 
@@ -170,7 +169,6 @@ class HeartbeatBook:
                 f" {what}; ignored, the last genuine record is kept (a client outside the job writes to the store)"
             )
 
-    # ------------------------------------------------------------------ heartbeats
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
         """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
         key = f"hb/{r}"

@@ -146,7 +146,6 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         launcher._strategy = strategy
         return launcher
 
-    # ------------------------------------------------------------------ launching process
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -221,7 +220,6 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         if observer is not threading.current_thread():
             observer.join(timeout=5.0)
 
-    # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
         from lightning_het.reliability.supervision import stop_watchdog

@@ -67,7 +67,6 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-# ---------------------------------------------------------------------------------------------------- per replica
 class PreemptionHandler:
     """One replica's signal notice, deadline and step-boundary agreement (see the module docstring)."""
 
@@ -105,7 +104,6 @@ class PreemptionHandler:
         self._launched: list[subprocess.Popen] = []
         self._preempting = False
 
-    # ------------------------------------------------------------------ signal handlers (main thread)
     @property
     def installed(self) -> bool:
         return self._pipe is not None
@@ -180,7 +178,6 @@ class PreemptionHandler:
         # outside fit there is nothing to save: end now
         self.arm_deadline(0.0 if not self.fitting else self.grace, f"received {_signal_name(signum)}")
 
-    # ------------------------------------------------------------------ deadline
     def arm_deadline(self, seconds: float, reason: str) -> None:
         """End this process (status 143) ``seconds`` from now unless it ends first; the earliest deadline wins."""
         at = time.monotonic() + seconds
@@ -234,7 +231,6 @@ class PreemptionHandler:
                 stream.flush()
         self._exit(PREEMPTION_EXIT_CODE)
 
-    # ------------------------------------------------------------------ launched replicas (launching process)
     def _hold_launched_replicas(self) -> None:
         """Keep our own list of the replicas this process launched, and stop Lightning's child-process observer."""
         with contextlib.suppress(Exception):
@@ -256,7 +252,6 @@ class PreemptionHandler:
                 if proc.poll() is None:
                     proc.kill()
 
-    # ------------------------------------------------------------------ step boundary (main thread)
     def agree(self, device: torch.device) -> list[int]:
         """All-reduce (MAX) which replica received which signal; every replica gets the same list (0: none)."""
         local = [0] * self.world_size
@@ -338,7 +333,6 @@ def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | N
     return path
 
 
-# ---------------------------------------------------------------------------------------------------- Trainer wiring
 class PreemptionCallback(Callback):
     """Runs the agreement after every optimizer step; added to the Trainer by the strategy (after its callbacks)."""
 

@@ -100,7 +100,6 @@ class Watchdog:
         self._main_ident = threading.get_ident()
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
-    # ------------------------------------------------------------------ signed records
     def _write(self, key: str, payload: str) -> None:
         self.store.set(key, self._book.sign(key, payload))
 
@@ -108,7 +107,6 @@ class Watchdog:
         """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
         return self._book.verify(key, raw)
 
-    # ------------------------------------------------------------------ training thread
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
         self._main_ident = threading.get_ident()
@@ -217,7 +215,6 @@ class Watchdog:
         sys.stderr.flush()
         self._exit(code)
 
-    # ------------------------------------------------------------------ heartbeat thread
     def _run(self) -> None:
         tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
         next_beat = 0.0
@@ -350,7 +347,6 @@ class Watchdog:
         return Verdict(verdict.kind, verdict.culprits, verdict.seconds, f"{verdict.message}; on replica"
                        f" {self.rank} a collective failed: {cause}")  # fmt: skip
 
-    # ------------------------------------------------------------------ ending the job
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
             return None
