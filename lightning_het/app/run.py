@@ -135,10 +135,7 @@ def _test_checkpoint(trainer: pl.Trainer, choice: str) -> dict[str, Any]:
         if getattr(callback, "monitor", None) and best:
             score = callback.best_model_score
             record.update(
-                used="best",
-                path=str(best),
-                monitor=callback.monitor,
-                score=None if score is None else float(score),
+                used="best", path=str(best), monitor=callback.monitor, score=None if score is None else float(score)
             )
             return record
     record["note"] = "no checkpoint of a monitored metric (e.g. callbacks=none): the last epoch's weights"

@@ -34,7 +34,6 @@ class EpochTimings:
 
     @classmethod
     def from_tensor(cls, rows: Tensor) -> EpochTimings:
-        """Inverse of :meth:`as_tensor`."""
         data = rows.detach().cpu().tolist()
         return cls(
             compute_s=[r[0] for r in data],

@@ -65,7 +65,6 @@ class AffineCost:
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> AffineCost:
-        """Inverse of :meth:`as_dict`."""
         return cls(float(data["fixed_s"]), float(data["per_sample_s"]))
 
 

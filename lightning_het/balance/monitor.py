@@ -96,7 +96,6 @@ class BalanceMonitor:
 
     @property
     def rebalancing(self) -> bool:
-        """Whether any rebalancing check is configured."""
         return self.every_n_epochs is not None or self.threshold is not None
 
     def reset(self) -> None:

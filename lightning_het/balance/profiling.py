@@ -240,9 +240,7 @@ def _metric_state(metric: Any) -> dict[str, Any]:
 
 @contextmanager
 def preserved_training_state(
-    module: torch.nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
-    schedulers: Sequence[Any] = (),
+    module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = ()
 ) -> Iterator[None]:
     """Restore parameters, gradients, optimizer, scheduler, metric and RNG states and train flags on exit."""
     module_state = copy.deepcopy(module.state_dict())

@@ -121,11 +121,7 @@ def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
 def balance_report_paths(directory: str | Path) -> dict[str, Path]:
     """Where :func:`write_balance_report` puts its files in ``directory``, keyed ``json``, ``table`` and ``plot``."""
     out = Path(directory)
-    return {
-        "json": out / "balance_report.json",
-        "table": out / "balance_report.md",
-        "plot": out / "balance_report.png",
-    }
+    return {"json": out / "balance_report.json", "table": out / "balance_report.md", "plot": out / "balance_report.png"}
 
 
 def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[str, Path]:

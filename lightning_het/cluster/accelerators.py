@@ -153,10 +153,7 @@ def mixed_accelerator_class(strategy_cls: type) -> type:
 
 
 def mixed_accelerator_kwargs(
-    strategy_cls: type,
-    device_map: DeviceMapArg | None,
-    cpu_threads: int | Sequence[int] | None,
-    kwargs: dict[str, Any],
+    strategy_cls: type, device_map: DeviceMapArg | None, cpu_threads: int | Sequence[int] | None, kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` given a map."""
     if device_map is None:

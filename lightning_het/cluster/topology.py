@@ -101,10 +101,7 @@ def describe_topology(node_ids: Sequence[int]) -> str:
 
 
 def gather_node_ids(
-    source: _HasNodeRank | int,
-    *,
-    hostname: str | None = None,
-    group: dist.ProcessGroup | None = None,
+    source: _HasNodeRank | int, *, hostname: str | None = None, group: dist.ProcessGroup | None = None
 ) -> list[int]:
     """Detect the node of every rank with one ``all_gather_object`` of ``(node_rank, hostname)``."""
     node_rank = int(source.node_rank()) if isinstance(source, _HasNodeRank) else int(source)
@@ -131,17 +128,14 @@ class NodeGroups:
 
     @property
     def world_size(self) -> int:
-        """Number of replicas in the job."""
         return len(self.node_ids)
 
     @property
     def num_nodes(self) -> int:
-        """Number of nodes ``N``."""
         return len(self.members)
 
     @property
     def node_id(self) -> int:
-        """This rank's node."""
         return self.node_ids[self.rank]
 
     @property
@@ -151,7 +145,6 @@ class NodeGroups:
 
     @property
     def node_size(self) -> int:
-        """Replicas on this rank's node."""
         return len(self.node_ranks)
 
     @property
@@ -166,7 +159,6 @@ class NodeGroups:
 
     @property
     def is_leader(self) -> bool:
-        """Whether this rank leads its node."""
         return self.rank == self.leader
 
 

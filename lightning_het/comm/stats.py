@@ -28,7 +28,6 @@ class Traffic:
 
     @classmethod
     def zeros(cls, world_size: int) -> Traffic:
-        """No traffic."""
         return cls([0.0] * world_size, [0.0] * world_size)
 
     def __add__(self, other: Traffic) -> Traffic:

@@ -38,10 +38,7 @@ class ReductionTuner:
     __slots__ = ("_clock", "_current", "_last", "_n", "_times", "choice", "margin")
 
     def __init__(
-        self,
-        steps_per_candidate: int,
-        margin: float = DEFAULT_MARGIN,
-        clock: Callable[[], float] = time.perf_counter,
+        self, steps_per_candidate: int, margin: float = DEFAULT_MARGIN, clock: Callable[[], float] = time.perf_counter
     ) -> None:
         if isinstance(steps_per_candidate, bool) or not isinstance(steps_per_candidate, int) or steps_per_candidate < 1:
             raise ValueError(f"Expected argument `steps_per_candidate` >= 1, but got {steps_per_candidate!r}.")
@@ -61,7 +58,6 @@ class ReductionTuner:
 
     @property
     def measuring(self) -> bool:
-        """Whether steps are still being timed."""
         return self.choice is None
 
     def step_done(self) -> bool:

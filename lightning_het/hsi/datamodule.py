@@ -191,7 +191,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
 
     @property
     def class_names(self) -> list[str]:
-        """One name per class."""
         return self.scene.class_names
 
     @property

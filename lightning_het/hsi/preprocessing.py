@@ -38,7 +38,6 @@ class SpectralTransform:
 
     @property
     def in_bands(self) -> int:
-        """Bands expected on input."""
         return int(self.shift.shape[0])
 
     @property
@@ -80,9 +79,6 @@ def fit_spectral_transform(
             with zero variance are only centred).
         pca_components: keep this many principal components of the (standardised) training spectra; ``None`` keeps
             all bands. Components are sign-normalised (largest loading positive) so that fits are reproducible.
-
-    Returns:
-        The fitted transform.
 
     Raises:
         ValueError: no spectra, or ``pca_components`` outside ``1..bands``.

@@ -265,14 +265,12 @@ class RasterHandle:
 
     @property
     def dataset(self) -> Any:
-        """The open rasterio dataset of this process."""
         if self._dataset is None or self._pid != os.getpid():
             self._dataset = open_raster(self.path, self.role)
             self._pid = os.getpid()
         return self._dataset
 
     def close(self) -> None:
-        """Close the dataset if this process opened it."""
         if self._dataset is not None and self._pid == os.getpid():
             self._dataset.close()
         self._dataset = None
@@ -307,9 +305,6 @@ def write_geotiff(
         band_descriptions: one description per band (e.g. wavelengths).
         colormap: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster.
         compress: GDAL compression name.
-
-    Returns:
-        The path written.
     """
     data = np.asarray(array)
     if data.ndim == 2:
