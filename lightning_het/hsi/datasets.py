@@ -119,7 +119,10 @@ class WindowedPatches:
 
 
 class PatchDataset(Dataset):
-    """Labelled (or unlabelled) pixels of a scene served as patch samples (see the module docstring for the keys).
+    """Labelled (or unlabelled) pixels of a scene served as patch samples.
+
+    A sample is a dict: ``image`` ``float32 (B, p, p)``, ``label`` (class index, ``-1`` unlabelled), ``row``, ``col``,
+    ``valid`` (the centre pixel has a usable spectrum).
 
     Args:
         source: where patches come from.

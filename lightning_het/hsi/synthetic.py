@@ -133,7 +133,7 @@ def make_synthetic_scene(
     crs: str = "EPSG:32616",
     origin: tuple[float, float] = (500000.0, 4400000.0),
 ) -> SyntheticScene:
-    """Draw a synthetic hyperspectral scene (see the module docstring for the model).
+    """Draw a synthetic hyperspectral scene (the model is in ``docs/hyperspectral.md``).
 
     Args:
         height: rows, in pixels.

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """Per-replica heartbeat thread and judge; see the module docstring."""
+    """Per-replica heartbeat thread and judge (see the module docstring)."""
 
     def __init__(
         self,
