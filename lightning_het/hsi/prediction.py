@@ -27,28 +27,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TAB20 = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-    (174, 199, 232),
-    (255, 187, 120),
-    (152, 223, 138),
-    (255, 152, 150),
-    (197, 176, 213),
-    (196, 156, 148),
-    (247, 182, 210),
-    (199, 199, 199),
-    (219, 219, 141),
-    (158, 218, 229),
-]  # matplotlib's "tab20" order: dark tones first, so that up to 10 classes get clearly distinct colours
+#: matplotlib's "tab20" order: dark tones first, so that up to 10 classes get clearly distinct colours
+_TAB20_RGB = bytes.fromhex(
+    "1f77b4ff7f0e2ca02cd627289467bd8c564be377c27f7f7fbcbd2217becf"
+    "aec7e8ffbb7898df8aff9896c5b0d5c49c94f7b6d2c7c7c7dbdb8d9edae5"
+)
+_TAB20 = [tuple(_TAB20_RGB[i : i + 3]) for i in range(0, len(_TAB20_RGB), 3)]
 
 
 def class_palette(num_classes: int) -> list[tuple[int, int, int]]:
