@@ -39,8 +39,7 @@ class ConfigValueError(ValueError):
     """A config value has the right type but an impossible value (raised before anything is built)."""
 
 
-#: Gradient communication of :class:`~lightning_het.HeterogeneousStrategy` (see ``docs/communication.md``): the
-#: choices of :data:`lightning_het.comm.modes.COMM_CHOICES`, as the enum OmegaConf needs to check them.
+#: ``COMM_CHOICES`` (see ``docs/communication.md``) as the enum OmegaConf needs to check them
 Comm = enum.Enum("Comm", {choice: choice for choice in COMM_CHOICES}, type=str)  # type: ignore[misc]
 
 
@@ -132,8 +131,7 @@ class StrategyConfig:
     comm_warmup_steps: int = 0
     #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
     comm_autotune_steps: int = 5
-    #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (a file or a directory); null: last.ckpt of the run's
-    #: ModelCheckpoint, else <run dir>/checkpoints/last.ckpt; false: none (see docs/preemption.md)
+    #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (file or directory; false: none; docs/preemption.md)
     preemption_checkpoint: Any = None
     #: seconds from the signal until a replica that could not stop in time is ended with status 143
     preemption_grace: float = 25.0
@@ -214,8 +212,7 @@ class DataConfig:
     """Schema of the ``data`` group: the keywords of :class:`~lightning_het.hsi.HyperspectralDataModule`."""
 
     _target_: str = "lightning_het.hsi.datamodule.HyperspectralDataModule"
-    #: multi-band raster (GeoTIFF, ENVI, anything rasterio opens) or a MATLAB .mat file; null: synthetic scene.
-    #: MISSING in the schema so that a YAML file's ``???`` stays mandatory (merging ``???`` keeps a default).
+    #: raster or .mat file; null: synthetic scene. MISSING so that a YAML ``???`` stays mandatory.
     image: str | None = MISSING
     #: single-band integer raster on the image's grid, 0 = unlabelled, 1..C = classes
     labels: str | None = MISSING
@@ -227,8 +224,7 @@ class DataConfig:
     val_fraction: float = 0.1
     val_per_class: int | None = None
     block_size: int = 16
-    #: an int, ``auto`` (min(30, bands - 1), chosen once the band count is known and logged) or null (every band).
-    #: ``Any`` because OmegaConf has no int-or-string type; the data module checks the value.
+    #: an int, ``auto`` (min(30, bands - 1)) or null (every band); ``Any``: OmegaConf has no int-or-string type
     pca_components: Any = None
     standardize: bool = True
     num_classes: int | None = None
