@@ -27,11 +27,9 @@ _SECANT_MIN_SPREAD = 0.15
 _SECANT_MIN_TIME_SPREAD = 0.25
 
 _BISECTION_STEPS = 100
-#: a replica that only slows the job down is reported when the job is predicted at least this much faster without it
-#: (a smaller gain may be timing noise)
+#: a useless replica is reported when the job is predicted this much faster without it (less may be timing noise)
 USELESS_MARGIN = 0.9
-#: the fitted slope is kept at least this fraction of the mean seconds per sample (a flat curve would attract every
-#: sample of the global batch to one replica on the strength of timing noise)
+#: least fitted slope, as a fraction of the mean seconds per sample (a flat curve would attract every sample)
 _MIN_SLOPE_FRACTION = 0.01
 
 

@@ -161,8 +161,7 @@ class BalanceMonitor:
         if not self.check_due(trainer, epoch) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
             return False
         if strategy.profiling or list(summary.get("batch_sizes", sizes)) != list(sizes):
-            # still profiling (the fitted split is coming), or the epoch mostly ran other splits (a short epoch spent
-            # profiling): its medians do not describe `sizes`
+            # still profiling, or the epoch mostly ran other splits: its medians do not describe `sizes`
             return False
         decision = plan_rebalance(
             sizes,

@@ -142,8 +142,7 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
     cost = fit_affine(sizes, seconds)
-    # a per-sample cost below 10 % of the average cost per sample at the largest size measured is more likely timing
-    # noise than a flat curve, and extrapolating it would pile the global batch onto this replica: keep the line
+    # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line
     # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
     largest = max(range(len(sizes)), key=lambda i: sizes[i])
     floor = _MIN_SLOPE_OF_AVERAGE * seconds[largest] / sizes[largest]
@@ -250,8 +249,7 @@ def preserved_training_state(
     training_flags = {name: m.training for name, m in module.named_modules()}
     metrics = _metric_modules(module)
     metric_states = [_metric_state(m) for m in metrics]
-    # a CPU replica of a mixed CPU/GPU job has not initialised CUDA: reading the CUDA RNG would create a context on
-    # every GPU; a replica that has not touched CUDA has no CUDA RNG state to protect either
+    # reading the CUDA RNG of a replica that never touched CUDA would create a context on every GPU, for nothing
     rng_states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
     try:
         yield

@@ -194,8 +194,7 @@ def plan_rebalance(
         new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
     else:
         costs = refresh_costs(sizes, times, fixed_costs, previous)
-        # trust region: a replica at most doubles its batch (+2) per check, so a cost extrapolated far beyond what
-        # was measured cannot pile the batch onto one replica; the bounds still hold the total (sum >= 2B)
+        # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
         upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
         trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
         proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)

@@ -168,8 +168,7 @@ def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None 
     return names
 
 
-#: the variables a Trainer call sets in ``os.environ`` (the job token, the loopback interfaces); they are put back as
-#: they were when the call ends, so that a later job in the same process (another node set-up) does not inherit them.
+#: variables a Trainer call sets in ``os.environ`` (job token, loopback interfaces), put back when the call ends
 JOB_ENVIRONMENT = (TOKEN_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 

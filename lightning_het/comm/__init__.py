@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     from lightning_het.comm.node_local import NodeLocal
     from lightning_het.comm.stats import CommStats, Traffic
 
-#: public name -> defining module, imported on first access (``lightning_het.comm.modes`` needs no torch, and the
-#: app's config schema imports it)
+#: public name -> defining module, imported on first access (``modes`` needs no torch: the app's schema imports it)
 _LAZY = {
     "FlatAllReduce": "allreduce",
     "Hierarchical": "hierarchical",

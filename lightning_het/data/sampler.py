@@ -128,8 +128,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         self.tail_batch_sizes = None if drop_last else tail_batch_sizes(tail, sizes, min_batch_size)
         self._tail = tail
         self._min_batch_size = min_batch_size
-        #: ``(epoch, step) -> split or None``: the split of a global batch that departs from ``batch_sizes`` (the
-        #: in-loop profiler's trial splits, see :mod:`lightning_het.balance.profiler`); ``None``: none does
+        #: ``(epoch, step) -> split or None``: a global batch's split other than ``batch_sizes`` (profiler trials)
         self.split_schedule: Callable[[int, int], list[int] | None] | None = None
         self.dropped_per_epoch = tail if self.tail_batch_sizes is None else 0
         self.num_steps = self.num_full_steps + (self.tail_batch_sizes is not None)

@@ -51,8 +51,7 @@ _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 #: packages whose barriers call a process group's C++ method directly (no Python frame in ``torch.distributed``)
 _LIGHTNING_PACKAGES = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
                                                                  "lightning_het"))  # fmt: skip
-#: functions of those packages that wait for every replica: Lightning's ``strategy.barrier``, ``_sync_dir`` and the
-#: ``_InfiniteBarrier`` around ``prepare_data``
+#: their functions that wait for every replica (``strategy.barrier``, ``_sync_dir``, ``_InfiniteBarrier``)
 _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 

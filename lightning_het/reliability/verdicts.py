@@ -32,8 +32,7 @@ __all__ = [
 WATCHDOG_EXIT_CODE = 124
 #: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).
 INTERRUPTED_EXIT_CODE = 130
-#: replica states (and verdict kinds) that are an interruption from outside the job, not a failure, with the exit
-#: status every replica ends with; everything else ends with :data:`WATCHDOG_EXIT_CODE`.
+#: states (and verdict kinds) that are an interruption, not a failure, with every replica's exit status
 INTERRUPTION_EXIT_CODES: dict[str, int] = {"interrupted": INTERRUPTED_EXIT_CODE}
 _INTERRUPTED_STATES = INTERRUPTION_EXIT_CODES  # the states are the keys
 #: a local replica's exit status (or ``-signal``) that tells it was interrupted, with the verdict kind it gets
