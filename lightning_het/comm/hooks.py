@@ -93,14 +93,11 @@ class HierarchicalState:
 
     Args:
         groups: the job's node groups (:func:`lightning_het.cluster.topology.build_node_groups`).
-        chunk_bytes: tensors larger than this are reduced in chunks of at most this many bytes, so that the three
-            stages of successive chunks overlap (chunk ``k`` crosses the network while chunk ``k+1`` is reduced inside
-            the node and chunk ``k-1`` is broadcast). Smaller chunks pipeline better but pay the per-collective
-            latency more often; 1-8 MiB suits TCP and NCCL alike. ``0`` disables chunking.
+        chunk_bytes: largest chunk reduced at once, so that the three stages of successive chunks overlap; smaller
+            chunks pipeline better but pay more latency (1-8 MiB suits TCP and NCCL). ``0`` disables chunking.
 
     Attributes:
-        flat: when ``True``, :func:`hierarchical_hook` runs one flat all-reduce over all ranks instead (same result;
-            set by the controller's measured choice, :mod:`lightning_het.comm.tuning`). Must be equal on all ranks.
+        flat: run one flat all-reduce instead (same result; the measured choice); equal on all ranks.
     """
 
     # user-tuned: chunk_bytes; topology: groups, world_size; measured choice: flat;
@@ -237,8 +234,7 @@ class NodeLocalState:
 
     Attributes:
         node_scale: ``B / (W * B_n)`` applied to this rank's pre-scaled gradient before the node's sum.
-        completed_steps: optimizer steps completed so far (the controller sets it from the trainer's global step, so
-            a resumed run keeps its warm-up schedule).
+        completed_steps: optimizer steps completed so far (from the global step: a resumed run keeps its warm-up).
     """
 
     # user-tuned: warmup_steps; derived from the allocation: node_scale; internal: completed_steps, hierarchical

@@ -80,8 +80,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         dataset: any sized dataset.
         batch_sizes: samples per step of each replica, indexed by global rank (all positive).
         rank: this replica's global rank.
-        shuffle: draw a new permutation every epoch (see :meth:`set_epoch`); otherwise keep the dataset order. Ignored
-            when ``order_sampler`` is given.
+        shuffle: a new permutation every epoch (``set_epoch``), else the dataset order; ignored with ``order_sampler``.
         seed: base seed of the order; must be the same on every replica.
         drop_last: drop the tail instead of training it as a last, smaller global batch.
         min_batch_size: fewest samples per replica in the tail batch (``2`` where batch norm trains per replica).

@@ -77,13 +77,10 @@ class HyperspectralDataModule(HeterogeneousDataModule):
 
     Args:
         image: multi-band raster or ``.mat`` file; ``None`` for a synthetic scene.
-        labels: single-band label raster or ``.mat`` file; for ``.mat`` it may be omitted when the image file holds
-            both arrays. Required with a raster ``image``.
-        synthetic: keyword arguments of :func:`~lightning_het.hsi.synthetic.make_synthetic_scene` when ``image`` is
-            ``None`` (default: a 64x64 pixel, 32 band, 6 class scene).
+        labels: single-band label raster or ``.mat`` file (omitted when the image ``.mat`` holds both arrays).
+        synthetic: ``make_synthetic_scene`` keywords for ``image=None`` (default: 64x64 px, 32 bands, 6 classes).
         patch_size: odd side of the square patches, in pixels (``1`` = spectra only).
-        split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see
-            :func:`~lightning_het.hsi.splits.block_split`).
+        split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see ``block_split``).
         train_fraction: fraction of each class's pixels used for training.
         train_per_class: pixels per class used for training; takes precedence over ``train_fraction``.
         val_fraction: fraction of each class's pixels used for validation (``0`` for none).
@@ -92,18 +89,15 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         pca_components: keep this many principal components (fitted on training pixels); ``"auto"``:
             ``min(30, bands - 1)``, decided once the band count is known and logged; ``None`` keeps every band.
         standardize: standardise each band with the training mean and standard deviation.
-        num_classes: number of classes ``C``; default ``len(class_names)`` or the largest label. Labels above ``C``
-            are an error.
+        num_classes: ``C``; default ``len(class_names)`` or the largest label. Labels above ``C`` are an error.
         class_names: one name per class, for logs and map legends.
         image_key: variable holding the cube in a ``.mat`` file (default: found by shape).
         labels_key: variable holding the labels in a ``.mat`` file (default: found by shape).
         seed: seed of the split (the synthetic scene has its own ``seed`` in ``synthetic``).
         in_memory: hold the preprocessed cube in memory (``True``) or read each patch from the file (``False``);
             ``None`` decides by size against ``memory_budget``. ``.mat`` and synthetic scenes are always in memory.
-        memory_budget: bytes one process may spend on an in-memory cube when ``in_memory`` is ``None`` (default: an
-            eighth of physical memory).
-        global_batch_size: samples per optimizer step summed over replicas (see
-            :class:`~lightning_het.HeterogeneousDataModule`).
+        memory_budget: bytes for an in-memory cube when ``in_memory`` is ``None`` (default: 1/8 of physical memory).
+        global_batch_size: samples per optimizer step summed over replicas (see ``HeterogeneousDataModule``).
         eval_batch_size: per-replica batch size for validation, test and predict.
         num_workers: ``DataLoader`` worker processes per replica.
         pin_memory: pin host memory.

@@ -46,8 +46,7 @@ class InMemoryPatches:
         cube: ``(bands, height, width)`` raw cube, any real dtype.
         patch_size: odd window side, in pixels.
         transform: fitted preprocessing; identity (cast to ``float32``) when ``None``.
-        nodata: the raster's nodata value; nodata/NaN pixels are zero-filled after preprocessing (see
-            :class:`~lightning_het.hsi.preprocessing.SpectralTransform`).
+        nodata: the raster's nodata value; nodata/NaN pixels are zero-filled after preprocessing.
         valid: the ``(height, width)`` mask of usable pixels, when already computed (else derived from ``nodata``).
     """
 

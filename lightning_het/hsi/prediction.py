@@ -55,8 +55,7 @@ def assemble_class_map(
         rows: pixel rows, shape ``(n,)``.
         cols: pixel columns, shape ``(n,)``.
         shape: ``(height, width)`` of the scene.
-        num_classes: ``C``, to choose the dtype (``uint8`` below 256 classes, else ``uint16``); from ``pred`` if
-            ``None``.
+        num_classes: ``C``, for the dtype (``uint8`` below 256 classes, else ``uint16``); from ``pred`` if ``None``.
 
     Returns:
         ``(height, width)`` map of ``pred + 1``; pixels never predicted are ``0``.
