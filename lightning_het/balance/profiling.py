@@ -1,9 +1,4 @@
-"""Fitting a replica's cost model, and the speed cache.
-
-:func:`fit_stage_timings` fits each replica's ``t(b) = a + c * b`` through its fastest step at each batch size (with a
-cautious slope floor); :class:`ProfileCache` / :func:`cache_key` keep fitted costs on disk so that a sweep's later
-jobs and a re-run skip profiling. The profiling schedule itself is :mod:`lightning_het.balance.profiler`.
-"""
+"""Fitting a replica's cost model, and the speed cache (the schedule: :mod:`lightning_het.balance.profiler`)."""
 
 from __future__ import annotations
 
@@ -47,22 +42,13 @@ _MIN_SLOPE_OF_AVERAGE = 0.1
 
 
 def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> AffineCost:
-    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages.
-
-    Each stage contributes its fastest step (timing noise on a shared machine only ever adds time, and the first
-    step at a new shape may include one-off costs such as autotuning). The per-sample cost is kept at least 10 % of
-    the average cost per sample of the largest stage: a flatter fit is more likely noise than a real curve.
-
-    Args:
-        stages: ``(batch_size, timings)`` of each stage, in the order they ran.
-    """
+    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages."""
     sizes = [b for b, timings in stages if timings]
     seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
     cost = fit_affine(sizes, seconds)
-    # a per-sample cost below 10 % of the average cost per sample at the largest size measured is more likely timing
-    # noise than a flat curve, and extrapolating it would pile the global batch onto this replica: keep the line
+    # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line
     # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
     largest = max(range(len(sizes)), key=lambda i: sizes[i])
     floor = _MIN_SLOPE_OF_AVERAGE * seconds[largest] / sizes[largest]
@@ -92,15 +78,7 @@ def device_description(device: torch.device) -> str:
 
 
 def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extra: Any) -> str:
-    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes.
-
-    Args:
-        module: the LightningModule being trained.
-        device: the replica's device.
-        sample: one item of the training dataset (its tensor shapes and dtypes enter the key, not its values).
-        **extra: anything else the cost depends on (precision, an emulated slowdown, the number of replicas
-            sharing the machine); JSON-serialisable values.
-    """
+    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes."""
     cls = type(module)
     data = {
         "module": f"{cls.__module__}.{cls.__qualname__}",
@@ -114,12 +92,7 @@ def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extr
 
 
 class ProfileCache:
-    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas).
-
-    Args:
-        directory: where the entries live. ``True`` in the strategy means ``$XDG_CACHE_HOME/lightning_het/profiles``
-            (``~/.cache/lightning_het/profiles``).
-    """
+    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).expanduser()

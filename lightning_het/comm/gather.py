@@ -1,21 +1,4 @@
-"""``all_gather`` for tensors whose first dimension differs between replicas (speed-proportional batch shares).
-
-With :class:`~lightning_het.strategy.HeterogeneousStrategy` a replica's batch holds its share of the global batch, so a
-per-sample tensor (predictions, targets, embeddings) has a different first dimension on each replica. A plain
-``torch.distributed.all_gather`` of such tensors aborts in Gloo ("Received data size doesn't match expected size") or
-reads past the data on other backends. :func:`all_gather_uneven` first exchanges every replica's shape and dtype
-(one small all-gather), then:
-
-* **same shape everywhere** (including 0-d tensors): exactly what DDP returns, the tensors stacked to
-  ``[W, *shape]``;
-* **only the first dimension differs**: the tensors concatenated in rank order to ``[sum_r n_r, *rest]``: every
-  sample once, no padding to strip. ``gathered.reshape(-1, *x.shape[1:])`` gives ``[all samples, *rest]`` in both
-  cases, so code written that way works for even and uneven splits alike;
-* **anything else** (different trailing dimensions, number of dimensions or dtypes): :class:`ValueError` naming every
-  replica's shape and dtype, raised on every replica alike, before any data is exchanged.
-
-``sync_grads=True`` lets gradients flow back to each replica's own slice, as with DDP.
-"""
+"""``all_gather`` for tensors whose first dimension differs between replicas (speed-proportional batch shares)."""
 
 from __future__ import annotations
 
@@ -40,10 +23,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ...]], list[int]]:
-    """Every replica's ``(shape, dtype code)`` of ``tensor``, in rank order of ``group`` (one or two all-gathers).
-
-    All replicas get the same lists, so every decision taken from them is taken alike on every replica.
-    """
+    """Every replica's ``(shape, dtype code)`` of ``tensor``, in rank order of ``group`` (one or two all-gathers)."""
     world = dist.get_world_size(group)
     meta = torch.zeros(2 + _INLINE_DIMS, dtype=torch.int64, device=tensor.device)
     meta[0], meta[1] = tensor.dim(), _dtype_code(tensor.dtype)
@@ -63,9 +43,10 @@ def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ..
 
 
 def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-    """Gather ``tensor`` from every replica of ``group`` (default: all); see the module docstring for the shapes.
+    """Gather ``tensor`` from every replica of ``group`` (default: all).
 
-    Returns ``tensor`` itself when ``torch.distributed`` is not initialised (as Lightning does).
+    Equal shapes are stacked to ``[W, *shape]`` (as DDP); shapes differing only in dimension 0 are concatenated in rank
+    order to ``[sum_r n_r, *rest]``. ``tensor`` itself when ``torch.distributed`` is not initialised.
 
     Raises:
         ValueError: the replicas' tensors differ in more than their first dimension (message names all shapes).
@@ -123,14 +104,7 @@ def _structure(data: Any) -> str:
 
 
 def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-    """:func:`all_gather_uneven` applied to every tensor of ``data`` (a tensor or a nested collection, as Lightning's
-    ``apply_to_collection`` walks it); other leaves are returned unchanged.
-
-    For a collection, the replicas first agree that their collections have the same structure (keys, list lengths,
-    where the tensors are): a list of per-sample values is as long as each replica's share, and gathering it element
-    by element would pair different calls on different replicas. A mismatch raises :class:`ValueError` on every
-    replica, naming each replica's number of tensors.
-    """
+    """:func:`all_gather_uneven` applied to every tensor of ``data``; other leaves are returned unchanged."""
     if isinstance(data, Tensor):
         return all_gather_uneven(data, group=group, sync_grads=sync_grads)
     if dist.is_available() and dist.is_initialized():

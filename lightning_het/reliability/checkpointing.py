@@ -1,42 +1,4 @@
-"""What a checkpoint records about the heterogeneous split, and how a resumed run uses it.
-
-Every checkpoint written through :class:`~lightning_het.HeterogeneousStrategy` carries one extra top-level entry,
-``checkpoint["lightning_het"]`` (:data:`CHECKPOINT_KEY`), made of plain Python types (loadable with
-``torch.load(..., weights_only=True)``)::
-
-    {
-        "version": 1,
-        "world_size": 2,                 # replicas of the run that saved it
-        "global_batch_size": 8,
-        "batch_sizes": [2, 6],           # per global rank
-        "speeds": [1.0, 3.0],            # per global rank (samples/s when profiled)
-        "profiled": False,               # True when the speeds were measured, False when given
-        "node_ids": [0, 0],
-        "sampler": {                     # position of the training sampler (None when there was no training loader)
-            "epoch": 1,                  # the epoch the sampler was drawing
-            "steps_done": 2,             # global batches of that epoch already trained on
-            "num_steps": 5,              # global batches per epoch
-            "dataset_len": 40, "shuffle": True, "seed": 0,
-            "epoch_finished": False,     # saved after the epoch's end-of-epoch hooks
-        },
-    }
-
-It is written by the strategy's ``save_checkpoint`` (so ``ModelCheckpoint`` and ``trainer.save_checkpoint`` both get
-it) and read back by its ``load_checkpoint`` when a fit resumes from ``ckpt_path``. Strategy hooks were chosen over a
-Callback so that the entry never depends on the user's callback list, and a checkpoint stays resumable by any other
-strategy (Lightning ignores unknown top-level keys).
-
-Decisions on resume are pure functions, tested without processes:
-
-* :func:`plan_allocation`: same replicas and no ``speeds`` given: reuse the checkpoint's speeds (no re-profiling,
-  the same split, so the run continues exactly); ``speeds`` given or a different number of replicas: re-balance,
-  with one INFO line saying why and how the batch sizes change. Because every step applies the gradient of the whole
-  global batch whatever the split, a re-balanced run still follows the same trajectory (up to float rounding).
-* :func:`plan_sampler_resume`: a checkpoint taken mid-epoch continues with the next global batch of the same
-  permutation (the sampler skips the ``steps_done`` global batches already trained on), on any number of replicas.
-  That needs the same global order: if the global batch size, dataset length, shuffling or seed changed, a mid-epoch
-  resume is refused with a ``ValueError``; an end-of-epoch checkpoint has no such constraint.
-"""
+"""What a checkpoint records about the heterogeneous split, and how a resumed run uses it."""
 
 from __future__ import annotations
 
@@ -75,7 +37,6 @@ _VERSION = 1
 _LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-# ---------------------------------------------------------------------------------------------------------- records
 def sampler_record(sampler: ProportionalDistributedSampler, steps_done: int) -> dict[str, Any]:
     """Where ``sampler`` stands: its epoch, the global batches of that epoch done, and what fixes its order."""
     return {
@@ -112,11 +73,7 @@ def allocation_record(
 
 
 def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The entry of a loaded checkpoint, or ``None`` for a checkpoint written without this strategy.
-
-    Raises:
-        ValueError: if the entry was written by a newer, incompatible version of lightning-het.
-    """
+    """The entry of a loaded checkpoint, or ``None`` for a checkpoint written without this strategy."""
     record = checkpoint.get(CHECKPOINT_KEY)
     if record is None:
         return None
@@ -131,25 +88,16 @@ def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
-    """The global batch the checkpoint's run trained with (``None`` when not resuming or not recorded): a resumed fit
-    keeps it unless ``global_batch_size`` is given, so that resuming on another number of replicas draws the same
-    global batches."""
+    """The checkpoint's global batch (``None`` when not resuming), kept unless ``global_batch_size`` is given."""
     if not record:
         return None
     saved = (record.get("sampler") or {}).get("global_batch_size", record.get("global_batch_size"))
     return int(saved) if isinstance(saved, int) and saved > 0 else None
 
 
-# ---------------------------------------------------------------------------------------------------------- decisions
 @dataclass(frozen=True)
 class AllocationPlan:
-    """What a resumed fit uses as speeds, and the log line explaining it.
-
-    Attributes:
-        speeds: speeds to allocate from, or ``None`` to use the strategy's default (given ``speeds``, else profile).
-        message: INFO line for the log (``None`` when not resuming).
-        rebalanced: whether the split may differ from the checkpoint's.
-    """
+    """What a resumed fit uses as speeds, and the log line explaining it."""
 
     speeds: list[float] | None
     message: str | None
@@ -159,16 +107,7 @@ class AllocationPlan:
 def plan_allocation(
     record: Mapping[str, Any] | None, *, world_size: int, given_speeds: Sequence[float] | None
 ) -> AllocationPlan:
-    """Decide the speeds of a resumed fit from the checkpoint's record. Pure.
-
-    Args:
-        record: the checkpoint's entry (see :func:`read_record`), or ``None`` when not resuming.
-        world_size: replicas of this run.
-        given_speeds: the strategy's ``speeds`` argument (``None`` when speeds are profiled).
-
-    Returns:
-        The :class:`AllocationPlan`.
-    """
+    """Decide the speeds of a resumed fit from the checkpoint's record. Pure."""
     if record is None or not record.get("speeds"):
         return AllocationPlan(None, None, False)
     saved_world = int(record["world_size"])
@@ -214,24 +153,7 @@ def plan_sampler_resume(
     shuffle: bool,
     seed: int,
 ) -> SamplerResume | None:
-    """Decide where the sampler of a resumed fit starts. Pure.
-
-    Args:
-        saved: the record's ``"sampler"`` entry, or ``None``.
-        num_steps: global batches per epoch now.
-        global_batch_size: the global batch now.
-        dataset_len: training samples now.
-        shuffle: whether the order is shuffled now.
-        seed: the order's seed now.
-
-    Returns:
-        ``None`` when there is nothing to resume; else the epoch to draw and the global batches to skip
-        (``0`` for a checkpoint taken at an epoch boundary: the next epoch starts from its first batch).
-
-    Raises:
-        ValueError: for a mid-epoch checkpoint whose global order differs from this run's (different global batch
-            size, dataset length, shuffling or seed): the batches already trained on cannot be identified.
-    """
+    """Decide where the sampler of a resumed fit starts. Pure."""
     if not saved:
         return None
     epoch, done, saved_steps = int(saved["epoch"]), int(saved["steps_done"]), int(saved["num_steps"])
@@ -256,16 +178,10 @@ def plan_sampler_resume(
     return SamplerResume(epoch, done)
 
 
-# ---------------------------------------------------------------------------------------------------------- wiring
 def apply_sampler_resume(
     sampler: ProportionalDistributedSampler, record: Mapping[str, Any] | None, epoch: int
 ) -> SamplerResume | None:
-    """Position a freshly built training sampler: at ``epoch`` (Lightning's epoch counter), or, when resuming from
-    ``record``, at the checkpoint's place. Returns the resume plan (``None`` when not resuming).
-
-    Setting the epoch here, before Lightning creates the first iterator, also makes loaders with worker processes
-    (which draw indices as soon as the iterator exists) use the right permutation after a resume.
-    """
+    """Position a fresh training sampler at ``epoch`` or at the checkpoint's place; return the resume plan."""
     plan = None
     if record is not None:
         plan = plan_sampler_resume(
@@ -341,12 +257,8 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
 
 
 def synchronize_before_save(controller: Any, module: torch.nn.Module | None) -> None:
-    """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights.
-
-    Collective (checkpoints are saved on every rank). Calls ``synchronize(module.parameters())`` on the strategy's
-    communication controller ``controller`` (:class:`~lightning_het.comm.controller.CommController`; ``None`` before
-    DDP wrapped the model); a no-op for exact modes or when the replicas already agree.
-    """
+    """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights
+    (a collective; ``controller`` is ``None`` before DDP wrapped the model)."""
     if controller is None or module is None or not hasattr(controller, "synchronize"):
         return
     with torch.no_grad():

@@ -1,32 +1,4 @@
-"""The job's lifecycle: launch, run to the end together, and leave no process behind, whatever happens.
-
-:class:`HeterogeneousScriptLauncher` replaces Lightning's ``popen`` launcher (``_SubprocessScriptLauncher``; the
-strategy installs it). In the launching process (local rank 0 of each node) it
-
-1. checks the output directory (:func:`check_output_dir`) before any replica starts: a missing parent, a directory
-   that cannot be written or a full disk is one :class:`OutputDirError` naming the path (the app: exit status 2);
-2. creates the per-job token and keeps a single-node job's sockets on loopback
-   (:mod:`lightning_het.cluster.rendezvous`), then starts the other local replicas with ``PR_SET_PDEATHSIG``: the
-   kernel kills them if the launching process
-   dies, whatever kills it; when the Trainer call ends, the token and the socket variables are put back as they were
-   (:data:`~lightning_het.cluster.rendezvous.JOB_ENVIRONMENT`; a later call of the same job sets them again);
-3. watches them during each Trainer call until the watchdog runs (a replica that dies during start-up ends the job
-   within a second instead of leaving the others in the rendezvous for ``startup_timeout``; the observer thread ends
-   with the call), and at exit waits for them (up to ``timeout``), then kills any that are left.
-
-Multi-node jobs check their rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``) here, when the
-processes start (:func:`~lightning_het.reliability.supervision.validate_launch_environment`), not when the Trainer is
-built.
-
-In every replica it runs the Trainer's entry point and then waits until every replica has finished it (the
-watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
-exit statuses: **130** when the job was interrupted (Ctrl-C), **124** when it was ended because a replica stalled or
-died (the exception this replica saw is only a symptom); a replica's own error propagates unchanged.
-
-Fabric's ``popen`` launcher gets the part that concerns the replicas' processes (:func:`fabric_script_launcher`):
-``PR_SET_PDEATHSIG`` and the reaping at exit; your loop runs after ``fabric.launch()`` has returned, out of the
-launcher's reach, so there is no end-of-run barrier or exit-status mapping there.
-"""
+"""The job's lifecycle: launch, run to the end together, and leave no process behind, whatever happens."""
 
 from __future__ import annotations
 
@@ -125,10 +97,7 @@ class LaunchingStrategy(TimedStrategy, Protocol):
 
 
 class _ReplicaProcesses:
-    """The part of the lifecycle that concerns the launching process's replicas, for any Lightning launcher: they are
-    started with ``PR_SET_PDEATHSIG`` and, at exit, given ``timeout`` + 30 s to end (10 s after a failed run), then
-    killed. Mixed into the Trainer's and Fabric's ``popen`` launchers (no zero-argument ``super()``: see
-    :func:`~lightning_het._compat.on_flavour`)."""
+    """The launching process's replicas: started with ``PR_SET_PDEATHSIG``, reaped or killed at exit."""
 
     #: the strategy this launcher launches for (set by the factories :meth:`HeterogeneousScriptLauncher.for_strategy`
     #: and :func:`fabric_script_launcher`)
@@ -140,8 +109,7 @@ class _ReplicaProcesses:
     num_nodes: int
 
     def _call_children_scripts(self) -> None:
-        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux, and the exit
-        handler that reaps the replicas."""
+        """Lightning's child start with ``PR_SET_PDEATHSIG`` on Linux, and the exit handler that reaps them."""
         self._check_can_spawn_children()  # type: ignore[attr-defined]
         self.procs = []
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
@@ -168,8 +136,7 @@ class _ReplicaProcesses:
         return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
 
     def _reap_children(self) -> None:
-        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
-        when they have the verdict already: at most 10 s), then kill them."""
+        """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
         wait = _timeout_seconds(self.strategy.process_group_timeout) + REAP_GRACE_S
         if self._failed:
             wait = min(wait, FAILED_REAP_GRACE_S)
@@ -189,12 +156,7 @@ class _ReplicaProcesses:
 
 
 class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
-
-    Build it with :meth:`for_strategy`, which picks the class of the strategy's package: this class (on
-    ``lightning.pytorch``'s launcher) or the same body on the standalone ``pytorch_lightning``'s launcher (see
-    :func:`~lightning_het._compat.on_flavour`; hence no zero-argument ``super()`` in this class).
-    """
+    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module."""
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
@@ -208,19 +170,13 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
 
     @classmethod
     def for_strategy(cls, strategy: LaunchingStrategy) -> HeterogeneousScriptLauncher:
-        """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package.
-
-        Args:
-            strategy: a Trainer strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted;
-                its cluster environment, ``num_processes`` and ``num_nodes`` are Lightning's launcher's arguments).
-        """
+        """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package."""
         launcher = on_flavour(HeterogeneousScriptLauncher, strategy)(
             strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
         launcher.strategy = strategy
         return launcher
 
-    # ------------------------------------------------------------------ launching process
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -261,8 +217,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         return result
 
     def _start_observer(self) -> None:
-        """During a Trainer call, until the watchdog runs (start-up): a local replica that fails ends the job. Stopped
-        (joined) when the call returns (:meth:`_stop_observer`)."""
+        """During a Trainer call, until the watchdog runs: a local replica that fails ends the job."""
         stop = self._observer_stop = threading.Event()
 
         def observe() -> None:
@@ -296,7 +251,6 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         if observer is not threading.current_thread():
             observer.join(timeout=5.0)
 
-    # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
         from lightning_het.reliability.supervision import stop_watchdog
@@ -324,18 +278,7 @@ _FABRIC_LAUNCHERS: dict[type, type] = {}
 
 
 def fabric_script_launcher(strategy: TimedStrategy, launcher: Any) -> Any:
-    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans.
-
-    Fabric runs your loop after ``fabric.launch()`` has returned, so the Trainer's run-to-the-end barrier and exit
-    statuses cannot apply; what does: the replicas are started with ``PR_SET_PDEATHSIG`` (the kernel kills them when
-    the launching process dies, e.g. after a collective timed out on a replica that hangs) and reaped at exit (given
-    ``timeout`` + 30 s to end, 10 s after an uncaught exception). Fabric's own observer still ends the job when a
-    replica exits with an error.
-
-    Args:
-        strategy: the Fabric strategy (its ``process_group_timeout`` bounds the wait at exit).
-        launcher: the ``_SubprocessScriptLauncher`` that Fabric's ``DDPStrategy`` configured.
-    """
+    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans."""
     base = type(launcher)
     cls = _FABRIC_LAUNCHERS.get(base)
     if cls is None:

@@ -1,5 +1,4 @@
-"""Wiring the :class:`~lightning_het.reliability.watchdog.Watchdog` into a run: the Trainer callback that feeds it
-progress markers, starting / attaching / stopping it, and the launch-time checks and timeouts around the rendezvous."""
+"""Wiring the watchdog into a run: its Trainer callback, start/attach/stop, launch checks and timeouts."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class WatchdogCallback(Callback):
         self.watchdog = watchdog
 
     def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
-        """A copy that shares this process's running watchdog (its threads and store connection are not state to
-        duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
     # loops
@@ -135,19 +133,7 @@ class LaunchingReplicas(Protocol):
 def start_watchdog(
     strategy: LaunchingReplicas, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
 ) -> Watchdog | None:
-    """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``.
-
-    Collective: every rank calls it right after the process group exists (the replicas agree on the job token).
-
-    Args:
-        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist); its
-            ``launcher``, ``node_rank`` and ``num_processes`` name the replicas this process launched.
-        timeout: the strategy's collective timeout (``None``: no watchdog).
-        trainer: the Trainer that gets the :class:`WatchdogCallback` (else see :func:`attach_watchdog`).
-
-    Returns:
-        The running watchdog, or ``None`` for a single replica or without a process group.
-    """
+    """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``."""
     seconds = _seconds(timeout)
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
         return None
@@ -212,19 +198,8 @@ def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[i
 def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
     """The timeout the rendezvous should use instead of the strategy's ``timeout``, or ``None`` to keep ``timeout``.
 
-    ``torch.distributed.init_process_group(timeout=...)`` uses one timeout for the rendezvous and for every
-    collective; a ``timeout`` short enough to end a hung job quickly would also fail a job whose replicas take longer
-    to start (imports, a busy node, a scheduler starting nodes apart). The rendezvous therefore waits
-    ``startup_timeout`` (default 10 minutes) when that is longer; the strategy applies it to itself during the
-    rendezvous and then restores ``timeout`` with :func:`apply_collective_timeout`.
-
-    Args:
-        timeout: the strategy's collective timeout (``None``: torch's default, kept).
-        startup_timeout: the rendezvous timeout (seconds or ``timedelta``; ``None``: 10 minutes).
-
-    Returns:
-        The longer rendezvous timeout, or ``None`` when ``timeout`` is unset or already at least as long, or when the
-        default process group already exists (nothing to rendezvous).
+    ``init_process_group`` uses one timeout for the rendezvous and every collective; a short ``timeout`` must not fail
+    replicas that start slowly, so the rendezvous waits ``startup_timeout`` when that is longer.
     """
     startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
     startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
@@ -240,19 +215,7 @@ def apply_collective_timeout(timeout: timedelta) -> None:
 
 
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
-    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen.
-
-    Called by the strategy's launchers when they start the processes (``fit``, ``validate``, ...), before any starts;
-    not at Trainer construction, so that a Trainer can be built where the variables are not set (a login node, a unit
-    test, printing a config), as Lightning allows.
-
-    With Lightning's default environment (no SLURM, torchrun, ...), every node must be given the same
-    ``MASTER_ADDR`` and ``MASTER_PORT``; otherwise each node silently rendezvouses on its own localhost / a random
-    port and waits until the start-up timeout.
-
-    Raises:
-        ValueError: naming the missing variable(s).
-    """
+    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen."""
     environ = os.environ if environ is None else environ
     if num_nodes <= 1 or cluster_environment is None or cluster_environment.creates_processes_externally:
         return
