@@ -1,10 +1,7 @@
 """The strategy's keywords, validated once into one frozen :class:`HeterogeneousConfig` (no torch, no Lightning).
 
-:class:`~lightning_het.HeterogeneousStrategy` and the Fabric strategy build it in their constructors with
-:meth:`HeterogeneousConfig.from_keywords`; the checks are the pure validators of :mod:`lightning_het.arguments`,
-which the app's config schema (:mod:`lightning_het.app.config`) calls too, so the two can never disagree. Checks
-that need the world size run at Trainer construction (:meth:`HeterogeneousConfig.check_world`); those that need the
-data, in the strategy.
+Checks by :mod:`lightning_het.arguments` (shared with the app's schema); world-size checks in
+:meth:`HeterogeneousConfig.check_world`.
 """
 
 from __future__ import annotations
@@ -71,8 +68,7 @@ DEVICE_KEYWORDS = ("device_map", "cpu_threads")
 
 
 def keyword_signature(names: Collection[str]) -> inspect.Signature:
-    """``(self, *, <names with their defaults>, **kwargs)``: what a strategy's ``__init__`` shows to ``inspect``, the
-    docs and IDEs (the keywords themselves are read from ``**kwargs``)."""
+    """``(self, *, <names with their defaults>, **kwargs)``: the ``__init__`` signature ``inspect`` and IDEs show."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     return inspect.Signature(
         [
@@ -85,9 +81,10 @@ def keyword_signature(names: Collection[str]) -> inspect.Signature:
 
 @dataclass(frozen=True)
 class HeterogeneousConfig:
-    """Every keyword of the strategy, normalised: integers as ``int``, numbers as ``float``, timeouts as
-    ``timedelta``. ``None`` means "not given" (derived or profiled later). Every field is required: the defaults are
-    :data:`KEYWORD_DEFAULTS`. The lists are the validators' own copies; treat them as read-only."""
+    """Every keyword of the strategy, normalised (``int``, ``float``, ``timedelta``); ``None``: not given.
+
+    All fields required (defaults: :data:`KEYWORD_DEFAULTS`); treat the lists as read-only.
+    """
 
     global_batch_size: int | None
     speeds: list[float] | None
@@ -123,12 +120,10 @@ class HeterogeneousConfig:
     def split_keywords(
         cls, strategy_cls: type, names: Collection[str], kwargs: Mapping[str, Any], **fixed: Any
     ) -> tuple[HeterogeneousConfig, dict[str, Any], dict[str, Any]]:
-        """Split a strategy's keywords: ``names`` (defaults filled in, ``fixed`` forced) validated into a config, the
-        device keywords, and the rest for its ``DDPStrategy``, checked too (a misspelt keyword or an unknown backend
-        fails here, before any replica starts).
+        """Split a strategy's keywords: a validated config (``fixed`` forced), device keywords, ``DDPStrategy``'s.
 
         Raises:
-            ArgumentError: naming the keyword.
+            ArgumentError: naming the keyword (a misspelt one or an unknown backend too).
         """
         from lightning_het.arguments import check_ddp_keywords
         from lightning_het.comm.controller import validate_comm_args
@@ -145,8 +140,7 @@ class HeterogeneousConfig:
         return config, devices, rest
 
     def check_world(self, num_nodes: int, devices: int) -> None:
-        """Checks that need only the world size (``num_nodes x devices`` replicas): one entry per global rank in the
-        per-replica lists, and a global batch the batch bounds can hold. Run at Trainer construction.
+        """Checks that need only the world size: per-replica list lengths, a global batch the bounds can hold.
 
         Raises:
             ValueError: naming the keyword that does not fit the job.

@@ -1,9 +1,7 @@
-"""The balancer: one strategy's allocation and everything that sets it (given speeds, a resumed record, the speed
-cache, in-loop profiling), the split of each step, and the communication controller's view of it.
+"""The balancer: one strategy's allocation, everything that sets it, and the split of each step.
 
-Owned by the Trainer strategy and by the Fabric strategy alike (each tells it where the replica runs with
-:meth:`Balancer.place`); it takes values and callables, never a strategy. :class:`BalanceView` is the public,
-read-only face both strategies show their users.
+Owned by the Trainer and the Fabric strategy alike (it takes values and callables, never a strategy);
+:class:`BalanceView` is the public, read-only face both show their users.
 """
 
 from __future__ import annotations
@@ -41,9 +39,7 @@ __all__ = ["BalanceView", "Balancer", "FitContext", "per_replica_batchnorm"]
 
 
 def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> list[str]:
-    """The batch norm layers of ``module`` that normalise each replica's batch apart (no ``sync_batchnorm``), with a
-    warning (rank 0) naming them when there are several replicas: with uneven shares the gradient is then no longer
-    exactly the global batch's, and every replica gets at least 2 samples per step."""
+    """The batch norm layers that normalise each replica's batch apart, with a warning (rank 0) naming them."""
     layers = [
         name
         for name, layer in (module.named_modules() if module is not None else [])
@@ -61,9 +57,7 @@ def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> li
 
 
 class FitContext:
-    """What the balancer needs from the fit that allocates: the module and precision the speed cache keys on, the
-    step clock profiling reads, the trainer the profiler hooks into (``None`` in a Fabric loop), the batches the loop
-    fetches ahead, and every replica's device label."""
+    """What the balancer needs from the fit that allocates: module, precision, step clock, trainer, devices."""
 
     def __init__(
         self,
@@ -81,11 +75,7 @@ class FitContext:
 
 
 class Balancer:
-    """The allocation of one strategy (see :mod:`lightning_het.balance.balancer`).
-
-    Args:
-        config: the strategy's validated keywords.
-    """
+    """The allocation of one strategy, from its validated keywords (``config``)."""
 
     def __init__(self, config: HeterogeneousConfig) -> None:
         self.config = config
@@ -111,8 +101,7 @@ class Balancer:
 
     @property
     def min_batch_size(self) -> int:
-        """Fewest training samples per replica and step: ``min_batch_size``, and 2 where batch norm trains per
-        replica (one sample has no batch statistics)."""
+        """Fewest training samples per replica and step (2 where batch norm trains per replica)."""
         return max(self.config.min_batch_size, 2 if self.batchnorm_layers else 1)
 
     @property
@@ -132,8 +121,7 @@ class Balancer:
         fit: FitContext,
         resume_record: dict[str, Any] | None = None,
     ) -> None:
-        """Split ``global_batch``: by the given (or resumed) speeds, by the speed cache, or, with more than one replica
-        and nothing known, equally until the profiler's trial steps have measured every replica."""
+        """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
         self._fit = fit
         world, bounds = self.world_size, self.bounds
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
@@ -160,8 +148,7 @@ class Balancer:
             )
 
     def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
-        """What the loader splitter needs to split a training loader (``fit``: this fit's context and the checkpoint
-        record it resumes from, read when the allocation is made)."""
+        """What the loader splitter needs to split a training loader."""
         return TrainingSplit(
             rank=self.rank,
             world_size=self.world_size,
@@ -175,8 +162,7 @@ class Balancer:
         )
 
     def _known_costs(self, dataloader: DataLoader, global_batch: int) -> list[AffineCost] | None:
-        """Every replica's cost from the speed cache when every replica has an entry; else ``None``, and with more
-        than one replica the first training steps profile (:mod:`lightning_het.balance.profiler`)."""
+        """Every replica's cost from the speed cache, or ``None`` unless every replica has an entry."""
         self.allocation.profile_seconds = 0.0
         self.allocation.profile_cached = False
         if self.world_size == 1:
@@ -225,8 +211,7 @@ class Balancer:
         )
 
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
-        """The profiler agreed on the costs (every rank, at the same step): the fitted split applies to the global
-        batches not drawn yet, of every training loader."""
+        """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
         assert self.profiler is not None and self._fit is not None
         self.allocation.cost_model = costs
         speeds = measured_speeds(batch_sizes, costs)
@@ -246,8 +231,7 @@ class Balancer:
         rank_zero_info(self.table(self._fit.labels))
 
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
-        """Make ``batch_sizes`` the allocation: sizes, speeds, global batch, loss scale and the comm controller's
-        sample shares change together (every replica calls it with the same arguments)."""
+        """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""
         self.allocation.adopt(batch_sizes, speeds, self.rank, costs)
         if self.comm is not None:
             self.comm.set_batch_sizes(self.allocation.batch_sizes)
@@ -264,8 +248,7 @@ class Balancer:
 
     # ------------------------------------------------------------------ each step
     def step_split(self, sampler: Any, batch_idx: Callable[[], int | None]) -> list[int]:
-        """The split of the global batch being trained now (the allocation, a trial split or the tail's), which the
-        comm controller then follows; ``batch_idx`` gives the step within the epoch."""
+        """The split of the global batch being trained now, which the comm controller follows."""
         sizes = self.allocation.step_batch_sizes(sampler, batch_idx)
         if self.comm is not None and sizes and sizes != self._comm_sizes:
             self.comm.set_batch_sizes(sizes)
@@ -317,8 +300,7 @@ def _copy(values: list[Any] | None) -> list[Any] | None:
 
 
 class BalanceView:
-    """The public, read-only state a heterogeneous strategy shows (from its ``balancer``), the same for the Trainer
-    and the Fabric strategy; ``None`` before the allocation is known."""
+    """The public, read-only balancing state of a heterogeneous strategy (``None`` before the allocation is known)."""
 
     balancer: Balancer
 
@@ -363,8 +345,7 @@ class BalanceView:
 
     @property
     def cost_model(self) -> list[AffineCost] | None:
-        """Every replica's fitted cost ``t_r(b) = fixed_s + per_sample_s * b`` (seconds); ``None`` when the speeds
-        were given rather than profiled."""
+        """Every replica's fitted cost ``t_r(b)`` in seconds; ``None`` when the speeds were given."""
         return _copy(self.balancer.allocation.cost_model)
 
     @property
@@ -400,7 +381,9 @@ class BalanceView:
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None:
-        """Make ``batch_sizes`` (one per global rank) the allocation on this replica; every replica must call it with
-        the same arguments, and the training loader be rebuilt before the next step. ``costs``: refreshed affine
-        costs (``AffineCost.as_dict()`` form), or ``None`` to keep the model."""
+        """Make ``batch_sizes`` (one per global rank) the allocation; every replica calls it with the same arguments.
+
+        The training loader must be rebuilt before the next step. ``costs``: refreshed affine costs
+        (``AffineCost.as_dict()`` form), or ``None`` to keep the model.
+        """
         self.balancer.adopt(batch_sizes, speeds, costs)
