@@ -1,9 +1,7 @@
 """lightning-het: Lightning strategy for data-parallel training on heterogeneous platforms.
 
-Importing the package is cheap (it imports neither torch nor Lightning) and registers ``strategy="heterogeneous"``
-with Lightning as soon as Lightning is imported (see :mod:`lightning_het._registry`). The public names below are
-loaded on first use. The core plugin needs only torch and Lightning; :mod:`lightning_het.hsi` (hyperspectral data and
-models) needs the ``hsi`` extra and :mod:`lightning_het.app` (the Hydra app) the ``app`` extra.
+Importing it imports neither torch nor Lightning; it registers ``strategy="heterogeneous"`` once Lightning is imported,
+and the public names load on first use.
 """
 
 from __future__ import annotations

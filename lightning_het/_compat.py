@@ -1,48 +1,19 @@
 """The private Lightning and torch APIs that lightning-het relies on, imported in one place.
 
-Each name here is private upstream (a leading underscore) and may move or change in a release that the version
-bounds in ``pyproject.toml`` (``lightning>=2.4,<2.7``) do not yet exclude. Importing them here, behind one guard, turns
-such a change into one clear error at import time that names the missing API, rather than a failure deep inside a
-training run; and it lists, for whoever updates the bounds, what to check. No other module of the package imports a
-private Lightning or torch name, or reaches into ``torch.distributed.distributed_c10d``.
-
-What uses what:
-
-* the strategy: ``_init_dist_connection`` (process-group set-up with our start-up timeout), ``_register_ddp_comm_hook``
-  (our comm hooks on every device type), ``_MultiProcessingLauncher`` (the spawn launcher that returns the allocation
-  to the parent), ``_BatchNorm`` (warning about per-replica batch statistics);
-* the launcher (:mod:`lightning_het.reliability.lifecycle`): ``_SubprocessScriptLauncher`` (the ``popen`` launcher it
-  extends), ``_basic_subprocess_cmd`` / ``_hydra_subprocess_cmd`` (each replica's command line),
-  ``_set_num_threads_if_needed``;
-* the data-loader rebuilding (:mod:`lightning_het.data.loaders`): ``_get_dataloader_init_args_and_kwargs`` and
-  ``_reinstantiate_wrapped_cls`` (a user's DataLoader subclass re-created with a new sampler), and
-  ``_replace_dunder_methods`` (:func:`record_loader_arguments`: Lightning's own copy of a loader keeps the
-  subclass's ``__init__`` arguments, so that it can be re-created once more);
-* the mixed-device accelerator: ``_check_cuda_matmul_precision``, ``_clear_cuda_memory`` (what Lightning's CUDA
-  accelerator does for a CUDA replica);
-* profiling: ``_collect_rng_states``, ``_set_rng_states`` (profiling leaves every random stream as it found it);
-* the watchdog and the start-up timeout: torch's ``_get_default_store`` and ``_set_pg_timeout``, wrapped in
-  :func:`default_store` and :func:`set_default_group_timeout`;
-* private attributes of Lightning's trainer and loops, read or set through the accessors at the end of this module
-  (:func:`attached_trainer`, :func:`training_combined_loader`, :func:`cached_validation_loader`,
-  :func:`forget_validation_loader`, :func:`should_accumulate`, :func:`replace_signal_connector`,
-  :func:`record_loader_arguments`, :func:`uses_distributed_sampler`): the checkpoint record, the re-split loaders and
-  the preemption handler;
-* the strategies on the standalone packages (``pytorch_lightning``, ``lightning_fabric``) and Fabric's spawn
-  launcher: that package's ``_MultiProcessingLauncher``, through :func:`flavour_private` (imported only when that
-  package is used).
-
-The standalone ``pytorch_lightning`` and ``lightning_fabric`` packages have their own modules
-(:mod:`lightning_het._pl_compat`, :mod:`lightning_het._fabric_compat`): they subclass that package's classes, so they
-can only be imported when it is installed, while this module must import without them.
+Behind one guard, an upstream change becomes one clear import-time error naming the missing API; no other module
+imports a private Lightning or torch name. The standalone packages' classes live in ``_pl_compat`` / ``_fabric_compat``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 
@@ -93,14 +64,20 @@ __all__ = [
     "default_store",
     "flavour_private",
     "forget_validation_loader",
+    "inside_fabric_backward",
     "is_standalone",
+    "mirror_module",
     "on_flavour",
+    "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
+    "run_atexit_handlers",
     "set_default_group_timeout",
     "should_accumulate",
+    "stop_child_process_observers",
     "training_combined_loader",
     "uses_distributed_sampler",
+    "wrapped_sampler",
 ]
 
 
@@ -110,23 +87,14 @@ def default_store() -> object:
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:
-    """Make ``timeout`` the default process group's collective timeout and its store's timeout (best effort for the
-    store: some store types cannot change it)."""
+    """Make ``timeout`` the default group's collective and (best effort) store timeout."""
     _set_pg_timeout(timeout)
     with contextlib.suppress(Exception):
         _get_default_store().set_timeout(timeout)
 
 
 def flavour_private(package: str, module: str, name: str) -> Any:
-    """The private ``name`` of ``<package>.<module>`` in one Lightning flavour, imported on demand.
-
-    For the flavours that may be absent or have separate classes: ``package`` is ``"pytorch_lightning"``,
-    ``"lightning_fabric"`` or ``"lightning.fabric"``; e.g. ``flavour_private("pytorch_lightning",
-    "strategies.launchers.multiprocessing", "_MultiProcessingLauncher")``.
-
-    Raises:
-        ImportError: naming the API and the installed versions when the flavour no longer has it.
-    """
+    """The private ``name`` of ``<package>.<module>`` in one Lightning flavour, imported on demand."""
     try:
         return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
     except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
@@ -138,8 +106,7 @@ _STANDALONE, _UNIFIED = "pytorch_lightning", "lightning.pytorch"
 
 
 def is_standalone(obj: Any) -> bool:
-    """Whether ``obj`` (a trainer, strategy, ... or its class, or a package name) is the standalone
-    ``pytorch_lightning``'s."""
+    """Whether ``obj`` (a trainer, strategy, ..., its class or a package name) is standalone ``pytorch_lightning``."""
     if isinstance(obj, str):
         return obj.split(".", 1)[0] == _STANDALONE
     cls = obj if isinstance(obj, type) else type(obj)
@@ -149,18 +116,8 @@ def is_standalone(obj: Any) -> bool:
 def on_flavour(cls: type, like: Any) -> type:
     """The standalone package's one way to get our ``lightning.pytorch`` classes: ``cls`` for ``like``'s flavour.
 
-    For ``lightning.pytorch`` (``like`` is one of its trainers, strategies, ... or classes) that is ``cls`` itself. For
-    the standalone ``pytorch_lightning`` it is the same class rebuilt once per process on that package's classes: every
-    direct base from ``lightning.pytorch`` (``Callback``, ``Accelerator``, ...) replaced by the standalone class of the
-    same module and name, the body copied, named ``PL<name>`` and published in ``cls``'s module (so instances pickle
-    by reference; a module that must unpickle it in a fresh process resolves the name with a module ``__getattr__``).
-    The trainer's type checks (``isinstance(cb, pytorch_lightning.Callback)``, ...) then hold.
-
-    Used for the callbacks the strategy adds (balance monitor, watchdog, preemption) and the mixed-device accelerator.
-    The strategy classes themselves have a module of their own (:mod:`lightning_het._pl_compat`).
-
-    Raises:
-        TypeError: ``cls``'s body uses zero-argument ``super()`` (the copy would point it at the original class).
+    On ``pytorch_lightning`` the class is rebuilt once per process on that package's bases, named ``PL<name>`` and
+    published in ``cls``'s module (pickled by reference), so the trainer's ``isinstance`` checks hold.
     """
     if not is_standalone(like):
         return cls
@@ -184,6 +141,27 @@ def on_flavour(cls: type, like: Any) -> type:
     built = type(cls)(name, bases, namespace)
     setattr(module, name, built)
     return built
+
+
+def mirror_module(source: str, target: str, packages: dict[str, str]) -> dict[str, Any]:
+    """Run module ``source``'s code as module ``target`` with its imports of one Lightning package pointing at another
+    (e.g. ``{"lightning.pytorch": "pytorch_lightning"}``), the way Lightning derives its standalone packages from its
+    own sources; returns ``target``'s namespace. Line numbers are kept: tracebacks show ``source``'s file.
+
+    The standalone flavours' strategies (:mod:`lightning_het._pl_compat`, :mod:`lightning_het._fabric_compat`) are
+    built so: the same class body on the other package's ``DDPStrategy``, with working zero-argument ``super()``.
+    """
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec(source)
+    assert spec is not None and spec.loader is not None and spec.origin is not None
+    code = spec.loader.get_source(source)  # type: ignore[attr-defined]
+    for old, new in packages.items():
+        code = re.sub(rf"\b{re.escape(old)}\b", new, code)
+    namespace = sys.modules[target].__dict__
+    exec(compile(code, spec.origin, "exec"), namespace)
+    return namespace
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
@@ -233,13 +211,10 @@ def uses_distributed_sampler(trainer: Any) -> bool:
 
 
 def record_loader_arguments(trainer: Any) -> None:
-    """Make the DataLoader that Lightning re-creates around its distributed sampler record its ``__init__`` arguments.
+    """Make the loader Lightning re-creates around its distributed sampler record its ``__init__`` arguments.
 
-    Lightning calls the user's ``*_dataloader()`` hooks with ``DataLoader.__init__`` (and every subclass's) wrapped by
-    ``_replace_dunder_methods``, which saves the arguments on the instance; it re-creates the loader from them to
-    inject its sampler, but without the wrapper, so its copy has none, and a subclass with arguments of its own
-    (``MyLoader(num_features, dataset, ...)``) could not be re-created once more from the copy's attributes. The
-    trainer's ``_prepare_dataloader`` (the sampler injection) runs under the same wrapper from here on (idempotent).
+    Lightning re-creates it without ``_replace_dunder_methods``, so a subclass with arguments of its own could not be
+    re-created once more from the copy; the sampler injection runs under the wrapper from here on (idempotent).
     """
     from torch.utils.data import BatchSampler, DataLoader
 
@@ -254,3 +229,43 @@ def record_loader_arguments(trainer: Any) -> None:
 
     prepare_recording._records_loader_arguments = True  # type: ignore[attr-defined]
     connector._prepare_dataloader = prepare_recording
+
+
+# ------------------------------------------------------ private attributes of torch, the stdlib and Lightning helpers
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass has finished (called from inside a backward hook); torch's
+    ``Variable._execution_engine.queue_callback``, which has no public equivalent."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(callback)
+
+
+def run_atexit_handlers() -> None:
+    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``."""
+    atexit._run_exitfuncs()
+
+
+def stop_child_process_observers() -> None:
+    """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
+    replica exits non-zero) watch nothing: its next check finds no process and it ends."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []
+
+
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
+    ``None`` when ``sampler`` is no such wrapper."""
+    return getattr(getattr(sampler, "dataset", None), "_sampler", None)
+
+
+@contextlib.contextmanager
+def inside_fabric_backward(wrappers: ModuleType) -> Iterator[None]:
+    """While the block runs, Fabric's ``wrappers`` module (of either Fabric package) believes that it runs inside
+    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed."""
+    previous = wrappers._in_fabric_backward
+    wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        wrappers._in_fabric_backward = previous

@@ -1,18 +1,18 @@
-"""The Fabric strategy for the standalone ``lightning_fabric`` package, whose classes and registry are separate.
+"""The Fabric strategy on the standalone ``lightning_fabric`` package (whose classes and registry are separate):
+:mod:`lightning_het.fabric`'s code run on that package (see :func:`lightning_het._compat.mirror_module`).
 
-Only imported when ``lightning_fabric`` is installed; ``import lightning_het`` registers this class in
-``lightning_fabric``'s strategy registry so that ``lightning_fabric.Fabric(strategy="heterogeneous")`` works too.
+Only imported when ``lightning_fabric`` is installed; ``import lightning_het`` registers the class in its strategy
+registry, and :mod:`lightning_het.pl` is its public import.
 """
 
 from __future__ import annotations
 
-from lightning_fabric.strategies import DDPStrategy as _LFDDPStrategy
+from lightning_het._compat import mirror_module
 
-from lightning_het.fabric import HeterogeneousFabricStrategyBase
-
+_DOC = __doc__
+_PACKAGES = {"lightning.fabric": "lightning_fabric"}
+HeterogeneousFabricStrategy: type = mirror_module("lightning_het.fabric", __name__, _PACKAGES)[
+    "HeterogeneousFabricStrategy"
+]
+__doc__ = _DOC
 __all__ = ["HeterogeneousFabricStrategy"]
-
-
-class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyBase, _LFDDPStrategy):
-    __doc__ = HeterogeneousFabricStrategyBase.__doc__
-    _fabric_ddp_cls = _LFDDPStrategy

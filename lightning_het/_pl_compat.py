@@ -1,29 +1,27 @@
-"""The same strategy for the standalone ``pytorch_lightning`` package, whose classes and registry are separate.
+"""The Trainer strategy on the standalone ``pytorch_lightning`` package (whose classes and registry are separate):
+:mod:`lightning_het.strategy`'s code run on that package (see :func:`lightning_het._compat.mirror_module`).
 
-Only imported when ``pytorch_lightning`` is installed; ``import lightning_het`` registers this class in
-``pytorch_lightning``'s StrategyRegistry so that ``pytorch_lightning.Trainer(strategy="heterogeneous")`` works too.
+Only imported when ``pytorch_lightning`` is installed; ``import lightning_het`` registers the class in its
+StrategyRegistry, and :mod:`lightning_het.pl` is its public import.
 """
 
 from __future__ import annotations
 
-from pytorch_lightning.strategies import DDPStrategy as _PLDDPStrategy
-
-from lightning_het._compat import flavour_private
+from lightning_het._compat import flavour_private, mirror_module
 from lightning_het.reliability.launcher import AllocationResultsMixin
-from lightning_het.strategy import HeterogeneousStrategyBase
 
-_PLMultiProcessingLauncher = flavour_private(
-    "pytorch_lightning", "strategies.launchers.multiprocessing", "_MultiProcessingLauncher"
-)
-
+_DOC = __doc__
+_PACKAGES = {"lightning.pytorch": "pytorch_lightning", "lightning.fabric": "lightning_fabric"}
+HeterogeneousStrategy: type = mirror_module("lightning_het.strategy", __name__, _PACKAGES)["HeterogeneousStrategy"]
+__doc__ = _DOC
 __all__ = ["HeterogeneousStrategy"]
 
 
-class _PLHeterogeneousMultiProcessingLauncher(AllocationResultsMixin, _PLMultiProcessingLauncher):
+class _PLHeterogeneousMultiProcessingLauncher(
+    AllocationResultsMixin,
+    flavour_private("pytorch_lightning", "strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+):
     pass
 
 
-class HeterogeneousStrategy(HeterogeneousStrategyBase, _PLDDPStrategy):
-    __doc__ = HeterogeneousStrategyBase.__doc__
-    _spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher
-    _trainer_loop = True  # the standalone Trainer: the watchdog and the lifecycle launcher, as on lightning.pytorch
+HeterogeneousStrategy.spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher  # type: ignore[attr-defined]

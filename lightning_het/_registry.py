@@ -1,24 +1,8 @@
 """Registration of the ``"heterogeneous"`` strategy name with Lightning (the package's only import-time side effect).
 
-``import lightning_het`` must make ``Trainer(strategy="heterogeneous")`` work, but must not import Lightning (and so
-torch) itself: the app's ``--help`` and tools that only read the package's metadata would pay seconds for nothing. So
-:func:`register_on_import` registers at once when Lightning is already imported, and otherwise arranges for the
-registration to run right after the module that needs it has finished executing:
-
-* ``lightning`` (``lightning.pytorch``'s registry): as soon as the ``lightning`` package is imported, whoever imports
-  it; a ``Trainer`` cannot exist before that;
-* ``pytorch_lightning`` and ``lightning_fabric`` (the standalone packages, whose registries and class hierarchies are
-  separate): likewise;
-* any ``lightning_het`` submodule: when one of them is imported before Lightning (it imports Lightning while it is
-  still executing, so the hooks above find it half-built and leave it), the registration runs when the outermost one
-  is complete.
-
-The registries: ``lightning.pytorch``'s (:class:`~lightning_het.HeterogeneousStrategy`), Lightning Fabric's
-(:class:`~lightning_het.HeterogeneousFabricStrategy`), and those of the standalone ``pytorch_lightning`` and
-``lightning_fabric`` (the same strategies on those packages' classes: :mod:`lightning_het._pl_compat`,
-:mod:`lightning_het._fabric_compat`).
-
-Registration is idempotent; the hooks remove themselves once they have fired.
+Registers at once when Lightning is imported, else right after ``lightning``, ``pytorch_lightning``,
+``lightning_fabric`` or the outermost ``lightning_het`` submodule finishes importing, so ``import lightning_het``
+never imports Lightning itself. Idempotent; the hooks remove themselves once they have fired.
 """
 
 from __future__ import annotations
@@ -127,21 +111,18 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
 
 
 def _settled() -> bool:
-    """No submodule of this package is half-way through its own imports (so the strategy module can be imported
-    without meeting a half-built dependency, e.g. ``accelerators`` importing Lightning when it is imported first)."""
+    """No submodule of this package is half-way through its own imports."""
     return all(_is_loaded(name) for name in list(sys.modules) if name.startswith(_FAMILY))
 
 
 def _when_settled() -> None:
-    """After a Lightning flavour or one of our modules has loaded: register once nothing of ours is half-built (the
-    outermost of our modules being imported calls this again when it is complete)."""
+    """Register once nothing of ours is half-built (the outermost importing module calls this again when complete)."""
     if _settled() and any(_is_loaded(flavour) for flavour in _FLAVOURS):
         _register_all()
 
 
 def _ready(name: str) -> bool:
-    """Whether module ``name`` can be used now: complete, or absent and then imported here. ``False`` while it is
-    half-built (it is the module importing Lightning right now): its own hook registers once it is complete."""
+    """Whether module ``name`` is complete (or absent and imported here); ``False`` while half-built."""
     if _is_loaded(name):
         return True
     if name in sys.modules:
@@ -151,8 +132,7 @@ def _ready(name: str) -> bool:
 
 
 def _register_all() -> None:
-    """Register in every registry whose Lightning flavour is loaded: ``lightning.pytorch``, Lightning Fabric and, when
-    they are imported, the standalone ``pytorch_lightning`` and ``lightning_fabric``. Idempotent; safe from any hook."""
+    """Register in every registry whose Lightning flavour is loaded (idempotent; safe from any hook)."""
     if not _ready("lightning_het.strategy"):  # the other two build on it
         return
     from lightning.pytorch.strategies import StrategyRegistry
@@ -182,16 +162,12 @@ def _register_all() -> None:
 
 
 def register() -> None:
-    """Register ``"heterogeneous"`` now (imports Lightning): in ``lightning.pytorch``'s StrategyRegistry, in Lightning
-    Fabric's, and in the standalone packages' when they are imported. Idempotent."""
+    """Register ``"heterogeneous"`` now in every loaded Lightning flavour's registry (imports Lightning; idempotent)."""
     _register_all()
 
 
 def register_on_import() -> None:
-    """Register ``"heterogeneous"`` with every Lightning flavour as soon as it is imported (see the module docstring).
-
-    Called by ``lightning_het/__init__.py``; imports nothing heavy itself.
-    """
+    """Register ``"heterogeneous"`` with every Lightning flavour as soon as it is imported (imports nothing heavy)."""
     for flavour in _FLAVOURS:
         after_import(flavour, _when_settled)
     with _lock:

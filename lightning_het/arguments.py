@@ -1,9 +1,6 @@
 """The one set of validators for :class:`~lightning_het.HeterogeneousStrategy`'s keywords (no torch, no Lightning).
 
-The strategy calls :func:`validate_strategy_arguments` in its constructor; the Hydra app's structured config
-(:mod:`lightning_het.app.config`) calls the same function when the config is composed, so a bad value fails before
-anything is built and with the same rule, and the two can never disagree. Every error is an :class:`ArgumentError`
-(a ``ValueError``) whose ``argument`` names the strategy keyword, so the app can name its config key.
+Shared by the strategy's constructor and the app's config schema; every error is an :class:`ArgumentError`.
 """
 
 from __future__ import annotations
@@ -33,11 +30,7 @@ __all__ = [
 
 
 class ArgumentError(ValueError):
-    """A strategy keyword has an impossible value.
-
-    Attributes:
-        argument: the keyword (``"speeds"``, ``"max_batch_sizes"``, ...), without an index.
-    """
+    """A strategy keyword has an impossible value; ``argument`` names the keyword (without an index)."""
 
     def __init__(self, argument: str, message: str) -> None:
         super().__init__(message)
@@ -102,11 +95,7 @@ def threshold(name: str, value: Any) -> float | None:
 
 
 def as_timeout(name: str, value: Any) -> timedelta | None:
-    """Validate a timeout given as seconds (int/float) or a ``timedelta``; ``None`` stays ``None``.
-
-    Raises:
-        ArgumentError: for anything else, or a value that is not a finite positive duration.
-    """
+    """A timeout given as seconds or a ``timedelta``, as a positive ``timedelta``; ``None`` stays ``None``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
@@ -122,11 +111,7 @@ def as_timeout(name: str, value: Any) -> timedelta | None:
 
 
 def validate_grace(value: Any) -> float:
-    """``preemption_grace``: finite seconds > 0.
-
-    Raises:
-        ArgumentError: naming the argument.
-    """
+    """``preemption_grace``: finite seconds > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise _error(
             "preemption_grace", f"Expected argument `preemption_grace` to be finite seconds > 0, but got {value!r}."
@@ -135,12 +120,7 @@ def validate_grace(value: Any) -> float:
 
 
 def validate_preemption_checkpoint(value: Any) -> str | bool | None:
-    """``preemption_checkpoint``: a path (``str`` or ``os.PathLike``), ``None`` (the default location) or ``False``
-    (no checkpoint on preemption). Returns the path as ``str``, or ``None`` / ``False``.
-
-    Raises:
-        ArgumentError: naming the argument.
-    """
+    """``preemption_checkpoint``: a path (returned as ``str``), ``None`` (default location) or ``False`` (none)."""
     if value is None or value is False:
         return value
     if isinstance(value, (str, os.PathLike)) and os.fspath(value):
@@ -155,12 +135,7 @@ def validate_preemption_checkpoint(value: Any) -> str | bool | None:
 def check_comm_args(
     comm: Any, global_sync_every: Any = None, warmup_steps: Any = 0, *, warmup_name: str = "warmup_steps"
 ) -> None:
-    """The communication arguments' values (no warnings; see :func:`~lightning_het.comm.validate_comm_args`).
-
-    Raises:
-        ArgumentError: an unknown ``comm`` (listing the allowed values), ``global_sync_every`` not an integer >= 1,
-            or ``warmup_steps`` (named ``warmup_name``) not an integer >= 0.
-    """
+    """The communication arguments' values (no warnings; ``warmup_steps`` is reported as ``warmup_name``)."""
     if not isinstance(comm, str) or comm not in COMM_CHOICES:
         raise _error("comm", f"Expected argument `comm` to be one of {list(COMM_CHOICES)}, but got {comm!r}.")
     if global_sync_every is not None and (
@@ -198,16 +173,11 @@ def validate_strategy_arguments(
     preemption_grace: Any,
     preemption_checkpoint: Any,
 ) -> dict[str, Any]:
-    """Check every keyword of the strategy that needs no world size, and return them normalised.
-
-    Every argument is required (the defaults live in the strategy's signature only). Checks that need the world size
-    or the data (list lengths, a global batch the bounds cannot hold) run when the Trainer or the allocation knows
-    them.
+    """Check every strategy keyword that needs no world size (all required: defaults live in the strategy).
 
     Returns:
-        The same keys: integers as ``int``, lists of numbers as ``list[float]`` (``node_ids``, ``max_batch_sizes``:
-        ``list[int]``), timeouts as ``timedelta``, ``rebalance_threshold`` and ``preemption_grace`` as ``float``; the
-        rest unchanged.
+        The same keys, normalised: integers as ``int``, number lists as ``list[float]`` (``node_ids``,
+        ``max_batch_sizes``: ``list[int]``), timeouts as ``timedelta``.
 
     Raises:
         ArgumentError: the first impossible value, its ``argument`` naming the keyword.
@@ -277,14 +247,8 @@ def _named_parameters(function: Callable[..., Any]) -> set[str]:
 
 
 def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str, Any]) -> None:
-    """The keywords a strategy passes on to its ``DDPStrategy`` base (whichever package it comes from): each must be
-    a parameter of that ``DDPStrategy`` or of ``torch.nn.parallel.DistributedDataParallel`` (which the extra ones
-    reach, only when the model is wrapped), and ``process_group_backend`` a backend torch knows. Checked in the
-    constructor, so that a misspelt keyword fails before any replica is launched.
-
-    Raises:
-        ArgumentError: naming the keyword, with the closest known name when there is one.
-    """
+    """Each keyword passed on to ``DDPStrategy`` must be one of its or ``DistributedDataParallel``'s parameters, and
+    ``process_group_backend`` a backend torch knows (:class:`ArgumentError` with the closest known name)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 

@@ -1,15 +1,14 @@
 """The strategy's keywords, validated once into one frozen :class:`HeterogeneousConfig` (no torch, no Lightning).
 
-:class:`~lightning_het.HeterogeneousStrategy` and the Fabric strategy build it in their constructors with
-:meth:`HeterogeneousConfig.from_keywords`; the checks are the pure validators of :mod:`lightning_het.arguments`,
-which the app's config schema (:mod:`lightning_het.app.config`) calls too, so the two can never disagree. Checks
-that need the world size run at Trainer construction (:meth:`HeterogeneousConfig.check_world`); those that need the
-data, in the strategy.
+Checks by :mod:`lightning_het.arguments` (shared with the app's schema); world-size checks in
+:meth:`HeterogeneousConfig.check_world`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal
@@ -17,14 +16,75 @@ from typing import Any, Literal
 from lightning_het.arguments import validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes
 
-__all__ = ["HeterogeneousConfig"]
+__all__ = ["DEFAULT_GRACE", "FABRIC_KEYWORDS", "KEYWORD_DEFAULTS", "HeterogeneousConfig", "keyword_signature"]
+
+#: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
+DEFAULT_GRACE = 25.0
+
+#: every keyword of the Trainer strategy and its default, in signature order (see ``docs/strategy.md``)
+KEYWORD_DEFAULTS: dict[str, Any] = {
+    "global_batch_size": None,
+    "speeds": None,
+    "min_batch_size": 1,
+    "max_batch_sizes": None,
+    "node_ids": None,
+    "comm": "auto",
+    "global_sync_every": None,
+    "emulate_slowdown": None,
+    "profile_steps": 2,
+    "profile_warmup": 1,
+    "profile_cache": None,
+    "device_map": None,
+    "cpu_threads": None,
+    "startup_timeout": None,
+    "rebalance_every_n_epochs": None,
+    "rebalance_threshold": None,
+    "telemetry": True,
+    "comm_warmup_steps": 0,
+    "comm_autotune_steps": 5,
+    "preemption_checkpoint": None,
+    "preemption_grace": DEFAULT_GRACE,
+}
+
+#: the keywords that mean the same in a Fabric loop; the others need the Trainer's loop
+FABRIC_KEYWORDS = (
+    "global_batch_size",
+    "speeds",
+    "min_batch_size",
+    "max_batch_sizes",
+    "node_ids",
+    "comm",
+    "global_sync_every",
+    "comm_warmup_steps",
+    "comm_autotune_steps",
+    "profile_steps",
+    "profile_warmup",
+    "profile_cache",
+    "startup_timeout",
+)
+
+#: keywords that configure the devices (the mixed accelerator), not the config
+DEVICE_KEYWORDS = ("device_map", "cpu_threads")
+
+
+def keyword_signature(names: Collection[str]) -> inspect.Signature:
+    """``(self, *, <names with their defaults>, **kwargs)``: the ``__init__`` signature ``inspect`` and IDEs show."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *(inspect.Parameter(n, keyword, default=KEYWORD_DEFAULTS[n]) for n in KEYWORD_DEFAULTS if n in names),
+            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+        ]
+    )
 
 
 @dataclass(frozen=True)
 class HeterogeneousConfig:
-    """Every keyword of the strategy, normalised: integers as ``int``, numbers as ``float``, timeouts as
-    ``timedelta``. ``None`` means "not given" (derived or profiled later). Every field is required: the defaults live
-    in the strategy's signature. The lists are the validators' own copies; treat them as read-only."""
+    """Every keyword of the strategy, normalised (``int``, ``float``, ``timedelta``); ``None``: not given.
+
+    All fields required (defaults: :data:`KEYWORD_DEFAULTS`); treat the lists as read-only.
+    """
 
     global_batch_size: int | None
     speeds: list[float] | None
@@ -56,9 +116,31 @@ class HeterogeneousConfig:
         """
         return cls(**validate_strategy_arguments(**keywords))
 
+    @classmethod
+    def split_keywords(
+        cls, strategy_cls: type, names: Collection[str], kwargs: Mapping[str, Any], **fixed: Any
+    ) -> tuple[HeterogeneousConfig, dict[str, Any], dict[str, Any]]:
+        """Split a strategy's keywords: a validated config (``fixed`` forced), device keywords, ``DDPStrategy``'s.
+
+        Raises:
+            ArgumentError: naming the keyword (a misspelt one or an unknown backend too).
+        """
+        from lightning_het.arguments import check_ddp_keywords
+        from lightning_het.comm.controller import validate_comm_args
+
+        rest = dict(kwargs)
+        given = {n: rest.pop(n, KEYWORD_DEFAULTS[n]) for n in KEYWORD_DEFAULTS if n in names}
+        devices = {n: given.pop(n, None) for n in DEVICE_KEYWORDS}
+        keywords = {n: v for n, v in KEYWORD_DEFAULTS.items() if n not in DEVICE_KEYWORDS} | given | fixed
+        config = cls.from_keywords(**keywords, timeout=rest.get("timeout"))
+        validate_comm_args(keywords["comm"], keywords["global_sync_every"], keywords["comm_warmup_steps"])  # warnings
+        check_ddp_keywords(strategy_cls, list(names), rest)
+        if config.timeout is not None:
+            rest["timeout"] = config.timeout
+        return config, devices, rest
+
     def check_world(self, num_nodes: int, devices: int) -> None:
-        """Checks that need only the world size (``num_nodes x devices`` replicas): one entry per global rank in the
-        per-replica lists, and a global batch the batch bounds can hold. Run at Trainer construction.
+        """Checks that need only the world size: per-replica list lengths, a global batch the bounds can hold.
 
         Raises:
             ValueError: naming the keyword that does not fit the job.

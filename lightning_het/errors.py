@@ -1,9 +1,4 @@
-"""Exceptions raised for bad input data, each naming the offending file or value and how to fix it.
-
-Every class subclasses a builtin (``FileNotFoundError`` or ``ValueError``) so that callers who catch the builtin keep
-working, and keeps the offending objects as attributes (``path``, ``shape``, ...) for programmatic use. Messages follow
-the project's pattern: what was found, why it is a problem, then ``HINT:`` and the fix.
-"""
+"""Exceptions raised for bad input data, each naming the offending file or value and how to fix it."""
 
 from __future__ import annotations
 
@@ -26,34 +21,30 @@ __all__ = [
 PathType = str | PathLike
 
 
-class RasterNotFoundError(FileNotFoundError):
-    """A raster (or ``.mat``) file given by the user does not exist.
+class _Pickled:
+    """Pickled by its constructor arguments (``_args``), so it crosses spawned processes."""
 
-    Args:
-        path: the missing file.
-        role: what the file was meant to hold, e.g. ``"image"`` or ``"labels"``.
-    """
+    _args: tuple[Any, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self._args)
+
+
+class RasterNotFoundError(_Pickled, FileNotFoundError):
+    """A raster (or ``.mat``) file given by the user does not exist."""
 
     def __init__(self, path: PathType, role: str = "raster") -> None:
         self.path = str(path)
         self.role = role
+        self._args = (self.path, self.role)
         super().__init__(
             f"The {role} file {self.path!r} does not exist. HINT: check the path (relative paths are resolved against"
             " the current working directory, which Hydra may change; pass an absolute path)."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keep the exception picklable across spawned processes
-        return (type(self), (self.path, self.role))
 
-
-class RasterFormatError(ValueError):
-    """A file exists but cannot be used as the requested raster (unreadable, wrong band count, unsupported dtype).
-
-    Args:
-        path: the offending file.
-        problem: what is wrong, as a sentence fragment.
-        hint: how to fix it.
-    """
+class RasterFormatError(_Pickled, ValueError):
+    """A file exists but cannot be used as the requested raster (unreadable, wrong band count, unsupported dtype)."""
 
     def __init__(self, path: PathType, problem: str, hint: str = "") -> None:
         self.path = str(path)
@@ -62,21 +53,12 @@ class RasterFormatError(ValueError):
         message = f"Cannot use {self.path!r}: {problem}."
         if hint:
             message += f" HINT: {hint}"
+        self._args = (self.path, self.problem, self.hint)
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problem, self.hint))
 
-
-class ShapeMismatchError(ValueError):
-    """The image and the label raster do not cover the same pixel grid.
-
-    Args:
-        image_path: the multi-band image.
-        image_shape: ``(height, width)`` of the image, in pixels.
-        labels_path: the label raster.
-        labels_shape: ``(height, width)`` of the labels, in pixels.
-    """
+class ShapeMismatchError(_Pickled, ValueError):
+    """The image and the label raster do not cover the same pixel grid."""
 
     def __init__(
         self, image_path: PathType, image_shape: Sequence[int], labels_path: PathType, labels_shape: Sequence[int]
@@ -85,6 +67,7 @@ class ShapeMismatchError(ValueError):
         self.image_shape = tuple(int(s) for s in image_shape)
         self.labels_path = str(labels_path)
         self.labels_shape = tuple(int(s) for s in labels_shape)
+        self._args = (self.image_path, self.image_shape, self.labels_path, self.labels_shape)
         super().__init__(
             f"The image {self.image_path!r} is {self.image_shape[0]}x{self.image_shape[1]} pixels (height x width) but"
             f" the labels {self.labels_path!r} are {self.labels_shape[0]}x{self.labels_shape[1]}. HINT: the label"
@@ -92,20 +75,9 @@ class ShapeMismatchError(ValueError):
             " ... -ts ...`)."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.image_path, self.image_shape, self.labels_path, self.labels_shape))
 
-
-class GeoreferenceMismatchError(ValueError):
-    """Both rasters are georeferenced but their CRS or geotransform differ.
-
-    Args:
-        image_path: the multi-band image.
-        labels_path: the label raster.
-        what: ``"CRS"`` or ``"transform"``.
-        image_value: the image's CRS or transform, as text.
-        labels_value: the labels' CRS or transform, as text.
-    """
+class GeoreferenceMismatchError(_Pickled, ValueError):
+    """Both rasters are georeferenced but their CRS or geotransform differ."""
 
     def __init__(
         self, image_path: PathType, labels_path: PathType, what: str, image_value: Any, labels_value: Any
@@ -115,6 +87,7 @@ class GeoreferenceMismatchError(ValueError):
         self.what = what
         self.image_value = str(image_value)
         self.labels_value = str(labels_value)
+        self._args = (self.image_path, self.labels_path, self.what, self.image_value, self.labels_value)
         super().__init__(
             f"The image {self.image_path!r} and the labels {self.labels_path!r} have different {what}s:"
             f" {self.image_value!r} vs {self.labels_value!r}. HINT: reproject the labels onto the image grid"
@@ -122,18 +95,9 @@ class GeoreferenceMismatchError(ValueError):
             " be aligned pixel for pixel."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.image_path, self.labels_path, self.what, self.image_value, self.labels_value))
 
-
-class LabelValueError(ValueError):
-    """The label raster holds values outside ``0..num_classes`` (or non-integers).
-
-    Args:
-        path: the label raster.
-        bad_values: a few of the offending values.
-        num_classes: the number of classes ``C``; valid labels are ``0`` (unlabelled) and ``1..C``.
-    """
+class LabelValueError(_Pickled, ValueError):
+    """The label raster holds values outside ``0..num_classes`` (or non-integers)."""
 
     def __init__(
         self, path: PathType, bad_values: Sequence[Any], num_classes: int | None, non_integer: bool = False
@@ -155,67 +119,41 @@ class LabelValueError(ValueError):
                 " integers, 0 for unlabelled pixels and 1..C for the C classes; raise `num_classes` (or pass more"
                 " `class_names`) if the scene really has more classes, or remap the raster."
             )
+        self._args = (self.path, self.bad_values, self.num_classes, self.non_integer)
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.bad_values, self.num_classes, self.non_integer))
 
-
-class NoLabelledPixelsError(ValueError):
-    """The label raster has no labelled pixel (every value is 0, or every labelled pixel is nodata in the image).
-
-    Args:
-        path: the label raster.
-        detail: extra context, e.g. how many labelled pixels were dropped as nodata.
-    """
+class NoLabelledPixelsError(_Pickled, ValueError):
+    """The label raster has no labelled pixel (every value is 0, or every labelled pixel is nodata in the image)."""
 
     def __init__(self, path: PathType, detail: str = "") -> None:
         self.path = str(path)
         self.detail = detail
         extra = f" ({detail})" if detail else ""
+        self._args = (self.path, self.detail)
         super().__init__(
             f"The labels {self.path!r} contain no labelled pixel{extra}: every usable value is 0 (unlabelled)."
             " HINT: check that you passed the ground-truth raster and not a mask, and that its nodata value is not"
             " hiding the classes."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.detail))
 
-
-class SingleClassError(ValueError):
-    """The label raster holds fewer than two classes, so there is nothing to classify.
-
-    Args:
-        path: the label raster.
-        present: the class values (``1..C``) that occur in it.
-    """
+class SingleClassError(_Pickled, ValueError):
+    """The label raster holds fewer than two classes, so there is nothing to classify."""
 
     def __init__(self, path: PathType, present: Sequence[int]) -> None:
         self.path = str(path)
         self.present = [int(c) for c in present]
+        self._args = (self.path, self.present)
         super().__init__(
             f"The labels {self.path!r} contain a single class (value {self.present[0]}) besides 0 (unlabelled), but"
             " classification needs at least two. HINT: check that you passed the ground-truth raster and not a"
             " binary mask of one class; a mask's 0 means unlabelled here, not a second class."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.present))
 
-
-class ClassTooSmallError(ValueError):
-    """A class has too few labelled pixels for the requested split.
-
-    Args:
-        source: the label raster (or a description of the labels).
-        class_id: the class label value (``1..C``).
-        available: labelled pixels of the class that can be used.
-        needed: the minimum number the split requires.
-        split: a description of the requested split, e.g. ``"train_per_class=50, val_per_class=10"``.
-        hint: how to fix it.
-        unit: what ``available`` and ``needed`` count (``"pixel"`` or ``"block"``).
-    """
+class ClassTooSmallError(_Pickled, ValueError):
+    """A class has too few labelled pixels for the requested split."""
 
     def __init__(
         self,
@@ -237,37 +175,24 @@ class ClassTooSmallError(ValueError):
             "lower the per-class counts or fractions, merge or drop the class (set its pixels to 0), or use a"
             " smaller `block_size` for spatially disjoint splits"
         )
+        self._args = (self.source, self.class_id, self.available, self.needed, self.split, self.hint, self.unit)
         super().__init__(
             f"Class {self.class_id} of the labels {self.source!r} has {self.available} usable {unit}(s), but the"
             f" split ({split}) needs at least {self.needed}. HINT: {self.hint}."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            type(self),
-            (self.source, self.class_id, self.available, self.needed, self.split, self.hint, self.unit),
-        )
 
-
-class MatFileError(ValueError):
-    """A MATLAB ``.mat`` file does not hold the arrays we look for (or is in an unsupported format).
-
-    Args:
-        path: the ``.mat`` file.
-        problem: what is wrong.
-        variables: the variables found in the file, as ``{name: shape}``.
-    """
+class MatFileError(_Pickled, ValueError):
+    """A MATLAB ``.mat`` file does not hold the arrays we look for (or is in an unsupported format)."""
 
     def __init__(self, path: PathType, problem: str, variables: dict[str, tuple[int, ...]] | None = None) -> None:
         self.path = str(path)
         self.problem = problem
         self.variables = dict(variables or {})
         found = ", ".join(f"{k}{list(v)}" for k, v in self.variables.items()) or "none"
+        self._args = (self.path, self.problem, self.variables)
         super().__init__(
             f"Cannot read {self.path!r}: {problem}. Variables found: {found}. HINT: pass `image_key=`/`labels_key=`"
             " to pick the variables explicitly; MATLAB v7.3 files are HDF5 and must be re-saved with `save(...,"
             " '-v7')` or converted to GeoTIFF."
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problem, self.variables))

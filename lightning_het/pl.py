@@ -1,21 +1,7 @@
-"""The strategies for the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages.
+"""The strategies for the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages (docs/api.md).
 
-Their classes and registries are separate from the unified ``lightning`` package's, so a ``pytorch_lightning.Trainer``
-needs a strategy built on ``pytorch_lightning``'s ``DDPStrategy``::
-
-    import pytorch_lightning as pl
-    from lightning_het.pl import HeterogeneousStrategy
-
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HeterogeneousStrategy(timeout=60))
-
-and ``lightning_fabric.Fabric`` one built on ``lightning_fabric``'s (:class:`HeterogeneousFabricStrategy`). The
-keywords, the ``"heterogeneous"`` strategy name (registered as soon as the package is imported) and the guarantees are
-those of :class:`lightning_het.HeterogeneousStrategy` and :class:`lightning_het.HeterogeneousFabricStrategy`,
-including, for the Trainer, the hung/dead-replica watchdog, the ``popen`` launcher's lifecycle (no orphans, the
-end-of-run barrier, exit statuses 124 and 130), preemption and telemetry.
-
-Each name imports its package on first use, so this module imports without either; a name whose package is missing
-raises ``ImportError`` with the ``pip install`` that provides it.
+Same keywords and guarantees as :class:`lightning_het.HeterogeneousStrategy` and
+:class:`lightning_het.HeterogeneousFabricStrategy`; each name imports its package on first use.
 
 .. versionadded:: 0.1
 """

@@ -1,7 +1,4 @@
-"""``python -m lightning_het.train [overrides]``: the Hydra app's command line, kept at this path for users' scripts.
-
-The app lives in :mod:`lightning_het.app.train`; this module only forwards to its :func:`main`.
-"""
+"""``python -m lightning_het.train [overrides]``: the Hydra app's command line, kept at this path for users' scripts."""
 
 from __future__ import annotations
 

@@ -496,6 +496,12 @@ def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[s
             ],
             "report_paths": r.get("report_paths"),
         }
+    over = _overhead_summary(overhead)
+    return {"platforms": rows, "emulation": emulation, "slowdown": slowdown, "overhead": over}
+
+
+def _overhead_summary(overhead: list[dict]) -> dict[str, Any]:
+    """The homogeneous-overhead pairs: step and CPU times of each strategy and the overhead per alternated pair."""
     runs = [r for r in overhead if r["name"].startswith(("overhead ddp", "overhead het"))]
     over = {
         "ddp_step_ms": [r["step_s_median"] * 1e3 for r in runs if r["strategy"] == "ddp"],
@@ -511,7 +517,16 @@ def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[s
     }
     over["overhead"] = statistics.median(over["overhead_per_pair"])
     over["cpu_overhead"] = statistics.median(over["cpu_overhead_per_pair"])
-    return {"platforms": rows, "emulation": emulation, "slowdown": slowdown, "overhead": over}
+    return over
+
+
+def _overhead_line(o: dict[str, Any]) -> str:
+    pairs = ", ".join(f"{p:+.1%}" for p in o["overhead_per_pair"])
+    return (
+        f"step time (10th percentile) DDP {statistics.median(o['ddp_step_p10_ms']):.2f} ms, heterogeneous"
+        f" {statistics.median(o['het_step_p10_ms']):.2f} ms; overhead per step, median over the pairs:"
+        f" {o['overhead']:+.2%} wall clock ({pairs}), {o['cpu_overhead']:+.2%} CPU time of rank 0"
+    )
 
 
 def _clock_cost_us(iterations: int = 3000, repeats: int = 5) -> float:
@@ -728,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         metavar="PREFIX",
-        help="run only the platform jobs whose name starts with one of these (e.g. '1:2:4 ddp' '1:2:4 het' slowdown);"
+        help="run only the platform jobs whose name starts with one of these (e.g. '1:2:4 ddp' '1:2:4 het' slowdown;"
+        " 'overhead': the homogeneous-overhead pairs);"
         " skips the overhead runs and prints a short table instead of the full report",
     )
     args = parser.parse_args(argv)
@@ -751,6 +767,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = [p for p in platforms_plan[1:] if p["name"].startswith(tuple(args.only))]
         affine = "affine" in args.only
+        if "overhead" in args.only:  # the homogeneous-overhead pairs alone
+            over = _overhead_summary(_launch("overhead", 2, overhead_plan, out, args.c0, timeout))
+            (out / "overhead.json").write_text(json.dumps(over, indent=1))
+            print(f"{command.strip()}\n{_overhead_line(over)}")
+            if not keep and not affine:
+                return 0
         if not keep and not affine:
             parser.error(f"--only {args.only} matches none of {[p['name'] for p in platforms_plan[1:]]} (or 'affine')")
         runs = _launch("platforms", 3, platforms_plan[:1] + keep, out, args.c0, timeout)[1:] if keep else []

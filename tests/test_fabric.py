@@ -58,7 +58,7 @@ def test_registered_for_standalone_lightning_fabric():
         pytest.param({"emulate_slowdown": [1.0]}, "need the Trainer", id="trainer-only-emulate"),
         pytest.param({"rebalance_threshold": 1.2}, "need the Trainer", id="trainer-only-rebalance"),
         pytest.param({"preemption_grace": 5.0}, "need the Trainer", id="trainer-only-preemption"),
-        pytest.param({"profile_step": 3}, "profile_step", id="profile-step-not-callable"),
+        pytest.param({"profile_step": print}, "unexpected keyword argument `profile_step`", id="profile-step-gone"),
         pytest.param({"comm": "ring"}, "comm", id="comm-unknown"),
         pytest.param({"speeds": [1.0, float("nan")]}, "speeds", id="speeds-nan"),
         pytest.param({"global_batch_size": 0}, "global_batch_size", id="global-batch-size-zero"),
@@ -87,23 +87,13 @@ def _one_replica(fabric_cls=Fabric, strategy_cls=HeterogeneousFabricStrategy, **
 
 
 @pytest.mark.parametrize("package", ["lightning.fabric", "lightning_fabric"])
-def test_one_replica_profiles_and_trains_like_one_process(package):
+def test_one_replica_trains_like_one_process_without_profiling(package):
     classes = _standalone() if package == "lightning_fabric" else (Fabric, HeterogeneousFabricStrategy)
     fabric, strategy, net, model, optimizer = _one_replica(*classes, global_batch_size=12)
-    calls = []
-
-    def step(batch):
-        calls.append(len(batch[0]))
-        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-
-    strategy.profile_step = step
-    before = {k: v.clone() for k, v in net.state_dict().items()}
     dataset = make_dataset(60)
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=5, shuffle=True))
-    assert calls, "profile_step never ran"
-    _assert_close(net.state_dict(), before, atol=0)  # profiling left no trace
-    assert optimizer.state_dict()["state"] == {}
-    assert strategy.batch_sizes == [12] and strategy.loss_scale == 1.0 and strategy.speeds[0] > 0
+    assert not strategy.profiling and strategy.cost_model is None  # nothing to balance
+    assert strategy.batch_sizes == [12] and strategy.loss_scale == 1.0 and strategy.speeds == [1.0]
     assert isinstance(loader.sampler, ProportionalDistributedSampler)
     for _ in range(2):
         for x, y in loader:
@@ -112,26 +102,6 @@ def test_one_replica_profiles_and_trains_like_one_process(package):
             optimizer.step()
     _assert_close(net.state_dict(), reference_weights(dataset, 12, epochs=2, seed=0))
     assert "global batch 12" in strategy.balance_table()
-
-
-def test_speed_cache_skips_profiling_the_second_time(tmp_path):
-    dataset = make_dataset(40)
-    calls = []
-    for _ in range(2):
-        fabric, strategy, _net, model, _opt = _one_replica(global_batch_size=8, profile_cache=tmp_path)
-
-        def step(batch, model=model):
-            calls.append(len(batch[0]))
-            return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-
-        strategy.profile_step = step
-        fabric.setup_dataloaders(DataLoader(dataset, batch_size=4, shuffle=True))
-        report = strategy.balance_report()
-        assert report["batch_sizes"] == [8]
-        if not report["profile_cached"]:
-            profiled_calls = len(calls)
-    assert report["profile_cached"] and profiled_calls > 0 and len(calls) == profiled_calls
-    assert any(tmp_path.iterdir())
 
 
 def test_eval_sampler_and_loaders_left_alone():
@@ -157,26 +127,12 @@ def test_any_sampler_is_cut_into_global_batches():
     assert all(any(torch.equal(row, dataset.tensors[0][i]) for i in range(10)) for row in drawn)
 
 
-def test_profiling_before_the_model_is_set_up_is_refused():
-    strategy = HeterogeneousFabricStrategy(profile_step=lambda batch: batch[0].sum(), process_group_backend="gloo")
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
-    fabric.launch()
-    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\)"):
-        fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
-
-
 def test_a_second_training_split_is_refused():
     fabric, strategy, *_ = _one_replica(speeds=[1.0])
     fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
     with pytest.raises(ValueError, match="eval_sampler"):
         fabric.setup_dataloaders(DataLoader(make_dataset(9), batch_size=8))
     assert strategy.batch_sizes == [4]
-
-
-def test_profiling_needs_a_step_or_speeds():
-    fabric, *_ = _one_replica()
-    with pytest.raises(ValueError, match="profile_step"):
-        fabric.setup_dataloaders(DataLoader(make_dataset(20), batch_size=4, shuffle=True))
 
 
 # ---------------------------------------------------------------------- three replicas
@@ -186,14 +142,20 @@ def test_profiling_needs_a_step_or_speeds():
 THREE_REPLICA_LOOPS = {
     # speeds 1:2:3 -> batches 2/4/6 of 12
     "exact": {"strategy": {"speeds": [1, 2, 3], "global_batch_size": 12, "comm": "allreduce"}},
-    # rank 2 pays 3x the per-sample cost in ``profile_step``
+    # no speeds: the loop's first steps profile; rank 2 pays 3x the per-sample cost in its steps; the training loader
+    # is set up before the model
     "profiled": {
-        "strategy": {"global_batch_size": 35, "comm": "hierarchical", "node_ids": [0, 0, 1], "profile_steps": 5},
-        "profile": True,
+        "strategy": {"global_batch_size": 35, "comm": "hierarchical", "node_ids": [0, 0, 1], "profile_steps": 3},
         "cost_per_sample_s": 0.005,
         "slow_rank": 2,
         "slow_factor": 3.0,
-        "n": 70,
+        "n": 280,
+        "loader_first": True,
+    },
+    # the same job again: every replica finds its cost in the speed cache, nothing is profiled
+    "cached": {
+        "strategy": {"global_batch_size": 35, "comm": "hierarchical", "node_ids": [0, 0, 1]},
+        "n": 280,
     },
     # comm='node_local' over nodes [0, 0, 1], K=2, one epoch
     "node_local": {
@@ -213,7 +175,9 @@ THREE_REPLICA_LOOPS = {
 def three_replicas(tmp_path_factory) -> dict[str, list[dict]]:
     """Each loop of :data:`THREE_REPLICA_LOOPS`: its per-rank dumps."""
     out = tmp_path_factory.mktemp("three_replicas")
-    loops = list(THREE_REPLICA_LOOPS.values())
+    loops = [{**loop, "strategy": dict(loop["strategy"])} for loop in THREE_REPLICA_LOOPS.values()]
+    for loop in loops:
+        loop["strategy"].setdefault("profile_cache", str(out / "cache"))  # shared by "profiled" and "cached"
     result = run_job(["-m", "tests.helpers.run_fabric", str(out), json.dumps(loops)], timeout=360)
     assert result.returncode == 0, result.stdout[-6000:]
     return {
@@ -236,8 +200,9 @@ def test_three_replicas_equal_one_process(three_replicas):
 
 @pytest.mark.slow
 def test_profiling_sees_a_three_times_slower_replica_hierarchical_exact(three_replicas):
-    """Rank 2 pays 3x the per-sample cost in ``profile_step``: its measured speed is about a third, its batch about
-    a seventh of the global one (1:1:1/3); with comm='hierarchical' over nodes [0, 0, 1] training stays exact.
+    """No ``speeds``: the loop's first steps run under trial splits and are timed. Rank 2 pays 3x the per-sample cost
+    in its steps: its measured speed is about a third, its batch about a seventh of the global one (1:1:1/3); with
+    comm='hierarchical' over nodes [0, 0, 1] training stays exact, the trial steps included.
 
     The cost is a sleep long next to a step's compute (~75 ms per step at the balanced split), so that scheduling
     noise on a loaded machine cannot skew the ratio."""
@@ -248,9 +213,26 @@ def test_profiling_sees_a_three_times_slower_replica_hierarchical_exact(three_re
     assert 2.2 < ratio < 4.0, speeds
     assert dumps[0]["batch_sizes"][2] < min(dumps[0]["batch_sizes"][:2]), dumps[0]["batch_sizes"]
     assert dumps[0]["comm_mode"] == "hierarchical"
-    reference = reference_weights(make_dataset(70), 35, epochs=2, seed=0)
+    # a warm-up step, 2 x 3 trial steps, then the fitted split (a plain loop fetches no batch ahead): 16 steps in all
+    seen = [d["seen_batch_sizes"] for d in dumps]
+    assert all(len(s) == 16 for s in seen) and all(sum(step) == 35 for step in zip(*seen))
+    assert seen[0][:7] != [seen[0][8]] * 7  # trial splits
+    for rank, dump in enumerate(dumps):
+        assert seen[rank][7:] == [dump["batch_sizes"][rank]] * 9
+    reference = reference_weights(make_dataset(280), 35, epochs=2, seed=0)
     for dump in dumps:
         _assert_close(dump["state_dict"], reference)
+
+
+@pytest.mark.slow
+def test_speed_cache_skips_profiling_the_second_time(three_replicas):
+    profiled, cached = three_replicas["profiled"], three_replicas["cached"]
+    assert not any(d["profile_cached"] for d in profiled) and all(d["profile_cached"] for d in cached)
+    # (the replicas share one cache key here: same model, data and device; the sleep of rank 2 is not part of it)
+    for rank, dump in enumerate(cached):
+        assert dump["batch_sizes"] == cached[0]["batch_sizes"] and sum(dump["batch_sizes"]) == 35
+        assert dump["seen_batch_sizes"] == [dump["batch_sizes"][rank]] * 16  # no trial split
+        _assert_close(dump["state_dict"], reference_weights(make_dataset(280), 35, epochs=2, seed=0))
 
 
 @pytest.mark.slow
@@ -296,7 +278,7 @@ def test_popen_launcher_starts_replicas_that_cannot_outlive_it(package):
     launcher = fabric_cls(accelerator="cpu", devices=2, strategy=strategy_cls())._strategy.launcher
     fabric_launcher = importlib.import_module(f"{package}.strategies.launchers.subprocess_script")
     assert isinstance(launcher, _ReplicaProcesses) and isinstance(launcher, fabric_launcher._SubprocessScriptLauncher)
-    assert launcher._strategy is not None and launcher.num_processes == 2
+    assert launcher.strategy is not None and launcher.num_processes == 2
 
 
 @pytest.mark.slow

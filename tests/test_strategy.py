@@ -167,12 +167,15 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
         accelerator="cpu", devices=2, strategy="heterogeneous", logger=False
     ).strategy
     for strategy in (unified, standalone):
-        assert strategy._trainer_loop and strategy.launcher.finishes_runs and strategy.launcher._strategy is strategy
+        assert strategy.launcher.finishes_runs and strategy.launcher.strategy is strategy
+        assert strategy.watchdog is None  # started with the replicas (setup_environment), not at construction
     assert type(unified.launcher) is HeterogeneousScriptLauncher
     assert isinstance(standalone.launcher, PLScriptLauncher)  # what pytorch_lightning's Ctrl-C handling looks for
     assert type(standalone.launcher).__name__ == "PLHeterogeneousScriptLauncher"
-    assert not lightning_het.HeterogeneousFabricStrategy._trainer_loop
-    assert not lightning_het.pl.HeterogeneousFabricStrategy._trainer_loop  # your own loop: Fabric's launcher
+    for fabric_strategy in (lightning_het.HeterogeneousFabricStrategy, lightning_het.pl.HeterogeneousFabricStrategy):
+        # your own loop: no Trainer hooks to watch; Fabric's launcher (made orphan-proof), not the Trainer's
+        assert not issubclass(fabric_strategy, lightning_het.HeterogeneousStrategy)
+        assert "watchdog" not in dir(fabric_strategy)
 
 
 def test_public_import_for_the_standalone_packages(monkeypatch):

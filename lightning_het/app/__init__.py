@@ -1,9 +1,4 @@
-"""The Hydra app (``lightning-het-train``): structured configs, the entry point, outputs and sweeps.
-
-Needs the ``app`` extra (Hydra) and the ``hsi`` extra (rasterio, matplotlib). The configuration tree is the
-repository's top-level ``conf/`` directory, shipped in the wheel as the package ``lightning_het.conf``; see
-:func:`config_dir`.
-"""
+"""The Hydra app (``lightning-het-train``): structured configs, the entry point, outputs and sweeps."""
 
 from __future__ import annotations
 
@@ -14,9 +9,6 @@ __all__ = ["config_dir"]
 
 def config_dir() -> Path:
     """The directory of the app's Hydra configs (``train.yaml`` and the config groups).
-
-    An installed wheel ships them inside the package (``lightning_het/conf``); a source checkout, used through an
-    editable install or ``PYTHONPATH``, has them at the repository's top level (``conf/``), next to the package.
 
     Raises:
         FileNotFoundError: neither place holds ``train.yaml`` (a broken installation).

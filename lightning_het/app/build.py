@@ -1,8 +1,4 @@
-"""Builds a run's parts from the composed config: data module, model wrapper, strategy, callbacks, loggers, trainer.
-
-Every object comes from ``hydra.utils.instantiate``; a config that cannot be built ends as a
-:class:`~lightning_het.app.messages.UserError` naming the config group and the real cause.
-"""
+"""Builds a run's parts from the composed config: data module, model wrapper, strategy, callbacks, loggers, trainer."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ log = logging.getLogger(__name__)
 def instantiate(group: str, node: DictConfig | dict[str, Any], **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` with an error that names the config group and the real cause.
 
-    Arguments reach the object as plain ``dict``/``list`` (``_convert_="all"``), so that hyperparameters saved in
-    checkpoints load with ``torch.load(weights_only=True)``, which Lightning uses when resuming.
+    ``_convert_="all"`` passes plain ``dict``/``list``, so saved hyperparameters load with ``weights_only=True``.
     """
     target = node.get("_target_", "?")
     log.info("Instantiating %s <%s>", group, target)
@@ -73,8 +68,7 @@ def build_trainer(cfg: DictConfig, strategy_cfg: StrategyConfig, callbacks: list
 
 
 def _build_callbacks(cfg: DictConfig) -> list[Any]:
-    """The ``callbacks`` group's callbacks (a mapping of name -> config, ``null`` entries skipped), then any given as
-    ``trainer.callbacks`` (a list of configs): all of them are kept, none replaces another."""
+    """The ``callbacks`` group's callbacks (``null`` skipped), then any ``trainer.callbacks`` configs: all kept."""
     built = [
         instantiate(f"callbacks.{name}", node)
         for name, node in (cfg.get("callbacks") or {}).items()
@@ -88,8 +82,7 @@ def _build_callbacks(cfg: DictConfig) -> list[Any]:
 
 
 def _build_loggers(cfg: DictConfig) -> list[Any] | bool:
-    """The ``logger`` group's loggers plus a ``trainer.logger`` config (one or a list); ``False`` when there is none,
-    or when ``trainer.logger=false`` switches logging off altogether."""
+    """The ``logger`` group's loggers plus ``trainer.logger`` configs; ``False`` when none or switched off."""
     extra = cfg.trainer.get("logger")
     if extra is False:
         return False
@@ -101,8 +94,7 @@ def _build_loggers(cfg: DictConfig) -> list[Any] | bool:
 
 
 def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> bool:
-    """``trainer.enable_checkpointing``, or when it is null, whether a ``ModelCheckpoint`` is among the callbacks (so
-    that ``callbacks=none`` writes no checkpoint at all, rather than Lightning's default one)."""
+    """``trainer.enable_checkpointing``, or when null, whether a ``ModelCheckpoint`` is among the callbacks."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     value = cfg.trainer.get("enable_checkpointing")
@@ -112,18 +104,8 @@ def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> bool:
 def unweighted_gradients(model: pl.LightningModule) -> pl.LightningModule:
     """Make ``model`` train with the 2020 code's *unweighted* gradient average (a baseline, biased).
 
-    :class:`~lightning_het.HeterogeneousStrategy` multiplies each replica's loss by its ``loss_scale = W * b_r / B``
-    before DDP's mean all-reduce, which yields the exact global-batch gradient ``sum_r (b_r / B) g_r``. Dividing the
-    loss returned by ``training_step`` by that same public ``strategy.loss_scale`` cancels the weighting, so the update
-    becomes ``(1 / W) sum_r g_r``: every replica's mean gradient counts equally, whatever its batch size. Logged losses
-    are unchanged (they are logged inside ``training_step``). Valid with ``comm="allreduce"``.
-
-    Args:
-        model: the LightningModule; its ``training_step`` is wrapped in place (popen launches only: the wrapper is
-            not picklable for ``spawn``).
-
-    Returns:
-        The same model.
+    Dividing the loss by ``strategy.loss_scale`` (``W * b_r / B``) cancels the strategy's weighting, so the update is
+    ``(1 / W) sum_r g_r``. Valid with ``comm="allreduce"``; the wrapper is not picklable for ``spawn``.
     """
     original = model.training_step
 

@@ -12,12 +12,7 @@ __all__ = ["EpochTimer"]
 
 
 class EpochTimer(pl.Callback):
-    """Records each training epoch's wall time and epoch-level metrics; rank 0 prints one line per epoch.
-
-    Attributes:
-        epoch_seconds: wall time of every finished training epoch (validation excluded).
-        history: per epoch, ``epoch``, ``seconds`` and every logged ``stage/name`` metric.
-    """
+    """Records each training epoch's wall time and epoch-level metrics; rank 0 prints one line per epoch."""
 
     def __init__(self) -> None:
         self.epoch_seconds: list[float] = []

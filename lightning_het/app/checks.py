@@ -78,11 +78,7 @@ def checkpoint_to_resume(cfg: DictConfig) -> str | None:
 
 
 def _unreadable_checkpoint(path: str) -> str | None:
-    """Why ``path`` cannot be loaded as a checkpoint, or ``None`` when it can.
-
-    A checkpoint in torch's zip format is checked without unpickling it (its archive and every member's CRC: catches
-    truncated and overwritten files); any other file is loaded once with ``torch.load`` on the CPU.
-    """
+    """Why ``path`` cannot be loaded as a checkpoint, or ``None`` when it can."""
     import zipfile
 
     try:
@@ -111,12 +107,7 @@ def _usable_cores() -> int:
 
 
 def check_cpu_replicas(cfg: DictConfig) -> None:
-    """Refuse far more CPU replicas on a node than it has cores; warn when there are more replicas than cores.
-
-    A few more replicas than cores is what the default run does on a small machine (3 emulated replicas on 2 cores:
-    they take turns, which only slows the run down); ``trainer.devices=64`` on 2 cores is a typo or a misunderstanding
-    (64 processes, each with its own copy of the model and data) and is refused before any process starts.
-    """
+    """Refuse far more CPU replicas on a node than it has cores; warn when there are more replicas than cores."""
     trainer = cfg.get("trainer")
     if not isinstance(trainer, DictConfig) or trainer.get("accelerator") != "cpu":
         return

@@ -1,23 +1,4 @@
-"""Structured configs (schemas) of the Hydra app, registered in Hydra's ConfigStore.
-
-The YAML files under ``conf/strategy`` and ``conf/data`` start from these schemas
-(``defaults: [schema, _self_]``), so Hydra type-checks every value when it composes the config: a wrong type or an
-unknown choice fails at the command line with Hydra's own message, e.g.::
-
-    $ lightning-het-train strategy.min_batch_size=abc
-    Error merging override strategy.min_batch_size=abc
-    Value 'abc' of type 'str' could not be converted to Integer
-        full_key: strategy.min_batch_size
-
-Range checks that a type cannot express (``min_batch_size >= 1``, slowdowns ``>= 1``, a ``???`` left unset, ...)
-live in :func:`validate_config` and the dataclasses' ``__post_init__``; they run before anything is built. The strategy
-node is checked by the strategy's own validators (:func:`lightning_het.arguments.validate_strategy_arguments`, the
-function its constructor calls), so the config and the constructor share one rule per keyword. The data module checks
-its own arguments when it is constructed (fractions, files, world size).
-
-The resolvers registered here (``${lh.*:}``) derive defaults from the trainer settings (see ``docs/app.md``). This
-module itself imports neither torch nor Lightning.
-"""
+"""Structured configs (schemas) of the Hydra app, registered in Hydra's ConfigStore."""
 
 import enum
 import inspect
@@ -58,19 +39,12 @@ class ConfigValueError(ValueError):
     """A config value has the right type but an impossible value (raised before anything is built)."""
 
 
-#: Gradient communication of :class:`~lightning_het.HeterogeneousStrategy` (see ``docs/communication.md``): the
-#: choices of :data:`lightning_het.comm.modes.COMM_CHOICES`, as the enum OmegaConf needs to check them.
+#: ``COMM_CHOICES`` (see ``docs/communication.md``) as the enum OmegaConf needs to check them
 Comm = enum.Enum("Comm", {choice: choice for choice in COMM_CHOICES}, type=str)  # type: ignore[misc]
 
 
 class GradientAveraging(str, enum.Enum):
-    """How the replicas' gradients are combined.
-
-    ``weighted`` (the strategy's own): each replica's gradient counts in proportion to its share of the global batch,
-    which gives exactly the gradient of the global-batch mean loss. ``unweighted``: the plain mean of the per-replica
-    mean gradients, as in the 2020 code; biased toward the slow replicas' small batches. A baseline for comparisons,
-    applied by the app (see :func:`lightning_het.app.build.unweighted_gradients`); use it with ``comm=allreduce``.
-    """
+    """How the replicas' gradients are combined."""
 
     weighted = "weighted"
     unweighted = "unweighted"
@@ -126,11 +100,7 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class StrategyConfig:
-    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`.
-
-    Every field is a constructor keyword; ``timeout`` is in seconds and ``ddp_kwargs`` is forwarded as extra keywords
-    (to ``DDPStrategy`` and from there to ``DistributedDataParallel``, e.g. ``{gradient_as_bucket_view: true}``).
-    """
+    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`."""
 
     _target_: str = "lightning_het.strategy.HeterogeneousStrategy"
     #: samples per optimizer step over all replicas; null: the datamodule's ``global_batch_size``.
@@ -161,8 +131,7 @@ class StrategyConfig:
     comm_warmup_steps: int = 0
     #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
     comm_autotune_steps: int = 5
-    #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (a file or a directory); null: last.ckpt of the run's
-    #: ModelCheckpoint, else <run dir>/checkpoints/last.ckpt; false: none (see docs/preemption.md)
+    #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (file or directory; false: none; docs/preemption.md)
     preemption_checkpoint: Any = None
     #: seconds from the signal until a replica that could not stop in time is ended with status 143
     preemption_grace: float = 25.0
@@ -198,11 +167,7 @@ class StrategyConfig:
             )
 
     def to_kwargs(self) -> dict[str, Any]:
-        """Constructor keywords for the strategy class.
-
-        Enums become strings, ``ddp_kwargs`` is flattened in, ``_target_`` and the app-level ``gradient_averaging``
-        are left out.
-        """
+        """Constructor keywords for the strategy class."""
         kwargs: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
             if name in ("_target_", "ddp_kwargs", "gradient_averaging"):
@@ -244,15 +209,10 @@ class SyntheticSceneConfig:
 
 @dataclass
 class DataConfig:
-    """Schema of the ``data`` group: the keywords of :class:`~lightning_het.hsi.HyperspectralDataModule`.
-
-    ``image: null`` gives a synthetic scene generated on the fly from ``synthetic``. The data module checks the values
-    themselves (fractions, patch size, files) and names the offending argument.
-    """
+    """Schema of the ``data`` group: the keywords of :class:`~lightning_het.hsi.HyperspectralDataModule`."""
 
     _target_: str = "lightning_het.hsi.datamodule.HyperspectralDataModule"
-    #: multi-band raster (GeoTIFF, ENVI, anything rasterio opens) or a MATLAB .mat file; null: synthetic scene.
-    #: MISSING in the schema so that a YAML file's ``???`` stays mandatory (merging ``???`` keeps a default).
+    #: raster or .mat file; null: synthetic scene. MISSING so that a YAML ``???`` stays mandatory.
     image: str | None = MISSING
     #: single-band integer raster on the image's grid, 0 = unlabelled, 1..C = classes
     labels: str | None = MISSING
@@ -264,8 +224,7 @@ class DataConfig:
     val_fraction: float = 0.1
     val_per_class: int | None = None
     block_size: int = 16
-    #: an int, ``auto`` (min(30, bands - 1), chosen once the band count is known and logged) or null (every band).
-    #: ``Any`` because OmegaConf has no int-or-string type; the data module checks the value.
+    #: an int, ``auto`` (min(30, bands - 1)) or null (every band); ``Any``: OmegaConf has no int-or-string type
     pca_components: Any = None
     standardize: bool = True
     num_classes: int | None = None
@@ -325,10 +284,6 @@ def _world(root: DictConfig | None) -> int | None:
 def emulated_slowdowns(max_slowdown: float | None, *, _root_: DictConfig | None = None) -> list[float] | None:
     """Default ``strategy.emulate_slowdown``: geometric factors from 1 to ``max_slowdown`` over the replicas.
 
-    Used as ``${lh.emulated_slowdowns:4}``. It emulates heterogeneity only where that is the point of the default run:
-    a single-node CPU job with several integer ``trainer.devices``. Anywhere else (GPUs, several nodes, one replica,
-    ``max_slowdown`` null) it returns ``None`` (real speeds, no emulation).
-
     >>> root = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 3, "num_nodes": 1}})
     >>> emulated_slowdowns(4, _root_=root)
     [1.0, 2.0, 4.0]
@@ -341,9 +296,6 @@ def emulated_slowdowns(max_slowdown: float | None, *, _root_: DictConfig | None 
 
 def emulated_node_ids(nodes: int, *, _root_: DictConfig | None = None) -> list[int] | None:
     """Default ``strategy.node_ids`` of ``strategy=node_local``: split a single-node CPU job into emulated nodes.
-
-    Used as ``${lh.emulated_node_ids:2}``: the replicas are cut into ``nodes`` contiguous groups, as even as possible
-    (the first groups one larger). ``None`` (detect the real nodes) for anything but a single-node CPU job.
 
     >>> root = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 3, "num_nodes": 1}})
     >>> emulated_node_ids(2, _root_=root)
@@ -361,10 +313,7 @@ def emulated_node_ids(nodes: int, *, _root_: DictConfig | None = None) -> list[i
 
 
 def equal_speeds(*, _root_: DictConfig | None = None) -> list[float] | None:
-    """``strategy.speeds`` of ``strategy=equal_split``: ``[1.0] * (trainer.devices x trainer.num_nodes)``.
-
-    Used as ``${lh.equal_speeds:}``. Raises when the world size is not known from the config.
-    """
+    """``strategy.speeds`` of ``strategy=equal_split``: ``[1.0] * (trainer.devices x trainer.num_nodes)``."""
     if _root_ is None or not isinstance(_root_.get("trainer"), DictConfig):
         return None  # composing a group on its own
     world = _world(_root_)
@@ -377,10 +326,7 @@ def equal_speeds(*, _root_: DictConfig | None = None) -> list[float] | None:
 
 
 def default_devices(accelerator: str) -> int | str:
-    """Default ``trainer.devices``: 3 CPU replicas (the laptop demo), every device of any other accelerator.
-
-    Used as ``${lh.default_devices:${trainer.accelerator}}``.
-    """
+    """Default ``trainer.devices``: 3 CPU replicas (the laptop demo), every device of any other accelerator."""
     if accelerator == "cpu":
         return 3
     if accelerator == "auto":
@@ -399,12 +345,7 @@ def slurm_tasks(devices: Any) -> int:
 
 
 def run_id() -> str:
-    """A run-directory name that every process of one job agrees on.
-
-    ``slurm-<job id>.<step id>`` inside a multi-task ``srun`` step, ``torchrun-<run id>`` under torchrun with a
-    rendezvous id, else the local time stamp ``YYYY-MM-DD_HH-MM-SS`` (Lightning passes the run directory explicitly to
-    the replicas it starts itself, and single-task runs inside an allocation keep distinct directories).
-    """
+    """A run-directory name that every process of one job agrees on."""
     env = os.environ
     job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
     if job and step and env.get("SLURM_NTASKS", "1").isdigit() and int(env.get("SLURM_NTASKS", "1")) > 1:
@@ -435,11 +376,7 @@ def _register_resolvers() -> None:
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (``strategy/schema``, ``data/schema``) and register the resolvers.
-
-    Idempotent; called when :mod:`lightning_het.app.train` is imported. Call it yourself before composing the configs
-    with Hydra's compose API.
-    """
+    """Store the schemas in Hydra's ConfigStore (``strategy/schema``, ``data/schema``) and register the resolvers."""
     _register_resolvers()
     store = ConfigStore.instance()
     store.store(group="strategy", name="schema", node=StrategyConfig)
@@ -447,18 +384,7 @@ def register_configs() -> None:
 
 
 def validate_config(cfg: DictConfig) -> tuple[StrategyConfig, DataConfig]:
-    """Resolve and range-check the ``strategy`` and ``data`` nodes of a composed config.
-
-    Args:
-        cfg: the composed application config.
-
-    Returns:
-        The two nodes as dataclass instances (``__post_init__`` has run).
-
-    Raises:
-        ConfigValueError: naming the offending key and value.
-        omegaconf.errors.OmegaConfBaseException: for a failed interpolation or a missing mandatory value (``???``).
-    """
+    """Resolve and range-check the ``strategy`` and ``data`` nodes of a composed config."""
     missing = sorted(_missing_keys(cfg, skip=("hydra",)))
     if missing:
         example = " ".join(f"{k}=..." for k in missing)
@@ -484,12 +410,13 @@ def _missing_keys(node: DictConfig | ListConfig, prefix: str = "", skip: tuple[s
     for key in keys:
         if key in skip:
             continue
-        child = node._get_node(key)
         full = f"{prefix}{key}" if isinstance(node, DictConfig) else f"{prefix.rstrip('.')}[{key}]"
-        if child is None or child._is_interpolation():
+        if OmegaConf.is_interpolation(node, key):
             continue
-        if child._is_missing():
+        if OmegaConf.is_missing(node, key):
             found.append(full)
-        elif isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
+            continue
+        child = node[key]  # neither an interpolation nor missing: a value, a container or None, as stored
+        if isinstance(child, (DictConfig, ListConfig)):
             found += _missing_keys(child, full + ".")
     return found

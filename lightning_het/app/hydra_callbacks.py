@@ -13,12 +13,7 @@ __all__ = ["OutputDirCheck"]
 
 
 class OutputDirCheck(Callback):
-    """Checks the run (or sweep) directory before Hydra creates it and writes its ``.hydra`` files there.
-
-    Hydra creates ``hydra.run.dir`` before the task function runs, so an uncreatable or unwritable directory would
-    otherwise end with Hydra's traceback and exit status 1; this ends the run with one ``error:`` line naming the
-    directory and exit status 2, like the app's other bad input.
-    """
+    """Checks the run (or sweep) directory before Hydra creates it and writes its ``.hydra`` files there."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")

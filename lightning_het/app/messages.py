@@ -46,11 +46,7 @@ def _error_text(err: BaseException) -> str:
 
 
 def process_label() -> str | None:
-    """``None`` in the job's first process (global rank 0 or not distributed), else a label such as ``rank 2``.
-
-    Read from the environment that the launchers set (``RANK`` from torchrun, ``SLURM_PROCID`` from srun, ``NODE_RANK``
-    and ``LOCAL_RANK`` from Lightning's own launcher), so that it also works before the trainer exists.
-    """
+    """``None`` in the job's first process (global rank 0 or not distributed), else a label such as ``rank 2``."""
     env = os.environ
     if env.get("RANK", "").isdigit():
         return None if env["RANK"] == "0" else f"rank {env['RANK']}"

@@ -1,7 +1,4 @@
-"""One run of the app: train, test and map one composed config, and write ``metrics.json`` (:func:`train`).
-
-Lightning is imported only when a run starts, so that ``--help`` and config errors stay fast.
-"""
+"""One run of the app: train, test and map one composed config, and write ``metrics.json`` (:func:`train`)."""
 
 from __future__ import annotations
 
@@ -37,21 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train, evaluate and map one composed config; write ``metrics.json`` from global rank 0.
-
-    Args:
-        cfg: the composed application config (``conf/train.yaml`` plus overrides). ``cfg.output_dir`` must resolve
-            (outside a Hydra run, set it explicitly).
-
-    Returns:
-        The metrics written to ``metrics.json`` (every rank computes the same dictionary; only rank 0 writes it).
-
-    Raises:
-        UserError: for a config whose target cannot be built.
-        lightning_het.app.config.ConfigValueError: for an impossible config value.
-        FileNotFoundError: for a missing input file (a :class:`~lightning_het.errors.RasterNotFoundError`).
-        ValueError: for bad input data or strategy arguments (the message names the file, key or value).
-    """
+    """Train, evaluate and map one composed config; write ``metrics.json`` from global rank 0."""
     started = time.perf_counter()
     import lightning.pytorch as pl
 
@@ -143,11 +126,7 @@ def _configure_console_logging() -> None:
 
 
 def _test_checkpoint(trainer: pl.Trainer, choice: str) -> dict[str, Any]:
-    """Which weights to test (``test_ckpt``), as recorded in ``metrics.json``; ``path`` goes to ``trainer.test``.
-
-    ``best``: the best checkpoint of the first ``ModelCheckpoint`` that monitors a metric and saved one (Lightning's
-    ``ckpt_path="best"``, resolved here so that the record names the file); without one, the last epoch's weights.
-    """
+    """Which weights to test (``test_ckpt``), as recorded in ``metrics.json``; ``path`` goes to ``trainer.test``."""
     record: dict[str, Any] = {"requested": choice, "used": "last", "path": None}
     if choice != "best":
         return record
@@ -156,10 +135,7 @@ def _test_checkpoint(trainer: pl.Trainer, choice: str) -> dict[str, Any]:
         if getattr(callback, "monitor", None) and best:
             score = callback.best_model_score
             record.update(
-                used="best",
-                path=str(best),
-                monitor=callback.monitor,
-                score=None if score is None else float(score),
+                used="best", path=str(best), monitor=callback.monitor, score=None if score is None else float(score)
             )
             return record
     record["note"] = "no checkpoint of a monitored metric (e.g. callbacks=none): the last epoch's weights"

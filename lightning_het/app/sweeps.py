@@ -1,8 +1,4 @@
-"""Sweeps (``-m``): each multirun job runs as a separate single run of the app in the job's directory.
-
-Lightning's popen launcher re-executes the command line for every extra replica, and re-executing a *multirun* command
-line would start the whole sweep again in every replica; see ``docs/app.md`` ("Sweeps").
-"""
+"""Sweeps (``-m``): each multirun job runs as a separate single run of the app in the job's directory."""
 
 from __future__ import annotations
 
@@ -39,16 +35,7 @@ _SWEEP_ONLY_KEYS = (
 
 
 def sweep_job_command(hydra_cfg: DictConfig, python: str | None = None) -> list[str]:
-    """The single-run command line that reproduces one multirun job in its own directory.
-
-    Args:
-        hydra_cfg: ``HydraConfig.get()`` inside the job.
-        python: the interpreter (default: ``sys.executable``).
-
-    Returns:
-        ``[python, "-m", "lightning_het.train", --config-path/--config-dir/--config-name as in the sweep, the job's
-        overrides, the sweep's non-sweep Hydra overrides, hydra.run.dir=<job dir>, hydra.output_subdir=null]``.
-    """
+    """The single-run command line that reproduces one multirun job in its own directory."""
     command = [python or sys.executable, "-m", "lightning_het.train"]
     for source in hydra_cfg.runtime.config_sources:
         uri = source.path if source.schema == "file" else f"{source.schema}://{source.path}"

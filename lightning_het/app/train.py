@@ -1,11 +1,4 @@
-"""The Hydra app's command line: ``python -m lightning_het.train [overrides]``, installed as ``lightning-het-train``.
-
-:func:`main` composes the config from the ``conf/`` tree (:func:`lightning_het.app.config_dir`) and runs it: a single
-run with :func:`lightning_het.app.run.train`, or under ``-m`` (multirun) each sweep job as a separate single run
-(:mod:`lightning_het.app.sweeps`). User errors end with one ``error: ...`` line (:mod:`lightning_het.app.messages`).
-
-Exit status: 0 on success, 1 when Hydra cannot compose the config (its own message), 2 for a bad value or input file.
-"""
+"""The Hydra app's command line: ``python -m lightning_het.train [overrides]``, installed as ``lightning-het-train``."""
 
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ def objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
 
 
 def _release_process_group() -> None:
-    """Destroy the default process group once the run is over, as torch asks programs to before they exit (leaving it
-    to interpreter shutdown races the backend's threads against the destruction of its objects)."""
+    """Destroy the default process group once the run is over (not racing the interpreter's shutdown)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -66,11 +58,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    """Console entry point (``lightning-het-train``): compose the config from the command line and run it.
-
-    Exit status: 0 on success, 1 for a config Hydra cannot compose (bad key, type or choice, with Hydra's message),
-    2 for a bad value or input file (one ``error: ...`` line on stderr; set ``HYDRA_FULL_ERROR=1`` for the traceback).
-    """
+    """Console entry point (``lightning-het-train``): compose the config from the command line and run it."""
     _hydra_main()
 
 

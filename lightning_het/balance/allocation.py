@@ -1,8 +1,4 @@
-"""Pure maths of static load balancing: per-replica batch sizes, sample shares and loss scales.
-
-Nothing here touches ``torch.distributed``; every function is deterministic, so every rank that calls it with the
-same arguments gets the same answer without communicating.
-"""
+"""Pure maths of static load balancing: per-replica batch sizes, sample shares and loss scales."""
 
 from __future__ import annotations
 
@@ -43,9 +39,6 @@ def proportional_shares(
 ) -> list[float]:
     """Real-valued shares ``clip(lam * speed_r, lower_r, upper_r)`` that sum to ``total``.
 
-    ``lam`` is found by bisection; the clipped sum is monotone in ``lam``, so the answer is unique. Callers must make
-    sure ``sum(lower) <= total <= sum(upper)``.
-
     >>> proportional_shares(12, [1, 2, 3], [0, 0, 0], [12, 12, 12])
     [2.0, 4.0, 6.0]
     """
@@ -73,13 +66,7 @@ def proportional_shares(
 def batch_bounds(
     world: int, global_batch_size: int, min_batch_size: int, max_batch_sizes: Sequence[int] | None
 ) -> tuple[list[int], list[int]]:
-    """Validated per-replica bounds ``(lower, upper)``, in samples, for splitting ``global_batch_size`` over ``world``.
-
-    Invariant of the result: ``sum(lower) <= global_batch_size <= sum(upper)`` and ``lower[r] <= upper[r]``.
-
-    Raises:
-        ValueError: naming the offending argument when the bounds are malformed or cannot hold the total.
-    """
+    """Validated per-replica bounds ``(lower, upper)`` in samples; ``sum(lower) <= global_batch_size <= sum(upper)``."""
     _check_int("global_batch_size", global_batch_size, 1)
     _check_int("min_batch_size", min_batch_size, 0)
     if max_batch_sizes is None:
@@ -176,9 +163,7 @@ def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
 def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
     """Factor applied to replica ``rank``'s mean loss so that DDP's *mean* all-reduce yields the global-batch gradient.
 
-    DDP averages gradients over ``W`` replicas, so scaling the local mean loss by ``W * b_r / B`` gives
-    ``(1/W) * sum_r W * b_r / B * g_r = sum_r b_r / B * g_r``, which is exactly the gradient of the mean loss over the
-    ``B`` samples of the global batch. With equal batches the factor is 1.
+    ``(1/W) sum_r (W b_r / B) g_r = sum_r (b_r / B) g_r``, the gradient of the mean loss over the global batch.
 
     >>> loss_scale([2, 4, 6], 2)
     1.5

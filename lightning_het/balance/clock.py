@@ -1,22 +1,4 @@
-"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation.
-
-How a step is split (:class:`StepClock`). For every training batch the strategy reads a monotonic clock at the start
-of ``training_step`` and around every ``backward``. When backward starts, a tensor hook on the loss queues an
-*autograd end-of-backward callback*, which runs before DDP's own (it is queued only when the last gradient bucket is
-ready): at the moment this replica has finished computing its local gradients. Per step, in seconds:
-
-* ``wait_s``: from the end of local backward compute to the return of ``backward()`` (gradient synchronisation).
-* ``compute_s``: the rest of the step from the start of ``training_step`` to the end of its last backward: forward,
-  backward and an emulated slowdown. Data loading and ``optimizer.step`` fall between steps and are not counted.
-* ``step_s``: start of this ``training_step`` to the start of the next one (the last step of an epoch: to the end of
-  its backward), so ``samples_per_s = batch_size / step_s``.
-
-Emulation (``emulate_slowdown``): the clock sleeps ``(f - 1) x`` the forward work after ``training_step`` returns and
-``(f - 1) x`` the backward work in the end-of-backward callback, both before the gradients are synchronised
-(:func:`emulate_slower_device`, also used by Fabric's profiling). Cost: about six clock reads, one tensor hook and one
-autograd callback per step; on CUDA the device is synchronised at the two measurement points. The design narrative is
-in ``docs/benchmarks.md``.
-"""
+"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation."""
 
 from __future__ import annotations
 
@@ -28,21 +10,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd import Variable
+
+from lightning_het._compat import queue_backward_callback
 
 __all__ = ["EpochTimings", "StepClock", "emulate_slower_device"]
 
 
 @dataclass
 class EpochTimings:
-    """One replica's per-step timings since the last flush, in seconds (one entry per training batch).
-
-    Attributes:
-        compute_s: busy time of each step (forward, backward, emulated slowdown), seconds.
-        wait_s: time blocked in gradient synchronisation, seconds.
-        step_s: iteration time, seconds.
-        batch_sizes: samples of each step.
-    """
+    """One replica's per-step timings since the last flush, in seconds (one entry per training batch)."""
 
     compute_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
@@ -59,7 +35,6 @@ class EpochTimings:
 
     @classmethod
     def from_tensor(cls, rows: Tensor) -> EpochTimings:
-        """Inverse of :meth:`as_tensor`."""
         data = rows.detach().cpu().tolist()
         return cls(
             compute_s=[r[0] for r in data],
@@ -70,20 +45,7 @@ class EpochTimings:
 
 
 def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
-    """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay.
-
-    The one slowdown emulation of the package (the step clock and profiling both call it).
-
-    Args:
-        slowdown: emulation factor ``f >= 1`` (1: no delay).
-        wall_s: wall-clock seconds of the work just done.
-        cpu_s: CPU seconds of the process over the same span (CPU replicas), or ``None`` (CUDA: the synchronised wall
-            time is the work). The work is ``min(wall_s, cpu_s)``: time spent descheduled on shared cores is not
-            stretched, and a multi-threaded step (CPU time above wall time) counts its wall time.
-
-    Returns:
-        The delay slept, ``(f - 1) x work`` seconds (``>= 0``).
-    """
+    """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay."""
     work = max(wall_s if cpu_s is None else min(wall_s, cpu_s), 0.0)
     delay = (slowdown - 1.0) * work
     if delay > 0.0:
@@ -97,20 +59,7 @@ def _cpu_seconds(device: torch.device | None) -> Callable[[], float] | None:
 
 
 class StepClock:
-    """Times one replica's training steps and, optionally, stretches them to emulate slower hardware.
-
-    The strategy calls, for each training batch: :meth:`step_start` when ``training_step`` starts,
-    :meth:`forward_end` when it returns, and :meth:`before_backward` / :meth:`after_backward` around every
-    ``backward`` (inside ``training_step`` under manual optimisation, after it otherwise). A step is closed when the
-    next one starts or on :meth:`flush`.
-
-    Args:
-        slowdown: emulation factor ``f >= 1``: the step's forward and backward compute each take ``f`` times their
-            measured work (the clock sleeps ``(f - 1) x`` the work before the gradients are synchronised; see
-            :func:`emulate_slower_device`). 1.0 disables the emulation.
-        record: keep per-step timings (telemetry). With ``record=False`` the clock only emulates.
-        device: the replica's device; CUDA devices are synchronised before each clock read.
-    """
+    """Times one replica's training steps and, optionally, stretches them to emulate slower hardware."""
 
     __slots__ = (
         "_backward_call",
@@ -155,7 +104,6 @@ class StepClock:
             torch.cuda.synchronize(self._device)
         return time.perf_counter()
 
-    # ------------------------------------------------------------------ driven by the strategy
     def step_start(self, batch_size: int) -> None:
         """A training batch starts (``training_step`` entry); closes the previous step."""
         now = self._now()
@@ -202,8 +150,7 @@ class StepClock:
         self._end = now
 
     def open_step(self) -> tuple[int, float] | None:
-        """The open step's batch size and compute seconds so far (at the end of a step: its whole compute, the wait
-        in gradient synchronisation left out), or ``None`` when no step is open."""
+        """The open step's batch size and compute seconds so far (wait left out), or ``None``."""
         if not self._open:
             return None
         return self._step_batch, max(self._end - self._start - self._wait, 0.0)
@@ -216,12 +163,11 @@ class StepClock:
         timings, self._timings = self._timings, EpochTimings()
         return timings
 
-    # ------------------------------------------------------------------ internals
     def _on_backward_start(self, grad: Tensor) -> None:
         self._backward_start = time.perf_counter()
         if self._cpu is not None:
             self._backward_start_cpu = self._cpu()
-        Variable._execution_engine.queue_callback(self._on_local_backward_done)
+        queue_backward_callback(self._on_local_backward_done)
 
     def _on_local_backward_done(self) -> None:
         now = self._now()

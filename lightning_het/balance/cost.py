@@ -1,30 +1,4 @@
-"""Affine per-replica cost model and the allocation that minimises the step time under it.
-
-Model. Replica ``r`` needs ``t_r(b) = a_r + c_r * b`` seconds of local compute for a step of ``b`` samples: a fixed
-cost ``a_r`` per step (kernel launches, Python, framework overhead, an emulated per-step delay) plus ``c_r`` seconds
-per sample. Every replica runs every step and the step ends when the slowest one is done, so the step time of an
-allocation ``b`` is ``max_r t_r(b_r)``. The one-number throughput model (``speed_r = 1 / c_r``) is the special case
-``a_r = 0``, where the best split is proportional to speed.
-
-Allocation (:func:`allocate_affine`): minimise ``max_r t_r(b_r)`` subject to ``sum_r b_r = B``,
-``lo <= b_r <= hi_r`` and integer ``b_r``. For a common step time ``T``, replica ``r`` can take at most
-``n_r(T) = clip(floor((T - a_r) / c_r), lo, hi_r)`` samples; ``sum_r n_r(T)`` is non-decreasing in ``T``. Bisection
-finds the largest ``T`` whose capacity is still at most ``B`` (*water filling*: ``T`` is the water level, ``a_r`` the
-height of each vessel's floor and ``c_r`` its width), which places the first samples exactly as a greedy allocation
-would; the remaining ``< W`` samples (plus any a flat cost curve leaves) go, one at a time, to the replica whose step
-grows least, ``argmin_r t_r(b_r + 1)``. Handing out samples in increasing order of the step time they cause is
-optimal for a maximum of non-decreasing functions, so the result is an exact integer optimum (tested against brute
-force).
-
-A replica that only slows the job down (:func:`useless_replicas`): when ``a_r`` alone is at least the best step time
-the other replicas reach on the whole global batch without it, no allocation can make it useful: the strategy says so
-once, with both predicted step times.
-
-Fitting (:func:`fit_affine`): least squares through timed steps at two or more batch sizes, measured back to back so
-that a fixed cost is not confused with a later slowdown; the intercept and slope are kept non-negative.
-
-Nothing here touches ``torch`` or ``torch.distributed``; every function is deterministic.
-"""
+"""Affine per-replica cost model and the allocation that minimises the step time under it."""
 
 from __future__ import annotations
 
@@ -53,22 +27,15 @@ _SECANT_MIN_SPREAD = 0.15
 _SECANT_MIN_TIME_SPREAD = 0.25
 
 _BISECTION_STEPS = 100
-#: a replica that only slows the job down is reported when the job is predicted at least this much faster without it
-#: (a smaller gain may be timing noise)
+#: a useless replica is reported when the job is predicted this much faster without it (less may be timing noise)
 USELESS_MARGIN = 0.9
-#: the fitted slope is kept at least this fraction of the mean seconds per sample (a flat curve would attract every
-#: sample of the global batch to one replica on the strength of timing noise)
+#: least fitted slope, as a fraction of the mean seconds per sample (a flat curve would attract every sample)
 _MIN_SLOPE_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
 class AffineCost:
-    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``.
-
-    Attributes:
-        fixed_s: seconds per step whatever the batch size (>= 0).
-        per_sample_s: seconds per sample (>= 0; ``fixed_s`` and ``per_sample_s`` are not both 0).
-    """
+    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``."""
 
     fixed_s: float
     per_sample_s: float
@@ -96,7 +63,6 @@ class AffineCost:
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> AffineCost:
-        """Inverse of :meth:`as_dict`."""
         return cls(float(data["fixed_s"]), float(data["per_sample_s"]))
 
 
@@ -119,19 +85,6 @@ def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
 
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
     """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0.
-
-    Args:
-        batch_sizes: samples of each timed step; at least two distinct values are needed to separate the fixed cost
-            from the per-sample cost (with one, the fixed cost is taken as 0: the one-number model).
-        seconds: measured seconds of each step (> 0).
-
-    Returns:
-        The fitted cost. A negative intercept is refitted through the origin (``fixed_s = 0``); a slope below 1 % of
-        the mean seconds per sample is raised to it, with the intercept re-centred on the mean point, so that a flat
-        measured curve does not make one replica look free.
-
-    Raises:
-        ValueError: for empty or mismatched inputs, non-positive batch sizes or non-positive / non-finite times.
 
     >>> fit_affine([4, 8], [0.05, 0.07])
     AffineCost(fixed_s=0.03, per_sample_s=0.005)
@@ -169,18 +122,6 @@ def refresh_costs(
 ) -> list[AffineCost]:
     """Costs that reproduce measured step times at the current allocation.
 
-    One epoch runs every replica at one batch size, which cannot separate the two coefficients by itself:
-
-    * when ``previous[r]`` holds the replica's measured ``(batch size, seconds)`` of an earlier epoch at a batch size
-      at least 15 % away from the current one, with a time at least 25 % away, the line through both measurements is
-      used (a secant, in the spirit of
-      Newton's method), provided its slope is at least 10 % of the current average cost per sample and its intercept
-      is non-negative (otherwise the replica changed speed in between, or timing noise dominates, and the secant
-      means nothing; closer batch sizes leave the slope to the noise of a few percent in each median);
-    * else the fixed cost comes from profiling (where two batch sizes ran back to back) and the slope is refreshed,
-      ``c_r = (t_r - a_r) / b_r``; a fixed cost above 90 % of the measured time is capped there, so every replica keeps
-      a positive per-sample cost.
-
     >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
     [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
     >>> refresh_costs([10], [0.06], [0.0], previous=[(20, 0.08)])
@@ -210,10 +151,7 @@ def refresh_costs(
 
 
 def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
-    """Two ``(batch size, seconds)`` measurements far enough apart for a secant through them to mean something:
-    batch sizes 15 % of the larger apart, times 25 % (epoch medians on a shared machine move by 5-10 % between
-    epochs at an unchanged split; a 3-sample move of a replica with 11 samples changed its time by 7 %, and the
-    secant through that read a 32 ms fixed cost where profiling had measured 10 ms)."""
+    """Two ``(batch size, seconds)`` points far enough apart for a secant: sizes 15 %, times 25 % apart."""
     (b_prev, t_prev), (b, t) = earlier, now
     return abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev) and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(
         t, t_prev
@@ -248,22 +186,6 @@ def allocate_affine(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal.
-
-    Args:
-        global_batch_size: samples per optimizer step, summed over all replicas (``B``).
-        costs: each replica's :class:`AffineCost`, indexed by global rank.
-        min_batch_size: no replica gets fewer samples per step.
-        max_batch_sizes: per-replica upper bounds (device memory), indexed by global rank.
-
-    Returns:
-        One batch size per replica, summing to ``B``, within the bounds, with the smallest possible step time over all
-        integer allocations (see the module docstring for the algorithm). Among optimal allocations, extra samples go
-        to the replica whose step grows least, ties to the lower rank. With every ``fixed_s = 0`` the split is the
-        proportional one up to rounding.
-
-    Raises:
-        ValueError: naming the offending argument, for malformed costs, a total below what the bounds allow or bounds
-            that cannot hold it.
 
     >>> allocate_affine(48, [AffineCost(0.040, 0.0005), AffineCost(0.002, 0.006)])
     [39, 9]
@@ -316,8 +238,7 @@ def step_without(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> float | None:
-    """Best predicted step time when the replicas in ``dropped`` leave the job (``None`` when the others cannot
-    hold the global batch within their bounds, or none is left)."""
+    """Best predicted step time without the replicas in ``dropped`` (``None`` when the others cannot hold it)."""
     keep = [r for r in range(len(costs)) if r not in set(dropped)]
     if not keep:
         return None
@@ -339,9 +260,6 @@ def useless_replicas(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them.
-
-    Such a replica makes every step at least ``fixed_s`` long, which the rest of the job would beat on the whole
-    global batch: the job is faster without it, whatever the allocation.
 
     >>> useless_replicas(48, [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)])
     [1]
@@ -367,15 +285,7 @@ def useless_replica_message(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> str | None:
-    """The warning about replicas that only slow the job down, or ``None`` when there are none (or when the job would
-    be less than ``1 - USELESS_MARGIN`` = 10 % faster without them, which timing noise could explain).
-
-    Args:
-        global_batch_size: samples per step (``B``).
-        costs: every replica's cost.
-        batch_sizes: the allocation the job runs.
-        labels: every replica's device, e.g. ``"cuda:0"`` (for the HINT).
-    """
+    """The warning about replicas that only slow the job down (by more than ``USELESS_MARGIN``), or ``None``."""
     bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
     useless = useless_replicas(global_batch_size, costs, **bounds)
     if not useless:

@@ -1,10 +1,4 @@
-"""Per-epoch timings of every replica: the all-gather, the per-epoch statistics and the history of one ``fit``.
-
-:func:`gather_timings` (one small all-gather per epoch) makes every rank hold every replica's
-:class:`~lightning_het.balance.clock.EpochTimings`; :func:`epoch_summary` reduces them to medians (seconds) and the
-imbalance; :class:`TelemetryHistory` accumulates the summaries, the step-by-step series and the rebalancing checks,
-identical on every rank.
-"""
+"""Per-epoch timings of every replica: the all-gather, the per-epoch statistics and the history of one ``fit``."""
 
 from __future__ import annotations
 
@@ -24,11 +18,7 @@ _MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every othe
 
 
 def gather_timings(local: EpochTimings, world_size: int, device: torch.device) -> list[EpochTimings]:
-    """All-gather every replica's timings (a collective: call it on every rank at the same point).
-
-    Two all-gathers: the step counts, then the rows padded to the longest. ``device`` must suit the backend
-    (the replica's root device).
-    """
+    """All-gather every replica's timings (a collective: call it on every rank at the same point)."""
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return [local]
     rows = local.as_tensor().to(device)
@@ -52,9 +42,7 @@ def _median(values: Sequence[float]) -> float:
 def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
     """The epoch's most common batch size (ties: the largest) and the steps that ran it.
 
-    An epoch runs one allocation, plus the tail (a smaller last global batch) when the dataset is not a multiple of
-    the global batch; the tail's step must not stand for the allocation (its size would pair with the full steps'
-    median time and corrupt the cost refresh).
+    The tail (a smaller last global batch) must not stand for the allocation: it would corrupt the cost refresh.
     """
     if not t.batch_sizes:
         return 0, t
@@ -69,15 +57,7 @@ def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
 
 
 def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
-    """Per-replica figures of one epoch (lists indexed by global rank) and the imbalance.
-
-    Keys: ``steps``, ``batch_sizes`` (the epoch's most common batch size: the allocation it ran), ``compute_s`` /
-    ``wait_s`` / ``step_s`` (medians over the steps at that batch size, seconds; the tail's smaller step is left
-    out), ``compute_recent_s`` (median compute over the later half of those steps: what the replica does *now*),
-    ``compute_total_s`` / ``wait_total_s`` (sums over all steps, seconds), ``wait_fraction``
-    (wait / (compute + wait)), ``samples_per_s`` (samples / summed step time), and ``imbalance`` (max / min median
-    compute time; NaN when a replica recorded nothing).
-    """
+    """Per-replica figures of one epoch (lists indexed by global rank) and the imbalance."""
     typical = [_typical_steps(t) for t in timings]
     compute = [_median(t.compute_s) for _, t in typical]
     total_c = [math.fsum(t.compute_s) for t in timings]
@@ -101,15 +81,7 @@ def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
 
 
 class TelemetryHistory:
-    """Everything measured during one ``fit``, identical on every rank once gathered.
-
-    Attributes:
-        epochs: one :func:`epoch_summary` per gathered window, with ``epoch`` and ``global_step`` added.
-        series: per replica, the step-by-step ``compute_s`` / ``wait_s`` and the ``batch`` number of each point
-            (1-based count of training batches since ``fit`` started; thinned to at most ~20 000 points per replica).
-        rebalances: one dict per adopted re-allocation (see :meth:`record_check`).
-        checks: every rebalancing decision, adopted or not.
-    """
+    """Everything measured during one ``fit``, identical on every rank once gathered."""
 
     def __init__(self) -> None:
         self.epochs: list[dict[str, Any]] = []
@@ -143,8 +115,7 @@ class TelemetryHistory:
         return summary
 
     def record_check(self, decision: dict[str, Any], *, epoch: int, global_step: int, old: Sequence[int]) -> None:
-        """Book a rebalancing decision (``decision`` from :meth:`RebalanceDecision.as_dict`), made after the batches
-        recorded so far (``batch``)."""
+        """Book a rebalancing decision (``RebalanceDecision.as_dict``) made after ``batch`` batches."""
         entry = {"epoch": epoch, "global_step": global_step, "batch": self._seen, "from": list(old), **decision}
         self.checks.append(entry)
         if decision.get("adopt"):

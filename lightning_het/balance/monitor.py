@@ -1,10 +1,4 @@
-"""The per-process driver of telemetry and rebalancing: :class:`BalanceMonitor`, its settings and its callback.
-
-The strategy builds one :class:`BalanceMonitor` per process (:func:`attach_monitor`) from explicit
-:class:`MonitorSettings`; Lightning drives it through :class:`HeterogeneousBalanceCallback`. At an epoch's last batch
-it gathers every replica's timings, logs them and, when a check is due, re-allocates with
-:func:`~lightning_het.balance.rebalance.plan_rebalance`; at the end of ``fit`` rank 0 writes the balance report.
-"""
+"""The per-process driver of telemetry and rebalancing: :class:`BalanceMonitor`, its settings and its callback."""
 
 from __future__ import annotations
 
@@ -38,48 +32,27 @@ log = logging.getLogger(__name__)
 
 
 class BalancedStrategy(Protocol):
-    """What :class:`BalanceMonitor` uses of the strategy it serves: public state and two public methods, nothing else.
-
-    The monitor never writes the strategy's attributes; a rebalancing decision is handed to
-    :meth:`adopt_allocation`, and the strategy changes its own state there.
-    """
+    """What :class:`BalanceMonitor` uses of the strategy it serves: public state and two public methods."""
 
     @property
     def world_size(self) -> int: ...
-
     @property
     def root_device(self) -> torch.device: ...
-
     @property
     def batch_sizes(self) -> list[int] | None: ...
-
     @property
     def cost_model(self) -> list[Any] | None: ...
-
     @property
     def profiling(self) -> bool: ...
-
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None: ...
-
     def balance_report(self, include_series: bool = False) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
 class MonitorSettings:
-    """The strategy's telemetry and rebalancing settings for one replica, given explicitly to :func:`attach_monitor`.
-
-    Attributes:
-        record: collect telemetry (``telemetry=True`` on the strategy).
-        slowdown: this replica's emulation factor (``>= 1``; ``1.0``: no emulation).
-        every_n_epochs: rebalancing check period in epochs (``None``: see ``threshold``).
-        threshold: imbalance that makes a check act; with ``every_n_epochs=None`` a check runs every epoch.
-        min_batch_size: fewest training samples per replica and step that a new allocation may give (``>= 1``).
-        max_batch_sizes: per-replica upper bounds, indexed by global rank (``None``: unbounded).
-        min_gain: predicted relative step-time gain needed to adopt a new allocation.
-        profile: the fit profiles on its first training steps (the clock then runs even without telemetry).
-    """
+    """The strategy's telemetry and rebalancing settings for one replica, given explicitly to :func:`attach_monitor`."""
 
     record: bool
     slowdown: float = 1.0
@@ -92,34 +65,15 @@ class MonitorSettings:
 
     @property
     def active(self) -> bool:
-        """Whether the monitor has anything to do (telemetry, emulation or in-loop profiling, which reads the step
-        clock); off, training has no per-step cost."""
+        """Whether the monitor has anything to do; off, training has no per-step cost."""
         return self.record or self.slowdown != 1.0 or self.profile
 
 
 class BalanceMonitor:
     """Drives telemetry, rebalancing and the balance report of one strategy in one process.
 
-    Built by the strategy in ``setup`` (in every worker; it holds a reference to the strategy and is not pickled).
-    Lightning calls it through :class:`HeterogeneousBalanceCallback`, which the strategy appends to
-    ``trainer.callbacks``:
-
-    * ``on_train_batch_end`` of an epoch's last batch (every rank): flush the :class:`StepClock`, all-gather every
-      replica's timings (:func:`gather_timings`), add them to the :class:`TelemetryHistory`, send the epoch's figures
-      to the loggers, and, when a check is due, re-allocate with
-      :func:`~lightning_het.balance.rebalance.plan_rebalance` (see :meth:`maybe_rebalance`). Not at
-      ``on_train_epoch_end``: there rank 0's progress bar starts the epoch metrics' ``sync_dist`` reduction alone, and
-      a collective of ours in between would pair with it on the other ranks (a deadlock). An epoch that ends early
-      (``max_steps``, ``should_stop``, ``on_train_batch_start`` returning ``-1``) is gathered when the next one
-      starts, or at ``on_train_end``;
-    * ``on_train_end`` (every rank): gather what is left and let rank 0 write the balance report into
-      ``trainer.log_dir`` (only when the trainer has loggers).
-
-    It reads only the strategy's public interface (:class:`BalancedStrategy`) and the explicit ``settings``.
-
-    Args:
-        strategy: the :class:`~lightning_het.HeterogeneousStrategy` it serves.
-        settings: telemetry, emulation, rebalancing and batch bounds (see :class:`MonitorSettings`).
+    It gathers at an epoch's last ``on_train_batch_end``, not at ``on_train_epoch_end``: there rank 0's progress bar
+    starts the epoch metrics' ``sync_dist`` reduction alone, and a collective of ours would pair with it (deadlock).
     """
 
     def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
@@ -142,7 +96,6 @@ class BalanceMonitor:
 
     @property
     def rebalancing(self) -> bool:
-        """Whether any rebalancing check is configured."""
         return self.every_n_epochs is not None or self.threshold is not None
 
     def reset(self) -> None:
@@ -187,8 +140,7 @@ class BalanceMonitor:
             self._end_epoch(trainer, epoch)
 
     def check_due(self, trainer: Any, epoch: int | None = None) -> bool:
-        """A rebalancing check runs at the end of ``epoch`` (default: the current one), and a next epoch exists to use
-        its result."""
+        """Whether a rebalancing check runs at the end of ``epoch`` (default: the current one), with a next epoch."""
         if not self.rebalancing:
             return False
         epoch = trainer.current_epoch if epoch is None else epoch
@@ -200,19 +152,7 @@ class BalanceMonitor:
         return due and not (last_epoch or out_of_steps or trainer.should_stop)
 
     def maybe_rebalance(self, trainer: Any, summary: dict[str, Any], epoch: int | None = None) -> bool:
-        """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows.
-
-        Every rank holds the same gathered ``summary`` and so reaches the same decision. On adoption the decision
-        goes to the strategy's ``adopt_allocation`` (it changes its own allocation and loss scale), and
-        ``trainer.reload_dataloaders_every_n_epochs`` is set to 1 until the next epoch starts, so the fit loop rebuilds
-        the training loader then (``train_dataloader()`` again, through the strategy's ``process_dataloader``) with the
-        new per-replica batch sizes. The current loader stays in place meanwhile, so epoch-end callbacks (checkpoints)
-        still see the finished epoch's sampler. Each global batch is the same as before, only its split changes, so
-        gradients stay exact and step counts equal.
-
-        Returns:
-            Whether the allocation changed.
-        """
+        """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows."""
         strategy = self.strategy
         sizes = strategy.batch_sizes
         cost_model = strategy.cost_model
@@ -221,8 +161,7 @@ class BalanceMonitor:
         if not self.check_due(trainer, epoch) or not sizes or not all(math.isfinite(t) and t > 0 for t in times):
             return False
         if strategy.profiling or list(summary.get("batch_sizes", sizes)) != list(sizes):
-            # still profiling (the fitted split is coming), or the epoch mostly ran other splits (a short epoch spent
-            # profiling): its medians do not describe `sizes`
+            # still profiling, or the epoch mostly ran other splits: its medians do not describe `sizes`
             return False
         decision = plan_rebalance(
             sizes,
@@ -249,8 +188,7 @@ class BalanceMonitor:
         return True
 
     def _last_times(self, sizes: Sequence[int]) -> list[float] | None:
-        """Median compute seconds of the epoch before the current one when it ran the same ``sizes`` (else ``None``):
-        a sudden rise is confirmed by one more check before re-allocating."""
+        """Median compute seconds of the previous epoch if it ran the same ``sizes``, else ``None``."""
         if len(self.history.epochs) < 2:
             return None
         before = self.history.epochs[-2]
@@ -260,8 +198,7 @@ class BalanceMonitor:
         return [float(t) for t in times]
 
     def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
-        """Per replica, ``(batch size, median compute seconds)`` of the latest epoch before the current one that ran a
-        batch size other than ``sizes[r]`` (``None`` if none): the second point of the affine refresh."""
+        """Per replica, ``(batch size, median seconds)`` of the latest earlier epoch at another size, or ``None``."""
         out: list[tuple[int, float] | None] = []
         earlier = self.history.epochs[:-1]
         for r, b in enumerate(sizes):
@@ -275,8 +212,7 @@ class BalanceMonitor:
         return out
 
     def _request_reload(self, trainer: Any) -> None:
-        """Make the fit loop rebuild the training loader when the next epoch starts, as
-        ``reload_dataloaders_every_n_epochs`` does; the setting is restored once that happened."""
+        """Make the fit loop rebuild the training loader when the next epoch starts (restored afterwards)."""
         if self._saved_reload_every is None:
             self._saved_reload_every = trainer.reload_dataloaders_every_n_epochs
         trainer.reload_dataloaders_every_n_epochs = 1
@@ -287,14 +223,12 @@ class BalanceMonitor:
             self._saved_reload_every = None
 
     def on_train_epoch_start(self, trainer: Any) -> None:
-        """The fit loop has (re)built the training loader for this epoch: restore the user's reload setting; gather
-        an epoch that ended early (a rebalance then applies from the next epoch on)."""
+        """Restore the user's reload setting; gather an epoch that ended early."""
         self._restore_reload(trainer)
         self._end_pending_epoch(trainer)
 
     def on_train_end(self, trainer: Any) -> None:
-        """Collective: gather an epoch that ended early or a trailing partial epoch, then rank 0 writes the balance
-        report (with loggers)."""
+        """Collective: gather what is left, then rank 0 writes the balance report (with loggers)."""
         self._restore_reload(trainer)
         self._end_pending_epoch(trainer)
         self._gather(trainer, trainer.current_epoch)
@@ -333,29 +267,14 @@ class HeterogeneousBalanceCallback(_BalanceCallbackMixin, Callback):
 
 
 def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
-    """The callback forwarding ``trainer``'s epoch hooks to ``monitor``.
-
-    Subclasses the ``Callback`` of the package the trainer comes from (``lightning.pytorch``, or the standalone
-    ``pytorch_lightning`` when the trainer is one of its; see :func:`lightning_het._compat.on_flavour`), so the
-    trainer's callback plumbing (ordering, checkpoint state keys) treats it as any other callback.
-    """
+    """The callback forwarding ``trainer``'s epoch hooks to ``monitor``."""
     return on_flavour(HeterogeneousBalanceCallback, trainer)(monitor)
 
 
 def attach_monitor(
     strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
 ) -> BalanceMonitor | None:
-    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``.
-
-    Args:
-        strategy: the strategy the monitor serves (its public interface only, see :class:`BalancedStrategy`).
-        trainer: the Trainer whose ``callbacks`` get the monitor's callback (replacing an older one).
-        settings: this replica's settings, given by the strategy.
-        monitor: the previous fit's monitor, reused (reset) when its settings are the same.
-
-    Returns:
-        The monitor, or ``None`` (no per-step cost at all) when neither telemetry nor emulation is on.
-    """
+    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``."""
     if not settings.active:
         return None
     if monitor is None or monitor.settings != settings:

@@ -1,6 +1,4 @@
-"""Allocation planning: the split of a global batch from given speeds or measured costs, the speed cache
-(``profile_cache``), the start of the in-loop profiler, and the monitor's settings. Functions of values; the
-strategy holds the results."""
+"""Allocation planning (functions of values): the split from speeds or costs, the speed cache, the profiler start."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ def measured_speeds(batch_sizes: list[int], costs: list[AffineCost]) -> list[flo
 def split_global_batch(
     global_batch: int, speeds: list[float], costs: list[AffineCost] | None, bounds: dict[str, Any]
 ) -> tuple[list[int], list[float]]:
-    """Batch sizes and speeds: in proportion to ``speeds`` without costs, else minimising the slowest replica's step
-    (the speeds then are samples/s at the allocation)."""
+    """Batch sizes and speeds: in proportion to ``speeds`` without costs, else minimising the slowest replica's step."""
     if costs is None:
         return allocate_batch_sizes(global_batch, speeds, **bounds), speeds
     batch_sizes = allocate_affine(global_batch, costs, **bounds)
@@ -87,8 +84,7 @@ def profile_cache_entry(
 def cached_costs(
     cache: ProfileCache | None, key: str | None, all_gather_floats: Callable[[list[float]], list[list[float]]]
 ) -> list[AffineCost] | None:
-    """The costs of every replica from the speed cache when every replica has an entry (one all-gather when the
-    cache is on), else ``None``."""
+    """Every replica's cost from the speed cache when every replica has an entry, else ``None`` (one all-gather)."""
     if cache is None:
         return None
     cached = cache.get(key) if key is not None else None
@@ -111,15 +107,15 @@ def start_profiler(
     clock: Callable[[], tuple[int, float] | None],
     on_agreed: Callable[[list[AffineCost], list[int]], None],
     trainer: Any,
+    loop_prefetch: int = 1,
 ) -> InLoopProfiler:
-    """Plan the trial splits of the first training steps and hook the profiler into the fit loop (when there is a
-    trainer). ``clock`` opens the step being timed; ``on_agreed`` receives the agreed costs and split."""
+    """Plan the first training steps' trial splits and hook the profiler into the fit loop (when there is a trainer)."""
     plan = profile_plan(
         global_batch,
         world_size,
         warmup=config.profile_warmup,
         steps=config.profile_steps,
-        lag=loader_prefetch_depth(dataloader),
+        lag=loader_prefetch_depth(dataloader, loop_prefetch),
         **bounds,
     )
     profiler = InLoopProfiler(plan, rank, world_size, device, clock, on_agreed)

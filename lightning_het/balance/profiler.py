@@ -1,30 +1,4 @@
-"""Profiling on the real training steps: the first steps of a fit run under trial splits and are timed.
-
-Every step applies the exact gradient of its global batch whatever the split (each replica's loss is scaled by
-``W * b_r / B``), so the fit's first global batches can be *trained* under splits chosen to measure each replica's
-cost ``t_r(b) = fixed + per_sample * b`` instead of being run twice (once to time, once to train). Nothing of the
-user's code runs outside Lightning's loop, and every hook runs in Lightning's order.
-
-The schedule (:func:`profile_plan`, pure), in steps counted from the first step of the fit:
-
-1. ``warmup`` steps at the equal split (untimed: the first steps carry one-off costs, allocator, caches, compilation);
-2. ``2 * steps`` trial steps alternating two splits, A and B (:func:`trial_splits`): in A the even ranks give up
-   about half of their equal share to the odd ranks, in B the odd ranks to the even ones, so every replica runs two
-   batch sizes about 3x apart (``steps`` times each, interleaved, so a later slowdown cannot pass for a fixed cost);
-3. at the end of the last trial step (``gather_step``, Lightning's ``on_train_batch_end``, where every rank is
-   aligned and no rank-0-only collective is pending) each replica fits its cost through the fastest step at each size
-   (:func:`~lightning_het.balance.profiling.fit_stage_timings`), the costs are all-gathered and
-   :func:`~lightning_het.balance.cost.allocate_affine` gives the split;
-4. the loader has already drawn the index lists of the next steps (Lightning prefetches one batch, worker processes
-   ``num_workers * prefetch_factor`` more): those ``lag`` steps keep the equal split, and the fitted split applies
-   from ``switch_step = gather_step + 1 + lag`` on, the same step on every rank.
-
-Each replica's compute time of a step is read from the training step clock
-(:class:`~lightning_het.balance.clock.StepClock`: the local forward and backward, without the wait in the
-gradient all-reduce). Global batch ``k`` is always the same set of samples as one process would draw; only its split
-changes, and the sampler, the loss scale and the communication controller all follow the split of the step being
-trained (:class:`~lightning_het.data.sampler.ProportionalDistributedSampler`'s ``split_schedule``).
-"""
+"""Profiling on the first training steps: they train under trial splits and are timed (see docs/balancing.md)."""
 
 from __future__ import annotations
 
@@ -39,11 +13,13 @@ from lightning.pytorch import Callback
 
 from lightning_het._compat import on_flavour
 from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings
 
 __all__ = [
     "InLoopProfiler",
+    "LoopSteps",
     "ProfilePlan",
     "ProfilerCallback",
     "attach_profiler",
@@ -54,8 +30,7 @@ __all__ = [
 
 
 def _spread(total: int, room: Sequence[int]) -> list[int]:
-    """``total`` samples over slots of capacity ``room`` (``total <= sum(room)``), in proportion to ``room``, largest
-    remainders first, ties to the lower index."""
+    """``total`` samples over slots of capacity ``room``, in proportion, largest remainders first."""
     capacity = sum(room)
     if total <= 0 or capacity <= 0:
         return [0] * len(room)
@@ -88,13 +63,7 @@ def trial_splits(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """The two trial splits A and B around the split ``around`` (each sums to ``sum(around)``, within the bounds).
-
-    The replicas form two groups holding about half of the global batch each. In A the first group gives up to half
-    of its samples to the second (none of which more than doubles its share, + 1), in B the second group gives to the
-    first: every replica runs a smaller and a larger size, about 3x apart, wherever the bounds leave room (a replica
-    held at ``min_batch_size`` still grows in the other split). Around a balanced split, the trial steps take about
-    1.5x a balanced step.
+    """Trial splits A and B around ``around``: same total, within the bounds, each replica's sizes about 3x apart.
 
     >>> trial_splits([24, 24])
     ([12, 36], [36, 12])
@@ -124,17 +93,8 @@ def trial_splits(
 
 @dataclass(frozen=True)
 class ProfilePlan:
-    """The in-loop profiling schedule, in steps counted from the fit's first profiled step (pure; see
-    :func:`profile_plan`).
-
-    Attributes:
-        equal: the equal split (the allocation while profiling).
-        warmup: untimed equal-split steps first; the fastest gives each replica's rough speed (``0``: none).
-        steps: timed steps at each of the two trial splits.
-        lag: steps whose index lists the loader has drawn ahead of the step being trained.
-        min_batch_size: fewest samples per replica and step.
-        max_batch_sizes: per-replica upper bounds, or ``None``.
-    """
+    """The in-loop profiling schedule, in steps from the fit's first profiled step (pure; fields as in
+    :func:`profile_plan`, ``equal`` the equal split)."""
 
     equal: tuple[int, ...]
     warmup: int
@@ -176,8 +136,7 @@ class ProfilePlan:
         )
 
     def split(self, n: int, around: Sequence[int] | None) -> list[int]:
-        """The split of step ``n < switch_step``: the equal split up to the first trial, then A and B in turn, then
-        the rough split (``around``; the equal split without a warm-up) until the switch."""
+        """The split of step ``n < switch_step``: equal, then trials A and B in turn, then ``around`` (rough split)."""
         if n < self.first_trial:
             return list(self.equal)
         if n <= self.gather_step:
@@ -200,13 +159,14 @@ def profile_plan(
     Args:
         global_batch_size: samples per step.
         world_size: replicas (``>= 2``).
-        warmup: untimed steps at the equal split first; the fastest gives the rough speeds that the trial splits
-            are centred on.
+        warmup: untimed steps at the equal split first (their fastest gives the rough speeds).
         steps: timed steps at each of the two trial splits (alternating).
-        lag: steps whose index lists the loader draws ahead of the step being trained
-            (:func:`loader_prefetch_depth`).
+        lag: steps the loader draws ahead of the step being trained (:func:`loader_prefetch_depth`).
         min_batch_size: fewest samples per replica and step.
         max_batch_sizes: per-replica upper bounds.
+
+    Raises:
+        ValueError: ``world_size < 2``, ``steps < 1``, or a negative ``warmup`` or ``lag``.
 
     >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
     >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
@@ -227,31 +187,21 @@ def profile_plan(
     return ProfilePlan(tuple(equal), warmup, steps, lag, floor, upper)
 
 
-def loader_prefetch_depth(dataloader: Any) -> int:
-    """Steps whose index lists a training loader has drawn when a step ends: Lightning's one prefetched batch, plus
-    ``num_workers * prefetch_factor`` with worker processes (the same on every rank)."""
+def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
+    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (1 in Lightning's fit loop, 0 in
+    a plain loop) plus ``num_workers * prefetch_factor``.
+
+    >>> loader_prefetch_depth(torch.utils.data.DataLoader(range(8), num_workers=2), loop_prefetch=0)
+    4
+    """
     workers = int(getattr(dataloader, "num_workers", 0) or 0)
     factor = getattr(dataloader, "prefetch_factor", None)
-    return 1 + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
+    return loop_prefetch + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
 
 
 class InLoopProfiler:
-    """Runs one fit's :class:`ProfilePlan` on one replica: the split of each early step, the timings, the fit.
-
-    Owned by the strategy. :meth:`split_for` is the training samplers' ``split_schedule``; :meth:`on_train_batch_end`
-    is called at the end of every training step (:class:`ProfilerCallback`). At ``plan.rough_step`` it agrees on
-    rough speeds (the fastest warm-up step of every replica, all-gathered) and the rough split the trials centre on;
-    at ``plan.gather_step`` it fits this replica's cost, all-gathers every replica's and hands the costs and the
-    allocation to ``adopt``. Both are collectives that every rank reaches at the end of the same step.
-
-    Args:
-        plan: the schedule.
-        rank: this replica's global rank.
-        world_size: replicas.
-        device: where the all-gather's tensors live (the backend's device).
-        clock: returns the open step's batch size and compute seconds at the end of a step
-            (:meth:`~lightning_het.balance.clock.StepClock.open_step`), or ``None`` when it has none.
-        adopt: called once with ``(costs, batch_sizes)`` when the costs are agreed.
+    """Runs one fit's :class:`ProfilePlan` on one replica; its all-gathers run at the end of ``plan.rough_step`` and
+    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once.
     """
 
     def __init__(
@@ -284,11 +234,7 @@ class InLoopProfiler:
         self.overhead_s = 0.0
 
     def bind(self, sampler: Any) -> None:
-        """Make ``sampler`` (a :class:`~lightning_het.data.sampler.ProportionalDistributedSampler`) follow the plan.
-
-        A training loader with another global batch (one of several that Lightning combines) follows it in
-        proportion: each step's split, scaled to that loader's global batch.
-        """
+        """Make ``sampler`` follow the plan (scaled to its own global batch if that differs)."""
         total = sampler.global_batch_size
         if total == self.global_batch_size:
             sampler.split_schedule = self.split_for
@@ -302,25 +248,14 @@ class InLoopProfiler:
         self.samplers.append(sampler)
 
     def step_index(self, epoch: int, step: int) -> int:
-        """The plan step of global batch ``step`` of ``epoch`` (negative: none).
-
-        An epoch's first drawn batch is the plan step after the steps trained so far: an epoch's batches are drawn
-        once the previous epoch has ended, the same on every rank. Step 0 of the plan is the fit's first batch (the
-        resumed one after a mid-epoch resume), and an epoch that trains fewer batches than its loader holds
-        (``limit_train_batches``) does not leave plan steps out.
-        """
+        """The plan step of global batch ``step`` of ``epoch`` (negative: none); epochs continue the steps trained."""
         anchor = self._anchors.get(epoch)
         if anchor is None:
             anchor = self._anchors[epoch] = (self._trained, step)
         return anchor[0] + step - anchor[1]
 
     def split_for(self, epoch: int, step: int) -> list[int] | None:
-        """The split of global batch ``step`` of ``epoch`` while the plan runs, ``None`` where the allocation applies.
-
-        Raises:
-            RuntimeError: a step is drawn before what decides its split is agreed (a loader that prefetches deeper
-                than :func:`loader_prefetch_depth` says).
-        """
+        """The split of global batch ``step`` of ``epoch`` (``None``: the allocation); raises if drawn too early."""
         n = self.step_index(epoch, step)
         plan = self.plan
         if n < 0 or (self.done and n >= plan.switch_step):
@@ -408,3 +343,46 @@ def attach_profiler(profiler: InLoopProfiler | None, trainer: Any) -> None:
     callbacks[:] = [cb for cb in callbacks if not isinstance(cb, _ProfilerCallbackMixin)]
     if profiler is not None:
         callbacks.append(on_flavour(ProfilerCallback, trainer)(profiler))
+
+
+class LoopSteps:
+    """The steps of your own training loop (Fabric): the global batch being trained and, while profiling, a step clock
+    opened by a forward pre-hook (:meth:`watch` installs it, :meth:`unwatch` removes it)."""
+
+    def __init__(self) -> None:
+        self.sampler: Any = None  # the training loader's ProportionalDistributedSampler
+        self.clock: StepClock | None = None  # while profiling
+        self._epoch_steps = (-1, 0)  # (sampler epoch, optimizer steps taken in it)
+        self._hook: Any = None
+        self._open = False
+        self._batch_size: Callable[[], int] = lambda: 0
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, step within the epoch) of the global batch being trained."""
+        epoch = self.sampler.epoch if self.sampler is not None else 0
+        return epoch, self._epoch_steps[1] if self._epoch_steps[0] == epoch else 0
+
+    def watch(self, model: torch.nn.Module, device: torch.device, batch_size: Callable[[], int]) -> None:
+        """Time ``model``'s training steps (``batch_size``: this replica's samples in the step being trained)."""
+        if self._hook is None:
+            self.clock, self._batch_size = StepClock(record=False, device=device), batch_size
+            self._hook = model.register_forward_pre_hook(self._on_forward)
+
+    def unwatch(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = self.clock = None
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.clock is not None and not self._open and module.training and torch.is_grad_enabled():
+            self._open = True
+            self.clock.step_start(self._batch_size())
+
+    def step_ended(self, profiler: InLoopProfiler | None) -> None:
+        """An optimizer step ended: ``profiler`` reads its compute time (the clock goes once it is done)."""
+        epoch, step = self.position()
+        if profiler is not None and not profiler.done:
+            profiler.on_train_batch_end(epoch, step)
+            if profiler.done:
+                self.unwatch()
+        self._epoch_steps, self._open = (epoch, step + 1), False

@@ -1,47 +1,20 @@
-"""Timing and fitting a replica's cost model, and the speed cache.
-
-:class:`~lightning_het.HeterogeneousStrategy` profiles on its real training steps
-(:mod:`lightning_het.balance.profiler`); what it shares with Fabric's profiling lives here:
-:func:`fit_stage_timings` (each replica's ``t(b) = a + c * b`` through its fastest step at each batch size, with a
-cautious slope floor) and :class:`ProfileCache` / :func:`cache_key`, which keep fitted costs on disk so that a
-sweep's later jobs and a re-run skip profiling.
-
-:class:`~lightning_het.HeterogeneousFabricStrategy` has no training loop of ours to profile in, so it times the
-``profile_step`` the user gives before the loop runs, on real batches of the training loader:
-
-1. ``warmup`` untimed steps at a quarter of an equal split of the global batch (allocator, caches, CUDA context,
-   compilation); the fastest of them gives a rough speed per replica;
-2. two *stages* back to back, ``steps`` timed steps each, at the rough allocation of an eighth and of half of the
-   global batch (:func:`stage_sizes`): every replica runs two batch sizes about 4x apart, in similar wall time;
-3. each replica fits its cost (:func:`fit_stage_timings`), and the costs are all-gathered.
-
-There only the local step is timed (:func:`time_steps`), with DDP's gradient reducer disarmed, no optimizer step and
-no communication; everything the steps touch (parameters, buffers, gradients, optimizer and scheduler state,
-torchmetrics states, RNG streams, train/eval flags) is snapshotted first and restored after
-(:func:`preserved_training_state`).
-"""
+"""Fitting a replica's cost model, and the speed cache (the schedule: :mod:`lightning_het.balance.profiler`)."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
 import os
 import platform
-import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_het._compat import _collect_rng_states, _set_rng_states
-from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.clock import emulate_slower_device
 from lightning_het.balance.cost import AffineCost, fit_affine
 
 __all__ = [
@@ -49,10 +22,6 @@ __all__ = [
     "StepTiming",
     "cache_key",
     "fit_stage_timings",
-    "preserved_training_state",
-    "speed_from_timings",
-    "stage_sizes",
-    "time_steps",
 ]
 
 
@@ -68,134 +37,18 @@ class StepTiming:
         return max(self.total_s - self.forward_s, 0.0)
 
 
-def speed_from_timings(batch_size: int, timings: Sequence[StepTiming]) -> float:
-    """Robust throughput in samples/s: ``batch_size / median(total step time)``.
-
-    The median ignores the odd step that hit a page fault, a garbage collection or a noisy neighbour.
-    """
-    if not timings:
-        raise ValueError("Expected at least one timed step to estimate a speed, got none.")
-    median = statistics.median(t.total_s for t in timings)
-    return batch_size / max(median, 1e-9)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(
-    batches: Iterable[Any],
-    forward: Callable[[Any, int], torch.Tensor | None],
-    backward: Callable[[torch.Tensor], None],
-    *,
-    warmup: int,
-    steps: int,
-    device: torch.device,
-    slowdown: float = 1.0,
-    align: Callable[[], None] | None = None,
-) -> list[StepTiming]:
-    """Run ``warmup + steps`` steps and return the timings of the last ``steps``.
-
-    Args:
-        batches: iterable of device-ready batches; it is cycled when shorter than ``warmup + steps``.
-        forward: ``forward(batch, batch_idx)`` returns the loss (or ``None`` when the step did its own backward).
-        backward: back-propagates a loss.
-        warmup: untimed steps first (allocator, autotuning and cache warm-up).
-        steps: timed steps.
-        device: where to synchronise before reading the clock.
-        slowdown: emulation factor ``f``; each step's work is stretched ``f``-fold by sleeping, exactly as in training
-            (:func:`~lightning_het.balance.clock.emulate_slower_device`).
-        align: called before every step, untimed, on every replica (a barrier): the replicas' steps then start
-            together, as in training, where the gradient all-reduce aligns them. Without it the fastest replica ends
-            its steps first and the others are timed on an emptier machine (3 replicas sharing 2 cores: the slower
-            replicas' per-sample costs came out ~25 % low).
-    """
-    cached: list[Any] = []
-    source: Iterator[Any] = iter(batches)
-    timings: list[StepTiming] = []
-    for i in range(warmup + steps):
-        try:
-            batch = next(source)
-            cached.append(batch)
-        except StopIteration:
-            if not cached:
-                raise ValueError("The training DataLoader yielded no batch to profile.") from None
-            batch = cached[i % len(cached)]
-        if align is not None:
-            align()
-        _synchronize(device)
-        start = time.perf_counter()
-        cpu_start = time.process_time()
-        loss = forward(batch, i)
-        _synchronize(device)
-        forward_end = time.perf_counter()
-        if loss is not None:
-            backward(loss)
-        _synchronize(device)
-        end = time.perf_counter()
-        if slowdown != 1.0:
-            cpu = time.process_time() - cpu_start if device.type == "cpu" else None
-            delay = emulate_slower_device(slowdown, end - start, cpu)
-            forward_end = start + (forward_end - start) * (1.0 + delay / max(end - start, 1e-12))
-            end = time.perf_counter()
-        if i >= warmup:
-            timings.append(StepTiming(forward_s=forward_end - start, total_s=end - start))
-    return timings
-
-
 #: smallest fitted per-sample cost, as a fraction of the average cost per sample at the largest profiled batch size
 _MIN_SLOPE_OF_AVERAGE = 0.1
 
 
-def stage_sizes(
-    global_batch_size: int,
-    rough_speeds: Sequence[float],
-    *,
-    min_batch_size: int = 1,
-    max_batch_sizes: Sequence[int] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Per-replica batch sizes of the two timed profiling stages.
-
-    Stage one splits an eighth of the global batch, stage two half of it, both in proportion to ``rough_speeds``, so
-    every replica's two steps take about an eighth and half of a balanced step, and its two batch sizes are about 4x
-    apart (a wide spread separates the fixed and per-sample costs better than timing noise). Each replica's stage-two
-    size is larger than its stage-one size whenever its upper bound allows.
-
-    >>> stage_sizes(48, [1, 2, 4])
-    ([1, 2, 3], [3, 7, 14])
-    """
-    world = len(rough_speeds)
-    floor = max(min_batch_size, 1)
-    upper = list(max_batch_sizes) if max_batch_sizes is not None else [global_batch_size] * world
-
-    def split(total: int) -> list[int]:
-        total = min(max(total, world * floor), sum(upper))
-        return allocate_batch_sizes(total, rough_speeds, min_batch_size=floor, max_batch_sizes=upper)
-
-    small = split(-(-global_batch_size // 8))
-    large = split(-(-global_batch_size // 2))
-    large = [max(lg, min(sm + 1, hi)) for sm, lg, hi in zip(small, large, upper)]
-    return small, large
-
-
 def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> AffineCost:
-    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages.
-
-    Each stage contributes its fastest step (timing noise on a shared machine only ever adds time, and the first
-    step at a new shape may include one-off costs such as autotuning). The per-sample cost is kept at least 10 % of
-    the average cost per sample of the largest stage: a flatter fit is more likely noise than a real curve.
-
-    Args:
-        stages: ``(batch_size, timings)`` of each stage, in the order they ran.
-    """
+    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages."""
     sizes = [b for b, timings in stages if timings]
     seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
     cost = fit_affine(sizes, seconds)
-    # a per-sample cost below 10 % of the average cost per sample at the largest size measured is more likely timing
-    # noise than a flat curve, and extrapolating it would pile the global batch onto this replica: keep the line
+    # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line
     # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
     largest = max(range(len(sizes)), key=lambda i: sizes[i])
     floor = _MIN_SLOPE_OF_AVERAGE * seconds[largest] / sizes[largest]
@@ -225,15 +78,7 @@ def device_description(device: torch.device) -> str:
 
 
 def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extra: Any) -> str:
-    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes.
-
-    Args:
-        module: the LightningModule being trained.
-        device: the replica's device.
-        sample: one item of the training dataset (its tensor shapes and dtypes enter the key, not its values).
-        **extra: anything else the cost depends on (precision, an emulated slowdown, the number of replicas
-            sharing the machine); JSON-serialisable values.
-    """
+    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes."""
     cls = type(module)
     data = {
         "module": f"{cls.__module__}.{cls.__qualname__}",
@@ -247,12 +92,7 @@ def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extr
 
 
 class ProfileCache:
-    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas).
-
-    Args:
-        directory: where the entries live. ``True`` in the strategy means ``$XDG_CACHE_HOME/lightning_het/profiles``
-            (``~/.cache/lightning_het/profiles``).
-    """
+    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).expanduser()
@@ -287,54 +127,3 @@ class ProfileCache:
             os.replace(tmp, path)
         except OSError:
             return
-
-
-#: a torchmetrics ``Metric``'s bookkeeping besides its declared states; torchmetrics has no public setter for them
-_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
-
-
-def _metric_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The torchmetrics ``Metric`` submodules (their accumulated states are not in ``state_dict``)."""
-    return [m for m in module.modules() if hasattr(m, "metric_state") and hasattr(m, "update_count")]
-
-
-def _metric_state(metric: Any) -> dict[str, Any]:
-    names = [*metric.metric_state, *_METRIC_BOOKKEEPING]
-    return {name: copy.deepcopy(getattr(metric, name)) for name in names if hasattr(metric, name)}
-
-
-@contextmanager
-def preserved_training_state(
-    module: torch.nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
-    schedulers: Sequence[Any] = (),
-) -> Iterator[None]:
-    """Restore parameters, buffers, gradients, optimizer/scheduler state, torchmetrics states, RNG streams and train
-    flags on exit."""
-    module_state = copy.deepcopy(module.state_dict())
-    grads = {name: (None if p.grad is None else p.grad.detach().clone()) for name, p in module.named_parameters()}
-    optimizer_states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
-    scheduler_states = [copy.deepcopy(s.state_dict()) for s in schedulers if hasattr(s, "state_dict")]
-    training_flags = {name: m.training for name, m in module.named_modules()}
-    metrics = _metric_modules(module)
-    metric_states = [_metric_state(m) for m in metrics]
-    # a CPU replica of a mixed CPU/GPU job has not initialised CUDA: reading the CUDA RNG would create a context on
-    # every GPU; a replica that has not touched CUDA has no CUDA RNG state to protect either
-    rng_states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            module.load_state_dict(module_state)
-        for name, p in module.named_parameters():
-            p.grad = grads[name]
-        for opt, state in zip(optimizers, optimizer_states):
-            opt.load_state_dict(state)
-        for sched, state in zip([s for s in schedulers if hasattr(s, "state_dict")], scheduler_states):
-            sched.load_state_dict(state)
-        for name, m in module.named_modules():
-            m.training = training_flags.get(name, m.training)
-        for metric, saved in zip(metrics, metric_states):
-            for name, value in saved.items():
-                setattr(metric, name, value)
-        _set_rng_states(rng_states)

@@ -1,32 +1,4 @@
-"""Pure maths of semi-dynamic rebalancing: new speeds from measured step times, and when to act on them.
-
-Nothing here touches ``torch.distributed``. The strategy all-gathers every replica's measured compute times at an
-epoch boundary and calls :func:`plan_rebalance` with the same arguments on every rank; the functions are
-deterministic, so every rank reaches the same decision without further communication.
-
-Model. Replica ``r`` runs ``b_r`` samples per step and is *busy* (forward + backward compute, emulated slowdown
-included) for ``t_r`` seconds, then waits for the slowest replica in the gradient all-reduce. The step takes about
-``max_r t_r`` and the job is balanced when all ``t_r`` are equal. Re-estimating ``speed_r = b_r / t_r`` at the batch
-size the replica actually runs and re-allocating in proportion is a fixed-point iteration whose fixed point has equal
-busy times even when a step costs ``c_r + b_r / v_r`` (a per-step overhead), so repeated checks converge to balance.
-
-Hysteresis (so that timing noise does not make the allocation churn), both conditions must hold:
-
-1. the measured *imbalance* ``max_r t_r / min_r t_r`` is at least ``threshold`` (default 1.1), and
-2. the new allocation shortens the step by at least ``min_gain`` (default 3 %) *even if every measured time is off
-   by up to* ``noise`` (default ``(threshold - 1) / (threshold + 1)``, 4.8 % for 1.1) in the least favourable
-   direction: a replica that would get more samples may be that much slower than measured while the others are
-   that much faster (:func:`robust_step_ratio`).
-
-A balanced job whose medians are off by less than ``noise`` fails (1), and an allocation that is only "better"
-within the measurement error (typically a neighbour of the current one when integer granularity limits the balance)
-fails (2), every epoch, instead of oscillating. A real change (a replica 2x slower) passes both by a wide margin.
-
-Transients: when the slowest replica's time rose by ``surge`` (default 1.25x) or more since the previous epoch at the
-*same* batch sizes but its later half-epoch is back below that rise, the disturbance (a neighbour's job, a burst of
-I/O on a shared machine) has passed, and the check keeps the split instead of re-allocating for it (which would
-unbalance the next epoch). A change that lasts to the end of the epoch is acted on at once.
-"""
+"""Pure maths of semi-dynamic rebalancing: new speeds from measured step times, and when to act on them."""
 
 from __future__ import annotations
 
@@ -75,13 +47,6 @@ def _check_times(name: str, values: Sequence[float], world: int | None = None) -
 def speeds_from_step_times(batch_sizes: Sequence[int], compute_times: Sequence[float]) -> list[float]:
     """Throughput of every replica in samples/s, ``b_r / t_r``, measured at the batch size it ran.
 
-    Args:
-        batch_sizes: samples per step of each replica during the measurement, indexed by global rank.
-        compute_times: typical busy seconds per step of each replica (e.g. the median over an epoch).
-
-    Raises:
-        ValueError: naming the argument, for non-positive or non-finite times, or lengths that differ.
-
     >>> speeds_from_step_times([8, 4], [0.1, 0.1])
     [80.0, 40.0]
     """
@@ -128,10 +93,7 @@ def robust_step_ratio(
 ) -> float:
     """Worst-case ``step time(proposal) / step time(current)`` when every measured time may be off by ``noise``.
 
-    Replica ``r``'s time per sample is ``t_r / b_r`` up to a factor in ``[1 - noise, 1 + noise]``. The adversary
-    makes one replica ``r`` slow (``1 + noise``) and every other one fast (``1 - noise``); the ratio is the maximum
-    over ``r`` of ``t'_r (1 + noise) / max(t_r (1 + noise), max_{s != r} t_s (1 - noise))`` with
-    ``t'_r = t_r b'_r / b_r``. With ``noise = 0`` it is the plain predicted ratio ``max t' / max t``.
+    The adversary makes one replica ``r`` slow (``1 + noise``) and every other one fast (``1 - noise``).
 
     >>> round(robust_step_ratio([8, 8], [12, 4], [0.1, 0.3], 0.0), 12)
     0.5
@@ -154,23 +116,7 @@ def _robust_ratio(times: Sequence[float], new_times: Sequence[float], noise: flo
 
 @dataclass(frozen=True)
 class RebalanceDecision:
-    """Outcome of one rebalancing check (identical on every rank).
-
-    Attributes:
-        adopt: whether the job should switch to ``batch_sizes``.
-        batch_sizes: the allocation to run next: the proposal when adopted, else the current one (same sum).
-        proposed: the best allocation for the measured speeds, adopted or not.
-        speeds: re-estimated samples/s of every replica, ``b_r / t_r`` at the current allocation.
-        imbalance: measured ``max / min`` busy time under the current allocation.
-        current_step_s: measured slowest busy time per step, ``max_r t_r``, in seconds.
-        predicted_step_s: the proposal's slowest ``b'_r / v_r``, in seconds.
-        gain: predicted relative shortening of the step, ``1 - predicted / current``.
-        robust_gain: the shortening guaranteed when the times are off by up to the tolerated noise,
-            ``1 - robust_step_ratio(...)`` (what the hysteresis compares with ``min_gain``).
-        reason: one line saying why the allocation changes or stays.
-        costs: with the affine model (``fixed_costs`` given), each replica's refreshed cost as
-            ``{"fixed_s", "per_sample_s"}``; else ``None``.
-    """
+    """Outcome of one rebalancing check (identical on every rank)."""
 
     adopt: bool
     batch_sizes: list[int]
@@ -218,41 +164,6 @@ def plan_rebalance(
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
 
-    The global batch ``sum(batch_sizes)`` is kept; the new sizes come from
-    :func:`~lightning_het.balance.allocation.allocate_batch_sizes` with the re-estimated speeds and the same bounds,
-    so equal step counts and exact gradients are unaffected (only the split of each global batch changes).
-
-    Args:
-        batch_sizes: current samples per step of each replica, indexed by global rank.
-        compute_times: each replica's typical busy seconds per step at ``batch_sizes`` (median over the window).
-        threshold: act only when ``max / min`` busy time is at least this (>= 1).
-        min_gain: adopt only when the step time falls by at least this fraction (in [0, 1)) even in the worst case
-            allowed by ``noise``.
-        noise: relative error of the measured times to tolerate (in [0, 1)); default
-            ``(threshold - 1) / (threshold + 1)``, the error that alone could produce an imbalance of ``threshold``.
-        min_batch_size: lower bound per replica, as for the initial allocation.
-        max_batch_sizes: upper bounds per replica (device memory), as for the initial allocation.
-        fixed_costs: each replica's fixed seconds per step from profiling: the affine model. The slopes are refreshed
-            from ``compute_times`` (:func:`~lightning_het.balance.cost.refresh_costs`), the proposal minimises the
-            predicted step (:func:`~lightning_het.balance.cost.allocate_affine`) and the predicted times are
-            ``a_r + c_r * b'_r``; no replica more than doubles its batch (+2) in one check. ``None``: the one-number
-            model (``a_r = 0``).
-        previous: with ``fixed_costs``: each replica's ``(batch size, median compute seconds)`` of the latest earlier
-            epoch that ran a different batch size, or ``None``; the line through it and the current measurement then
-            gives the replica's cost (see :func:`~lightning_het.balance.cost.refresh_costs`).
-        last_times: each replica's busy seconds in the previous epoch when it ran the *same* ``batch_sizes``
-            (``None``: no such epoch).
-        recent_times: each replica's busy seconds over the later part of this epoch (``None``: not known). When the
-            slowest replica's time rose by ``surge`` or more over ``last_times`` but its recent time did not, the
-            rise was transient and the allocation stays.
-        surge: see ``recent_times`` (> 1).
-
-    Returns:
-        The decision; ``decision.adopt`` is true only when both hysteresis conditions hold and the sizes change.
-
-    Raises:
-        ValueError: naming the argument, for invalid times, thresholds or bounds.
-
     >>> d = plan_rebalance([8, 8], [0.1, 0.3])
     >>> d.adopt, d.batch_sizes
     (True, [12, 4])
@@ -283,8 +194,7 @@ def plan_rebalance(
         new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
     else:
         costs = refresh_costs(sizes, times, fixed_costs, previous)
-        # trust region: a replica at most doubles its batch (+2) per check, so a cost extrapolated far beyond what
-        # was measured cannot pile the batch onto one replica; the bounds still hold the total (sum >= 2B)
+        # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
         upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
         trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
         proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)

@@ -1,10 +1,4 @@
-"""The balance report: logger metrics, the markdown table, the plot and the ``balance_report.*`` files.
-
-:func:`log_epoch_metrics` sends each epoch's figures to the loggers (``het/...`` keys); :func:`format_balance_table`
-and :func:`plot_balance` (matplotlib, Agg canvas, no pyplot state) render a ``balance_report()``;
-:func:`write_balance_report` writes ``balance_report.{json,md,png}``; :func:`telemetry_section` is the report's
-JSON-safe ``"telemetry"`` entry.
-"""
+"""The balance report: logger metrics, the markdown table, the plot and the ``balance_report.*`` files."""
 
 from __future__ import annotations
 
@@ -28,12 +22,7 @@ __all__ = [
 
 
 def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int) -> None:
-    """Send one epoch's per-replica figures to Lightning loggers (``logger.log_metrics``), keyed ``het/...``.
-
-    Keys: ``het/imbalance`` and, per rank ``r``, ``het/compute_s/rank{r}``, ``het/wait_s/rank{r}``,
-    ``het/samples_per_s/rank{r}``, ``het/batch_size/rank{r}``. Loggers decorate ``log_metrics`` with
-    ``rank_zero_only``, so calling this on every rank logs once.
-    """
+    """Send one epoch's per-replica figures to Lightning loggers (``logger.log_metrics``), keyed ``het/...``."""
     metrics: dict[str, float] = {}
     if math.isfinite(summary["imbalance"]):
         metrics["het/imbalance"] = float(summary["imbalance"])
@@ -85,11 +74,7 @@ def format_balance_table(report: dict[str, Any]) -> str:
 
 
 def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
-    """PNG of compute vs wait time per replica over the global step, with rebalances marked.
-
-    Up to 8 replicas get one panel each (compute and wait per step); larger jobs get two heat maps (rank x step).
-    Uses matplotlib's Agg canvas directly, leaving pyplot and the user's backend alone.
-    """
+    """PNG of compute vs wait time per replica over the global step, with rebalances marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -136,11 +121,7 @@ def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
 def balance_report_paths(directory: str | Path) -> dict[str, Path]:
     """Where :func:`write_balance_report` puts its files in ``directory``, keyed ``json``, ``table`` and ``plot``."""
     out = Path(directory)
-    return {
-        "json": out / "balance_report.json",
-        "table": out / "balance_report.md",
-        "plot": out / "balance_report.png",
-    }
+    return {"json": out / "balance_report.json", "table": out / "balance_report.md", "plot": out / "balance_report.png"}
 
 
 def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[str, Path]:

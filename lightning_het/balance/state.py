@@ -1,5 +1,4 @@
-"""The allocation one strategy holds: per-replica batch sizes and speeds, the loss scale, the cost model behind a
-profiled split, and its plain-data forms (spawn results, balance report and table)."""
+"""The allocation one strategy holds (batch sizes, speeds, loss scale, cost model) and its plain-data forms."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ __all__ = ["Allocation", "render_balance_table"]
 
 
 class Allocation:
-    """Samples per step of every replica (indexed by global rank), their speeds (samples/s when measured), the
-    global batch, this replica's loss scale ``W * b_r / B``, and the affine cost per replica behind the last profiled
-    split. ``None`` before the allocation is known."""
+    """Samples per step and speed (samples/s when measured) of every replica by global rank, the global batch, the loss
+    scale ``W * b_r / B`` and the last profiled affine costs; ``None`` before the allocation is known.
+    """
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] | None = None
@@ -30,8 +29,7 @@ class Allocation:
     def adopt(
         self, batch_sizes: list[int], speeds: list[float], rank: int, costs: list[dict[str, float]] | None = None
     ) -> None:
-        """Make ``batch_sizes`` the allocation: batch sizes, speeds, global batch and ``rank``'s loss scale change
-        together; ``costs`` (``AffineCost.as_dict()`` form) refresh the cost model when given."""
+        """Make ``batch_sizes`` the allocation (speeds, global batch, loss scale and given ``costs`` change with it)."""
         if costs is not None:  # a rebalancing check refreshed the cost model
             self.cost_model = [AffineCost.from_dict(c) for c in costs]
         self.batch_sizes = list(batch_sizes)
@@ -45,10 +43,7 @@ class Allocation:
         self.loss_scale = 1.0
 
     def step_batch_sizes(self, sampler: Any, batch_idx: Callable[[], int | None]) -> list[int]:
-        """Per-replica samples of the global batch being trained now: the allocation, a profiling trial split, or the
-        tail batch's split on the last step of an epoch whose tail is trained. ``sampler`` is the fit's
-        :class:`~lightning_het.data.sampler.ProportionalDistributedSampler` (or ``None``); ``batch_idx`` gives the
-        0-based step within the epoch (``None`` without a trainer)."""
+        """Per-replica samples of the global batch being trained: the allocation, a trial split or the tail's."""
         sizes = list(self.batch_sizes or [])
         if sampler is None or list(sampler.batch_sizes) != sizes:
             return sizes
@@ -78,8 +73,7 @@ class Allocation:
         }
 
     def import_(self, state: dict[str, Any], rank: int) -> None:
-        """Adopt what :meth:`export` returned in a worker (in the parent process, after spawn); the node ids are the
-        caller's."""
+        """Adopt what :meth:`export` returned in a worker (parent process, after spawn); node ids are the caller's."""
         if state.get("batch_sizes"):
             self.batch_sizes = list(state["batch_sizes"])
             self.speeds = list(state["speeds"])

@@ -1,19 +1,4 @@
-"""``MixedAccelerator``: one Lightning accelerator for a job whose replicas run on different device types.
-
-Lightning gives a ``Trainer`` one accelerator, and its CPU and CUDA accelerators each refuse the other's devices
-(``CPUAccelerator.setup_device(cuda:0)`` raises). ``MixedAccelerator`` accepts both: it sets the CUDA device of CUDA
-replicas, leaves CPU replicas alone (they never create a CUDA context through it), and reports the stats of whichever
-device a replica has. Where each replica runs is decided by :class:`~lightning_het.HeterogeneousStrategy` from the
-accelerator's device map (see :mod:`lightning_het.cluster.devices`); the functions at the bottom of this module are the
-strategy's glue:
-
-* :func:`mixed_accelerator_kwargs` turns ``HeterogeneousStrategy(device_map=...)`` into a ``MixedAccelerator``;
-* :func:`configure_devices` resolves the map at ``Trainer`` construction (before any worker starts) and sets the
-  strategy's ``parallel_devices`` and process-group backend;
-* :func:`apply_local_settings` sets this replica's intra-op threads (and autocast device) in each worker;
-* :func:`unbound_process_group` keeps mixed jobs from binding a device to the default process group;
-* :func:`device_labels` names the device of every global rank (balance table, ``balance_report``).
-"""
+"""``MixedAccelerator``: one Lightning accelerator for a job whose replicas run on different device types."""
 
 from __future__ import annotations
 
@@ -152,24 +137,11 @@ class _MixedAcceleratorMixin:
 
 
 class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
-    """Accelerator for jobs that mix CPU and CUDA replicas; use it with :class:`~lightning_het.HeterogeneousStrategy`.
-
-    Usually created for you by ``HeterogeneousStrategy(device_map=[...])``; passing it explicitly is equivalent::
-
-        Trainer(accelerator=MixedAccelerator(["cuda:0", "cpu"]), strategy="heterogeneous")
-
-    Args:
-        device_map: the device of each local replica, the same on every node (``["cuda:0", "cuda:1", "cpu"]``), or
-            ``{node_rank: [...]}`` when nodes differ (same length on every node).
-            See :mod:`lightning_het.cluster.devices`.
-        cpu_threads: intra-op threads per CPU replica (int) or per local replica (list). Default: the node's cores
-            minus one per CUDA replica, split evenly among the CPU replicas.
-    """
+    """Accelerator for jobs that mix CPU and CUDA replicas; use it with ``HeterogeneousStrategy``."""
 
 
 def __getattr__(name: str) -> Any:
-    """``PLMixedAccelerator``: the same class for the standalone ``pytorch_lightning`` package, built on first use
-    (so that it unpickles in a fresh process too)."""
+    """``PLMixedAccelerator``: the class for the standalone ``pytorch_lightning``, built on first use."""
     if name == "PLMixedAccelerator":
         return on_flavour(MixedAccelerator, "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -181,17 +153,9 @@ def mixed_accelerator_class(strategy_cls: type) -> type:
 
 
 def mixed_accelerator_kwargs(
-    strategy_cls: type,
-    device_map: DeviceMapArg | None,
-    cpu_threads: int | Sequence[int] | None,
-    kwargs: dict[str, Any],
+    strategy_cls: type, device_map: DeviceMapArg | None, cpu_threads: int | Sequence[int] | None, kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` when a map is given.
-
-    Raises:
-        ValueError: ``device_map`` together with ``accelerator`` or ``parallel_devices``, or ``cpu_threads`` without a
-            map.
-    """
+    """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` given a map."""
     if device_map is None:
         if cpu_threads is not None:
             raise ValueError(
@@ -209,35 +173,26 @@ def mixed_accelerator_kwargs(
 
 
 class DeviceStrategy(Protocol):
-    """What the device functions below use of the strategy: Lightning's public strategy attributes (and, when a device
-    map is set, its ``device_plan``); ``parallel_devices`` is the one attribute they set."""
+    """What the device functions use of the strategy; ``parallel_devices`` is the one attribute they set."""
 
     parallel_devices: list[torch.device] | None
 
     @property
     def accelerator(self) -> Any: ...
-
     @property
     def cluster_environment(self) -> Any: ...
-
     @property
     def precision_plugin(self) -> Any: ...
-
     @property
     def num_nodes(self) -> int: ...
-
     @property
     def num_processes(self) -> int: ...
-
     @property
     def process_group_backend(self) -> str | None: ...
-
     @property
     def local_rank(self) -> int: ...
-
     @property
     def global_rank(self) -> int: ...
-
     @property
     def root_device(self) -> torch.device: ...
 
@@ -255,16 +210,7 @@ def _check_precision(strategy: DeviceStrategy, plan: DevicePlan) -> None:
 
 
 def configure_devices(strategy: DeviceStrategy) -> DevicePlan | None:
-    """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``.
-
-    Called from the strategy's ``_configure_launcher`` at ``Trainer`` construction, in the launching process (and in
-    every ``popen`` child), before any worker starts. Returns the plan, whose ``backend`` the strategy adopts, or
-    ``None`` (and changes nothing) without a device map.
-
-    Raises:
-        ValueError: everything :func:`~lightning_het.cluster.devices.plan_devices` checks, and
-            ``precision='16-mixed'`` with CPU replicas.
-    """
+    """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``."""
     accelerator = strategy.accelerator
     if not isinstance(accelerator, _MixedAcceleratorMixin):
         return None
@@ -285,11 +231,7 @@ def configure_devices(strategy: DeviceStrategy) -> DevicePlan | None:
 
 
 def apply_local_settings(strategy: DeviceStrategy) -> None:
-    """In each worker: this replica's intra-op threads, and its own autocast device under ``bf16-mixed``.
-
-    Overrides Lightning's ``OMP_NUM_THREADS = cores // processes`` (set by its launchers when unset) with the plan's
-    count for this local rank (:func:`~lightning_het.cluster.devices.plan_cpu_threads`).
-    """
+    """In each worker: this replica's intra-op threads, and its own autocast device under ``bf16-mixed``."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None:
         return
@@ -307,10 +249,8 @@ def apply_local_settings(strategy: DeviceStrategy) -> None:
 def unbound_process_group(strategy: DeviceStrategy) -> Iterator[None]:
     """Around ``setup_distributed``: in a mixed job, no rank binds a device to the default process group.
 
-    Lightning passes ``init_process_group(device_id=root_device)`` on non-CPU ranks. A bound device makes torch create
-    later subgroups by *splitting* the bound backend, while unbound (CPU) ranks create them normally; in one job the two
-    paths would not meet. Hiding the CUDA devices for the duration keeps every rank on the unbound path, as in an
-    all-CPU Gloo job.
+    A bound device makes torch create later subgroups by splitting the bound backend, unbound ranks create them
+    normally: in one job the two paths would not meet. Hiding the CUDA devices keeps every rank unbound.
     """
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None or plan.bind_device_id:

@@ -1,15 +1,6 @@
-"""Device maps for mixed CPU/GPU jobs: parsing, backend choice and CPU threads (pure; no Lightning, no process group).
+"""Device maps for mixed CPU/GPU jobs: parsing, backend choice and CPU threads (pure: no Lightning, no process group).
 
-A *device map* says which device each local replica (process) of a node runs on, e.g. ``["cuda:0", "cuda:1", "cpu"]``
-runs three processes per node: two on GPUs and one on the host CPU. The functions here turn such a map into a
-:class:`DevicePlan`: the ``torch.device`` of every replica, the process-group backend the whole job must share, and
-the number of intra-op threads of each local replica. Every check runs before any worker process starts, so a map that
-cannot work fails at ``Trainer`` construction with a message that names the offending entry.
-
-Accepted entries: ``"cpu"``; ``"cuda:<i>"`` / ``"gpu:<i>"`` (index among the *visible* devices, i.e. after
-``CUDA_VISIBLE_DEVICES``); bare ``"cuda"`` / ``"gpu"`` (the lowest index no other entry of the node uses); a
-non-negative integer ``i`` (same as ``"cuda:<i>"``); a :class:`torch.device`. A whole map may also be given as one
-comma-separated string (``"cuda:0,cpu,cpu"``), and, for a job whose nodes differ, as a mapping ``{node_rank: map}``.
+Every check runs before any worker starts; entries and the backend rules are in ``docs/mixed_devices.md``.
 """
 
 from __future__ import annotations
@@ -98,22 +89,6 @@ def parse_device_map(
 ) -> list[torch.device]:
     """Parse one node's device map into one :class:`torch.device` per local replica.
 
-    Args:
-        device_map: the node's map, e.g. ``["cuda:0", "cpu", "cpu"]`` or ``"cuda:0,cpu,cpu"``.
-        local_world_size: expected number of replicas on the node (``Trainer(devices=...)``); ``None`` skips the check.
-        cuda_device_count: CUDA devices visible on this host (``torch.cuda.device_count()``); ``None`` skips the range
-            check (e.g. when parsing the map of another node).
-        allow_shared_cuda: let two replicas use the same GPU (never with NCCL; meant for experiments only).
-        name: argument name used in error messages.
-
-    Returns:
-        ``torch.device("cpu")`` or ``torch.device("cuda", i)`` per local rank. Bare ``"cuda"`` entries get the lowest
-        index that no explicit entry uses, in order of appearance.
-
-    Raises:
-        ValueError: an entry that is not a CPU or CUDA device, a wrong number of entries, a CUDA index that is not
-            visible on this host, or (unless allowed) two replicas on the same GPU.
-
     Example:
         >>> parse_device_map(["cuda", "cpu", "cuda:0"], cuda_device_count=2)
         [device(type='cuda', index=1), device(type='cpu'), device(type='cuda', index=0)]
@@ -171,21 +146,7 @@ def parse_device_map(
 
 
 def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, name: str = "device_map") -> list[list]:
-    """The raw map of every node: ``[map] * num_nodes`` for one shared map, or the values of ``{node_rank: map}``.
-
-    Args:
-        device_map: one map for every node, or a mapping from node rank (int or digit string) to that node's map.
-        num_nodes: number of nodes of the job; ``None`` (before it is known) skips the completeness check.
-        name: argument name used in error messages.
-
-    Returns:
-        One list of raw entries per node, in node-rank order (a single list when ``num_nodes`` is ``None`` and the map
-        is shared).
-
-    Raises:
-        ValueError: keys that are not node ranks, missing or extra nodes, or nodes with different numbers of replicas
-            (Lightning runs the same number of processes on every node).
-    """
+    """The raw map of every node: ``[map] * num_nodes`` for one shared map, or the values of ``{node_rank: map}``."""
     if not isinstance(device_map, Mapping):
         entries = _as_list(device_map, name)
         return [list(entries) for _ in range(num_nodes or 1)]
@@ -223,32 +184,7 @@ def is_mixed(devices: Sequence[torch.device]) -> bool:
 
 
 def choose_backend(devices: Sequence[torch.device], requested: str | None = None) -> str:
-    """The ``torch.distributed`` backend for a job whose replicas run on ``devices`` (every replica of every node).
-
-    ============================  ===========  ==================================================================
-    replicas                      default      allowed explicitly
-    ============================  ===========  ==================================================================
-    all CUDA                      ``nccl``     anything torch accepts (``gloo``, ``cpu:gloo,cuda:nccl``, ...)
-    all CPU                       ``gloo``     anything but NCCL
-    CPU and CUDA mixed            ``gloo``     ``gloo`` only
-    ============================  ===========  ==================================================================
-
-    Mixed jobs need one backend that serves CPU tensors on some ranks and CUDA tensors on others in the *same*
-    collective. Gloo does: a CUDA tensor is copied to pinned host memory, reduced with the same host algorithm as a CPU
-    tensor, and copied back. NCCL serves CUDA tensors only, and a per-device backend string such as
-    ``"cpu:gloo,cuda:nccl"`` would send the GPU rank's gradient buckets to NCCL and the CPU rank's to Gloo: the two
-    halves of one all-reduce would never meet.
-
-    Args:
-        devices: the device of every replica in the job.
-        requested: the user's ``process_group_backend`` (``None`` or ``""``: choose).
-
-    Returns:
-        The backend string for :func:`torch.distributed.init_process_group`.
-
-    Raises:
-        ValueError: NCCL (alone or per device) with a CPU replica, or any backend but Gloo for a mixed job.
-    """
+    """The ``torch.distributed`` backend for a job whose replicas run on ``devices`` (every replica of every node)."""
     if not devices:
         raise ValueError("Expected at least one replica device to choose a process-group backend, got none.")
     kinds = sorted({d.type for d in devices})
@@ -284,23 +220,6 @@ def plan_cpu_threads(
     devices: Sequence[torch.device], cpu_cores: int, cpu_threads: int | Sequence[int] | None = None
 ) -> list[int]:
     """Intra-op threads (``torch.set_num_threads``) of each local replica of one node.
-
-    By default every CUDA replica keeps one core for the thread that drives its GPU (and one intra-op thread), and the
-    other ``cpu_cores - n_cuda`` cores are split evenly among the CPU replicas (the first ones get the remainder), at
-    least one each. This replaces Lightning's default (``OMP_NUM_THREADS = cores // processes`` for every process),
-    which would give a GPU replica as many cores as a CPU replica that actually computes on them.
-
-    Args:
-        devices: this node's replicas, by local rank.
-        cpu_cores: cores available to the node's replicas (see :func:`available_cpu_cores`).
-        cpu_threads: an explicit count for every CPU replica (int), or one count per local replica (sequence; the
-            entries of CUDA replicas apply to those processes too). ``None``: the default split above.
-
-    Returns:
-        One thread count (>= 1) per local replica.
-
-    Raises:
-        ValueError: counts below 1, or a sequence whose length differs from the number of local replicas.
 
     Example:
         >>> plan_cpu_threads([torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")], cpu_cores=16)
@@ -359,15 +278,7 @@ def plan_cpu_threads(
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """Where every replica of a job runs, the backend they share and this node's thread counts.
-
-    Attributes:
-        local_devices: this node's replicas, by local rank (the strategy's ``parallel_devices``).
-        global_devices: every replica, by global rank, assuming Lightning's node-major ranks
-            (``global = node_rank * local_world_size + local_rank``).
-        backend: the process-group backend (see :func:`choose_backend`).
-        threads: intra-op threads of each local replica (see :func:`plan_cpu_threads`).
-    """
+    """Where every replica of a job runs, the backend they share and this node's thread counts."""
 
     local_devices: tuple[torch.device, ...]
     global_devices: tuple[torch.device, ...]
@@ -383,8 +294,7 @@ class DevicePlan:
     def bind_device_id(self) -> bool:
         """Whether each process may bind its device to the default process group (``init_process_group(device_id=)``).
 
-        Binding changes how later subgroups are created (split from the bound backend), so it must be the same on every
-        rank: it is only allowed when no rank lacks a device to bind, i.e. when the job is not mixed.
+        Binding changes how later subgroups are created, so it must be the same on every rank: not in mixed jobs.
         """
         return not self.mixed
 
@@ -400,25 +310,7 @@ def plan_devices(
     cpu_threads: int | Sequence[int] | None = None,
     cpu_cores: int | None = None,
 ) -> DevicePlan:
-    """Resolve a device map for this node and the whole job (every check that can run before the workers start).
-
-    Args:
-        device_map: one map for every node, or ``{node_rank: map}``.
-        node_rank: this node's rank.
-        num_nodes: nodes in the job.
-        local_world_size: replicas per node (``Trainer(devices=...)``).
-        cuda_device_count: CUDA devices visible on this host; only this node's map is range-checked against it.
-        requested_backend: the user's ``process_group_backend``.
-        cpu_threads: see :func:`plan_cpu_threads`.
-        cpu_cores: cores for this node's replicas; default :func:`available_cpu_cores`.
-
-    Returns:
-        The :class:`DevicePlan`.
-
-    Raises:
-        ValueError: from :func:`node_device_maps`, :func:`parse_device_map`, :func:`choose_backend` or
-            :func:`plan_cpu_threads`.
-    """
+    """Resolve a device map for this node and the whole job (every check that can run before the workers start)."""
     if not 0 <= node_rank < num_nodes:
         raise ValueError(f"Expected `node_rank` in [0, {num_nodes}), but got {node_rank} (NODE_RANK / cluster env).")
     per_node = node_device_maps(device_map, num_nodes)

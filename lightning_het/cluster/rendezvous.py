@@ -1,25 +1,7 @@
 """The job's rendezvous: a store no stranger can reach, and a per-job secret that signs the watchdog's records.
 
-``torch.distributed``'s default ``env://`` rendezvous makes rank 0 host a TCPStore that listens on *every* interface
-(``*:MASTER_PORT``), even on a single machine with ``MASTER_ADDR=127.0.0.1``, and anybody who can connect may read and
-write any key. The strategy therefore creates the store itself (:func:`create_store`):
-
-* **single node**: the store listens on ``127.0.0.1`` only, and every replica connects there; Gloo's own sockets are
-  kept on the loopback interface too (``GLOO_SOCKET_IFNAME=lo`` unless set);
-* **several nodes**: the store listens on the address that ``MASTER_ADDR`` resolves to (the interface the other nodes
-  use), not on every interface.
-
-The listening socket is bound here and handed to the TCPStore (``master_listen_fd``), so the address is ours to choose.
-
-**Job token.** The launching process generates a random token (:func:`ensure_job_token`, 256 bits) and hands it to the
-replicas it starts through the environment variable :data:`TOKEN_ENV`; it never travels through the store. The
-watchdog signs every record it writes (heartbeats, the verdict) with an HMAC-SHA256 keyed by the token and ignores
-records whose signature does not match (:func:`sign`, :func:`verify`), so a client that reaches the store without
-the token can neither dictate a verdict nor forge a replica's state. Key names are not secret (``list_keys`` shows
-them); the records carry their own freshness (:mod:`lightning_het.reliability.heartbeats`). For
-multi-node jobs export the same token on every node (e.g. ``export LIGHTNING_HET_JOB_TOKEN=$(openssl rand -hex 32)``);
-otherwise the replicas adopt rank 0's token over the process group's own connections
-(:func:`agree_on_token`).
+The store listens on ``127.0.0.1`` (single node) or on ``MASTER_ADDR``'s interface, never on every interface; records
+are signed with an HMAC-SHA256 keyed by the token, which never travels through the store (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -32,7 +14,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +30,7 @@ __all__ = [
     "free_port",
     "keep_sockets_local",
     "listen_address",
+    "local_sockets",
     "restore_job_environment",
     "save_job_environment",
     "sign",
@@ -64,10 +47,7 @@ _SEPARATOR = "\n"
 
 
 def ensure_job_token(environ: MutableMapping[str, str] | None = None) -> str:
-    """Return the job token from ``environ`` (default ``os.environ``), generating a random one there if absent.
-
-    Called by the launching process before it starts the other replicas, so that they inherit it.
-    """
+    """Return the job token from ``environ`` (default ``os.environ``), generating a random one there if absent."""
     environ = os.environ if environ is None else environ
     token = environ.get(TOKEN_ENV, "")
     if not token:
@@ -97,12 +77,7 @@ def verify(token: str, key: str, record: str | bytes) -> str | None:
 
 
 def agree_on_token(token: str) -> str:
-    """Make every replica use the same token (collective: every rank of the default process group calls it).
-
-    The replicas compare a hash of their token. When they differ (replicas started by another launcher on another
-    node, or by torchrun without the variable), rank 0's token is sent to the others over the process group's own
-    connections, never through the store.
-    """
+    """Make every replica use the same token (collective: every rank of the default process group calls it)."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return token
     digest = hashlib.sha256(token.encode()).hexdigest()
@@ -122,11 +97,7 @@ def agree_on_token(token: str) -> str:
 
 
 def listen_address(num_nodes: int, master_addr: str) -> str:
-    """The address rank 0's store listens on: loopback for one node, else the address ``master_addr`` resolves to.
-
-    Raises:
-        ValueError: ``master_addr`` does not resolve to an IPv4 or IPv6 address.
-    """
+    """The address rank 0's store listens on: loopback for one node, else the address ``master_addr`` resolves to."""
     if num_nodes <= 1:
         return LOOPBACK
     try:
@@ -142,11 +113,7 @@ def listen_address(num_nodes: int, master_addr: str) -> str:
 
 
 def free_port(address: str = LOOPBACK) -> int:
-    """A TCP port that is free on ``address`` now (the kernel's choice), e.g. a ``MASTER_PORT`` for a local job.
-
-    The port is released before returning, so another process may take it before the job binds it: meant for
-    launching test, benchmark and single-node jobs, not as a reservation.
-    """
+    """A TCP port that is free on ``address`` now (the kernel's choice), e.g. a ``MASTER_PORT`` for a local job."""
     family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
@@ -176,16 +143,7 @@ _sockets: list[socket.socket] = []
 def create_store(
     *, master_addr: str, port: int, rank: int, world_size: int, num_nodes: int, timeout: timedelta
 ) -> dist.TCPStore:
-    """The job's TCPStore: hosted by rank 0 on :func:`listen_address`, reached there by the other ranks.
-
-    Args:
-        master_addr: ``MASTER_ADDR`` (used as is by the other ranks of a multi-node job).
-        port: ``MASTER_PORT``.
-        rank: this process's global rank (0 hosts the store).
-        world_size: number of replicas.
-        num_nodes: number of nodes (1: loopback only).
-        timeout: how long a client waits for the store and for keys.
-    """
+    """The job's TCPStore: hosted by rank 0 on :func:`listen_address`, reached there by the other ranks."""
     address = listen_address(num_nodes, master_addr)
     if rank != 0:
         host = LOOPBACK if num_nodes <= 1 else master_addr
@@ -198,11 +156,7 @@ def create_store(
 
 
 def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose).
-
-    Returns:
-        The variables it set (those that were unset), for the caller to remove when its Trainer call ends.
-    """
+    """Single-node jobs: keep Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose)."""
     environ = os.environ if environ is None else environ
     if num_nodes > 1:
         return []
@@ -215,8 +169,19 @@ def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None 
     return names
 
 
-#: the variables a Trainer call sets in ``os.environ`` (the job token, the loopback interfaces); they are put back as
-#: they were when the call ends, so that a later job in the same process (another node set-up) does not inherit them.
+@contextlib.contextmanager
+def local_sockets(num_nodes: int) -> Iterator[None]:
+    """While process groups are created: Gloo's and NCCL's sockets on loopback for a single-node job (see
+    :func:`keep_sockets_local`); afterwards the variables are as they were (a group reads them when it is created)."""
+    saved = {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    keep_sockets_local(num_nodes)
+    try:
+        yield
+    finally:
+        restore_job_environment(saved)
+
+
+#: variables a Trainer call sets in ``os.environ`` (job token, loopback interfaces), put back when the call ends
 JOB_ENVIRONMENT = (TOKEN_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 

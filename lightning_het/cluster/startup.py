@@ -1,5 +1,4 @@
-"""Process-group start-up: the rendezvous on a store only the job can reach, the longer start-up timeout around
-it, and the node id of every global rank."""
+"""Process-group start-up: a rendezvous only the job can reach, its longer timeout, and every rank's node id."""
 
 from __future__ import annotations
 
@@ -24,9 +23,7 @@ __all__ = ["detect_node_ids", "init_process_group", "rendezvous_failed", "startu
 def startup_timeout_scope(
     timeout: timedelta | None, startup_timeout: timedelta | None, set_timeout: Callable[[timedelta | None], None]
 ) -> Iterator[None]:
-    """Around the rendezvous: the timeout becomes ``startup_timeout`` when that is longer (see
-    :func:`~lightning_het.reliability.supervision.rendezvous_timeout`), through ``set_timeout``; afterwards ``timeout``
-    is restored, there and on the default process group's collectives and store."""
+    """Around the rendezvous, use ``startup_timeout`` when it is longer than ``timeout`` (restored afterwards)."""
     startup = rendezvous_timeout(timeout, startup_timeout)
     if startup is None:
         yield
@@ -49,9 +46,7 @@ def init_process_group(
     timeout: timedelta | None,
     device: torch.device,
 ) -> None:
-    """Start the default process group on a store that only the job can reach: loopback for one node, the interface
-    of ``MASTER_ADDR`` for several (see :mod:`lightning_het.cluster.rendezvous`). ``env`` is the cluster
-    environment; a rendezvous that times out ends the job (:func:`rendezvous_failed`)."""
+    """Start the default process group on a store only the job can reach (a timed-out rendezvous ends the job)."""
     store_timeout = timeout if timeout is not None else timedelta(minutes=30)
     store = create_store(
         master_addr=env.main_address,
@@ -70,8 +65,7 @@ def init_process_group(
 
 
 def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[int]:
-    """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job (``env``: the cluster
-    environment)."""
+    """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
     if given is not None:
         return validate_node_ids(given, world_size)
     assert env is not None
@@ -79,8 +73,7 @@ def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[
 
 
 def rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
-    """A rendezvous that timed out: one line naming the wait, then exit status 124 (a replica stalled at start-up);
-    any other error is returned unchanged."""
+    """A timed-out rendezvous: one line naming the wait, then exit status 124; any other error returned unchanged."""
     from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
 
     text = str(err).lower()

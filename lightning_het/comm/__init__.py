@@ -1,10 +1,4 @@
-"""Communication modes of lightning-het: flat all-reduce, exact hierarchical reduction, node-local steps.
-
-One object per mode (:class:`FlatAllReduce`, :class:`Hierarchical`, :class:`NodeLocal`, one module each) behind the
-same small protocol; the strategy drives one :class:`CommController` per process, which builds the mode's object.
-The hooks, the averaging function and the byte model are usable on their own with a raw
-:class:`~torch.nn.parallel.DistributedDataParallel`.
-"""
+"""Communication modes of lightning-het: flat all-reduce, exact hierarchical reduction, node-local steps."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ if TYPE_CHECKING:
     from lightning_het.comm.node_local import NodeLocal
     from lightning_het.comm.stats import CommStats, Traffic
 
-#: public name -> defining module, imported on first access (``lightning_het.comm.modes`` needs no torch, and the
-#: app's config schema imports it)
+#: public name -> defining module, imported on first access (``modes`` needs no torch: the app's schema imports it)
 _LAZY = {
     "FlatAllReduce": "allreduce",
     "Hierarchical": "hierarchical",

@@ -15,10 +15,6 @@ __all__ = ["FlatAllReduce"]
 class FlatAllReduce:
     """DDP's built-in all-reduce (mean over the replicas) of the pre-scaled gradients: exact, nothing registered.
 
-    The base of every mode: the controller calls :meth:`register` once, :meth:`step_traffic` and :meth:`after_step`
-    after every optimizer step and :meth:`synchronize` before validation and checkpoints; each mode overrides what it
-    does differently.
-
     Args:
         node_ids: node of every global rank.
         rank: this process's global rank.

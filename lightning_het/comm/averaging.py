@@ -1,10 +1,4 @@
-"""Sample-share-weighted parameter averaging across all replicas (the global sync of ``comm="node_local"``).
-
-After the average every replica holds ``p = sum_r w_r * p_r`` with ``w_r = b_r / B``, its share of the global batch;
-replicas that trained on more samples pull the consensus harder, just as their samples weigh more in the global-batch
-loss. Computed with the hierarchical reduction (:func:`lightning_het.comm.hooks.hierarchical_sum`), so only node
-leaders talk across nodes and the result is the exact weighted sum whether or not replicas of a node are identical.
-"""
+"""Sample-share-weighted parameter averaging across all replicas (the global sync of ``comm="node_local"``)."""
 
 from __future__ import annotations
 
@@ -45,11 +39,6 @@ def _unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 @torch.no_grad()
 def average_parameters(tensors: Iterable[torch.Tensor], weight: float, state: HierarchicalState) -> int:
     """Replace every tensor by the weighted sum over replicas, ``sum_r weight_r * t_r``, in place.
-
-    Collective: every rank must call it with the same tensors (shapes, dtypes, order) and its own ``weight``; the
-    weights of all ranks should sum to one. Tensors are packed into one flat buffer per (device, dtype) (extra memory
-    of one model copy); half-precision tensors are averaged in float32. Non-floating tensors are skipped, a tensor
-    listed twice is averaged once.
 
     Args:
         tensors: parameters (and optionally floating buffers) to average.

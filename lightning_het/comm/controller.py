@@ -1,34 +1,4 @@
-"""The communication layer as one object the strategy drives: mode choice, hooks, periodic averaging, accounting.
-
-Modes (``comm=``):
-
-* ``"allreduce"``: plain DDP all-reduce (mean over ``W``) of the pre-scaled gradients; exact. No hook is registered,
-  so it costs exactly what DDP costs. Best on a single node or with one replica per node.
-* ``"hierarchical"``: exact, like ``allreduce``, but reduces inside each node, all-reduces between node leaders and
-  broadcasts inside each node (:func:`~lightning_het.comm.hooks.hierarchical_hook`). Faster when the network
-  between nodes is the bottleneck and nodes hold several replicas; never changes the maths. With
-  ``autotune_steps > 0`` the first steps alternate it with a flat all-reduce and the faster is kept
-  (:mod:`lightning_het.comm.tuning`), so it is never much slower than ``allreduce`` where the hierarchy cannot help.
-* ``"node_local"``: the paper's node-based optimisation steps. Every step gradients are combined only inside each node
-  (each node follows the gradient of its own mean loss); every ``global_sync_every`` steps the parameters are
-  averaged across all replicas, weighted by sample share ``b_r / B``. Not exact: it trades statistical efficiency
-  for ``~1/K`` of the inter-node traffic.
-* ``"auto"``: ``hierarchical`` when the job spans more than one node and some node holds several replicas, else
-  ``allreduce``.
-
-Tuning ``global_sync_every`` (``K``): the inter-node bytes per step fall as ``1/K`` while the nodes' models drift
-further apart between syncs. Start with a K that makes the amortised sync cost small next to one step's compute
-(e.g. ``K ~ sync_time / step_time * 10``), keep the learning rate of the exact run, and use ``warmup_steps`` (exact
-steps at the start, where gradients are large and drift hurts most) when the loss of early training suffers; ``None``
-averages only at epoch ends, before validation and before checkpoints (the paper's default of one epoch).
-
-Optimiser state under ``node_local``: only parameters are averaged. Momentum / Adam moments stay local to each
-replica: replicas of a node see identical gradients, so their states stay identical; different nodes keep their own.
-This is what local SGD and torch's ``PeriodicModelAverager`` do: averaging moments would cost as many bytes again
-(twice for Adam) on every sync, and each node's momentum still describes the loss surface around the consensus point.
-A checkpoint therefore holds the consensus parameters and rank 0's optimiser state; on resume every replica starts
-from those, which is a valid state of the algorithm.
-"""
+"""The communication layer as one object the strategy drives (modes and their trade-offs: docs/communication.md)."""
 
 from __future__ import annotations
 
@@ -62,20 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_steps: int = 0) -> None:
-    """Early (constructor-time) checks of the communication arguments; needs no process group.
-
-    Args:
-        comm: one of :data:`COMM_CHOICES`.
-        global_sync_every: ``K`` of ``node_local``: optimizer steps between global parameter averages, or ``None``.
-        warmup_steps: exact steps before ``node_local`` starts.
+    """Constructor-time checks of the communication arguments (no process group needed).
 
     Raises:
-        ValueError: for an unknown ``comm`` (listing the allowed values), ``K < 1`` or a non-integer ``K``, or
-            negative ``warmup_steps``.
+        ValueError: an unknown ``comm``, a non-integer or ``< 1`` ``global_sync_every``, or negative ``warmup_steps``.
 
     Warns:
-        UserWarning: when ``global_sync_every`` or ``warmup_steps`` is given but ``comm`` is not ``"node_local"``
-            (they are ignored then).
+        UserWarning: ``global_sync_every`` or ``warmup_steps`` given without ``comm="node_local"`` (ignored).
     """
     check_comm_args(comm, global_sync_every, warmup_steps)
     if global_sync_every is not None and comm != "node_local":
@@ -94,13 +57,9 @@ def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_s
 
 
 def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:
-    """Turn the requested ``comm`` into the mode to run, given the topology. Pure; same answer on every rank.
+    """The mode to run for the requested ``comm`` and topology (pure; same answer on every rank).
 
-    * ``"auto"``: ``"hierarchical"`` if there are several nodes and at least one holds more than one replica,
-      otherwise ``"allreduce"``.
-    * ``"hierarchical"`` on a single node, or with one replica per node, is a flat all-reduce in disguise: falls
-      back to ``"allreduce"`` (exact either way) with an INFO log line.
-    * ``"node_local"`` on a single node would silently be exact training, so it raises instead (see below).
+    ``"hierarchical"`` without a node holding several replicas falls back to ``"allreduce"`` (INFO log line).
 
     Args:
         comm: one of :data:`COMM_CHOICES`.
@@ -150,26 +109,20 @@ def _check_batch_sizes(batch_sizes: Sequence[int], world_size: int) -> list[int]
 class CommController:
     """Runs one communication mode for one rank: registers the DDP hook, averages parameters, counts bytes.
 
-    Construct it on every rank, after ``init_process_group`` and at the same point of the program: for
-    ``"hierarchical"`` and ``"node_local"`` the constructor creates process groups (a collective). Methods that
-    communicate (:meth:`after_optimizer_step`, :meth:`synchronize`) must also be called on every rank. The object is not
-    picklable; build it in the worker process.
+    Build it on every rank after ``init_process_group`` (the constructor creates process groups, a collective); call
+    :meth:`after_optimizer_step` and :meth:`synchronize` on every rank too. Not picklable.
 
     Args:
-        mode: resolved mode (see :func:`resolve_comm_mode`); ``"auto"`` is not accepted here.
+        mode: resolved mode (:func:`resolve_comm_mode`); not ``"auto"``.
         node_ids: node of every global rank.
-        batch_sizes: samples per step of every replica, indexed by global rank. ``None`` until the allocation is
-            known (e.g. before profiling): replicas then count as equal until :meth:`set_batch_sizes` is called.
+        batch_sizes: samples per step of every replica, by global rank; ``None``: equal until :meth:`set_batch_sizes`.
         rank: this process's global rank.
-        global_sync_every: ``node_local`` only: optimizer steps between global parameter averages (``K``);
-            ``None`` averages only when :meth:`synchronize` is called (epoch end, validation, checkpoint).
-        warmup_steps: ``node_local`` only: the first steps reduce gradients exactly over all replicas.
-        groups: prebuilt node groups (tests, or to share them); built here when ``None``.
-        chunk_bytes: pipelining granularity of the hierarchical reduction (see
-            :class:`~lightning_het.comm.hooks.HierarchicalState`).
-        autotune_steps: ``hierarchical`` only: optimizer steps timed with each of the flat and the hierarchical
-            reduction before keeping the faster (see :class:`~lightning_het.comm.tuning.ReductionTuner`); ``0``
-            always uses the hierarchy.
+        global_sync_every: ``node_local``: optimizer steps between global averages (``None``: only at
+            :meth:`synchronize`).
+        warmup_steps: ``node_local``: the first steps reduce gradients exactly over all replicas.
+        groups: prebuilt node groups; built here when ``None``.
+        chunk_bytes: pipelining granularity of the hierarchical reduction.
+        autotune_steps: ``hierarchical``: steps timed with each of flat and hierarchical reduction (``0``: hierarchy).
         autotune_clock: the clock those steps are timed with (seconds).
     """
 
@@ -259,11 +212,7 @@ class CommController:
 
     # ------------------------------------------------------------------ lifecycle
     def register(self, ddp_model: DistributedDataParallel) -> None:
-        """Register the mode's comm hook on ``ddp_model``, on any device type (CPU/gloo included).
-
-        ``"allreduce"`` registers nothing: DDP's built-in all-reduce already does it at no extra cost. Also records
-        the gradient payload (bytes of all parameters that require grad) for byte accounting.
-        """
+        """Register the mode's comm hook on ``ddp_model`` (none for ``"allreduce"``) and record the gradient bytes."""
         self._grad_bytes = _grad_bytes(ddp_model.parameters())
         self._algorithm.register(ddp_model)
 
@@ -283,10 +232,7 @@ class CommController:
 
         Args:
             params: the model's parameters (the same tensors, in the same order, on every rank).
-            global_step: optimizer steps completed *including* this one (inside ``Strategy.optimizer_step`` after
-                the step: ``trainer.global_step + 1``). The schedule depends only on it, so resumed runs keep their
-                phase: warm-up while ``global_step <= warmup_steps``, then an average whenever
-                ``(global_step - warmup_steps) % K == 0``.
+            global_step: optimizer steps completed including this one (``trainer.global_step + 1``).
             end_of_epoch: force a global average now (last step of the epoch).
 
         Returns:
@@ -300,8 +246,6 @@ class CommController:
 
     def synchronize(self, params: Iterable[torch.Tensor]) -> bool:
         """Bring all replicas to one consensus model now (``node_local``); a no-op if they already agree. Collective.
-
-        Call before validation, at epoch end and before a checkpoint is taken, so those see one model.
 
         Returns:
             Whether an average ran.

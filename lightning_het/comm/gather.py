@@ -1,21 +1,4 @@
-"""``all_gather`` for tensors whose first dimension differs between replicas (speed-proportional batch shares).
-
-With :class:`~lightning_het.strategy.HeterogeneousStrategy` a replica's batch holds its share of the global batch, so a
-per-sample tensor (predictions, targets, embeddings) has a different first dimension on each replica. A plain
-``torch.distributed.all_gather`` of such tensors aborts in Gloo ("Received data size doesn't match expected size") or
-reads past the data on other backends. :func:`all_gather_uneven` first exchanges every replica's shape and dtype
-(one small all-gather), then:
-
-* **same shape everywhere** (including 0-d tensors): exactly what DDP returns, the tensors stacked to
-  ``[W, *shape]``;
-* **only the first dimension differs**: the tensors concatenated in rank order to ``[sum_r n_r, *rest]``: every
-  sample once, no padding to strip. ``gathered.reshape(-1, *x.shape[1:])`` gives ``[all samples, *rest]`` in both
-  cases, so code written that way works for even and uneven splits alike;
-* **anything else** (different trailing dimensions, number of dimensions or dtypes): :class:`ValueError` naming every
-  replica's shape and dtype, raised on every replica alike, before any data is exchanged.
-
-``sync_grads=True`` lets gradients flow back to each replica's own slice, as with DDP.
-"""
+"""``all_gather`` for tensors whose first dimension differs between replicas (speed-proportional batch shares)."""
 
 from __future__ import annotations
 
@@ -30,7 +13,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["all_gather_collection", "all_gather_uneven", "gather_shapes"]
+__all__ = ["all_gather_collection", "all_gather_uneven", "gather_shapes", "reduce_counts"]
 
 _INLINE_DIMS = 8  # dimensions exchanged in the first round; larger ranks take a second round
 
@@ -40,10 +23,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ...]], list[int]]:
-    """Every replica's ``(shape, dtype code)`` of ``tensor``, in rank order of ``group`` (one or two all-gathers).
-
-    All replicas get the same lists, so every decision taken from them is taken alike on every replica.
-    """
+    """Every replica's ``(shape, dtype code)`` of ``tensor``, in rank order of ``group`` (one or two all-gathers)."""
     world = dist.get_world_size(group)
     meta = torch.zeros(2 + _INLINE_DIMS, dtype=torch.int64, device=tensor.device)
     meta[0], meta[1] = tensor.dim(), _dtype_code(tensor.dtype)
@@ -63,9 +43,10 @@ def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ..
 
 
 def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-    """Gather ``tensor`` from every replica of ``group`` (default: all); see the module docstring for the shapes.
+    """Gather ``tensor`` from every replica of ``group`` (default: all).
 
-    Returns ``tensor`` itself when ``torch.distributed`` is not initialised (as Lightning does).
+    Equal shapes are stacked to ``[W, *shape]`` (as DDP); shapes differing only in dimension 0 are concatenated in rank
+    order to ``[sum_r n_r, *rest]``. ``tensor`` itself when ``torch.distributed`` is not initialised.
 
     Raises:
         ValueError: the replicas' tensors differ in more than their first dimension (message names all shapes).
@@ -123,14 +104,7 @@ def _structure(data: Any) -> str:
 
 
 def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-    """:func:`all_gather_uneven` applied to every tensor of ``data`` (a tensor or a nested collection, as Lightning's
-    ``apply_to_collection`` walks it); other leaves are returned unchanged.
-
-    For a collection, the replicas first agree that their collections have the same structure (keys, list lengths,
-    where the tensors are): a list of per-sample values is as long as each replica's share, and gathering it element
-    by element would pair different calls on different replicas. A mismatch raises :class:`ValueError` on every
-    replica, naming each replica's number of tensors.
-    """
+    """:func:`all_gather_uneven` applied to every tensor of ``data``; other leaves are returned unchanged."""
     if isinstance(data, Tensor):
         return all_gather_uneven(data, group=group, sync_grads=sync_grads)
     if dist.is_available() and dist.is_initialized():
@@ -149,3 +123,20 @@ def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False
                 " (`torch.tensor(values)`) instead, its first dimension may differ."
             )
     return apply_to_collection(data, Tensor, all_gather_uneven, group=group, sync_grads=sync_grads)
+
+
+def reduce_counts(reduce: Any, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+    """``reduce(tensor, group=..., reduce_op=...)`` (a strategy's all-reduce), except that the mean of an integer
+    tensor is summed in ``float64`` and returned in the default float dtype.
+
+    Lightning's epoch-level ``self.log(..., sync_dist=True)`` mean-reduces its integer batch-size count; DDP's
+    in-place division would truncate it (``(10 + 31) / 2 -> 20``), and with uneven shares every epoch metric would be
+    off. The logged ``value / count`` then has the logged value's dtype, as in DDP.
+    """
+    if isinstance(tensor, torch.Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
+        op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+        if op in ("mean", "avg", dist.ReduceOp.AVG):
+            reduced = reduce(tensor.to(torch.float64), group=group, reduce_op=reduce_op)
+            default = torch.get_default_dtype()
+            return reduced.to(default if default in (torch.float32, torch.float64) else torch.float32)
+    return reduce(tensor, group=group, reduce_op=reduce_op)

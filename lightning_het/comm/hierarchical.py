@@ -22,9 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Hierarchical(FlatAllReduce):
-    """Node-aware exact reduction (:func:`~lightning_het.comm.hooks.hierarchical_hook`); with ``autotune_steps > 0``
-    the first steps alternate it with a flat all-reduce and the faster is kept
-    (:class:`~lightning_het.comm.tuning.ReductionTuner`).
+    """Node-aware exact reduction; with ``autotune_steps > 0`` timed against a flat all-reduce and the faster kept.
 
     Args:
         node_ids, rank, stats: as :class:`~lightning_het.comm.allreduce.FlatAllReduce`.

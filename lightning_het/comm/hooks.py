@@ -1,21 +1,7 @@
 """DDP communication hooks for two-level (intra-node / between-node) topologies.
 
-A hook is a free function ``hook(state, bucket) -> Future[Tensor]`` that DDP calls for every gradient bucket during
-backward, in bucket order, on every rank. Register it with ``ddp_model.register_comm_hook(state, hook)``; this works
-on CPU/gloo as well as CUDA/NCCL (Lightning's ``DDPStrategy`` only does it on CUDA, so the strategy calls
-:meth:`lightning_het.comm.CommController.register` instead).
-
-Gradient convention: the strategy multiplies replica ``r``'s mean loss by ``W * b_r / B`` before backward, so with
-``g_r`` the bucket of replica ``r`` the hooks return
-
-* :func:`hierarchical_hook`: ``(1/W) * sum_r g_r`` over all ``W`` replicas, i.e. exactly the gradient of the mean
-  loss over the global batch (what plain DDP returns, computed hierarchically);
-* :func:`node_local_hook`: ``B / (W * B_n) * sum_{r in n} g_r`` over the replicas of this rank's node ``n``, i.e. the
-  gradient of node ``n``'s mean loss over its ``B_n = sum_{r in n} b_r`` samples; the exact global gradient during
-  warm-up steps.
-
-This module deliberately has no ``from __future__ import annotations``: DDP inspects the hook's signature and
-rejects string annotations; the bucket parameter must be named ``bucket``.
+No ``from __future__ import annotations`` here: DDP inspects a hook's signature and rejects string annotations (the
+bucket parameter must be named ``bucket``).
 """
 
 import logging
@@ -41,11 +27,8 @@ log = logging.getLogger(__name__)
 class _InOrder:
     """Runs submitted actions strictly in sequence-number order (0, 1, 2, ...), whichever thread submits them.
 
-    Collectives on one process group must be issued in the same order on every rank. The stages of a pipelined
-    hierarchical reduction are issued from completion callbacks, which gloo runs on its worker threads in completion
-    order, which may differ between ranks; funnelling each group's issues through one ``_InOrder`` restores bucket
-    order. Actions only *issue* asynchronous work, so running them under the drain is cheap. One thread drains at a
-    time; an action submitted while another thread drains is picked up by that thread.
+    Gloo runs completion callbacks in completion order, which may differ between ranks, yet collectives on a group
+    must be issued in the same order on every rank: the pipelined stages are funnelled through one of these per group.
     """
 
     __slots__ = ("_draining", "_lock", "_next", "_pending")
@@ -110,20 +93,11 @@ class HierarchicalState:
 
     Args:
         groups: the job's node groups (:func:`lightning_het.cluster.topology.build_node_groups`).
-        chunk_bytes: tensors larger than this are reduced in chunks of at most this many bytes, so that the three
-            stages of successive chunks overlap (chunk ``k`` crosses the network while chunk ``k+1`` is reduced inside
-            the node and chunk ``k-1`` is broadcast). Smaller chunks pipeline better but pay the per-collective
-            latency more often; 1-8 MiB suits TCP and NCCL alike. ``0`` disables chunking.
+        chunk_bytes: largest chunk reduced at once, so that the three stages of successive chunks overlap; smaller
+            chunks pipeline better but pay more latency (1-8 MiB suits TCP and NCCL). ``0`` disables chunking.
 
     Attributes:
-        flat: when ``True``, :func:`hierarchical_hook` runs one flat all-reduce over all ranks instead (same result;
-            set by the controller's measured choice, :mod:`lightning_het.comm.tuning`). Must be equal on all ranks.
-
-    Tuning: ``comm="hierarchical"`` is exact, so it only changes speed. It pays off when the link between nodes is
-    much slower than inside them (Ethernet between hosts, NVLink/shared memory inside) and nodes hold several
-    replicas: only one replica per node sends over the network, and a ring among ``N`` leaders moves
-    ``2 (N-1)/N * n`` bytes per leader instead of a flat ring crossing node boundaries twice per node. With one
-    replica per node it equals a flat all-reduce, so the strategy falls back to ``allreduce`` there.
+        flat: run one flat all-reduce instead (same result; the measured choice); equal on all ranks.
     """
 
     # user-tuned: chunk_bytes; topology: groups, world_size; measured choice: flat;
@@ -139,22 +113,23 @@ class HierarchicalState:
         self._leader_order = _InOrder()
         self._bcast_order = _InOrder()
 
+    def next_seq(self) -> int:
+        """The issue number of the next chunk (0, 1, 2, ...; every rank numbers its chunks in the same order)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def in_leader_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """Run chunk ``seq``'s all-reduce between node leaders once every earlier chunk has issued its own."""
+        self._leader_order.submit(seq, action, on_error)
+
+    def in_bcast_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """Run chunk ``seq``'s broadcast inside the node once every earlier chunk has issued its own."""
+        self._bcast_order.submit(seq, action, on_error)
+
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Sum a contiguous ``tensor`` over all ranks, in place, through the node hierarchy; return a future of it.
-
-    Algorithm, for each chunk of at most ``state.chunk_bytes`` (every rank calls this for the same tensors in the
-    same order):
-
-    1. *reduce* inside each node onto its leader (``intra_group``; skipped on single-replica nodes);
-    2. *all-reduce* among node leaders (``leader_group``; leaders only, skipped with a single node);
-    3. *broadcast* from each leader inside its node (``intra_bcast_group``; skipped on single-replica nodes).
-
-    Each stage is issued asynchronously from the completion of the previous one, so on gloo the stages of successive
-    buckets pipeline with each other and with the rest of backward; every group still sees its collectives in call
-    order on every rank (see ``_InOrder``). On NCCL, work futures complete at enqueue time, so the whole chain is
-    issued immediately and ordered on the device streams.
-    """
+    """Sum a contiguous ``tensor`` over all ranks, in place, through the node hierarchy; return a future of it."""
     flat = tensor.view(-1)
     chunk = state.chunk_bytes // max(flat.element_size(), 1)
     if state.chunk_bytes <= 0 or flat.numel() <= chunk:
@@ -192,8 +167,7 @@ def _when_all(
 def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Stages 1-3 of :func:`hierarchical_sum` on one contiguous chunk."""
     groups = state.groups
-    seq = state._seq
-    state._seq += 1
+    seq = state.next_seq()
     result = _new_future(tensor)
     # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
     # later chunk would wait for it until the watchdog ends the job
@@ -201,9 +175,9 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def release() -> None:
         if turns.pop("leaders", False):
-            state._leader_order.submit(seq, _nothing, _ignore)
+            state.in_leader_order(seq, _nothing, _ignore)
         if turns.pop("bcast", False):
-            state._bcast_order.submit(seq, _nothing, _ignore)
+            state.in_bcast_order(seq, _nothing, _ignore)
 
     def fail(err: BaseException) -> None:
         if not result.done():
@@ -228,7 +202,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_leaders() -> None:
         if turns.pop("bcast", False):
-            state._bcast_order.submit(seq, broadcast, fail)
+            state.in_bcast_order(seq, broadcast, fail)
         else:
             finish()
 
@@ -237,7 +211,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_reduce() -> None:
         if turns.pop("leaders", False):
-            state._leader_order.submit(seq, leaders_allreduce, fail)
+            state.in_leader_order(seq, leaders_allreduce, fail)
         else:
             after_leaders()
 
@@ -254,13 +228,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Exact gradient mean ``(1/W) * sum_r g_r``, reduced inside nodes, all-reduced between leaders, broadcast back.
 
-    Divides by ``W`` before reducing (no overflow in low precision), then runs :func:`hierarchical_sum` on the
-    bucket in place, or one flat all-reduce over the default group when ``state.flat`` is set (what DDP's own
-    all-reduce does).
-
-    Example::
-
-        ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)
+    Use: ``ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)``.
     """
     tensor = bucket.buffer()
     tensor.div_(state.world_size)
@@ -279,8 +247,7 @@ class NodeLocalState:
 
     Attributes:
         node_scale: ``B / (W * B_n)`` applied to this rank's pre-scaled gradient before the node's sum.
-        completed_steps: optimizer steps completed so far (the controller sets it from the trainer's global step, so
-            a resumed run keeps its warm-up schedule).
+        completed_steps: optimizer steps completed so far (from the global step: a resumed run keeps its warm-up).
     """
 
     # user-tuned: warmup_steps; derived from the allocation: node_scale; internal: completed_steps, hierarchical
@@ -306,12 +273,7 @@ class NodeLocalState:
 
 
 def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Gradient of this node's mean loss: ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only.
-
-    Nothing crosses node boundaries, so replicas of one node stay identical while nodes drift apart until the next
-    parameter average (:func:`lightning_het.comm.averaging.average_parameters`). During warm-up steps it behaves like
-    :func:`hierarchical_hook` (exact).
-    """
+    """Gradient of this node's mean loss: ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only."""
     tensor = bucket.buffer()
     if state.exact:
         tensor.div_(state.hierarchical.world_size)

@@ -1,7 +1,4 @@
-"""The communication modes, in one place (no torch import: the app's config schema reads them too).
-
-See :class:`~lightning_het.comm.CommController` and ``docs/communication.md`` for what each mode does.
-"""
+"""The communication modes, in one place (no torch import: the app's config schema reads them too)."""
 
 from __future__ import annotations
 

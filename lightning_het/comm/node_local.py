@@ -17,12 +17,7 @@ __all__ = ["NodeLocal"]
 
 
 class NodeLocal(FlatAllReduce):
-    """The node-based optimisation steps (:func:`~lightning_het.comm.hooks.node_local_hook`) and the share-weighted
-    parameter average across all replicas (:func:`~lightning_het.comm.averaging.average_parameters`).
-
-    The schedule depends only on the global step, so a resumed run keeps its phase: exact steps while
-    ``global_step <= warmup_steps``, then an average whenever ``(global_step - warmup_steps) % K == 0`` and at the
-    end of every epoch (``K=None``: only then, and before validation and checkpoints).
+    """Node-local optimisation steps plus a periodic share-weighted parameter average (resumes in phase).
 
     Args:
         node_ids, rank, stats: as :class:`~lightning_het.comm.allreduce.FlatAllReduce`.

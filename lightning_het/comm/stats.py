@@ -1,21 +1,4 @@
-"""Byte accounting: how many bytes each rank sends inside its node and between nodes.
-
-The numbers come from a model of each collective applied to the payload size, not from timing or packet counters,
-so they cost nothing at run time and are identical on every rank. The model (``n`` = payload bytes, ``p`` = ranks
-in the group, ranks ordered by global rank as ``torch.distributed`` orders group members):
-
-* **all-reduce**: a ring. Every member sends ``2 (p - 1) / p * n`` bytes (reduce-scatter + all-gather) to its ring
-  successor; those bytes are *inter-node* when the successor lives on another node, else *intra-node*. A flat
-  all-reduce over ``[0, 0, 1, 1]`` therefore crosses the node boundary on two of four hops, and an interleaved
-  ``[0, 1, 0, 1]`` on all four.
-* **reduce to a leader**: every non-leader's contribution must reach the leader once: a non-leader sends ``n``, the
-  leader sends nothing (total ``(p - 1) n``, a lower bound for any algorithm).
-* **broadcast from a leader**: the result must reach every other member once: the leader sends ``(p - 1) n``.
-
-Gloo and NCCL may pick other algorithms (trees, chunked rings), which move the same order of bytes but distribute
-them differently among ranks; job-level totals between nodes are what the model is meant to get right. The
-benchmark (``scripts/bench_comm.py``) compares them with the kernel's counters on the emulated inter-node link.
-"""
+"""Byte accounting: how many bytes each rank sends inside its node and between nodes."""
 
 from __future__ import annotations
 
@@ -38,19 +21,13 @@ __all__ = [
 
 @dataclass
 class Traffic:
-    """Bytes sent by every global rank during one collective pattern, split by destination.
+    """Bytes sent by every global rank (indexed by global rank) during one collective pattern, by destination."""
 
-    Attributes:
-        intra: bytes each rank sends to ranks on its own node, indexed by global rank.
-        inter: bytes each rank sends to ranks on other nodes, indexed by global rank.
-    """
-
-    intra: list[float]
-    inter: list[float]
+    intra: list[float]  # to ranks on the sender's node
+    inter: list[float]  # to ranks on other nodes
 
     @classmethod
     def zeros(cls, world_size: int) -> Traffic:
-        """No traffic."""
         return cls([0.0] * world_size, [0.0] * world_size)
 
     def __add__(self, other: Traffic) -> Traffic:
@@ -144,23 +121,13 @@ def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
 
 @dataclass
 class CommStats:
-    """Running byte counters of one job, kept identically on every rank.
-
-    ``record_step`` is called once per optimizer step with the pattern of the gradient exchange, ``record_sync``
-    for each parameter average (periodic or forced). :meth:`as_dict` reports this rank's bytes and the job's totals.
-
-    Attributes:
-        rank: this process's global rank.
-        steps: optimizer steps recorded.
-        syncs: global parameter averages recorded.
-        total: bytes sent by every rank so far (gradients and syncs).
-    """
+    """Running byte counters of one job, kept identically on every rank."""
 
     rank: int
     world_size: int
-    steps: int = 0
-    syncs: int = 0
-    total: Traffic = field(init=False)
+    steps: int = 0  # optimizer steps recorded
+    syncs: int = 0  # global parameter averages recorded
+    total: Traffic = field(init=False)  # bytes sent by every rank so far (gradients and syncs)
 
     def __post_init__(self) -> None:
         self.total = Traffic.zeros(self.world_size)
@@ -176,12 +143,7 @@ class CommStats:
         self.total = self.total + traffic
 
     def as_dict(self) -> dict[str, float]:
-        """Counters in bytes. ``*_per_step`` divide the totals (syncs included) by the number of steps.
-
-        Keys: ``steps``, ``global_syncs``, ``bytes_intra_total``, ``bytes_inter_total``, ``bytes_intra_per_step``,
-        ``bytes_inter_per_step`` (this rank's sent bytes), and ``job_bytes_intra_total``, ``job_bytes_inter_total``,
-        ``job_bytes_intra_per_step``, ``job_bytes_inter_per_step`` (all ranks together).
-        """
+        """Counters in bytes. ``*_per_step`` divide the totals (syncs included) by the number of steps."""
         steps = max(self.steps, 1)
         intra, inter = self.total.intra[self.rank], self.total.inter[self.rank]
         return {

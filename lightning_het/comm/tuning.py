@@ -1,16 +1,4 @@
-"""Measured choice between the two exact reductions: a flat all-reduce or the node hierarchy.
-
-Whether reducing inside nodes first pays off depends on hardware the topology does not reveal: with a fast
-intra-node tier (shared memory, NVLink) and a slow network, the hierarchy sends fewer bytes over the slow link and
-wins; where the "network" is as fast as the inside of a node (one host, loopback, or a fat fabric), its three
-dependent stages cost more than one ring all-reduce. Both are exact, so the choice only changes speed, and the job
-can simply measure it, as NCCL's tuner picks algorithms: ``comm="hierarchical"`` times whole optimizer steps with
-each reduction in turn (alternating, so slow drifts affect both alike), then keeps the faster for the rest of `fit`.
-
-The decision is made from the element-wise maximum over ranks of each rank's median step time (one small all-reduce),
-so every rank takes the same branch. The hierarchy is kept unless the flat all-reduce is faster by more than
-``margin``, since it sends fewer bytes between nodes for the same result.
-"""
+"""Measured choice between the two exact reductions: a flat all-reduce or the node hierarchy."""
 
 from __future__ import annotations
 
@@ -30,8 +18,7 @@ DEFAULT_MARGIN = 0.02
 def choose_reduction(flat_s: float, hierarchical_s: float, margin: float = DEFAULT_MARGIN) -> Reduction:
     """The reduction to keep, from typical step times (seconds) measured with each. Pure.
 
-    ``"flat"`` only when ``flat_s < hierarchical_s * (1 - margin)``; ties, NaNs and missing measurements keep
-    ``"hierarchical"``.
+    ``"flat"`` only when ``flat_s < hierarchical_s * (1 - margin)``; ties and NaNs keep ``"hierarchical"``.
 
     >>> choose_reduction(0.40, 0.50)
     'flat'
@@ -46,26 +33,12 @@ def choose_reduction(flat_s: float, hierarchical_s: float, margin: float = DEFAU
 
 
 class ReductionTuner:
-    """Times optimizer steps under alternating reductions; one per rank, driven once per optimizer step.
-
-    Schedule: the first step after construction is not timed (it includes set-up costs) and runs the hierarchy;
-    then ``2 * steps_per_candidate`` steps alternate flat, hierarchical, flat, ... Call :meth:`step_done` after
-    every optimizer step; when it returns ``True`` the caller reduces :meth:`medians` over ranks (maximum) and
-    calls :meth:`decide` with the result on every rank.
-
-    Args:
-        steps_per_candidate: timed steps per reduction (>= 1).
-        margin: see :func:`choose_reduction`.
-        clock: monotonic clock in seconds (tests inject their own).
-    """
+    """Times optimizer steps under alternating reductions; one per rank, driven once per optimizer step."""
 
     __slots__ = ("_clock", "_current", "_last", "_n", "_times", "choice", "margin")
 
     def __init__(
-        self,
-        steps_per_candidate: int,
-        margin: float = DEFAULT_MARGIN,
-        clock: Callable[[], float] = time.perf_counter,
+        self, steps_per_candidate: int, margin: float = DEFAULT_MARGIN, clock: Callable[[], float] = time.perf_counter
     ) -> None:
         if isinstance(steps_per_candidate, bool) or not isinstance(steps_per_candidate, int) or steps_per_candidate < 1:
             raise ValueError(f"Expected argument `steps_per_candidate` >= 1, but got {steps_per_candidate!r}.")
@@ -85,7 +58,6 @@ class ReductionTuner:
 
     @property
     def measuring(self) -> bool:
-        """Whether steps are still being timed."""
         return self.choice is None
 
     def step_done(self) -> bool:

@@ -13,20 +13,9 @@ __all__ = ["HeterogeneousDataModule"]
 
 
 class HeterogeneousDataModule(pl.LightningDataModule):
-    """Base class for data modules trained with :class:`~lightning_het.HeterogeneousStrategy`.
+    """Base class for data modules trained with ``HeterogeneousStrategy``.
 
-    Subclasses fill ``self.train_dataset``, ``self.val_dataset``, ``self.test_dataset`` and optionally
-    ``self.predict_dataset`` in :meth:`setup`. The loaders built here are plain ``DataLoader`` objects; the strategy
-    re-splits them:
-
-    * training: ``global_batch_size`` samples per step in total, split in proportion to each replica's speed by a
-      :class:`~lightning_het.ProportionalDistributedSampler` (same number of steps everywhere, exact gradients);
-    * validation / test: every sample evaluated exactly once, shares proportional to speed, no padding, the same
-      number of batches on every replica (batches proportional to the shares, see
-      :class:`~lightning_het.data.sampler.EvalBatchSampler`);
-    * predict: Lightning's own unpadded split.
-
-    Under any other strategy the module still works: each process gets ``global_batch_size // world_size``.
+    Under any other strategy each process gets ``global_batch_size // world_size``.
 
     Args:
         global_batch_size: samples per optimizer step summed over all replicas. The strategy reads this value when

@@ -1,16 +1,4 @@
-"""Reading a user's ``DataLoader`` and rebuilding it around our samplers, whatever way it was configured.
-
-Pure helpers (no ``torch.distributed``): which global order a training loader asks for (:func:`training_order`), how
-many samples it batches (:func:`loader_batch_size`), and :func:`rebuild_loader`, which re-instantiates the loader
-(any ``DataLoader`` subclass, with its dataset, collate function, workers, pinning, ...) with a new sampler and batch
-size. Loaders come in three shapes:
-
-* ``batch_size=b`` with a sampler (or ``shuffle=``): the usual case; the sampler's order is cut into global batches;
-* ``batch_size=None`` (no automatic batching: the collate function sees one sample at a time): rebuilt with automatic
-  batching; the user's per-sample collate function still sees one sample at a time (:class:`PerSampleCollate`);
-* ``batch_sampler=``: a plain :class:`~torch.utils.data.BatchSampler` is read as its sampler and batch size; other
-  batch samplers are refused with a message saying what to do instead.
-"""
+"""Reading a user's ``DataLoader`` and rebuilding it around our samplers, whatever way it was configured."""
 
 from __future__ import annotations
 
@@ -65,14 +53,7 @@ def batch_sampler_error(name: str) -> ValueError:
 
 
 class TrainingOrder:
-    """Where the single-process order of a training loader comes from.
-
-    Attributes:
-        shuffle: a seeded permutation per epoch (``True``) or the dataset order (``False``); unused with ``sampler``.
-        seed: base seed of the order (``seed + epoch`` each epoch).
-        sampler: the user's own sampler whose order is drawn each epoch, or ``None``.
-        drop_last: the user asked for ``drop_last=True`` (the tail is then not trained).
-    """
+    """Where the single-process order of a training loader comes from."""
 
     __slots__ = ("drop_last", "sampler", "seed", "shuffle")
 
@@ -85,13 +66,14 @@ class TrainingOrder:
 
 def _unwrap(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (or ``sampler`` itself)."""
-    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    from lightning_het._compat import wrapped_sampler
+
+    inner = wrapped_sampler(sampler)
     return inner if inner is not None else sampler
 
 
 def _draws_one_permutation(sampler: RandomSampler) -> bool:
-    """A ``RandomSampler`` without replacement draws one permutation of its data per epoch: its ``num_samples`` is the
-    data's length (the default, or the same number passed explicitly)."""
+    """Whether ``sampler`` is a ``RandomSampler`` drawing one permutation of its data per epoch."""
     try:
         return sampler.num_samples == len(sampler.data_source)  # type: ignore[arg-type]
     except TypeError:  # a data source without a length
@@ -99,11 +81,7 @@ def _draws_one_permutation(sampler: RandomSampler) -> bool:
 
 
 def training_order(dataloader: DataLoader) -> TrainingOrder:
-    """The order one process would draw from ``dataloader`` (after Lightning's sampler injection).
-
-    Raises:
-        ValueError: for a batch sampler other than a plain :class:`~torch.utils.data.BatchSampler`.
-    """
+    """The order one process would draw from ``dataloader`` (after Lightning's sampler injection)."""
     default_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
@@ -132,8 +110,7 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
 
 
 def loader_batch_size(dataloader: DataLoader) -> int | None:
-    """Samples per batch of ``dataloader`` on one replica: ``batch_size``, or a plain ``BatchSampler``'s; ``None``
-    when it does not batch automatically (``batch_size=None``)."""
+    """Samples per batch of ``dataloader`` on one replica; ``None`` without automatic batching."""
     if dataloader.batch_size is not None:
         return int(dataloader.batch_size)
     batch_sampler = dataloader.batch_sampler
@@ -143,16 +120,14 @@ def loader_batch_size(dataloader: DataLoader) -> int | None:
 
 
 def lost_batch_sampler(dataloader: DataLoader) -> bool:
-    """``dataloader`` batched through ``batch_sampler=`` before Lightning replaced its sampler: Lightning rebuilds
-    such a loader without the batch sampler (``batch_size=None``) but keeps its batching collate function."""
+    """Whether Lightning rebuilt a ``batch_sampler=`` loader without it (``batch_size=None``)."""
     return (
         dataloader.batch_size is None and dataloader.batch_sampler is None and dataloader.collate_fn is default_collate
     )
 
 
 class PerSampleCollate:
-    """Collate of a loader rebuilt with automatic batching from one built with ``batch_size=None``: applies the
-    user's per-sample function to each sample, then stacks them with ``default_collate``. Picklable (workers)."""
+    """The user's per-sample collate applied to each sample, then ``default_collate``. Picklable."""
 
     def __init__(self, per_sample: Callable[[Any], Any]) -> None:
         self.per_sample = per_sample
@@ -169,13 +144,7 @@ def rebuild_loader(
     batch_sampler: BatchSampler | None = None,
     **overrides: Any,
 ) -> DataLoader:
-    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest.
-
-    A loader built with ``batch_size=None`` gets automatic batching: its default per-sample conversion becomes
-    ``default_collate``, a custom collate function is applied per sample first (:class:`PerSampleCollate`). With
-    ``batch_sampler`` (whose ``sampler`` is ``sampler``) the loader draws its batches from it instead, each of the
-    size the batch sampler decides.
-    """
+    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest."""
     # imported here: importing Lightning runs the strategy registration, which imports this module (no cycle)
     from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 
@@ -196,9 +165,7 @@ def rebuild_loader(
 
 
 def rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
-    """Re-instantiate ``dataloader`` (any DataLoader subclass) drawing its batches from ``batch_sampler`` (batches of
-    varying size, e.g. :class:`~lightning_het.data.sampler.EvalBatchSampler`), keeping the dataset, collate function,
-    workers, pinning, ..."""
+    """Re-instantiate ``dataloader`` (any subclass) drawing its batches from ``batch_sampler``."""
     from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, batch_sampler.sampler)

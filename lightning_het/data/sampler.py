@@ -33,13 +33,7 @@ def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any
 
 
 def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
-    """Everything ``sampler`` yields in one pass, drawn with random generators seeded by ``seed + epoch``.
-
-    The global torch, NumPy and ``random`` generators are seeded for the draw and restored afterwards, and a
-    ``generator`` attribute of the sampler (``RandomSampler``, ``WeightedRandomSampler``, ...) is replaced by a seeded
-    one for the draw; ``set_epoch(epoch)`` is called when the sampler has it. Every replica therefore draws the same
-    order, and the same again when a run resumes.
-    """
+    """Everything ``sampler`` yields in one pass, drawn with random generators seeded by ``seed + epoch``."""
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     python_state, numpy_state = random.getstate(), np.random.get_state()
@@ -63,11 +57,6 @@ def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
 def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int = 1) -> list[int] | None:
     """How the last, smaller global batch of ``tail`` samples is split: ``None`` when it is not trained.
 
-    The tail is split by the same rule as a whole global batch (largest remainder, in proportion to ``batch_sizes``,
-    which follow the speeds), with every replica getting at least ``min_batch_size`` and at most its whole-batch size
-    ``batch_sizes[r]`` (so a loader with ``batch_size=batch_sizes[r]`` cuts it as one batch). A tail smaller than
-    ``len(batch_sizes) * min_batch_size`` cannot give every replica a batch and is not trained (``None``).
-
     >>> tail_batch_sizes(4, [2, 6])
     [1, 3]
     >>> tail_batch_sizes(1, [2, 6]) is None
@@ -83,28 +72,15 @@ def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int 
 class ProportionalDistributedSampler(DistributedSampler):
     """Yields this replica's slice of every global batch, with per-replica batch sizes.
 
-    For a given ``seed`` and epoch, one global order is drawn (the same on every replica): a permutation seeded with
-    ``seed + epoch`` (``shuffle=True``), the dataset order (``shuffle=False``), or everything ``order_sampler`` yields
-    in one pass, drawn with seeded generators (see :func:`draw_sampler_order`). The order is cut into global batches of
-    ``B = sum(batch_sizes)`` samples. At step ``k`` replica ``r`` takes the contiguous slice
-    ``[k*B + o_r, k*B + o_r + b_r)`` where ``o_r = sum(batch_sizes[:r])``. Hence the union of the replicas' batches at
-    step ``k`` is exactly the ``k``-th batch that one process with ``batch_sizes=[B]`` would draw.
-
-    **The tail.** The last ``N % B`` samples of the order (``N`` its length) form a last, smaller global batch, split
-    by :func:`tail_batch_sizes` (same rule, at least ``min_batch_size`` and at most ``b_r`` per replica): every
-    sample trains every epoch. With ``drop_last=True``, or when the tail is too small to give every replica
-    ``min_batch_size`` samples, it is dropped (a new permutation each epoch drops different samples). Either way every
-    replica yields the same number of batches, ``num_steps``.
-
-    Use it with a ``DataLoader(batch_size=batch_sizes[rank], drop_last=False)``; the sampler already yields a whole
-    number of batches. Subclasses :class:`~torch.utils.data.DistributedSampler` so that Lightning leaves it alone.
+    At step ``k`` replica ``r`` takes ``[k*B + o_r, k*B + o_r + b_r)`` of one seeded global order (``B`` the global
+    batch, ``o_r = sum(batch_sizes[:r])``); the last ``N % B`` samples form a smaller global batch split by
+    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small). Every replica yields ``num_steps`` batches.
 
     Args:
         dataset: any sized dataset.
         batch_sizes: samples per step of each replica, indexed by global rank (all positive).
         rank: this replica's global rank.
-        shuffle: draw a new permutation every epoch (see :meth:`set_epoch`); otherwise keep the dataset order. Ignored
-            when ``order_sampler`` is given.
+        shuffle: a new permutation every epoch (``set_epoch``), else the dataset order; ignored with ``order_sampler``.
         seed: base seed of the order; must be the same on every replica.
         drop_last: drop the tail instead of training it as a last, smaller global batch.
         min_batch_size: fewest samples per replica in the tail batch (``2`` where batch norm trains per replica).
@@ -151,8 +127,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         self.tail_batch_sizes = None if drop_last else tail_batch_sizes(tail, sizes, min_batch_size)
         self._tail = tail
         self._min_batch_size = min_batch_size
-        #: ``(epoch, step) -> split or None``: the split of a global batch that departs from ``batch_sizes`` (the
-        #: in-loop profiler's trial splits, see :mod:`lightning_het.balance.profiler`); ``None``: none does
+        #: ``(epoch, step) -> split or None``: a global batch's split other than ``batch_sizes`` (profiler trials)
         self.split_schedule: Callable[[int, int], list[int] | None] | None = None
         self.dropped_per_epoch = tail if self.tail_batch_sizes is None else 0
         self.num_steps = self.num_full_steps + (self.tail_batch_sizes is not None)
@@ -161,12 +136,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         self._skip: tuple[int, int] | None = None  # (epoch, global batches to skip), set by `resume`
 
     def resume(self, epoch: int, skip_steps: int) -> None:
-        """Continue epoch ``epoch`` after its first ``skip_steps`` global batches (mid-epoch resume).
-
-        The next iteration of that epoch starts at global batch ``skip_steps`` of the same order (so it yields
-        ``num_steps - skip_steps`` batches); later epochs are whole. ``len()`` keeps counting the whole epoch, as
-        Lightning's loop counters do.
-        """
+        """Continue epoch ``epoch`` after its first ``skip_steps`` global batches (mid-epoch resume)."""
         if not 0 <= skip_steps <= self.num_steps:
             raise ValueError(f"Expected argument `skip_steps` in [0, {self.num_steps}], but got {skip_steps}.")
         self.set_epoch(epoch)
@@ -185,8 +155,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         return self.batch_sizes[self.rank]
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
-        """Split the global batches not drawn yet by ``batch_sizes`` (same global batch: the same samples, the same
-        number of steps); the in-loop profiler's switch to the fitted allocation."""
+        """Split the global batches not drawn yet by ``batch_sizes`` (same samples, same number of steps)."""
         sizes = [int(b) for b in batch_sizes]
         if len(sizes) != len(self.batch_sizes) or sum(sizes) != self.global_batch_size or min(sizes) < 1:
             raise ValueError(
@@ -198,8 +167,7 @@ class ProportionalDistributedSampler(DistributedSampler):
             self.tail_batch_sizes = tail_batch_sizes(self._tail, sizes, self._min_batch_size)
 
     def step_batch_sizes(self, step: int) -> list[int]:
-        """Per-replica samples of global batch ``step`` (0-based, within an epoch): ``batch_sizes``, a split that
-        ``split_schedule`` sets for that step, or the tail's (split in proportion to the step's split)."""
+        """Per-replica samples of global batch ``step``: ``batch_sizes``, a scheduled split, or the tail's."""
         planned = self.split_schedule(self.epoch, step) if self.split_schedule is not None else None
         if step >= self.num_full_steps and self.tail_batch_sizes is not None:
             if planned is None:
@@ -218,9 +186,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         return list(self.iter_batches(start))
 
     def iter_batches(self, start: int = 0) -> Iterator[list[Any]]:
-        """This replica's batches of the current epoch from global batch ``start`` on, each split decided when it is
-        drawn (:meth:`step_batch_sizes`): a split changed by :meth:`set_batch_sizes` applies to the batches not drawn
-        yet."""
+        """This replica's batches of the current epoch from global batch ``start`` on, each split when drawn."""
         order = self.global_order()
         batch = self.global_batch_size
         for k in range(start, self.num_steps):
@@ -229,8 +195,7 @@ class ProportionalDistributedSampler(DistributedSampler):
             yield order[begin : begin + sizes[self.rank]]
 
     def take_start_step(self) -> int:
-        """The global batch this epoch's iteration starts from: the resumed step once, for the resumed epoch only
-        (consumed by the call), else 0."""
+        """The global batch this epoch starts from: the resumed step once, else 0."""
         start = 0
         if self._skip is not None and self._skip[0] == self.epoch:  # one-shot: the resumed epoch only
             start, self._skip = self._skip[1], None
@@ -244,12 +209,7 @@ class ProportionalDistributedSampler(DistributedSampler):
 
 
 class ProportionalBatchSampler(BatchSampler):
-    """The batches of a :class:`ProportionalDistributedSampler`, one per global batch, each drawn lazily: its split is
-    decided when the loader asks for it, so a loader whose splits change from one step to the next (the in-loop
-    profiler's trial splits, then the fitted allocation) cuts every global batch as the strategy trains it.
-
-    ``sampler`` is the :class:`ProportionalDistributedSampler` (Lightning's ``set_epoch`` reaches it there).
-    """
+    """The batches of a :class:`ProportionalDistributedSampler`, each split decided when the loader draws it."""
 
     def __init__(self, sampler: ProportionalDistributedSampler) -> None:
         super().__init__(sampler, batch_size=sampler.local_batch_size, drop_last=False)
@@ -265,18 +225,8 @@ class ProportionalBatchSampler(BatchSampler):
 class UnpaddedDistributedSampler(DistributedSampler):
     """Evaluation sampler: each sample goes to exactly one replica, no padding, shares proportional to ``weights``.
 
-    Replica ``r`` takes a contiguous block of the dataset in its original order, of size
-    ``allocate_batch_sizes(len(dataset), weights, min_batch_size=1)[r]``: every replica gets at least one sample, so
-    none has an empty loader (Lightning refuses those, and a replica without batches would skip the epoch-end metric
-    synchronisation). Replicas may run different numbers of evaluation batches; that is safe as long as metrics are
-    synchronised only at epoch end (torchmetrics, or ``self.log(..., on_epoch=True, sync_dist=True)``).
-
-    A dataset with fewer samples than replicas (``0 < N < W``) is repeated whole ``repeats = ceil(W / N)`` times
-    before it is split, so every sample is evaluated exactly ``repeats`` times: means, accuracies and other ratios of
-    sums are unchanged, plain sums are ``repeats`` times larger.
-
-    ``min_share`` (default 1) raises every replica's share to at least that many samples (capped at an equal split);
-    :class:`EvalBatchSampler` uses it so that the smallest share holds one sample per evaluation batch.
+    Replica ``r`` takes a contiguous block, at least one sample (``min_share``); a set smaller than the number of
+    replicas is repeated whole ``ceil(W / N)`` times first.
     """
 
     def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, *, min_share: int = 1) -> None:
@@ -302,15 +252,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
     """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``.
 
-    ``shares[r]`` is replica ``r``'s number of samples (in proportion to ``weights``; every sample once, or the set
-    repeated whole when ``0 < length < len(weights)``, as in :class:`UnpaddedDistributedSampler`) and
-    ``batch_sizes[r]`` the sizes of its evaluation batches. Every replica runs the **same number of batches**
-    ``K = min(ceil(total / (batch_size * W)), min(shares))``, so that a per-step collective in an evaluation step
-    (``self.log(..., on_step=True, sync_dist=True)``, ``self.all_gather``) pairs up across replicas, and no batch is
-    empty. Each replica's share is cut into ``K`` near-equal batches (sizes differ by at most one), so a replica's
-    batches are proportional to its share and the mean batch over replicas and steps is about ``batch_size``. Shares
-    are lifted to at least ``K`` samples where the proportional share would be smaller (one sample per batch on the
-    slowest replica), which bounds the fastest replica's batch by about ``batch_size * W``.
+    Every replica runs ``K = min(ceil(total / (batch_size * W)), min(shares))`` batches, so per-step collectives pair.
 
     >>> eval_batch_plan(41, [1.0, 3.0], 5)
     ([10, 31], [[2, 2, 2, 2, 2], [7, 6, 6, 6, 6]])
@@ -332,12 +274,6 @@ def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> t
 
 class EvalBatchSampler(BatchSampler):
     """Evaluation batches with the same number of batches on every replica and speed-proportional batch sizes.
-
-    Replica ``rank`` takes the contiguous block of ``dataset`` (original order) that
-    :class:`UnpaddedDistributedSampler` gives it and cuts it into the batches of :func:`eval_batch_plan`: every sample
-    is evaluated exactly once (no padding, no duplicates), and every replica runs ``len(self)`` batches, so per-step
-    collectives in evaluation steps pair up. ``batch_size`` is the user's loader batch size, the **mean** batch per
-    replica; fast replicas get larger batches, slow ones smaller.
 
     Attributes:
         sampler: the replica's :class:`UnpaddedDistributedSampler` (its indices, in order).

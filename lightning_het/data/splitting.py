@@ -1,5 +1,4 @@
-"""Splitting the Trainer's DataLoaders among the replicas: training loaders by the allocation (samples per step of
-each replica), evaluation loaders by each replica's share, every sample evaluated once."""
+"""Splitting the Trainer's DataLoaders among the replicas: training by the allocation, evaluation by share."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANIT
 
 @dataclass(frozen=True)
 class TrainingSplit:
-    """What splitting a training loader needs from the strategy: this replica, the bounds, the given keywords, and
-    the allocation (read, computed and adopted through the callables, which change the strategy's state)."""
+    """What splitting a training loader needs: this replica, the bounds, the allocation's callables."""
 
     rank: int
     world_size: int
@@ -64,16 +62,13 @@ def eval_weights(batch_sizes: list[int] | None, speeds: list[float] | None, worl
 
 
 def read_as_given(dataloader: DataLoader, trainer: Any) -> bool:
-    """``Trainer(use_distributed_sampler=False)``: every replica reads ``dataloader`` whole, as under DDP (the user
-    shards inside the Dataset); a loader with a :class:`ProportionalDistributedSampler` of the user's own is still
-    adopted (its batch sizes are the allocation)."""
+    """``use_distributed_sampler=False``: every replica reads ``dataloader`` whole (own sampler adopted)."""
     own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
     return not own_sampler and not uses_distributed_sampler(trainer)
 
 
 class LoaderSplitter:
-    """The loader state of one strategy: the fit's training sampler, the checkpoint record a resumed fit starts
-    from, the evaluation weights last used, and the first training loader's global batch."""
+    """A strategy's loader state: training sampler, resumed record, evaluation weights, global batch."""
 
     def __init__(self) -> None:
         self.train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
@@ -143,8 +138,7 @@ class LoaderSplitter:
         return per_replica * world_size
 
     def _adopt_own_sampler(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit) -> DataLoader:
-        """A training loader built with a :class:`ProportionalDistributedSampler` of the user's own: its batch sizes
-        are the allocation."""
+        """A loader with a ``ProportionalDistributedSampler`` of the user's own: its sizes are the allocation."""
         sampler = dataloader.sampler
         assert isinstance(sampler, ProportionalDistributedSampler)
         allocated = split.batch_sizes()
@@ -161,8 +155,7 @@ class LoaderSplitter:
         return dataloader
 
     def split_training_loader(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit) -> DataLoader:
-        """Allocate the global batch (profiling when needed) and rebuild the loader around this replica's
-        :class:`ProportionalDistributedSampler`."""
+        """Allocate the global batch (profiling when needed) and rebuild the loader around this replica's sampler."""
         if isinstance(dataloader.sampler, ProportionalDistributedSampler):
             return self._adopt_own_sampler(dataloader, trainer, split)
         if lost_batch_sampler(dataloader):  # `batch_sampler=` that Lightning's sampler injection dropped
@@ -204,17 +197,14 @@ class LoaderSplitter:
     def split_other_training_loader(
         self, dataloader: DataLoader, order: TrainingOrder, global_batch: int, split: TrainingSplit
     ) -> DataLoader:
-        """A further training loader of the same fit (Lightning combines a dict or list of them) whose global batch
-        differs from the first's: split in proportion to the same speeds (during profiling, to each step's trial
-        split). The first loader keeps the allocation, the loss scale and the checkpointed position."""
+        """A further training loader with another global batch: split by the same speeds (or trial split)."""
         allocated = split.batch_sizes()
         assert allocated is not None
         sizes = allocate_batch_sizes(global_batch, allocated, min_batch_size=split.min_batch_size)
         return _rebuild_training_loader(dataloader, _training_sampler(dataloader.dataset, sizes, order, split), split)
 
     def split_eval_loader(self, dataloader: DataLoader, weights: list[float], rank: int, world_size: int) -> DataLoader:
-        """Every replica runs the same number of evaluation batches, sized in proportion to its share
-        (:class:`~lightning_het.data.sampler.EvalBatchSampler`); each sample is evaluated once."""
+        """Every replica runs as many evaluation batches, sized by its share; each sample is evaluated once."""
         if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
             return dataloader  # the user's own distributed sampler
         if type(dataloader.batch_sampler) is not BatchSampler:
@@ -232,9 +222,7 @@ class LoaderSplitter:
         return rebuild_with_batch_sampler(dataloader, batches)
 
     def reset_cached_eval_loaders(self, trainer: Any, weights: list[float]) -> None:
-        """Validation loaders built during the sanity check used the pre-allocation shares; rebuild them when the
-        allocation changes a replica's shard (Lightning then calls ``val_dataloader()`` again). Shares that split
-        every cached loader as before (speeds ``[1, 1]`` and batches ``[2, 2]``) keep the loaders, as DDP would."""
+        """Rebuild validation loaders cached with pre-allocation shares when the allocation changes a shard."""
         cached = cached_validation_loader(trainer)
         if cached is None or self.eval_weights_used == weights:
             return

@@ -1,7 +1,4 @@
-"""Hyperspectral land-cover data: raster I/O, synthetic scenes, preprocessing, splits, patch datasets, prediction maps.
-
-See ``docs/hyperspectral.md`` for the pipeline and the conventions (array layouts, label values, sample dicts).
-"""
+"""Hyperspectral land-cover data: raster I/O, synthetic scenes, preprocessing, splits, datasets, prediction maps."""
 
 from lightning_het.hsi.datamodule import HyperspectralDataModule
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, WindowedPatches

@@ -75,25 +75,12 @@ class _Scene:
 class HyperspectralDataModule(HeterogeneousDataModule):
     """Hyperspectral land-cover classification data: read, check, split, preprocess, cut patches.
 
-    The scene comes from a multi-band image raster plus a single-band label raster (anything GDAL opens), from
-    MATLAB ``.mat`` files (the classic benchmarks), or, when ``image`` is ``None``, from a seeded synthetic scene.
-    Labels are ``0`` for unlabelled pixels and ``1..C`` for classes; samples carry class indices ``0..C-1`` (see
-    :mod:`lightning_het.hsi.datasets` for the sample dict).
-
-    ``setup`` (every process, deterministic, nothing communicated): read the labels, drop labelled pixels whose spectrum
-    is nodata/NaN, split (stratified random or spatially disjoint blocks), fit standardisation and optional PCA on the
-    training pixels only, and build the patch datasets. ``predict_dataset`` covers every pixel of the scene, so that
-    ``trainer.predict`` can produce a full map.
-
     Args:
         image: multi-band raster or ``.mat`` file; ``None`` for a synthetic scene.
-        labels: single-band label raster or ``.mat`` file; for ``.mat`` it may be omitted when the image file holds
-            both arrays. Required with a raster ``image``.
-        synthetic: keyword arguments of :func:`~lightning_het.hsi.synthetic.make_synthetic_scene` when ``image`` is
-            ``None`` (default: a 64x64 pixel, 32 band, 6 class scene).
+        labels: single-band label raster or ``.mat`` file (omitted when the image ``.mat`` holds both arrays).
+        synthetic: ``make_synthetic_scene`` keywords for ``image=None`` (default: 64x64 px, 32 bands, 6 classes).
         patch_size: odd side of the square patches, in pixels (``1`` = spectra only).
-        split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see
-            :func:`~lightning_het.hsi.splits.block_split`).
+        split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see ``block_split``).
         train_fraction: fraction of each class's pixels used for training.
         train_per_class: pixels per class used for training; takes precedence over ``train_fraction``.
         val_fraction: fraction of each class's pixels used for validation (``0`` for none).
@@ -102,18 +89,15 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         pca_components: keep this many principal components (fitted on training pixels); ``"auto"``:
             ``min(30, bands - 1)``, decided once the band count is known and logged; ``None`` keeps every band.
         standardize: standardise each band with the training mean and standard deviation.
-        num_classes: number of classes ``C``; default ``len(class_names)`` or the largest label. Labels above ``C``
-            are an error.
+        num_classes: ``C``; default ``len(class_names)`` or the largest label. Labels above ``C`` are an error.
         class_names: one name per class, for logs and map legends.
         image_key: variable holding the cube in a ``.mat`` file (default: found by shape).
         labels_key: variable holding the labels in a ``.mat`` file (default: found by shape).
         seed: seed of the split (the synthetic scene has its own ``seed`` in ``synthetic``).
         in_memory: hold the preprocessed cube in memory (``True``) or read each patch from the file (``False``);
             ``None`` decides by size against ``memory_budget``. ``.mat`` and synthetic scenes are always in memory.
-        memory_budget: bytes one process may spend on an in-memory cube when ``in_memory`` is ``None`` (default: an
-            eighth of physical memory).
-        global_batch_size: samples per optimizer step summed over replicas (see
-            :class:`~lightning_het.HeterogeneousDataModule`).
+        memory_budget: bytes for an in-memory cube when ``in_memory`` is ``None`` (default: 1/8 of physical memory).
+        global_batch_size: samples per optimizer step summed over replicas (see ``HeterogeneousDataModule``).
         eval_batch_size: per-replica batch size for validation, test and predict.
         num_workers: ``DataLoader`` worker processes per replica.
         pin_memory: pin host memory.
@@ -182,7 +166,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         self.memory_budget = _default_memory_budget() if memory_budget is None else int(memory_budget)
         self._scene: _Scene | None = None
 
-    # ------------------------------------------------------------------ scene properties (built on first access)
     @property
     def scene(self) -> _Scene:
         """The processed scene; built on first access (``setup`` does it on every rank)."""
@@ -202,7 +185,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
 
     @property
     def class_names(self) -> list[str]:
-        """One name per class."""
         return self.scene.class_names
 
     @property
@@ -225,7 +207,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         """Pixels per class in the ``train``/``val``/``test`` subsets."""
         return self.scene.split.class_counts(self.scene.labels, self.scene.num_classes)
 
-    # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:
         """Fail fast on missing or unreadable files (metadata only; nothing is downloaded or written)."""
         if self.image is None:
@@ -247,7 +228,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             self.test_dataset = PatchDataset(scene.source, split.test, labels[split.test] - 1)
             self.predict_dataset = PatchDataset(scene.source, np.arange(labels.size), labels - 1)
 
-    # ------------------------------------------------------------------ internals
     def _build(self) -> _Scene:
         scene = self._read()
         source = scene.source
@@ -296,8 +276,7 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         )
 
     def _drop_nodata(self, scene: _Input, labelled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(valid-pixel mask, labels with nodata pixels unlabelled, spectra of the labelled pixels)``; the spectra
-        are read only for a windowed scene (``None`` for a cube in memory)."""
+        """``(valid mask, labels with nodata unlabelled, labelled spectra or None)``."""
         labels, source, spectra = scene.labels, scene.source, None
         if scene.cube is not None:
             valid = valid_mask(scene.cube, scene.nodata)
@@ -388,16 +367,7 @@ PCA_AUTO_MAX = 30
 
 
 def resolve_pca_components(value: int | str | None, bands: int, *, log_choice: bool = False) -> int | None:
-    """The number of principal components to keep for an image of ``bands`` bands.
-
-    Args:
-        value: ``pca_components`` as given: an int (kept), ``None`` (no PCA) or ``"auto"``.
-        bands: spectral bands of the image (>= 1).
-        log_choice: log what ``"auto"`` chose (once per scene, where the transform is fitted).
-
-    Returns:
-        ``value`` itself unless it is ``"auto"``: then ``min(30, bands - 1)``, or ``None`` (no PCA) for a single band.
-    """
+    """The number of principal components to keep for an image of ``bands`` bands."""
     if value != PCA_AUTO:
         return value  # type: ignore[return-value]
     chosen = min(PCA_AUTO_MAX, bands - 1) if bands > 1 else None

@@ -1,24 +1,4 @@
-"""Patch datasets over a hyperspectral scene: one ``p x p`` window per pixel, reflect-padded at the scene borders.
-
-Samples are dicts with stable keys (collated into batches of the same keys by the default ``DataLoader`` collate):
-
-=========  ======================  =============================================================================
-key        type                    meaning
-=========  ======================  =============================================================================
-``image``  ``float32 (B, p, p)``   the preprocessed patch; ``image[:, p//2, p//2]`` is the centre pixel
-``label``  ``int64 ()``            class index ``0..C-1`` (raster label minus one); ``-1`` for unlabelled pixels
-``row``    ``int64 ()``            centre row in the scene
-``col``    ``int64 ()``            centre column in the scene
-``valid``  ``bool ()``             whether the centre pixel has a usable spectrum (not nodata/NaN)
-=========  ======================  =============================================================================
-
-Two patch sources give identical patches:
-
-* :class:`InMemoryPatches` preprocesses the whole cube once and slices patches out of a padded copy;
-* :class:`WindowedPatches` opens the raster lazily in each process (see
-  :class:`~lightning_het.hsi.raster.RasterHandle`) and reads only the ``p x p`` window of each sample, so a replica
-  reads only the samples its sampler gives it.
-"""
+"""Patch datasets over a hyperspectral scene: one ``p x p`` window per pixel, reflect-padded at the scene borders."""
 
 from __future__ import annotations
 
@@ -66,8 +46,7 @@ class InMemoryPatches:
         cube: ``(bands, height, width)`` raw cube, any real dtype.
         patch_size: odd window side, in pixels.
         transform: fitted preprocessing; identity (cast to ``float32``) when ``None``.
-        nodata: the raster's nodata value; nodata/NaN pixels are zero-filled after preprocessing (see
-            :class:`~lightning_het.hsi.preprocessing.SpectralTransform`).
+        nodata: the raster's nodata value; nodata/NaN pixels are zero-filled after preprocessing.
         valid: the ``(height, width)`` mask of usable pixels, when already computed (else derived from ``nodata``).
     """
 
@@ -139,7 +118,10 @@ class WindowedPatches:
 
 
 class PatchDataset(Dataset):
-    """Labelled (or unlabelled) pixels of a scene served as patch samples (see the module docstring for the keys).
+    """Labelled (or unlabelled) pixels of a scene served as patch samples.
+
+    A sample is a dict: ``image`` ``float32 (B, p, p)``, ``label`` (class index, ``-1`` unlabelled), ``row``, ``col``,
+    ``valid`` (the centre pixel has a usable spectrum).
 
     Args:
         source: where patches come from.

@@ -1,8 +1,4 @@
-"""MATLAB ``.mat`` scenes (as the classic hyperspectral benchmarks circulate): find the cube and its label map.
-
-Cubes come out ``(bands, height, width)`` and label maps ``(height, width)``, as everywhere in this package. scipy is
-imported only when a file is read, so that it stays optional.
-"""
+"""MATLAB ``.mat`` scenes (as the classic hyperspectral benchmarks circulate): find the cube and its label map."""
 
 from __future__ import annotations
 
@@ -77,10 +73,6 @@ def read_mat_scene(
     num_classes: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Read a hyperspectral cube and its labels from MATLAB ``.mat`` files (as the classic benchmarks circulate).
-
-    Without keys, the cube is the 3-D numeric variable and the labels the 2-D numeric variable whose shape equals two
-    axes of the cube: ``(H, W, B)`` (the usual MATLAB layout, e.g. ``indian_pines_corrected`` 145x145x200 with
-    ``indian_pines_gt`` 145x145) or ``(B, H, W)``. Exactly one such pair must exist.
 
     Args:
         image_path: the ``.mat`` holding the cube.

@@ -1,20 +1,4 @@
-"""Land-cover classification metrics on torchmetrics: OA, AA, Cohen's kappa, per-class accuracy, confusion matrix.
-
-All states are *counts* reduced by summation (``dist_reduce_fx="sum"``), so a metric synchronised across replicas
-that evaluated different numbers of samples equals the metric of the pooled samples exactly; a mean of per-replica
-accuracies would not be (shards of 2 and 6 samples with accuracies 1.0 and 0.667 pool to 0.75, not 0.833).
-
-Definitions, with ``M`` the ``C x C`` confusion matrix (rows = reference, columns = prediction) and ``n = sum(M)``:
-
-* overall accuracy ``OA = trace(M) / n`` (torchmetrics ``MulticlassAccuracy(average="micro")``);
-* per-class accuracy (producer's accuracy, recall) ``a_c = M[c, c] / sum(M[c, :])``, undefined for classes absent from
-  the reference;
-* average accuracy ``AA = mean of a_c over the classes present in the reference``. This equals torchmetrics'
-  ``MulticlassAccuracy(average="macro")`` whenever every class occurs in the reference; macro would count a class that
-  is predicted but absent from the reference as ``0``, which is not the remote-sensing definition;
-* Cohen's kappa ``(p_o - p_e) / (1 - p_e)`` with ``p_o = OA`` and ``p_e = sum_c rowsum_c * colsum_c / n^2``
-  (torchmetrics ``MulticlassCohenKappa``).
-"""
+"""Land-cover classification metrics on torchmetrics: OA, AA, Cohen's kappa, per-class accuracy, confusion matrix."""
 
 from __future__ import annotations
 
@@ -28,16 +12,6 @@ __all__ = ["AverageAccuracy", "classification_metrics", "per_class_accuracy", "s
 
 class AverageAccuracy(MulticlassStatScores):
     """Average accuracy (AA): the mean per-class recall over the classes present in the reference.
-
-    States are per-class true-positive / false-negative counts (those of ``MulticlassStatScores``), summed across
-    processes, so the result is exact under uneven shards.
-
-    Args:
-        num_classes: number of classes ``C``.
-        **kwargs: passed to ``MulticlassStatScores`` (e.g. ``ignore_index``).
-
-    Shape:
-        ``preds``: ``(N,)`` class indices or ``(N, C)`` scores; ``target``: ``(N,)`` class indices.
 
     Example:
         >>> aa = AverageAccuracy(num_classes=4)
@@ -65,9 +39,6 @@ class AverageAccuracy(MulticlassStatScores):
 def classification_metrics(num_classes: int, prefix: str = "") -> MetricCollection:
     """The scalar metrics of a land-cover map: ``oa``, ``aa`` and ``kappa`` (keys prefixed with ``prefix``).
 
-    Log the collection itself (``self.log_dict(collection, on_epoch=True)``) so that Lightning synchronises the
-    counts at epoch end; do not log per-step values.
-
     Example:
         >>> metrics = classification_metrics(2, prefix="test/")
         >>> values = metrics(torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
@@ -85,8 +56,7 @@ def classification_metrics(num_classes: int, prefix: str = "") -> MetricCollecti
 
 
 def per_class_accuracy(confusion: Tensor) -> Tensor:
-    """Per-class accuracy ``M[c, c] / sum(M[c, :])`` from a confusion matrix (rows = reference); NaN for absent
-    classes. Shape ``(C, C) -> (C,)``.
+    """Per-class accuracy ``M[c, c] / sum(M[c, :])`` (rows = reference); NaN for absent classes.
 
     Example:
         >>> per_class_accuracy(torch.tensor([[3, 1], [0, 4]])).tolist()
@@ -100,12 +70,6 @@ def per_class_accuracy(confusion: Tensor) -> Tensor:
 
 def summarize_confusion(confusion: Tensor) -> dict[str, float | list[float]]:
     """OA, AA, kappa and per-class accuracy computed from a confusion matrix (pure; same definitions as the metrics).
-
-    Args:
-        confusion: ``(C, C)`` counts, rows = reference, columns = prediction.
-
-    Returns:
-        ``{"oa": float, "aa": float, "kappa": float, "per_class": [C floats, NaN for absent classes]}``.
 
     Example:
         >>> summarize_confusion(torch.tensor([[3, 1], [0, 4]]))

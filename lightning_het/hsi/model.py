@@ -29,17 +29,6 @@ def _unpack(batch: Any) -> tuple[Tensor, Tensor]:
 class HSIClassifier(pl.LightningModule):
     """Pixel classification of hyperspectral patches with OA / AA / kappa measured by torchmetrics.
 
-    The network is built eagerly when ``in_bands``, ``num_classes`` and ``patch_size`` are all given, otherwise
-    lazily in :meth:`configure_model` from the attached datamodule's ``num_bands``, ``num_classes`` and
-    ``patch_size`` (a :class:`~lightning_het.hsi.HyperspectralDataModule` has them). The sizes are then written
-    into ``hparams`` so that checkpoints restore without the datamodule.
-
-    Logged: ``train/loss`` (epoch mean weighted by batch size, exact across uneven replicas), ``val/loss``,
-    ``val/oa``, ``val/aa``, ``val/kappa``, ``test/oa``, ``test/aa``, ``test/kappa`` and ``test/acc_class_<c>`` for
-    each class ``c = 1..C``. After ``trainer.test`` every rank also holds :attr:`test_results` (confusion matrix,
-    per-class accuracy). ``training_step`` returns the *mean* cross-entropy of the local batch; the heterogeneous
-    strategy rescales it for uneven shares.
-
     Args:
         network: one of ``"spectral1d"``, ``"cnn2d"``, ``"cnn3d"``, ``"hybridsn"``.
         lr: learning rate.

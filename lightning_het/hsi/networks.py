@@ -1,17 +1,4 @@
-"""Patch classifiers for hyperspectral pixels: spectral 1-D CNN, 2-D CNN, 3-D CNN and a HybridSN-style 3-D -> 2-D net.
-
-Every network maps a batch of patches ``(N, bands, p, p)`` (``float32``, ``p`` odd) to logits ``(N, num_classes)``.
-They are deliberately small (tens of thousands of parameters by default) so that tests train them on a CPU, and
-``width`` scales every layer for real runs.
-
-Design constraints shared by all four, so that data-parallel training with *uneven* per-replica batches gives exactly
-the gradient of the global batch:
-
-* no ``BatchNorm`` (its statistics would depend on how the global batch is split across replicas); ``GroupNorm`` is
-  per-sample and therefore exact;
-* dropout defaults to ``0`` (each replica draws its own mask, which changes results with the split even though it is
-  still unbiased); set ``dropout > 0`` when bit-for-bit equivalence does not matter.
-"""
+"""Patch classifiers for hyperspectral pixels: spectral 1-D CNN, 2-D CNN, 3-D CNN and a HybridSN-style net."""
 
 from __future__ import annotations
 
@@ -32,18 +19,7 @@ def _groups(channels: int) -> int:
 
 
 class Spectral1DCNN(nn.Module):
-    """1-D convolutions along the spectrum of the centre pixel only (ignores the spatial context).
-
-    Args:
-        in_bands: bands ``B`` of the input.
-        num_classes: classes ``C``.
-        patch_size: side ``p`` of the input patches (only its centre pixel is used).
-        width: channels of the first convolution; the second has twice as many.
-        dropout: dropout before the classifier.
-
-    Shape:
-        ``(N, B, p, p) -> (N, C)``.
-    """
+    """1-D convolutions along the spectrum of the centre pixel only (ignores the spatial context)."""
 
     def __init__(self, in_bands: int, num_classes: int, patch_size: int = 1, width: int = 8, dropout: float = 0.0):
         super().__init__()
@@ -65,18 +41,7 @@ class Spectral1DCNN(nn.Module):
 
 
 class CNN2D(nn.Module):
-    """2-D CNN over the patch: a 1x1 spectral projection, then two 3x3 convolutions and global average pooling.
-
-    Args:
-        in_bands: bands ``B``.
-        num_classes: classes ``C``.
-        patch_size: side ``p`` (any odd size works: convolutions keep the size, pooling is global).
-        width: channels of the hidden layers.
-        dropout: dropout before the classifier.
-
-    Shape:
-        ``(N, B, p, p) -> (N, C)``.
-    """
+    """2-D CNN over the patch: a 1x1 spectral projection, then two 3x3 convolutions and global average pooling."""
 
     def __init__(self, in_bands: int, num_classes: int, patch_size: int = 5, width: int = 32, dropout: float = 0.0):
         super().__init__()
@@ -97,20 +62,7 @@ class CNN2D(nn.Module):
 
 
 class CNN3D(nn.Module):
-    """3-D CNN: joint spectral-spatial ``(k, 3, 3)`` kernels on the cube ``(1, B, p, p)``.
-
-    Spectral kernels are shortened when there are few bands; spatial padding keeps the patch size.
-
-    Args:
-        in_bands: bands ``B``.
-        num_classes: classes ``C``.
-        patch_size: side ``p``.
-        width: channels of the first 3-D convolution; the second has twice as many.
-        dropout: dropout before the classifier.
-
-    Shape:
-        ``(N, B, p, p) -> (N, C)``.
-    """
+    """3-D CNN: joint spectral-spatial ``(k, 3, 3)`` kernels on the cube ``(1, B, p, p)``."""
 
     def __init__(self, in_bands: int, num_classes: int, patch_size: int = 5, width: int = 8, dropout: float = 0.0):
         super().__init__()
@@ -132,23 +84,7 @@ class CNN3D(nn.Module):
 
 
 class HybridSN(nn.Module):
-    """HybridSN-style network (Roy et al., 2020): three 3-D convolutions, then a 2-D convolution over the stacked
-    spectral feature maps, then fully connected layers.
-
-    The original uses valid convolutions on 25x25 PCA-reduced patches; here spatial padding keeps ``p x p`` so that
-    small patches work, and the spectral depth left after the 3-D layers is average-pooled to at most 8 so that the
-    2-D layer stays small however many bands come in.
-
-    Args:
-        in_bands: bands ``B`` (PCA-reduced inputs of 15-30 components are typical).
-        num_classes: classes ``C``.
-        patch_size: side ``p``; the fully connected layer is sized for it.
-        width: channels of the first 3-D convolution (then ``2w``, ``4w``; the 2-D layer has ``8w``).
-        dropout: dropout between the fully connected layers.
-
-    Shape:
-        ``(N, B, p, p) -> (N, C)``.
-    """
+    """HybridSN-style network (Roy et al., 2020): three 3-D convolutions, a 2-D one, then dense layers."""
 
     def __init__(self, in_bands: int, num_classes: int, patch_size: int = 5, width: int = 4, dropout: float = 0.0):
         super().__init__()

@@ -1,9 +1,4 @@
-"""Full-scene prediction maps: assemble per-pixel predictions, write a GeoTIFF and a colour PNG preview with a legend.
-
-Map values follow the label-raster convention: ``0`` = no prediction (nodata pixel, or not predicted), ``1..C`` =
-predicted class. The GeoTIFF keeps the input's CRS, transform and shape, stores ``0`` as nodata and carries a colour
-palette matching the PNG.
-"""
+"""Full-scene prediction maps: assemble per-pixel predictions, write a GeoTIFF and a colour PNG preview."""
 
 from __future__ import annotations
 
@@ -32,35 +27,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TAB20 = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-    (174, 199, 232),
-    (255, 187, 120),
-    (152, 223, 138),
-    (255, 152, 150),
-    (197, 176, 213),
-    (196, 156, 148),
-    (247, 182, 210),
-    (199, 199, 199),
-    (219, 219, 141),
-    (158, 218, 229),
-]  # matplotlib's "tab20" order: dark tones first, so that up to 10 classes get clearly distinct colours
+#: matplotlib's "tab20" order: dark tones first, so that up to 10 classes get clearly distinct colours
+_TAB20_RGB = bytes.fromhex(
+    "1f77b4ff7f0e2ca02cd627289467bd8c564be377c27f7f7fbcbd2217becf"
+    "aec7e8ffbb7898df8aff9896c5b0d5c49c94f7b6d2c7c7c7dbdb8d9edae5"
+)
+_TAB20 = [tuple(_TAB20_RGB[i : i + 3]) for i in range(0, len(_TAB20_RGB), 3)]
 
 
 def class_palette(num_classes: int) -> list[tuple[int, int, int]]:
-    """RGB colours (0-255) for map values ``0..C``: black for ``0`` (no prediction), distinct colours for classes.
-
-    Up to 20 classes use the tab20 colours; more get evenly spaced hues.
-    """
+    """RGB colours (0-255) for map values ``0..C``: black for ``0`` (no prediction), distinct colours for classes."""
     if num_classes <= len(_TAB20):
         colours = _TAB20[:num_classes]
     else:
@@ -79,8 +55,7 @@ def assemble_class_map(
         rows: pixel rows, shape ``(n,)``.
         cols: pixel columns, shape ``(n,)``.
         shape: ``(height, width)`` of the scene.
-        num_classes: ``C``, to choose the dtype (``uint8`` below 256 classes, else ``uint16``); from ``pred`` if
-            ``None``.
+        num_classes: ``C``, for the dtype (``uint8`` below 256 classes, else ``uint16``); from ``pred`` if ``None``.
 
     Returns:
         ``(height, width)`` map of ``pred + 1``; pixels never predicted are ``0``.
@@ -173,11 +148,6 @@ def _gather(local: np.ndarray) -> np.ndarray:
 
 class PredictionMapWriter(pl.Callback):
     """Collects ``predict_step`` outputs of every replica and writes the full-scene map once, from rank 0.
-
-    Expects :meth:`~lightning_het.hsi.model.HSIClassifier.predict_step` outputs (``pred``, ``row``, ``col``) and takes
-    the scene's ``shape``, ``crs``, ``transform``, ``class_names`` from the trainer's datamodule unless given. Writes
-    ``<out_dir>/<name>.tif`` (classes ``1..C``, ``0`` = nodata, same CRS/transform/shape as the input) and
-    ``<out_dir>/<name>.png`` (colour preview with legend, reference labels beside it when the datamodule has them).
 
     Args:
         out_dir: output folder (created).

@@ -1,9 +1,4 @@
-"""Spectral preprocessing: nodata masks, per-band standardisation and PCA, all fitted on training pixels only.
-
-Pure numpy functions plus one frozen dataclass, :class:`SpectralTransform`, that applies the fitted maths to any array
-whose first axis is the band axis: a cube ``(bands, height, width)``, a patch ``(bands, p, p)`` or spectra
-``(bands, n)``. Fitting uses ``float64``; applying returns ``float32``.
-"""
+"""Spectral preprocessing: nodata masks, per-band standardisation and PCA, all fitted on training pixels only."""
 
 from __future__ import annotations
 
@@ -16,9 +11,6 @@ __all__ = ["SpectralTransform", "fit_spectral_transform", "valid_mask"]
 
 def valid_mask(values: np.ndarray, nodata: float | None = None) -> np.ndarray:
     """Which pixels have a usable spectrum.
-
-    A pixel is invalid when any of its bands is NaN or infinite, or equals ``nodata`` (GDAL's nodata is per band;
-    a spectrum with one missing band cannot be classified).
 
     Args:
         values: band-first array ``(bands, ...)``, any real dtype (``uint16``, ``float32``, ...).
@@ -37,24 +29,15 @@ def valid_mask(values: np.ndarray, nodata: float | None = None) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SpectralTransform:
-    """``y = components @ ((x - shift) / scale)``: standardisation, then an optional PCA projection.
+    """``y = components @ ((x - shift) / scale)``: standardisation, then an optional PCA projection."""
 
-    Attributes:
-        shift: ``(in_bands,)`` subtracted per band (the training mean, or zeros without standardisation nor PCA).
-        scale: ``(in_bands,)`` divisor per band (the training standard deviation, or ones); never zero.
-        components: ``(out_bands, in_bands)`` orthonormal PCA rows ordered by decreasing variance, or ``None``.
-        explained_variance_ratio: ``(out_bands,)`` fraction of the training variance each component keeps, or
-            ``None`` without PCA.
-    """
-
-    shift: np.ndarray
-    scale: np.ndarray
-    components: np.ndarray | None = None
-    explained_variance_ratio: np.ndarray | None = None
+    shift: np.ndarray  # (in_bands,): the training mean, or zeros without standardisation nor PCA
+    scale: np.ndarray  # (in_bands,): the training standard deviation, or ones; never zero
+    components: np.ndarray | None = None  # (out_bands, in_bands) orthonormal PCA rows, decreasing variance
+    explained_variance_ratio: np.ndarray | None = None  # (out_bands,) training variance kept by each component
 
     @property
     def in_bands(self) -> int:
-        """Bands expected on input."""
         return int(self.shift.shape[0])
 
     @property
@@ -96,9 +79,6 @@ def fit_spectral_transform(
             with zero variance are only centred).
         pca_components: keep this many principal components of the (standardised) training spectra; ``None`` keeps
             all bands. Components are sign-normalised (largest loading positive) so that fits are reproducible.
-
-    Returns:
-        The fitted transform.
 
     Raises:
         ValueError: no spectra, or ``pca_components`` outside ``1..bands``.

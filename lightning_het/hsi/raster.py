@@ -1,12 +1,4 @@
-"""Raster I/O for hyperspectral scenes: open, validate, read (whole or windowed) and write GeoTIFF.
-
-Array layout everywhere in this package: image cubes are ``(bands, height, width)`` (rasterio's and torch's
-channel-first order), label maps ``(height, width)``. Pixel ``(row, col)`` counts from the top-left corner. Label value
-``0`` means unlabelled, ``1..C`` are the ``C`` classes.
-
-This module depends on rasterio and numpy only (no torch, no Lightning). MATLAB ``.mat`` scenes are read by
-:mod:`lightning_het.hsi.matfile`.
-"""
+"""Raster I/O for hyperspectral scenes: open, validate, read (whole or windowed) and write GeoTIFF."""
 
 from __future__ import annotations
 
@@ -56,29 +48,17 @@ STRIP_BYTES = 32 * 2**20
 
 @dataclass(frozen=True)
 class RasterInfo:
-    """Metadata of one raster, read without its pixels.
-
-    Attributes:
-        path: the file.
-        height: rows, in pixels.
-        width: columns, in pixels.
-        count: bands.
-        dtype: numpy dtype name of the first band (``"uint16"``, ``"float32"``, ...).
-        crs: coordinate reference system, ``None`` when the file has none.
-        transform: pixel-to-map affine transform, ``None`` when the file is not georeferenced.
-        nodata: the nodata value of the first band, ``None`` when unset.
-        driver: GDAL driver short name (``"GTiff"``, ``"ENVI"``, ``"MAT"`` for MATLAB files).
-    """
+    """Metadata of one raster, read without its pixels (sizes in pixels; dtype and nodata of the first band)."""
 
     path: str
     height: int
     width: int
-    count: int
-    dtype: str
+    count: int  # bands
+    dtype: str  # numpy dtype name, "uint16", "float32", ...
     crs: CRS | None
-    transform: Affine | None
+    transform: Affine | None  # pixel-to-map; None when not georeferenced
     nodata: float | None
-    driver: str
+    driver: str  # GDAL short name: "GTiff", "ENVI", "MAT" for MATLAB files
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -100,16 +80,7 @@ def check_exists(path: str | os.PathLike, role: str) -> str:
 
 
 def open_raster(path: str | os.PathLike, role: str = "image") -> rasterio.io.DatasetReader:
-    """Open ``path`` for reading with rasterio, turning GDAL's errors into ones that name the file.
-
-    Args:
-        path: any file GDAL opens (GeoTIFF, ENVI ``.img``/``.hdr`` pair via the data file, ...).
-        role: what the file holds, used in error messages (``"image"`` or ``"labels"``).
-
-    Raises:
-        RasterNotFoundError: the file does not exist.
-        RasterFormatError: GDAL cannot open it.
-    """
+    """Open ``path`` for reading with rasterio, turning GDAL's errors into ones that name the file."""
     text = check_exists(path, role)
     try:
         with warnings.catch_warnings():
@@ -172,19 +143,7 @@ def read_image(path: str | os.PathLike) -> tuple[np.ndarray, RasterInfo]:
 
 
 def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int | None = None) -> tuple[np.ndarray, int]:
-    """Validate a label map and convert it to ``int64``.
-
-    Args:
-        labels: label values, shape ``(height, width)``, any real dtype.
-        path: the file it came from (for error messages).
-        num_classes: the number of classes ``C``; inferred as the largest label when ``None``.
-
-    Returns:
-        The labels as ``int64`` (``0`` = unlabelled, ``1..C``) and ``C``.
-
-    Raises:
-        LabelValueError: non-integer, NaN, negative or above-``C`` values, naming a few of them.
-    """
+    """Validate a label map and convert it to ``int64``."""
     values = np.asarray(labels)
     _check_numeric(values.dtype, os.fspath(path))
     bad = values < 0
@@ -204,8 +163,6 @@ def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int |
 
 def read_labels(path: str | os.PathLike, num_classes: int | None = None) -> tuple[np.ndarray, int, RasterInfo]:
     """Read and validate a single-band label raster.
-
-    Pixels equal to the raster's nodata value are treated as unlabelled (``0``).
 
     Returns:
         Labels ``(height, width)`` as ``int64``, the number of classes ``C`` and the metadata.
@@ -233,9 +190,6 @@ def read_labels(path: str | os.PathLike, num_classes: int | None = None) -> tupl
 def check_alignment(image: RasterInfo, labels: RasterInfo) -> None:
     """Check that ``labels`` lies on the pixel grid of ``image``.
 
-    Heights and widths must agree. When both files carry a CRS the CRSs must be equal; when both carry a transform the
-    transforms must agree (to 1e-6 of a pixel). A file without georeferencing is taken to be aligned with the other.
-
     Raises:
         ShapeMismatchError: different heights or widths (naming both files and both shapes).
         GeoreferenceMismatchError: different CRS or transform.
@@ -255,9 +209,6 @@ def check_alignment(image: RasterInfo, labels: RasterInfo) -> None:
 def reflect_indices(start: int, size: int, length: int) -> np.ndarray:
     """Indices ``start .. start+size-1`` folded into ``0..length-1`` by reflection without repeating the edge.
 
-    The same convention as ``numpy.pad(mode="reflect")``: ``-1 -> 1``, ``length -> length - 2``; indices further out
-    keep bouncing between the edges.
-
     >>> reflect_indices(-2, 5, 4).tolist()
     [2, 1, 0, 1, 2]
     >>> reflect_indices(2, 4, 4).tolist()
@@ -272,20 +223,7 @@ def reflect_indices(start: int, size: int, length: int) -> np.ndarray:
 
 
 def read_window(dataset: Any, row: int, col: int, size: int, indexes: Sequence[int] | None = None) -> np.ndarray:
-    """Read the ``size x size`` window centred on pixel ``(row, col)``, reflect-padded at the scene borders.
-
-    Only the pixels inside the window (clipped to the scene) are read from disk.
-
-    Args:
-        dataset: an open rasterio dataset.
-        row: centre row, ``0 <= row < height``.
-        col: centre column, ``0 <= col < width``.
-        size: odd window side in pixels.
-        indexes: 1-based band indexes to read; all bands when ``None``.
-
-    Returns:
-        ``(bands, size, size)`` in the file's dtype; element ``[:, size//2, size//2]`` is the centre pixel.
-    """
+    """Read the ``size x size`` window centred on pixel ``(row, col)``, reflect-padded at the scene borders."""
     half = size // 2
     rows = reflect_indices(row - half, size, dataset.height)
     cols = reflect_indices(col - half, size, dataset.width)
@@ -298,19 +236,7 @@ def read_window(dataset: Any, row: int, col: int, size: int, indexes: Sequence[i
 
 
 def read_pixels(dataset: Any, rows: np.ndarray, cols: np.ndarray, strip_bytes: int = STRIP_BYTES) -> np.ndarray:
-    """Read the spectra of scattered pixels, one strip of whole rows at a time.
-
-    Strips that contain none of the pixels are skipped, so sparse label maps read only part of the image.
-
-    Args:
-        dataset: an open rasterio dataset.
-        rows: pixel rows, shape ``(n,)``.
-        cols: pixel columns, shape ``(n,)``.
-        strip_bytes: upper bound on the bytes held by one strip.
-
-    Returns:
-        ``(n, bands)`` in the file's dtype, in the order of ``rows``/``cols``.
-    """
+    """Read the spectra of scattered pixels, one strip of whole rows at a time."""
     rows = np.asarray(rows, dtype=np.int64)
     cols = np.asarray(cols, dtype=np.int64)
     out = np.empty((rows.size, dataset.count), dtype=dataset.dtypes[0])
@@ -329,15 +255,7 @@ def read_pixels(dataset: Any, rows: np.ndarray, cols: np.ndarray, strip_bytes: i
 
 
 class RasterHandle:
-    """A lazily opened, per-process rasterio dataset that survives pickling and ``fork``.
-
-    The handle opens the file on first use and reopens it when the process id changes (a forked ``DataLoader``
-    worker must not share the parent's GDAL file handle). Pickling (e.g. for ``spawn``) drops the open dataset.
-
-    Args:
-        path: the raster file.
-        role: what it holds, for error messages.
-    """
+    """A lazily opened, per-process rasterio dataset that survives pickling and ``fork``."""
 
     def __init__(self, path: str | os.PathLike, role: str = "image") -> None:
         self.path = os.fspath(path)
@@ -347,14 +265,12 @@ class RasterHandle:
 
     @property
     def dataset(self) -> Any:
-        """The open rasterio dataset of this process."""
         if self._dataset is None or self._pid != os.getpid():
             self._dataset = open_raster(self.path, self.role)
             self._pid = os.getpid()
         return self._dataset
 
     def close(self) -> None:
-        """Close the dataset if this process opened it."""
         if self._dataset is not None and self._pid == os.getpid():
             self._dataset.close()
         self._dataset = None
@@ -389,9 +305,6 @@ def write_geotiff(
         band_descriptions: one description per band (e.g. wavelengths).
         colormap: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster.
         compress: GDAL compression name.
-
-    Returns:
-        The path written.
     """
     data = np.asarray(array)
     if data.ndim == 2:

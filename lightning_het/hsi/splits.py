@@ -1,17 +1,4 @@
-"""Train / validation / test splits of the labelled pixels of a scene: stratified random or spatially disjoint blocks.
-
-Pixels are identified by their *flat index* ``row * width + col`` (``int64``). Every split is a pure function of the
-label map, the arguments and ``seed``.
-
-**Random** (:func:`random_split`): per class, a seeded permutation of its pixels; the first ``n_train`` go to training,
-the next ``n_val`` to validation, the rest to test. Patches of neighbouring pixels overlap, so test accuracy is
-optimistic (the well-known leak of random HSI splits).
-
-**Blocks** (:func:`block_split`): the scene is tiled into ``block_size x block_size`` blocks and whole blocks are
-assigned to a split, greedily, so that each split approaches its per-class target. Then every validation or test pixel
-whose ``patch_size x patch_size`` footprint would overlap the footprint of a training patch (Chebyshev distance
-``<= patch_size - 1`` from a training pixel) is dropped: training and evaluation patches share no pixel.
-"""
+"""Train/validation/test splits of the labelled pixels of a scene: stratified random or spatially disjoint blocks."""
 
 from __future__ import annotations
 
@@ -32,19 +19,12 @@ SPLITS = ("train", "val", "test")
 
 @dataclass(frozen=True)
 class Split:
-    """Flat pixel indices (``row * width + col``, sorted ``int64``) of each subset.
-
-    Attributes:
-        train: training pixels.
-        val: validation pixels (may be empty).
-        test: test pixels.
-        shape: ``(height, width)`` of the scene.
-    """
+    """Flat pixel indices (``row * width + col``, sorted ``int64``) of each subset (``val`` may be empty)."""
 
     train: np.ndarray
     val: np.ndarray
     test: np.ndarray
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # (height, width) of the scene
 
     def class_counts(self, labels: np.ndarray, num_classes: int) -> dict[str, list[int]]:
         """Pixels per class (index ``c - 1`` for class ``c``) in each subset."""
@@ -187,8 +167,7 @@ def dilate(mask: np.ndarray, radius: int) -> np.ndarray:
 
 
 def footprint_mask(indices: np.ndarray, shape: tuple[int, int], patch_size: int) -> np.ndarray:
-    """Pixels read by the ``patch_size x patch_size`` patches centred on ``indices`` (reflect padding reads nothing
-    outside the patch's own square), as a ``(height, width)`` boolean map.
+    """Pixels read by the ``patch_size`` patches centred on ``indices``, as a ``(height, width)`` mask.
 
     Example:
         >>> footprint_mask(np.array([5]), (3, 4), patch_size=3).astype(int)  # pixel 5 is (row 1, col 1)
@@ -250,12 +229,6 @@ def block_split(
     trials: int = 32,
 ) -> Split:
     """Spatially disjoint split: whole blocks per subset, and no evaluation patch overlapping a training patch.
-
-    Blocks are visited in a seeded random order; each goes to the subset (training first, then validation) whose
-    per-class deficit it reduces most, minus half the pixels it would add beyond the target, or to test when it helps
-    neither. Targets are ``train``/``val`` fractions of each class's pixels, or per-class counts. This greedy pass is
-    repeated for ``trials`` seeded block orders and the assignment kept is the one that (after dropping the buffer
-    pixels) leaves the fewest classes without training/validation/test pixels, then deviates least from the targets.
 
     Args:
         labels: ``(height, width)`` integer map; ``0`` = unlabelled.

@@ -1,25 +1,4 @@
-"""Seeded synthetic hyperspectral scenes: the embedded default data and the test fixtures.
-
-A scene is built in five steps, all vectorised numpy (a 64x64x32 scene takes a few milliseconds):
-
-1. **Spectra.** ``bands`` wavelengths evenly spaced over 400-2500 nm. Each class gets a smooth reflectance curve made
-   of a continuum (a sigmoid "red edge" plus broad Gaussian bumps) multiplied by absorption features: the water bands
-   at 1400 and 1900 nm shared by all classes, plus two class-specific narrow absorptions. Classes come in *families*
-   of two that share the continuum and differ by small perturbations, as real crop classes do. Each class has two
-   variants (endmembers) so that a class is a spread of spectra, not a point.
-2. **Regions.** One smooth Gaussian random field per class (spatial correlation length ``region_scale`` pixels); each
-   pixel belongs to the class whose field is largest, which gives irregular, blob-like regions. A separate field marks
-   ``unlabelled_fraction`` of the scene as background: a material of its own whose label is ``0``.
-3. **Mixing.** Abundances are the one-hot material map blurred by a Gaussian of ``boundary_mixing`` pixels: interior
-   pixels stay pure, boundary pixels mix neighbouring materials but keep the label of their majority material.
-4. **Variability.** A smooth illumination field (about +-10 %) scales each pixel, and a smooth field chooses the mix
-   of the two variants of its class.
-5. **Noise.** Additive Gaussian sensor noise of standard deviation ``noise`` (reflectance units), three times larger in
-   the water absorption bands where real sensors see little signal.
-
-Reflectance is stored as ``uint16`` digital numbers ``round(10000 * reflectance)`` (the AVIRIS convention) or as
-``float32`` reflectance. Scenes carry a UTM CRS (EPSG:32616, where Indian Pines lies) and a 20 m north-up transform.
-"""
+"""Seeded synthetic hyperspectral scenes: the embedded default data and the test fixtures."""
 
 from __future__ import annotations
 
@@ -44,25 +23,15 @@ _WATER_BANDS_NM = ((1400.0, 60.0, 0.6), (1900.0, 80.0, 0.75), (970.0, 25.0, 0.08
 
 @dataclass
 class SyntheticScene:
-    """A synthetic scene and the truth it was drawn from.
+    """A synthetic scene and the truth it was drawn from."""
 
-    Attributes:
-        image: ``(bands, height, width)``, ``uint16`` digital numbers or ``float32`` reflectance.
-        labels: ``(height, width)`` ``uint8``/``uint16``; ``0`` = unlabelled background, ``1..classes``.
-        wavelengths: ``(bands,)`` band centres in nanometres.
-        signatures: ``(classes, bands)`` mean reflectance of each class (before mixing and noise).
-        class_names: one name per class.
-        crs: coordinate reference system.
-        transform: pixel-to-map transform (north-up, square pixels).
-    """
-
-    image: np.ndarray
-    labels: np.ndarray
-    wavelengths: np.ndarray
-    signatures: np.ndarray
+    image: np.ndarray  # (bands, height, width), uint16 digital numbers or float32 reflectance
+    labels: np.ndarray  # (height, width) uint8/uint16; 0 = unlabelled background, 1..classes
+    wavelengths: np.ndarray  # (bands,) band centres in nanometres
+    signatures: np.ndarray  # (classes, bands) mean reflectance of each class (before mixing and noise)
     class_names: list[str]
     crs: CRS
-    transform: Affine
+    transform: Affine  # pixel-to-map, north-up, square pixels
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -119,10 +88,7 @@ def _class_signatures(rng: np.random.Generator, wavelengths: np.ndarray, classes
 
 
 def _smooth_fields(rng: np.random.Generator, count: int, shape: tuple[int, int], scale: float) -> np.ndarray:
-    """``count`` unit-variance Gaussian random fields of correlation length ``scale`` pixels, ``(count, H, W)``.
-
-    White noise filtered in the Fourier domain (periodic boundaries, which is harmless for class layouts).
-    """
+    """``count`` unit-variance Gaussian random fields of correlation length ``scale`` pixels, ``(count, H, W)``."""
     noise = rng.standard_normal((count, *shape))
     fy = np.fft.fftfreq(shape[0])[:, None]
     fx = np.fft.rfftfreq(shape[1])[None, :]
@@ -167,7 +133,7 @@ def make_synthetic_scene(
     crs: str = "EPSG:32616",
     origin: tuple[float, float] = (500000.0, 4400000.0),
 ) -> SyntheticScene:
-    """Draw a synthetic hyperspectral scene (see the module docstring for the model).
+    """Draw a synthetic hyperspectral scene (the model is in ``docs/hyperspectral.md``).
 
     Args:
         height: rows, in pixels.

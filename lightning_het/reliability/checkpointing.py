@@ -1,42 +1,4 @@
-"""What a checkpoint records about the heterogeneous split, and how a resumed run uses it.
-
-Every checkpoint written through :class:`~lightning_het.HeterogeneousStrategy` carries one extra top-level entry,
-``checkpoint["lightning_het"]`` (:data:`CHECKPOINT_KEY`), made of plain Python types (loadable with
-``torch.load(..., weights_only=True)``)::
-
-    {
-        "version": 1,
-        "world_size": 2,                 # replicas of the run that saved it
-        "global_batch_size": 8,
-        "batch_sizes": [2, 6],           # per global rank
-        "speeds": [1.0, 3.0],            # per global rank (samples/s when profiled)
-        "profiled": False,               # True when the speeds were measured, False when given
-        "node_ids": [0, 0],
-        "sampler": {                     # position of the training sampler (None when there was no training loader)
-            "epoch": 1,                  # the epoch the sampler was drawing
-            "steps_done": 2,             # global batches of that epoch already trained on
-            "num_steps": 5,              # global batches per epoch
-            "dataset_len": 40, "shuffle": True, "seed": 0,
-            "epoch_finished": False,     # saved after the epoch's end-of-epoch hooks
-        },
-    }
-
-It is written by the strategy's ``save_checkpoint`` (so ``ModelCheckpoint`` and ``trainer.save_checkpoint`` both get
-it) and read back by its ``load_checkpoint`` when a fit resumes from ``ckpt_path``. Strategy hooks were chosen over a
-Callback so that the entry never depends on the user's callback list, and a checkpoint stays resumable by any other
-strategy (Lightning ignores unknown top-level keys).
-
-Decisions on resume are pure functions, tested without processes:
-
-* :func:`plan_allocation`: same replicas and no ``speeds`` given: reuse the checkpoint's speeds (no re-profiling,
-  the same split, so the run continues exactly); ``speeds`` given or a different number of replicas: re-balance,
-  with one INFO line saying why and how the batch sizes change. Because every step applies the gradient of the whole
-  global batch whatever the split, a re-balanced run still follows the same trajectory (up to float rounding).
-* :func:`plan_sampler_resume`: a checkpoint taken mid-epoch continues with the next global batch of the same
-  permutation (the sampler skips the ``steps_done`` global batches already trained on), on any number of replicas.
-  That needs the same global order: if the global batch size, dataset length, shuffling or seed changed, a mid-epoch
-  resume is refused with a ``ValueError``; an end-of-epoch checkpoint has no such constraint.
-"""
+"""What a checkpoint records about the heterogeneous split, and how a resumed run uses it."""
 
 from __future__ import annotations
 
@@ -51,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
-from lightning_het._compat import attached_trainer, training_combined_loader
+from lightning_het._compat import training_combined_loader
 from lightning_het.data.sampler import ProportionalDistributedSampler
 
 __all__ = [
@@ -75,7 +37,6 @@ _VERSION = 1
 _LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-# ---------------------------------------------------------------------------------------------------------- records
 def sampler_record(sampler: ProportionalDistributedSampler, steps_done: int) -> dict[str, Any]:
     """Where ``sampler`` stands: its epoch, the global batches of that epoch done, and what fixes its order."""
     return {
@@ -112,11 +73,7 @@ def allocation_record(
 
 
 def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The entry of a loaded checkpoint, or ``None`` for a checkpoint written without this strategy.
-
-    Raises:
-        ValueError: if the entry was written by a newer, incompatible version of lightning-het.
-    """
+    """The entry of a loaded checkpoint, or ``None`` for a checkpoint written without this strategy."""
     record = checkpoint.get(CHECKPOINT_KEY)
     if record is None:
         return None
@@ -131,25 +88,16 @@ def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
-    """The global batch the checkpoint's run trained with (``None`` when not resuming or not recorded): a resumed fit
-    keeps it unless ``global_batch_size`` is given, so that resuming on another number of replicas draws the same
-    global batches."""
+    """The checkpoint's global batch (``None`` when not resuming), kept unless ``global_batch_size`` is given."""
     if not record:
         return None
     saved = (record.get("sampler") or {}).get("global_batch_size", record.get("global_batch_size"))
     return int(saved) if isinstance(saved, int) and saved > 0 else None
 
 
-# ---------------------------------------------------------------------------------------------------------- decisions
 @dataclass(frozen=True)
 class AllocationPlan:
-    """What a resumed fit uses as speeds, and the log line explaining it.
-
-    Attributes:
-        speeds: speeds to allocate from, or ``None`` to use the strategy's default (given ``speeds``, else profile).
-        message: INFO line for the log (``None`` when not resuming).
-        rebalanced: whether the split may differ from the checkpoint's.
-    """
+    """What a resumed fit uses as speeds, and the log line explaining it."""
 
     speeds: list[float] | None
     message: str | None
@@ -159,16 +107,7 @@ class AllocationPlan:
 def plan_allocation(
     record: Mapping[str, Any] | None, *, world_size: int, given_speeds: Sequence[float] | None
 ) -> AllocationPlan:
-    """Decide the speeds of a resumed fit from the checkpoint's record. Pure.
-
-    Args:
-        record: the checkpoint's entry (see :func:`read_record`), or ``None`` when not resuming.
-        world_size: replicas of this run.
-        given_speeds: the strategy's ``speeds`` argument (``None`` when speeds are profiled).
-
-    Returns:
-        The :class:`AllocationPlan`.
-    """
+    """Decide the speeds of a resumed fit from the checkpoint's record. Pure."""
     if record is None or not record.get("speeds"):
         return AllocationPlan(None, None, False)
     saved_world = int(record["world_size"])
@@ -214,24 +153,7 @@ def plan_sampler_resume(
     shuffle: bool,
     seed: int,
 ) -> SamplerResume | None:
-    """Decide where the sampler of a resumed fit starts. Pure.
-
-    Args:
-        saved: the record's ``"sampler"`` entry, or ``None``.
-        num_steps: global batches per epoch now.
-        global_batch_size: the global batch now.
-        dataset_len: training samples now.
-        shuffle: whether the order is shuffled now.
-        seed: the order's seed now.
-
-    Returns:
-        ``None`` when there is nothing to resume; else the epoch to draw and the global batches to skip
-        (``0`` for a checkpoint taken at an epoch boundary: the next epoch starts from its first batch).
-
-    Raises:
-        ValueError: for a mid-epoch checkpoint whose global order differs from this run's (different global batch
-            size, dataset length, shuffling or seed): the batches already trained on cannot be identified.
-    """
+    """Decide where the sampler of a resumed fit starts. Pure."""
     if not saved:
         return None
     epoch, done, saved_steps = int(saved["epoch"]), int(saved["steps_done"]), int(saved["num_steps"])
@@ -256,16 +178,10 @@ def plan_sampler_resume(
     return SamplerResume(epoch, done)
 
 
-# ---------------------------------------------------------------------------------------------------------- wiring
 def apply_sampler_resume(
     sampler: ProportionalDistributedSampler, record: Mapping[str, Any] | None, epoch: int
 ) -> SamplerResume | None:
-    """Position a freshly built training sampler: at ``epoch`` (Lightning's epoch counter), or, when resuming from
-    ``record``, at the checkpoint's place. Returns the resume plan (``None`` when not resuming).
-
-    Setting the epoch here, before Lightning creates the first iterator, also makes loaders with worker processes
-    (which draw indices as soon as the iterator exists) use the right permutation after a resume.
-    """
+    """Position a fresh training sampler at ``epoch`` or at the checkpoint's place; return the resume plan."""
     plan = None
     if record is not None:
         plan = plan_sampler_resume(
@@ -301,11 +217,24 @@ def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler |
     return None
 
 
-def checkpoint_record(strategy: Any) -> dict[str, Any]:
-    """The entry for the checkpoint the strategy is saving now (allocation + training sampler position)."""
+def checkpoint_record(
+    trainer: Any,
+    batch_sizes: Sequence[int] | None,
+    speeds: Sequence[float] | None,
+    node_ids: Sequence[int] | None,
+    *,
+    profiled: bool,
+) -> dict[str, Any]:
+    """The entry for the checkpoint being saved now: the allocation and the training sampler's position.
+
+    Args:
+        trainer: the Trainer whose fit loop holds the training loader (``None``: no sampler position).
+        batch_sizes, node_ids: the strategy's allocation and node of every replica.
+        speeds: the replicas' speeds; ``None`` while the first steps still profile (a run resumed from there profiles
+            again).
+        profiled: whether the speeds were measured (not given by the user).
+    """
     sampler_state = None
-    module = getattr(strategy, "lightning_module", None)
-    trainer = attached_trainer(module)
     if trainer is not None:
         combined = training_combined_loader(trainer)
         sampler = training_sampler(combined.flattened) if combined is not None else None
@@ -314,14 +243,7 @@ def checkpoint_record(strategy: Any) -> dict[str, Any]:
             sampler_state = sampler_record(sampler, done)
             # the epoch's end-of-epoch bookkeeping already ran (saved in on_train_epoch_end or later)
             sampler_state["epoch_finished"] = trainer.fit_loop.epoch_progress.current.processed > sampler.epoch
-    # while the first steps still profile there are no speeds yet: a run resumed from here profiles again
-    return allocation_record(
-        strategy.batch_sizes,
-        None if getattr(strategy, "profiling", False) else strategy.speeds,
-        strategy.node_ids,
-        profiled=not strategy.speeds_given,
-        sampler=sampler_state,
-    )
+    return allocation_record(batch_sizes, speeds, node_ids, profiled=profiled, sampler=sampler_state)
 
 
 def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | None, batch_sizes: Sequence[int]) -> None:
@@ -334,15 +256,9 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
     )
 
 
-def synchronize_before_save(strategy: Any) -> None:
-    """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights.
-
-    Collective (checkpoints are saved on every rank). Calls ``synchronize(params)`` on the strategy's communication
-    controller (:class:`~lightning_het.comm.controller.CommController`) when it has one; a no-op for exact modes or
-    when the replicas already agree.
-    """
-    controller = getattr(strategy, "comm_controller", None)
-    module = getattr(strategy, "lightning_module", None)
+def synchronize_before_save(controller: Any, module: torch.nn.Module | None) -> None:
+    """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights
+    (a collective; ``controller`` is ``None`` before DDP wrapped the model)."""
     if controller is None or module is None or not hasattr(controller, "synchronize"):
         return
     with torch.no_grad():

@@ -1,12 +1,4 @@
-"""The watchdog's records in the job's store: signing and verifying them, and what one observer knows of the other
-replicas' heartbeats (:class:`HeartbeatBook`: the last genuine record of each, its age, and tampering detected).
-
-Freshness: every heartbeat carries its sender's rank and a per-replica counter (``beat``) that only grows, and the
-signature covers the full key name (the watchdog's key space included) and the payload. A record that fails
-verification, names another replica, goes backwards or disappears is *tampering*: it is ignored (one warning per key,
-naming it) and the last genuine record is kept. A heartbeat that stopped is taken as a dead replica only when a
-second signal confirms it where one exists: for a replica on this node, its process must be gone.
-"""
+"""The watchdog's signed records in the job's store, and one observer's view of the others' heartbeats."""
 
 from __future__ import annotations
 
@@ -59,8 +51,7 @@ _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 #: packages whose barriers call a process group's C++ method directly (no Python frame in ``torch.distributed``)
 _LIGHTNING_PACKAGES = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
                                                                  "lightning_het"))  # fmt: skip
-#: functions of those packages that wait for every replica: Lightning's ``strategy.barrier``, ``_sync_dir`` and the
-#: ``_InfiniteBarrier`` around ``prepare_data``
+#: their functions that wait for every replica (``strategy.barrier``, ``_sync_dir``, ``_InfiniteBarrier``)
 _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
@@ -78,8 +69,7 @@ def _waits(code: Any) -> bool:
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
-    """Whether one of the innermost ``depth`` Python frames waits for the other replicas: a ``torch.distributed``
-    call, or a barrier of Lightning or lightning-het (which may call a process group's C++ method directly)."""
+    """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
     while frame is not None and depth > 0:
         if _waits(frame.f_code):
             return True
@@ -93,8 +83,7 @@ class StoreUnreachable(RuntimeError):
 
 
 class GuardedStore:
-    """The watchdog's view of the store: every failure of a store call surfaces as :class:`StoreUnreachable`, so the
-    heartbeat thread can tell a lost store from a bug of its own."""
+    """The store, every failing call raising :class:`StoreUnreachable` (a lost store, not a watchdog bug)."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -131,19 +120,7 @@ def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stall
 
 
 class HeartbeatBook:
-    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock.
-
-    Args:
-        rank: the observer's rank (for messages).
-        token: the job token (``""``: unsigned records, no verification).
-        namespace: the watchdog's key space (the store prefix), covered by every signature.
-        host: the observer's host name.
-        stale_after: seconds without a new heartbeat after which a replica on this node whose process is alive is
-            reported as "not visible" rather than silent (its ages are reset: nobody is blamed for what nobody sees).
-        alive: whether a local process id is alive (replaced in tests).
-        peers: every replica's ``(host, boot id, pid)``, exchanged over the process group (not the store) when the
-            watchdog starts, so a replica never heard of can be checked too (``{}``: use the records' own).
-    """
+    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock."""
 
     def __init__(
         self,
@@ -165,7 +142,6 @@ class HeartbeatBook:
         self._hidden: set[int] = set()
         self._forgeries = 0
 
-    # ------------------------------------------------------------------ signed records
     def sign(self, key: str, payload: str) -> str:
         return sign(self.token, self.namespace + key, payload) if self.token else payload
 
@@ -192,7 +168,6 @@ class HeartbeatBook:
                 f" {what}; ignored, the last genuine record is kept (a client outside the job writes to the store)"
             )
 
-    # ------------------------------------------------------------------ heartbeats
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
         """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
         key = f"hb/{r}"
@@ -241,8 +216,7 @@ class HeartbeatBook:
         return status
 
     def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
-        """The second signal for a replica this process launched: exited with 0, it finished (its last records may
-        have been hidden); still running, it is not silent, whatever its heartbeat."""
+        """Second signal for a replica this process launched: exited 0 is finished; running is not silent."""
         if exit_code == 0:
             return replace(status, state="finished")
         if exit_code is None and status.silent_for > self.stale_after:

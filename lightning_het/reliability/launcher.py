@@ -21,15 +21,7 @@ _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for 
 
 
 class ExitCleanup:
-    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally.
-
-    Lightning never destroys the process group (a script may fit again). Left alive until interpreter shutdown, torch
-    tears the group, its Gloo threads and the rendezvous store down during finalisation, in no particular order; a
-    thread object destroyed while still joinable then aborts the process ("terminate called without an active
-    exception", exit status -6) after a successful run. Destroying the group from an ``atexit`` handler, while the
-    interpreter is still whole, joins those threads in order. After a failed run the group may hold a collective that
-    never completes, so it is left alone (the watchdog ends such processes).
-    """
+    """Destroys the default process group when the process exits, if the last fit/evaluation ended normally."""
 
     registered = False
     clean = True
@@ -57,13 +49,11 @@ class AllocationCarrier(Protocol):
     """A strategy whose allocation travels from the spawned workers back to the parent process."""
 
     def export_allocation(self) -> dict[str, Any]: ...
-
     def import_allocation(self, state: dict[str, Any]) -> None: ...
 
 
 class AllocationResultsMixin:
-    """Spawn/fork launcher mixin that also sends the allocation back to the parent process, and checks a multi-node
-    job's rendezvous variables before it starts the workers."""
+    """Spawn/fork launcher mixin: sends the allocation back to the parent, checks the multi-node rendezvous."""
 
     #: multi-node rendezvous variables are checked at launch, not at Trainer construction
     validates_launch_environment = True

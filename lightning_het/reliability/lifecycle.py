@@ -1,32 +1,4 @@
-"""The job's lifecycle: launch, run to the end together, and leave no process behind, whatever happens.
-
-:class:`HeterogeneousScriptLauncher` replaces Lightning's ``popen`` launcher (``_SubprocessScriptLauncher``; the
-strategy installs it). In the launching process (local rank 0 of each node) it
-
-1. checks the output directory (:func:`check_output_dir`) before any replica starts: a missing parent, a directory
-   that cannot be written or a full disk is one :class:`OutputDirError` naming the path (the app: exit status 2);
-2. creates the per-job token and keeps a single-node job's sockets on loopback
-   (:mod:`lightning_het.cluster.rendezvous`), then starts the other local replicas with ``PR_SET_PDEATHSIG``: the
-   kernel kills them if the launching process
-   dies, whatever kills it; when the Trainer call ends, the token and the socket variables are put back as they were
-   (:data:`~lightning_het.cluster.rendezvous.JOB_ENVIRONMENT`; a later call of the same job sets them again);
-3. watches them during each Trainer call until the watchdog runs (a replica that dies during start-up ends the job
-   within a second instead of leaving the others in the rendezvous for ``startup_timeout``; the observer thread ends
-   with the call), and at exit waits for them (up to ``timeout``), then kills any that are left.
-
-Multi-node jobs check their rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``) here, when the
-processes start (:func:`~lightning_het.reliability.supervision.validate_launch_environment`), not when the Trainer is
-built.
-
-In every replica it runs the Trainer's entry point and then waits until every replica has finished it (the
-watchdog keeps judging meanwhile, so a replica stuck in its teardown ends the job), and it maps how a run ended to
-exit statuses: **130** when the job was interrupted (Ctrl-C), **124** when it was ended because a replica stalled or
-died (the exception this replica saw is only a symptom); a replica's own error propagates unchanged.
-
-Fabric's ``popen`` launcher gets the part that concerns the replicas' processes (:func:`fabric_script_launcher`):
-``PR_SET_PDEATHSIG`` and the reaping at exit; your loop runs after ``fabric.launch()`` has returned, out of the
-launcher's reach, so there is no end-of-run barrier or exit-status mapping there.
-"""
+"""The job's lifecycle: launch, run to the end together, and leave no process behind, whatever happens."""
 
 from __future__ import annotations
 
@@ -42,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from typing_extensions import override
 
@@ -72,10 +44,15 @@ from lightning_het.reliability.verdicts import (
     is_collective_failure,
 )
 
+if TYPE_CHECKING:
+    from lightning_het.reliability.watchdog import Watchdog
+
 __all__ = [
     "MIN_FREE_BYTES",
     "HeterogeneousScriptLauncher",
+    "LaunchingStrategy",
     "OutputDirError",
+    "TimedStrategy",
     "check_output_dir",
     "fabric_script_launcher",
 ]
@@ -96,13 +73,35 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-class _ReplicaProcesses:
-    """The part of the lifecycle that concerns the launching process's replicas, for any Lightning launcher: they are
-    started with ``PR_SET_PDEATHSIG`` and, at exit, given ``timeout`` + 30 s to end (10 s after a failed run), then
-    killed. Mixed into the Trainer's and Fabric's ``popen`` launchers (no zero-argument ``super()``: see
-    :func:`~lightning_het._compat.on_flavour`)."""
+class TimedStrategy(Protocol):
+    """What the launching process reads of its strategy when it exits: the collective timeout (seconds or
+    ``timedelta``; ``None``: 30 minutes), which bounds its wait for the replicas it started."""
 
-    _strategy: Any = None
+    @property
+    def process_group_timeout(self) -> timedelta | float | None: ...
+
+
+class LaunchingStrategy(TimedStrategy, Protocol):
+    """What :class:`HeterogeneousScriptLauncher` reads of the Trainer strategy it launches for: Lightning's launcher
+    arguments, and the watchdog that judges how a run ended."""
+
+    @property
+    def cluster_environment(self) -> Any: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def watchdog(self) -> Watchdog | None: ...
+    def release_watchdog(self) -> Watchdog | None: ...
+
+
+class _ReplicaProcesses:
+    """The launching process's replicas: started with ``PR_SET_PDEATHSIG``, reaped or killed at exit."""
+
+    #: the strategy this launcher launches for (set by the factories :meth:`HeterogeneousScriptLauncher.for_strategy`
+    #: and :func:`fabric_script_launcher`)
+    strategy: TimedStrategy
     _failed = False  # a run of this process ended with an exception
     procs: list[subprocess.Popen]
     cluster_environment: Any
@@ -110,8 +109,7 @@ class _ReplicaProcesses:
     num_nodes: int
 
     def _call_children_scripts(self) -> None:
-        """Lightning's child start (same command and environment), with ``PR_SET_PDEATHSIG`` on Linux, and the exit
-        handler that reaps the replicas."""
+        """Lightning's child start with ``PR_SET_PDEATHSIG`` on Linux, and the exit handler that reaps them."""
         self._check_can_spawn_children()  # type: ignore[attr-defined]
         self.procs = []
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
@@ -138,9 +136,8 @@ class _ReplicaProcesses:
         return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
 
     def _reap_children(self) -> None:
-        """Exit handler of the launching process: give the local replicas ``timeout`` + 30 s to end (after a failed run,
-        when they have the verdict already: at most 10 s), then kill them."""
-        wait = _timeout_seconds(self._strategy) + REAP_GRACE_S
+        """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
+        wait = _timeout_seconds(self.strategy.process_group_timeout) + REAP_GRACE_S
         if self._failed:
             wait = min(wait, FAILED_REAP_GRACE_S)
         deadline = time.monotonic() + wait
@@ -159,12 +156,7 @@ class _ReplicaProcesses:
 
 
 class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module.
-
-    Build it with :meth:`for_strategy`, which picks the class of the strategy's package: this class (on
-    ``lightning.pytorch``'s launcher) or the same body on the standalone ``pytorch_lightning``'s launcher (see
-    :func:`~lightning_het._compat.on_flavour`; hence no zero-argument ``super()`` in this class).
-    """
+    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module."""
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
@@ -174,22 +166,17 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     _observer: threading.Thread | None = None
     _token: str | None = None  # the job token the replicas this process launched were given
     _observer_stop: threading.Event | None = None  # set to end the observer thread
+    strategy: LaunchingStrategy
 
     @classmethod
-    def for_strategy(cls, strategy: Any) -> HeterogeneousScriptLauncher:
-        """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package.
-
-        Args:
-            strategy: a Trainer strategy (its ``process_group_timeout`` bounds the waits, its watchdog is consulted;
-                its cluster environment, ``num_processes`` and ``num_nodes`` are Lightning's launcher's arguments).
-        """
+    def for_strategy(cls, strategy: LaunchingStrategy) -> HeterogeneousScriptLauncher:
+        """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package."""
         launcher = on_flavour(HeterogeneousScriptLauncher, strategy)(
             strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
-        launcher._strategy = strategy
+        launcher.strategy = strategy
         return launcher
 
-    # ------------------------------------------------------------------ launching process
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -230,13 +217,12 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         return result
 
     def _start_observer(self) -> None:
-        """During a Trainer call, until the watchdog runs (start-up): a local replica that fails ends the job. Stopped
-        (joined) when the call returns (:meth:`_stop_observer`)."""
+        """During a Trainer call, until the watchdog runs: a local replica that fails ends the job."""
         stop = self._observer_stop = threading.Event()
 
         def observe() -> None:
             while not stop.wait(0.5):
-                watchdog = self._strategy.watchdog
+                watchdog = self.strategy.watchdog
                 if not self._in_run or (watchdog is not None and watchdog.running):
                     if all(proc.poll() is not None for proc in self.procs):
                         return
@@ -265,19 +251,18 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         if observer is not threading.current_thread():
             observer.join(timeout=5.0)
 
-    # ------------------------------------------------------------------ every replica
     def _finish(self, trainer: Any) -> None:
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
         from lightning_het.reliability.supervision import stop_watchdog
 
-        watchdog = self._strategy.release_watchdog()
+        watchdog = self.strategy.release_watchdog()
         stop_watchdog(watchdog, trainer, finished=True)
 
     def _exit_code(self, exc: BaseException) -> int | None:
         """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""
         if isinstance(exc, JobEnded):
             return None
-        watchdog = self._strategy.watchdog
+        watchdog = self.strategy.watchdog
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
         if interruption_of(exc) is not None:
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
@@ -292,19 +277,8 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
 _FABRIC_LAUNCHERS: dict[type, type] = {}
 
 
-def fabric_script_launcher(strategy: Any, launcher: Any) -> Any:
-    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans.
-
-    Fabric runs your loop after ``fabric.launch()`` has returned, so the Trainer's run-to-the-end barrier and exit
-    statuses cannot apply; what does: the replicas are started with ``PR_SET_PDEATHSIG`` (the kernel kills them when
-    the launching process dies, e.g. after a collective timed out on a replica that hangs) and reaped at exit (given
-    ``timeout`` + 30 s to end, 10 s after an uncaught exception). Fabric's own observer still ends the job when a
-    replica exits with an error.
-
-    Args:
-        strategy: the Fabric strategy (its ``process_group_timeout`` bounds the wait at exit).
-        launcher: the ``_SubprocessScriptLauncher`` that Fabric's ``DDPStrategy`` configured.
-    """
+def fabric_script_launcher(strategy: TimedStrategy, launcher: Any) -> Any:
+    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans."""
     base = type(launcher)
     cls = _FABRIC_LAUNCHERS.get(base)
     if cls is None:
@@ -314,13 +288,13 @@ def fabric_script_launcher(strategy: Any, launcher: Any) -> Any:
             {"__module__": __name__, "__doc__": fabric_script_launcher.__doc__},
         )
     built = cls(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
-    built._strategy = strategy
+    built.strategy = strategy
     return built
 
 
 class _FabricReplicaProcesses(_ReplicaProcesses):
     def _call_children_scripts(self) -> None:
-        _ReplicaProcesses._call_children_scripts(self)
+        super()._call_children_scripts()
         previous = sys.excepthook
 
         def note_failure(*exc_info: Any) -> None:  # the loop runs outside the launcher: see an uncaught exception
@@ -338,8 +312,7 @@ def _hydra_in_use() -> bool:
     return HydraConfig.initialized()
 
 
-def _timeout_seconds(strategy: Any) -> float:
-    timeout = strategy.process_group_timeout
+def _timeout_seconds(timeout: timedelta | float | None) -> float:
     if isinstance(timeout, timedelta):
         return timeout.total_seconds()
     return float(timeout) if timeout else 1800.0

@@ -1,5 +1,4 @@
-"""DataLoader worker processes of a replica: they ignore the preemption signals (the replica saves first) and die
-with their replica however it ends (``PR_SET_PDEATHSIG`` on Linux)."""
+"""DataLoader workers that ignore the preemption signals and die with their replica however it ends."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ _PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:
     """Ask the kernel for SIGKILL when the parent ends (Linux; elsewhere nothing).
 
-    A DataLoader worker blocked in ``Dataset.__getitem__`` (a stuck read) never gets to torch's own parent check:
-    without this it outlives its replica, reparented to init. The signal comes when the parent *thread* that started
-    the worker ends; Lightning iterates its loaders in the main thread.
+    A worker stuck in ``__getitem__`` never reaches torch's own parent check. The signal comes when the parent
+    *thread* ends; Lightning iterates its loaders in the main thread.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -33,13 +31,7 @@ def _die_with_parent() -> None:
 
 
 class _ShieldedWorkerInit:
-    """``worker_init_fn`` that makes a DataLoader worker ignore the preemption signals and die with its replica
-    (``PR_SET_PDEATHSIG``), then runs the original.
-
-    Picklable (workers started with ``spawn``/``forkserver`` receive it pickled). ``inner`` is the loader's own
-    ``worker_init_fn``; with ``None`` and ``seed_everything(workers=True)``, Lightning's seeding function is run as
-    Lightning would have added it.
-    """
+    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original."""
 
     def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
         self.inner = inner
@@ -61,12 +53,7 @@ class _ShieldedWorkerInit:
 
 
 def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
-    """Make the worker processes of ``dataloader`` (if any) ignore the preemption signals and die with their replica
-    (SIGKILL when it ends, however it ends); returns ``dataloader``.
-
-    Without this, a ``SIGTERM`` sent to the whole process group kills the workers first (torch's worker handler
-    re-raises it) and the replica fails with "DataLoader worker ... is killed by signal" before it can save.
-    """
+    """Make ``dataloader``'s workers ignore the preemption signals and die with their replica; return it."""
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn
         if not isinstance(current, _ShieldedWorkerInit):

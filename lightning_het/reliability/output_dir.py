@@ -20,13 +20,7 @@ class OutputDirError(ValueError):
 
 
 def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_FREE_BYTES) -> Path:
-    """Create ``path`` if needed and make sure a run can write there; return it as an absolute path.
-
-    Writes, syncs and removes a small probe file, and checks that at least ``min_free_bytes`` are free.
-
-    Raises:
-        OutputDirError: one line naming the directory and the reason.
-    """
+    """Create ``path`` if needed and make sure a run can write there; return it as an absolute path."""
     directory = Path(path).absolute()
     try:
         directory.mkdir(parents=True, exist_ok=True)

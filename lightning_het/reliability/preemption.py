@@ -1,41 +1,13 @@
 """Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143.
 
-Schedulers (SLURM at the time limit or on preemption, Kubernetes, ``kill``) send ``SIGTERM`` and, a grace period
-later (SLURM's ``KillWait``, often 30 s), ``SIGKILL``. Lightning's own handler only logs the signal, tries a
-broadcast from inside the signal handler and lets training go on; whatever was learnt since the last checkpoint is
-then lost to the ``SIGKILL``. What this module does instead, per replica:
-
-1. **Notice (signal handler).** ``SIGTERM``, ``SIGUSR1`` (what ``sbatch --signal=USR1@...`` sends by default) and a
-   SLURM environment's ``requeue_signal`` get a Python handler that only records the signal, and
-   :func:`signal.set_wakeup_fd` makes the C-level handler write the signal number into a pipe at once. A small thread
-   reading that pipe sees the signal even while the main thread is blocked inside a collective (where Python-level
-   handlers cannot run) and arms the deadline (step 4).
-2. **Agree (step boundary).** After every optimizer step (``on_train_batch_end`` of a batch that stepped), the
-   replicas all-reduce (MAX) one small integer vector holding the signal each replica received, so they all stop
-   after the same step, whichever replica (or the launching process, which is rank 0) got the signal.
-3. **Save and stop.** Rank 0 writes the checkpoint through ``trainer.save_checkpoint`` (every rank takes part:
-   ``node_local`` synchronises the model first, and the checkpoint carries the strategy's allocation and sampler
-   position, so the resumed fit continues exactly, mid-epoch included) into a temporary file beside the target and
-   renames it (``os.replace``): an interrupted save never leaves a truncated checkpoint. Then every replica raises
-   :class:`Preempted` (a Lightning ``SIGTERMException`` with exit status :data:`PREEMPTION_EXIT_CODE` = 143 =
-   128 + SIGTERM). The launching process waits for the replicas it started before it exits.
-4. **Deadline.** From the moment a replica notices the signal (or learns of it at the agreement), a daemon thread
-   gives it ``grace`` seconds (``preemption_grace``, default 25 s) to end. A replica still alive then (one stuck in a
-   collective with a hung peer, in a long validation, in a slow teardown) kills the replicas and data-loader workers
-   it started and ends with ``os._exit(143)``: a stuck replica never keeps the others alive past the scheduler's
-   ``SIGKILL``.
-
-Outside ``fit`` (``validate``, ``test``, ``predict``) there is nothing to save: the signal ends the replica at once,
-with status 143. Data-loader worker processes ignore ``SIGTERM``/``SIGUSR1``
-(:func:`~lightning_het.reliability.loader_workers.shield_loader_workers`), so a signal sent to the whole process group
-does not kill them before their replica reaches the step boundary; they end with their replica.
-
-See ``docs/preemption.md`` for the SLURM ``--signal`` / ``--requeue`` recipe.
+Per replica: a handler records the signal and a ``set_wakeup_fd`` pipe thread notices it even while the main thread
+is blocked in a collective; the replicas agree (MAX all-reduce) after every optimizer step, rank 0 saves atomically,
+every replica raises :class:`Preempted`; a replica still alive ``grace`` seconds after the signal ends with
+``os._exit(143)``. See ``docs/preemption.md``.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import logging
@@ -48,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -56,7 +28,14 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import on_flavour, replace_signal_connector, should_accumulate
+from lightning_het._compat import (
+    on_flavour,
+    replace_signal_connector,
+    run_atexit_handlers,
+    should_accumulate,
+    stop_child_process_observers,
+)
+from lightning_het.config import DEFAULT_GRACE
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -72,22 +51,12 @@ log = logging.getLogger(__name__)
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
-#: seconds a replica has, from the signal, to save and exit before it is ended by force.
-DEFAULT_GRACE = 25.0
 #: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preempted(SIGTERMException):
-    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143.
-
-    A subclass of Lightning's ``SIGTERMException`` (itself a ``SystemExit``), so it passes through ``except
-    Exception`` and callbacks can recognise it in ``on_exception``.
-
-    Attributes:
-        checkpoint: path of the checkpoint written (``None`` if it could not be written).
-        signals: the signal number each replica received (0: none), indexed by global rank.
-    """
+    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143."""
 
     def __init__(self, checkpoint: str | None, signals: Sequence[int]) -> None:
         super().__init__(PREEMPTION_EXIT_CODE)
@@ -102,19 +71,8 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-# ---------------------------------------------------------------------------------------------------- per replica
 class PreemptionHandler:
-    """One replica's signal notice, deadline and step-boundary agreement (see the module docstring).
-
-    Args:
-        grace: seconds from the signal (or the agreement) until the replica is ended by force.
-        checkpoint: where rank 0 writes the checkpoint; ``None``: :func:`default_checkpoint_path`; ``False``: no
-            checkpoint (the replicas still stop together at a step boundary and end with status 143).
-        children: the local replicas this process launched (``subprocess.Popen``), ended with it.
-        exit: ends the process (``os._exit``); replaced in tests.
-        fast_exit: once preempted and the main thread has returned, run the ``atexit`` handlers and end the process
-            without the interpreter's slow teardown of torch objects (seconds on a loaded host); off in tests.
-    """
+    """One replica's signal notice, deadline and step-boundary agreement (see the module docstring)."""
 
     def __init__(
         self,
@@ -150,10 +108,14 @@ class PreemptionHandler:
         self._launched: list[subprocess.Popen] = []
         self._preempting = False
 
-    # ------------------------------------------------------------------ signal handlers (main thread)
     @property
     def installed(self) -> bool:
         return self._pipe is not None
+
+    @property
+    def deadline_at(self) -> float | None:
+        """When (``time.monotonic()``) the armed deadline ends this process; ``None``: no deadline armed."""
+        return self._deadline_at
 
     @property
     def preempting(self) -> bool:
@@ -225,7 +187,6 @@ class PreemptionHandler:
         # outside fit there is nothing to save: end now
         self.arm_deadline(0.0 if not self.fitting else self.grace, f"received {_signal_name(signum)}")
 
-    # ------------------------------------------------------------------ deadline
     def arm_deadline(self, seconds: float, reason: str) -> None:
         """End this process (status 143) ``seconds`` from now unless it ends first; the earliest deadline wins."""
         at = time.monotonic() + seconds
@@ -268,33 +229,24 @@ class PreemptionHandler:
         self._exit(PREEMPTION_EXIT_CODE)
 
     def _exit_after_main_thread(self) -> None:
-        """Non-daemon thread: the interpreter waits for it before its own teardown. Once the main thread has
-        returned (the ``Preempted`` exception ended the script), run the ``atexit`` handlers (loader workers, loggers,
-        the user's) and end with status 143, skipping the teardown of torch objects that can take seconds."""
+        """Non-daemon thread: once the main thread returned, run ``atexit`` handlers and exit 143 at once."""
         main = threading.main_thread()
         while main.is_alive():
             time.sleep(0.02)
         with contextlib.suppress(Exception):
-            atexit._run_exitfuncs()
+            run_atexit_handlers()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         self._exit(PREEMPTION_EXIT_CODE)
 
-    # ------------------------------------------------------------------ launched replicas (launching process)
     def _hold_launched_replicas(self) -> None:
-        """Keep our own list of the replicas this process launched, and stop Lightning's child-process observer.
-
-        The observer ``SIGKILL``s the launching process as soon as any replica exits non-zero; the replicas now end
-        with 143 around the same time as this process, which waits for them instead (:meth:`end_launched_replicas`).
-        """
+        """Keep our own list of the replicas this process launched, and stop Lightning's child-process observer."""
         with contextlib.suppress(Exception):
             procs = list(self._children())
             if procs:
                 self._launched = procs
-                for thread in threading.enumerate():
-                    if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-                        thread._child_processes = []  # its next check finds nothing to watch and ends
+                stop_child_process_observers()
 
     def end_launched_replicas(self, wait: float) -> None:
         """Wait up to ``wait`` seconds for the replicas this process launched to exit, then kill the rest."""
@@ -307,7 +259,6 @@ class PreemptionHandler:
                 if proc.poll() is None:
                     proc.kill()
 
-    # ------------------------------------------------------------------ step boundary (main thread)
     def agree(self, device: torch.device) -> list[int]:
         """All-reduce (MAX) which replica received which signal; every replica gets the same list (0: none)."""
         local = [0] * self.world_size
@@ -353,10 +304,7 @@ class PreemptionHandler:
 
 
 def save_atomically(trainer: pl.Trainer, path: str) -> str:
-    """``trainer.save_checkpoint`` into ``path + ".tmp"`` (all ranks), then rank 0 renames it to ``path``.
-
-    Remote paths (``scheme://``) are written directly. Returns ``path``.
-    """
+    """``trainer.save_checkpoint`` into ``path + ".tmp"`` (all ranks), then rank 0 renames it to ``path``."""
     if "://" in path:
         trainer.save_checkpoint(path)
         return path
@@ -376,11 +324,7 @@ def _is_model_checkpoint(callback: Any) -> bool:
 
 
 def default_checkpoint_path(trainer: pl.Trainer) -> str:
-    """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given.
-
-    ``last.ckpt`` in the directory of the trainer's first ``ModelCheckpoint`` (so ``ckpt_path="last"`` finds it),
-    else ``<default_root_dir>/checkpoints/last.ckpt``.
-    """
+    """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given."""
     for callback in trainer.checkpoint_callbacks:
         if _is_model_checkpoint(callback) and callback.dirpath:
             return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
@@ -396,7 +340,6 @@ def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | N
     return path
 
 
-# ---------------------------------------------------------------------------------------------------- Trainer wiring
 class PreemptionCallback(Callback):
     """Runs the agreement after every optimizer step; added to the Trainer by the strategy (after its callbacks)."""
 
@@ -405,8 +348,7 @@ class PreemptionCallback(Callback):
         self._device = device
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallback:
-        """A copy that shares this process's live handler (its lock, pipe reader and signal handlers are not state
-        to duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        """A copy sharing this process's live handler, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -423,7 +365,6 @@ class PreemptionCallback(Callback):
 class _PreemptionSignalConnector:
     """Stands in for the Trainer's signal connector: our handler instead of Lightning's SIGTERM/SIGUSR1 ones.
 
-    Lightning's ``_SignalConnector`` broadcasts from inside the signal handler and lets training continue.
     ``received_sigterm`` stays ``False`` so Lightning's loops never raise their own (exit-status 0) exception.
     """
 
@@ -442,16 +383,27 @@ class _PreemptionSignalConnector:
         return {"received_sigterm": False, "handler": None, "_install": None}
 
 
-def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoint: Any) -> PreemptionHandler:
-    """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``).
+class PreemptibleStrategy(Protocol):
+    """What :func:`attach_preemption` reads of the strategy: its launcher, device and cluster environment."""
 
-    The signal handlers are installed where Lightning would install its own (``register_signal_handlers``, right
-    before the run starts); the agreement callback goes after every other callback, so a ``ModelCheckpoint`` due at
-    the same step saves first.
-    """
+    @property
+    def launcher(self) -> Any: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def cluster_environment(self) -> Any: ...
+
+
+def attach_preemption(
+    strategy: PreemptibleStrategy, trainer: pl.Trainer, grace: float, checkpoint: Any
+) -> PreemptionHandler:
+    """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
-    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=_launched_replicas(strategy))
+    def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
+        return list(getattr(strategy.launcher, "procs", None) or [])
+
+    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
     fitting = trainer.state.fn == TrainerFn.FITTING
     callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
@@ -460,7 +412,7 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
 
     def install() -> None:
         extra = []
-        environment = getattr(strategy, "cluster_environment", None)
+        environment = strategy.cluster_environment
         requeue = getattr(environment, "requeue_signal", None)
         if requeue is not None:
             extra.append(int(requeue))
@@ -477,16 +429,9 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
     handler.uninstall()
     if handler.preempting:
         left = handler.grace
-        if handler._deadline_at is not None:
-            left = max(handler._deadline_at - time.monotonic() - 1.0, 0.0)
+        if handler.deadline_at is not None:
+            left = max(handler.deadline_at - time.monotonic() - 1.0, 0.0)
         handler.end_launched_replicas(left)
     if trainer is not None:
         callback_cls = on_flavour(PreemptionCallback, trainer)
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
-
-
-def _launched_replicas(strategy: Any) -> Callable[[], list[subprocess.Popen]]:
-    def children() -> list[subprocess.Popen]:
-        return list(getattr(getattr(strategy, "launcher", None), "procs", None) or [])
-
-    return children

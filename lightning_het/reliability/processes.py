@@ -1,5 +1,4 @@
-"""Child processes of a replica: local replicas that exited (:func:`check_children`), and ending a replica's whole
-process tree (:func:`exit_job`, :func:`kill_children`; Linux ``/proc``)."""
+"""Child processes of a replica: local replicas that exited, and ending a whole process tree (Linux ``/proc``)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict 
 
 
 def descendants(pid: int) -> list[int]:
-    """The live descendants of process ``pid`` (children first), read from ``/proc/<pid>/task/*/children`` (Linux;
-    elsewhere, or without that file: ``[]``). Read them before ``pid`` ends: its orphans are then reparented."""
+    """Live descendants of ``pid`` (children first) from ``/proc`` (Linux; else ``[]``); read before it ends."""
     found: list[int] = []
     pending = [pid]
     while pending:
@@ -60,18 +58,13 @@ def kill_pids(pids: Sequence[int]) -> None:
 
 
 def exit_job(code: int) -> None:
-    """End this replica with ``code`` and its whole process tree with it: its DataLoader workers, compiler workers and
-    any other descendants get SIGKILL first (a worker blocked in ``Dataset.__getitem__`` would otherwise outlive the
-    job, reparented to init, and keep its output open)."""
+    """End this replica with ``code``, SIGKILLing its descendants first (workers must not outlive the job)."""
     kill_pids(descendants(os.getpid()))
     os._exit(code)
 
 
 def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
-    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran.
-
-    The descendants are read before the replica is killed (orphans leave its tree), and killed after it (it can no
-    longer start new ones)."""
+    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran."""
     killed = []
     for rank, proc in children:
         with contextlib.suppress(Exception):

@@ -1,5 +1,4 @@
-"""Wiring the :class:`~lightning_het.reliability.watchdog.Watchdog` into a run: the Trainer callback that feeds it
-progress markers, starting / attaching / stopping it, and the launch-time checks and timeouts around the rendezvous."""
+"""Wiring the watchdog into a run: its Trainer callback, start/attach/stop, launch checks and timeouts."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import socket
 import subprocess
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -45,8 +44,7 @@ class WatchdogCallback(Callback):
         self.watchdog = watchdog
 
     def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
-        """A copy that shares this process's running watchdog (its threads and store connection are not state to
-        duplicate): ``copy.deepcopy(trainer.callbacks)`` works as for any callback."""
+        """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
     # loops
@@ -102,7 +100,7 @@ class WatchdogCallback(Callback):
     on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
-        self.watchdog.mark(self.watchdog._progress[2])
+        self.watchdog.mark(self.watchdog.phase)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
@@ -119,22 +117,23 @@ def _seconds(value: timedelta | float | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+class LaunchingReplicas(Protocol):
+    """What :func:`start_watchdog` reads of the strategy: the local replicas its launcher started (``launcher.procs``,
+    local ranks 1, 2, ...; none for a launcher without ``procs``) and where this node's global ranks begin
+    (``node_rank * num_processes``)."""
+
+    @property
+    def launcher(self) -> Any: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+
+
 def start_watchdog(
-    strategy: Any, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
+    strategy: LaunchingReplicas, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
 ) -> Watchdog | None:
-    """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``.
-
-    Collective: every rank calls it right after the process group exists (the replicas agree on the job token).
-
-    Args:
-        strategy: the :class:`~lightning_het.HeterogeneousStrategy` (its process group must exist); its public
-            ``launcher``, ``node_rank`` and ``num_processes`` name the replicas this process launched.
-        timeout: the strategy's collective timeout (``None``: no watchdog).
-        trainer: the Trainer that gets the :class:`WatchdogCallback` (else see :func:`attach_watchdog`).
-
-    Returns:
-        The running watchdog, or ``None`` for a single replica or without a process group.
-    """
+    """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``."""
     seconds = _seconds(timeout)
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
         return None
@@ -185,11 +184,11 @@ def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, 
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
 
 
-def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
+def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
     """The local replicas that this process launched (Lightning's ``popen`` launcher), with their global ranks."""
 
     def children() -> list[tuple[int, subprocess.Popen]]:
-        procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+        procs = getattr(strategy.launcher, "procs", None) or []
         first = strategy.node_rank * strategy.num_processes
         return [(first + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
 
@@ -199,19 +198,8 @@ def _launched_replicas(strategy: Any) -> Callable[[], list[tuple[int, subprocess
 def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
     """The timeout the rendezvous should use instead of the strategy's ``timeout``, or ``None`` to keep ``timeout``.
 
-    ``torch.distributed.init_process_group(timeout=...)`` uses one timeout for the rendezvous and for every
-    collective; a ``timeout`` short enough to end a hung job quickly would also fail a job whose replicas take longer
-    to start (imports, a busy node, a scheduler starting nodes apart). The rendezvous therefore waits
-    ``startup_timeout`` (default 10 minutes) when that is longer; the strategy applies it to itself during the
-    rendezvous and then restores ``timeout`` with :func:`apply_collective_timeout`.
-
-    Args:
-        timeout: the strategy's collective timeout (``None``: torch's default, kept).
-        startup_timeout: the rendezvous timeout (seconds or ``timedelta``; ``None``: 10 minutes).
-
-    Returns:
-        The longer rendezvous timeout, or ``None`` when ``timeout`` is unset or already at least as long, or when the
-        default process group already exists (nothing to rendezvous).
+    ``init_process_group`` uses one timeout for the rendezvous and every collective; a short ``timeout`` must not fail
+    replicas that start slowly, so the rendezvous waits ``startup_timeout`` when that is longer.
     """
     startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
     startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
@@ -227,19 +215,7 @@ def apply_collective_timeout(timeout: timedelta) -> None:
 
 
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
-    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen.
-
-    Called by the strategy's launchers when they start the processes (``fit``, ``validate``, ...), before any starts;
-    not at Trainer construction, so that a Trainer can be built where the variables are not set (a login node, a unit
-    test, printing a config), as Lightning allows.
-
-    With Lightning's default environment (no SLURM, torchrun, ...), every node must be given the same
-    ``MASTER_ADDR`` and ``MASTER_PORT``; otherwise each node silently rendezvouses on its own localhost / a random
-    port and waits until the start-up timeout.
-
-    Raises:
-        ValueError: naming the missing variable(s).
-    """
+    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen."""
     environ = os.environ if environ is None else environ
     if num_nodes <= 1 or cluster_environment is None or cluster_environment.creates_processes_externally:
         return

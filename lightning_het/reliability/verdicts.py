@@ -1,9 +1,4 @@
-"""What the watchdog concludes: progress phases, replica statuses, verdicts and the pure :func:`judge`, exit statuses
-and the classification of exceptions (collective failure, interruption, preemption).
-
-Pure values and functions (no threads, no store); the design is described in ``docs/reliability.md`` and in
-:mod:`lightning_het.reliability.watchdog`.
-"""
+"""What the watchdog concludes: phases, statuses, verdicts, the pure :func:`judge` and exit statuses."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ __all__ = [
 WATCHDOG_EXIT_CODE = 124
 #: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).
 INTERRUPTED_EXIT_CODE = 130
-#: replica states (and verdict kinds) that are an interruption from outside the job, not a failure, with the exit
-#: status every replica ends with; everything else ends with :data:`WATCHDOG_EXIT_CODE`.
+#: states (and verdict kinds) that are an interruption, not a failure, with every replica's exit status
 INTERRUPTION_EXIT_CODES: dict[str, int] = {"interrupted": INTERRUPTED_EXIT_CODE}
 _INTERRUPTED_STATES = INTERRUPTION_EXIT_CODES  # the states are the keys
 #: a local replica's exit status (or ``-signal``) that tells it was interrupted, with the verdict kind it gets
@@ -58,8 +52,7 @@ def interruption_of(exception: BaseException) -> str | None:
 
 
 def is_sigterm_exit(exception: BaseException) -> bool:
-    """Whether ``exception`` is a Lightning ``SIGTERMException`` (the job was told to stop, e.g. preempted), from
-    ``lightning.pytorch`` or the standalone ``pytorch_lightning``: the two packages have separate classes."""
+    """Whether ``exception`` is a ``SIGTERMException`` of either Lightning package (e.g. preempted)."""
     return isinstance(exception, SystemExit) and any(
         cls.__name__ == "SIGTERMException" and cls.__module__.endswith(".utilities.exceptions")
         for cls in type(exception).__mro__
@@ -67,8 +60,7 @@ def is_sigterm_exit(exception: BaseException) -> bool:
 
 
 class Phase(IntEnum):
-    """Where a replica's main thread is. Values increase with progress: through the job's stages, and within one
-    training batch ``k``."""
+    """Where a replica's main thread is; values increase with progress."""
 
     SETUP = 0  # process group up: setup hooks, model wrapping, checkpoint restore, building loaders
     PROFILING = 1  # timing the training step to measure the replica's speed
@@ -104,14 +96,7 @@ _EPOCH_END_HOOKS = {"validate": "on_validation_epoch_end", "sanity_check": "on_v
 
 
 def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
-    """Where a replica is, in words: the phase and the training (or evaluation) batch it concerns.
-
-    Args:
-        phase: the phase.
-        batch: training batches started so far (1-based index of the current training batch).
-        eval_stage: Lightning's running stage during evaluation (``"validate"``, ``"test"``, ...).
-        eval_batch: 0-based index of the evaluation batch last started (``-1``: none yet in this loop).
-    """
+    """Where a replica is, in words: the phase and the training (or evaluation) batch it concerns."""
     if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
         return _PHASE_TEXT[phase]
     if phase in _EVAL_PHASES and eval_stage:
@@ -128,23 +113,7 @@ def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: i
 
 @dataclass(frozen=True)
 class ReplicaStatus:
-    """One replica as seen by an observer (the input of :func:`judge`).
-
-    Args:
-        rank: global rank.
-        host: host name.
-        pid: process id on that host.
-        batch: training batches started so far (the same count on every replica in lock-step).
-        phase: where the main thread is within that batch.
-        armed: whether the replica is inside a training/evaluation loop (only then are stalls judged).
-        waiting: whether its main thread is inside a ``torch.distributed`` call.
-        state: ``"running"``, ``"finished"`` or ``"failed"``.
-        silent_for: seconds since its heartbeat last changed.
-        stalled_for: seconds since its main thread last made progress.
-        error: for ``"failed"``: the error, one line.
-        eval_stage: during evaluation, Lightning's running stage (``"validate"``, ``"test"``, ...).
-        eval_batch: during evaluation, the 0-based index of the evaluation batch last started.
-    """
+    """One replica as seen by an observer (the input of :func:`judge`)."""
 
     rank: int
     host: str = "?"
@@ -213,27 +182,9 @@ def judge(
 ) -> Verdict | None:
     """Decide whether the job must end and whom to blame. Pure: the same statuses give the same verdict.
 
-    Rules, in order:
-
-    0. a replica that was interrupted (Ctrl-C): end every replica the same way (not a failure);
-    1. a replica that reported a failure: blame it;
-    2. a running replica whose heartbeat is older than ``silence_timeout`` (default ``timeout``): its process died or
-       froze;
-    3. some replica inside a loop made no progress for ``timeout``: the job has stalled. Suspects are the replicas
-       without progress for ``suspect_after`` (default ``timeout / 2``; observers see a peer's progress up to one
-       heartbeat late) that are not known to be waiting (inside a ``torch.distributed`` call, or done with
-       evaluation). Blame the suspects in an evaluation phase (evaluation has no collectives between batches), else
-       the suspects furthest behind (:attr:`ReplicaStatus.position`), else the replicas still making progress that the
-       others wait for.
-
-    Args:
-        statuses: every replica, as the observer sees it.
-        timeout: seconds without progress after which the job has stalled.
-        silence_timeout: seconds without a heartbeat after which a replica is presumed dead.
-        suspect_after: seconds without progress that make a replica a suspect once the job has stalled.
-
-    Returns:
-        ``None`` while the job is healthy, else the :class:`Verdict`.
+    Rules, in order: an interruption ends everyone; a reported failure is blamed; a heartbeat older than
+    ``silence_timeout`` is a dead replica; no progress for ``timeout`` is a stall, blaming the suspects (no progress for
+    ``suspect_after``, not waiting) in evaluation, else those furthest behind, else those the others wait for.
     """
     silence = timeout if silence_timeout is None else silence_timeout
     suspect = timeout / 2 if suspect_after is None else suspect_after
@@ -291,10 +242,7 @@ _COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "con
 
 
 def is_collective_failure(exception: BaseException) -> bool:
-    """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection).
-
-    Such an error is a symptom on the replica that raises it; the cause is elsewhere, and :class:`Watchdog` names it.
-    """
+    """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection)."""
     dist_errors = tuple(getattr(dist, name) for name in ("DistError",) if hasattr(dist, name))
     if dist_errors and isinstance(exception, dist_errors):
         return True
@@ -305,8 +253,7 @@ def is_collective_failure(exception: BaseException) -> bool:
 
 
 def first_line(exception: BaseException, limit: int = 300) -> str:
-    """``Type: first line`` of ``exception``, at most about ``limit`` characters; a long message keeps its ``HINT:``
-    (what to do), shortening the part before it instead."""
+    """``Type: first line`` of ``exception``, about ``limit`` characters at most, keeping its ``HINT:``."""
     text = str(exception).strip().splitlines()
     line = f"{type(exception).__name__}: {text[0] if text else ''}"
     if len(line) <= limit:
@@ -319,7 +266,4 @@ def first_line(exception: BaseException, limit: int = 300) -> str:
 
 
 class JobEnded(SystemExit):
-    """Raised in a replica's main thread in place of an exception that only reflects how the job ended elsewhere
-    (a peer stalled, died or was interrupted): the process exits with :attr:`code` (124 or 130), after the usual
-    clean-up (``finally`` blocks, exit handlers). The watchdog has already printed the reason.
-    """
+    """Raised instead of an exception that only reflects the job ending elsewhere; exits with :attr:`code`."""

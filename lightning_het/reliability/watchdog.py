@@ -1,42 +1,8 @@
 """Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
 
-Why this exists: on Gloo a replica waiting in a collective for a peer that never arrives raises after ``timeout``,
-but the peer itself (stuck in its ``training_step``, its data loader or its device) never does, and Lightning's own
-child-process observer lives in the launching process only. The job then neither finishes nor fails: the stuck
-process outlives the others and holds the job's output open. On NCCL the waiting ranks abort, with the same effect.
-
-How it works (one :class:`Watchdog` per replica, started by the strategy once the process group exists):
-
-* **Progress markers.** The strategy and a callback it adds to the Trainer record where the main thread is: in setup
-  (from the rendezvous on: setup hooks, model wrapping), profiling, in ``training_step``, ``backward`` or the
-  optimizer step of training batch ``k``, between batches, loading or running evaluation batch ``i``, done with
-  evaluation, or in teardown (:class:`Phase`). Markers are plain attribute writes (no I/O).
-* **Heartbeats.** A daemon thread publishes the markers every ``interval`` seconds to a dedicated connection to the
-  job's rendezvous store (the TCPStore that ``torch.distributed`` already runs; no new port; every record signed with
-  the job token, see :mod:`lightning_het.cluster.rendezvous`), together with whether
-  the main thread is inside a ``torch.distributed`` call, and reads every other replica's heartbeat. Ages are
-  measured with the reader's own monotonic clock, so clock skew between hosts does not matter.
-* **Judgement** (:func:`judge`, a pure function). From the rendezvous to the end of the run, a replica whose main
-  thread made no progress for ``timeout`` seconds has *stalled*; a replica whose heartbeat stopped for ``timeout``
-  has *gone silent* (process dead or frozen). The replica(s) to blame are the stalled ones furthest *behind*: with
-  every replica running the same steps, the one stuck in ``training_step`` of batch ``k`` is behind those waiting
-  for it in the all-reduce of ``backward`` of batch ``k``; one stuck loading batch ``k+1`` is behind those in batch
-  ``k+1``. A replica inside a ``torch.distributed`` call or a Lightning barrier, or done with evaluation, is waiting,
-  never blamed. Tampered records and the second signal for a dead replica: :mod:`lightning_het.reliability.heartbeats`.
-* **Abort.** The first replica to decide writes one abort record (compare-and-set, so every replica reports the same
-  verdict); every watchdog thread that reads it logs ``replica(s) [r] stopped responding for N s ...``, acknowledges,
-  and ends its process with ``os._exit(WATCHDOG_EXIT_CODE)`` (``INTERRUPTED_EXIT_CODE`` for Ctrl-C; a thread can end
-  a process whose main thread is blocked in a collective; nothing is registered with ``atexit``). The replica
-  hosting the store waits (briefly) for the acknowledgements before exiting, and the launching process kills the
-  local replicas it started that are still alive.
-* **Fast paths.** A replica that raises (a real error, or a collective that timed out or lost its peer) publishes
-  the failure from the Trainer's ``on_exception`` hook, so the others end at once instead of at their next
-  collective's timeout; the launching process notices a local replica that exited non-zero within one interval.
-
-``timeout`` is the strategy's ``timeout`` (as in ``DDPStrategy``): it must exceed the longest stretch a replica may
-spend without a progress marker (the setup hooks, one profiling call, one training step, one evaluation batch, an
-epoch-end hook, a checkpoint save, the end-of-run hooks). An exception inside the heartbeat thread that is not a
-failing store call is a bug of the watchdog: it is logged once and the thread carries on.
+One :class:`Watchdog` per replica: progress markers (plain attribute writes), a heartbeat thread on the job's store
+(ages on the reader's monotonic clock), the pure :func:`judge`, and one compare-and-set abort record that ends every
+replica with ``os._exit``. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -81,26 +47,7 @@ log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """Per-replica heartbeat thread and judge; see the module docstring.
-
-    Args:
-        store: a store shared by all replicas (a dedicated client connection: the thread uses it concurrently with
-            the training thread).
-        rank: this replica's global rank.
-        world_size: number of replicas.
-        timeout: seconds without progress (or heartbeat) after which a replica is declared stopped.
-        interval: seconds between heartbeats. Default: ``timeout / 10``, between 0.1 and 5 s.
-        hosts_store: whether the store's server runs in this process (it then waits for the others to read the
-            verdict before exiting).
-        children: returns the local replicas this process launched, as ``(global_rank, Popen)`` pairs.
-        exit: ends the process and its descendants (:func:`exit_job`, from the heartbeat thread only); replaced in
-            tests.
-        token: the job's secret (:mod:`lightning_het.cluster.rendezvous`): every record is signed with it, and records
-            without a valid signature are ignored. ``""``: unsigned records (tests, single-process use).
-        namespace: the key space of ``store`` (its prefix), covered by every signature so that a record cannot be
-            moved between watchdogs.
-        peers: every replica's ``(host, boot id, pid)`` (:class:`~lightning_het.reliability.heartbeats.HeartbeatBook`).
-    """
+    """Per-replica heartbeat thread and judge (see the module docstring)."""
 
     def __init__(
         self,
@@ -153,7 +100,6 @@ class Watchdog:
         self._main_ident = threading.get_ident()
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
-    # ------------------------------------------------------------------ signed records
     def _write(self, key: str, payload: str) -> None:
         self.store.set(key, self._book.sign(key, payload))
 
@@ -161,7 +107,6 @@ class Watchdog:
         """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
         return self._book.verify(key, raw)
 
-    # ------------------------------------------------------------------ training thread
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
         self._main_ident = threading.get_ident()
@@ -176,15 +121,13 @@ class Watchdog:
         """Whether the heartbeat thread runs (started and not stopped)."""
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
-        """Record progress of the training thread (cheap; called from Trainer hooks).
+    @property
+    def phase(self) -> Phase:
+        """Where the training thread was at its last :meth:`mark`."""
+        return self._progress[2]
 
-        Args:
-            phase: where the training thread is now.
-            new_batch: a new training batch starts.
-            eval_batch: during evaluation, the 0-based index of the evaluation batch that starts.
-            stage: during evaluation, Lightning's running stage (``"validate"``, ``"test"``, ...).
-        """
+    def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
+        """Record progress of the training thread (cheap; called from Trainer hooks)."""
         if eval_batch is not None or stage:
             old_stage, old_batch = self._eval_where
             self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
@@ -201,12 +144,7 @@ class Watchdog:
         self.mark(self._progress[2])
 
     def finish(self, *, wait: bool = True) -> None:
-        """Normal end of this replica's run: say so, then (``wait``) wait until every replica has finished.
-
-        While this replica waits, its heartbeat thread keeps judging the others: one that stalls in its own teardown
-        for ``timeout`` ends the job, so no replica can outlive the job unnoticed. Returns early when the store is gone
-        (the replica hosting it finished and left).
-        """
+        """Normal end of this replica's run: say so, then (``wait``) wait until every replica has finished."""
         self.mark(Phase.TEARDOWN)
         if self._state == "running":
             self._state = "finished"
@@ -235,16 +173,7 @@ class Watchdog:
             self._thread.join(timeout=2 * self.interval + 1.0)
 
     def on_exception(self, exception: BaseException) -> Verdict | None:
-        """The training thread is raising: make sure the whole job ends, and say who is to blame.
-
-        A collective that timed out or lost a peer is a symptom: the culprit is looked for among the others (waiting
-        up to a few heartbeats for a dead peer's heartbeat to stop). Ctrl-C ends the job as an interruption (exit
-        status 130 everywhere), not a failure. Any other exception is this replica's failure. Idempotent for the same
-        exception; never raises (the original exception must propagate).
-
-        Returns:
-            The verdict that stands (``None`` when none could be reached).
-        """
+        """The training thread is raising: make sure the whole job ends, and say who is to blame."""
         if self._handled is exception or isinstance(exception, JobEnded):
             return self._standing
         self._handled = exception
@@ -291,7 +220,6 @@ class Watchdog:
         sys.stderr.flush()
         self._exit(code)
 
-    # ------------------------------------------------------------------ heartbeat thread
     def _run(self) -> None:
         tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
         next_beat = 0.0
@@ -424,7 +352,6 @@ class Watchdog:
         return Verdict(verdict.kind, verdict.culprits, verdict.seconds, f"{verdict.message}; on replica"
                        f" {self.rank} a collective failed: {cause}")  # fmt: skip
 
-    # ------------------------------------------------------------------ ending the job
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
             return None

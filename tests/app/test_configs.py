@@ -371,13 +371,13 @@ class TestOneSourceOfTruth:
         import enum
         import inspect
 
-        from lightning_het.strategy import HeterogeneousStrategyBase
+        from lightning_het import HeterogeneousStrategy
 
-        parameters = inspect.signature(HeterogeneousStrategyBase.__init__).parameters
+        parameters = inspect.signature(HeterogeneousStrategy).parameters
         app_only = {"_target_", "gradient_averaging", "ddp_kwargs"}  # app switches, not strategy keywords
         ddp_keywords = {"process_group_backend", "start_method", "timeout", "find_unused_parameters"}  # **kwargs
         fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
-        ours = {name for name, p in parameters.items() if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD}
+        ours = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
         assert ours == set(fields) - app_only - ddp_keywords
         for name in ours:
             default = fields[name].default

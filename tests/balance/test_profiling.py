@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.balance.cost import AffineCost
-from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings, stage_sizes
+from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings
 from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
@@ -166,14 +166,6 @@ def test_manual_optimization_profiles_the_slow_replica(slow_replica_fits) -> Non
     assert sum(sizes) == 8 and sizes[0] >= 5, sizes  # 3x slower rank 1: 6 of 8 on rank 0 when balanced
     costs = [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]]
     assert costs[1](2) > costs[0](2)  # the slow replica's step is predicted slower at any size
-
-
-def test_stage_sizes_grow_and_respect_bounds() -> None:
-    small, large = stage_sizes(48, [1.0, 2.0, 4.0])
-    assert sum(small) == 6 and sum(large) == 24
-    assert all(lg > sm for sm, lg in zip(small, large))
-    small, large = stage_sizes(8, [1.0, 3.0], max_batch_sizes=[1, 8])
-    assert small[0] == large[0] == 1 and large[1] > small[1]
 
 
 def test_fit_stage_timings_uses_the_fastest_step_of_each_stage() -> None:

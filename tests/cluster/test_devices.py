@@ -252,7 +252,7 @@ class TestStrategyWiring:
         assert strategy.parallel_devices == [CPU, CPU]
         assert strategy.process_group_backend == "gloo"
         strategy.adopt_allocation([8, 2, 2, 2], [8.0, 1.0, 1.0, 1.0])
-        strategy._node_ids = [0, 0, 1, 1]
+        strategy.balancer.node_ids = [0, 0, 1, 1]
         rows = strategy.balance_table().splitlines()[2:]
         assert [row.split()[2] for row in rows] == ["cuda:0", "cpu", "cpu", "cpu"]
         assert strategy.balance_report()["devices"] == ["cuda:0", "cpu", "cpu", "cpu"]
@@ -260,7 +260,7 @@ class TestStrategyWiring:
     def test_accelerator_instance_path_and_auto_devices(self):
         trainer = _trainer(HeterogeneousStrategy(), accelerator=MixedAccelerator(["cpu"] * 3, cpu_threads=1))
         assert trainer.strategy.parallel_devices == [CPU] * 3
-        assert trainer.strategy._device_plan.threads == (1, 1, 1)
+        assert trainer.strategy.device_plan.threads == (1, 1, 1)
 
     def test_bf16_mixed_autocasts_on_each_replicas_device(self, monkeypatch):
         threads = []
@@ -278,7 +278,7 @@ class TestStrategyWiring:
         strategy = HeterogeneousStrategy(device_map=["cpu", "cpu"], start_method="spawn")
         _trainer(strategy)
         clone = pickle.loads(pickle.dumps(strategy))
-        assert clone._device_plan == strategy._device_plan
+        assert clone.device_plan == strategy.device_plan
         assert clone.accelerator.device_map == ["cpu", "cpu"]
 
     def test_pytorch_lightning_flavour(self):

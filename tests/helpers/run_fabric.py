@@ -2,10 +2,10 @@
 
 ``python -m tests.helpers.run_fabric OUT_DIR JSON``. JSON keys: devices, strategy (kwargs for
 HeterogeneousFabricStrategy), epochs, n (dataset size), batch_size (loader batch size), lr, cost_per_sample_s (seconds
-slept per sample in every forward pass), slow_rank / slow_factor (that rank sleeps ``slow_factor`` times longer),
-profile (give the strategy a ``profile_step``), fault (``{"rank": r, "step": k}``: that rank writes
-``OUT_DIR/fault.json`` (pid, time) and hangs for good before its ``k``-th step). Every rank writes its pid to
-``OUT_DIR/pid{r}`` once launched and dumps ``OUT_DIR/rank{r}.pt`` at the end. With
+slept per sample in every step, after the forward pass), slow_rank / slow_factor (that rank sleeps ``slow_factor``
+times longer), loader_first (set the training loader up before the model), fault (``{"rank": r, "step": k}``: that
+rank writes ``OUT_DIR/fault.json`` (pid, time) and hangs for good before its ``k``-th step). Every rank writes its
+pid to ``OUT_DIR/pid{r}`` once launched and dumps ``OUT_DIR/rank{r}.pt`` at the end. With
 ``LIGHTNING_HET_TEST_FLAVOUR=pytorch_lightning`` the loop runs on the standalone ``lightning_fabric``.
 
 Several loops in one job (one launch and rendezvous for all): a JSON list of such configs, all with the same
@@ -48,18 +48,20 @@ def run(out: Path, cfg: dict) -> None:
     cost = cfg.get("cost_per_sample_s", 0.0) * (cfg.get("slow_factor", 1.0) if rank == cfg.get("slow_rank") else 1.0)
 
     net = make_net()
+    loader = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True)
+    if cfg.get("loader_first"):  # the training loader set up before the model
+        loader = fabric.setup_dataloaders(loader)
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=cfg.get("lr", 0.05), momentum=0.9))
+    if not cfg.get("loader_first"):
+        loader = fabric.setup_dataloaders(loader)
 
     def loss_of(batch: list[torch.Tensor]) -> torch.Tensor:
         x, y = batch
+        out = model(x)
         if cost:
-            time.sleep(cost * len(x))  # a slower replica: a fixed cost per sample
-        return torch.nn.functional.mse_loss(model(x), y)
+            time.sleep(cost * len(x))  # a slower replica: a fixed cost per sample (inside the timed step)
+        return torch.nn.functional.mse_loss(out, y)
 
-    if cfg.get("profile"):
-        strategy.profile_step = loss_of
-    loader = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True)
-    loader = fabric.setup_dataloaders(loader)
     seen = []
     for _ in range(cfg.get("epochs", 2)):
         for batch in loader:
@@ -79,6 +81,7 @@ def run(out: Path, cfg: dict) -> None:
             "speeds": strategy.speeds,
             "node_ids": strategy.node_ids,
             "loss_scale": strategy.loss_scale,
+            "profile_cached": strategy.balance_report()["profile_cached"],
             "comm_mode": strategy.comm_mode,
             "comm_stats": strategy.comm_stats,
         },

@@ -198,10 +198,10 @@ class _FakeController:
 def test_node_local_checkpoint_synchronises_the_consensus_model_first():
     strategy = HeterogeneousStrategy(process_group_backend="gloo")
     strategy._lightning_module = TinyRegressor()
-    strategy._comm_controller = _FakeController()
+    strategy.balancer.comm = _FakeController()
     state = strategy.lightning_module_state_dict()
-    assert strategy._comm_controller.calls == 1 and "net.0.weight" in state
-    synchronize_before_save(HeterogeneousStrategy())  # no controller: nothing to do
+    assert strategy.balancer.comm.calls == 1 and "net.0.weight" in state
+    synchronize_before_save(None, TinyRegressor())  # no controller: nothing to do
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs

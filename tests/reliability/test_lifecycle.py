@@ -243,8 +243,8 @@ def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: _Done())
     monkeypatch.setattr(dist, "broadcast", lambda *a, **k: _Done())
     groups = SimpleNamespace(is_leader=True, num_nodes=2, node_size=2, leader=0, intra_group=None,
-                             intra_bcast_group=None, leader_group=None)  # fmt: skip
-    state = SimpleNamespace(groups=groups, _seq=0, _leader_order=hooks._InOrder(), _bcast_order=hooks._InOrder())
+                             intra_bcast_group=None, leader_group=None, world_size=4)  # fmt: skip
+    state = hooks.HierarchicalState(groups)
     first = hooks._hierarchical_sum_chunk(state, torch.ones(2))
     second = hooks._hierarchical_sum_chunk(state, torch.ones(2))
     with pytest.raises(RuntimeError, match="reduce failed"):

@@ -1,0 +1,389 @@
+"""The balancer: one strategy's allocation, everything that sets it, and the split of each step.
+
+Owned by the Trainer and the Fabric strategy alike (it takes values and callables, never a strategy);
+:class:`BalanceView` is the public, read-only face both show their users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_het._compat import _BatchNorm
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.clock import StepClock
+from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.planner import (
+    batch_bounds,
+    cached_costs,
+    measured_speeds,
+    profile_cache_entry,
+    split_global_batch,
+    start_profiler,
+    warn_useless_replicas,
+)
+from lightning_het.balance.profiler import InLoopProfiler
+from lightning_het.balance.profiling import ProfileCache
+from lightning_het.balance.state import Allocation, render_balance_table
+from lightning_het.comm.controller import CommController
+from lightning_het.config import HeterogeneousConfig
+from lightning_het.data.splitting import TrainingSplit, eval_weights
+from lightning_het.reliability.checkpointing import log_resumed_allocation, plan_allocation
+
+__all__ = ["BalanceView", "Balancer", "FitContext", "per_replica_batchnorm"]
+
+
+def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> list[str]:
+    """The batch norm layers that normalise each replica's batch apart, with a warning (rank 0) naming them."""
+    layers = [
+        name
+        for name, layer in (module.named_modules() if module is not None else [])
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm)
+    ]
+    if layers and world_size > 1:
+        shown = ", ".join(layers[:5]) + (", ..." if len(layers) > 5 else "")
+        rank_zero_warn(
+            f"The model has {len(layers)} batch norm layer(s) ({shown}) that normalise each"
+            " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
+            " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
+            " `Trainer(sync_batchnorm=True)` for global batch statistics."
+        )
+    return layers
+
+
+class FitContext:
+    """What the balancer needs from the fit that allocates: module, precision, step clock, trainer, devices."""
+
+    def __init__(
+        self,
+        module: Callable[[], tuple[torch.nn.Module | None, str]],
+        clock: Callable[[], StepClock | None],
+        labels: list[str],
+        trainer: Any = None,
+        loop_prefetch: int = 1,
+    ) -> None:
+        self.module = module
+        self.clock = clock
+        self.labels = labels
+        self.trainer = trainer
+        self.loop_prefetch = loop_prefetch
+
+
+class Balancer:
+    """The allocation of one strategy, from its validated keywords (``config``)."""
+
+    def __init__(self, config: HeterogeneousConfig) -> None:
+        self.config = config
+        self.allocation = Allocation()
+        self.node_ids: list[int] | None = None
+        self.profiler: InLoopProfiler | None = None
+        self.comm: CommController | None = None  # built when DDP wraps the model
+        self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
+        self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
+        self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
+        self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
+        self._fit: FitContext | None = None
+
+    def place(self, rank: int, world_size: int, device: torch.device, replicas_on_node: int) -> None:
+        """Where this replica runs (once the ranks are known)."""
+        self.rank, self.world_size, self.device, self.replicas_on_node = rank, world_size, device, replicas_on_node
+
+    def reset(self) -> None:
+        """A new fit derives a new allocation."""
+        self.allocation.reset()
+        self.profiler = None
+        self._fit = None
+
+    @property
+    def min_batch_size(self) -> int:
+        """Fewest training samples per replica and step (2 where batch norm trains per replica)."""
+        return max(self.config.min_batch_size, 2 if self.batchnorm_layers else 1)
+
+    @property
+    def bounds(self) -> dict[str, Any]:
+        return batch_bounds(self.min_batch_size, self.config.max_batch_sizes)
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the first training steps are still profiling (trial splits, costs not agreed yet)."""
+        return self.profiler is not None and not self.profiler.done
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(
+        self,
+        dataloader: DataLoader,
+        global_batch: int,
+        fit: FitContext,
+        resume_record: dict[str, Any] | None = None,
+    ) -> None:
+        """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
+        self._fit = fit
+        world, bounds = self.world_size, self.bounds
+        allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
+        resume = plan_allocation(resume_record, world_size=world, given_speeds=self.config.speeds)
+        costs = None
+        if resume.speeds is not None or self.config.speeds is not None:  # the one-number model, proportional split
+            speeds = list(resume.speeds if resume.speeds is not None else self.config.speeds)  # type: ignore[arg-type]
+        else:
+            costs = self._known_costs(dataloader, global_batch)
+            speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
+        self.allocation.cost_model = costs
+        batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds)
+        if costs is not None:
+            warn_useless_replicas(global_batch, costs, batch_sizes, fit.labels, bounds)
+        self.adopt(batch_sizes, speeds)
+        log_resumed_allocation(resume, resume_record, batch_sizes)  # re-balanced or reused on resume
+        if self.profiler is None:
+            rank_zero_info(self.table(fit.labels))
+        else:
+            plan = self.profiler.plan
+            rank_zero_info(
+                f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps"
+                f" (trial splits); the fitted split applies from step {plan.switch_step}"
+            )
+
+    def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
+        """What the loader splitter needs to split a training loader."""
+        return TrainingSplit(
+            rank=self.rank,
+            world_size=self.world_size,
+            min_batch_size=self.min_batch_size,
+            given_global_batch=self.config.global_batch_size,
+            given_speeds=self.config.speeds,
+            batch_sizes=lambda: self.allocation.batch_sizes,
+            allocate=lambda loader, global_batch, order: self.allocate(loader, global_batch, *fit()),
+            adopt=self.adopt,
+            profiler=lambda: self.profiler if self.profiling else None,
+        )
+
+    def _known_costs(self, dataloader: DataLoader, global_batch: int) -> list[AffineCost] | None:
+        """Every replica's cost from the speed cache, or ``None`` unless every replica has an entry."""
+        self.allocation.profile_seconds = 0.0
+        self.allocation.profile_cached = False
+        if self.world_size == 1:
+            return None
+        self._cache_loader = dataloader
+        costs = cached_costs(*self.cache_entry(), self.all_gather_floats)
+        if costs is not None:
+            self.allocation.profile_cached = True
+            return costs
+        fit = self._fit
+        assert fit is not None
+
+        def clock() -> tuple[int, float] | None:
+            step_clock = fit.clock()
+            return None if step_clock is None else step_clock.open_step()
+
+        self.profiler = start_profiler(
+            dataloader,
+            global_batch,
+            self.config,
+            self.bounds,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            clock=clock,
+            on_agreed=self._adopt_profiled,
+            trainer=fit.trainer,
+            loop_prefetch=fit.loop_prefetch,
+        )
+        return None
+
+    def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
+        """This replica's speed cache and key in it, for the module set up by now (``(None, None)``: none)."""
+        if self._cache_loader is None or self._fit is None:
+            return None, None
+        module, precision = self._fit.module()
+        factors = self.config.emulate_slowdown
+        return profile_cache_entry(
+            self.config.profile_cache,
+            module,
+            self._cache_loader,
+            precision=precision,
+            device=self.device,
+            slowdown=factors[self.rank] if factors else 1.0,
+            replicas_on_node=self.replicas_on_node,
+        )
+
+    def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
+        """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
+        assert self.profiler is not None and self._fit is not None
+        self.allocation.cost_model = costs
+        speeds = measured_speeds(batch_sizes, costs)
+        warn_useless_replicas(sum(batch_sizes), costs, batch_sizes, self._fit.labels, self.bounds)
+        self.adopt(batch_sizes, speeds)
+        for sampler in self.profiler.samplers:
+            total = sampler.global_batch_size
+            sampler.set_batch_sizes(
+                batch_sizes
+                if total == sum(batch_sizes)
+                else allocate_batch_sizes(total, speeds, min_batch_size=self.min_batch_size)
+            )
+        self.allocation.profile_seconds = self.profiler.overhead_s
+        cache, key = self.cache_entry()
+        if cache is not None and key is not None:
+            cache.put(key, costs[self.rank])
+        rank_zero_info(self.table(self._fit.labels))
+
+    def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
+        """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""
+        self.allocation.adopt(batch_sizes, speeds, self.rank, costs)
+        if self.comm is not None:
+            self.comm.set_batch_sizes(self.allocation.batch_sizes)
+            self._comm_sizes = list(self.allocation.batch_sizes)
+
+    def all_gather_floats(self, values: list[float]) -> list[list[float]]:
+        gathered = torch.tensor(values, dtype=torch.float64, device=self.device)
+        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
+        dist.all_gather(everyone, gathered)
+        return [t.tolist() for t in everyone]
+
+    def eval_weights(self) -> list[float]:
+        return eval_weights(self.allocation.batch_sizes, self.config.speeds, self.world_size)
+
+    # ------------------------------------------------------------------ each step
+    def step_split(self, sampler: Any, batch_idx: Callable[[], int | None]) -> list[int]:
+        """The split of the global batch being trained now, which the comm controller follows."""
+        sizes = self.allocation.step_batch_sizes(sampler, batch_idx)
+        if self.comm is not None and sizes and sizes != self._comm_sizes:
+            self.comm.set_batch_sizes(sizes)
+            self._comm_sizes = sizes
+        return sizes
+
+    def loss_scale(self, sizes: list[int]) -> float:
+        """``W * b_r / B`` for the global batch split as ``sizes``."""
+        return self.allocation.step_loss_scale(sizes, self.rank)
+
+    # ------------------------------------------------------------------ communication
+    def new_comm(self, mode: str) -> CommController:
+        """This rank's communication controller for the resolved ``mode`` (a collective: call it on every rank)."""
+        assert self.node_ids is not None
+        config = self.config
+        self.comm = CommController(
+            mode,  # type: ignore[arg-type]
+            self.node_ids,
+            self.allocation.batch_sizes,
+            self.rank,
+            global_sync_every=config.global_sync_every,
+            warmup_steps=config.comm_warmup_steps,
+            autotune_steps=config.comm_autotune_steps,
+        )
+        self._comm_sizes = None
+        return self.comm
+
+    def close_comm(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+        self.comm = None
+
+    # ------------------------------------------------------------------ reporting
+    def report(self, labels: list[str], telemetry: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.allocation.report(
+            node_ids=self.node_ids,
+            profiled=self.config.speeds is None,
+            emulate_slowdown=self.config.emulate_slowdown,
+            devices=labels,
+            telemetry=telemetry,
+        )
+
+    def table(self, labels: list[str]) -> str:
+        return render_balance_table(self.report(labels))
+
+
+def _copy(values: list[Any] | None) -> list[Any] | None:
+    return None if values is None else list(values)
+
+
+class BalanceView:
+    """The public, read-only balancing state of a heterogeneous strategy (``None`` before the allocation is known)."""
+
+    balancer: Balancer
+
+    @property
+    def config(self) -> HeterogeneousConfig:
+        """The validated keywords of this strategy (frozen)."""
+        return self.balancer.config
+
+    @property
+    def batch_sizes(self) -> list[int] | None:
+        """Samples per step of every replica, indexed by global rank."""
+        return _copy(self.balancer.allocation.batch_sizes)
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Samples per step on this replica."""
+        sizes = self.balancer.allocation.batch_sizes
+        return None if sizes is None else sizes[self.balancer.rank]
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self.balancer.allocation.global_batch_size
+
+    @property
+    def speeds(self) -> list[float] | None:
+        """Relative throughput (samples/s when profiled) of every replica, indexed by global rank."""
+        return _copy(self.balancer.allocation.speeds)
+
+    @property
+    def speeds_given(self) -> bool:
+        """Whether the user gave ``speeds`` (``False``: they are, or will be, profiled)."""
+        return self.balancer.config.speeds is not None
+
+    @property
+    def node_ids(self) -> list[int] | None:
+        return _copy(self.balancer.node_ids)
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
+        return self.balancer.allocation.loss_scale
+
+    @property
+    def cost_model(self) -> list[AffineCost] | None:
+        """Every replica's fitted cost ``t_r(b)`` in seconds; ``None`` when the speeds were given."""
+        return _copy(self.balancer.allocation.cost_model)
+
+    @property
+    def profile_seconds(self) -> float:
+        """Wall-clock seconds this replica spent profiling."""
+        return self.balancer.allocation.profile_seconds
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the first training steps are still profiling."""
+        return self.balancer.profiling
+
+    @property
+    def comm_controller(self) -> CommController | None:
+        """The gradient communication of this replica (built when DDP wraps the model)."""
+        return self.balancer.comm
+
+    @property
+    def comm_mode(self) -> str | None:
+        """The communication mode running (``comm`` after ``"auto"`` and fallbacks are resolved)."""
+        return None if self.balancer.comm is None else self.balancer.comm.mode
+
+    @property
+    def comm_reduction(self) -> str | None:
+        """``comm="hierarchical"``: ``"hierarchical"`` or ``"flat"`` after the measured choice; else ``None``."""
+        return None if self.balancer.comm is None else self.balancer.comm.reduction
+
+    @property
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step."""
+        return {} if self.balancer.comm is None else self.balancer.comm.stats
+
+    def adopt_allocation(
+        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
+    ) -> None:
+        """Make ``batch_sizes`` (one per global rank) the allocation; every replica calls it with the same arguments.
+
+        The training loader must be rebuilt before the next step. ``costs``: refreshed affine costs
+        (``AffineCost.as_dict()`` form), or ``None`` to keep the model.
+        """
+        self.balancer.adopt(batch_sizes, speeds, costs)

@@ -1,0 +1,70 @@
+"""Process-group start-up: what it leaves in the environment when Lightning's own tests drive it by hand."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_het.cluster.startup as startup
+from lightning_het import HeterogeneousStrategy
+from lightning_het.cluster.rendezvous import local_sockets
+from lightning_het.cluster.topology import build_node_groups
+
+SOCKETS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _sockets() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in SOCKETS}
+
+
+def test_local_sockets_sets_loopback_only_inside(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")  # the user's choice stands
+    with local_sockets(1):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "eth9"
+    assert _sockets() == {"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": "eth9"}
+    with local_sockets(2):  # several nodes: the interface that reaches them is the user's to choose
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch):
+    """As Lightning's own DDP tests do: `setup_environment()` without a fit or a teardown. The default group and the
+    node groups are created with Gloo's sockets on loopback; the variables are gone again afterwards."""
+    for name in SOCKETS:
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    real_init, real_subgroups = startup._init_dist_connection, dist.new_subgroups_by_enumeration
+
+    def init(*args, **kwargs):
+        seen.append(_sockets())
+        return real_init(*args, **kwargs)
+
+    def subgroups(*args, **kwargs):
+        seen.append(_sockets())
+        return real_subgroups(*args, **kwargs)
+
+    monkeypatch.setattr(startup, "_init_dist_connection", init)
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", subgroups)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(), max_epochs=1, logger=False)
+    trainer.strategy.connect(BoringModel())
+    try:
+        trainer.strategy.setup_environment()
+        assert dist.is_initialized()
+        build_node_groups([0], 0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert len(seen) == 3 and all(s["GLOO_SOCKET_IFNAME"] == "lo" for s in seen), seen
+    assert _sockets() == dict.fromkeys(SOCKETS)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2])
+def test_local_sockets_restores_after_an_error(monkeypatch, num_nodes):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with pytest.raises(RuntimeError, match="boom"), local_sockets(num_nodes):
+        raise RuntimeError("boom")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
