@@ -55,7 +55,6 @@ def tiny_job(tmp_path):
 #: (plain ``pytest``) still runs everything.
 _STARTS_PROCESSES = (
     "run_job(",
-    "run_helper(",
     "run_harness(",
     "run_command(",
     "harness.command(",

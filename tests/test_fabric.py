@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 import lightning_het
 from lightning_het import HeterogeneousFabricStrategy, ProportionalDistributedSampler, UnpaddedDistributedSampler
 from tests.conftest import REPO, run_job
-from tests.helpers.jobs import alive, run_helper
+from tests.helpers.harness import run_harness
+from tests.helpers.jobs import alive
 from tests.helpers.tiny import FLAVOUR_ENV, FLAVOURS, make_dataset, make_net, reference_weights
 
 
@@ -178,8 +179,8 @@ def three_replicas(tmp_path_factory) -> dict[str, list[dict]]:
     loops = [{**loop, "strategy": dict(loop["strategy"])} for loop in THREE_REPLICA_LOOPS.values()]
     for loop in loops:
         loop["strategy"].setdefault("profile_cache", str(out / "cache"))  # shared by "profiled" and "cached"
-    result = run_job(["-m", "tests.helpers.run_fabric", str(out), json.dumps(loops)], timeout=360)
-    assert result.returncode == 0, result.stdout[-6000:]
+    result = run_harness("fabric", out, loops, limit=360)
+    assert result.returncode == 0, result.output[-6000:]
     return {
         name: [torch.load(out / str(index) / f"rank{r}.pt") for r in range(3)]
         for index, name in enumerate(THREE_REPLICA_LOOPS)
@@ -291,7 +292,7 @@ def test_a_replica_that_hangs_does_not_outlive_the_job(tmp_path, flavour):
     timeout = 10
     cfg = {"devices": 2, "epochs": 1, "strategy": {"speeds": [1, 1], "timeout": timeout}}
     cfg["fault"] = {"rank": 1, "step": 2}
-    result = run_helper("tests.helpers.run_fabric", tmp_path, cfg, limit=180, env={FLAVOUR_ENV: flavour})
+    result = run_harness("fabric", tmp_path, cfg, limit=180, env={FLAVOUR_ENV: flavour})
     assert (tmp_path / "fault.json").exists(), result.output[-3000:]
     fault = json.loads((tmp_path / "fault.json").read_text())
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,24 +82,6 @@ def run_in_session(
         with contextlib.suppress(ProcessLookupError):  # nothing of the job may outlive the caller
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
-
-
-def run_configs(run: Callable[[Path, dict], None], argv: list[str]) -> None:
-    """A helper script's ``main``: ``argv`` is ``[OUT_DIR, JSON]``; JSON is one config (run into ``OUT_DIR``) or a list
-    of them, run one after another in the same processes, each into ``OUT_DIR/<index>``."""
-    out = Path(argv[0])
-    cfg = json.loads(argv[1])
-    if isinstance(cfg, dict):
-        run(out, cfg)
-        return
-    for index, one in enumerate(cfg):
-        (out / str(index)).mkdir(parents=True, exist_ok=True)
-        run(out / str(index), one)
-
-
-def run_helper(module: str, out: Path, cfg: dict, *, limit: float = 240, env: dict | None = None) -> JobResult:
-    """``python -m module OUT JSON`` in a new session (see :func:`run_command`)."""
-    return run_command(["-m", module, str(out), json.dumps(cfg)], limit=limit, env=env)
 
 
 def run_command(args: list[str], *, limit: float = 240, env: dict | None = None) -> JobResult:

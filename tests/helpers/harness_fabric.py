@@ -1,6 +1,6 @@
-"""Run a tiny Fabric training loop on several replicas and dump what each rank saw.
+"""The harness's ``fabric`` job: a tiny Fabric training loop on several replicas, dumping what each rank saw.
 
-``python -m tests.helpers.run_fabric OUT_DIR JSON``. JSON keys: devices, strategy (kwargs for
+Config keys: devices, strategy (kwargs for
 HeterogeneousFabricStrategy), epochs, n (dataset size), batch_size (loader batch size), lr, cost_per_sample_s (seconds
 slept per sample in every step, after the forward pass), slow_rank / slow_factor (that rank sleeps ``slow_factor``
 times longer), loader_first (set the training loader up before the model), fault (``{"rank": r, "step": k}``: that
@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from tests.helpers.jobs import run_configs
 from tests.helpers.tiny import FLAVOUR, make_dataset, make_net
 
 if FLAVOUR == "pytorch_lightning":  # the standalone packages: lightning_fabric and our strategy on it
@@ -37,7 +35,7 @@ else:
     from lightning_het import HeterogeneousFabricStrategy
 
 
-def run(out: Path, cfg: dict) -> None:
+def fabric(out: Path, cfg: dict) -> None:
     """One training loop as ``cfg`` says; this rank's view goes to ``out/rank{r}.pt``."""
     strategy = HeterogeneousFabricStrategy(process_group_backend="gloo", **cfg.get("strategy", {}))
     fabric = Fabric(accelerator="cpu", devices=cfg.get("devices", 3), strategy=strategy)
@@ -87,11 +85,3 @@ def run(out: Path, cfg: dict) -> None:
         },
         out / f"rank{rank}.pt",
     )
-
-
-def main() -> None:
-    run_configs(run, sys.argv[1:3])
-
-
-if __name__ == "__main__":
-    main()
