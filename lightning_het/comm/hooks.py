@@ -64,9 +64,7 @@ def _ignore(err: BaseException) -> None:
 
 def _new_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """An unset future that DDP can wait on for ``tensor`` (device-aware on accelerators)."""
-    if tensor.device.type == "cpu":
-        return torch.futures.Future()
-    return torch.futures.Future(devices=[tensor.device])
+    return torch.futures.Future() if tensor.device.type == "cpu" else torch.futures.Future(devices=[tensor.device])
 
 
 def _done_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -109,8 +107,7 @@ class HierarchicalState:
 
     def next_seq(self) -> int:
         """The issue number of the next chunk (0, 1, 2, ...; every rank numbers its chunks in the same order)."""
-        seq = self._seq
-        self._seq += 1
+        seq, self._seq = self._seq, self._seq + 1
         return seq
 
     def in_leader_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
