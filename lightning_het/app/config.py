@@ -1,6 +1,7 @@
 """Structured configs (schemas) of the Hydra app, registered in Hydra's ConfigStore."""
 
 import enum
+import functools
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -168,11 +169,8 @@ class StrategyConfig:
 
     def to_kwargs(self) -> dict[str, Any]:
         """Constructor keywords for the strategy class."""
-        kwargs: dict[str, Any] = {}
-        for name in self.__dataclass_fields__:
-            if name in ("_target_", "ddp_kwargs", "gradient_averaging"):
-                continue
-            kwargs[name] = _plain(getattr(self, name))
+        skip = ("_target_", "ddp_kwargs", "gradient_averaging")
+        kwargs = {name: _plain(getattr(self, name)) for name in self.__dataclass_fields__ if name not in skip}
         clash = sorted(set(self.ddp_kwargs) & set(kwargs))
         if clash:
             _fail(
@@ -258,17 +256,11 @@ class DataConfig:
 
 def _single_node_cpu_world(root: DictConfig | None) -> int | None:
     """World size of a single-node CPU job with an integer ``trainer.devices``, else ``None``."""
-    if root is None:
+    trainer = None if root is None else root.get("trainer")  # none when a group is composed on its own
+    if not isinstance(trainer, DictConfig) or trainer.get("accelerator") != "cpu" or trainer.get("num_nodes", 1) != 1:
         return None
-    trainer = root.get("trainer")
-    if not isinstance(trainer, DictConfig):
-        return None  # composing a group on its own: nothing to derive from yet
     devices = trainer.get("devices")
-    if trainer.get("accelerator") != "cpu" or trainer.get("num_nodes", 1) != 1:
-        return None
-    if isinstance(devices, bool) or not isinstance(devices, int):
-        return None
-    return devices
+    return None if isinstance(devices, bool) or not isinstance(devices, int) else devices
 
 
 def _world(root: DictConfig | None) -> int | None:
@@ -306,10 +298,7 @@ def emulated_node_ids(nodes: int, *, _root_: DictConfig | None = None) -> list[i
         return None
     nodes = max(1, min(int(nodes), world))
     base, extra = divmod(world, nodes)
-    ids: list[int] = []
-    for node in range(nodes):
-        ids += [node] * (base + (1 if node < extra else 0))
-    return ids
+    return [node for node in range(nodes) for _ in range(base + (1 if node < extra else 0))]
 
 
 def equal_speeds(*, _root_: DictConfig | None = None) -> list[float] | None:
@@ -356,28 +345,15 @@ def run_id() -> str:
     return _now_stamp()
 
 
+@functools.cache
 def _now_stamp() -> str:
-    global _STAMP
-    if _STAMP is None:
-        _STAMP = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return _STAMP
-
-
-_STAMP: str | None = None
-
-
-def _register_resolvers() -> None:
-    OmegaConf.register_new_resolver("lh.emulated_slowdowns", emulated_slowdowns, replace=True)
-    OmegaConf.register_new_resolver("lh.emulated_node_ids", emulated_node_ids, replace=True)
-    OmegaConf.register_new_resolver("lh.equal_speeds", equal_speeds, replace=True)
-    OmegaConf.register_new_resolver("lh.default_devices", default_devices, replace=True)
-    OmegaConf.register_new_resolver("lh.run_id", run_id, replace=True)
-    OmegaConf.register_new_resolver("lh.slurm_tasks", slurm_tasks, replace=True)
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")  # once per process
 
 
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore (``strategy/schema``, ``data/schema``) and register the resolvers."""
-    _register_resolvers()
+    for resolver in (emulated_slowdowns, emulated_node_ids, equal_speeds, default_devices, run_id, slurm_tasks):
+        OmegaConf.register_new_resolver(f"lh.{resolver.__name__}", resolver, replace=True)
     store = ConfigStore.instance()
     store.store(group="strategy", name="schema", node=StrategyConfig)
     store.store(group="data", name="schema", node=DataConfig)

@@ -153,9 +153,8 @@ def refresh_costs(
 def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
     """Two ``(batch size, seconds)`` points far enough apart for a secant: sizes 15 %, times 25 % apart."""
     (b_prev, t_prev), (b, t) = earlier, now
-    return abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev) and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(
-        t, t_prev
-    )
+    sizes_apart = abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev)
+    return sizes_apart and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(t, t_prev)
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
@@ -243,13 +242,12 @@ def step_without(
     if not keep:
         return None
     bounds = None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
+    kept = [costs[r] for r in keep]
     try:
-        sizes = allocate_affine(
-            global_batch_size, [costs[r] for r in keep], min_batch_size=min_batch_size, max_batch_sizes=bounds
-        )
+        sizes = allocate_affine(global_batch_size, kept, min_batch_size=min_batch_size, max_batch_sizes=bounds)
     except ValueError:
         return None
-    return step_time(sizes, [costs[r] for r in keep])
+    return step_time(sizes, kept)
 
 
 def useless_replicas(
@@ -264,16 +262,11 @@ def useless_replicas(
     >>> useless_replicas(48, [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)])
     [1]
     """
-    useless = []
-    for r, cost in enumerate(costs):
-        if len(costs) < 2:
-            break
-        best = step_without(
-            global_batch_size, costs, [r], min_batch_size=min_batch_size, max_batch_sizes=max_batch_sizes
-        )
-        if best is not None and cost.fixed_s >= best:
-            useless.append(r)
-    return useless
+    if len(costs) < 2:
+        return []
+    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
+    best = [step_without(global_batch_size, costs, [r], **bounds) for r in range(len(costs))]
+    return [r for r, (cost, t) in enumerate(zip(costs, best)) if t is not None and cost.fixed_s >= t]
 
 
 def useless_replica_message(

@@ -80,11 +80,9 @@ class BalanceMonitor:
         self.strategy = strategy
         self.settings = settings
         self.record = settings.record
-        self.clock: StepClock | None = (
-            StepClock(settings.slowdown, record=settings.record, device=strategy.root_device)
-            if settings.active
-            else None
-        )
+        self.clock: StepClock | None = None
+        if settings.active:
+            self.clock = StepClock(settings.slowdown, record=settings.record, device=strategy.root_device)
         self.history = TelemetryHistory()
         self.every_n_epochs = settings.every_n_epochs
         self.threshold = settings.threshold

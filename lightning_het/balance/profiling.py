@@ -17,12 +17,7 @@ import torch
 
 from lightning_het.balance.cost import AffineCost, fit_affine
 
-__all__ = [
-    "ProfileCache",
-    "StepTiming",
-    "cache_key",
-    "fit_stage_timings",
-]
+__all__ = ["ProfileCache", "StepTiming", "cache_key", "fit_stage_timings"]
 
 
 @dataclass(frozen=True)

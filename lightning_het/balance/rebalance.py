@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.cost import allocate_affine, refresh_costs
@@ -132,19 +132,8 @@ class RebalanceDecision:
 
     def as_dict(self) -> dict[str, object]:
         """Plain data, for reports and loggers."""
-        return {
-            "adopt": self.adopt,
-            "batch_sizes": list(self.batch_sizes),
-            "proposed": list(self.proposed),
-            "speeds": list(self.speeds),
-            "imbalance": self.imbalance,
-            "current_step_s": self.current_step_s,
-            "predicted_step_s": self.predicted_step_s,
-            "gain": self.gain,
-            "robust_gain": self.robust_gain,
-            "reason": self.reason,
-            "costs": self.costs,
-        }
+        lists = ("batch_sizes", "proposed", "speeds")
+        return {f.name: list(getattr(self, f.name)) if f.name in lists else getattr(self, f.name) for f in fields(self)}
 
 
 def plan_rebalance(

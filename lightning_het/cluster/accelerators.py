@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 
 
 def _plain_entry(entry: Any) -> str | int:
-    if isinstance(entry, torch.device):
-        return str(entry)
     return entry if isinstance(entry, int) and not isinstance(entry, bool) else str(entry)
 
 
@@ -235,8 +233,7 @@ def apply_local_settings(strategy: DeviceStrategy) -> None:
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None:
         return
-    local_rank = strategy.local_rank
-    threads = plan.threads[local_rank]
+    threads = plan.threads[strategy.local_rank]
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     plugin = getattr(strategy, "precision_plugin", None)

@@ -238,8 +238,7 @@ def plan_cpu_threads(
                 f" {cpu_threads!r}."
             )
         else:
-            counts = list(cpu_threads)
-            given = counts
+            counts = given = list(cpu_threads)
             if len(counts) != n:
                 raise ValueError(
                     f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {n} replicas"
@@ -292,10 +291,8 @@ class DevicePlan:
 
     @property
     def bind_device_id(self) -> bool:
-        """Whether each process may bind its device to the default process group (``init_process_group(device_id=)``).
-
-        Binding changes how later subgroups are created, so it must be the same on every rank: not in mixed jobs.
-        """
+        """Whether a process may bind its device to the default process group (``init_process_group(device_id=)``)."""
+        # binding changes how later subgroups are created, so it must be the same on every rank: not in mixed jobs
         return not self.mixed
 
 

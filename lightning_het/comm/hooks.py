@@ -13,13 +13,7 @@ import torch.distributed as dist
 
 from lightning_het.cluster.topology import NodeGroups
 
-__all__ = [
-    "HierarchicalState",
-    "NodeLocalState",
-    "hierarchical_hook",
-    "hierarchical_sum",
-    "node_local_hook",
-]
+__all__ = ["HierarchicalState", "NodeLocalState", "hierarchical_hook", "hierarchical_sum", "node_local_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +64,7 @@ def _ignore(err: BaseException) -> None:
 
 def _new_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """An unset future that DDP can wait on for ``tensor`` (device-aware on accelerators)."""
-    if tensor.device.type == "cpu":
-        return torch.futures.Future()
-    return torch.futures.Future(devices=[tensor.device])
+    return torch.futures.Future() if tensor.device.type == "cpu" else torch.futures.Future(devices=[tensor.device])
 
 
 def _done_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -115,8 +107,7 @@ class HierarchicalState:
 
     def next_seq(self) -> int:
         """The issue number of the next chunk (0, 1, 2, ...; every rank numbers its chunks in the same order)."""
-        seq = self._seq
-        self._seq += 1
+        seq, self._seq = self._seq, self._seq + 1
         return seq
 
     def in_leader_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:

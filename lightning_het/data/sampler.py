@@ -145,9 +145,7 @@ class ProportionalDistributedSampler(DistributedSampler):
     @property
     def position(self) -> tuple[int, int]:
         """The epoch and the global batch within it that the next iteration starts from."""
-        if self._skip is not None and self._skip[0] == self.epoch:
-            return self.epoch, self._skip[1]
-        return self.epoch, 0
+        return self.epoch, (self._skip[1] if self._skip is not None and self._skip[0] == self.epoch else 0)
 
     @property
     def local_batch_size(self) -> int:

@@ -10,14 +10,7 @@ from lightning_het.hsi.prediction import (
     write_prediction_png,
 )
 from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
-from lightning_het.hsi.raster import (
-    RasterInfo,
-    check_alignment,
-    raster_info,
-    read_image,
-    read_labels,
-    write_geotiff,
-)
+from lightning_het.hsi.raster import RasterInfo, check_alignment, raster_info, read_image, read_labels, write_geotiff
 from lightning_het.hsi.splits import Split, block_split, footprint_mask, random_split
 from lightning_het.hsi.synthetic import SyntheticScene, make_synthetic_scene, write_synthetic_scene
 

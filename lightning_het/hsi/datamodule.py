@@ -241,39 +241,22 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             raise SingleClassError(source, present.tolist())
 
         split = self._split(labels, scene.num_classes, source)
-        log.info(
-            "Split %r of %s (seed %d), pixels per class:\n%s",
-            self.split,
-            source,
-            self.seed,
-            format_class_counts(split.class_counts(labels, scene.num_classes), scene.class_names),
-        )
+        counts = format_class_counts(split.class_counts(labels, scene.num_classes), scene.class_names)
+        log.info("Split %r of %s (seed %d), pixels per class:\n%s", self.split, source, self.seed, counts)
 
         if scene.cube is not None:
             train_spectra = scene.cube[:, split.train // labels.shape[1], split.train % labels.shape[1]].T
         else:
             train_spectra = spectra[np.searchsorted(labelled, split.train)]
-        transform = fit_spectral_transform(
-            train_spectra,
-            standardize=self.standardize,
-            pca_components=resolve_pca_components(self.pca_components, train_spectra.shape[1], log_choice=True),
-        )
+        pca = resolve_pca_components(self.pca_components, train_spectra.shape[1], log_choice=True)
+        transform = fit_spectral_transform(train_spectra, standardize=self.standardize, pca_components=pca)
         patches: PatchSource
         if scene.cube is not None:
             patches = InMemoryPatches(scene.cube, self.patch_size, transform, scene.nodata, valid=valid)
         else:
             patches = WindowedPatches(self.image, self.patch_size, transform, scene.nodata)  # type: ignore[arg-type]
-        return _Scene(
-            labels=labels,
-            num_classes=scene.num_classes,
-            split=split,
-            transform=transform,
-            source=patches,
-            crs=scene.crs,
-            geo_transform=scene.geo_transform,
-            class_names=scene.class_names,
-            labels_source=source,
-        )
+        crs, geo, names = scene.crs, scene.geo_transform, scene.class_names
+        return _Scene(labels, scene.num_classes, split, transform, patches, crs, geo, names, source)
 
     def _drop_nodata(self, scene: _Input, labelled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(valid mask, labels with nodata unlabelled, labelled spectra or None)``."""
@@ -304,16 +287,8 @@ class HyperspectralDataModule(HeterogeneousDataModule):
             labels, classes = check_labels(
                 synthetic.labels, source, self._num_classes_arg or len(synthetic.class_names)
             )
-            return _Input(
-                synthetic.image,
-                labels,
-                classes,
-                self._class_names_arg or synthetic.class_names,
-                synthetic.crs,
-                synthetic.transform,
-                None,
-                source,
-            )
+            names = self._class_names_arg or synthetic.class_names
+            return _Input(synthetic.image, labels, classes, names, synthetic.crs, synthetic.transform, None, source)
         if self._mat:
             cube, labels, classes = read_mat_scene(
                 self.image,
@@ -334,13 +309,7 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         return list(self._class_names_arg) if self._class_names_arg else [f"class_{c}" for c in range(1, classes + 1)]
 
     def _split(self, labels: np.ndarray, classes: int, source: str) -> Split:
-        common = {
-            "train": self.train_amount,
-            "val": self.val_amount,
-            "seed": self.seed,
-            "num_classes": classes,
-            "source": source,
-        }
+        common = dict(train=self.train_amount, val=self.val_amount, seed=self.seed, num_classes=classes, source=source)
         if self.split == "random":
             return random_split(labels, **common)
         return block_split(labels, block_size=self.block_size, patch_size=self.patch_size, **common)
@@ -452,9 +421,7 @@ def _check_class_names(class_names: Sequence[str] | None, num_classes: int | Non
 def _amount(name: str, fraction: float | None, per_class: int | None, allow_zero: bool) -> float | int:
     """``per_class`` when given (a count), else ``fraction``; validated."""
     if per_class is not None:
-        low = 0 if allow_zero else 1
-        if isinstance(per_class, bool) or not isinstance(per_class, int) or per_class < low:
-            raise ValueError(f"Expected argument `{name}_per_class` to be an integer >= {low}, but got {per_class!r}.")
+        _check_int(f"{name}_per_class", per_class, 0 if allow_zero else 1)
         return per_class
     if fraction is None or isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise ValueError(f"Expected argument `{name}_fraction` to be a number, but got {fraction!r}.")

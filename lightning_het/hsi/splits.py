@@ -304,15 +304,8 @@ def block_split(
         if not required[k]:
             continue
         for c in np.nonzero((counts[k] == 0) & present)[0]:
-            raise ClassTooSmallError(
-                source,
-                int(c) + 1,
-                int((hist[:, c] > 0).sum()),
-                3 if with_val else 2,
-                f"{description}; it got no {name} pixel",
-                hint,
-                unit="block",
-            )
+            blocks, reason = int((hist[:, c] > 0).sum()), f"{description}; it got no {name} pixel"
+            raise ClassTooSmallError(source, int(c) + 1, blocks, 3 if with_val else 2, reason, hint, unit="block")
     for c in np.nonzero(totals == 0)[0]:
         log.warning("Class %d has no labelled pixel in %s; it is skipped.", int(c) + 1, source)
     return Split(train=np.sort(train_idx), val=np.sort(val_idx), test=np.sort(test_idx), shape=(height, width))

@@ -116,24 +116,16 @@ def plan_allocation(
         given = [float(s) for s in given_speeds]
         if saved_world == world_size and given == saved_speeds:
             return AllocationPlan(given, "resuming with the checkpoint's allocation (the given speeds match it)", False)
-        return AllocationPlan(
-            given,
+        message = (
             f"re-balancing on resume: the checkpoint was trained by {saved_world} replica(s) with speeds"
-            f" {saved_speeds}, this run has {world_size} replica(s) with the given speeds {given}",
-            True,
+            f" {saved_speeds}, this run has {world_size} replica(s) with the given speeds {given}"
         )
+        return AllocationPlan(given, message, True)
     if saved_world != world_size:
-        return AllocationPlan(
-            None,
-            f"re-balancing on resume: the checkpoint was trained by {saved_world} replica(s), this run has"
-            f" {world_size}; profiling the replicas",
-            True,
-        )
-    return AllocationPlan(
-        saved_speeds,
-        f"resuming with the checkpoint's speeds {saved_speeds} (no re-profiling; pass `speeds=` to re-balance)",
-        False,
-    )
+        message = f"the checkpoint was trained by {saved_world} replica(s), this run has {world_size}"
+        return AllocationPlan(None, f"re-balancing on resume: {message}; profiling the replicas", True)
+    message = f"resuming with the checkpoint's speeds {saved_speeds} (no re-profiling; pass `speeds=` to re-balance)"
+    return AllocationPlan(saved_speeds, message, False)
 
 
 @dataclass(frozen=True)
@@ -184,14 +176,9 @@ def apply_sampler_resume(
     """Position a fresh training sampler at ``epoch`` or at the checkpoint's place; return the resume plan."""
     plan = None
     if record is not None:
-        plan = plan_sampler_resume(
-            record.get("sampler"),
-            num_steps=sampler.num_steps,
-            global_batch_size=sampler.global_batch_size,
-            dataset_len=len(sampler.dataset),  # type: ignore[arg-type]
-            shuffle=bool(sampler.shuffle),
-            seed=int(sampler.seed),
-        )
+        now = sampler_record(sampler, steps_done=0)
+        keys = ("num_steps", "global_batch_size", "dataset_len", "shuffle", "seed")
+        plan = plan_sampler_resume(record.get("sampler"), **{key: now[key] for key in keys})
     if plan is None:
         sampler.set_epoch(epoch)
         return None

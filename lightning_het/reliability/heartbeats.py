@@ -102,21 +102,10 @@ class GuardedStore:
 
 def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
     """The :class:`ReplicaStatus` of replica ``rank`` from its (verified) heartbeat record ``data``."""
-    return ReplicaStatus(
-        rank=rank,
-        host=data["host"],
-        pid=data["pid"],
-        batch=data["batch"],
-        phase=Phase(data["phase"]),
-        armed=data["armed"],
-        waiting=data["waiting"],
-        state=data["state"],
-        silent_for=silent_for,
-        stalled_for=stalled_for,
-        error=data["error"],
-        eval_stage=data.get("eval_stage", ""),
-        eval_batch=data.get("eval_batch", -1),
-    )
+    fields = {key: data[key] for key in ("host", "pid", "batch", "armed", "waiting", "state", "error")}
+    evaluation = {"eval_stage": data.get("eval_stage", ""), "eval_batch": data.get("eval_batch", -1)}
+    phase = Phase(data["phase"])
+    return ReplicaStatus(rank=rank, phase=phase, silent_for=silent_for, stalled_for=stalled_for, **fields, **evaluation)
 
 
 class HeartbeatBook:

@@ -143,13 +143,9 @@ class _ReplicaProcesses:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
             time.sleep(0.1)
-        killed = kill_children(self._children())
-        if killed:
-            print(
-                f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them.",
-                file=sys.stderr,
-                flush=True,
-            )
+        if killed := kill_children(self._children()):
+            message = f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them."
+            print(message, file=sys.stderr, flush=True)
         for proc in self.procs:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=5)
@@ -230,12 +226,11 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
                 verdict = check_children(self._children())
                 if verdict is None:
                     continue
-                print(
+                message = (
                     f"[rank {self.cluster_environment.global_rank()}] lightning_het: {verdict.message} before the"
-                    f" replicas could start their run. Ending the job (exit status {exit_code_for(verdict)}).",
-                    file=sys.stderr,
-                    flush=True,
+                    f" replicas could start their run. Ending the job (exit status {exit_code_for(verdict)})."
                 )
+                print(message, file=sys.stderr, flush=True)
                 kill_children(self._children())
                 sys.stdout.flush()
                 os._exit(exit_code_for(verdict))
@@ -255,8 +250,7 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         """Run-to-the-end barrier: wait (watched) until every replica has finished this Trainer call."""
         from lightning_het.reliability.supervision import stop_watchdog
 
-        watchdog = self.strategy.release_watchdog()
-        stop_watchdog(watchdog, trainer, finished=True)
+        stop_watchdog(self.strategy.release_watchdog(), trainer, finished=True)
 
     def _exit_code(self, exc: BaseException) -> int | None:
         """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""

@@ -208,17 +208,14 @@ class PreemptionHandler:
             if left <= 0:
                 break
             time.sleep(min(left, 0.2))
+        head = f"[rank {self.rank}] lightning_het preemption: this replica {reason}"
         if self.fitting:
             message = (
-                f"[rank {self.rank}] lightning_het preemption: this replica {reason} and did not end within"
-                f" preemption_grace={self.grace:g} s (stuck in a collective, a long validation or a slow teardown);"
-                f" ending it now with exit status {PREEMPTION_EXIT_CODE}."
+                f"{head} and did not end within preemption_grace={self.grace:g} s (stuck in a collective, a long"
+                f" validation or a slow teardown); ending it now with exit status {PREEMPTION_EXIT_CODE}."
             )
         else:
-            message = (
-                f"[rank {self.rank}] lightning_het preemption: this replica {reason} outside fit (nothing to save);"
-                f" ending it with exit status {PREEMPTION_EXIT_CODE}."
-            )
+            message = f"{head} outside fit (nothing to save); ending it with exit status {PREEMPTION_EXIT_CODE}."
         print(message, file=sys.stderr, flush=True)
         self.end_launched_replicas(0.0)
         for child in multiprocessing.active_children():  # data-loader workers ignore SIGTERM: they would linger
@@ -411,11 +408,8 @@ def attach_preemption(
         trainer.callbacks.append(callback_cls(handler, lambda: strategy.root_device))
 
     def install() -> None:
-        extra = []
-        environment = strategy.cluster_environment
-        requeue = getattr(environment, "requeue_signal", None)
-        if requeue is not None:
-            extra.append(int(requeue))
+        requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
+        extra = [] if requeue is None else [int(requeue)]
         handler.install(rank=trainer.global_rank, world_size=trainer.world_size, fitting=fitting, extra_signals=extra)
 
     replace_signal_connector(trainer, _PreemptionSignalConnector(handler, install))
@@ -428,10 +422,8 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
         return
     handler.uninstall()
     if handler.preempting:
-        left = handler.grace
-        if handler.deadline_at is not None:
-            left = max(handler.deadline_at - time.monotonic() - 1.0, 0.0)
-        handler.end_launched_replicas(left)
+        at = handler.deadline_at
+        handler.end_launched_replicas(handler.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
     if trainer is not None:
         callback_cls = on_flavour(PreemptionCallback, trainer)
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]

@@ -202,13 +202,8 @@ def judge(
     if silent:
         seconds = max(s.silent_for for s in silent)
         detail = "; ".join(f"{s.describe()} when last heard of" for s in silent)
-        return Verdict(
-            "silent",
-            tuple(_ranks(silent)),
-            seconds,
-            f"replica(s) {_ranks(silent)} stopped responding for {seconds:.1f} s: no heartbeat, the process died or"
-            f" froze ({detail})",
-        )
+        message = f"replica(s) {_ranks(silent)} stopped responding for {seconds:.1f} s: no heartbeat, the process"
+        return Verdict("silent", tuple(_ranks(silent)), seconds, f"{message} died or froze ({detail})")
     armed = [s for s in running if s.armed]
     if not any(s.stalled_for > timeout for s in armed):
         return None

@@ -103,10 +103,6 @@ class Watchdog:
     def _write(self, key: str, payload: str) -> None:
         self.store.set(key, self._book.sign(key, payload))
 
-    def _read(self, key: str, raw: Any) -> str | None:
-        """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
-        return self._book.verify(key, raw)
-
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
         self._main_ident = threading.get_ident()
@@ -151,16 +147,12 @@ class Watchdog:
         try:
             self._publish()
             while wait and not self._stop.is_set():
-                if self._all_finished():
+                if all(s.state == "finished" for s in self._statuses() if s.rank != self.rank):
                     break
                 time.sleep(min(self.interval, 0.2))
         except StoreUnreachable:
             pass
         self.stop()
-
-    def _all_finished(self) -> bool:
-        others = [s for s in self._statuses() if s.rank != self.rank]
-        return all(s.state == "finished" for s in others)
 
     def stop(self) -> None:
         """Stop the thread (normal end, or this replica's own exception is reaching the caller)."""
@@ -189,36 +181,25 @@ class Watchdog:
                 self._acknowledge()
                 self._standing = record
                 return record
-            if interruption is not None:
-                self._state, self._error = interruption, first_line(exception)
-                self._publish()
-                verdict = judge(self._statuses(), self.timeout)
-            elif is_collective_failure(exception):
+            if interruption is None and is_collective_failure(exception):
                 verdict = self._judge_collective_failure(exception)
             else:
-                self._state, self._error = "failed", first_line(exception)
+                self._state, self._error = interruption or "failed", first_line(exception)
                 self._publish()
                 verdict = judge(self._statuses(), self.timeout)
             if verdict is not None:
                 self._standing = self._decide(verdict)
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
-                self._standing = Verdict(
-                    "lost_store",
-                    (0,),
-                    0.0,
+                message = (
                     f"replica 0 ended: replica {self.rank} lost its connection to the rendezvous store that"
-                    f" replica 0 hosts ({err}) while raising {first_line(exception)}",
+                    f" replica 0 hosts ({err}) while raising {first_line(exception)}"
                 )
+                self._standing = Verdict("lost_store", (0,), 0.0, message)
                 self._report(self._standing)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
             log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
         return self._standing
-
-    def _exit_now(self, code: int) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._exit(code)
 
     def _run(self) -> None:
         tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
@@ -241,18 +222,14 @@ class Watchdog:
             except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
                 if self._stop.is_set():
                     return
-                now = time.monotonic()
-                self._store_lost_since = self._store_lost_since or now
-                if now - self._store_lost_since > self.timeout:
-                    verdict = Verdict(
-                        "lost_store",
-                        (0,),
-                        now - self._store_lost_since,
-                        f"replica {self.rank} lost contact with the job's rendezvous store for"
-                        f" {now - self._store_lost_since:.1f} s ({err}); the replica hosting it (rank 0) ended or the"
-                        " network failed",
+                self._store_lost_since = self._store_lost_since or time.monotonic()
+                lost = time.monotonic() - self._store_lost_since
+                if lost > self.timeout:
+                    message = (
+                        f"replica {self.rank} lost contact with the job's rendezvous store for {lost:.1f} s ({err});"
+                        " the replica hosting it (rank 0) ended or the network failed"
                     )
-                    self._end(verdict)
+                    self._end(Verdict("lost_store", (0,), lost, message))
                     return
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
@@ -355,14 +332,14 @@ class Watchdog:
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
             return None
-        payload = self._read("abort", self.store.get("abort"))
+        payload = self._book.verify("abort", self.store.get("abort"))
         return None if payload is None else Verdict.from_json(payload)
 
     def _decide(self, verdict: Verdict) -> Verdict:
         """Publish ``verdict`` unless another replica already did; return the one that stands."""
         record = self._book.sign("abort", verdict.to_json())
         current = self.store.compare_set("abort", "", record)
-        payload = self._read("abort", current)
+        payload = self._book.verify("abort", current)  # None: the signature does not match
         if payload is None:  # a forged record holds the key: replace it with ours
             self.store.set("abort", record)
             payload = verdict.to_json()
@@ -410,4 +387,6 @@ class Watchdog:
         if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
             return
         kill_children(self._children())
-        self._exit_now(exit_code_for(verdict))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._exit(exit_code_for(verdict))
