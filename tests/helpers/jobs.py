@@ -84,21 +84,22 @@ def run_in_session(
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def run_command(args: list[str], *, limit: float = 240, env: dict | None = None) -> JobResult:
-    """``python args...`` in a new session; returns once every process of the job has closed its output.
-
-    The job has to end on its own within ``limit`` seconds (else ``AssertionError``); whatever is left of its process
-    group afterwards is recorded in ``survivors`` and then killed.
-    """
-    proc = subprocess.Popen(
+def start_job(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``python args...`` started in a new session with ``env``, its output (stdout and stderr) piped as text."""
+    return subprocess.Popen(
         [sys.executable, *args],
         cwd=REPO,
-        env=job_env(env),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
+
+
+def wait_job(proc: subprocess.Popen, limit: float = 240) -> JobResult:
+    """Wait for a job :func:`start_job` started: it has to end on its own within ``limit`` seconds (else
+    ``AssertionError``); whatever is left of its process group 3 s later is recorded in ``survivors`` and killed."""
     try:
         output, _ = proc.communicate(timeout=limit)
         ended = time.time()
@@ -114,3 +115,9 @@ def run_command(args: list[str], *, limit: float = 240, env: dict | None = None)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     return JobResult(proc.returncode, output, ended, survivors)
+
+
+def run_command(args: list[str], *, limit: float = 240, env: dict | None = None) -> JobResult:
+    """``python args...`` in a new session; returns once every process of the job has closed its output (see
+    :func:`wait_job`)."""
+    return wait_job(start_job(args, job_env(env)), limit)

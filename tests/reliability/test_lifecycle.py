@@ -45,7 +45,7 @@ from lightning_het.reliability.verdicts import (
 )
 from lightning_het.reliability.watchdog import Watchdog
 from tests.helpers import harness
-from tests.helpers.jobs import REPO, alive, free_port, group_members, job_env, run_in_session
+from tests.helpers.jobs import alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
 from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
@@ -337,34 +337,13 @@ def _start(out: Path, cfg: dict, flavour: str = "lightning") -> tuple[subprocess
     """Start the job on the Lightning package ``flavour`` (Ctrl-C does in it what it does in a terminal's foreground
     job, even where this process inherited SIGINT ignored: the job resets it)."""
     env = job_env({FLAVOUR_ENV: flavour})
-    proc = subprocess.Popen(
-        [sys.executable, *harness.command("lifecycle", out, cfg)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    return proc, env
+    return start_job(harness.command("lifecycle", out, cfg), env), env
 
 
 def _finish(proc: subprocess.Popen, limit: float = 240) -> tuple[int, str, float, list[int]]:
     """Wait for the job; return (status, output, end time, processes of the job still alive 3 s later)."""
-    try:
-        output, _ = proc.communicate(timeout=limit)
-        ended = time.time()
-        deadline = time.monotonic() + 3
-        while group_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return proc.returncode, output, ended, group_members(proc.pid)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"job still running after {limit}s:\n{output[-4000:]}") from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    job = wait_job(proc, limit)
+    return job.returncode, job.output, job.ended, job.survivors
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 180) -> None:
