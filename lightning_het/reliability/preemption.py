@@ -1,7 +1,8 @@
 """Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143.
 
 Per replica: a handler records the signal and a ``set_wakeup_fd`` pipe thread notices it even while the main thread
-is blocked in a collective; the replicas agree (MAX all-reduce) after every optimizer step, rank 0 saves atomically,
+is blocked in a collective; the replicas agree (MAX all-reduce) after an optimizer step about every
+:data:`AGREE_EVERY_S` seconds (every step when steps are longer), rank 0 saves atomically,
 every replica raises :class:`Preempted`; a replica still alive ``grace`` seconds after the signal ends with
 ``os._exit(143)``. See ``docs/preemption.md``.
 """
@@ -71,6 +72,12 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+#: seconds of training between two agreements (at least one step; the steps between them are the same on every rank)
+AGREE_EVERY_S = 0.25
+#: the most optimizer steps between two agreements
+AGREE_MAX_STEPS = 64
+
+
 class PreemptionHandler:
     """One replica's signal notice, deadline and step-boundary agreement (see the module docstring)."""
 
@@ -107,6 +114,8 @@ class PreemptionHandler:
         self._lock = threading.Lock()
         self._launched: list[subprocess.Popen] = []
         self._preempting = False
+        self._next_agreement = 0  # the optimizer step of the next agreement
+        self._last_agreement: tuple[int, float] | None = None  # (step, time.monotonic()) of the last one
 
     @property
     def installed(self) -> bool:
@@ -256,16 +265,26 @@ class PreemptionHandler:
                 if proc.poll() is None:
                     proc.kill()
 
-    def agree(self, device: torch.device) -> list[int]:
-        """All-reduce (MAX) which replica received which signal; every replica gets the same list (0: none)."""
-        local = [0] * self.world_size
+    def agree(self, device: torch.device, step: int = 0) -> list[int]:
+        """Which replica received which signal (0: none), all-reduced (MAX) if ``step`` (the optimizer step just
+        done) is due, else all zeros. Every replica gets the same list; the next due step is agreed with it."""
+        local = [0] * (self.world_size + 1)
         local[self.rank] = int(self.received or self._handler_saw)
         if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-            return local
-        on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flags = torch.tensor(local, dtype=torch.int32, device=on)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [int(v) for v in flags.tolist()]
+            return local[:-1]
+        if step < self._next_agreement:
+            return [0] * self.world_size
+        now = time.monotonic()
+        if self._last_agreement is not None and step > self._last_agreement[0]:
+            per_step = (now - self._last_agreement[1]) / (step - self._last_agreement[0])
+            local[-1] = -min(max(int(AGREE_EVERY_S / max(per_step, 1e-6)), 1), AGREE_MAX_STEPS)
+        else:
+            local[-1] = -1
+        flags = torch.tensor(local, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the last entry: minus the fewest steps any replica asks for
+        agreed = [int(v) for v in flags.tolist()]
+        self._next_agreement, self._last_agreement = step - agreed[-1], (step, now)
+        return agreed[:-1]
 
     def preempt(self, trainer: pl.Trainer, signals: Sequence[int]) -> Preempted:
         """Save the checkpoint (all ranks take part, rank 0 writes) and return the exception to raise."""
@@ -338,7 +357,7 @@ def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | N
 
 
 class PreemptionCallback(Callback):
-    """Runs the agreement after every optimizer step; added to the Trainer by the strategy (after its callbacks)."""
+    """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
 
     def __init__(self, handler: PreemptionHandler, device: Callable[[], torch.device]) -> None:
         self.handler: PreemptionHandler | None = handler
@@ -354,7 +373,7 @@ class PreemptionCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.handler is None or should_accumulate(trainer):
             return  # the gradients of this batch wait for the next ones: not a place to stop and save
-        signals = self.handler.agree(self._device())
+        signals = self.handler.agree(self._device(), trainer.global_step)
         if any(signals):
             raise self.handler.preempt(trainer, signals)
 

@@ -32,6 +32,7 @@ from lightning_het.reliability.preemption import (
     default_checkpoint_path,
 )
 from tests.helpers import harness
+from tests.helpers.gloo import run_gloo
 from tests.helpers.harness import run_harness
 from tests.helpers.jobs import REPO, JobResult, group_members, job_env
 from tests.helpers.side_by_side import Results, SideBySide
@@ -93,6 +94,40 @@ def test_preemption_checkpoint_false_stops_without_saving(capsys):
         capsys.readouterr().err
     )
     assert exits.done.wait(10) and exits.codes == [PREEMPTION_EXIT_CODE]  # the deadline still ends a stuck replica
+
+
+def _spaced_agreement_worker(rank: int, world_size: int) -> list[tuple[int, list[int]]]:
+    """60 steps of 10 ms (rank 1: 20 ms); rank 1 is signalled after step 30. Returns the number of all-reduces and
+    (step, agreed) of the first two steps and of the stop."""
+    import torch.distributed as dist
+
+    reduces = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: reduces.append(1) or all_reduce(*args, **kwargs)
+    handler = PreemptionHandler(fast_exit=False)
+    handler.rank, handler.world_size = rank, world_size  # what install() records, without taking over the signals
+    seen = []
+    for step in range(1, 61):
+        time.sleep(0.01 * (rank + 1))
+        handler.received = int(signal.SIGTERM) if rank == 1 and step > 30 else 0
+        agreed = handler.agree(torch.device("cpu"), step)
+        if any(agreed) or not seen or step < 3:
+            seen.append((step, agreed))
+        if any(agreed):
+            break
+    return len(reduces), seen
+
+
+def test_short_steps_share_one_agreement_and_every_replica_stops_at_the_same_step(tmp_path):
+    """About every 0.25 s (the slower replica's pace decides), the same steps on every replica, the signal seen."""
+    (reduces, seen), other = run_gloo(_spaced_agreement_worker, 2, tmp_path)
+    assert (reduces, seen) == other  # the same agreements at the same steps, the same flags
+    assert 3 <= reduces <= 12  # 31+ steps of 20 ms or more: 2 at the start, then one per 0.25 s (12 steps or less)
+    steps = [step for step, _ in seen]
+    assert steps[:2] == [1, 2]  # step 1 agrees on step 2 (no pace yet), step 2 measures the pace
+    stop, agreed = seen[-1]
+    assert agreed == [0, int(signal.SIGTERM)]
+    assert 31 <= stop <= 31 + 13  # at most one interval (0.25 s of 20 ms steps, rounded down) after the signal
 
 
 class _SignalDisposition(Dataset):
