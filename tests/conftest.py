@@ -101,7 +101,21 @@ def _in_tests(function: object) -> bool:
         return False
 
 
+#: the modules that take longest (mostly waiting for their jobs), run first: with ``pytest -n 2 --dist loadfile``
+#: (``.ci/run``) the two workers then end together instead of one finishing a long module alone
+LONGEST_FIRST = (
+    "tests/reliability/test_lifecycle.py",
+    "tests/test_engines.py",
+    "tests/test_fabric.py",
+    "tests/reliability/test_preemption.py",
+    "tests/test_run_lightning_tests.py",
+    "tests/app/test_app.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).relative_to(REPO).as_posix(), len(rank)))
     cache: dict[object, bool] = {}
     for item in items:
         if item.get_closest_marker("slow") is not None or not isinstance(item, pytest.Function):
