@@ -25,7 +25,7 @@ from lightning_het.balance.balancer import Balancer, BalanceView, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.profiler import LoopSteps
 from lightning_het.cluster.accelerators import device_labels
-from lightning_het.cluster.startup import detect_node_ids, startup_timeout_scope
+from lightning_het.cluster.startup import detect_node_ids, init_process_group, started_elsewhere, startup_timeout_scope
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
@@ -107,9 +107,23 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
 
     @override
     def _setup_distributed(self) -> None:
-        # a short `timeout` does not fail the rendezvous of replicas that start slowly
+        # as the Trainer's: a store and sockets only the job reaches; a short `timeout` does not fail the rendezvous of
+        # replicas that start slowly
         with startup_timeout_scope(self._timeout, self.config.startup_timeout, self._set_timeout):
-            super()._setup_distributed()
+            if started_elsewhere():
+                super()._setup_distributed()  # torchrun's agent hosts the store
+                return
+            self._set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            init_process_group(
+                self.cluster_environment,
+                self._process_group_backend,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+                timeout=self._timeout,
+                device=self.root_device,
+            )
 
     # ------------------------------------------------------------------ model and optimizer
     @override

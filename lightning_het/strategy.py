@@ -7,14 +7,12 @@ them. The standalone ``pytorch_lightning`` flavour runs this module's code on th
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -41,8 +39,12 @@ from lightning_het.cluster.accelerators import (
     unbound_process_group,
 )
 from lightning_het.cluster.devices import DevicePlan
-from lightning_het.cluster.rendezvous import local_sockets
-from lightning_het.cluster.startup import detect_node_ids, init_process_group, startup_timeout_scope
+from lightning_het.cluster.startup import (
+    detect_node_ids,
+    init_process_group,
+    started_elsewhere,
+    startup_timeout_scope,
+)
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
@@ -169,23 +171,22 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         # mixed CPU/GPU job: no rank binds a device to the default group; a short `timeout` does not fail the
         # rendezvous of replicas that start slowly
         with unbound_process_group(self), self._startup_timeout_scope():
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized():
+            if started_elsewhere():
                 super().setup_distributed()  # torchrun's agent hosts the store / a later Trainer call
                 return
             reset_seed()
             self.set_world_ranks()
             self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None
-            with local_sockets(self.num_nodes):  # the store and sockets only the job reaches
-                init_process_group(
-                    self.cluster_environment,
-                    self._process_group_backend,
-                    rank=self.global_rank,
-                    world_size=self.world_size,
-                    num_nodes=self.num_nodes,
-                    timeout=self._timeout,
-                    device=self.root_device,
-                )
+            init_process_group(
+                self.cluster_environment,
+                self._process_group_backend,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+                timeout=self._timeout,
+                device=self.root_device,
+            )
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_het._compat import _init_dist_connection
-from lightning_het.cluster.rendezvous import create_store
+from lightning_het.cluster.rendezvous import create_store, local_sockets
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
 from lightning_het.reliability.supervision import apply_collective_timeout, rendezvous_timeout
 
-__all__ = ["detect_node_ids", "init_process_group", "rendezvous_failed", "startup_timeout_scope"]
+__all__ = ["detect_node_ids", "init_process_group", "rendezvous_failed", "started_elsewhere", "startup_timeout_scope"]
 
 
 @contextmanager
@@ -36,6 +37,11 @@ def startup_timeout_scope(
     apply_collective_timeout(timeout)
 
 
+def started_elsewhere() -> bool:
+    """Whether Lightning's own start-up applies: torchrun's agent hosts the store, or the group already exists."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized()
+
+
 def init_process_group(
     env: Any,
     backend: str,
@@ -46,7 +52,8 @@ def init_process_group(
     timeout: timedelta | None,
     device: torch.device,
 ) -> None:
-    """Start the default process group on a store only the job can reach (a timed-out rendezvous ends the job)."""
+    """Start the default process group on a store, and sockets, only the job can reach (a timed-out rendezvous ends
+    the job)."""
     store_timeout = timeout if timeout is not None else timedelta(minutes=30)
     store = create_store(
         master_addr=env.main_address,
@@ -59,7 +66,8 @@ def init_process_group(
     kwargs: dict[str, Any] = {"timeout": timeout, "store": store}
     kwargs["device_id"] = device if device.type != "cpu" else None
     try:
-        _init_dist_connection(env, backend, **kwargs)
+        with local_sockets(num_nodes):
+            _init_dist_connection(env, backend, **kwargs)
     except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
         raise rendezvous_failed(err, store_timeout, rank, world_size) from err
 

@@ -6,11 +6,12 @@ import os
 
 import pytest
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_het.cluster.startup as startup
-from lightning_het import HeterogeneousStrategy
+from lightning_het import HeterogeneousFabricStrategy, HeterogeneousStrategy
 from lightning_het.cluster.rendezvous import local_sockets
 from lightning_het.cluster.topology import build_node_groups
 
@@ -31,9 +32,11 @@ def test_local_sockets_sets_loopback_only_inside(monkeypatch):
         assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
-def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch):
-    """As Lightning's own DDP tests do: `setup_environment()` without a fit or a teardown. The default group and the
-    node groups are created with Gloo's sockets on loopback; the variables are gone again afterwards."""
+@pytest.mark.parametrize("flavour", ["trainer", "fabric"])
+def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch, flavour):
+    """As Lightning's own DDP tests do: `setup_environment()` without a fit or a teardown. The default group (on the
+    job-only store) and the node groups are created with Gloo's sockets on loopback; the variables are gone again
+    afterwards. Trainer and Fabric alike."""
     for name in SOCKETS:
         monkeypatch.delenv(name, raising=False)
     seen = []
@@ -49,10 +52,14 @@ def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch):
 
     monkeypatch.setattr(startup, "_init_dist_connection", init)
     monkeypatch.setattr(dist, "new_subgroups_by_enumeration", subgroups)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(), max_epochs=1, logger=False)
-    trainer.strategy.connect(BoringModel())
+    if flavour == "trainer":
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(), max_epochs=1, logger=False)
+        trainer.strategy.connect(BoringModel())
+        strategy = trainer.strategy
+    else:
+        strategy = Fabric(accelerator="cpu", devices=1, strategy=HeterogeneousFabricStrategy()).strategy
     try:
-        trainer.strategy.setup_environment()
+        strategy.setup_environment()
         assert dist.is_initialized()
         build_node_groups([0], 0)
     finally:
