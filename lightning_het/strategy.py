@@ -273,14 +273,33 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.balancer.agree_caps()  # while micro-batching: a cap lowered by an out-of-memory error, agreed
         sizes = self.balancer.step_split(self._loaders.train_sampler, self._batch_idx)
         clock = self._step_clock()  # telemetry, emulation, profiling
         if clock is None:
-            return super().training_step(*args, **kwargs)
+            return self._micro_batched_step(*args, **kwargs)
         clock.step_start(sizes[self.global_rank] if sizes else 0)
-        output = super().training_step(*args, **kwargs)
+        output = self._micro_batched_step(*args, **kwargs)
         clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
+
+    def _micro_batched_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's step, as micro-batches when this replica's share exceeds its memory cap (``data/microbatch``)."""
+        step, micro = super().training_step, self.balancer.micro
+        if micro is None or not args:
+            return step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            micro.refuse_manual(args[0])
+            return step(*args, **kwargs)
+        rest, params = args[1:], list(self.lightning_module.parameters())
+        piece_step = lambda piece: step(piece, *rest, **kwargs)  # noqa: E731
+        return micro.run(piece_step, args[0], self._backward_piece, self.block_backward_sync, params)
+
+    def _backward_piece(self, loss: Tensor) -> None:
+        """Backward one micro-batch's weighted loss with the step's loss scale (Lightning divides the last one's by
+        ``accumulate_grad_batches``; this does the same for the others)."""
+        scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
+        super().backward(loss * (scale / self.lightning_module.trainer.accumulate_grad_batches), None)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -288,6 +307,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
         scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
+        if self.balancer.micro is not None:  # the step's earlier micro-batches: their gradients join this backward
+            self.balancer.micro.restore_grads(list(self.lightning_module.parameters()))
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         if clock is not None:
             clock.after_backward()
