@@ -293,6 +293,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             return step(*args, **kwargs)
         rest, params = args[1:], list(self.lightning_module.parameters())
         piece_step = lambda piece: step(piece, *rest, **kwargs)  # noqa: E731
+        if self.balancer.cap_unknown:  # max_micro_batch_sizes="auto": measured on the first training batch
+            self.balancer.measure_caps(piece_step, args[0], self.block_backward_sync, self.lightning_module)
         return micro.run(piece_step, args[0], self._backward_piece, self.block_backward_sync, params)
 
     def _backward_piece(self, loss: Tensor) -> None:

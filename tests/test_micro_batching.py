@@ -33,10 +33,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
+def _auto(cache: str) -> dict:
+    """Caps measured on the first step (the replicas hold 8, 64 and 64 samples), stored in the profile cache."""
+    strategy = {**_STRATEGY, "max_micro_batch_sizes": "auto", "emulate_memory_cap": [8, 64, 64], "profile_cache": cache}
+    return {**_BASE, "strategy": strategy}
+
+
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
-    results = run_fits_job(tmp_path_factory.mktemp("micro"), list(FITS.values()), limit=400)
-    return dict(zip(FITS, results))
+    out = tmp_path_factory.mktemp("micro")
+    cache = str(out / "cache")
+    configs = {**FITS, "auto": _auto(cache), "auto_again": _auto(cache)}
+    results = run_fits_job(out, list(configs.values()), limit=400)
+    return dict(zip(configs, results))
 
 
 @pytest.mark.parametrize("name", ["caps", "hierarchical"])
@@ -65,3 +74,16 @@ def test_out_of_memory_mid_training_lowers_the_cap_once(fits):
     assert all(_max_diff(d["state_dict"], lower[0]["state_dict"]) < 1e-5 for d in dumps)
     reference = reference_weights(make_dataset(60), 24, epochs=2, seed=0)
     assert all(_max_diff(d["state_dict"], reference) < 1e-5 for d in dumps)
+
+
+def test_auto_caps_measured_within_one_search_step_below_then_cached(fits):
+    dumps, out = fits["auto"]
+    # rank 0: 16 fails, 8 fits, 12, 10 and 9 fail; ranks 1 and 2: 4, 8, 16 and 24 (the global batch) fit
+    assert [d["micro_cap"] for d in dumps] == [8, 24, 24]
+    assert [d["micro_search_steps"] for d in dumps] == [5, 4, 4]
+    assert "micro-batch caps [8, 24, 24] (measured in [5, 4, 4] trial steps)" in out
+    reference = reference_weights(make_dataset(60), 24, epochs=2, seed=0)  # the trial steps leave no trace
+    assert all(_max_diff(d["state_dict"], reference) < 1e-5 for d in dumps)
+    again, out = fits["auto_again"]
+    assert "micro-batch caps [8, 24, 24] (from the profile cache)" in out
+    assert [d["micro_search_steps"] for d in again] == [0, 0, 0]

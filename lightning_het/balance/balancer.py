@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from lightning_het._compat import _BatchNorm
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.cost import AffineCost, allocate_affine
+from lightning_het.balance.memory import measure_cap
 from lightning_het.balance.planner import (
     batch_bounds,
     cached_costs,
@@ -105,6 +106,52 @@ class Balancer:
         caps = self.config.max_micro_batch_sizes
         return self.allocation.micro_caps or (list(caps) if isinstance(caps, list) else None)
 
+    @property
+    def cap_unknown(self) -> bool:
+        """``max_micro_batch_sizes="auto"`` and the caps neither cached nor measured yet in this fit."""
+        return self.config.max_micro_batch_sizes == "auto" and self.allocation.micro_caps is None
+
+    def _memory_key(self) -> tuple[ProfileCache | None, str | None]:
+        cache, key = self.cache_entry()
+        emulated = self.config.emulate_memory_cap
+        return cache, None if key is None else f"{key}|emulated_memory={emulated[self.rank] if emulated else None}"
+
+    def cached_caps(self) -> None:
+        """``"auto"``: every replica's measured cap from the profile cache, when every replica has one (an
+        all-gather)."""
+        cache, key = self._memory_key()
+        if not self.cap_unknown or cache is None or self.world_size == 1:
+            return
+        cap = cache.get_cap(key) if key is not None else None
+        rows = self.all_gather_floats([float(cap or 0)])
+        if all(r[0] >= 1 for r in rows):
+            self._set_caps([int(r[0]) for r in rows], "from the profile cache")
+
+    def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any) -> None:
+        """``"auto"`` on the first training step: each replica's largest micro-batch that fits (trial steps that
+        leave the training state unchanged), agreed by an all-gather and stored in the profile cache."""
+        micro = self.micro
+        assert micro is not None
+        upper = self.allocation.global_batch_size or 1
+        accelerator = self.device.type == "cuda"
+        cap, micro.search_steps = measure_cap(
+            step, batch, upper=upper, check=micro.fits, no_sync=no_sync, module=module, accelerator=accelerator
+        )
+        cache, key = self._memory_key()
+        if cache is not None and key is not None:
+            cache.put_cap(key, cap)
+        rows = self.all_gather_floats([float(cap), float(micro.search_steps)]) if self.world_size > 1 else [[cap, 0]]
+        steps = [int(r[1]) for r in rows]
+        self._set_caps([int(r[0]) for r in rows], f"measured in {steps} trial steps")
+
+    def _set_caps(self, caps: list[int], source: str) -> None:
+        self.allocation.micro_caps = caps
+        if self.micro is not None:
+            self.micro.cap = caps[self.rank]
+        if self.allocation.cost_model is not None:
+            self.allocation.cost_model = self.with_caps(self.allocation.cost_model)
+        rank_zero_info(f"HeterogeneousStrategy: micro-batch caps {caps} ({source})")
+
     def with_caps(self, costs: list[AffineCost] | None) -> list[AffineCost] | None:
         """``costs`` with every replica's micro-batch cap (the cost of a share run in pieces)."""
         caps = self.micro_caps
@@ -145,6 +192,8 @@ class Balancer:
         world, bounds = self.world_size, self.bounds
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(resume_record, world_size=world, given_speeds=self.config.speeds)
+        self._cache_loader = dataloader
+        self.cached_caps()  # max_micro_batch_sizes="auto": measured in an earlier run
         costs = None
         if resume.speeds is not None or self.config.speeds is not None:  # the one-number model, proportional split
             speeds = list(resume.speeds if resume.speeds is not None else self.config.speeds)  # type: ignore[arg-type]
@@ -233,6 +282,9 @@ class Balancer:
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
         assert self.profiler is not None and self._fit is not None
+        costs = self.with_caps(costs)  # type: ignore[assignment]
+        if self.micro_caps is not None:  # the split that knows each share's micro-batches
+            batch_sizes = allocate_affine(sum(batch_sizes), costs, **self.bounds)
         self.allocation.cost_model = costs
         speeds = measured_speeds(batch_sizes, costs)
         warn_useless_replicas(sum(batch_sizes), costs, batch_sizes, self._fit.labels, self.bounds)

@@ -101,6 +101,7 @@ class MicroBatcher:
         self.emulated_cap = emulated_cap  # emulation only; a test may lower it between steps
         self.lowered_from: int | None = None  # the cap (or the share) a mid-training OOM lowered, once
         self.pending = False  # the cap changed since the replicas last agreed on it
+        self.search_steps = 0  # trial steps the "auto" search took on this replica
         self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
 
     def fits(self, samples: int) -> None:

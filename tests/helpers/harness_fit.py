@@ -256,6 +256,7 @@ def fit_record(trainer, model: TinyRegressor) -> dict[str, Any]:
         "cost_model": [c.as_dict() for c in s.cost_model] if s.cost_model else None,
         "profile_seconds": s.profile_seconds,
         "micro_cap": s.micro_batcher.cap if getattr(s, "micro_batcher", None) is not None else None,
+        "micro_search_steps": s.micro_batcher.search_steps if getattr(s, "micro_batcher", None) is not None else 0,
         "profile_cached": s.balance_report()["profile_cached"],
         "report": s.balance_report(include_series=True),
         "report_paths": {k: str(v) for k, v in (monitor.report_paths if monitor else {}).items()},
