@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_het.data.microbatch import _loss, _take_grads, batch_length
+from lightning_het.data.microbatch import batch_length, step_loss, take_grads
 
 __all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "cap_search", "measure_cap", "resize_batch"]
 
@@ -79,7 +79,7 @@ def resize_batch(batch: Any, size: int) -> Any:
 def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> Iterator[None]:
     """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were,
     and ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
-    grads = _take_grads(params)
+    grads = take_grads(params)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -120,7 +120,7 @@ def measure_cap(
         try:
             with no_sync():
                 check(n)
-                _loss(step(resize_batch(batch, n))).backward()
+                step_loss(step(resize_batch(batch, n))).backward()
         except torch.OutOfMemoryError:
             return False
         finally:

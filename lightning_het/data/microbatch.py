@@ -16,7 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MicroBatcher", "batch_length", "micro_batch_sizes", "micro_batches", "split_batch"]
+__all__ = [
+    "MicroBatcher",
+    "batch_length",
+    "micro_batch_sizes",
+    "micro_batches",
+    "split_batch",
+    "step_loss",
+    "take_grads",
+]
 
 
 def micro_batch_sizes(batch_size: int, cap: int | None) -> list[int]:
@@ -76,7 +84,8 @@ def micro_batches(batch: Any, cap: int) -> list[tuple[Any, float]]:
     return [(piece, n / total) for piece, n in zip(split_batch(batch, sizes), sizes)]
 
 
-def _loss(output: Any) -> Tensor:
+def step_loss(output: Any) -> Tensor:
+    """The loss a training step returned (a tensor, or a dict's ``"loss"``); a clear error otherwise."""
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise RuntimeError(
@@ -157,11 +166,11 @@ class MicroBatcher:
         total = batch_length(batch)
         if total is None or (len(micro_batch_sizes(total, self.cap)) == 1 and not self.emulated_cap):
             return step(batch)
-        held = _take_grads(params)
+        held = take_grads(params)
         try:
             return self._pieces(step, batch, total, backward, no_sync)
         finally:
-            self._grads = _take_grads(params)
+            self._grads = take_grads(params)
             for p, g in zip(params, held):
                 p.grad = g
 
@@ -191,7 +200,7 @@ class MicroBatcher:
                         self.fits(n)
                         output = step(piece)
                         if not last:
-                            backward(_loss(output) * (n / total))
+                            backward(step_loss(output) * (n / total))
                 except torch.OutOfMemoryError as error:
                     self.lower(n, error)
                     rest = split_batch(batch, [done, total - done])[1] if done else batch
@@ -199,12 +208,12 @@ class MicroBatcher:
                 if last:
                     if not earlier:
                         return output
-                    return _with_loss(output, _loss(output) * (n / total) + sum(earlier))
-                earlier.append(_loss(output).detach() * (n / total))
+                    return _with_loss(output, step_loss(output) * (n / total) + sum(earlier))
+                earlier.append(step_loss(output).detach() * (n / total))
                 done += n
 
 
-def _take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
+def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
     """``params``' gradients, each ``.grad`` left ``None``."""
     grads = [p.grad for p in params]
     for p in params:
