@@ -261,6 +261,9 @@ class Balancer:
             trainer=fit.trainer,
             loop_prefetch=fit.loop_prefetch,
         )
+        micro = self.micro
+        if micro is not None:
+            self.profiler.micro_cap = lambda: micro.cap
         return None
 
     def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
