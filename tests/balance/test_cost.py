@@ -41,11 +41,15 @@ def _random_cost(rng: random.Random) -> AffineCost:
 
 
 class TestAllocateAffine:
+    @pytest.mark.parametrize("micro", [False, True], ids=["affine", "micro-batched"])
     @pytest.mark.parametrize("seed", range(300))
-    def test_optimal_against_brute_force(self, seed: int) -> None:
-        rng = random.Random(seed)
+    def test_optimal_against_brute_force(self, seed: int, micro: bool) -> None:
+        """Also for ``t_r(b) = ceil(b / m_r) a_r + c_r b`` (micro-batches): the exact integer optimum."""
+        rng = random.Random(5000 + seed if micro else seed)
         world = rng.randint(1, 4)
         costs = [_random_cost(rng) for _ in range(world)]
+        if micro:
+            costs = [c.with_micro_batch(rng.choice([None, 1, 2, 3, 5])) for c in costs]
         lo = rng.choice([0, 1, 1, 2])
         total = rng.randint(max(world * lo, 1), 14)
         hi = [rng.randint(max(lo, 1), total) for _ in range(world)] if rng.random() < 0.4 else [total] * world
@@ -54,21 +58,6 @@ class TestAllocateAffine:
         sizes = allocate_affine(total, costs, min_batch_size=lo, max_batch_sizes=hi)
         assert sum(sizes) == total
         assert all(lo <= b <= h for b, h in zip(sizes, hi))
-        assert step_time(sizes, costs) == pytest.approx(_brute_force(total, costs, lo, hi), abs=1e-12)
-
-    @pytest.mark.parametrize("seed", range(300))
-    def test_micro_batched_optimal_against_brute_force(self, seed: int) -> None:
-        """``t_r(b) = ceil(b / m_r) a_r + c_r b``: the allocation stays the exact integer optimum."""
-        rng = random.Random(5000 + seed)
-        world = rng.randint(1, 4)
-        costs = [_random_cost(rng).with_micro_batch(rng.choice([None, 1, 2, 3, 5])) for _ in range(world)]
-        lo = rng.choice([0, 1, 1, 2])
-        total = rng.randint(max(world * lo, 1), 14)
-        hi = [rng.randint(max(lo, 1), total) for _ in range(world)] if rng.random() < 0.3 else [total] * world
-        if sum(hi) < total:
-            hi[-1] += total - sum(hi)
-        sizes = allocate_affine(total, costs, min_batch_size=lo, max_batch_sizes=hi)
-        assert sum(sizes) == total and all(lo <= b <= h for b, h in zip(sizes, hi))
         assert step_time(sizes, costs) == pytest.approx(_brute_force(total, costs, lo, hi), abs=1e-12)
 
     def test_micro_batched_cost(self) -> None:
