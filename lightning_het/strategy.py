@@ -72,13 +72,14 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
     share, so that every optimizer step applies exactly the gradient of the global batch.
 
-    Keywords (each described in ``docs/strategy.md``; :data:`~lightning_het.config.KEYWORD_DEFAULTS` has the
-    defaults): ``global_batch_size``, ``speeds``, ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``,
-    ``global_sync_every``, ``emulate_slowdown``, ``profile_steps``, ``profile_warmup``, ``profile_cache``,
-    ``device_map``, ``cpu_threads``, ``startup_timeout``, ``rebalance_every_n_epochs``, ``rebalance_threshold``,
-    ``telemetry``, ``comm_warmup_steps``, ``comm_autotune_steps``, ``preemption_checkpoint``, ``preemption_grace``.
-    Every other keyword goes to ``DDPStrategy`` (``timeout``, ``start_method``, ``process_group_backend``,
-    ``find_unused_parameters``, ...). A bad value raises ``ValueError`` naming the keyword.
+    Keywords (each described in ``docs/strategy.md``; :data:`~lightning_het.config.KEYWORD_DEFAULTS` has the defaults):
+    ``global_batch_size``, ``speeds``, ``min_batch_size``, ``max_batch_sizes``, ``max_micro_batch_sizes``, ``node_ids``,
+    ``comm``, ``global_sync_every``, ``emulate_slowdown``, ``emulate_memory_cap``, ``profile_steps``,
+    ``profile_warmup``, ``profile_cache``, ``device_map``, ``cpu_threads``, ``startup_timeout``,
+    ``rebalance_every_n_epochs``, ``rebalance_threshold``, ``telemetry``, ``comm_warmup_steps``,
+    ``comm_autotune_steps``, ``preemption_checkpoint``, ``preemption_grace``. Every other keyword goes to
+    ``DDPStrategy`` (``timeout``, ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...). A bad
+    value raises ``ValueError`` naming the keyword.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes
