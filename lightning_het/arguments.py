@@ -21,6 +21,7 @@ __all__ = [
     "as_timeout",
     "check_comm_args",
     "finite_positive_list",
+    "int_list",
     "positive_int",
     "threshold",
     "validate_grace",
@@ -81,6 +82,22 @@ def finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: 
     if not out:
         raise _error(name, f"Expected argument `{name}` to be non-empty.")
     return out
+
+
+def int_list(name: str, values: Any, alternatives: str = "") -> list[int] | None:
+    """``values`` as a non-empty list of integers ``>= 1`` (one per replica); ``None`` stays ``None``."""
+    if values is None:
+        return None
+    expected = f"Expected argument `{name}` to be a list of integers >= 1 (one per replica){' ' * bool(alternatives)}"
+    if isinstance(values, (str, bytes, int, float)):
+        raise _error(name, f"{expected}{alternatives}, but got {values!r}.")
+    try:
+        items = list(values)
+    except TypeError:
+        raise _error(name, f"{expected}{alternatives}, but got {values!r}.") from None
+    if not items:
+        raise _error(name, f"{expected}{alternatives}, but got an empty list.")
+    return [positive_int(f"{name}[{i}]", v, allow_none=False) for i, v in enumerate(items)]  # type: ignore[misc]
 
 
 def threshold(name: str, value: Any) -> float | None:
@@ -156,12 +173,14 @@ def validate_strategy_arguments(
     speeds: Any,
     min_batch_size: Any,
     max_batch_sizes: Any,
+    max_micro_batch_sizes: Any,
     node_ids: Any,
     comm: Any,
     global_sync_every: Any,
     comm_warmup_steps: Any,
     comm_autotune_steps: Any,
     emulate_slowdown: Any,
+    emulate_memory_cap: Any,
     profile_steps: Any,
     profile_warmup: Any,
     profile_cache: Any,
@@ -202,6 +221,10 @@ def validate_strategy_arguments(
                     f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={min_batch_size}, but"
                     f" `max_batch_sizes[{i}]` is {b}.",
                 )
+    out["max_micro_batch_sizes"] = max_micro_batch_sizes
+    if max_micro_batch_sizes != "auto":  # "auto": measured by a short search on the first steps
+        out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", max_micro_batch_sizes, 'or "auto"')
+    out["emulate_memory_cap"] = int_list("emulate_memory_cap", emulate_memory_cap)
     out["node_ids"] = None
     if node_ids is not None:
         out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]

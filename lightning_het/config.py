@@ -27,10 +27,12 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "speeds": None,
     "min_batch_size": 1,
     "max_batch_sizes": None,
+    "max_micro_batch_sizes": None,
     "node_ids": None,
     "comm": "auto",
     "global_sync_every": None,
     "emulate_slowdown": None,
+    "emulate_memory_cap": None,
     "profile_steps": 2,
     "profile_warmup": 1,
     "profile_cache": None,
@@ -90,12 +92,14 @@ class HeterogeneousConfig:
     speeds: list[float] | None
     min_batch_size: int
     max_batch_sizes: list[int] | None
+    max_micro_batch_sizes: list[int] | Literal["auto"] | None
     node_ids: list[int] | None
     comm: Any
     global_sync_every: int | None
     comm_warmup_steps: int
     comm_autotune_steps: int
     emulate_slowdown: list[float] | None
+    emulate_memory_cap: list[int] | None
     profile_steps: int
     profile_warmup: int
     profile_cache: str | os.PathLike[str] | bool | None
@@ -153,6 +157,8 @@ class HeterogeneousConfig:
             ("max_batch_sizes", self.max_batch_sizes),
             ("node_ids", self.node_ids),
             ("emulate_slowdown", self.emulate_slowdown),
+            ("max_micro_batch_sizes", None if self.max_micro_batch_sizes == "auto" else self.max_micro_batch_sizes),
+            ("emulate_memory_cap", self.emulate_memory_cap),
         ):
             if values is not None and len(values) != world:
                 raise ValueError(

@@ -63,7 +63,8 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
             raise ValueError(
                 f"You passed {trainer_only} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
                 " `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or emulate a slow replica inside your own"
-                " step function."
+                " step function; for memory caps, split each batch with"
+                " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md)."
             )
         config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
         super().__init__(**kwargs)

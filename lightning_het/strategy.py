@@ -74,13 +74,14 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
     share, so that every optimizer step applies exactly the gradient of the global batch.
 
-    Keywords (each described in ``docs/strategy.md``; :data:`~lightning_het.config.KEYWORD_DEFAULTS` has the
-    defaults): ``global_batch_size``, ``speeds``, ``min_batch_size``, ``max_batch_sizes``, ``node_ids``, ``comm``,
-    ``global_sync_every``, ``emulate_slowdown``, ``profile_steps``, ``profile_warmup``, ``profile_cache``,
-    ``device_map``, ``cpu_threads``, ``startup_timeout``, ``rebalance_every_n_epochs``, ``rebalance_threshold``,
-    ``telemetry``, ``comm_warmup_steps``, ``comm_autotune_steps``, ``preemption_checkpoint``, ``preemption_grace``.
-    Every other keyword goes to ``DDPStrategy`` (``timeout``, ``start_method``, ``process_group_backend``,
-    ``find_unused_parameters``, ...). A bad value raises ``ValueError`` naming the keyword.
+    Keywords (each described in ``docs/strategy.md``; :data:`~lightning_het.config.KEYWORD_DEFAULTS` has the defaults):
+    ``global_batch_size``, ``speeds``, ``min_batch_size``, ``max_batch_sizes``, ``max_micro_batch_sizes``, ``node_ids``,
+    ``comm``, ``global_sync_every``, ``emulate_slowdown``, ``emulate_memory_cap``, ``profile_steps``,
+    ``profile_warmup``, ``profile_cache``, ``device_map``, ``cpu_threads``, ``startup_timeout``,
+    ``rebalance_every_n_epochs``, ``rebalance_threshold``, ``telemetry``, ``comm_warmup_steps``,
+    ``comm_autotune_steps``, ``preemption_checkpoint``, ``preemption_grace``. Every other keyword goes to
+    ``DDPStrategy`` (``timeout``, ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...). A bad
+    value raises ``ValueError`` naming the keyword.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes
@@ -274,14 +275,35 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.balancer.agree_caps()  # while micro-batching: a cap lowered by an out-of-memory error, agreed
         sizes = self.balancer.step_split(self._loaders.train_sampler, self._batch_idx)
         clock = self._step_clock()  # telemetry, emulation, profiling
         if clock is None:
-            return super().training_step(*args, **kwargs)
+            return self._micro_batched_step(*args, **kwargs)
         clock.step_start(sizes[self.global_rank] if sizes else 0)
-        output = super().training_step(*args, **kwargs)
+        output = self._micro_batched_step(*args, **kwargs)
         clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
+
+    def _micro_batched_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's step, as micro-batches when this replica's share exceeds its memory cap (``data/microbatch``)."""
+        step, micro = super().training_step, self.balancer.micro
+        if micro is None or not args:
+            return step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            micro.refuse_manual(args[0])
+            return step(*args, **kwargs)
+        rest, params = args[1:], list(self.lightning_module.parameters())
+        piece_step = lambda piece: step(piece, *rest, **kwargs)  # noqa: E731
+        if self.balancer.cap_unknown:  # max_micro_batch_sizes="auto": measured on the first training batch
+            self.balancer.measure_caps(piece_step, args[0], self.block_backward_sync, self.lightning_module)
+        return micro.run(piece_step, args[0], self._backward_piece, self.block_backward_sync, params)
+
+    def _backward_piece(self, loss: Tensor) -> None:
+        """Backward one micro-batch's weighted loss with the step's loss scale (Lightning divides the last one's by
+        ``accumulate_grad_batches``; this does the same for the others)."""
+        scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
+        super().backward(loss * (scale / self.lightning_module.trainer.accumulate_grad_batches), None)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -289,6 +311,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
         scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
+        if self.balancer.micro is not None:  # the step's earlier micro-batches: their gradients join this backward
+            self.balancer.micro.restore_grads(list(self.lightning_module.parameters()))
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         if clock is not None:
             clock.after_backward()

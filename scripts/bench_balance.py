@@ -19,6 +19,10 @@ platforms, half as many on ``1:1:1`` and in the ``emulate_slowdown`` run, three 
 * ``affine`` (2 replicas, its own job): step cost ``a_r + c_r * b`` with rank 0 like a GPU on a small model (40 ms
   fixed, 0.5 ms per sample) and rank 1 like a CPU (2 ms, 6 ms per sample): DDP, the profiled affine split, and the
   proportional split a one-number profile would give; ``--only affine`` runs just this job;
+* ``memory`` (2 replicas, its own job): rank 0 four times faster (2 ms + 1 ms per sample against 2 ms + 4 ms) but
+  holding only 8 samples at once (``emulate_memory_cap``): DDP (for the per-step overhead), the cap-bounded split
+  ``max_batch_sizes=[8, 64]``, and micro-batches with measured caps (``max_micro_batch_sizes="auto"``); ``--only
+  memory`` runs just this job;
 * ``slowdown``: the ``1:2:4`` platform where the fastest replica becomes 2x slower from epoch 3 on, without and with
   ``rebalance_every_n_epochs=1``.
 
@@ -68,6 +72,11 @@ SLOWDOWN = {"platform": "1:2:4", "rank": 2, "factor": 2.0, "epoch": 3}
 #: 2 replicas whose step costs ``fixed_s + per_sample_s * b`` (sleeps): rank 0 like a GPU on a small model, rank 1
 #: like a CPU; the one-number model mis-splits it
 AFFINE: dict[str, list[float]] = {"fixed_s": [0.040, 0.002], "per_sample_s": [0.0005, 0.006]}
+#: 2 replicas, rank 0 four times faster but holding 8 samples at once (``caps``, emulated): the cap-bounded split
+#: wastes it, micro-batches keep its share (each micro-batch pays the fixed cost again)
+MEMORY: dict[str, list[Any]] = {"fixed_s": [0.002, 0.002], "per_sample_s": [0.001, 0.004], "caps": [8, 64]}
+AFFINE_RUNS = ("affine ddp", "affine het proportional", "affine het")
+MEMORY_RUNS = ("memory ddp", "memory het capped", "memory het micro")
 DOC_BEGIN, DOC_END = "<!-- bench_balance:begin -->", "<!-- bench_balance:end -->"
 
 
@@ -182,8 +191,9 @@ def _worker(spec_path: str) -> None:
             g = torch.Generator().manual_seed(1)
             n = GLOBAL_BATCH * steps
             data = TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 1, generator=g))
-            if cfg["model"] == "affine":
-                model = SleepModel(AFFINE["per_sample_s"], None, AFFINE["fixed_s"])
+            if cfg["model"] in ("affine", "memory"):
+                costs = AFFINE if cfg["model"] == "affine" else MEMORY
+                model = SleepModel(costs["per_sample_s"], None, costs["fixed_s"])
             else:
                 model = SleepModel(
                     [spec["c0"] / s for s in cfg["speeds"]], cfg.get("change"), busy=cfg.get("busy", False)
@@ -356,28 +366,50 @@ def _affine_plan(args: argparse.Namespace) -> list[dict]:
     ]
 
 
-def _affine_summary(runs: list[dict]) -> dict[str, Any]:
-    """Mean step of each run against the best split's compute plus the per-step overhead measured on DDP."""
+def _memory_plan(args: argparse.Namespace) -> list[dict]:
+    """The memory platform: DDP (for the overhead; it ignores memory), the cap-bounded split (``max_batch_sizes``) and
+    the micro-batched one (``max_micro_batch_sizes="auto"`` under ``emulate_memory_cap``), both profiled."""
+    base = {"steps": args.steps, "epochs": args.epochs, "model": "memory", "platform": "memory"}
+    caps = MEMORY["caps"]
+    return [
+        {**base, "name": "memory warm-up", "strategy": "ddp", "epochs": 1, "steps": 2},
+        {**base, "name": "memory ddp", "strategy": "ddp"},
+        {**base, "name": "memory het capped", "strategy": "het", "het_kwargs": {"max_batch_sizes": caps}},
+        {
+            **base,
+            "name": "memory het micro",
+            "strategy": "het",
+            "het_kwargs": {"max_micro_batch_sizes": "auto", "emulate_memory_cap": caps},
+        },
+    ]
+
+
+def _affine_summary(
+    runs: list[dict], spec: dict[str, list[Any]] = AFFINE, names: tuple[str, ...] = AFFINE_RUNS
+) -> dict[str, Any]:
+    """Mean step of each run against the best split's compute plus the per-step overhead measured on DDP (the first
+    of ``names``; the best split knows ``spec``'s micro-batch caps, DDP runs its shares whole)."""
     sys.path.insert(0, str(REPO))
     from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 
-    costs = [AffineCost(a, c) for a, c in zip(AFFINE["fixed_s"], AFFINE["per_sample_s"])]
+    whole = [AffineCost(a, c) for a, c in zip(spec["fixed_s"], spec["per_sample_s"])]
+    costs = [c.with_micro_batch(m) for c, m in zip(whole, spec.get("caps", [None, None]))]
     by_name = {r["name"]: r for r in runs}
     best_sizes = allocate_affine(GLOBAL_BATCH, costs)
     best = step_time(best_sizes, costs)
-    ddp = by_name["affine ddp"]
-    ddp_mean = ddp["step_s_mean"]
-    overhead = max(ddp_mean - step_time([GLOBAL_BATCH // 2] * 2, costs), 0.0)
+    equal = [GLOBAL_BATCH // 2] * 2
+    overhead = max(by_name[names[0]]["step_s_mean"] - step_time(equal, whole), 0.0)
     rows = []
-    for name in ("affine ddp", "affine het proportional", "affine het"):
+    for name in names:
         r = by_name[name]
-        sizes = r.get("batch_sizes") or [GLOBAL_BATCH // 2] * 2
+        sizes = r.get("batch_sizes") or equal
         rows.append(
             {
                 "run": name,
                 "batch_sizes": sizes,
                 "step_ms": r["step_s_mean"] * 1e3,
-                "compute_ms": step_time(sizes, costs) * 1e3,
+                "step_median_ms": r["step_s_median"] * 1e3,
+                "compute_ms": step_time(sizes, whole if name == names[0] else costs) * 1e3,
                 "vs_best_plus_overhead": r["step_s_mean"] / (best + overhead),
                 "profile_s": r.get("profile_s", 0.0),
                 "cost_model": r.get("cost_model"),
@@ -386,22 +418,25 @@ def _affine_summary(runs: list[dict]) -> dict[str, Any]:
     return {"best_sizes": best_sizes, "best_ms": best * 1e3, "overhead_ms": overhead * 1e3, "rows": rows}
 
 
-def _affine_markdown(summary: dict[str, Any]) -> str:
+def _affine_markdown(summary: dict[str, Any], spec: dict[str, list[Any]] = AFFINE, title: str = "Affine") -> str:
+    caps = ""
+    if "caps" in spec:
+        caps = f", rank 0 holding {spec['caps'][0]} samples at once (micro-batches pay the fixed cost each)"
     lines = [
-        f"**Affine platform** (2 replicas, global batch {GLOBAL_BATCH}; rank 0 sleeps"
-        f" {AFFINE['fixed_s'][0] * 1e3:g} ms + {AFFINE['per_sample_s'][0] * 1e3:g} ms/sample per step, rank 1"
-        f" {AFFINE['fixed_s'][1] * 1e3:g} ms + {AFFINE['per_sample_s'][1] * 1e3:g} ms/sample). Best split"
-        f" {summary['best_sizes']} = {summary['best_ms']:.1f} ms of compute; per-step overhead *o* measured on DDP"
-        f" (its mean step minus its compute): {summary['overhead_ms']:.1f} ms. Mean step over the whole training"
+        f"**{title} platform** (2 replicas, global batch {GLOBAL_BATCH}; rank 0 sleeps"
+        f" {spec['fixed_s'][0] * 1e3:g} ms + {spec['per_sample_s'][0] * 1e3:g} ms/sample per step, rank 1"
+        f" {spec['fixed_s'][1] * 1e3:g} ms + {spec['per_sample_s'][1] * 1e3:g} ms/sample{caps})."
+        f" Best split {summary['best_sizes']} = {summary['best_ms']:.1f} ms of compute; per-step overhead *o* measured"
+        f" on DDP (its mean step minus its compute): {summary['overhead_ms']:.1f} ms. Mean step over the whole training"
         " loop (profiling excluded, reported apart):",
         "",
-        "| run | batch sizes | compute (ms) | mean step (ms) | / (best + o) | profiling (s) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| run | batch sizes | compute (ms) | median step (ms) | mean step (ms) | / (best + o) | profiling (s) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in summary["rows"]:
         lines.append(
-            f"| {r['run']} | {r['batch_sizes']} | {r['compute_ms']:.1f} | {r['step_ms']:.1f} |"
-            f" **{r['vs_best_plus_overhead']:.3f}** | {r['profile_s']:.2f} |"
+            f"| {r['run']} | {r['batch_sizes']} | {r['compute_ms']:.1f} | {r['step_median_ms']:.1f} |"
+            f" {r['step_ms']:.1f} | **{r['vs_best_plus_overhead']:.3f}** | {r['profile_s']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -766,15 +801,16 @@ def main(argv: list[str] | None = None) -> int:
     timeout = 120 if tiny else 1200
     if args.only:
         keep = [p for p in platforms_plan[1:] if p["name"].startswith(tuple(args.only))]
-        affine = "affine" in args.only
+        affine, memory = "affine" in args.only, "memory" in args.only
         if "overhead" in args.only:  # the homogeneous-overhead pairs alone
             over = _overhead_summary(_launch("overhead", 2, overhead_plan, out, args.c0, timeout))
             (out / "overhead.json").write_text(json.dumps(over, indent=1))
             print(f"{command.strip()}\n{_overhead_line(over)}")
-            if not keep and not affine:
+            if not keep and not affine and not memory:
                 return 0
-        if not keep and not affine:
-            parser.error(f"--only {args.only} matches none of {[p['name'] for p in platforms_plan[1:]]} (or 'affine')")
+        if not keep and not affine and not memory:
+            names = [p["name"] for p in platforms_plan[1:]]
+            parser.error(f"--only {args.only} matches none of {names} (or 'affine', 'memory')")
         runs = _launch("platforms", 3, platforms_plan[:1] + keep, out, args.c0, timeout)[1:] if keep else []
         brief = _brief(runs, args.c0, command.strip(), time.perf_counter() - start) if runs else ""
         if affine:
@@ -784,27 +820,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nload average {args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n\n"
                 + _affine_markdown(_affine_summary(affine_runs))
             )
+        if memory:
+            memory_runs = _launch("memory", 2, _memory_plan(args), out, args.c0, timeout)[1:]
+            runs += memory_runs
+            brief += (
+                f"\nload average {args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n\n"
+                + _affine_markdown(_affine_summary(memory_runs, MEMORY, MEMORY_RUNS), MEMORY, "Memory")
+            )
         (out / "results.json").write_text(json.dumps(runs, indent=1))
         (out / "results.md").write_text(brief)
         print(brief)
         return 0
     platforms = _launch("platforms", 3, platforms_plan, out, args.c0, timeout)
-    affine_plan = _affine_plan(args)
-    if tiny:  # one 2-replica job for both: starting the workers costs more than these fits
-        both = _launch("overhead", 2, overhead_plan + affine_plan, out, args.c0, timeout)
-        overhead, affine_runs = both[: len(overhead_plan)], both[len(overhead_plan) + 1 :]
+    affine_plan, memory_plan = _affine_plan(args), _memory_plan(args)
+    if tiny:  # one 2-replica job for all: starting the workers costs more than these fits
+        both = _launch("overhead", 2, overhead_plan + affine_plan + memory_plan, out, args.c0, timeout)
+        overhead, rest = both[: len(overhead_plan)], both[len(overhead_plan) :]
+        affine_runs, memory_runs = rest[1 : len(affine_plan)], rest[len(affine_plan) + 1 :]
     else:
         overhead = _launch("overhead", 2, overhead_plan, out, args.c0, timeout)
         affine_runs = _launch("affine", 2, affine_plan, out, args.c0, timeout)[1:]
+        memory_runs = _launch("memory", 2, memory_plan, out, args.c0, timeout)[1:]
     elapsed = time.perf_counter() - start
     args.load_after = os.getloadavg()[0]
     summary = _summarise([r for r in platforms if r["name"] != "warm-up"], overhead[1:], args.c0)
     summary["affine"] = _affine_summary(affine_runs)
+    summary["memory"] = _affine_summary(memory_runs, MEMORY, MEMORY_RUNS)
     summary["clock_cost_us"] = _clock_cost_us(300, 2) if tiny else _clock_cost_us()
     summary["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     summary["command"] = command
     summary["elapsed_s"] = elapsed
     table = _markdown(summary, args, command.strip(), elapsed) + "\n" + _affine_markdown(summary["affine"])
+    table += "\n" + _affine_markdown(summary["memory"], MEMORY, "Memory")
     img_dir = REPO / "docs" / "img" if args.docs else out
     paths = _plots(summary, img_dir)
     summary["plots"] = {k: str(v) for k, v in paths.items()}

@@ -59,6 +59,9 @@ def test_registered_for_standalone_lightning_fabric():
         pytest.param({"emulate_slowdown": [1.0]}, "need the Trainer", id="trainer-only-emulate"),
         pytest.param({"rebalance_threshold": 1.2}, "need the Trainer", id="trainer-only-rebalance"),
         pytest.param({"preemption_grace": 5.0}, "need the Trainer", id="trainer-only-preemption"),
+        pytest.param(
+            {"max_micro_batch_sizes": [4]}, r"need the Trainer.*micro_batches\(batch, cap\)", id="trainer-only-micro"
+        ),
         pytest.param({"profile_step": print}, "unexpected keyword argument `profile_step`", id="profile-step-gone"),
         pytest.param({"comm": "ring"}, "comm", id="comm-unknown"),
         pytest.param({"speeds": [1.0, float("nan")]}, "speeds", id="speeds-nan"),

@@ -98,6 +98,11 @@ class TestEarlyErrors:
             ({"global_sync_every": 0}, r"`global_sync_every`"),
             ({"emulate_slowdown": [0.5, 1]}, r"`emulate_slowdown`"),
             ({"node_ids": [0, -1]}, r"`node_ids\[1\]`"),
+            ({"max_micro_batch_sizes": "big"}, r"`max_micro_batch_sizes` to be a list of integers.*or \"auto\""),
+            ({"max_micro_batch_sizes": [4, 0]}, r"`max_micro_batch_sizes\[1\]`"),
+            ({"max_micro_batch_sizes": []}, r"`max_micro_batch_sizes`.*empty"),
+            ({"emulate_memory_cap": 8}, r"`emulate_memory_cap` to be a list of integers"),
+            ({"emulate_memory_cap": [8, 2.5]}, r"`emulate_memory_cap\[1\]`"),
         ],
     )
     def test_constructor(self, kwargs, match):
@@ -110,6 +115,8 @@ class TestEarlyErrors:
             ({"speeds": [1.0, 2.0, 3.0]}, r"`speeds` with 3 entries.*2 replicas"),
             ({"node_ids": [0]}, r"`node_ids` with 1 entries"),
             ({"max_batch_sizes": [4]}, r"`max_batch_sizes` with 1 entries"),
+            ({"max_micro_batch_sizes": [4]}, r"`max_micro_batch_sizes` with 1 entries"),
+            ({"emulate_memory_cap": [4, 4, 4]}, r"`emulate_memory_cap` with 3 entries"),
             ({"global_batch_size": 3, "min_batch_size": 2}, r"`global_batch_size`=3.*2 replicas"),
             ({"global_batch_size": 20, "max_batch_sizes": [4, 8]}, r"`max_batch_sizes`=\[4, 8\] cannot hold"),
         ],

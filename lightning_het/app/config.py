@@ -110,12 +110,16 @@ class StrategyConfig:
     speeds: list[float] | None = None
     min_batch_size: int = 1
     max_batch_sizes: list[int] | None = None
+    #: largest batch each replica runs at once (a larger share runs as micro-batches), or "auto" (measured)
+    max_micro_batch_sizes: Any = None
     #: node id of every global rank; null: detected. Setting it emulates nodes on one machine.
     node_ids: list[int] | None = None
     comm: Comm = Comm.auto
     global_sync_every: int | None = None
     #: emulation only: replica r's step takes emulate_slowdown[r] x its real time.
     emulate_slowdown: list[float] | None = None
+    #: emulation only: a step of more than emulate_memory_cap[r] samples raises torch.OutOfMemoryError on replica r
+    emulate_memory_cap: list[int] | None = None
     profile_steps: int = 2
     profile_warmup: int = 1
     #: speed cache directory (true: ~/.cache/lightning_het/profiles); null/false: off

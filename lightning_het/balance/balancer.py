@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from lightning_het._compat import _BatchNorm
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.cost import AffineCost, allocate_affine
+from lightning_het.balance.memory import measure_cap
 from lightning_het.balance.planner import (
     batch_bounds,
     cached_costs,
@@ -32,6 +33,7 @@ from lightning_het.balance.profiling import ProfileCache
 from lightning_het.balance.state import Allocation, render_balance_table
 from lightning_het.comm.controller import CommController
 from lightning_het.config import HeterogeneousConfig
+from lightning_het.data.microbatch import MicroBatcher
 from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import log_resumed_allocation, plan_allocation
 
@@ -88,10 +90,74 @@ class Balancer:
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
         self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._fit: FitContext | None = None
+        self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
 
     def place(self, rank: int, world_size: int, device: torch.device, replicas_on_node: int) -> None:
         """Where this replica runs (once the ranks are known)."""
         self.rank, self.world_size, self.device, self.replicas_on_node = rank, world_size, device, replicas_on_node
+        caps, emulated = self.config.max_micro_batch_sizes, self.config.emulate_memory_cap
+        if caps is not None or emulated is not None:
+            cap = caps[rank] if isinstance(caps, list) else None
+            self.micro = MicroBatcher(rank, cap, emulated[rank] if emulated else None)
+
+    @property
+    def micro_caps(self) -> list[int] | None:
+        """Every replica's micro-batch cap when they are known (given, measured, or agreed after a lowering)."""
+        caps = self.config.max_micro_batch_sizes
+        return self.allocation.micro_caps or (list(caps) if isinstance(caps, list) else None)
+
+    @property
+    def cap_unknown(self) -> bool:
+        """``max_micro_batch_sizes="auto"`` and the caps neither cached nor measured yet in this fit."""
+        return self.config.max_micro_batch_sizes == "auto" and self.allocation.micro_caps is None
+
+    def _memory_key(self) -> tuple[ProfileCache | None, str | None]:
+        cache, key = self.cache_entry()
+        emulated = self.config.emulate_memory_cap
+        return cache, None if key is None else f"{key}|emulated_memory={emulated[self.rank] if emulated else None}"
+
+    def cached_caps(self) -> None:
+        """``"auto"``: every replica's measured cap from the profile cache, when every replica has one (an
+        all-gather)."""
+        cache, key = self._memory_key()
+        if not self.cap_unknown or cache is None or self.world_size == 1:
+            return
+        cap = cache.get_cap(key) if key is not None else None
+        rows = self.all_gather_floats([float(cap or 0)])
+        if all(r[0] >= 1 for r in rows):
+            self._set_caps([int(r[0]) for r in rows], "from the profile cache")
+
+    def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any) -> None:
+        """``"auto"`` on the first training step: each replica's largest micro-batch that fits (trial steps that
+        leave the training state unchanged), agreed by an all-gather and stored in the profile cache."""
+        micro = self.micro
+        assert micro is not None
+        upper = self.allocation.global_batch_size or 1
+        accelerator = self.device.type == "cuda"
+        cap, micro.search_steps = measure_cap(
+            step, batch, upper=upper, check=micro.fits, no_sync=no_sync, module=module, accelerator=accelerator
+        )
+        cache, key = self._memory_key()
+        if cache is not None and key is not None:
+            cache.put_cap(key, cap)
+        rows = self.all_gather_floats([float(cap), float(micro.search_steps)]) if self.world_size > 1 else [[cap, 0]]
+        steps = [int(r[1]) for r in rows]
+        self._set_caps([int(r[0]) for r in rows], f"measured in {steps} trial steps")
+
+    def _set_caps(self, caps: list[int], source: str) -> None:
+        self.allocation.micro_caps = caps
+        if self.micro is not None:
+            self.micro.cap = caps[self.rank]
+        if self.allocation.cost_model is not None:
+            self.allocation.cost_model = self.with_caps(self.allocation.cost_model)
+        rank_zero_info(f"HeterogeneousStrategy: micro-batch caps {caps} ({source})")
+
+    def with_caps(self, costs: list[AffineCost] | None) -> list[AffineCost] | None:
+        """``costs`` with every replica's micro-batch cap (the cost of a share run in pieces)."""
+        caps = self.micro_caps
+        if costs is None or caps is None:
+            return costs
+        return [c.with_micro_batch(m) for c, m in zip(costs, caps)]
 
     def reset(self) -> None:
         """A new fit derives a new allocation."""
@@ -126,13 +192,16 @@ class Balancer:
         world, bounds = self.world_size, self.bounds
         allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
         resume = plan_allocation(resume_record, world_size=world, given_speeds=self.config.speeds)
+        self._cache_loader = dataloader
+        self.cached_caps()  # max_micro_batch_sizes="auto": measured in an earlier run
         costs = None
         if resume.speeds is not None or self.config.speeds is not None:  # the one-number model, proportional split
             speeds = list(resume.speeds if resume.speeds is not None else self.config.speeds)  # type: ignore[arg-type]
         else:
-            costs = self._known_costs(dataloader, global_batch)
+            costs = self.with_caps(self._known_costs(dataloader, global_batch))
             speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
         self.allocation.cost_model = costs
+        self.allocation.micro_caps = self.micro_caps
         batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds)
         if costs is not None:
             warn_useless_replicas(global_batch, costs, batch_sizes, fit.labels, bounds)
@@ -192,6 +261,9 @@ class Balancer:
             trainer=fit.trainer,
             loop_prefetch=fit.loop_prefetch,
         )
+        micro = self.micro
+        if micro is not None:
+            self.profiler.micro_cap = lambda: micro.cap
         return None
 
     def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
@@ -213,6 +285,9 @@ class Balancer:
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
         assert self.profiler is not None and self._fit is not None
+        costs = self.with_caps(costs)  # type: ignore[assignment]
+        if self.micro_caps is not None:  # the split that knows each share's micro-batches
+            batch_sizes = allocate_affine(sum(batch_sizes), costs, **self.bounds)
         self.allocation.cost_model = costs
         speeds = measured_speeds(batch_sizes, costs)
         warn_useless_replicas(sum(batch_sizes), costs, batch_sizes, self._fit.labels, self.bounds)
@@ -236,6 +311,29 @@ class Balancer:
         if self.comm is not None:
             self.comm.set_batch_sizes(self.allocation.batch_sizes)
             self._comm_sizes = list(self.allocation.batch_sizes)
+
+    def agree_caps(self) -> None:
+        """At each step boundary while micro-batching: a cap that an out-of-memory error lowered becomes every
+        replica's view (one all-gather), the cost model follows it, and rank 0 logs the new table."""
+        micro = self.micro
+        if micro is None or self.world_size == 1:
+            return
+        rows = self.all_gather_floats([float(micro.cap or 0), float(micro.pending)])
+        if not any(r[1] for r in rows):
+            return
+        micro.pending = False
+        fallback = self.allocation.global_batch_size or 1
+        self.allocation.micro_caps = [int(r[0]) or fallback for r in rows]
+        if self.allocation.cost_model is not None:
+            self.allocation.cost_model = self.with_caps(self.allocation.cost_model)
+        lowered = [r for r, row in enumerate(rows) if row[1]]
+        rank_zero_warn(
+            f"HeterogeneousStrategy: rank(s) {lowered} ran out of memory; micro-batch caps now"
+            f" {self.allocation.micro_caps} (the global batch and the exact gradient are unchanged)."
+            f" HINT: set `max_micro_batch_sizes={self.allocation.micro_caps}` for the next run."
+        )
+        if self._fit is not None:
+            rank_zero_info(self.table(self._fit.labels))
 
     def all_gather_floats(self, values: list[float]) -> list[list[float]]:
         gathered = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -347,6 +445,11 @@ class BalanceView:
     def cost_model(self) -> list[AffineCost] | None:
         """Every replica's fitted cost ``t_r(b)`` in seconds; ``None`` when the speeds were given."""
         return _copy(self.balancer.allocation.cost_model)
+
+    @property
+    def micro_batcher(self) -> MicroBatcher | None:
+        """This replica's micro-batching (its cap, the emulated memory cap), when memory caps are set."""
+        return self.balancer.micro
 
     @property
     def profile_seconds(self) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .allocation import batch_bounds
 
@@ -35,10 +35,15 @@ _MIN_SLOPE_FRACTION = 0.01
 
 @dataclass(frozen=True)
 class AffineCost:
-    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``."""
+    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``.
+
+    With ``micro_batch`` (the most samples the replica runs at once), a share runs as ``ceil(b / micro_batch)``
+    micro-batches, each paying the fixed cost: ``ceil(b / micro_batch) * fixed_s + per_sample_s * b``.
+    """
 
     fixed_s: float
     per_sample_s: float
+    micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_sample_s"):
@@ -47,10 +52,21 @@ class AffineCost:
                 raise ValueError(f"Expected `{name}` to be a finite number >= 0, but got {value!r}.")
         if self.fixed_s == 0 and self.per_sample_s == 0:
             raise ValueError("Expected a cost with `fixed_s` > 0 or `per_sample_s` > 0, but both are 0.")
+        m = self.micro_batch
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"Expected `micro_batch` to be an integer >= 1 or None, but got {m!r}.")
+
+    def __repr__(self) -> str:
+        micro = "" if self.micro_batch is None else f", micro_batch={self.micro_batch}"
+        return f"AffineCost(fixed_s={self.fixed_s!r}, per_sample_s={self.per_sample_s!r}{micro})"
+
+    def micro_batches(self, batch_size: float) -> int:
+        """Micro-batches a step of ``batch_size`` samples runs as (1 without ``micro_batch``)."""
+        return 1 if self.micro_batch is None else max(math.ceil(batch_size / self.micro_batch), 1)
 
     def __call__(self, batch_size: float) -> float:
         """Predicted seconds for a step of ``batch_size`` samples."""
-        return self.fixed_s + self.per_sample_s * batch_size
+        return self.fixed_s * self.micro_batches(batch_size) + self.per_sample_s * batch_size
 
     @property
     def speed(self) -> float:
@@ -58,12 +74,18 @@ class AffineCost:
         return math.inf if self.per_sample_s == 0 else 1.0 / self.per_sample_s
 
     def as_dict(self) -> dict[str, float]:
-        """Plain data, for reports and the speed cache."""
-        return {"fixed_s": self.fixed_s, "per_sample_s": self.per_sample_s}
+        """Plain data, for reports and the speed cache (``micro_batch`` only when set)."""
+        out = {"fixed_s": self.fixed_s, "per_sample_s": self.per_sample_s}
+        return out if self.micro_batch is None else {**out, "micro_batch": self.micro_batch}
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> AffineCost:
-        return cls(float(data["fixed_s"]), float(data["per_sample_s"]))
+        micro = data.get("micro_batch")
+        return cls(float(data["fixed_s"]), float(data["per_sample_s"]), None if micro is None else int(micro))
+
+    def with_micro_batch(self, micro_batch: int | None) -> AffineCost:
+        """The same coefficients with the cap ``micro_batch`` (``None``: none)."""
+        return replace(self, micro_batch=micro_batch)
 
 
 def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
@@ -170,6 +192,14 @@ def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
 
 def _capacity(cost: AffineCost, level: float, lo: int, hi: int) -> int:
     """Most samples (within ``[lo, hi]``) replica can take without its step exceeding ``level`` seconds."""
+    if cost.micro_batch is not None:  # a step function, non-decreasing in b: bisection on the integers
+        if cost(hi) <= level:
+            return hi
+        good, bad = lo, hi
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if cost(mid) <= level else (good, mid)
+        return good
     if level < cost.fixed_s:
         return lo
     if cost.per_sample_s == 0:
@@ -190,6 +220,8 @@ def allocate_affine(
     [39, 9]
     >>> allocate_affine(14, costs_from_speeds([1, 2, 4]))
     [2, 4, 8]
+    >>> allocate_affine(48, [AffineCost(0.004, 0.001, micro_batch=8), AffineCost(0.0, 0.004)])
+    [35, 13]
     """
     costs = list(costs)
     if not costs:

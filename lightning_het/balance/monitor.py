@@ -172,6 +172,7 @@ class BalanceMonitor:
             previous=self._previous_points(sizes),
             last_times=self._last_times(sizes),
             recent_times=summary.get("compute_recent_s"),
+            micro_batch_sizes=[c.micro_batch for c in cost_model] if cost_model else None,
         )
         self.history.record_check(decision.as_dict(), epoch=epoch, global_step=trainer.global_step, old=sizes)
         if not decision.adopt:

@@ -232,6 +232,8 @@ class InLoopProfiler:
         self.costs: list[AffineCost] | None = None
         #: estimated seconds the profiled steps cost beyond balanced steps (slowest replica's compute)
         self.overhead_s = 0.0
+        #: this replica's micro-batch cap when its costs are fitted (``None``: it runs its whole share at once)
+        self.micro_cap: Callable[[], int | None] = lambda: None
 
     def bind(self, sampler: Any) -> None:
         """Make ``sampler`` follow the plan (scaled to its own global batch if that differs)."""
@@ -295,9 +297,12 @@ class InLoopProfiler:
     def _finish(self) -> None:
         plan, rank = self.plan, self.rank
         stages: dict[int, list[StepTiming]] = {}
+        cap = self.micro_cap()
         for n, seconds in enumerate(self._compute):
-            if plan.timed(n) and math.isfinite(seconds):
-                stages.setdefault(plan.split(n, self.rough)[rank], []).append(StepTiming(0.0, seconds))
+            if plan.timed(n) and math.isfinite(seconds):  # per micro-batch: a share of b in k pieces is k of b / k
+                b = plan.split(n, self.rough)[rank]
+                k = 1 if cap is None else max(math.ceil(b / cap), 1)
+                stages.setdefault(b / k, []).append(StepTiming(0.0, seconds / k))
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
         rows = _all_gather([local.fixed_s, local.per_sample_s, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]

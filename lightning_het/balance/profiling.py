@@ -32,6 +32,9 @@ class StepTiming:
         return max(self.total_s - self.forward_s, 0.0)
 
 
+#: appended to a replica's key for its measured memory cap
+MEMORY_KEY = "|memory"
+
 #: smallest fitted per-sample cost, as a fraction of the average cost per sample at the largest profiled batch size
 _MIN_SLOPE_OF_AVERAGE = 0.1
 
@@ -104,21 +107,39 @@ class ProfileCache:
     def get(self, key: str) -> AffineCost | None:
         """The cost stored under ``key``, or ``None`` (missing, unreadable or for another key)."""
         try:
-            data = json.loads(self._path(key).read_text())
-            if data.get("key") != key:
-                return None
-            cost = AffineCost.from_dict(data["cost"])
+            cost = AffineCost.from_dict(self._read(key)["cost"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return cost if math.isfinite(cost.fixed_s) else None
 
     def put(self, key: str, cost: AffineCost) -> None:
         """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log)."""
+        self._write(key, {"cost": cost.as_dict()})
+
+    def get_cap(self, key: str) -> int | None:
+        """The measured micro-batch cap stored for ``key`` (the memory entry beside the cost), or ``None``."""
+        try:
+            cap = int(self._read(key + MEMORY_KEY)["micro_batch_cap"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return cap if cap >= 1 else None
+
+    def put_cap(self, key: str, cap: int) -> None:
+        """Store a measured micro-batch cap for ``key``."""
+        self._write(key + MEMORY_KEY, {"micro_batch_cap": int(cap)})
+
+    def _read(self, key: str) -> dict[str, Any]:
+        data = json.loads(self._path(key).read_text())
+        if data.get("key") != key:
+            raise KeyError(key)
+        return data
+
+    def _write(self, key: str, payload: dict[str, Any]) -> None:
         path = self._path(key)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "cost": cost.as_dict(), "time": time.time()}))
+            tmp.write_text(json.dumps({"key": key, **payload, "time": time.time()}))
             os.replace(tmp, path)
         except OSError:
             return

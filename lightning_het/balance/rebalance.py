@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.cost import allocate_affine, refresh_costs
+from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs
 
 __all__ = [
     "DEFAULT_MIN_GAIN",
@@ -136,6 +136,29 @@ class RebalanceDecision:
         return {f.name: list(getattr(self, f.name)) if f.name in lists else getattr(self, f.name) for f in fields(self)}
 
 
+def _refresh_micro(
+    sizes: list[int],
+    times: list[float],
+    fixed_costs: Sequence[float],
+    previous: Sequence[tuple[int, float] | None] | None,
+    caps: Sequence[int | None] | None,
+) -> list[AffineCost]:
+    """:func:`refresh_costs`, per micro-batch: a share of ``b`` run as ``k`` pieces is ``k`` steps of ``b / k``."""
+    if caps is None:
+        return refresh_costs(sizes, times, fixed_costs, previous)
+
+    def piece(point: tuple[float, float] | None, cap: int | None) -> tuple[float, float] | None:
+        if point is None:
+            return None
+        k = 1 if cap is None else max(math.ceil(point[0] / cap), 1)
+        return point[0] / k, point[1] / k
+
+    now = [piece((b, t), m) for b, t, m in zip(sizes, times, caps)]
+    earlier = [piece(p, m) for p, m in zip(previous or [None] * len(sizes), caps)]
+    per_piece = refresh_costs([p[0] for p in now], [p[1] for p in now], fixed_costs, earlier)  # type: ignore[arg-type,index,misc]
+    return [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
+
+
 def plan_rebalance(
     batch_sizes: Sequence[int],
     compute_times: Sequence[float],
@@ -150,6 +173,7 @@ def plan_rebalance(
     last_times: Sequence[float] | None = None,
     recent_times: Sequence[float] | None = None,
     surge: float = DEFAULT_SURGE,
+    micro_batch_sizes: Sequence[int | None] | None = None,
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
 
@@ -182,7 +206,7 @@ def plan_rebalance(
         proposal = allocate_batch_sizes(sum(sizes), speeds, **bounds)
         new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
     else:
-        costs = refresh_costs(sizes, times, fixed_costs, previous)
+        costs = _refresh_micro(sizes, times, fixed_costs, previous, micro_batch_sizes)
         # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
         upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
         trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]

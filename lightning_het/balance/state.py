@@ -24,6 +24,7 @@ class Allocation:
         self.cost_model: list[AffineCost] | None = None  # per-replica costs behind the last profiled allocation
         self.profile_seconds = 0.0  # time this replica spent profiling
         self.profile_cached = False  # the last allocation's costs came from the cache
+        self.micro_caps: list[int] | None = None  # most samples each replica runs at once (None: its whole share)
         self.telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
 
     def adopt(
@@ -69,6 +70,7 @@ class Allocation:
             "profile_seconds": self.profile_seconds,
             "cost_model": [c.as_dict() for c in self.cost_model] if self.cost_model else None,
             "profile_cached": self.profile_cached,
+            "micro_caps": self.micro_caps,
             "telemetry": telemetry,
         }
 
@@ -83,6 +85,7 @@ class Allocation:
         if state.get("cost_model"):
             self.cost_model = [AffineCost.from_dict(c) for c in state["cost_model"]]
         self.profile_cached = bool(state.get("profile_cached", False))
+        self.micro_caps = state.get("micro_caps")
         self.telemetry_snapshot = state.get("telemetry")
 
     def report(
@@ -108,6 +111,7 @@ class Allocation:
             "profile_seconds": self.profile_seconds,
             "profile_cached": self.profile_cached,
             "cost_model": [c.as_dict() for c in self.cost_model] if self.cost_model else None,
+            "max_micro_batch_sizes": list(self.micro_caps) if self.micro_caps else None,
             "predicted_step_s": step_time(sizes, self.cost_model) if self.cost_model and sizes else None,
             "telemetry": telemetry,
         }
@@ -120,19 +124,23 @@ def render_balance_table(report: dict[str, Any]) -> str:
     devices = report["devices"]
     unit = "samples/s" if report["profiled"] else "(given)"
     costs = report["cost_model"]
+    caps = report.get("max_micro_batch_sizes")
     source = " (costs from the profile cache)" if report["profile_cached"] else ""
     lines = [
         f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}{source}",
         f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}"
+        + (f" {'micro':>7}" if caps else "")
         + (f" {'fixed ms':>9} {'ms/sample':>9} {'step ms':>8}" if costs else ""),
     ]
     for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
         node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
         device = devices[r] if r < len(devices) else "?"
         line = f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}"
+        if caps:  # micro-batch size x count
+            line += f" {f'{min(b, caps[r])}x{-(-b // caps[r])}':>7}"
         if costs:
-            a, c = costs[r]["fixed_s"], costs[r]["per_sample_s"]
-            line += f" {a * 1e3:>9.2f} {c * 1e3:>9.3f} {(a + c * b) * 1e3:>8.2f}"
+            cost = AffineCost.from_dict(costs[r])
+            line += f" {cost.fixed_s * 1e3:>9.2f} {cost.per_sample_s * 1e3:>9.3f} {cost(b) * 1e3:>8.2f}"
         lines.append(line)
     if report["predicted_step_s"] is not None:
         lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")

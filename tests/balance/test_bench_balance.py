@@ -25,7 +25,10 @@ def test_bench_balance_tiny_runs_end_to_end(tmp_path):
     slowdown = summary["slowdown"]
     assert len(slowdown["static"]["samples_per_s"]) == len(slowdown["rebalanced"]["samples_per_s"]) == 5
     assert len(summary["overhead"]["ddp_step_ms"]) == len(summary["overhead"]["het_step_ms"]) == 1
+    memory = {r["run"]: r for r in summary["memory"]["rows"]}
+    assert memory["memory het capped"]["batch_sizes"] == [8, 40]
+    assert sum(memory["memory het micro"]["batch_sizes"]) == 48 and summary["memory"]["best_sizes"] == [37, 11]
     for name in ("bench_balance_platforms.png", "bench_balance_slowdown.png", "bench_balance_report.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "results.md").read_text()
-    assert "| 1:2:4 |" in table and "Homogeneous overhead" in table
+    assert "| 1:2:4 |" in table and "Homogeneous overhead" in table and "**Memory platform**" in table

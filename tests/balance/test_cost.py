@@ -41,11 +41,15 @@ def _random_cost(rng: random.Random) -> AffineCost:
 
 
 class TestAllocateAffine:
+    @pytest.mark.parametrize("micro", [False, True], ids=["affine", "micro-batched"])
     @pytest.mark.parametrize("seed", range(300))
-    def test_optimal_against_brute_force(self, seed: int) -> None:
-        rng = random.Random(seed)
+    def test_optimal_against_brute_force(self, seed: int, micro: bool) -> None:
+        """Also for ``t_r(b) = ceil(b / m_r) a_r + c_r b`` (micro-batches): the exact integer optimum."""
+        rng = random.Random(5000 + seed if micro else seed)
         world = rng.randint(1, 4)
         costs = [_random_cost(rng) for _ in range(world)]
+        if micro:
+            costs = [c.with_micro_batch(rng.choice([None, 1, 2, 3, 5])) for c in costs]
         lo = rng.choice([0, 1, 1, 2])
         total = rng.randint(max(world * lo, 1), 14)
         hi = [rng.randint(max(lo, 1), total) for _ in range(world)] if rng.random() < 0.4 else [total] * world
@@ -55,6 +59,23 @@ class TestAllocateAffine:
         assert sum(sizes) == total
         assert all(lo <= b <= h for b, h in zip(sizes, hi))
         assert step_time(sizes, costs) == pytest.approx(_brute_force(total, costs, lo, hi), abs=1e-12)
+
+    def test_micro_batched_cost(self) -> None:
+        cost = AffineCost(0.01, 0.001, micro_batch=3)
+        assert [cost.micro_batches(b) for b in (1, 3, 4, 7)] == [1, 1, 2, 3]
+        assert cost(7) == pytest.approx(3 * 0.01 + 0.007)
+        assert all(cost(b) <= cost(b + 1) for b in range(1, 40))  # non-decreasing: water filling applies
+        assert AffineCost.from_dict(cost.as_dict()) == cost and "micro_batch" not in AffineCost(0.1, 0.2).as_dict()
+        with pytest.raises(ValueError, match="micro_batch"):
+            AffineCost(0.1, 0.2, micro_batch=0)
+
+    def test_fast_replica_with_little_memory_keeps_its_share(self) -> None:
+        """Rank 0 four times faster but holding 8 samples: micro-batched, it still takes most of the batch."""
+        fast, slow = AffineCost(0.002, 0.001, micro_batch=8), AffineCost(0.002, 0.004, micro_batch=64)
+        capped = allocate_affine(48, [fast.with_micro_batch(None), slow], max_batch_sizes=[8, 64])
+        micro = allocate_affine(48, [fast, slow])
+        assert capped == [8, 40] and micro[0] > 30
+        assert step_time(micro, [fast, slow]) < 0.5 * step_time(capped, [fast, slow])
 
     @pytest.mark.parametrize("seed", range(50))
     def test_proportional_when_no_fixed_cost(self, seed: int) -> None:

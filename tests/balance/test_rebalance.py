@@ -319,3 +319,12 @@ class TestMonitorInterface:
         from lightning_het.balance.monitor import MonitorSettings, attach_monitor
 
         assert attach_monitor(_PublicOnlyStrategy([4, 4]), self._trainer(0), MonitorSettings(record=False)) is None
+
+
+def test_micro_batched_replica_refreshed_per_micro_batch():
+    """A share of 16 run as 2 pieces of 8 (2 ms each + 1 ms per sample): the refreshed cost is the per-piece one."""
+    decision = plan_rebalance(
+        [16, 32], [0.020, 0.128], threshold=1.05, fixed_costs=[0.002, 0.0], micro_batch_sizes=[8, None]
+    )
+    assert decision.costs[0] == pytest.approx({"fixed_s": 0.002, "per_sample_s": 0.001, "micro_batch": 8})
+    assert decision.adopt and decision.batch_sizes[0] > 16

@@ -71,3 +71,19 @@ def test_report_and_table():
     assert table.splitlines()[0] == "HeterogeneousStrategy balance: global batch 8"
     assert "samples/s" in table and "step ms" in table and "predicted step" in table
     assert "(given)" in render_balance_table(_report(allocation, profiled=False))
+
+
+def test_table_shows_micro_batch_size_and_count():
+    allocation = Allocation()
+    allocation.adopt([16, 4, 4], [4.0, 1.0, 1.0], rank=0)
+    allocation.micro_caps = [3, 64, 64]
+    allocation.cost_model = [AffineCost(0.002, 0.001, micro_batch=3), AffineCost(0.0, 0.004), AffineCost(0.0, 0.004)]
+    report = _report(allocation, node_ids=[0, 0, 0], devices=["cpu"] * 3)
+    assert report["max_micro_batch_sizes"] == [3, 64, 64]
+    assert report["predicted_step_s"] == pytest.approx(6 * 0.002 + 0.016)
+    lines = render_balance_table(report).splitlines()
+    assert "micro" in lines[1] and " 3x6 " in lines[2] and " 4x1 " in lines[3]
+    assert lines[2].split()[-1] == "28.00"  # 6 micro-batches x 2 ms + 16 x 1 ms
+    parent = Allocation()
+    parent.import_(allocation.export(None, None), rank=1)
+    assert parent.micro_caps == [3, 64, 64]

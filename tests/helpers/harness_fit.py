@@ -9,17 +9,17 @@ Config keys (all optional): ``devices`` (2), ``num_nodes``, ``accelerator`` ("cp
 ``HeterogeneousStrategy``, or a strategy name), ``epochs`` (2), ``max_steps``, ``accumulate``, ``seed`` (0), ``n``,
 ``batch_size`` (4), ``loader`` (extra DataLoader keywords, e.g. ``num_workers``), ``train_loaders`` (``"dict"`` or
 ``"list"``: a second training loader of ``n2`` samples at half the batch size, combined by Lightning), ``val_n``
-(validation samples; 0: none), ``module`` (keywords of :class:`~tests.helpers.tiny.TinyRegressor`),
-``slow_from_epoch`` (``module``'s ``slow_factor`` applies from that epoch on), ``sleep_counts_as_cpu`` (the process
-CPU clock reads the wall clock, so ``emulate_slowdown`` stretches the module's sleeps), ``step_cost`` (seconds slept
-per sample in ``training_step``), ``csv_logger``, ``save_every`` (a checkpoint to ``OUT_DIR/ckpt`` every that many
-steps, with the weights just before and when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``), ``ckpt_dir`` (a
-``ModelCheckpoint`` writing there every 1000 steps), ``resume`` (checkpoint path), ``ready_step`` (each rank writes
-``OUT_DIR/ready{r}`` holding its pid once ``global_step`` reaches it), ``stuck_rank`` / ``stuck_step`` (that rank
-writes ``OUT_DIR/stuck{r}`` and sleeps for good in ``training_step`` from that step on), ``own_sharding``
-(``use_distributed_sampler=False``, each rank's Dataset its own ``dataset[rank::world]``), ``custom_loader``
-(:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets the speeds the previous fit of the same job
-ended with, as its ``speeds``). The default root directory is ``OUT_DIR``.
+(validation samples; 0: none), ``module`` (keywords of :class:`~tests.helpers.tiny.TinyRegressor`), ``slow_from_epoch``
+(``module``'s ``slow_factor`` applies from that epoch on), ``memory_cap_from_epoch`` (``[epoch, caps]``: the emulated
+memory caps become ``caps`` from that epoch on), ``sleep_counts_as_cpu`` (the process CPU clock reads the wall clock, so
+``emulate_slowdown`` stretches the module's sleeps), ``step_cost`` (seconds slept per sample in ``training_step``),
+``csv_logger``, ``save_every`` (a checkpoint to ``OUT_DIR/ckpt`` every that many steps, with the weights just before and
+when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``), ``ckpt_dir`` (a ``ModelCheckpoint`` writing there every
+1000 steps), ``resume`` (checkpoint path), ``ready_step`` (each rank writes ``OUT_DIR/ready{r}`` holding its pid once
+``global_step`` reaches it), ``stuck_rank`` / ``stuck_step`` (that rank writes ``OUT_DIR/stuck{r}`` and sleeps for good
+in ``training_step`` from that step on), ``own_sharding`` (``use_distributed_sampler=False``, each rank's Dataset its
+own ``dataset[rank::world]``), ``custom_loader`` (:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets
+the speeds the previous fit of the same job ended with, as its ``speeds``). The default root directory is ``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -79,6 +79,9 @@ class FitRegressor(TinyRegressor):
 
     def on_train_epoch_start(self) -> None:
         self.slow_factor = self.target_factor if self.current_epoch >= self.slow_from_epoch else 1.0
+        lowered = self.cfg.get("memory_cap_from_epoch")  # [epoch, caps]: the emulated memory caps from that epoch on
+        if lowered and self.current_epoch == lowered[0]:
+            self.trainer.strategy.micro_batcher.emulated_cap = lowered[1][self.global_rank]
 
     def training_step(self, batch, batch_idx):
         stuck = self.cfg.get("stuck_rank")
@@ -252,6 +255,8 @@ def fit_record(trainer, model: TinyRegressor) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cost_model": [c.as_dict() for c in s.cost_model] if s.cost_model else None,
         "profile_seconds": s.profile_seconds,
+        "micro_cap": s.micro_batcher.cap if getattr(s, "micro_batcher", None) is not None else None,
+        "micro_search_steps": s.micro_batcher.search_steps if getattr(s, "micro_batcher", None) is not None else 0,
         "profile_cached": s.balance_report()["profile_cached"],
         "report": s.balance_report(include_series=True),
         "report_paths": {k: str(v) for k, v in (monitor.report_paths if monitor else {}).items()},

@@ -1,0 +1,140 @@
+"""Measured memory caps (``max_micro_batch_sizes="auto"``): the largest micro-batch whose training step fits.
+
+:func:`cap_search` is the schedule (pure): from the replica's share, double or halve until one size fits and the next
+does not, then bisect until the gap is within :data:`SEARCH_RESOLUTION` of the size that fits. :func:`measure_cap`
+runs it with real forward and backward passes on the first training batch, resized, catching
+``torch.OutOfMemoryError``, and leaves the training state as it found it (gradients, buffers, random state, logging).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_het.data.microbatch import batch_length, step_loss, take_grads
+
+__all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "cap_search", "measure_cap", "resize_batch"]
+
+#: the search stops when the sizes that fit and that do not are this close (relative to the first), or 1 apart
+SEARCH_RESOLUTION = 0.125
+#: fraction of the measured cap kept free on an accelerator (fragmentation, optimizer state allocated later)
+SAFETY_MARGIN = 0.1
+
+
+def cap_search(fits: Callable[[int], bool], start: int, upper: int) -> tuple[int, int]:
+    """The largest size in ``[1, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
+    search step below, and the number of trials; ``0`` when not even one sample fits.
+
+    >>> cap_search(lambda n: n <= 8, 24, 48), cap_search(lambda n: n <= 64, 24, 48)
+    ((8, 6), (48, 2))
+    """
+    trials = 0
+
+    def trial(n: int) -> bool:
+        nonlocal trials
+        trials += 1
+        return fits(n)
+
+    n = min(max(start, 1), upper)
+    good, bad = (n, None) if trial(n) else (0, n)
+    while bad is None and good < upper:  # double until one fails or the bound is reached
+        n = min(2 * good, upper)
+        good, bad = (n, None) if trial(n) else (good, n)
+    while good == 0 and bad is not None and bad > 1:  # halve until one fits
+        n = bad // 2
+        good, bad = (n, bad) if trial(n) else (0, n)
+    if bad is None or good == 0:
+        return good, trials
+    while bad - good > max(1, int(good * SEARCH_RESOLUTION)):
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if trial(mid) else (good, mid)
+    return good, trials
+
+
+def resize_batch(batch: Any, size: int) -> Any:
+    """``batch`` with ``size`` samples along the first dimension of every tensor (its samples repeated cyclically)."""
+    total = batch_length(batch)
+    if total is None:
+        return batch
+    index = torch.arange(size) % total
+
+    def take(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim():
+            return value.index_select(0, index.to(value.device))
+        if isinstance(value, dict):
+            return type(value)({k: take(v) for k, v in value.items()})  # type: ignore[call-arg]
+        if isinstance(value, (list, tuple)):
+            items = [take(v) for v in value]
+            return type(value)(*items) if isinstance(value, tuple) and type(value) is not tuple else type(value)(items)
+        return value
+
+    return take(batch)
+
+
+@contextmanager
+def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> Iterator[None]:
+    """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were,
+    and ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
+    grads = take_grads(params)
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    quiet = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    for name in quiet:
+        setattr(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in quiet:
+            delattr(module, name)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def measure_cap(
+    step: Callable[[Any], Any],
+    batch: Any,
+    *,
+    upper: int,
+    check: Callable[[int], None],
+    no_sync: Callable[[], AbstractContextManager[Any]],
+    module: torch.nn.Module,
+    accelerator: bool,
+) -> tuple[int, int]:
+    """This replica's cap: the largest micro-batch (``<= upper``) whose forward and backward fit, less the safety
+    margin on an accelerator, and the trial steps it took. ``check(n)`` raises the emulated out-of-memory error."""
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def fits(n: int) -> bool:
+        try:
+            with no_sync():
+                check(n)
+                step_loss(step(resize_batch(batch, n))).backward()
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            for p in params:
+                p.grad = None
+            if accelerator:
+                torch.cuda.empty_cache()
+        return True
+
+    with training_state_kept(module, params):
+        cap, trials = cap_search(fits, batch_length(batch) or 1, upper)
+    if cap < 1:
+        raise RuntimeError(
+            "HeterogeneousStrategy: not even one sample's training step fits in this replica's memory. HINT: free"
+            " memory on the device, or leave it out of the job."
+        )
+    return (max(int(cap * (1 - SAFETY_MARGIN)), 1) if accelerator else cap), trials

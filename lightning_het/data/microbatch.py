@@ -1,0 +1,221 @@
+"""Micro-batches: one replica's share of a global batch run in pieces of at most its memory cap (samples).
+
+A share of ``b`` samples runs as ``ceil(b / m)`` pieces split along the first dimension; every piece but the last is
+backwarded at once, its loss weighted ``n_j / b``, without gradient communication; the last piece's loss, weighted
+the same, is returned (plus the others' weighted losses, detached) for the usual backward, which synchronises the
+accumulated gradients. The gradient is the share's, exactly. See ``docs/balancing.md`` (memory, micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MicroBatcher",
+    "batch_length",
+    "micro_batch_sizes",
+    "micro_batches",
+    "split_batch",
+    "step_loss",
+    "take_grads",
+]
+
+
+def micro_batch_sizes(batch_size: int, cap: int | None) -> list[int]:
+    """``ceil(batch_size / cap)`` sizes as even as possible, each at most ``cap``, summing to ``batch_size``.
+
+    >>> micro_batch_sizes(16, 3), micro_batch_sizes(4, 64), micro_batch_sizes(5, None)
+    ([3, 3, 3, 3, 2, 2], [4], [5])
+    """
+    if cap is None or batch_size <= cap:
+        return [batch_size]
+    count = math.ceil(batch_size / cap)
+    base, extra = divmod(batch_size, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+def batch_length(batch: Any) -> int | None:
+    """Samples in ``batch``: the first dimension of its first tensor (``None``: no tensor in it)."""
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        length = batch_length(value)
+        if length is not None:
+            return length
+    return None
+
+
+def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
+    """``batch`` cut along the first dimension of every tensor into pieces of ``sizes`` samples (same structure:
+    tensors, tuples, named tuples, lists, dicts; other values are repeated in every piece)."""
+    if isinstance(batch, Tensor) and batch.dim():
+        return list(torch.split(batch, list(sizes)))
+    if isinstance(batch, Mapping):
+        parts = {k: split_batch(v, sizes) for k, v in batch.items()}
+        return [type(batch)({k: p[i] for k, p in parts.items()}) for i in range(len(sizes))]  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        columns = [split_batch(v, sizes) for v in batch]
+        rows = [[c[i] for c in columns] for i in range(len(sizes))]
+        if isinstance(batch, tuple) and type(batch) is not tuple:  # a named tuple
+            return [type(batch)(*row) for row in rows]
+        return [type(batch)(row) for row in rows]
+    return [batch] * len(sizes)
+
+
+def micro_batches(batch: Any, cap: int) -> list[tuple[Any, float]]:
+    """For a loop of your own (manual optimization, Fabric): ``batch`` as ``(piece, weight)`` pairs of at most
+    ``cap`` samples, ``weight = n_j / b``; backward ``loss(piece) * weight`` for each, all but the last under
+    ``no_sync()``, and the accumulated gradient is the whole batch's.
+
+    >>> [(p.tolist(), w) for p, w in micro_batches(torch.arange(5), 2)]
+    [([0, 1], 0.4), ([2, 3], 0.4), ([4], 0.2)]
+    """
+    total = batch_length(batch)
+    if total is None:
+        raise ValueError(f"Expected a batch holding at least one tensor with a first dimension, but got {batch!r}.")
+    sizes = micro_batch_sizes(total, max(int(cap), 1))
+    return [(piece, n / total) for piece, n in zip(split_batch(batch, sizes), sizes)]
+
+
+def step_loss(output: Any) -> Tensor:
+    """The loss a training step returned (a tensor, or a dict's ``"loss"``); a clear error otherwise."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise RuntimeError(
+            "HeterogeneousStrategy runs this replica's share as micro-batches (`max_micro_batch_sizes`), so"
+            f" `training_step` must return the loss (a tensor, or a dict with 'loss'), but it returned {output!r}."
+        )
+    return loss
+
+
+def _with_loss(output: Any, loss: Tensor) -> Any:
+    return {**output, "loss": loss} if isinstance(output, Mapping) else loss
+
+
+class MicroBatcher:
+    """One replica's micro-batching: ``cap`` (most samples run at once, ``None``: the whole share), the emulated
+    memory cap (a piece over it raises ``torch.OutOfMemoryError``), and the one fallback after an out-of-memory error.
+    """
+
+    def __init__(self, rank: int, cap: int | None = None, emulated_cap: int | None = None) -> None:
+        self.rank = rank
+        self.cap = cap
+        self.emulated_cap = emulated_cap  # emulation only; a test may lower it between steps
+        self.lowered_from: int | None = None  # the cap (or the share) a mid-training OOM lowered, once
+        self.pending = False  # the cap changed since the replicas last agreed on it
+        self.search_steps = 0  # trial steps the "auto" search took on this replica
+        self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
+
+    def fits(self, samples: int) -> None:
+        """Raise ``torch.OutOfMemoryError`` when a piece of ``samples`` exceeds the emulated memory cap."""
+        if self.emulated_cap is not None and samples > self.emulated_cap:
+            raise torch.OutOfMemoryError(
+                f"emulated: rank {self.rank} cannot hold {samples} samples (emulate_memory_cap {self.emulated_cap})"
+            )
+
+    def refuse_manual(self, batch: Any) -> None:
+        """Manual optimization runs its own backward: a share over the cap is the user's to split."""
+        samples = batch_length(batch)
+        self.fits(samples or 0)
+        if self.cap is not None and samples is not None and samples > self.cap:
+            raise RuntimeError(
+                f"HeterogeneousStrategy: rank {self.rank}'s share of {samples} samples exceeds its micro-batch cap"
+                f" {self.cap} (`max_micro_batch_sizes`), which manual optimization cannot split for you. HINT: in"
+                " `training_step`, loop over `lightning_het.data.microbatch.micro_batches(batch, cap)` and call"
+                " `self.manual_backward(loss * weight)` for each piece (inside `self.trainer.model.no_sync()` for all"
+                " but the last), or use automatic optimization."
+            )
+
+    def lower(self, samples: int, error: BaseException) -> None:
+        """A piece of ``samples`` ran out of memory: halve the cap once; the second time, end with advice."""
+        if self.lowered_from is not None or samples <= 1:
+            raise RuntimeError(
+                f"HeterogeneousStrategy: rank {self.rank} ran out of memory on a micro-batch of {samples} samples with"
+                f" its cap at {self.cap} (lowered from {self.lowered_from} after an earlier out-of-memory error)."
+                f" HINT: set `max_micro_batch_sizes[{self.rank}]` to at most {max(samples // 2, 1)} (or lower"
+                " `global_batch_size`), or free memory on that device."
+            ) from error
+        self.lowered_from = self.cap if self.cap is not None else samples
+        self.cap = max(samples // 2, 1)
+        self.pending = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def run(
+        self,
+        step: Callable[[Any], Any],
+        batch: Any,
+        backward: Callable[[Tensor], None],
+        no_sync: Callable[[], AbstractContextManager[Any]],
+        params: Sequence[Tensor] = (),
+    ) -> Any:
+        """``step(batch)`` as micro-batches of at most ``cap`` samples (see the module); ``backward(loss)`` backwards
+        a piece without synchronising (``no_sync()`` around it). An out-of-memory error lowers the cap once and
+        the rest of the share runs in smaller pieces: the gradient stays exact.
+
+        The pieces' gradients are held apart from ``params``' ``.grad`` (which the loop zeroes between the step and
+        its backward) until :meth:`restore_grads`, which the backward of the returned loss calls first.
+        """
+        total = batch_length(batch)
+        if total is None or (len(micro_batch_sizes(total, self.cap)) == 1 and not self.emulated_cap):
+            return step(batch)
+        held = take_grads(params)
+        try:
+            return self._pieces(step, batch, total, backward, no_sync)
+        finally:
+            self._grads = take_grads(params)
+            for p, g in zip(params, held):
+                p.grad = g
+
+    def restore_grads(self, params: Sequence[Tensor]) -> None:
+        """Add the held gradients of the step's earlier pieces to ``params``' ``.grad`` (before the last backward)."""
+        grads, self._grads = self._grads, None
+        for p, g in zip(params, grads or ()):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _pieces(
+        self,
+        step: Callable[[Any], Any],
+        batch: Any,
+        total: int,
+        backward: Callable[[Tensor], None],
+        no_sync: Callable[[], AbstractContextManager[Any]],
+    ) -> Any:
+        done, rest, earlier = 0, batch, []
+        while True:
+            sizes = micro_batch_sizes(total - done, self.cap)
+            pieces = split_batch(rest, sizes) if len(sizes) > 1 else [rest]
+            for n, piece in zip(sizes, pieces):
+                last = done + n == total
+                try:
+                    with nullcontext() if last else no_sync():
+                        self.fits(n)
+                        output = step(piece)
+                        if not last:
+                            backward(step_loss(output) * (n / total))
+                except torch.OutOfMemoryError as error:
+                    self.lower(n, error)
+                    rest = split_batch(batch, [done, total - done])[1] if done else batch
+                    break
+                if last:
+                    if not earlier:
+                        return output
+                    return _with_loss(output, step_loss(output) * (n / total) + sum(earlier))
+                earlier.append(step_loss(output).detach() * (n / total))
+                done += n
+
+
+def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
+    """``params``' gradients, each ``.grad`` left ``None``."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads

@@ -1,0 +1,84 @@
+"""Measured memory caps: the search schedule (against every cap), resized batches, trial steps that leave no trace."""
+
+from __future__ import annotations
+
+import doctest
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_het.balance import memory
+from lightning_het.balance.memory import SEARCH_RESOLUTION, cap_search, measure_cap, resize_batch
+from lightning_het.balance.profiling import ProfileCache
+from lightning_het.data.microbatch import MicroBatcher
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(memory).failed == 0
+
+
+@pytest.mark.parametrize("start", [1, 3, 8, 24, 100])
+def test_search_never_above_and_within_one_step_below(start: int) -> None:
+    for cap in range(1, 150):
+        for upper in (cap, cap + 1, 2 * cap, 256):
+            found, trials = cap_search(lambda n, cap=cap: n <= cap, start, upper)
+            best = min(cap, upper)
+            assert found <= best and best - found <= max(1, int(found * SEARCH_RESOLUTION))
+            assert trials <= 13
+
+
+def test_search_when_nothing_fits() -> None:
+    assert cap_search(lambda n: False, 8, 48) == (0, 4)
+
+
+def test_resize_batch_repeats_samples_in_any_structure() -> None:
+    x = torch.arange(6.0).reshape(3, 2)
+    resized = resize_batch({"x": x, "pair": (x[:, 0], "tag")}, 7)
+    assert resized["x"].shape == (7, 2) and torch.equal(resized["x"][3], x[0])
+    assert resized["pair"][0].shape == (7,) and resized["pair"][1] == "tag"
+
+
+class _Module(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1))
+        self.logged = 0
+
+    def log(self, *args, **kwargs) -> None:
+        self.logged += 1
+
+    def training_step(self, batch):
+        loss = self.net(batch[0]).pow(2).mean()
+        self.log("loss", loss)
+        return {"loss": loss}
+
+
+def test_measure_cap_leaves_the_training_state_as_it_was() -> None:
+    module = _Module()
+    batch = (torch.randn(10, 3),)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    buffers = {k: v.clone() for k, v in module.state_dict().items()}
+    rng = torch.get_rng_state()
+    micro = MicroBatcher(0, emulated_cap=6)
+    cap, trials = measure_cap(
+        module.training_step, batch, upper=40, check=micro.fits, no_sync=nullcontext, module=module, accelerator=False
+    )
+    assert cap == 6 and trials <= 8
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in buffers.items())
+    assert torch.equal(torch.get_rng_state(), rng) and module.logged == 0
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in module.parameters())
+    margin, _ = measure_cap(
+        module.training_step, batch, upper=40, check=micro.fits, no_sync=nullcontext, module=module, accelerator=True
+    )
+    assert margin == 5  # 10 % kept free on an accelerator
+
+
+def test_cap_in_the_profile_cache(tmp_path) -> None:
+    cache = ProfileCache(tmp_path)
+    assert cache.get_cap("k") is None
+    cache.put_cap("k", 12)
+    assert cache.get_cap("k") == 12 and cache.get("k") is None

@@ -1,0 +1,97 @@
+"""Micro-batches: splitting any batch structure, the exact accumulated gradient, the out-of-memory fallback."""
+
+from __future__ import annotations
+
+import doctest
+from collections import namedtuple
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_het.data import microbatch
+from lightning_het.data.microbatch import MicroBatcher, batch_length, micro_batch_sizes, micro_batches, split_batch
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(microbatch).failed == 0
+
+
+@pytest.mark.parametrize(("b", "cap"), [(16, 3), (24, 8), (7, 7), (1, 5), (48, 5), (10, 1)])
+def test_sizes_at_most_the_cap_and_as_few_as_possible(b: int, cap: int) -> None:
+    sizes = micro_batch_sizes(b, cap)
+    assert sum(sizes) == b and max(sizes) <= cap and len(sizes) == -(-b // cap)
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_split_keeps_the_structure() -> None:
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    batch = {"pair": Pair(x, y), "list": [x, "tag"], "scalar": torch.tensor(1.0)}
+    assert batch_length(batch) == 5 and batch_length(["a", 3]) is None
+    pieces = split_batch(batch, [3, 2])
+    assert isinstance(pieces[1]["pair"], Pair) and torch.equal(pieces[1]["pair"].y, y[3:])
+    assert torch.equal(pieces[0]["list"][0], x[:3]) and pieces[0]["list"][1] == "tag"
+    assert pieces[1]["scalar"] is batch["scalar"]  # a 0-d tensor has no first dimension: repeated
+    assert [w for _, w in micro_batches((x, y), 2)] == pytest.approx([0.4, 0.4, 0.2])
+
+
+def _setup(seed: int = 0):
+    torch.manual_seed(seed)
+    net = nn.Linear(3, 1)
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    return net, (x, y)
+
+
+def _run(micro: MicroBatcher, net: nn.Module, batch, as_dict: bool = False) -> torch.Tensor:
+    def step(piece):
+        loss = nn.functional.mse_loss(net(piece[0]), piece[1])
+        return {"loss": loss, "n": len(piece[0])} if as_dict else loss
+
+    params = list(net.parameters())
+    for p in params:  # stale gradients, which the loop zeroes between the step and its backward
+        p.grad = torch.full_like(p, 7.0)
+    output = micro.run(step, batch, lambda loss: loss.backward(), nullcontext, params)
+    for p in params:
+        p.grad = None
+    micro.restore_grads(params)
+    loss = output["loss"] if as_dict else output
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_accumulated_gradient_is_the_whole_batch_gradient(as_dict: bool) -> None:
+    net, batch = _setup()
+    whole = nn.functional.mse_loss(net(batch[0]), batch[1])
+    expected = torch.autograd.grad(whole, list(net.parameters()))
+    loss = _run(MicroBatcher(0, cap=3), net, batch, as_dict)
+    assert loss.item() == pytest.approx(whole.item(), rel=1e-6)  # the returned loss is the share's mean
+    for p, g in zip(net.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+def test_out_of_memory_lowers_the_cap_once_and_stays_exact() -> None:
+    net, batch = _setup()
+    whole = nn.functional.mse_loss(net(batch[0]), batch[1])
+    expected = torch.autograd.grad(whole, list(net.parameters()))
+    micro = MicroBatcher(1, cap=8, emulated_cap=5)  # the first piece of 8 fails: cap 4, the rest in pieces of 4
+    _run(micro, net, batch)
+    assert micro.cap == 4 and micro.lowered_from == 8 and micro.pending
+    for p, g in zip(net.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    micro.emulated_cap = 3
+    with pytest.raises(
+        RuntimeError, match=r"rank 1 ran out of memory.*cap at 4 \(lowered from 8.*`max_micro_batch_sizes\[1\]`"
+    ):
+        _run(micro, net, batch)
+
+
+def test_manual_optimization_is_told_what_to_do() -> None:
+    MicroBatcher(0, cap=16).refuse_manual(_setup()[1])
+    with pytest.raises(RuntimeError, match=r"exceeds its micro-batch cap 4.*micro_batches\(batch, cap\)"):
+        MicroBatcher(0, cap=4).refuse_manual(_setup()[1])
+    with pytest.raises(RuntimeError, match="must return the loss"):
+        MicroBatcher(0, cap=4).run(lambda piece: None, _setup()[1], lambda loss: None, nullcontext)
