@@ -48,7 +48,7 @@ from lightning_het.cluster.rendezvous import free_port
 
 EXACT_SAMPLES, EXACT_BATCH, EXACT_EPOCHS, EXACT_FEATURES, EXACT_LR = 192, 24, 2, 16, 0.05
 IMAGE_POOL = 4096  # distinct synthetic images; the dataset indexes them modulo the pool
-JOBS = ("exactness", "gpu_only", "cpu_only", "gpu+cpu")
+JOBS = ("exactness", "gpu_only", "cpu_only", "gpu+cpu", "memory")
 
 
 # --------------------------------------------------------------------------- models and data (driver and workers)
@@ -119,6 +119,10 @@ def run_worker(cfg: dict[str, Any], out: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=EXACT_LR, momentum=0.9)
 
+        def setup(self, stage: str) -> None:
+            if cfg.get("gpu_memory_fraction") and self.device.type == "cuda":  # a small card: real OOM errors
+                torch.cuda.set_per_process_memory_fraction(cfg["gpu_memory_fraction"], self.device)
+
     class StepClock(pl.Callback):
         def __init__(self) -> None:
             self.ends: list[float] = []
@@ -134,7 +138,10 @@ def run_worker(cfg: dict[str, Any], out: Path) -> None:
     pl.seed_everything(0)
     clock = StepClock()
     strategy = lightning_het.HeterogeneousStrategy(
-        device_map=cfg["device_map"], global_batch_size=cfg["global_batch"], timeout=cfg["timeout"]
+        device_map=cfg["device_map"],
+        global_batch_size=cfg["global_batch"],
+        timeout=cfg["timeout"],
+        max_micro_batch_sizes=cfg.get("micro"),
     )
     trainer = pl.Trainer(
         strategy=strategy,  # accelerator and devices stay "auto": the device map decides
@@ -162,6 +169,8 @@ def run_worker(cfg: dict[str, Any], out: Path) -> None:
         "batch_sizes": s.batch_sizes,
         "speeds": s.speeds,
         "devices": s.balance_report()["devices"],
+        "micro_caps": s.balance_report().get("max_micro_batch_sizes"),
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(s.root_device) / 2**20 if s.root_device.type == "cuda" else 0,
         "profile_seconds": s.profile_seconds,
         "global_step": trainer.global_step,
         "step_ends": clock.ends,
@@ -260,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(JOBS),
         help=f"comma-separated subset of the jobs {','.join(JOBS)} (default: all)",
     )
+    parser.add_argument(
+        "--memory-fraction", type=float, default=0.004, help="share of the GPU's memory in the memory job"
+    )
     parser.add_argument("--quick", action="store_true", help="few small steps: a smoke test of the script")
     parser.add_argument(
         "--simulate-gpu-with-cpu", action="store_true", help="map cuda:0 to cpu (no GPU needed; figures meaningless)"
@@ -354,6 +366,25 @@ def main(argv: list[str] | None = None) -> int:
             measured[name] = {"device_map": device_map, **throughput(job_records, args.warmup, args.global_batch)}
         except RuntimeError as error:
             failures[name] = str(error)
+    # 3. memory: the GPU replica limited to a small share of its memory; max_micro_batch_sizes="auto" measures the cap
+    # (real out-of-memory errors) and runs its share in micro-batches
+    memory_line = "Memory: skipped (--only)"
+    if "memory" in wanted:
+        cfg = {**common, "kind": "throughput", "device_map": [gpu, *cpus], "global_batch": args.global_batch}
+        cfg.update(micro="auto", gpu_memory_fraction=args.memory_fraction)
+        job_records = attempt("memory", cfg)
+        memory_line = "Memory: the job FAILED (see results.json)"
+        if job_records is not None:
+            row = {"device_map": cfg["device_map"], **throughput(job_records, args.warmup, args.global_batch)}
+            row.update(micro_caps=job_records[0]["micro_caps"], peak_gpu_mib=job_records[0]["peak_gpu_mib"])
+            results["memory"] = row
+            memory_line = (
+                f'Memory (GPU limited to {args.memory_fraction:g} of its memory, `max_micro_batch_sizes="auto"`):'
+                f" measured caps {row['micro_caps']}, split {row['batch_sizes']}, peak GPU memory"
+                f" {row['peak_gpu_mib']:.0f} MiB, {row['samples_per_s']:.0f} samples/s,"
+                f" median step {row['median_step_ms']:.1f} ms"
+            )
+            print(memory_line, flush=True)
     base = measured["gpu_only"]["samples_per_s"] if "gpu_only" in measured else None
     for row in measured.values():
         row["speedup_vs_gpu_only"] = row["samples_per_s"] / base if base else None
@@ -385,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {', '.join(row['device_map'])} | {row['batch_sizes']} | {row['threads']} | {row['backend']}"
             f" | {row['samples_per_s']:.0f} | {row['median_step_ms']:.1f} | {speedup} |"
         )
+    lines += ["", memory_line]
     if "ideal_speedup" in measured.get("gpu+cpu", {}):
         lines += ["", f"Ideal GPU+CPU speed-up (sum of the two alone): {measured['gpu+cpu']['ideal_speedup']:.3f}"]
     if simulated:
