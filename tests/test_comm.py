@@ -690,7 +690,8 @@ def test_bench_comm_tiny_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-6000:]
     payload = json.loads((tmp_path / "results.json").read_text())
     rows = {r["name"]: r for r in payload["results"]}
-    assert list(rows) == ["ddp", "allreduce", "hierarchical", "hierarchy only", "node_local K=4", "node_local K=16"]
+    names = ["ddp", "allreduce", "hierarchical", "hierarchy only", "node_local K=4", "node_local K=16"]
+    assert list(rows) == [*names, "outer int8 K=32"]
     assert all(r["consensus"] for r in rows.values())
     exact = [rows[n]["eval_loss"] for n in ("ddp", "allreduce", "hierarchical", "hierarchy only")]
     assert max(exact) - min(exact) < 1e-5
@@ -702,5 +703,6 @@ def test_bench_comm_tiny_runs_end_to_end(tmp_path: Path) -> None:
     chosen = rows["hierarchical"]["reduction"]
     assert rows["hierarchical"]["inter_bytes_model"] == {"flat": 3, "hierarchical": 2}[chosen] * grad_bytes
     assert rows["node_local K=16"]["inter_bytes_model"] == 0  # no global sync inside the 6 timed steps
+    assert rows["outer int8 K=32"]["inter_bytes_model"] == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert "| hierarchical |" in result.stdout
