@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from lightning_het.comm.modes import COMM_CHOICES
+from lightning_het.comm.modes import COMM_CHOICES, MERGE_WEIGHTS, OUTER_OPTIMIZERS, SYNC_DTYPES
 
 __all__ = [
     "ArgumentError",
     "as_timeout",
     "check_comm_args",
+    "check_sync_args",
     "finite_positive_list",
     "int_list",
     "positive_int",
@@ -167,6 +168,34 @@ def check_comm_args(
         raise _error(warmup_name, f"Expected argument `{warmup_name}` to be an integer >= 0, but got {warmup_steps!r}.")
 
 
+def check_sync_args(
+    outer_optimizer: Any, outer_lr: Any, outer_momentum: Any, sync_dtype: Any, merge_weights: Any
+) -> dict[str, Any]:
+    """``comm="node_local"``'s sync keywords, with the numbers as ``float``."""
+    if not (outer_optimizer is None or outer_optimizer in OUTER_OPTIMIZERS or callable(outer_optimizer)):
+        raise _error(
+            "outer_optimizer",
+            f"Expected argument `outer_optimizer` to be None (plain averaging), one of {list(OUTER_OPTIMIZERS)} or a"
+            f" callable building a torch optimizer from a list of tensors, but got {outer_optimizer!r}.",
+        )
+    numbers = {"outer_lr": (outer_lr, "> 0"), "outer_momentum": (outer_momentum, "in [0, 1)")}
+    for name, (value, rule) in numbers.items():
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
+            raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
+    choices_of = {"sync_dtype": (sync_dtype, SYNC_DTYPES), "merge_weights": (merge_weights, MERGE_WEIGHTS)}
+    for name, (value, choices) in choices_of.items():
+        if value not in choices:
+            raise _error(name, f"Expected argument `{name}` to be one of {list(choices)}, but got {value!r}.")
+    return {
+        "outer_optimizer": outer_optimizer,
+        "outer_lr": float(outer_lr),
+        "outer_momentum": float(outer_momentum),
+        "sync_dtype": sync_dtype,
+        "merge_weights": merge_weights,
+    }
+
+
 def validate_strategy_arguments(
     *,
     global_batch_size: Any,
@@ -179,6 +208,11 @@ def validate_strategy_arguments(
     global_sync_every: Any,
     comm_warmup_steps: Any,
     comm_autotune_steps: Any,
+    outer_optimizer: Any,
+    outer_lr: Any,
+    outer_momentum: Any,
+    sync_dtype: Any,
+    merge_weights: Any,
     emulate_slowdown: Any,
     emulate_memory_cap: Any,
     profile_steps: Any,
@@ -230,6 +264,7 @@ def validate_strategy_arguments(
         out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
     check_comm_args(comm, global_sync_every, comm_warmup_steps, warmup_name="comm_warmup_steps")
     out["comm_warmup_steps"] = comm_warmup_steps
+    out.update(check_sync_args(outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights))
     out["comm_autotune_steps"] = positive_int("comm_autotune_steps", comm_autotune_steps, allow_none=False, minimum=0)
     out["emulate_slowdown"] = slowdown = finite_positive_list("emulate_slowdown", emulate_slowdown)
     if slowdown is not None and any(f < 1.0 for f in slowdown):

@@ -44,6 +44,11 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "telemetry": True,
     "comm_warmup_steps": 0,
     "comm_autotune_steps": 5,
+    "outer_optimizer": None,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "sync_dtype": "float32",
+    "merge_weights": "samples",
     "preemption_checkpoint": None,
     "preemption_grace": DEFAULT_GRACE,
 }
@@ -59,6 +64,11 @@ FABRIC_KEYWORDS = (
     "global_sync_every",
     "comm_warmup_steps",
     "comm_autotune_steps",
+    "outer_optimizer",
+    "outer_lr",
+    "outer_momentum",
+    "sync_dtype",
+    "merge_weights",
     "profile_steps",
     "profile_warmup",
     "profile_cache",
@@ -98,6 +108,11 @@ class HeterogeneousConfig:
     global_sync_every: int | None
     comm_warmup_steps: int
     comm_autotune_steps: int
+    outer_optimizer: Any
+    outer_lr: float
+    outer_momentum: float
+    sync_dtype: str
+    merge_weights: str
     emulate_slowdown: list[float] | None
     emulate_memory_cap: list[int] | None
     profile_steps: int

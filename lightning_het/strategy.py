@@ -206,7 +206,9 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
                 ddp_comm_hook=self._ddp_comm_hook,
                 ddp_comm_wrapper=self._ddp_comm_wrapper,
             )
-        self.balancer.new_comm(mode).register(self.model)
+        comm = self.balancer.new_comm(mode)
+        comm.register(self.model)
+        comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # resumed: weights restored before setup
 
     # ------------------------------------------------------------------ setup, teardown
     @override
@@ -386,8 +388,9 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         speeds = None if self.profiling else self.speeds  # still profiling: none yet (a resumed run profiles again)
+        comm = None if self.comm_controller is None else self.comm_controller.state_dict()
         record = checkpoint_record(
-            self._trainer(), self.batch_sizes, speeds, self.node_ids, profiled=not self.speeds_given
+            self._trainer(), self.batch_sizes, speeds, self.node_ids, profiled=not self.speeds_given, comm=comm
         )
         checkpoint[CHECKPOINT_KEY] = record  # allocation + training sampler position
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -9,10 +9,11 @@ job trains a communication-bound MLP (10.5 M parameters, 42 MB of gradients) und
 the same initial weights and data:
 
 * ``ddp``: ``lightning.Trainer(strategy="ddp")`` (on CPU Lightning registers no comm hook: a flat all-reduce);
-* ``allreduce``, ``hierarchical``, ``node_local`` (K = 4 and 16): ``Trainer(strategy=HeterogeneousStrategy(comm=...,
-  global_sync_every=K))``, which must detect the two nodes by itself. ``hierarchical`` runs as a user gets it: its
-  first ``2 * --autotune-steps + 1`` steps (untimed, inside the warm-up) time the flat and the hierarchical reduction
-  and keep the faster; ``hierarchy only`` forces the node hierarchy (``comm_autotune_steps=0``).
+* ``allreduce``, ``hierarchical``, ``node_local`` (K = 4 and 16; ``outer int8 K=32``: DiLoCo's outer Nesterov step
+  and int8 syncs): ``Trainer(strategy=HeterogeneousStrategy(comm=..., global_sync_every=K))``, which must detect the
+  two nodes by itself. ``hierarchical`` runs as a user gets it: its first ``2 * --autotune-steps + 1`` steps
+  (untimed, inside the warm-up) time the flat and the hierarchical reduction and keep the faster; ``hierarchy only``
+  forces the node hierarchy (``comm_autotune_steps=0``).
 
 ``--runner raw`` runs the same configurations on a bare ``DistributedDataParallel`` with
 :class:`lightning_het.comm.CommController` instead (no Lightning; ``ddp`` is then DDP without a hook).
@@ -64,7 +65,10 @@ CONFIGS: list[tuple[str, str, int | None, bool]] = [
     ("hierarchy only", "hierarchical", None, False),
     ("node_local K=4", "node_local", 4, False),
     ("node_local K=16", "node_local", 16, False),
+    ("outer int8 K=32", "node_local", 32, False),
 ]
+#: the sync keywords of a configuration (by name) beyond the plain average
+SYNC_SETTINGS: dict[str, dict[str, Any]] = {"outer int8 K=32": {"outer_optimizer": "nesterov", "sync_dtype": "int8"}}
 
 
 @dataclass
@@ -324,6 +328,7 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
             global_sync_every=k,
             groups=job.groups,
             autotune_steps=autotune,
+            **SYNC_SETTINGS.get(name, {}),
         )
         ctl.register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
@@ -467,6 +472,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
             telemetry=False,
             process_group_backend="gloo",
             comm_autotune_steps=args.autotune_steps if tune else 0,
+            **SYNC_SETTINGS.get(name, {}),
         )
     model = Module()
     window = Window()

@@ -10,6 +10,11 @@ Methods (``strategy=`` options of the app), all with the same global batch, epoc
 * ``node_local``: speed-proportional batches, gradients exchanged inside each (emulated) node every step, parameters
   averaged across nodes every K steps (TNNLS 2023).
 
+Not in the default sweep, for the inter-node bytes (``--methods``; docs/communication.md): ``allreduce`` (exact, DDP's
+flat all-reduce on the emulated nodes: the bytes baseline), ``node_local_k16``, ``outer_sync`` (DiLoCo's outer
+Nesterov step on the sample-weighted pseudo-gradient, int8 syncs once per epoch) and ``outer_sync_equal`` (the same
+with every node weighted equally).
+
 The platform is ``experiment=paper_comparison``: 3 CPU replicas, the second 2x and the third 4x slower
 (``strategy.emulate_slowdown=[1,2,4]``); replicas 0-1 and 2 form two emulated nodes for ``node_local``. Each
 (method, seed) is one job of ``lightning-het-train -m``, in its own directory with its own ``metrics.json``.
@@ -41,12 +46,26 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("equal_split", "unweighted", "heterogeneous", "node_local")
+METHODS = (
+    "equal_split",
+    "unweighted",
+    "heterogeneous",
+    "node_local",
+    "allreduce",
+    "node_local_k16",
+    "outer_sync",
+    "outer_sync_equal",
+)
+DEFAULT_METHODS = METHODS[:4]
 LABELS = {
     "equal_split": "equal split (DDP)",
     "unweighted": "balanced, unweighted (2020)",
     "heterogeneous": "balanced, weighted (ours)",
     "node_local": "balanced, node-local",
+    "allreduce": "balanced, weighted, flat all-reduce",
+    "node_local_k16": "node-local K=16",
+    "outer_sync": "node-local, outer Nesterov, int8, sample-weighted",
+    "outer_sync_equal": "node-local, outer Nesterov, int8, equal node weights",
 }
 SCORES = ("test/oa", "test/aa", "test/kappa")
 COLUMNS = (
@@ -57,6 +76,7 @@ COLUMNS = (
     "test/oa",
     "test/aa",
     "test/kappa",
+    "inter_node_mb",
     "batch_sizes",
     "speeds",
     "job_dir",
@@ -71,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--experiment", default="paper_comparison", help="experiment config of the app")
     parser.add_argument("--out", type=Path, default=REPO / "bench_results" / "paper_comparison")
@@ -126,6 +146,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             "mean_epoch_time_s": metrics.get("mean_epoch_time_s"),
             "fit_time_s": metrics.get("fit_time_s"),
             **{key: metrics[key] for key in SCORES},
+            "inter_node_mb": metrics.get("comm", {}).get("job_bytes_inter_total", math.nan) / 1e6,
             "batch_sizes": " ".join(str(b) for b in balance.get("batch_sizes", [])),
             "speeds": " ".join(f"{s:.0f}" for s in balance.get("speeds", [])),
             "job_dir": str(job_dir),
@@ -160,16 +181,18 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for method in sorted(by_method, key=lambda m: METHODS.index(m) if m in METHODS else len(METHODS)):
         group = by_method[method]
         entry: dict[str, Any] = {"method": method, "runs": len(group)}
-        for key in ("mean_epoch_time_s", *SCORES):
+        for key in ("mean_epoch_time_s", "inter_node_mb", *SCORES):
             entry[key], entry[f"{key}_std"] = _mean_std([r[key] for r in group])
         entry["batch_sizes"] = _mean_batch_sizes([r["batch_sizes"] for r in group])
         if method == "equal_split":
             baseline = entry["mean_epoch_time_s"]
         summary.append(entry)
+    ddp_bytes = next((e["inter_node_mb"] for e in summary if e["method"] == "allreduce"), math.nan)
     for entry in summary:
         entry["speedup_vs_equal_split"] = (
             baseline / entry["mean_epoch_time_s"] if baseline and entry["mean_epoch_time_s"] else math.nan
         )
+        entry["fewer_inter_node_bytes"] = ddp_bytes / entry["inter_node_mb"] if entry["inter_node_mb"] else math.nan
     return summary
 
 
@@ -191,15 +214,18 @@ def write_tables(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out:
         return "n/a" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
     lines = [
-        "| method | runs | mean batch sizes | epoch time (s) | speed-up | OA | AA | kappa |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| method | runs | mean batch sizes | epoch time (s) | speed-up | inter-node MB | fewer bytes vs all-reduce"
+        " | OA | AA | kappa |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in summary:
         speedup = "n/a" if math.isnan(e["speedup_vs_equal_split"]) else f"{e['speedup_vs_equal_split']:.2f}x"
+        fewer = "n/a" if math.isnan(e["fewer_inter_node_bytes"]) else f"{e['fewer_inter_node_bytes']:.1f}x"
+        mb = "n/a" if math.isnan(e["inter_node_mb"]) else f"{e['inter_node_mb']:.2f}"
         lines.append(
             f"| {LABELS.get(e['method'], e['method'])} | {e['runs']} | {e['batch_sizes']} |"
-            f" {cell(e, 'mean_epoch_time_s', 2)} | {speedup} | {cell(e, 'test/oa', 4)} | {cell(e, 'test/aa', 4)} |"
-            f" {cell(e, 'test/kappa', 4)} |"
+            f" {cell(e, 'mean_epoch_time_s', 2)} | {speedup} | {mb} | {fewer} | {cell(e, 'test/oa', 4)} |"
+            f" {cell(e, 'test/aa', 4)} | {cell(e, 'test/kappa', 4)} |"
         )
     lines += ["", "Mean ± standard deviation over seeds; epoch time excludes the first epoch.", f"Command: `{command}`"]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

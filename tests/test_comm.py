@@ -7,8 +7,10 @@ compare in the parent.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,12 @@ from lightning_het.comm import (
     share_weights,
     validate_comm_args,
 )
-from lightning_het.comm import node_local as node_local_module
+from lightning_het.comm import outer as outer_module
+from lightning_het.comm.compression import INT8_BLOCK
 from lightning_het.comm.hooks import HierarchicalState
 from lightning_het.comm.stats import (
     CommStats,
+    compressed_sync_traffic,
     flat_allreduce_traffic,
     hierarchical_traffic,
     node_local_traffic,
@@ -69,7 +73,6 @@ def _train_ddp(
     rank: int, mode: str, node_ids: list[int], batch_sizes: list[int], **kwargs: Any
 ) -> tuple[list[torch.Tensor], CommController, DistributedDataParallel]:
     """Train with the controller; return this rank's flat parameters after every step."""
-    world, total = len(batch_sizes), sum(batch_sizes)
     # one bucket per parameter: several buckets in flight exercise the ordering of the pipelined stages
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
     tuner_times = kwargs.pop("tuner_times", None)
@@ -84,9 +87,22 @@ def _train_ddp(
     ctl = CommController(mode, node_ids, batch_sizes, rank, **kwargs)  # type: ignore[arg-type]
     ctl.register(ddp)
     opt = _optimizer(ddp.parameters())
+    return _run_steps(ddp, opt, ctl, rank, batch_sizes, range(1, STEPS + 1)), ctl, ddp
+
+
+def _run_steps(
+    ddp: DistributedDataParallel,
+    opt: torch.optim.Optimizer,
+    ctl: CommController,
+    rank: int,
+    batch_sizes: list[int],
+    steps: range,
+) -> list[torch.Tensor]:
+    """Train ``steps`` (global step numbers); this rank's flat parameters after each."""
+    world, total = len(batch_sizes), sum(batch_sizes)
     mine = _slices(batch_sizes)[rank]
     history = []
-    for step in range(1, STEPS + 1):
+    for step in steps:
         x, y = _batch(step, total)
         loss = torch.nn.functional.cross_entropy(ddp(x[mine]), y[mine]) * (world * batch_sizes[rank] / total)
         opt.zero_grad()
@@ -94,7 +110,7 @@ def _train_ddp(
         opt.step()
         ctl.after_optimizer_step(ddp.parameters(), step)
         history.append(_flat(ddp.module))
-    return history, ctl, ddp
+    return history
 
 
 def _train_exact(batch_sizes: list[int]) -> list[torch.Tensor]:
@@ -195,6 +211,7 @@ def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
             "stats": ctl.stats,
             "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
         }
+    result.update(_outer_cases(rank))
     # K=None: no periodic sync; synchronize() (epoch end, checkpoint) forces one consensus model
     history, ctl, ddp = _train_ddp(rank, "node_local", [0, 0, 1, 1], [1, 1, 1, 1])
     before = _flat(ddp.module)
@@ -215,6 +232,79 @@ def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
     count = torch.full((2,), rank)
     payload = average_parameters([full, half, count, full], share_weights(batch_sizes)[rank], groups_state)
     result["average"] = {"full": full, "half": half, "count": count, "payload": payload}
+    return result
+
+
+#: unequal nodes for the outer step: node 0 trains on 2 samples per step, node 1 on 8; K = 2
+OUTER_CASE = ([0, 0, 1, 1], [1, 1, 3, 5], 2)
+
+
+def _train_outer_reference(node_ids: list[int], batch_sizes: list[int], k: int, by: str) -> list[Any]:
+    """Node-local SGD with DiLoCo's outer Nesterov step, one model per node, in one process."""
+    members = node_members(node_ids)
+    slices = _slices(batch_sizes)
+    node_samples = [torch.cat([torch.arange(slices[r].start, slices[r].stop) for r in m]) for m in members]
+    weights = [sum(batch_sizes[r] for r in m) / sum(batch_sizes) for m in members]
+    if by == "nodes":
+        weights = [1 / len(members)] * len(members)
+    models = [_model() for _ in members]
+    opts = [_optimizer(m.parameters()) for m in models]
+    anchor = [p.detach().clone() for p in _model().parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    history = []
+    for step in range(1, STEPS + 1):
+        x, y = _batch(step, sum(batch_sizes))
+        for n, (model, opt) in enumerate(zip(models, opts)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[node_samples[n]]), y[node_samples[n]]).backward()
+            opt.step()
+        if step % k == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    a.grad = sum(w * (a - list(m.parameters())[i]) for w, m in zip(weights, models))
+                outer.step()
+                for m in models:
+                    for p, a in zip(m.parameters(), anchor):
+                        p.copy_(a)
+        history.append([_flat(m) for m in models])
+    return history
+
+
+def _outer_cases(rank: int) -> dict[Any, Any]:
+    """The outer step with both merge weights against the reference, an int8 sync, and a resume mid-round."""
+    node_ids, batch_sizes, k = OUTER_CASE
+    result: dict[Any, Any] = {}
+    for by, dtype in (("samples", "float32"), ("nodes", "float32"), ("samples", "int8")):
+        settings = {"outer_optimizer": "nesterov", "merge_weights": by, "sync_dtype": dtype}
+        history, ctl, ddp = _train_ddp(rank, "node_local", node_ids, batch_sizes, global_sync_every=k, **settings)
+        result[("outer", by, dtype)] = {
+            "history": history,
+            "reference": _train_outer_reference(node_ids, batch_sizes, k, by),
+            "stats": ctl.stats,
+            "numel": sum(p.numel() for p in ddp.parameters()),
+        }
+    # a resume in the middle of a round (K = 4, saved after step 6): the save forces a consensus (an outer step)
+    settings = {"global_sync_every": 4, "outer_optimizer": "nesterov", "sync_dtype": "float32"}
+    runs, saved = [], {}
+    for resume in (None, "saved"):
+        model = _model()
+        if resume is not None:
+            model.load_state_dict(saved["model"])
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1e-4)
+        ctl = CommController("node_local", node_ids, batch_sizes, rank, **settings)  # type: ignore[arg-type]
+        ctl.register(ddp)
+        opt = _optimizer(ddp.parameters())
+        if resume is None:
+            _run_steps(ddp, opt, ctl, rank, batch_sizes, range(1, 7))
+            ctl.synchronize(ddp.parameters())
+            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "comm": ctl.state_dict()}
+            saved = {key: copy.deepcopy(value) for key, value in saved.items()}
+        else:
+            ctl.load_state_dict(saved["comm"])
+            ctl.set_step(6)
+            opt.load_state_dict(saved["opt"])
+        runs.append(_run_steps(ddp, opt, ctl, rank, batch_sizes, range(7, 13)))
+    result["resume"] = {"continued": runs[0], "resumed": runs[1], "momentum": saved["comm"]}
     return result
 
 
@@ -373,6 +463,46 @@ def test_average_parameters_is_share_weighted(node_local: list[dict[str, Any]]) 
         assert avg["payload"] == 5 * 4 + 3 * 4  # fp32 + fp16 upcast to fp32, duplicate counted once
 
 
+def test_outer_step_follows_the_reference(node_local: list[dict[str, Any]]) -> None:
+    """DiLoCo's outer Nesterov step on the share-weighted pseudo-gradient, replicas agreeing after each sync; the
+    equal-weight merge is a different trajectory (node 1 trains on 4x the samples of node 0), equal to its own."""
+    node_ids, _, k = OUTER_CASE
+    members = node_members(node_ids)
+    for by in ("samples", "nodes"):
+        for step in range(STEPS):
+            params = [r[("outer", by, "float32")]["history"][step] for r in node_local]
+            reference = node_local[0][("outer", by, "float32")]["reference"][step]
+            for n, ranks in enumerate(members):
+                assert (params[ranks[0]] - reference[n]).abs().max().item() < TOL, (by, step)
+            if (step + 1) % k == 0:
+                assert all(torch.equal(p, params[0]) for p in params)
+    samples = node_local[0][("outer", "samples", "float32")]["history"][-1]
+    nodes = node_local[0][("outer", "nodes", "float32")]["history"][-1]
+    assert (samples - nodes).abs().max().item() > 1e-3
+
+
+def test_int8_sync_is_close_and_sends_a_quarter(node_local: list[dict[str, Any]]) -> None:
+    node_ids, _, k = OUTER_CASE
+    full = node_local[0][("outer", "samples", "float32")]
+    int8 = node_local[0][("outer", "samples", "int8")]
+    assert all(torch.equal(r[("outer", "samples", "int8")]["history"][-1], int8["history"][-1]) for r in node_local)
+    assert (int8["history"][-1] - full["history"][-1]).abs().max().item() < 0.02
+    n = int8["numel"]
+    syncs = STEPS // k
+    inter = compressed_sync_traffic(4 * n, n + 4 * math.ceil(n / INT8_BLOCK), node_ids).total_inter
+    assert int8["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
+    inter = hierarchical_traffic(4 * n, node_ids).total_inter
+    assert full["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
+    assert full["stats"]["job_bytes_inter_total"] / int8["stats"]["job_bytes_inter_total"] > 3.9
+
+
+def test_resume_in_the_middle_of_a_round_continues_exactly(node_local: list[dict[str, Any]]) -> None:
+    for r in node_local:
+        assert r["resume"]["momentum"]["merge"]["optimizer"]["state"], "the outer momentum is saved"
+        for continued, resumed in zip(r["resume"]["continued"], r["resume"]["resumed"]):
+            assert (continued - resumed).abs().max().item() <= 1e-6
+
+
 # --------------------------------------------------------------------------- pure pieces
 def _fake_groups(node_ids: list[int], rank: int) -> NodeGroups:
     members = tuple(tuple(m) for m in node_members(node_ids))
@@ -396,7 +526,7 @@ def test_controller_schedule_takes_phase_from_global_step(monkeypatch: pytest.Mo
         calls.append(weight)
         return 100
 
-    monkeypatch.setattr(node_local_module, "average_parameters", fake_average)
+    monkeypatch.setattr(outer_module, "average_parameters", fake_average)
     ctl = CommController(
         "node_local", [0, 0, 1], [2, 3, 5], 1, global_sync_every=3, warmup_steps=2, groups=_fake_groups([0, 0, 1], 1)
     )
@@ -560,7 +690,8 @@ def test_bench_comm_tiny_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-6000:]
     payload = json.loads((tmp_path / "results.json").read_text())
     rows = {r["name"]: r for r in payload["results"]}
-    assert list(rows) == ["ddp", "allreduce", "hierarchical", "hierarchy only", "node_local K=4", "node_local K=16"]
+    names = ["ddp", "allreduce", "hierarchical", "hierarchy only", "node_local K=4", "node_local K=16"]
+    assert list(rows) == [*names, "outer int8 K=32"]
     assert all(r["consensus"] for r in rows.values())
     exact = [rows[n]["eval_loss"] for n in ("ddp", "allreduce", "hierarchical", "hierarchy only")]
     assert max(exact) - min(exact) < 1e-5
@@ -572,5 +703,6 @@ def test_bench_comm_tiny_runs_end_to_end(tmp_path: Path) -> None:
     chosen = rows["hierarchical"]["reduction"]
     assert rows["hierarchical"]["inter_bytes_model"] == {"flat": 3, "hierarchical": 2}[chosen] * grad_bytes
     assert rows["node_local K=16"]["inter_bytes_model"] == 0  # no global sync inside the 6 timed steps
+    assert rows["outer int8 K=32"]["inter_bytes_model"] == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert "| hierarchical |" in result.stdout

@@ -136,6 +136,14 @@ class StrategyConfig:
     comm_warmup_steps: int = 0
     #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
     comm_autotune_steps: int = 5
+    #: node_local: what a sync does: null (plain average) or nesterov (DiLoCo's outer step, outer_lr/outer_momentum)
+    outer_optimizer: str | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    #: node_local: the inter-node exchange of a sync: float32, bfloat16 or int8 (per-block scales, error feedback)
+    sync_dtype: str = "float32"
+    #: node_local: a replica's weight in a sync: samples (trained since the last sync) or nodes (each node equal)
+    merge_weights: str = "samples"
     #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (file or directory; false: none; docs/preemption.md)
     preemption_checkpoint: Any = None
     #: seconds from the signal until a replica that could not stop in time is ended with status 143

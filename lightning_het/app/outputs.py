@@ -62,6 +62,8 @@ def collect_metrics(
         metrics["balance"] = strategy.balance_report()
     else:  # any other strategy: every replica gets the loader's batch
         metrics["balance"] = {"batch_sizes": [], "speeds": [], "note": f"{type(strategy).__name__}: no allocation"}
+    if getattr(strategy, "comm_stats", None):  # bytes between and inside nodes, the same on every replica
+        metrics["comm"] = dict(strategy.comm_stats)
     epochs = list(timer.epoch_seconds)
     metrics["epoch_times_s"] = [round(s, 4) for s in epochs]
     # the first epoch also pays for warm-up (allocator, thread pools); report the mean of the others when possible

@@ -370,6 +370,11 @@ class Balancer:
             global_sync_every=config.global_sync_every,
             warmup_steps=config.comm_warmup_steps,
             autotune_steps=config.comm_autotune_steps,
+            outer_optimizer=config.outer_optimizer,
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+            sync_dtype=config.sync_dtype,
+            merge_weights=config.merge_weights,
         )
         self._comm_sizes = None
         return self.comm

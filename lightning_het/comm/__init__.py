@@ -9,7 +9,8 @@ from lightning_het.comm.modes import COMM_CHOICES, CommChoice, CommMode
 
 if TYPE_CHECKING:
     from lightning_het.comm.allreduce import FlatAllReduce
-    from lightning_het.comm.averaging import average_parameters, share_weights
+    from lightning_het.comm.averaging import average_parameters, merge_weights, share_weights
+    from lightning_het.comm.compression import Codec
     from lightning_het.comm.controller import CommController, resolve_comm_mode, validate_comm_args
     from lightning_het.comm.hierarchical import Hierarchical
     from lightning_het.comm.hooks import (
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
         node_local_hook,
     )
     from lightning_het.comm.node_local import NodeLocal
+    from lightning_het.comm.outer import OuterStep, ParameterAverage, build_merge
     from lightning_het.comm.stats import CommStats, Traffic
 
 #: public name -> defining module, imported on first access (``modes`` needs no torch: the app's schema imports it)
@@ -29,6 +31,11 @@ _LAZY = {
     "NodeLocal": "node_local",
     "average_parameters": "averaging",
     "share_weights": "averaging",
+    "merge_weights": "averaging",
+    "Codec": "compression",
+    "OuterStep": "outer",
+    "ParameterAverage": "outer",
+    "build_merge": "outer",
     "CommController": "controller",
     "resolve_comm_mode": "controller",
     "validate_comm_args": "controller",
@@ -52,6 +59,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "COMM_CHOICES",
+    "Codec",
     "CommChoice",
     "CommController",
     "CommMode",
@@ -61,10 +69,14 @@ __all__ = [
     "HierarchicalState",
     "NodeLocal",
     "NodeLocalState",
+    "OuterStep",
+    "ParameterAverage",
     "Traffic",
     "average_parameters",
+    "build_merge",
     "hierarchical_hook",
     "hierarchical_sum",
+    "merge_weights",
     "node_local_hook",
     "resolve_comm_mode",
     "share_weights",

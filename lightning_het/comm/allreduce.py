@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -57,3 +58,10 @@ class FlatAllReduce:
 
     def set_batch_sizes(self, batch_sizes: list[int]) -> None:
         """A new allocation (same list on every rank)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the mode (tensors allowed; nothing here)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""

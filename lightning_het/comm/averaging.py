@@ -6,9 +6,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from lightning_het.cluster.topology import node_members
 from lightning_het.comm.hooks import HierarchicalState, hierarchical_sum
 
-__all__ = ["average_parameters", "share_weights"]
+__all__ = ["average_parameters", "merge_weights", "share_weights", "unique_floating"]
 
 
 def share_weights(batch_sizes: Sequence[int]) -> list[float]:
@@ -25,7 +26,31 @@ def share_weights(batch_sizes: Sequence[int]) -> list[float]:
     return [b / total for b in batch_sizes]
 
 
-def _unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+def merge_weights(samples: Sequence[int], node_ids: Sequence[int], by: str = "samples") -> list[float]:
+    """Weight of each replica in a sync, from the samples each processed since the last one.
+
+    ``by="samples"``: ``s_r / S``, so a node counts as much as the data it trained on; ``by="nodes"``: every node
+    ``1 / N`` (what DiLoCo and torch's model averagers do), split inside a node by its replicas' samples.
+
+    >>> merge_weights([2, 2, 4], [0, 0, 1])
+    [0.25, 0.25, 0.5]
+    >>> merge_weights([6, 6, 4], [0, 0, 1], by="nodes")
+    [0.25, 0.25, 0.5]
+    """
+    shares = share_weights(samples)
+    if by == "samples":
+        return shares
+    members = node_members(node_ids)
+    out = [0.0] * len(shares)
+    for ranks in members:
+        node_total = sum(samples[r] for r in ranks)
+        for r in ranks:
+            out[r] = samples[r] / (node_total * len(members)) if node_total else 1.0 / (len(ranks) * len(members))
+    return out
+
+
+def unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The floating-point tensors of ``tensors``, each once, in order."""
     seen: set[int] = set()
     out: list[torch.Tensor] = []
     for t in tensors:
@@ -48,7 +73,7 @@ def average_parameters(tensors: Iterable[torch.Tensor], weight: float, state: Hi
     Returns:
         Payload bytes per rank (size of the packed buffers), for byte accounting.
     """
-    params = _unique_floating(tensors)
+    params = unique_floating(tensors)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         buckets.setdefault((p.device, p.dtype), []).append(p)

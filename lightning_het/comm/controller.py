@@ -24,6 +24,7 @@ from lightning_het.comm.hierarchical import Hierarchical
 from lightning_het.comm.hooks import DEFAULT_CHUNK_BYTES
 from lightning_het.comm.modes import COMM_CHOICES, CommMode
 from lightning_het.comm.node_local import NodeLocal
+from lightning_het.comm.outer import OuterFactory, build_merge
 from lightning_het.comm.stats import CommStats
 
 __all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
@@ -124,6 +125,10 @@ class CommController:
         chunk_bytes: pipelining granularity of the hierarchical reduction.
         autotune_steps: ``hierarchical``: steps timed with each of flat and hierarchical reduction (``0``: hierarchy).
         autotune_clock: the clock those steps are timed with (seconds).
+        outer_optimizer, outer_lr, outer_momentum, sync_dtype: ``node_local``: what a sync does
+            (:func:`~lightning_het.comm.outer.build_merge`).
+        merge_weights: ``node_local``: ``"samples"`` or ``"nodes"``
+            (:func:`~lightning_het.comm.averaging.merge_weights`).
     """
 
     def __init__(
@@ -139,6 +144,11 @@ class CommController:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         autotune_steps: int = 0,
         autotune_clock: Callable[[], float] = time.perf_counter,
+        outer_optimizer: str | OuterFactory | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_dtype: str = "float32",
+        merge_weights: str = "samples",
     ) -> None:
         if mode not in get_args(CommMode):
             raise ValueError(f"Expected argument `mode` to be one of {list(get_args(CommMode))}, but got {mode!r}.")
@@ -169,6 +179,8 @@ class CommController:
             batch_sizes=self._batch_sizes,
             global_sync_every=global_sync_every,
             warmup_steps=warmup_steps,
+            merge=(outer_optimizer, outer_lr, outer_momentum, sync_dtype),
+            merge_weights=merge_weights,
         )
         self._grad_bytes: int | None = None
         if rank == 0:
@@ -252,6 +264,15 @@ class CommController:
         """
         return self._algorithm.synchronize(list(params))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The mode's state for a checkpoint (``node_local``: the outer optimizer's), the same on every rank."""
+        return self._algorithm.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`state_dict`'s output (``None``: nothing saved)."""
+        if state:
+            self._algorithm.load_state_dict(state)
+
     def close(self) -> None:
         """Drop references to the process groups (they are destroyed with the default group)."""
         self._groups = None
@@ -288,5 +309,7 @@ def _build(mode: CommMode, node_ids: list[int], rank: int, stats: CommStats, **s
         batch_sizes=settings["batch_sizes"],
         global_sync_every=settings["global_sync_every"],
         warmup_steps=settings["warmup_steps"],
+        merge=build_merge(*settings["merge"]),
+        merge_by=settings["merge_weights"],
         **common,
     )

@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_het.cluster.topology import NodeGroups
 from lightning_het.comm.allreduce import FlatAllReduce
-from lightning_het.comm.averaging import average_parameters, share_weights
+from lightning_het.comm.averaging import merge_weights
 from lightning_het.comm.hooks import HierarchicalState, NodeLocalState, node_local_hook
-from lightning_het.comm.stats import CommStats, Traffic, hierarchical_traffic, node_local_traffic
+from lightning_het.comm.outer import OuterStep, ParameterAverage
+from lightning_het.comm.stats import (
+    CommStats,
+    Traffic,
+    compressed_sync_traffic,
+    hierarchical_traffic,
+    node_local_traffic,
+)
 
 __all__ = ["NodeLocal"]
 
 
 class NodeLocal(FlatAllReduce):
-    """Node-local optimisation steps plus a periodic share-weighted parameter average (resumes in phase).
+    """Node-local optimisation steps plus a periodic merge of the replicas' models (resumes in phase).
+
+    The merge weighs each replica by the samples it trained on since the last one (``merge_by="samples"``) or each
+    node equally (``"nodes"``); what it does with them is ``merge``'s (:mod:`lightning_het.comm.outer`).
 
     Args:
         node_ids, rank, stats: as :class:`~lightning_het.comm.allreduce.FlatAllReduce`.
@@ -26,6 +37,8 @@ class NodeLocal(FlatAllReduce):
         batch_sizes: samples per step of every replica (the merge weights).
         global_sync_every: ``K``, optimizer steps between averages, or ``None``.
         warmup_steps: the first steps reduce gradients exactly over all replicas.
+        merge: the sync (:func:`~lightning_het.comm.outer.build_merge`); default the plain average.
+        merge_by: ``"samples"`` or ``"nodes"`` (:func:`~lightning_het.comm.averaging.merge_weights`).
     """
 
     mode = "node_local"
@@ -41,6 +54,8 @@ class NodeLocal(FlatAllReduce):
         batch_sizes: list[int],
         global_sync_every: int | None,
         warmup_steps: int = 0,
+        merge: ParameterAverage | OuterStep | None = None,
+        merge_by: str = "samples",
     ) -> None:
         super().__init__(node_ids, rank, stats)
         self.hierarchy = HierarchicalState(groups, chunk_bytes)
@@ -49,12 +64,16 @@ class NodeLocal(FlatAllReduce):
         self.warmup_steps = warmup_steps
         self._batch_sizes = list(batch_sizes)
         self._in_consensus = True
+        self.merge = ParameterAverage() if merge is None else merge
+        self.merge_by = merge_by
+        self._samples = [0] * len(self._batch_sizes)  # per replica, since the last sync
 
     def describe(self) -> str:
         return f" K={self.sync_every} warmup={self.warmup_steps}"
 
     def register(self, ddp_model: DistributedDataParallel) -> None:
         ddp_model.register_comm_hook(self.state, node_local_hook)
+        self.merge.begin(list(ddp_model.parameters()))  # DDP broadcast rank 0's model: the replicas agree
 
     def step_traffic(self, grad_bytes: int, global_step: int) -> Traffic:
         if global_step <= self.warmup_steps:
@@ -65,6 +84,9 @@ class NodeLocal(FlatAllReduce):
         self.state.completed_steps = global_step
         if global_step > self.warmup_steps:
             self._in_consensus = False
+            self._samples = [s + b for s, b in zip(self._samples, self._batch_sizes)]
+        else:
+            self.merge.begin(params)  # an exact step: the replicas still agree
         due = (
             self.sync_every is not None
             and global_step > self.warmup_steps
@@ -75,11 +97,26 @@ class NodeLocal(FlatAllReduce):
     def synchronize(self, params: list[torch.Tensor]) -> bool:
         if self._in_consensus:
             return False
-        weight = share_weights(self._batch_sizes)[self.rank]
-        payload = average_parameters(params, weight, self.hierarchy)
-        self.stats.record_sync(hierarchical_traffic(payload, self.node_ids))
+        samples = self._samples if any(self._samples) else self._batch_sizes
+        weight = merge_weights(samples, self.node_ids, self.merge_by)[self.rank]
+        payload, wire = self.merge.merge(params, weight, self.hierarchy)
+        traffic = hierarchical_traffic(payload, self.node_ids)
+        if wire is not None:
+            traffic = compressed_sync_traffic(payload, wire, self.node_ids)
+        self.stats.record_sync(traffic)
         self._in_consensus = True
+        self._samples = [0] * len(self._samples)
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The merge's state and the samples since the last sync."""
+        return {"samples": list(self._samples), "merge": self.merge.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        if len(state.get("samples", [])) == len(self._samples):
+            self._samples = [int(s) for s in state["samples"]]
+        self.merge.load_state_dict(state.get("merge", {}))
 
     def set_step(self, completed_steps: int) -> None:
         self.state.completed_steps = completed_steps

@@ -12,6 +12,7 @@ __all__ = [
     "Traffic",
     "allreduce_traffic",
     "broadcast_traffic",
+    "compressed_sync_traffic",
     "flat_allreduce_traffic",
     "hierarchical_traffic",
     "node_local_traffic",
@@ -106,6 +107,23 @@ def hierarchical_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     members = node_members(node_ids)
     leaders = [m[0] for m in members]
     traffic = allreduce_traffic(nbytes, leaders, node_ids)
+    for m in members:
+        traffic = traffic + reduce_traffic(nbytes, m, m[0], node_ids) + broadcast_traffic(nbytes, m, m[0], node_ids)
+    return traffic
+
+
+def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence[int]) -> Traffic:
+    """A sync of ``comm="node_local"`` with ``sync_dtype`` compression: ``nbytes`` reduced onto each node leader and
+    broadcast back, the leaders' ``wire_bytes`` each all-gathered (a ring: ``(N-1) * wire_bytes`` per leader).
+
+    >>> compressed_sync_traffic(400, 100, [0, 0, 1]).inter
+    [100.0, 0.0, 100.0]
+    """
+    members = node_members(node_ids)
+    ring = [m[0] for m in members]
+    traffic = Traffic.zeros(len(node_ids))
+    for i, src in enumerate(ring):
+        _send(traffic, node_ids, src, ring[(i + 1) % len(ring)], (len(ring) - 1) * float(wire_bytes))
     for m in members:
         traffic = traffic + reduce_traffic(nbytes, m, m[0], node_ids) + broadcast_traffic(nbytes, m, m[0], node_ids)
     return traffic

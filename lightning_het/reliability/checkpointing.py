@@ -57,8 +57,9 @@ def allocation_record(
     *,
     profiled: bool,
     sampler: Mapping[str, Any] | None = None,
+    comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``checkpoint["lightning_het"]`` entry (plain types only)."""
+    """The ``checkpoint["lightning_het"]`` entry (plain types, and the comm mode's tensors under ``"comm"``)."""
     sizes = [int(b) for b in batch_sizes or []]
     return {
         "version": _VERSION,
@@ -69,6 +70,7 @@ def allocation_record(
         "profiled": bool(profiled),
         "node_ids": [int(n) for n in node_ids or []],
         "sampler": dict(sampler) if sampler is not None else None,
+        "comm": dict(comm) if comm else None,
     }
 
 
@@ -211,8 +213,10 @@ def checkpoint_record(
     node_ids: Sequence[int] | None,
     *,
     profiled: bool,
+    comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The entry for the checkpoint being saved now: the allocation and the training sampler's position.
+    """The entry for the checkpoint being saved now: the allocation, the training sampler's position and the comm
+    mode's state (``node_local``: the outer optimizer's, taken after the consensus the save forced).
 
     Args:
         trainer: the Trainer whose fit loop holds the training loader (``None``: no sampler position).
@@ -220,6 +224,7 @@ def checkpoint_record(
         speeds: the replicas' speeds; ``None`` while the first steps still profile (a run resumed from there profiles
             again).
         profiled: whether the speeds were measured (not given by the user).
+        comm: :meth:`CommController.state_dict <lightning_het.comm.CommController.state_dict>` (``None``: none).
     """
     sampler_state = None
     if trainer is not None:
@@ -230,7 +235,7 @@ def checkpoint_record(
             sampler_state = sampler_record(sampler, done)
             # the epoch's end-of-epoch bookkeeping already ran (saved in on_train_epoch_end or later)
             sampler_state["epoch_finished"] = trainer.fit_loop.epoch_progress.current.processed > sampler.epoch
-    return allocation_record(batch_sizes, speeds, node_ids, profiled=profiled, sampler=sampler_state)
+    return allocation_record(batch_sizes, speeds, node_ids, profiled=profiled, sampler=sampler_state, comm=comm)
 
 
 def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | None, batch_sizes: Sequence[int]) -> None:

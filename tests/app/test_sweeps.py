@@ -99,3 +99,22 @@ def test_experiment_script_sweep_command():
     assert command[1:4] == ["-m", "lightning_het.train", "-m"]
     assert "strategy=equal_split,unweighted" in command and "seed=0,1" in command
     assert "hydra.sweep.dir=/tmp/x" in command and command[-1] == "a=1"
+
+
+def test_experiment_script_tabulates_inter_node_bytes(tmp_path):
+    """The all-reduce row is the bytes baseline: each method's inter-node MB and how many times fewer."""
+    script = _load_script()
+    sweep = tmp_path / "runs"
+    for number, (method, inter) in enumerate([("allreduce", 400e6), ("outer_sync", 2e6), ("heterogeneous", None)]):
+        job = sweep / str(number)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- strategy={method}\n- seed=0\n")
+        metrics = {"test/oa": 0.9, "test/aa": 0.9, "test/kappa": 0.9, "mean_epoch_time_s": 1.0, "history": []}
+        if inter is not None:
+            metrics["comm"] = {"job_bytes_inter_total": inter}
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    out = tmp_path / "report"
+    assert script.main(["--collect", str(sweep), "--out", str(out), "--no-plots"]) == 0
+    summary = {r["method"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    assert float(summary["outer_sync"]["fewer_inter_node_bytes"]) == pytest.approx(200.0)
+    assert "| 2.00 | 200.0x |" in (out / "summary.md").read_text()

@@ -95,8 +95,10 @@ class TinyRegressor(pl.LightningModule):
         slow_rank: int = -1,
         manual: bool = False,
         without_loss: bool = False,
+        momentum: float = 0.9,
     ) -> None:
         super().__init__()
+        self.momentum = momentum
         self.cost_per_sample_s = cost_per_sample_s
         self.net = make_net()
         self.lr = lr
@@ -135,7 +137,7 @@ class TinyRegressor(pl.LightningModule):
         self.seen_batch_sizes.append(sizes[0] if len(sizes) == 1 else sizes)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 def reference_weights(

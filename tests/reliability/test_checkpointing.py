@@ -205,6 +205,14 @@ def test_node_local_checkpoint_synchronises_the_consensus_model_first():
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
+#: two emulated nodes, DiLoCo's outer step every 2 steps
+OUTER = {
+    "comm": "node_local",
+    "node_ids": [0, 1],
+    "speeds": [1, 3],
+    "global_sync_every": 2,
+    "outer_optimizer": "nesterov",
+}
 #: the two-replica fits of this module that resume nothing, run in one job (one launch and rendezvous for both)
 TWO_REPLICA_FITS = {
     # speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)
@@ -215,6 +223,14 @@ TWO_REPLICA_FITS = {
         "strategy": {"comm": "node_local", "node_ids": [0, 1], "speeds": [1, 3]},
         "save_every": 3,
         "epochs": 1,
+    },
+    # the same nodes with DiLoCo's outer step every 2 steps: the step-3 checkpoint is in the middle of a round
+    "outer": {
+        "devices": 2,
+        "strategy": OUTER,
+        "save_every": 3,
+        "epochs": 2,
+        "module": {"momentum": 0.0},  # Lightning saves rank 0's inner optimizer state: a stateless one resumes exactly
     },
 }
 
@@ -295,3 +311,18 @@ def test_node_local_checkpoint_holds_the_consensus_model(two_replica_fits):
     for k in saved:
         assert torch.allclose(saved[k], 0.25 * before[0][k] + 0.75 * before[1][k], atol=1e-6)  # shares 2/8, 6/8
         assert torch.equal(saved[k], held[0][k]) and torch.equal(saved[k], held[1][k])
+
+
+@pytest.mark.slow
+def test_outer_step_resumes_in_the_middle_of_a_round_exactly(two_replica_fits, tmp_path):
+    """The checkpoint records the outer optimizer's momentum; resumed after step 3 of a 2-step round schedule (saving
+    every 3 steps as the first fit did: each save is a sync), the fit ends where the uninterrupted one ended."""
+    out = two_replica_fits["outer"]
+    record = torch.load(out / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]["comm"]
+    assert record["samples"] == [0, 0] and record["merge"]["optimizer"]["state"]
+    cfg = {"devices": 2, "strategy": OUTER, "save_every": 3, "epochs": 2, "module": {"momentum": 0.0}}
+    job = run_harness("resume", tmp_path, {**cfg, "resume": str(out / "ckpt" / "step=3.ckpt")})
+    assert job.returncode == 0, job.output[-4000:]
+    for rank in range(2):
+        full, resumed = (torch.load(d / f"rank{rank}.pt")["state_dict"] for d in (out, tmp_path))
+        assert _close(resumed, full)

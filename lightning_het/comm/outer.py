@@ -1,0 +1,131 @@
+"""What a global sync of ``comm="node_local"`` does with the replicas' models: a plain weighted average, or an outer
+optimizer step on the merged pseudo-gradient (DiLoCo), optionally exchanged compressed.
+
+Every replica holds the same outer state (the consensus model of the last sync, ``anchor``, and the outer optimizer's
+state over it): each computes the same step from the same merged pseudo-gradient, so no broadcast is needed and any
+rank's copy is the checkpoint's. The error-feedback residual of a compressed exchange belongs to each node leader
+and is not checkpointed (a resumed run restarts it from zero).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_het.comm.averaging import average_parameters, unique_floating
+from lightning_het.comm.compression import Codec, compressed_sum
+from lightning_het.comm.hooks import HierarchicalState
+
+__all__ = ["OuterFactory", "OuterStep", "ParameterAverage", "build_merge"]
+
+#: builds the outer optimizer over the consensus model's tensors
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class ParameterAverage:
+    """The paper's sync: every parameter replaced by the weighted sum over replicas (no state)."""
+
+    def begin(self, params: list[torch.Tensor]) -> None:
+        """The replicas agree on ``params`` now (nothing to remember)."""
+
+    def merge(self, params: list[torch.Tensor], weight: float, state: HierarchicalState) -> tuple[int, int | None]:
+        """Average in place; returns the float payload bytes per rank and ``None`` (no compressed stage)."""
+        return average_parameters(params, weight, state), None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore."""
+
+
+class OuterStep:
+    """An outer optimizer over the consensus model, stepped with the merged pseudo-gradient ``anchor - params``.
+
+    Args:
+        factory: builds the optimizer over the anchor tensors (``torch.optim.SGD(lr=1)`` is the plain average).
+        codec: how the pseudo-gradients cross the nodes (:class:`~lightning_het.comm.compression.Codec`).
+    """
+
+    def __init__(self, factory: OuterFactory, codec: Codec) -> None:
+        self.factory = factory
+        self.codec = codec
+        self.anchor: list[torch.Tensor] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._pending: dict[str, Any] | None = None
+
+    @torch.no_grad()
+    def begin(self, params: list[torch.Tensor]) -> None:
+        """Remember ``params`` (the replicas agree on them) as the consensus model the next round starts from."""
+        params = unique_floating(params)
+        if self.optimizer is None or len(self.anchor) != len(params):
+            self.anchor = [p.detach().clone() for p in params]
+            self.optimizer = self.factory(self.anchor)
+            if self._pending is not None:
+                self.load_state_dict(self._pending)
+            return
+        for a, p in zip(self.anchor, params):
+            a.copy_(p)
+
+    @torch.no_grad()
+    def merge(self, params: list[torch.Tensor], weight: float, state: HierarchicalState) -> tuple[int, int | None]:
+        """Weighted sum of the pseudo-gradients over all replicas, one outer step, every replica set to its result.
+
+        Returns:
+            The float32 payload bytes per rank and the compressed bytes per leader (``None`` when float32).
+        """
+        params = unique_floating(params)
+        if self.optimizer is None:
+            raise RuntimeError("The outer step has no consensus model: call `begin(params)` when the replicas agree.")
+        device = self.anchor[0].device
+        delta = torch.cat([(a - p.to(device)).reshape(-1).float() for a, p in zip(self.anchor, params)])
+        delta.mul_(weight)
+        compressed_sum(state, delta, self.codec)
+        offset = 0
+        for a in self.anchor:
+            a.grad = delta[offset : offset + a.numel()].view_as(a).to(a.dtype)
+            offset += a.numel()
+        self.optimizer.step()
+        for a, p in zip(self.anchor, params):
+            a.grad = None
+            p.copy_(a)
+        wire = None if self.codec.dtype == "float32" else self.codec.wire_bytes(delta.numel())
+        return delta.numel() * delta.element_size(), wire
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer optimizer's state (a copy; the same on every replica)."""
+        return {"optimizer": None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (kept until :meth:`begin` builds the optimizer)."""
+        if self.optimizer is None:
+            self._pending = state
+            return
+        self._pending = None
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def build_merge(
+    outer_optimizer: str | OuterFactory | None, outer_lr: float, outer_momentum: float, sync_dtype: str
+) -> ParameterAverage | OuterStep:
+    """The sync for the keywords: ``None`` with float32 is the plain average; ``None`` with a compressed
+    ``sync_dtype`` an outer SGD with lr 1 (the same average); ``"nesterov"`` DiLoCo's outer step; or a factory."""
+    codec = Codec(sync_dtype)
+    if outer_optimizer == "nesterov":
+        return OuterStep(
+            lambda ps: torch.optim.SGD(ps, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0), codec
+        )
+    if outer_optimizer is None:
+        if sync_dtype == "float32":
+            return ParameterAverage()
+        return OuterStep(lambda ps: torch.optim.SGD(ps, lr=1.0), codec)
+    if not callable(outer_optimizer):
+        raise ValueError(
+            "Expected argument `outer_optimizer` to be None, 'nesterov' or a callable building a torch optimizer"
+            f" from a list of tensors, but got {outer_optimizer!r}."
+        )
+    return OuterStep(outer_optimizer, codec)
