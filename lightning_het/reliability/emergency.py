@@ -45,11 +45,14 @@ _PATH_KEY = "emergency/path"
 _POLL_S = 0.02
 
 
-def rng_state() -> dict[str, Any]:
-    """The CPU RNG states (torch, Python, NumPy) as types ``torch.load(weights_only=True)`` reads."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy}
+def rng_state(numpy: bool = True) -> dict[str, Any]:
+    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's global one) as types
+    ``torch.load(weights_only=True)`` reads."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if numpy:  # ~0.15 ms: kept per step only for torch and Python
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    return state
 
 
 def restore_rng(state: dict[str, Any] | None) -> None:
@@ -59,8 +62,9 @@ def restore_rng(state: dict[str, Any] | None) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 @dataclass(frozen=True)
@@ -267,7 +271,7 @@ def attach_emergency(
         checkpoint = dump_checkpoint(trainer)  # the tensors now: unchanged since the step (the lock holds updates)
         checkpoint.update(epoch=state.epoch, global_step=state.step)
         checkpoint["loops"]["fit_loop"] = state.loops
-        checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": state.rng}
+        checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
         return checkpoint
 
     path = os.path.join(os.path.dirname(preemption_path), EMERGENCY_CHECKPOINT_NAME)

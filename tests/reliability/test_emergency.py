@@ -28,11 +28,12 @@ from lightning_het.reliability.emergency import (
     rng_state,
     wants_resume,
 )
-from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE
+from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
 from tests.helpers.side_by_side import SideBySide
 from tests.helpers.tiny import make_dataset, pl, quiet_trainer, reference_weights
+from tests.helpers.watchdogs import watchdog_pair
 
 JOBS = SideBySide(width=1)
 
@@ -147,6 +148,22 @@ def test_a_parameter_update_waits_for_the_save_and_a_step_not_yet_ended_is_waite
     assert late.emergency.save(dist.HashStore(), [0], 0.3, 1.0) is None
 
 
+def test_the_watchdog_of_a_survivor_saves_before_ending_the_job_and_the_hung_replica_does_not(tmp_path):
+    dogs, recorders, _ = watchdog_pair(0.6, prefix="e/")
+    replicas = [Replica(rank, tmp_path / str(rank)) for rank in range(2)]
+    for dog, replica in zip(dogs, replicas):
+        replica.train_step()
+        dog.emergency = replica.emergency
+        dog.start()
+        dog.arm("fit")
+    dogs[0].mark(Phase.BACKWARD, new_batch=True)  # rank 0 waits in the all-reduce of the next step
+    dogs[1].mark(Phase.TRAINING_STEP, new_batch=True)  # rank 1 hangs in it
+    assert all(r.done.wait(10) for r in recorders)
+    assert [r.codes for r in recorders] == [[WATCHDOG_EXIT_CODE]] * 2
+    assert torch.load(tmp_path / "0" / "emergency.ckpt", weights_only=True)["global_step"] == 1
+    assert not (tmp_path / "1").exists()
+
+
 # ---------------------------------------------------------------------------------------------------- jobs
 FIT = {"devices": 3, "epochs": 3, "n": 60, "timeout": 3.0}  # global batch 12: 5 steps per epoch, 15 in all
 FAULT_STEP = 7  # epoch 1, its third global batch
@@ -155,7 +172,7 @@ REFERENCE = {"dataset": 60, "global_batch": 12, "epochs": 3}
 
 def _steps(folder: Path) -> list[int]:
     """The optimizer steps every replica of a job completed, with repeats (rank 0's file, then the others')."""
-    return [int(line) for f in sorted(folder.glob("steps_rank*.txt")) for line in f.read_text().split()]
+    return [int(line.split()[0]) for f in sorted(folder.glob("steps_rank*.txt")) for line in f.read_text().splitlines()]
 
 
 def _fault_job(out: Path, kind: str, rank: int):
