@@ -241,13 +241,26 @@ def two_hosts():
         _remove_namespaces(hosts)
 
 
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL every process in network namespace ``ns``."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def _remove_namespaces(hosts) -> None:
     for ns, _, _ in hosts:
-        pids = _ip("netns", "pids", ns, check=False).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        _kill_namespace(ns)
         _ip("netns", "del", ns, check=False)  # also removes the veth pair
+
+
+def _end_agents(agents: list) -> None:
+    """Kill the agents (``(process, log)`` pairs) still running and close their logs."""
+    for process, log in agents:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
 
 
 def test_torchrun_two_hosts_hierarchical_and_node_local(two_hosts, tmp_path):
@@ -284,11 +297,7 @@ def test_torchrun_two_hosts_hierarchical_and_node_local(two_hosts, tmp_path):
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for process, log in agents:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
+        _end_agents(agents)
     logs = "\n".join((tmp_path / f"agent{i}.log").read_text()[-3000:] for i in range(2))
     assert [process.returncode for process, _ in agents] == [0, 0], logs
 
@@ -358,16 +367,10 @@ def test_torchrun_elastic_a_lost_node_is_finished_on_the_survivor_with_no_step_l
     try:
         _wait_for_step(tmp_path / "steps_rank0.txt", ELASTIC_KILL_AT, agents, 240)
         killed_at = time.time()
-        for pid in _ip("netns", "pids", two_hosts[1][0], check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        _kill_namespace(two_hosts[1][0])  # the second node's agent and worker
         first.wait(timeout=240)
     finally:
-        for process, log in agents:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
+        _end_agents(agents)
     logs = [(tmp_path / f"agent{i}.log").read_text() for i in (0, 1)]
     assert first.returncode == 0, "\n".join(log[-4000:] for log in logs)
     assert "emergency checkpoint of global step" in logs[0] and "will restart worker group" in logs[0]

@@ -151,6 +151,8 @@ class EmergencyCheckpoint:
                 if state is not None and state.step == self._updated:
                     return state.step, True
                 self._lock.release()
+                if state is None and self._updated < 0:  # no step of this fit completed: nothing to save
+                    return -1, False
             if time.monotonic() >= deadline:
                 return -1, False
             time.sleep(_POLL_S)
@@ -173,8 +175,8 @@ class EmergencyCheckpoint:
                 store.set(_PATH_KEY, self.saved or "")
             elif writer is not None:
                 self.saved = _wait_for(store, _PATH_KEY, time.monotonic() + write_s) or None
-            else:
-                _say(f"no emergency checkpoint: the survivors could not agree on a completed step ({steps})")
+            elif any(s >= 0 for s in steps.values()):
+                _say(f"no emergency checkpoint: a survivor could not tell its last completed step ({steps})")
             return self.saved
         finally:
             if held:

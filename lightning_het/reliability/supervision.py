@@ -53,6 +53,7 @@ class WatchdogCallback(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watchdog.disarm("fit")
+        self.watchdog.emergency = None  # the fit is over: nothing left to save
 
     def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.arm("eval")
