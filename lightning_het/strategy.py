@@ -25,12 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_het._compat import (
-    _register_ddp_comm_hook,
-    attached_trainer,
-    record_loader_arguments,
-    restore_checkpoint,
-)
+from lightning_het._compat import _register_ddp_comm_hook, attached_trainer, record_loader_arguments
 from lightning_het.balance.balancer import Balancer, BalanceView, FitContext, per_replica_batchnorm
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
@@ -58,14 +53,7 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
-from lightning_het.reliability.emergency import (
-    EmergencyCheckpoint,
-    attach_emergency,
-    checkpoint_candidates,
-    newest_checkpoint,
-    restore_rng,
-    wants_resume,
-)
+from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency, auto_resume, restore_rng
 from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
 from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.preemption import (
@@ -233,7 +221,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             self.balancer.reset()
             self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
-            self._resume(trainer)
+            auto_resume(trainer, self.config.resume, preemption_path(trainer, self.config.preemption_checkpoint))
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
@@ -259,15 +247,6 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         self._loaders.resume_record = self._loaders.train_sampler = None
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
-
-    def _resume(self, trainer: pl.Trainer) -> None:
-        """``resume="auto"`` (or a restarted elastic worker) and no ``ckpt_path``: load the newest checkpoint."""
-        if trainer.ckpt_path is not None or not wants_resume(self.config.resume):
-            return
-        path = newest_checkpoint(checkpoint_candidates(preemption_path(trainer, self.config.preemption_checkpoint)))
-        if path is not None:
-            rank_zero_info(f"HeterogeneousStrategy: resuming from {path}")
-            restore_checkpoint(trainer, path)
 
     def _end_watch(self) -> None:
         """After an exception, stop the watchdog; after a normal run, keep it watching the end-of-run hooks until
