@@ -114,7 +114,6 @@ class EmergencyCheckpoint:
         self._lock = threading.RLock()  # held by a parameter update, and by a save from settling to the end
         self._updated = -1  # optimizer steps completed by the last update (written under the lock)
         self.state: StepState | None = None
-        self.writing = False
         self.saved: str | None = None
         self._claim = threading.Lock()
         self._finished = threading.Event()
@@ -188,11 +187,10 @@ class EmergencyCheckpoint:
     def _write(self, state: StepState, steps: dict[int, int]) -> str | None:
         started = time.monotonic()
         path = self._path()
-        self.writing = True
+        tmp = f"{path}.tmp"
         try:
             checkpoint = self._dump(state)
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            tmp = f"{path}.tmp"
             with open(tmp, "wb") as fh:
                 torch.save(checkpoint, fh)
                 fh.flush()
@@ -200,9 +198,9 @@ class EmergencyCheckpoint:
             os.replace(tmp, path)
         except Exception as err:  # a failed save falls back to the last periodic checkpoint
             _say(f"could NOT write the emergency checkpoint {path}: {type(err).__name__}: {err}")
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
             return None
-        finally:
-            self.writing = False
         _say(
             f"emergency checkpoint of global step {state.step} (epoch {state.epoch}), the last step every survivor"
             f" {sorted(steps)} completed, saved to {path} by rank {self.rank} in {time.monotonic() - started:.2f} s."

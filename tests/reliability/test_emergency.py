@@ -148,6 +148,20 @@ def test_a_parameter_update_waits_for_the_save_and_a_step_not_yet_ended_is_waite
     assert late.emergency.save(dist.HashStore(), [0], 0.3, 1.0) is None
 
 
+def test_a_failed_save_leaves_no_file_and_the_job_ends_as_before(tmp_path, capsys):
+    replica = Replica(0, tmp_path)
+    replica.train_step()
+
+    def failing_dump(state: StepState) -> dict:
+        raise OSError("No space left on device")
+
+    replica.emergency = EmergencyCheckpoint(0, replica._observe, failing_dump, lambda: str(tmp_path / "e.ckpt"))
+    replica.train_step()
+    assert replica.emergency.save(dist.HashStore(), [0], 1.0, 1.0) is None
+    assert "could NOT write the emergency checkpoint" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_watchdog_of_a_survivor_saves_before_ending_the_job_and_the_hung_replica_does_not(tmp_path):
     dogs, recorders, _ = watchdog_pair(0.6, prefix="e/")
     replicas = [Replica(rank, tmp_path / str(rank)) for rank in range(2)]
