@@ -191,10 +191,7 @@ class EmergencyCheckpoint:
         try:
             checkpoint = self._dump(state)
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(tmp, "wb") as fh:
-                torch.save(checkpoint, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            torch.save(checkpoint, tmp)  # no fsync: it can take seconds on a busy disk, and the job waits for it
             os.replace(tmp, path)
         except Exception as err:  # a failed save falls back to the last periodic checkpoint
             _say(f"could NOT write the emergency checkpoint {path}: {type(err).__name__}: {err}")
