@@ -4,6 +4,7 @@ a replica dies or hangs mid-epoch and the fit is finished from the checkpoint on
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import random
 import shutil
 import threading
@@ -197,6 +198,17 @@ def _fault_job(out: Path, kind: str, rank: int):
 def _single_replica_resume(root: Path, out: Path) -> dict:
     """The fit resumed from ``root``'s emergency checkpoint by one replica in this process."""
     out.mkdir()
+    environment = dict(os.environ)  # as tests/conftest.py after each test: this fit runs in a module fixture
+    try:
+        return _fit_one(root, out)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _fit_one(root: Path, out: Path) -> dict:
     pl.seed_everything(0)
     trainer = quiet_trainer(1, HeterogeneousStrategy(speeds=[1.0], resume="auto", process_group_backend="gloo"),
                             max_epochs=3, default_root_dir=str(root))  # fmt: skip
@@ -222,8 +234,9 @@ def _emergency_jobs(out: Path) -> dict:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         on3 = pool.submit(run_harness, "emergency", out / "on3", resume)
         on2 = pool.submit(run_harness, "emergency", out / "on2", on2_cfg)
-        result["on1"] = _single_replica_resume(out / "on1" / "root", out / "on1" / "fit")
         result["on3"], result["on2"] = on3.result(), on2.result()
+    # in this process, after the jobs: the fit changes os.environ, which the jobs' environments are made of
+    result["on1"] = _single_replica_resume(out / "on1" / "root", out / "on1" / "fit")
     return result
 
 
