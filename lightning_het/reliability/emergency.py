@@ -42,8 +42,7 @@ __all__ = [
 
 #: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
 EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
-_STEP_KEY = "emergency/step/"
-_PATH_KEY = "emergency/path"
+_KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02
 
 
@@ -158,9 +157,10 @@ class EmergencyCheckpoint:
                 return -1, False
             time.sleep(_POLL_S)
 
-    def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float) -> str | None:
-        """Agree with ``survivors`` (through ``store``) and let the writer save; returns the checkpoint's path or
-        ``None``. Every thread that asks after the first waits for its outcome."""
+    def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float, tag: str = "") -> str | None:
+        """Agree with ``survivors`` (through ``store``, under keys marked with this job's ``tag``) and let the writer
+        save; returns the checkpoint's path or ``None``. Every thread that asks after the first waits for its
+        outcome."""
         if not self._claim.acquire(blocking=False):
             self._finished.wait(agree_s + write_s)
             return self.saved
@@ -168,14 +168,15 @@ class EmergencyCheckpoint:
         try:
             deadline = time.monotonic() + agree_s
             step, held = self._settle(deadline)
-            store.set(f"{_STEP_KEY}{self.rank}", str(step))
-            steps = _gather(store, survivors, deadline)
+            keys = f"{_KEYS}{tag}/"
+            store.set(f"{keys}step/{self.rank}", str(step))
+            steps = _gather(store, f"{keys}step/", survivors, deadline)
             _, writer = agreed_writer(steps)
             if writer == self.rank and self.state is not None:
                 self.saved = self._write(self.state, steps)
-                store.set(_PATH_KEY, self.saved or "")
+                store.set(f"{keys}path", self.saved or "")
             elif writer is not None:
-                self.saved = _wait_for(store, _PATH_KEY, time.monotonic() + write_s) or None
+                self.saved = _wait_for(store, f"{keys}path", time.monotonic() + write_s) or None
             elif any(s >= 0 for s in steps.values()):
                 _say(f"no emergency checkpoint: a survivor could not tell its last completed step ({steps})")
             return self.saved
@@ -206,13 +207,13 @@ class EmergencyCheckpoint:
         return path
 
 
-def _gather(store: Any, survivors: Sequence[int], deadline: float) -> dict[int, int]:
+def _gather(store: Any, prefix: str, survivors: Sequence[int], deadline: float) -> dict[int, int]:
     """Each survivor's published step, waiting until ``deadline`` for the missing ones (they are left out)."""
     steps: dict[int, int] = {}
     while True:
         for rank in survivors:
-            if rank not in steps and store.check([f"{_STEP_KEY}{rank}"]):
-                steps[rank] = int(store.get(f"{_STEP_KEY}{rank}"))
+            if rank not in steps and store.check([f"{prefix}{rank}"]):
+                steps[rank] = int(store.get(f"{prefix}{rank}"))
         if len(steps) == len(survivors) or time.monotonic() >= deadline:
             return steps
         time.sleep(_POLL_S)

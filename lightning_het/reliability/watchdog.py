@@ -8,6 +8,7 @@ replica with ``os._exit``. See ``docs/reliability.md``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -391,7 +392,8 @@ class Watchdog:
             return
         survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
         try:
-            self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S)
+            tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
+            self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
         except Exception:  # the store is gone or the save failed: the job ends as it would without it
             log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
 
