@@ -62,6 +62,7 @@ __all__ = [
     "attached_trainer",
     "cached_validation_loader",
     "default_store",
+    "dump_checkpoint",
     "flavour_private",
     "forget_validation_loader",
     "inside_fabric_backward",
@@ -71,6 +72,7 @@ __all__ = [
     "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
+    "restore_checkpoint",
     "run_atexit_handlers",
     "set_default_group_timeout",
     "should_accumulate",
@@ -197,6 +199,17 @@ def forget_validation_loader(trainer: Any) -> None:
 def should_accumulate(trainer: Any) -> bool:
     """Whether the batch that just ran only accumulates gradients (no optimizer step follows it)."""
     return bool(_private_attribute(trainer.fit_loop.epoch_loop, "_should_accumulate")())
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank)."""
+    return _private_attribute(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
+
+
+def restore_checkpoint(trainer: Any, path: str) -> None:
+    """Load ``path`` as ``trainer.fit(ckpt_path=path)`` would before the strategy's setup: the model, the datamodule
+    and the callbacks now, the optimizers and loops when the fit restores its training state."""
+    _private_attribute(trainer, "_checkpoint_connector")._restore_modules_and_callbacks(path)
 
 
 def replace_signal_connector(trainer: Any, connector: Any) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "threshold",
     "validate_grace",
     "validate_preemption_checkpoint",
+    "validate_resume",
     "validate_strategy_arguments",
 ]
 
@@ -150,6 +151,18 @@ def validate_preemption_checkpoint(value: Any) -> str | bool | None:
     )
 
 
+def validate_resume(value: Any) -> str | bool | None:
+    """``resume``: ``"auto"`` (resume from the newest checkpoint of this run), ``None`` (only a restarted elastic
+    worker does) or ``False`` (never)."""
+    if value is None or value is False or value == "auto":
+        return value
+    raise _error(
+        "resume",
+        "Expected argument `resume` to be 'auto' (resume from the newest emergency, preemption or last checkpoint),"
+        f" None (only a restarted torchelastic worker resumes) or False (never), but got {value!r}.",
+    )
+
+
 def check_comm_args(
     comm: Any, global_sync_every: Any = None, warmup_steps: Any = 0, *, warmup_name: str = "warmup_steps"
 ) -> None:
@@ -225,6 +238,7 @@ def validate_strategy_arguments(
     telemetry: Any,
     preemption_grace: Any,
     preemption_checkpoint: Any,
+    resume: Any,
 ) -> dict[str, Any]:
     """Check every strategy keyword that needs no world size (all required: defaults live in the strategy).
 
@@ -240,6 +254,7 @@ def validate_strategy_arguments(
     out["startup_timeout"] = as_timeout("startup_timeout", startup_timeout)
     out["preemption_grace"] = validate_grace(preemption_grace)
     out["preemption_checkpoint"] = validate_preemption_checkpoint(preemption_checkpoint)
+    out["resume"] = validate_resume(resume)
     out["global_batch_size"] = positive_int("global_batch_size", global_batch_size)
     out["speeds"] = finite_positive_list("speeds", speeds)
     out["min_batch_size"] = positive_int("min_batch_size", min_batch_size, allow_none=False)

@@ -51,6 +51,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "merge_weights": "samples",
     "preemption_checkpoint": None,
     "preemption_grace": DEFAULT_GRACE,
+    "resume": None,
 }
 
 #: the keywords that mean the same in a Fabric loop; the others need the Trainer's loop
@@ -125,6 +126,7 @@ class HeterogeneousConfig:
     telemetry: bool
     preemption_grace: float
     preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None
+    resume: Literal["auto", False] | None
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> HeterogeneousConfig:

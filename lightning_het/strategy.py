@@ -55,9 +55,15 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
+from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency, auto_resume, restore_rng
 from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
 from lightning_het.reliability.loader_workers import shield_loader_workers
-from lightning_het.reliability.preemption import PreemptionHandler, attach_preemption, detach_preemption
+from lightning_het.reliability.preemption import (
+    PreemptionHandler,
+    attach_preemption,
+    detach_preemption,
+    preemption_path,
+)
 from lightning_het.reliability.supervision import (
     attach_watchdog,
     start_watchdog,
@@ -105,6 +111,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
         self._watchdog: Watchdog | None = None  # hung/dead replicas, from setup_environment to teardown
         self._preemption: PreemptionHandler | None = None  # SIGTERM/SIGUSR1: agree, save, exit 143
+        self._emergency: EmergencyCheckpoint | None = None  # a dead or hung replica: the survivors save (per fit)
 
     @property
     def process_group_timeout(self) -> Any:
@@ -218,6 +225,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             self.balancer.reset()
             self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
+            auto_resume(trainer, self.config.resume, preemption_path(trainer, self.config.preemption_checkpoint))
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
@@ -225,6 +233,12 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         attach_watchdog(self._watchdog, trainer)
         config = self.config
         self._preemption = attach_preemption(self, trainer, config.preemption_grace, config.preemption_checkpoint)
+        self._emergency = None
+        if self._watchdog is not None:
+            self._watchdog.emergency = None
+        if fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local":  # needs a collective
+            path = preemption_path(trainer, config.preemption_checkpoint)
+            self._emergency = attach_emergency(self._watchdog, trainer, self.global_rank, self._checkpoint_entry, path)
         if fitting:
             settings = monitor_settings(config, self.global_rank, self.world_size, self.balancer.min_batch_size)
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)
@@ -328,7 +342,12 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        emergency, trainer = self._emergency, self._trainer()
+        if emergency is None or trainer is None:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:  # the parameter update under the emergency checkpoint's lock
+            with emergency.update(closure, trainer.global_step + 1) as locked:
+                output = super().optimizer_step(optimizer, locked, model, **kwargs)
         comm, module = self.balancer.comm, self._lightning_module
         if comm is not None and module is not None:
             last = bool(module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
@@ -387,18 +406,21 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint[CHECKPOINT_KEY] = self._checkpoint_entry()  # allocation + training sampler position
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _checkpoint_entry(self) -> dict[str, Any]:
         speeds = None if self.profiling else self.speeds  # still profiling: none yet (a resumed run profiles again)
         comm = None if self.comm_controller is None else self.comm_controller.state_dict()
-        record = checkpoint_record(
+        return checkpoint_record(
             self._trainer(), self.batch_sizes, speeds, self.node_ids, profiled=not self.speeds_given, comm=comm
         )
-        checkpoint[CHECKPOINT_KEY] = record  # allocation + training sampler position
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._loaders.resume_record = read_record(checkpoint)  # used by the next training loader split
+        restore_rng((self._loaders.resume_record or {}).get("rng"))  # an emergency checkpoint's RNG states
         return checkpoint
 
     # ------------------------------------------------------------------ reports

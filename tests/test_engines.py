@@ -241,13 +241,26 @@ def two_hosts():
         _remove_namespaces(hosts)
 
 
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL every process in network namespace ``ns``."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def _remove_namespaces(hosts) -> None:
     for ns, _, _ in hosts:
-        pids = _ip("netns", "pids", ns, check=False).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        _kill_namespace(ns)
         _ip("netns", "del", ns, check=False)  # also removes the veth pair
+
+
+def _end_agents(agents: list) -> None:
+    """Kill the agents (``(process, log)`` pairs) still running and close their logs."""
+    for process, log in agents:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
 
 
 def test_torchrun_two_hosts_hierarchical_and_node_local(two_hosts, tmp_path):
@@ -284,11 +297,7 @@ def test_torchrun_two_hosts_hierarchical_and_node_local(two_hosts, tmp_path):
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for process, log in agents:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
+        _end_agents(agents)
     logs = "\n".join((tmp_path / f"agent{i}.log").read_text()[-3000:] for i in range(2))
     assert [process.returncode for process, _ in agents] == [0, 0], logs
 
@@ -308,3 +317,79 @@ def test_torchrun_two_hosts_hierarchical_and_node_local(two_hosts, tmp_path):
         assert _max_diff(dump["state_dict"], local[0]["state_dict"]) == 0.0  # consensus at the end
     assert _max_diff(local[0]["state_dict"], reference) > 1e-3  # really local steps between the averages
     assert local[0]["comm_stats"]["global_syncs"] >= 4
+
+
+ELASTIC = {"epochs": 3, "n": 64, "batch_size": 4, "timeout": 3.0, "step_sleep": 0.15}
+ELASTIC_PER_NODE = 2  # Lightning runs the same number of replicas on every node
+ELASTIC_GLOBAL_BATCH = 2 * ELASTIC_PER_NODE * ELASTIC["batch_size"]  # kept by the restarted replicas
+ELASTIC_STEPS = ELASTIC["epochs"] * ELASTIC["n"] // ELASTIC_GLOBAL_BATCH
+ELASTIC_KILL_AT = ELASTIC["n"] // ELASTIC_GLOBAL_BATCH + 2  # the second node is killed after this step (epoch 1)
+
+
+def _elastic_agent(index: int, hosts: list, out: Path, cfg: dict) -> list[str]:
+    """The command of torchrun agent ``index`` (elastic: 1 to 2 nodes, 1 restart) in the namespace of host ``index``;
+    the first host's agent hosts the rendezvous."""
+    ns, dev, addr = hosts[index]
+    endpoint = f"{hosts[0][2]}:29400"
+    rdzv = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={ELASTIC_PER_NODE}",
+        "--max-restarts=1", "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={hosts[0][0]}", f"--rdzv-conf=is_host={int(index == 0)},{rdzv}", f"--local-addr={addr}",
+        *harness.command("emergency", out, cfg),
+    ]  # fmt: skip
+    command = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "unshare", "--uts", "sh", "-c"]
+    return [*command, f'hostname lh-node{index} && exec "$@"', "sh", *torchrun]
+
+
+def _wait_for_step(steps: Path, step: int, agents: list, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and all(a.poll() is None for a, _ in agents):
+        if steps.exists() and any(int(line.split()[0]) >= step for line in steps.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the job did not reach step {step}")
+
+
+def test_torchrun_elastic_a_lost_node_is_finished_on_the_survivor_with_no_step_lost(two_hosts, tmp_path):
+    """Two elastic torchrun agents (c10d, ``--nnodes=1:2 --max-restarts=1``) of two workers each, in two network
+    namespaces; the second node (agent and workers) is SIGKILLed mid-epoch. The survivors agree and write the emergency
+    checkpoint, exit 124; torchrun restarts them alone; they resume by themselves (``TORCHELASTIC_RESTART_COUNT``) and
+    finish: the weights of an uninterrupted run, no step trained twice, the time from the kill to the first resumed
+    step reported."""
+    cfg = {**ELASTIC, "root": str(tmp_path / "root")}
+    env = {k: v for k, v in job_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LOGLEVEL"] = "INFO"  # the agents log their rendezvous rounds and restarts
+    # a fresh store per rendezvous round: torch shares one across rounds, whose keys of the workers of the round before
+    # (their gloo addresses) the restarted workers would read
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    agents = []
+    for index in (1, 0):  # the second node waits for the store of the first: both join the first round
+        log = (tmp_path / f"agent{index}.log").open("w")
+        command = _elastic_agent(index, two_hosts, tmp_path, cfg)
+        agents.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    first = agents[1][0]
+    try:
+        _wait_for_step(tmp_path / "steps_rank0.txt", ELASTIC_KILL_AT, agents, 240)
+        killed_at = time.time()
+        _kill_namespace(two_hosts[1][0])  # the second node's agent and worker
+        first.wait(timeout=240)
+    finally:
+        _end_agents(agents)
+    logs = [(tmp_path / f"agent{i}.log").read_text() for i in (0, 1)]
+    assert first.returncode == 0, "\n".join(log[-4000:] for log in logs)
+    assert "emergency checkpoint of global step" in logs[0] and "will restart worker group" in logs[0]
+    lines = [line.split() for line in (tmp_path / "steps_rank0.txt").read_text().splitlines()]
+    steps = [int(step) for step, _ in lines]
+    assert sorted(steps) == list(range(1, ELASTIC_STEPS + 1)), steps  # every step once: none lost, none trained twice
+    resumed = min(float(at) for step, at in lines if float(at) > killed_at and int(step) > ELASTIC_KILL_AT)
+    saved = torch.load(tmp_path / "root" / "checkpoints" / "emergency.ckpt", weights_only=True)["global_step"]
+    print(f"elastic: killed after step >= {ELASTIC_KILL_AT}, emergency checkpoint of step {saved}, first resumed step"
+          f" {resumed - killed_at:.1f} s after the kill (goal: timeout {ELASTIC['timeout']:g} s + 30 s)")  # fmt: skip
+    assert resumed - killed_at <= ELASTIC["timeout"] + 30 + 30  # the goal plus slack for a loaded CI machine
+    reference = reference_weights(make_dataset(ELASTIC["n"]), ELASTIC_GLOBAL_BATCH, epochs=ELASTIC["epochs"], seed=0)
+    for rank in range(ELASTIC_PER_NODE):
+        dump = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert dump["world_size"] == ELASTIC_PER_NODE and dump["global_step"] == ELASTIC_STEPS
+        assert _max_diff(dump["state_dict"], reference) < 1e-5

@@ -148,6 +148,9 @@ class StrategyConfig:
     preemption_checkpoint: Any = None
     #: seconds from the signal until a replica that could not stop in time is ended with status 143
     preemption_grace: float = 25.0
+    #: auto (conf/strategy/heterogeneous.yaml): a run started again in its run directory resumes from its newest
+    #: emergency, preemption or last checkpoint; null: only a restarted torchelastic worker does; false: never
+    resume: Any = None
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
     gradient_averaging: GradientAveraging = GradientAveraging.weighted
     # --- DDPStrategy keywords

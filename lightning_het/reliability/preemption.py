@@ -46,6 +46,7 @@ __all__ = [
     "PreemptionHandler",
     "attach_preemption",
     "default_checkpoint_path",
+    "preemption_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -354,6 +355,12 @@ def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | N
     if Path(path).is_dir() or path.endswith(("/", os.sep)):
         return os.path.join(path, "last.ckpt")
     return path
+
+
+def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
+    """Where the preemption checkpoint goes for the strategy's ``preemption_checkpoint`` (``False``: where it would)."""
+    resolved = _resolve_checkpoint(checkpoint)
+    return resolved if isinstance(resolved, str) else default_checkpoint_path(trainer)
 
 
 class PreemptionCallback(Callback):

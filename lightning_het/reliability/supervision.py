@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_het._compat import default_store, on_flavour, set_default_group_timeout
+from lightning_het._compat import default_store, on_flavour, set_default_group_timeout, should_accumulate
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.heartbeats import BOOT_ID
 from lightning_het.reliability.verdicts import Phase
@@ -53,6 +53,7 @@ class WatchdogCallback(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watchdog.disarm("fit")
+        self.watchdog.emergency = None  # the fit is over: nothing left to save
 
     def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.arm("eval")
@@ -77,6 +78,9 @@ class WatchdogCallback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.watchdog.mark(Phase.BETWEEN_BATCHES)
+        emergency = self.watchdog.emergency
+        if emergency is not None and not should_accumulate(trainer):
+            emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
 
     def _between(self, *args: Any, **kwargs: Any) -> None:
         self.watchdog.mark(Phase.BETWEEN_BATCHES)

@@ -8,6 +8,7 @@ replica with ``os._exit``. See ``docs/reliability.md``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_het.reliability.emergency import EmergencyCheckpoint
 from lightning_het.reliability.heartbeats import (
     BOOT_ID,
     GuardedStore,
@@ -41,7 +43,12 @@ from lightning_het.reliability.verdicts import (
     judge,
 )
 
-__all__ = ["Watchdog"]
+__all__ = ["EMERGENCY_KINDS", "Watchdog"]
+
+#: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
+EMERGENCY_KINDS = ("hung", "silent", "exited")
+#: seconds the survivors wait for the writer of the emergency checkpoint
+EMERGENCY_WRITE_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._reported = False
         self._main_ident = threading.get_ident()
+        #: the emergency checkpoint a verdict against other replicas saves (set by the owner; ``None``: none)
+        self.emergency: EmergencyCheckpoint | None = None
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
     def _write(self, key: str, payload: str) -> None:
@@ -180,6 +189,7 @@ class Watchdog:
             if record is not None:
                 self._acknowledge()
                 self._standing = record
+                self._save_emergency(record)
                 return record
             if interruption is None and is_collective_failure(exception):
                 verdict = self._judge_collective_failure(exception)
@@ -189,6 +199,7 @@ class Watchdog:
                 verdict = judge(self._statuses(), self.timeout)
             if verdict is not None:
                 self._standing = self._decide(verdict)
+                self._save_emergency(self._standing)
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
                 message = (
@@ -375,10 +386,22 @@ class Watchdog:
             pending = [key for key in pending if not self.store.check([key])]
             time.sleep(0.05)
 
+    def _save_emergency(self, verdict: Verdict) -> None:
+        """A replica died or hung: the survivors save the last step they all completed (:mod:`.emergency`)."""
+        if self.emergency is None or verdict.kind not in EMERGENCY_KINDS or self.rank in verdict.culprits:
+            return
+        survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
+        try:
+            tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
+            self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
+        except Exception:  # the store is gone or the save failed: the job ends as it would without it
+            log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
+
     def _end(self, verdict: Verdict) -> None:
         """Heartbeat thread: end this process (unless its training thread is already raising)."""
         self._report(verdict)
         self._acknowledge()
+        self._save_emergency(verdict)
         if self.hosts_store:
             with contextlib.suppress(Exception):
                 self._await_acknowledgements(verdict)

@@ -35,6 +35,7 @@ JOBS: dict[str, tuple[Callable[[Path, dict], None], dict[str, Any]]] = {
     "hooks": (harness_hooks.hooks, {}),
     "collectives": (harness_hooks.collectives, {}),
     "faulty": (harness_faults.faulty, {}),
+    "emergency": (harness_faults.emergency, {}),
     "lifecycle": (harness_faults.lifecycle, {}),
     "fabric": (harness_fabric.fabric, {}),
 }

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers.harness_parts import fire, make_strategy, make_trainer
+from tests.helpers.harness_parts import fire, make_strategy, make_trainer, save_rank, weights
 from tests.helpers.tiny import TinyRegressor, make_dataset, pl
 
 
@@ -71,6 +71,42 @@ def faulty(out: Path, cfg: dict) -> None:
     train = DataLoader(make_dataset(cfg.get("n", 60)), batch_size=4, shuffle=True)
     val = DataLoader(make_dataset(30, seed=99), batch_size=5) if fault.get("where") == "validation_step" else None
     trainer.fit(FaultyRegressor(out, fault), train, val)
+
+
+# ---------------------------------------------------------------------------------------------------- emergency
+class CountingRegressor(FaultyRegressor):
+    """Appends ``"<global step> <wall-clock time>"`` for every optimizer step it completes to
+    ``OUT_DIR/steps_rank{r}.txt``; each training step sleeps ``step_sleep`` seconds."""
+
+    step_sleep = 0.0
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        with open(self.out / f"steps_rank{self.global_rank}.txt", "a") as fh:
+            fh.write(f"{self.global_step} {time.time():.3f}\n")
+
+
+def emergency(out: Path, cfg: dict) -> None:
+    """``faulty``'s fit (``fault`` optional) into ``cfg["root"]`` (its checkpoints), with the strategy's ``resume``;
+    writes ``rank{r}.pt`` (weights, global step) when the fit ends. Under torchrun the replicas per node and the nodes
+    come from the environment (an elastic restart may have fewer), the speeds are equal."""
+    pl.seed_everything(0)
+    devices, nodes = cfg.get("devices", 3), 1
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        devices = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = int(os.environ["WORLD_SIZE"]) // devices
+    spec = {"speeds": [1.0] * devices * nodes, "timeout": cfg.get("timeout", 3.0), "resume": cfg.get("resume")}
+    trainer = make_trainer(
+        devices, make_strategy(spec), num_nodes=nodes, max_epochs=cfg.get("epochs", 3), default_root_dir=cfg["root"]
+    )
+    model = CountingRegressor(out, cfg.get("fault", {"rank": -1, "step": -1}))
+    model.step_sleep = cfg.get("step_sleep", 0.0)
+    trainer.fit(model, DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True))
+    record = {"state_dict": weights(model.net), "global_step": trainer.global_step, "world_size": trainer.world_size}
+    save_rank(out, trainer.global_rank, record)
 
 
 # ---------------------------------------------------------------------------------------------------- lifecycle

@@ -1,0 +1,290 @@
+"""Emergency checkpoint: when the watchdog ends a fit, the survivors agree through the store (no collective) on the
+last optimizer step each of them completed, and the lowest survivor holding that step saves it, atomically.
+
+The training thread keeps, at the end of every optimizer step (``on_train_batch_end``, after the schedulers' update),
+the small part of a checkpoint that changes during a step: the loops' progress, the sampler's place, the RNG states
+(:class:`StepState`). The tensors (weights, optimizer, schedulers) do not change until the next parameter update, which
+:meth:`EmergencyCheckpoint.update` holds under a lock that a save takes too. See ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_het._compat import dump_checkpoint, restore_checkpoint
+from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
+
+__all__ = [
+    "EMERGENCY_CHECKPOINT_NAME",
+    "EmergencyCheckpoint",
+    "StepState",
+    "agreed_writer",
+    "attach_emergency",
+    "auto_resume",
+    "checkpoint_candidates",
+    "newest_checkpoint",
+    "restore_rng",
+    "rng_state",
+    "wants_resume",
+]
+
+#: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
+EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
+_KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
+_POLL_S = 0.02
+
+
+def rng_state(numpy: bool = True) -> dict[str, Any]:
+    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's global one) as types
+    ``torch.load(weights_only=True)`` reads."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if numpy:  # ~0.15 ms: kept per step only for torch and Python
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    return state
+
+
+def restore_rng(state: dict[str, Any] | None) -> None:
+    """Put back what :func:`rng_state` recorded (``None``: nothing recorded)."""
+    if not state:
+        return
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What a checkpoint taken at the end of optimizer step ``step`` holds besides the tensors: the fit loop's
+    ``state_dict``, the epoch, the ``checkpoint["lightning_het"]`` record (allocation, sampler) and the RNG states."""
+
+    step: int
+    epoch: int
+    loops: dict[str, Any]
+    record: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
+    """From each survivor's last completed step (``-1``: it could not tell), the agreed step (the smallest: every
+    survivor completed it) and the lowest survivor holding it, which writes (``None``: no checkpoint). Pure."""
+    if not steps or min(steps.values()) < 0:
+        return -1, None
+    step = min(steps.values())
+    return step, min(rank for rank, s in steps.items() if s == step)
+
+
+class EmergencyCheckpoint:
+    """One replica's side of the emergency save (see the module docstring).
+
+    Args:
+        rank: this replica's global rank.
+        observe: the :class:`StepState` now (training thread, at the end of an optimizer step).
+        dump: builds the checkpoint (a dict) of a :class:`StepState`; called with the update lock held.
+        path: where the checkpoint goes (asked when saving).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        observe: Callable[[], StepState],
+        dump: Callable[[StepState], dict[str, Any]],
+        path: Callable[[], str],
+    ) -> None:
+        self.rank = rank
+        self._observe = observe
+        self._dump = dump
+        self._path = path
+        self._lock = threading.RLock()  # held by a parameter update, and by a save from settling to the end
+        self._updated = -1  # optimizer steps completed by the last update (written under the lock)
+        self.state: StepState | None = None
+        self.saved: str | None = None
+        self._claim = threading.Lock()
+        self._finished = threading.Event()
+
+    @contextlib.contextmanager
+    def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
+        """Wrap an optimizer step: the returned closure takes the lock once the user's closure (forward, backward,
+        the gradient all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
+        held = False
+
+        def locked() -> Any:
+            nonlocal held
+            result = closure()
+            if not held:
+                self._lock.acquire()
+                held = True
+            return result
+
+        try:
+            yield locked
+            if held:
+                self._updated = step_after
+        finally:
+            if held:
+                self._lock.release()
+
+    def step_ended(self) -> None:
+        """The end of an optimizer step (training thread, ``on_train_batch_end``): keep its :class:`StepState`."""
+        self.state = self._observe()
+
+    def _settle(self, deadline: float) -> tuple[int, bool]:
+        """Hold the lock with the last step's state complete: (its step or -1, whether the lock is held)."""
+        while True:
+            if self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+                state = self.state
+                if state is not None and state.step == self._updated:
+                    return state.step, True
+                self._lock.release()
+                if state is None and self._updated < 0:  # no step of this fit completed: nothing to save
+                    return -1, False
+            if time.monotonic() >= deadline:
+                return -1, False
+            time.sleep(_POLL_S)
+
+    def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float, tag: str = "") -> str | None:
+        """Agree with ``survivors`` (through ``store``, under keys marked with this job's ``tag``) and let the writer
+        save; returns the checkpoint's path or ``None``. Every thread that asks after the first waits for its
+        outcome."""
+        if not self._claim.acquire(blocking=False):
+            self._finished.wait(agree_s + write_s)
+            return self.saved
+        held = False
+        try:
+            deadline = time.monotonic() + agree_s
+            step, held = self._settle(deadline)
+            keys = f"{_KEYS}{tag}/"
+            store.set(f"{keys}step/{self.rank}", str(step))
+            steps = _gather(store, f"{keys}step/", survivors, deadline)
+            _, writer = agreed_writer(steps)
+            if writer == self.rank and self.state is not None:
+                self.saved = self._write(self.state, steps)
+                store.set(f"{keys}path", self.saved or "")
+            elif writer is not None:
+                self.saved = _wait_for(store, f"{keys}path", time.monotonic() + write_s) or None
+            elif any(s >= 0 for s in steps.values()):
+                _say(f"no emergency checkpoint: a survivor could not tell its last completed step ({steps})")
+            return self.saved
+        finally:
+            if held:
+                self._lock.release()
+            self._finished.set()
+
+    def _write(self, state: StepState, steps: dict[int, int]) -> str | None:
+        started = time.monotonic()
+        path = self._path()
+        tmp = f"{path}.tmp"
+        try:
+            checkpoint = self._dump(state)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            torch.save(checkpoint, tmp)  # no fsync: it can take seconds on a busy disk, and the job waits for it
+            os.replace(tmp, path)
+        except Exception as err:  # a failed save falls back to the last periodic checkpoint
+            _say(f"could NOT write the emergency checkpoint {path}: {type(err).__name__}: {err}")
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            return None
+        _say(
+            f"emergency checkpoint of global step {state.step} (epoch {state.epoch}), the last step every survivor"
+            f" {sorted(steps)} completed, saved to {path} by rank {self.rank} in {time.monotonic() - started:.2f} s."
+            f" Resume: run the same command with the strategy's resume='auto' (or trainer.fit(..., ckpt_path={path!r}))"
+        )
+        return path
+
+
+def _gather(store: Any, prefix: str, survivors: Sequence[int], deadline: float) -> dict[int, int]:
+    """Each survivor's published step, waiting until ``deadline`` for the missing ones (they are left out)."""
+    steps: dict[int, int] = {}
+    while True:
+        for rank in survivors:
+            if rank not in steps and store.check([f"{prefix}{rank}"]):
+                steps[rank] = int(store.get(f"{prefix}{rank}"))
+        if len(steps) == len(survivors) or time.monotonic() >= deadline:
+            return steps
+        time.sleep(_POLL_S)
+
+
+def _wait_for(store: Any, key: str, deadline: float) -> str:
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(_POLL_S)
+    value = store.get(key)
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _say(message: str) -> None:
+    print(f"lightning_het watchdog: {message}", file=sys.stderr, flush=True)
+
+
+def wants_resume(resume: Any, environ: Any = None) -> bool:
+    """Whether a fit resumes by itself: ``resume="auto"``, or a worker restarted by torchelastic unless
+    ``resume=False``."""
+    environ = os.environ if environ is None else environ
+    if resume is False:
+        return False
+    return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def newest_checkpoint(paths: Sequence[str | None]) -> str | None:
+    """The most recently written of the existing files among ``paths`` (``None``: none exists)."""
+    found = [(os.path.getmtime(p), p) for p in dict.fromkeys(p for p in paths if p) if os.path.isfile(p)]
+    return max(found)[1] if found else None
+
+
+def auto_resume(trainer: Any, resume: Any, preemption_path: str) -> None:
+    """``resume="auto"`` (or a restarted elastic worker) and no ``ckpt_path``: load into ``trainer`` the newest of
+    :func:`checkpoint_candidates` (before the strategy's setup wraps the model)."""
+    if trainer.ckpt_path is not None or not wants_resume(resume):
+        return
+    path = newest_checkpoint(checkpoint_candidates(preemption_path))
+    if path is not None:
+        rank_zero_info(f"HeterogeneousStrategy: resuming from {path}")
+        restore_checkpoint(trainer, path)
+
+
+def checkpoint_candidates(preemption_path: str) -> list[str]:
+    """What ``resume="auto"`` looks at, beside the preemption checkpoint ``preemption_path``: the emergency
+    checkpoint, the ``last.ckpt`` there and the preemption checkpoint itself."""
+    folder = os.path.dirname(preemption_path)
+    return [os.path.join(folder, EMERGENCY_CHECKPOINT_NAME), os.path.join(folder, "last.ckpt"), preemption_path]
+
+
+def attach_emergency(
+    watchdog: Any, trainer: Any, rank: int, entry: Callable[[], dict[str, Any]], preemption_path: str
+) -> EmergencyCheckpoint | None:
+    """Give ``watchdog`` (``None``: a single replica) the :class:`EmergencyCheckpoint` of this fit of ``trainer``;
+    ``entry``: the ``checkpoint["lightning_het"]`` record now; the checkpoint goes beside ``preemption_path``."""
+    if watchdog is None:
+        return None
+
+    def observe() -> StepState:
+        return StepState(
+            trainer.global_step, trainer.current_epoch, trainer.fit_loop.state_dict(), entry(), rng_state()
+        )
+
+    def dump(state: StepState) -> dict[str, Any]:
+        checkpoint = dump_checkpoint(trainer)  # the tensors now: unchanged since the step (the lock holds updates)
+        checkpoint.update(epoch=state.epoch, global_step=state.step)
+        checkpoint["loops"]["fit_loop"] = state.loops
+        checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
+        return checkpoint
+
+    path = os.path.join(os.path.dirname(preemption_path), EMERGENCY_CHECKPOINT_NAME)
+    watchdog.emergency = EmergencyCheckpoint(rank, observe, dump, lambda: path)
+    return watchdog.emergency
