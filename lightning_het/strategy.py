@@ -80,14 +80,9 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
     share, so that every optimizer step applies exactly the gradient of the global batch.
 
-    Keywords (each described in ``docs/strategy.md``; :data:`~lightning_het.config.KEYWORD_DEFAULTS` has the defaults):
-    ``global_batch_size``, ``speeds``, ``min_batch_size``, ``max_batch_sizes``, ``max_micro_batch_sizes``, ``node_ids``,
-    ``comm``, ``global_sync_every``, ``emulate_slowdown``, ``emulate_memory_cap``, ``profile_steps``,
-    ``profile_warmup``, ``profile_cache``, ``device_map``, ``cpu_threads``, ``startup_timeout``,
-    ``rebalance_every_n_epochs``, ``rebalance_threshold``, ``telemetry``, ``comm_warmup_steps``,
-    ``comm_autotune_steps``, ``preemption_checkpoint``, ``preemption_grace``. Every other keyword goes to
-    ``DDPStrategy`` (``timeout``, ``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...). A bad
-    value raises ``ValueError`` naming the keyword.
+    Keywords: those of :data:`~lightning_het.config.KEYWORD_DEFAULTS` (each described in ``docs/strategy.md``); every
+    other keyword goes to ``DDPStrategy`` (``timeout``, ``start_method``, ...). A bad value raises ``ValueError``
+    naming the keyword.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes
@@ -233,12 +228,10 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         attach_watchdog(self._watchdog, trainer)
         config = self.config
         self._preemption = attach_preemption(self, trainer, config.preemption_grace, config.preemption_checkpoint)
-        self._emergency = None
-        if self._watchdog is not None:
-            self._watchdog.emergency = None
-        if fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local":  # needs a collective
-            path = preemption_path(trainer, config.preemption_checkpoint)
-            self._emergency = attach_emergency(self._watchdog, trainer, self.global_rank, self._checkpoint_entry, path)
+        saves = fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local"  # no collective
+        path = preemption_path(trainer, config.preemption_checkpoint)
+        rank, entry = self.global_rank, self._checkpoint_entry
+        self._emergency = attach_emergency(self._watchdog, trainer, rank, entry, path, saves)
         if fitting:
             settings = monitor_settings(config, self.global_rank, self.world_size, self.balancer.min_batch_size)
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)

@@ -266,11 +266,15 @@ def checkpoint_candidates(preemption_path: str) -> list[str]:
 
 
 def attach_emergency(
-    watchdog: Any, trainer: Any, rank: int, entry: Callable[[], dict[str, Any]], preemption_path: str
+    watchdog: Any, trainer: Any, rank: int, entry: Callable[[], dict[str, Any]], preemption_path: str, saves: bool
 ) -> EmergencyCheckpoint | None:
-    """Give ``watchdog`` (``None``: a single replica) the :class:`EmergencyCheckpoint` of this fit of ``trainer``;
-    ``entry``: the ``checkpoint["lightning_het"]`` record now; the checkpoint goes beside ``preemption_path``."""
+    """Give ``watchdog`` (``None``: a single replica) the :class:`EmergencyCheckpoint` of this fit of ``trainer``
+    (``saves=False``: none, e.g. outside ``fit``); ``entry``: the ``checkpoint["lightning_het"]`` record now; the
+    checkpoint goes beside ``preemption_path``."""
     if watchdog is None:
+        return None
+    watchdog.emergency = None
+    if not saves:
         return None
 
     def observe() -> StepState:
