@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -607,12 +608,15 @@ def _tampering_stranger(out: Path) -> Ended:
 @pytest.mark.slow
 def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(ended, request):
     """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
-    the job finishes (exit 0), warns about tampering naming the key, and blames nobody."""
+    the job finishes (exit 0), warns about tampering naming the key, and blames nobody. Which warning depends on what
+    the watchdog happens to read: a forged, deleted or replayed record, or (when every read it made of a replica's
+    key found the stranger's doing) the heartbeat hidden by tampering while the replica's process is alive."""
     run = ended[request.node.name]
     out = run.output
     assert run.extra["rounds"] > 10
     assert run.status == 0, out[-3000:]
-    assert "tampering with the job's store detected under 'hb/" in out, out[-3000:]
+    warned = re.search(r"tampering with the job's store detected under 'hb/|under 'hb/\d+' is hidden by tampering", out)
+    assert warned, out[-3000:]
     assert "stopped responding" not in out and "replica(s) [" not in out, out[-3000:]
     assert "a stranger says so" not in out
     assert (run.out / "done.json").exists()
