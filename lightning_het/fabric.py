@@ -116,15 +116,7 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
                 return
             self._set_world_ranks()
             self._process_group_backend = self._get_process_group_backend()
-            init_process_group(
-                self.cluster_environment,
-                self._process_group_backend,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                num_nodes=self.num_nodes,
-                timeout=self._timeout,
-                device=self.root_device,
-            )
+            init_process_group(self, self._process_group_backend, self._timeout)
 
     # ------------------------------------------------------------------ model and optimizer
     @override

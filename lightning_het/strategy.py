@@ -181,15 +181,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             self.set_world_ranks()
             self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None
-            init_process_group(
-                self.cluster_environment,
-                self._process_group_backend,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                num_nodes=self.num_nodes,
-                timeout=self._timeout,
-                device=self.root_device,
-            )
+            init_process_group(self, self._process_group_backend, self._timeout)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -215,23 +207,23 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ setup, teardown
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting, config = trainer.state.fn == TrainerFn.FITTING, self.config
+        path = preemption_path(trainer, config.preemption_checkpoint)  # the emergency checkpoint goes beside it
         if fitting:  # a new fit derives a new allocation
             self.balancer.reset()
             self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
-            auto_resume(trainer, self.config.resume, preemption_path(trainer, self.config.preemption_checkpoint))
+            auto_resume(trainer, config.resume, path)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.balancer.batchnorm_layers = per_replica_batchnorm(self.lightning_module, self.world_size)
         attach_watchdog(self._watchdog, trainer)
-        config = self.config
         self._preemption = attach_preemption(self, trainer, config.preemption_grace, config.preemption_checkpoint)
         saves = fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local"  # no collective
-        path = preemption_path(trainer, config.preemption_checkpoint)
-        rank, entry = self.global_rank, self._checkpoint_entry
-        self._emergency = attach_emergency(self._watchdog, trainer, rank, entry, path, saves)
+        self._emergency = attach_emergency(
+            self._watchdog, trainer, self.global_rank, self._checkpoint_entry, path, saves
+        )
         if fitting:
             settings = monitor_settings(config, self.global_rank, self.world_size, self.balancer.min_batch_size)
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,31 +42,35 @@ def started_elsewhere() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized()
 
 
-def init_process_group(
-    env: Any,
-    backend: str,
-    *,
-    rank: int,
-    world_size: int,
-    num_nodes: int,
-    timeout: timedelta | None,
-    device: torch.device,
-) -> None:
+class GroupMember(Protocol):
+    """What :func:`init_process_group` reads of a strategy (the Trainer's and Fabric's DDP strategies have it all)."""
+
+    cluster_environment: Any
+    global_rank: int
+    world_size: int
+    num_nodes: int
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+def init_process_group(member: GroupMember, backend: str, timeout: timedelta | None) -> None:
     """Start the default process group on a store, and sockets, only the job can reach (a timed-out rendezvous ends
     the job)."""
+    env, rank, world_size = member.cluster_environment, member.global_rank, member.world_size
     store_timeout = timeout if timeout is not None else timedelta(minutes=30)
     store = create_store(
         master_addr=env.main_address,
         port=env.main_port,
         rank=rank,
         world_size=world_size,
-        num_nodes=num_nodes,
+        num_nodes=member.num_nodes,
         timeout=store_timeout,
     )
-    kwargs: dict[str, Any] = {"timeout": timeout, "store": store}
-    kwargs["device_id"] = device if device.type != "cpu" else None
+    device = member.root_device
+    kwargs: dict[str, Any] = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
     try:
-        with local_sockets(num_nodes):
+        with local_sockets(member.num_nodes):
             _init_dist_connection(env, backend, **kwargs)
     except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
         raise rendezvous_failed(err, store_timeout, rank, world_size) from err
