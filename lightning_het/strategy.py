@@ -288,17 +288,12 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
 
     def _micro_batched_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's step, as micro-batches when this replica's share exceeds its memory cap (``data/microbatch``)."""
-        step, micro = super().training_step, self.balancer.micro
-        if micro is None or not args:
+        step, micro, module = super().training_step, self.balancer.micro, self.lightning_module
+        if micro is None:
             return step(*args, **kwargs)
-        if not self.lightning_module.automatic_optimization:
-            micro.refuse_manual(args[0])
-            return step(*args, **kwargs)
-        rest, params = args[1:], list(self.lightning_module.parameters())
-        piece_step = lambda piece: step(piece, *rest, **kwargs)  # noqa: E731
-        if self.balancer.cap_unknown:  # max_micro_batch_sizes="auto": measured on the first training batch
-            self.balancer.measure_caps(piece_step, args[0], self.block_backward_sync, self.lightning_module)
-        return micro.run(piece_step, args[0], self._backward_piece, self.block_backward_sync, params)
+        no_sync, balancer = self.block_backward_sync, self.balancer
+        measure = (lambda s, b: balancer.measure_caps(s, b, no_sync, module)) if balancer.cap_unknown else None
+        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure)
 
     def _backward_piece(self, loss: Tensor) -> None:
         """Backward one micro-batch's weighted loss with the step's loss scale (Lightning divides the last one's by

@@ -148,6 +148,32 @@ class MicroBatcher:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def training_step(
+        self,
+        step: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        module: Any,
+        backward: Callable[[Tensor], None],
+        no_sync: Callable[[], AbstractContextManager[Any]],
+        measure: Callable[[Callable[[Any], Any], Any], None] | None = None,
+    ) -> Any:
+        """A Lightning ``training_step(batch, *rest)`` of ``module`` through :meth:`run`; ``measure(piece_step,
+        batch)`` first when the cap is still to be measured. Manual optimization is refused over the cap."""
+        if not args:
+            return step(*args, **kwargs)
+        if not module.automatic_optimization:
+            self.refuse_manual(args[0])
+            return step(*args, **kwargs)
+        rest = args[1:]
+
+        def piece_step(piece: Any) -> Any:
+            return step(piece, *rest, **kwargs)
+
+        if measure is not None:  # max_micro_batch_sizes="auto": measured on the first training batch
+            measure(piece_step, args[0])
+        return self.run(piece_step, args[0], backward, no_sync, list(module.parameters()))
+
     def run(
         self,
         step: Callable[[Any], Any],
