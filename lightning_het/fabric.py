@@ -42,14 +42,9 @@ __all__ = ["HeterogeneousFabricStrategy"]
 
 
 class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
-    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients.
-
-    ``fabric.setup(model, optimizer)`` wraps the model in DDP with the ``comm`` mode's gradient hook;
-    ``fabric.setup_dataloaders(train_loader)`` allocates the global batch and re-splits the loader;
-    ``fabric.backward(loss)`` back-propagates ``loss * loss_scale``; ``optimizer.step()`` drives ``node_local``
-    averaging. Without ``speeds``, your loop's first steps profile. Keywords: those of
-    :data:`~lightning_het.config.FABRIC_KEYWORDS`, meaning what they mean for the Trainer strategy; the others raise
-    ``ValueError`` (they need the Trainer's loop); everything else goes to Fabric's ``DDPStrategy``.
+    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of
+    your loop's calls does: ``docs/fabric.md``). Keywords: those of :data:`~lightning_het.config.FABRIC_KEYWORDS`,
+    as for the Trainer strategy; the Trainer-only ones raise ``ValueError``; the rest go to Fabric's ``DDPStrategy``.
 
     >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
     [1.0, 3.0]

@@ -55,22 +55,11 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
-from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency, auto_resume, restore_rng
+from lightning_het.reliability.emergency import restore_rng
+from lightning_het.reliability.guards import Guards
 from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
 from lightning_het.reliability.loader_workers import shield_loader_workers
-from lightning_het.reliability.preemption import (
-    PreemptionHandler,
-    attach_preemption,
-    detach_preemption,
-    preemption_path,
-)
-from lightning_het.reliability.supervision import (
-    attach_watchdog,
-    start_watchdog,
-    stop_watchdog,
-    validate_launch_environment,
-)
-from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.supervision import validate_launch_environment
 from lightning_het.reliability.watchdog import Watchdog
 
 __all__ = ["HeterogeneousStrategy"]
@@ -104,9 +93,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
-        self._watchdog: Watchdog | None = None  # hung/dead replicas, from setup_environment to teardown
-        self._preemption: PreemptionHandler | None = None  # SIGTERM/SIGUSR1: agree, save, exit 143
-        self._emergency: EmergencyCheckpoint | None = None  # a dead or hung replica: the survivors save (per fit)
+        self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
     def process_group_timeout(self) -> Any:
@@ -121,12 +108,11 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     @property
     def watchdog(self) -> Watchdog | None:
         """This replica's hung/dead-replica watchdog while one runs."""
-        return self._watchdog
+        return self.guards.watchdog
 
     def release_watchdog(self) -> Watchdog | None:
         """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
-        watchdog, self._watchdog = self._watchdog, None
-        return watchdog
+        return self.guards.release_watchdog()
 
     def _startup_timeout_scope(self) -> Any:
         """Around the rendezvous: ``startup_timeout`` when longer than ``timeout``, then ``timeout`` again."""
@@ -165,7 +151,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def setup_environment(self) -> None:
         apply_local_settings(self)  # device map: this replica's intra-op threads
         super().setup_environment()
-        self._watchdog = start_watchdog(self, self._timeout, self._trainer())  # setup hooks to teardown
+        self.guards.start(self, self._timeout, self._trainer())  # the watchdog: setup hooks to teardown
         self.balancer.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
         self.balancer.node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
 
@@ -208,45 +194,29 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         fitting, config = trainer.state.fn == TrainerFn.FITTING, self.config
-        path = preemption_path(trainer, config.preemption_checkpoint)  # the emergency checkpoint goes beside it
         if fitting:  # a new fit derives a new allocation
             self.balancer.reset()
             self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
-            auto_resume(trainer, config.resume, path)
+            self.guards.resume(trainer, config)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.balancer.batchnorm_layers = per_replica_batchnorm(self.lightning_module, self.world_size)
-        attach_watchdog(self._watchdog, trainer)
-        self._preemption = attach_preemption(self, trainer, config.preemption_grace, config.preemption_checkpoint)
         saves = fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local"  # no collective
-        self._emergency = attach_emergency(
-            self._watchdog, trainer, self.global_rank, self._checkpoint_entry, path, saves
-        )
+        self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
             settings = monitor_settings(config, self.global_rank, self.world_size, self.balancer.min_batch_size)
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)
 
     @override
     def teardown(self) -> None:
-        self._end_watch()
-        detach_preemption(self._preemption, attached_trainer(self._lightning_module))
-        self._preemption = None
+        trainer = self._trainer()  # a popen launcher waits for every replica's end: the watchdog watches until then
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
-
-    def _end_watch(self) -> None:
-        """After an exception, stop the watchdog; after a normal run, keep it watching the end-of-run hooks until
-        every replica has finished (the popen launcher waits for that)."""
-        trainer = self._trainer()
-        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        if interrupted or not getattr(self._launcher, "finishes_runs", False):
-            stop_watchdog(self._watchdog, trainer, finished=not interrupted)
-            self._watchdog = None
-        elif self._watchdog is not None:
-            self._watchdog.mark(Phase.TEARDOWN)
 
     def _trainer(self) -> pl.Trainer | None:
         return attached_trainer(getattr(self, "_lightning_module", None))
@@ -322,12 +292,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        emergency, trainer = self._emergency, self._trainer()
-        if emergency is None or trainer is None:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:  # the parameter update under the emergency checkpoint's lock
-            with emergency.update(closure, trainer.global_step + 1) as locked:
-                output = super().optimizer_step(optimizer, locked, model, **kwargs)
+        step = super().optimizer_step  # the parameter update under the emergency checkpoint's lock
+        output = self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
         comm, module = self.balancer.comm, self._lightning_module
         if comm is not None and module is not None:
             last = bool(module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)

@@ -1,0 +1,76 @@
+"""The reliability parts of one Trainer replica: its watchdog, preemption handler and emergency checkpoint.
+
+The Trainer strategy owns one :class:`Guards` and calls it from its hooks; each method is one hook's share of the work
+(``docs/reliability.md`` tells the story, ``docs/architecture.md`` the order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency, auto_resume
+from lightning_het.reliability.preemption import (
+    PreemptibleStrategy,
+    PreemptionHandler,
+    attach_preemption,
+    detach_preemption,
+    preemption_path,
+)
+from lightning_het.reliability.supervision import LaunchingReplicas, attach_watchdog, start_watchdog, stop_watchdog
+from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import Watchdog
+
+__all__ = ["Guards"]
+
+
+class Guards:
+    """The watchdog (from ``setup_environment`` to the end of the run), the preemption handler and the emergency
+    checkpoint (one fit each) of this replica; ``None`` where they do not apply (one replica, outside ``fit``)."""
+
+    def __init__(self) -> None:
+        self.watchdog: Watchdog | None = None
+        self.preemption: PreemptionHandler | None = None
+        self.emergency: EmergencyCheckpoint | None = None
+
+    def start(self, replicas: LaunchingReplicas, timeout: timedelta | float | None, trainer: Any) -> None:
+        """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
+        self.watchdog = start_watchdog(replicas, timeout, trainer)
+
+    def resume(self, trainer: Any, config: Any) -> None:
+        """Before a fit's setup: ``resume="auto"`` loads the newest emergency, ``last.ckpt`` or preemption
+        checkpoint into ``trainer``."""
+        auto_resume(trainer, config.resume, preemption_path(trainer, config.preemption_checkpoint))
+
+    def attach(
+        self, strategy: PreemptibleStrategy, trainer: Any, config: Any, record: Callable[[], dict], saves: bool
+    ) -> None:
+        """Give ``trainer`` the watchdog's and the preemption handler's callbacks, and (``saves``) an emergency
+        checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        attach_watchdog(self.watchdog, trainer)
+        self.preemption = attach_preemption(strategy, trainer, config.preemption_grace, config.preemption_checkpoint)
+        path = preemption_path(trainer, config.preemption_checkpoint)
+        self.emergency = attach_emergency(self.watchdog, trainer, trainer.global_rank, record, path, saves)
+
+    def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], trainer: Any) -> Any:
+        """``step(closure)``, with the parameter update under the emergency checkpoint's lock while one can save."""
+        if self.emergency is None or trainer is None:
+            return step(closure)
+        with self.emergency.update(closure, trainer.global_step + 1) as locked:
+            return step(locked)
+
+    def release_watchdog(self) -> Watchdog | None:
+        """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
+        watchdog, self.watchdog = self.watchdog, None
+        return watchdog
+
+    def end(self, trainer: Any, interrupted: bool, launcher_finishes: bool) -> None:
+        """At teardown: give the signals back; after an exception (or without a launcher that waits for every
+        replica's end) stop the watchdog, else keep it watching the end-of-run hooks."""
+        if interrupted or not launcher_finishes:
+            stop_watchdog(self.release_watchdog(), trainer, finished=not interrupted)
+        elif self.watchdog is not None:
+            self.watchdog.mark(Phase.TEARDOWN)
+        detach_preemption(self.preemption, trainer)
+        self.preemption = None
