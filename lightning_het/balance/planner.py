@@ -11,10 +11,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine, useless_replica_message
+from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.monitor import MonitorSettings
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
 from lightning_het.balance.profiling import ProfileCache, cache_key
+from lightning_het.balance.rebalance import profiled_split
 from lightning_het.config import HeterogeneousConfig
 
 __all__ = [
@@ -45,7 +46,7 @@ def split_global_batch(
     """Batch sizes and speeds: in proportion to ``speeds`` without costs, else minimising the slowest replica's step."""
     if costs is None:
         return allocate_batch_sizes(global_batch, speeds, **bounds), speeds
-    batch_sizes = allocate_affine(global_batch, costs, **bounds)
+    batch_sizes = profiled_split(global_batch, costs, **bounds)  # cached costs: as noisy as freshly profiled ones
     return batch_sizes, measured_speeds(batch_sizes, costs)
 
 

@@ -14,8 +14,9 @@ from lightning.pytorch import Callback
 from lightning_het._compat import on_flavour
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
+from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings
+from lightning_het.balance.rebalance import profiled_split
 
 __all__ = [
     "InLoopProfiler",
@@ -306,7 +307,7 @@ class InLoopProfiler:
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
         rows = _all_gather([local.fixed_s, local.per_sample_s, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
-        sizes = allocate_affine(self.global_batch_size, costs, **self._bounds)
+        sizes = profiled_split(self.global_batch_size, costs, **self._bounds)  # equal unless clearly imbalanced
         balanced = step_time(sizes, costs)
         slowest = [max(r[2 + n] for r in rows) for n in range(len(self._compute))]
         gap = step_time(plan.split(plan.gather_step + 1, self.rough), costs) if plan.lag else balanced

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs
+from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
 
 __all__ = [
     "DEFAULT_MIN_GAIN",
@@ -18,6 +18,7 @@ __all__ = [
     "is_check_epoch",
     "plan_rebalance",
     "predicted_step_time",
+    "profiled_split",
     "robust_step_ratio",
     "speeds_from_step_times",
 ]
@@ -28,6 +29,34 @@ DEFAULT_THRESHOLD = 1.1
 DEFAULT_MIN_GAIN = 0.03
 #: rise of the slowest replica's time since the previous epoch (same batch sizes) that is confirmed before acting
 DEFAULT_SURGE = 1.25
+
+
+def profiled_split(
+    global_batch: int,
+    costs: Sequence[AffineCost],
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_gain: float = DEFAULT_MIN_GAIN,
+    **bounds: object,
+) -> list[int]:
+    """The split of ``global_batch`` for profiled ``costs``: their optimum (:func:`allocate_affine`), or the equal
+    split when the costs predict the replicas' times for the mean share within ``threshold`` (max / min) of each
+    other, or the optimum less than ``min_gain`` shorter than the equal split. Costs fitted on equally fast replicas
+    differ by their noise; the equal split then loses at most about half the threshold, a split fitted to the noise
+    far more.
+
+    >>> profiled_split(256, [AffineCost(0.0056, 3e-6), AffineCost(0.0032, 2e-5)])  # equally fast within noise
+    [128, 128]
+    >>> from lightning_het.balance.cost import costs_from_speeds
+    >>> profiled_split(48, costs_from_speeds([1, 3]))
+    [12, 36]
+    """
+    sizes = allocate_affine(global_batch, costs, **bounds)  # type: ignore[arg-type]
+    equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
+    times = [cost(global_batch / len(costs)) for cost in costs]
+    if max(times) < threshold * min(times) or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
+        return equal
+    return sizes
 
 
 def _check_times(name: str, values: Sequence[float], world: int | None = None) -> list[float]:

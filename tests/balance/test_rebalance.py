@@ -8,12 +8,13 @@ import random
 import pytest
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs
+from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
 from lightning_het.balance.rebalance import (
     imbalance,
     is_check_epoch,
     plan_rebalance,
     predicted_step_time,
+    profiled_split,
     robust_step_ratio,
     speeds_from_step_times,
 )
@@ -328,3 +329,26 @@ def test_micro_batched_replica_refreshed_per_micro_batch():
     )
     assert decision.costs[0] == pytest.approx({"fixed_s": 0.002, "per_sample_s": 0.001, "micro_batch": 8})
     assert decision.adopt and decision.batch_sizes[0] > 16
+
+
+def test_profiled_split_keeps_the_equal_split_for_replicas_equally_fast_within_noise():
+    rng = random.Random(7)
+    for _ in range(200):  # two or three equally fast replicas, costs fitted with up to 4 % noise each way
+        base = AffineCost(rng.uniform(0.0, 0.01), rng.uniform(1e-5, 1e-3))
+        costs = [
+            AffineCost(base.fixed_s * rng.uniform(0.96, 1.04), base.per_sample_s * rng.uniform(0.96, 1.04))
+            for _ in range(rng.choice([2, 3]))
+        ]
+        total = rng.randint(len(costs), 300)
+        assert profiled_split(total, costs) == allocate_batch_sizes(total, [1.0] * len(costs))
+
+
+def test_profiled_split_follows_the_costs_when_the_imbalance_is_clear():
+    costs = [AffineCost(0.002, 1e-3), AffineCost(0.002, 1.5e-3)]  # 1.47x apart at the equal split
+    assert profiled_split(100, costs) == allocate_affine(100, costs) != [50, 50]
+    # a clear imbalance, but the bounds leave the optimum less than 3 % shorter than the equal split: equal
+    assert step_time(allocate_affine(100, costs, max_batch_sizes=[51, 100]), costs) > 0.97 * step_time([50, 50], costs)
+    assert profiled_split(100, costs, max_batch_sizes=[51, 100]) == [50, 50]
+    assert profiled_split(100, costs, max_batch_sizes=[53, 100]) == [53, 47]
+    # a larger threshold keeps the 1.47x pair equal
+    assert profiled_split(100, costs, threshold=1.6) == [50, 50]
