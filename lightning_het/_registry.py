@@ -1,8 +1,6 @@
 """Registration of the ``"heterogeneous"`` strategy name with Lightning (the package's only import-time side effect).
 
-Registers at once when Lightning is imported, else right after ``lightning``, ``pytorch_lightning``,
-``lightning_fabric`` or the outermost ``lightning_het`` submodule finishes importing, so ``import lightning_het``
-never imports Lightning itself. Idempotent; the hooks remove themselves once they have fired.
+Registers once Lightning and this package are both imported, so ``import lightning_het`` never imports Lightning.
 """
 
 from __future__ import annotations
@@ -50,10 +48,8 @@ class _RunAfterLoader(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        if module.__spec__ is not None:
-            module.__spec__._initializing = (
-                False  # executed: the callbacks may import from it (importlib resets it too)
-            )
+        if module.__spec__ is not None:  # executed: the callbacks may import from it (importlib resets it too)
+            module.__spec__._initializing = False
         with _lock:
             callbacks = _pending.pop(self._name, [])
         if self._name.startswith(_FAMILY):
@@ -95,12 +91,8 @@ _finder = _RunAfterFinder()
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
-    """Run ``callback()`` once module ``name`` is imported and executed: now if it already is, else right after.
-
-    Args:
-        name: the full module name (e.g. ``"lightning"``).
-        callback: called once, without arguments, in the thread that imports ``name``.
-    """
+    """Run ``callback()`` once module ``name`` is imported and executed: now if it already is, else right after (in
+    the importing thread)."""
     with _lock:
         if not _is_loaded(name):
             _pending.setdefault(name, []).append(callback)

@@ -1,7 +1,4 @@
-"""The one set of validators for :class:`~lightning_het.HeterogeneousStrategy`'s keywords (no torch, no Lightning).
-
-Shared by the strategy's constructor and the app's config schema; every error is an :class:`ArgumentError`.
-"""
+"""The validators of the strategy's keywords, shared by its constructor and the app's schema (no torch)."""
 
 from __future__ import annotations
 
@@ -240,15 +237,8 @@ def validate_strategy_arguments(
     preemption_checkpoint: Any,
     resume: Any,
 ) -> dict[str, Any]:
-    """Check every strategy keyword that needs no world size (all required: defaults live in the strategy).
-
-    Returns:
-        The same keys, normalised: integers as ``int``, number lists as ``list[float]`` (``node_ids``,
-        ``max_batch_sizes``: ``list[int]``), timeouts as ``timedelta``.
-
-    Raises:
-        ArgumentError: the first impossible value, its ``argument`` naming the keyword.
-    """
+    """Check every strategy keyword that needs no world size (all required: defaults live in the strategy); return
+    them normalised (``int``, ``list[float]``, ``list[int]``, ``timedelta``) or raise an :class:`ArgumentError`."""
     out: dict[str, Any] = {"comm": comm, "global_sync_every": global_sync_every, "telemetry": telemetry}
     out["timeout"] = as_timeout("timeout", timeout)
     out["startup_timeout"] = as_timeout("startup_timeout", startup_timeout)

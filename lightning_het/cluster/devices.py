@@ -1,7 +1,4 @@
-"""Device maps for mixed CPU/GPU jobs: parsing, backend choice and CPU threads (pure: no Lightning, no process group).
-
-Every check runs before any worker starts; entries and the backend rules are in ``docs/mixed_devices.md``.
-"""
+"""Device maps for mixed CPU/GPU jobs: parsing, backend choice and CPU threads (``docs/mixed_devices.md``; pure)."""
 
 from __future__ import annotations
 
