@@ -127,30 +127,26 @@ def _register_all() -> None:
     """Register in every registry whose Lightning flavour is loaded (idempotent; safe from any hook)."""
     if not _ready("lightning_het.strategy"):  # the other two build on it
         return
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_het.strategy import HeterogeneousStrategy
-
-    HeterogeneousStrategy.register_strategies(StrategyRegistry)
+    _register("lightning.pytorch.strategies.StrategyRegistry", "lightning_het.strategy.HeterogeneousStrategy")
     if _is_loaded("pytorch_lightning") and _ready("lightning_het._pl_compat"):
-        from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
-
-        from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
-
-        PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)
+        _register("pytorch_lightning.strategies.StrategyRegistry", "lightning_het._pl_compat.HeterogeneousStrategy")
     if not _ready("lightning_het.fabric"):
         return
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
-
-    from lightning_het.fabric import HeterogeneousFabricStrategy
-
-    HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
+    _register("lightning.fabric.strategies.STRATEGY_REGISTRY", "lightning_het.fabric.HeterogeneousFabricStrategy")
     if _is_loaded("lightning_fabric") and _ready("lightning_het._fabric_compat"):
-        from lightning_fabric.strategies import STRATEGY_REGISTRY as LFStrategyRegistry
+        _register(
+            "lightning_fabric.strategies.STRATEGY_REGISTRY", "lightning_het._fabric_compat.HeterogeneousFabricStrategy"
+        )
 
-        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as LFHeterogeneousFabricStrategy
 
-        LFHeterogeneousFabricStrategy.register_strategies(LFStrategyRegistry)
+def _register(registry: str, strategy: str) -> None:
+    """``<strategy>.register_strategies(<registry>)``, both given as ``module.attribute``."""
+    _attribute(strategy).register_strategies(_attribute(registry))
+
+
+def _attribute(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def register() -> None:

@@ -40,47 +40,19 @@ class ConfigValueError(ValueError):
     """A config value has the right type but an impossible value (raised before anything is built)."""
 
 
-#: ``COMM_CHOICES`` (see ``docs/communication.md``) as the enum OmegaConf needs to check them
-Comm = enum.Enum("Comm", {choice: choice for choice in COMM_CHOICES}, type=str)  # type: ignore[misc]
+def _choices(name: str, values: tuple[str, ...], doc: str) -> Any:
+    """A ``str`` enum of ``values`` (OmegaConf checks a config value against its members)."""
+    choices = enum.Enum(name, {v: v for v in values}, type=str, module=__name__, qualname=name)  # type: ignore[misc]
+    choices.__doc__ = doc
+    return choices
 
 
-class GradientAveraging(str, enum.Enum):
-    """How the replicas' gradients are combined."""
-
-    weighted = "weighted"
-    unweighted = "unweighted"
-
-
-class StartMethod(str, enum.Enum):
-    """How Lightning starts the replicas of one machine."""
-
-    popen = "popen"
-    spawn = "spawn"
-    fork = "fork"
-    forkserver = "forkserver"
-
-
-class ProcessGroupBackend(str, enum.Enum):
-    """``torch.distributed`` backend; ``null`` lets Lightning choose (``nccl`` on CUDA, ``gloo`` otherwise)."""
-
-    gloo = "gloo"
-    nccl = "nccl"
-    mpi = "mpi"
-    ucc = "ucc"
-
-
-class Split(str, enum.Enum):
-    """How labelled pixels are split into train/val/test: stratified ``random`` or spatially disjoint ``blocks``."""
-
-    random = "random"
-    blocks = "blocks"
-
-
-class SceneDtype(str, enum.Enum):
-    """Pixel type of a synthetic scene: digital numbers (``uint16``) or reflectance (``float32``)."""
-
-    uint16 = "uint16"
-    float32 = "float32"
+Comm = _choices("Comm", COMM_CHOICES, "``comm``: see ``docs/communication.md``.")
+GradientAveraging = _choices("GradientAveraging", ("weighted", "unweighted"), "How replicas' gradients combine.")
+StartMethod = _choices("StartMethod", ("popen", "spawn", "fork", "forkserver"), "How Lightning starts replicas.")
+ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl", "mpi", "ucc"), "``null``: Lightning's choice.")
+Split = _choices("Split", ("random", "blocks"), "Stratified ``random`` or spatially disjoint ``blocks`` splits.")
+SceneDtype = _choices("SceneDtype", ("uint16", "float32"), "Digital numbers or reflectance.")
 
 
 def _fail(key: str, value: Any, requirement: str, hint: str = "") -> None:
