@@ -2,9 +2,8 @@
 
 import enum
 import functools
-import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -13,6 +12,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lightning_het.arguments import ArgumentError, validate_strategy_arguments
 from lightning_het.comm.modes import COMM_CHOICES
+from lightning_het.config import HeterogeneousConfig
 
 __all__ = [
     "Comm",
@@ -155,7 +155,7 @@ class StrategyConfig:
 
 
 #: the :class:`StrategyConfig` fields that :func:`~lightning_het.arguments.validate_strategy_arguments` checks
-STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(inspect.signature(validate_strategy_arguments).parameters)
+STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HeterogeneousConfig))
 
 
 @dataclass
