@@ -1,8 +1,6 @@
 """Registration of the ``"heterogeneous"`` strategy name with Lightning (the package's only import-time side effect).
 
-Registers at once when Lightning is imported, else right after ``lightning``, ``pytorch_lightning``,
-``lightning_fabric`` or the outermost ``lightning_het`` submodule finishes importing, so ``import lightning_het``
-never imports Lightning itself. Idempotent; the hooks remove themselves once they have fired.
+Registers once Lightning and this package are both imported, so ``import lightning_het`` never imports Lightning.
 """
 
 from __future__ import annotations
@@ -50,10 +48,8 @@ class _RunAfterLoader(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        if module.__spec__ is not None:
-            module.__spec__._initializing = (
-                False  # executed: the callbacks may import from it (importlib resets it too)
-            )
+        if module.__spec__ is not None:  # executed: the callbacks may import from it (importlib resets it too)
+            module.__spec__._initializing = False
         with _lock:
             callbacks = _pending.pop(self._name, [])
         if self._name.startswith(_FAMILY):
@@ -95,12 +91,8 @@ _finder = _RunAfterFinder()
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
-    """Run ``callback()`` once module ``name`` is imported and executed: now if it already is, else right after.
-
-    Args:
-        name: the full module name (e.g. ``"lightning"``).
-        callback: called once, without arguments, in the thread that imports ``name``.
-    """
+    """Run ``callback()`` once module ``name`` is imported and executed: now if it already is, else right after (in
+    the importing thread)."""
     with _lock:
         if not _is_loaded(name):
             _pending.setdefault(name, []).append(callback)
@@ -135,30 +127,26 @@ def _register_all() -> None:
     """Register in every registry whose Lightning flavour is loaded (idempotent; safe from any hook)."""
     if not _ready("lightning_het.strategy"):  # the other two build on it
         return
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_het.strategy import HeterogeneousStrategy
-
-    HeterogeneousStrategy.register_strategies(StrategyRegistry)
+    _register("lightning.pytorch.strategies.StrategyRegistry", "lightning_het.strategy.HeterogeneousStrategy")
     if _is_loaded("pytorch_lightning") and _ready("lightning_het._pl_compat"):
-        from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
-
-        from lightning_het._pl_compat import HeterogeneousStrategy as PLHeterogeneousStrategy
-
-        PLHeterogeneousStrategy.register_strategies(PLStrategyRegistry)
+        _register("pytorch_lightning.strategies.StrategyRegistry", "lightning_het._pl_compat.HeterogeneousStrategy")
     if not _ready("lightning_het.fabric"):
         return
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricStrategyRegistry
-
-    from lightning_het.fabric import HeterogeneousFabricStrategy
-
-    HeterogeneousFabricStrategy.register_strategies(FabricStrategyRegistry)
+    _register("lightning.fabric.strategies.STRATEGY_REGISTRY", "lightning_het.fabric.HeterogeneousFabricStrategy")
     if _is_loaded("lightning_fabric") and _ready("lightning_het._fabric_compat"):
-        from lightning_fabric.strategies import STRATEGY_REGISTRY as LFStrategyRegistry
+        _register(
+            "lightning_fabric.strategies.STRATEGY_REGISTRY", "lightning_het._fabric_compat.HeterogeneousFabricStrategy"
+        )
 
-        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as LFHeterogeneousFabricStrategy
 
-        LFHeterogeneousFabricStrategy.register_strategies(LFStrategyRegistry)
+def _register(registry: str, strategy: str) -> None:
+    """``<strategy>.register_strategies(<registry>)``, both given as ``module.attribute``."""
+    _attribute(strategy).register_strategies(_attribute(registry))
+
+
+def _attribute(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def register() -> None:

@@ -1,7 +1,4 @@
-"""The one set of validators for :class:`~lightning_het.HeterogeneousStrategy`'s keywords (no torch, no Lightning).
-
-Shared by the strategy's constructor and the app's config schema; every error is an :class:`ArgumentError`.
-"""
+"""The validators of the strategy's keywords, shared by its constructor and the app's schema (no torch)."""
 
 from __future__ import annotations
 
@@ -209,53 +206,65 @@ def check_sync_args(
     }
 
 
-def validate_strategy_arguments(
-    *,
+def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
+    """Check every strategy keyword that needs no world size (the fields of
+    :class:`~lightning_het.config.HeterogeneousConfig`, all required: defaults live in the strategy); return them
+    normalised (``int``, ``list[float]``, ``list[int]``, ``timedelta``) or raise an :class:`ArgumentError`."""
+    out = dict(keywords)
+    out["timeout"] = as_timeout("timeout", out["timeout"])
+    out["startup_timeout"] = as_timeout("startup_timeout", out["startup_timeout"])
+    out["preemption_grace"] = validate_grace(out["preemption_grace"])
+    out["preemption_checkpoint"] = validate_preemption_checkpoint(out["preemption_checkpoint"])
+    out["resume"] = validate_resume(out["resume"])
+    out.update(_batch_keywords(**{name: out[name] for name in _BATCH_KEYWORDS}))
+    check_comm_args(out["comm"], out["global_sync_every"], out["comm_warmup_steps"], warmup_name="comm_warmup_steps")
+    out.update(check_sync_args(*(out[name] for name in _SYNC_KEYWORDS)))
+    out["comm_autotune_steps"] = positive_int(
+        "comm_autotune_steps", out["comm_autotune_steps"], allow_none=False, minimum=0
+    )
+    out["emulate_slowdown"] = slowdown = finite_positive_list("emulate_slowdown", out["emulate_slowdown"])
+    if slowdown is not None and any(f < 1.0 for f in slowdown):
+        raise _error(
+            "emulate_slowdown",
+            f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
+            f" got {slowdown}.",
+        )
+    out["profile_steps"] = positive_int("profile_steps", out["profile_steps"], allow_none=False)
+    out["profile_warmup"] = positive_int("profile_warmup", out["profile_warmup"], allow_none=False, minimum=0)
+    if not isinstance(out["profile_cache"], (str, os.PathLike, bool)) and out["profile_cache"] is not None:
+        raise _error(
+            "profile_cache",
+            f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
+            f" (off), but got {out['profile_cache']!r}.",
+        )
+    out["rebalance_every_n_epochs"] = positive_int("rebalance_every_n_epochs", out["rebalance_every_n_epochs"])
+    out["rebalance_threshold"] = threshold("rebalance_threshold", out["rebalance_threshold"])
+    _check_telemetry(out["telemetry"], out["rebalance_every_n_epochs"], out["rebalance_threshold"])
+    return out
+
+
+_BATCH_KEYWORDS = (
+    "global_batch_size",
+    "speeds",
+    "min_batch_size",
+    "max_batch_sizes",
+    "max_micro_batch_sizes",
+    "emulate_memory_cap",
+    "node_ids",
+)
+_SYNC_KEYWORDS = ("outer_optimizer", "outer_lr", "outer_momentum", "sync_dtype", "merge_weights")
+
+
+def _batch_keywords(
     global_batch_size: Any,
     speeds: Any,
     min_batch_size: Any,
     max_batch_sizes: Any,
     max_micro_batch_sizes: Any,
-    node_ids: Any,
-    comm: Any,
-    global_sync_every: Any,
-    comm_warmup_steps: Any,
-    comm_autotune_steps: Any,
-    outer_optimizer: Any,
-    outer_lr: Any,
-    outer_momentum: Any,
-    sync_dtype: Any,
-    merge_weights: Any,
-    emulate_slowdown: Any,
     emulate_memory_cap: Any,
-    profile_steps: Any,
-    profile_warmup: Any,
-    profile_cache: Any,
-    startup_timeout: Any,
-    timeout: Any,
-    rebalance_every_n_epochs: Any,
-    rebalance_threshold: Any,
-    telemetry: Any,
-    preemption_grace: Any,
-    preemption_checkpoint: Any,
-    resume: Any,
+    node_ids: Any,
 ) -> dict[str, Any]:
-    """Check every strategy keyword that needs no world size (all required: defaults live in the strategy).
-
-    Returns:
-        The same keys, normalised: integers as ``int``, number lists as ``list[float]`` (``node_ids``,
-        ``max_batch_sizes``: ``list[int]``), timeouts as ``timedelta``.
-
-    Raises:
-        ArgumentError: the first impossible value, its ``argument`` naming the keyword.
-    """
-    out: dict[str, Any] = {"comm": comm, "global_sync_every": global_sync_every, "telemetry": telemetry}
-    out["timeout"] = as_timeout("timeout", timeout)
-    out["startup_timeout"] = as_timeout("startup_timeout", startup_timeout)
-    out["preemption_grace"] = validate_grace(preemption_grace)
-    out["preemption_checkpoint"] = validate_preemption_checkpoint(preemption_checkpoint)
-    out["resume"] = validate_resume(resume)
-    out["global_batch_size"] = positive_int("global_batch_size", global_batch_size)
+    out: dict[str, Any] = {"global_batch_size": positive_int("global_batch_size", global_batch_size)}
     out["speeds"] = finite_positive_list("speeds", speeds)
     out["min_batch_size"] = positive_int("min_batch_size", min_batch_size, allow_none=False)
     out["max_batch_sizes"] = None
@@ -277,28 +286,10 @@ def validate_strategy_arguments(
     out["node_ids"] = None
     if node_ids is not None:
         out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
-    check_comm_args(comm, global_sync_every, comm_warmup_steps, warmup_name="comm_warmup_steps")
-    out["comm_warmup_steps"] = comm_warmup_steps
-    out.update(check_sync_args(outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights))
-    out["comm_autotune_steps"] = positive_int("comm_autotune_steps", comm_autotune_steps, allow_none=False, minimum=0)
-    out["emulate_slowdown"] = slowdown = finite_positive_list("emulate_slowdown", emulate_slowdown)
-    if slowdown is not None and any(f < 1.0 for f in slowdown):
-        raise _error(
-            "emulate_slowdown",
-            f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
-            f" got {slowdown}.",
-        )
-    out["profile_steps"] = positive_int("profile_steps", profile_steps, allow_none=False)
-    out["profile_warmup"] = positive_int("profile_warmup", profile_warmup, allow_none=False, minimum=0)
-    if not isinstance(profile_cache, (str, os.PathLike, bool)) and profile_cache is not None:
-        raise _error(
-            "profile_cache",
-            f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
-            f" (off), but got {profile_cache!r}.",
-        )
-    out["profile_cache"] = profile_cache
-    out["rebalance_every_n_epochs"] = positive_int("rebalance_every_n_epochs", rebalance_every_n_epochs)
-    out["rebalance_threshold"] = threshold("rebalance_threshold", rebalance_threshold)
+    return out
+
+
+def _check_telemetry(telemetry: Any, rebalance_every_n_epochs: Any, rebalance_threshold: Any) -> None:
     if not isinstance(telemetry, bool):
         raise _error("telemetry", f"Expected argument `telemetry` to be True or False, but got {telemetry!r}.")
     if not telemetry and (rebalance_every_n_epochs is not None or rebalance_threshold is not None):
@@ -307,7 +298,6 @@ def validate_strategy_arguments(
             "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
             " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments.",
         )
-    return out
 
 
 #: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)

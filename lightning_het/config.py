@@ -1,8 +1,4 @@
-"""The strategy's keywords, validated once into one frozen :class:`HeterogeneousConfig` (no torch, no Lightning).
-
-Checks by :mod:`lightning_het.arguments` (shared with the app's schema); world-size checks in
-:meth:`HeterogeneousConfig.check_world`.
-"""
+"""The strategy's keywords, validated once into one frozen :class:`HeterogeneousConfig` (no torch, no Lightning)."""
 
 from __future__ import annotations
 
@@ -95,9 +91,7 @@ def keyword_signature(names: Collection[str]) -> inspect.Signature:
 @dataclass(frozen=True)
 class HeterogeneousConfig:
     """Every keyword of the strategy, normalised (``int``, ``float``, ``timedelta``); ``None``: not given.
-
-    All fields required (defaults: :data:`KEYWORD_DEFAULTS`); treat the lists as read-only.
-    """
+    All fields required (defaults: :data:`KEYWORD_DEFAULTS`); treat the lists as read-only."""
 
     global_batch_size: int | None
     speeds: list[float] | None
@@ -130,22 +124,14 @@ class HeterogeneousConfig:
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> HeterogeneousConfig:
-        """Validate every keyword (all fields are required) and return the normalised configuration.
-
-        Raises:
-            ArgumentError: the first impossible value, its ``argument`` naming the keyword (a ``ValueError``).
-        """
+        """Validate every keyword (all required); an ``ArgumentError`` names the first impossible one."""
         return cls(**validate_strategy_arguments(**keywords))
 
     @classmethod
     def split_keywords(
         cls, strategy_cls: type, names: Collection[str], kwargs: Mapping[str, Any], **fixed: Any
     ) -> tuple[HeterogeneousConfig, dict[str, Any], dict[str, Any]]:
-        """Split a strategy's keywords: a validated config (``fixed`` forced), device keywords, ``DDPStrategy``'s.
-
-        Raises:
-            ArgumentError: naming the keyword (a misspelt one or an unknown backend too).
-        """
+        """Split a strategy's keywords: a validated config (``fixed`` forced), device keywords, ``DDPStrategy``'s."""
         from lightning_het.arguments import check_ddp_keywords
         from lightning_het.comm.controller import validate_comm_args
 
@@ -161,11 +147,7 @@ class HeterogeneousConfig:
         return config, devices, rest
 
     def check_world(self, num_nodes: int, devices: int) -> None:
-        """Checks that need only the world size: per-replica list lengths, a global batch the bounds can hold.
-
-        Raises:
-            ValueError: naming the keyword that does not fit the job.
-        """
+        """Checks that need the world size (list lengths, a global batch the bounds can hold); ``ValueError``."""
         world = num_nodes * devices
         if world < 1:
             return

@@ -8,11 +8,7 @@ __all__ = ["config_dir"]
 
 
 def config_dir() -> Path:
-    """The directory of the app's Hydra configs (``train.yaml`` and the config groups).
-
-    Raises:
-        FileNotFoundError: neither place holds ``train.yaml`` (a broken installation).
-    """
+    """The directory of the app's Hydra configs (``train.yaml`` and the config groups)."""
     package = Path(__file__).resolve().parents[1]
     for candidate in (package / "conf", package.parent / "conf"):
         if (candidate / "train.yaml").is_file():

@@ -2,9 +2,8 @@
 
 import enum
 import functools
-import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -13,6 +12,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lightning_het.arguments import ArgumentError, validate_strategy_arguments
 from lightning_het.comm.modes import COMM_CHOICES
+from lightning_het.config import HeterogeneousConfig
 
 __all__ = [
     "Comm",
@@ -40,47 +40,19 @@ class ConfigValueError(ValueError):
     """A config value has the right type but an impossible value (raised before anything is built)."""
 
 
-#: ``COMM_CHOICES`` (see ``docs/communication.md``) as the enum OmegaConf needs to check them
-Comm = enum.Enum("Comm", {choice: choice for choice in COMM_CHOICES}, type=str)  # type: ignore[misc]
+def _choices(name: str, values: tuple[str, ...], doc: str) -> Any:
+    """A ``str`` enum of ``values`` (OmegaConf checks a config value against its members)."""
+    choices = enum.Enum(name, {v: v for v in values}, type=str, module=__name__, qualname=name)  # type: ignore[misc]
+    choices.__doc__ = doc
+    return choices
 
 
-class GradientAveraging(str, enum.Enum):
-    """How the replicas' gradients are combined."""
-
-    weighted = "weighted"
-    unweighted = "unweighted"
-
-
-class StartMethod(str, enum.Enum):
-    """How Lightning starts the replicas of one machine."""
-
-    popen = "popen"
-    spawn = "spawn"
-    fork = "fork"
-    forkserver = "forkserver"
-
-
-class ProcessGroupBackend(str, enum.Enum):
-    """``torch.distributed`` backend; ``null`` lets Lightning choose (``nccl`` on CUDA, ``gloo`` otherwise)."""
-
-    gloo = "gloo"
-    nccl = "nccl"
-    mpi = "mpi"
-    ucc = "ucc"
-
-
-class Split(str, enum.Enum):
-    """How labelled pixels are split into train/val/test: stratified ``random`` or spatially disjoint ``blocks``."""
-
-    random = "random"
-    blocks = "blocks"
-
-
-class SceneDtype(str, enum.Enum):
-    """Pixel type of a synthetic scene: digital numbers (``uint16``) or reflectance (``float32``)."""
-
-    uint16 = "uint16"
-    float32 = "float32"
+Comm = _choices("Comm", COMM_CHOICES, "``comm``: see ``docs/communication.md``.")
+GradientAveraging = _choices("GradientAveraging", ("weighted", "unweighted"), "How replicas' gradients combine.")
+StartMethod = _choices("StartMethod", ("popen", "spawn", "fork", "forkserver"), "How Lightning starts replicas.")
+ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl", "mpi", "ucc"), "``null``: Lightning's choice.")
+Split = _choices("Split", ("random", "blocks"), "Stratified ``random`` or spatially disjoint ``blocks`` splits.")
+SceneDtype = _choices("SceneDtype", ("uint16", "float32"), "Digital numbers or reflectance.")
 
 
 def _fail(key: str, value: Any, requirement: str, hint: str = "") -> None:
@@ -101,55 +73,39 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class StrategyConfig:
-    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`."""
+    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy` (their
+    meaning: ``docs/strategy.md``; ``Any``: a type OmegaConf cannot express, checked by the strategy's validators)."""
 
     _target_: str = "lightning_het.strategy.HeterogeneousStrategy"
-    #: samples per optimizer step over all replicas; null: the datamodule's ``global_batch_size``.
     global_batch_size: int | None = None
-    #: relative speed of every replica (by global rank); null: profiled on the real training step.
     speeds: list[float] | None = None
     min_batch_size: int = 1
     max_batch_sizes: list[int] | None = None
-    #: largest batch each replica runs at once (a larger share runs as micro-batches), or "auto" (measured)
     max_micro_batch_sizes: Any = None
-    #: node id of every global rank; null: detected. Setting it emulates nodes on one machine.
     node_ids: list[int] | None = None
     comm: Comm = Comm.auto
     global_sync_every: int | None = None
-    #: emulation only: replica r's step takes emulate_slowdown[r] x its real time.
     emulate_slowdown: list[float] | None = None
-    #: emulation only: a step of more than emulate_memory_cap[r] samples raises torch.OutOfMemoryError on replica r
     emulate_memory_cap: list[int] | None = None
     profile_steps: int = 2
     profile_warmup: int = 1
-    #: speed cache directory (true: ~/.cache/lightning_het/profiles); null/false: off
     profile_cache: Any = None
-    #: mixed CPU/GPU replicas, e.g. ["cuda:0", "cuda:1", "cpu"] or {node_rank: [...]} (see docs/mixed_devices.md)
     device_map: Any = None
-    #: with device_map: intra-op threads per CPU replica (int) or per local replica (list)
     cpu_threads: Any = None
     startup_timeout: float | None = None
     rebalance_every_n_epochs: int | None = None
     rebalance_threshold: float | None = None
     telemetry: bool = True
-    #: node_local: optimizer steps of plain all-reduce before the local/global scheme starts
     comm_warmup_steps: int = 0
-    #: hierarchical: steps timed with each of the flat and the hierarchical reduction before keeping the faster
     comm_autotune_steps: int = 5
-    #: node_local: what a sync does: null (plain average) or nesterov (DiLoCo's outer step, outer_lr/outer_momentum)
     outer_optimizer: str | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    #: node_local: the inter-node exchange of a sync: float32, bfloat16 or int8 (per-block scales, error feedback)
     sync_dtype: str = "float32"
-    #: node_local: a replica's weight in a sync: samples (trained since the last sync) or nodes (each node equal)
     merge_weights: str = "samples"
-    #: where rank 0 writes the checkpoint on SIGTERM / SIGUSR1 (file or directory; false: none; docs/preemption.md)
     preemption_checkpoint: Any = None
-    #: seconds from the signal until a replica that could not stop in time is ended with status 143
     preemption_grace: float = 25.0
-    #: auto (conf/strategy/heterogeneous.yaml): a run started again in its run directory resumes from its newest
-    #: emergency, preemption or last checkpoint; null: only a restarted torchelastic worker does; false: never
+    #: ``auto`` in conf/strategy/heterogeneous.yaml: a run started again in its run directory resumes
     resume: Any = None
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
     gradient_averaging: GradientAveraging = GradientAveraging.weighted
@@ -199,7 +155,7 @@ class StrategyConfig:
 
 
 #: the :class:`StrategyConfig` fields that :func:`~lightning_het.arguments.validate_strategy_arguments` checks
-STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(inspect.signature(validate_strategy_arguments).parameters)
+STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HeterogeneousConfig))
 
 
 @dataclass

@@ -10,20 +10,23 @@ __all__ = ["allocate_batch_sizes", "loss_scale", "proportional_shares", "sample_
 _BISECTION_STEPS = 200
 
 
-def _check_speeds(speeds: Sequence[float]) -> list[float]:
+def positive_finite(name: str, values: Sequence[float], world: int | None = None) -> list[float]:
+    """``values`` as a non-empty list of positive finite floats (``world`` of them when given), else ``ValueError``."""
     try:
-        values = [float(s) for s in speeds]
+        out = [float(v) for v in values]
     except (TypeError, ValueError) as err:
-        raise ValueError(f"Expected argument `speeds` to be a sequence of numbers, but got {speeds!r}.") from err
-    if not values:
-        raise ValueError("Expected argument `speeds` to hold at least one replica's speed, but got an empty sequence.")
-    for rank, value in enumerate(values):
+        raise ValueError(f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from err
+    if not out:
+        raise ValueError(f"Expected argument `{name}` to be non-empty.")
+    if world is not None and len(out) != world:
+        raise ValueError(f"Expected argument `{name}` to hold one entry per replica ({world}), but got {len(out)}.")
+    for rank, value in enumerate(out):
         if not math.isfinite(value) or value <= 0:
             raise ValueError(
-                f"Expected argument `speeds` to hold positive finite numbers, but `speeds[{rank}]` is {value!r}"
-                f" (speeds={values})."
+                f"Expected argument `{name}` to hold positive finite numbers, but `{name}[{rank}]` is {value!r}"
+                f" ({name}={out})."
             )
-    return values
+    return out
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -130,7 +133,7 @@ def allocate_batch_sizes(
     >>> allocate_batch_sizes(12, [1, 1, 10], max_batch_sizes=[12, 12, 6])
     [3, 3, 6]
     """
-    values = _check_speeds(speeds)
+    values = positive_finite("speeds", speeds)
     world = len(values)
     lower, upper = batch_bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
     shares = proportional_shares(global_batch_size, values, lower, upper)

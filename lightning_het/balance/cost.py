@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .allocation import batch_bounds
+from .allocation import batch_bounds, positive_finite
 
 __all__ = [
     "AffineCost",
@@ -94,15 +94,7 @@ def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
     >>> costs_from_speeds([2.0, 4.0])
     [AffineCost(fixed_s=0.0, per_sample_s=0.5), AffineCost(fixed_s=0.0, per_sample_s=0.25)]
     """
-    out = []
-    for rank, s in enumerate(speeds):
-        s = float(s)
-        if not math.isfinite(s) or s <= 0:
-            raise ValueError(
-                f"Expected argument `speeds` to hold positive finite numbers, but `speeds[{rank}]` is {s!r}."
-            )
-        out.append(AffineCost(0.0, 1.0 / s))
-    return out
+    return [AffineCost(0.0, 1.0 / s) for s in positive_finite("speeds", speeds)]
 
 
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:

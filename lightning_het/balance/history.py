@@ -40,10 +40,7 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
-    """The epoch's most common batch size (ties: the largest) and the steps that ran it.
-
-    The tail (a smaller last global batch) must not stand for the allocation: it would corrupt the cost refresh.
-    """
+    """The epoch's most common batch size (ties: the largest) and the steps that ran it (not the tail batch's)."""
     if not t.batch_sizes:
         return 0, t
     counts: dict[int, int] = {}

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.balance.allocation import allocate_batch_sizes, positive_finite
 from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
 
 __all__ = [
@@ -59,20 +59,6 @@ def profiled_split(
     return sizes
 
 
-def _check_times(name: str, values: Sequence[float], world: int | None = None) -> list[float]:
-    out = [float(v) for v in values]
-    if not out:
-        raise ValueError(f"Expected argument `{name}` to be non-empty.")
-    if world is not None and len(out) != world:
-        raise ValueError(f"Expected argument `{name}` to hold one entry per replica ({world}), but got {len(out)}.")
-    for rank, value in enumerate(out):
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(
-                f"Expected argument `{name}` to hold positive finite numbers, but `{name}[{rank}]` is {value!r}."
-            )
-    return out
-
-
 def speeds_from_step_times(batch_sizes: Sequence[int], compute_times: Sequence[float]) -> list[float]:
     """Throughput of every replica in samples/s, ``b_r / t_r``, measured at the batch size it ran.
 
@@ -80,7 +66,7 @@ def speeds_from_step_times(batch_sizes: Sequence[int], compute_times: Sequence[f
     [80.0, 40.0]
     """
     sizes = [int(b) for b in batch_sizes]
-    times = _check_times("compute_times", compute_times, len(sizes))
+    times = positive_finite("compute_times", compute_times, len(sizes))
     if any(b < 1 for b in sizes):
         raise ValueError(f"Expected argument `batch_sizes` to hold positive integers, but got {sizes}.")
     return [b / t for b, t in zip(sizes, times)]
@@ -92,7 +78,7 @@ def imbalance(compute_times: Sequence[float]) -> float:
     >>> imbalance([0.2, 0.1, 0.1])
     2.0
     """
-    times = _check_times("compute_times", compute_times)
+    times = positive_finite("compute_times", compute_times)
     return max(times) / min(times)
 
 
@@ -102,7 +88,7 @@ def predicted_step_time(batch_sizes: Sequence[int], speeds: Sequence[float]) -> 
     >>> predicted_step_time([2, 4], [10.0, 10.0])
     0.4
     """
-    rates = _check_times("speeds", speeds, len(batch_sizes))
+    rates = positive_finite("speeds", speeds, len(batch_sizes))
     return max(b / v for b, v in zip(batch_sizes, rates))
 
 
@@ -127,7 +113,7 @@ def robust_step_ratio(
     >>> round(robust_step_ratio([8, 8], [12, 4], [0.1, 0.3], 0.0), 12)
     0.5
     """
-    times = _check_times("compute_times", compute_times, len(batch_sizes))
+    times = positive_finite("compute_times", compute_times, len(batch_sizes))
     if len(proposal) != len(times):
         raise ValueError(f"Expected argument `proposal` to hold one entry per replica ({len(times)}).")
     return _robust_ratio(times, [t * b_new / b for b, b_new, t in zip(batch_sizes, proposal, times)], noise)
@@ -213,7 +199,7 @@ def plan_rebalance(
     False
     """
     sizes = [int(b) for b in batch_sizes]
-    times = _check_times("compute_times", compute_times, len(sizes))
+    times = positive_finite("compute_times", compute_times, len(sizes))
     if not math.isfinite(threshold) or threshold < 1.0:
         raise ValueError(f"Expected argument `threshold` to be a finite number >= 1, but got {threshold!r}.")
     if not math.isfinite(min_gain) or not 0.0 <= min_gain < 1.0:
@@ -224,8 +210,8 @@ def plan_rebalance(
         raise ValueError(f"Expected argument `noise` to be in [0, 1), but got {noise!r}.")
     if not math.isfinite(surge) or surge <= 1.0:
         raise ValueError(f"Expected argument `surge` to be a finite number > 1, but got {surge!r}.")
-    last = _check_times("last_times", last_times, len(sizes)) if last_times is not None else None
-    recent = _check_times("recent_times", recent_times, len(sizes)) if recent_times is not None else None
+    last = positive_finite("last_times", last_times, len(sizes)) if last_times is not None else None
+    recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
     speeds = speeds_from_step_times(sizes, times)
     ratio = max(times) / min(times)
     current = max(times)

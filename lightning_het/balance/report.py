@@ -26,12 +26,13 @@ def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int
     metrics: dict[str, float] = {}
     if math.isfinite(summary["imbalance"]):
         metrics["het/imbalance"] = float(summary["imbalance"])
-    for key, name in (
-        ("compute_s", "compute_s"),
-        ("wait_s", "wait_s"),
-        ("samples_per_s", "samples_per_s"),
-        ("batch_sizes", "batch_size"),
-    ):
+    names = {
+        "compute_s": "compute_s",
+        "wait_s": "wait_s",
+        "samples_per_s": "samples_per_s",
+        "batch_sizes": "batch_size",
+    }
+    for key, name in names.items():
         for rank, value in enumerate(summary[key]):
             if isinstance(value, (int, float)) and math.isfinite(value):
                 metrics[f"het/{name}/rank{rank}"] = float(value)

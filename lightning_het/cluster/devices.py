@@ -1,7 +1,4 @@
-"""Device maps for mixed CPU/GPU jobs: parsing, backend choice and CPU threads (pure: no Lightning, no process group).
-
-Every check runs before any worker starts; entries and the backend rules are in ``docs/mixed_devices.md``.
-"""
+"""Device maps for mixed CPU/GPU jobs: parsing, backend choice and CPU threads (``docs/mixed_devices.md``; pure)."""
 
 from __future__ import annotations
 
@@ -114,7 +111,14 @@ def parse_device_map(
             index = next_free
             explicit.add(index)
         devices.append(torch.device("cuda", index))
+    _check_cuda(devices, entries, name, cuda_device_count, allow_shared_cuda)
+    return devices
 
+
+def _check_cuda(
+    devices: list[torch.device], entries: list, name: str, cuda_device_count: int | None, allow_shared_cuda: bool
+) -> None:
+    """The map's CUDA replicas exist on this host and (unless allowed) do not share a GPU."""
     cuda_positions = [i for i, d in enumerate(devices) if d.type == "cuda"]
     if cuda_positions and cuda_device_count is not None:
         if cuda_device_count < 1:
@@ -142,7 +146,6 @@ def parse_device_map(
                     f" `{name}[{i}]`={entries[i]!r}): two replicas cannot share one GPU. HINT: give each CUDA replica"
                     " its own index, or map the extra replica to 'cpu'."
                 )
-    return devices
 
 
 def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, name: str = "device_map") -> list[list]:

@@ -1,8 +1,5 @@
-"""The job's rendezvous: a store no stranger can reach, and a per-job secret that signs the watchdog's records.
-
-The store listens on ``127.0.0.1`` (single node) or on ``MASTER_ADDR``'s interface, never on every interface; records
-are signed with an HMAC-SHA256 keyed by the token, which never travels through the store (``docs/reliability.md``).
-"""
+"""The job's rendezvous: a store no stranger can reach, and a per-job secret that signs the watchdog's records
+(``docs/reliability.md``)."""
 
 from __future__ import annotations
 

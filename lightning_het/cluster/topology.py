@@ -6,7 +6,7 @@ import logging
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,13 +23,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class _HasNodeRank(Protocol):
-    """What :func:`gather_node_ids` needs from a Lightning ``ClusterEnvironment``."""
-
-    def node_rank(self) -> int: ...
 
 
 def _normalise(keys: Sequence[Any]) -> list[int]:
@@ -102,11 +95,10 @@ def describe_topology(node_ids: Sequence[int]) -> str:
     return f"{len(members)} node{'s' if len(members) != 1 else ''}: {nodes}"
 
 
-def gather_node_ids(
-    source: _HasNodeRank | int, *, hostname: str | None = None, group: dist.ProcessGroup | None = None
-) -> list[int]:
-    """Detect the node of every rank with one ``all_gather_object`` of ``(node_rank, hostname)``."""
-    node_rank = int(source.node_rank()) if isinstance(source, _HasNodeRank) else int(source)
+def gather_node_ids(source: Any, *, hostname: str | None = None, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Detect the node of every rank with one ``all_gather_object`` of ``(node_rank, hostname)``; ``source`` is a
+    node rank or a Lightning ``ClusterEnvironment``."""
+    node_rank = int(source.node_rank()) if hasattr(source, "node_rank") else int(source)
     host = socket.gethostname() if hostname is None else hostname
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (node_rank, host), group=group)

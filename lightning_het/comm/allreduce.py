@@ -14,13 +14,7 @@ __all__ = ["FlatAllReduce"]
 
 
 class FlatAllReduce:
-    """DDP's built-in all-reduce (mean over the replicas) of the pre-scaled gradients: exact, nothing registered.
-
-    Args:
-        node_ids: node of every global rank.
-        rank: this process's global rank.
-        stats: the byte counters the mode records its parameter syncs in.
-    """
+    """DDP's built-in all-reduce (mean over the replicas) of the pre-scaled gradients: exact, nothing registered."""
 
     mode = "allreduce"
 

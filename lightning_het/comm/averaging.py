@@ -63,16 +63,8 @@ def unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def average_parameters(tensors: Iterable[torch.Tensor], weight: float, state: HierarchicalState) -> int:
-    """Replace every tensor by the weighted sum over replicas, ``sum_r weight_r * t_r``, in place.
-
-    Args:
-        tensors: parameters (and optionally floating buffers) to average.
-        weight: this rank's weight, normally ``b_rank / B`` (:func:`share_weights`).
-        state: hierarchical reduction state holding the node groups.
-
-    Returns:
-        Payload bytes per rank (size of the packed buffers), for byte accounting.
-    """
+    """Replace every tensor by the weighted sum over replicas, ``sum_r weight_r * t_r``, in place (``weight``:
+    this rank's, normally ``b_rank / B``); returns the payload bytes per rank, for byte accounting."""
     params = unique_floating(tensors)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:

@@ -1,9 +1,5 @@
-"""Compressed inter-node sums of ``comm="node_local"``'s syncs: float32, bfloat16 or int8 with error feedback.
-
-A :class:`Codec` turns a float32 vector into bytes and back; what it lost is kept (``residual``) and added to the next
-vector it encodes (error feedback), so that rounding errors do not accumulate over the syncs. The int8 codec scales
-each block of :data:`INT8_BLOCK` values by its own absolute maximum (one float32 scale per block).
-"""
+"""Compressed inter-node sums of ``comm="node_local"``'s syncs: float32, bfloat16 or int8 (one float32 scale per
+block of :data:`INT8_BLOCK` values), with error feedback (docs/communication.md)."""
 
 from __future__ import annotations
 
@@ -22,11 +18,7 @@ INT8_BLOCK = 2048
 
 
 class Codec:
-    """Encoding of one float32 vector for the wire, with error feedback (``residual``, this leader's own).
-
-    Args:
-        dtype: ``"float32"`` (no compression: the exact pipelined sum), ``"bfloat16"`` or ``"int8"``.
-    """
+    """Encoding of one float32 vector as ``dtype`` for the wire, with error feedback (``residual``, this leader's)."""
 
     def __init__(self, dtype: str = "float32") -> None:
         if dtype not in SYNC_DTYPES:

@@ -33,41 +33,20 @@ log = logging.getLogger(__name__)
 
 
 def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_steps: int = 0) -> None:
-    """Constructor-time checks of the communication arguments (no process group needed).
-
-    Raises:
-        ValueError: an unknown ``comm``, a non-integer or ``< 1`` ``global_sync_every``, or negative ``warmup_steps``.
-
-    Warns:
-        UserWarning: ``global_sync_every`` or ``warmup_steps`` given without ``comm="node_local"`` (ignored).
-    """
+    """Constructor-time checks of the communication arguments (``ValueError``); a ``UserWarning`` when
+    ``global_sync_every`` or ``warmup_steps`` is given without ``comm="node_local"`` (ignored)."""
     check_comm_args(comm, global_sync_every, warmup_steps)
-    if global_sync_every is not None and comm != "node_local":
-        warnings.warn(
-            f"`global_sync_every={global_sync_every}` only applies to `comm='node_local'`; it is ignored with"
-            f" `comm={comm!r}`.",
-            UserWarning,
-            stacklevel=2,
-        )
-    if warmup_steps and comm != "node_local":
-        warnings.warn(
-            f"`warmup_steps={warmup_steps}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`.",
-            UserWarning,
-            stacklevel=2,
-        )
+    for name, value in (("global_sync_every", global_sync_every), ("warmup_steps", warmup_steps)):
+        if value and comm != "node_local":
+            message = f"`{name}={value}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`."
+            warnings.warn(message, UserWarning, stacklevel=2)
 
 
 def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:
-    """The mode to run for the requested ``comm`` and topology (pure; same answer on every rank).
+    """The mode to run for ``comm`` and the node of every global rank (pure; same answer on every rank).
 
-    ``"hierarchical"`` without a node holding several replicas falls back to ``"allreduce"`` (INFO log line).
-
-    Args:
-        comm: one of :data:`COMM_CHOICES`.
-        node_ids: node of every global rank.
-
-    Raises:
-        ValueError: for an unknown ``comm``, or ``"node_local"`` when all replicas are on one node.
+    ``"hierarchical"`` without a node holding several replicas falls back to ``"allreduce"``; ``"node_local"`` on
+    one node raises ``ValueError``.
 
     >>> resolve_comm_mode("auto", [0, 0, 1, 1])
     'hierarchical'
@@ -111,24 +90,9 @@ class CommController:
     """Runs one communication mode for one rank: registers the DDP hook, averages parameters, counts bytes.
 
     Build it on every rank after ``init_process_group`` (the constructor creates process groups, a collective); call
-    :meth:`after_optimizer_step` and :meth:`synchronize` on every rank too. Not picklable.
-
-    Args:
-        mode: resolved mode (:func:`resolve_comm_mode`); not ``"auto"``.
-        node_ids: node of every global rank.
-        batch_sizes: samples per step of every replica, by global rank; ``None``: equal until :meth:`set_batch_sizes`.
-        rank: this process's global rank.
-        global_sync_every: ``node_local``: optimizer steps between global averages (``None``: only at
-            :meth:`synchronize`).
-        warmup_steps: ``node_local``: the first steps reduce gradients exactly over all replicas.
-        groups: prebuilt node groups; built here when ``None``.
-        chunk_bytes: pipelining granularity of the hierarchical reduction.
-        autotune_steps: ``hierarchical``: steps timed with each of flat and hierarchical reduction (``0``: hierarchy).
-        autotune_clock: the clock those steps are timed with (seconds).
-        outer_optimizer, outer_lr, outer_momentum, sync_dtype: ``node_local``: what a sync does
-            (:func:`~lightning_het.comm.outer.build_merge`).
-        merge_weights: ``node_local``: ``"samples"`` or ``"nodes"``
-            (:func:`~lightning_het.comm.averaging.merge_weights`).
+    :meth:`after_optimizer_step` and :meth:`synchronize` on every rank too. Not picklable. ``mode`` is resolved
+    (:func:`resolve_comm_mode`); ``batch_sizes`` ``None`` means equal until :meth:`set_batch_sizes`; ``groups`` are
+    built when ``None``; the other keywords are the strategy's (``docs/communication.md``).
     """
 
     def __init__(
@@ -162,7 +126,6 @@ class CommController:
             raise ValueError(f"Expected argument `autotune_steps` to be an integer >= 0, but got {autotune_steps!r}.")
         world_size = len(self._node_ids)
         self._batch_sizes = [1] * world_size if batch_sizes is None else _check_batch_sizes(batch_sizes, world_size)
-        self._sync_every = global_sync_every
         self._stats = CommStats(rank=rank, world_size=world_size)
         self._groups = groups
         if self._groups is None and mode != "allreduce":
@@ -186,7 +149,6 @@ class CommController:
         if rank == 0:
             log.info("lightning-het comm=%r%s over %s", mode, self._algorithm.describe(), describe_topology(node_ids))
 
-    # ------------------------------------------------------------------ properties
     @property
     def algorithm(self) -> FlatAllReduce:
         """The running mode's object (:class:`~lightning_het.comm.allreduce.FlatAllReduce` or a subclass)."""
@@ -194,23 +156,12 @@ class CommController:
 
     @property
     def mode(self) -> CommMode:
-        """The running mode."""
         return self._algorithm.mode  # type: ignore[return-value]
-
-    @property
-    def node_ids(self) -> list[int]:
-        """Normalised node id of every global rank."""
-        return list(self._node_ids)
 
     @property
     def groups(self) -> NodeGroups | None:
         """Node process groups (``None`` for ``"allreduce"``)."""
         return self._groups
-
-    @property
-    def global_sync_every(self) -> int | None:
-        """``K`` of ``node_local``."""
-        return self._sync_every
 
     @property
     def reduction(self) -> str | None:
@@ -222,7 +173,6 @@ class CommController:
         """Bytes sent so far and per optimizer step, inside nodes and between nodes (see :class:`CommStats`)."""
         return self._stats.as_dict()
 
-    # ------------------------------------------------------------------ lifecycle
     def register(self, ddp_model: DistributedDataParallel) -> None:
         """Register the mode's comm hook on ``ddp_model`` (none for ``"allreduce"``) and record the gradient bytes."""
         self._grad_bytes = _grad_bytes(ddp_model.parameters())
@@ -240,16 +190,8 @@ class CommController:
     def after_optimizer_step(
         self, params: Iterable[torch.Tensor], global_step: int, *, end_of_epoch: bool = False
     ) -> bool:
-        """Account for the step; for ``node_local`` average parameters when due. Collective.
-
-        Args:
-            params: the model's parameters (the same tensors, in the same order, on every rank).
-            global_step: optimizer steps completed including this one (``trainer.global_step + 1``).
-            end_of_epoch: force a global average now (last step of the epoch).
-
-        Returns:
-            Whether a global parameter average ran.
-        """
+        """Account for step ``global_step`` (``trainer.global_step + 1``); for ``node_local`` average ``params``
+        when due or at ``end_of_epoch``. Collective; returns whether a global parameter average ran."""
         params = list(params)
         if self._grad_bytes is None:
             self._grad_bytes = _grad_bytes(params)
@@ -257,11 +199,7 @@ class CommController:
         return self._algorithm.after_step(params, global_step, end_of_epoch)
 
     def synchronize(self, params: Iterable[torch.Tensor]) -> bool:
-        """Bring all replicas to one consensus model now (``node_local``); a no-op if they already agree. Collective.
-
-        Returns:
-            Whether an average ran.
-        """
+        """Bring all replicas to one consensus model now (``node_local``); whether an average ran. Collective."""
         return self._algorithm.synchronize(list(params))
 
     def state_dict(self) -> dict[str, Any]:

@@ -43,13 +43,10 @@ def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ..
 
 
 def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-    """Gather ``tensor`` from every replica of ``group`` (default: all).
+    """Gather ``tensor`` from every replica of ``group`` (default: all); ``tensor`` itself when not distributed.
 
     Equal shapes are stacked to ``[W, *shape]`` (as DDP); shapes differing only in dimension 0 are concatenated in rank
-    order to ``[sum_r n_r, *rest]``. ``tensor`` itself when ``torch.distributed`` is not initialised.
-
-    Raises:
-        ValueError: the replicas' tensors differ in more than their first dimension (message names all shapes).
+    order to ``[sum_r n_r, *rest]``; other differences raise ``ValueError``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return tensor

@@ -22,15 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Hierarchical(FlatAllReduce):
-    """Node-aware exact reduction; with ``autotune_steps > 0`` timed against a flat all-reduce and the faster kept.
-
-    Args:
-        node_ids, rank, stats: as :class:`~lightning_het.comm.allreduce.FlatAllReduce`.
-        groups: the node process groups.
-        chunk_bytes: pipelining granularity (:class:`~lightning_het.comm.hooks.HierarchicalState`).
-        autotune_steps: optimizer steps timed with each reduction before choosing; ``0`` keeps the hierarchy.
-        clock: the tuner's clock (seconds).
-    """
+    """Node-aware exact reduction; with ``autotune_steps > 0`` timed against a flat all-reduce and the faster kept."""
 
     mode = "hierarchical"
 

@@ -83,17 +83,10 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 class HierarchicalState:
     """State of :func:`hierarchical_hook` and :func:`hierarchical_sum`.
 
-    Args:
-        groups: the job's node groups (:func:`lightning_het.cluster.topology.build_node_groups`).
-        chunk_bytes: largest chunk reduced at once, so that the three stages of successive chunks overlap; smaller
-            chunks pipeline better but pay more latency (1-8 MiB suits TCP and NCCL). ``0`` disables chunking.
-
-    Attributes:
-        flat: run one flat all-reduce instead (same result; the measured choice); equal on all ranks.
+    ``chunk_bytes``: largest chunk reduced at once, so that the three stages of successive chunks overlap (1-8 MiB
+    suits TCP and NCCL; ``0``: no chunking). ``flat``: run one flat all-reduce instead (the measured choice).
     """
 
-    # user-tuned: chunk_bytes; topology: groups, world_size; measured choice: flat;
-    # internal issue order: _bcast_order, _leader_order, _seq
     __slots__ = ("_bcast_order", "_leader_order", "_seq", "chunk_bytes", "flat", "groups", "world_size")
 
     def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
@@ -229,19 +222,9 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
 
 
 class NodeLocalState:
-    """State of :func:`node_local_hook`.
+    """State of :func:`node_local_hook`: ``hierarchical`` runs the exact warm-up steps (its groups define the nodes);
+    ``node_scale`` = ``B / (W * B_n)`` is applied to this rank's pre-scaled gradient before the node's sum."""
 
-    Args:
-        hierarchical: state used for exact (warm-up) steps; its groups define the nodes.
-        batch_sizes: samples per step of every replica, indexed by global rank.
-        warmup_steps: the first ``warmup_steps`` optimizer steps reduce gradients exactly over all replicas.
-
-    Attributes:
-        node_scale: ``B / (W * B_n)`` applied to this rank's pre-scaled gradient before the node's sum.
-        completed_steps: optimizer steps completed so far (from the global step: a resumed run keeps its warm-up).
-    """
-
-    # user-tuned: warmup_steps; derived from the allocation: node_scale; internal: completed_steps, hierarchical
     __slots__ = ("completed_steps", "hierarchical", "node_scale", "warmup_steps")
 
     def __init__(self, hierarchical: HierarchicalState, batch_sizes: list[int], warmup_steps: int = 0) -> None:

@@ -25,20 +25,10 @@ __all__ = ["NodeLocal"]
 
 
 class NodeLocal(FlatAllReduce):
-    """Node-local optimisation steps plus a periodic merge of the replicas' models (resumes in phase).
+    """Node-local optimisation steps plus a merge of the replicas' models every ``global_sync_every`` steps.
 
     The merge weighs each replica by the samples it trained on since the last one (``merge_by="samples"``) or each
     node equally (``"nodes"``); what it does with them is ``merge``'s (:mod:`lightning_het.comm.outer`).
-
-    Args:
-        node_ids, rank, stats: as :class:`~lightning_het.comm.allreduce.FlatAllReduce`.
-        groups: the node process groups.
-        chunk_bytes: pipelining granularity of the exact steps and the averages.
-        batch_sizes: samples per step of every replica (the merge weights).
-        global_sync_every: ``K``, optimizer steps between averages, or ``None``.
-        warmup_steps: the first steps reduce gradients exactly over all replicas.
-        merge: the sync (:func:`~lightning_het.comm.outer.build_merge`); default the plain average.
-        merge_by: ``"samples"`` or ``"nodes"`` (:func:`~lightning_het.comm.averaging.merge_weights`).
     """
 
     mode = "node_local"

@@ -1,10 +1,6 @@
-"""What a global sync of ``comm="node_local"`` does with the replicas' models: a plain weighted average, or an outer
-optimizer step on the merged pseudo-gradient (DiLoCo), optionally exchanged compressed.
+"""What a ``comm="node_local"`` sync does: a weighted average, or an outer optimizer step (docs/communication.md).
 
-Every replica holds the same outer state (the consensus model of the last sync, ``anchor``, and the outer optimizer's
-state over it): each computes the same step from the same merged pseudo-gradient, so no broadcast is needed and any
-rank's copy is the checkpoint's. The error-feedback residual of a compressed exchange belongs to each node leader
-and is not checkpointed (a resumed run restarts it from zero).
+Every replica holds the same outer state (``anchor``, the consensus model of the last sync, and the outer optimizer's).
 """
 
 from __future__ import annotations
@@ -43,12 +39,8 @@ class ParameterAverage:
 
 
 class OuterStep:
-    """An outer optimizer over the consensus model, stepped with the merged pseudo-gradient ``anchor - params``.
-
-    Args:
-        factory: builds the optimizer over the anchor tensors (``torch.optim.SGD(lr=1)`` is the plain average).
-        codec: how the pseudo-gradients cross the nodes (:class:`~lightning_het.comm.compression.Codec`).
-    """
+    """An outer optimizer (``factory`` of the anchor tensors) stepped with the merged pseudo-gradient
+    ``anchor - params``, which crosses the nodes through ``codec``."""
 
     def __init__(self, factory: OuterFactory, codec: Codec) -> None:
         self.factory = factory
@@ -72,11 +64,8 @@ class OuterStep:
 
     @torch.no_grad()
     def merge(self, params: list[torch.Tensor], weight: float, state: HierarchicalState) -> tuple[int, int | None]:
-        """Weighted sum of the pseudo-gradients over all replicas, one outer step, every replica set to its result.
-
-        Returns:
-            The float32 payload bytes per rank and the compressed bytes per leader (``None`` when float32).
-        """
+        """Weighted sum of the pseudo-gradients over all replicas, one outer step, every replica set to its result;
+        returns the float32 payload bytes per rank and the compressed bytes per leader (``None`` when float32)."""
         params = unique_floating(params)
         if self.optimizer is None:
             raise RuntimeError("The outer step has no consensus model: call `begin(params)` when the replicas agree.")

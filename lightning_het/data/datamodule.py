@@ -13,17 +13,12 @@ __all__ = ["HeterogeneousDataModule"]
 
 
 class HeterogeneousDataModule(pl.LightningDataModule):
-    """Base class for data modules trained with ``HeterogeneousStrategy``.
+    """Base class for data modules trained with ``HeterogeneousStrategy`` (under another strategy each process gets
+    ``global_batch_size // world_size``).
 
-    Under any other strategy each process gets ``global_batch_size // world_size``.
-
-    Args:
-        global_batch_size: samples per optimizer step summed over all replicas. The strategy reads this value when
-            its own ``global_batch_size`` is not set.
-        eval_batch_size: per-replica batch size for validation, test and predict (default: ``global_batch_size``);
-            in validation and test it is the mean over replicas (fast replicas get larger batches).
-        num_workers: ``DataLoader`` worker processes per replica.
-        pin_memory: pin host memory (useful with CUDA replicas).
+    ``global_batch_size``: samples per optimizer step over all replicas, read by the strategy when its own is not set;
+    ``eval_batch_size`` (default ``global_batch_size``): per replica for predict, the mean over replicas for validation
+    and test (fast replicas get larger batches); ``num_workers`` and ``pin_memory`` go to every loader.
     """
 
     def __init__(

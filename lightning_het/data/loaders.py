@@ -151,7 +151,7 @@ def rebuild_loader(
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
     arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
     replacements: dict[str, Any] = {"batch_size": batch_size, "drop_last": False, **overrides}
-    if batch_sampler is not None:
+    if batch_sampler is not None:  # it excludes batch_size, shuffle, sampler and drop_last
         replacements.update(batch_sampler=batch_sampler, sampler=None, batch_size=1, shuffle=None)
     if dataloader.batch_size is None and dataloader.batch_sampler is None and "collate_fn" not in overrides:
         collate = dataloader.collate_fn
@@ -166,21 +166,4 @@ def rebuild_loader(
 
 def rebuild_with_batch_sampler(dataloader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
     """Re-instantiate ``dataloader`` (any subclass) drawing its batches from ``batch_sampler``."""
-    from lightning_het._compat import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
-
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, batch_sampler.sampler)
-    arg_names = tuple(getattr(dataloader, "__pl_saved_arg_names", ()))
-    # batch_sampler excludes batch_size, shuffle, sampler and drop_last
-    replacements: dict[str, Any] = {
-        "batch_sampler": batch_sampler,
-        "batch_size": 1,
-        "shuffle": False,
-        "sampler": None,
-        "drop_last": False,
-    }
-    if arg_names:
-        args = tuple(
-            replacements.pop(name, value) if name in replacements else value for name, value in zip(arg_names, args)
-        )
-    kwargs.update(replacements)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    return rebuild_loader(dataloader, batch_sampler.sampler, 1, batch_sampler=batch_sampler)

@@ -74,18 +74,9 @@ class ProportionalDistributedSampler(DistributedSampler):
 
     At step ``k`` replica ``r`` takes ``[k*B + o_r, k*B + o_r + b_r)`` of one seeded global order (``B`` the global
     batch, ``o_r = sum(batch_sizes[:r])``); the last ``N % B`` samples form a smaller global batch split by
-    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small). Every replica yields ``num_steps`` batches.
-
-    Args:
-        dataset: any sized dataset.
-        batch_sizes: samples per step of each replica, indexed by global rank (all positive).
-        rank: this replica's global rank.
-        shuffle: a new permutation every epoch (``set_epoch``), else the dataset order; ignored with ``order_sampler``.
-        seed: base seed of the order; must be the same on every replica.
-        drop_last: drop the tail instead of training it as a last, smaller global batch.
-        min_batch_size: fewest samples per replica in the tail batch (``2`` where batch norm trains per replica).
-        order_sampler: a sampler whose order is cut into global batches instead of a permutation (e.g. a
-            ``WeightedRandomSampler``); its indices are passed to ``dataset`` unchanged.
+    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small; ``min_batch_size`` per replica). Every
+    replica yields ``num_steps`` batches. ``seed`` must be the same on every replica; ``order_sampler`` (e.g. a
+    ``WeightedRandomSampler``) gives the order to cut instead of a permutation, ``shuffle`` then being ignored.
     """
 
     def __init__(
@@ -271,13 +262,8 @@ def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> t
 
 
 class EvalBatchSampler(BatchSampler):
-    """Evaluation batches with the same number of batches on every replica and speed-proportional batch sizes.
-
-    Attributes:
-        sampler: the replica's :class:`UnpaddedDistributedSampler` (its indices, in order).
-        batch_sizes: the sizes of this replica's batches; ``shares``: every replica's sample count.
-        repeats: how often the whole set is evaluated (``> 1`` only for sets with fewer samples than replicas).
-    """
+    """Evaluation batches with the same number of batches on every replica and speed-proportional batch sizes
+    (``batch_sizes``: this replica's; ``shares``: every replica's sample count; ``repeats``: passes over the set)."""
 
     def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, batch_size: int) -> None:
         shares, plan = eval_batch_plan(len(dataset), weights, batch_size)

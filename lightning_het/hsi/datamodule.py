@@ -45,7 +45,7 @@ def _default_memory_budget() -> int:
 
 @dataclass
 class _Input:
-    """What was read from the input, before any pixel is dropped or split."""
+    """What was read, before any pixel is dropped or split."""
 
     cube: np.ndarray | None  # (B, H, W); None when patches are read from the file
     labels: np.ndarray  # (H, W) int64
@@ -76,34 +76,20 @@ class HyperspectralDataModule(HeterogeneousDataModule):
     """Hyperspectral land-cover classification data: read, check, split, preprocess, cut patches.
 
     Args:
-        image: multi-band raster or ``.mat`` file; ``None`` for a synthetic scene.
-        labels: single-band label raster or ``.mat`` file (omitted when the image ``.mat`` holds both arrays).
-        synthetic: ``make_synthetic_scene`` keywords for ``image=None`` (default: 64x64 px, 32 bands, 6 classes).
+        image, labels: a raster or ``.mat`` file each (``labels`` omitted when the image ``.mat`` holds both);
+            ``image=None``: a synthetic scene drawn with the ``synthetic`` keywords of ``make_synthetic_scene``.
         patch_size: odd side of the square patches, in pixels (``1`` = spectra only).
         split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see ``block_split``).
-        train_fraction: fraction of each class's pixels used for training.
-        train_per_class: pixels per class used for training; takes precedence over ``train_fraction``.
-        val_fraction: fraction of each class's pixels used for validation (``0`` for none).
-        val_per_class: pixels per class for validation; takes precedence over ``val_fraction``.
-        block_size: block side in pixels for ``split="blocks"``.
-        pca_components: keep this many principal components (fitted on training pixels); ``"auto"``:
-            ``min(30, bands - 1)``, decided once the band count is known and logged; ``None`` keeps every band.
-        standardize: standardise each band with the training mean and standard deviation.
+        train_fraction, val_fraction: fraction of each class's pixels for training / validation (``0``: none);
+            ``train_per_class`` / ``val_per_class``, pixel counts, take precedence.
+        pca_components: principal components kept (fitted on training pixels); ``"auto"``: ``min(30, bands - 1)``;
+            ``None``: every band.
         num_classes: ``C``; default ``len(class_names)`` or the largest label. Labels above ``C`` are an error.
-        class_names: one name per class, for logs and map legends.
-        image_key: variable holding the cube in a ``.mat`` file (default: found by shape).
-        labels_key: variable holding the labels in a ``.mat`` file (default: found by shape).
-        seed: seed of the split (the synthetic scene has its own ``seed`` in ``synthetic``).
-        in_memory: hold the preprocessed cube in memory (``True``) or read each patch from the file (``False``);
-            ``None`` decides by size against ``memory_budget``. ``.mat`` and synthetic scenes are always in memory.
-        memory_budget: bytes for an in-memory cube when ``in_memory`` is ``None`` (default: 1/8 of physical memory).
-        global_batch_size: samples per optimizer step summed over replicas (see ``HeterogeneousDataModule``).
-        eval_batch_size: per-replica batch size for validation, test and predict.
-        num_workers: ``DataLoader`` worker processes per replica.
-        pin_memory: pin host memory.
+        image_key, labels_key: variables of a ``.mat`` file (default: found by shape).
+        in_memory: hold the preprocessed cube in memory or read each patch from the file; ``None`` decides by size
+            against ``memory_budget`` bytes (default: 1/8 of physical memory).
 
-    Raises:
-        ValueError: at construction, for inconsistent or out-of-range arguments.
+    The other keywords are described in ``docs/hyperspectral.md``; bad values raise ``ValueError`` at construction.
     """
 
     def __init__(
@@ -166,21 +152,19 @@ class HyperspectralDataModule(HeterogeneousDataModule):
         self.memory_budget = _default_memory_budget() if memory_budget is None else int(memory_budget)
         self._scene: _Scene | None = None
 
+    # the scene and what derives from it are built on first access (``setup`` does it on every rank)
     @property
     def scene(self) -> _Scene:
-        """The processed scene; built on first access (``setup`` does it on every rank)."""
         if self._scene is None:
             self._scene = self._build()
         return self._scene
 
     @property
     def num_bands(self) -> int:
-        """Bands of each patch after preprocessing (``pca_components`` when set)."""
         return self.scene.source.bands
 
     @property
     def num_classes(self) -> int:
-        """Number of classes ``C``; models predict ``0..C-1``."""
         return self.scene.num_classes
 
     @property
@@ -189,7 +173,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
 
     @property
     def crs(self) -> CRS | None:
-        """CRS of the scene (``None`` for ``.mat`` or non-georeferenced input)."""
         return self.scene.crs
 
     @property
@@ -199,7 +182,6 @@ class HyperspectralDataModule(HeterogeneousDataModule):
 
     @property
     def shape(self) -> tuple[int, int]:
-        """``(height, width)`` of the scene in pixels."""
         return self.scene.source.shape
 
     @property
@@ -361,7 +343,7 @@ def _check_int(name: str, value: object, minimum: int, optional: bool = False) -
 def _check_inputs(
     image: str | None, labels: str | None, *, mat: bool, synthetic: dict[str, Any] | None, in_memory: bool | None
 ) -> None:
-    """Refuse a combination of inputs that names no scene, or two (one ``ValueError`` with a hint)."""
+    """Refuse inputs that name no scene, or two."""
     if image is None:
         if labels is not None:
             raise ValueError(
@@ -389,7 +371,6 @@ def _check_inputs(
 
 
 def _check_counts(block_size: int, pca_components: Any, num_classes: int | None, memory_budget: int | None) -> None:
-    """The integer arguments: positive, ``memory_budget`` non-negative, all but ``block_size`` optional."""
     _check_int("block_size", block_size, 1)
     if pca_components != PCA_AUTO:
         _check_int("pca_components", pca_components, 1, optional=True)
@@ -398,7 +379,6 @@ def _check_counts(block_size: int, pca_components: Any, num_classes: int | None,
 
 
 def _check_fractions(train: float | int, val: float | int) -> None:
-    """Training and validation fractions must leave test pixels."""
     if isinstance(train, float) and isinstance(val, float) and (train + val >= 1):
         raise ValueError(
             f"You set train_fraction={train} and val_fraction={val}, but they must sum"
@@ -407,7 +387,6 @@ def _check_fractions(train: float | int, val: float | int) -> None:
 
 
 def _check_class_names(class_names: Sequence[str] | None, num_classes: int | None) -> list[str] | None:
-    """``class_names`` as strings, one per class when ``num_classes`` is given."""
     if class_names is not None:
         class_names = [str(n) for n in class_names]
         if num_classes is not None and len(class_names) != num_classes:

@@ -40,14 +40,10 @@ class PatchSource(Protocol):
 
 
 class InMemoryPatches:
-    """Patches sliced from a preprocessed, reflect-padded copy of the whole cube.
+    """Patches sliced from a preprocessed, reflect-padded copy of the whole ``(bands, height, width)`` cube.
 
-    Args:
-        cube: ``(bands, height, width)`` raw cube, any real dtype.
-        patch_size: odd window side, in pixels.
-        transform: fitted preprocessing; identity (cast to ``float32``) when ``None``.
-        nodata: the raster's nodata value; nodata/NaN pixels are zero-filled after preprocessing.
-        valid: the ``(height, width)`` mask of usable pixels, when already computed (else derived from ``nodata``).
+    ``transform``: identity (cast to ``float32``) when ``None``; pixels outside ``valid`` (else derived from
+    ``nodata``) are zero-filled after preprocessing.
     """
 
     def __init__(
@@ -84,14 +80,7 @@ def _cast(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 class WindowedPatches:
-    """Patches read window by window from the raster file; nothing but metadata is held in memory.
-
-    Args:
-        path: a raster rasterio opens (GeoTIFF, ENVI, ...).
-        patch_size: odd window side, in pixels.
-        transform: fitted preprocessing; identity (cast to ``float32``) when ``None``.
-        nodata: nodata value of the raster (read from the file when ``None``).
-    """
+    """Patches read window by window from the raster file (``nodata``: the file's when ``None``)."""
 
     def __init__(
         self,
@@ -118,15 +107,10 @@ class WindowedPatches:
 
 
 class PatchDataset(Dataset):
-    """Labelled (or unlabelled) pixels of a scene served as patch samples.
+    """The pixels ``indices`` (``row * width + col``) of a scene as patch samples, ``targets`` their classes.
 
-    A sample is a dict: ``image`` ``float32 (B, p, p)``, ``label`` (class index, ``-1`` unlabelled), ``row``, ``col``,
-    ``valid`` (the centre pixel has a usable spectrum).
-
-    Args:
-        source: where patches come from.
-        indices: flat pixel indices ``row * width + col``, shape ``(n,)``.
-        targets: class index ``0..C-1`` per pixel, ``-1`` for unlabelled; shape ``(n,)``. All ``-1`` when ``None``.
+    A sample is a dict: ``image`` ``float32 (B, p, p)``, ``label`` (class index, ``-1`` unlabelled, as are all when
+    ``targets`` is ``None``), ``row``, ``col``, ``valid`` (the centre pixel has a usable spectrum).
     """
 
     def __init__(self, source: PatchSource, indices: np.ndarray, targets: np.ndarray | None = None) -> None:

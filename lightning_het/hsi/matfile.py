@@ -72,18 +72,10 @@ def read_mat_scene(
     labels_key: str | None = None,
     num_classes: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Read a hyperspectral cube and its labels from MATLAB ``.mat`` files (as the classic benchmarks circulate).
+    """Read ``(cube (bands, height, width) as stored, labels (height, width) int64, number of classes)``.
 
-    Args:
-        image_path: the ``.mat`` holding the cube.
-        labels_path: the ``.mat`` holding the labels; the same file as the image when ``None``.
-        image_key: variable name of the cube, to skip the search.
-        labels_key: variable name of the labels, to skip the search.
-        num_classes: the number of classes; inferred from the labels when ``None``.
-
-    Returns:
-        The cube ``(bands, height, width)`` in its stored dtype, the labels ``(height, width)`` as ``int64`` and the
-        number of classes.
+    The labels come from ``image_path`` when ``labels_path`` is ``None``; ``image_key`` / ``labels_key`` name the
+    variables (else found by shape).
 
     Raises:
         RasterNotFoundError: a file does not exist.

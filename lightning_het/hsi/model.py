@@ -29,16 +29,9 @@ def _unpack(batch: Any) -> tuple[Tensor, Tensor]:
 class HSIClassifier(pl.LightningModule):
     """Pixel classification of hyperspectral patches with OA / AA / kappa measured by torchmetrics.
 
-    Args:
-        network: one of ``"spectral1d"``, ``"cnn2d"``, ``"cnn3d"``, ``"hybridsn"``.
-        lr: learning rate.
-        weight_decay: L2 penalty (decoupled for ``"adamw"``).
-        optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"`` (with ``momentum``).
-        momentum: SGD momentum.
-        in_bands: bands per patch; from the datamodule when ``None``.
-        num_classes: classes; from the datamodule when ``None``.
-        patch_size: patch side; from the datamodule when ``None``.
-        network_kwargs: extra network arguments (``width``, ``dropout``).
+    ``network``: a name of :data:`~lightning_het.hsi.networks.NETWORKS`, built with ``network_kwargs`` (``width``,
+    ``dropout``); ``weight_decay`` is decoupled for ``optimizer="adamw"``; ``momentum`` is SGD's. ``in_bands``,
+    ``num_classes`` and ``patch_size`` come from the datamodule when ``None``.
     """
 
     def __init__(

@@ -123,18 +123,7 @@ NETWORKS: dict[str, Callable[..., nn.Module]] = {
 
 
 def build_network(name: str, in_bands: int, num_classes: int, patch_size: int, **kwargs: object) -> nn.Module:
-    """Build a registered network.
-
-    Args:
-        name: one of ``"spectral1d"``, ``"cnn2d"``, ``"cnn3d"``, ``"hybridsn"``.
-        in_bands: bands per input patch (after PCA, if any).
-        num_classes: output classes.
-        patch_size: odd patch side in pixels.
-        **kwargs: extra constructor arguments (``width``, ``dropout``).
-
-    Raises:
-        ValueError: for an unknown name or non-positive sizes.
-    """
+    """Build the network ``name`` of :data:`NETWORKS` (``kwargs``: ``width``, ``dropout``)."""
     if name not in NETWORKS:
         raise ValueError(f"Expected argument `name` to be one of {sorted(NETWORKS)}, but got {name!r}.")
     for arg, value in (("in_bands", in_bands), ("num_classes", num_classes), ("patch_size", patch_size)):

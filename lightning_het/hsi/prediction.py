@@ -48,17 +48,9 @@ def class_palette(num_classes: int) -> list[tuple[int, int, int]]:
 def assemble_class_map(
     pred: np.ndarray, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int], num_classes: int | None = None
 ) -> np.ndarray:
-    """Scatter per-pixel predictions into a map.
+    """The ``(height, width)`` map of ``pred + 1`` at ``(rows, cols)``, ``0`` elsewhere and where ``pred`` is ``-1``.
 
-    Args:
-        pred: class indices ``0..C-1`` (``-1`` = no prediction), shape ``(n,)``.
-        rows: pixel rows, shape ``(n,)``.
-        cols: pixel columns, shape ``(n,)``.
-        shape: ``(height, width)`` of the scene.
-        num_classes: ``C``, for the dtype (``uint8`` below 256 classes, else ``uint16``); from ``pred`` if ``None``.
-
-    Returns:
-        ``(height, width)`` map of ``pred + 1``; pixels never predicted are ``0``.
+    ``num_classes`` (else from ``pred``) picks the dtype: ``uint8`` below 256 classes, else ``uint16``.
     """
     pred = np.asarray(pred, dtype=np.int64)
     classes = num_classes if num_classes is not None else int(pred.max(initial=0)) + 1
@@ -75,15 +67,8 @@ def write_prediction_geotiff(
     transform: Affine | None = None,
     num_classes: int | None = None,
 ) -> Path:
-    """Write a class map (``0`` = nodata, ``1..C``) as a single-band GeoTIFF with a colour palette.
-
-    Args:
-        path: output file.
-        class_map: ``(height, width)`` ``uint8``/``uint16`` map.
-        crs: the input scene's CRS.
-        transform: the input scene's transform (identity when ``None``).
-        num_classes: ``C`` for the palette; ``class_map.max()`` when ``None``.
-    """
+    """Write a class map (``0`` = nodata, ``1..C``; ``C``: ``num_classes`` or the largest value) as a single-band
+    GeoTIFF with a colour palette."""
     classes = int(num_classes if num_classes is not None else class_map.max())
     palette = {i: (*rgb, 255) for i, rgb in enumerate(class_palette(max(classes, 1)))}
     palette[0] = (0, 0, 0, 0)
@@ -99,16 +84,8 @@ def write_prediction_png(
     title: str = "Predicted land cover",
     dpi: int = 100,
 ) -> Path:
-    """Write a colour preview of a class map with a legend (and, optionally, the reference labels beside it).
-
-    Args:
-        path: output ``.png``.
-        class_map: ``(height, width)``, ``0`` = no prediction, ``1..C``.
-        class_names: ``C`` names for the legend.
-        reference: optional ``(height, width)`` ground-truth labels (``0`` = unlabelled) drawn in a left panel.
-        title: title of the prediction panel.
-        dpi: resolution of the image.
-    """
+    """Write a colour preview of a class map (``0`` = none, ``1..C``) with a legend of the ``C`` ``class_names``,
+    and the ``reference`` labels (``0`` = unlabelled) in a left panel when given."""
     from matplotlib.colors import ListedColormap
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -147,20 +124,10 @@ def _gather(local: np.ndarray) -> np.ndarray:
 
 
 class PredictionMapWriter(pl.Callback):
-    """Collects ``predict_step`` outputs of every replica and writes the full-scene map once, from rank 0.
+    """Collects ``predict_step`` outputs of every replica; rank 0 writes ``out_dir/<name>.tif`` (and ``.png``).
 
-    Args:
-        out_dir: output folder (created).
-        name: file stem.
-        png: also write the PNG preview.
-        shape: ``(height, width)``; from the datamodule when ``None``.
-        crs: from the datamodule when ``None``.
-        transform: from the datamodule when ``None``.
-        class_names: from the datamodule when ``None``.
-
-    Attributes:
-        class_map: the last map assembled (on every rank), or ``None``.
-        paths: files written by rank 0 (empty on other ranks).
+    ``shape``, ``crs``, ``transform`` and ``class_names`` come from the datamodule when ``None``. After a predict
+    loop, ``class_map`` holds the map on every rank and ``paths`` the files rank 0 wrote.
     """
 
     def __init__(

@@ -10,15 +10,7 @@ __all__ = ["SpectralTransform", "fit_spectral_transform", "valid_mask"]
 
 
 def valid_mask(values: np.ndarray, nodata: float | None = None) -> np.ndarray:
-    """Which pixels have a usable spectrum.
-
-    Args:
-        values: band-first array ``(bands, ...)``, any real dtype (``uint16``, ``float32``, ...).
-        nodata: the raster's nodata value, or ``None``. A NaN ``nodata`` is covered by the finiteness test.
-
-    Returns:
-        Boolean array of shape ``values.shape[1:]``; ``True`` = valid.
-    """
+    """Which pixels of band-first ``values`` ``(bands, ...)`` have a finite spectrum without ``nodata``."""
     ok = np.ones(values.shape[1:], dtype=bool)
     if values.dtype.kind == "f":
         ok &= np.isfinite(values).all(axis=0)
@@ -46,13 +38,8 @@ class SpectralTransform:
         return int(self.components.shape[0]) if self.components is not None else self.in_bands
 
     def __call__(self, values: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
-        """Transform band-first ``values`` ``(in_bands, ...)`` into ``float32`` ``(out_bands, ...)``.
-
-        Args:
-            values: any real dtype.
-            valid: optional mask of shape ``values.shape[1:]``; invalid pixels are replaced by ``shift`` before
-                transforming, so they come out as ``0`` (the training mean when the data are centred).
-        """
+        """Transform band-first ``values`` ``(in_bands, ...)`` into ``float32`` ``(out_bands, ...)``; pixels outside
+        the ``valid`` mask are replaced by ``shift`` first, so they come out as ``0``."""
         if values.shape[0] != self.in_bands:
             raise ValueError(
                 f"Expected an array with {self.in_bands} bands on its first axis, but got shape {values.shape}."
@@ -71,17 +58,9 @@ class SpectralTransform:
 def fit_spectral_transform(
     spectra: np.ndarray, *, standardize: bool = True, pca_components: int | None = None
 ) -> SpectralTransform:
-    """Fit the preprocessing on training spectra only.
+    """Fit the preprocessing on valid training ``spectra`` ``(n, bands)`` only (see ``docs/hyperspectral.md``).
 
-    Args:
-        spectra: ``(n, bands)`` training pixels (all valid), any real dtype.
-        standardize: centre each band on its training mean and divide by its training standard deviation (bands
-            with zero variance are only centred).
-        pca_components: keep this many principal components of the (standardised) training spectra; ``None`` keeps
-            all bands. Components are sign-normalised (largest loading positive) so that fits are reproducible.
-
-    Raises:
-        ValueError: no spectra, or ``pca_components`` outside ``1..bands``.
+    PCA components are sign-normalised (largest loading positive) so that fits are reproducible.
     """
     data = np.asarray(spectra, dtype=np.float64)
     if data.ndim != 2 or data.shape[0] == 0:

@@ -125,11 +125,7 @@ def _check_numeric(dtype: np.dtype | str, path: str) -> None:
 
 
 def read_image(path: str | os.PathLike) -> tuple[np.ndarray, RasterInfo]:
-    """Read a whole multi-band image.
-
-    Returns:
-        The cube, shape ``(bands, height, width)``, in the file's dtype (e.g. ``uint16`` or ``float32``), and its
-        metadata.
+    """Read a whole multi-band image: the cube ``(bands, height, width)`` in the file's dtype, and its metadata.
 
     Raises:
         RasterNotFoundError: the file does not exist.
@@ -162,10 +158,7 @@ def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int |
 
 
 def read_labels(path: str | os.PathLike, num_classes: int | None = None) -> tuple[np.ndarray, int, RasterInfo]:
-    """Read and validate a single-band label raster.
-
-    Returns:
-        Labels ``(height, width)`` as ``int64``, the number of classes ``C`` and the metadata.
+    """Read and validate a single-band label raster: labels ``(height, width)`` ``int64``, ``C`` and the metadata.
 
     Raises:
         RasterNotFoundError: the file does not exist.
@@ -294,17 +287,10 @@ def write_geotiff(
     colormap: dict[int, tuple[int, int, int, int]] | None = None,
     compress: str = "deflate",
 ) -> Path:
-    """Write ``array`` as a tiled, compressed GeoTIFF.
+    """Write ``array`` (``(bands, height, width)`` or ``(height, width)``) as a tiled, compressed GeoTIFF.
 
-    Args:
-        path: output file; parent folders are created.
-        array: ``(bands, height, width)`` or ``(height, width)``, any real dtype GDAL supports.
-        crs: coordinate reference system (``rasterio.crs.CRS`` or anything ``CRS.from_user_input`` takes).
-        transform: pixel-to-map affine transform; identity (not georeferenced) when ``None``.
-        nodata: nodata value stored in the file.
-        band_descriptions: one description per band (e.g. wavelengths).
-        colormap: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster.
-        compress: GDAL compression name.
+    ``crs``: anything ``CRS.from_user_input`` takes; ``transform``: pixel-to-map, identity when ``None``;
+    ``colormap``: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster.
     """
     data = np.asarray(array)
     if data.ndim == 2:

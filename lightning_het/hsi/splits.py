@@ -97,18 +97,14 @@ def random_split(
     num_classes: int | None = None,
     source: str | os.PathLike = "labels",
 ) -> Split:
-    """Stratified random split of the labelled pixels.
+    """Stratified random split of the labelled pixels; every class present gets a training and a test pixel.
 
     Args:
         labels: ``(height, width)`` integer map; ``0`` = unlabelled (also used for pixels to exclude, e.g. nodata).
         train: per class, a fraction in ``(0, 1)`` of its pixels (rounded, at least 1) or a count ``>= 1``.
         val: the same for validation; ``0`` for no validation pixels.
-        seed: seed of the permutations.
         num_classes: ``C``; ``labels.max()`` when ``None``. Classes without pixels are skipped with a warning.
         source: name of the label file, for error messages.
-
-    Returns:
-        The split; every class present gets at least one training and one test pixel.
 
     Raises:
         NoLabelledPixelsError: no pixel is labelled.
@@ -228,27 +224,10 @@ def block_split(
     source: str | os.PathLike = "labels",
     trials: int = 32,
 ) -> Split:
-    """Spatially disjoint split: whole blocks per subset, and no evaluation patch overlapping a training patch.
-
-    Args:
-        labels: ``(height, width)`` integer map; ``0`` = unlabelled.
-        train: per-class training target, a fraction in ``(0, 1)`` or a count ``>= 1``.
-        val: per-class validation target (``0`` for none).
-        block_size: side of the square blocks, in pixels.
-        patch_size: side of the patches that will be cut around the pixels; validation and test pixels within
-            Chebyshev distance ``patch_size - 1`` of a training pixel are dropped.
-        seed: seed of the block order.
-        num_classes: ``C``; ``labels.max()`` when ``None``.
-        source: name of the label file, for error messages.
-        trials: block orders tried.
-
-    Returns:
-        The split; train and (val | test) patch footprints are disjoint.
-
-    Raises:
-        NoLabelledPixelsError: no pixel is labelled.
-        ClassTooSmallError: a present class ends with no training pixel, no test pixel, or (when ``val`` > 0) no
-            validation pixel; use smaller blocks or smaller targets.
+    """Spatially disjoint split: whole ``block_size`` blocks per subset (``trials`` block orders tried), then the
+    validation and test pixels within Chebyshev distance ``patch_size - 1`` of a training pixel dropped, so that no
+    evaluation patch overlaps a training patch. Other arguments and errors as :func:`random_split`; a class without a
+    pixel in a required subset raises ``ClassTooSmallError``.
     """
     _check_amount("train", train, allow_zero=False)
     _check_amount("val", val, allow_zero=True)
@@ -290,7 +269,7 @@ def block_split(
             best = ((missing, error), subsets, counts)
     assert best is not None  # trials >= 1
     (train_idx, val_idx, test_idx), counts = best[1], best[2]
-    dropped = labelled.size - sum(idx.size for idx in best[1])
+    dropped = labelled.size - train_idx.size - val_idx.size - test_idx.size
     if dropped:
         log.info("Block split dropped %d evaluation pixels whose patches would overlap training patches.", dropped)
 

@@ -12,6 +12,7 @@ import numpy as np
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
+from lightning_het.arguments import positive_int
 from lightning_het.hsi.raster import write_geotiff
 
 __all__ = ["SyntheticScene", "make_synthetic_scene", "write_synthetic_scene"]
@@ -37,12 +38,6 @@ class SyntheticScene:
     def shape(self) -> tuple[int, int]:
         """``(height, width)`` in pixels."""
         return (int(self.labels.shape[0]), int(self.labels.shape[1]))
-
-
-def _check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
-    return int(value)
 
 
 def _gaussian(x: np.ndarray, centre: float, width: float) -> np.ndarray:
@@ -133,33 +128,16 @@ def make_synthetic_scene(
     crs: str = "EPSG:32616",
     origin: tuple[float, float] = (500000.0, 4400000.0),
 ) -> SyntheticScene:
-    """Draw a synthetic hyperspectral scene (the model is in ``docs/hyperspectral.md``).
+    """Draw a synthetic scene (the model is in ``docs/hyperspectral.md``); every class ``1..C`` has a pixel.
 
-    Args:
-        height: rows, in pixels.
-        width: columns, in pixels.
-        bands: spectral bands (evenly spaced over 400-2500 nm).
-        classes: number of labelled classes ``C``; labels are ``1..C``.
-        seed: seed of every random draw; the same arguments give the same scene, bit for bit.
-        noise: standard deviation of the sensor noise, in reflectance units (the signatures range over ~0.02-0.6).
-        region_scale: spatial correlation length of the class regions, in pixels (larger = bigger blobs).
-        boundary_mixing: standard deviation of the Gaussian that mixes materials across boundaries, in pixels.
-        unlabelled_fraction: fraction of the scene covered by the unlabelled background material, in ``[0, 1)``.
-        dtype: ``"uint16"`` for digital numbers ``round(10000 * reflectance)`` or ``"float32"`` for reflectance.
-        pixel_size: ground sampling distance of the transform, in CRS units (metres).
-        crs: the coordinate reference system, anything ``CRS.from_user_input`` accepts.
-        origin: map coordinates ``(x, y)`` of the top-left corner.
-
-    Returns:
-        The scene; every class in ``1..C`` has at least one labelled pixel.
-
-    Raises:
-        ValueError: for out-of-range arguments.
+    ``bands`` are evenly spaced over 400-2500 nm; ``seed`` seeds every draw (same arguments, same scene, bit for bit);
+    ``noise`` is in reflectance units, ``region_scale`` and ``boundary_mixing`` in pixels, ``pixel_size`` in CRS
+    units; ``dtype="uint16"`` stores ``round(10000 * reflectance)``; ``origin`` is the top-left ``(x, y)``.
     """
-    height = _check_positive_int("height", height, 2)
-    width = _check_positive_int("width", width, 2)
-    bands = _check_positive_int("bands", bands, 1)
-    classes = _check_positive_int("classes", classes, 1)
+    height = positive_int("height", height, allow_none=False, minimum=2)
+    width = positive_int("width", width, allow_none=False, minimum=2)
+    bands = positive_int("bands", bands, allow_none=False)
+    classes = positive_int("classes", classes, allow_none=False)
     if classes > 65535:
         raise ValueError(f"Expected argument `classes` to be at most 65535, but got {classes}.")
     if not 0 <= unlabelled_fraction < 1:
@@ -213,16 +191,7 @@ def make_synthetic_scene(
 
 
 def write_synthetic_scene(out_dir: str | os.PathLike, **kwargs: object) -> tuple[Path, Path]:
-    """Draw a scene with :func:`make_synthetic_scene` and write it as two GeoTIFFs.
-
-    Args:
-        out_dir: folder for ``image.tif`` (all bands, with wavelength band descriptions) and ``labels.tif`` (one band,
-            ``0`` = unlabelled). Created if missing.
-        **kwargs: passed to :func:`make_synthetic_scene`.
-
-    Returns:
-        ``(image_path, labels_path)``.
-    """
+    """Draw a scene with :func:`make_synthetic_scene` (``kwargs``); write ``out_dir/image.tif`` and ``labels.tif``."""
     scene = make_synthetic_scene(**kwargs)  # type: ignore[arg-type]
     out = Path(out_dir)
     image = write_geotiff(

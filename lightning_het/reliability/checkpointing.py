@@ -215,16 +215,9 @@ def checkpoint_record(
     profiled: bool,
     comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The entry for the checkpoint being saved now: the allocation, the training sampler's position and the comm
-    mode's state (``node_local``: the outer optimizer's, taken after the consensus the save forced).
-
-    Args:
-        trainer: the Trainer whose fit loop holds the training loader (``None``: no sampler position).
-        batch_sizes, node_ids: the strategy's allocation and node of every replica.
-        speeds: the replicas' speeds; ``None`` while the first steps still profile (a run resumed from there profiles
-            again).
-        profiled: whether the speeds were measured (not given by the user).
-        comm: :meth:`CommController.state_dict <lightning_het.comm.CommController.state_dict>` (``None``: none).
+    """The entry for the checkpoint being saved now: the allocation, the training sampler's position (``trainer``
+    ``None``: none) and the comm mode's state (``node_local``: the outer optimizer's, after the forced consensus).
+    ``speeds`` is ``None`` while the first steps still profile (a run resumed from there profiles again).
     """
     sampler_state = None
     if trainer is not None:

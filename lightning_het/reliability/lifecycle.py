@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -33,7 +31,7 @@ from lightning_het.cluster.rendezvous import (
     save_job_environment,
 )
 from lightning_het.reliability.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
-from lightning_het.reliability.processes import check_children, kill_children
+from lightning_het.reliability.processes import check_children, die_with_parent, kill_children
 from lightning_het.reliability.supervision import validate_launch_environment
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
@@ -63,14 +61,6 @@ log = logging.getLogger(__name__)
 REAP_GRACE_S = 30.0
 #: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
 FAILED_REAP_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """``preexec_fn`` of a child replica: the kernel sends it SIGKILL when the launching process dies."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class TimedStrategy(Protocol):
@@ -117,7 +107,7 @@ class _ReplicaProcesses:
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        preexec = die_with_parent if sys.platform.startswith("linux") else None
         for local_rank in range(1, self.num_processes):
             env = os.environ.copy()
             env["LOCAL_RANK"] = f"{local_rank}"

@@ -5,29 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_het.reliability.preemption import PREEMPTION_SIGNALS
+from lightning_het.reliability.processes import die_with_parent
 
 __all__ = ["shield_loader_workers"]
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the parent ends (Linux; elsewhere nothing).
-
-    A worker stuck in ``__getitem__`` never reaches torch's own parent check. The signal comes when the parent
-    *thread* ends; Lightning iterates its loaders in the main thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class _ShieldedWorkerInit:
@@ -39,7 +23,7 @@ class _ShieldedWorkerInit:
         self.signals = tuple(int(s) for s in signals)
 
     def __call__(self, worker_id: int) -> None:
-        _die_with_parent()
+        die_with_parent()  # a worker stuck in __getitem__ never reaches torch's own parent check
         for signum in self.signals:
             signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
         with contextlib.suppress(ValueError):

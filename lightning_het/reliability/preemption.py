@@ -1,10 +1,7 @@
 """Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143.
 
-Per replica: a handler records the signal and a ``set_wakeup_fd`` pipe thread notices it even while the main thread
-is blocked in a collective; the replicas agree (MAX all-reduce) after an optimizer step about every
-:data:`AGREE_EVERY_S` seconds (every step when steps are longer), rank 0 saves atomically,
-every replica raises :class:`Preempted`; a replica still alive ``grace`` seconds after the signal ends with
-``os._exit(143)``. See ``docs/preemption.md``.
+The replicas agree on the notice after an optimizer step, rank 0 saves atomically, every replica raises
+:class:`Preempted`; one still alive ``grace`` seconds after the signal exits with 143 (``docs/preemption.md``).
 """
 
 from __future__ import annotations
@@ -80,7 +77,7 @@ AGREE_MAX_STEPS = 64
 
 
 class PreemptionHandler:
-    """One replica's signal notice, deadline and step-boundary agreement (see the module docstring)."""
+    """One replica's signal notice, deadline and step-boundary agreement."""
 
     def __init__(
         self,

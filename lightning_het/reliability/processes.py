@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 
 from lightning_het.reliability.verdicts import CHILD_INTERRUPTION_STATUS, Verdict
 
-__all__ = ["check_children", "descendants", "exit_job", "kill_children", "kill_pids", "process_alive"]
+__all__ = [
+    "check_children",
+    "descendants",
+    "die_with_parent",
+    "exit_job",
+    "kill_children",
+    "kill_pids",
+    "process_alive",
+]
 
 _PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
+_PR_SET_PDEATHSIG = 1
 
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
@@ -26,12 +37,19 @@ def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict 
         return None
     ranks = sorted(r for r, _, _ in exited)
     kinds = {CHILD_INTERRUPTION_STATUS.get(code) for _, _, code in exited}
+    detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
     if len(kinds) == 1 and None not in kinds:
         kind = kinds.pop()
-        detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
         return Verdict(str(kind), tuple(ranks), 0.0, f"replica(s) {ranks} {kind} ({detail})")
-    detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
     return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the parent thread ends (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def descendants(pid: int) -> list[int]:

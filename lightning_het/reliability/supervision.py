@@ -184,8 +184,7 @@ def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, 
     else:
         watchdog.stop()
     if trainer is not None:
-        callback_cls = on_flavour(WatchdogCallback, trainer)
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
+        attach_watchdog(None, trainer)
 
 
 def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[int, subprocess.Popen]]]:
@@ -200,11 +199,8 @@ def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[i
 
 
 def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
-    """The timeout the rendezvous should use instead of the strategy's ``timeout``, or ``None`` to keep ``timeout``.
-
-    ``init_process_group`` uses one timeout for the rendezvous and every collective; a short ``timeout`` must not fail
-    replicas that start slowly, so the rendezvous waits ``startup_timeout`` when that is longer.
-    """
+    """``startup_timeout`` when it is longer than ``timeout`` (``None``: keep ``timeout``): ``init_process_group``
+    uses one timeout for the rendezvous and every collective, and a short one must not fail slow starters."""
     startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
     startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
     if timeout is None or startup <= timeout or dist.is_initialized():

@@ -180,12 +180,7 @@ def judge(
     silence_timeout: float | None = None,
     suspect_after: float | None = None,
 ) -> Verdict | None:
-    """Decide whether the job must end and whom to blame. Pure: the same statuses give the same verdict.
-
-    Rules, in order: an interruption ends everyone; a reported failure is blamed; a heartbeat older than
-    ``silence_timeout`` is a dead replica; no progress for ``timeout`` is a stall, blaming the suspects (no progress for
-    ``suspect_after``, not waiting) in evaluation, else those furthest behind, else those the others wait for.
-    """
+    """Decide whether the job must end and whom to blame (pure; the rules are in ``docs/reliability.md``)."""
     silence = timeout if silence_timeout is None else silence_timeout
     suspect = timeout / 2 if suspect_after is None else suspect_after
     interrupted = [s for s in statuses if s.state in _INTERRUPTED_STATES]

@@ -1,8 +1,7 @@
 """Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
 
-One :class:`Watchdog` per replica: progress markers (plain attribute writes), a heartbeat thread on the job's store
-(ages on the reader's monotonic clock), the pure :func:`judge`, and one compare-and-set abort record that ends every
-replica with ``os._exit``. See ``docs/reliability.md``.
+One :class:`Watchdog` per replica: progress markers, a heartbeat thread on the job's store, the pure :func:`judge` and
+one compare-and-set abort record that ends every replica (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """Per-replica heartbeat thread and judge (see the module docstring)."""
+    """Per-replica heartbeat thread and judge."""
 
     def __init__(
         self,
