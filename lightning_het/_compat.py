@@ -67,6 +67,7 @@ __all__ = [
     "forget_validation_loader",
     "inside_fabric_backward",
     "is_standalone",
+    "loop_state",
     "mirror_module",
     "on_flavour",
     "queue_backward_callback",
@@ -199,6 +200,39 @@ def forget_validation_loader(trainer: Any) -> None:
 def should_accumulate(trainer: Any) -> bool:
     """Whether the batch that just ran only accumulates gradients (no optimizer step follows it)."""
     return bool(_private_attribute(trainer.fit_loop.epoch_loop, "_should_accumulate")())
+
+
+def loop_state(loop: Any) -> dict[str, Any]:
+    """``loop.state_dict()`` of a Lightning loop (either flavour), with plain copies of its progress dataclasses
+    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step."""
+    destination: dict[str, Any] = {}
+    _loop_state(loop, destination, "")
+    return destination
+
+
+_LOOP_PARTS: dict[type, str | None] = {}  # per attribute type: "progress", "loop" or None (what state_dict skips)
+
+
+def _loop_state(loop: Any, destination: dict[str, Any], prefix: str) -> None:
+    destination[prefix + "state_dict"] = loop.on_save_checkpoint()
+    for key, value in vars(loop).items():
+        kind = _LOOP_PARTS.get(type(value), "")
+        if kind == "":
+            names = {cls.__name__ for cls in type(value).__mro__}
+            kind = "progress" if "_BaseProgress" in names else "loop" if "_Loop" in names else None
+            _LOOP_PARTS[type(value)] = kind
+        if kind == "progress":
+            destination[prefix + key] = _progress_state(value)
+        elif kind == "loop":
+            _loop_state(value, destination, f"{prefix}{key}.")
+
+
+def _progress_state(progress: Any) -> dict[str, Any]:
+    out = {}
+    for name in progress.__dataclass_fields__:
+        value = getattr(progress, name)
+        out[name] = _progress_state(value) if hasattr(value, "__dataclass_fields__") else value
+    return out
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ class FlatAllReduce:
         self.node_ids = list(node_ids)
         self.rank = rank
         self.stats = stats
+        self._traffic: tuple[int, Traffic] | None = None  # (gradient bytes, the traffic of one step)
 
     @property
     def reduction(self) -> str | None:
@@ -36,8 +37,11 @@ class FlatAllReduce:
         """Install the mode's gradient hook on ``ddp_model`` (nothing: DDP all-reduces already)."""
 
     def step_traffic(self, grad_bytes: int, global_step: int) -> Traffic:
-        """The bytes of optimizer step ``global_step``'s gradient exchange."""
-        return flat_allreduce_traffic(grad_bytes, self.node_ids)
+        """The bytes of optimizer step ``global_step``'s gradient exchange (the same every step)."""
+        cached = self._traffic
+        if cached is None or cached[0] != grad_bytes:
+            cached = self._traffic = (grad_bytes, flat_allreduce_traffic(grad_bytes, self.node_ids))
+        return cached[1]
 
     def after_step(self, params: list[torch.Tensor], global_step: int, end_of_epoch: bool) -> bool:
         """Called after every optimizer step, on every rank; returns whether parameters were averaged."""

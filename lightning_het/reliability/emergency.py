@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import dump_checkpoint, restore_checkpoint
+from lightning_het._compat import dump_checkpoint, loop_state, restore_checkpoint
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 
 __all__ = [
@@ -279,7 +279,7 @@ def attach_emergency(
 
     def observe() -> StepState:
         return StepState(
-            trainer.global_step, trainer.current_epoch, trainer.fit_loop.state_dict(), entry(), rng_state()
+            trainer.global_step, trainer.current_epoch, loop_state(trainer.fit_loop), entry(), rng_state(numpy=False)
         )
 
     def dump(state: StepState) -> dict[str, Any]:

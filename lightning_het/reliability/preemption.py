@@ -363,21 +363,20 @@ def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
 class PreemptionCallback(Callback):
     """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
 
-    def __init__(self, handler: PreemptionHandler, device: Callable[[], torch.device]) -> None:
+    def __init__(self, handler: PreemptionHandler) -> None:
         self.handler: PreemptionHandler | None = handler
-        self._device = device
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallback:
         """A copy sharing this process's live handler, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "handler": None, "_device": None}  # pickled: the live handler stays in its process
+        return {**self.__dict__, "handler": None}  # pickled: the live handler stays in its process
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.handler is None or should_accumulate(trainer):
             return  # the gradients of this batch wait for the next ones: not a place to stop and save
-        signals = self.handler.agree(self._device(), trainer.global_step)
+        signals = self.handler.agree(pl_module.device, trainer.global_step)
         if any(signals):
             raise self.handler.preempt(trainer, signals)
 
@@ -404,12 +403,10 @@ class _PreemptionSignalConnector:
 
 
 class PreemptibleStrategy(Protocol):
-    """What :func:`attach_preemption` reads of the strategy: its launcher, device and cluster environment."""
+    """What :func:`attach_preemption` reads of the strategy: its launcher and cluster environment."""
 
     @property
     def launcher(self) -> Any: ...
-    @property
-    def root_device(self) -> torch.device: ...
     @property
     def cluster_environment(self) -> Any: ...
 
@@ -428,7 +425,7 @@ def attach_preemption(
     callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
     if fitting:
-        trainer.callbacks.append(callback_cls(handler, lambda: strategy.root_device))
+        trainer.callbacks.append(callback_cls(handler))
 
     def install() -> None:
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
