@@ -272,9 +272,6 @@ class RasterHandle:
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "role": self.role, "_dataset": None, "_pid": None}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
 
 def write_geotiff(
     path: str | os.PathLike,
