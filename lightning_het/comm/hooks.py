@@ -87,7 +87,7 @@ class HierarchicalState:
     suits TCP and NCCL; ``0``: no chunking). ``flat``: run one flat all-reduce instead (the measured choice).
     """
 
-    __slots__ = ("_bcast_order", "_leader_order", "_seq", "chunk_bytes", "flat", "groups", "world_size")
+    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "flat", "groups", "leader_order", "world_size")
 
     def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.groups = groups
@@ -95,21 +95,13 @@ class HierarchicalState:
         self.world_size = groups.world_size
         self.flat = False
         self._seq = 0
-        self._leader_order = _InOrder()
-        self._bcast_order = _InOrder()
+        self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
+        self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
 
     def next_seq(self) -> int:
         """The issue number of the next chunk (0, 1, 2, ...; every rank numbers its chunks in the same order)."""
         seq, self._seq = self._seq, self._seq + 1
         return seq
-
-    def in_leader_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        """Run chunk ``seq``'s all-reduce between node leaders once every earlier chunk has issued its own."""
-        self._leader_order.submit(seq, action, on_error)
-
-    def in_bcast_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        """Run chunk ``seq``'s broadcast inside the node once every earlier chunk has issued its own."""
-        self._bcast_order.submit(seq, action, on_error)
 
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -159,9 +151,9 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def release() -> None:
         if turns.pop("leaders", False):
-            state.in_leader_order(seq, _nothing, _ignore)
+            state.leader_order.submit(seq, _nothing, _ignore)
         if turns.pop("bcast", False):
-            state.in_bcast_order(seq, _nothing, _ignore)
+            state.bcast_order.submit(seq, _nothing, _ignore)
 
     def fail(err: BaseException) -> None:
         if not result.done():
@@ -186,7 +178,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_leaders() -> None:
         if turns.pop("bcast", False):
-            state.in_bcast_order(seq, broadcast, fail)
+            state.bcast_order.submit(seq, broadcast, fail)
         else:
             finish()
 
@@ -195,7 +187,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_reduce() -> None:
         if turns.pop("leaders", False):
-            state.in_leader_order(seq, leaders_allreduce, fail)
+            state.leader_order.submit(seq, leaders_allreduce, fail)
         else:
             after_leaders()
 
