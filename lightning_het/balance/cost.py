@@ -68,11 +68,6 @@ class AffineCost:
         """Predicted seconds for a step of ``batch_size`` samples."""
         return self.fixed_s * self.micro_batches(batch_size) + self.per_sample_s * batch_size
 
-    @property
-    def speed(self) -> float:
-        """Marginal throughput in samples/s, ``1 / per_sample_s`` (``inf`` when a sample costs nothing)."""
-        return math.inf if self.per_sample_s == 0 else 1.0 / self.per_sample_s
-
     def as_dict(self) -> dict[str, float]:
         """Plain data, for reports and the speed cache (``micro_batch`` only when set)."""
         out = {"fixed_s": self.fixed_s, "per_sample_s": self.per_sample_s}
