@@ -49,13 +49,9 @@ def build_datamodule(data_cfg: DataConfig) -> Any:
     return datamodule
 
 
-def _build_strategy(strategy_cfg: StrategyConfig) -> Any:
-    return instantiate("strategy", {"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
-
-
 def build_trainer(cfg: DictConfig, strategy_cfg: StrategyConfig, callbacks: list[Any]) -> pl.Trainer:
     """The ``trainer`` config's trainer with the strategy, ``callbacks`` then the config's own ones, and the loggers."""
-    strategy = _build_strategy(strategy_cfg)
+    strategy = instantiate("strategy", {"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
     callbacks = callbacks + _build_callbacks(cfg)
     return instantiate(
         "trainer",

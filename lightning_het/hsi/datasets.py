@@ -62,11 +62,6 @@ class InMemoryPatches:
         self.shape = (int(cube.shape[1]), int(cube.shape[2]))
         self._padded = np.pad(data, ((0, 0), (half, half), (half, half)), mode="reflect") if half else data
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the padded cube."""
-        return int(self._padded.nbytes)
-
     def read(self, row: int, col: int) -> tuple[np.ndarray, bool]:
         p = self.patch_size
         return self._padded[:, row : row + p, col : col + p], bool(self.valid[row, col])
