@@ -104,11 +104,8 @@ def random_split(
         train: per class, a fraction in ``(0, 1)`` of its pixels (rounded, at least 1) or a count ``>= 1``.
         val: the same for validation; ``0`` for no validation pixels.
         num_classes: ``C``; ``labels.max()`` when ``None``. Classes without pixels are skipped with a warning.
-        source: name of the label file, for error messages.
-
-    Raises:
-        NoLabelledPixelsError: no pixel is labelled.
-        ClassTooSmallError: a class has fewer pixels than ``n_train + n_val + 1``.
+        source: name of the label file, for error messages (``NoLabelledPixelsError``; ``ClassTooSmallError`` when a
+            class has fewer pixels than ``n_train + n_val + 1``).
 
     Example:
         >>> labels = np.array([[1, 1, 1, 2], [2, 2, 0, 1]])
