@@ -152,13 +152,7 @@ class PredictionMapWriter(pl.Callback):
         self._chunks = []
 
     def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any
     ) -> None:
         self._chunks.append(
             np.stack([outputs[k].detach().cpu().numpy().astype(np.int64) for k in ("pred", "row", "col")])
