@@ -52,12 +52,8 @@ class _InOrder:
                 report(err)
 
 
-def _nothing() -> None:
-    """The action of a turn handed on by a failed chunk."""
-
-
-def _ignore(err: BaseException) -> None:
-    """Errors of a turn handed on by a failed chunk (there are none: the action does nothing)."""
+def _nothing(*args: object) -> None:
+    """The action (and error handler) of a turn handed on by a failed chunk."""
 
 
 def _new_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -147,9 +143,9 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def release() -> None:
         if turns.pop("leaders", False):
-            state.leader_order.submit(seq, _nothing, _ignore)
+            state.leader_order.submit(seq, _nothing, _nothing)
         if turns.pop("bcast", False):
-            state.bcast_order.submit(seq, _nothing, _ignore)
+            state.bcast_order.submit(seq, _nothing, _nothing)
 
     def fail(err: BaseException) -> None:
         if not result.done():
