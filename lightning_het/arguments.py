@@ -216,7 +216,7 @@ def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
     out["preemption_grace"] = validate_grace(out["preemption_grace"])
     out["preemption_checkpoint"] = validate_preemption_checkpoint(out["preemption_checkpoint"])
     out["resume"] = validate_resume(out["resume"])
-    out.update(_batch_keywords(**{name: out[name] for name in _BATCH_KEYWORDS}))
+    _check_batches(out)
     check_comm_args(out["comm"], out["global_sync_every"], out["comm_warmup_steps"], warmup_name="comm_warmup_steps")
     out.update(check_sync_args(*(out[name] for name in _SYNC_KEYWORDS)))
     out["comm_autotune_steps"] = positive_int(
@@ -243,50 +243,31 @@ def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
     return out
 
 
-_BATCH_KEYWORDS = (
-    "global_batch_size",
-    "speeds",
-    "min_batch_size",
-    "max_batch_sizes",
-    "max_micro_batch_sizes",
-    "emulate_memory_cap",
-    "node_ids",
-)
 _SYNC_KEYWORDS = ("outer_optimizer", "outer_lr", "outer_momentum", "sync_dtype", "merge_weights")
 
 
-def _batch_keywords(
-    global_batch_size: Any,
-    speeds: Any,
-    min_batch_size: Any,
-    max_batch_sizes: Any,
-    max_micro_batch_sizes: Any,
-    emulate_memory_cap: Any,
-    node_ids: Any,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"global_batch_size": positive_int("global_batch_size", global_batch_size)}
-    out["speeds"] = finite_positive_list("speeds", speeds)
-    out["min_batch_size"] = positive_int("min_batch_size", min_batch_size, allow_none=False)
-    out["max_batch_sizes"] = None
-    if max_batch_sizes is not None:
-        out["max_batch_sizes"] = [
-            positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(max_batch_sizes)
+def _check_batches(out: dict[str, Any]) -> None:
+    """The batch-size keywords of ``out``, normalised in place."""
+    out["global_batch_size"] = positive_int("global_batch_size", out["global_batch_size"])
+    out["speeds"] = finite_positive_list("speeds", out["speeds"])
+    least = out["min_batch_size"] = positive_int("min_batch_size", out["min_batch_size"], allow_none=False)
+    if out["max_batch_sizes"] is not None:
+        bounds = [
+            positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(out["max_batch_sizes"])
         ]
-        for i, b in enumerate(out["max_batch_sizes"]):
-            if b < out["min_batch_size"]:
+        for i, b in enumerate(bounds):
+            if b < least:  # type: ignore[operator]
                 raise _error(
                     "max_batch_sizes",
-                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={min_batch_size}, but"
+                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={least}, but"
                     f" `max_batch_sizes[{i}]` is {b}.",
                 )
-    out["max_micro_batch_sizes"] = max_micro_batch_sizes
-    if max_micro_batch_sizes != "auto":  # "auto": measured by a short search on the first steps
-        out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", max_micro_batch_sizes, 'or "auto"')
-    out["emulate_memory_cap"] = int_list("emulate_memory_cap", emulate_memory_cap)
-    out["node_ids"] = None
-    if node_ids is not None:
-        out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(node_ids)]
-    return out
+        out["max_batch_sizes"] = bounds
+    if out["max_micro_batch_sizes"] != "auto":  # "auto": measured by a short search on the first steps
+        out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", out["max_micro_batch_sizes"], 'or "auto"')
+    out["emulate_memory_cap"] = int_list("emulate_memory_cap", out["emulate_memory_cap"])
+    if out["node_ids"] is not None:
+        out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(out["node_ids"])]
 
 
 def _check_telemetry(telemetry: Any, rebalance_every_n_epochs: Any, rebalance_threshold: Any) -> None:

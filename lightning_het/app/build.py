@@ -22,9 +22,7 @@ log = logging.getLogger(__name__)
 
 def instantiate(group: str, node: DictConfig | dict[str, Any], **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` with an error that names the config group and the real cause.
-
-    ``_convert_="all"`` passes plain ``dict``/``list``, so saved hyperparameters load with ``weights_only=True``.
-    """
+    ``_convert_="all"`` passes plain ``dict``/``list``, so saved hyperparameters load with ``weights_only=True``."""
     target = node.get("_target_", "?")
     log.info("Instantiating %s <%s>", group, target)
     try:
@@ -49,13 +47,9 @@ def build_datamodule(data_cfg: DataConfig) -> Any:
     return datamodule
 
 
-def _build_strategy(strategy_cfg: StrategyConfig) -> Any:
-    return instantiate("strategy", {"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
-
-
 def build_trainer(cfg: DictConfig, strategy_cfg: StrategyConfig, callbacks: list[Any]) -> pl.Trainer:
     """The ``trainer`` config's trainer with the strategy, ``callbacks`` then the config's own ones, and the loggers."""
-    strategy = _build_strategy(strategy_cfg)
+    strategy = instantiate("strategy", {"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
     callbacks = callbacks + _build_callbacks(cfg)
     return instantiate(
         "trainer",
@@ -103,10 +97,8 @@ def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> bool:
 
 def unweighted_gradients(model: pl.LightningModule) -> pl.LightningModule:
     """Make ``model`` train with the 2020 code's *unweighted* gradient average (a baseline, biased).
-
     Dividing the loss by ``strategy.loss_scale`` (``W * b_r / B``) cancels the strategy's weighting, so the update is
-    ``(1 / W) sum_r g_r``. Valid with ``comm="allreduce"``; the wrapper is not picklable for ``spawn``.
-    """
+    ``(1 / W) sum_r g_r``. Valid with ``comm="allreduce"``; the wrapper is not picklable for ``spawn``."""
     original = model.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:

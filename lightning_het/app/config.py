@@ -230,8 +230,7 @@ def _single_node_cpu_world(root: DictConfig | None) -> int | None:
     trainer = None if root is None else root.get("trainer")  # none when a group is composed on its own
     if not isinstance(trainer, DictConfig) or trainer.get("accelerator") != "cpu" or trainer.get("num_nodes", 1) != 1:
         return None
-    devices = trainer.get("devices")
-    return None if isinstance(devices, bool) or not isinstance(devices, int) else devices
+    return _world(root)
 
 
 def _world(root: DictConfig | None) -> int | None:

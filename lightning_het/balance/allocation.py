@@ -108,23 +108,13 @@ def allocate_batch_sizes(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Split ``global_batch_size`` samples among replicas in proportion to their ``speeds``.
+    """Split ``global_batch_size`` samples among replicas in proportion to their ``speeds`` (by global rank, any
+    consistent unit), each within ``[min_batch_size, max_batch_sizes[r]]``.
 
-    Args:
-        global_batch_size: samples per optimizer step, summed over all replicas.
-        speeds: relative throughput of each replica (samples/s or any consistent unit), indexed by global rank.
-        min_batch_size: no replica gets fewer samples per step.
-        max_batch_sizes: per-replica upper bounds (e.g. what fits in device memory), indexed by global rank.
-
-    Returns:
-        One batch size per replica. The sizes sum to ``global_batch_size``; each lies within one sample of the
-        replica's proportional share ``global_batch_size * speed / sum(speeds)`` unless a bound forces it away, in
-        which case the remaining samples are shared in proportion among the unbounded replicas (water filling).
-        Fractions are rounded by the largest-remainder method; ties go to the lower rank.
-
-    Raises:
-        ValueError: naming the offending argument, for non-positive, NaN or infinite speeds, a total that is below
-            ``len(speeds) * min_batch_size``, bounds that cannot hold the total, or malformed bounds.
+    The sizes sum to ``global_batch_size``; each lies within one sample of the replica's proportional share
+    ``global_batch_size * speed / sum(speeds)`` unless a bound forces it away, the rest then being shared in
+    proportion among the unbounded replicas (water filling). Fractions are rounded by the largest-remainder method;
+    ties go to the lower rank. Bad speeds, bounds or totals raise ``ValueError`` naming the offending argument.
 
     >>> allocate_batch_sizes(12, [1, 2, 3])
     [2, 4, 6]
@@ -165,7 +155,6 @@ def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
 
 def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
     """Factor applied to replica ``rank``'s mean loss so that DDP's *mean* all-reduce yields the global-batch gradient.
-
     ``(1/W) sum_r (W b_r / B) g_r = sum_r (b_r / B) g_r``, the gradient of the mean loss over the global batch.
 
     >>> loss_scale([2, 4, 6], 2)

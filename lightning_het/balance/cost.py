@@ -36,10 +36,8 @@ _MIN_SLOPE_FRACTION = 0.01
 @dataclass(frozen=True)
 class AffineCost:
     """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``.
-
     With ``micro_batch`` (the most samples the replica runs at once), a share runs as ``ceil(b / micro_batch)``
-    micro-batches, each paying the fixed cost: ``ceil(b / micro_batch) * fixed_s + per_sample_s * b``.
-    """
+    micro-batches, each paying the fixed cost: ``ceil(b / micro_batch) * fixed_s + per_sample_s * b``."""
 
     fixed_s: float
     per_sample_s: float
@@ -67,11 +65,6 @@ class AffineCost:
     def __call__(self, batch_size: float) -> float:
         """Predicted seconds for a step of ``batch_size`` samples."""
         return self.fixed_s * self.micro_batches(batch_size) + self.per_sample_s * batch_size
-
-    @property
-    def speed(self) -> float:
-        """Marginal throughput in samples/s, ``1 / per_sample_s`` (``inf`` when a sample costs nothing)."""
-        return math.inf if self.per_sample_s == 0 else 1.0 / self.per_sample_s
 
     def as_dict(self) -> dict[str, float]:
         """Plain data, for reports and the speed cache (``micro_batch`` only when set)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,7 @@ def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
     """The epoch's most common batch size (ties: the largest) and the steps that ran it (not the tail batch's)."""
     if not t.batch_sizes:
         return 0, t
-    counts: dict[int, int] = {}
-    for b in t.batch_sizes:
-        counts[b] = counts.get(b, 0) + 1
+    counts = Counter(t.batch_sizes)
     size = max(counts, key=lambda b: (counts[b], b))
     keep = [i for i, b in enumerate(t.batch_sizes) if b == size]
     return size, EpochTimings(

@@ -155,19 +155,9 @@ def profile_plan(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> ProfilePlan:
-    """The in-loop profiling schedule (the same on every rank).
-
-    Args:
-        global_batch_size: samples per step.
-        world_size: replicas (``>= 2``).
-        warmup: untimed steps at the equal split first (their fastest gives the rough speeds).
-        steps: timed steps at each of the two trial splits (alternating).
-        lag: steps the loader draws ahead of the step being trained (:func:`loader_prefetch_depth`).
-        min_batch_size: fewest samples per replica and step.
-        max_batch_sizes: per-replica upper bounds.
-
-    Raises:
-        ValueError: ``world_size < 2``, ``steps < 1``, or a negative ``warmup`` or ``lag``.
+    """The in-loop profiling schedule (the same on every rank): ``warmup`` untimed steps at the equal split (their
+    fastest gives the rough speeds), then ``steps`` timed steps at each of the two trial splits, alternating; ``lag``
+    is how many steps the loader draws ahead (:func:`loader_prefetch_depth`). ``world_size`` must be ``>= 2``.
 
     >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
     >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
@@ -202,8 +192,7 @@ def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
 
 class InLoopProfiler:
     """Runs one fit's :class:`ProfilePlan` on one replica; its all-gathers run at the end of ``plan.rough_step`` and
-    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once.
-    """
+    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once."""
 
     def __init__(
         self,

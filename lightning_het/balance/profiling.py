@@ -27,10 +27,6 @@ class StepTiming:
     forward_s: float
     total_s: float
 
-    @property
-    def backward_s(self) -> float:
-        return max(self.total_s - self.forward_s, 0.0)
-
 
 #: appended to a replica's key for its measured memory cap
 MEMORY_KEY = "|memory"

@@ -13,8 +13,7 @@ __all__ = ["Allocation", "render_balance_table"]
 
 class Allocation:
     """Samples per step and speed (samples/s when measured) of every replica by global rank, the global batch, the loss
-    scale ``W * b_r / B`` and the last profiled affine costs; ``None`` before the allocation is known.
-    """
+    scale ``W * b_r / B`` and the last profiled affine costs; ``None`` before the allocation is known."""
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] | None = None
@@ -77,10 +76,7 @@ class Allocation:
     def import_(self, state: dict[str, Any], rank: int) -> None:
         """Adopt what :meth:`export` returned in a worker (parent process, after spawn); node ids are the caller's."""
         if state.get("batch_sizes"):
-            self.batch_sizes = list(state["batch_sizes"])
-            self.speeds = list(state["speeds"])
-            self.global_batch_size = sum(self.batch_sizes)
-            self.loss_scale = loss_scale(self.batch_sizes, rank)
+            self.adopt(state["batch_sizes"], state["speeds"], rank)
         self.profile_seconds = state.get("profile_seconds", 0.0)
         if state.get("cost_model"):
             self.cost_model = [AffineCost.from_dict(c) for c in state["cost_model"]]

@@ -46,27 +46,18 @@ class _MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
-        self._device_map = _plain_map(device_map)
-        per_node = node_device_maps(self._device_map)  # checks keys and equal lengths
+        self.device_map = _plain_map(device_map)  # as given: one list for every node, or {node_rank: list}
+        per_node = node_device_maps(self.device_map)  # checks keys and equal lengths
         for rank, entries in enumerate(per_node):
-            name = "device_map" if not isinstance(self._device_map, Mapping) else f"device_map[{rank}]"
+            name = "device_map" if not isinstance(self.device_map, Mapping) else f"device_map[{rank}]"
             parse_device_map(entries, name=name)  # syntax and duplicates; the GPU count is checked per node later
         self._local_world_size = len(per_node[0])
         if cpu_threads is not None and not isinstance(cpu_threads, int):
             cpu_threads = list(cpu_threads)
-        self._cpu_threads = cpu_threads
+        self.cpu_threads: int | list[int] | None = cpu_threads
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device_map={self._device_map!r}, cpu_threads={self._cpu_threads!r})"
-
-    @property
-    def device_map(self) -> list[str | int] | dict[int, list[str | int]]:
-        """The map as given: one list for every node, or ``{node_rank: list}``."""
-        return self._device_map
-
-    @property
-    def cpu_threads(self) -> int | list[int] | None:
-        return self._cpu_threads
+        return f"{type(self).__name__}(device_map={self.device_map!r}, cpu_threads={self.cpu_threads!r})"
 
     def setup_device(self, device: torch.device) -> None:
         """Select the CUDA device of a CUDA replica; nothing for a CPU replica (no CUDA context is created)."""
@@ -245,10 +236,8 @@ def apply_local_settings(strategy: DeviceStrategy) -> None:
 @contextmanager
 def unbound_process_group(strategy: DeviceStrategy) -> Iterator[None]:
     """Around ``setup_distributed``: in a mixed job, no rank binds a device to the default process group.
-
     A bound device makes torch create later subgroups by splitting the bound backend, unbound ranks create them
-    normally: in one job the two paths would not meet. Hiding the CUDA devices keeps every rank unbound.
-    """
+    normally: in one job the two paths would not meet. Hiding the CUDA devices keeps every rank unbound."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None or plan.bind_device_id:
         yield

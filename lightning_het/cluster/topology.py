@@ -33,7 +33,6 @@ def _normalise(keys: Sequence[Any]) -> list[int]:
 
 def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> list[int]:
     """Node id of every global rank, from each rank's launcher node rank and host name.
-
     The node rank is primary (two launchers on one host with ``NODE_RANK`` 0 and 1 form two nodes); host names only
     split ranks that report the same node rank from different hosts.
 
@@ -108,10 +107,8 @@ def gather_node_ids(source: Any, *, hostname: str | None = None, group: dist.Pro
 @dataclass(frozen=True)
 class NodeGroups:
     """Process groups of a two-level (intra-node / between-node) topology, as seen from one rank.
-
     ``intra_group`` and ``intra_bcast_group`` hold the same ranks, so that a pipelined reduction can run its reduce and
-    broadcast stages concurrently; ``leader_group`` is ``None`` off the leaders. Not picklable.
-    """
+    broadcast stages concurrently; ``leader_group`` is ``None`` off the leaders. Not picklable."""
 
     node_ids: tuple[int, ...]
     rank: int

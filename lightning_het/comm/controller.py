@@ -44,7 +44,6 @@ def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_s
 
 def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:
     """The mode to run for ``comm`` and the node of every global rank (pure; same answer on every rank).
-
     ``"hierarchical"`` without a node holding several replicas falls back to ``"allreduce"``; ``"node_local"`` on
     one node raises ``ValueError``.
 
@@ -88,12 +87,10 @@ def _check_batch_sizes(batch_sizes: Sequence[int], world_size: int) -> list[int]
 
 class CommController:
     """Runs one communication mode for one rank: registers the DDP hook, averages parameters, counts bytes.
-
     Build it on every rank after ``init_process_group`` (the constructor creates process groups, a collective); call
     :meth:`after_optimizer_step` and :meth:`synchronize` on every rank too. Not picklable. ``mode`` is resolved
     (:func:`resolve_comm_mode`); ``batch_sizes`` ``None`` means equal until :meth:`set_batch_sizes`; ``groups`` are
-    built when ``None``; the other keywords are the strategy's (``docs/communication.md``).
-    """
+    built when ``None``; the other keywords are the strategy's (``docs/communication.md``)."""
 
     def __init__(
         self,
@@ -130,21 +127,23 @@ class CommController:
         self._groups = groups
         if self._groups is None and mode != "allreduce":
             self._groups = build_node_groups(self._node_ids, rank)
-        self._algorithm = _build(
-            mode,
-            self._node_ids,
-            rank,
-            self._stats,
-            groups=self._groups,
-            chunk_bytes=chunk_bytes,
-            autotune_steps=autotune_steps,
-            autotune_clock=autotune_clock,
-            batch_sizes=self._batch_sizes,
-            global_sync_every=global_sync_every,
-            warmup_steps=warmup_steps,
-            merge=(outer_optimizer, outer_lr, outer_momentum, sync_dtype),
-            merge_weights=merge_weights,
-        )
+        args = (self._node_ids, rank, self._stats)
+        common = {"groups": self._groups, "chunk_bytes": chunk_bytes}
+        self._algorithm: FlatAllReduce
+        if mode == "allreduce":
+            self._algorithm = FlatAllReduce(*args)
+        elif mode == "hierarchical":
+            self._algorithm = Hierarchical(*args, autotune_steps=autotune_steps, clock=autotune_clock, **common)
+        else:
+            self._algorithm = NodeLocal(
+                *args,
+                batch_sizes=self._batch_sizes,
+                global_sync_every=global_sync_every,
+                warmup_steps=warmup_steps,
+                merge=build_merge(outer_optimizer, outer_lr, outer_momentum, sync_dtype),
+                merge_by=merge_weights,
+                **common,
+            )
         self._grad_bytes: int | None = None
         if rank == 0:
             log.info("lightning-het comm=%r%s over %s", mode, self._algorithm.describe(), describe_topology(node_ids))
@@ -229,25 +228,3 @@ class CommController:
 
 def _grad_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-
-
-def _build(mode: CommMode, node_ids: list[int], rank: int, stats: CommStats, **settings: Any) -> FlatAllReduce:
-    """The mode's object; each takes the settings it uses."""
-    if mode == "allreduce":
-        return FlatAllReduce(node_ids, rank, stats)
-    common = {"groups": settings["groups"], "chunk_bytes": settings["chunk_bytes"]}
-    if mode == "hierarchical":
-        return Hierarchical(
-            node_ids, rank, stats, autotune_steps=settings["autotune_steps"], clock=settings["autotune_clock"], **common
-        )
-    return NodeLocal(
-        node_ids,
-        rank,
-        stats,
-        batch_sizes=settings["batch_sizes"],
-        global_sync_every=settings["global_sync_every"],
-        warmup_steps=settings["warmup_steps"],
-        merge=build_merge(*settings["merge"]),
-        merge_by=settings["merge_weights"],
-        **common,
-    )

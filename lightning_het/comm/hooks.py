@@ -1,8 +1,6 @@
 """DDP communication hooks for two-level (intra-node / between-node) topologies.
-
 No ``from __future__ import annotations`` here: DDP inspects a hook's signature and rejects string annotations (the
-bucket parameter must be named ``bucket``).
-"""
+bucket parameter must be named ``bucket``)."""
 
 import logging
 import threading
@@ -20,7 +18,6 @@ log = logging.getLogger(__name__)
 
 class _InOrder:
     """Runs submitted actions strictly in sequence-number order (0, 1, 2, ...), whichever thread submits them.
-
     Gloo runs completion callbacks in completion order, which may differ between ranks, yet collectives on a group
     must be issued in the same order on every rank: the pipelined stages are funnelled through one of these per group.
     """
@@ -54,12 +51,8 @@ class _InOrder:
                 report(err)
 
 
-def _nothing() -> None:
-    """The action of a turn handed on by a failed chunk."""
-
-
-def _ignore(err: BaseException) -> None:
-    """Errors of a turn handed on by a failed chunk (there are none: the action does nothing)."""
+def _nothing(*args: object) -> None:
+    """The action (and error handler) of a turn handed on by a failed chunk."""
 
 
 def _new_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -82,12 +75,10 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 class HierarchicalState:
     """State of :func:`hierarchical_hook` and :func:`hierarchical_sum`.
-
     ``chunk_bytes``: largest chunk reduced at once, so that the three stages of successive chunks overlap (1-8 MiB
-    suits TCP and NCCL; ``0``: no chunking). ``flat``: run one flat all-reduce instead (the measured choice).
-    """
+    suits TCP and NCCL; ``0``: no chunking). ``flat``: run one flat all-reduce instead (the measured choice)."""
 
-    __slots__ = ("_bcast_order", "_leader_order", "_seq", "chunk_bytes", "flat", "groups", "world_size")
+    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "flat", "groups", "leader_order", "world_size")
 
     def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.groups = groups
@@ -95,21 +86,13 @@ class HierarchicalState:
         self.world_size = groups.world_size
         self.flat = False
         self._seq = 0
-        self._leader_order = _InOrder()
-        self._bcast_order = _InOrder()
+        self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
+        self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
 
     def next_seq(self) -> int:
         """The issue number of the next chunk (0, 1, 2, ...; every rank numbers its chunks in the same order)."""
         seq, self._seq = self._seq, self._seq + 1
         return seq
-
-    def in_leader_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        """Run chunk ``seq``'s all-reduce between node leaders once every earlier chunk has issued its own."""
-        self._leader_order.submit(seq, action, on_error)
-
-    def in_bcast_order(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        """Run chunk ``seq``'s broadcast inside the node once every earlier chunk has issued its own."""
-        self._bcast_order.submit(seq, action, on_error)
 
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -159,9 +142,9 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def release() -> None:
         if turns.pop("leaders", False):
-            state.in_leader_order(seq, _nothing, _ignore)
+            state.leader_order.submit(seq, _nothing, _nothing)
         if turns.pop("bcast", False):
-            state.in_bcast_order(seq, _nothing, _ignore)
+            state.bcast_order.submit(seq, _nothing, _nothing)
 
     def fail(err: BaseException) -> None:
         if not result.done():
@@ -186,7 +169,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_leaders() -> None:
         if turns.pop("bcast", False):
-            state.in_bcast_order(seq, broadcast, fail)
+            state.bcast_order.submit(seq, broadcast, fail)
         else:
             finish()
 
@@ -195,7 +178,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
     def after_reduce() -> None:
         if turns.pop("leaders", False):
-            state.in_leader_order(seq, leaders_allreduce, fail)
+            state.leader_order.submit(seq, leaders_allreduce, fail)
         else:
             after_leaders()
 
@@ -211,9 +194,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Exact gradient mean ``(1/W) * sum_r g_r``, reduced inside nodes, all-reduced between leaders, broadcast back.
-
-    Use: ``ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)``.
-    """
+    Use: ``ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)``."""
     tensor = bucket.buffer()
     tensor.div_(state.world_size)
     if state.flat:

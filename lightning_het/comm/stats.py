@@ -35,10 +35,6 @@ class Traffic:
         intra = [a + b for a, b in zip(self.intra, other.intra)]
         return Traffic(intra, [a + b for a, b in zip(self.inter, other.inter)])
 
-    def scaled(self, factor: float) -> Traffic:
-        """The same pattern repeated ``factor`` times (may be fractional, for amortised periodic syncs)."""
-        return Traffic([a * factor for a in self.intra], [a * factor for a in self.inter])
-
     @property
     def total_intra(self) -> float:
         """Bytes sent inside nodes, summed over the job."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import (
@@ -52,16 +53,14 @@ def batch_sampler_error(name: str) -> ValueError:
     )
 
 
+@dataclass(slots=True)
 class TrainingOrder:
     """Where the single-process order of a training loader comes from."""
 
-    __slots__ = ("drop_last", "sampler", "seed", "shuffle")
-
-    def __init__(self, shuffle: bool, seed: int, sampler: Sampler | None = None, drop_last: bool = False) -> None:
-        self.shuffle = shuffle
-        self.seed = seed
-        self.sampler = sampler
-        self.drop_last = drop_last
+    shuffle: bool
+    seed: int
+    sampler: Sampler | None = None
+    drop_last: bool = False
 
 
 def _unwrap(sampler: Any) -> Any:

@@ -74,22 +74,14 @@ class _Scene:
 
 class HyperspectralDataModule(HeterogeneousDataModule):
     """Hyperspectral land-cover classification data: read, check, split, preprocess, cut patches.
-
-    Args:
-        image, labels: a raster or ``.mat`` file each (``labels`` omitted when the image ``.mat`` holds both);
-            ``image=None``: a synthetic scene drawn with the ``synthetic`` keywords of ``make_synthetic_scene``.
-        patch_size: odd side of the square patches, in pixels (``1`` = spectra only).
-        split: ``"random"`` (stratified per class) or ``"blocks"`` (spatially disjoint, see ``block_split``).
-        train_fraction, val_fraction: fraction of each class's pixels for training / validation (``0``: none);
-            ``train_per_class`` / ``val_per_class``, pixel counts, take precedence.
-        pca_components: principal components kept (fitted on training pixels); ``"auto"``: ``min(30, bands - 1)``;
-            ``None``: every band.
-        num_classes: ``C``; default ``len(class_names)`` or the largest label. Labels above ``C`` are an error.
-        image_key, labels_key: variables of a ``.mat`` file (default: found by shape).
-        in_memory: hold the preprocessed cube in memory or read each patch from the file; ``None`` decides by size
-            against ``memory_budget`` bytes (default: 1/8 of physical memory).
-
-    The other keywords are described in ``docs/hyperspectral.md``; bad values raise ``ValueError`` at construction.
+    ``image`` and ``labels`` are a raster or ``.mat`` file each (``labels`` omitted when the image ``.mat`` holds
+    both; ``image_key``/``labels_key`` name its variables); ``image=None`` draws a synthetic scene. ``patch_size`` is
+    the odd side of the square patches in pixels (``1`` = spectra only); ``split`` is ``"random"`` (stratified) or
+    ``"blocks"`` (spatially disjoint); ``train_fraction``/``val_fraction`` (``0``: none) are fractions of each
+    class's pixels, ``train_per_class``/``val_per_class`` counts that take precedence; ``pca_components`` is a
+    number, ``"auto"`` (``min(30, bands - 1)``) or ``None`` (every band); ``num_classes`` defaults to
+    ``len(class_names)`` or the largest label; ``in_memory=None`` decides by size against ``memory_budget`` bytes.
+    Every keyword is described in ``docs/hyperspectral.md``; bad values raise ``ValueError`` at construction.
     """
 
     def __init__(

@@ -41,10 +41,8 @@ class PatchSource(Protocol):
 
 class InMemoryPatches:
     """Patches sliced from a preprocessed, reflect-padded copy of the whole ``(bands, height, width)`` cube.
-
     ``transform``: identity (cast to ``float32``) when ``None``; pixels outside ``valid`` (else derived from
-    ``nodata``) are zero-filled after preprocessing.
-    """
+    ``nodata``) are zero-filled after preprocessing."""
 
     def __init__(
         self,
@@ -61,11 +59,6 @@ class InMemoryPatches:
         self.bands = int(data.shape[0])
         self.shape = (int(cube.shape[1]), int(cube.shape[2]))
         self._padded = np.pad(data, ((0, 0), (half, half), (half, half)), mode="reflect") if half else data
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the padded cube."""
-        return int(self._padded.nbytes)
 
     def read(self, row: int, col: int) -> tuple[np.ndarray, bool]:
         p = self.patch_size
@@ -108,10 +101,8 @@ class WindowedPatches:
 
 class PatchDataset(Dataset):
     """The pixels ``indices`` (``row * width + col``) of a scene as patch samples, ``targets`` their classes.
-
     A sample is a dict: ``image`` ``float32 (B, p, p)``, ``label`` (class index, ``-1`` unlabelled, as are all when
-    ``targets`` is ``None``), ``row``, ``col``, ``valid`` (the centre pixel has a usable spectrum).
-    """
+    ``targets`` is ``None``), ``row``, ``col``, ``valid`` (the centre pixel has a usable spectrum)."""
 
     def __init__(self, source: PatchSource, indices: np.ndarray, targets: np.ndarray | None = None) -> None:
         self.source = source

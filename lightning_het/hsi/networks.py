@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -11,11 +12,8 @@ __all__ = ["CNN2D", "CNN3D", "NETWORKS", "HybridSN", "Spectral1DCNN", "build_net
 
 
 def _groups(channels: int) -> int:
-    """Groups for ``GroupNorm``: up to 4, dividing ``channels``."""
-    for g in (4, 2, 1):
-        if channels % g == 0:
-            return g
-    return 1  # pragma: no cover
+    """Groups for ``GroupNorm``: the largest of 4, 2 and 1 that divides ``channels``."""
+    return math.gcd(channels, 4)
 
 
 class Spectral1DCNN(nn.Module):

@@ -97,18 +97,10 @@ def random_split(
     num_classes: int | None = None,
     source: str | os.PathLike = "labels",
 ) -> Split:
-    """Stratified random split of the labelled pixels; every class present gets a training and a test pixel.
-
-    Args:
-        labels: ``(height, width)`` integer map; ``0`` = unlabelled (also used for pixels to exclude, e.g. nodata).
-        train: per class, a fraction in ``(0, 1)`` of its pixels (rounded, at least 1) or a count ``>= 1``.
-        val: the same for validation; ``0`` for no validation pixels.
-        num_classes: ``C``; ``labels.max()`` when ``None``. Classes without pixels are skipped with a warning.
-        source: name of the label file, for error messages.
-
-    Raises:
-        NoLabelledPixelsError: no pixel is labelled.
-        ClassTooSmallError: a class has fewer pixels than ``n_train + n_val + 1``.
+    """Stratified random split of the labelled pixels (``0`` in ``labels``: unlabelled or excluded, e.g. nodata).
+    ``train`` and ``val`` (``0``: none) are, per class, a fraction in ``(0, 1)`` of its pixels (rounded, at least 1)
+    or a count ``>= 1``; every class present keeps a test pixel, else ``ClassTooSmallError``. ``num_classes``:
+    ``labels.max()`` when ``None`` (classes without pixels are skipped with a warning); ``source`` names the labels.
 
     Example:
         >>> labels = np.array([[1, 1, 1, 2], [2, 2, 0, 1]])
@@ -227,8 +219,7 @@ def block_split(
     """Spatially disjoint split: whole ``block_size`` blocks per subset (``trials`` block orders tried), then the
     validation and test pixels within Chebyshev distance ``patch_size - 1`` of a training pixel dropped, so that no
     evaluation patch overlaps a training patch. Other arguments and errors as :func:`random_split`; a class without a
-    pixel in a required subset raises ``ClassTooSmallError``.
-    """
+    pixel in a required subset raises ``ClassTooSmallError``."""
     _check_amount("train", train, allow_zero=False)
     _check_amount("val", val, allow_zero=True)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:

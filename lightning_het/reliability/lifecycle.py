@@ -32,7 +32,7 @@ from lightning_het.cluster.rendezvous import (
 )
 from lightning_het.reliability.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
 from lightning_het.reliability.processes import check_children, die_with_parent, kill_children
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.supervision import as_seconds, validate_launch_environment
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
@@ -127,7 +127,7 @@ class _ReplicaProcesses:
 
     def _reap_children(self) -> None:
         """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
-        wait = _timeout_seconds(self.strategy.process_group_timeout) + REAP_GRACE_S
+        wait = (as_seconds(self.strategy.process_group_timeout) or 1800.0) + REAP_GRACE_S
         if self._failed:
             wait = min(wait, FAILED_REAP_GRACE_S)
         deadline = time.monotonic() + wait
@@ -294,9 +294,3 @@ def _hydra_in_use() -> bool:
     except ImportError:
         return False
     return HydraConfig.initialized()
-
-
-def _timeout_seconds(timeout: timedelta | float | None) -> float:
-    if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    return float(timeout) if timeout else 1800.0

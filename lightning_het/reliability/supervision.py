@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_STARTUP_TIMEOUT",
     "WatchdogCallback",
     "apply_collective_timeout",
+    "as_seconds",
     "attach_watchdog",
     "rendezvous_timeout",
     "start_watchdog",
@@ -115,7 +116,7 @@ def _stage(trainer: pl.Trainer) -> str:
     return str(stage.value) if stage is not None else ""
 
 
-def _seconds(value: timedelta | float | None) -> float | None:
+def as_seconds(value: timedelta | float | None) -> float | None:
     if value is None:
         return None
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
@@ -138,7 +139,7 @@ def start_watchdog(
     strategy: LaunchingReplicas, timeout: timedelta | float | None, trainer: pl.Trainer | None = None
 ) -> Watchdog | None:
     """Start a :class:`Watchdog` for this replica (multi-replica jobs only), in phase ``SETUP``."""
-    seconds = _seconds(timeout)
+    seconds = as_seconds(timeout)
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
         return None
     token = agree_on_token(os.environ.get(TOKEN_ENV, ""))

@@ -1,8 +1,6 @@
 """Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
-
 One :class:`Watchdog` per replica: progress markers, a heartbeat thread on the job's store, the pure :func:`judge` and
-one compare-and-set abort record that ends every replica (``docs/reliability.md``).
-"""
+one compare-and-set abort record that ends every replica (``docs/reliability.md``)."""
 
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from lightning_het.reliability.heartbeats import (
     HeartbeatBook,
     StoreUnreachable,
     inside_torch_distributed,
+    status_from_record,
 )
 from lightning_het.reliability.processes import check_children, exit_job, kill_children
 from lightning_het.reliability.verdicts import (
@@ -250,13 +249,12 @@ class Watchdog:
                         self.rank,
                     )
 
-    def _publish(self) -> None:
+    def _record(self) -> dict[str, Any]:
+        """This replica's heartbeat record (without its ``beat`` number)."""
         seq, batch, phase, _ = self._progress
         stage, eval_batch = self._eval_where
-        self._beat += 1
         frame = sys._current_frames().get(self._main_ident)
-        status = {
-            "beat": self._beat,
+        return {
             "seq": seq,
             "batch": batch,
             "phase": int(phase),
@@ -271,7 +269,10 @@ class Watchdog:
             "rank": self.rank,
             "pid": self._pid,
         }
-        self._write(f"hb/{self.rank}", json.dumps(status))
+
+    def _publish(self) -> None:
+        self._beat += 1
+        self._write(f"hb/{self.rank}", json.dumps({"beat": self._beat, **self._record()}))
 
     def _statuses(self) -> list[ReplicaStatus]:
         now = time.monotonic()
@@ -295,23 +296,7 @@ class Watchdog:
         return statuses
 
     def _own_status(self, now: float) -> ReplicaStatus:
-        _, batch, phase, last = self._progress
-        stage, eval_batch = self._eval_where
-        frame = sys._current_frames().get(self._main_ident)
-        return ReplicaStatus(
-            rank=self.rank,
-            host=self._host,
-            pid=self._pid,
-            batch=batch,
-            phase=phase,
-            armed=bool(self._armed),
-            waiting=self._waited_in_collective or inside_torch_distributed(frame),
-            state=self._state,
-            stalled_for=now - last,
-            error=self._error,
-            eval_stage=stage,
-            eval_batch=eval_batch,
-        )
+        return status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
 
     def _check_children(self) -> Verdict | None:
         return check_children(self._children())
