@@ -155,6 +155,7 @@ def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
 
 def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
     """Factor applied to replica ``rank``'s mean loss so that DDP's *mean* all-reduce yields the global-batch gradient.
+
     ``(1/W) sum_r (W b_r / B) g_r = sum_r (b_r / B) g_r``, the gradient of the mean loss over the global batch.
 
     >>> loss_scale([2, 4, 6], 2)

@@ -107,6 +107,7 @@ def robust_step_ratio(
     batch_sizes: Sequence[int], proposal: Sequence[int], compute_times: Sequence[float], noise: float
 ) -> float:
     """Worst-case ``step time(proposal) / step time(current)`` when every measured time may be off by ``noise``.
+
     The adversary makes one replica ``r`` slow (``1 + noise``) and every other one fast (``1 - noise``).
 
     >>> round(robust_step_ratio([8, 8], [12, 4], [0.1, 0.3], 0.0), 12)

@@ -33,6 +33,7 @@ def _normalise(keys: Sequence[Any]) -> list[int]:
 
 def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> list[int]:
     """Node id of every global rank, from each rank's launcher node rank and host name.
+
     The node rank is primary (two launchers on one host with ``NODE_RANK`` 0 and 1 form two nodes); host names only
     split ranks that report the same node rank from different hosts.
 

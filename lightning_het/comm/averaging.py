@@ -28,6 +28,7 @@ def share_weights(batch_sizes: Sequence[int]) -> list[float]:
 
 def merge_weights(samples: Sequence[int], node_ids: Sequence[int], by: str = "samples") -> list[float]:
     """Weight of each replica in a sync, from the samples each processed since the last one.
+
     ``by="samples"``: ``s_r / S``, so a node counts as much as the data it trained on; ``by="nodes"``: every node
     ``1 / N`` (what DiLoCo and torch's model averagers do), split inside a node by its replicas' samples.
 

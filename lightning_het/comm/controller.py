@@ -44,6 +44,7 @@ def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_s
 
 def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:
     """The mode to run for ``comm`` and the node of every global rank (pure; same answer on every rank).
+
     ``"hierarchical"`` without a node holding several replicas falls back to ``"allreduce"``; ``"node_local"`` on
     one node raises ``ValueError``.
 

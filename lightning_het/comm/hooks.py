@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 class _InOrder:
     """Runs submitted actions strictly in sequence-number order (0, 1, 2, ...), whichever thread submits them.
+
     Gloo runs completion callbacks in completion order, which may differ between ranks, yet collectives on a group
     must be issued in the same order on every rank: the pipelined stages are funnelled through one of these per group.
     """

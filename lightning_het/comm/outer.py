@@ -1,4 +1,5 @@
 """What a ``comm="node_local"`` sync does: a weighted average, or an outer optimizer step (docs/communication.md).
+
 Every replica holds the same outer state (``anchor``, the consensus model of the last sync, and the outer optimizer's).
 """
 

@@ -17,6 +17,7 @@ DEFAULT_MARGIN = 0.02
 
 def choose_reduction(flat_s: float, hierarchical_s: float, margin: float = DEFAULT_MARGIN) -> Reduction:
     """The reduction to keep, from typical step times (seconds) measured with each. Pure.
+
     ``"flat"`` only when ``flat_s < hierarchical_s * (1 - margin)``; ties and NaNs keep ``"hierarchical"``.
 
     >>> choose_reduction(0.40, 0.50)

@@ -236,6 +236,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
     """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``.
+
     Every replica runs ``K = min(ceil(total / (batch_size * W)), min(shares))`` batches, so per-step collectives pair.
 
     >>> eval_batch_plan(41, [1.0, 3.0], 5)

@@ -74,6 +74,7 @@ class _Scene:
 
 class HyperspectralDataModule(HeterogeneousDataModule):
     """Hyperspectral land-cover classification data: read, check, split, preprocess, cut patches.
+
     ``image`` and ``labels`` are a raster or ``.mat`` file each (``labels`` omitted when the image ``.mat`` holds
     both; ``image_key``/``labels_key`` name its variables); ``image=None`` draws a synthetic scene. ``patch_size`` is
     the odd side of the square patches in pixels (``1`` = spectra only); ``split`` is ``"random"`` (stratified) or

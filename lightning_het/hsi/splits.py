@@ -98,6 +98,7 @@ def random_split(
     source: str | os.PathLike = "labels",
 ) -> Split:
     """Stratified random split of the labelled pixels (``0`` in ``labels``: unlabelled or excluded, e.g. nodata).
+
     ``train`` and ``val`` (``0``: none) are, per class, a fraction in ``(0, 1)`` of its pixels (rounded, at least 1)
     or a count ``>= 1``; every class present keeps a test pixel, else ``ClassTooSmallError``. ``num_classes``:
     ``labels.max()`` when ``None`` (classes without pixels are skipped with a warning); ``source`` names the labels.
