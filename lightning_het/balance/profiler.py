@@ -192,7 +192,8 @@ def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
 
 class InLoopProfiler:
     """Runs one fit's :class:`ProfilePlan` on one replica; its all-gathers run at the end of ``plan.rough_step`` and
-    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once."""
+    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once.
+    """
 
     def __init__(
         self,

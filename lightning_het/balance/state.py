@@ -13,7 +13,8 @@ __all__ = ["Allocation", "render_balance_table"]
 
 class Allocation:
     """Samples per step and speed (samples/s when measured) of every replica by global rank, the global batch, the loss
-    scale ``W * b_r / B`` and the last profiled affine costs; ``None`` before the allocation is known."""
+    scale ``W * b_r / B`` and the last profiled affine costs; ``None`` before the allocation is known.
+    """
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] | None = None

@@ -18,7 +18,8 @@ class HeterogeneousDataModule(pl.LightningDataModule):
 
     ``global_batch_size``: samples per optimizer step over all replicas, read by the strategy when its own is not set;
     ``eval_batch_size`` (default ``global_batch_size``): per replica for predict, the mean over replicas for validation
-    and test (fast replicas get larger batches); ``num_workers`` and ``pin_memory`` go to every loader."""
+    and test (fast replicas get larger batches); ``num_workers`` and ``pin_memory`` go to every loader.
+    """
 
     def __init__(
         self,

@@ -220,7 +220,8 @@ def block_split(
     """Spatially disjoint split: whole ``block_size`` blocks per subset (``trials`` block orders tried), then the
     validation and test pixels within Chebyshev distance ``patch_size - 1`` of a training pixel dropped, so that no
     evaluation patch overlaps a training patch. Other arguments and errors as :func:`random_split`; a class without a
-    pixel in a required subset raises ``ClassTooSmallError``."""
+    pixel in a required subset raises ``ClassTooSmallError``.
+    """
     _check_amount("train", train, allow_zero=False)
     _check_amount("val", val, allow_zero=True)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:

@@ -217,7 +217,8 @@ def checkpoint_record(
 ) -> dict[str, Any]:
     """The entry for the checkpoint being saved now: the allocation, the training sampler's position (``trainer``
     ``None``: none) and the comm mode's state (``node_local``: the outer optimizer's, after the forced consensus).
-    ``speeds`` is ``None`` while the first steps still profile (a run resumed from there profiles again)."""
+    ``speeds`` is ``None`` while the first steps still profile (a run resumed from there profiles again).
+    """
     sampler_state = None
     if trainer is not None:
         combined = training_combined_loader(trainer)
