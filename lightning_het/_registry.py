@@ -1,5 +1,7 @@
 """Registration of the ``"heterogeneous"`` strategy name with Lightning (the package's only import-time side effect).
-Registers once Lightning and this package are both imported, so ``import lightning_het`` never imports Lightning."""
+
+Registers once Lightning and this package are both imported, so ``import lightning_het`` never imports Lightning.
+"""
 
 from __future__ import annotations
 

@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 def instantiate(group: str, node: DictConfig | dict[str, Any], **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` with an error that names the config group and the real cause.
-    ``_convert_="all"`` passes plain ``dict``/``list``, so saved hyperparameters load with ``weights_only=True``."""
+
+    ``_convert_="all"`` passes plain ``dict``/``list``, so saved hyperparameters load with ``weights_only=True``.
+    """
     target = node.get("_target_", "?")
     log.info("Instantiating %s <%s>", group, target)
     try:
@@ -97,8 +99,10 @@ def _checkpointing(cfg: DictConfig, callbacks: list[Any]) -> bool:
 
 def unweighted_gradients(model: pl.LightningModule) -> pl.LightningModule:
     """Make ``model`` train with the 2020 code's *unweighted* gradient average (a baseline, biased).
+
     Dividing the loss by ``strategy.loss_scale`` (``W * b_r / B``) cancels the strategy's weighting, so the update is
-    ``(1 / W) sum_r g_r``. Valid with ``comm="allreduce"``; the wrapper is not picklable for ``spawn``."""
+    ``(1 / W) sum_r g_r``. Valid with ``comm="allreduce"``; the wrapper is not picklable for ``spawn``.
+    """
     original = model.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:

@@ -36,8 +36,10 @@ _MIN_SLOPE_FRACTION = 0.01
 @dataclass(frozen=True)
 class AffineCost:
     """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``.
+
     With ``micro_batch`` (the most samples the replica runs at once), a share runs as ``ceil(b / micro_batch)``
-    micro-batches, each paying the fixed cost: ``ceil(b / micro_batch) * fixed_s + per_sample_s * b``."""
+    micro-batches, each paying the fixed cost: ``ceil(b / micro_batch) * fixed_s + per_sample_s * b``.
+    """
 
     fixed_s: float
     per_sample_s: float

@@ -71,8 +71,10 @@ class MonitorSettings:
 
 class BalanceMonitor:
     """Drives telemetry, rebalancing and the balance report of one strategy in one process.
+
     It gathers at an epoch's last ``on_train_batch_end``, not at ``on_train_epoch_end``: there rank 0's progress bar
-    starts the epoch metrics' ``sync_dist`` reduction alone, and a collective of ours would pair with it (deadlock)."""
+    starts the epoch metrics' ``sync_dist`` reduction alone, and a collective of ours would pair with it (deadlock).
+    """
 
     def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
         self.strategy = strategy

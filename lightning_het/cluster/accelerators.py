@@ -236,8 +236,10 @@ def apply_local_settings(strategy: DeviceStrategy) -> None:
 @contextmanager
 def unbound_process_group(strategy: DeviceStrategy) -> Iterator[None]:
     """Around ``setup_distributed``: in a mixed job, no rank binds a device to the default process group.
+
     A bound device makes torch create later subgroups by splitting the bound backend, unbound ranks create them
-    normally: in one job the two paths would not meet. Hiding the CUDA devices keeps every rank unbound."""
+    normally: in one job the two paths would not meet. Hiding the CUDA devices keeps every rank unbound.
+    """
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None or plan.bind_device_id:
         yield

@@ -108,8 +108,10 @@ def gather_node_ids(source: Any, *, hostname: str | None = None, group: dist.Pro
 @dataclass(frozen=True)
 class NodeGroups:
     """Process groups of a two-level (intra-node / between-node) topology, as seen from one rank.
+
     ``intra_group`` and ``intra_bcast_group`` hold the same ranks, so that a pipelined reduction can run its reduce and
-    broadcast stages concurrently; ``leader_group`` is ``None`` off the leaders. Not picklable."""
+    broadcast stages concurrently; ``leader_group`` is ``None`` off the leaders. Not picklable.
+    """
 
     node_ids: tuple[int, ...]
     rank: int

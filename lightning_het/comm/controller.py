@@ -88,10 +88,12 @@ def _check_batch_sizes(batch_sizes: Sequence[int], world_size: int) -> list[int]
 
 class CommController:
     """Runs one communication mode for one rank: registers the DDP hook, averages parameters, counts bytes.
+
     Build it on every rank after ``init_process_group`` (the constructor creates process groups, a collective); call
     :meth:`after_optimizer_step` and :meth:`synchronize` on every rank too. Not picklable. ``mode`` is resolved
     (:func:`resolve_comm_mode`); ``batch_sizes`` ``None`` means equal until :meth:`set_batch_sizes`; ``groups`` are
-    built when ``None``; the other keywords are the strategy's (``docs/communication.md``)."""
+    built when ``None``; the other keywords are the strategy's (``docs/communication.md``).
+    """
 
     def __init__(
         self,

@@ -44,8 +44,10 @@ def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ..
 
 def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
     """Gather ``tensor`` from every replica of ``group`` (default: all); ``tensor`` itself when not distributed.
+
     Equal shapes are stacked to ``[W, *shape]`` (as DDP); shapes differing only in dimension 0 are concatenated in rank
-    order to ``[sum_r n_r, *rest]``; other differences raise ``ValueError``."""
+    order to ``[sum_r n_r, *rest]``; other differences raise ``ValueError``.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     group = group if group is not None else dist.group.WORLD
@@ -122,8 +124,12 @@ def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False
 
 def reduce_counts(reduce: Any, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
     """``reduce(tensor, group=..., reduce_op=...)`` (a strategy's all-reduce), except that the mean of an integer
-    tensor (Lightning's sample count of an epoch metric, which DDP truncates) is summed in ``float64`` and returned
-    in the default float dtype (``docs/strategy.md``)."""
+    tensor is summed in ``float64`` and returned in the default float dtype.
+
+    Lightning's epoch-level ``self.log(..., sync_dist=True)`` mean-reduces its integer batch-size count; DDP's
+    in-place division would truncate it (``(10 + 31) / 2 -> 20``), and with uneven shares every epoch metric would be
+    off. The logged ``value / count`` then has the logged value's dtype, as in DDP.
+    """
     if isinstance(tensor, torch.Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
         op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
         if op in ("mean", "avg", dist.ReduceOp.AVG):

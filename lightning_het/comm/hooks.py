@@ -1,6 +1,8 @@
 """DDP communication hooks for two-level (intra-node / between-node) topologies.
+
 No ``from __future__ import annotations`` here: DDP inspects a hook's signature and rejects string annotations (the
-bucket parameter must be named ``bucket``)."""
+bucket parameter must be named ``bucket``).
+"""
 
 import logging
 import threading
@@ -76,8 +78,10 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 class HierarchicalState:
     """State of :func:`hierarchical_hook` and :func:`hierarchical_sum`.
+
     ``chunk_bytes``: largest chunk reduced at once, so that the three stages of successive chunks overlap (1-8 MiB
-    suits TCP and NCCL; ``0``: no chunking). ``flat``: run one flat all-reduce instead (the measured choice)."""
+    suits TCP and NCCL; ``0``: no chunking). ``flat``: run one flat all-reduce instead (the measured choice).
+    """
 
     __slots__ = ("_seq", "bcast_order", "chunk_bytes", "flat", "groups", "leader_order", "world_size")
 
@@ -195,7 +199,9 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Exact gradient mean ``(1/W) * sum_r g_r``, reduced inside nodes, all-reduced between leaders, broadcast back.
-    Use: ``ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)``."""
+
+    Use: ``ddp_model.register_comm_hook(HierarchicalState(build_node_groups(node_ids, rank)), hierarchical_hook)``.
+    """
     tensor = bucket.buffer()
     tensor.div_(state.world_size)
     if state.flat:

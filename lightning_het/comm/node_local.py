@@ -26,8 +26,10 @@ __all__ = ["NodeLocal"]
 
 class NodeLocal(FlatAllReduce):
     """Node-local optimisation steps plus a merge of the replicas' models every ``global_sync_every`` steps.
+
     The merge weighs each replica by the samples it trained on since the last one (``merge_by="samples"``) or each
-    node equally (``"nodes"``); what it does with them is ``merge``'s (:mod:`lightning_het.comm.outer`)."""
+    node equally (``"nodes"``); what it does with them is ``merge``'s (:mod:`lightning_het.comm.outer`).
+    """
 
     mode = "node_local"
 

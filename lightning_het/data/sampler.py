@@ -71,11 +71,13 @@ def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int 
 
 class ProportionalDistributedSampler(DistributedSampler):
     """Yields this replica's slice of every global batch, with per-replica batch sizes.
+
     At step ``k`` replica ``r`` takes ``[k*B + o_r, k*B + o_r + b_r)`` of one seeded global order (``B`` the global
     batch, ``o_r = sum(batch_sizes[:r])``); the last ``N % B`` samples form a smaller global batch split by
     :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small; ``min_batch_size`` per replica). Every
     replica yields ``num_steps`` batches. ``seed`` must be the same on every replica; ``order_sampler`` (e.g. a
-    ``WeightedRandomSampler``) gives the order to cut instead of a permutation, ``shuffle`` then being ignored."""
+    ``WeightedRandomSampler``) gives the order to cut instead of a permutation, ``shuffle`` then being ignored.
+    """
 
     def __init__(
         self,
@@ -211,8 +213,10 @@ class ProportionalBatchSampler(BatchSampler):
 
 class UnpaddedDistributedSampler(DistributedSampler):
     """Evaluation sampler: each sample goes to exactly one replica, no padding, shares proportional to ``weights``.
+
     Replica ``r`` takes a contiguous block, at least one sample (``min_share``); a set smaller than the number of
-    replicas is repeated whole ``ceil(W / N)`` times first."""
+    replicas is repeated whole ``ceil(W / N)`` times first.
+    """
 
     def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, *, min_share: int = 1) -> None:
         super().__init__(dataset, num_replicas=len(weights), rank=rank, shuffle=False, drop_last=False)

@@ -41,8 +41,10 @@ class PatchSource(Protocol):
 
 class InMemoryPatches:
     """Patches sliced from a preprocessed, reflect-padded copy of the whole ``(bands, height, width)`` cube.
+
     ``transform``: identity (cast to ``float32``) when ``None``; pixels outside ``valid`` (else derived from
-    ``nodata``) are zero-filled after preprocessing."""
+    ``nodata``) are zero-filled after preprocessing.
+    """
 
     def __init__(
         self,
@@ -101,8 +103,10 @@ class WindowedPatches:
 
 class PatchDataset(Dataset):
     """The pixels ``indices`` (``row * width + col``) of a scene as patch samples, ``targets`` their classes.
+
     A sample is a dict: ``image`` ``float32 (B, p, p)``, ``label`` (class index, ``-1`` unlabelled, as are all when
-    ``targets`` is ``None``), ``row``, ``col``, ``valid`` (the centre pixel has a usable spectrum)."""
+    ``targets`` is ``None``), ``row``, ``col``, ``valid`` (the centre pixel has a usable spectrum).
+    """
 
     def __init__(self, source: PatchSource, indices: np.ndarray, targets: np.ndarray | None = None) -> None:
         self.source = source

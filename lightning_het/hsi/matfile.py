@@ -73,10 +73,17 @@ def read_mat_scene(
     num_classes: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Read ``(cube (bands, height, width) as stored, labels (height, width) int64, number of classes)``.
+
     The labels come from ``image_path`` when ``labels_path`` is ``None``; ``image_key`` / ``labels_key`` name the
-    variables (else found by shape). A missing file, scipy, or a matching pair of variables raises
-    ``RasterNotFoundError``, ``ImportError`` or ``MatFileError``; explicit keys of different shapes
-    ``ShapeMismatchError``."""
+    variables (else found by shape).
+
+    Raises:
+        RasterNotFoundError: a file does not exist.
+        ImportError: scipy is missing.
+        MatFileError: no (or more than one) matching pair of variables, or an unreadable file.
+        ShapeMismatchError: explicit keys whose shapes disagree.
+        LabelValueError: see :func:`check_labels`.
+    """
     image_text = check_exists(image_path, "image")
     labels_text = check_exists(labels_path, "labels") if labels_path is not None else image_text
     image_arrays = _load_mat(image_text)

@@ -28,9 +28,11 @@ def _unpack(batch: Any) -> tuple[Tensor, Tensor]:
 
 class HSIClassifier(pl.LightningModule):
     """Pixel classification of hyperspectral patches with OA / AA / kappa measured by torchmetrics.
+
     ``network``: a name of :data:`~lightning_het.hsi.networks.NETWORKS`, built with ``network_kwargs`` (``width``,
     ``dropout``); ``weight_decay`` is decoupled for ``optimizer="adamw"``; ``momentum`` is SGD's. ``in_bands``,
-    ``num_classes`` and ``patch_size`` come from the datamodule when ``None``."""
+    ``num_classes`` and ``patch_size`` come from the datamodule when ``None``.
+    """
 
     def __init__(
         self,

@@ -49,7 +49,9 @@ def assemble_class_map(
     pred: np.ndarray, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int], num_classes: int | None = None
 ) -> np.ndarray:
     """The ``(height, width)`` map of ``pred + 1`` at ``(rows, cols)``, ``0`` elsewhere and where ``pred`` is ``-1``.
-    ``num_classes`` (else from ``pred``) picks the dtype: ``uint8`` below 256 classes, else ``uint16``."""
+
+    ``num_classes`` (else from ``pred``) picks the dtype: ``uint8`` below 256 classes, else ``uint16``.
+    """
     pred = np.asarray(pred, dtype=np.int64)
     classes = num_classes if num_classes is not None else int(pred.max(initial=0)) + 1
     out = np.zeros(shape, dtype=np.uint8 if classes < 256 else np.uint16)
@@ -123,8 +125,10 @@ def _gather(local: np.ndarray) -> np.ndarray:
 
 class PredictionMapWriter(pl.Callback):
     """Collects ``predict_step`` outputs of every replica; rank 0 writes ``out_dir/<name>.tif`` (and ``.png``).
+
     ``shape``, ``crs``, ``transform`` and ``class_names`` come from the datamodule when ``None``. After a predict
-    loop, ``class_map`` holds the map on every rank and ``paths`` the files rank 0 wrote."""
+    loop, ``class_map`` holds the map on every rank and ``paths`` the files rank 0 wrote.
+    """
 
     def __init__(
         self,

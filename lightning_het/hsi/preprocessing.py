@@ -59,7 +59,9 @@ def fit_spectral_transform(
     spectra: np.ndarray, *, standardize: bool = True, pca_components: int | None = None
 ) -> SpectralTransform:
     """Fit the preprocessing on valid training ``spectra`` ``(n, bands)`` only (see ``docs/hyperspectral.md``).
-    PCA components are sign-normalised (largest loading positive) so that fits are reproducible."""
+
+    PCA components are sign-normalised (largest loading positive) so that fits are reproducible.
+    """
     data = np.asarray(spectra, dtype=np.float64)
     if data.ndim != 2 or data.shape[0] == 0:
         raise ValueError(f"Expected argument `spectra` to have shape (n >= 1, bands), but got {data.shape}.")

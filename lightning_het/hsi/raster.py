@@ -125,8 +125,12 @@ def _check_numeric(dtype: np.dtype | str, path: str) -> None:
 
 
 def read_image(path: str | os.PathLike) -> tuple[np.ndarray, RasterInfo]:
-    """Read a whole multi-band image: the cube ``(bands, height, width)`` in the file's dtype, and its metadata
-    (``RasterNotFoundError``; ``RasterFormatError`` for an unreadable file or a non-numeric data type)."""
+    """Read a whole multi-band image: the cube ``(bands, height, width)`` in the file's dtype, and its metadata.
+
+    Raises:
+        RasterNotFoundError: the file does not exist.
+        RasterFormatError: unreadable file or a non-numeric data type.
+    """
     with open_raster(path, "image") as dataset:
         info = _info_from_dataset(dataset, os.fspath(path))
         _check_numeric(info.dtype, info.path)
@@ -154,8 +158,13 @@ def check_labels(labels: np.ndarray, path: str | os.PathLike, num_classes: int |
 
 
 def read_labels(path: str | os.PathLike, num_classes: int | None = None) -> tuple[np.ndarray, int, RasterInfo]:
-    """Read and validate a single-band label raster: labels ``(height, width)`` ``int64``, ``C`` and the metadata
-    (``RasterFormatError`` for several bands or a non-numeric type; ``LabelValueError``: see :func:`check_labels`)."""
+    """Read and validate a single-band label raster: labels ``(height, width)`` ``int64``, ``C`` and the metadata.
+
+    Raises:
+        RasterNotFoundError: the file does not exist.
+        RasterFormatError: more than one band or a non-numeric type.
+        LabelValueError: see :func:`check_labels`.
+    """
     with open_raster(path, "labels") as dataset:
         info = _info_from_dataset(dataset, os.fspath(path))
         if info.count != 1:
@@ -172,8 +181,12 @@ def read_labels(path: str | os.PathLike, num_classes: int | None = None) -> tupl
 
 
 def check_alignment(image: RasterInfo, labels: RasterInfo) -> None:
-    """Check that ``labels`` lies on the pixel grid of ``image`` (``ShapeMismatchError``, naming both files and
-    shapes; ``GeoreferenceMismatchError`` for a different CRS or transform)."""
+    """Check that ``labels`` lies on the pixel grid of ``image``.
+
+    Raises:
+        ShapeMismatchError: different heights or widths (naming both files and both shapes).
+        GeoreferenceMismatchError: different CRS or transform.
+    """
     if image.shape != labels.shape:
         raise ShapeMismatchError(image.path, image.shape, labels.path, labels.shape)
     if image.crs is not None and labels.crs is not None and image.crs != labels.crs:
@@ -272,8 +285,10 @@ def write_geotiff(
     compress: str = "deflate",
 ) -> Path:
     """Write ``array`` (``(bands, height, width)`` or ``(height, width)``) as a tiled, compressed GeoTIFF.
+
     ``crs``: anything ``CRS.from_user_input`` takes; ``transform``: pixel-to-map, identity when ``None``;
-    ``colormap``: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster."""
+    ``colormap``: a palette ``{value: (r, g, b, a)}`` for a single-band ``uint8``/``uint16`` raster.
+    """
     data = np.asarray(array)
     if data.ndim == 2:
         data = data[None]

@@ -129,9 +129,11 @@ def make_synthetic_scene(
     origin: tuple[float, float] = (500000.0, 4400000.0),
 ) -> SyntheticScene:
     """Draw a synthetic scene (the model is in ``docs/hyperspectral.md``); every class ``1..C`` has a pixel.
+
     ``bands`` are evenly spaced over 400-2500 nm; ``seed`` seeds every draw (same arguments, same scene, bit for bit);
     ``noise`` is in reflectance units, ``region_scale`` and ``boundary_mixing`` in pixels, ``pixel_size`` in CRS
-    units; ``dtype="uint16"`` stores ``round(10000 * reflectance)``; ``origin`` is the top-left ``(x, y)``."""
+    units; ``dtype="uint16"`` stores ``round(10000 * reflectance)``; ``origin`` is the top-left ``(x, y)``.
+    """
     height = positive_int("height", height, allow_none=False, minimum=2)
     width = positive_int("width", width, allow_none=False, minimum=2)
     bands = positive_int("bands", bands, allow_none=False)

@@ -1,6 +1,8 @@
 """Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143.
+
 The replicas agree on the notice after an optimizer step, rank 0 saves atomically, every replica raises
-:class:`Preempted`; one still alive ``grace`` seconds after the signal exits with 143 (``docs/preemption.md``)."""
+:class:`Preempted`; one still alive ``grace`` seconds after the signal exits with 143 (``docs/preemption.md``).
+"""
 
 from __future__ import annotations
 
@@ -381,7 +383,9 @@ class PreemptionCallback(Callback):
 
 class _PreemptionSignalConnector:
     """Stands in for the Trainer's signal connector: our handler instead of Lightning's SIGTERM/SIGUSR1 ones.
-    ``received_sigterm`` stays ``False`` so Lightning's loops never raise their own (exit-status 0) exception."""
+
+    ``received_sigterm`` stays ``False`` so Lightning's loops never raise their own (exit-status 0) exception.
+    """
 
     def __init__(self, handler: PreemptionHandler, install: Callable[[], None]) -> None:
         self.received_sigterm = False

@@ -1,6 +1,8 @@
 """Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
+
 One :class:`Watchdog` per replica: progress markers, a heartbeat thread on the job's store, the pure :func:`judge` and
-one compare-and-set abort record that ends every replica (``docs/reliability.md``)."""
+one compare-and-set abort record that ends every replica (``docs/reliability.md``).
+"""
 
 from __future__ import annotations
 
