@@ -7,6 +7,7 @@ Owned by the Trainer and the Fabric strategy alike (it takes values and callable
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -133,18 +134,22 @@ class Balancer:
 
     def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any) -> None:
         """``"auto"`` on the first training step: each replica's largest micro-batch that fits (trial steps that
-        leave the training state unchanged), agreed by an all-gather and stored in the profile cache."""
+        leave the training state unchanged), agreed by an all-gather and stored in the profile cache; the slowest
+        replica's search time is kept (``micro.search_s``)."""
         micro = self.micro
         assert micro is not None
         upper = self.allocation.global_batch_size or 1
         accelerator = self.device.type == "cuda"
+        start = time.perf_counter()
         cap, micro.search_steps = measure_cap(
             step, batch, upper=upper, check=micro.fits, no_sync=no_sync, module=module, accelerator=accelerator
         )
         cache, key = self._memory_key()
         if cache is not None and key is not None:
             cache.put_cap(key, cap)
-        rows = self.all_gather_floats([float(cap), float(micro.search_steps)]) if self.world_size > 1 else [[cap, 0]]
+        row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
+        rows = self.all_gather_floats(row) if self.world_size > 1 else [row]
+        micro.search_s = max(r[2] for r in rows)
         steps = [int(r[1]) for r in rows]
         self._set_caps([int(r[0]) for r in rows], f"measured in {steps} trial steps")
 

@@ -114,6 +114,7 @@ class MicroBatcher:
         self.lowered_from: int | None = None  # the cap (or the share) a mid-training OOM lowered, once
         self.pending = False  # the cap changed since the replicas last agreed on it
         self.search_steps = 0  # trial steps the "auto" search took on this replica
+        self.search_s = 0.0  # seconds the "auto" search held the first step (the slowest replica's)
         self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
 
     def fits(self, samples: int) -> None:
