@@ -289,7 +289,8 @@ class DirectPieces:
     def of(cls, model: Any, module: Any, precision: Any, scale: Callable[[], float]) -> DirectPieces | None:
         """The cheap path for ``module`` wrapped as ``model``, or ``None``: a precision plugin with a backward of its
         own (not in ``_PLAIN_PRECISIONS``), a module that overrides ``backward``, or a DDP wrapper that has not run
-        a forward yet, has a static graph, delays its all-reduce or has a buffer communication hook."""
+        a forward yet, has a static graph, delays its all-reduce or has a buffer communication hook (or a torch
+        without the buffer broadcast this path calls)."""
         kind = type(precision)
         plain = (kind.__module__.rpartition(".")[2], kind.__name__) in _PLAIN_PRECISIONS
         if not plain or getattr(type(module).backward, "__qualname__", "") != "LightningModule.backward":
@@ -300,6 +301,7 @@ class DirectPieces:
             or getattr(ddp, "static_graph", True)
             or getattr(ddp, "_delay_all_reduce_all_params", True)
             or hasattr(ddp, "buffer_hook")
+            or not hasattr(ddp, "_sync_buffers")
         ):
             return None
         if ddp is None and model is not module:
