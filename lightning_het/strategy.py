@@ -48,6 +48,7 @@ from lightning_het.cluster.startup import (
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
+from lightning_het.data.microbatch import DirectPieces
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
@@ -246,7 +247,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.balancer.agree_caps()  # while micro-batching: a cap lowered by an out-of-memory error, agreed
+        trainer = self._trainer()  # while micro-batching: a cap lowered by an out-of-memory error, agreed now and then
+        self.balancer.agree_caps(self._batch_idx(), getattr(trainer, "num_training_batches", None))
         sizes = self.balancer.step_split(self._loaders.train_sampler, self._batch_idx)
         clock = self._step_clock()  # telemetry, emulation, profiling
         if clock is None:
@@ -263,13 +265,18 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             return step(*args, **kwargs)
         no_sync, balancer = self.block_backward_sync, self.balancer
         measure = (lambda s, b: balancer.measure_caps(s, b, no_sync, module)) if balancer.cap_unknown else None
-        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure)
+        direct = DirectPieces.of(self.model, module, self.precision_plugin, self._piece_scale)  # the earlier pieces
+        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure, direct)
+
+    def _piece_scale(self) -> float:
+        """The factor Lightning's backward applies to the step's loss (the loss scale over ``accumulate_grad_batches``),
+        applied to each earlier micro-batch's own backward."""
+        scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
+        return scale / self.lightning_module.trainer.accumulate_grad_batches
 
     def _backward_piece(self, loss: Tensor) -> None:
-        """Backward one micro-batch's weighted loss with the step's loss scale (Lightning divides the last one's by
-        ``accumulate_grad_batches``; this does the same for the others)."""
-        scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
-        super().backward(loss * (scale / self.lightning_module.trainer.accumulate_grad_batches), None)
+        """Backward one micro-batch's weighted loss through Lightning (when :class:`DirectPieces` cannot)."""
+        super().backward(loss * self._piece_scale(), None)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -233,6 +233,7 @@ def _worker(spec_path: str) -> None:
             "step_s_median": statistics.median(timer.step_times()),
             "step_s_mean": statistics.fmean(timer.step_times()),
             "step_s_median_after_epoch0": statistics.median(timer.step_times(1) or timer.step_times()),
+            "step_s_mean_after_epoch0": statistics.fmean(timer.step_times(1) or timer.step_times()),
             "step_cpu_s_median": statistics.median(timer.step_times(cpu=True)),
             "step_s_p10": _quantile(timer.step_times(), 0.1),
             "step_cpu_s_p10": _quantile(timer.step_times(cpu=True), 0.1),
@@ -245,6 +246,8 @@ def _worker(spec_path: str) -> None:
             result["profile_s"] = report["profile_seconds"]
             result["cost_model"] = report.get("cost_model")
             result["telemetry"] = report["telemetry"]
+            micro = trainer.strategy.micro_batcher
+            result["search_s"] = micro.search_s if micro is not None else 0.0
             paths = balance_report_paths(trainer.log_dir) if logger and trainer.log_dir else {}
             if paths and paths["table"].exists():  # written by rank 0 at the end of the fit
                 result["report_paths"] = {k: str(v) for k, v in paths.items()}
@@ -385,10 +388,11 @@ def _memory_plan(args: argparse.Namespace) -> list[dict]:
 
 
 def _affine_summary(
-    runs: list[dict], spec: dict[str, list[Any]] = AFFINE, names: tuple[str, ...] = AFFINE_RUNS
+    runs: list[dict], spec: dict[str, list[Any]] = AFFINE, names: tuple[str, ...] = AFFINE_RUNS, steady: bool = False
 ) -> dict[str, Any]:
     """Mean step of each run against the best split's compute plus the per-step overhead measured on DDP (the first
-    of ``names``; the best split knows ``spec``'s micro-batch caps, DDP runs its shares whole)."""
+    of ``names``; the best split knows ``spec``'s micro-batch caps, DDP runs its shares whole). ``steady``: the steps
+    after the first epoch (which holds the cap search and the profiling, reported apart), for every run and *o*."""
     sys.path.insert(0, str(REPO))
     from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 
@@ -398,7 +402,10 @@ def _affine_summary(
     best_sizes = allocate_affine(GLOBAL_BATCH, costs)
     best = step_time(best_sizes, costs)
     equal = [GLOBAL_BATCH // 2] * 2
-    overhead = max(by_name[names[0]]["step_s_mean"] - step_time(equal, whole), 0.0)
+    mean, median = (
+        ("step_s_mean_after_epoch0", "step_s_median_after_epoch0") if steady else ("step_s_mean", "step_s_median")
+    )
+    overhead = max(by_name[names[0]][mean] - step_time(equal, whole), 0.0)
     rows = []
     for name in names:
         r = by_name[name]
@@ -407,37 +414,64 @@ def _affine_summary(
             {
                 "run": name,
                 "batch_sizes": sizes,
-                "step_ms": r["step_s_mean"] * 1e3,
-                "step_median_ms": r["step_s_median"] * 1e3,
+                "step_ms": r[mean] * 1e3,
+                "step_median_ms": r[median] * 1e3,
+                "whole_fit_mean_ms": r["step_s_mean"] * 1e3,
                 "compute_ms": step_time(sizes, whole if name == names[0] else costs) * 1e3,
-                "vs_best_plus_overhead": r["step_s_mean"] / (best + overhead),
+                "vs_best_plus_overhead": r[mean] / (best + overhead),
                 "profile_s": r.get("profile_s", 0.0),
+                "search_s": r.get("search_s", 0.0),
                 "cost_model": r.get("cost_model"),
             }
         )
-    return {"best_sizes": best_sizes, "best_ms": best * 1e3, "overhead_ms": overhead * 1e3, "rows": rows}
+    return {
+        "best_sizes": best_sizes,
+        "best_ms": best * 1e3,
+        "overhead_ms": overhead * 1e3,
+        "rows": rows,
+        "steady": steady,
+    }
 
 
 def _affine_markdown(summary: dict[str, Any], spec: dict[str, list[Any]] = AFFINE, title: str = "Affine") -> str:
     caps = ""
     if "caps" in spec:
         caps = f", rank 0 holding {spec['caps'][0]} samples at once (micro-batches pay the fixed cost each)"
+    steady = summary.get("steady", False)
+    steps = (
+        "Steps after the first epoch (which holds the cap search and the profiling, reported apart; the mean over the"
+        " whole fit in its own column):"
+        if steady
+        else "Mean step over the whole training loop (profiling excluded, reported apart):"
+    )
     lines = [
         f"**{title} platform** (2 replicas, global batch {GLOBAL_BATCH}; rank 0 sleeps"
         f" {spec['fixed_s'][0] * 1e3:g} ms + {spec['per_sample_s'][0] * 1e3:g} ms/sample per step, rank 1"
         f" {spec['fixed_s'][1] * 1e3:g} ms + {spec['per_sample_s'][1] * 1e3:g} ms/sample{caps})."
         f" Best split {summary['best_sizes']} = {summary['best_ms']:.1f} ms of compute; per-step overhead *o* measured"
-        f" on DDP (its mean step minus its compute): {summary['overhead_ms']:.1f} ms. Mean step over the whole training"
-        " loop (profiling excluded, reported apart):",
+        f" on DDP (its mean step minus its compute): {summary['overhead_ms']:.1f} ms. {steps}",
         "",
-        "| run | batch sizes | compute (ms) | median step (ms) | mean step (ms) | / (best + o) | profiling (s) |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
+    if steady:
+        lines += [
+            "| run | batch sizes | compute (ms) | median step (ms) | mean step (ms) | / (best + o)"
+            " | whole-fit mean (ms) | profiling (s) | cap search (s) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+    else:
+        lines += [
+            "| run | batch sizes | compute (ms) | median step (ms) | mean step (ms) | / (best + o) | profiling (s) |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
     for r in summary["rows"]:
-        lines.append(
+        row = (
             f"| {r['run']} | {r['batch_sizes']} | {r['compute_ms']:.1f} | {r['step_median_ms']:.1f} |"
-            f" {r['step_ms']:.1f} | **{r['vs_best_plus_overhead']:.3f}** | {r['profile_s']:.2f} |"
+            f" {r['step_ms']:.1f} | **{r['vs_best_plus_overhead']:.3f}** |"
         )
+        if steady:
+            row += f" {r['whole_fit_mean_ms']:.1f} |"
+        row += f" {r['profile_s']:.2f} |" + (f" {r['search_s']:.2f} |" if steady else "")
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -825,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             runs += memory_runs
             brief += (
                 f"\nload average {args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n\n"
-                + _affine_markdown(_affine_summary(memory_runs, MEMORY, MEMORY_RUNS), MEMORY, "Memory")
+                + _affine_markdown(_affine_summary(memory_runs, MEMORY, MEMORY_RUNS, steady=True), MEMORY, "Memory")
             )
         (out / "results.json").write_text(json.dumps(runs, indent=1))
         (out / "results.md").write_text(brief)
@@ -845,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     args.load_after = os.getloadavg()[0]
     summary = _summarise([r for r in platforms if r["name"] != "warm-up"], overhead[1:], args.c0)
     summary["affine"] = _affine_summary(affine_runs)
-    summary["memory"] = _affine_summary(memory_runs, MEMORY, MEMORY_RUNS)
+    summary["memory"] = _affine_summary(memory_runs, MEMORY, MEMORY_RUNS, steady=True)
     summary["clock_cost_us"] = _clock_cost_us(300, 2) if tiny else _clock_cost_us()
     summary["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     summary["command"] = command

@@ -6,6 +6,8 @@ Owned by the Trainer and the Fabric strategy alike (it takes values and callable
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +39,10 @@ from lightning_het.data.microbatch import MicroBatcher
 from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import log_resumed_allocation, plan_allocation
 
-__all__ = ["BalanceView", "Balancer", "FitContext", "per_replica_batchnorm"]
+__all__ = ["CAPS_AGREED_EVERY", "BalanceView", "Balancer", "FitContext", "per_replica_batchnorm"]
+
+#: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
+CAPS_AGREED_EVERY = 16
 
 
 def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> list[str]:
@@ -129,18 +134,22 @@ class Balancer:
 
     def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any) -> None:
         """``"auto"`` on the first training step: each replica's largest micro-batch that fits (trial steps that
-        leave the training state unchanged), agreed by an all-gather and stored in the profile cache."""
+        leave the training state unchanged), agreed by an all-gather and stored in the profile cache; the slowest
+        replica's search time is kept (``micro.search_s``)."""
         micro = self.micro
         assert micro is not None
         upper = self.allocation.global_batch_size or 1
         accelerator = self.device.type == "cuda"
+        start = time.perf_counter()
         cap, micro.search_steps = measure_cap(
             step, batch, upper=upper, check=micro.fits, no_sync=no_sync, module=module, accelerator=accelerator
         )
         cache, key = self._memory_key()
         if cache is not None and key is not None:
             cache.put_cap(key, cap)
-        rows = self.all_gather_floats([float(cap), float(micro.search_steps)]) if self.world_size > 1 else [[cap, 0]]
+        row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
+        rows = self.all_gather_floats(row) if self.world_size > 1 else [row]
+        micro.search_s = max(r[2] for r in rows)
         steps = [int(r[1]) for r in rows]
         self._set_caps([int(r[0]) for r in rows], f"measured in {steps} trial steps")
 
@@ -312,11 +321,16 @@ class Balancer:
             self.comm.set_batch_sizes(self.allocation.batch_sizes)
             self._comm_sizes = list(self.allocation.batch_sizes)
 
-    def agree_caps(self) -> None:
-        """At each step boundary while micro-batching: a cap that an out-of-memory error lowered becomes every
-        replica's view (one all-gather), the cost model follows it, and rank 0 logs the new table."""
+    def agree_caps(self, batch_idx: int | None = None, batches: float | None = None) -> None:
+        """While micro-batching, at the start of step ``batch_idx`` of an epoch of ``batches``: every
+        :data:`CAPS_AGREED_EVERY` steps and at the epoch's last step (before a rebalancing check), a cap that an
+        out-of-memory error lowered becomes every replica's view (one all-gather, at the same step on every
+        replica), the cost model follows it, and rank 0 logs the new table. The lowered replica runs its new cap
+        meanwhile. Without ``batch_idx``: at every call."""
         micro = self.micro
         if micro is None or self.world_size == 1:
+            return
+        if batch_idx is not None and (batch_idx + 1) % CAPS_AGREED_EVERY and batch_idx + 1 < (batches or math.inf):
             return
         rows = self.all_gather_floats([float(micro.cap or 0), float(micro.pending)])
         if not any(r[1] for r in rows):

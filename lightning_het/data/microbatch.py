@@ -3,7 +3,9 @@
 A share of ``b`` samples runs as ``ceil(b / m)`` pieces split along the first dimension; every piece but the last is
 backwarded at once, its loss weighted ``n_j / b``, without gradient communication; the last piece's loss, weighted
 the same, is returned (plus the others' weighted losses, detached) for the usual backward, which synchronises the
-accumulated gradients. The gradient is the share's, exactly. See ``docs/balancing.md`` (memory, micro-batches).
+accumulated gradients. The gradient is the share's, exactly. Under the Trainer the earlier pieces take a cheap path
+(:class:`DirectPieces`: the LightningModule's ``training_step`` and a plain backward, past DDP and Lightning's hooks)
+where that is safe. See ``docs/balancing.md`` (memory, micro-batches).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DirectPieces",
     "MicroBatcher",
     "batch_length",
     "micro_batch_sizes",
@@ -111,6 +114,7 @@ class MicroBatcher:
         self.lowered_from: int | None = None  # the cap (or the share) a mid-training OOM lowered, once
         self.pending = False  # the cap changed since the replicas last agreed on it
         self.search_steps = 0  # trial steps the "auto" search took on this replica
+        self.search_s = 0.0  # seconds the "auto" search held the first step (the slowest replica's)
         self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
 
     def fits(self, samples: int) -> None:
@@ -157,9 +161,11 @@ class MicroBatcher:
         backward: Callable[[Tensor], None],
         no_sync: Callable[[], AbstractContextManager[Any]],
         measure: Callable[[Callable[[Any], Any], Any], None] | None = None,
+        direct: DirectPieces | None = None,
     ) -> Any:
         """A Lightning ``training_step(batch, *rest)`` of ``module`` through :meth:`run`; ``measure(piece_step,
-        batch)`` first when the cap is still to be measured. Manual optimization is refused over the cap."""
+        batch)`` first when the cap is still to be measured. Manual optimization is refused over the cap. With
+        ``direct``, the earlier pieces take its cheap path; the last one always goes through ``step``."""
         if not args:
             return step(*args, **kwargs)
         if not module.automatic_optimization:
@@ -172,7 +178,10 @@ class MicroBatcher:
 
         if measure is not None:  # max_micro_batch_sizes="auto": measured on the first training batch
             measure(piece_step, args[0])
-        return self.run(piece_step, args[0], backward, no_sync, list(module.parameters()))
+        early = None
+        if direct is not None:
+            early = (lambda piece: direct.step(piece, *rest, **kwargs)), direct.backward
+        return self.run(piece_step, args[0], backward, no_sync, list(module.parameters()), early)
 
     def run(
         self,
@@ -181,10 +190,12 @@ class MicroBatcher:
         backward: Callable[[Tensor], None],
         no_sync: Callable[[], AbstractContextManager[Any]],
         params: Sequence[Tensor] = (),
+        early: tuple[Callable[[Any], Any], Callable[[Tensor], None]] | None = None,
     ) -> Any:
         """``step(batch)`` as micro-batches of at most ``cap`` samples (see the module); ``backward(loss)`` backwards
-        a piece without synchronising (``no_sync()`` around it). An out-of-memory error lowers the cap once and
-        the rest of the share runs in smaller pieces: the gradient stays exact.
+        a piece without synchronising (``no_sync()`` around it); ``early``: another ``(step, backward)`` for every
+        piece but the last. An out-of-memory error lowers the cap once and the rest of the share runs in smaller
+        pieces: the gradient stays exact.
 
         The pieces' gradients are held apart from ``params``' ``.grad`` (which the loop zeroes between the step and
         its backward) until :meth:`restore_grads`, which the backward of the returned loss calls first.
@@ -194,7 +205,7 @@ class MicroBatcher:
             return step(batch)
         held = take_grads(params)
         try:
-            return self._pieces(step, batch, total, backward, no_sync)
+            return self._pieces((step, backward), early or (step, backward), batch, total, no_sync)
         finally:
             self._grads = take_grads(params)
             for p, g in zip(params, held):
@@ -209,10 +220,10 @@ class MicroBatcher:
 
     def _pieces(
         self,
-        step: Callable[[Any], Any],
+        last_path: tuple[Callable[[Any], Any], Callable[[Tensor], None]],
+        early: tuple[Callable[[Any], Any], Callable[[Tensor], None]],
         batch: Any,
         total: int,
-        backward: Callable[[Tensor], None],
         no_sync: Callable[[], AbstractContextManager[Any]],
     ) -> Any:
         done, rest, earlier = 0, batch, []
@@ -221,6 +232,7 @@ class MicroBatcher:
             pieces = split_batch(rest, sizes) if len(sizes) > 1 else [rest]
             for n, piece in zip(sizes, pieces):
                 last = done + n == total
+                step, backward = last_path if last else early
                 try:
                     with nullcontext() if last else no_sync():
                         self.fits(n)
@@ -245,3 +257,73 @@ def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
     for p in params:
         p.grad = None
     return grads
+
+
+#: the precision plugins (``<flavour>.plugins.precision.<module>``, class) whose backward is ``loss.backward()``, after
+#: the grad scaler's ``scale`` for 16-bit mixed precision: the earlier pieces' cheap path honours them
+_PLAIN_PRECISIONS = {
+    ("precision", "Precision"),
+    ("amp", "MixedPrecision"),
+    ("half", "HalfPrecision"),
+    ("double", "DoublePrecision"),
+}
+
+
+class DirectPieces:
+    """The cheap path of a step's earlier micro-batches: the LightningModule's ``training_step`` under the precision
+    plugin's step context, past DDP's forward (its reducer ignores a backward whose forward it did not prepare), and
+    ``loss.backward()`` (scaled by the grad scaler under 16-bit mixed precision), past Lightning's backward hooks.
+    ``scale()``: the factor Lightning's backward applies to the step's loss, read once, applied to each piece's.
+    Built by :meth:`of`, which returns ``None`` where the full path is needed.
+    """
+
+    def __init__(self, module: Any, precision: Any, ddp: Any, scale: Callable[[], float]) -> None:
+        self.module = module
+        self.precision = precision
+        self.ddp = ddp  # the DistributedDataParallel wrapper (None: the module is not wrapped)
+        self._scale = scale
+        self.scale: float | None = None
+        self._first = True
+
+    @classmethod
+    def of(cls, model: Any, module: Any, precision: Any, scale: Callable[[], float]) -> DirectPieces | None:
+        """The cheap path for ``module`` wrapped as ``model``, or ``None``: a precision plugin with a backward of its
+        own (not in ``_PLAIN_PRECISIONS``), a module that overrides ``backward``, or a DDP wrapper that has not run
+        a forward yet, has a static graph, delays its all-reduce or has a buffer communication hook (or a torch
+        without the buffer broadcast this path calls)."""
+        kind = type(precision)
+        plain = (kind.__module__.rpartition(".")[2], kind.__name__) in _PLAIN_PRECISIONS
+        if not plain or getattr(type(module).backward, "__qualname__", "") != "LightningModule.backward":
+            return None
+        ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+        if ddp is not None and (
+            not getattr(ddp, "_lazy_init_ran", False)
+            or getattr(ddp, "static_graph", True)
+            or getattr(ddp, "_delay_all_reduce_all_params", True)
+            or hasattr(ddp, "buffer_hook")
+            or not hasattr(ddp, "_sync_buffers")
+        ):
+            return None
+        if ddp is None and model is not module:
+            return None  # another wrapper: its forward may matter
+        return cls(module, precision, ddp, scale)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """``training_step(*args, **kwargs)`` of the module; before the step's first piece, the buffers are
+        broadcast as DDP's forward of that piece would have done (the last piece's forward then does not)."""
+        if self._first:
+            self._first = False
+            ddp = self.ddp
+            if ddp is not None and ddp.will_sync_module_buffers():
+                ddp._sync_buffers()
+                ddp.require_forward_param_sync = False
+        with self.precision.train_step_context():
+            return self.module.training_step(*args, **kwargs)
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward ``loss`` times ``scale`` (and the grad scaler's scale, if any) into the parameters' ``.grad``."""
+        if self.scale is None:
+            self.scale = self._scale()
+        loss = loss * self.scale if self.scale != 1.0 else loss
+        scaler = getattr(self.precision, "scaler", None)
+        (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -6,12 +6,23 @@ import doctest
 from collections import namedtuple
 from contextlib import nullcontext
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_het import HeterogeneousStrategy
 from lightning_het.data import microbatch
-from lightning_het.data.microbatch import MicroBatcher, batch_length, micro_batch_sizes, micro_batches, split_batch
+from lightning_het.data.microbatch import (
+    DirectPieces,
+    MicroBatcher,
+    batch_length,
+    micro_batch_sizes,
+    micro_batches,
+    split_batch,
+)
+from tests.helpers.tiny import quiet_trainer
 
 Pair = namedtuple("Pair", ["x", "y"])
 
@@ -95,3 +106,61 @@ def test_manual_optimization_is_told_what_to_do() -> None:
         MicroBatcher(0, cap=4).refuse_manual(_setup()[1])
     with pytest.raises(RuntimeError, match="must return the loss"):
         MicroBatcher(0, cap=4).run(lambda piece: None, _setup()[1], lambda loss: None, nullcontext)
+
+
+class _Counted(pl.LightningModule):
+    """A linear regression that counts its backward hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 1)
+        self.before_backward = 0
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+
+    def on_before_backward(self, loss) -> None:
+        self.before_backward += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(precision: str, caps: list[int] | None) -> _Counted:
+    torch.manual_seed(0)
+    model = _Counted()
+    data = TensorDataset(torch.randn(48, 3), torch.randn(48, 1))
+    strategy = HeterogeneousStrategy(speeds=[1.0], max_micro_batch_sizes=caps, process_group_backend="gloo")
+    quiet_trainer(1, strategy, max_epochs=1, precision=precision).fit(model, DataLoader(data, batch_size=16))
+    return model
+
+
+@pytest.mark.parametrize(("precision", "atol"), [("32-true", 1e-6), ("bf16-mixed", 2e-3)])
+def test_earlier_pieces_take_the_direct_path_with_the_precision_plugin(precision: str, atol: float) -> None:
+    """From the second step the earlier pieces skip DDP's forward and Lightning's backward hooks (one
+    ``on_before_backward`` per step), under the plugin's autocast and grad scaler: the weights are the whole batch's."""
+    whole, micro = _fit(precision, None), _fit(precision, [3])
+    assert micro.before_backward == 6 + 1 + 1  # the first step's six pieces go through Lightning, then one per step
+    for a, b in zip(whole.parameters(), micro.parameters()):
+        assert torch.allclose(a, b, atol=atol)
+
+
+def test_direct_backward_applies_the_grad_scaler_and_refuses_what_it_cannot_honour() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    module, x = _Counted(), torch.randn(4, 3)
+    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    direct = DirectPieces.of(module, module, amp, lambda: 0.5)
+    assert direct is not None
+    direct.backward(module.net(x).sum())
+    assert torch.allclose(module.net.weight.grad, 512.0 * x.sum(0, keepdim=True))
+
+    class Custom(Precision):
+        pass
+
+    class OwnBackward(_Counted):
+        def backward(self, loss, *args, **kwargs):
+            loss.backward()
+
+    assert DirectPieces.of(module, module, Custom(), lambda: 1.0) is None  # Lightning's path for other plugins
+    assert DirectPieces.of(OwnBackward(), OwnBackward(), Precision(), lambda: 1.0) is None

@@ -1,0 +1,30 @@
+"""The balancer's agreement on micro-batch caps: at fixed steps, the same on every replica, not at every step."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_het import HeterogeneousStrategy
+from lightning_het.balance.balancer import CAPS_AGREED_EVERY, Balancer
+
+
+def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
+    balancer = Balancer(HeterogeneousStrategy(max_micro_batch_sizes=[8, 64]).config)
+    balancer.place(0, 2, torch.device("cpu"), 2)
+    gathered: list[int] = []
+    step = 0
+
+    def all_gather(values: list[float]) -> list[list[float]]:
+        gathered.append(step)
+        return [values, [64.0, 0.0]]
+
+    balancer.all_gather_floats = all_gather  # type: ignore[method-assign]
+    assert balancer.micro is not None
+    for step in range(40):
+        if step == 3:  # an out-of-memory error in step 3 halves rank 0's cap; rank 1 learns it at the next agreement
+            balancer.micro.lower(8, torch.OutOfMemoryError("emulated"))
+        balancer.agree_caps(step, 40)
+        if step == CAPS_AGREED_EVERY - 2:
+            assert balancer.allocation.micro_caps is None and balancer.micro.pending
+    assert gathered == [CAPS_AGREED_EVERY - 1, 2 * CAPS_AGREED_EVERY - 1, 39]  # and the epoch's last step
+    assert balancer.allocation.micro_caps == [4, 64] and not balancer.micro.pending
