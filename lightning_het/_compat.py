@@ -60,7 +60,9 @@ __all__ = [
     "_set_num_threads_if_needed",
     "_set_rng_states",
     "attached_trainer",
+    "broadcast_ddp_buffers",
     "cached_validation_loader",
+    "ddp_forward_skippable",
     "default_store",
     "dump_checkpoint",
     "flavour_private",
@@ -233,6 +235,25 @@ def _progress_state(progress: Any) -> dict[str, Any]:
         value = getattr(progress, name)
         out[name] = _progress_state(value) if hasattr(value, "__dataclass_fields__") else value
     return out
+
+
+def ddp_forward_skippable(ddp: Any) -> bool:
+    """Whether a forward and backward may bypass ``ddp`` (its reducer ignores a backward whose forward it did not
+    prepare): not before its first forward, nor with a static graph, a delayed all-reduce or a buffer comm hook."""
+    return (
+        getattr(ddp, "_lazy_init_ran", False)
+        and not getattr(ddp, "static_graph", True)
+        and not getattr(ddp, "_delay_all_reduce_all_params", True)
+        and not hasattr(ddp, "buffer_hook")
+        and hasattr(ddp, "_sync_buffers")
+    )
+
+
+def broadcast_ddp_buffers(ddp: Any) -> None:
+    """Broadcast ``ddp``'s module buffers now, as its next forward would have done (that forward then does not)."""
+    if ddp.will_sync_module_buffers():
+        ddp._sync_buffers()
+        ddp.require_forward_param_sync = False
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:

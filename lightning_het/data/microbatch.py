@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable
+
 __all__ = [
     "DirectPieces",
     "MicroBatcher",
@@ -296,13 +298,7 @@ class DirectPieces:
         if not plain or getattr(type(module).backward, "__qualname__", "") != "LightningModule.backward":
             return None
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        if ddp is not None and (
-            not getattr(ddp, "_lazy_init_ran", False)
-            or getattr(ddp, "static_graph", True)
-            or getattr(ddp, "_delay_all_reduce_all_params", True)
-            or hasattr(ddp, "buffer_hook")
-            or not hasattr(ddp, "_sync_buffers")
-        ):
+        if ddp is not None and not ddp_forward_skippable(ddp):
             return None
         if ddp is None and model is not module:
             return None  # another wrapper: its forward may matter
@@ -314,9 +310,8 @@ class DirectPieces:
         if self._first:
             self._first = False
             ddp = self.ddp
-            if ddp is not None and ddp.will_sync_module_buffers():
-                ddp._sync_buffers()
-                ddp.require_forward_param_sync = False
+            if ddp is not None:
+                broadcast_ddp_buffers(ddp)
         with self.precision.train_step_context():
             return self.module.training_step(*args, **kwargs)
 
