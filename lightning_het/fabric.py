@@ -21,9 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het.balance.balancer import Balancer, BalanceView, FitContext
+from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.profiler import LoopSteps
+from lightning_het.balance.view import BalanceView
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.startup import detect_node_ids, init_process_group, started_elsewhere, startup_timeout_scope
 from lightning_het.comm.controller import resolve_comm_mode

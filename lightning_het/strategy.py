@@ -24,13 +24,14 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import _register_ddp_comm_hook, attached_trainer, record_loader_arguments
-from lightning_het.balance.balancer import Balancer, BalanceView, FitContext, per_replica_batchnorm
+from lightning_het.balance.balancer import Balancer, FitContext, per_replica_batchnorm
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
 from lightning_het.balance.planner import monitor_settings
 from lightning_het.balance.profiler import attach_profiler
 from lightning_het.balance.report import telemetry_section
 from lightning_het.balance.state import render_balance_table
+from lightning_het.balance.view import BalanceView
 from lightning_het.cluster.accelerators import (
     apply_local_settings,
     configure_devices,
@@ -52,7 +53,6 @@ from lightning_het.data.microbatch import DirectPieces
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
-    checkpoint_record,
     read_record,
     synchronize_before_save,
 )
@@ -363,11 +363,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _checkpoint_entry(self) -> dict[str, Any]:
-        speeds = None if self.profiling else self.speeds  # still profiling: none yet (a resumed run profiles again)
-        comm = None if self.comm_controller is None else self.comm_controller.state_dict()
-        return checkpoint_record(
-            self._trainer(), self.batch_sizes, speeds, self.node_ids, profiled=not self.speeds_given, comm=comm
-        )
+        return self.balancer.checkpoint_record(self._trainer())
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
