@@ -1,11 +1,12 @@
 """The package as users install it: the core imports with torch and Lightning only, registration in any import order,
-a fast ``--help``, one version. Each check runs in a fresh interpreter (``sys.modules`` of this one is not clean)."""
+a fast ``--help``, one version. Each check runs in a fresh interpreter, or a fork of one that has imported nothing of
+Lightning (``sys.modules`` of this one is not clean)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.metadata
 import importlib.util
+import json
 import os
 import resource
 import subprocess
@@ -104,21 +105,61 @@ IMPORT_ORDERS = {
 }
 
 
+#: run in one interpreter: import what every order imports before Lightning itself (torch, its compiler, torchmetrics;
+#: nothing of Lightning or this package), then try each order (``argv[1]``, JSON) in a child forked from it, printing
+#: ``{order: [exit status, stdout, stderr]}``: each order meets a ``sys.modules`` without Lightning, as in a fresh
+#: interpreter, and pays only for Lightning's own import
+_ORDERS_IN_FORKS = textwrap.dedent(
+    """
+    import json, os, sys, tempfile, traceback
+    import torch, torch._dynamo, torchmetrics
+    FLAVOURS = ("lightning", "lightning_het", "pytorch_lightning", "lightning_fabric")
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in FLAVOURS)
+    assert not loaded, loaded
+    results = {}
+    for name, code in json.loads(sys.argv[1]).items():
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                status = 0
+                try:
+                    exec(compile(code, name, "exec"), {"__name__": "__main__"})
+                except BaseException:
+                    traceback.print_exc()
+                    status = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+            _, status = os.waitpid(pid, 0)
+            out.seek(0)
+            err.seek(0)
+            results[name] = [os.waitstatus_to_exitcode(status), out.read(), err.read()]
+    print(json.dumps(results))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def import_order_runs() -> dict[str, subprocess.CompletedProcess[str]]:
-    """Each of :data:`IMPORT_ORDERS` in its own fresh interpreter, as many at a time as there are CPU cores (the
-    runs are independent; importing Lightning nine times one after the other costs about half a minute)."""
+    """Each of :data:`IMPORT_ORDERS` in a child of one interpreter that has imported no Lightning module (see
+    :data:`_ORDERS_IN_FORKS`): Lightning's third-party dependencies are imported once, not once per order."""
     have_pl = importlib.util.find_spec("pytorch_lightning") is not None
-    codes = {name: code for name, code in IMPORT_ORDERS.items() if have_pl or "pytorch_lightning" not in code}
-    workers = max(2, min(len(codes), os.cpu_count() or 2))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {
-            name: pool.submit(_python, f"{code}\nprint('heterogeneous' in R)", 120) for name, code in codes.items()
-        }
-        return {name: future.result() for name, future in futures.items()}
+    codes = {
+        name: f"{code}\nprint('heterogeneous' in R)"
+        for name, code in IMPORT_ORDERS.items()
+        if have_pl or "pytorch_lightning" not in code
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-c", _ORDERS_IN_FORKS, json.dumps(codes)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(result.stdout.splitlines()[-1])
+    return {name: subprocess.CompletedProcess(name, *run) for name, run in runs.items()}
 
 
-@pytest.mark.slow  # nine fresh interpreters importing Lightning
+@pytest.mark.slow  # one interpreter importing Lightning's dependencies, nine forks of it importing Lightning
 @pytest.mark.parametrize("order", list(IMPORT_ORDERS))
 def test_registered_whatever_the_import_order(import_order_runs, order):
     if "pytorch_lightning" in IMPORT_ORDERS[order]:

@@ -26,8 +26,9 @@ from lightning_het.errors import SingleClassError
 from lightning_het.hsi import HyperspectralDataModule
 from lightning_het.hsi.datamodule import resolve_pca_components
 from lightning_het.hsi.raster import write_geotiff
+from lightning_het.hsi.synthetic import write_synthetic_scene
 from lightning_het.strategy import HeterogeneousStrategy
-from tests.app.test_cli import run_app
+from tests.app.test_cli import CONSOLE_SCRIPT, check_metrics, run_app
 
 #: StrategyConfig fields that are not strategy keywords (the app's own switches)
 APP_ONLY_FIELDS = {"_target_", "gradient_averaging", "ddp_kwargs"}
@@ -154,25 +155,51 @@ def test_missing_checkpoint_names_the_file(compose_cfg, tmp_path):
 # ------------------------------------------------------------------------------------------- shared app runs (slow)
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory):
-    """Three runs of ``experiment=quick`` without a map, shared by the tests below (each checks other things):
-    ``whole`` (2 epochs) and ``first`` (1 epoch) side by side, then ``resumed`` (2 epochs from ``first``'s
-    ``last.ckpt``). Maps each name to ``(its output directory, its completed process)``."""
+    """Three runs of ``experiment=quick`` on 2 CPU replicas started by Lightning's popen, on a small GeoTIFF pair,
+    shared by the tests below (each checks other things): ``whole`` (2 epochs, by the console script, with the
+    prediction map) and ``first`` (1 epoch, ``python -m lightning_het.train``, no map) side by side, then ``resumed``
+    (the same, 2 epochs from ``first``'s ``last.ckpt``). Each runs from a working directory of its own outside the
+    repository, into ``run`` there; maps each name to ``(its run directory, its completed process)``."""
     root = tmp_path_factory.mktemp("quick_runs")
-    common = ["experiment=quick", "prediction_map=false"]
+    (root / "scene").mkdir()
+    image, labels = write_synthetic_scene(root / "scene", height=32, width=32, bands=12, classes=4, seed=3)
+    common = ["experiment=quick", "data=geotiff", f"data.image={image}", f"data.labels={labels}"]
+    common += ["data.patch_size=3", "data.pca_components=null", "data.global_batch_size=24", "trainer.devices=2"]
+    common += ["data.train_fraction=0.3", "data.val_fraction=0.1"]  # as data=tiny: profiling ends in epoch 1
 
-    def run(name: str, *extra: str) -> tuple[Path, subprocess.CompletedProcess]:
-        out = root / name
-        result = run_app([*common, f"hydra.run.dir={out}", *extra], cwd=root, timeout=400, module=True)
-        assert result.returncode == 0, result.stderr[-4000:]
-        return out, result
+    def run(name: str, *extra: str, module: bool = True) -> tuple[Path, subprocess.CompletedProcess]:
+        cwd = root / name
+        cwd.mkdir()
+        result = run_app([*common, f"hydra.run.dir={cwd / 'run'}", *extra], cwd=cwd, timeout=400, module=module)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        return cwd / "run", result
 
+    script = CONSOLE_SCRIPT is not None  # else `whole` runs as a module too, and the console script's test skips
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent runs: side by side
-        whole_run = pool.submit(run, "whole", "trainer.max_epochs=2")
-        first_run = pool.submit(run, "first", "trainer.max_epochs=1")
+        whole_run = pool.submit(run, "whole", "trainer.max_epochs=2", module=not script)
+        first_run = pool.submit(run, "first", "trainer.max_epochs=1", "prediction_map=false")
         runs = {"whole": whole_run.result(), "first": first_run.result()}
     first = runs["first"][0]
-    runs["resumed"] = run("resumed", "trainer.max_epochs=2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    last = first / "checkpoints" / "last.ckpt"
+    runs["resumed"] = run("resumed", "trainer.max_epochs=2", "prediction_map=false", f"ckpt_path={last}")
     return runs
+
+
+@pytest.mark.slow
+def test_console_script_on_a_geotiff_pair_with_two_replicas(quick_runs):
+    """From outside the repository (configs come from the package) on 2 CPU replicas started by Lightning's popen."""
+    if CONSOLE_SCRIPT is None:
+        pytest.skip("the console script lightning-het-train is not installed (pip install -e .)")
+    run_dir, result = quick_runs["whole"]
+    metrics = check_metrics(run_dir / "metrics.json", world_size=2)
+    assert metrics["balance"]["emulate_slowdown"] == [1.0, 4.0]
+    assert (run_dir / "prediction_map.tif").is_file() and (run_dir / "prediction_map.png").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    # the printed summary: balance table and the three scores, once (rank 0 only)
+    assert result.stdout.count("test: OA") == 1
+    assert "HeterogeneousStrategy balance" in result.stdout
+    # everything went into the run directory: nothing in the working directory, no second run directory
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["run"]
 
 
 @pytest.mark.slow

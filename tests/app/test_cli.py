@@ -1,5 +1,6 @@
-"""The command line: subprocesses of the console script and of ``python -m lightning_het.train`` (as users run it),
-and the same ``main`` in-process for the cheap paths (composition errors, exit statuses, how sweep jobs are launched).
+"""The command line: subprocesses of the console script and of ``python -m lightning_het.train`` (as users run it;
+the app's runs that several tests share are in ``test_app.py``), and the same ``main`` in-process for the cheap paths
+(composition errors, exit statuses, how sweep jobs are launched).
 
 Every process a test starts is killed with its whole process group when the test ends (also on timeout).
 """
@@ -65,38 +66,6 @@ def scene(tmp_path_factory) -> tuple[Path, Path]:
     """A small synthetic scene written as a GeoTIFF pair (image + labels)."""
     out = tmp_path_factory.mktemp("scene")
     return write_synthetic_scene(out, height=32, width=32, bands=12, classes=4, seed=3)
-
-
-@pytest.mark.slow
-def test_console_script_on_a_geotiff_pair_with_two_replicas(tmp_path, scene):
-    """From outside the repository (configs come from the package) on 2 CPU replicas started by Lightning's popen."""
-    image, labels = scene
-    run_dir = tmp_path / "run"
-    result = run_app(
-        [
-            "experiment=quick",
-            "data=geotiff",
-            f"data.image={image}",
-            f"data.labels={labels}",
-            "data.patch_size=3",
-            "data.pca_components=null",
-            "data.global_batch_size=24",
-            "trainer.devices=2",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    metrics = check_metrics(run_dir / "metrics.json", world_size=2)
-    assert metrics["balance"]["emulate_slowdown"] == [1.0, 4.0]
-    assert (run_dir / "prediction_map.tif").is_file() and (run_dir / "prediction_map.png").is_file()
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
-    # the printed summary: balance table and the three scores, once (rank 0 only)
-    assert result.stdout.count("test: OA") == 1
-    assert "HeterogeneousStrategy balance" in result.stdout
-    # everything went into the run directory: nothing in the working directory, no second run directory
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_missing_file_exits_with_one_clear_message(run_main, capsys, tmp_path):

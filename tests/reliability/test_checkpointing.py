@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import warnings
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
-from tests.helpers.harness import run_harness
+from tests.helpers.harness import run_harness, split_output
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
 
 
@@ -213,7 +212,7 @@ OUTER = {
     "global_sync_every": 2,
     "outer_optimizer": "nesterov",
 }
-#: the two-replica fits of this module that resume nothing, run in one job (one launch and rendezvous for both)
+#: the two-replica fits of this module that resume nothing, run in one job (the two-replica resumes follow them there)
 TWO_REPLICA_FITS = {
     # speeds 1:3, 2 epochs of 5 global batches of 8, a checkpoint after step 7 (mid-epoch 1)
     "uninterrupted": {"devices": 2, "strategy": {"speeds": [1, 3]}, "save_every": 7},
@@ -235,13 +234,31 @@ TWO_REPLICA_FITS = {
 }
 
 
+#: the two-replica resumes from checkpoints of :data:`TWO_REPLICA_FITS` (``(fit, checkpoint)``, its config), run after
+#: them in the same job
+TWO_REPLICA_RESUMES = {
+    # the uninterrupted fit's step-7 checkpoint on the same 2 replicas without speeds (they would profile)
+    "same": (("uninterrupted", "step=7.ckpt"), {"devices": 2, "strategy": {}}),
+    # the outer fit's step-3 checkpoint (in the middle of a round), saving every 3 steps as the first fit did
+    "outer resumed": (("outer", "step=3.ckpt"), TWO_REPLICA_FITS["outer"]),
+}
+
+
 @pytest.fixture(scope="module")
 def two_replica_fits(tmp_path_factory) -> dict[str, Path]:
-    """The directory each fit of :data:`TWO_REPLICA_FITS` wrote into."""
+    """The directory each fit of :data:`TWO_REPLICA_FITS` and :data:`TWO_REPLICA_RESUMES` wrote into (its output is
+    in ``output.txt`` there), all in one job (one launch and rendezvous for all)."""
     out = tmp_path_factory.mktemp("two_replica_fits")
-    job = run_harness("resume", out, list(TWO_REPLICA_FITS.values()))
+    names = [*TWO_REPLICA_FITS, *TWO_REPLICA_RESUMES]
+    folders = {name: out / str(index) for index, name in enumerate(names)}
+    resumes = [
+        {**cfg, "resume": str(folders[fit] / "ckpt" / ckpt)} for (fit, ckpt), cfg in TWO_REPLICA_RESUMES.values()
+    ]
+    job = run_harness("resume", out, [*TWO_REPLICA_FITS.values(), *resumes])
     assert job.returncode == 0, job.output[-4000:]
-    return {name: out / str(index) for index, name in enumerate(TWO_REPLICA_FITS)}
+    for folder, output in zip(folders.values(), split_output(job.output, len(names))):
+        (folder / "output.txt").write_text(output)
+    return folders
 
 
 @pytest.fixture(scope="module")
@@ -251,26 +268,21 @@ def uninterrupted(two_replica_fits):
     return out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-def _resume(tmp_path: Path, ckpt: Path, devices: int, strategy: dict):
-    cfg = {"devices": devices, "strategy": strategy, "resume": str(ckpt)}
-    job = run_harness("resume", tmp_path, cfg)
-    assert job.returncode == 0, job.output[-4000:]
-    return job.output, [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
-
-
 @pytest.fixture(scope="module")
-def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
-    """Both resumes from the uninterrupted fit's step-7 checkpoint, side by side (independent, and neither times
-    anything): on the ``"same"`` 2 replicas without speeds (they would profile), and on ``"three"`` replicas with
-    speeds [1, 1, 2] and no ``global_batch_size`` (the checkpoint's 8 is kept, not the DataLoader's 4 x 3).
-    Each: the output and the per-rank dumps."""
+def resumed(two_replica_fits, uninterrupted, tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
+    """Both resumes from the uninterrupted fit's step-7 checkpoint: on the ``"same"`` 2 replicas without speeds (they
+    would profile; in the job of :func:`two_replica_fits`), and on ``"three"`` replicas with speeds [1, 1, 2] and no
+    ``global_batch_size`` (the checkpoint's 8 is kept, not the DataLoader's 4 x 3). Each: the output and the per-rank
+    dumps."""
+    same = two_replica_fits["same"]
     ckpt = uninterrupted[0] / "ckpt" / "step=7.ckpt"
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = {
-            "same": pool.submit(_resume, tmp_path_factory.mktemp("same"), ckpt, 2, {}),
-            "three": pool.submit(_resume, tmp_path_factory.mktemp("three"), ckpt, 3, {"speeds": [1, 1, 2]}),
-        }
-        return {name: run.result() for name, run in runs.items()}
+    three = tmp_path_factory.mktemp("three")
+    job = run_harness("resume", three, {"devices": 3, "strategy": {"speeds": [1, 1, 2]}, "resume": str(ckpt)})
+    assert job.returncode == 0, job.output[-4000:]
+    return {
+        "same": ((same / "output.txt").read_text(), [torch.load(same / f"rank{r}.pt") for r in range(2)]),
+        "three": (job.output, [torch.load(three / f"rank{r}.pt") for r in range(3)]),
+    }
 
 
 @pytest.mark.slow
@@ -314,15 +326,13 @@ def test_node_local_checkpoint_holds_the_consensus_model(two_replica_fits):
 
 
 @pytest.mark.slow
-def test_outer_step_resumes_in_the_middle_of_a_round_exactly(two_replica_fits, tmp_path):
+def test_outer_step_resumes_in_the_middle_of_a_round_exactly(two_replica_fits):
     """The checkpoint records the outer optimizer's momentum; resumed after step 3 of a 2-step round schedule (saving
     every 3 steps as the first fit did: each save is a sync), the fit ends where the uninterrupted one ended."""
     out = two_replica_fits["outer"]
     record = torch.load(out / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]["comm"]
     assert record["samples"] == [0, 0] and record["merge"]["optimizer"]["state"]
-    cfg = {"devices": 2, "strategy": OUTER, "save_every": 3, "epochs": 2, "module": {"momentum": 0.0}}
-    job = run_harness("resume", tmp_path, {**cfg, "resume": str(out / "ckpt" / "step=3.ckpt")})
-    assert job.returncode == 0, job.output[-4000:]
+    again = two_replica_fits["outer resumed"]  # resumed from that checkpoint with the fit's own config
     for rank in range(2):
-        full, resumed = (torch.load(d / f"rank{rank}.pt")["state_dict"] for d in (out, tmp_path))
+        full, resumed = (torch.load(d / f"rank{rank}.pt")["state_dict"] for d in (out, again))
         assert _close(resumed, full)

@@ -28,11 +28,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hooks
 from lightning_het.reliability.lifecycle import OutputDirError, check_output_dir
+from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.processes import kill_children
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
@@ -52,8 +54,8 @@ from tests.helpers.tiny import FLAVOUR_ENV
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
 TIMEOUT = 5.0
-#: seconds each training step of the Ctrl-C and stranger jobs sleeps: their six steps (6 s) outlast the test's
-#: reaction to `training.json` even on a loaded machine
+#: seconds each training step of the Ctrl-C jobs sleeps (of the strangers' job: twice that): their six steps (6 s)
+#: outlast the test's reaction to `training.json` even on a loaded machine
 STEP_SLEEP = 1.0
 STARTUP = 30.0  # startup_timeout of the launch-phase cases
 #: startup_timeout when replica 1 hangs at launch: the job waits all of it, for a replica that never comes (it runs
@@ -282,26 +284,39 @@ def test_killing_a_replica_kills_its_descendants():
         replica.wait()
 
 
-_ORPHANED_WORKER = """
-import os, sys, time
-from lightning_het.reliability.loader_workers import shield_loader_workers
-from torch.utils.data import DataLoader
-loader = shield_loader_workers(DataLoader(range(4), num_workers=1), rank=0)
-pid = os.fork()
-if pid == 0:
-    loader.worker_init_fn(0)  # what the DataLoader worker runs first
-    time.sleep(600)
-    os._exit(0)
-print(pid, flush=True)
-os._exit(0)  # the replica ends; its worker must end with it
-"""
+def _replica_with_a_loader_worker(record: Path) -> None:
+    """A replica whose DataLoader worker (a fork of it) runs the shielded ``worker_init_fn``, as the worker does first,
+    then sleeps; once the worker has run it, the replica writes the worker's pid to ``record`` and ends."""
+    loader = shield_loader_workers(DataLoader(range(4), num_workers=1), rank=0)
+    ready, told = os.pipe()
+    worker = os.fork()
+    if worker == 0:
+        try:
+            loader.worker_init_fn(0)
+            os.write(told, b"x")
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    os.close(told)  # a worker that ended without telling: the read below finds the pipe closed
+    assert os.read(ready, 1) == b"x"
+    record.write_text(str(worker))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
 def test_a_loader_worker_dies_with_its_replica(tmp_path):
-    with open(tmp_path / "out", "w") as fh:  # a file, not a pipe: a surviving worker would hold a pipe open
-        subprocess.run([sys.executable, "-c", _ORPHANED_WORKER], env=job_env(), stdout=fh, timeout=120, check=True)
-    worker = int((tmp_path / "out").read_text().split()[-1])
+    """The replica is a fork of this process (it has imported all it needs): it ends, and its worker must end with
+    it."""
+    replica = os.fork()
+    if replica == 0:
+        status = 1
+        try:
+            _replica_with_a_loader_worker(tmp_path / "worker")
+            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(replica, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    worker = int((tmp_path / "worker").read_text())
     try:
         deadline = time.monotonic() + 10
         while alive([worker]) and time.monotonic() < deadline:
@@ -530,31 +545,11 @@ def test_a_hung_loader_worker_does_not_outlive_the_job(ended, request):
     assert "replica(s) [1]" in out, out[-3000:]
 
 
-@JOBS.job("test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback")
-def _stranger_on_the_port(out: Path) -> Ended:
-    proc, env = _start(out, {"timeout": TIMEOUT, "step_sleep": STEP_SLEEP})
-    try:
-        _wait_for(out / "training.json", proc)
-        pids = json.loads((out / "training.json").read_text())["pids"]
-        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
-        ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
-        stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
-        forged = Verdict("hung", (1,), 9.0, "a stranger says so").to_json()
-        stranger.set("abort", forged)
-        for key in [k for k in stranger.list_keys() if "/hb/" in k]:  # the watchdog's keys, found by listing
-            stranger.set(key.split("hb/")[0] + "abort", forged)
-            stranger.set(key, json.dumps({"state": "failed", "error": "a stranger says so"}))
-        run = Ended(out, *_finish(proc))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    run.extra.update(listening=listening, ours=ours)
-    return run
-
-
 @pytest.mark.slow
-def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(ended, request):
-    run = ended[request.node.name]
+def test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback(ended):
+    """A forged verdict and forged heartbeats on the job's store (see :func:`_strangers`): the job finishes, and the
+    store and Gloo listen on loopback only."""
+    run = ended["strangers"]
     listening, ours = run.extra["listening"], run.extra["ours"]
     assert ours, listening  # the store and Gloo listen somewhere
     for line in ours:
@@ -590,28 +585,43 @@ def _tamper_with_heartbeats(store: dist.TCPStore, proc: subprocess.Popen, second
     return rounds
 
 
-@JOBS.job("test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job")
-def _tampering_stranger(out: Path) -> Ended:
+STRANGER_TEST = "test_a_stranger_on_the_port_cannot_end_the_job_and_nothing_listens_beyond_loopback"
+TAMPERING_TEST = "test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job"
+
+
+@JOBS.job("strangers", STRANGER_TEST, TAMPERING_TEST)
+def _strangers(out: Path) -> Ended:
+    """One job that two strangers on its store try to end: once training runs, the first lists what the job listens
+    on, writes a forged verdict under every ``abort`` key and a failed heartbeat under every heartbeat key; the second
+    then tampers with the heartbeat keys for ``2 * TIMEOUT`` (the six 2 s steps outlast it)."""
     proc, env = _start(out, {"timeout": TIMEOUT, "step_sleep": 2 * STEP_SLEEP})
     try:
         _wait_for(out / "training.json", proc)
+        pids = json.loads((out / "training.json").read_text())["pids"]
+        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+        ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
         stranger = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timedelta(seconds=10))
-        rounds = _tamper_with_heartbeats(stranger, proc, seconds=2 * TIMEOUT)  # training lasts 6 x 2 s
+        forged = Verdict("hung", (1,), 9.0, "a stranger says so").to_json()
+        stranger.set("abort", forged)
+        for key in [k for k in stranger.list_keys() if "/hb/" in k]:  # the watchdog's keys, found by listing
+            stranger.set(key.split("hb/")[0] + "abort", forged)
+            stranger.set(key, json.dumps({"state": "failed", "error": "a stranger says so"}))
+        rounds = _tamper_with_heartbeats(stranger, proc, seconds=2 * TIMEOUT)
         run = Ended(out, *_finish(proc))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    run.extra["rounds"] = rounds
+    run.extra.update(listening=listening, ours=ours, rounds=rounds)
     return run
 
 
 @pytest.mark.slow
-def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(ended, request):
+def test_a_stranger_tampering_with_heartbeats_neither_ends_nor_stalls_the_job(ended):
     """Overwriting, deleting and replaying the replicas' heartbeat keys for longer than ``timeout`` while they train:
     the job finishes (exit 0), warns about tampering naming the key, and blames nobody. Which warning depends on what
     the watchdog happens to read: a forged, deleted or replayed record, or (when every read it made of a replica's
     key found the stranger's doing) the heartbeat hidden by tampering while the replica's process is alive."""
-    run = ended[request.node.name]
+    run = ended["strangers"]
     out = run.output
     assert run.extra["rounds"] > 10
     assert run.status == 0, out[-3000:]

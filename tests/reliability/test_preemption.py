@@ -240,7 +240,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 #: the real jobs of this module: independent (but for the resume of a stopped fit), and mostly waiting (for the
-#: signal, the grace, the checkpoint), so they run side by side; the chain of three jobs first
+#: signal, the grace, the checkpoint), so they run side by side; the chain of two jobs first
 JOBS = SideBySide(width=3)
 SIGTERM_TEST = "test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly"
 
@@ -250,31 +250,27 @@ def jobs(request, tmp_path_factory) -> Results:
     return JOBS.run(request, tmp_path_factory)
 
 
-@JOBS.job("preempted and resumed", SIGTERM_TEST)
-def _preempted_and_resumed(out: Path) -> tuple[Stopped, JobResult | None]:
-    """A fit stopped by SIGTERM to its process group in the middle of epoch 1, and the fit resumed from its checkpoint
-    (``None`` when it saved none)."""
+@JOBS.job("preempted, full and resumed", SIGTERM_TEST)
+def _preempted_full_and_resumed(out: Path) -> tuple[Stopped, JobResult, JobResult | None]:
+    """A fit stopped by SIGTERM to its process group in the middle of epoch 1; then, in one job (one launch for both),
+    the same fit uninterrupted into ``full/0`` and the stopped fit resumed from its checkpoint into ``full/1``. The
+    job's end, and the same (the resumed fit's) or ``None`` when the stopped fit saved no checkpoint."""
     cfg = {**BASE, "step_cost": 0.02, "ready_step": 12, "loader": {"num_workers": 1, "persistent_workers": True}}
     stopped = _signal_job(out / "pre", cfg)
     ckpt = out / "pre" / "checkpoints" / "last.ckpt"  # no ModelCheckpoint: <default_root_dir>/checkpoints
-    if not ckpt.exists():
-        return stopped, None
-    (out / "resumed").mkdir()
-    return stopped, run_harness("preempt", out / "resumed", {**BASE, "resume": str(ckpt)})
-
-
-@JOBS.job("full", SIGTERM_TEST)
-def _full(out: Path) -> tuple[Path, JobResult]:
-    """The same fit, uninterrupted: its directory and its end."""
-    return out, run_harness("preempt", out, BASE)
+    resume = [{**BASE, "resume": str(ckpt)}] if ckpt.exists() else []
+    (out / "full").mkdir()
+    after = run_harness("preempt", out / "full", [BASE, *resume])
+    return stopped, after, after if resume else None
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactly(jobs):
-    full_dir, full = jobs["full"]
+    stopped, full, resumed = jobs["preempted, full and resumed"]
+    full_dir = stopped.out.parent / "full" / "0"
     assert full.returncode == 0, full.output[-4000:]
+    assert (full_dir / "rank0.pt").exists() and (full_dir / "rank1.pt").exists(), full.output[-4000:]
 
-    stopped, resumed = jobs["preempted and resumed"]
     pre = stopped.out
     assert stopped.returncode == PREEMPTION_EXIT_CODE, stopped.output[-4000:]
     assert stopped.seconds < 30 and stopped.survivors == []
@@ -293,7 +289,7 @@ def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactl
     assert resumed.returncode == 0, resumed.output[-4000:]
     for rank in range(2):
         expected = _weights(full_dir / f"rank{rank}.pt")
-        got = torch.load(pre.parent / "resumed" / f"rank{rank}.pt")
+        got = torch.load(pre.parent / "full" / "1" / f"rank{rank}.pt")
         assert got["global_step"] == 20
         assert len(got["seen_batch_sizes"]) == 20 - saved["global_step"]
         for name, value in expected.items():
