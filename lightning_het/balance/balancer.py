@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_het._compat import _BatchNorm
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.cost import AffineCost, allocate_affine
+from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.memory import measure_cap
 from lightning_het.balance.planner import (
     batch_bounds,
@@ -32,6 +32,7 @@ from lightning_het.balance.planner import (
 )
 from lightning_het.balance.profiler import InLoopProfiler
 from lightning_het.balance.profiling import ProfileCache
+from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.state import Allocation, render_balance_table
 from lightning_het.comm.controller import CommController
 from lightning_het.config import HeterogeneousConfig
@@ -93,6 +94,7 @@ class Balancer:
         self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
         self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
+        self._threshold = DEFAULT_THRESHOLD  # the imbalance from which cached costs move the split from equal
         self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._fit: FitContext | None = None
         self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
@@ -211,7 +213,7 @@ class Balancer:
             speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
         self.allocation.cost_model = costs
         self.allocation.micro_caps = self.micro_caps
-        batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds)
+        batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds, self._threshold)
         if costs is not None:
             warn_useless_replicas(global_batch, costs, batch_sizes, fit.labels, bounds)
         self.adopt(batch_sizes, speeds)
@@ -243,12 +245,14 @@ class Balancer:
         """Every replica's cost from the speed cache, or ``None`` unless every replica has an entry."""
         self.allocation.profile_seconds = 0.0
         self.allocation.profile_cached = False
+        self._threshold = DEFAULT_THRESHOLD
         if self.world_size == 1:
             return None
         self._cache_loader = dataloader
-        costs = cached_costs(*self.cache_entry(), self.all_gather_floats)
-        if costs is not None:
+        cached = cached_costs(*self.cache_entry(), self.all_gather_floats)
+        if cached is not None:
             self.allocation.profile_cached = True
+            costs, self._threshold = cached
             return costs
         fit = self._fit
         assert fit is not None
@@ -296,7 +300,7 @@ class Balancer:
         assert self.profiler is not None and self._fit is not None
         costs = self.with_caps(costs)  # type: ignore[assignment]
         if self.micro_caps is not None:  # the split that knows each share's micro-batches
-            batch_sizes = allocate_affine(sum(batch_sizes), costs, **self.bounds)
+            batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         self.allocation.cost_model = costs
         speeds = measured_speeds(batch_sizes, costs)
         warn_useless_replicas(sum(batch_sizes), costs, batch_sizes, self._fit.labels, self.bounds)
@@ -311,7 +315,7 @@ class Balancer:
         self.allocation.profile_seconds = self.profiler.overhead_s
         cache, key = self.cache_entry()
         if cache is not None and key is not None:
-            cache.put(key, costs[self.rank])
+            cache.put(key, costs[self.rank], self.profiler.threshold)
         rank_zero_info(self.table(self._fit.labels))
 
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:

@@ -15,7 +15,7 @@ from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.monitor import MonitorSettings
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
 from lightning_het.balance.profiling import ProfileCache, cache_key
-from lightning_het.balance.rebalance import profiled_split
+from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.config import HeterogeneousConfig
 
 __all__ = [
@@ -41,12 +41,16 @@ def measured_speeds(batch_sizes: list[int], costs: list[AffineCost]) -> list[flo
 
 
 def split_global_batch(
-    global_batch: int, speeds: list[float], costs: list[AffineCost] | None, bounds: dict[str, Any]
+    global_batch: int,
+    speeds: list[float],
+    costs: list[AffineCost] | None,
+    bounds: dict[str, Any],
+    threshold: float = DEFAULT_THRESHOLD,
 ) -> tuple[list[int], list[float]]:
     """Batch sizes and speeds: in proportion to ``speeds`` without costs, else minimising the slowest replica's step."""
     if costs is None:
         return allocate_batch_sizes(global_batch, speeds, **bounds), speeds
-    batch_sizes = profiled_split(global_batch, costs, **bounds)  # cached costs: as noisy as freshly profiled ones
+    batch_sizes = profiled_split(global_batch, costs, threshold=threshold, **bounds)  # cached: as noisy as profiled
     return batch_sizes, measured_speeds(batch_sizes, costs)
 
 
@@ -84,16 +88,18 @@ def profile_cache_entry(
 
 def cached_costs(
     cache: ProfileCache | None, key: str | None, all_gather_floats: Callable[[list[float]], list[list[float]]]
-) -> list[AffineCost] | None:
-    """Every replica's cost from the speed cache when every replica has an entry, else ``None`` (one all-gather)."""
+) -> tuple[list[AffineCost], float] | None:
+    """Every replica's cost from the speed cache and the threshold their profiling split by, when every replica has
+    an entry, else ``None`` (one all-gather)."""
     if cache is None:
         return None
     cached = cache.get(key) if key is not None else None
-    row = [1.0, cached.fixed_s, cached.per_sample_s] if cached is not None else [0.0, 0.0, 0.0]
+    threshold = (cache.get_threshold(key) if key is not None else None) or DEFAULT_THRESHOLD
+    row = [1.0, cached.fixed_s, cached.per_sample_s, threshold] if cached is not None else [0.0, 0.0, 0.0, 0.0]
     rows = all_gather_floats(row)
     if not all(r[0] == 1.0 for r in rows):
         return None
-    return [AffineCost(r[1], r[2]) for r in rows]
+    return [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
 
 
 def start_profiler(

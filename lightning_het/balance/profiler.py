@@ -16,7 +16,7 @@ from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings
-from lightning_het.balance.rebalance import profiled_split
+from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 
 __all__ = [
     "InLoopProfiler",
@@ -26,6 +26,7 @@ __all__ = [
     "attach_profiler",
     "loader_prefetch_depth",
     "profile_plan",
+    "stage_spread",
     "trial_splits",
 ]
 
@@ -221,6 +222,8 @@ class InLoopProfiler:
         self.rough: list[int] | None = None  # the rough split the trials centre on (after the warm-up)
         self.done = False
         self.costs: list[AffineCost] | None = None
+        #: the imbalance (max / min) from which the fitted costs moved the split away from equal
+        self.threshold = DEFAULT_THRESHOLD
         #: estimated seconds the profiled steps cost beyond balanced steps (slowest replica's compute)
         self.overhead_s = 0.0
         #: this replica's micro-batch cap when its costs are fitted (``None``: it runs its whole share at once)
@@ -294,12 +297,18 @@ class InLoopProfiler:
                 b = plan.split(n, self.rough)[rank]
                 k = 1 if cap is None else max(math.ceil(b / cap), 1)
                 stages.setdefault(b / k, []).append(StepTiming(0.0, seconds / k))
+        repeated = {b: timings for b, timings in stages.items() if len(timings) > 1}
+        if len(repeated) >= 2:  # the trial sizes, each timed more than once: a size timed once (the equal split of
+            stages = repeated  # the first steps after the warm-up, still cold) would pull the line by its outlier
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
-        rows = _all_gather([local.fixed_s, local.per_sample_s, *self._compute], self.world_size, self.device)
+        spread = stage_spread([[t.total_s for t in timings] for timings in stages.values()])
+        rows = _all_gather([local.fixed_s, local.per_sample_s, spread, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
-        sizes = profiled_split(self.global_batch_size, costs, **self._bounds)  # equal unless clearly imbalanced
+        # equal unless clearly imbalanced: beyond the default threshold and the spread of repeated steps' times
+        self.threshold = max([DEFAULT_THRESHOLD] + [r[2] for r in rows])
+        sizes = profiled_split(self.global_batch_size, costs, threshold=self.threshold, **self._bounds)
         balanced = step_time(sizes, costs)
-        slowest = [max(r[2 + n] for r in rows) for n in range(len(self._compute))]
+        slowest = [max(r[3 + n] for r in rows) for n in range(len(self._compute))]
         gap = step_time(plan.split(plan.gather_step + 1, self.rough), costs) if plan.lag else balanced
         self.overhead_s = sum(max(s - balanced, 0.0) for s in slowest if math.isfinite(s)) + plan.lag * max(
             gap - balanced, 0.0
@@ -307,6 +316,16 @@ class InLoopProfiler:
         self.costs = costs
         self.done = True
         self._adopt(costs, sizes)
+
+
+def stage_spread(stages: Sequence[Sequence[float]]) -> float:
+    """The largest ratio of the slowest to the fastest of repeated steps of one size (1.0: none repeated).
+
+    >>> stage_spread([[0.010, 0.012], [0.020], [0.031, 0.030]])
+    1.2
+    """
+    ratios = [max(t) / min(t) for t in stages if len(t) > 1 and min(t) > 0]
+    return round(max(ratios, default=1.0), 12)
 
 
 def _all_gather(values: list[float], world_size: int, device: torch.device) -> list[list[float]]:

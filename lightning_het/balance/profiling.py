@@ -108,9 +108,17 @@ class ProfileCache:
             return None
         return cost if math.isfinite(cost.fixed_s) else None
 
-    def put(self, key: str, cost: AffineCost) -> None:
-        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log)."""
-        self._write(key, {"cost": cost.as_dict()})
+    def put(self, key: str, cost: AffineCost, threshold: float | None = None) -> None:
+        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log), with
+        the imbalance ``threshold`` its profiling split by."""
+        self._write(key, {"cost": cost.as_dict(), "threshold": threshold})
+
+    def get_threshold(self, key: str) -> float | None:
+        """The ``threshold`` stored with ``key``'s cost, or ``None``."""
+        try:
+            return float(self._read(key)["threshold"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def get_cap(self, key: str) -> int | None:
         """The measured micro-batch cap stored for ``key`` (the memory entry beside the cost), or ``None``."""

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
 from lightning_het.balance import profiler as profiler_module
+from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
 from lightning_het.data.sampler import ProportionalBatchSampler
 from tests.helpers.harness import run_harness, split_output
@@ -103,6 +104,29 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     other.set_epoch(2)
     assert other.step_batch_sizes(0) == [16, 16]  # plan step 6: drawn before the costs were agreed, the rough split
     assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 7
+
+
+def test_the_fit_leaves_out_a_size_timed_once_and_equal_replicas_keep_the_equal_split(monkeypatch) -> None:
+    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), list(v)])  # two identical replicas
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # warm-up, the lag step (equal, timed once), trials A B A B
+    true_cost = AffineCost(0.001, 0.0001)
+    steps = iter(range(plan.gather_step + 1))
+
+    def clock() -> tuple[int, float]:
+        n = next(steps)
+        size = plan.split(n, [16, 16])[0]
+        return size, 0.05 if n == 1 else true_cost(size)  # the lag step, right after the warm-up: a cold outlier
+
+    adopted = []
+    profiler = InLoopProfiler(plan, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: adopted.append(sizes))
+    sampler = ProportionalDistributedSampler(list(range(320)), [16, 16], 0)
+    profiler.bind(sampler)
+    for k in range(plan.gather_step + 1):
+        sampler.step_batch_sizes(k)  # drawn, then trained
+        profiler.on_train_batch_end(0, k)
+    assert profiler.done and adopted == [[16, 16]] and profiler.threshold == pytest.approx(1.1)
+    fitted = profiler.costs[0]  # the line through the two trial sizes, not pulled up by the cold step
+    assert fitted.fixed_s == pytest.approx(true_cost.fixed_s) and fitted.per_sample_s == pytest.approx(1e-4)
 
 
 def test_an_epoch_shorter_than_its_loader_leaves_no_plan_step_out() -> None:

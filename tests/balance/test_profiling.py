@@ -181,6 +181,10 @@ class TestProfileCache:
         cache.put("k", AffineCost(0.01, 0.002))
         assert cache.get("k") == AffineCost(0.01, 0.002)
         assert cache.get("other") is None
+        assert cache.get_threshold("k") is None  # stored without one
+        cache.put("k", AffineCost(0.01, 0.002), threshold=1.25)
+        assert cache.get("k") == AffineCost(0.01, 0.002) and cache.get_threshold("k") == 1.25
+        assert cache.get_threshold("other") is None
 
     def test_key_depends_on_what_sets_the_speed(self) -> None:
         cpu = torch.device("cpu")
