@@ -28,7 +28,8 @@ platforms, half as many on ``1:1:1`` and in the ``emulate_slowdown`` run, three 
 
 Job ``overhead`` (2 replicas, real compute, no sleeping): an MLP trained with ``DDPStrategy`` and with
 ``HeterogeneousStrategy`` (profiled), in ``--repeats`` alternated pairs; the per-step overhead is the median over the
-pairs of the ratio of median step times (profiling excluded; reported separately), in wall-clock and CPU time. The
+pairs of the ratio of 10th-percentile step times (and of the medians; the few profiling steps move neither), in
+wall-clock and CPU time. The
 telemetry clock's own cost per step is also timed in a tight loop.
 
 ``BENCH_NICE=-10`` in the environment runs the workers at that priority (if allowed), to reduce interference from
@@ -442,7 +443,8 @@ def _affine_markdown(summary: dict[str, Any], spec: dict[str, list[Any]] = AFFIN
         "Steps after the first epoch (which holds the cap search and the profiling, reported apart; the mean over the"
         " whole fit in its own column):"
         if steady
-        else "Mean step over the whole training loop (profiling excluded, reported apart):"
+        else "Mean step over the whole training loop, the profiling steps included (their cost beyond balanced steps"
+        " is also reported apart):"
     )
     lines = [
         f"**{title} platform** (2 replicas, global batch {GLOBAL_BATCH}; rank 0 sleeps"
