@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable
@@ -58,20 +59,15 @@ def batch_length(batch: Any) -> int | None:
 
 
 def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
-    """``batch`` cut along the first dimension of every tensor into pieces of ``sizes`` samples (same structure:
-    tensors, tuples, named tuples, lists, dicts; other values are repeated in every piece)."""
-    if isinstance(batch, Tensor) and batch.dim():
-        return list(torch.split(batch, list(sizes)))
-    if isinstance(batch, Mapping):
-        parts = {k: split_batch(v, sizes) for k, v in batch.items()}
-        return [type(batch)({k: p[i] for k, p in parts.items()}) for i in range(len(sizes))]  # type: ignore[call-arg]
-    if isinstance(batch, (list, tuple)):
-        columns = [split_batch(v, sizes) for v in batch]
-        rows = [[c[i] for c in columns] for i in range(len(sizes))]
-        if isinstance(batch, tuple) and type(batch) is not tuple:  # a named tuple
-            return [type(batch)(*row) for row in rows]
-        return [type(batch)(row) for row in rows]
-    return [batch] * len(sizes)
+    """``batch`` cut along the first dimension of every tensor into pieces of ``sizes`` samples, each piece of the same
+    structure (Lightning's ``apply_to_collection``: tuples, named tuples, lists, dicts, dataclasses); scalars and
+    other values are repeated in every piece."""
+    sizes = list(sizes)
+
+    def piece(tensor: Tensor, index: int) -> Tensor:
+        return tensor.split(sizes)[index] if tensor.dim() else tensor
+
+    return [apply_to_collection(batch, Tensor, piece, index) for index in range(len(sizes))]
 
 
 def micro_batches(batch: Any, cap: int) -> list[tuple[Any, float]]:
