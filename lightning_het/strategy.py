@@ -247,8 +247,9 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self._trainer()  # while micro-batching: a cap lowered by an out-of-memory error, agreed now and then
-        self.balancer.agree_caps(self._batch_idx(), getattr(trainer, "num_training_batches", None))
+        if self.balancer.micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
+            batches = getattr(self._trainer(), "num_training_batches", None)
+            self.balancer.agree_caps(self._batch_idx(), batches)
         sizes = self.balancer.step_split(self._loaders.train_sampler, self._batch_idx)
         clock = self._step_clock()  # telemetry, emulation, profiling
         if clock is None:

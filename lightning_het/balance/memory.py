@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.data.microbatch import batch_length, step_loss, take_grads
 
 __all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "cap_search", "measure_cap", "resize_batch"]
@@ -81,8 +82,7 @@ def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> It
     and ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
     grads = take_grads(params)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = _collect_rng_states()  # torch (CPU and CUDA), NumPy and Python
     quiet = [name for name in ("log", "log_dict") if hasattr(module, name)]
     for name in quiet:
         setattr(module, name, lambda *args, **kwargs: None)
@@ -95,9 +95,7 @@ def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> It
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        _set_rng_states(rng)
         for p, g in zip(params, grads):
             p.grad = g
 

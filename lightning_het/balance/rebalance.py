@@ -53,8 +53,8 @@ def profiled_split(
     """
     sizes = allocate_affine(global_batch, costs, **bounds)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
-    times = [cost(global_batch / len(costs)) for cost in costs]
-    if max(times) < threshold * min(times) or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
+    mean_share_times = [cost(global_batch / len(costs)) for cost in costs]
+    if imbalance(mean_share_times) < threshold or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
         return equal
     return sizes
 
