@@ -94,7 +94,6 @@ class Balancer:
         self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
         self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
         self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
-        self._threshold = DEFAULT_THRESHOLD  # the imbalance from which cached costs move the split from equal
         self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._fit: FitContext | None = None
         self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
@@ -205,15 +204,16 @@ class Balancer:
         resume = plan_allocation(resume_record, world_size=world, given_speeds=self.config.speeds)
         self._cache_loader = dataloader
         self.cached_caps()  # max_micro_batch_sizes="auto": measured in an earlier run
-        costs = None
+        costs, threshold = None, DEFAULT_THRESHOLD
         if resume.speeds is not None or self.config.speeds is not None:  # the one-number model, proportional split
             speeds = list(resume.speeds if resume.speeds is not None else self.config.speeds)  # type: ignore[arg-type]
         else:
-            costs = self.with_caps(self._known_costs(dataloader, global_batch))
+            costs, threshold = self._known_costs(dataloader, global_batch)
+            costs = self.with_caps(costs)
             speeds = [1.0] * world  # profiled on the first training steps (or one replica): the equal split till then
         self.allocation.cost_model = costs
         self.allocation.micro_caps = self.micro_caps
-        batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds, self._threshold)
+        batch_sizes, speeds = split_global_batch(global_batch, speeds, costs, bounds, threshold)
         if costs is not None:
             warn_useless_replicas(global_batch, costs, batch_sizes, fit.labels, bounds)
         self.adopt(batch_sizes, speeds)
@@ -241,19 +241,18 @@ class Balancer:
             profiler=lambda: self.profiler if self.profiling else None,
         )
 
-    def _known_costs(self, dataloader: DataLoader, global_batch: int) -> list[AffineCost] | None:
-        """Every replica's cost from the speed cache, or ``None`` unless every replica has an entry."""
+    def _known_costs(self, dataloader: DataLoader, global_batch: int) -> tuple[list[AffineCost] | None, float]:
+        """Every replica's cost from the speed cache and the threshold their profiling split by, or ``None`` (and
+        the default threshold) unless every replica has an entry; then the profiler starts."""
         self.allocation.profile_seconds = 0.0
         self.allocation.profile_cached = False
-        self._threshold = DEFAULT_THRESHOLD
         if self.world_size == 1:
-            return None
+            return None, DEFAULT_THRESHOLD
         self._cache_loader = dataloader
         cached = cached_costs(*self.cache_entry(), self.all_gather_floats)
         if cached is not None:
             self.allocation.profile_cached = True
-            costs, self._threshold = cached
-            return costs
+            return cached
         fit = self._fit
         assert fit is not None
 
@@ -277,7 +276,7 @@ class Balancer:
         micro = self.micro
         if micro is not None:
             self.profiler.micro_cap = lambda: micro.cap
-        return None
+        return None, DEFAULT_THRESHOLD
 
     def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
         """This replica's speed cache and key in it, for the module set up by now (``(None, None)``: none)."""
