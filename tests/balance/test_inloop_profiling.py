@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
 from lightning_het.balance import profiler as profiler_module
-from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.cost import AffineCost, allocate_affine
 from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
 from lightning_het.data.sampler import ProportionalBatchSampler
 from tests.helpers.harness import run_harness, split_output
@@ -279,7 +279,10 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
     dumps = inloop_fits[name]
     sizes = dumps[0]["batch_sizes"]
     assert dumps[1]["batch_sizes"] == sizes and sum(sizes) == 32
-    assert 5 <= sizes[1] <= 11, sizes  # rank 1 is 3x slower: about a quarter
+    # rank 1 is 3x slower on its own work: a quarter of the batch on an idle machine; on a busy one both replicas'
+    # work takes longer in wall time, rank 1's emulated delay does not, so its share grows towards a half
+    assert 5 <= sizes[1] < 16, sizes
+    assert sizes == allocate_affine(32, [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]])  # the fitted optimum
     seen = [list(s) for s in zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"])]
     lag = 5 if name == "workers" else 1  # Lightning's prefetched batch (+ 2 workers x 2)
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=lag)

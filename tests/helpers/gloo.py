@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_het.cluster.rendezvous import LOOPBACK, free_port
+from lightning_het.cluster.rendezvous import LOOPBACK
+from tests.helpers.jobs import free_port
 
 __all__ = ["free_port", "run_gloo"]
 

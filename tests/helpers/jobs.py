@@ -3,17 +3,44 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_het.cluster.rendezvous import free_port
-
 REPO = Path(__file__).resolve().parents[2]
+
+_next_port = itertools.count()
+
+
+def free_port() -> int:
+    """A loopback port for one test job's rendezvous, free now and kept from being taken before the job binds it.
+
+    A port the kernel hands out (``bind(0)``) lies in its ephemeral range, where any outgoing connection of a parallel
+    test (Gloo opens many) may take it as a source port before the job listens on it. These ports lie below that range,
+    in a slice of their own for each pytest-xdist worker, so only this worker's jobs ever use them.
+    """
+    first_ephemeral = 32768  # Linux's default when the range cannot be read
+    with contextlib.suppress(OSError, ValueError):
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    lowest = 12000
+    span = (first_ephemeral - lowest) // 8
+    if span < 100:  # no room below the ephemeral range: the kernel's choice
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 8
+    for _ in range(span):
+        port = lowest + worker * span + (os.getpid() + next(_next_port)) % span
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free loopback port in {lowest + worker * span}..{lowest + (worker + 1) * span - 1}")
 
 
 def group_members(pgid: int) -> list[int]:
