@@ -28,7 +28,7 @@ def free_port() -> int:
     first_ephemeral = 32768  # Linux's default when the range cannot be read
     with contextlib.suppress(OSError, ValueError):
         first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    lowest = 12000
+    lowest = 20000  # above the ports SLURM jobs derive from their job ids (15000 + id, 12910)
     span = (first_ephemeral - lowest) // 8
     if span < 100:  # no room below the ephemeral range: the kernel's choice
         with socket.socket() as sock:
