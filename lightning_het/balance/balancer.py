@@ -301,7 +301,7 @@ class Balancer:
         if self.micro_caps is not None:  # the split that knows each share's micro-batches
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         self.allocation.cost_model = costs
-        speeds = measured_speeds(batch_sizes, costs)
+        speeds = measured_speeds(batch_sizes, costs, self.bounds)
         warn_useless_replicas(sum(batch_sizes), costs, batch_sizes, self._fit.labels, self.bounds)
         self.adopt(batch_sizes, speeds)
         for sampler in self.profiler.samplers:

@@ -35,9 +35,18 @@ def batch_bounds(min_batch_size: int, max_batch_sizes: Sequence[int] | None) -> 
     return {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
 
 
-def measured_speeds(batch_sizes: list[int], costs: list[AffineCost]) -> list[float]:
-    """Samples/s of every replica at the allocation ``batch_sizes``, from its cost per step."""
-    return [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
+def measured_speeds(batch_sizes: list[int], costs: list[AffineCost], bounds: dict[str, Any]) -> list[float]:
+    """Samples/s of every replica at the allocation ``batch_sizes``, from its cost per step. The equal split (the
+    replicas equally fast within their costs' noise) gets one speed, the mean, so that pinning the speeds gives it
+    again.
+
+    >>> measured_speeds([4, 4], [AffineCost(0.0, 0.01), AffineCost(0.0, 0.0125)], batch_bounds(1, None))
+    [90.0, 90.0]
+    """
+    speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
+    if batch_sizes == allocate_batch_sizes(sum(batch_sizes), [1.0] * len(speeds), **bounds):
+        return [sum(speeds) / len(speeds)] * len(speeds)
+    return speeds
 
 
 def split_global_batch(
@@ -51,7 +60,7 @@ def split_global_batch(
     if costs is None:
         return allocate_batch_sizes(global_batch, speeds, **bounds), speeds
     batch_sizes = profiled_split(global_batch, costs, threshold=threshold, **bounds)  # cached: as noisy as profiled
-    return batch_sizes, measured_speeds(batch_sizes, costs)
+    return batch_sizes, measured_speeds(batch_sizes, costs, bounds)
 
 
 def warn_useless_replicas(
