@@ -239,9 +239,12 @@ def _progress_state(progress: Any) -> dict[str, Any]:
 
 def ddp_forward_skippable(ddp: Any) -> bool:
     """Whether a forward and backward may bypass ``ddp`` (its reducer ignores a backward whose forward it did not
-    prepare): not before its first forward, nor with a static graph, a delayed all-reduce or a buffer comm hook."""
+    prepare): not before its first forward, nor before the forward that rebuilds its buckets (a collective that the
+    buffers' broadcast must not overtake; none with unused parameters), nor with a static graph, a delayed all-reduce
+    or a buffer comm hook."""
     return (
         getattr(ddp, "_lazy_init_ran", False)
+        and (getattr(ddp, "_has_rebuilt_buckets", False) or getattr(ddp, "find_unused_parameters", False))
         and not getattr(ddp, "static_graph", True)
         and not getattr(ddp, "_delay_all_reduce_all_params", True)
         and not hasattr(ddp, "buffer_hook")

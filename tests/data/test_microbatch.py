@@ -137,10 +137,12 @@ def _fit(precision: str, caps: list[int] | None) -> _Counted:
 
 @pytest.mark.parametrize(("precision", "atol"), [("32-true", 1e-6), ("bf16-mixed", 2e-3)])
 def test_earlier_pieces_take_the_direct_path_with_the_precision_plugin(precision: str, atol: float) -> None:
-    """From the second step the earlier pieces skip DDP's forward and Lightning's backward hooks (one
+    """From the third step the earlier pieces skip DDP's forward and Lightning's backward hooks (one
     ``on_before_backward`` per step), under the plugin's autocast and grad scaler: the weights are the whole batch's."""
     whole, micro = _fit(precision, None), _fit(precision, [3])
-    assert micro.before_backward == 6 + 1 + 1  # the first step's six pieces go through Lightning, then one per step
+    # the six pieces of the first two steps go through DDP (its first forward, then the one that rebuilds its
+    # buckets) and Lightning, then one backward hook per step
+    assert micro.before_backward == 6 + 6 + 1
     for a, b in zip(whole.parameters(), micro.parameters()):
         assert torch.allclose(a, b, atol=atol)
 

@@ -19,7 +19,9 @@ when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``), ``ckpt_dir`` (a ``
 ``global_step`` reaches it), ``stuck_rank`` / ``stuck_step`` (that rank writes ``OUT_DIR/stuck{r}`` and sleeps for good
 in ``training_step`` from that step on), ``own_sharding`` (``use_distributed_sampler=False``, each rank's Dataset its
 own ``dataset[rank::world]``), ``custom_loader`` (:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets
-the speeds the previous fit of the same job ended with, as its ``speeds``). The default root directory is ``OUT_DIR``.
+the speeds the previous fit of the same job ended with, as its ``speeds``), ``batchnorm`` (a ``BatchNorm1d`` layer in
+the network), ``full_micro_path`` (no micro-batch takes the direct path past DDP). The default root directory is
+``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -32,13 +34,17 @@ import os
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_het.cluster.rendezvous import TOKEN_ENV
+from lightning_het.data.microbatch import DirectPieces
 from tests.helpers.harness_parts import make_strategy, make_trainer, save_rank, train_loader, weights
 from tests.helpers.tiny import TinyRegressor, make_dataset, pl
 
@@ -74,6 +80,10 @@ class FitRegressor(TinyRegressor):
     def __init__(self, out: Path, cfg: dict, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.out, self.cfg = out, cfg
+        self.backward_hooks = 0
+        if cfg.get("batchnorm"):
+            torch.manual_seed(7)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
         self.target_factor = self.slow_factor
         self.slow_from_epoch = cfg.get("slow_from_epoch", 0)
 
@@ -82,6 +92,9 @@ class FitRegressor(TinyRegressor):
         lowered = self.cfg.get("memory_cap_from_epoch")  # [epoch, caps]: the emulated memory caps from that epoch on
         if lowered and self.current_epoch == lowered[0]:
             self.trainer.strategy.micro_batcher.emulated_cap = lowered[1][self.global_rank]
+
+    def on_before_backward(self, loss) -> None:
+        self.backward_hooks += 1  # once per micro-batch through Lightning's backward
 
     def training_step(self, batch, batch_idx):
         stuck = self.cfg.get("stuck_rank")
@@ -220,10 +233,13 @@ def fit(out: Path, cfg: dict) -> None:
     )
     if cfg.get("report_children") and trainer.global_rank == 0:
         atexit.register(_report_children, trainer)
-    if cfg.get("module_loaders"):
-        trainer.fit(model, ckpt_path=cfg.get("resume"))
-    else:
-        trainer.fit(model, *_loaders(cfg), ckpt_path=cfg.get("resume"))
+    # ``full_micro_path``: every micro-batch through DDP and Lightning, none on the direct path
+    full = mock.patch.object(DirectPieces, "of", lambda *args: None) if cfg.get("full_micro_path") else nullcontext()
+    with full:
+        if cfg.get("module_loaders"):
+            trainer.fit(model, ckpt_path=cfg.get("resume"))
+        else:
+            trainer.fit(model, *_loaders(cfg), ckpt_path=cfg.get("resume"))
     record = fit_record(trainer, model)
     _previous_speeds.append(record["speeds"])
     record["env_before"] = env_before
@@ -238,6 +254,7 @@ def fit_record(trainer, model: TinyRegressor) -> dict[str, Any]:
     return {
         "state_dict": weights(model.net),
         "seen_batch_sizes": model.seen_batch_sizes,
+        "backward_hooks": getattr(model, "backward_hooks", None),
         "batch_sizes": s.batch_sizes,
         "speeds": s.speeds,
         "node_ids": s.node_ids,
