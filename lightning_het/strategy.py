@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import _register_ddp_comm_hook, attached_trainer, record_loader_arguments
-from lightning_het.balance.balancer import Balancer, FitContext, per_replica_batchnorm
+from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
 from lightning_het.balance.planner import monitor_settings
@@ -203,7 +203,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
-        self.balancer.batchnorm_layers = per_replica_batchnorm(self.lightning_module, self.world_size)
+        self.balancer.check_normalisation(self.lightning_module)
         saves = fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local"  # no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:

@@ -40,7 +40,7 @@ from lightning_het.data.microbatch import MicroBatcher
 from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import checkpoint_record, log_resumed_allocation, plan_allocation
 
-__all__ = ["CAPS_AGREED_EVERY", "Balancer", "FitContext", "per_replica_batchnorm"]
+__all__ = ["CAPS_AGREED_EVERY", "Balancer", "FitContext", "per_replica_batchnorm", "refuse_synced_norm_in_pieces"]
 
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
 CAPS_AGREED_EVERY = 16
@@ -62,6 +62,24 @@ def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> li
             " `Trainer(sync_batchnorm=True)` for global batch statistics."
         )
     return layers
+
+
+def refuse_synced_norm_in_pieces(module: torch.nn.Module | None, world_size: int, micro_batching: bool) -> None:
+    """Raise when micro-batching meets ``SyncBatchNorm``: its forward is a collective, and replicas that run their
+    shares in different numbers of micro-batches would pair different collectives."""
+    synced = [
+        name
+        for name, layer in (module.named_modules() if module is not None else [])
+        if isinstance(layer, torch.nn.SyncBatchNorm)
+    ]
+    if synced and micro_batching and world_size > 1:
+        shown = ", ".join(synced[:5]) + (", ..." if len(synced) > 5 else "")
+        raise ValueError(
+            f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the model's"
+            f" SyncBatchNorm layer(s) ({shown}) make every training forward a collective that all replicas must run"
+            " equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then normalised by its own"
+            " statistics), or bound the shares with `max_batch_sizes` instead."
+        )
 
 
 class FitContext:
@@ -105,6 +123,12 @@ class Balancer:
         if caps is not None or emulated is not None:
             cap = caps[rank] if isinstance(caps, list) else None
             self.micro = MicroBatcher(rank, cap, emulated[rank] if emulated else None)
+
+    def check_normalisation(self, module: torch.nn.Module) -> None:
+        """The model's batch norm layers, once wrapped: warn about those that normalise per replica (their shares then
+        hold 2 samples or more), refuse ``SyncBatchNorm`` with micro-batching."""
+        self.batchnorm_layers = per_replica_batchnorm(module, self.world_size)
+        refuse_synced_norm_in_pieces(module, self.world_size, self.micro is not None)
 
     @property
     def micro_caps(self) -> list[int] | None:

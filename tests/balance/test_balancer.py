@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.balance.balancer import CAPS_AGREED_EVERY, Balancer
@@ -28,3 +30,28 @@ def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
             assert balancer.allocation.micro_caps is None and balancer.micro.pending
     assert gathered == [CAPS_AGREED_EVERY - 1, 2 * CAPS_AGREED_EVERY - 1, 39]  # and the epoch's last step
     assert balancer.allocation.micro_caps == [4, 64] and not balancer.micro.pending
+
+
+def _norm_model(synced: bool) -> nn.Module:
+    norm = nn.SyncBatchNorm(4) if synced else nn.BatchNorm1d(4)
+    return nn.Sequential(nn.Linear(3, 4), norm, nn.Linear(4, 1))
+
+
+def test_sync_batchnorm_is_refused_with_micro_batching_only() -> None:
+    def placed(**keywords) -> Balancer:
+        balancer = Balancer(HeterogeneousStrategy(**keywords).config)
+        balancer.place(0, 2, torch.device("cpu"), 1)
+        return balancer
+
+    micro = placed(max_micro_batch_sizes=[8, 64])
+    with pytest.raises(
+        ValueError, match=r"SyncBatchNorm layer\(s\) \(1\).*HINT: drop `Trainer\(sync_batchnorm=True\)`"
+    ):
+        micro.check_normalisation(_norm_model(synced=True))
+    with pytest.raises(ValueError, match="emulate_memory_cap"):
+        placed(emulate_memory_cap=[8, 64]).check_normalisation(_norm_model(synced=True))
+    micro.check_normalisation(_norm_model(synced=False))  # per-replica batch norm: warned about, not refused
+    assert micro.batchnorm_layers == ["1"]
+    plain = placed()
+    plain.check_normalisation(_norm_model(synced=True))  # one forward per step on every replica: fine
+    assert plain.batchnorm_layers == []
