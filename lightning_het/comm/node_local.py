@@ -124,7 +124,7 @@ class NodeLocal(FlatAllReduce):
     def node_optimizer_states(self, state: dict[str, Any]) -> list[Any] | None:
         """This rank's node's inner optimizer states in a checkpoint's ``"nodes"`` entry; ``None`` (rank 0's for every
         node) without one or for another node layout, which rank 0 logs."""
-        record = state.get("nodes")
+        record = state.get("nodes") or {}
         change = layout_change(record, self.node_ids)
         if change is not None and self.rank == 0:
             log.info(
@@ -133,7 +133,7 @@ class NodeLocal(FlatAllReduce):
                 change,
             )
         node = node_index(record, self.node_ids, self.rank)
-        return None if node is None else record["optimizer_states"][node]  # type: ignore[index]
+        return None if node is None else record["optimizer_states"][node]
 
     def set_step(self, completed_steps: int) -> None:
         self.state.completed_steps = completed_steps
