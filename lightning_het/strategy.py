@@ -8,7 +8,7 @@ them. The standalone ``pytorch_lightning`` flavour runs this module's code on th
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,8 +53,10 @@ from lightning_het.data.microbatch import DirectPieces
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
+    node_optimizer_checkpoint,
     read_record,
     synchronize_before_save,
+    with_node_states,
 )
 from lightning_het.reliability.emergency import restore_rng
 from lightning_het.reliability.guards import Guards
@@ -117,10 +119,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
 
     def _startup_timeout_scope(self) -> Any:
         """Around the rendezvous: ``startup_timeout`` when longer than ``timeout``, then ``timeout`` again."""
-        return startup_timeout_scope(self._timeout, self.config.startup_timeout, self._set_timeout)
-
-    def _set_timeout(self, timeout: Any) -> None:
-        self._timeout = timeout
+        return startup_timeout_scope(self._timeout, self.config.startup_timeout, lambda t: setattr(self, "_timeout", t))
 
     @classmethod
     @override
@@ -227,10 +226,8 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            trainer = self.lightning_module.trainer
-            dataloader = self._loaders.process(
-                dataloader, trainer, self._training_split(), self.balancer.eval_weights()
-            )
+            split, weights = self._training_split(), self.balancer.eval_weights()
+            dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
 
     def _training_split(self) -> TrainingSplit:
@@ -336,9 +333,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         self._synchronize()  # node_local: validation sees the consensus model
 
     def _synchronize(self) -> None:
-        if self.balancer.comm is not None and self._lightning_module is not None:
-            with torch.no_grad():
-                self.balancer.comm.synchronize(self._lightning_module.parameters())
+        synchronize_before_save(self.comm_controller, self._lightning_module)  # the same consensus as a save's
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -360,8 +355,13 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = self._checkpoint_entry()  # allocation + training sampler position
+        entry = self._checkpoint_entry()  # allocation, sampler position (the emergency record too: no collective)
+        checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_controller)  # node_local: collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_controller))  # node_local
 
     def _checkpoint_entry(self) -> dict[str, Any]:
         return self.balancer.checkpoint_record(self._trainer())

@@ -283,8 +283,9 @@ def _outer_cases(rank: int) -> dict[Any, Any]:
             "stats": ctl.stats,
             "numel": sum(p.numel() for p in ddp.parameters()),
         }
-    # a resume in the middle of a round (K = 4, saved after step 6): the save forces a consensus (an outer step)
-    settings = {"global_sync_every": 4, "outer_optimizer": "nesterov", "sync_dtype": "float32"}
+    # a resume in the middle of a round (K = 4, saved after step 6, int8): the save forces a consensus (an outer step);
+    # as a Trainer checkpoint, rank 0's file holds its optimizer state and every node's (gathered), which all ranks read
+    settings = {"global_sync_every": 4, "outer_optimizer": "nesterov", "sync_dtype": "int8"}
     runs, saved = [], {}
     for resume in (None, "saved"):
         model = _model()
@@ -297,12 +298,14 @@ def _outer_cases(rank: int) -> dict[Any, Any]:
         if resume is None:
             _run_steps(ddp, opt, ctl, rank, batch_sizes, range(1, 7))
             ctl.synchronize(ddp.parameters())
-            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "comm": ctl.state_dict()}
-            saved = {key: copy.deepcopy(value) for key, value in saved.items()}
+            file = [{"model": model.state_dict(), "comm": ctl.state_dict()}]
+            file[0]["comm"]["nodes"] = ctl.gather_node_states([opt.state_dict()])  # a collective; rank 0's record
+            torch.distributed.broadcast_object_list(file, src=0)  # every rank loads rank 0's file
+            saved = copy.deepcopy(file[0])  # rank 0's holds its live optimizer state
         else:
             ctl.load_state_dict(saved["comm"])
             ctl.set_step(6)
-            opt.load_state_dict(saved["opt"])
+            opt.load_state_dict(ctl.node_optimizer_states(saved["comm"])[0])  # type: ignore[index]
         runs.append(_run_steps(ddp, opt, ctl, rank, batch_sizes, range(7, 13)))
     result["resume"] = {"continued": runs[0], "resumed": runs[1], "momentum": saved["comm"]}
     return result
@@ -497,8 +500,12 @@ def test_int8_sync_is_close_and_sends_a_quarter(node_local: list[dict[str, Any]]
 
 
 def test_resume_in_the_middle_of_a_round_continues_exactly(node_local: list[dict[str, Any]]) -> None:
+    """Two nodes of two replicas, SGD momentum inside them, int8 syncs: every rank resumes its node's own inner
+    optimizer state and each leader its own residual, so the resumed run continues the saving run."""
     for r in node_local:
         assert r["resume"]["momentum"]["merge"]["optimizer"]["state"], "the outer momentum is saved"
+        nodes = r["resume"]["momentum"]["nodes"]
+        assert nodes["layout"] == [2, 2] and all(residual.abs().max() > 0 for residual in nodes["residuals"])
         for continued, resumed in zip(r["resume"]["continued"], r["resume"]["resumed"]):
             assert (continued - resumed).abs().max().item() <= 1e-6
 

@@ -63,3 +63,11 @@ class FlatAllReduce:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
+
+    def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
+        """What a checkpoint keeps of each node's own state, on rank 0 (nothing here: the replicas agree)."""
+        return None
+
+    def node_optimizer_states(self, state: dict[str, Any]) -> list[Any] | None:
+        """This rank's node's inner optimizer states in a checkpoint's :meth:`state_dict` (``None``: rank 0's)."""
+        return None

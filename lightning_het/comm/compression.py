@@ -34,7 +34,7 @@ class Codec:
 
     def encode(self, vector: torch.Tensor) -> torch.Tensor:
         """``vector`` (float32, 1-D) plus the residual, as bytes (``uint8``); keeps what the encoding lost."""
-        target = vector if self.residual is None else vector + self.residual
+        target = vector if self.residual is None else vector + self.residual.to(vector.device)  # resumed: on the CPU
         payload = _int8_encode(target) if self.dtype == "int8" else target.to(torch.bfloat16).view(torch.uint8)
         self.residual = target - self.decode(payload, target.numel())
         return payload

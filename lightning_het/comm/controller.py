@@ -213,6 +213,17 @@ class CommController:
         if state:
             self._algorithm.load_state_dict(state)
 
+    def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
+        """``node_local``: every node's inner ``optimizer_states`` (this rank's, as a checkpoint holds them) and its
+        leader's compression residual, gathered to rank 0 for a checkpoint's comm state (``"nodes"``). A collective
+        in ``node_local``: call it on every rank; ``None`` off rank 0 and in the other modes."""
+        return self._algorithm.gather_node_states(optimizer_states)
+
+    def node_optimizer_states(self, state: dict[str, Any] | None) -> list[Any] | None:
+        """``node_local``: this rank's node's inner optimizer states in a checkpoint's comm state, when its node layout
+        is this run's; ``None`` (keep the checkpoint's, rank 0's) otherwise."""
+        return self._algorithm.node_optimizer_states(state) if state else None
+
     def close(self) -> None:
         """Drop references to the process groups (they are destroyed with the default group)."""
         self._groups = None

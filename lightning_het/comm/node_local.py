@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from lightning_het.cluster.topology import NodeGroups
 from lightning_het.comm.allreduce import FlatAllReduce
 from lightning_het.comm.averaging import merge_weights
 from lightning_het.comm.hooks import HierarchicalState, NodeLocalState, node_local_hook
+from lightning_het.comm.node_state import gather_node_record, is_leader, layout_change, node_index
 from lightning_het.comm.outer import OuterStep, ParameterAverage
 from lightning_het.comm.stats import (
     CommStats,
@@ -22,6 +24,8 @@ from lightning_het.comm.stats import (
 )
 
 __all__ = ["NodeLocal"]
+
+log = logging.getLogger(__name__)
 
 
 class NodeLocal(FlatAllReduce):
@@ -99,14 +103,37 @@ class NodeLocal(FlatAllReduce):
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        """The merge's state and the samples since the last sync."""
+        """The merge's state and the samples since the last sync (the same on every rank; no collective)."""
         return {"samples": list(self._samples), "merge": self.merge.state_dict()}
 
+    def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
+        """Every node's inner ``optimizer_states`` and its leader's residual, for the ``"nodes"`` entry of
+        :meth:`state_dict` in a checkpoint: a collective over all ranks; ``None`` off rank 0."""
+        return gather_node_record(optimizer_states, self.merge.residual, self.node_ids, self.rank)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output, and a leader's residual from its ``"nodes"`` entry when the node
+        layout is this run's (else it restarts from zero)."""
         if len(state.get("samples", [])) == len(self._samples):
             self._samples = [int(s) for s in state["samples"]]
         self.merge.load_state_dict(state.get("merge", {}))
+        node = node_index(state.get("nodes"), self.node_ids, self.rank)
+        if node is not None and is_leader(self.node_ids, self.rank):
+            self.merge.residual = state["nodes"]["residuals"][node]
+
+    def node_optimizer_states(self, state: dict[str, Any]) -> list[Any] | None:
+        """This rank's node's inner optimizer states in a checkpoint's ``"nodes"`` entry; ``None`` (rank 0's for every
+        node) without one or for another node layout, which rank 0 logs."""
+        record = state.get("nodes") or {}
+        change = layout_change(record, self.node_ids)
+        if change is not None and self.rank == 0:
+            log.info(
+                "lightning-het comm='node_local': %s, so every node resumes rank 0's inner optimizer state"
+                " and the compression residual restarts from zero",
+                change,
+            )
+        node = node_index(record, self.node_ids, self.rank)
+        return None if node is None else record["optimizer_states"][node]
 
     def set_step(self, completed_steps: int) -> None:
         self.state.completed_steps = completed_steps

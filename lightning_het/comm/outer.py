@@ -24,6 +24,15 @@ OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 class ParameterAverage:
     """The paper's sync: every parameter replaced by the weighted sum over replicas (no state)."""
 
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """No compression, so no error-feedback residual."""
+        return None
+
+    @residual.setter
+    def residual(self, residual: torch.Tensor | None) -> None:
+        """Nothing to keep: a float32 sync loses nothing."""
+
     def begin(self, params: list[torch.Tensor]) -> None:
         """The replicas agree on ``params`` now (nothing to remember)."""
 
@@ -83,6 +92,15 @@ class OuterStep:
             p.copy_(a)
         wire = None if self.codec.dtype == "float32" else self.codec.wire_bytes(delta.numel())
         return delta.numel() * delta.element_size(), wire
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """This node leader's error-feedback residual (``None`` before the first compressed sync, or off leaders)."""
+        return self.codec.residual
+
+    @residual.setter
+    def residual(self, residual: torch.Tensor | None) -> None:
+        self.codec.residual = residual
 
     def state_dict(self) -> dict[str, Any]:
         """The outer optimizer's state (a copy; the same on every replica)."""

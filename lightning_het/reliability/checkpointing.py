@@ -21,12 +21,14 @@ __all__ = [
     "SamplerResume",
     "allocation_record",
     "apply_sampler_resume",
+    "node_optimizer_checkpoint",
     "plan_allocation",
     "plan_sampler_resume",
     "read_record",
     "resumed_global_batch_size",
     "sampler_record",
     "synchronize_before_save",
+    "with_node_states",
 ]
 
 log = logging.getLogger(__name__)
@@ -248,3 +250,23 @@ def synchronize_before_save(controller: Any, module: torch.nn.Module | None) -> 
         return
     with torch.no_grad():
         controller.synchronize(list(module.parameters()))
+
+
+def with_node_states(record: dict[str, Any], checkpoint: Mapping[str, Any], controller: Any) -> dict[str, Any]:
+    """``record`` (the ``checkpoint["lightning_het"]`` entry) with, in ``comm="node_local"``, every node's inner
+    optimizer state and compression residual in its comm state (``"nodes"``) on rank 0. A collective: call it where
+    every rank saves (``Strategy.save_checkpoint``), never per step; nothing without optimizer states (weights only)."""
+    if controller is None or "optimizer_states" not in checkpoint:
+        return record
+    nodes = controller.gather_node_states(checkpoint["optimizer_states"])
+    if nodes is not None and record.get("comm") is not None:
+        record["comm"]["nodes"] = nodes
+    return record
+
+
+def node_optimizer_checkpoint(checkpoint: Mapping[str, Any], controller: Any) -> Mapping[str, Any]:
+    """``checkpoint`` with, in ``comm="node_local"`` with the node layout it was saved with, this rank's node's own
+    inner optimizer states; as it is otherwise (every node then resumes rank 0's)."""
+    comm = (checkpoint.get(CHECKPOINT_KEY) or {}).get("comm")
+    states = None if controller is None else controller.node_optimizer_states(comm)
+    return checkpoint if states is None else {**checkpoint, "optimizer_states": states}

@@ -204,13 +204,14 @@ def test_node_local_checkpoint_synchronises_the_consensus_model_first():
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs
-#: two emulated nodes, DiLoCo's outer step every 2 steps
+#: two emulated nodes, DiLoCo's outer step every 2 steps over int8 (error feedback), SGD momentum inside the nodes
 OUTER = {
     "comm": "node_local",
     "node_ids": [0, 1],
     "speeds": [1, 3],
     "global_sync_every": 2,
     "outer_optimizer": "nesterov",
+    "sync_dtype": "int8",
 }
 #: the two-replica fits of this module that resume nothing, run in one job (the two-replica resumes follow them there)
 TWO_REPLICA_FITS = {
@@ -223,13 +224,13 @@ TWO_REPLICA_FITS = {
         "save_every": 3,
         "epochs": 1,
     },
-    # the same nodes with DiLoCo's outer step every 2 steps: the step-3 checkpoint is in the middle of a round
+    # the same nodes with DiLoCo's outer step every 2 steps: the step-3 checkpoint is in the middle of a round; each
+    # node's inner momentum and compression residual are its own
     "outer": {
         "devices": 2,
         "strategy": OUTER,
         "save_every": 3,
         "epochs": 2,
-        "module": {"momentum": 0.0},  # Lightning saves rank 0's inner optimizer state: a stateless one resumes exactly
     },
 }
 
@@ -327,11 +328,19 @@ def test_node_local_checkpoint_holds_the_consensus_model(two_replica_fits):
 
 @pytest.mark.slow
 def test_outer_step_resumes_in_the_middle_of_a_round_exactly(two_replica_fits):
-    """The checkpoint records the outer optimizer's momentum; resumed after step 3 of a 2-step round schedule (saving
-    every 3 steps as the first fit did: each save is a sync), the fit ends where the uninterrupted one ended."""
+    """The checkpoint records the outer optimizer's momentum and each node's own inner optimizer state (SGD momentum)
+    and int8 residual; resumed after step 3 of a 2-step round schedule (saving every 3 steps as the first fit did: each
+    save is a sync), every node continues from its own state and the fit ends where the uninterrupted one ended."""
     out = two_replica_fits["outer"]
-    record = torch.load(out / "ckpt" / "step=3.ckpt", weights_only=True)["lightning_het"]["comm"]
+    checkpoint = torch.load(out / "ckpt" / "step=3.ckpt", weights_only=True)
+    record = checkpoint["lightning_het"]["comm"]
     assert record["samples"] == [0, 0] and record["merge"]["optimizer"]["state"]
+    nodes = record["nodes"]
+    assert nodes["layout"] == [1, 1]
+    assert nodes["optimizer_states"][0] is checkpoint["optimizer_states"]  # node 0's is rank 0's, stored once
+    momenta = [states[0]["state"][0]["momentum_buffer"] for states in nodes["optimizer_states"]]
+    assert not torch.allclose(momenta[0], momenta[1])  # each node's own
+    assert all(r is not None and r.abs().max() > 0 for r in nodes["residuals"])
     again = two_replica_fits["outer resumed"]  # resumed from that checkpoint with the fit's own config
     for rank in range(2):
         full, resumed = (torch.load(d / f"rank{rank}.pt")["state_dict"] for d in (out, again))

@@ -1,0 +1,127 @@
+"""Each node's own state in a ``comm="node_local"`` checkpoint, in one process: the record a save builds from the
+gathered entries, and what every rank of a resumed fit picks from it (its node's, or nothing for another layout)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_het.cluster.topology import NodeGroups, node_members
+from lightning_het.comm.controller import CommController
+from lightning_het.comm.node_state import is_leader, layout_change, node_index, node_layout, node_record
+from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, node_optimizer_checkpoint, with_node_states
+
+
+def _fake_groups(node_ids: list[int], rank: int) -> NodeGroups:
+    members = tuple(tuple(m) for m in node_members(node_ids))
+    return NodeGroups(tuple(node_ids), rank, members, None, None, None)  # type: ignore[arg-type]
+
+
+def _controller(node_ids: list[int], rank: int) -> CommController:
+    """A ``node_local`` controller with DiLoCo's outer step over int8 (no process group: fake node groups)."""
+    groups = _fake_groups(node_ids, rank)
+    settings: dict[str, Any] = {"global_sync_every": 2, "outer_optimizer": "nesterov", "sync_dtype": "int8"}
+    return CommController("node_local", node_ids, None, rank, groups=groups, **settings)
+
+
+def _states(node: int) -> list[dict[str, Any]]:
+    """One optimizer's state dict, told apart by ``node``."""
+    return [{"state": {0: {"momentum_buffer": torch.full((3,), float(node))}}, "param_groups": [{"params": [0]}]}]
+
+
+#: saved by nodes [0, 0, 1, 1]: per rank (optimizer states, residual); the non-leaders' entries are never read
+SAVED = [(_states(0), torch.full((4,), 0.5)), None, (_states(1), torch.full((4,), -0.25)), None]
+RECORD = node_record(SAVED, [0, 0, 1, 1])
+
+
+def test_the_record_holds_each_nodes_leader_entry() -> None:
+    assert RECORD["layout"] == [2, 2]
+    assert RECORD["optimizer_states"] == [SAVED[0][0], SAVED[2][0]]  # type: ignore[index]
+    assert [r.tolist() for r in RECORD["residuals"]] == [[0.5] * 4, [-0.25] * 4]
+    assert node_layout([0, 1, 0, 1, 1]) == [2, 3]
+    assert [is_leader([0, 1, 0, 1], r) for r in range(4)] == [True, True, False, False]
+
+
+def test_each_rank_picks_its_node_for_the_same_layout() -> None:
+    assert [node_index(RECORD, [0, 0, 1, 1], r) for r in range(4)] == [0, 0, 1, 1]
+    assert [node_index(RECORD, [0, 1, 0, 1], r) for r in range(4)] == [0, 1, 0, 1]  # ranks placed otherwise
+    assert layout_change(RECORD, [0, 1, 0, 1]) is None
+
+
+@pytest.mark.parametrize(
+    ("node_ids", "now"), [([0, 0, 1], [2, 1]), ([0, 1, 2, 3], [1, 1, 1, 1]), ([0, 0, 0, 1], [3, 1])]
+)
+def test_another_layout_picks_nothing(node_ids: list[int], now: list[int]) -> None:
+    assert all(node_index(RECORD, node_ids, r) is None for r in range(len(node_ids)))
+    assert layout_change(RECORD, node_ids) == f"the checkpoint's nodes held [2, 2] replicas, this run's hold {now}"
+    assert node_index(None, node_ids, 0) is None and layout_change(None, node_ids) is None  # nothing saved
+
+
+def _checkpoint() -> dict[str, Any]:
+    comm = {"samples": [0, 0, 0, 0], "merge": {"optimizer": None}, "nodes": RECORD}
+    return {"optimizer_states": _states(0), CHECKPOINT_KEY: {"comm": comm}}
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_a_resumed_rank_loads_its_nodes_optimizer_state_and_a_leader_its_residual(rank: int) -> None:
+    checkpoint, node = _checkpoint(), [0, 0, 1, 1][rank]
+    ctl = _controller([0, 0, 1, 1], rank)
+    ctl.load_state_dict(checkpoint[CHECKPOINT_KEY]["comm"])
+    residual = ctl.algorithm.merge.residual  # type: ignore[attr-defined]
+    if rank in (0, 2):
+        assert torch.equal(residual, RECORD["residuals"][node])
+    else:
+        assert residual is None  # a leader's alone
+    resumed = node_optimizer_checkpoint(checkpoint, ctl)
+    assert resumed["optimizer_states"] is RECORD["optimizer_states"][node]
+    assert resumed[CHECKPOINT_KEY] is checkpoint[CHECKPOINT_KEY]
+
+
+def test_another_layout_resumes_rank_0s_state_and_no_residual(caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint = _checkpoint()
+    for rank in (0, 2):
+        ctl = _controller([0, 0, 1], rank)
+        ctl.load_state_dict(checkpoint[CHECKPOINT_KEY]["comm"])
+        assert ctl.algorithm.merge.residual is None  # type: ignore[attr-defined]
+        with caplog.at_level(logging.INFO, logger="lightning_het.comm.node_local"):
+            assert node_optimizer_checkpoint(checkpoint, ctl) is checkpoint
+    assert [r.getMessage() for r in caplog.records] == [  # rank 0 alone says so
+        "lightning-het comm='node_local': the checkpoint's nodes held [2, 2] replicas, this run's hold [2, 1], so every"
+        " node resumes rank 0's inner optimizer state and the compression residual restarts from zero"
+    ]
+
+
+def test_other_modes_and_older_checkpoints_keep_rank_0s_state() -> None:
+    checkpoint = _checkpoint()
+    assert node_optimizer_checkpoint(checkpoint, CommController("allreduce", [0, 0, 1, 1], None, 2)) is checkpoint
+    assert node_optimizer_checkpoint(checkpoint, None) is checkpoint
+    older = {"optimizer_states": _states(0), CHECKPOINT_KEY: {"comm": {"samples": [0, 0, 0, 0]}}}
+    assert node_optimizer_checkpoint(older, _controller([0, 0, 1, 1], 2)) is older
+    assert node_optimizer_checkpoint({"optimizer_states": []}, _controller([0, 0, 1, 1], 2))["optimizer_states"] == []
+
+
+class _Gathering:
+    """Stands for a controller on rank 0: what it was asked to gather, and the record it returns."""
+
+    def __init__(self, nodes: dict[str, Any] | None) -> None:
+        self.nodes, self.asked = nodes, []
+
+    def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
+        self.asked.append(optimizer_states)
+        return self.nodes
+
+
+def test_a_save_puts_the_gathered_record_into_the_comm_state() -> None:
+    checkpoint = {"optimizer_states": _states(0)}
+    ctl = _Gathering(RECORD)
+    record = with_node_states({"comm": {"samples": [1, 1]}}, checkpoint, ctl)
+    assert record["comm"] == {"samples": [1, 1], "nodes": RECORD} and ctl.asked == [checkpoint["optimizer_states"]]
+    assert with_node_states({"comm": {"samples": [1, 1]}}, checkpoint, _Gathering(None)) == {
+        "comm": {"samples": [1, 1]}
+    }
+    weights_only = _Gathering(RECORD)  # no optimizer states: no gather (the same on every rank)
+    assert with_node_states({"comm": None}, {"state_dict": {}}, weights_only) == {"comm": None}
+    assert weights_only.asked == [] and with_node_states({"comm": None}, checkpoint, None) == {"comm": None}
