@@ -68,6 +68,7 @@ __all__ = [
     "flavour_private",
     "forget_validation_loader",
     "inside_fabric_backward",
+    "inside_log_sync",
     "is_standalone",
     "loop_state",
     "mirror_module",
@@ -250,6 +251,20 @@ def ddp_forward_skippable(ddp: Any) -> bool:
         and not hasattr(ddp, "buffer_hook")
         and hasattr(ddp, "_sync_buffers")
     )
+
+
+def inside_log_sync(frames: int = 6) -> bool:
+    """Whether the caller runs inside Lightning's on-step reduction of a value logged with ``sync_dist=True`` (a
+    ``_ResultMetric`` updating, within ``frames`` frames up the stack)."""
+    frame = sys._getframe(1)
+    for _ in range(frames):
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == "_ResultMetric" and frame.f_code.co_name == "update":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def broadcast_ddp_buffers(ddp: Any) -> None:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_het._compat import _register_ddp_comm_hook, attached_trainer, record_loader_arguments
+from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
@@ -46,10 +46,10 @@ from lightning_het.cluster.startup import (
     started_elsewhere,
     startup_timeout_scope,
 )
-from lightning_het.comm.controller import resolve_comm_mode
+from lightning_het.comm.controller import register_user_hook, resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
-from lightning_het.data.microbatch import DirectPieces
+from lightning_het.data.microbatch import DirectPieces, piece_collective
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
@@ -174,18 +174,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         # Lightning registers comm hooks only on CUDA; ours (and a user's `ddp_comm_hook`) run on any device
         assert isinstance(self.model, DistributedDataParallel) and self.balancer.node_ids is not None
         mode = resolve_comm_mode(self.config.comm, self.balancer.node_ids)
-        if self._ddp_comm_hook is not None:
-            if mode != "allreduce":
-                raise ValueError(
-                    f"You passed `ddp_comm_hook`, but `comm` resolves to {mode!r}, which installs its own hook."
-                    " HINT: use comm='allreduce' with a custom hook."
-                )
-            _register_ddp_comm_hook(
-                model=self.model,
-                ddp_comm_state=self._ddp_comm_state,
-                ddp_comm_hook=self._ddp_comm_hook,
-                ddp_comm_wrapper=self._ddp_comm_wrapper,
-            )
+        register_user_hook(self.model, mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
         comm = self.balancer.new_comm(mode)
         comm.register(self.model)
         comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # resumed: weights restored before setup
@@ -338,13 +327,17 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """All-reduce; an integer mean (Lightning's logged batch-size count) is computed exactly, in ``float64``."""
+        """All-reduce; an integer mean (Lightning's logged batch-size count) is computed exactly, in ``float64``; in
+        an earlier micro-batch, local for logging and refused otherwise (``data/microbatch.piece_collective``)."""
+        if piece_collective(self.balancer.micro, "reduce"):
+            return tensor
         return reduce_counts(super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Gather from every replica: tensors of one shape stacked to ``[W, *shape]`` as in DDP, per-sample tensors
         of uneven shares concatenated to ``[sum of n_r, *rest]`` (see :mod:`lightning_het.comm.gather`)."""
+        piece_collective(self.balancer.micro, "all_gather")  # raises in an earlier micro-batch
         return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ checkpoints (docs/reliability.md)

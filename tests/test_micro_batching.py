@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 _BASE = {"devices": 3, "n": 60, "epochs": 2, "batch_size": 8}  # B = 24: two full global batches and a tail of 12
 _STRATEGY = {"speeds": [4, 1, 1], "global_batch_size": 24}
 FITS = {
-    "caps": {**_BASE, "strategy": {**_STRATEGY, "max_micro_batch_sizes": [3, 64, 64]}},
+    # the loss logged with sync_dist=True on every step: a collective in every micro-batch of rank 0's six
+    "caps": {**_BASE, "log_on_step": True, "strategy": {**_STRATEGY, "max_micro_batch_sizes": [3, 64, 64]}},
     "accumulate": {**_BASE, "accumulate": 2, "strategy": {**_STRATEGY, "max_micro_batch_sizes": [3, 64, 64]}},
     "hierarchical": {
         **_BASE,
@@ -66,6 +67,8 @@ def test_micro_batched_share_trains_exactly(fits, name):
     assert all(_max_diff(d["state_dict"], reference) < 1e-5 for d in dumps)
     if name == "hierarchical":
         assert dumps[0]["comm_mode"] == "hierarchical"
+    else:  # the step's last micro-batch synchronised the logged loss: one value on every replica
+        assert dumps[0]["step_loss"] > 0 and len({d["step_loss"] for d in dumps}) == 1
 
 
 def test_micro_batches_compose_with_gradient_accumulation(fits):

@@ -167,7 +167,13 @@ class Balancer:
         accelerator = self.device.type == "cuda"
         start = time.perf_counter()
         cap, micro.search_steps = measure_cap(
-            step, batch, upper=upper, check=micro.fits, no_sync=no_sync, module=module, accelerator=accelerator
+            step,
+            batch,
+            upper=upper,
+            check=micro.fits,
+            no_sync=lambda: micro.earlier_piece(no_sync),
+            module=module,
+            accelerator=accelerator,
         )
         cache, key = self._memory_key()
         if cache is not None and key is not None:

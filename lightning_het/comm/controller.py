@@ -11,6 +11,7 @@ from typing import Any, get_args
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_het._compat import _register_ddp_comm_hook
 from lightning_het.arguments import check_comm_args
 from lightning_het.cluster.topology import (
     NodeGroups,
@@ -27,7 +28,14 @@ from lightning_het.comm.node_local import NodeLocal
 from lightning_het.comm.outer import OuterFactory, build_merge
 from lightning_het.comm.stats import CommStats
 
-__all__ = ["COMM_CHOICES", "CommController", "CommMode", "resolve_comm_mode", "validate_comm_args"]
+__all__ = [
+    "COMM_CHOICES",
+    "CommController",
+    "CommMode",
+    "register_user_hook",
+    "resolve_comm_mode",
+    "validate_comm_args",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,19 @@ def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_s
         if value and comm != "node_local":
             message = f"`{name}={value}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`."
             warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def register_user_hook(model: DistributedDataParallel, mode: CommMode, hook: Any, state: Any, wrapper: Any) -> None:
+    """Register the user's ``ddp_comm_hook`` (with its ``ddp_comm_state`` and ``ddp_comm_wrapper``) on ``model`` on any
+    device (Lightning does only on CUDA); ``ValueError`` unless the mode is ``"allreduce"``, which installs none."""
+    if hook is None:
+        return
+    if mode != "allreduce":
+        raise ValueError(
+            f"You passed `ddp_comm_hook`, but `comm` resolves to {mode!r}, which installs its own hook."
+            " HINT: use comm='allreduce' with a custom hook."
+        )
+    _register_ddp_comm_hook(model=model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=wrapper)
 
 
 def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:

@@ -11,15 +11,15 @@ where that is safe. See ``docs/balancing.md`` (memory, micro-batches).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable
+from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable, inside_log_sync
 
 __all__ = [
     "DirectPieces",
@@ -27,6 +27,7 @@ __all__ = [
     "batch_length",
     "micro_batch_sizes",
     "micro_batches",
+    "piece_collective",
     "split_batch",
     "step_loss",
     "take_grads",
@@ -114,6 +115,18 @@ class MicroBatcher:
         self.search_steps = 0  # trial steps the "auto" search took on this replica
         self.search_s = 0.0  # seconds the "auto" search held the first step (the slowest replica's)
         self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
+        self.in_earlier_piece = False  # running a piece before the step's last one (or a trial step of the search)
+
+    @contextmanager
+    def earlier_piece(self, no_sync: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+        """Run a piece before the step's last (or a trial step): ``no_sync()``, and collectives held back or refused
+        (:func:`piece_collective`), as the replicas run different numbers of pieces."""
+        self.in_earlier_piece = True
+        try:
+            with no_sync():
+                yield
+        finally:
+            self.in_earlier_piece = False
 
     def fits(self, samples: int) -> None:
         """Raise ``torch.OutOfMemoryError`` when a piece of ``samples`` exceeds the emulated memory cap."""
@@ -232,7 +245,7 @@ class MicroBatcher:
                 last = done + n == total
                 step, backward = last_path if last else early
                 try:
-                    with nullcontext() if last else no_sync():
+                    with nullcontext() if last else self.earlier_piece(no_sync):
                         self.fits(n)
                         output = step(piece)
                         if not last:
@@ -247,6 +260,24 @@ class MicroBatcher:
                     return _with_loss(output, step_loss(output) * (n / total) + sum(earlier))
                 earlier.append(step_loss(output).detach() * (n / total))
                 done += n
+
+
+def piece_collective(micro: MicroBatcher | None, collective: str) -> bool:
+    """Whether ``collective`` (a strategy's ``reduce`` or ``all_gather``), called now, must stay local: in a piece
+    before the step's last, ``self.log(..., sync_dist=True)``'s on-step reduction does (the last piece logs the value
+    synchronised; the replicas run different numbers of pieces, so only the last may communicate), and any other
+    collective raises ``RuntimeError``. ``False`` outside such pieces."""
+    if micro is None or not micro.in_earlier_piece:
+        return False
+    if collective == "reduce" and inside_log_sync():
+        return True
+    raise RuntimeError(
+        f"HeterogeneousStrategy: rank {micro.rank} called `{collective}` in `training_step` while running its share"
+        f" in micro-batches of at most {micro.cap} samples (`max_micro_batch_sizes`): the replicas run different"
+        " numbers of micro-batches, so a collective there would pair with another replica's different one. HINT:"
+        " move the collective to `on_train_batch_end` (once per step), or log with `self.log(..., sync_dist=True)`,"
+        " which synchronises the step's last micro-batch only."
+    )
 
 
 def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:

@@ -166,3 +166,43 @@ def test_direct_backward_applies_the_grad_scaler_and_refuses_what_it_cannot_hono
 
     assert DirectPieces.of(module, module, Custom(), lambda: 1.0) is None  # Lightning's path for other plugins
     assert DirectPieces.of(OwnBackward(), OwnBackward(), Precision(), lambda: 1.0) is None
+
+
+class _Collective(_Counted):
+    """Logs its loss on every step synchronised, or (``gather``) all-gathers it in ``training_step``."""
+
+    def __init__(self, gather: bool) -> None:
+        super().__init__()
+        self.gather = gather
+        self.pieces: list[tuple[float, int]] = []  # (loss, samples) of every piece
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.gather:
+            self.all_gather(loss)
+        self.log("step_loss", loss, on_step=True, on_epoch=True, sync_dist=True, batch_size=len(batch[0]))
+        self.pieces.append((float(loss), len(batch[0])))
+        return loss
+
+
+def _fit_collective(gather: bool) -> _Collective:
+    torch.manual_seed(0)
+    model = _Collective(gather)
+    data = TensorDataset(torch.randn(48, 3), torch.randn(48, 1))
+    strategy = HeterogeneousStrategy(speeds=[1.0], max_micro_batch_sizes=[5], process_group_backend="gloo")
+    quiet_trainer(1, strategy, max_epochs=1).fit(model, DataLoader(data, batch_size=16))
+    return model
+
+
+def test_synchronised_logging_in_micro_batches_and_other_collectives_refused() -> None:
+    """``self.log(..., sync_dist=True)`` in an earlier piece synchronises nothing (the step's last piece does: the
+    replicas run different numbers of pieces): the step's value is its last piece's, the epoch's the mean over every
+    sample. Another collective there names the problem."""
+    model = _fit_collective(gather=False)
+    assert [n for _, n in model.pieces] == [4, 4, 4, 4] * 3  # 16 samples in pieces of at most 5
+    metrics = model.trainer.callback_metrics
+    assert float(metrics["step_loss_step"]) == pytest.approx(model.pieces[-1][0])
+    mean = sum(loss * n for loss, n in model.pieces) / 48
+    assert float(metrics["step_loss_epoch"]) == pytest.approx(mean, rel=1e-6)
+    with pytest.raises(RuntimeError, match=r"rank 0 called `all_gather` in `training_step`.*at most 5"):
+        _fit_collective(gather=True)

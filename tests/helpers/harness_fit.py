@@ -20,8 +20,8 @@ when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``), ``ckpt_dir`` (a ``
 in ``training_step`` from that step on), ``own_sharding`` (``use_distributed_sampler=False``, each rank's Dataset its
 own ``dataset[rank::world]``), ``custom_loader`` (:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets
 the speeds the previous fit of the same job ended with, as its ``speeds``), ``batchnorm`` (a ``BatchNorm1d`` layer in
-the network), ``full_micro_path`` (no micro-batch takes the direct path past DDP). The default root directory is
-``OUT_DIR``.
+the network), ``log_on_step`` (the loss logged on every step with ``sync_dist=True``), ``full_micro_path`` (no
+micro-batch takes the direct path past DDP). The default root directory is ``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -102,7 +102,10 @@ class FitRegressor(TinyRegressor):
             (self.out / f"stuck{self.global_rank}").write_text(str(os.getpid()))
             while True:  # a replica that never reaches the step boundary
                 time.sleep(1)
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        if self.cfg.get("log_on_step"):  # a collective in every training_step (every micro-batch)
+            self.log("train/step_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        return loss
 
 
 class LoaderRegressor(FitRegressor):
@@ -262,6 +265,7 @@ def fit_record(trainer, model: TinyRegressor) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "val_seen": model.val_seen,
         "val_mse": float(trainer.callback_metrics["val/mse"]) if "val/mse" in trainer.callback_metrics else None,
+        "step_loss": float(trainer.callback_metrics.get("train/step_loss", float("nan"))),
         "root_device": str(s.root_device),
         "num_threads": torch.get_num_threads(),
         "backend": s.process_group_backend,
