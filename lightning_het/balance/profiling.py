@@ -42,6 +42,13 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
     cost = fit_affine(sizes, seconds)
+    # a fixed cost the stages cannot tell from their timing noise: the line through the origin, which extrapolates
+    # to other sizes more safely than an intercept fitted to noise (the narrowest spread of a stage timed repeatedly)
+    spreads = [max(t.total_s for t in ts) / max(min(t.total_s for t in ts), 1e-9) for _, ts in stages if len(ts) > 1]
+    noise = min(spreads, default=1.0)
+    through_origin = sum(b * t for b, t in zip(sizes, seconds)) / sum(b * b for b in sizes)
+    if cost.fixed_s > 0 and max(abs(t - through_origin * b) / t for b, t in zip(sizes, seconds)) <= noise - 1.0:
+        return AffineCost(0.0, through_origin)
     # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line
     # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
     largest = max(range(len(sizes)), key=lambda i: sizes[i])

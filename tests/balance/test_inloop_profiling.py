@@ -279,9 +279,8 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
     dumps = inloop_fits[name]
     sizes = dumps[0]["batch_sizes"]
     assert dumps[1]["batch_sizes"] == sizes and sum(sizes) == 32
-    # rank 1 is 3x slower on its own work: a quarter of the batch on an idle machine; on a busy one both replicas'
-    # work takes longer in wall time, rank 1's emulated delay does not, so its share grows towards a half
-    assert 5 <= sizes[1] < 16, sizes
+    # rank 1 is 3x slower (its sleep stretched 3x): about a quarter of the batch, as the fitted costs say
+    assert 5 <= sizes[1] <= 11, (sizes, dumps[0]["cost_model"], dumps[1]["cost_model"])
     assert sizes == allocate_affine(32, [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]])  # the fitted optimum
     seen = [list(s) for s in zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"])]
     lag = 5 if name == "workers" else 1  # Lightning's prefetched batch (+ 2 workers x 2)

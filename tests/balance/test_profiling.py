@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy
-from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.cost import AffineCost, fit_affine
 from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings
 from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset
@@ -219,3 +219,15 @@ def test_fit_stage_timings_keeps_a_cautious_slope() -> None:
     cost = fit_stage_timings([(2, [StepTiming(0.0, 0.0199)]), (8, [StepTiming(0.0, 0.020)])])
     assert cost.per_sample_s == pytest.approx(0.00025)
     assert cost(8) == pytest.approx(0.020)
+
+
+def test_fit_stage_timings_drops_a_fixed_cost_within_the_timing_noise() -> None:
+    # 3 ms a sample, timed twice at 6, 8 and 10 samples with 25 % noise: the minima's line has a 3.3 ms intercept
+    noisy = [(6, [0.025, 0.020]), (8, [0.030, 0.0375]), (10, [0.032, 0.040])]
+    stages = [(b, [StepTiming(0.0, t) for t in ts]) for b, ts in noisy]
+    assert fit_affine([6, 8, 10], [0.020, 0.030, 0.032]).fixed_s == pytest.approx(0.01 / 3)
+    cost = fit_stage_timings(stages)
+    assert cost.fixed_s == 0.0 and cost.per_sample_s == pytest.approx((6 * 0.02 + 8 * 0.03 + 10 * 0.032) / 200)
+    # the same minima timed with 2 % noise: the intercept is beyond the noise, kept
+    quiet = [(b, [StepTiming(0.0, t), StepTiming(0.0, t * 1.02)]) for b, t in ((6, 0.020), (8, 0.030), (10, 0.032))]
+    assert fit_stage_timings(quiet).fixed_s == pytest.approx(0.01 / 3)
