@@ -276,8 +276,11 @@ def test_sigterm_to_the_process_group_saves_and_the_resumed_fit_continues_exactl
     assert stopped.seconds < 30 and stopped.survivors == []
     assert "launched replicas ended with [143]" in stopped.output  # replica 1 too
     ckpt = pre / "checkpoints" / "last.ckpt"  # no ModelCheckpoint: <default_root_dir>/checkpoints
-    assert re.search(r"lightning_het preemption: replica\(s\) \[0, 1\] received SIGTERM; all 2 replica\(s\) stopped"
-                     rf" after global step 1\d \(epoch 1\); saved {re.escape(str(ckpt))}", stopped.output)  # fmt: skip
+    # both replicas get the signal; the message names those whose handler had run when the replicas agreed (on a
+    # busy machine a replica inside a collective runs it later)
+    assert re.search(r"lightning_het preemption: replica\(s\) \[(0, 1|0|1)\] received SIGTERM; all 2 replica\(s\)"
+                     rf" stopped after global step 1\d \(epoch 1\); saved {re.escape(str(ckpt))}", stopped.output), [
+        line for line in stopped.output.splitlines() if "preemption:" in line]  # fmt: skip
     assert ckpt.exists() and not list((pre / "checkpoints").glob("*.tmp"))
     assert not list(pre.glob("rank*.pt"))  # nobody trained on to the end
     saved = torch.load(ckpt, weights_only=True)
