@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Mixed CPU/GPU replicas for real (issue #8): exactness against one process, and throughput GPU-only vs GPU+CPU.
+"""Mixed CPU/GPU replicas for real: exactness against one process, and throughput GPU-only vs GPU+CPU.
 
 Run on a machine with at least one CUDA GPU, from the repository root, in the project's environment::
 

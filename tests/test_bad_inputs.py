@@ -1,4 +1,4 @@
-"""The bad-input catalogue of ``docs/reliability.md``: every row is backed by a test (issue #7, point 5).
+"""The bad-input catalogue of ``docs/reliability.md``: every row is backed by a test.
 
 The cases here are the ones no other test file covers; the catalogue also points at tests elsewhere (strategy
 arguments, data files, Hydra configs). :func:`test_catalogue_rows_are_backed_by_tests` keeps the table honest: at

@@ -1,4 +1,4 @@
-"""Checkpoints record the allocation and the sampler's place; resumed fits continue exactly (issue #7, point 3)."""
+"""Checkpoints record the allocation and the sampler's place; resumed fits continue exactly."""
 
 from __future__ import annotations
 

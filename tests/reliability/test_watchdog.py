@@ -1,4 +1,4 @@
-"""Hung and dead replicas end the whole job, quickly, naming the replica(s) at fault (issue #7, points 1-2)."""
+"""Hung and dead replicas end the whole job, quickly, naming the replica(s) at fault."""
 
 from __future__ import annotations
 
