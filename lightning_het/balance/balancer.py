@@ -46,20 +46,25 @@ __all__ = ["CAPS_AGREED_EVERY", "Balancer", "FitContext", "per_replica_batchnorm
 CAPS_AGREED_EVERY = 16
 
 
+def _norm_layers(module: torch.nn.Module | None, synced: bool) -> list[str]:
+    """The names of ``module``'s ``SyncBatchNorm`` layers (``synced``), or of its other batch norm layers."""
+    modules = module.named_modules() if module is not None else []
+    return [n for n, m in modules if isinstance(m, _BatchNorm) and isinstance(m, torch.nn.SyncBatchNorm) == synced]
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
 def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> list[str]:
     """The batch norm layers that normalise each replica's batch apart, with a warning (rank 0) naming them."""
-    layers = [
-        name
-        for name, layer in (module.named_modules() if module is not None else [])
-        if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm)
-    ]
+    layers = _norm_layers(module, synced=False)
     if layers and world_size > 1:
-        shown = ", ".join(layers[:5]) + (", ..." if len(layers) > 5 else "")
         rank_zero_warn(
-            f"The model has {len(layers)} batch norm layer(s) ({shown}) that normalise each"
+            f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
             " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
             " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
-            " `Trainer(sync_batchnorm=True)` for global batch statistics."
+            " `Trainer(sync_batchnorm=True)` for global batch statistics (not with micro-batching)."
         )
     return layers
 
@@ -67,18 +72,13 @@ def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> li
 def refuse_synced_norm_in_pieces(module: torch.nn.Module | None, world_size: int, micro_batching: bool) -> None:
     """Raise when micro-batching meets ``SyncBatchNorm``: its forward is a collective, and replicas that run their
     shares in different numbers of micro-batches would pair different collectives."""
-    synced = [
-        name
-        for name, layer in (module.named_modules() if module is not None else [])
-        if isinstance(layer, torch.nn.SyncBatchNorm)
-    ]
-    if synced and micro_batching and world_size > 1:
-        shown = ", ".join(synced[:5]) + (", ..." if len(synced) > 5 else "")
+    synced = _norm_layers(module, synced=True) if micro_batching and world_size > 1 else []
+    if synced:
         raise ValueError(
             f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the model's"
-            f" SyncBatchNorm layer(s) ({shown}) make every training forward a collective that all replicas must run"
-            " equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then normalised by its own"
-            " statistics), or bound the shares with `max_batch_sizes` instead."
+            f" SyncBatchNorm layer(s) ({_shown(synced)}) make every training forward a collective that all replicas"
+            " must run equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then normalised by"
+            " its own statistics), or bound the shares with `max_batch_sizes` instead."
         )
 
 

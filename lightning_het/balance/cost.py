@@ -92,6 +92,15 @@ def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
     return [AffineCost(0.0, 1.0 / s) for s in positive_finite("speeds", speeds)]
 
 
+def slope_through_origin(batch_sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """Least-squares seconds per sample of the line through the origin, ``seconds ~ slope * batch``.
+
+    >>> slope_through_origin([4, 8], [0.04, 0.08])
+    0.01
+    """
+    return sum(b * t for b, t in zip(batch_sizes, seconds)) / sum(b * b for b in batch_sizes)
+
+
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
     """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0.
 
@@ -114,9 +123,8 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
         return AffineCost(0.0, my / mx)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     intercept = my - slope * mx
-    if intercept < 0:  # through the origin
-        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        intercept = 0.0
+    if intercept < 0:
+        slope, intercept = slope_through_origin(xs, ys), 0.0
     if slope < min_slope:
         slope = min_slope
         intercept = max(my - slope * mx, 0.0)

@@ -15,7 +15,7 @@ from lightning_het._compat import on_flavour
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, step_time
-from lightning_het.balance.profiling import StepTiming, fit_stage_timings
+from lightning_het.balance.profiling import StepTiming, fit_stage_timings, stage_ratios
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 
 __all__ = [
@@ -324,8 +324,7 @@ def stage_spread(stages: Sequence[Sequence[float]]) -> float:
     >>> stage_spread([[0.010, 0.012], [0.020], [0.031, 0.030]])
     1.2
     """
-    ratios = [max(t) / min(t) for t in stages if len(t) > 1 and min(t) > 0]
-    return round(max(ratios, default=1.0), 12)
+    return round(max(stage_ratios(stages), default=1.0), 12)
 
 
 def _all_gather(values: list[float], world_size: int, device: torch.device) -> list[list[float]]:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from lightning_het.balance.cost import AffineCost, fit_affine
+from lightning_het.balance.cost import AffineCost, fit_affine, slope_through_origin
 
-__all__ = ["ProfileCache", "StepTiming", "cache_key", "fit_stage_timings"]
+__all__ = ["ProfileCache", "StepTiming", "cache_key", "fit_stage_timings", "stage_ratios"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,15 @@ MEMORY_KEY = "|memory"
 _MIN_SLOPE_OF_AVERAGE = 0.1
 
 
+def stage_ratios(stages: Sequence[Sequence[float]]) -> list[float]:
+    """The slowest over the fastest of the steps of each stage timed more than once.
+
+    >>> stage_ratios([[0.010, 0.012], [0.020], [0.031, 0.030]])
+    [1.2, 1.0333333333333334]
+    """
+    return [max(t) / min(t) for t in stages if len(t) > 1 and min(t) > 0]
+
+
 def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> AffineCost:
     """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages."""
     sizes = [b for b, timings in stages if timings]
@@ -44,9 +53,8 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     cost = fit_affine(sizes, seconds)
     # a fixed cost the stages cannot tell from their timing noise: the line through the origin, which extrapolates
     # to other sizes more safely than an intercept fitted to noise (the narrowest spread of a stage timed repeatedly)
-    spreads = [max(t.total_s for t in ts) / max(min(t.total_s for t in ts), 1e-9) for _, ts in stages if len(ts) > 1]
-    noise = min(spreads, default=1.0)
-    through_origin = sum(b * t for b, t in zip(sizes, seconds)) / sum(b * b for b in sizes)
+    noise = min(stage_ratios([[t.total_s for t in ts] for _, ts in stages]), default=1.0)
+    through_origin = slope_through_origin(sizes, seconds)
     if cost.fixed_s > 0 and max(abs(t - through_origin * b) / t for b, t in zip(sizes, seconds)) <= noise - 1.0:
         return AffineCost(0.0, through_origin)
     # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line

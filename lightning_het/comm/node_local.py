@@ -132,8 +132,7 @@ class NodeLocal(FlatAllReduce):
                 " and the compression residual restarts from zero",
                 change,
             )
-        node = node_index(record, self.node_ids, self.rank)
-        return None if node is None else record["optimizer_states"][node]
+        return None if not record or change is not None else record["optimizer_states"][self.node_ids[self.rank]]
 
     def set_step(self, completed_steps: int) -> None:
         self.state.completed_steps = completed_steps
