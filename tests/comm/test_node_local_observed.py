@@ -33,7 +33,7 @@ WATCHED = {**PLAIN, "save_every": 2, "val_n": 10, "val_check_interval": 2}
 RESUMED_FROM = ("step=2.ckpt", "step=6.ckpt", "step=8.ckpt")
 
 
-def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-6) -> float:
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference between two state dicts (asserting they hold the same keys)."""
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
