@@ -4,8 +4,9 @@ any checkpoint continues it exactly.
 Two emulated nodes of one replica each (``node_ids=[0, 1]``, speeds 1:3, so shares 2/8 and 6/8), DiLoCo's outer
 Nesterov step every 3 optimizer steps over an int8 exchange with error feedback, SGD momentum inside the nodes, 2 epochs
 of 5 global batches: syncs after steps 3, 5 (the epoch's end), 6, 9 and 10. The watched fit saves a checkpoint every 2
-steps (2 and 8 in the middle of a round, 4 right after an epoch-end sync's round began, 6 right after a sync) and
-validates every 2 batches; the plain fit does neither. All fits run in one job.
+steps (2, 4 and 8 in the middle of a round, 6 right after a sync), validates after every 2 batches of an epoch (steps 2,
+4, 7 and 9, all in the middle of a round) and saves again at the end of each validation (while it shows the
+consensus); the plain fit does none of it. All fits run in one job.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ STRATEGY = {
 }
 SHARES = (0.25, 0.75)
 PLAIN = {"devices": 2, "strategy": STRATEGY, "epochs": 2}
-WATCHED = {**PLAIN, "save_every": 2, "val_n": 10, "val_check_interval": 2}
-#: the watched fit's checkpoints the resumes start from (in the middle of a round in each epoch, and right after a sync)
-RESUMED_FROM = ("step=2.ckpt", "step=6.ckpt", "step=8.ckpt")
+WATCHED = {**PLAIN, "save_every": 2, "val_n": 10, "val_check_interval": 2, "val_ckpt": True}
+#: the watched fit's checkpoints the resumes start from: every 2 steps (in the middle of a round in each epoch, and
+#: right after a sync), and at the end of a validation in the middle of a round (taken while it shows the consensus)
+RESUMED_FROM = ("ckpt/step=2.ckpt", "ckpt/step=6.ckpt", "ckpt/step=8.ckpt", "val_ckpt/step=4.ckpt")
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -44,7 +46,7 @@ def fits(tmp_path_factory) -> dict[str, Path]:
     """The folder of each fit: ``plain``, ``watched`` and one resume (plain: no checkpoints, no validation) from each
     of :data:`RESUMED_FROM`."""
     out = tmp_path_factory.mktemp("observed")
-    resumes = {f"resumed from {name}": {**PLAIN, "resume": str(out / "1" / "ckpt" / name)} for name in RESUMED_FROM}
+    resumes = {f"resumed from {name}": {**PLAIN, "resume": str(out / "1" / name)} for name in RESUMED_FROM}
     configs = {"plain": PLAIN, "watched": WATCHED, **resumes}
     job = run_harness("resume", out, list(configs.values()), limit=300)
     assert job.returncode == 0, job.output[-6000:]
@@ -61,8 +63,10 @@ def _final(folder: Path, rank: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_checkpoints_and_validation_do_not_change_the_trajectory(fits):
     watched = [torch.load(fits["watched"] / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert all(d["val_seen"] > 0 for d in watched)  # it did validate (5 times: steps 2, 4, 5, 7, 9 and 10)
+    assert all(d["val_seen"] > 0 for d in watched)  # it did validate (after steps 2, 4, 7 and 9)
     assert sorted(p.name for p in (fits["watched"] / "ckpt").iterdir()) == [f"step={s}.ckpt" for s in (10, 2, 4, 6, 8)]
+    validated = sorted(p.name for p in (fits["watched"] / "val_ckpt").iterdir())
+    assert validated == [f"step={s}.ckpt" for s in (2, 4, 7, 9)]
     for rank in range(2):
         assert _close(_final(fits["watched"], rank), _final(fits["plain"], rank)) <= 1e-6
 
@@ -106,3 +110,16 @@ def test_validation_sees_the_consensus(fits):
     seen = [torch.load(folder / f"validated_step2_rank{r}.pt") for r in range(2)]
     for k, v in seen[0].items():
         assert torch.allclose(v, saved[f"net.{k}"], atol=1e-6) and torch.equal(v, seen[1][k])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_taken_during_validation_holds_each_nodes_own_model(fits):
+    """Saved at the end of the validation after step 4 (while the module shows the consensus), the checkpoint holds the
+    same consensus and the same per-node parameters as the one saved before that validation."""
+    folder = fits["watched"]
+    during, before = (torch.load(folder / d / "step=4.ckpt", weights_only=True) for d in ("val_ckpt", "ckpt"))
+    assert _close(during["state_dict"], before["state_dict"]) <= 1e-6
+    nodes = [c["lightning_het"]["comm"]["nodes"]["params"] for c in (during, before)]
+    assert not all(torch.equal(a, b) for a, b in zip(*nodes[1]))  # the nodes' models differ
+    for node in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(nodes[0][node], nodes[1][node]))

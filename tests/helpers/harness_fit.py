@@ -23,7 +23,8 @@ own ``dataset[rank::world]``), ``custom_loader`` (:class:`FeatureLoader`), ``pin
 the speeds the previous fit of the same job ended with, as its ``speeds``), ``batchnorm`` (a ``BatchNorm1d`` layer in
 the network), ``log_on_step`` (the loss logged on every step with ``sync_dist=True``), ``full_micro_path`` (no
 micro-batch takes the direct path past DDP), ``val_check_interval`` / ``check_val_every_n_epoch`` (the Trainer's, with
-``val_n``). The default root directory is ``OUT_DIR``.
+``val_n``), ``val_ckpt`` (a ``ModelCheckpoint`` writing ``OUT_DIR/val_ckpt/step=<s>.ckpt`` at the end of every
+validation). The default root directory is ``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -161,7 +162,8 @@ class DumpOnSave(pl.Callback):
             self._dump(trainer, pl_module, "before")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self._dump(trainer, pl_module, "saved")
+        if not (self.out / f"saved_step{trainer.global_step}_rank{trainer.global_rank}.pt").exists():  # the first save
+            self._dump(trainer, pl_module, "saved")
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         if trainer.state.fn == "fit":
@@ -192,6 +194,8 @@ def _callbacks(out: Path, cfg: dict) -> list:
         callbacks.append(DumpOnSave(out, every))
     if cfg.get("ready_step") is not None:
         callbacks.append(Ready(out, cfg["ready_step"]))
+    if cfg.get("val_ckpt"):  # a checkpoint at the end of every validation (Lightning's default trigger)
+        callbacks.append(pl.callbacks.ModelCheckpoint(out / "val_ckpt", "{step}", save_top_k=-1))
     if cfg.get("ckpt_dir"):
         callbacks.append(pl.callbacks.ModelCheckpoint(cfg["ckpt_dir"], "{step}", every_n_train_steps=1000))
     return callbacks
