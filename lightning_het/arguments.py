@@ -5,15 +5,17 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import numbers
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from lightning_het.comm.modes import COMM_CHOICES, MERGE_WEIGHTS, OUTER_OPTIMIZERS, SYNC_DTYPES
 
 __all__ = [
+    "SYNC_DEFAULTS",
     "ArgumentError",
     "as_timeout",
     "check_comm_args",
@@ -60,6 +62,12 @@ def finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: 
         return None
     if isinstance(values, (str, bytes)):  # "1,3" would otherwise be read character by character
         raise _error(name, f"Expected argument `{name}` to be a sequence of numbers, but got the string {values!r}.")
+    if isinstance(values, Mapping):  # a dict would otherwise be read as its keys
+        raise _error(
+            name,
+            f"Expected argument `{name}` to be a sequence of numbers (one per replica), but got the mapping {values!r}."
+            f" HINT: list the values in rank order, e.g. {list(values.values())!r}.",
+        )
     if not isinstance(values, Sequence):
         try:
             values = list(values)  # e.g. an omegaconf ListConfig
@@ -67,10 +75,9 @@ def finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: 
             raise _error(name, f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from None
     out = []
     for i, v in enumerate(values):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise _error(name, f"Expected argument `{name}` to hold numbers, but `{name}[{i}]` is {v!r}.") from None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):  # True would count as 1, "2" as 2.0
+            raise _error(name, f"Expected argument `{name}` to hold real numbers, but `{name}[{i}]` is {v!r}.")
+        f = float(v)
         if not math.isfinite(f) or f <= minimum:
             raise _error(
                 name,
@@ -178,10 +185,29 @@ def check_comm_args(
         raise _error(warmup_name, f"Expected argument `{warmup_name}` to be an integer >= 0, but got {warmup_steps!r}.")
 
 
+#: ``comm="node_local"``'s sync keywords and their defaults (the only values accepted in the other modes)
+SYNC_DEFAULTS: dict[str, Any] = {
+    "outer_optimizer": None,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "sync_dtype": "float32",
+    "merge_weights": "samples",
+}
+
+
 def check_sync_args(
-    outer_optimizer: Any, outer_lr: Any, outer_momentum: Any, sync_dtype: Any, merge_weights: Any
+    outer_optimizer: Any,
+    outer_lr: Any,
+    outer_momentum: Any,
+    sync_dtype: Any,
+    merge_weights: Any,
+    *,
+    comm: str = "node_local",
 ) -> dict[str, Any]:
-    """``comm="node_local"``'s sync keywords, with the numbers as ``float``."""
+    """``comm="node_local"``'s sync keywords, with the numbers as ``float``. A value other than the default is
+    refused where nothing reads it: in another ``comm`` mode (``"auto"`` never resolves to ``"node_local"``), and
+    ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"`` (plain averaging has no outer optimizer;
+    a callable builds its own)."""
     if not (outer_optimizer is None or outer_optimizer in OUTER_OPTIMIZERS or callable(outer_optimizer)):
         raise _error(
             "outer_optimizer",
@@ -197,6 +223,32 @@ def check_sync_args(
     for name, (value, choices) in choices_of.items():
         if value not in choices:
             raise _error(name, f"Expected argument `{name}` to be one of {list(choices)}, but got {value!r}.")
+    given = {
+        "outer_optimizer": outer_optimizer,
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
+        "sync_dtype": sync_dtype,
+        "merge_weights": merge_weights,
+    }
+    changed = [n for n, v in given.items() if not _is_default(v, SYNC_DEFAULTS[n])]
+    if comm != "node_local" and changed:
+        name = changed[0]
+        resolves = " (which resolves to 'hierarchical' or 'allreduce', never to 'node_local')" if comm == "auto" else ""
+        raise _error(
+            name,
+            f"You set `{name}={given[name]!r}`, but it only applies to `comm='node_local'`, and `comm={comm!r}`"
+            f"{resolves} would ignore it. HINT: pass comm='node_local' (with `node_ids` or several nodes), or drop"
+            f" `{name}`.",
+        )
+    for name in ("outer_lr", "outer_momentum"):
+        if name in changed and outer_optimizer not in OUTER_OPTIMIZERS:
+            what = "plain averaging, which has no outer optimizer" if outer_optimizer is None else "a callable"
+            raise _error(
+                name,
+                f"You set `{name}={given[name]!r}`, but `outer_optimizer={outer_optimizer!r}` ({what}) would ignore"
+                f" it: it sets the optimizer of `outer_optimizer='nesterov'` only. HINT: pass"
+                f" outer_optimizer='nesterov', or set the learning rate and momentum in your callable.",
+            )
     return {
         "outer_optimizer": outer_optimizer,
         "outer_lr": float(outer_lr),
@@ -218,7 +270,8 @@ def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
     out["resume"] = validate_resume(out["resume"])
     _check_batches(out)
     check_comm_args(out["comm"], out["global_sync_every"], out["comm_warmup_steps"], warmup_name="comm_warmup_steps")
-    out.update(check_sync_args(*(out[name] for name in _SYNC_KEYWORDS)))
+    out.update(check_sync_args(*(out[name] for name in _SYNC_KEYWORDS), comm=out["comm"]))
+    _check_node_local_nodes(out["comm"], out["node_ids"])
     out["comm_autotune_steps"] = positive_int(
         "comm_autotune_steps", out["comm_autotune_steps"], allow_none=False, minimum=0
     )
@@ -243,7 +296,12 @@ def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
     return out
 
 
-_SYNC_KEYWORDS = ("outer_optimizer", "outer_lr", "outer_momentum", "sync_dtype", "merge_weights")
+_SYNC_KEYWORDS = tuple(SYNC_DEFAULTS)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default`` (``0.7 == 0.7``; a callable is never a default)."""
+    return value is default or (not callable(value) and value == default)
 
 
 def _check_batches(out: dict[str, Any]) -> None:
@@ -268,6 +326,17 @@ def _check_batches(out: dict[str, Any]) -> None:
     out["emulate_memory_cap"] = int_list("emulate_memory_cap", out["emulate_memory_cap"])
     if out["node_ids"] is not None:
         out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(out["node_ids"])]
+
+
+def _check_node_local_nodes(comm: str, node_ids: list[int] | None) -> None:
+    """``comm="node_local"`` with ``node_ids`` that declare one node: known now, not only after the launch."""
+    if comm == "node_local" and node_ids is not None and len(set(node_ids)) < 2:
+        raise _error(
+            "node_ids",
+            f"You set `comm='node_local'`, but `node_ids={node_ids}` puts every replica on one node, so node-local"
+            " steps would be exact training. HINT: declare at least two nodes (e.g. node_ids=[0, 0, 1, 1]), or use"
+            " comm='allreduce'.",
+        )
 
 
 def _check_telemetry(telemetry: Any, rebalance_every_n_epochs: Any, rebalance_threshold: Any) -> None:

@@ -278,8 +278,15 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        self.synchronize()  # comm="node_local": a checkpoint holds the consensus model
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        comm, model = self.balancer.comm, self._ddp_model
+        params = [] if comm is None or model is None else list(model.module.parameters())
+        if comm is not None:  # node_local: the checkpoint holds the consensus model, computed without a sync
+            comm.show_consensus(params)
+        try:
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        finally:
+            if comm is not None:
+                comm.hide_consensus(params)  # each replica goes on with its own model
 
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""

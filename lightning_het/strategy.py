@@ -319,10 +319,17 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._synchronize()  # node_local: validation sees the consensus model
+        if self.comm_controller is not None and self._lightning_module is not None:  # node_local: the consensus model,
+            self.comm_controller.show_consensus(self._lightning_module.parameters())  # without a sync (a collective)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.comm_controller is not None and self._lightning_module is not None:
+            self.comm_controller.hide_consensus(self._lightning_module.parameters())  # each replica's own model again
+        super().on_validation_end()
 
     def _synchronize(self) -> None:
-        synchronize_before_save(self.comm_controller, self._lightning_module)  # the same consensus as a save's
+        synchronize_before_save(self.comm_controller, self._lightning_module)  # node_local: a sync
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -343,8 +350,11 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        synchronize_before_save(self.comm_controller, self.lightning_module)  # node_local: save the consensus model
-        return super().lightning_module_state_dict()
+        state = super().lightning_module_state_dict()
+        if self.comm_controller is None:
+            return state
+        # node_local: the consensus model, computed without a sync (a collective); each node's own in the record
+        return self.comm_controller.consensus_state_dict(self.lightning_module, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

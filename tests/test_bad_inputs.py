@@ -67,6 +67,30 @@ CASES = {
     "speeds-string": (lambda: HeterogeneousStrategy(speeds="1,3"), r"`speeds` to be a sequence of numbers.*'1,3'"),
     "speeds-word": (lambda: HeterogeneousStrategy(speeds=[1, "fast"]), r"`speeds\[1\]` is 'fast'"),
     "speeds-empty": (lambda: HeterogeneousStrategy(speeds=[]), r"`speeds` to be non-empty"),
+    "speeds-mapping": (
+        lambda: HeterogeneousStrategy(speeds={0: 1, 1: 2}),
+        r"`speeds` to be a sequence of numbers \(one per replica\), but got the mapping \{0: 1, 1: 2\}",
+    ),
+    "speeds-bool": (
+        lambda: HeterogeneousStrategy(speeds=[True, 2]),
+        r"`speeds` to hold real numbers, but `speeds\[0\]` is True",
+    ),
+    "outer-optimizer-with-allreduce": (
+        lambda: HeterogeneousStrategy(comm="allreduce", outer_optimizer="nesterov"),
+        r"You set `outer_optimizer='nesterov'`, but it only applies to `comm='node_local'`.*`comm='allreduce'`",
+    ),
+    "sync-dtype-with-auto": (
+        lambda: HeterogeneousStrategy(sync_dtype="int8"),
+        r"You set `sync_dtype='int8'`, but .*`comm='auto'`.*never to 'node_local'",
+    ),
+    "outer-lr-without-outer-optimizer": (
+        lambda: HeterogeneousStrategy(comm="node_local", node_ids=[0, 1], outer_lr=0.5),
+        r"You set `outer_lr=0.5`, but `outer_optimizer=None`",
+    ),
+    "node-local-on-one-node": (
+        lambda: HeterogeneousStrategy(comm="node_local", node_ids=[0, 0, 0]),
+        r"You set `comm='node_local'`, but `node_ids=\[0, 0, 0\]` puts every replica on one node",
+    ),
     "max-batch-size-zero": (lambda: HeterogeneousStrategy(max_batch_sizes=[4, 0]), r"`max_batch_sizes\[1\]`.*got 0"),
     "global-batch-size-float": (
         lambda: HeterogeneousStrategy(global_batch_size=8.5),

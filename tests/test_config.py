@@ -55,3 +55,80 @@ def test_check_world_wants_one_entry_per_replica_and_a_batch_the_bounds_hold():
     bounded = HeterogeneousConfig.from_keywords(**{**DEFAULTS, "global_batch_size": 20, "max_batch_sizes": [4, 8]})
     with pytest.raises(ValueError, match="max_batch_sizes"):
         bounded.check_world(1, 2)
+
+
+#: node_local's sync keywords, each with a value other than its default
+SYNC_SETTINGS = {
+    "outer_optimizer": "nesterov",
+    "outer_lr": 0.5,
+    "outer_momentum": 0.5,
+    "sync_dtype": "int8",
+    "merge_weights": "nodes",
+}
+
+
+@pytest.mark.parametrize("comm", ["allreduce", "hierarchical", "auto"])
+@pytest.mark.parametrize("name", list(SYNC_SETTINGS))
+def test_node_local_settings_outside_node_local_are_refused(name, comm):
+    """A setting only ``comm="node_local"``'s sync reads would be silently ignored in another mode (``"auto"`` never
+    resolves to ``node_local``): refused, naming the keyword and the mode."""
+    with pytest.raises(ArgumentError, match=rf"You set `{name}=.*`, but it only applies to `comm='node_local'`") as err:
+        HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": comm, name: SYNC_SETTINGS[name]})
+    assert err.value.argument == name and f"comm={comm!r}" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["outer_lr", "outer_momentum"])
+@pytest.mark.parametrize("outer", [None, lambda params: None])
+def test_outer_numbers_without_a_named_outer_optimizer_are_refused(name, outer):
+    """``outer_lr`` and ``outer_momentum`` set ``"nesterov"``'s optimizer: plain averaging has none, and a callable
+    builds its own."""
+    keywords = {**DEFAULTS, "comm": "node_local", "outer_optimizer": outer, name: SYNC_SETTINGS[name]}
+    with pytest.raises(ArgumentError, match=rf"You set `{name}=0.5`, but `outer_optimizer=") as err:
+        HeterogeneousConfig.from_keywords(**keywords)
+    assert err.value.argument == name
+
+
+def test_node_local_takes_its_settings():
+    config = HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "node_local", **SYNC_SETTINGS})
+    assert config.outer_optimizer == "nesterov" and config.sync_dtype == "int8" and config.outer_lr == 0.5
+    # the defaults, or a callable without the numbers, are fine in any mode
+    HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "allreduce"})
+    HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "node_local", "outer_optimizer": lambda params: None})
+
+
+@pytest.mark.parametrize("node_ids", [[0, 0, 0], [3], [2, 2]])
+def test_node_local_on_one_declared_node_is_refused_at_construction(node_ids):
+    with pytest.raises(
+        ArgumentError, match=r"You set `comm='node_local'`, but `node_ids=.*` puts every replica"
+    ) as err:
+        HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "node_local", "node_ids": node_ids})
+    assert err.value.argument == "node_ids"
+    HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "node_local", "node_ids": [0, 0, 1]})
+
+
+@pytest.mark.parametrize(
+    ("speeds", "shown"),
+    [
+        ({0: 1, 1: 2}, r"the mapping \{0: 1, 1: 2\}"),
+        ([True, 2], r"`speeds\[0\]` is True"),
+        ([1, "2"], r"`speeds\[1\]` is '2'"),
+        ([1, None], r"`speeds\[1\]` is None"),
+    ],
+)
+def test_speeds_must_be_real_numbers(speeds, shown):
+    with pytest.raises(ArgumentError, match=shown) as err:
+        HeterogeneousConfig.from_keywords(**{**DEFAULTS, "speeds": speeds})
+    assert err.value.argument == "speeds"
+
+
+def test_speeds_take_any_real_number_type():
+    import numpy as np
+
+    config = HeterogeneousConfig.from_keywords(**{**DEFAULTS, "speeds": (np.float32(1.5), np.int64(2), 3)})
+    assert config.speeds == [1.5, 2.0, 3.0]
+
+
+def test_the_sync_defaults_are_the_strategys():
+    from lightning_het.arguments import SYNC_DEFAULTS
+
+    assert {n: KEYWORD_DEFAULTS[n] for n in SYNC_DEFAULTS} == SYNC_DEFAULTS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,3 +304,38 @@ def test_a_replica_that_hangs_does_not_outlive_the_job(tmp_path, flavour):
     assert result.returncode != 0 and result.survivors == [] and alive(pids) == [], result.output[-3000:]
     assert result.ended - fault["time"] < timeout + 30, result.output[-3000:]
     assert "replica(s) [1] still ran when the launching process ended; killed them" in result.output
+
+
+class _ShowingController:
+    """Stands for a ``node_local`` controller: shows a zero "consensus" and gives the own weights back."""
+
+    def __init__(self) -> None:
+        self.own: list[torch.Tensor] | None = None
+
+    def synchronize(self, params) -> bool:
+        raise AssertionError("a save must not sync the replicas (with an outer optimizer, that is an extra step)")
+
+    def show_consensus(self, params) -> None:
+        self.own = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.zero_()
+
+    def hide_consensus(self, params) -> None:
+        with torch.no_grad():
+            for p, own in zip(params, self.own or []):
+                p.copy_(own)
+
+
+def test_node_local_save_holds_the_consensus_and_leaves_the_model(tmp_path):
+    """``fabric.save`` under ``comm="node_local"`` writes the consensus model without a sync and leaves each replica's
+    own model as it was (watching the model does not change its trajectory)."""
+    strategy = HeterogeneousFabricStrategy()
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    strategy._ddp_model = SimpleNamespace(module=model)
+    strategy.balancer.comm = _ShowingController()
+    strategy.save_checkpoint(tmp_path / "ckpt.pt", {"model": model})
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert all(not v.any() for v in saved.values())  # the consensus
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # the model's own weights

@@ -51,6 +51,16 @@ class FlatAllReduce:
         """Bring every replica to one model now; returns whether an average ran (never: they always agree)."""
         return False
 
+    def consensus(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The model the replicas agree on, computed without changing training (``None``: ``params`` are it)."""
+        return None
+
+    def show_consensus(self, params: list[torch.Tensor]) -> None:
+        """Put the consensus model into ``params`` until :meth:`hide_consensus` (nothing: the replicas agree)."""
+
+    def hide_consensus(self, params: list[torch.Tensor]) -> None:
+        """Give ``params`` this replica's own values back after :meth:`show_consensus`."""
+
     def set_step(self, completed_steps: int) -> None:
         """Optimizer steps already taken (a resumed fit keeps its schedule)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -225,8 +226,37 @@ class CommController:
         """Bring all replicas to one consensus model now (``node_local``); whether an average ran. Collective."""
         return self._algorithm.synchronize(list(params))
 
+    def consensus(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor] | None:
+        """``node_local``: the share-weighted average of the replicas' ``params`` as new tensors, without a sync (no
+        outer step; training goes on as if nothing had looked); ``None`` when the replicas agree (``params`` are the
+        consensus) or it is shown already. A collective unless ``None``: call it on every rank."""
+        return self._algorithm.consensus(list(params))
+
+    def consensus_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (``module``'s state dict) with the :meth:`consensus` of ``module``'s parameters in place of this
+        replica's (a new dict; ``state`` itself when the replicas agree). A collective: call it on every rank."""
+        params = list(module.parameters())
+        consensus = self.consensus(params)
+        if consensus is None:
+            return state
+        by_id = {id(p): c for p, c in zip(params, consensus)}
+        names = {name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id}
+        out = copy.copy(state)  # keeps a state dict's `_metadata`
+        out.update((key, names[key]) for key in state if key in names)
+        return out
+
+    def show_consensus(self, params: Iterable[torch.Tensor]) -> None:
+        """``node_local``: put the :meth:`consensus` into ``params`` (e.g. for validation) until
+        :meth:`hide_consensus`, which gives every replica its own model back. A collective (call on every rank)."""
+        self._algorithm.show_consensus(list(params))
+
+    def hide_consensus(self, params: Iterable[torch.Tensor]) -> None:
+        """Give ``params`` this replica's own values back after :meth:`show_consensus` (no collective)."""
+        self._algorithm.hide_consensus(list(params))
+
     def state_dict(self) -> dict[str, Any]:
-        """The mode's state for a checkpoint (``node_local``: the outer optimizer's), the same on every rank."""
+        """The mode's state for a checkpoint (``node_local``: the samples since the last sync, whether the replicas
+        agree, the anchor and the outer optimizer's state), the same on every rank."""
         return self._algorithm.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -235,9 +265,9 @@ class CommController:
             self._algorithm.load_state_dict(state)
 
     def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
-        """``node_local``: every node's inner ``optimizer_states`` (this rank's, as a checkpoint holds them) and its
-        leader's compression residual, gathered to rank 0 for a checkpoint's comm state (``"nodes"``). A collective
-        in ``node_local``: call it on every rank; ``None`` off rank 0 and in the other modes."""
+        """``node_local``: every node's parameters, inner ``optimizer_states`` (this rank's, as a checkpoint holds
+        them) and its leader's compression residual, gathered to rank 0 for a checkpoint's comm state (``"nodes"``). A
+        collective in ``node_local``: call it on every rank; ``None`` off rank 0 and in the other modes."""
         return self._algorithm.gather_node_states(optimizer_states)
 
     def node_optimizer_states(self, state: dict[str, Any] | None) -> list[Any] | None:

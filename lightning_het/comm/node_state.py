@@ -1,5 +1,5 @@
-"""Each node's own state in a ``comm="node_local"`` checkpoint: its inner optimizer state (the replicas of a node hold
-the same one: they all-reduce their gradients every step) and its leader's error-feedback residual.
+"""Each node's own state in a ``comm="node_local"`` checkpoint: its parameters and inner optimizer state (the replicas
+of a node hold the same ones: they all-reduce their gradients every step) and its leader's error-feedback residual.
 
 A save gathers them to rank 0 (:func:`gather_node_record`); a resume with the same node layout (number of nodes and
 replicas per node) gives every rank its node's (:func:`node_index`). The rest is pure.
@@ -34,13 +34,15 @@ def is_leader(node_ids: Sequence[int], rank: int) -> bool:
 
 
 def node_record(entries: Sequence[Any], node_ids: Sequence[int]) -> dict[str, Any]:
-    """The checkpoint's per-node record from one ``(optimizer_states, residual)`` entry per global rank, of which only
-    the leaders' are read: ``layout`` (:func:`node_layout`), then per node its ``optimizer_states`` and ``residual``."""
+    """The checkpoint's per-node record from one ``(optimizer_states, residual[, params])`` entry per global rank, of
+    which only the leaders' are read: ``layout`` (:func:`node_layout`), then per node its ``optimizer_states``,
+    ``residual`` and ``params`` (its model's parameters, in the module's order; ``None`` when not given)."""
     leaders = [entries[m[0]] for m in node_members(node_ids)]
     return {
         "layout": node_layout(node_ids),
         "optimizer_states": [entry[0] for entry in leaders],
         "residuals": [entry[1] for entry in leaders],
+        "params": [entry[2] if len(entry) > 2 else None for entry in leaders],
     }
 
 
@@ -63,16 +65,22 @@ def layout_change(record: Mapping[str, Any] | None, node_ids: Sequence[int]) -> 
 
 
 def gather_node_record(
-    optimizer_states: Any, residual: torch.Tensor | None, node_ids: Sequence[int], rank: int
+    optimizer_states: Any,
+    residual: torch.Tensor | None,
+    node_ids: Sequence[int],
+    rank: int,
+    params: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
-    """Gather every leader's ``optimizer_states`` and ``residual`` to rank 0 over the default group (a collective:
-    call it on every rank); the :func:`node_record` on rank 0, ``None`` elsewhere. The other leaders' tensors arrive
-    on the CPU; rank 0's own are kept as they are (a checkpoint then stores node 0's optimizer state once)."""
+    """Gather every leader's ``optimizer_states``, ``residual`` and ``params`` (its node's model) to rank 0 over the
+    default group (a collective: call it on every rank); the :func:`node_record` on rank 0, ``None`` elsewhere. The
+    other leaders' tensors arrive on the CPU; rank 0's own are kept as they are (a checkpoint then stores node 0's
+    optimizer state once), except its ``params``, copied (the module goes on training)."""
     send = rank != 0 and is_leader(node_ids, rank)
-    mine = apply_to_collection((optimizer_states, residual), torch.Tensor, torch.Tensor.cpu) if send else None
+    own = None if params is None else [p.detach() for p in params]
+    mine = apply_to_collection((optimizer_states, residual, own), torch.Tensor, torch.Tensor.cpu) if send else None
     gathered: list[Any] | None = [None] * len(node_ids) if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if gathered is None:
         return None
-    gathered[0] = (optimizer_states, residual)
+    gathered[0] = (optimizer_states, residual, None if own is None else [p.clone() for p in own])
     return node_record(gathered, node_ids)

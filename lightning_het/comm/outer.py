@@ -103,17 +103,26 @@ class OuterStep:
         self.codec.residual = residual
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimizer's state (a copy; the same on every replica)."""
-        return {"optimizer": None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())}
+        """The outer optimizer's state and the anchor (copies; the same on every replica)."""
+        return {
+            "optimizer": None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict()),
+            "anchor": [a.detach().clone() for a in self.anchor],
+        }
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (kept until :meth:`begin` builds the optimizer)."""
+        """Restore :meth:`state_dict`'s output (kept until :meth:`begin` builds the optimizer); an anchor of another
+        model's size is left as :meth:`begin` set it."""
         if self.optimizer is None:
             self._pending = state
             return
         self._pending = None
         if state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        anchor = state.get("anchor") or []
+        if len(anchor) == len(self.anchor) and all(a.shape == s.shape for a, s in zip(self.anchor, anchor)):
+            for a, saved in zip(self.anchor, anchor):
+                a.copy_(saved)
 
 
 def build_merge(

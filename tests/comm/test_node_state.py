@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_het.cluster.topology import NodeGroups, node_members
+from lightning_het.comm import node_local as node_local_module
 from lightning_het.comm.controller import CommController
 from lightning_het.comm.node_state import is_leader, layout_change, node_index, node_layout, node_record
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, node_optimizer_checkpoint, with_node_states
@@ -125,3 +126,80 @@ def test_a_save_puts_the_gathered_record_into_the_comm_state() -> None:
     weights_only = _Gathering(RECORD)  # no optimizer states: no gather (the same on every rank)
     assert with_node_states({"comm": None}, {"state_dict": {}}, weights_only) == {"comm": None}
     assert weights_only.asked == [] and with_node_states({"comm": None}, checkpoint, None) == {"comm": None}
+
+
+# ---------------------------------------------------------------------------------------------------- the consensus
+class _FakeDDP:
+    """What :meth:`CommController.register` reads of a ``DistributedDataParallel``: its parameters."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        pass
+
+
+def _averaging_to(monkeypatch: pytest.MonkeyPatch, value: float) -> list[float]:
+    """The sum over replicas, faked: every tensor becomes ``value``; returns the weights it was called with."""
+    weights: list[float] = []
+
+    def fake_average(tensors: Any, weight: float, state: Any) -> int:
+        weights.append(weight)
+        for t in tensors:
+            t.fill_(value)
+        return 0
+
+    monkeypatch.setattr(node_local_module, "average_parameters", fake_average)
+    return weights
+
+
+def test_the_consensus_changes_no_training_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Computing, showing and hiding the consensus leaves the replica's model, the samples since the sync, the anchor,
+    the outer optimizer and the residual as they were; no outer step is taken."""
+    weights = _averaging_to(monkeypatch, 7.0)
+    ctl = CommController(
+        "node_local", [0, 1], [1, 3], 1, global_sync_every=4, outer_optimizer="nesterov", groups=_fake_groups([0, 1], 1)
+    )
+    params = [torch.ones(3), torch.full((2,), 2.0)]
+    ctl.register(_FakeDDP(params))  # type: ignore[arg-type]
+    assert ctl.consensus(params) is None and weights == []  # the replicas agree: nothing to exchange
+    with torch.no_grad():
+        params[0].add_(1.0)  # a local step
+    ctl.after_optimizer_step(params, 1)
+    before = ctl.state_dict()
+    consensus = ctl.consensus(params)
+    assert weights == [0.75] and [c.tolist() for c in consensus] == [[7.0] * 3, [7.0] * 2]  # type: ignore[union-attr]
+    assert params[0].tolist() == [2.0] * 3
+    ctl.show_consensus(params)
+    assert params[0].tolist() == [7.0] * 3 and ctl.consensus(params) is None  # shown already
+    ctl.hide_consensus(params)
+    assert params[0].tolist() == [2.0] * 3 and params[1].tolist() == [2.0] * 2
+    after = ctl.state_dict()
+    assert after["samples"] == before["samples"] == [1, 3] and not after["in_consensus"]
+    assert all(torch.equal(a, b) for a, b in zip(after["merge"]["anchor"], before["merge"]["anchor"]))
+    assert not after["merge"]["optimizer"]["state"]  # no outer step taken
+
+
+def test_a_resumed_rank_loads_its_nodes_parameters_and_the_anchor() -> None:
+    saved_params = [[torch.full((3,), 1.0)], [torch.full((3,), 2.0)]]
+    record = node_record([(_states(n), None, saved_params[n]) for n in range(2)], [0, 1])
+    anchor = [torch.full((3,), 5.0)]
+    comm = {"samples": [2, 6], "in_consensus": False, "merge": {"optimizer": None, "anchor": anchor}, "nodes": record}
+    for rank in range(2):
+        params = [torch.zeros(3)]  # as loaded: the checkpoint's consensus
+        ctl = _controller([0, 1], rank)
+        ctl.register(_FakeDDP(params))  # type: ignore[arg-type]
+        ctl.load_state_dict(comm)
+        assert torch.equal(params[0], saved_params[rank][0])
+        state = ctl.state_dict()
+        assert state["samples"] == [2, 6] and not state["in_consensus"]
+        assert torch.equal(state["merge"]["anchor"][0], anchor[0])
+    # another layout: every node goes on from the consensus
+    params = [torch.zeros(3)]
+    ctl = _controller([0, 0, 1], 2)
+    ctl.register(_FakeDDP(params))  # type: ignore[arg-type]
+    ctl.load_state_dict(comm)
+    assert not params[0].any()

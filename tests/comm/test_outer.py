@@ -115,4 +115,4 @@ def test_controller_weighs_the_samples_since_the_last_sync(monkeypatch: pytest.M
     ctl.set_batch_sizes([4, 4, 2])  # e.g. the profiled split after the first step, or the epoch's tail
     ctl.after_optimizer_step(params, 2)
     assert weights == [(5 + 2) / (10 + 10)]  # not 2 / 10, the last step's share
-    assert ctl.state_dict() == {"samples": [0, 0, 0], "merge": {}}
+    assert ctl.state_dict() == {"samples": [0, 0, 0], "in_consensus": True, "merge": {}}

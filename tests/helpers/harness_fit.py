@@ -14,14 +14,17 @@ Config keys (all optional): ``devices`` (2), ``num_nodes``, ``accelerator`` ("cp
 memory caps become ``caps`` from that epoch on), ``sleep_counts_as_cpu`` (the process CPU clock reads the wall clock, so
 ``emulate_slowdown`` stretches the module's sleeps), ``step_cost`` (seconds slept per sample in ``training_step``),
 ``csv_logger``, ``save_every`` (a checkpoint to ``OUT_DIR/ckpt`` every that many steps, with the weights just before and
-when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``), ``ckpt_dir`` (a ``ModelCheckpoint`` writing there every
+when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``, and those a validation sees in
+``OUT_DIR/validated_step{s}_rank{r}.pt``), ``ckpt_dir`` (a ``ModelCheckpoint`` writing there every
 1000 steps), ``resume`` (checkpoint path), ``ready_step`` (each rank writes ``OUT_DIR/ready{r}`` holding its pid once
 ``global_step`` reaches it), ``stuck_rank`` / ``stuck_step`` (that rank writes ``OUT_DIR/stuck{r}`` and sleeps for good
 in ``training_step`` from that step on), ``own_sharding`` (``use_distributed_sampler=False``, each rank's Dataset its
 own ``dataset[rank::world]``), ``custom_loader`` (:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets
 the speeds the previous fit of the same job ended with, as its ``speeds``), ``batchnorm`` (a ``BatchNorm1d`` layer in
 the network), ``log_on_step`` (the loss logged on every step with ``sync_dist=True``), ``full_micro_path`` (no
-micro-batch takes the direct path past DDP). The default root directory is ``OUT_DIR``.
+micro-batch takes the direct path past DDP), ``val_check_interval`` / ``check_val_every_n_epoch`` (the Trainer's, with
+``val_n``), ``val_ckpt`` (a ``ModelCheckpoint`` writing ``OUT_DIR/val_ckpt/step=<s>.ckpt`` at the end of every
+validation). The default root directory is ``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -159,7 +162,12 @@ class DumpOnSave(pl.Callback):
             self._dump(trainer, pl_module, "before")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self._dump(trainer, pl_module, "saved")
+        if not (self.out / f"saved_step{trainer.global_step}_rank{trainer.global_rank}.pt").exists():  # the first save
+            self._dump(trainer, pl_module, "saved")
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "fit":
+            self._dump(trainer, pl_module, "validated")  # the weights validation sees
 
 
 class Ready(pl.Callback):
@@ -186,6 +194,8 @@ def _callbacks(out: Path, cfg: dict) -> list:
         callbacks.append(DumpOnSave(out, every))
     if cfg.get("ready_step") is not None:
         callbacks.append(Ready(out, cfg["ready_step"]))
+    if cfg.get("val_ckpt"):  # a checkpoint at the end of every validation (Lightning's default trigger)
+        callbacks.append(pl.callbacks.ModelCheckpoint(out / "val_ckpt", "{step}", save_top_k=-1))
     if cfg.get("ckpt_dir"):
         callbacks.append(pl.callbacks.ModelCheckpoint(cfg["ckpt_dir"], "{step}", every_n_train_steps=1000))
     return callbacks
@@ -228,6 +238,8 @@ def fit(out: Path, cfg: dict) -> None:
         max_epochs=cfg.get("epochs", 2),
         max_steps=cfg.get("max_steps", -1),
         accumulate_grad_batches=cfg.get("accumulate", 1),
+        val_check_interval=cfg.get("val_check_interval"),
+        check_val_every_n_epoch=cfg.get("check_val_every_n_epoch", 1),
         use_distributed_sampler=not cfg.get("own_sharding", False),
         logger=logger,
         callbacks=callbacks,
