@@ -4,6 +4,7 @@
 does not, then bisect until the gap is within :data:`SEARCH_RESOLUTION` of the size that fits. :func:`measure_cap`
 runs it with real forward and backward passes on the first training batch, resized, catching
 ``torch.OutOfMemoryError``, and leaves the training state as it found it (gradients, buffers, random state, logging).
+:class:`EmulatedMemoryCap` (emulation only) makes a model raise that error where a device out of memory would.
 """
 
 from __future__ import annotations
@@ -14,16 +15,62 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.data.microbatch import batch_length, step_loss, take_grads
 
-__all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "cap_search", "measure_cap", "resize_batch"]
+__all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "EmulatedMemoryCap", "cap_search", "measure_cap", "resize_batch"]
 
 #: the search stops when the sizes that fit and that do not are this close (relative to the first), or 1 apart
 SEARCH_RESOLUTION = 0.125
 #: fraction of the measured cap kept free on an accelerator (fragmentation, optimizer state allocated later)
 SAFETY_MARGIN = 0.1
+
+
+class EmulatedMemoryCap:
+    """Emulation only (``emulate_memory_cap``): a training forward (gradients enabled) of more than ``cap`` samples
+    raises ``torch.OutOfMemoryError`` from inside the model, where a device out of memory raises it, so that the one
+    handler of real errors catches it. :meth:`install` puts a forward pre-hook on the module and on each of its direct
+    submodules, which compares the number of samples of the call's first tensor (its first dimension) with ``cap``;
+    :meth:`remove` takes them off. ``cap`` may change between steps (``None``: no limit).
+
+    >>> emulation, net = EmulatedMemoryCap(0, 4), torch.nn.Sequential(torch.nn.Linear(2, 1))
+    >>> emulation.install(net)
+    >>> net(torch.zeros(5, 2))
+    Traceback (most recent call last):
+    torch.OutOfMemoryError: emulated: rank 0 cannot hold 5 samples (emulate_memory_cap 4)
+    >>> with torch.no_grad():
+    ...     net(torch.zeros(5, 2)).shape
+    torch.Size([5, 1])
+    >>> emulation.remove()
+    """
+
+    def __init__(self, rank: int, cap: int | None) -> None:
+        self.rank = rank
+        self.cap = cap
+        self._handles: list[RemovableHandle] = []
+
+    def install(self, module: torch.nn.Module) -> None:
+        """Check every training forward of ``module`` and of its direct submodules (once installed, on one module)."""
+        self.remove()
+        for target in (module, *module.children()):
+            self._handles.append(target.register_forward_pre_hook(self._check, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _check(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.cap is None or not torch.is_grad_enabled():
+            return
+        samples = batch_length(args)
+        samples = batch_length(kwargs) if samples is None else samples
+        if samples is not None and samples > self.cap:
+            raise torch.OutOfMemoryError(
+                f"emulated: rank {self.rank} cannot hold {samples} samples (emulate_memory_cap {self.cap})"
+            )
 
 
 def cap_search(fits: Callable[[int], bool], start: int, upper: int) -> tuple[int, int]:
@@ -105,21 +152,22 @@ def measure_cap(
     batch: Any,
     *,
     upper: int,
-    check: Callable[[int], None],
     no_sync: Callable[[], AbstractContextManager[Any]],
     module: torch.nn.Module,
     accelerator: bool,
+    retry: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """This replica's cap: the largest micro-batch (``<= upper``) whose forward and backward fit, less the safety
-    margin on an accelerator, and the trial steps it took. ``check(n)`` raises the emulated out-of-memory error."""
+    margin on an accelerator, and the trial steps it took. ``retry()`` after each trial that ran out of memory."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def fits(n: int) -> bool:
         try:
             with no_sync():
-                check(n)
                 step_loss(step(resize_batch(batch, n))).backward()
         except torch.OutOfMemoryError:
+            if retry is not None:
+                retry()
             return False
         finally:
             for p in params:
