@@ -174,7 +174,7 @@ def test_epoch_metric_without_batch_size_counts_each_micro_batch_as_what_it_is(f
     dumps, out = fits_two["epoch_log"]
     assert dumps[0]["seen_batch_sizes"] == [9, 9, 9] * 2
     expected = _reference_epoch_loss(36, 12, epochs=2)
-    assert all(abs(d["epoch_loss"] - expected) < 1e-6 for d in dumps), ([d["epoch_loss"] for d in dumps], expected)
+    assert [d["epoch_loss"] for d in dumps] == [pytest.approx(expected, rel=1e-6)] * 2
     reference = reference_weights(make_dataset(36), 12, epochs=2, seed=0)
     assert all(_max_diff(d["state_dict"], reference) < 1e-6 for d in dumps)
     assert " 3x3\n" in out  # the balance table shows the pieces that run: 9 samples, cap 4: [3, 3, 3]
@@ -197,9 +197,8 @@ def test_real_out_of_memory_from_the_model_falls_back_exactly(fits_two, name):
 def test_batchnorm_out_of_memory_in_the_only_micro_batch_finishes_exactly(fits_two):
     """With buffers, a replica whose only piece runs out of memory inside DDP's forward retries without broadcasting
     the buffers a second time (the other replica broadcasts once): the fit ends as one capped from the start."""
-    dumps, out = fits_two["bn_oom"]
+    dumps, _ = fits_two["bn_oom"]
     lower, _ = fits_two["bn_lower"]
     assert [d["micro_cap"] for d in dumps] == [4, 12] and dumps[0]["global_step"] == 6
-    assert "rank(s) [0] ran out of memory; micro-batch caps now [4, 12]" in out
     for d, e in zip(dumps, lower):
         assert _max_diff(d["state_dict"], e["state_dict"]) < 1e-6

@@ -183,6 +183,13 @@ class MicroBatcher:
         self.lowered_from = self.cap if self.cap is not None else samples
         self.cap = max(samples // 2, least)
         self.pending = True
+
+    @staticmethod
+    def _recover(retry: Callable[[], None] | None) -> None:
+        """After the handler (the failed piece's activations freed with its traceback): ``retry()``, and the freed
+        memory back to the device."""
+        if retry is not None:
+            retry()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -251,8 +258,7 @@ class MicroBatcher:
                 return step(batch)  # the share at once, as without micro-batching
             except torch.OutOfMemoryError as error:
                 self.lower(total, error)
-            if retry is not None:
-                retry()
+            self._recover(retry)
         held = take_grads(params)
         try:
             return self._pieces((step, backward), early or (step, backward), batch, total, no_sync, retry, log_as)
@@ -302,9 +308,8 @@ class MicroBatcher:
                     return _with_loss(output, step_loss(output) * (n / total) + sum(earlier))
                 earlier.append(step_loss(output).detach() * (n / total))
                 done += n
-            if failed:  # out of the handler: the failed piece's activations are freed
-                if retry is not None:
-                    retry()
+            if failed:
+                self._recover(retry)
                 rest = split_batch(batch, [done, total - done])[1] if done else batch
 
 
