@@ -216,9 +216,10 @@ class Balancer:
             module=module,
             accelerator=accelerator,
             retry=retry,
+            least=micro.least_cap,
         )
         cache, key = self._memory_key()
-        if cache is not None and key is not None:
+        if cache is not None and key is not None and cap >= 1:
             cache.put_cap(key, cap)
         row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
         rows = self.all_gather_floats(row) if self.world_size > 1 else [row]
@@ -231,11 +232,11 @@ class Balancer:
             least = self.micro.least_cap
             small = [r for r, c in enumerate(caps) if c < least]
             if small:  # every replica sees the same caps: all raise
+                norm = " (the model's batch norm layers need micro-batches of 2 samples or more)" if least > 1 else ""
                 raise RuntimeError(
-                    f"HeterogeneousStrategy: rank(s) {small} hold at most {[caps[r] for r in small]} samples per"
-                    f" training step ({source}), but the model's batch norm layers need micro-batches of at least 2"
-                    f" samples, which a cap under {least} cannot keep. HINT: free memory on that device, shrink the"
-                    " model, or leave the device out of the job."
+                    f"HeterogeneousStrategy: not even a training step of {least} sample(s){norm} fits in the memory"
+                    f" of rank(s) {small} (micro-batch caps {caps}, {source}). HINT: free memory on that device,"
+                    " shrink the model, or leave the device out of the job."
                 )
             self.micro.cap = caps[self.rank]
         self.allocation.micro_caps = caps

@@ -73,12 +73,14 @@ class EmulatedMemoryCap:
             )
 
 
-def cap_search(fits: Callable[[int], bool], start: int, upper: int) -> tuple[int, int]:
-    """The largest size in ``[1, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
-    search step below, and the number of trials; ``0`` when not even one sample fits.
+def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int = 1) -> tuple[int, int]:
+    """The largest size in ``[lowest, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
+    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried).
 
     >>> cap_search(lambda n: n <= 8, 24, 48), cap_search(lambda n: n <= 64, 24, 48)
     ((8, 6), (48, 2))
+    >>> cap_search(lambda n: n <= 4, 10, 48, lowest=3), cap_search(lambda n: n <= 2, 10, 48, lowest=3)
+    ((4, 4), (0, 3))
     """
     trials = 0
 
@@ -87,13 +89,13 @@ def cap_search(fits: Callable[[int], bool], start: int, upper: int) -> tuple[int
         trials += 1
         return fits(n)
 
-    n = min(max(start, 1), upper)
+    n = min(max(start, lowest), upper)
     good, bad = (n, None) if trial(n) else (0, n)
     while bad is None and good < upper:  # double until one fails or the bound is reached
         n = min(2 * good, upper)
         good, bad = (n, None) if trial(n) else (good, n)
-    while good == 0 and bad is not None and bad > 1:  # halve until one fits
-        n = bad // 2
+    while good == 0 and bad is not None and bad > lowest:  # halve until one fits
+        n = max(bad // 2, lowest)
         good, bad = (n, bad) if trial(n) else (0, n)
     if bad is None or good == 0:
         return good, trials
@@ -156,12 +158,17 @@ def measure_cap(
     module: torch.nn.Module,
     accelerator: bool,
     retry: Callable[[], None] | None = None,
+    least: int = 1,
 ) -> tuple[int, int]:
     """This replica's cap: the largest micro-batch (``<= upper``) whose forward and backward fit, less the safety
-    margin on an accelerator, and the trial steps it took. ``retry()`` after each trial that ran out of memory."""
+    margin on an accelerator (not under ``least``), and the trial steps it took; ``0`` when not even ``least`` samples
+    fit (sizes under ``least`` are not tried: batch norm cannot train on one sample). ``retry()`` after each trial that
+    ran out of memory."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def fits(n: int) -> bool:
+        if n < least:
+            return False
         try:
             with no_sync():
                 step_loss(step(resize_batch(batch, n))).backward()
@@ -177,10 +184,7 @@ def measure_cap(
         return True
 
     with training_state_kept(module, params):
-        cap, trials = cap_search(fits, batch_length(batch) or 1, upper)
-    if cap < 1:
-        raise RuntimeError(
-            "HeterogeneousStrategy: not even one sample's training step fits in this replica's memory. HINT: free"
-            " memory on the device, or leave it out of the job."
-        )
-    return (max(int(cap * (1 - SAFETY_MARGIN)), 1) if accelerator else cap), trials
+        cap, trials = cap_search(fits, batch_length(batch) or 1, upper, least)
+    if cap < least:
+        return 0, trials
+    return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator else cap), trials

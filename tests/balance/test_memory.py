@@ -107,3 +107,21 @@ def test_emulated_cap_raises_inside_the_forward_of_training_only() -> None:
     emulation.cap = 4
     emulation.remove()
     module.training_step((torch.randn(5, 3),))
+
+
+def test_measure_cap_never_tries_fewer_samples_than_batch_norm_needs() -> None:
+    """With ``least=3`` (batch norm: pieces of 2 or more) no trial step runs fewer than 3 samples (batch norm cannot
+    train on 1); when 3 do not fit, the cap is 0, for the replicas to end on together."""
+    module, tried, emulation = _Module(), [], EmulatedMemoryCap(0, 2)
+    emulation.install(module)
+
+    def step(batch):
+        tried.append(len(batch[0]))
+        return module.training_step(batch)
+
+    batch = (torch.randn(10, 3),)
+    kwargs = {"upper": 40, "no_sync": nullcontext, "module": module, "accelerator": False, "least": 3}
+    assert measure_cap(step, batch, **kwargs)[0] == 0 and min(tried) >= 3
+    assert measure_cap(step, batch, **{**kwargs, "least": 1})[0] == 2  # without batch norm's bound: 2 fits
+    emulation.cap = 4
+    assert measure_cap(step, batch, **{**kwargs, "accelerator": True})[0] == 3  # the margin keeps 3, not int(3.6)
