@@ -70,6 +70,7 @@ __all__ = [
     "inside_fabric_backward",
     "inside_log_sync",
     "is_standalone",
+    "logged_batch",
     "loop_state",
     "mirror_module",
     "on_flavour",
@@ -80,6 +81,7 @@ __all__ = [
     "run_atexit_handlers",
     "set_default_group_timeout",
     "should_accumulate",
+    "skip_buffer_broadcast",
     "stop_child_process_observers",
     "training_combined_loader",
     "uses_distributed_sampler",
@@ -272,6 +274,34 @@ def broadcast_ddp_buffers(ddp: Any) -> None:
     if ddp.will_sync_module_buffers():
         ddp._sync_buffers()
         ddp.require_forward_param_sync = False
+
+
+def skip_buffer_broadcast(model: Any) -> None:
+    """After a forward through ``model`` (a DDP wrapper; else nothing) that failed inside the module: DDP broadcast
+    the buffers before the module ran, so the step's next forwards do not broadcast them again (the other replicas
+    broadcast once in this step)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model.require_forward_param_sync = False
+
+
+@contextlib.contextmanager
+def logged_batch(module: Any, batch: Any) -> Iterator[None]:
+    """Around one micro-batch's ``training_step``: Lightning's logging infers the batch size of a value logged
+    without ``batch_size`` from ``batch`` (else from the whole step's batch, cached per step); the step's batch and
+    cached size come back after."""
+    trainer = attached_trainer(module)
+    results = _private_attribute(trainer, "_results") if trainer is not None else None
+    if results is None:
+        yield
+        return
+    saved = results.batch, results.batch_size
+    results.batch, results.batch_size = batch, None
+    try:
+        yield
+    finally:
+        results.batch, results.batch_size = saved
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_het._compat import attached_trainer, record_loader_arguments
+from lightning_het._compat import attached_trainer, record_loader_arguments, skip_buffer_broadcast
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
@@ -192,6 +192,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.balancer.check_normalisation(self.lightning_module)
+        self.balancer.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
         saves = fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local"  # no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
@@ -204,6 +205,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
+        self.balancer.emulate_memory(None)
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
 
@@ -251,9 +253,10 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         if micro is None:
             return step(*args, **kwargs)
         no_sync, balancer = self.block_backward_sync, self.balancer
-        measure = (lambda s, b: balancer.measure_caps(s, b, no_sync, module)) if balancer.cap_unknown else None
+        retry = lambda: skip_buffer_broadcast(self.model)  # noqa: E731 - after an out-of-memory error inside DDP's forward
+        measure = (lambda s, b: balancer.measure_caps(s, b, no_sync, module, retry)) if balancer.cap_unknown else None
         direct = DirectPieces.of(self.model, module, self.precision_plugin, self._piece_scale)  # the earlier pieces
-        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure, direct)
+        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure, direct, retry)
 
     def _piece_scale(self) -> float:
         """The factor Lightning's backward applies to the step's loss (the loss scale over ``accumulate_grad_batches``),

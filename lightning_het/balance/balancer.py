@@ -20,7 +20,7 @@ from lightning_het._compat import _BatchNorm
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost
-from lightning_het.balance.memory import measure_cap
+from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
 from lightning_het.balance.planner import (
     batch_bounds,
     cached_costs,
@@ -40,7 +40,14 @@ from lightning_het.data.microbatch import MicroBatcher
 from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import checkpoint_record, log_resumed_allocation, plan_allocation
 
-__all__ = ["CAPS_AGREED_EVERY", "Balancer", "FitContext", "per_replica_batchnorm", "refuse_synced_norm_in_pieces"]
+__all__ = [
+    "CAPS_AGREED_EVERY",
+    "Balancer",
+    "FitContext",
+    "per_replica_batchnorm",
+    "refuse_single_sample_pieces",
+    "refuse_synced_norm_in_pieces",
+]
 
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
 CAPS_AGREED_EVERY = 16
@@ -82,6 +89,20 @@ def refuse_synced_norm_in_pieces(module: torch.nn.Module | None, world_size: int
         )
 
 
+def refuse_single_sample_pieces(layers: list[str], caps: Any, least: int) -> None:
+    """Raise when a micro-batch cap below ``least`` could leave a piece of one sample, which the model's batch norm
+    ``layers`` cannot normalise in training (a cap of 2 splits a share of 3 as ``[2, 1]``)."""
+    small = [(r, c) for r, c in enumerate(caps if isinstance(caps, list) else []) if c < least]
+    if layers and small:
+        rank, cap = small[0]
+        raise ValueError(
+            f"`max_micro_batch_sizes[{rank}]` is {cap}, but the model's batch norm layer(s) ({_shown(layers)}) need at"
+            f" least 2 samples per micro-batch in training, and pieces of at most {cap} samples can leave one of 1"
+            f" (a share of 3 runs as [2, 1]). HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or bound"
+            " the share itself with `max_batch_sizes` instead."
+        )
+
+
 class FitContext:
     """What the balancer needs from the fit that allocates: module, precision, step clock, trainer, devices."""
 
@@ -115,20 +136,34 @@ class Balancer:
         self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._fit: FitContext | None = None
         self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
+        self.memory_emulation: EmulatedMemoryCap | None = None  # emulate_memory_cap: this replica's emulated cap
 
     def place(self, rank: int, world_size: int, device: torch.device, replicas_on_node: int) -> None:
         """Where this replica runs (once the ranks are known)."""
         self.rank, self.world_size, self.device, self.replicas_on_node = rank, world_size, device, replicas_on_node
         caps, emulated = self.config.max_micro_batch_sizes, self.config.emulate_memory_cap
         if caps is not None or emulated is not None:
-            cap = caps[rank] if isinstance(caps, list) else None
-            self.micro = MicroBatcher(rank, cap, emulated[rank] if emulated else None)
+            self.micro = MicroBatcher(rank, caps[rank] if isinstance(caps, list) else None)
+        if emulated is not None:
+            self.memory_emulation = EmulatedMemoryCap(rank, emulated[rank])
 
     def check_normalisation(self, module: torch.nn.Module) -> None:
         """The model's batch norm layers, once wrapped: warn about those that normalise per replica (their shares then
-        hold 2 samples or more), refuse ``SyncBatchNorm`` with micro-batching."""
+        hold 2 samples or more), refuse ``SyncBatchNorm`` with micro-batching, and with batch norm keep every
+        micro-batch at 2 samples or more (a cap that cannot is refused)."""
         self.batchnorm_layers = per_replica_batchnorm(module, self.world_size)
         refuse_synced_norm_in_pieces(module, self.world_size, self.micro is not None)
+        if self.micro is not None:
+            self.micro.min_piece = 2 if self.batchnorm_layers else 1
+            refuse_single_sample_pieces(self.batchnorm_layers, self.config.max_micro_batch_sizes, self.micro.least_cap)
+
+    def emulate_memory(self, module: torch.nn.Module | None) -> None:
+        """``emulate_memory_cap``: put the emulated cap's hooks on ``module`` (``None``: take them off)."""
+        emulation = self.memory_emulation
+        if emulation is not None and module is not None:
+            emulation.install(module)
+        elif emulation is not None:
+            emulation.remove()
 
     @property
     def micro_caps(self) -> list[int] | None:
@@ -157,10 +192,17 @@ class Balancer:
         if all(r[0] >= 1 for r in rows):
             self._set_caps([int(r[0]) for r in rows], "from the profile cache")
 
-    def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any) -> None:
+    def measure_caps(
+        self,
+        step: Callable[[Any], Any],
+        batch: Any,
+        no_sync: Callable[[], Any],
+        module: Any,
+        retry: Callable[[], None] | None = None,
+    ) -> None:
         """``"auto"`` on the first training step: each replica's largest micro-batch that fits (trial steps that
-        leave the training state unchanged), agreed by an all-gather and stored in the profile cache; the slowest
-        replica's search time is kept (``micro.search_s``)."""
+        leave the training state unchanged; ``retry()`` after one that ran out of memory), agreed by an all-gather and
+        stored in the profile cache; the slowest replica's search time is kept (``micro.search_s``)."""
         micro = self.micro
         assert micro is not None
         upper = self.allocation.global_batch_size or 1
@@ -170,13 +212,14 @@ class Balancer:
             step,
             batch,
             upper=upper,
-            check=micro.fits,
             no_sync=lambda: micro.earlier_piece(no_sync),
             module=module,
             accelerator=accelerator,
+            retry=retry,
+            least=micro.least_cap,
         )
         cache, key = self._memory_key()
-        if cache is not None and key is not None:
+        if cache is not None and key is not None and cap >= 1:
             cache.put_cap(key, cap)
         row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
         rows = self.all_gather_floats(row) if self.world_size > 1 else [row]
@@ -185,9 +228,18 @@ class Balancer:
         self._set_caps([int(r[0]) for r in rows], f"measured in {steps} trial steps")
 
     def _set_caps(self, caps: list[int], source: str) -> None:
-        self.allocation.micro_caps = caps
         if self.micro is not None:
+            least = self.micro.least_cap
+            small = [r for r, c in enumerate(caps) if c < least]
+            if small:  # every replica sees the same caps: all raise
+                norm = " (the model's batch norm layers need micro-batches of 2 samples or more)" if least > 1 else ""
+                raise RuntimeError(
+                    f"HeterogeneousStrategy: not even a training step of {least} sample(s){norm} fits in the memory"
+                    f" of rank(s) {small} (micro-batch caps {caps}, {source}). HINT: free memory on that device,"
+                    " shrink the model, or leave the device out of the job."
+                )
             self.micro.cap = caps[self.rank]
+        self.allocation.micro_caps = caps
         if self.allocation.cost_model is not None:
             self.allocation.cost_model = self.with_caps(self.allocation.cost_model)
         rank_zero_info(f"HeterogeneousStrategy: micro-batch caps {caps} ({source})")

@@ -4,6 +4,7 @@
 does not, then bisect until the gap is within :data:`SEARCH_RESOLUTION` of the size that fits. :func:`measure_cap`
 runs it with real forward and backward passes on the first training batch, resized, catching
 ``torch.OutOfMemoryError``, and leaves the training state as it found it (gradients, buffers, random state, logging).
+:class:`EmulatedMemoryCap` (emulation only) makes a model raise that error where a device out of memory would.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.data.microbatch import batch_length, step_loss, take_grads
 
-__all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "cap_search", "measure_cap", "resize_batch"]
+__all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "EmulatedMemoryCap", "cap_search", "measure_cap", "resize_batch"]
 
 #: the search stops when the sizes that fit and that do not are this close (relative to the first), or 1 apart
 SEARCH_RESOLUTION = 0.125
@@ -26,12 +28,59 @@ SEARCH_RESOLUTION = 0.125
 SAFETY_MARGIN = 0.1
 
 
-def cap_search(fits: Callable[[int], bool], start: int, upper: int) -> tuple[int, int]:
-    """The largest size in ``[1, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
-    search step below, and the number of trials; ``0`` when not even one sample fits.
+class EmulatedMemoryCap:
+    """Emulation only (``emulate_memory_cap``): a training forward (gradients enabled) of more than ``cap`` samples
+    raises ``torch.OutOfMemoryError`` from inside the model, where a device out of memory raises it, so that the one
+    handler of real errors catches it. :meth:`install` puts a forward pre-hook on the module and on each of its direct
+    submodules, which compares the number of samples of the call's first tensor (its first dimension) with ``cap``;
+    :meth:`remove` takes them off. ``cap`` may change between steps (``None``: no limit).
+
+    >>> emulation, net = EmulatedMemoryCap(0, 4), torch.nn.Sequential(torch.nn.Linear(2, 1))
+    >>> emulation.install(net)
+    >>> net(torch.zeros(5, 2))
+    Traceback (most recent call last):
+    torch.OutOfMemoryError: emulated: rank 0 cannot hold 5 samples (emulate_memory_cap 4)
+    >>> with torch.no_grad():
+    ...     net(torch.zeros(5, 2)).shape
+    torch.Size([5, 1])
+    >>> emulation.remove()
+    """
+
+    def __init__(self, rank: int, cap: int | None) -> None:
+        self.rank = rank
+        self.cap = cap
+        self._handles: list[RemovableHandle] = []
+
+    def install(self, module: torch.nn.Module) -> None:
+        """Check every training forward of ``module`` and of its direct submodules (once installed, on one module)."""
+        self.remove()
+        for target in (module, *module.children()):
+            self._handles.append(target.register_forward_pre_hook(self._check, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _check(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.cap is None or not torch.is_grad_enabled():
+            return
+        samples = batch_length(args)
+        samples = batch_length(kwargs) if samples is None else samples
+        if samples is not None and samples > self.cap:
+            raise torch.OutOfMemoryError(
+                f"emulated: rank {self.rank} cannot hold {samples} samples (emulate_memory_cap {self.cap})"
+            )
+
+
+def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int = 1) -> tuple[int, int]:
+    """The largest size in ``[lowest, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
+    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried).
 
     >>> cap_search(lambda n: n <= 8, 24, 48), cap_search(lambda n: n <= 64, 24, 48)
     ((8, 6), (48, 2))
+    >>> cap_search(lambda n: n <= 4, 10, 48, lowest=3), cap_search(lambda n: n <= 2, 10, 48, lowest=3)
+    ((4, 4), (0, 3))
     """
     trials = 0
 
@@ -40,13 +89,13 @@ def cap_search(fits: Callable[[int], bool], start: int, upper: int) -> tuple[int
         trials += 1
         return fits(n)
 
-    n = min(max(start, 1), upper)
+    n = min(max(start, lowest), upper)
     good, bad = (n, None) if trial(n) else (0, n)
     while bad is None and good < upper:  # double until one fails or the bound is reached
         n = min(2 * good, upper)
         good, bad = (n, None) if trial(n) else (good, n)
-    while good == 0 and bad is not None and bad > 1:  # halve until one fits
-        n = bad // 2
+    while good == 0 and bad is not None and bad > lowest:  # halve until one fits
+        n = max(bad // 2, lowest)
         good, bad = (n, bad) if trial(n) else (0, n)
     if bad is None or good == 0:
         return good, trials
@@ -105,21 +154,27 @@ def measure_cap(
     batch: Any,
     *,
     upper: int,
-    check: Callable[[int], None],
     no_sync: Callable[[], AbstractContextManager[Any]],
     module: torch.nn.Module,
     accelerator: bool,
+    retry: Callable[[], None] | None = None,
+    least: int = 1,
 ) -> tuple[int, int]:
     """This replica's cap: the largest micro-batch (``<= upper``) whose forward and backward fit, less the safety
-    margin on an accelerator, and the trial steps it took. ``check(n)`` raises the emulated out-of-memory error."""
+    margin on an accelerator (not under ``least``), and the trial steps it took; ``0`` when not even ``least`` samples
+    fit (sizes under ``least`` are not tried: batch norm cannot train on one sample). ``retry()`` after each trial that
+    ran out of memory."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def fits(n: int) -> bool:
+        if n < least:
+            return False
         try:
             with no_sync():
-                check(n)
                 step_loss(step(resize_batch(batch, n))).backward()
         except torch.OutOfMemoryError:
+            if retry is not None:
+                retry()
             return False
         finally:
             for p in params:
@@ -129,10 +184,7 @@ def measure_cap(
         return True
 
     with training_state_kept(module, params):
-        cap, trials = cap_search(fits, batch_length(batch) or 1, upper)
-    if cap < 1:
-        raise RuntimeError(
-            "HeterogeneousStrategy: not even one sample's training step fits in this replica's memory. HINT: free"
-            " memory on the device, or leave it out of the job."
-        )
-    return (max(int(cap * (1 - SAFETY_MARGIN)), 1) if accelerator else cap), trials
+        cap, trials = cap_search(fits, batch_length(batch) or 1, upper, least)
+    if cap < least:
+        return 0, trials
+    return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator else cap), trials

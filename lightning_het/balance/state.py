@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_het.balance.allocation import loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, step_time
+from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
 
 __all__ = ["Allocation", "render_balance_table"]
 
@@ -133,8 +134,8 @@ def render_balance_table(report: dict[str, Any]) -> str:
         node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
         device = devices[r] if r < len(devices) else "?"
         line = f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}"
-        if caps:  # micro-batch size x count
-            line += f" {f'{min(b, caps[r])}x{-(-b // caps[r])}':>7}"
+        if caps:  # the pieces that run: size x count (a share of 16 under a cap of 3: 3x4+2x2)
+            line += f" {pieces_label(micro_batch_sizes(b, caps[r])):>7}"
         if costs:
             cost = AffineCost.from_dict(costs[r])
             line += f" {cost.fixed_s * 1e3:>9.2f} {cost.per_sample_s * 1e3:>9.3f} {cost(b) * 1e3:>8.2f}"

@@ -5,7 +5,9 @@ backwarded at once, its loss weighted ``n_j / b``, without gradient communicatio
 the same, is returned (plus the others' weighted losses, detached) for the usual backward, which synchronises the
 accumulated gradients. The gradient is the share's, exactly. Under the Trainer the earlier pieces take a cheap path
 (:class:`DirectPieces`: the LightningModule's ``training_step`` and a plain backward, past DDP and Lightning's hooks)
-where that is safe. See ``docs/balancing.md`` (memory, micro-batches).
+where that is safe. A ``torch.OutOfMemoryError`` raised by any piece's step (a whole share run at once included)
+lowers the cap once and the rest of the share runs in smaller pieces. See ``docs/balancing.md`` (memory,
+micro-batches).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable, inside_log_sync
+from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable, inside_log_sync, logged_batch
 
 __all__ = [
     "DirectPieces",
@@ -28,6 +30,7 @@ __all__ = [
     "micro_batch_sizes",
     "micro_batches",
     "piece_collective",
+    "pieces_label",
     "split_batch",
     "step_loss",
     "take_grads",
@@ -45,6 +48,21 @@ def micro_batch_sizes(batch_size: int, cap: int | None) -> list[int]:
     count = math.ceil(batch_size / cap)
     base, extra = divmod(batch_size, count)
     return [base + 1] * extra + [base] * (count - extra)
+
+
+def pieces_label(sizes: Sequence[int]) -> str:
+    """``sizes`` (those of :func:`micro_batch_sizes`) as ``size x count`` terms joined by ``+``.
+
+    >>> pieces_label(micro_batch_sizes(16, 3)), pieces_label([3, 3, 3]), pieces_label([9])
+    ('3x4+2x2', '3x3', '9x1')
+    """
+    terms: list[list[int]] = []
+    for n in sizes:
+        if terms and terms[-1][0] == n:
+            terms[-1][1] += 1
+        else:
+            terms.append([n, 1])
+    return "+".join(f"{n}x{count}" for n, count in terms)
 
 
 def batch_length(batch: Any) -> int | None:
@@ -102,20 +120,27 @@ def _with_loss(output: Any, loss: Tensor) -> Any:
 
 
 class MicroBatcher:
-    """One replica's micro-batching: ``cap`` (most samples run at once, ``None``: the whole share), the emulated
-    memory cap (a piece over it raises ``torch.OutOfMemoryError``), and the one fallback after an out-of-memory error.
+    """One replica's micro-batching: ``cap`` (most samples run at once, ``None``: the whole share), ``min_piece`` (the
+    fewest samples a piece may hold: 2 with batch norm layers, which need 2 in training), and the one fallback after
+    an out-of-memory error.
     """
 
-    def __init__(self, rank: int, cap: int | None = None, emulated_cap: int | None = None) -> None:
+    def __init__(self, rank: int, cap: int | None = None, min_piece: int = 1) -> None:
         self.rank = rank
         self.cap = cap
-        self.emulated_cap = emulated_cap  # emulation only; a test may lower it between steps
+        self.min_piece = min_piece
         self.lowered_from: int | None = None  # the cap (or the share) a mid-training OOM lowered, once
         self.pending = False  # the cap changed since the replicas last agreed on it
         self.search_steps = 0  # trial steps the "auto" search took on this replica
         self.search_s = 0.0  # seconds the "auto" search held the first step (the slowest replica's)
         self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
         self.in_earlier_piece = False  # running a piece before the step's last one (or a trial step of the search)
+
+    @property
+    def least_cap(self) -> int:
+        """The smallest cap whose even split of any share (of ``min_piece`` samples or more) leaves no piece under
+        ``min_piece`` (3 for pieces of at least 2: a cap of 2 splits 3 samples as ``[2, 1]``)."""
+        return 2 * self.min_piece - 1
 
     @contextmanager
     def earlier_piece(self, no_sync: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
@@ -128,17 +153,9 @@ class MicroBatcher:
         finally:
             self.in_earlier_piece = False
 
-    def fits(self, samples: int) -> None:
-        """Raise ``torch.OutOfMemoryError`` when a piece of ``samples`` exceeds the emulated memory cap."""
-        if self.emulated_cap is not None and samples > self.emulated_cap:
-            raise torch.OutOfMemoryError(
-                f"emulated: rank {self.rank} cannot hold {samples} samples (emulate_memory_cap {self.emulated_cap})"
-            )
-
     def refuse_manual(self, batch: Any) -> None:
         """Manual optimization runs its own backward: a share over the cap is the user's to split."""
         samples = batch_length(batch)
-        self.fits(samples or 0)
         if self.cap is not None and samples is not None and samples > self.cap:
             raise RuntimeError(
                 f"HeterogeneousStrategy: rank {self.rank}'s share of {samples} samples exceeds its micro-batch cap"
@@ -149,17 +166,30 @@ class MicroBatcher:
             )
 
     def lower(self, samples: int, error: BaseException) -> None:
-        """A piece of ``samples`` ran out of memory: halve the cap once; the second time, end with advice."""
-        if self.lowered_from is not None or samples <= 1:
+        """A piece of ``samples`` ran out of memory: halve the cap once (not below :attr:`least_cap`); the second
+        time, or when no smaller piece is possible, end with advice."""
+        least = self.least_cap
+        if self.lowered_from is not None or samples <= least:
+            why = (
+                f"lowered from {self.lowered_from} after an earlier out-of-memory error"
+                if self.lowered_from is not None
+                else f"no smaller micro-batch is possible{' with batch norm layers' if self.min_piece > 1 else ''}"
+            )
             raise RuntimeError(
                 f"HeterogeneousStrategy: rank {self.rank} ran out of memory on a micro-batch of {samples} samples with"
-                f" its cap at {self.cap} (lowered from {self.lowered_from} after an earlier out-of-memory error)."
-                f" HINT: set `max_micro_batch_sizes[{self.rank}]` to at most {max(samples // 2, 1)} (or lower"
-                " `global_batch_size`), or free memory on that device."
+                f" its cap at {self.cap} ({why}). HINT: set `max_micro_batch_sizes[{self.rank}]` to at most"
+                f" {max(samples // 2, least)} (or lower `global_batch_size`), or free memory on that device."
             ) from error
         self.lowered_from = self.cap if self.cap is not None else samples
-        self.cap = max(samples // 2, 1)
+        self.cap = max(samples // 2, least)
         self.pending = True
+
+    @staticmethod
+    def _recover(retry: Callable[[], None] | None) -> None:
+        """After the handler (the failed piece's activations freed with its traceback): ``retry()``, and the freed
+        memory back to the device."""
+        if retry is not None:
+            retry()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -173,10 +203,12 @@ class MicroBatcher:
         no_sync: Callable[[], AbstractContextManager[Any]],
         measure: Callable[[Callable[[Any], Any], Any], None] | None = None,
         direct: DirectPieces | None = None,
+        retry: Callable[[], None] | None = None,
     ) -> Any:
         """A Lightning ``training_step(batch, *rest)`` of ``module`` through :meth:`run`; ``measure(piece_step,
         batch)`` first when the cap is still to be measured. Manual optimization is refused over the cap. With
-        ``direct``, the earlier pieces take its cheap path; the last one always goes through ``step``."""
+        ``direct``, the earlier pieces take its cheap path; the last one always goes through ``step``. Each piece
+        counts for Lightning's logging as the batch it is (a value logged without ``batch_size`` weighs its size)."""
         if not args:
             return step(*args, **kwargs)
         if not module.automatic_optimization:
@@ -192,7 +224,10 @@ class MicroBatcher:
         early = None
         if direct is not None:
             early = (lambda piece: direct.step(piece, *rest, **kwargs)), direct.backward
-        return self.run(piece_step, args[0], backward, no_sync, list(module.parameters()), early)
+        params = list(module.parameters())
+        return self.run(
+            piece_step, args[0], backward, no_sync, params, early, retry=retry, log_as=lambda p: logged_batch(module, p)
+        )
 
     def run(
         self,
@@ -202,21 +237,31 @@ class MicroBatcher:
         no_sync: Callable[[], AbstractContextManager[Any]],
         params: Sequence[Tensor] = (),
         early: tuple[Callable[[Any], Any], Callable[[Tensor], None]] | None = None,
+        *,
+        retry: Callable[[], None] | None = None,
+        log_as: Callable[[Any], AbstractContextManager[Any]] | None = None,
     ) -> Any:
         """``step(batch)`` as micro-batches of at most ``cap`` samples (see the module); ``backward(loss)`` backwards
         a piece without synchronising (``no_sync()`` around it); ``early``: another ``(step, backward)`` for every
-        piece but the last. An out-of-memory error lowers the cap once and the rest of the share runs in smaller
-        pieces: the gradient stays exact.
+        piece but the last; ``log_as(piece)``: a context around each piece's step of a split share. A
+        ``torch.OutOfMemoryError`` from any piece's step (the whole share's, when it runs at once) lowers the cap once,
+        ``retry()`` is called, and the rest of the share runs in smaller pieces: the gradient stays exact.
 
         The pieces' gradients are held apart from ``params``' ``.grad`` (which the loop zeroes between the step and
         its backward) until :meth:`restore_grads`, which the backward of the returned loss calls first.
         """
         total = batch_length(batch)
-        if total is None or (len(micro_batch_sizes(total, self.cap)) == 1 and not self.emulated_cap):
+        if total is None:
             return step(batch)
+        if len(micro_batch_sizes(total, self.cap)) == 1:
+            try:
+                return step(batch)  # the share at once, as without micro-batching
+            except torch.OutOfMemoryError as error:
+                self.lower(total, error)
+            self._recover(retry)
         held = take_grads(params)
         try:
-            return self._pieces((step, backward), early or (step, backward), batch, total, no_sync)
+            return self._pieces((step, backward), early or (step, backward), batch, total, no_sync, retry, log_as)
         finally:
             self._grads = take_grads(params)
             for p, g in zip(params, held):
@@ -236,23 +281,26 @@ class MicroBatcher:
         batch: Any,
         total: int,
         no_sync: Callable[[], AbstractContextManager[Any]],
+        retry: Callable[[], None] | None,
+        log_as: Callable[[Any], AbstractContextManager[Any]] | None,
     ) -> Any:
         done, rest, earlier = 0, batch, []
         while True:
             sizes = micro_batch_sizes(total - done, self.cap)
             pieces = split_batch(rest, sizes) if len(sizes) > 1 else [rest]
+            failed = False
             for n, piece in zip(sizes, pieces):
                 last = done + n == total
                 step, backward = last_path if last else early
                 try:
                     with nullcontext() if last else self.earlier_piece(no_sync):
-                        self.fits(n)
-                        output = step(piece)
+                        with log_as(piece) if log_as is not None else nullcontext():
+                            output = step(piece)
                         if not last:
                             backward(step_loss(output) * (n / total))
                 except torch.OutOfMemoryError as error:
                     self.lower(n, error)
-                    rest = split_batch(batch, [done, total - done])[1] if done else batch
+                    failed = True
                     break
                 if last:
                     if not earlier:
@@ -260,6 +308,9 @@ class MicroBatcher:
                     return _with_loss(output, step_loss(output) * (n / total) + sum(earlier))
                 earlier.append(step_loss(output).detach() * (n / total))
                 done += n
+            if failed:
+                self._recover(retry)
+                rest = split_batch(batch, [done, total - done])[1] if done else batch
 
 
 def piece_collective(micro: MicroBatcher | None, collective: str) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -55,3 +57,20 @@ def test_sync_batchnorm_is_refused_with_micro_batching_only() -> None:
     plain = placed()
     plain.check_normalisation(_norm_model(synced=True))  # one forward per step on every replica: fine
     assert plain.batchnorm_layers == []
+
+
+def test_measured_caps_below_what_batch_norm_needs_end_every_replica() -> None:
+    """``"auto"`` with batch norm: a replica that cannot hold a micro-batch of 3 (the least cap that never leaves a
+    piece of 1) ends the fit with the same message on every replica (after the caps' all-gather)."""
+    from lightning_het.balance.memory import EmulatedMemoryCap
+
+    balancer = Balancer(HeterogeneousStrategy(max_micro_batch_sizes="auto").config)
+    balancer.place(0, 1, torch.device("cpu"), 1)
+    balancer.allocation.global_batch_size = 8
+    module = _norm_model(synced=False)
+    balancer.check_normalisation(module)
+    assert balancer.micro is not None and balancer.micro.least_cap == 3
+    EmulatedMemoryCap(0, 2).install(module)
+    x = torch.randn(8, 3)
+    with pytest.raises(RuntimeError, match=r"not even a training step of 3 sample\(s\) \(the model's batch norm"):
+        balancer.measure_caps(lambda piece: module(piece).pow(2).mean(), x, nullcontext, module)

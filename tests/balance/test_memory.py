@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from lightning_het.balance import memory
-from lightning_het.balance.memory import SEARCH_RESOLUTION, cap_search, measure_cap, resize_batch
+from lightning_het.balance.memory import SEARCH_RESOLUTION, EmulatedMemoryCap, cap_search, measure_cap, resize_batch
 from lightning_het.balance.profiling import ProfileCache
-from lightning_het.data.microbatch import MicroBatcher
 
 
 def test_doctests() -> None:
@@ -63,17 +62,23 @@ def test_measure_cap_leaves_the_training_state_as_it_was() -> None:
         p.grad = torch.ones_like(p)
     buffers = {k: v.clone() for k, v in module.state_dict().items()}
     rng = torch.get_rng_state()
-    micro = MicroBatcher(0, emulated_cap=6)
+    emulation = EmulatedMemoryCap(0, 6)  # raised from inside the model's forward, as a device out of memory
+    emulation.install(module)
+    failed: list[int] = []
     cap, trials = measure_cap(
-        module.training_step, batch, upper=40, check=micro.fits, no_sync=nullcontext, module=module, accelerator=False
+        module.training_step,
+        batch,
+        upper=40,
+        no_sync=nullcontext,
+        module=module,
+        accelerator=False,
+        retry=lambda: failed.append(1),
     )
-    assert cap == 6 and trials <= 8
+    assert cap == 6 and trials <= 8 and 0 < len(failed) < trials  # retry() after each trial that ran out of memory
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in buffers.items())
     assert torch.equal(torch.get_rng_state(), rng) and module.logged == 0
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in module.parameters())
-    margin, _ = measure_cap(
-        module.training_step, batch, upper=40, check=micro.fits, no_sync=nullcontext, module=module, accelerator=True
-    )
+    margin, _ = measure_cap(module.training_step, batch, upper=40, no_sync=nullcontext, module=module, accelerator=True)
     assert margin == 5  # 10 % kept free on an accelerator
 
 
@@ -82,3 +87,41 @@ def test_cap_in_the_profile_cache(tmp_path) -> None:
     assert cache.get_cap("k") is None
     cache.put_cap("k", 12)
     assert cache.get_cap("k") == 12 and cache.get("k") is None
+
+
+def test_emulated_cap_raises_inside_the_forward_of_training_only() -> None:
+    """The emulated error comes from the model's forward (a pre-hook on the module and its direct submodules), for a
+    training forward over the cap only, and goes once removed."""
+    module, calls = _Module(), []
+    module.net.register_forward_hook(lambda *args: calls.append("net"))
+    emulation = EmulatedMemoryCap(2, 4)
+    emulation.install(module)
+    module.training_step((torch.randn(4, 3),))
+    with pytest.raises(torch.OutOfMemoryError, match=r"rank 2 cannot hold 5 samples \(emulate_memory_cap 4\)"):
+        module.training_step((torch.randn(5, 3),))
+    assert calls == ["net"]  # the failing call never ran the network
+    with torch.no_grad():
+        module.net(torch.randn(5, 3))  # evaluation: not limited
+    emulation.cap = 8
+    module.training_step((torch.randn(5, 3),))
+    emulation.cap = 4
+    emulation.remove()
+    module.training_step((torch.randn(5, 3),))
+
+
+def test_measure_cap_never_tries_fewer_samples_than_batch_norm_needs() -> None:
+    """With ``least=3`` (batch norm: pieces of 2 or more) no trial step runs fewer than 3 samples (batch norm cannot
+    train on 1); when 3 do not fit, the cap is 0, for the replicas to end on together."""
+    module, tried, emulation = _Module(), [], EmulatedMemoryCap(0, 2)
+    emulation.install(module)
+
+    def step(batch):
+        tried.append(len(batch[0]))
+        return module.training_step(batch)
+
+    batch = (torch.randn(10, 3),)
+    kwargs = {"upper": 40, "no_sync": nullcontext, "module": module, "accelerator": False, "least": 3}
+    assert measure_cap(step, batch, **kwargs)[0] == 0 and min(tried) >= 3
+    assert measure_cap(step, batch, **{**kwargs, "least": 1})[0] == 2  # without batch norm's bound: 2 fits
+    emulation.cap = 4
+    assert measure_cap(step, batch, **{**kwargs, "accelerator": True})[0] == 3  # the margin keeps 3, not int(3.6)

@@ -73,7 +73,7 @@ def test_report_and_table():
     assert "(given)" in render_balance_table(_report(allocation, profiled=False))
 
 
-def test_table_shows_micro_batch_size_and_count():
+def test_table_shows_the_micro_batches_that_run():
     allocation = Allocation()
     allocation.adopt([16, 4, 4], [4.0, 1.0, 1.0], rank=0)
     allocation.micro_caps = [3, 64, 64]
@@ -82,8 +82,13 @@ def test_table_shows_micro_batch_size_and_count():
     assert report["max_micro_batch_sizes"] == [3, 64, 64]
     assert report["predicted_step_s"] == pytest.approx(6 * 0.002 + 0.016)
     lines = render_balance_table(report).splitlines()
-    assert "micro" in lines[1] and " 3x6 " in lines[2] and " 4x1 " in lines[3]
+    assert "micro" in lines[1] and " 3x4+2x2 " in lines[2] and " 4x1 " in lines[3]  # 16 samples: [3, 3, 3, 3, 2, 2]
     assert lines[2].split()[-1] == "28.00"  # 6 micro-batches x 2 ms + 16 x 1 ms
+    even = Allocation()
+    even.adopt([9, 3], [3.0, 1.0], rank=0)
+    even.micro_caps = [4, 12]
+    lines = render_balance_table(_report(even, node_ids=[0, 0], devices=["cpu"] * 2)).splitlines()
+    assert lines[2].endswith(" 3x3") and lines[3].endswith(" 3x1")  # 9 samples under a cap of 4 run as [3, 3, 3]
     parent = Allocation()
     parent.import_(allocation.export(None, None), rank=1)
     assert parent.micro_caps == [3, 64, 64]

@@ -84,20 +84,60 @@ def test_accumulated_gradient_is_the_whole_batch_gradient(as_dict: bool) -> None
         assert torch.allclose(p.grad, g, atol=1e-6)
 
 
-def test_out_of_memory_lowers_the_cap_once_and_stays_exact() -> None:
+def _run_limited(micro: MicroBatcher, limit: list[int], retried: list[int] | None = None) -> None:
+    """:func:`_run` on the 16 samples of :func:`_setup` with a network that raises ``torch.OutOfMemoryError`` itself
+    on a training forward of more than ``limit[0]`` samples; the gradient must be the whole batch's."""
     net, batch = _setup()
     whole = nn.functional.mse_loss(net(batch[0]), batch[1])
     expected = torch.autograd.grad(whole, list(net.parameters()))
-    micro = MicroBatcher(1, cap=8, emulated_cap=5)  # the first piece of 8 fails: cap 4, the rest in pieces of 4
-    _run(micro, net, batch)
-    assert micro.cap == 4 and micro.lowered_from == 8 and micro.pending
-    for p, g in zip(net.parameters(), expected):
+
+    def out_of_memory_above(module, args):
+        if args[0].shape[0] > limit[0]:
+            raise torch.OutOfMemoryError(f"out of memory: {args[0].shape[0]} samples")
+
+    net.register_forward_pre_hook(out_of_memory_above)
+    params = list(net.parameters())
+
+    def step(piece):
+        return nn.functional.mse_loss(net(piece[0]), piece[1])
+
+    retry = (lambda: retried.append(micro.cap)) if retried is not None else None
+    output = micro.run(step, batch, lambda loss: loss.backward(), nullcontext, params, retry=retry)
+    micro.restore_grads(params)
+    output.backward()
+    for p, g in zip(params, expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
-    micro.emulated_cap = 3
+
+
+def test_out_of_memory_lowers_the_cap_once_and_stays_exact() -> None:
+    micro = MicroBatcher(1, cap=8)  # the first piece of 8 fails: cap 4, the rest in pieces of 4
+    _run_limited(micro, [5])
+    assert micro.cap == 4 and micro.lowered_from == 8 and micro.pending
     with pytest.raises(
         RuntimeError, match=r"rank 1 ran out of memory.*cap at 4 \(lowered from 8.*`max_micro_batch_sizes\[1\]`"
     ):
-        _run(micro, net, batch)
+        _run_limited(micro, [3])
+
+
+@pytest.mark.parametrize("cap", [None, 16, 64])
+def test_out_of_memory_of_a_share_run_at_once_is_caught(cap: int | None) -> None:
+    """A share the cap lets run in one piece (or no cap at all) takes the short path; a real out-of-memory error from
+    the model there lowers the cap, ``retry()`` runs once, and the share runs in pieces, exactly."""
+    micro, retried = MicroBatcher(0, cap=cap), []
+    _run_limited(micro, [10], retried)
+    assert micro.cap == 8 and micro.lowered_from == (cap or 16) and retried == [8]
+
+
+def test_batch_norm_pieces_keep_two_samples() -> None:
+    """With ``min_piece=2`` (batch norm layers) a lowered cap stays at 3 or more, and no cap of 3 or more splits a
+    share of 2 samples or more into a piece of 1."""
+    assert all(min(micro_batch_sizes(b, cap)) >= 2 for cap in range(3, 40) for b in range(2, 200))
+    micro = MicroBatcher(0, cap=4, min_piece=2)
+    assert micro.least_cap == 3 and MicroBatcher(0, cap=4).least_cap == 1
+    _run_limited(micro, [3])  # a piece of 4 fails: the cap becomes 3, not 2 (which splits a share of 3 as [2, 1])
+    assert micro.cap == 3
+    with pytest.raises(RuntimeError, match=r"no smaller micro-batch is possible with batch norm layers"):
+        MicroBatcher(0, cap=3, min_piece=2).lower(3, torch.OutOfMemoryError("out of memory"))
 
 
 def test_manual_optimization_is_told_what_to_do() -> None:
@@ -206,3 +246,54 @@ def test_synchronised_logging_in_micro_batches_and_other_collectives_refused() -
     assert float(metrics["step_loss_epoch"]) == pytest.approx(mean, rel=1e-6)
     with pytest.raises(RuntimeError, match=r"rank 0 called `all_gather` in `training_step`.*at most 5"):
         _fit_collective(gather=True)
+
+
+class _LoggedWithoutBatchSize(_Counted):
+    """Logs its loss per epoch in the common form, without ``batch_size`` (Lightning infers it from the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[tuple[float, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss, on_step=False, on_epoch=True)
+        self.pieces.append((float(loss.detach()), len(batch[0])))
+        return loss
+
+
+def test_epoch_value_logged_without_batch_size_weighs_each_micro_batch_by_its_size() -> None:
+    torch.manual_seed(0)
+    model = _LoggedWithoutBatchSize()
+    data = TensorDataset(torch.randn(48, 3), torch.randn(48, 1))
+    strategy = HeterogeneousStrategy(speeds=[1.0], max_micro_batch_sizes=[6], process_group_backend="gloo")
+    quiet_trainer(1, strategy, max_epochs=1).fit(model, DataLoader(data, batch_size=16))
+    assert [n for _, n in model.pieces] == [6, 5, 5] * 3  # uneven pieces: a count per piece would show
+    mean = sum(loss * n for loss, n in model.pieces) / 48
+    assert float(model.trainer.callback_metrics["loss"]) == pytest.approx(mean, rel=1e-6)
+
+
+class _Normalised(_Counted):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_batch_norm_with_a_cap_that_leaves_one_sample_pieces_is_refused_at_setup(cap: int) -> None:
+    """A share of 3 under a cap of 2 would run as [2, 1], and batch norm cannot train on 1 sample: refused at setup,
+    naming the argument."""
+    data = TensorDataset(torch.randn(12, 3), torch.randn(12, 1))
+    strategy = HeterogeneousStrategy(speeds=[1.0], max_micro_batch_sizes=[cap], process_group_backend="gloo")
+    with pytest.raises(
+        ValueError, match=rf"`max_micro_batch_sizes\[0\]` is {cap}.*HINT: set `max_micro_batch_sizes\[0\]` to 3"
+    ):
+        quiet_trainer(1, strategy, max_epochs=1).fit(_Normalised(), DataLoader(data, batch_size=3))
+
+
+def test_batch_norm_with_a_cap_of_three_trains() -> None:
+    data = TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
+    strategy = HeterogeneousStrategy(speeds=[1.0], max_micro_batch_sizes=[3], process_group_backend="gloo")
+    model = _Normalised()
+    quiet_trainer(1, strategy, max_epochs=1).fit(model, DataLoader(data, batch_size=5))  # 5 samples: [3, 2]
+    assert model.trainer.global_step == 4

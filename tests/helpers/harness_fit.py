@@ -24,7 +24,10 @@ the speeds the previous fit of the same job ended with, as its ``speeds``), ``ba
 the network), ``log_on_step`` (the loss logged on every step with ``sync_dist=True``), ``full_micro_path`` (no
 micro-batch takes the direct path past DDP), ``val_check_interval`` / ``check_val_every_n_epoch`` (the Trainer's, with
 ``val_n``), ``val_ckpt`` (a ``ModelCheckpoint`` writing ``OUT_DIR/val_ckpt/step=<s>.ckpt`` at the end of every
-validation). The default root directory is ``OUT_DIR``.
+validation), ``log_epoch_loss`` (the loss logged per epoch with ``sync_dist=True`` and
+no ``batch_size``, as ``train/epoch_loss``), ``oom_above`` (one limit per rank, 0: none: the network itself raises
+``torch.OutOfMemoryError`` in a training forward of more samples, as a device out of memory does). The default root
+directory is ``OUT_DIR``.
 
 Every rank that finishes dumps ``OUT_DIR/rank{r}.pt`` (:func:`fit_record`).
 """
@@ -76,6 +79,18 @@ class FeatureLoader(DataLoader):
         self.features_expected = num_features
 
 
+class OutOfMemoryAbove(nn.Sequential):
+    """A ``Sequential`` (the same parameter names) whose training forward of more than ``limit`` samples raises
+    ``torch.OutOfMemoryError`` before any layer runs, as a device out of memory does (``limit`` 0: never)."""
+
+    limit = 0
+
+    def forward(self, x):
+        if self.limit and torch.is_grad_enabled() and x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"out of memory: {x.shape[0]} samples on a device that holds {self.limit}")
+        return super().forward(x)
+
+
 class FitRegressor(TinyRegressor):
     """``TinyRegressor`` whose ``slow_rank`` is ``slow_factor`` times slower from ``slow_from_epoch`` on, and whose
     ``stuck_rank`` hangs in ``training_step`` from ``stuck_step`` on."""
@@ -87,14 +102,20 @@ class FitRegressor(TinyRegressor):
         if cfg.get("batchnorm"):
             torch.manual_seed(7)
             self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+        if cfg.get("oom_above"):
+            self.net = OutOfMemoryAbove(*self.net)
         self.target_factor = self.slow_factor
         self.slow_from_epoch = cfg.get("slow_from_epoch", 0)
+
+    def on_fit_start(self) -> None:
+        if self.cfg.get("oom_above"):
+            self.net.limit = self.cfg["oom_above"][self.global_rank]
 
     def on_train_epoch_start(self) -> None:
         self.slow_factor = self.target_factor if self.current_epoch >= self.slow_from_epoch else 1.0
         lowered = self.cfg.get("memory_cap_from_epoch")  # [epoch, caps]: the emulated memory caps from that epoch on
         if lowered and self.current_epoch == lowered[0]:
-            self.trainer.strategy.micro_batcher.emulated_cap = lowered[1][self.global_rank]
+            self.trainer.strategy.balancer.memory_emulation.cap = lowered[1][self.global_rank]
 
     def on_before_backward(self, loss) -> None:
         self.backward_hooks += 1  # once per micro-batch through Lightning's backward
@@ -108,6 +129,8 @@ class FitRegressor(TinyRegressor):
         loss = super().training_step(batch, batch_idx)
         if self.cfg.get("log_on_step"):  # a collective in every training_step (every micro-batch)
             self.log("train/step_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        if self.cfg.get("log_epoch_loss"):  # the common form: Lightning infers the batch size from the batch
+            self.log("train/epoch_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
 
@@ -278,6 +301,7 @@ def fit_record(trainer, model: TinyRegressor) -> dict[str, Any]:
         "val_seen": model.val_seen,
         "val_mse": float(trainer.callback_metrics["val/mse"]) if "val/mse" in trainer.callback_metrics else None,
         "step_loss": float(trainer.callback_metrics.get("train/step_loss", float("nan"))),
+        "epoch_loss": float(trainer.callback_metrics.get("train/epoch_loss", float("nan"))),
         "root_device": str(s.root_device),
         "num_threads": torch.get_num_threads(),
         "backend": s.process_group_backend,
