@@ -23,8 +23,6 @@ from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
     StepState,
     agreed_writer,
-    checkpoint_candidates,
-    newest_checkpoint,
     restore_rng,
     rng_state,
     wants_resume,
@@ -62,16 +60,6 @@ def test_resume_keyword():
     assert wants_resume("auto", {}) and not wants_resume(None, {})
     assert wants_resume(None, {"TORCHELASTIC_RESTART_COUNT": "1"})  # a restarted elastic worker resumes by itself
     assert not wants_resume(False, {"TORCHELASTIC_RESTART_COUNT": "1"})
-
-
-def test_newest_checkpoint(tmp_path):
-    candidates = checkpoint_candidates(str(tmp_path / "last.ckpt"))
-    assert candidates == [str(tmp_path / "emergency.ckpt"), str(tmp_path / "last.ckpt"), str(tmp_path / "last.ckpt")]
-    assert newest_checkpoint(candidates) is None
-    (tmp_path / "last.ckpt").write_text("x")
-    time.sleep(0.02)
-    (tmp_path / "emergency.ckpt").write_text("x")
-    assert newest_checkpoint(candidates) == str(tmp_path / "emergency.ckpt")
 
 
 def test_rng_state_round_trips_and_loads_with_weights_only(tmp_path):
