@@ -13,6 +13,7 @@ import glob
 import os
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,8 +128,10 @@ def read_candidate(path: str) -> Candidate:
             resumed_global_batch_size(record) if record else None,
         )
     except Exception as err:  # truncated, not a checkpoint, unreadable: the next one is tried
-        message = " ".join(str(err).split())
-        return Candidate(path, mtime=mtime, error=f"{type(err).__name__}: {message[:200]}")
+        message = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+            message = f"not a complete checkpoint archive, truncated?; {message}"
+        return Candidate(path, mtime=mtime, error=message)
 
 
 def choose_checkpoint(

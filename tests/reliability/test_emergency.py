@@ -210,11 +210,12 @@ def _fit_one(root: Path, out: Path) -> dict:
     "test_a_dead_or_hung_replica_leaves_a_checkpoint_the_fit_finishes_from_exactly",
     "test_die_resume_and_run_again_trains_every_step_exactly_once",
     "test_another_job_does_not_resume_the_emergency_checkpoint",
+    "test_a_truncated_newer_checkpoint_is_passed_over_with_one_warning",
 )
 def _emergency_jobs(out: Path) -> dict:
     """A dead (rank 2) and a hung (rank 1) replica, side by side; then the same commands with ``resume="auto"`` (one
-    job of 3 replicas: both, the dead one's once more, another job's in a copy of its directory), the dead one's
-    checkpoint on 2 replicas, and on 1 in this process."""
+    job of 3 replicas: both, the dead one's once more, another job's in a copy of its directory, the dead one's in a
+    copy with a truncated newer last.ckpt), the dead one's checkpoint on 2 replicas, and on 1 in this process."""
     dead, hung = out / "dead", out / "hung"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         faults = list(pool.map(lambda a: _fault_job(*a), [(dead, "exit", 2), (hung, "hang", 1)]))
@@ -224,12 +225,15 @@ def _emergency_jobs(out: Path) -> dict:
     for name in ("dead", "hung"):  # as the failed jobs left them (the resumed fits replace them when they finish)
         if (out / name / "root/checkpoints/emergency.ckpt").exists():
             shutil.copy(out / name / "root/checkpoints/emergency.ckpt", out / f"{name}-emergency.ckpt")
-    for copy in ("on2", "on1", "other"):
+    for copy in ("on2", "on1", "other", "truncated"):
         shutil.copytree(dead / "root", out / copy / "root")
+    data = (dead / "root/checkpoints/emergency.ckpt").read_bytes()  # a later last.ckpt, cut short by a full disk
+    (out / "truncated/root/checkpoints/last.ckpt").write_bytes(data[: len(data) // 2])
     resume = [{**FIT, "root": str(folder / "root"), "resume": "auto"} for folder in (dead, hung)]
     # then the same command again (the dead job's: finished, it trains nothing), and another job (another lr) in a
     # copy of the dead job's directory (it does not resume that job's emergency checkpoint)
     resume += [resume[0], {**resume[0], "root": str(out / "other/root"), "lr": 0.5}]
+    resume += [{**resume[0], "root": str(out / "truncated/root")}]  # the emergency checkpoint past the truncated one
     on2_cfg = {**resume[0], "devices": 2, "root": str(out / "on2/root")}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         on3 = pool.submit(run_harness, "emergency", out / "on3", resume)
@@ -315,3 +319,18 @@ def test_another_job_does_not_resume_the_emergency_checkpoint(jobs):
     assert f"does not resume {ckpt}: it is another job's checkpoint (optimizer 0 group 0 lr 0.05 -> 0.5)" in output
     assert output.count("it is another job's checkpoint") == 1, output[-4000:]
     assert sorted(_steps(out / "on3" / "3")) == sorted(list(range(1, 16)) * 3)
+
+
+@pytest.mark.slow
+def test_a_truncated_newer_checkpoint_is_passed_over_with_one_warning(jobs):
+    """A ``last.ckpt`` cut short, written after the emergency checkpoint: one warning naming it (rank 0 decides for
+    every replica), and the fit resumes from the emergency checkpoint (steps 8-15, once on every replica)."""
+    result = jobs["emergency"]
+    out: Path = result["out"]
+    job = result["on3"]
+    assert job.returncode == 0, job.output[-4000:]
+    folder = out / "truncated/root/checkpoints"
+    assert job.output.count("it cannot be read") == 1, job.output[-4000:]
+    assert f"skips {folder / 'last.ckpt'}: it cannot be read (not a complete checkpoint archive" in job.output
+    assert f"resuming from {folder / 'emergency.ckpt'}" in job.output
+    assert sorted(_steps(out / "on3" / "4")) == sorted(list(range(FAULT_STEP + 1, 16)) * 3)
