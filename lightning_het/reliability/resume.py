@@ -52,6 +52,7 @@ class Candidate:
     job: Mapping[str, Any] | None = None
     global_batch_size: int | None = None
     error: str | None = None  # unreadable: the error's type and message
+    weights_only: bool = False  # no training state (``ModelCheckpoint(save_weights_only=True)``): not resumable
 
     @property
     def progress(self) -> tuple[int, int, float]:
@@ -126,6 +127,7 @@ def read_candidate(path: str) -> Candidate:
             mtime,
             record.get("job"),
             resumed_global_batch_size(record) if record else None,
+            weights_only="optimizer_states" not in checkpoint or "loops" not in checkpoint,
         )
     except Exception as err:  # truncated, not a checkpoint, unreadable: the next one is tried
         message = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
@@ -142,7 +144,7 @@ def choose_checkpoint(
     the unreadable ones (named when written after the chosen one). Pure."""
     choice, chosen = ResumeChoice(), None
     for candidate in sorted(candidates, key=lambda c: c.progress, reverse=True):
-        if candidate.error is not None:
+        if candidate.error is not None or candidate.weights_only:  # a weights-only file is not meant to resume
             continue
         differences = identity_differences(candidate.job, job)
         saved_batch = candidate.global_batch_size

@@ -303,6 +303,7 @@ def test_the_choice_follows_progress_past_unreadable_files_and_other_jobs():
         Candidate("b.ckpt", 20, 3, 10.0, other),
         Candidate("epoch=1-step=10.ckpt", 10, 1, 20.0, job),
         Candidate("last.ckpt", 10, 1, 25.0, job, global_batch_size=8),  # same step, written later
+        Candidate("weights.ckpt", 30, 5, 50.0, job, weights_only=True),  # ModelCheckpoint(save_weights_only=True)
     ]
     choice = choose_checkpoint(candidates, job, None)
     assert choice.path == "last.ckpt"
