@@ -53,6 +53,7 @@ from lightning_het.data.microbatch import DirectPieces, piece_collective
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
+    end_resume_quiet,
     node_optimizer_checkpoint,
     read_record,
     synchronize_before_save,
@@ -60,6 +61,7 @@ from lightning_het.reliability.checkpointing import (
 )
 from lightning_het.reliability.emergency import restore_rng
 from lightning_het.reliability.guards import Guards
+from lightning_het.reliability.identity import job_identity, trajectory_settings
 from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
 from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.supervision import validate_launch_environment
@@ -187,17 +189,28 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             self.balancer.reset()
             self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
-            self.guards.resume(trainer, config)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.balancer.check_normalisation(self.lightning_module)
         self.balancer.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
-        saves = fitting and resolve_comm_mode(config.comm, self.balancer.node_ids) != "node_local"  # no collective
+        mode = resolve_comm_mode(config.comm, self.balancer.node_ids) if fitting else None
+        if mode is not None:  # resume="auto": once the optimizers exist (the job's identity), before their restore
+            self._resume(trainer, mode)
+        saves = mode is not None and mode != "node_local"  # the emergency checkpoint needs no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
             settings = monitor_settings(config, self.global_rank, self.world_size, self.balancer.min_batch_size)
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)
+
+    def _resume(self, trainer: pl.Trainer, mode: str) -> None:
+        """This fit's job identity, and ``resume="auto"``'s restore (the comm mode's state, restored after the hooks
+        were registered)."""
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        settings = trajectory_settings(self.config, mode, trainer)
+        job = job_identity(self.lightning_module, self.optimizers, schedulers, settings)
+        if self.guards.resume(trainer, self.config, job, self.broadcast) and self.balancer.comm is not None:
+            self.balancer.comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
 
     @override
     def teardown(self) -> None:
@@ -206,6 +219,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         self.balancer.emulate_memory(None)
+        end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
 
@@ -316,6 +330,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._synchronize()  # a fit stopped mid-epoch (max_steps) still ends on one consensus model
+        self.guards.finish(self.lightning_module.trainer)  # this job's earlier emergency checkpoint: the end now
         if self.balancer.comm is not None:
             rank_zero_info(self.balancer.comm.summary())
 
@@ -370,7 +385,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_controller))  # node_local
 
     def _checkpoint_entry(self) -> dict[str, Any]:
-        return self.balancer.checkpoint_record(self._trainer())
+        return {**self.balancer.checkpoint_record(self._trainer()), "job": self.guards.job}  # job: its identity
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ __all__ = [
     "SamplerResume",
     "allocation_record",
     "apply_sampler_resume",
+    "end_resume_quiet",
     "node_optimizer_checkpoint",
     "plan_allocation",
     "plan_sampler_resume",
@@ -192,9 +193,25 @@ def apply_sampler_resume(
             f"HeterogeneousStrategy: resuming in the middle of epoch {plan.epoch}: the sampler skips the"
             f" {plan.skip_steps} global batch(es) already trained on"
         )
-        # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so that warning is wrong here
+        # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so that warning is wrong here:
+        # silenced until this fit's teardown (end_resume_quiet), not for the later Trainers of the process
         warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning)
+        _QUIET.append(warnings.filters[0])
     return plan
+
+
+_QUIET: list[Any] = []  # the warning filters apply_sampler_resume added, removed by end_resume_quiet
+
+
+def end_resume_quiet() -> None:
+    """Remove the filter :func:`apply_sampler_resume` added for Lightning's "not resumable" warning (at the fit's
+    teardown; nothing when none was added or a ``warnings.catch_warnings`` block has removed it already)."""
+    while _QUIET:
+        added = _QUIET.pop()
+        for index, entry in enumerate(warnings.filters):
+            if entry is added:
+                del warnings.filters[index]
+                break
 
 
 def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:

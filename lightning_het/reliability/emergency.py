@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import dump_checkpoint, loop_state, restore_checkpoint
+from lightning_het._compat import dump_checkpoint, loop_state
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 
 __all__ = [
@@ -32,9 +31,6 @@ __all__ = [
     "StepState",
     "agreed_writer",
     "attach_emergency",
-    "auto_resume",
-    "checkpoint_candidates",
-    "newest_checkpoint",
     "restore_rng",
     "rng_state",
     "wants_resume",
@@ -239,30 +235,6 @@ def wants_resume(resume: Any, environ: Any = None) -> bool:
     if resume is False:
         return False
     return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-
-
-def newest_checkpoint(paths: Sequence[str | None]) -> str | None:
-    """The most recently written of the existing files among ``paths`` (``None``: none exists)."""
-    found = [(os.path.getmtime(p), p) for p in dict.fromkeys(p for p in paths if p) if os.path.isfile(p)]
-    return max(found)[1] if found else None
-
-
-def auto_resume(trainer: Any, resume: Any, preemption_path: str) -> None:
-    """``resume="auto"`` (or a restarted elastic worker) and no ``ckpt_path``: load into ``trainer`` the newest of
-    :func:`checkpoint_candidates` (before the strategy's setup wraps the model)."""
-    if trainer.ckpt_path is not None or not wants_resume(resume):
-        return
-    path = newest_checkpoint(checkpoint_candidates(preemption_path))
-    if path is not None:
-        rank_zero_info(f"HeterogeneousStrategy: resuming from {path}")
-        restore_checkpoint(trainer, path)
-
-
-def checkpoint_candidates(preemption_path: str) -> list[str]:
-    """What ``resume="auto"`` looks at, beside the preemption checkpoint ``preemption_path``: the emergency
-    checkpoint, the ``last.ckpt`` there and the preemption checkpoint itself."""
-    folder = os.path.dirname(preemption_path)
-    return [os.path.join(folder, EMERGENCY_CHECKPOINT_NAME), os.path.join(folder, "last.ckpt"), preemption_path]
 
 
 def attach_emergency(

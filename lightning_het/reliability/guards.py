@@ -10,7 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency, auto_resume
+from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency
 from lightning_het.reliability.preemption import (
     PreemptibleStrategy,
     PreemptionHandler,
@@ -18,6 +18,7 @@ from lightning_het.reliability.preemption import (
     detach_preemption,
     preemption_path,
 )
+from lightning_het.reliability.resume import Candidate, auto_resume, retire_emergencies
 from lightning_het.reliability.supervision import LaunchingReplicas, attach_watchdog, start_watchdog, stop_watchdog
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
@@ -33,15 +34,27 @@ class Guards:
         self.watchdog: Watchdog | None = None
         self.preemption: PreemptionHandler | None = None
         self.emergency: EmergencyCheckpoint | None = None
+        self.job: dict[str, Any] | None = None  # this fit's identity, written into every checkpoint
+        self._emergencies: list[Candidate] = []  # this job's emergency checkpoints, retired when the fit ends
 
     def start(self, replicas: LaunchingReplicas, timeout: timedelta | float | None, trainer: Any) -> None:
         """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
         self.watchdog = start_watchdog(replicas, timeout, trainer)
 
-    def resume(self, trainer: Any, config: Any) -> None:
-        """Before a fit's setup: ``resume="auto"`` loads the newest emergency, ``last.ckpt`` or preemption
-        checkpoint into ``trainer``."""
-        auto_resume(trainer, config.resume, preemption_path(trainer, config.preemption_checkpoint))
+    def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
+        """Once the optimizers exist (``job``: this fit's identity): ``resume="auto"`` loads into ``trainer`` the
+        checkpoint of this job with the most progress in the run directory; whether it loaded one."""
+        self.job = job
+        path = preemption_path(trainer, config.preemption_checkpoint)
+        before = trainer.ckpt_path
+        self._emergencies = auto_resume(trainer, config.resume, path, job, config.global_batch_size, broadcast)
+        return trainer.ckpt_path != before
+
+    def finish(self, trainer: Any) -> None:
+        """At the end of training: a fit that reached its end replaces this job's earlier emergency checkpoints with
+        its finished state (every rank)."""
+        emergencies, self._emergencies = self._emergencies, []
+        retire_emergencies(trainer, emergencies)
 
     def attach(
         self, strategy: PreemptibleStrategy, trainer: Any, config: Any, record: Callable[[], dict], saves: bool

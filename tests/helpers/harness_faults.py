@@ -90,9 +90,9 @@ class CountingRegressor(FaultyRegressor):
 
 
 def emergency(out: Path, cfg: dict) -> None:
-    """``faulty``'s fit (``fault`` optional) into ``cfg["root"]`` (its checkpoints), with the strategy's ``resume``;
-    writes ``rank{r}.pt`` (weights, global step) when the fit ends. Under torchrun the replicas per node and the nodes
-    come from the environment (an elastic restart may have fewer), the speeds are equal."""
+    """``faulty``'s fit (``fault`` and ``lr`` optional) into ``cfg["root"]`` (its checkpoints), with the strategy's
+    ``resume``; writes ``rank{r}.pt`` (weights, global step) when the fit ends. Under torchrun the replicas per node
+    and the nodes come from the environment (an elastic restart may have fewer), the speeds are equal."""
     pl.seed_everything(0)
     devices, nodes = cfg.get("devices", 3), 1
     if "LOCAL_WORLD_SIZE" in os.environ:
@@ -104,6 +104,7 @@ def emergency(out: Path, cfg: dict) -> None:
     )
     model = CountingRegressor(out, cfg.get("fault", {"rank": -1, "step": -1}))
     model.step_sleep = cfg.get("step_sleep", 0.0)
+    model.lr = cfg.get("lr", model.lr)
     trainer.fit(model, DataLoader(make_dataset(cfg.get("n", 60)), batch_size=cfg.get("batch_size", 4), shuffle=True))
     record = {"state_dict": weights(model.net), "global_step": trainer.global_step, "world_size": trainer.world_size}
     save_rank(out, trainer.global_rank, record)

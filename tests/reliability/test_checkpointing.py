@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
+from lightning_het.reliability.identity import identity_differences, job_identity
+from lightning_het.reliability.resume import Candidate, checkpoint_candidates, choose_checkpoint
 from tests.helpers.harness import run_harness, split_output
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
 
@@ -204,6 +207,179 @@ def test_node_local_checkpoint_holds_the_consensus_model_without_a_sync():
     assert strategy.balancer.comm.calls == 1 and not state["net.0.weight"].any()
     assert module.net[0].weight.any()  # the module keeps its own weights
     synchronize_before_save(None, TinyRegressor())  # no controller: nothing to do
+
+
+# ---------------------------------------------------------------------------------------------------- resume="auto"
+class _CrashingRegressor(TinyRegressor):
+    """Raises in the training step at global step ``crash_at`` (a failure that leaves no emergency checkpoint)."""
+
+    def __init__(self, lr: float, crash_at: int) -> None:
+        super().__init__(lr=lr)
+        self.crash_at = crash_at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.crash_at:
+            raise RuntimeError("injected failure")
+        return super().training_step(batch, batch_idx)
+
+
+def _auto_fit(root: Path, *, lr: float = 0.05, resume="auto", ckpt: str | None = None, crash_at: int = -1,
+              save_every: int = 0, save_last: bool = False, **kwargs):  # fmt: skip
+    """One replica, 5 global batches of 8 per epoch, checkpoints in ``root/checkpoints`` (every epoch's end, or
+    every ``save_every`` steps); returns the model (``seen_batch_sizes``: one entry per step trained) and the
+    warnings."""
+    pl.seed_everything(0)
+    model = _CrashingRegressor(lr, crash_at)
+    every = (
+        {"every_n_train_steps": save_every} if save_every else {"every_n_epochs": 1, "save_on_train_epoch_end": True}
+    )
+    checkpoints = ModelCheckpoint(root / "checkpoints", "{epoch}-{step}", save_top_k=-1, save_last=save_last, **every)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=HeterogeneousStrategy(speeds=[1.0], global_batch_size=8, resume=resume, process_group_backend="gloo"),
+        logger=False,
+        callbacks=[checkpoints],
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(make_dataset(40), batch_size=4, shuffle=True), ckpt_path=ckpt)
+    ours = [str(w.message) for w in caught if "resume='auto'" in str(w.message)]
+    return model, trainer, ours
+
+
+def _emergency_at_step_7(root: Path, lr: float) -> Path:
+    """What a job that lost a replica after step 7 leaves in ``root``: ``emergency.ckpt`` of step 7 (the same
+    content as a ModelCheckpoint's, which the strategy writes through the same record)."""
+    _auto_fit(root, lr=lr, resume=None, save_every=7, max_steps=7)
+    emergency = root / "checkpoints" / "emergency.ckpt"
+    (root / "checkpoints" / "epoch=1-step=7.ckpt").rename(emergency)
+    for other in (root / "checkpoints").glob("epoch=*"):
+        other.unlink()
+    return emergency
+
+
+def test_the_job_identity_names_what_differs():
+    model = TinyRegressor()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    job = job_identity(model, [sgd], [], {"comm": "exact"})
+    assert job["optimizer 0"] == "SGD" and job["optimizer 0 group 0 lr"] == 0.1 and job["comm"] == "exact"
+    other = job_identity(model, [torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)], [], {"comm": "exact"})
+    assert identity_differences(job, other) == ["optimizer 0 group 0 lr 0.1 -> 0.5"]
+    assert identity_differences(job, job) == []
+    # a scheduler changes the live lr: its initial_lr is the configured one
+    scheduled = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda epoch: 0.5)
+    with_scheduler = job_identity(model, [scheduled], [scheduler], {"comm": "exact"})
+    assert with_scheduler["optimizer 0 group 0 lr"] == 0.1 and with_scheduler["scheduler 0"] == "LambdaLR"
+    bigger = job_identity(torch.nn.Linear(4, 2), [], [], {})
+    assert identity_differences(bigger, job_identity(torch.nn.Linear(4, 3), [], [], {}))[0].startswith("model 'Linear")
+    assert "no job identity" in identity_differences(None, job)[0]
+
+
+def test_candidates_are_every_checkpoint_of_the_run_directory_once(tmp_path):
+    folder = tmp_path / "logs" / "version_1" / "checkpoints"
+    earlier = tmp_path / "logs" / "version_0" / "checkpoints"
+    own = tmp_path / "own"
+    for path in (folder / "epoch=0-step=5.ckpt", earlier / "epoch=2-step=15.ckpt", own / "emergency.ckpt",
+                 own / "notes.txt"):  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    (own / "last.ckpt").symlink_to(own / "emergency.ckpt")
+    found = checkpoint_candidates(str(own / "last.ckpt"), [str(folder), None])
+    assert sorted(found) == sorted(map(str, [own / "last.ckpt", folder / "epoch=0-step=5.ckpt",
+                                             earlier / "epoch=2-step=15.ckpt"]))  # fmt: skip
+
+
+def test_the_choice_follows_progress_past_unreadable_files_and_other_jobs():
+    job = {"model": "m", "optimizer 0 group 0 lr": 0.1}
+    other = {**job, "optimizer 0 group 0 lr": 0.5}
+    candidates = [
+        Candidate("emergency.ckpt", 7, 1, 30.0, job),  # the newest file, but the least progress
+        Candidate("epoch=2-step=15.ckpt", mtime=40.0, error="RuntimeError: truncated"),
+        Candidate("old.ckpt", mtime=1.0, error="EOFError: "),  # written before the chosen one: not named
+        Candidate("b.ckpt", 20, 3, 10.0, other),
+        Candidate("epoch=1-step=10.ckpt", 10, 1, 20.0, job),
+        Candidate("last.ckpt", 10, 1, 25.0, job, global_batch_size=8),  # same step, written later
+        Candidate("weights.ckpt", 30, 5, 50.0, job, weights_only=True),  # ModelCheckpoint(save_weights_only=True)
+    ]
+    choice = choose_checkpoint(candidates, job, None)
+    assert choice.path == "last.ckpt"
+    assert [c.path for c in choice.unreadable] == ["epoch=2-step=15.ckpt"]
+    assert choice.foreign == [("b.ckpt", ["optimizer 0 group 0 lr 0.5 -> 0.1"])]
+    lines = choice.warnings()
+    assert len(lines) == 2 and "skips epoch=2-step=15.ckpt: it cannot be read (RuntimeError: truncated)" in lines[0]
+    assert "does not resume b.ckpt: it is another job's checkpoint (optimizer 0 group 0 lr 0.5 -> 0.1)" in lines[1]
+    # another global batch given explicitly: not an exact continuation of the checkpoint that recorded 8
+    assert choose_checkpoint(candidates, job, 16).path == "epoch=1-step=10.ckpt"
+    assert choose_checkpoint(candidates[1:4], job, None).path is None
+    assert len(choose_checkpoint(candidates[1:4], job, None).unreadable) == 2
+
+
+def test_auto_resume_does_not_resume_another_jobs_emergency_checkpoint(tmp_path):
+    """Job A (lr 0.1) leaves emergency.ckpt; job B (lr 0.5) in the same directory starts fresh, with one warning
+    naming the file and the setting, and ends where a fresh job B does."""
+    emergency = _emergency_at_step_7(tmp_path, lr=0.1)
+    job_b, trainer, warned = _auto_fit(tmp_path, lr=0.5, max_epochs=2)
+    assert len(job_b.seen_batch_sizes) == 10 and trainer.global_step == 10
+    assert len(warned) == 1 and f"does not resume {emergency}" in warned[0]
+    assert "optimizer 0 group 0 lr 0.1 -> 0.5" in warned[0] and "starting a fresh fit" in warned[0]
+    fresh, _, _ = _auto_fit(tmp_path / "fresh", lr=0.5, resume=None, max_epochs=2)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(fresh).values(), _weights(job_b).values()))
+    # the same job (lr 0.1) resumes it: the 3 steps after step 7
+    (tmp_path / "a" / "checkpoints").mkdir(parents=True)
+    shutil.copy(emergency, tmp_path / "a" / "checkpoints" / "emergency.ckpt")
+    job_a, trainer, warned = _auto_fit(tmp_path / "a", lr=0.1, max_epochs=2)
+    assert len(job_a.seen_batch_sizes) == 3 and trainer.global_step == 10 and warned == []
+
+
+def test_auto_resume_takes_the_checkpoint_with_the_most_progress_and_a_finished_job_trains_nothing(tmp_path):
+    """A failure at step 7 left emergency.ckpt; the run resumed from it then failed at step 12 without one (an
+    exception), after the epoch-end checkpoint of step 10: the next run continues from step 10, not the stale
+    step 7; once finished, running it again trains nothing and ends on the same weights."""
+    emergency = _emergency_at_step_7(tmp_path, lr=0.05)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _auto_fit(tmp_path, ckpt=str(emergency), crash_at=12, max_epochs=3)
+    assert (tmp_path / "checkpoints" / "epoch=1-step=10.ckpt").exists()
+    restarted, trainer, warned = _auto_fit(tmp_path, max_epochs=3)
+    assert len(restarted.seen_batch_sizes) == 5 and trainer.global_step == 15 and warned == []
+    again, trainer, warned = _auto_fit(tmp_path, max_epochs=3)
+    assert again.seen_batch_sizes == [] and trainer.global_step == 15 and warned == []
+    assert all(torch.equal(a, b) for a, b in zip(_weights(restarted).values(), _weights(again).values()))
+    assert _close(_weights(again), reference_weights(make_dataset(40), 8, epochs=3, seed=0))
+
+
+def test_auto_resume_falls_back_past_a_truncated_checkpoint_with_one_warning(tmp_path):
+    _auto_fit(tmp_path, resume=None, save_last=True, max_epochs=2)
+    folder = tmp_path / "checkpoints"
+    for name in ("last.ckpt", "epoch=1-step=10.ckpt"):  # a full disk: the newest files cut short
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: len(data) // 2])
+    resumed, trainer, warned = _auto_fit(tmp_path, max_epochs=3)
+    assert len(resumed.seen_batch_sizes) == 10 and trainer.global_step == 15  # from epoch 0's checkpoint
+    assert len(warned) == 2 and all("cannot be read (not a complete checkpoint archive" in line for line in warned)
+    assert {line.split(" skips ")[1].split(":")[0] for line in warned} == {
+        str(folder / "last.ckpt"), str(folder / "epoch=1-step=10.ckpt")}  # fmt: skip
+    assert _close(_weights(resumed), reference_weights(make_dataset(40), 8, epochs=3, seed=0))
+
+
+def test_a_mid_epoch_resume_leaves_lightnings_warning_to_later_trainers(tmp_path):
+    _fit(tmp_path, save_every=7, max_steps=7)
+    before = list(warnings.filters)
+    _fit(tmp_path / "resumed", ckpt=str(tmp_path / "step=7.ckpt"))  # silences it for its own resume
+    assert warnings.filters == before
+    # a later single-device Trainer resuming mid-epoch from a plain DataLoader still gets it
+    plain = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        plain.fit(TinyRegressor(), DataLoader(make_dataset(40), batch_size=8), ckpt_path=str(tmp_path / "step=7.ckpt"))
+    assert [w for w in caught if "ended before the epoch ended" in str(w.message)]
 
 
 # ---------------------------------------------------------------------------------------------------- real jobs

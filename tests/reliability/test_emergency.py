@@ -23,8 +23,6 @@ from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
     StepState,
     agreed_writer,
-    checkpoint_candidates,
-    newest_checkpoint,
     restore_rng,
     rng_state,
     wants_resume,
@@ -62,16 +60,6 @@ def test_resume_keyword():
     assert wants_resume("auto", {}) and not wants_resume(None, {})
     assert wants_resume(None, {"TORCHELASTIC_RESTART_COUNT": "1"})  # a restarted elastic worker resumes by itself
     assert not wants_resume(False, {"TORCHELASTIC_RESTART_COUNT": "1"})
-
-
-def test_newest_checkpoint(tmp_path):
-    candidates = checkpoint_candidates(str(tmp_path / "last.ckpt"))
-    assert candidates == [str(tmp_path / "emergency.ckpt"), str(tmp_path / "last.ckpt"), str(tmp_path / "last.ckpt")]
-    assert newest_checkpoint(candidates) is None
-    (tmp_path / "last.ckpt").write_text("x")
-    time.sleep(0.02)
-    (tmp_path / "emergency.ckpt").write_text("x")
-    assert newest_checkpoint(candidates) == str(tmp_path / "emergency.ckpt")
 
 
 def test_rng_state_round_trips_and_loads_with_weights_only(tmp_path):
@@ -217,19 +205,35 @@ def _fit_one(root: Path, out: Path) -> dict:
     return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
 
 
-@JOBS.job("emergency", "test_a_dead_or_hung_replica_leaves_a_checkpoint_the_fit_finishes_from_exactly")
+@JOBS.job(
+    "emergency",
+    "test_a_dead_or_hung_replica_leaves_a_checkpoint_the_fit_finishes_from_exactly",
+    "test_die_resume_and_run_again_trains_every_step_exactly_once",
+    "test_another_job_does_not_resume_the_emergency_checkpoint",
+    "test_a_truncated_newer_checkpoint_is_passed_over_with_one_warning",
+)
 def _emergency_jobs(out: Path) -> dict:
     """A dead (rank 2) and a hung (rank 1) replica, side by side; then the same commands with ``resume="auto"`` (one
-    job of 3 replicas), the dead one's checkpoint on 2 replicas, and on 1 in this process."""
+    job of 3 replicas: both, the dead one's once more, another job's in a copy of its directory, the dead one's in a
+    copy with a truncated newer last.ckpt), the dead one's checkpoint on 2 replicas, and on 1 in this process."""
     dead, hung = out / "dead", out / "hung"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         faults = list(pool.map(lambda a: _fault_job(*a), [(dead, "exit", 2), (hung, "hang", 1)]))
     result: dict = {"out": out, "dead": faults[0], "hung": faults[1]}
     if not (dead / "root/checkpoints/emergency.ckpt").exists():
         return result
-    for copy in ("on2", "on1"):
+    for name in ("dead", "hung"):  # as the failed jobs left them (the resumed fits replace them when they finish)
+        if (out / name / "root/checkpoints/emergency.ckpt").exists():
+            shutil.copy(out / name / "root/checkpoints/emergency.ckpt", out / f"{name}-emergency.ckpt")
+    for copy in ("on2", "on1", "other", "truncated"):
         shutil.copytree(dead / "root", out / copy / "root")
+    data = (dead / "root/checkpoints/emergency.ckpt").read_bytes()  # a later last.ckpt, cut short by a full disk
+    (out / "truncated/root/checkpoints/last.ckpt").write_bytes(data[: len(data) // 2])
     resume = [{**FIT, "root": str(folder / "root"), "resume": "auto"} for folder in (dead, hung)]
+    # then the same command again (the dead job's: finished, it trains nothing), and another job (another lr) in a
+    # copy of the dead job's directory (it does not resume that job's emergency checkpoint)
+    resume += [resume[0], {**resume[0], "root": str(out / "other/root"), "lr": 0.5}]
+    resume += [{**resume[0], "root": str(out / "truncated/root")}]  # the emergency checkpoint past the truncated one
     on2_cfg = {**resume[0], "devices": 2, "root": str(out / "on2/root")}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         on3 = pool.submit(run_harness, "emergency", out / "on3", resume)
@@ -260,7 +264,7 @@ def test_a_dead_or_hung_replica_leaves_a_checkpoint_the_fit_finishes_from_exactl
         assert f"replica(s) [{culprit}]" in job.output
         assert f"emergency checkpoint of global step {FAULT_STEP} (epoch 1)" in job.output, job.output[-4000:]
         assert f"saved to {ckpt} by rank 0" in job.output and "resume='auto'" in job.output
-        saved = torch.load(ckpt, weights_only=True)
+        saved = torch.load(out / f"{name}-emergency.ckpt", weights_only=True)
         assert saved["global_step"] == FAULT_STEP and saved["lightning_het"]["sampler"]["steps_done"] == 2
         assert set(saved) >= {"state_dict", "optimizer_states", "lr_schedulers", "loops", "lightning_het"}
         assert "rng" in saved["lightning_het"] and not list(ckpt.parent.glob("*.tmp"))
@@ -278,3 +282,55 @@ def test_a_dead_or_hung_replica_leaves_a_checkpoint_the_fit_finishes_from_exactl
         assert _distance(torch.load(out / "on2" / f"rank{rank}.pt")["state_dict"], reference) < 1e-5
     assert _distance(result["on1"], reference) < 1e-5
     assert _steps(out / "on1" / "fit") == list(range(FAULT_STEP + 1, 16))
+
+
+def _rank_steps(folder: Path, rank: int = 0) -> list[int]:
+    path = folder / f"steps_rank{rank}.txt"
+    return [int(line.split()[0]) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_die_resume_and_run_again_trains_every_step_exactly_once(jobs):
+    """A replica dies at step 7; the same command with resume="auto" finishes the fit; the same command once more
+    resumes the finished state and trains nothing (rank 0's steps of the three runs: 1..15, each once)."""
+    result = jobs["emergency"]
+    out: Path = result["out"]
+    assert result["on3"].returncode == 0, result["on3"].output[-4000:]
+    runs = [out / "dead", out / "on3" / "0", out / "on3" / "2"]
+    assert [len(_rank_steps(run)) for run in runs] == [FAULT_STEP, 15 - FAULT_STEP, 0]
+    assert [step for run in runs for step in _rank_steps(run)] == list(range(1, 16))
+    # the resumed fit, once finished, left its end in place of the emergency checkpoint it resumed
+    assert torch.load(out / "dead/root/checkpoints/emergency.ckpt", weights_only=True)["global_step"] == 15
+    assert _steps(out / "on3" / "2") == []  # no replica trained in the third run
+    reference = reference_weights(make_dataset(60), 12, epochs=3, seed=0)
+    for rank in range(3):
+        dump = torch.load(out / "on3" / "2" / f"rank{rank}.pt", weights_only=True)
+        assert dump["global_step"] == 15 and _distance(dump["state_dict"], reference) < 1e-5
+
+
+@pytest.mark.slow
+def test_another_job_does_not_resume_the_emergency_checkpoint(jobs):
+    """The same script with lr 0.5 in a copy of the dead job's directory: one warning naming the emergency checkpoint
+    and the lr, and a fresh fit (all 15 steps on every replica)."""
+    result = jobs["emergency"]
+    out: Path = result["out"]
+    output = result["on3"].output
+    ckpt = out / "other/root/checkpoints/emergency.ckpt"
+    assert f"does not resume {ckpt}: it is another job's checkpoint (optimizer 0 group 0 lr 0.05 -> 0.5)" in output
+    assert output.count("it is another job's checkpoint") == 1, output[-4000:]
+    assert sorted(_steps(out / "on3" / "3")) == sorted(list(range(1, 16)) * 3)
+
+
+@pytest.mark.slow
+def test_a_truncated_newer_checkpoint_is_passed_over_with_one_warning(jobs):
+    """A ``last.ckpt`` cut short, written after the emergency checkpoint: one warning naming it (rank 0 decides for
+    every replica), and the fit resumes from the emergency checkpoint (steps 8-15, once on every replica)."""
+    result = jobs["emergency"]
+    out: Path = result["out"]
+    job = result["on3"]
+    assert job.returncode == 0, job.output[-4000:]
+    folder = out / "truncated/root/checkpoints"
+    assert job.output.count("it cannot be read") == 1, job.output[-4000:]
+    assert f"skips {folder / 'last.ckpt'}: it cannot be read (not a complete checkpoint archive" in job.output
+    assert f"resuming from {folder / 'emergency.ckpt'}" in job.output
+    assert sorted(_steps(out / "on3" / "4")) == sorted(list(range(FAULT_STEP + 1, 16)) * 3)
