@@ -58,6 +58,8 @@ def profiled_split(
     [12, 36]
     """
     sizes = allocate_affine(global_batch, costs, **bounds)  # type: ignore[arg-type]
+    upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
+    sizes = monotone_split(sizes, costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
     mean_share_times = [cost(global_batch / len(costs)) for cost in costs]
     if imbalance(mean_share_times) < threshold or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
