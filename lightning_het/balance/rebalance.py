@@ -330,27 +330,26 @@ _CONFIDENCE = 1.5
 #: relative spread of one check's timings assumed until the checks themselves show theirs (a shared machine's)
 PRIOR_SPREAD = 0.25
 #: weight, in checks, of :data:`PRIOR_SPREAD` in the spread estimate
-_PRIOR_CHECKS = 2.0
+_PRIOR_CHECKS = 3.0
 #: a check's cost this many spreads away from a replica's smoothed one is a candidate change of that replica's speed
-_SHIFT_SPREADS = 2.0
-#: the mean of two checks confirms a change beyond this fraction of the single-check band (1.2 / sqrt(2) spreads)
+_SHIFT_SPREADS = 2.5
+#: the mean of two checks confirms a change beyond this fraction of the single-check band (about 2.1 spreads)
 _CONFIRM = 1.2 / math.sqrt(2.0)
 #: checks kept in a replica's smoothed cost (the oldest is dropped beyond)
 _WINDOW = 50
 
 
 class _Track:
-    """One replica's per-sample cost over the checks, in log space: a level (the mean since its last confirmed
-    change), the spread of a check around it, and a candidate change waiting for confirmation."""
+    """One replica's cost scale over the checks, in log space: a level (the mean since its last confirmed change) and
+    the spread of a check around it (pooled over the stretches between changes, from a prior)."""
 
-    __slots__ = ("previous", "square", "squares", "values", "weight")
+    __slots__ = ("pooled", "previous", "values")
 
     def __init__(self) -> None:
-        self.values: list[float] = []  # log per-sample seconds since the last confirmed change
-        self.squares = _PRIOR_CHECKS * PRIOR_SPREAD**2  # summed squared deviations, the prior included
-        self.weight = _PRIOR_CHECKS
+        self.values: list[float] = []  # log scales since the last confirmed change
+        #: squared deviations and degrees of freedom of the earlier stretches, the prior included
+        self.pooled = [_PRIOR_CHECKS * PRIOR_SPREAD**2, _PRIOR_CHECKS]
         self.previous: float | None = None  # the previous check's value
-        self.square = 0.0  # and its share of ``squares``
 
     @property
     def level(self) -> float:
@@ -358,7 +357,10 @@ class _Track:
 
     @property
     def spread(self) -> float:
-        return math.sqrt(self.squares / self.weight)
+        """Standard deviation of one check's log scale."""
+        level = self.level
+        squares = self.pooled[0] + sum((v - level) ** 2 for v in self.values)
+        return math.sqrt(squares / (self.pooled[1] + len(self.values) - 1))
 
     @property
     def error(self) -> float:
@@ -375,28 +377,23 @@ class _Track:
         spread = self.spread * math.sqrt(1.0 + 1.0 / len(self.values))  # of a check around the estimated level
         band = _SHIFT_SPREADS * spread
         deviation = x - level
-        square, earlier = min(deviation * deviation, (2.0 * band) ** 2), self.square  # a wild check: bounded
-        self.square = square
-        self.squares += square
-        self.weight += 1.0
         if (
             previous is not None
             and _beyond(previous - level, deviation, spread)
             and _beyond(0.5 * (previous + x) - level, deviation, band * _CONFIRM)
         ):
-            # two checks agree: the replica's speed changed; start afresh from them, and count their spread
-            # around each other, not around the level they left
-            self.values = [previous, x]
-            self.squares += 0.5 * (x - previous) ** 2 - square - earlier
-            self.square = 0.0
+            self._restart([previous, x])  # two checks agree: the replica's speed changed
         elif recent is not None and _beyond(recent - level, deviation, band):
-            self.values = [x]  # both halves of the epoch agree: a change, not a deviation
-            self.squares -= square
-            self.weight -= 1.0
-            self.square = 0.0
+            self._restart([x])  # both halves of the epoch agree
         elif abs(deviation) <= band:
             self.values = [*self.values, x][-_WINDOW:]
         # else: an outlier, kept out of the level (the next check may confirm it)
+
+    def _restart(self, values: list[float]) -> None:
+        level = self.level
+        self.pooled[0] += sum((v - level) ** 2 for v in self.values)
+        self.pooled[1] += len(self.values) - 1
+        self.values = values
 
 
 def _beyond(a: float, b: float, band: float) -> bool:
@@ -407,13 +404,15 @@ def _beyond(a: float, b: float, band: float) -> bool:
 class RebalancePolicy:
     """The rebalancing decision of one ``fit`` across its checks, pure: each replica's cost smoothed over the checks,
     a change of speed confirmed before it is followed, and a new split adopted only when its predicted gain, net of
-    the re-allocation's cost, exceeds the standard error of that gain (:func:`plan_rebalance`).
+    the re-allocation's cost, exceeds 1.5 standard errors of that gain (:func:`plan_rebalance`).
 
-    Every check's measured time gives a replica's per-sample cost (its profiled fixed cost kept); the smoothed cost
-    is the geometric mean since the replica's last confirmed change (at most the last 12 checks), its spread the
-    root mean square deviation of a check from it (from a prior of 10 % worth two checks). A check further than two
-    spreads from the smoothed cost is held back, and followed when the next check confirms it (or, given
-    ``recent_times``, the later half of the same epoch): the smoothed cost restarts from them.
+    A replica's cost keeps the shape of its profiled cost (``costs``; proportional to the batch without) and only its
+    scale is measured: each check's time over that cost at the batch it ran. The smoothed scale is the geometric mean
+    since the replica's last confirmed change (at most the last 50 checks), its spread the standard deviation of one
+    check around it, pooled over the stretches between changes (from a prior of 25 % worth three checks). A check
+    further than 2.5 spreads from it is kept out; when the next check confirms it (or, given ``recent_times``, the
+    later half of the same epoch), the replica changed speed and its scale restarts from them. A re-allocation costs
+    ``reallocation_cost_steps`` step times (the training loader rebuilt), repaid over the steps to the next check.
 
     >>> policy = RebalancePolicy()
     >>> policy.check([8, 8], [0.1, 0.3], steps_per_check=50).batch_sizes

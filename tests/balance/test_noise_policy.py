@@ -60,9 +60,22 @@ def monitor_decision():
     return decide
 
 
-def previous_decision(sizes, measured, profiled):
-    """How the monitor decided before: each check alone, with the profiled fixed costs."""
-    return plan_rebalance(sizes, measured, fixed_costs=[c.fixed_s for c in profiled])
+def previous_decision():
+    """How the monitor decided before: each check alone, with the profiled fixed costs, the secant through an earlier
+    epoch at another size and the previous epoch's times (the inputs it gave ``plan_rebalance``)."""
+    history: list[tuple[list[int], list[float]]] = []
+
+    def decide(sizes, measured, profiled):
+        last = history[-1][1] if history and history[-1][0] == list(sizes) else None
+        previous = []
+        for r, b in enumerate(sizes):
+            earlier = [(s[r], t[r]) for s, t in reversed(history) if s[r] != b]
+            previous.append(earlier[0] if earlier else None)
+        history.append((list(sizes), list(measured)))
+        fixed = [c.fixed_s for c in profiled]
+        return plan_rebalance(sizes, measured, fixed_costs=fixed, previous=previous, last_times=last)
+
+    return decide
 
 
 class _Strategy:
@@ -107,7 +120,7 @@ def test_a_lasting_slowdown_moves_it_within_two_checks(seed):
 
 def test_each_check_alone_follows_the_noise():
     """What the simulation guards against: deciding on each check alone re-allocated most epochs."""
-    moves, _, _ = simulate(0, previous_decision)
+    moves, _, _ = simulate(0, previous_decision())
     assert len(moves) > 10, moves
 
 
