@@ -124,6 +124,11 @@ class _Marks:
     ready: Any = None  # the local backward's end (compute stream), if seen
     spans: list[tuple[Any, Any]] = field(default_factory=list)  # (local backward done, backward returned)
 
+    @property
+    def last(self) -> Any:
+        """The step's last mark (the next step's start once it began): complete means all of them are."""
+        return self.next_start if self.next_start is not None else self.end
+
 
 def _cpu_seconds(device: torch.device | None) -> Callable[[], float] | None:
     """The process CPU clock for a CPU replica, ``None`` for an accelerator (its work is synchronised wall time)."""
@@ -281,7 +286,7 @@ class StepClock:
     def _read_completed(self) -> None:
         """Book the closed steps whose events the device has completed, oldest first (no synchronisation)."""
         timer = self._timer
-        while self._pending and timer.done(self._pending[0].next_start or self._pending[0].end):
+        while self._pending and timer.done(self._pending[0].last):
             self._book(self._pending.pop(0))
 
     def _book(self, marks: _Marks) -> None:
