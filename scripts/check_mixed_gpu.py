@@ -19,6 +19,11 @@ What it does, each job in its own process group (Lightning's ``popen`` launcher,
    rank 0 (CUDA synchronised), median over the timed steps, after warm-up; the allocation comes from the strategy's
    profiler, as in real use.
 
+4. **sync**: the GPU + CPU throughput job again, counting ``torch.cuda.synchronize`` calls (the function wrapped in
+   the GPU replica) between batch ends: with telemetry on, the step clock times a GPU step with CUDA events and must
+   not synchronise the device per step (pass: 0 per step); and the profiled split must give the GPU replica more
+   samples than any CPU replica (a step timed with the gradient all-reduce's wait would make them look equally fast).
+
 Exit status: 0 when every job ran and exactness passed, 1 when a job failed or exactness failed, 2 without a GPU.
 Paste the printed Markdown table into ``docs/mixed_devices.md`` ("Measured speed-up"), with the machine line.
 """
@@ -48,7 +53,7 @@ from lightning_het.cluster.rendezvous import free_port
 
 EXACT_SAMPLES, EXACT_BATCH, EXACT_EPOCHS, EXACT_FEATURES, EXACT_LR = 192, 24, 2, 16, 0.05
 IMAGE_POOL = 4096  # distinct synthetic images; the dataset indexes them modulo the pool
-JOBS = ("exactness", "gpu_only", "cpu_only", "gpu+cpu", "memory")
+JOBS = ("exactness", "gpu_only", "cpu_only", "gpu+cpu", "memory", "sync")
 
 
 # --------------------------------------------------------------------------- models and data (driver and workers)
@@ -123,14 +128,26 @@ def run_worker(cfg: dict[str, Any], out: Path) -> None:
             if cfg.get("gpu_memory_fraction") and self.device.type == "cuda":  # a small card: real OOM errors
                 torch.cuda.set_per_process_memory_fraction(cfg["gpu_memory_fraction"], self.device)
 
+    syncs: list[int] = [0]  # torch.cuda.synchronize calls so far (the sync job)
+    if cfg.get("count_syncs"):
+        real_synchronize = torch.cuda.synchronize
+
+        def counting_synchronize(*args: Any, **kwargs: Any) -> None:
+            syncs[0] += 1
+            real_synchronize(*args, **kwargs)
+
+        torch.cuda.synchronize = counting_synchronize
+
     class StepClock(pl.Callback):
         def __init__(self) -> None:
             self.ends: list[float] = []
+            self.syncs: list[int] = []
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
-            if module.device.type == "cuda":
+            if module.device.type == "cuda" and not cfg.get("count_syncs"):  # counting: no synchronisation of ours
                 torch.cuda.synchronize(module.device)
             self.ends.append(time.perf_counter())
+            self.syncs.append(syncs[0])
 
     if cfg["kind"] == "exact":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -174,6 +191,7 @@ def run_worker(cfg: dict[str, Any], out: Path) -> None:
         "profile_seconds": s.profile_seconds,
         "global_step": trainer.global_step,
         "step_ends": clock.ends,
+        "syncs_at_batch_end": clock.syncs,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     torch.save({k: v.detach().cpu() for k, v in model.net.state_dict().items()}, out / f"rank{rank}.pt")
@@ -238,6 +256,23 @@ def throughput(records: list[dict[str, Any]], warmup: int, global_batch: int) ->
         "threads": [r["threads"] for r in records],
         "backend": records[0]["backend"],
         "profile_seconds": max(r["profile_seconds"] for r in records),
+    }
+
+
+def sync_check(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Synchronisations per step of rank 0 (the GPU replica) after the warm-up, and its share of the profiled split
+    against the CPU replicas'."""
+    counts = records[0]["syncs_at_batch_end"][warmup:]
+    if len(counts) < 2:
+        raise RuntimeError("no timed steps were recorded")
+    per_step = (counts[-1] - counts[0]) / (len(counts) - 1)
+    sizes = records[0]["batch_sizes"]
+    return {
+        "syncs_per_step": per_step,
+        "timed_steps": len(counts) - 1,
+        "batch_sizes": sizes,
+        "devices": records[0]["devices"],
+        "passed": per_step == 0 and sizes[0] > max(sizes[1:]),
     }
 
 
@@ -385,6 +420,23 @@ def main(argv: list[str] | None = None) -> int:
                 f" median step {row['median_step_ms']:.1f} ms"
             )
             print(memory_line, flush=True)
+    # 4. sync: device synchronisations per step of the GPU replica, and its profiled share beside the CPU replicas
+    sync_line = "Synchronisations: skipped (--only)"
+    if "sync" in wanted:
+        cfg = {**common, "kind": "throughput", "device_map": [gpu, *cpus], "global_batch": args.global_batch}
+        cfg["count_syncs"] = True
+        job_records = attempt("sync", cfg)
+        sync_line = "Synchronisations: the job FAILED (see results.json)"
+        if job_records is not None:
+            results["sync"] = row = sync_check(job_records, args.warmup)
+            sync_line = (
+                f"Synchronisations (GPU + CPU, telemetry on): {row['syncs_per_step']:.2f} torch.cuda.synchronize per"
+                f" step on the GPU replica over {row['timed_steps']} steps; profiled split {row['batch_sizes']}"
+                f" ({'pass' if row['passed'] else 'FAIL'})"
+            )
+            print(sync_line, flush=True)
+            if not row["passed"]:
+                failures["sync"] = sync_line
     base = measured["gpu_only"]["samples_per_s"] if "gpu_only" in measured else None
     for row in measured.values():
         row["speedup_vs_gpu_only"] = row["samples_per_s"] / base if base else None
@@ -416,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {', '.join(row['device_map'])} | {row['batch_sizes']} | {row['threads']} | {row['backend']}"
             f" | {row['samples_per_s']:.0f} | {row['median_step_ms']:.1f} | {speedup} |"
         )
-    lines += ["", memory_line]
+    lines += ["", memory_line, "", sync_line]
     if "ideal_speedup" in measured.get("gpu+cpu", {}):
         lines += ["", f"Ideal GPU+CPU speed-up (sum of the two alone): {measured['gpu+cpu']['ideal_speedup']:.3f}"]
     if simulated:

@@ -338,7 +338,7 @@ class Balancer:
         fit = self._fit
         assert fit is not None
 
-        def clock() -> tuple[int, float] | None:
+        def clock() -> tuple[int, Any] | None:
             step_clock = fit.clock()
             return None if step_clock is None else step_clock.open_step()
 

@@ -1,4 +1,8 @@
-"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation."""
+"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation.
+
+The clock reads a device timer: the host clock on CPU, CUDA events on a GPU (:class:`EventTimer`: recorded on the
+compute stream, read once complete, so the step path never synchronises the device).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from torch import Tensor
 
 from lightning_het._compat import queue_backward_callback
 
-__all__ = ["EpochTimings", "StepClock", "emulate_slower_device"]
+__all__ = ["EpochTimings", "EventTimer", "HostTimer", "StepClock", "device_timer", "emulate_slower_device"]
 
 
 @dataclass
@@ -53,6 +57,79 @@ def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = 
     return max(delay, 0.0)
 
 
+class HostTimer:
+    """Marks are host clock readings, complete when taken (a CPU replica's work is done when its call returns)."""
+
+    lazy = False
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def done(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        return None
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class EventTimer:
+    """Marks are CUDA events (``enable_timing=True``) recorded on the current stream, the one the step's kernels run
+    on: a mark completes when the device has run everything queued before it. :meth:`done` asks without blocking
+    (``Event.query``); only :meth:`wait` blocks, and the clock calls it where a synchronisation happens anyway (an
+    epoch's gather, the profiler's agreement), never per step.
+
+    Args:
+        event: makes an unrecorded event (default ``torch.cuda.Event(enable_timing=True)``); tests pass a fake.
+    """
+
+    lazy = True
+
+    def __init__(self, event: Callable[[], Any] | None = None) -> None:
+        self._event = event if event is not None else (lambda: torch.cuda.Event(enable_timing=True))
+
+    def mark(self) -> Any:
+        event = self._event()
+        event.record()
+        return event
+
+    def done(self, mark: Any) -> bool:
+        return bool(mark.query())
+
+    def wait(self, mark: Any) -> None:
+        mark.synchronize()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end)) / 1e3
+
+
+def device_timer(device: torch.device | None, slowdown: float = 1.0) -> HostTimer | EventTimer:
+    """The timer of a replica on ``device``: CUDA events on a GPU, unless the slowdown is emulated (the emulation
+    stretches each phase as it ends, so it needs its duration then: the host clock after a synchronisation)."""
+    if device is not None and device.type == "cuda" and slowdown == 1.0:
+        return EventTimer()
+    return HostTimer()
+
+
+@dataclass
+class _Marks:
+    """One step's marks on an :class:`EventTimer`, read once they are complete."""
+
+    batch: int
+    start: Any
+    end: Any
+    next_start: Any = None
+    ready: Any = None  # the local backward's end (compute stream), if seen
+    spans: list[tuple[Any, Any]] = field(default_factory=list)  # (local backward done, backward returned)
+
+    @property
+    def last(self) -> Any:
+        """The step's last mark (the next step's start once it began): complete means all of them are."""
+        return self.next_start if self.next_start is not None else self.end
+
+
 def _cpu_seconds(device: torch.device | None) -> Callable[[], float] | None:
     """The process CPU clock for a CPU replica, ``None`` for an accelerator (its work is synchronised wall time)."""
     return time.process_time if device is None or device.type == "cpu" else None
@@ -73,22 +150,37 @@ class StepClock:
         "_end",
         "_hook",
         "_inner",
+        "_lazy",
         "_open",
+        "_pending",
         "_ready",
         "_start",
         "_step_batch",
+        "_timer",
         "_timings",
         "_wait",
         "record",
         "slowdown",
     )
 
-    def __init__(self, slowdown: float = 1.0, record: bool = True, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        slowdown: float = 1.0,
+        record: bool = True,
+        device: torch.device | None = None,
+        timer: HostTimer | EventTimer | None = None,
+    ) -> None:
         if not math.isfinite(slowdown) or slowdown < 1.0:
             raise ValueError(f"Expected argument `slowdown` to be a finite number >= 1, but got {slowdown!r}.")
         self.slowdown = float(slowdown)
         self.record = record
-        self._device = device if device is not None and device.type == "cuda" else None
+        self._timer = timer if timer is not None else device_timer(device, self.slowdown)
+        if self._timer.lazy and self.slowdown != 1.0:
+            raise ValueError("A lazy device timer cannot emulate a slowdown: pass `slowdown=1.0`.")
+        # the emulation on a GPU: the host clock, after synchronising the device (emulation only)
+        self._device = device if device is not None and device.type == "cuda" and not self._timer.lazy else None
+        self._lazy: _Marks | None = None  # the open step's marks (lazy timer)
+        self._pending: list[_Marks] = []  # closed steps whose marks are not all complete yet
         self._cpu = _cpu_seconds(device) if self.slowdown != 1.0 else None
         self._cpu_start = self._cpu_inner = self._backward_call_cpu = self._backward_start_cpu = 0.0
         self._timings = EpochTimings()
@@ -106,6 +198,14 @@ class StepClock:
 
     def step_start(self, batch_size: int) -> None:
         """A training batch starts (``training_step`` entry); closes the previous step."""
+        if self._timer.lazy:
+            mark = self._timer.mark()
+            if self._lazy is not None:
+                self._lazy.next_start = mark
+                self._pending.append(self._lazy)
+            self._lazy = _Marks(int(batch_size), mark, mark)
+            self._read_completed()  # the previous steps' events, as far as the device has run them
+            return
         now = self._now()
         if self._open:
             self._close(now - self._start)
@@ -118,6 +218,9 @@ class StepClock:
 
     def forward_end(self) -> None:
         """``training_step`` returned: emulate the slower forward pass."""
+        if self._lazy is not None:
+            self._lazy.end = self._timer.mark()
+            return
         if not self._open:
             return
         now = self._now()
@@ -129,6 +232,8 @@ class StepClock:
 
     def before_backward(self, loss: Tensor) -> None:
         """``backward(loss)`` is about to run: hook the loss to catch the end of local gradient computation."""
+        if self._lazy is not None:
+            self._lazy.ready = None
         self._backward_call = time.perf_counter()
         if self._cpu is not None:
             self._backward_call_cpu = self._cpu()
@@ -138,10 +243,16 @@ class StepClock:
 
     def after_backward(self) -> None:
         """``backward`` returned (gradients synchronised): book the wait."""
-        now = self._now()
         if self._hook is not None:  # a retained graph backwarded again must not fire this step's hook
             self._hook.remove()
             self._hook = None
+        marks = self._lazy
+        if marks is not None:
+            after = self._timer.mark()  # after the gradient synchronisation queued on the compute stream
+            marks.spans.append((marks.ready if marks.ready is not None else after, after))
+            marks.end = after
+            return
+        now = self._now()
         ready = self._ready if self._ready is not None else now
         self._wait += max(now - ready, 0.0)
         self._inner += now - self._backward_call
@@ -149,14 +260,55 @@ class StepClock:
             self._cpu_inner += self._cpu() - self._backward_call_cpu
         self._end = now
 
-    def open_step(self) -> tuple[int, float] | None:
-        """The open step's batch size and compute seconds so far (wait left out), or ``None``."""
+    def open_step(self) -> tuple[int, float | Callable[[], float]] | None:
+        """The open step's batch size and compute seconds so far (wait left out), or ``None``. With a lazy timer the
+        seconds come as a function to call later, where a synchronisation happens anyway (it waits for the step's
+        last event): reading them now would synchronise the device every step."""
+        marks = self._lazy
+        if marks is not None:
+            end, spans = marks.end, list(marks.spans)
+
+            def seconds() -> float:
+                self._timer.wait(end)
+                return self._busy(marks.start, end, spans)[0]
+
+            return marks.batch, seconds
         if not self._open:
             return None
         return self._step_batch, max(self._end - self._start - self._wait, 0.0)
 
+    def _busy(self, start: Any, end: Any, spans: list[tuple[Any, Any]]) -> tuple[float, float]:
+        """Compute and wait seconds of a step's marks (all complete)."""
+        seconds = self._timer.seconds
+        wait = sum(max(seconds(ready, after), 0.0) for ready, after in spans)
+        return max(seconds(start, end) - wait, 0.0), wait
+
+    def _read_completed(self) -> None:
+        """Book the closed steps whose events the device has completed, oldest first (no synchronisation)."""
+        timer = self._timer
+        while self._pending and timer.done(self._pending[0].last):
+            self._book(self._pending.pop(0))
+
+    def _book(self, marks: _Marks) -> None:
+        busy, wait = self._busy(marks.start, marks.end, marks.spans)
+        step = self._timer.seconds(marks.start, marks.next_start) if marks.next_start is not None else busy + wait
+        if self.record:
+            t = self._timings
+            t.compute_s.append(busy)
+            t.wait_s.append(wait)
+            t.step_s.append(max(step, busy + wait))
+            t.batch_sizes.append(marks.batch)
+
     def flush(self) -> EpochTimings:
-        """Close the open step and hand over (and forget) everything recorded so far."""
+        """Close the open step and hand over (and forget) everything recorded so far (a lazy timer waits for the
+        last step's events here: call it where the job synchronises anyway, e.g. an epoch's gather)."""
+        if self._lazy is not None:
+            self._pending.append(self._lazy)
+            self._lazy = None
+            self._timer.wait(self._pending[-1].end)
+            for marks in self._pending:
+                self._book(marks)
+            self._pending = []
         if self._open:
             self._close(self._end - self._start)
             self._open = False
@@ -170,6 +322,9 @@ class StepClock:
         queue_backward_callback(self._on_local_backward_done)
 
     def _on_local_backward_done(self) -> None:
+        if self._lazy is not None:  # on the compute stream: the gradient all-reduces in flight are not waited for
+            self._lazy.ready = self._timer.mark()
+            return
         now = self._now()
         if self.slowdown != 1.0:
             cpu = self._cpu() - self._backward_start_cpu if self._cpu is not None else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_het._compat import on_flavour
 from lightning_het.balance.clock import EpochTimings, StepClock
 from lightning_het.balance.history import TelemetryHistory, gather_timings
-from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, is_check_epoch, plan_rebalance
+from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 
 __all__ = [
@@ -87,6 +86,13 @@ class BalanceMonitor:
         self.every_n_epochs = settings.every_n_epochs
         self.threshold = settings.threshold
         self.min_gain = settings.min_gain
+        #: the decision across this fit's checks (smoothed costs, confirmed changes, gain net of the rebuild)
+        self.policy = RebalancePolicy(
+            threshold=settings.threshold if settings.threshold is not None else DEFAULT_THRESHOLD,
+            min_gain=settings.min_gain,
+            min_batch_size=settings.min_batch_size,
+            max_batch_sizes=list(settings.max_batch_sizes) if settings.max_batch_sizes else None,
+        )
         self.report_paths: dict[str, Path] = {}
         self._saved_reload_every: int | None = None
         self._gathered_epoch: int | None = None  # the last epoch gathered at its last batch
@@ -101,6 +107,7 @@ class BalanceMonitor:
         if self.clock is not None:
             self.clock.flush()
         self.history = TelemetryHistory()
+        self.policy.reset()
         self.report_paths = {}
         self._gathered_epoch = self._pending_epoch = None
 
@@ -161,18 +168,13 @@ class BalanceMonitor:
         if strategy.profiling or list(summary.get("batch_sizes", sizes)) != list(sizes):
             # still profiling, or the epoch mostly ran other splits: its medians do not describe `sizes`
             return False
-        decision = plan_rebalance(
+        steps = max(summary["steps"]) * (self.every_n_epochs or 1) if summary.get("steps") else None
+        decision = self.policy.check(
             sizes,
             times,
-            threshold=self.threshold if self.threshold is not None else DEFAULT_THRESHOLD,
-            min_gain=self.min_gain,
-            min_batch_size=self.settings.min_batch_size,
-            max_batch_sizes=list(self.settings.max_batch_sizes) if self.settings.max_batch_sizes else None,
-            fixed_costs=[c.fixed_s for c in cost_model] if cost_model else None,
-            previous=self._previous_points(sizes),
-            last_times=self._last_times(sizes),
+            costs=list(cost_model) if cost_model else None,
             recent_times=summary.get("compute_recent_s"),
-            micro_batch_sizes=[c.micro_batch for c in cost_model] if cost_model else None,
+            steps_per_check=steps,
         )
         self.history.record_check(decision.as_dict(), epoch=epoch, global_step=trainer.global_step, old=sizes)
         if not decision.adopt:
@@ -185,30 +187,6 @@ class BalanceMonitor:
             f" {decision.batch_sizes} ({decision.reason})"
         )
         return True
-
-    def _last_times(self, sizes: Sequence[int]) -> list[float] | None:
-        """Median compute seconds of the previous epoch if it ran the same ``sizes``, else ``None``."""
-        if len(self.history.epochs) < 2:
-            return None
-        before = self.history.epochs[-2]
-        times = before["compute_s"]
-        if list(before["batch_sizes"]) != list(sizes) or not all(math.isfinite(t) and t > 0 for t in times):
-            return None
-        return [float(t) for t in times]
-
-    def _previous_points(self, sizes: Sequence[int]) -> list[tuple[int, float] | None]:
-        """Per replica, ``(batch size, median seconds)`` of the latest earlier epoch at another size, or ``None``."""
-        out: list[tuple[int, float] | None] = []
-        earlier = self.history.epochs[:-1]
-        for r, b in enumerate(sizes):
-            point = None
-            for epoch in reversed(earlier):
-                size, t = epoch["batch_sizes"][r], epoch["compute_s"][r]
-                if size != b and size > 0 and math.isfinite(t) and t > 0:
-                    point = (int(size), float(t))
-                    break
-            out.append(point)
-        return out
 
     def _request_reload(self, trainer: Any) -> None:
         """Make the fit loop rebuild the training loader when the next epoch starts (restored afterwards)."""

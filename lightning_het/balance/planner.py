@@ -120,7 +120,7 @@ def start_profiler(
     rank: int,
     world_size: int,
     device: torch.device,
-    clock: Callable[[], tuple[int, float] | None],
+    clock: Callable[[], tuple[int, float | Callable[[], float]] | None],
     on_agreed: Callable[[list[AffineCost], list[int]], None],
     trainer: Any,
     loop_prefetch: int = 1,

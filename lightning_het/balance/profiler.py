@@ -202,7 +202,7 @@ class InLoopProfiler:
         rank: int,
         world_size: int,
         device: torch.device,
-        clock: Callable[[], tuple[int, float] | None],
+        clock: Callable[[], tuple[int, float | Callable[[], float]] | None],
         adopt: Callable[[list[AffineCost], list[int]], None],
     ) -> None:
         self.plan = plan
@@ -217,7 +217,8 @@ class InLoopProfiler:
         self._anchors: dict[int, tuple[int, int]] = {}
         self._trained = 0  # training steps ended since the plan started
         self.samplers: list[Any] = []  # the training samplers following the plan (one per training loader)
-        self._compute: list[float] = []  # this replica's compute seconds of steps 0 .. gather_step
+        #: this replica's compute seconds of steps 0 .. gather_step (a device timer's: a function, until read)
+        self._compute: list[Any] = []
         self._sizes: list[int] = []  # and its batch sizes
         self.rough: list[int] | None = None  # the rough split the trials centre on (after the warm-up)
         self.done = False
@@ -275,20 +276,29 @@ class InLoopProfiler:
         if self.done:
             return
         measured = self._clock()
-        self._compute.append(measured[1] if measured is not None and measured[1] > 0 else math.nan)
+        self._compute.append(measured[1] if measured is not None else math.nan)  # read at the agreements
         self._sizes.append(measured[0] if measured is not None else 0)
         if n == self.plan.rough_step:
             self._agree_rough()
         if n == self.plan.gather_step:
             self._finish()
 
+    def _read(self) -> None:
+        """Read the steps' compute seconds: a device timer's come as functions, called here, at an agreement (one
+        wait for the last step's events, not one synchronisation per step)."""
+        for i, value in enumerate(self._compute):
+            seconds = value() if callable(value) else value
+            self._compute[i] = seconds if math.isfinite(seconds) and seconds > 0 else math.nan
+
     def _agree_rough(self) -> None:
+        self._read()
         warm = [t for t in self._compute[: self.plan.warmup] if math.isfinite(t)]
         local = self.plan.equal[self.rank] / min(warm) if warm else 1.0
         speeds = [r[0] for r in _all_gather([local], self.world_size, self.device)]
         self.rough = allocate_batch_sizes(self.global_batch_size, speeds, **self._bounds)
 
     def _finish(self) -> None:
+        self._read()
         plan, rank = self.plan, self.rank
         stages: dict[int, list[StepTiming]] = {}
         cap = self.micro_cap()

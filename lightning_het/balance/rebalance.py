@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from lightning_het.balance.allocation import allocate_batch_sizes, positive_finite
-from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
+from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
 
 __all__ = [
     "DEFAULT_MIN_GAIN",
     "DEFAULT_SURGE",
     "DEFAULT_THRESHOLD",
+    "REALLOCATION_COST_STEPS",
     "RebalanceDecision",
+    "RebalancePolicy",
     "imbalance",
     "is_check_epoch",
+    "monotone_split",
     "plan_rebalance",
     "predicted_step_time",
     "profiled_split",
@@ -29,6 +33,8 @@ DEFAULT_THRESHOLD = 1.1
 DEFAULT_MIN_GAIN = 0.03
 #: rise of the slowest replica's time since the previous epoch (same batch sizes) that is confirmed before acting
 DEFAULT_SURGE = 1.25
+#: what a re-allocation costs (the training loader rebuilt, its workers restarted), in step times
+REALLOCATION_COST_STEPS = 2.0
 
 
 def profiled_split(
@@ -52,10 +58,33 @@ def profiled_split(
     [12, 36]
     """
     sizes = allocate_affine(global_batch, costs, **bounds)  # type: ignore[arg-type]
+    upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
+    sizes = monotone_split(sizes, costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
     mean_share_times = [cost(global_batch / len(costs)) for cost in costs]
     if imbalance(mean_share_times) < threshold or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
         return equal
+    return sizes
+
+
+def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], upper: Sequence[int]) -> list[int]:
+    """``batch_sizes`` with no replica holding fewer samples than one it is faster than (its cost lower at every
+    size), swapping two replicas' sizes where the bounds ``upper`` allow.
+
+    >>> monotone_split([10, 30], costs_from_speeds([2, 1]), [40, 40])
+    [30, 10]
+    """
+    sizes = [int(b) for b in batch_sizes]
+    order = sorted(range(len(sizes)), key=lambda r: (costs[r].per_sample_s, costs[r].fixed_s, r))
+    for _ in range(len(sizes)):
+        changed = False
+        for i, j in itertools.pairwise(order):  # i is at least as fast per sample as j
+            faster = costs[i].fixed_s <= costs[j].fixed_s and costs[i].per_sample_s <= costs[j].per_sample_s
+            if faster and sizes[i] < sizes[j] and sizes[j] <= upper[i]:
+                sizes[i], sizes[j] = sizes[j], sizes[i]
+                changed = True
+        if not changed:
+            break
     return sizes
 
 
@@ -189,8 +218,16 @@ def plan_rebalance(
     recent_times: Sequence[float] | None = None,
     surge: float = DEFAULT_SURGE,
     micro_batch_sizes: Sequence[int | None] | None = None,
+    uncertainty: Sequence[float] | None = None,
+    reallocation_cost: float = 0.0,
 ) -> RebalanceDecision:
     """Decide whether to re-allocate the global batch from measured busy times, with hysteresis.
+
+    With ``uncertainty`` (each replica's relative standard error of ``compute_times``, as :class:`RebalancePolicy`
+    estimates it from the spread of its checks), a proposal is adopted when its predicted gain, less
+    ``reallocation_cost`` (the re-allocation's cost as a fraction of the time until the next check), exceeds
+    ``min_gain`` plus the standard error of that gain; without it, when the gain survives a ``noise`` error on every
+    replica's time (:func:`robust_step_ratio`).
 
     >>> d = plan_rebalance([8, 8], [0.1, 0.3])
     >>> d.adopt, d.batch_sizes
@@ -210,6 +247,18 @@ def plan_rebalance(
         raise ValueError(f"Expected argument `noise` to be in [0, 1), but got {noise!r}.")
     if not math.isfinite(surge) or surge <= 1.0:
         raise ValueError(f"Expected argument `surge` to be a finite number > 1, but got {surge!r}.")
+    if not math.isfinite(reallocation_cost) or reallocation_cost < 0.0:
+        raise ValueError(
+            f"Expected argument `reallocation_cost` to be a finite number >= 0, but got {reallocation_cost!r}."
+        )
+    errors = None
+    if uncertainty is not None:
+        errors = [float(u) for u in uncertainty]
+        if len(errors) != len(sizes) or not all(math.isfinite(u) and u >= 0.0 for u in errors):
+            raise ValueError(
+                f"Expected argument `uncertainty` to hold one finite number >= 0 per replica ({len(sizes)}), but got"
+                f" {list(uncertainty)}."
+            )
     last = positive_finite("last_times", last_times, len(sizes)) if last_times is not None else None
     recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
     speeds = speeds_from_step_times(sizes, times)
@@ -226,10 +275,21 @@ def plan_rebalance(
         upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
         trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
         proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
+        proposal = monotone_split(proposal, costs, trusted)
         new_times = [c(b) for c, b in zip(costs, proposal)]
     predicted = max(new_times)
     gain = 1.0 - predicted / current
-    robust_gain = 1.0 - _robust_ratio(times, new_times, noise)
+    if errors is None:
+        robust_gain = 1.0 - _robust_ratio(times, new_times, noise) - reallocation_cost
+        doubt = f"{robust_gain:.1%} with +-{noise:.1%} timing error < {min_gain:.1%}"
+    else:  # the standard error of the gain: the current slowest replica's and that of those given more samples
+        growing = max((e for e, b, b_new in zip(errors, sizes, proposal) if b_new > b), default=0.0)
+        spread = _CONFIDENCE * (predicted / current) * math.hypot(errors[times.index(current)], growing)
+        robust_gain = gain - reallocation_cost - spread
+        doubt = (
+            f"{gain - reallocation_cost:.1%} net of a re-allocation's cost of {reallocation_cost:.1%}, below"
+            f" {max(min_gain, spread):.1%} (the least gain, or {_CONFIDENCE} standard errors of the gain)"
+        )
     slowest = times.index(current)
     rise = current / last[slowest] if last is not None else 1.0
     recent_rise = recent[slowest] / last[slowest] if last is not None and recent is not None else rise
@@ -243,11 +303,10 @@ def plan_rebalance(
         )
     elif proposal == sizes:
         adopt, reason = False, f"imbalance {ratio:.3f}, but the best allocation is the current one"
-    elif robust_gain < min_gain:
+    elif (robust_gain < min_gain) if errors is None else (gain - reallocation_cost < max(min_gain, spread)):
         adopt, reason = (
             False,
-            f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {robust_gain:.1%} with"
-            f" +-{noise:.1%} timing error < {min_gain:.1%}",
+            f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}",
         )
     else:
         adopt, reason = True, f"imbalance {ratio:.3f} >= {threshold:.3f}, predicted gain {gain:.1%}"
@@ -264,3 +323,177 @@ def plan_rebalance(
         reason=reason,
         costs=[c.as_dict() for c in costs] if costs is not None else None,
     )
+
+
+#: standard errors by which a gain must exceed its doubt (about 93 % one-sided)
+_CONFIDENCE = 1.5
+#: relative spread of one check's timings assumed until the checks themselves show theirs (a shared machine's)
+PRIOR_SPREAD = 0.25
+#: weight, in checks, of :data:`PRIOR_SPREAD` in the spread estimate
+_PRIOR_CHECKS = 3.0
+#: a check's cost this many spreads away from a replica's smoothed one is a candidate change of that replica's speed
+_SHIFT_SPREADS = 2.5
+#: the mean of two checks confirms a change beyond this fraction of the single-check band (about 2.1 spreads)
+_CONFIRM = 1.2 / math.sqrt(2.0)
+#: checks kept in a replica's smoothed cost (the oldest is dropped beyond)
+_WINDOW = 50
+
+
+class _Track:
+    """One replica's cost scale over the checks, in log space: a level (the mean since its last confirmed change) and
+    the spread of a check around it (pooled over the stretches between changes, from a prior)."""
+
+    __slots__ = ("pooled", "previous", "values")
+
+    def __init__(self) -> None:
+        self.values: list[float] = []  # log scales since the last confirmed change
+        #: squared deviations and degrees of freedom of the earlier stretches, the prior included
+        self.pooled = [_PRIOR_CHECKS * PRIOR_SPREAD**2, _PRIOR_CHECKS]
+        self.previous: float | None = None  # the previous check's value
+
+    @property
+    def level(self) -> float:
+        return sum(self.values) / len(self.values)
+
+    @property
+    def spread(self) -> float:
+        """Standard deviation of one check's log scale."""
+        level = self.level
+        squares = self.pooled[0] + sum((v - level) ** 2 for v in self.values)
+        return math.sqrt(squares / (self.pooled[1] + len(self.values) - 1))
+
+    @property
+    def error(self) -> float:
+        """Relative standard error of the level."""
+        return self.spread / math.sqrt(len(self.values))
+
+    def add(self, x: float, recent: float | None) -> None:
+        """Book one check's log scale ``x`` (``recent``: that of the later half of its epoch, if known)."""
+        previous, self.previous = self.previous, x
+        if not self.values:
+            self.values.append(x)
+            return
+        level = self.level
+        spread = self.spread * math.sqrt(1.0 + 1.0 / len(self.values))  # of a check around the estimated level
+        band = _SHIFT_SPREADS * spread
+        deviation = x - level
+        if (
+            previous is not None
+            and _beyond(previous - level, deviation, spread)
+            and _beyond(0.5 * (previous + x) - level, deviation, band * _CONFIRM)
+        ):
+            self._restart([previous, x])  # two checks agree: the replica's speed changed
+        elif recent is not None and _beyond(recent - level, deviation, band):
+            self._restart([x])  # both halves of the epoch agree
+        elif abs(deviation) <= band:
+            self.values = [*self.values, x][-_WINDOW:]
+        # else: an outlier, kept out of the level (the next check may confirm it)
+
+    def _restart(self, values: list[float]) -> None:
+        level = self.level
+        self.pooled[0] += sum((v - level) ** 2 for v in self.values)
+        self.pooled[1] += len(self.values) - 1
+        self.values = values
+
+
+def _beyond(a: float, b: float, band: float) -> bool:
+    """Whether deviations ``a`` and ``b`` lie on the same side, both further than ``band``."""
+    return a * b > 0 and min(abs(a), abs(b)) > band
+
+
+class RebalancePolicy:
+    """The rebalancing decision of one ``fit`` across its checks, pure: each replica's cost smoothed over the checks,
+    a change of speed confirmed before it is followed, and a new split adopted only when its predicted gain, net of
+    the re-allocation's cost, exceeds 1.5 standard errors of that gain (:func:`plan_rebalance`).
+
+    A replica's cost keeps the shape of its profiled cost (``costs``; proportional to the batch without) and only its
+    scale is measured: each check's time over that cost at the batch it ran. The smoothed scale is the geometric mean
+    since the replica's last confirmed change (at most the last 50 checks), its spread the standard deviation of one
+    check around it, pooled over the stretches between changes (from a prior of 25 % worth three checks). A check
+    further than 2.5 spreads from it is kept out; when the next check confirms it (or, given ``recent_times``, the
+    later half of the same epoch), the replica changed speed and its scale restarts from them. A re-allocation costs
+    ``reallocation_cost_steps`` step times (the training loader rebuilt), repaid over the steps to the next check.
+
+    >>> policy = RebalancePolicy()
+    >>> policy.check([8, 8], [0.1, 0.3], steps_per_check=50).batch_sizes
+    [12, 4]
+    >>> policy.check([12, 4], [0.14, 0.1], steps_per_check=50).adopt  # rank 0 slower by a third: not confirmed yet
+    False
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        min_gain: float = DEFAULT_MIN_GAIN,
+        reallocation_cost_steps: float = REALLOCATION_COST_STEPS,
+        min_batch_size: int = 1,
+        max_batch_sizes: Sequence[int] | None = None,
+    ) -> None:
+        if not math.isfinite(reallocation_cost_steps) or reallocation_cost_steps < 0:
+            raise ValueError(
+                f"Expected argument `reallocation_cost_steps` to be a finite number >= 0, but got"
+                f" {reallocation_cost_steps!r}."
+            )
+        self.threshold = threshold
+        self.min_gain = min_gain
+        self.reallocation_cost_steps = float(reallocation_cost_steps)
+        self.min_batch_size = min_batch_size
+        self.max_batch_sizes = list(max_batch_sizes) if max_batch_sizes is not None else None
+        self._tracks: list[_Track] = []
+        self._shape: list[AffineCost] | None = None
+
+    def reset(self) -> None:
+        """Forget every check (a new ``fit``)."""
+        self._tracks, self._shape = [], None
+
+    def check(
+        self,
+        batch_sizes: Sequence[int],
+        compute_times: Sequence[float],
+        *,
+        costs: Sequence[AffineCost] | None = None,
+        recent_times: Sequence[float] | None = None,
+        steps_per_check: int | None = None,
+    ) -> RebalanceDecision:
+        """Book one check's median busy times (at ``batch_sizes``) and decide.
+
+        Args:
+            batch_sizes: the split the checked epoch ran.
+            compute_times: every replica's median busy seconds per step in it.
+            costs: the replicas' profiled costs (their shape is kept: only their scale is measured); ``None``:
+                seconds proportional to the batch size.
+            recent_times: the medians of the later half of the epoch, if known: a change seen in both halves is
+                followed at once.
+            steps_per_check: the steps a new split runs until the next check, over which its gain must repay the
+                re-allocation's cost (``reallocation_cost_steps`` steps); ``None``: unknown, the cost left out.
+        """
+        sizes = [int(b) for b in batch_sizes]
+        times = positive_finite("compute_times", compute_times, len(sizes))
+        recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
+        if self._shape is None or len(self._shape) != len(sizes):
+            self._shape = list(costs) if costs is not None else costs_from_speeds([1.0] * len(sizes))
+            self._tracks = [_Track() for _ in sizes]
+        shape = self._shape
+        for r, (track, cost, b) in enumerate(zip(self._tracks, shape, sizes)):
+            late = math.log(recent[r] / cost(b)) if recent is not None else None
+            track.add(math.log(times[r] / cost(b)), late)
+        smoothed = [_scaled(c, math.exp(t.level)) for c, t in zip(shape, self._tracks)]
+        return plan_rebalance(
+            sizes,
+            [c(b) for c, b in zip(smoothed, sizes)],
+            threshold=self.threshold,
+            min_gain=self.min_gain,
+            min_batch_size=self.min_batch_size,
+            max_batch_sizes=self.max_batch_sizes,
+            fixed_costs=[c.fixed_s for c in smoothed],
+            micro_batch_sizes=[c.micro_batch for c in smoothed],
+            uncertainty=[t.error for t in self._tracks],
+            reallocation_cost=0.0
+            if steps_per_check is None
+            else self.reallocation_cost_steps / max(steps_per_check, 1),
+        )
+
+
+def _scaled(cost: AffineCost, factor: float) -> AffineCost:
+    return AffineCost(cost.fixed_s * factor, cost.per_sample_s * factor, cost.micro_batch)

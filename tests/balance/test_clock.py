@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_het.balance import clock as clock_module
-from lightning_het.balance.clock import StepClock, emulate_slower_device
+from lightning_het.balance.clock import EventTimer, StepClock, emulate_slower_device
 from tests.helpers.tiny import burn
 
 
@@ -151,3 +151,132 @@ class TestEmulateSlowerDevice:
     def test_factor_one_never_sleeps(self, monkeypatch):
         monkeypatch.setattr(clock_module.time, "sleep", lambda s: pytest.fail(f"slept {s}"))
         assert emulate_slower_device(1.0, 0.5, 0.5) == 0.0
+
+
+class _FakeDevice:
+    """A device whose one stream runs queued work only when told (:meth:`run`), as a GPU runs behind the host."""
+
+    def __init__(self) -> None:
+        self.queued = 0.0  # seconds of work queued so far (the stream's end)
+        self.ran = 0.0  # seconds of it the device has run
+        self.event_waits = 0
+
+    def queue(self, seconds: float) -> None:
+        self.queued += seconds
+
+    def run(self, until: float | None = None) -> None:
+        self.ran = self.queued if until is None else min(until, self.queued)
+
+
+class _FakeEvent:
+    """``torch.cuda.Event(enable_timing=True)`` on :class:`_FakeDevice`: records the stream's end; complete once run."""
+
+    def __init__(self, device: _FakeDevice) -> None:
+        self.device, self.at = device, None
+
+    def record(self) -> None:
+        self.at = self.device.queued
+
+    def query(self) -> bool:
+        return self.device.ran >= self.at
+
+    def synchronize(self) -> None:
+        self.device.event_waits += 1
+        self.device.run(max(self.device.ran, self.at))
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.query() and end.query(), "elapsed_time of an event the device has not reached"
+        return (end.at - self.at) * 1e3
+
+
+class _QueuedBackward(torch.autograd.Function):
+    """Identity whose backward queues ``seconds`` of kernels on the fake device (the host does not wait)."""
+
+    @staticmethod
+    def forward(ctx, x, device, seconds):
+        ctx.device, ctx.seconds = device, seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.device.queue(ctx.seconds)
+        return grad, None, None
+
+
+def _device_step(clock: StepClock, device: _FakeDevice, forward_s: float, backward_s: float, allreduce_s: float):
+    """One step as on a GPU with NCCL: kernels queued, not waited for; DDP's end-of-backward callback (queued after
+    the clock's) makes the compute stream wait for the bucket all-reduces, which wait for the slowest replica."""
+    clock.step_start(4)
+    device.queue(forward_s)
+    w = torch.ones(3, requires_grad=True)
+    w.register_hook(
+        lambda grad: torch.autograd.Variable._execution_engine.queue_callback(lambda: device.queue(allreduce_s))
+    )
+    loss = _QueuedBackward.apply(w, device, backward_s).sum()
+    clock.forward_end()
+    clock.before_backward(loss)
+    loss.backward()
+    clock.after_backward()
+
+
+class TestEventTimer:
+    """The GPU step clock, on a fake device: durations from events, read a step late, no synchronisation per step."""
+
+    @pytest.fixture
+    def no_synchronize(self, monkeypatch):
+        calls: list[object] = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(a))
+        return calls
+
+    def test_compute_excludes_the_allreduce_and_is_read_one_step_late(self, no_synchronize):
+        device = _FakeDevice()
+        clock = StepClock(timer=EventTimer(lambda: _FakeEvent(device)))
+        for _ in range(4):
+            _device_step(clock, device, forward_s=0.03, backward_s=0.02, allreduce_s=0.05)
+            device.run(until=device.queued - 0.01)  # the device runs behind the host: the step's tail is pending
+            assert device.event_waits == 0
+        t = clock.flush()  # the epoch's gather: one wait for the last events
+        assert device.event_waits == 1 and no_synchronize == []
+        assert len(t) == 4 and t.batch_sizes == [4] * 4
+        assert t.compute_s == pytest.approx([0.05] * 4)  # forward + local backward; the all-reduce wait left out
+        assert t.wait_s == pytest.approx([0.05] * 4)
+        assert t.step_s == pytest.approx([0.10] * 4)
+
+    def test_a_gpu_replica_never_synchronises_per_step(self, monkeypatch, no_synchronize):
+        """The clock of a replica on ``cuda``, as the strategy builds it (events faked: no GPU here)."""
+        device = _FakeDevice()
+        monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(device))
+        clock = StepClock(device=torch.device("cuda", 0))
+        for _ in range(5):
+            _device_step(clock, device, 0.02, 0.02, 0.01)
+            device.run()
+        assert no_synchronize == []  # four device synchronisations per step before
+        assert clock.flush().compute_s == pytest.approx([0.04] * 5)
+
+    def test_steps_are_booked_once_the_device_has_run_them(self, no_synchronize):
+        device = _FakeDevice()
+        clock = StepClock(timer=EventTimer(lambda: _FakeEvent(device)))
+        _device_step(clock, device, 0.03, 0.02, 0.0)
+        _device_step(clock, device, 0.03, 0.02, 0.0)  # the device has run nothing yet: step 0 stays pending
+        device.run()
+        _device_step(clock, device, 0.03, 0.02, 0.0)  # steps 0 and 1 complete: booked at this step's start
+        t = clock.flush()
+        assert len(t) == 3 and t.compute_s == pytest.approx([0.05] * 3)
+        assert device.event_waits == 1 and no_synchronize == []
+
+    def test_open_step_is_read_at_the_agreement(self, no_synchronize):
+        device = _FakeDevice()
+        clock = StepClock(record=False, timer=EventTimer(lambda: _FakeEvent(device)))
+        _device_step(clock, device, 0.01, 0.03, 0.02)
+        batch, seconds = clock.open_step()
+        assert batch == 4 and callable(seconds) and device.event_waits == 0  # nothing read at the step's end
+        assert seconds() == pytest.approx(0.04) and device.event_waits == 1  # read when the profiler agrees
+
+    def test_gpu_picks_events_and_emulation_the_host_clock(self):
+        from lightning_het.balance.clock import HostTimer, device_timer
+
+        assert isinstance(device_timer(torch.device("cuda", 0)), EventTimer)
+        assert isinstance(device_timer(torch.device("cuda", 0), slowdown=2.0), HostTimer)
+        assert isinstance(device_timer(torch.device("cpu")), HostTimer)
+        with pytest.raises(ValueError, match=r"`slowdown=1\.0`"):
+            StepClock(slowdown=2.0, timer=EventTimer(lambda: None))

@@ -318,3 +318,29 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(inloop_job)
         assert len(set(again[rank]["seen_batch_sizes"][2:6])) == 2  # then the trial splits
         state = full[rank]["state_dict"]
         assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)
+
+
+def test_a_device_timers_steps_are_read_at_the_agreements_only(monkeypatch) -> None:
+    """On a GPU the clock hands each step's compute seconds as a function (reading them waits for the step's events):
+    the profiler calls them at its two agreements, not at every step's end."""
+    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), list(v)])
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    true_cost = AffineCost(0.001, 0.0001)
+    reads: list[int] = []
+    steps = iter(range(plan.gather_step + 1))
+
+    def clock():
+        n = next(steps)
+        size = plan.split(n, [16, 16])[0]
+        return size, lambda: reads.append(n) or true_cost(size)
+
+    profiler = InLoopProfiler(plan, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: None)
+    sampler = ProportionalDistributedSampler(list(range(320)), [16, 16], 0)
+    profiler.bind(sampler)
+    for k in range(plan.gather_step + 1):
+        sampler.step_batch_sizes(k)
+        profiler.on_train_batch_end(0, k)
+        agreed = k in (plan.rough_step, plan.gather_step)
+        assert len(reads) == (k + 1 if agreed else (plan.rough_step + 1 if k > plan.rough_step else 0)), (k, reads)
+    assert sorted(reads) == list(range(plan.gather_step + 1))  # each step read once
+    assert profiler.costs[0].per_sample_s == pytest.approx(1e-4)
