@@ -58,6 +58,19 @@ def test_spawn_parent_sees_allocation():
     assert trainer.strategy.node_ids == [0, 0]
 
 
+def test_fork_started_fit_then_validate():
+    """``start_method="fork"`` (what ``ddp_fork`` and ``ddp_notebook`` map to): a second Trainer call forks its replicas
+    from a process whose launcher still lists the first call's workers, which are not the new replicas' children."""
+    pl.seed_everything(0)
+    strategy = HeterogeneousStrategy(speeds=[1, 3], start_method="fork", process_group_backend="gloo")
+    trainer = quiet_trainer(2, strategy, max_epochs=1, num_sanity_val_steps=0)
+    model = TinyRegressor()
+    trainer.fit(model, DataLoader(make_dataset(40), batch_size=4))
+    assert trainer.strategy.batch_sizes == [2, 6]
+    results = trainer.validate(model, DataLoader(make_dataset(20, seed=99), batch_size=4))
+    assert len(results) == 1 and math.isfinite(results[0]["val/mse"])
+
+
 def test_single_device_runs_whole_batch_and_matches_reference():
     pl.seed_everything(0)
     model = TinyRegressor()

@@ -34,6 +34,7 @@ from lightning_het._compat import (
     stop_child_process_observers,
 )
 from lightning_het.config import DEFAULT_GRACE
+from lightning_het.reliability.processes import launched_replicas
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -418,7 +419,7 @@ def attach_preemption(
     from lightning.pytorch.trainer.states import TrainerFn
 
     def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
-        return list(getattr(strategy.launcher, "procs", None) or [])
+        return launched_replicas(strategy.launcher)
 
     handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
     fitting = trainer.state.fn == TrainerFn.FITTING
