@@ -34,6 +34,10 @@ class Guards:
         self.preemption: PreemptionHandler | None = None
         self.emergency: EmergencyCheckpoint | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a spawn launch, a pickled Trainer): the running parts stay in their process."""
+        return {"watchdog": None, "preemption": None, "emergency": None}
+
     def start(self, replicas: LaunchingReplicas, timeout: timedelta | float | None, trainer: Any) -> None:
         """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
         self.watchdog = start_watchdog(replicas, timeout, trainer)

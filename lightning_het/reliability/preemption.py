@@ -116,6 +116,12 @@ class PreemptionHandler:
         self._next_agreement = 0  # the optimizer step of the next agreement
         self._last_agreement: tuple[int, float] | None = None  # (step, time.monotonic()) of the last one
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionHandler:
+        """Not copied (this process's signal handlers, their lock and reader thread):
+        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
+        group."""
+        return self
+
     @property
     def installed(self) -> bool:
         return self._pipe is not None
