@@ -313,7 +313,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._synchronize()  # a fit stopped mid-epoch (max_steps) still ends on one consensus model
-        if self.balancer.comm is not None:
+        if self.balancer.comm is not None and self.world_size > 1:  # one replica communicates nothing
             rank_zero_info(self.balancer.comm.summary())
 
     @override
