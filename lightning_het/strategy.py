@@ -331,7 +331,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
         super().on_train_end()
         self._synchronize()  # a fit stopped mid-epoch (max_steps) still ends on one consensus model
         self.guards.finish(self.lightning_module.trainer)  # this job's earlier emergency checkpoint: the end now
-        if self.balancer.comm is not None:
+        if self.balancer.comm is not None and self.world_size > 1:  # one replica communicates nothing
             rank_zero_info(self.balancer.comm.summary())
 
     @override

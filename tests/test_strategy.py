@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import threading
@@ -56,6 +57,60 @@ def test_spawn_parent_sees_allocation():
     assert trainer.strategy.batch_sizes == [2, 6]
     assert trainer.strategy.speeds == [1.0, 3.0]
     assert trainer.strategy.node_ids == [0, 0]
+
+
+def test_fork_started_fit_then_validate():
+    """``start_method="fork"`` (what ``ddp_fork`` and ``ddp_notebook`` map to): a second Trainer call forks its replicas
+    from a process whose launcher still lists the first call's workers, which are not the new replicas' children."""
+    pl.seed_everything(0)
+    strategy = HeterogeneousStrategy(speeds=[1, 3], start_method="fork", process_group_backend="gloo")
+    trainer = quiet_trainer(2, strategy, max_epochs=1, num_sanity_val_steps=0)
+    model = TinyRegressor()
+    trainer.fit(model, DataLoader(make_dataset(40), batch_size=4))
+    assert trainer.strategy.batch_sizes == [2, 6]
+    results = trainer.validate(model, DataLoader(make_dataset(20, seed=99), batch_size=4))
+    assert len(results) == 1 and math.isfinite(results[0]["val/mse"])
+
+
+class _DeepCopies(pl.Callback):
+    """Deep-copies the trainer's callbacks (the default progress bar holds the trainer, so its strategy too) and the
+    strategy at the end of each fit and evaluation, in every replica, while the strategy's guards are running."""
+
+    def _copy(self, trainer: pl.Trainer) -> None:
+        callbacks = copy.deepcopy(trainer.callbacks)
+        assert [type(c) for c in callbacks] == [type(c) for c in trainer.callbacks]
+        assert copy.deepcopy(trainer.strategy).batch_sizes == trainer.strategy.batch_sizes
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._copy(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._copy(trainer)
+
+
+def test_trainer_callbacks_and_strategy_deep_copy_before_during_and_after_a_run(tmp_path):
+    """``copy.deepcopy(trainer.callbacks)`` (what Lightning's tests and tools such as tuners do) and
+    ``copy.deepcopy(strategy)``: before setup, in every replica of a 2-replica fit while the watchdog, the preemption
+    handler and the emergency checkpoint run, and after the fit; the default progress bar and checkpointing."""
+    pl.seed_everything(0)
+    strategy = HeterogeneousStrategy(speeds=[1, 3], start_method="fork", process_group_backend="gloo")
+    assert copy.deepcopy(strategy).config.speeds == [1.0, 3.0]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, default_root_dir=tmp_path, logger=False,
+        enable_model_summary=False, callbacks=[_DeepCopies()],
+    )  # fmt: skip
+    copy.deepcopy(trainer.callbacks)
+    copy.deepcopy(trainer.strategy)
+    trainer.fit(TinyRegressor(), DataLoader(make_dataset(40), batch_size=4), DataLoader(make_dataset(8), batch_size=4))
+    assert [type(c) for c in copy.deepcopy(trainer.callbacks)] == [type(c) for c in trainer.callbacks]
+    assert copy.deepcopy(trainer.strategy).batch_sizes == [2, 6]
+    # one replica (no launch): the fit runs in this process, its guards are this process's
+    one = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(process_group_backend="gloo"), max_epochs=1,
+        default_root_dir=tmp_path / "one", logger=False, enable_model_summary=False, callbacks=[_DeepCopies()],
+    )  # fmt: skip
+    one.fit(TinyRegressor(), DataLoader(make_dataset(40), batch_size=4), DataLoader(make_dataset(8), batch_size=4))
+    assert [type(c) for c in copy.deepcopy(one.callbacks)] == [type(c) for c in one.callbacks]
 
 
 def test_single_device_runs_whole_batch_and_matches_reference():

@@ -301,7 +301,8 @@ class Balancer:
         self.adopt(batch_sizes, speeds)
         log_resumed_allocation(resume, resume_record, batch_sizes)  # re-balanced or reused on resume
         if self.profiler is None:
-            rank_zero_info(self.table(fit.labels))
+            if world > 1:  # one replica: nothing is balanced, nothing to show
+                rank_zero_info(self.table(fit.labels))
         else:
             plan = self.profiler.plan
             rank_zero_info(

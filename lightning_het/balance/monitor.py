@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -251,7 +251,12 @@ def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
 def attach_monitor(
     strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
 ) -> BalanceMonitor | None:
-    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``."""
+    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``.
+
+    One replica balances nothing: no telemetry (no ``het/*`` metrics in the loggers, no balance report files), so a
+    one-device run moved to this strategy logs what it logged before."""
+    if strategy.world_size < 2:
+        settings = replace(settings, record=False)
     if not settings.active:
         return None
     if monitor is None or monitor.settings != settings:

@@ -170,7 +170,7 @@ class CommController:
                 **common,
             )
         self._grad_bytes: int | None = None
-        if rank == 0:
+        if rank == 0 and len(self._node_ids) > 1:  # one replica communicates nothing
             log.info("lightning-het comm=%r%s over %s", mode, self._algorithm.describe(), describe_topology(node_ids))
 
     @property

@@ -113,6 +113,12 @@ class EmergencyCheckpoint:
         self._claim = threading.Lock()
         self._finished = threading.Event()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
+        """Not copied (the lock that orders this process's parameter updates and saves):
+        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
+        group."""
+        return self
+
     @contextlib.contextmanager
     def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
         """Wrap an optimizer step: the returned closure takes the lock once the user's closure (forward, backward,

@@ -37,6 +37,10 @@ class Guards:
         self.job: dict[str, Any] | None = None  # this fit's identity, written into every checkpoint
         self._emergencies: list[Candidate] = []  # this job's emergency checkpoints, retired when the fit ends
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a spawn launch, a pickled Trainer): the running parts stay in their process."""
+        return {"watchdog": None, "preemption": None, "emergency": None}
+
     def start(self, replicas: LaunchingReplicas, timeout: timedelta | float | None, trainer: Any) -> None:
         """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
         self.watchdog = start_watchdog(replicas, timeout, trainer)

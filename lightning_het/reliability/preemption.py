@@ -34,6 +34,7 @@ from lightning_het._compat import (
     stop_child_process_observers,
 )
 from lightning_het.config import DEFAULT_GRACE
+from lightning_het.reliability.processes import launched_replicas
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -114,6 +115,12 @@ class PreemptionHandler:
         self._preempting = False
         self._next_agreement = 0  # the optimizer step of the next agreement
         self._last_agreement: tuple[int, float] | None = None  # (step, time.monotonic()) of the last one
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionHandler:
+        """Not copied (this process's signal handlers, their lock and reader thread):
+        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
+        group."""
+        return self
 
     @property
     def installed(self) -> bool:
@@ -418,7 +425,7 @@ def attach_preemption(
     from lightning.pytorch.trainer.states import TrainerFn
 
     def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
-        return list(getattr(strategy.launcher, "procs", None) or [])
+        return launched_replicas(strategy.launcher)
 
     handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
     fitting = trainer.state.fn == TrainerFn.FITTING

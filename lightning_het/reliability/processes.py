@@ -19,11 +19,20 @@ __all__ = [
     "exit_job",
     "kill_children",
     "kill_pids",
+    "launched_replicas",
     "process_alive",
 ]
 
 _PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
 _PR_SET_PDEATHSIG = 1
+
+
+def launched_replicas(launcher: object) -> list[subprocess.Popen]:
+    """The replicas that ``launcher`` started from this process (Lightning's ``popen`` launcher: its ``procs``).
+
+    A spawn or fork launcher's ``procs`` are the launching process's ``multiprocessing`` workers: a replica forked
+    from it inherits that list (of an earlier Trainer call) but did not start them and cannot wait for them."""
+    return [proc for proc in getattr(launcher, "procs", None) or [] if isinstance(proc, subprocess.Popen)]
 
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_het._compat import default_store, on_flavour, set_default_group_timeout, should_accumulate
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.heartbeats import BOOT_ID
+from lightning_het.reliability.processes import launched_replicas
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
 
@@ -123,9 +124,9 @@ def as_seconds(value: timedelta | float | None) -> float | None:
 
 
 class LaunchingReplicas(Protocol):
-    """What :func:`start_watchdog` reads of the strategy: the local replicas its launcher started (``launcher.procs``,
-    local ranks 1, 2, ...; none for a launcher without ``procs``) and where this node's global ranks begin
-    (``node_rank * num_processes``)."""
+    """What :func:`start_watchdog` reads of the strategy: the local replicas its launcher started (a ``popen``
+    launcher's ``procs``, local ranks 1, 2, ...; none for a spawn or fork launcher) and where this node's global ranks
+    begin (``node_rank * num_processes``)."""
 
     @property
     def launcher(self) -> Any: ...
@@ -192,7 +193,7 @@ def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[i
     """The local replicas that this process launched (Lightning's ``popen`` launcher), with their global ranks."""
 
     def children() -> list[tuple[int, subprocess.Popen]]:
-        procs = getattr(strategy.launcher, "procs", None) or []
+        procs = launched_replicas(strategy.launcher)
         first = strategy.node_rank * strategy.num_processes
         return [(first + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
 

@@ -109,6 +109,12 @@ class Watchdog:
         self.emergency: EmergencyCheckpoint | None = None
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Watchdog:
+        """Not copied (this process's heartbeat thread, store connection and lock):
+        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
+        group."""
+        return self
+
     def _write(self, key: str, payload: str) -> None:
         self.store.set(key, self._book.sign(key, payload))
 

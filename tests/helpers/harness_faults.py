@@ -8,7 +8,9 @@ writes ``OUT_DIR/fault.json`` with its pid and the wall-clock time, so a test ca
 
 ``lifecycle`` (2 replicas) config keys: ``timeout`` (strategy ``timeout``, s), ``startup_timeout`` (s), ``root``
 (Trainer ``default_root_dir``), ``step_sleep`` (seconds each training step sleeps; lets a test act while the job runs;
-speeds are ``[1, 1]`` unless the fault is in profiling), and ``fault``:
+speeds are ``[1, 1]`` unless the fault is in profiling), ``hold`` (a file name: training goes on, epoch after epoch,
+until ``OUT_DIR/<hold>`` exists, which the replicas agree on at every step, so a test decides when the job ends),
+and ``fault``:
 ``{"kind": "hang" | "exit" | "none", "rank": r, "where": "launch" | "prepare_data" | "setup" | "profiling" | "train" |
 "eval" | "epoch_end" | "teardown" | "loader"}``. ``launch`` fires before the Trainer exists; ``prepare_data`` in
 ``LightningModule.prepare_data`` (rank 0 only runs it; the others wait in Lightning's barrier around it); ``setup`` in
@@ -150,11 +152,12 @@ class FaultyDataset(Dataset):
 
 
 class ProbeRegressor(TinyRegressor):
-    def __init__(self, out: Path, fault: dict, step_sleep: float) -> None:
+    def __init__(self, out: Path, fault: dict, step_sleep: float, hold: str | None = None) -> None:
         super().__init__()
         self.out = out
         self.fault = fault
         self.step_sleep = step_sleep
+        self.hold = hold
         self.in_loop = False
 
     def _due(self, where: str) -> bool:
@@ -181,6 +184,9 @@ class ProbeRegressor(TinyRegressor):
             _fire(self.out, self.fault, self.global_rank)
         if self.in_loop and self.step_sleep:
             time.sleep(self.step_sleep)
+        if self.hold is not None:  # every replica stops after the same step: the first that any saw the file
+            released = (self.out / self.hold).exists()
+            self.trainer.should_stop = self.trainer.strategy.reduce_boolean_decision(released, all=False)
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
@@ -214,13 +220,14 @@ def lifecycle(out: Path, cfg: dict) -> None:
             "speeds": None if fault.get("where") == "profiling" else [1.0, 1.0],
         }
     )
-    trainer = make_trainer(2, strategy, max_epochs=1, default_root_dir=cfg.get("root", str(out)))
+    hold = cfg.get("hold")
+    trainer = make_trainer(2, strategy, max_epochs=-1 if hold else 1, default_root_dir=cfg.get("root", str(out)))
     if fault.get("where") == "loader":
         dataset = FaultyDataset(make_dataset(48), out, fault, served=4)
         train = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, worker_init_fn=_RecordWorker(out))
     else:
         train = DataLoader(make_dataset(48), batch_size=4, shuffle=True)
     val = DataLoader(make_dataset(20, seed=99), batch_size=2)
-    trainer.fit(ProbeRegressor(out, fault, cfg.get("step_sleep", 0.0)), train, val)
+    trainer.fit(ProbeRegressor(out, fault, cfg.get("step_sleep", 0.0), hold), train, val)
     if trainer.is_global_zero:
         (out / "done.json").write_text(json.dumps({"time": time.time()}))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,11 +126,62 @@ def start_job(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def wait_job(proc: subprocess.Popen, limit: float = 240) -> JobResult:
+class OutputWatch:
+    """Reads the output of a job :func:`start_job` started as it comes (a thread), so that a test can wait for a line
+    while the job runs; give it to :func:`wait_job`, which then takes the output from it."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self._lines: list[str] = []
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), name="job-output", daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def text(self) -> str:
+        """The output so far."""
+        with self._changed:
+            return "".join(self._lines)
+
+    def wait_for(self, pattern: str, limit: float) -> re.Match | None:
+        """The first match of ``pattern`` in the output, waiting up to ``limit`` seconds for it (``None``: not there
+        when the job closed its output or the time ran out)."""
+        deadline = time.monotonic() + limit
+        with self._changed:
+            while True:
+                found = re.search(pattern, "".join(self._lines))
+                left = deadline - time.monotonic()
+                if found or self._closed or left <= 0:
+                    return found
+                self._changed.wait(min(left, 1.0))
+
+    def closed(self, limit: float) -> bool:
+        """Wait up to ``limit`` seconds until every process of the job has closed its output."""
+        self._thread.join(limit)
+        return not self._thread.is_alive()
+
+
+def wait_job(proc: subprocess.Popen, limit: float = 240, watch: OutputWatch | None = None) -> JobResult:
     """Wait for a job :func:`start_job` started: it has to end on its own within ``limit`` seconds (else
-    ``AssertionError``); whatever is left of its process group 3 s later is recorded in ``survivors`` and killed."""
+    ``AssertionError``); whatever is left of its process group 3 s later is recorded in ``survivors`` and killed.
+    With ``watch``, its output is taken from that :class:`OutputWatch`."""
     try:
-        output, _ = proc.communicate(timeout=limit)
+        if watch is None:
+            output, _ = proc.communicate(timeout=limit)
+        else:
+            if not watch.closed(limit):
+                raise subprocess.TimeoutExpired(proc.args, limit)
+            proc.wait(timeout=5)
+            output = watch.text
         ended = time.time()
         deadline = time.monotonic() + 3
         while group_members(proc.pid) and time.monotonic() < deadline:
@@ -136,7 +189,11 @@ def wait_job(proc: subprocess.Popen, limit: float = 240) -> JobResult:
         survivors = group_members(proc.pid)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        if watch is None:
+            output, _ = proc.communicate()
+        else:
+            watch.closed(10)
+            output = watch.text
         raise AssertionError(f"job still running after {limit}s:\n{output[-4000:]}") from None
     finally:
         with contextlib.suppress(ProcessLookupError):
