@@ -20,18 +20,20 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from lightning_het.arguments import (
+    SYNC_DEFAULTS,
     ArgumentError,
     as_timeout,
+    check_sync_args,
     positive_int,
     threshold,
     validate_grace,
     validate_preemption_checkpoint,
     validate_resume,
 )
-from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class
+from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
 from lightning_het.config import DEFAULT_GRACE, KEYWORD_DEFAULTS
 
-__all__ = ["DEPRECATED_KEYWORDS", "Profiling", "Reliability", "flat_keywords"]
+__all__ = ["DEPRECATED_KEYWORDS", "Profiling", "Reliability", "flat_keywords", "typed_keywords"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,42 @@ def flat_keywords(
             f"{owner}: {names} {verb} deprecated; use {new_form(old, comm)}.", DeprecationWarning, stacklevel=3
         )
     return flat | old | rest
+
+
+def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Flat keywords (the deprecated ones among them, e.g. a config file's) in the typed form, with the same meaning:
+    the strategy's keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode
+    does not read are dropped, as the strategy ignores them (``global_sync_every`` / ``comm_warmup_steps``: with the
+    same ``UserWarning``; a node-local sync setting other than its default: the same ``ArgumentError``).
+
+    >>> typed_keywords({"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]})
+    ... # doctest: +ELLIPSIS
+    ({'comm': NodeLocal(sync_every=4, ...), 'profiling': Profiling(steps=3, ...)}, {'slowdown': [1, 2]})
+    """
+    out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
+    groups: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        if name in DEPRECATED_KEYWORDS:
+            group, field = DEPRECATED_KEYWORDS[name]
+            groups.setdefault(group, {})[field] = value
+    comm = out.get("comm", "auto")
+    if "comm" in groups:
+        if not isinstance(comm, str) or comm not in ALGORITHMS:
+            raise ArgumentError("comm", f"Expected argument `comm` to be one of {list(ALGORITHMS)}, but got {comm!r}.")
+        given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
+        check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
+        for name in ("global_sync_every", "comm_warmup_steps"):
+            if given.get(name) and comm != "node_local":
+                message = (
+                    f"`{name}={given[name]}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`."
+                )
+                warnings.warn(message, UserWarning, stacklevel=2)
+        out["comm"] = algorithm_for(comm, **given)
+    for group in ("profiling", "reliability"):
+        if group in groups:
+            out[group] = _GROUP_CLASSES[group](**groups[group])
+    emulation = {k: v for k, v in groups.get("emulation", {}).items() if v is not None}
+    return out, emulation
 
 
 assert set(ALGORITHMS) == {"auto", "allreduce", "hierarchical", "node_local"}
