@@ -412,3 +412,24 @@ class TestOneSourceOfTruth:
             StrategyConfig(min_batch_size=4, max_batch_sizes=[8, 2])
         with pytest.raises(ConfigValueError, match=r"strategy\.telemetry"):
             StrategyConfig(telemetry=False, rebalance_every_n_epochs=1)
+
+
+def test_flat_overrides_build_the_typed_form(compose_cfg):
+    """`strategy=node_local strategy.global_sync_every=4`: the app's flat keys become `comm=NodeLocal(sync_every=4)`
+    (a nested `_target_` node), the profiling / reliability keys their objects, the emulation the callback's keys."""
+    cfg = compose_cfg("strategy=node_local", "strategy.global_sync_every=4", "strategy.profile_steps=3")
+    strategy_cfg, _ = validate_config(cfg)
+    node, emulation = strategy_cfg.to_node()
+    assert node["comm"]["_target_"] == "lightning_het.NodeLocal" and node["comm"]["sync_every"] == 4
+    assert node["profiling"]["_target_"] == "lightning_het.Profiling" and node["profiling"]["steps"] == 3
+    assert node["reliability"]["resume"] == "auto"
+    assert not {"global_sync_every", "profile_steps", "emulate_slowdown", "resume"} & set(node)
+    assert emulation == ({"slowdown": strategy_cfg.emulate_slowdown} if strategy_cfg.emulate_slowdown else {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        strategy = instantiate(node)
+    assert (strategy.config.comm, strategy.config.global_sync_every, strategy.config.profile_steps) == (
+        "node_local",
+        4,
+        3,
+    )
