@@ -184,7 +184,11 @@ def check_comm_args(
 ) -> None:
     """The communication arguments' values (no warnings; ``warmup_steps`` is reported as ``warmup_name``)."""
     if not isinstance(comm, str) or comm not in COMM_CHOICES:
-        raise _error("comm", f"Expected argument `comm` to be one of {list(COMM_CHOICES)}, but got {comm!r}.")
+        raise _error(
+            "comm",
+            f"Expected argument `comm` to be one of {list(COMM_CHOICES)} or a comm algorithm object (e.g."
+            f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
+        )
     if global_sync_every is not None and (
         isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1
     ):

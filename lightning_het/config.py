@@ -16,7 +16,8 @@ __all__ = ["DEFAULT_GRACE", "FABRIC_KEYWORDS", "KEYWORD_DEFAULTS", "Heterogeneou
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0
 
-#: every keyword of the Trainer strategy and its default, in signature order (see ``docs/strategy.md``)
+#: every flat setting of the Trainer strategy and its default (the typed keywords and their objects map onto them;
+#: the grouped ones are also the deprecated flat keywords, see ``docs/strategy.md``)
 KEYWORD_DEFAULTS: dict[str, Any] = {
     "global_batch_size": None,
     "speeds": None,

@@ -46,8 +46,9 @@ __all__ = ["HeterogeneousFabricStrategy"]
 
 class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
     """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of
-    your loop's calls does: ``docs/fabric.md``). Keywords: those of :data:`~lightning_het.config.FABRIC_KEYWORDS`,
-    as for the Trainer strategy; the Trainer-only ones raise ``ValueError``; the rest go to Fabric's ``DDPStrategy``.
+    your loop's calls does: ``docs/fabric.md``). Keywords: as for the Trainer strategy, less
+    those that need its loop (a setting of theirs other than its default raises ``ValueError``); the rest go to
+    Fabric's ``DDPStrategy``.
 
     >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
     [1.0, 3.0]

@@ -76,9 +76,11 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
     share, so that every optimizer step applies exactly the gradient of the global batch.
 
-    Keywords: those of :data:`~lightning_het.config.KEYWORD_DEFAULTS` (each described in ``docs/strategy.md``); every
-    other keyword goes to ``DDPStrategy`` (``timeout``, ``start_method``, ...). A bad value raises ``ValueError``
-    naming the keyword.
+    Keywords (each described in ``docs/strategy.md``): the balancing ones, ``comm`` (a mode name or an algorithm
+    object such as :class:`~lightning_het.NodeLocal`), ``profiling`` (:class:`~lightning_het.Profiling`),
+    ``reliability`` (:class:`~lightning_het.Reliability`) and the devices; every other keyword goes to ``DDPStrategy``
+    (``timeout``, ``start_method``, ...), except the flat keywords of earlier versions (``global_sync_every``, ...),
+    which keep their meaning with a ``DeprecationWarning``. A bad value raises ``ValueError`` naming the keyword.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes

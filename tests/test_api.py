@@ -135,6 +135,12 @@ def test_fabric_takes_the_objects_and_refuses_what_needs_the_trainer():
         HeterogeneousFabricStrategy(profiling=Profiling(rebalance_threshold=1.2))
     with pytest.raises(ArgumentError, match=r"`resume='auto'`.*Trainer"):
         HeterogeneousFabricStrategy(reliability=Reliability(resume="auto"))
+    deprecated = r"`global_sync_every=4` is deprecated; use comm=NodeLocal\(sync_every=4\)"
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        old = HeterogeneousFabricStrategy(comm="node_local", global_sync_every=4, node_ids=[0, 1])
+    assert old.config == HeterogeneousFabricStrategy(comm=NodeLocal(sync_every=4), node_ids=[0, 1]).config
+    with pytest.raises(ValueError, match=r"emulate_slowdown.*need the Trainer's loop"):
+        HeterogeneousFabricStrategy(emulate_slowdown=[2.0])
 
 
 # ------------------------------------------------------------------------------------------------- deprecated aliases
@@ -264,6 +270,8 @@ def test_lightning_cli_builds_the_strategy_with_a_nested_comm_object(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 2\n"
         "  strategy:\n"
         "    class_path: lightning_het.HeterogeneousStrategy\n"
         "    init_args:\n"
@@ -272,11 +280,27 @@ def test_lightning_cli_builds_the_strategy_with_a_nested_comm_object(tmp_path):
         "        class_path: lightning_het.NodeLocal\n"
         "        init_args:\n"
         "          sync_every: 8\n"
+        "      profiling:\n"
+        "        class_path: lightning_het.Profiling\n"
+        "        init_args:\n"
+        "          steps: 3\n"
     )
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HeterogeneousStrategy)
-    assert (strategy.config.comm, strategy.config.global_sync_every) == ("node_local", 8)
+    assert (strategy.config.comm, strategy.config.global_sync_every, strategy.config.profile_steps) == (
+        "node_local",
+        8,
+        3,
+    )
+    # the command line: a mode name as the shorthand, or the object and its fields
+    args = ["--trainer.accelerator=cpu", "--trainer.devices=2"]
+    args.append("--trainer.strategy=lightning_het.HeterogeneousStrategy")
+    cli = LightningCLI(BoringModel, run=False, args=[*args, "--trainer.strategy.comm=allreduce"])
+    assert cli.trainer.strategy.config.comm == "allreduce"
+    node_local = ["--trainer.strategy.comm=lightning_het.NodeLocal", "--trainer.strategy.comm.sync_every=4"]
+    cli = LightningCLI(BoringModel, run=False, args=[*args, "--trainer.strategy.node_ids=[0, 1]", *node_local])
+    assert (cli.trainer.strategy.config.comm, cli.trainer.strategy.config.global_sync_every) == ("node_local", 4)
 
 
 # ------------------------------------------------------------------------------------------------- EmulatedPlatform

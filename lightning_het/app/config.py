@@ -74,8 +74,11 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class StrategyConfig:
-    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy` (their
-    meaning: ``docs/strategy.md``; ``Any``: a type OmegaConf cannot express, checked by the strategy's validators)."""
+    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the
+    grouped settings as flat keys (``global_sync_every``, ``profile_steps``, ``resume``, ``emulate_slowdown``, ...)
+    that :meth:`to_node` maps onto the ``comm`` / ``profiling`` / ``reliability`` objects and the ``EmulatedPlatform``
+    callback (their meaning: ``docs/strategy.md``; ``Any``: a type OmegaConf cannot express, checked by the
+    strategy's validators)."""
 
     _target_: str = "lightning_het.strategy.HeterogeneousStrategy"
     global_batch_size: int | None = None
