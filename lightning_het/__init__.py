@@ -14,16 +14,27 @@ from lightning_het._version import __version__
 
 if TYPE_CHECKING:
     from lightning_het.balance.allocation import allocate_batch_sizes
+    from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
     from lightning_het.data.datamodule import HeterogeneousDataModule
     from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+    from lightning_het.emulation import EmulatedPlatform
     from lightning_het.fabric import HeterogeneousFabricStrategy
+    from lightning_het.options import Profiling, Reliability
     from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
+    "AllReduce",
+    "Auto",
+    "CommAlgorithm",
+    "EmulatedPlatform",
     "HeterogeneousDataModule",
     "HeterogeneousFabricStrategy",
     "HeterogeneousStrategy",
+    "Hierarchical",
+    "NodeLocal",
+    "Profiling",
     "ProportionalDistributedSampler",
+    "Reliability",
     "UnpaddedDistributedSampler",
     "__version__",
     "allocate_batch_sizes",
@@ -31,6 +42,14 @@ __all__ = [
 
 #: public name -> module that defines it (imported on first access)
 _LAZY = {
+    "AllReduce": "lightning_het.comm.algorithms",
+    "Auto": "lightning_het.comm.algorithms",
+    "CommAlgorithm": "lightning_het.comm.algorithms",
+    "EmulatedPlatform": "lightning_het.emulation",
+    "Hierarchical": "lightning_het.comm.algorithms",
+    "NodeLocal": "lightning_het.comm.algorithms",
+    "Profiling": "lightning_het.options",
+    "Reliability": "lightning_het.options",
     "HeterogeneousDataModule": "lightning_het.data.datamodule",
     "HeterogeneousFabricStrategy": "lightning_het.fabric",
     "HeterogeneousStrategy": "lightning_het.strategy",

@@ -23,6 +23,7 @@ __all__ = [
     "finite_positive_list",
     "int_list",
     "positive_int",
+    "slowdown_factors",
     "threshold",
     "validate_grace",
     "validate_preemption_checkpoint",
@@ -106,6 +107,17 @@ def int_list(name: str, values: Any, alternatives: str = "") -> list[int] | None
     return [positive_int(f"{name}[{i}]", v, allow_none=False) for i, v in enumerate(items)]  # type: ignore[misc]
 
 
+def slowdown_factors(name: str, values: Any) -> list[float] | None:
+    """Emulated slowdowns: one finite factor ``>= 1`` per replica; ``None`` stays ``None``."""
+    slowdown = finite_positive_list(name, values)
+    if slowdown is not None and any(f < 1.0 for f in slowdown):
+        raise _error(
+            name,
+            f"Expected argument `{name}` to hold factors >= 1 (a replica can only be slowed down), but got {slowdown}.",
+        )
+    return slowdown
+
+
 def threshold(name: str, value: Any) -> float | None:
     """An imbalance threshold (max / min ratio): a finite number ``>= 1``; ``None`` stays ``None``."""
     if value is None:
@@ -172,7 +184,11 @@ def check_comm_args(
 ) -> None:
     """The communication arguments' values (no warnings; ``warmup_steps`` is reported as ``warmup_name``)."""
     if not isinstance(comm, str) or comm not in COMM_CHOICES:
-        raise _error("comm", f"Expected argument `comm` to be one of {list(COMM_CHOICES)}, but got {comm!r}.")
+        raise _error(
+            "comm",
+            f"Expected argument `comm` to be one of {list(COMM_CHOICES)} or a comm algorithm object (e.g."
+            f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
+        )
     if global_sync_every is not None and (
         isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1
     ):
@@ -275,13 +291,7 @@ def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
     out["comm_autotune_steps"] = positive_int(
         "comm_autotune_steps", out["comm_autotune_steps"], allow_none=False, minimum=0
     )
-    out["emulate_slowdown"] = slowdown = finite_positive_list("emulate_slowdown", out["emulate_slowdown"])
-    if slowdown is not None and any(f < 1.0 for f in slowdown):
-        raise _error(
-            "emulate_slowdown",
-            f"Expected argument `emulate_slowdown` to hold factors >= 1 (a replica can only be slowed down), but"
-            f" got {slowdown}.",
-        )
+    out["emulate_slowdown"] = slowdown_factors("emulate_slowdown", out["emulate_slowdown"])
     out["profile_steps"] = positive_int("profile_steps", out["profile_steps"], allow_none=False)
     out["profile_warmup"] = positive_int("profile_warmup", out["profile_warmup"], allow_none=False, minimum=0)
     if not isinstance(out["profile_cache"], (str, os.PathLike, bool)) and out["profile_cache"] is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
@@ -12,12 +11,13 @@ from typing import Any, Literal
 from lightning_het.arguments import validate_strategy_arguments
 from lightning_het.balance.allocation import allocate_batch_sizes
 
-__all__ = ["DEFAULT_GRACE", "FABRIC_KEYWORDS", "KEYWORD_DEFAULTS", "HeterogeneousConfig", "keyword_signature"]
+__all__ = ["DEFAULT_GRACE", "FABRIC_KEYWORDS", "KEYWORD_DEFAULTS", "HeterogeneousConfig"]
 
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0
 
-#: every keyword of the Trainer strategy and its default, in signature order (see ``docs/strategy.md``)
+#: every flat setting of the Trainer strategy and its default (the typed keywords and their objects map onto them;
+#: the grouped ones are also the deprecated flat keywords, see ``docs/strategy.md``)
 KEYWORD_DEFAULTS: dict[str, Any] = {
     "global_batch_size": None,
     "speeds": None,
@@ -74,18 +74,6 @@ FABRIC_KEYWORDS = (
 
 #: keywords that configure the devices (the mixed accelerator), not the config
 DEVICE_KEYWORDS = ("device_map", "cpu_threads")
-
-
-def keyword_signature(names: Collection[str]) -> inspect.Signature:
-    """``(self, *, <names with their defaults>, **kwargs)``: the ``__init__`` signature ``inspect`` and IDEs show."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    return inspect.Signature(
-        [
-            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *(inspect.Parameter(n, keyword, default=KEYWORD_DEFAULTS[n]) for n in KEYWORD_DEFAULTS if n in names),
-            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
-        ]
-    )
 
 
 @dataclass(frozen=True)

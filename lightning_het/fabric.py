@@ -7,8 +7,8 @@ Fabric glue over the same parts as the Trainer strategy (the balancer, the commu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
@@ -27,15 +27,17 @@ from lightning_het.balance.profiler import LoopSteps
 from lightning_het.balance.view import BalanceView
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.startup import detect_node_ids, init_process_group, started_elsewhere, startup_timeout_scope
+from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection
-from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
+from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
 from lightning_het.data.loaders import rebuild_loader, training_order
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
     UnpaddedDistributedSampler,
 )
+from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.launcher import ExitCleanup
 from lightning_het.reliability.supervision import validate_launch_environment
 
@@ -44,8 +46,9 @@ __all__ = ["HeterogeneousFabricStrategy"]
 
 class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
     """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of
-    your loop's calls does: ``docs/fabric.md``). Keywords: those of :data:`~lightning_het.config.FABRIC_KEYWORDS`,
-    as for the Trainer strategy; the Trainer-only ones raise ``ValueError``; the rest go to Fabric's ``DDPStrategy``.
+    your loop's calls does: ``docs/fabric.md``). Keywords: as for the Trainer strategy, less
+    those that need its loop (a setting of theirs other than its default raises ``ValueError``); the rest go to
+    Fabric's ``DDPStrategy``.
 
     >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
     [1.0, 3.0]
@@ -53,7 +56,19 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
 
     strategy_name = "heterogeneous"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        global_batch_size: int | None = None,
+        speeds: Sequence[float] | None = None,
+        min_batch_size: int = 1,
+        max_batch_sizes: Sequence[int] | None = None,
+        node_ids: Sequence[int] | None = None,
+        comm: Literal["auto", "allreduce", "hierarchical", "node_local"] | CommAlgorithm = "auto",
+        profiling: Profiling | None = None,
+        reliability: Reliability | None = None,
+        **kwargs: Any,
+    ) -> None:
         trainer_only = sorted(set(KEYWORD_DEFAULTS).difference(FABRIC_KEYWORDS).intersection(kwargs))
         if trainer_only:
             raise ValueError(
@@ -62,6 +77,15 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
                 " step function; for memory caps, split each batch with"
                 " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md)."
             )
+        explicit = {
+            "global_batch_size": global_batch_size,
+            "speeds": speeds,
+            "min_batch_size": min_batch_size,
+            "max_batch_sizes": max_batch_sizes,
+            "node_ids": node_ids,
+        }
+        name = type(self).__name__
+        kwargs = flat_keywords(name, explicit, comm, profiling, reliability, kwargs, allowed=FABRIC_KEYWORDS)
         config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
         super().__init__(**kwargs)
         self.balancer = Balancer(config)
@@ -302,6 +326,3 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()
-
-
-HeterogeneousFabricStrategy.__init__.__signature__ = keyword_signature(FABRIC_KEYWORDS)  # type: ignore[attr-defined]

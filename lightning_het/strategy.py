@@ -8,8 +8,8 @@ them. The standalone ``pytorch_lightning`` flavour runs this module's code on th
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -39,18 +39,20 @@ from lightning_het.cluster.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.cluster.devices import DevicePlan
+from lightning_het.cluster.devices import DeviceMapArg, DevicePlan
 from lightning_het.cluster.startup import (
     detect_node_ids,
     init_process_group,
     started_elsewhere,
     startup_timeout_scope,
 )
+from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.controller import register_user_hook, resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
-from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig, keyword_signature
+from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig
 from lightning_het.data.microbatch import DirectPieces, piece_collective
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
+from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     end_resume_quiet,
@@ -74,9 +76,11 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
     share, so that every optimizer step applies exactly the gradient of the global batch.
 
-    Keywords: those of :data:`~lightning_het.config.KEYWORD_DEFAULTS` (each described in ``docs/strategy.md``); every
-    other keyword goes to ``DDPStrategy`` (``timeout``, ``start_method``, ...). A bad value raises ``ValueError``
-    naming the keyword.
+    Keywords (each described in ``docs/strategy.md``): the balancing ones, ``comm`` (a mode name or an algorithm
+    object such as :class:`~lightning_het.NodeLocal`), ``profiling`` (:class:`~lightning_het.Profiling`),
+    ``reliability`` (:class:`~lightning_het.Reliability`) and the devices; every other keyword goes to ``DDPStrategy``
+    (``timeout``, ``start_method``, ...), except the flat keywords of earlier versions (``global_sync_every``, ...),
+    which keep their meaning with a ``DeprecationWarning``. A bad value raises ``ValueError`` naming the keyword.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes
@@ -87,8 +91,34 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     #: the spawn/fork launcher (it sends the allocation back to the parent), of this strategy's Lightning package
     spawn_launcher_cls: type = HeterogeneousMultiProcessingLauncher
 
-    def __init__(self, **kwargs: Any) -> None:
-        config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, kwargs)
+    def __init__(
+        self,
+        *,
+        global_batch_size: int | None = None,
+        speeds: Sequence[float] | None = None,
+        min_batch_size: int = 1,
+        max_batch_sizes: Sequence[int] | None = None,
+        max_micro_batch_sizes: Sequence[int] | Literal["auto"] | None = None,
+        node_ids: Sequence[int] | None = None,
+        comm: Literal["auto", "allreduce", "hierarchical", "node_local"] | CommAlgorithm = "auto",
+        profiling: Profiling | None = None,
+        reliability: Reliability | None = None,
+        device_map: DeviceMapArg | None = None,
+        cpu_threads: int | Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        explicit = {
+            "global_batch_size": global_batch_size,
+            "speeds": speeds,
+            "min_batch_size": min_batch_size,
+            "max_batch_sizes": max_batch_sizes,
+            "max_micro_batch_sizes": max_micro_batch_sizes,
+            "node_ids": node_ids,
+            "device_map": device_map,
+            "cpu_threads": cpu_threads,
+        }
+        keywords = flat_keywords(type(self).__name__, explicit, comm, profiling, reliability, kwargs)
+        config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, keywords)
         super().__init__(**mixed_accelerator_kwargs(type(self), devices["device_map"], devices["cpu_threads"], kwargs))
         self.balancer = Balancer(config)
         self._init_parts()
@@ -122,6 +152,10 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def _startup_timeout_scope(self) -> Any:
         """Around the rendezvous: ``startup_timeout`` when longer than ``timeout``, then ``timeout`` again."""
         return startup_timeout_scope(self._timeout, self.config.startup_timeout, lambda t: setattr(self, "_timeout", t))
+
+    def emulate_platform(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
+        """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
+        self.balancer.emulate(slowdown, memory_cap)
 
     @classmethod
     @override
@@ -416,6 +450,3 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def _telemetry(self, include_series: bool) -> dict[str, Any] | None:
         snapshot = self.balancer.allocation.telemetry_snapshot
         return telemetry_section(self._monitor, snapshot, include_series=include_series)
-
-
-HeterogeneousStrategy.__init__.__signature__ = keyword_signature(KEYWORD_DEFAULTS)  # type: ignore[attr-defined]

@@ -95,6 +95,7 @@ def _worker(spec_path: str) -> None:
 
     import lightning_het
     from lightning_het.balance.report import balance_report_paths
+    from lightning_het.options import typed_keywords
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["LOCAL_RANK"])
@@ -202,10 +203,14 @@ def _worker(spec_path: str) -> None:
             batch = GLOBAL_BATCH // world
         kwargs = dict(cfg.get("het_kwargs") or {})
         logger: Any = False
+        callbacks: list[Any] = []
         if cfg["strategy"] == "ddp":
             strategy: Any = DDPStrategy(process_group_backend="gloo")
         else:
-            strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **kwargs)
+            # the rows' flat settings in the typed form: comm / profiling objects, the emulation as a callback
+            keywords, emulation = typed_keywords(kwargs)
+            strategy = lightning_het.HeterogeneousStrategy(process_group_backend="gloo", **keywords)
+            callbacks = [lightning_het.EmulatedPlatform(**emulation)] if emulation else []
             if cfg.get("report"):
                 logger = CSVLogger(out / "reports", name=cfg["name"].replace(" ", "_").replace(":", ""), version=0)
         timer = Timer()
@@ -215,7 +220,7 @@ def _worker(spec_path: str) -> None:
             strategy=strategy,
             max_epochs=epochs,
             logger=logger,
-            callbacks=[timer],
+            callbacks=[timer, *callbacks],
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,

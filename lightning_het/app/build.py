@@ -51,7 +51,12 @@ def build_datamodule(data_cfg: DataConfig) -> Any:
 
 def build_trainer(cfg: DictConfig, strategy_cfg: StrategyConfig, callbacks: list[Any]) -> pl.Trainer:
     """The ``trainer`` config's trainer with the strategy, ``callbacks`` then the config's own ones, and the loggers."""
-    strategy = instantiate("strategy", {"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
+    node, emulation = strategy_cfg.to_node()  # the typed form (comm=NodeLocal(...), ...) of the flat config keys
+    strategy = instantiate("strategy", node)
+    if emulation:  # `strategy.emulate_slowdown` / `strategy.emulate_memory_cap`: the EmulatedPlatform callback
+        from lightning_het.emulation import EmulatedPlatform
+
+        callbacks = [EmulatedPlatform(**emulation), *callbacks]
     callbacks = callbacks + _build_callbacks(cfg)
     return instantiate(
         "trainer",

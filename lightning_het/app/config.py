@@ -3,7 +3,7 @@
 import enum
 import functools
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from datetime import datetime
 from typing import Any
 
@@ -13,6 +13,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from lightning_het.arguments import ArgumentError, validate_strategy_arguments
 from lightning_het.comm.modes import COMM_CHOICES
 from lightning_het.config import HeterogeneousConfig
+from lightning_het.options import typed_keywords
 
 __all__ = [
     "Comm",
@@ -73,8 +74,11 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class StrategyConfig:
-    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy` (their
-    meaning: ``docs/strategy.md``; ``Any``: a type OmegaConf cannot express, checked by the strategy's validators)."""
+    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the
+    grouped settings as flat keys (``global_sync_every``, ``profile_steps``, ``resume``, ``emulate_slowdown``, ...)
+    that :meth:`to_node` maps onto the ``comm`` / ``profiling`` / ``reliability`` objects and the ``EmulatedPlatform``
+    callback (their meaning: ``docs/strategy.md``; ``Any``: a type OmegaConf cannot express, checked by the
+    strategy's validators)."""
 
     _target_: str = "lightning_het.strategy.HeterogeneousStrategy"
     global_batch_size: int | None = None
@@ -152,6 +156,18 @@ class StrategyConfig:
             )
         kwargs.update(self.ddp_kwargs)
         return kwargs
+
+    def to_node(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The strategy's Hydra node in the typed form (this schema's flat keys mapped onto ``comm``, ``profiling``
+        and ``reliability`` objects, as nested ``_target_`` nodes) and the ``EmulatedPlatform`` keywords (empty:
+        no emulation)."""
+        keywords, emulation = typed_keywords(self.to_kwargs())
+        node: dict[str, Any] = {"_target_": self._target_}
+        for name, value in keywords.items():
+            if is_dataclass(value) and not isinstance(value, type):
+                value = {"_target_": f"lightning_het.{type(value).__name__}", **asdict(value)}
+            node[name] = value
+        return node, emulation
 
 
 #: the :class:`StrategyConfig` fields that :func:`~lightning_het.arguments.validate_strategy_arguments` checks

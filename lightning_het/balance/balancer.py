@@ -6,6 +6,7 @@ Owned by the Trainer and the Fabric strategy alike (it takes values and callable
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -146,6 +147,29 @@ class Balancer:
             self.micro = MicroBatcher(rank, caps[rank] if isinstance(caps, list) else None)
         if emulated is not None:
             self.memory_emulation = EmulatedMemoryCap(rank, emulated[rank])
+
+    def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
+        """Emulated heterogeneity handed over before the fit's setup (``EmulatedPlatform``): the settings as if given
+        as ``emulate_slowdown`` / ``emulate_memory_cap`` (``None``: kept), checked against the world, then placed."""
+        config = self.config
+        for name, value in (("emulate_slowdown", slowdown), ("emulate_memory_cap", memory_cap)):
+            current = getattr(config, name)
+            if value is not None and current is not None and list(current) != list(value):
+                raise ValueError(
+                    f"The strategy was given `{name}={current}` and the EmulatedPlatform callback {value}."
+                    f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
+                )
+        changed = {
+            name: value
+            for name, value in (("emulate_slowdown", slowdown), ("emulate_memory_cap", memory_cap))
+            if value is not None and getattr(config, name) is None
+        }
+        if not changed:
+            return
+        config = dataclasses.replace(config, **changed)
+        config.check_world(1, self.world_size)
+        self.config = config
+        self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
 
     def check_normalisation(self, module: torch.nn.Module) -> None:
         """The model's batch norm layers, once wrapped: warn about those that normalise per replica (their shares then

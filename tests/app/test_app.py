@@ -22,11 +22,13 @@ from omegaconf import OmegaConf
 
 from lightning_het.app import config_dir
 from lightning_het.app.config import StrategyConfig, register_configs
+from lightning_het.config import KEYWORD_DEFAULTS
 from lightning_het.errors import SingleClassError
 from lightning_het.hsi import HyperspectralDataModule
 from lightning_het.hsi.datamodule import resolve_pca_components
 from lightning_het.hsi.raster import write_geotiff
 from lightning_het.hsi.synthetic import write_synthetic_scene
+from lightning_het.options import DEPRECATED_KEYWORDS
 from lightning_het.strategy import HeterogeneousStrategy
 from tests.app.test_cli import CONSOLE_SCRIPT, check_metrics, run_app
 
@@ -86,21 +88,24 @@ def test_one_class_labels_name_the_file(tmp_path):
 # ------------------------------------------------------------------------------------------------- config
 def test_structured_strategy_config_matches_the_strategy_signature():
     """Every StrategyConfig field is a keyword of HeterogeneousStrategy (or a DDPStrategy keyword it forwards), and the
-    defaults agree except where the app states its own choice in conf/strategy/heterogeneous.yaml."""
-    params = inspect.signature(HeterogeneousStrategy.__init__).parameters
+    defaults agree except where the app states its own choice in conf/strategy/heterogeneous.yaml. The app's flat keys
+    for the grouped settings (``global_sync_every``, ``profile_steps``, ``emulate_slowdown``, ...) are the strategy's
+    deprecated aliases, which the app maps onto ``comm`` / ``profiling`` / ``reliability`` and ``EmulatedPlatform``."""
+    signature = inspect.signature(HeterogeneousStrategy.__init__).parameters
+    params = {n: p.default for n, p in signature.items()} | {n: KEYWORD_DEFAULTS[n] for n in DEPRECATED_KEYWORDS}
     ddp_params = inspect.signature(DDPStrategy.__init__).parameters
     fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
     unknown = sorted(set(fields) - APP_ONLY_FIELDS - DDP_FORWARDED - set(params) - set(ddp_params))
     assert not unknown, f"StrategyConfig fields the strategy does not take: {unknown}"
-    keywords = [n for n, p in params.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    keywords = [n for n, p in signature.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     assert len(keywords) > 10, keywords
-    missing = sorted(n for n in keywords if n not in fields)
+    missing = sorted(n for n in keywords if n not in fields and n not in ("profiling", "reliability"))
     assert not missing, f"strategy keywords the app cannot set: {missing}"
     yaml_text = (config_dir() / "strategy" / "heterogeneous.yaml").read_text()
     for name, field in fields.items():
         if name in APP_ONLY_FIELDS or name not in params or field.default is dataclasses.MISSING:
             continue
-        code_default = params[name].default
+        code_default = params[name]
         schema_default = field.default.value if hasattr(field.default, "value") else field.default
         assert schema_default == code_default, (name, schema_default, code_default)
     # the YAML may differ from the code only where a comment says so
@@ -109,7 +114,7 @@ def test_structured_strategy_config_matches_the_strategy_signature():
             continue
         if isinstance(value, str) and value.startswith("${"):
             continue  # computed by the app (e.g. the emulated slowdowns)
-        code_default = params[name].default
+        code_default = params[name]
         plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         if plain != code_default and not (plain == {} and code_default is None):
             block = yaml_text.split(f"\n{name}:")[0].rsplit("\n\n", 1)[-1]

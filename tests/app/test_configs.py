@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -93,14 +95,24 @@ class TestExperiments:
         assert isinstance(datamodule, lightning_het.HeterogeneousDataModule)
         model = instantiate(cfg.model)
         assert isinstance(model, pl.LightningModule)
-        strategy = instantiate({"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
+        node, emulation = strategy_cfg.to_node()  # the typed form the app builds: nested `_target_` objects
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            strategy = instantiate(node)
         assert isinstance(strategy, lightning_het.HeterogeneousStrategy)
+        with pytest.warns(DeprecationWarning):  # the flat keys, as deprecated aliases: the same settings
+            flat = instantiate({"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
+        assert flat.config == dataclasses.replace(
+            strategy.config,
+            emulate_slowdown=emulation.get("slowdown"),
+            emulate_memory_cap=emulation.get("memory_cap"),
+        )
 
         trainer_cfg = cfg.trainer
         if trainer_cfg.accelerator != "cpu":
             # accelerator configs (experiment=gpu) are built here on CPU: same config, CPU devices instead
             trainer_cfg = OmegaConf.merge(trainer_cfg, {"accelerator": "cpu", "devices": 2, "precision": "32-true"})
-            strategy = instantiate({"_target_": strategy_cfg._target_, **strategy_cfg.to_kwargs()})
+            strategy = instantiate(strategy_cfg.to_node()[0])
         trainer = instantiate(trainer_cfg, strategy=strategy)
         assert isinstance(trainer, pl.Trainer)
         assert trainer.strategy is strategy
@@ -372,17 +384,23 @@ class TestOneSourceOfTruth:
         import inspect
 
         from lightning_het import HeterogeneousStrategy
+        from lightning_het.config import KEYWORD_DEFAULTS
+        from lightning_het.options import DEPRECATED_KEYWORDS
 
         parameters = inspect.signature(HeterogeneousStrategy).parameters
         app_only = {"_target_", "gradient_averaging", "ddp_kwargs"}  # app switches, not strategy keywords
         ddp_keywords = {"process_group_backend", "start_method", "timeout", "find_unused_parameters"}  # **kwargs
         fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
-        ours = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
-        assert ours == set(fields) - app_only - ddp_keywords
-        for name in ours:
+        ours = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} - {"profiling", "reliability"}
+        # the grouped settings as the app's flat keys (the strategy's deprecated aliases, mapped by the app)
+        defaults = {name: parameters[name].default for name in ours} | {
+            name: KEYWORD_DEFAULTS[name] for name in DEPRECATED_KEYWORDS
+        }
+        assert set(defaults) == set(fields) - app_only - ddp_keywords
+        for name, code_default in defaults.items():
             default = fields[name].default
             default = default.value if isinstance(default, enum.Enum) else default
-            assert default == parameters[name].default, name
+            assert default == code_default, name
 
     def test_the_config_runs_the_strategy_validators(self):
         import dataclasses
@@ -394,3 +412,24 @@ class TestOneSourceOfTruth:
             StrategyConfig(min_batch_size=4, max_batch_sizes=[8, 2])
         with pytest.raises(ConfigValueError, match=r"strategy\.telemetry"):
             StrategyConfig(telemetry=False, rebalance_every_n_epochs=1)
+
+
+def test_flat_overrides_build_the_typed_form(compose_cfg):
+    """`strategy=node_local strategy.global_sync_every=4`: the app's flat keys become `comm=NodeLocal(sync_every=4)`
+    (a nested `_target_` node), the profiling / reliability keys their objects, the emulation the callback's keys."""
+    cfg = compose_cfg("strategy=node_local", "strategy.global_sync_every=4", "strategy.profile_steps=3")
+    strategy_cfg, _ = validate_config(cfg)
+    node, emulation = strategy_cfg.to_node()
+    assert node["comm"]["_target_"] == "lightning_het.NodeLocal" and node["comm"]["sync_every"] == 4
+    assert node["profiling"]["_target_"] == "lightning_het.Profiling" and node["profiling"]["steps"] == 3
+    assert node["reliability"]["resume"] == "auto"
+    assert not {"global_sync_every", "profile_steps", "emulate_slowdown", "resume"} & set(node)
+    assert emulation == ({"slowdown": strategy_cfg.emulate_slowdown} if strategy_cfg.emulate_slowdown else {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        strategy = instantiate(node)
+    assert (strategy.config.comm, strategy.config.global_sync_every, strategy.config.profile_steps) == (
+        "node_local",
+        4,
+        3,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_het.options import typed_keywords
 from tests.helpers.tiny import HeterogeneousStrategy, make_dataset, pl
+
+#: strategy -> the EmulatedPlatform keywords its spec gave (``make_trainer`` adds the callback)
+_PLATFORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def make_strategy(spec: Any = None, *, gloo: bool = True, **defaults: Any) -> Any:
@@ -27,7 +32,14 @@ def make_strategy(spec: Any = None, *, gloo: bool = True, **defaults: Any) -> An
     if isinstance(spec, str):
         return spec
     kwargs = {"process_group_backend": "gloo"} if gloo else {}
-    return HeterogeneousStrategy(**{**kwargs, **defaults, **(spec or {})})
+    keywords = {**kwargs, **defaults, **(spec or {})}
+    if pl.__name__ != "lightning.pytorch":  # the standalone flavour: the flat keywords (deprecated aliases)
+        return HeterogeneousStrategy(**keywords)
+    keywords, emulation = typed_keywords(keywords)  # the specs' flat keywords in the typed form
+    strategy = HeterogeneousStrategy(**keywords)
+    if emulation:
+        _PLATFORMS[strategy] = emulation
+    return strategy
 
 
 def make_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
@@ -41,6 +53,11 @@ def make_trainer(devices: int, strategy: Any, **kwargs: Any) -> pl.Trainer:
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
     }
+    emulation = _PLATFORMS.get(strategy) if not isinstance(strategy, str) else None
+    if emulation:  # the spec's emulate_slowdown / emulate_memory_cap, as the EmulatedPlatform callback
+        from lightning_het import EmulatedPlatform
+
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), EmulatedPlatform(**emulation)]
     return pl.Trainer(**{**quiet, "devices": devices, "strategy": strategy, **kwargs})
 
 
