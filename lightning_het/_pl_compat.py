@@ -31,7 +31,8 @@ _LAUNCHERS = "strategies.launchers"
 
 
 class HeterogeneousMultiProcessingLauncher(
-    AllocationResultsMixin, flavour_private("pytorch_lightning", f"{_LAUNCHERS}.multiprocessing", "_MultiProcessingLauncher")
+    AllocationResultsMixin,
+    flavour_private("pytorch_lightning", f"{_LAUNCHERS}.multiprocessing", "_MultiProcessingLauncher"),
 ):
     """``pytorch_lightning``'s spawn/fork launcher, sending the allocation back to the parent."""
 

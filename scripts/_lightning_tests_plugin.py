@@ -1,7 +1,7 @@
 """pytest plugin used by ``scripts/run_lightning_tests.py`` (injected with ``-p _lightning_tests_plugin``).
 
-* With ``LIGHTNING_HET_SUBSTITUTE=1``, DDP is replaced by :class:`lightning_het.HeterogeneousStrategy` as soon as
-  ``lightning.pytorch`` is imported: every ``StrategyRegistry`` entry built on ``DDPStrategy`` (``"ddp"``,
+* With ``LIGHTNING_HET_SUBSTITUTE=1``, DDP is replaced by :class:`lightning_het.HeterogeneousStrategy` when this
+  plugin is loaded (it imports ``lightning.pytorch``): every ``StrategyRegistry`` entry built on ``DDPStrategy`` (``"ddp"``,
   ``"ddp_spawn"``, ``"ddp_fork"``, ``"ddp_notebook"``, the ``*_find_unused_parameters_*`` variants) is rebound to it,
   keeping its arguments (``start_method``, ...), and so are the names ``lightning.pytorch.strategies.DDPStrategy``
   and ``lightning.pytorch.strategies.ddp.DDPStrategy`` (a test that builds ``DDPStrategy(...)`` or checks
@@ -47,11 +47,9 @@ def _substitute() -> None:
 
 
 def install() -> None:
-    """Substitute now if ``lightning.pytorch`` is loaded, else right after it is imported."""
+    """Substitute now (importing ``lightning_het``, which imports ``lightning.pytorch``)."""
     if SUBSTITUTE:
-        from lightning_het._registry import after_import
-
-        after_import("lightning.pytorch", _substitute)
+        _substitute()
 
 
 install()

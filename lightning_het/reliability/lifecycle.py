@@ -18,9 +18,9 @@ from typing_extensions import override
 
 from lightning_het._compat import (
     _basic_subprocess_cmd,
+    _FabricSubprocessScriptLauncher,
     _hydra_subprocess_cmd,
     _set_num_threads_if_needed,
-    _FabricSubprocessScriptLauncher,
     _SubprocessScriptLauncher,
 )
 from lightning_het._flavour import fabric_flavour, trainer_flavour
