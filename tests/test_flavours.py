@@ -37,7 +37,9 @@ def test_each_flavour_holds_the_classes_of_its_own_package_only():
 
     standalone = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
     unified = lightning.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
-    assert trainer_flavour(standalone) is _pl_compat.TRAINER_FLAVOUR is trainer_flavour(_pl_compat.HeterogeneousStrategy)
+    assert (
+        trainer_flavour(standalone) is _pl_compat.TRAINER_FLAVOUR is trainer_flavour(_pl_compat.HeterogeneousStrategy)
+    )
     assert trainer_flavour(unified) is trainer_flavour(HeterogeneousStrategy)
     assert fabric_flavour(_fabric_compat.HeterogeneousFabricStrategy) is _fabric_compat.FABRIC_FLAVOUR
     standalone_packages = {"pytorch_lightning", "lightning_fabric"}
