@@ -2,11 +2,12 @@
 
 * With ``LIGHTNING_HET_SUBSTITUTE=1``, DDP is replaced by :class:`lightning_het.HeterogeneousStrategy` when this
   plugin is loaded (it imports ``lightning.pytorch``): every ``StrategyRegistry`` entry built on ``DDPStrategy``
-  (``"ddp"``, ``"ddp_spawn"``, ``"ddp_fork"``, ``"ddp_notebook"``, the ``*_find_unused_parameters_*`` variants) is rebound
-  to it, keeping its arguments (``start_method``, ...), and so are the names ``lightning.pytorch.strategies.DDPStrategy``
-  and ``lightning.pytorch.strategies.ddp.DDPStrategy`` (a test that builds ``DDPStrategy(...)`` or checks
-  ``isinstance(strategy, DDPStrategy)`` gets ours). The runner also imports this module from a ``sitecustomize`` so
-  that processes started by a test (``ddp_spawn`` children, ``ddp`` re-launches) substitute too.
+  (``"ddp"``, ``"ddp_spawn"``, ``"ddp_fork"``, ``"ddp_notebook"``, the ``*_find_unused_parameters_*`` variants) is
+  rebound to it, keeping its arguments (``start_method``, ...), and so are the names
+  ``lightning.pytorch.strategies.DDPStrategy`` and ``lightning.pytorch.strategies.ddp.DDPStrategy`` (a test that
+  builds ``DDPStrategy(...)`` or checks ``isinstance(strategy, DDPStrategy)`` gets ours). The runner also imports this
+  module from a ``sitecustomize`` so that processes started by a test (``ddp_spawn`` children, ``ddp`` re-launches)
+  substitute too.
 * ``LIGHTNING_TESTS_TIMEOUT=<seconds>``: a test still running after that long is failed (``TimeoutError``) after its
   child processes are killed (a deadlocked collective would otherwise hold the run forever).
 * ``flaky`` (pytest-rerunfailures' marker, which Lightning's tests use) is registered when that plugin is missing, so
