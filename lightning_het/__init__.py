@@ -1,26 +1,23 @@
 """lightning-het: Lightning strategy for data-parallel training on heterogeneous platforms.
 
-Importing it imports neither torch nor Lightning; it registers ``strategy="heterogeneous"`` once Lightning is imported,
-and the public names load on first use.
+Importing it registers ``strategy="heterogeneous"`` in the strategy registries of ``lightning.pytorch`` and
+``lightning.fabric``, and of the standalone ``pytorch_lightning`` / ``lightning_fabric`` where they are installed
+(so it imports Lightning, and those packages).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib.util
 
-from lightning_het._registry import register_on_import as _register_on_import
 from lightning_het._version import __version__
-
-if TYPE_CHECKING:
-    from lightning_het.balance.allocation import allocate_batch_sizes
-    from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
-    from lightning_het.data.datamodule import HeterogeneousDataModule
-    from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
-    from lightning_het.emulation import EmulatedPlatform
-    from lightning_het.fabric import HeterogeneousFabricStrategy
-    from lightning_het.options import Profiling, Reliability
-    from lightning_het.strategy import HeterogeneousStrategy
+from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
+from lightning_het.data.datamodule import HeterogeneousDataModule
+from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
+from lightning_het.emulation import EmulatedPlatform
+from lightning_het.fabric import HeterogeneousFabricStrategy
+from lightning_het.options import Profiling, Reliability
+from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
     "AllReduce",
@@ -40,35 +37,26 @@ __all__ = [
     "allocate_batch_sizes",
 ]
 
-#: public name -> module that defines it (imported on first access)
-_LAZY = {
-    "AllReduce": "lightning_het.comm.algorithms",
-    "Auto": "lightning_het.comm.algorithms",
-    "CommAlgorithm": "lightning_het.comm.algorithms",
-    "EmulatedPlatform": "lightning_het.emulation",
-    "Hierarchical": "lightning_het.comm.algorithms",
-    "NodeLocal": "lightning_het.comm.algorithms",
-    "Profiling": "lightning_het.options",
-    "Reliability": "lightning_het.options",
-    "HeterogeneousDataModule": "lightning_het.data.datamodule",
-    "HeterogeneousFabricStrategy": "lightning_het.fabric",
-    "HeterogeneousStrategy": "lightning_het.strategy",
-    "ProportionalDistributedSampler": "lightning_het.data.sampler",
-    "UnpaddedDistributedSampler": "lightning_het.data.sampler",
-    "allocate_batch_sizes": "lightning_het.balance.allocation",
-}
+
+def _register() -> None:
+    """``"heterogeneous"`` in the registry of every installed Lightning package (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    HeterogeneousStrategy.register_strategies(StrategyRegistry)
+    HeterogeneousFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+
+        from lightning_het._pl_compat import HeterogeneousStrategy as Standalone
+
+        Standalone.register_strategies(StandaloneRegistry)
+    if importlib.util.find_spec("lightning_fabric") is not None:
+        from lightning_fabric.strategies import STRATEGY_REGISTRY as STANDALONE_REGISTRY
+
+        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as StandaloneFabric
+
+        StandaloneFabric.register_strategies(STANDALONE_REGISTRY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lightning_het' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-_register_on_import()
+_register()

@@ -1,7 +1,7 @@
 """The private Lightning and torch APIs that lightning-het relies on, imported in one place.
 
 Behind one guard, an upstream change becomes one clear import-time error naming the missing API; no other module
-imports a private Lightning or torch name. The standalone packages' classes live in ``_pl_compat`` / ``_fabric_compat``.
+imports a private Lightning or torch name (:func:`flavour_private` reaches the standalone packages' ones).
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
 
 try:
     from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
-    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _hydra_subprocess_cmd
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _basic_subprocess_cmd,
+        _hydra_subprocess_cmd,
+    )
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+    )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
     from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
     from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
@@ -45,6 +51,7 @@ except ImportError as err:  # pragma: no cover - only with an untested Lightning
 
 __all__ = [
     "_BatchNorm",
+    "_FabricSubprocessScriptLauncher",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
     "_basic_subprocess_cmd",
@@ -69,11 +76,8 @@ __all__ = [
     "forget_validation_loader",
     "inside_fabric_backward",
     "inside_log_sync",
-    "is_standalone",
     "logged_batch",
     "loop_state",
-    "mirror_module",
-    "on_flavour",
     "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
@@ -107,69 +111,6 @@ def flavour_private(package: str, module: str, name: str) -> Any:
         return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
     except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
         raise _missing_api_error(f"{package}.{module}.{name}", err) from err
-
-
-#: the standalone package's name, and the prefix of the ``lightning`` modules it mirrors
-_STANDALONE, _UNIFIED = "pytorch_lightning", "lightning.pytorch"
-
-
-def is_standalone(obj: Any) -> bool:
-    """Whether ``obj`` (a trainer, strategy, ..., its class or a package name) is standalone ``pytorch_lightning``."""
-    if isinstance(obj, str):
-        return obj.split(".", 1)[0] == _STANDALONE
-    cls = obj if isinstance(obj, type) else type(obj)
-    return any(c.__module__.split(".", 1)[0] == _STANDALONE for c in cls.__mro__)
-
-
-def on_flavour(cls: type, like: Any) -> type:
-    """The standalone package's one way to get our ``lightning.pytorch`` classes: ``cls`` for ``like``'s flavour.
-
-    On ``pytorch_lightning`` the class is rebuilt once per process on that package's bases, named ``PL<name>`` and
-    published in ``cls``'s module (pickled by reference), so the trainer's ``isinstance`` checks hold.
-    """
-    if not is_standalone(like):
-        return cls
-    module = sys.modules[cls.__module__]
-    name = f"PL{cls.__name__}"
-    built = module.__dict__.get(name)
-    if isinstance(built, type):
-        return built
-    namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
-    for value in namespace.values():
-        closure = getattr(value, "__closure__", None) or ()
-        if "__class__" in getattr(getattr(value, "__code__", None), "co_freevars", ()) and closure:
-            raise TypeError(f"{cls.__qualname__} uses zero-argument super(); it cannot be rebuilt on {_STANDALONE}.")
-    namespace.update(__module__=cls.__module__, __qualname__=name)
-    bases = tuple(
-        flavour_private(_STANDALONE + b.__module__[len(_UNIFIED) :], "", b.__name__)
-        if b.__module__.startswith(_UNIFIED + ".")
-        else b
-        for b in cls.__bases__
-    )
-    built = type(cls)(name, bases, namespace)
-    setattr(module, name, built)
-    return built
-
-
-def mirror_module(source: str, target: str, packages: dict[str, str]) -> dict[str, Any]:
-    """Run module ``source``'s code as module ``target`` with its imports of one Lightning package pointing at another
-    (e.g. ``{"lightning.pytorch": "pytorch_lightning"}``), the way Lightning derives its standalone packages from its
-    own sources; returns ``target``'s namespace. Line numbers are kept: tracebacks show ``source``'s file.
-
-    The standalone flavours' strategies (:mod:`lightning_het._pl_compat`, :mod:`lightning_het._fabric_compat`) are
-    built so: the same class body on the other package's ``DDPStrategy``, with working zero-argument ``super()``.
-    """
-    import importlib.util
-    import re
-
-    spec = importlib.util.find_spec(source)
-    assert spec is not None and spec.loader is not None and spec.origin is not None
-    code = spec.loader.get_source(source)  # type: ignore[attr-defined]
-    for old, new in packages.items():
-        code = re.sub(rf"\b{re.escape(old)}\b", new, code)
-    namespace = sys.modules[target].__dict__
-    exec(compile(code, spec.origin, "exec"), namespace)
-    return namespace
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops

@@ -1,18 +1,35 @@
-"""The Fabric strategy on the standalone ``lightning_fabric`` package (whose classes and registry are separate):
-:mod:`lightning_het.fabric`'s code run on that package (see :func:`lightning_het._compat.mirror_module`).
+"""The standalone ``lightning_fabric`` flavour: our Fabric strategy composed with that package's ``DDPStrategy`` by a
+plain class statement (see :mod:`lightning_het._flavour`).
 
-Only imported when ``lightning_fabric`` is installed; ``import lightning_het`` registers the class in its strategy
-registry, and :mod:`lightning_het.pl` is its public import.
+``import lightning_het`` imports it when ``lightning_fabric`` is installed, and registers its strategy in that
+package's strategy registry; :mod:`lightning_het.pl` is its public import.
 """
 
 from __future__ import annotations
 
-from lightning_het._compat import mirror_module
+from lightning_fabric.strategies import DDPStrategy
+from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 
-_DOC = __doc__
-_PACKAGES = {"lightning.fabric": "lightning_fabric"}
-HeterogeneousFabricStrategy: type = mirror_module("lightning_het.fabric", __name__, _PACKAGES)[
-    "HeterogeneousFabricStrategy"
-]
-__doc__ = _DOC
-__all__ = ["HeterogeneousFabricStrategy"]
+from lightning_het._compat import flavour_private
+from lightning_het._flavour import FabricFlavour
+from lightning_het.fabric import HeterogeneousFabricStrategyMixin
+from lightning_het.reliability.lifecycle import FabricReplicaProcesses
+
+__all__ = ["FABRIC_FLAVOUR", "HeterogeneousFabricStrategy"]
+
+
+class HeterogeneousFabricScriptLauncher(
+    FabricReplicaProcesses,
+    flavour_private("lightning_fabric", "strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+):
+    """``lightning_fabric``'s ``popen`` launcher, plus no orphans."""
+
+
+class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
+    """:class:`lightning_het.HeterogeneousFabricStrategy` on the standalone ``lightning_fabric`` package."""
+
+
+#: what a ``lightning_fabric`` run uses (:func:`lightning_het._flavour.fabric_flavour`)
+FABRIC_FLAVOUR = FabricFlavour(
+    DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
+)

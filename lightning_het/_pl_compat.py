@@ -1,27 +1,91 @@
-"""The Trainer strategy on the standalone ``pytorch_lightning`` package (whose classes and registry are separate):
-:mod:`lightning_het.strategy`'s code run on that package (see :func:`lightning_het._compat.mirror_module`).
+"""The standalone ``pytorch_lightning`` flavour: our Trainer strategy, and the classes its parts give a trainer,
+composed with that package's classes by plain class statements (see :mod:`lightning_het._flavour`).
 
-Only imported when ``pytorch_lightning`` is installed; ``import lightning_het`` registers the class in its
-StrategyRegistry, and :mod:`lightning_het.pl` is its public import.
+``import lightning_het`` imports it when ``pytorch_lightning`` is installed, and registers its strategy in that
+package's ``StrategyRegistry``; :mod:`lightning_het.pl` is its public import.
 """
 
 from __future__ import annotations
 
-from lightning_het._compat import flavour_private, mirror_module
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+from lightning_het._compat import flavour_private
+from lightning_het._flavour import TrainerFlavour
+from lightning_het.balance.monitor import BalanceCallbackMixin
+from lightning_het.balance.profiler import ProfilerCallbackMixin
+from lightning_het.cluster.accelerators import MixedAcceleratorMixin
 from lightning_het.reliability.launcher import AllocationResultsMixin
+from lightning_het.reliability.lifecycle import ScriptLauncherMixin
+from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
+from lightning_het.reliability.supervision import WatchdogCallbackMixin
+from lightning_het.strategy import HeterogeneousStrategyMixin
 
-_DOC = __doc__
-_PACKAGES = {"lightning.pytorch": "pytorch_lightning", "lightning.fabric": "lightning_fabric"}
-HeterogeneousStrategy: type = mirror_module("lightning_het.strategy", __name__, _PACKAGES)["HeterogeneousStrategy"]
-__doc__ = _DOC
-__all__ = ["HeterogeneousStrategy"]
+__all__ = ["TRAINER_FLAVOUR", "HeterogeneousStrategy"]
+
+_LAUNCHERS = "strategies.launchers"
 
 
-class _PLHeterogeneousMultiProcessingLauncher(
+class HeterogeneousMultiProcessingLauncher(
     AllocationResultsMixin,
-    flavour_private("pytorch_lightning", "strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    flavour_private("pytorch_lightning", f"{_LAUNCHERS}.multiprocessing", "_MultiProcessingLauncher"),
 ):
-    pass
+    """``pytorch_lightning``'s spawn/fork launcher, sending the allocation back to the parent."""
 
 
-HeterogeneousStrategy.spawn_launcher_cls = _PLHeterogeneousMultiProcessingLauncher  # type: ignore[attr-defined]
+class HeterogeneousScriptLauncher(
+    ScriptLauncherMixin,
+    flavour_private("pytorch_lightning", f"{_LAUNCHERS}.subprocess_script", "_SubprocessScriptLauncher"),
+):
+    """``pytorch_lightning``'s ``popen`` launcher, plus the lifecycle guarantees (:mod:`~lightning_het.reliability`)."""
+
+
+class WatchdogCallback(WatchdogCallbackMixin, Callback):
+    """Feeds the strategy's watchdog (``pytorch_lightning``)."""
+
+
+class PreemptionCallback(PreemptionCallbackMixin, Callback):
+    """Runs the preemption agreement after optimizer steps (``pytorch_lightning``)."""
+
+
+class ProfilerCallback(ProfilerCallbackMixin, Callback):
+    """Forwards the end of every training step to the in-loop profiler (``pytorch_lightning``)."""
+
+
+class HeterogeneousBalanceCallback(BalanceCallbackMixin, Callback):
+    """Forwards the fit loop's epoch hooks to the balance monitor (``pytorch_lightning``)."""
+
+
+class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
+    """Accelerator for jobs that mix CPU and CUDA replicas (``pytorch_lightning``)."""
+
+
+class Preempted(PreemptedMixin, SIGTERMException):
+    """Raised on every replica after the preemption checkpoint is written (``pytorch_lightning``)."""
+
+
+class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
+    """:class:`lightning_het.HeterogeneousStrategy` on the standalone ``pytorch_lightning`` package."""
+
+    spawn_launcher_cls = HeterogeneousMultiProcessingLauncher
+
+
+#: what the parts of a ``pytorch_lightning`` run use (:func:`lightning_het._flavour.trainer_flavour`)
+TRAINER_FLAVOUR = TrainerFlavour(
+    TrainerFn=TrainerFn,
+    TrainerStatus=TrainerStatus,
+    RunningStage=RunningStage,
+    ModelCheckpoint=ModelCheckpoint,
+    reset_seed=reset_seed,
+    WatchdogCallback=WatchdogCallback,
+    PreemptionCallback=PreemptionCallback,
+    ProfilerCallback=ProfilerCallback,
+    BalanceCallback=HeterogeneousBalanceCallback,
+    MixedAccelerator=MixedAccelerator,
+    ScriptLauncher=HeterogeneousScriptLauncher,
+    Preempted=Preempted,
+)

@@ -1,8 +1,9 @@
 """``Fabric(strategy="heterogeneous")``: speed-proportional batch shares, exact gradients and node-aware communication
 in a loop of your own (see ``docs/fabric.md``).
 
-Fabric glue over the same parts as the Trainer strategy (the balancer, the communication controller). The standalone
-``lightning_fabric`` flavour runs this module's code on that package (:mod:`lightning_het.pl`).
+Fabric glue over the same parts as the Trainer strategy (the balancer, the communication controller):
+:class:`HeterogeneousFabricStrategyMixin`, composed here with ``lightning.fabric``'s ``DDPStrategy`` and in
+:mod:`lightning_het._fabric_compat` with the standalone ``lightning_fabric``'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_het._flavour import fabric_flavour
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.profiler import LoopSteps
@@ -44,7 +45,7 @@ from lightning_het.reliability.supervision import validate_launch_environment
 __all__ = ["HeterogeneousFabricStrategy"]
 
 
-class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
+class HeterogeneousFabricStrategyMixin(BalanceView):
     """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of
     your loop's calls does: ``docs/fabric.md``). Keywords: as for the Trainer strategy, less
     those that need its loop (a setting of theirs other than its default raises ``ValueError``); the rest go to
@@ -208,7 +209,8 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
             return dataloader
         if isinstance(sampler, ProportionalDistributedSampler):
             return self._adopt_sampler(dataloader, sampler)
-        if type(sampler) is not DistributedSampler and not isinstance(sampler, DistributedSamplerWrapper):
+        wrapper = fabric_flavour(self).DistributedSamplerWrapper
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, wrapper):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         if self._steps_per_epoch is not None:
             # a second split could re-allocate, changing the loss scale under the first loader's batches
@@ -326,3 +328,8 @@ class HeterogeneousFabricStrategy(BalanceView, DDPStrategy):
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()
+
+
+class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
+    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients
+    (``lightning.fabric``; :mod:`lightning_het.pl` has the same for the standalone ``lightning_fabric``)."""

@@ -1,7 +1,8 @@
 """The strategies for the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages (docs/api.md).
 
 Same keywords and guarantees as :class:`lightning_het.HeterogeneousStrategy` and
-:class:`lightning_het.HeterogeneousFabricStrategy`; each name imports its package on first use.
+:class:`lightning_het.HeterogeneousFabricStrategy`, composed with those packages' ``DDPStrategy`` classes; each name
+needs its package installed.
 
 .. versionadded:: 0.1
 """

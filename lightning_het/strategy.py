@@ -2,7 +2,9 @@
 
 Trainer glue only: each hook hands its job to a part the strategy owns (the balancer, the loader splitter, the
 communication controller, the watchdog, the preemption handler, the balance monitor); ``docs/architecture.md`` maps
-them. The standalone ``pytorch_lightning`` flavour runs this module's code on that package (:mod:`lightning_het.pl`).
+them. The behaviour is :class:`HeterogeneousStrategyMixin`, composed here with ``lightning.pytorch``'s ``DDPStrategy``
+and in :mod:`lightning_het._pl_compat` with the standalone ``pytorch_lightning``'s; the parts take the Lightning
+classes they need from the strategy's or trainer's flavour (:mod:`lightning_het._flavour`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import attached_trainer, record_loader_arguments, skip_buffer_broadcast
+from lightning_het._flavour import trainer_flavour
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
@@ -72,7 +73,7 @@ from lightning_het.reliability.watchdog import Watchdog
 __all__ = ["HeterogeneousStrategy"]
 
 
-class HeterogeneousStrategy(BalanceView, DDPStrategy):
+class HeterogeneousStrategyMixin(BalanceView):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
     share, so that every optimizer step applies exactly the gradient of the global batch.
 
@@ -89,7 +90,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
 
     strategy_name = "heterogeneous"
     #: the spawn/fork launcher (it sends the allocation back to the parent), of this strategy's Lightning package
-    spawn_launcher_cls: type = HeterogeneousMultiProcessingLauncher
+    spawn_launcher_cls: type
 
     def __init__(
         self,
@@ -199,7 +200,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
             if started_elsewhere():
                 super().setup_distributed()  # torchrun's agent hosts the store / a later Trainer call
                 return
-            reset_seed()
+            trainer_flavour(self).reset_seed()
             self.set_world_ranks()
             self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None
@@ -218,7 +219,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     # ------------------------------------------------------------------ setup, teardown
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        fitting, config = trainer.state.fn == TrainerFn.FITTING, self.config
+        fitting, config = trainer.state.fn == trainer_flavour(trainer).TrainerFn.FITTING, self.config
         if fitting:  # a new fit derives a new allocation
             self.balancer.reset()
             self._loaders.train_sampler = self._loaders.train_pass = None
@@ -249,7 +250,7 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     @override
     def teardown(self) -> None:
         trainer = self._trainer()  # a popen launcher waits for every replica's end: the watchdog watches until then
-        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        interrupted = trainer is not None and trainer.state.status == trainer_flavour(trainer).TrainerStatus.INTERRUPTED
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         self.balancer.emulate_memory(None)
@@ -450,3 +451,11 @@ class HeterogeneousStrategy(BalanceView, DDPStrategy):
     def _telemetry(self, include_series: bool) -> dict[str, Any] | None:
         snapshot = self.balancer.allocation.telemetry_snapshot
         return telemetry_section(self._monitor, snapshot, include_series=include_series)
+
+
+class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
+    """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
+    share, so that every optimizer step applies exactly the gradient of the global batch (``lightning.pytorch``;
+    :mod:`lightning_het.pl` has the same for the standalone ``pytorch_lightning``)."""
+
+    spawn_launcher_cls = HeterogeneousMultiProcessingLauncher

@@ -1,12 +1,13 @@
 """pytest plugin used by ``scripts/run_lightning_tests.py`` (injected with ``-p _lightning_tests_plugin``).
 
-* With ``LIGHTNING_HET_SUBSTITUTE=1``, DDP is replaced by :class:`lightning_het.HeterogeneousStrategy` as soon as
-  ``lightning.pytorch`` is imported: every ``StrategyRegistry`` entry built on ``DDPStrategy`` (``"ddp"``,
-  ``"ddp_spawn"``, ``"ddp_fork"``, ``"ddp_notebook"``, the ``*_find_unused_parameters_*`` variants) is rebound to it,
-  keeping its arguments (``start_method``, ...), and so are the names ``lightning.pytorch.strategies.DDPStrategy``
-  and ``lightning.pytorch.strategies.ddp.DDPStrategy`` (a test that builds ``DDPStrategy(...)`` or checks
-  ``isinstance(strategy, DDPStrategy)`` gets ours). The runner also imports this module from a ``sitecustomize`` so
-  that processes started by a test (``ddp_spawn`` children, ``ddp`` re-launches) substitute too.
+* With ``LIGHTNING_HET_SUBSTITUTE=1``, DDP is replaced by :class:`lightning_het.HeterogeneousStrategy` when this
+  plugin is loaded (it imports ``lightning.pytorch``): every ``StrategyRegistry`` entry built on ``DDPStrategy``
+  (``"ddp"``, ``"ddp_spawn"``, ``"ddp_fork"``, ``"ddp_notebook"``, the ``*_find_unused_parameters_*`` variants) is
+  rebound to it, keeping its arguments (``start_method``, ...), and so are the names
+  ``lightning.pytorch.strategies.DDPStrategy`` and ``lightning.pytorch.strategies.ddp.DDPStrategy`` (a test that
+  builds ``DDPStrategy(...)`` or checks ``isinstance(strategy, DDPStrategy)`` gets ours). The runner also imports this
+  module from a ``sitecustomize`` so that processes started by a test (``ddp_spawn`` children, ``ddp`` re-launches)
+  substitute too.
 * ``LIGHTNING_TESTS_TIMEOUT=<seconds>``: a test still running after that long is failed (``TimeoutError``) after its
   child processes are killed (a deadlocked collective would otherwise hold the run forever).
 * ``flaky`` (pytest-rerunfailures' marker, which Lightning's tests use) is registered when that plugin is missing, so
@@ -47,11 +48,9 @@ def _substitute() -> None:
 
 
 def install() -> None:
-    """Substitute now if ``lightning.pytorch`` is loaded, else right after it is imported."""
+    """Substitute now (importing ``lightning_het``, which imports ``lightning.pytorch``)."""
     if SUBSTITUTE:
-        from lightning_het._registry import after_import
-
-        after_import("lightning.pytorch", _substitute)
+        _substitute()
 
 
 install()

@@ -30,10 +30,8 @@ ALLOWED_ATTRIBUTES = {
 }
 #: attribute names allowed on any object: Hydra's config key naming the class to instantiate
 ALLOWED_NAMES = {"_target_"}
-#: attribute names allowed in one module: the import system's "still executing" flag on a module's spec, which the
-#: import-order-independent registration reads and clears (``_registry.py`` runs at ``import lightning_het``, before
-#: Lightning is imported, so it cannot import ``_compat.py``)
-ALLOWED_IN_MODULE = {"lightning_het/_registry.py": {"_initializing"}}
+#: attribute names allowed in one module (none at present)
+ALLOWED_IN_MODULE: dict[str, set[str]] = {}
 _ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
 
 

@@ -1,6 +1,6 @@
 """The package as users install it: the core imports with torch and Lightning only, registration in any import order,
-a fast ``--help``, one version. Each check runs in a fresh interpreter, or a fork of one that has imported nothing of
-Lightning (``sys.modules`` of this one is not clean)."""
+a ``--help`` that composes no run, one version. Each check runs in a fresh interpreter, or a fork of one that has
+imported nothing of Lightning (``sys.modules`` of this one is not clean)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import resource
 import subprocess
 import sys
 import textwrap
@@ -58,7 +57,6 @@ def test_core_imports_and_trains_without_the_optional_dependencies():
     code = _BLOCKER.format(blocked=OPTIONAL) + textwrap.dedent(
         """
         import lightning_het
-        assert "lightning" not in sys.modules and "torch" not in sys.modules, "import lightning_het must stay light"
         import lightning.pytorch as pl
         from lightning.pytorch.strategies import StrategyRegistry
         assert StrategyRegistry["heterogeneous"]["strategy"] is lightning_het.HeterogeneousStrategy
@@ -170,8 +168,11 @@ def test_registered_whatever_the_import_order(import_order_runs, order):
     assert "could not register" not in result.stderr
 
 
-def test_help_is_fast_and_imports_neither_torch_nor_lightning():
-    """``lightning-het-train --help`` composes no run: no torch/Lightning import, well under 2 s of CPU time."""
+def test_help_composes_no_run():
+    """``lightning-het-train --help`` prints the app's help and composes no run (no data reader is imported).
+
+    ``import lightning_het`` imports Lightning (it registers the strategy without an import hook), so the help pays
+    for Lightning's import (docs/architecture.md)."""
     code = textwrap.dedent(
         """
         import sys
@@ -181,18 +182,14 @@ def test_help_is_fast_and_imports_neither_torch_nor_lightning():
             main()
         except SystemExit as stop:
             assert not stop.code, stop.code
-        heavy = sorted(m for m in ("torch", "lightning", "rasterio", "matplotlib") if m in sys.modules)
-        print("heavy:", heavy)
+        composed = sorted(m for m in sys.modules if m.split(".")[0] == "rasterio" or m.startswith("lightning_het.hsi"))
+        print("composed:", composed)
         """
     )
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result = _python(code, timeout=120)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = _python(code, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "heavy: []" in result.stdout
+    assert "composed: []" in result.stdout
     assert "lightning-het-train" in result.stdout  # the app's help text
-    cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert cpu_seconds < 2.0, cpu_seconds  # CPU time, not wall time: the test machine may be busy
 
 
 def test_one_version_source():

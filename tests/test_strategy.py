@@ -222,6 +222,7 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
     from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as PLScriptLauncher
 
     import lightning_het.pl
+    from lightning_het import _pl_compat
     from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
 
     unified = quiet_trainer(2, "heterogeneous").strategy
@@ -233,7 +234,7 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
         assert strategy.watchdog is None  # started with the replicas (setup_environment), not at construction
     assert type(unified.launcher) is HeterogeneousScriptLauncher
     assert isinstance(standalone.launcher, PLScriptLauncher)  # what pytorch_lightning's Ctrl-C handling looks for
-    assert type(standalone.launcher).__name__ == "PLHeterogeneousScriptLauncher"
+    assert type(standalone.launcher) is _pl_compat.HeterogeneousScriptLauncher
     for fabric_strategy in (lightning_het.HeterogeneousFabricStrategy, lightning_het.pl.HeterogeneousFabricStrategy):
         # your own loop: no Trainer hooks to watch; Fabric's launcher (made orphan-proof), not the Trainer's
         assert not issubclass(fabric_strategy, lightning_het.HeterogeneousStrategy)
@@ -266,27 +267,29 @@ def test_the_watchdog_knows_either_packages_sigterm_exception():
 
     assert is_sigterm_exit(SIGTERMException()) and is_sigterm_exit(Preempted(None, [15, 0]))
     assert is_sigterm_exit(pytorch_lightning.utilities.exceptions.SIGTERMException())
+    from lightning_het._pl_compat import Preempted as StandalonePreempted  # what a pytorch_lightning run raises
+
+    assert isinstance(StandalonePreempted(None, [15]), pytorch_lightning.utilities.exceptions.SIGTERMException)
+    assert is_sigterm_exit(StandalonePreempted(None, [15])) and not isinstance(
+        StandalonePreempted(None, [15]), Preempted
+    )
     assert not is_sigterm_exit(SystemExit(1)) and not is_sigterm_exit(KeyboardInterrupt())
 
 
-def test_standalone_pytorch_lightning_gets_its_own_callbacks_through_one_mechanism():
+def test_standalone_pytorch_lightning_gets_its_own_callbacks():
     """The callbacks the strategy adds and the mixed accelerator subclass the trainer's own package's classes."""
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
     from lightning.pytorch import Callback
 
-    from lightning_het._compat import on_flavour
-    from lightning_het.balance.monitor import HeterogeneousBalanceCallback
-    from lightning_het.cluster.accelerators import MixedAccelerator
-    from lightning_het.reliability.preemption import PreemptionCallback
-    from lightning_het.reliability.supervision import WatchdogCallback
+    from lightning_het._flavour import trainer_flavour
 
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
-    for cls in (WatchdogCallback, PreemptionCallback, HeterogeneousBalanceCallback):
-        assert on_flavour(cls, quiet_trainer(1, "heterogeneous")) is cls
-        standalone = on_flavour(cls, trainer)
-        assert issubclass(standalone, pytorch_lightning.Callback) and not issubclass(standalone, Callback)
-        assert on_flavour(cls, trainer) is standalone and standalone.__name__ == f"PL{cls.__name__}"
-    assert issubclass(on_flavour(MixedAccelerator, trainer), pytorch_lightning.accelerators.Accelerator)
+    standalone, unified = trainer_flavour(trainer), trainer_flavour(quiet_trainer(1, "heterogeneous"))
+    for name in ("WatchdogCallback", "PreemptionCallback", "BalanceCallback", "ProfilerCallback"):
+        assert issubclass(getattr(unified, name), Callback)
+        assert issubclass(getattr(standalone, name), pytorch_lightning.Callback)
+        assert not issubclass(getattr(standalone, name), Callback)
+    assert issubclass(standalone.MixedAccelerator, pytorch_lightning.accelerators.Accelerator)
 
 
 def test_fit_outputs_are_split_even_when_a_marker_lands_inside_another_ranks_line():

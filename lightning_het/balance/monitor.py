@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import on_flavour
+from lightning_het._flavour import trainer_flavour
 from lightning_het.balance.clock import EpochTimings, StepClock
 from lightning_het.balance.history import TelemetryHistory, gather_timings
 from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
@@ -217,7 +217,7 @@ class BalanceMonitor:
             rank_zero_info(f"HeterogeneousStrategy: balance report written to {self.report_paths['table']}")
 
 
-class _BalanceCallbackMixin:
+class BalanceCallbackMixin:
     """Forwards the fit loop's epoch hooks to a :class:`BalanceMonitor` (mixed into the package's ``Callback``)."""
 
     def __init__(self, monitor: BalanceMonitor) -> None:
@@ -239,13 +239,13 @@ class _BalanceCallbackMixin:
         return {"monitor": None}  # per-process state (it references the strategy): never travels
 
 
-class HeterogeneousBalanceCallback(_BalanceCallbackMixin, Callback):
+class HeterogeneousBalanceCallback(BalanceCallbackMixin, Callback):
     """Added by :class:`~lightning_het.HeterogeneousStrategy` to ``trainer.callbacks`` (``lightning.pytorch``)."""
 
 
 def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
     """The callback forwarding ``trainer``'s epoch hooks to ``monitor``."""
-    return on_flavour(HeterogeneousBalanceCallback, trainer)(monitor)
+    return trainer_flavour(trainer).BalanceCallback(monitor)  # the trainer's package's Callback
 
 
 def attach_monitor(
@@ -264,7 +264,7 @@ def attach_monitor(
     monitor.reset()
     callbacks = trainer.callbacks
     for i, cb in enumerate(callbacks):
-        if isinstance(cb, _BalanceCallbackMixin):
+        if isinstance(cb, BalanceCallbackMixin):
             callbacks[i] = monitor_callback(monitor, trainer)
             break
     else:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from lightning_het._compat import on_flavour
+from lightning_het._flavour import trainer_flavour
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, step_time
@@ -344,7 +344,7 @@ def _all_gather(values: list[float], world_size: int, device: torch.device) -> l
     return [t.tolist() for t in everyone]
 
 
-class _ProfilerCallbackMixin:
+class ProfilerCallbackMixin:
     """Forwards the end of every training step to an :class:`InLoopProfiler`."""
 
     def __init__(self, profiler: InLoopProfiler) -> None:
@@ -357,16 +357,16 @@ class _ProfilerCallbackMixin:
         return {"profiler": None}  # per-process state: never travels
 
 
-class ProfilerCallback(_ProfilerCallbackMixin, Callback):
+class ProfilerCallback(ProfilerCallbackMixin, Callback):
     """Added by :class:`~lightning_het.HeterogeneousStrategy` to ``trainer.callbacks`` while it profiles."""
 
 
 def attach_profiler(profiler: InLoopProfiler | None, trainer: Any) -> None:
     """Hook ``profiler`` into ``trainer`` (replacing a previous fit's), or remove the hook (``None``)."""
     callbacks = trainer.callbacks
-    callbacks[:] = [cb for cb in callbacks if not isinstance(cb, _ProfilerCallbackMixin)]
+    callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ProfilerCallbackMixin)]
     if profiler is not None:
-        callbacks.append(on_flavour(ProfilerCallback, trainer)(profiler))
+        callbacks.append(trainer_flavour(trainer).ProfilerCallback(profiler))  # the trainer's package's Callback
 
 
 class LoopSteps:

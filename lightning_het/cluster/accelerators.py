@@ -11,7 +11,8 @@ from typing import Any, Protocol
 import torch
 from lightning.pytorch.accelerators import Accelerator
 
-from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory, on_flavour
+from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory
+from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 __all__ = [
@@ -42,7 +43,7 @@ def _plain_map(device_map: DeviceMapArg) -> list[str | int] | dict[int, list[str
     return [_plain_entry(e) for e in node_device_maps(device_map)[0]]
 
 
-class _MixedAcceleratorMixin:
+class MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
@@ -125,20 +126,13 @@ class _MixedAcceleratorMixin:
         """Not registered by name: it needs a device map (pass an instance, or ``device_map`` to the strategy)."""
 
 
-class MixedAccelerator(_MixedAcceleratorMixin, Accelerator):
+class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
     """Accelerator for jobs that mix CPU and CUDA replicas; use it with ``HeterogeneousStrategy``."""
-
-
-def __getattr__(name: str) -> Any:
-    """``PLMixedAccelerator``: the class for the standalone ``pytorch_lightning``, built on first use."""
-    if name == "PLMixedAccelerator":
-        return on_flavour(MixedAccelerator, "pytorch_lightning")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def mixed_accelerator_class(strategy_cls: type) -> type:
     """The ``MixedAccelerator`` for a strategy's Lightning flavour (``lightning.pytorch`` or ``pytorch_lightning``)."""
-    return on_flavour(MixedAccelerator, strategy_cls)
+    return trainer_flavour(strategy_cls).MixedAccelerator
 
 
 def mixed_accelerator_kwargs(
@@ -201,7 +195,7 @@ def _check_precision(strategy: DeviceStrategy, plan: DevicePlan) -> None:
 def configure_devices(strategy: DeviceStrategy) -> DevicePlan | None:
     """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``."""
     accelerator = strategy.accelerator
-    if not isinstance(accelerator, _MixedAcceleratorMixin):
+    if not isinstance(accelerator, MixedAcceleratorMixin):
         return None
     environment = strategy.cluster_environment
     plan = plan_devices(

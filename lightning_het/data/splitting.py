@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.utilities.data import has_iterable_dataset
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_het._compat import cached_validation_loader, forget_validation_loader, uses_distributed_sampler
+from lightning_het._flavour import trainer_flavour
 from lightning_het.balance.allocation import allocate_batch_sizes
 from lightning_het.balance.profiler import InLoopProfiler
 from lightning_het.data.loaders import (
@@ -32,9 +32,7 @@ from lightning_het.data.sampler import (
 )
 from lightning_het.reliability.checkpointing import apply_sampler_resume, resumed_global_batch_size
 
-__all__ = ["EVAL_STAGES", "LoaderSplitter", "TrainingSplit", "eval_weights", "read_as_given"]
-
-EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+__all__ = ["LoaderSplitter", "TrainingSplit", "eval_weights", "read_as_given"]
 
 
 @dataclass(frozen=True)
@@ -80,21 +78,23 @@ class LoaderSplitter:
 
     def process(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit, weights: list[float]) -> DataLoader:
         """``dataloader`` split for this replica at the trainer's stage (as given where it cannot be split)."""
-        stage = trainer.state.stage
+        stage, stages = trainer.state.stage, trainer_flavour(trainer).RunningStage  # the trainer's package's enum
+        training = stage == stages.TRAINING
+        evaluating = stage in (stages.VALIDATING, stages.TESTING, stages.SANITY_CHECKING)
         if has_iterable_dataset(dataloader):
-            if stage == RunningStage.TRAINING:
+            if training:
                 rank_zero_warn(
                     "The training DataLoader wraps an IterableDataset, which HeterogeneousStrategy cannot re-split:"
                     " every replica reads it as in plain DDP, with equal weights and no load balancing. HINT: use a"
                     " map-style Dataset for speed-proportional batches and exact gradients."
                 )
             return dataloader
-        if stage in (RunningStage.TRAINING, *EVAL_STAGES) and read_as_given(dataloader, trainer):
+        if (training or evaluating) and read_as_given(dataloader, trainer):
             self.warn_own_sharding()  # plain DDP behaviour for this loader
             return dataloader
-        if stage == RunningStage.TRAINING:
+        if training:
             return self.split_training_loader(dataloader, trainer, split)
-        if stage in EVAL_STAGES:
+        if evaluating:
             return self.split_eval_loader(dataloader, weights, split.rank, split.world_size)
         return dataloader
 

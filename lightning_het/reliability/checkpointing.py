@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
 from lightning_het._compat import training_combined_loader
@@ -194,8 +193,9 @@ def apply_sampler_resume(
             f" {plan.skip_steps} global batch(es) already trained on"
         )
         # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does, so that warning is wrong here:
-        # silenced until this fit's teardown (end_resume_quiet), not for the later Trainers of the process
-        warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning)
+        # silenced until this fit's teardown (end_resume_quiet), not for the later Trainers of the process; a
+        # PossibleUserWarning, whose class each Lightning package has its own of
+        warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=UserWarning)
         _QUIET.append(warnings.filters[0])
     return plan
 

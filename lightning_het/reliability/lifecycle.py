@@ -18,11 +18,12 @@ from typing_extensions import override
 
 from lightning_het._compat import (
     _basic_subprocess_cmd,
+    _FabricSubprocessScriptLauncher,
     _hydra_subprocess_cmd,
     _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
-    on_flavour,
 )
+from lightning_het._flavour import fabric_flavour, trainer_flavour
 from lightning_het.cluster.rendezvous import (
     TOKEN_ENV,
     ensure_job_token,
@@ -141,8 +142,8 @@ class _ReplicaProcesses:
                 proc.wait(timeout=5)
 
 
-class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module."""
+class ScriptLauncherMixin(_ReplicaProcesses):
+    """The lifecycle guarantees of this module, mixed into each Trainer package's ``popen`` launcher."""
 
     #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_finish`)
     finishes_runs = True
@@ -155,9 +156,9 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
     strategy: LaunchingStrategy
 
     @classmethod
-    def for_strategy(cls, strategy: LaunchingStrategy) -> HeterogeneousScriptLauncher:
+    def for_strategy(cls, strategy: LaunchingStrategy) -> ScriptLauncherMixin:
         """The launcher for ``strategy``, on the ``_SubprocessScriptLauncher`` of the strategy's Lightning package."""
-        launcher = on_flavour(HeterogeneousScriptLauncher, strategy)(
+        launcher = trainer_flavour(strategy).ScriptLauncher(
             strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
         launcher.strategy = strategy
@@ -257,26 +258,22 @@ class HeterogeneousScriptLauncher(_ReplicaProcesses, _SubprocessScriptLauncher):
         return exit_code_for(verdict) if verdict.kind != "failed" else WATCHDOG_EXIT_CODE
 
 
-#: Fabric's popen launcher class (one per Fabric package) -> the same with :class:`_ReplicaProcesses`
-_FABRIC_LAUNCHERS: dict[type, type] = {}
+class HeterogeneousScriptLauncher(ScriptLauncherMixin, _SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher, plus the lifecycle guarantees of this module."""
 
 
 def fabric_script_launcher(strategy: TimedStrategy, launcher: Any) -> Any:
-    """Fabric's ``popen`` launcher ``launcher`` (of either Fabric package) for ``strategy``, plus no orphans."""
-    base = type(launcher)
-    cls = _FABRIC_LAUNCHERS.get(base)
-    if cls is None:
-        cls = _FABRIC_LAUNCHERS[base] = type(
-            "HeterogeneousFabricScriptLauncher",
-            (_FabricReplicaProcesses, base),
-            {"__module__": __name__, "__doc__": fabric_script_launcher.__doc__},
-        )
-    built = cls(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+    """Fabric's ``popen`` launcher ``launcher`` for ``strategy``, plus no orphans (on the strategy's Fabric package)."""
+    built = fabric_flavour(strategy).ScriptLauncher(
+        launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+    )
     built.strategy = strategy
     return built
 
 
-class _FabricReplicaProcesses(_ReplicaProcesses):
+class FabricReplicaProcesses(_ReplicaProcesses):
+    """No orphans and an uncaught exception noted, mixed into each Fabric package's ``popen`` launcher."""
+
     def _call_children_scripts(self) -> None:
         super()._call_children_scripts()
         previous = sys.excepthook
@@ -286,6 +283,10 @@ class _FabricReplicaProcesses(_ReplicaProcesses):
             previous(*exc_info)
 
         sys.excepthook = note_failure
+
+
+class HeterogeneousFabricScriptLauncher(FabricReplicaProcesses, _FabricSubprocessScriptLauncher):
+    """Fabric's ``popen`` launcher, plus no orphans."""
 
 
 def _hydra_in_use() -> bool:

@@ -23,16 +23,16 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_het._compat import (
-    on_flavour,
     replace_signal_connector,
     run_atexit_handlers,
     should_accumulate,
     stop_child_process_observers,
 )
+from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.processes import launched_replicas
 
@@ -55,13 +55,18 @@ PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class Preempted(SIGTERMException):
-    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143."""
+class PreemptedMixin:
+    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143 (mixed
+    into each package's ``SIGTERMException``, which its Trainer handles as a signal's end)."""
 
     def __init__(self, checkpoint: str | None, signals: Sequence[int]) -> None:
         super().__init__(PREEMPTION_EXIT_CODE)
         self.checkpoint = checkpoint
         self.signals = list(signals)
+
+
+class Preempted(PreemptedMixin, SIGTERMException):
+    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143."""
 
 
 def _signal_name(signum: int) -> str:
@@ -291,7 +296,7 @@ class PreemptionHandler:
         self._next_agreement, self._last_agreement = step - agreed[-1], (step, now)
         return agreed[:-1]
 
-    def preempt(self, trainer: pl.Trainer, signals: Sequence[int]) -> Preempted:
+    def preempt(self, trainer: pl.Trainer, signals: Sequence[int]) -> PreemptedMixin:
         """Save the checkpoint (all ranks take part, rank 0 writes) and return the exception to raise."""
         self._preempting = True
         self._hold_launched_replicas()
@@ -321,7 +326,7 @@ class PreemptionHandler:
                     file=sys.stderr,
                     flush=True,
                 )
-        return Preempted(saved, signals)
+        return trainer_flavour(trainer).Preempted(saved, signals)  # the trainer's package's SIGTERMException
 
 
 def save_atomically(trainer: pl.Trainer, path: str) -> str:
@@ -336,18 +341,11 @@ def save_atomically(trainer: pl.Trainer, path: str) -> str:
     return path
 
 
-def _is_model_checkpoint(callback: Any) -> bool:
-    """A ``ModelCheckpoint`` of ``lightning.pytorch`` or of the standalone ``pytorch_lightning`` (separate classes)."""
-    return isinstance(callback, ModelCheckpoint) or any(
-        cls.__name__ == "ModelCheckpoint" and cls.__module__.startswith("pytorch_lightning.")
-        for cls in type(callback).__mro__
-    )
-
-
 def default_checkpoint_path(trainer: pl.Trainer) -> str:
     """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given."""
+    model_checkpoint = trainer_flavour(trainer).ModelCheckpoint  # the trainer's package's
     for callback in trainer.checkpoint_callbacks:
-        if _is_model_checkpoint(callback) and callback.dirpath:
+        if isinstance(callback, model_checkpoint) and callback.dirpath:
             return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
 
@@ -367,13 +365,13 @@ def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
     return resolved if isinstance(resolved, str) else default_checkpoint_path(trainer)
 
 
-class PreemptionCallback(Callback):
-    """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
+class PreemptionCallbackMixin:
+    """Runs the agreement after optimizer steps (mixed into each package's ``Callback``)."""
 
     def __init__(self, handler: PreemptionHandler) -> None:
         self.handler: PreemptionHandler | None = handler
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallback:
+    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallbackMixin:
         """A copy sharing this process's live handler, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
@@ -386,6 +384,10 @@ class PreemptionCallback(Callback):
         signals = self.handler.agree(pl_module.device, trainer.global_step)
         if any(signals):
             raise self.handler.preempt(trainer, signals)
+
+
+class PreemptionCallback(PreemptionCallbackMixin, Callback):
+    """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
 
 
 class _PreemptionSignalConnector:
@@ -422,17 +424,16 @@ def attach_preemption(
     strategy: PreemptibleStrategy, trainer: pl.Trainer, grace: float, checkpoint: Any
 ) -> PreemptionHandler:
     """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``)."""
-    from lightning.pytorch.trainer.states import TrainerFn
+    flavour = trainer_flavour(trainer)  # the trainer's package's enums and Callback
 
     def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
         return launched_replicas(strategy.launcher)
 
     handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    callback_cls = on_flavour(PreemptionCallback, trainer)  # the standalone pytorch_lightning's for its trainers
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
+    fitting = trainer.state.fn == flavour.TrainerFn.FITTING
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
     if fitting:
-        trainer.callbacks.append(callback_cls(handler))
+        trainer.callbacks.append(flavour.PreemptionCallback(handler))
 
     def install() -> None:
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
@@ -452,5 +453,4 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
         at = handler.deadline_at
         handler.end_launched_replicas(handler.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
     if trainer is not None:
-        callback_cls = on_flavour(PreemptionCallback, trainer)
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]

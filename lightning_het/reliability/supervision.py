@@ -15,7 +15,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_het._compat import default_store, on_flavour, set_default_group_timeout, should_accumulate
+from lightning_het._compat import default_store, set_default_group_timeout, should_accumulate
+from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.heartbeats import BOOT_ID
 from lightning_het.reliability.processes import launched_replicas
@@ -39,13 +40,13 @@ DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
-class WatchdogCallback(Callback):
-    """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
+class WatchdogCallbackMixin:
+    """Feeds the :class:`Watchdog` with the training thread's progress (mixed into each package's ``Callback``)."""
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallback:
+    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallbackMixin:
         """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
         return copy.copy(self)
 
@@ -112,6 +113,10 @@ class WatchdogCallback(Callback):
         self.watchdog.on_exception(exception)
 
 
+class WatchdogCallback(WatchdogCallbackMixin, Callback):
+    """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
+
+
 def _stage(trainer: pl.Trainer) -> str:
     stage = trainer.state.stage
     return str(stage.value) if stage is not None else ""
@@ -171,10 +176,9 @@ def start_watchdog(
 
 def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
     """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
-    callback_cls = on_flavour(WatchdogCallback, trainer)  # the standalone pytorch_lightning's Callback for its trainers
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, callback_cls)]
-    if watchdog is not None:
-        trainer.callbacks.append(callback_cls(watchdog))
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallbackMixin)]
+    if watchdog is not None:  # the trainer's own package's Callback
+        trainer.callbacks.append(trainer_flavour(trainer).WatchdogCallback(watchdog))
 
 
 def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
