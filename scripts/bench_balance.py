@@ -662,7 +662,7 @@ def _markdown(summary: dict[str, Any], args: argparse.Namespace, command: str, e
     s = summary["slowdown"]
     lines += [
         "",
-        f"`emulate_slowdown=[4, 2, 1]` on a homogeneous model (the 1:2:4 platform through the strategy's own"
+        f"`EmulatedPlatform(slowdown=[4, 2, 1])` on a homogeneous model (the 1:2:4 platform through the strategy's own"
         f" emulation, {e['steps']} steps): fit {e['fit_s']:.2f} s, step {e['step_ms']:.1f} ms, batch sizes"
         f" {e['batch_sizes']}, speedup vs DDP on 1:2:4 (fit time per step) {e['speedup']:.3f}x.",
         "",
