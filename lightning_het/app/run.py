@@ -113,10 +113,14 @@ def _configure_console_logging() -> None:
     root_prints = any(_is_console(h) for h in logging.getLogger().handlers)
     for name in names:
         logger = logging.getLogger(name)
-        if name and root_prints and logger.propagate:
-            # the record also reaches the root logger's console handler (Hydra's): print it once, there
-            for handler in [h for h in logger.handlers if _is_console(h)]:
+        consoles = [h for h in logger.handlers if _is_console(h)]
+        if name and root_prints and (logger.propagate or consoles):
+            # print each record once, through the root logger's handlers (Hydra's console and the job's log file):
+            # Lightning imported before Hydra set up logging (importing lightning_het imports it) gave its logger a
+            # console handler of its own and stopped it propagating
+            for handler in consoles:
                 logger.removeHandler(handler)
+            logger.propagate = True
         for handler in logger.handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 if not any(isinstance(f, _DropAdverts) for f in handler.filters):
