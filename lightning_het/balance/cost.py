@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .allocation import batch_bounds, positive_finite
+from lightning_het.allocation import batch_bounds, positive_finite
 
 __all__ = [
     "AffineCost",

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.monitor import MonitorSettings
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan

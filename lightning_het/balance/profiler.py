@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings, stage_ratios

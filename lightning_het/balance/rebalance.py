@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from lightning_het.balance.allocation import allocate_batch_sizes, positive_finite
+from lightning_het.allocation import allocate_batch_sizes, positive_finite
 from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
 
 __all__ = [
