@@ -15,8 +15,6 @@ from lightning_het._flavour import FabricFlavour
 from lightning_het.fabric import HeterogeneousFabricStrategyMixin
 from lightning_het.reliability.lifecycle import FabricReplicaProcesses
 
-__all__ = ["FABRIC_FLAVOUR", "HeterogeneousFabricStrategy"]
-
 
 class HeterogeneousFabricScriptLauncher(
     FabricReplicaProcesses,

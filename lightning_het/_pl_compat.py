@@ -25,8 +25,6 @@ from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallb
 from lightning_het.reliability.supervision import WatchdogCallbackMixin
 from lightning_het.strategy import HeterogeneousStrategyMixin
 
-__all__ = ["TRAINER_FLAVOUR", "HeterogeneousStrategy"]
-
 _LAUNCHERS = "strategies.launchers"
 
 

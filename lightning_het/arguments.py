@@ -12,23 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-__all__ = [
-    "SYNC_DEFAULTS",
-    "ArgumentError",
-    "as_timeout",
-    "check_comm_args",
-    "check_sync_args",
-    "finite_positive_list",
-    "int_list",
-    "positive_int",
-    "slowdown_factors",
-    "threshold",
-    "validate_grace",
-    "validate_preemption_checkpoint",
-    "validate_resume",
-    "validate_strategy_arguments",
-]
-
 # the communication modes, in one place (the app's config schema reads them too)
 #: a resolved mode, what a :class:`~lightning_het.comm.CommController` runs
 CommMode = Literal["allreduce", "hierarchical", "node_local"]

@@ -42,8 +42,6 @@ from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.launcher import ExitCleanup
 from lightning_het.reliability.supervision import validate_launch_environment
 
-__all__ = ["HeterogeneousFabricStrategy"]
-
 
 class HeterogeneousFabricStrategyMixin(BalanceView):
     """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of

@@ -70,8 +70,6 @@ from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.supervision import validate_launch_environment
 from lightning_het.reliability.watchdog import Watchdog
 
-__all__ = ["HeterogeneousStrategy"]
-
 
 class HeterogeneousStrategyMixin(BalanceView):
     """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that

@@ -122,3 +122,25 @@ def test_no_two_subpackages_import_each_other():
     subpackages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - ABOVE_CORE
     both_ways = sorted((a, b) for a, b in edges if a < b and (b, a) in edges and {a, b} <= subpackages)
     assert not both_ways, f"subpackages importing each other: {both_ways}"
+
+
+#: the modules whose ``__all__`` lists public names: the package's, the standalone flavours' import, the subpackage
+#: facades; ``_compat``'s lists the private upstream names it re-exports (tests/test_fence.py reads it)
+ADVERTISING = {
+    "lightning_het",
+    "lightning_het.pl",
+    "lightning_het._compat",
+    "lightning_het.balance",
+    "lightning_het.comm",
+}
+
+
+def test_internal_modules_advertise_no_names():
+    advertising = []
+    for path in _core_files():
+        module = _module_name(path)
+        for node in ast.parse(path.read_text(), str(path)).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and module not in ADVERTISING:
+                advertising.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not advertising, "internal modules with an `__all__` (not public names):\n" + "\n".join(advertising)

@@ -42,15 +42,6 @@ from lightning_het.data.sampler import training_sampler
 from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import checkpoint_record, log_resumed_allocation, plan_allocation
 
-__all__ = [
-    "CAPS_AGREED_EVERY",
-    "Balancer",
-    "FitContext",
-    "per_replica_batchnorm",
-    "refuse_single_sample_pieces",
-    "refuse_synced_norm_in_pieces",
-]
-
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
 CAPS_AGREED_EVERY = 16
 

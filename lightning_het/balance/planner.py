@@ -18,17 +18,6 @@ from lightning_het.balance.profiling import ProfileCache, cache_key
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.config import HeterogeneousConfig
 
-__all__ = [
-    "batch_bounds",
-    "cached_costs",
-    "measured_speeds",
-    "monitor_settings",
-    "profile_cache_entry",
-    "split_global_batch",
-    "start_profiler",
-    "warn_useless_replicas",
-]
-
 
 def batch_bounds(min_batch_size: int, max_batch_sizes: Sequence[int] | None) -> dict[str, Any]:
     """The keywords that bound every replica's batch in :func:`allocate_batch_sizes` and :func:`allocate_affine`."""

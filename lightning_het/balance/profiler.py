@@ -18,18 +18,6 @@ from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings, stage_ratios
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 
-__all__ = [
-    "InLoopProfiler",
-    "LoopSteps",
-    "ProfilePlan",
-    "ProfilerCallback",
-    "attach_profiler",
-    "loader_prefetch_depth",
-    "profile_plan",
-    "stage_spread",
-    "trial_splits",
-]
-
 
 def _spread(total: int, room: Sequence[int]) -> list[int]:
     """``total`` samples over slots of capacity ``room``, in proportion, largest remainders first."""

@@ -9,8 +9,6 @@ from lightning_het.allocation import loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
 
-__all__ = ["Allocation", "render_balance_table"]
-
 
 class Allocation:
     """Samples per step and speed (samples/s when measured) of every replica by global rank, the global batch, the loss

@@ -16,17 +16,6 @@ from lightning_het._compat import _init_dist_connection, set_default_group_timeo
 from lightning_het.cluster.rendezvous import create_store, local_sockets
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
 
-__all__ = [
-    "DEFAULT_STARTUP_TIMEOUT",
-    "apply_collective_timeout",
-    "detect_node_ids",
-    "init_process_group",
-    "rendezvous_failed",
-    "rendezvous_timeout",
-    "started_elsewhere",
-    "startup_timeout_scope",
-]
-
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`rendezvous_timeout`.
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 

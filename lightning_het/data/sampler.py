@@ -13,15 +13,6 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampl
 
 from lightning_het.allocation import allocate_batch_sizes
 
-__all__ = [
-    "EvalBatchSampler",
-    "ProportionalBatchSampler",
-    "ProportionalDistributedSampler",
-    "UnpaddedDistributedSampler",
-    "eval_batch_plan",
-    "tail_batch_sizes",
-]
-
 
 def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any]:
     """The order in which one process would visit the dataset in ``epoch``: a permutation seeded by ``seed + epoch``."""

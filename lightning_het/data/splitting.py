@@ -31,8 +31,6 @@ from lightning_het.data.sampler import (
 )
 from lightning_het.reliability.checkpointing import apply_sampler_resume, resumed_global_batch_size
 
-__all__ = ["LoaderSplitter", "TrainingSplit", "eval_weights", "read_as_given"]
-
 
 @dataclass(frozen=True)
 class TrainingSplit:

@@ -13,22 +13,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._compat import training_combined_loader
 
-__all__ = [
-    "CHECKPOINT_KEY",
-    "SamplerResume",
-    "allocation_record",
-    "apply_sampler_resume",
-    "end_resume_quiet",
-    "node_optimizer_checkpoint",
-    "plan_allocation",
-    "plan_sampler_resume",
-    "read_record",
-    "resumed_global_batch_size",
-    "sampler_record",
-    "synchronize_before_save",
-    "with_node_states",
-]
-
 log = logging.getLogger(__name__)
 
 #: top-level checkpoint key holding :func:`allocation_record`

@@ -23,15 +23,6 @@ from lightning_het.reliability.processes import launched_replicas
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
 
-__all__ = [
-    "WatchdogCallback",
-    "as_seconds",
-    "attach_watchdog",
-    "start_watchdog",
-    "stop_watchdog",
-    "validate_launch_environment",
-]
-
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
