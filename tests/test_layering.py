@@ -29,12 +29,6 @@ ABOVE_CORE = {"hsi", "app"}
 
 #: (importing module, imported module prefix): why the import goes up a layer
 ALLOWED = {
-    ("lightning_het._flavour", "lightning_het.balance"): "the flavour holds our classes built on each Lightning"
-    " package; built on first use, after the whole package imported",
-    ("lightning_het._flavour", "lightning_het.cluster"): "as above",
-    ("lightning_het._flavour", "lightning_het.reliability"): "as above",
-    ("lightning_het._flavour", "lightning_het._pl_compat"): "as above (the standalone flavours)",
-    ("lightning_het._flavour", "lightning_het._fabric_compat"): "as above",
     ("lightning_het.cluster.startup", "lightning_het.reliability.verdicts"): "a timed-out rendezvous ends the job with"
     " the watchdog's exit status (verdicts imports nothing of the package)",
 }
