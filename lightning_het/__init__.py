@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from lightning_het._version import __version__
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
 from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler

@@ -11,11 +11,9 @@ from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 
 from lightning_het._compat import flavour_private
-from lightning_het._flavour import FabricFlavour
+from lightning_het._flavour import FabricFlavour, register_fabric_flavour
 from lightning_het.fabric import HeterogeneousFabricStrategyMixin
 from lightning_het.reliability.lifecycle import FabricReplicaProcesses
-
-__all__ = ["FABRIC_FLAVOUR", "HeterogeneousFabricStrategy"]
 
 
 class HeterogeneousFabricScriptLauncher(
@@ -33,3 +31,4 @@ class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy)
 FABRIC_FLAVOUR = FabricFlavour(
     DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
 )
+register_fabric_flavour(True, lambda: FABRIC_FLAVOUR)

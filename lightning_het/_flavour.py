@@ -54,59 +54,27 @@ def is_standalone(obj: Any) -> bool:
     return _standalone_class(obj if isinstance(obj, type) else type(obj))
 
 
+#: each package's flavour, registered by the module that builds it (the strategies for the unified package,
+#: ``_pl_compat`` / ``_fabric_compat`` for the standalone ones): this module imports nothing of the package
+_TRAINER: dict[bool, Callable[[], TrainerFlavour]] = {}
+_FABRIC: dict[bool, Callable[[], FabricFlavour]] = {}
+
+
+def register_trainer_flavour(standalone: bool, build: Callable[[], TrainerFlavour]) -> None:
+    """``build`` makes the Trainer flavour of the standalone or the unified package (called on first use)."""
+    _TRAINER[standalone] = functools.cache(build)
+
+
+def register_fabric_flavour(standalone: bool, build: Callable[[], FabricFlavour]) -> None:
+    """``build`` makes the Fabric flavour of the standalone or the unified package (called on first use)."""
+    _FABRIC[standalone] = functools.cache(build)
+
+
 def trainer_flavour(obj: Any) -> TrainerFlavour:
     """The flavour of ``obj`` (a trainer, strategy, ... or its class): ``pytorch_lightning``'s or ``lightning``'s."""
-    if is_standalone(obj):
-        from lightning_het._pl_compat import TRAINER_FLAVOUR
-
-        return TRAINER_FLAVOUR
-    return _unified_trainer()
+    return _TRAINER[is_standalone(obj)]()
 
 
 def fabric_flavour(obj: Any) -> FabricFlavour:
     """The flavour of ``obj`` (a Fabric strategy or its class): ``lightning_fabric``'s or ``lightning.fabric``'s."""
-    if is_standalone(obj):
-        from lightning_het._fabric_compat import FABRIC_FLAVOUR
-
-        return FABRIC_FLAVOUR
-    return _unified_fabric()
-
-
-@functools.cache
-def _unified_trainer() -> TrainerFlavour:
-    from lightning.fabric.utilities.seed import reset_seed
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-
-    from lightning_het.balance.monitor import HeterogeneousBalanceCallback
-    from lightning_het.balance.profiler import ProfilerCallback
-    from lightning_het.cluster.accelerators import MixedAccelerator
-    from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
-    from lightning_het.reliability.preemption import Preempted, PreemptionCallback
-    from lightning_het.reliability.supervision import WatchdogCallback
-
-    return TrainerFlavour(
-        TrainerFn=TrainerFn,
-        TrainerStatus=TrainerStatus,
-        RunningStage=RunningStage,
-        ModelCheckpoint=ModelCheckpoint,
-        reset_seed=reset_seed,
-        WatchdogCallback=WatchdogCallback,
-        PreemptionCallback=PreemptionCallback,
-        ProfilerCallback=ProfilerCallback,
-        BalanceCallback=HeterogeneousBalanceCallback,
-        MixedAccelerator=MixedAccelerator,
-        ScriptLauncher=HeterogeneousScriptLauncher,
-        Preempted=Preempted,
-    )
-
-
-@functools.cache
-def _unified_fabric() -> FabricFlavour:
-    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-
-    from lightning_het.reliability.lifecycle import HeterogeneousFabricScriptLauncher
-
-    return FabricFlavour(
-        DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
-    )
+    return _FABRIC[is_standalone(obj)]()

@@ -15,7 +15,7 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerSta
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_het._compat import flavour_private
-from lightning_het._flavour import TrainerFlavour
+from lightning_het._flavour import TrainerFlavour, register_trainer_flavour
 from lightning_het.balance.monitor import BalanceCallbackMixin
 from lightning_het.balance.profiler import ProfilerCallbackMixin
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
@@ -24,8 +24,6 @@ from lightning_het.reliability.lifecycle import ScriptLauncherMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
 from lightning_het.reliability.supervision import WatchdogCallbackMixin
 from lightning_het.strategy import HeterogeneousStrategyMixin
-
-__all__ = ["TRAINER_FLAVOUR", "HeterogeneousStrategy"]
 
 _LAUNCHERS = "strategies.launchers"
 
@@ -89,3 +87,4 @@ TRAINER_FLAVOUR = TrainerFlavour(
     ScriptLauncher=HeterogeneousScriptLauncher,
     Preempted=Preempted,
 )
+register_trainer_flavour(True, lambda: TRAINER_FLAVOUR)

@@ -10,26 +10,22 @@ import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, get_args
 
-from lightning_het.comm.modes import COMM_CHOICES, MERGE_WEIGHTS, OUTER_OPTIMIZERS, SYNC_DTYPES
+# the communication modes, in one place (the app's config schema reads them too)
+#: a resolved mode, what a :class:`~lightning_het.comm.CommController` runs
+CommMode = Literal["allreduce", "hierarchical", "node_local"]
+#: what users pass as ``comm=``: a mode, or ``"auto"`` (``hierarchical`` on several nodes, else ``allreduce``)
+CommChoice = Literal["auto", "allreduce", "hierarchical", "node_local"]
+#: accepted values of ``comm``
+COMM_CHOICES: tuple[str, ...] = get_args(CommChoice)
 
-__all__ = [
-    "SYNC_DEFAULTS",
-    "ArgumentError",
-    "as_timeout",
-    "check_comm_args",
-    "check_sync_args",
-    "finite_positive_list",
-    "int_list",
-    "positive_int",
-    "slowdown_factors",
-    "threshold",
-    "validate_grace",
-    "validate_preemption_checkpoint",
-    "validate_resume",
-    "validate_strategy_arguments",
-]
+#: ``node_local``'s sync: accepted ``sync_dtype``, ``merge_weights`` and named ``outer_optimizer`` values
+SYNC_DTYPES = ("float32", "bfloat16", "int8")
+MERGE_WEIGHTS = ("samples", "nodes")
+OUTER_OPTIMIZERS = ("nesterov",)
+
+assert set(COMM_CHOICES) == {"auto", *get_args(CommMode)}
 
 
 class ArgumentError(ValueError):

@@ -8,10 +8,8 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal
 
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.arguments import validate_strategy_arguments
-from lightning_het.balance.allocation import allocate_batch_sizes
-
-__all__ = ["DEFAULT_GRACE", "FABRIC_KEYWORDS", "KEYWORD_DEFAULTS", "HeterogeneousConfig"]
 
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0

@@ -14,8 +14,6 @@ from typing_extensions import override
 
 from lightning_het.arguments import int_list, slowdown_factors
 
-__all__ = ["EmulatedPlatform"]
-
 
 class EmulatedPlatform(Callback):
     """Emulated heterogeneity for ``HeterogeneousStrategy``, indexed by global rank.

@@ -6,18 +6,6 @@ from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
-__all__ = [
-    "ClassTooSmallError",
-    "GeoreferenceMismatchError",
-    "LabelValueError",
-    "MatFileError",
-    "NoLabelledPixelsError",
-    "RasterFormatError",
-    "RasterNotFoundError",
-    "ShapeMismatchError",
-    "SingleClassError",
-]
-
 PathType = str | PathLike
 
 

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._flavour import fabric_flavour
+from lightning_het._flavour import FabricFlavour, fabric_flavour, register_fabric_flavour
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.profiler import LoopSteps
@@ -41,8 +41,6 @@ from lightning_het.data.sampler import (
 from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.launcher import ExitCleanup
 from lightning_het.reliability.supervision import validate_launch_environment
-
-__all__ = ["HeterogeneousFabricStrategy"]
 
 
 class HeterogeneousFabricStrategyMixin(BalanceView):
@@ -333,3 +331,16 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
     """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients
     (``lightning.fabric``; :mod:`lightning_het.pl` has the same for the standalone ``lightning_fabric``)."""
+
+
+def _unified_fabric_flavour() -> FabricFlavour:
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from lightning_het.reliability.lifecycle import HeterogeneousFabricScriptLauncher
+
+    return FabricFlavour(
+        DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
+    )
+
+
+register_fabric_flavour(False, _unified_fabric_flavour)

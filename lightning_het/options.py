@@ -33,8 +33,6 @@ from lightning_het.arguments import (
 from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
 from lightning_het.config import DEFAULT_GRACE, KEYWORD_DEFAULTS
 
-__all__ = ["DEPRECATED_KEYWORDS", "Profiling", "Reliability", "flat_keywords", "typed_keywords"]
-
 
 @dataclass(frozen=True)
 class Profiling:

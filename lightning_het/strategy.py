@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import attached_trainer, record_loader_arguments, skip_buffer_broadcast
-from lightning_het._flavour import trainer_flavour
+from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
@@ -69,8 +69,6 @@ from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiPr
 from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.supervision import validate_launch_environment
 from lightning_het.reliability.watchdog import Watchdog
-
-__all__ = ["HeterogeneousStrategy"]
 
 
 class HeterogeneousStrategyMixin(BalanceView):
@@ -459,3 +457,34 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     :mod:`lightning_het.pl` has the same for the standalone ``pytorch_lightning``)."""
 
     spawn_launcher_cls = HeterogeneousMultiProcessingLauncher
+
+
+def _unified_trainer_flavour() -> TrainerFlavour:
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+
+    from lightning_het.balance.monitor import HeterogeneousBalanceCallback
+    from lightning_het.balance.profiler import ProfilerCallback
+    from lightning_het.cluster.accelerators import MixedAccelerator
+    from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
+    from lightning_het.reliability.preemption import Preempted, PreemptionCallback
+    from lightning_het.reliability.supervision import WatchdogCallback
+
+    return TrainerFlavour(
+        TrainerFn=TrainerFn,
+        TrainerStatus=TrainerStatus,
+        RunningStage=RunningStage,
+        ModelCheckpoint=ModelCheckpoint,
+        reset_seed=reset_seed,
+        WatchdogCallback=WatchdogCallback,
+        PreemptionCallback=PreemptionCallback,
+        ProfilerCallback=ProfilerCallback,
+        BalanceCallback=HeterogeneousBalanceCallback,
+        MixedAccelerator=MixedAccelerator,
+        ScriptLauncher=HeterogeneousScriptLauncher,
+        Preempted=Preempted,
+    )
+
+
+register_trainer_flavour(False, _unified_trainer_flavour)

@@ -4,7 +4,5 @@ from __future__ import annotations
 
 from lightning_het.app.train import main
 
-__all__ = ["main"]
-
 if __name__ == "__main__":
     main()

@@ -10,8 +10,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from lightning_het.arguments import ArgumentError, validate_strategy_arguments
-from lightning_het.comm.modes import COMM_CHOICES
+from lightning_het.arguments import COMM_CHOICES, ArgumentError, validate_strategy_arguments
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.options import typed_keywords
 

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_het._compat import _BatchNorm
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost
 from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
@@ -38,17 +38,9 @@ from lightning_het.balance.state import Allocation, render_balance_table
 from lightning_het.comm.controller import CommController
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
+from lightning_het.data.sampler import training_sampler
 from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import checkpoint_record, log_resumed_allocation, plan_allocation
-
-__all__ = [
-    "CAPS_AGREED_EVERY",
-    "Balancer",
-    "FitContext",
-    "per_replica_batchnorm",
-    "refuse_single_sample_pieces",
-    "refuse_synced_norm_in_pieces",
-]
 
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
 CAPS_AGREED_EVERY = 16
@@ -510,7 +502,13 @@ class Balancer:
         comm = None if self.comm is None else self.comm.state_dict()
         profiled = self.config.speeds is None
         return checkpoint_record(
-            trainer, self.allocation.batch_sizes, speeds, self.node_ids, profiled=profiled, comm=comm
+            trainer,
+            self.allocation.batch_sizes,
+            speeds,
+            self.node_ids,
+            profiled=profiled,
+            find_sampler=training_sampler,
+            comm=comm,
         )
 
     def close_comm(self) -> None:

@@ -17,8 +17,6 @@ from torch import Tensor
 
 from lightning_het._compat import queue_backward_callback
 
-__all__ = ["EpochTimings", "EventTimer", "HostTimer", "StepClock", "device_timer", "emulate_slower_device"]
-
 
 @dataclass
 class EpochTimings:

@@ -7,19 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .allocation import batch_bounds, positive_finite
-
-__all__ = [
-    "AffineCost",
-    "allocate_affine",
-    "costs_from_speeds",
-    "fit_affine",
-    "refresh_costs",
-    "step_time",
-    "step_without",
-    "useless_replica_message",
-    "useless_replicas",
-]
+from lightning_het.allocation import batch_bounds, positive_finite
 
 #: smallest spread of two batch sizes, relative to the larger, for a secant through their measured times
 _SECANT_MIN_SPREAD = 0.15

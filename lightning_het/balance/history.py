@@ -13,8 +13,6 @@ import torch.distributed as dist
 
 from lightning_het.balance.clock import EpochTimings
 
-__all__ = ["TelemetryHistory", "epoch_summary", "gather_timings"]
-
 _MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
 
 

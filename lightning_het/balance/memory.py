@@ -20,8 +20,6 @@ from torch.utils.hooks import RemovableHandle
 from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.data.microbatch import batch_length, step_loss, take_grads
 
-__all__ = ["SAFETY_MARGIN", "SEARCH_RESOLUTION", "EmulatedMemoryCap", "cap_search", "measure_cap", "resize_batch"]
-
 #: the search stops when the sizes that fit and that do not are this close (relative to the first), or 1 apart
 SEARCH_RESOLUTION = 0.125
 #: fraction of the measured cap kept free on an accelerator (fragmentation, optimizer state allocated later)

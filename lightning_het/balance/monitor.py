@@ -18,15 +18,6 @@ from lightning_het.balance.history import TelemetryHistory, gather_timings
 from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 
-__all__ = [
-    "BalanceMonitor",
-    "BalancedStrategy",
-    "HeterogeneousBalanceCallback",
-    "MonitorSettings",
-    "attach_monitor",
-    "monitor_callback",
-]
-
 log = logging.getLogger(__name__)
 
 

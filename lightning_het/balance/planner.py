@@ -10,24 +10,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.monitor import MonitorSettings
 from lightning_het.balance.profiler import InLoopProfiler, attach_profiler, loader_prefetch_depth, profile_plan
 from lightning_het.balance.profiling import ProfileCache, cache_key
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.config import HeterogeneousConfig
-
-__all__ = [
-    "batch_bounds",
-    "cached_costs",
-    "measured_speeds",
-    "monitor_settings",
-    "profile_cache_entry",
-    "split_global_batch",
-    "start_profiler",
-    "warn_useless_replicas",
-]
 
 
 def batch_bounds(min_batch_size: int, max_batch_sizes: Sequence[int] | None) -> dict[str, Any]:

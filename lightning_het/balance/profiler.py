@@ -12,23 +12,11 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.balance.profiling import StepTiming, fit_stage_timings, stage_ratios
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
-
-__all__ = [
-    "InLoopProfiler",
-    "LoopSteps",
-    "ProfilePlan",
-    "ProfilerCallback",
-    "attach_profiler",
-    "loader_prefetch_depth",
-    "profile_plan",
-    "stage_spread",
-    "trial_splits",
-]
 
 
 def _spread(total: int, room: Sequence[int]) -> list[int]:

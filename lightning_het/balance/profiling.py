@@ -17,8 +17,6 @@ import torch
 
 from lightning_het.balance.cost import AffineCost, fit_affine, slope_through_origin
 
-__all__ = ["ProfileCache", "StepTiming", "cache_key", "fit_stage_timings", "stage_ratios"]
-
 
 @dataclass(frozen=True)
 class StepTiming:

@@ -7,25 +7,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from lightning_het.balance.allocation import allocate_batch_sizes, positive_finite
+from lightning_het.allocation import allocate_batch_sizes, positive_finite
 from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
-
-__all__ = [
-    "DEFAULT_MIN_GAIN",
-    "DEFAULT_SURGE",
-    "DEFAULT_THRESHOLD",
-    "REALLOCATION_COST_STEPS",
-    "RebalanceDecision",
-    "RebalancePolicy",
-    "imbalance",
-    "is_check_epoch",
-    "monotone_split",
-    "plan_rebalance",
-    "predicted_step_time",
-    "profiled_split",
-    "robust_step_ratio",
-    "speeds_from_step_times",
-]
 
 #: imbalance (max / min busy time) from which a check may re-allocate, when the user gives no threshold
 DEFAULT_THRESHOLD = 1.1

@@ -11,15 +11,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_het.balance.monitor import BalanceMonitor
 
-__all__ = [
-    "balance_report_paths",
-    "format_balance_table",
-    "log_epoch_metrics",
-    "plot_balance",
-    "telemetry_section",
-    "write_balance_report",
-]
-
 
 def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int) -> None:
     """Send one epoch's per-replica figures to Lightning loggers (``logger.log_metrics``), keyed ``het/...``."""

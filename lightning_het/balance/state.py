@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_het.balance.allocation import loss_scale, sample_shares
+from lightning_het.allocation import loss_scale, sample_shares
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
-
-__all__ = ["Allocation", "render_balance_table"]
 
 
 class Allocation:

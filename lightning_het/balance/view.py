@@ -10,8 +10,6 @@ from lightning_het.comm.controller import CommController
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
 
-__all__ = ["BalanceView"]
-
 
 def _copy(values: list[Any] | None) -> list[Any] | None:
     return None if values is None else list(values)

@@ -15,17 +15,6 @@ from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memo
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
-__all__ = [
-    "DeviceStrategy",
-    "MixedAccelerator",
-    "apply_local_settings",
-    "configure_devices",
-    "device_labels",
-    "mixed_accelerator_class",
-    "mixed_accelerator_kwargs",
-    "unbound_process_group",
-]
-
 log = logging.getLogger(__name__)
 
 

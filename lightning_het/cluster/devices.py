@@ -9,18 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "DeviceMapArg",
-    "DevicePlan",
-    "available_cpu_cores",
-    "choose_backend",
-    "is_mixed",
-    "node_device_maps",
-    "parse_device_map",
-    "plan_cpu_threads",
-    "plan_devices",
-]
-
 DeviceEntry = str | int | torch.device
 #: a map for every node, or ``{node_rank: map}`` when nodes differ
 DeviceMapArg = str | Sequence[DeviceEntry] | Mapping[int | str, str | Sequence[DeviceEntry]]

@@ -17,23 +17,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = [
-    "JOB_ENVIRONMENT",
-    "LOOPBACK",
-    "TOKEN_ENV",
-    "agree_on_token",
-    "create_store",
-    "ensure_job_token",
-    "free_port",
-    "keep_sockets_local",
-    "listen_address",
-    "local_sockets",
-    "restore_job_environment",
-    "save_job_environment",
-    "sign",
-    "verify",
-]
-
 log = logging.getLogger(__name__)
 
 #: environment variable that carries the per-job secret from the launcher to the replicas (hex, >= 32 characters).

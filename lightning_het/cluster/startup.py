@@ -12,12 +12,28 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_het._compat import _init_dist_connection
+from lightning_het._compat import _init_dist_connection, set_default_group_timeout
 from lightning_het.cluster.rendezvous import create_store, local_sockets
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
-from lightning_het.reliability.supervision import apply_collective_timeout, rendezvous_timeout
 
-__all__ = ["detect_node_ids", "init_process_group", "rendezvous_failed", "started_elsewhere", "startup_timeout_scope"]
+#: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`rendezvous_timeout`.
+DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
+
+
+def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
+    """``startup_timeout`` when it is longer than ``timeout`` (``None``: keep ``timeout``): ``init_process_group``
+    uses one timeout for the rendezvous and every collective, and a short one must not fail slow starters."""
+    startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
+    startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
+    if timeout is None or startup <= timeout or dist.is_initialized():
+        return None
+    return startup
+
+
+def apply_collective_timeout(timeout: timedelta) -> None:
+    """Give the default process group's collectives and its store ``timeout`` (after a longer rendezvous)."""
+    if dist.is_initialized():
+        set_default_group_timeout(timeout)
 
 
 @contextmanager

@@ -12,16 +12,6 @@ import torch.distributed as dist
 
 from lightning_het.cluster.rendezvous import local_sockets
 
-__all__ = [
-    "NodeGroups",
-    "build_node_groups",
-    "describe_topology",
-    "gather_node_ids",
-    "node_ids_from_ranks",
-    "node_members",
-    "validate_node_ids",
-]
-
 log = logging.getLogger(__name__)
 
 

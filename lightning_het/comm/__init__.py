@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_het.comm.modes import COMM_CHOICES, CommChoice, CommMode
+from lightning_het.arguments import COMM_CHOICES, CommChoice, CommMode
 
 if TYPE_CHECKING:
     from lightning_het.comm.allreduce import FlatAllReduce
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from lightning_het.comm.outer import OuterStep, ParameterAverage, build_merge
     from lightning_het.comm.stats import CommStats, Traffic
 
-#: public name -> defining module, imported on first access (``modes`` needs no torch: the app's schema imports it)
+#: public name -> defining module, imported on first access (the mode names, from `arguments`, need no torch)
 _LAZY = {
     "FlatAllReduce": "allreduce",
     "Hierarchical": "hierarchical",

@@ -20,8 +20,6 @@ from typing import Any, ClassVar, Literal
 
 from lightning_het.arguments import SYNC_DEFAULTS, ArgumentError, check_sync_args, positive_int
 
-__all__ = ["AllReduce", "Auto", "CommAlgorithm", "Hierarchical", "NodeLocal", "algorithm_class", "algorithm_for"]
-
 #: the strategy's old flat keyword -> the field of the algorithm object that replaces it
 FLAT_FIELDS: dict[str, str] = {
     "global_sync_every": "sync_every",

@@ -10,8 +10,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_het.comm.stats import CommStats, Traffic, flat_allreduce_traffic
 
-__all__ = ["FlatAllReduce"]
-
 
 class FlatAllReduce:
     """DDP's built-in all-reduce (mean over the replicas) of the pre-scaled gradients: exact, nothing registered."""

@@ -9,8 +9,6 @@ import torch
 from lightning_het.cluster.topology import node_members
 from lightning_het.comm.hooks import HierarchicalState, hierarchical_sum
 
-__all__ = ["average_parameters", "merge_weights", "share_weights", "unique_floating"]
-
 
 def share_weights(batch_sizes: Sequence[int]) -> list[float]:
     """Averaging weight of each replica, ``b_r / B``; they sum to one.

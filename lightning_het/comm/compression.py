@@ -8,10 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from lightning_het.arguments import SYNC_DTYPES
 from lightning_het.comm.hooks import HierarchicalState, hierarchical_sum
-from lightning_het.comm.modes import SYNC_DTYPES
-
-__all__ = ["INT8_BLOCK", "SYNC_DTYPES", "Codec", "compressed_sum"]
 
 #: values per int8 scale
 INT8_BLOCK = 2048

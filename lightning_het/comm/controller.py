@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_het._compat import _register_ddp_comm_hook
-from lightning_het.arguments import check_comm_args
+from lightning_het.arguments import CommMode, check_comm_args
 from lightning_het.cluster.topology import (
     NodeGroups,
     build_node_groups,
@@ -24,19 +24,9 @@ from lightning_het.cluster.topology import (
 from lightning_het.comm.allreduce import FlatAllReduce
 from lightning_het.comm.hierarchical import Hierarchical
 from lightning_het.comm.hooks import DEFAULT_CHUNK_BYTES
-from lightning_het.comm.modes import COMM_CHOICES, CommMode
 from lightning_het.comm.node_local import NodeLocal
 from lightning_het.comm.outer import OuterFactory, build_merge
 from lightning_het.comm.stats import CommStats
-
-__all__ = [
-    "COMM_CHOICES",
-    "CommController",
-    "CommMode",
-    "register_user_hook",
-    "resolve_comm_mode",
-    "validate_comm_args",
-]
 
 log = logging.getLogger(__name__)
 

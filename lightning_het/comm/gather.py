@@ -13,8 +13,6 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["all_gather_collection", "all_gather_uneven", "gather_shapes", "reduce_counts"]
-
 _INLINE_DIMS = 8  # dimensions exchanged in the first round; larger ranks take a second round
 
 

@@ -16,8 +16,6 @@ from lightning_het.comm.hooks import HierarchicalState, hierarchical_hook
 from lightning_het.comm.stats import CommStats, Traffic, flat_allreduce_traffic, hierarchical_traffic
 from lightning_het.comm.tuning import ReductionTuner
 
-__all__ = ["Hierarchical"]
-
 log = logging.getLogger(__name__)
 
 

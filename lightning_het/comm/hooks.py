@@ -13,8 +13,6 @@ import torch.distributed as dist
 
 from lightning_het.cluster.topology import NodeGroups
 
-__all__ = ["HierarchicalState", "NodeLocalState", "hierarchical_hook", "hierarchical_sum", "node_local_hook"]
-
 log = logging.getLogger(__name__)
 
 

@@ -23,8 +23,6 @@ from lightning_het.comm.stats import (
     node_local_traffic,
 )
 
-__all__ = ["NodeLocal"]
-
 log = logging.getLogger(__name__)
 
 

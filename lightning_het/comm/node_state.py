@@ -16,8 +16,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_het.cluster.topology import node_members
 
-__all__ = ["gather_node_record", "is_leader", "layout_change", "node_index", "node_layout", "node_record"]
-
 
 def node_layout(node_ids: Sequence[int]) -> list[int]:
     """Replicas per node, in node order (normalised node ids: node 0 holds rank 0).

@@ -15,8 +15,6 @@ from lightning_het.comm.averaging import average_parameters, unique_floating
 from lightning_het.comm.compression import Codec, compressed_sum
 from lightning_het.comm.hooks import HierarchicalState
 
-__all__ = ["OuterFactory", "OuterStep", "ParameterAverage", "build_merge"]
-
 #: builds the outer optimizer over the consensus model's tensors
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 

@@ -7,18 +7,6 @@ from dataclasses import dataclass, field
 
 from lightning_het.cluster.topology import node_members
 
-__all__ = [
-    "CommStats",
-    "Traffic",
-    "allreduce_traffic",
-    "broadcast_traffic",
-    "compressed_sync_traffic",
-    "flat_allreduce_traffic",
-    "hierarchical_traffic",
-    "node_local_traffic",
-    "reduce_traffic",
-]
-
 
 @dataclass
 class Traffic:

@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-__all__ = ["Reduction", "ReductionTuner", "choose_reduction"]
-
 Reduction = Literal["flat", "hierarchical"]
 
 #: default relative advantage the flat all-reduce needs before it replaces the hierarchy

@@ -9,8 +9,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_het.data.loaders import as_batch_size
 
-__all__ = ["HeterogeneousDataModule"]
-
 
 class HeterogeneousDataModule(pl.LightningDataModule):
     """Base class for data modules trained with ``HeterogeneousStrategy`` (under another strategy each process gets

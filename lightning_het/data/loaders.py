@@ -19,17 +19,6 @@ from torch.utils.data import (
     default_convert,
 )
 
-__all__ = [
-    "PerSampleCollate",
-    "TrainingOrder",
-    "as_batch_size",
-    "batch_sampler_error",
-    "loader_batch_size",
-    "rebuild_loader",
-    "rebuild_with_batch_sampler",
-    "training_order",
-]
-
 
 def as_batch_size(value: Any) -> int | None:
     """``value`` as a positive ``int`` when it is one (Python or NumPy integer, not ``bool``), else ``None``."""

@@ -23,19 +23,6 @@ from torch import Tensor
 
 from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable, inside_log_sync, logged_batch
 
-__all__ = [
-    "DirectPieces",
-    "MicroBatcher",
-    "batch_length",
-    "micro_batch_sizes",
-    "micro_batches",
-    "piece_collective",
-    "pieces_label",
-    "split_batch",
-    "step_loss",
-    "take_grads",
-]
-
 
 def micro_batch_sizes(batch_size: int, cap: int | None) -> list[int]:
     """``ceil(batch_size / cap)`` sizes as even as possible, each at most ``cap``, summing to ``batch_size``.

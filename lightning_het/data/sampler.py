@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
-from lightning_het.balance.allocation import allocate_batch_sizes
-
-__all__ = [
-    "EvalBatchSampler",
-    "ProportionalBatchSampler",
-    "ProportionalDistributedSampler",
-    "UnpaddedDistributedSampler",
-    "eval_batch_plan",
-    "tail_batch_sizes",
-]
+from lightning_het.allocation import allocate_batch_sizes
 
 
 def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any]:
@@ -285,3 +276,14 @@ class EvalBatchSampler(BatchSampler):
 
     def __len__(self) -> int:
         return len(self.batch_sizes)
+
+
+def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:
+    """The first :class:`ProportionalDistributedSampler` among ``loaders`` (Lightning's flattened train loaders)."""
+    for loader in loaders:
+        if not isinstance(loader, DataLoader):
+            continue
+        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+            if isinstance(sampler, ProportionalDistributedSampler):
+                return sampler
+    return None

@@ -12,8 +12,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_het._compat import cached_validation_loader, forget_validation_loader, uses_distributed_sampler
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.allocation import allocate_batch_sizes
-from lightning_het.balance.profiler import InLoopProfiler
+from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.data.loaders import (
     TrainingOrder,
     as_batch_size,
@@ -32,8 +31,6 @@ from lightning_het.data.sampler import (
 )
 from lightning_het.reliability.checkpointing import apply_sampler_resume, resumed_global_batch_size
 
-__all__ = ["LoaderSplitter", "TrainingSplit", "eval_weights", "read_as_given"]
-
 
 @dataclass(frozen=True)
 class TrainingSplit:
@@ -47,7 +44,7 @@ class TrainingSplit:
     batch_sizes: Callable[[], list[int] | None]  # the allocation now
     allocate: Callable[[DataLoader, int, TrainingOrder], None]  # allocate (profiling when needed) a global batch
     adopt: Callable[[list[int], list[float]], None]  # make batch sizes and speeds the allocation
-    profiler: Callable[[], InLoopProfiler | None]  # the profiler while the first steps profile, else None
+    profiler: Callable[[], Any]  # the InLoopProfiler while the first steps profile (it binds the sampler), else None
 
 
 def eval_weights(batch_sizes: list[int] | None, speeds: list[float] | None, world_size: int) -> list[float]:

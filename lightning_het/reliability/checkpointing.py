@@ -4,32 +4,14 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import DataLoader
 
 from lightning_het._compat import training_combined_loader
-from lightning_het.data.sampler import ProportionalDistributedSampler
-
-__all__ = [
-    "CHECKPOINT_KEY",
-    "SamplerResume",
-    "allocation_record",
-    "apply_sampler_resume",
-    "end_resume_quiet",
-    "node_optimizer_checkpoint",
-    "plan_allocation",
-    "plan_sampler_resume",
-    "read_record",
-    "resumed_global_batch_size",
-    "sampler_record",
-    "synchronize_before_save",
-    "with_node_states",
-]
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +21,9 @@ _VERSION = 1
 _LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
-def sampler_record(sampler: ProportionalDistributedSampler, steps_done: int) -> dict[str, Any]:
-    """Where ``sampler`` stands: its epoch, the global batches of that epoch done, and what fixes its order."""
+def sampler_record(sampler: Any, steps_done: int) -> dict[str, Any]:
+    """Where ``sampler`` (a ``ProportionalDistributedSampler``) stands: its epoch, the global batches of that epoch
+    done, and what fixes its order."""
     return {
         "epoch": int(sampler.epoch),
         "steps_done": int(steps_done),
@@ -174,9 +157,7 @@ def plan_sampler_resume(
     return SamplerResume(epoch, done)
 
 
-def apply_sampler_resume(
-    sampler: ProportionalDistributedSampler, record: Mapping[str, Any] | None, epoch: int
-) -> SamplerResume | None:
+def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: int) -> SamplerResume | None:
     """Position a fresh training sampler at ``epoch`` or at the checkpoint's place; return the resume plan."""
     plan = None
     if record is not None:
@@ -214,17 +195,6 @@ def end_resume_quiet() -> None:
                 break
 
 
-def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:
-    """The first :class:`ProportionalDistributedSampler` among ``loaders`` (Lightning's flattened train loaders)."""
-    for loader in loaders:
-        if not isinstance(loader, DataLoader):
-            continue
-        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-            if isinstance(sampler, ProportionalDistributedSampler):
-                return sampler
-    return None
-
-
 def checkpoint_record(
     trainer: Any,
     batch_sizes: Sequence[int] | None,
@@ -232,16 +202,18 @@ def checkpoint_record(
     node_ids: Sequence[int] | None,
     *,
     profiled: bool,
+    find_sampler: Callable[[Iterable[Any]], Any],
     comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The entry for the checkpoint being saved now: the allocation, the training sampler's position (``trainer``
-    ``None``: none) and the comm mode's state (``node_local``: the outer optimizer's, after the forced consensus).
+    ``None``: none; ``find_sampler`` picks it among the training loaders) and the comm mode's state (``node_local``:
+    the outer optimizer's, after the forced consensus).
     ``speeds`` is ``None`` while the first steps still profile (a run resumed from there profiles again).
     """
     sampler_state = None
     if trainer is not None:
         combined = training_combined_loader(trainer)
-        sampler = training_sampler(combined.flattened) if combined is not None else None
+        sampler = find_sampler(combined.flattened) if combined is not None else None
         if sampler is not None:
             done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
             sampler_state = sampler_record(sampler, done)

@@ -25,17 +25,6 @@ import torch
 from lightning_het._compat import dump_checkpoint, loop_state
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 
-__all__ = [
-    "EMERGENCY_CHECKPOINT_NAME",
-    "EmergencyCheckpoint",
-    "StepState",
-    "agreed_writer",
-    "attach_emergency",
-    "restore_rng",
-    "rng_state",
-    "wants_resume",
-]
-
 #: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
 EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts

@@ -23,8 +23,6 @@ from lightning_het.reliability.supervision import LaunchingReplicas, attach_watc
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
 
-__all__ = ["Guards"]
-
 
 class Guards:
     """The watchdog (from ``setup_environment`` to the end of the run), the preemption handler and the emergency

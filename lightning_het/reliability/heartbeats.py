@@ -14,16 +14,6 @@ from lightning_het.cluster.rendezvous import sign, verify
 from lightning_het.reliability.processes import process_alive
 from lightning_het.reliability.verdicts import Phase, ReplicaStatus
 
-__all__ = [
-    "BOOT_ID",
-    "GuardedStore",
-    "HeartbeatBook",
-    "StoreUnreachable",
-    "inside_torch_distributed",
-    "status_from_record",
-    "warn",
-]
-
 log = logging.getLogger("lightning_het.reliability.watchdog")
 
 

@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["identity_differences", "job_identity"]
-
 #: the comm modes whose optimizer steps are the same (exact gradient of the global batch)
 _EXACT_MODES = ("allreduce", "hierarchical")
 #: the ``node_local`` settings that change its trajectory

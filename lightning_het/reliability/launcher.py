@@ -13,8 +13,6 @@ import torch.distributed as dist
 from lightning_het._compat import _MultiProcessingLauncher
 from lightning_het.reliability.supervision import validate_launch_environment
 
-__all__ = ["AllocationResultsMixin", "ExitCleanup", "HeterogeneousMultiProcessingLauncher"]
-
 log = logging.getLogger(__name__)
 
 _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit

@@ -31,7 +31,7 @@ from lightning_het.cluster.rendezvous import (
     restore_job_environment,
     save_job_environment,
 )
-from lightning_het.reliability.output_dir import MIN_FREE_BYTES, OutputDirError, check_output_dir
+from lightning_het.reliability.output_dir import check_output_dir
 from lightning_het.reliability.processes import check_children, die_with_parent, kill_children
 from lightning_het.reliability.supervision import as_seconds, validate_launch_environment
 from lightning_het.reliability.verdicts import (
@@ -45,16 +45,6 @@ from lightning_het.reliability.verdicts import (
 
 if TYPE_CHECKING:
     from lightning_het.reliability.watchdog import Watchdog
-
-__all__ = [
-    "MIN_FREE_BYTES",
-    "HeterogeneousScriptLauncher",
-    "LaunchingStrategy",
-    "OutputDirError",
-    "TimedStrategy",
-    "check_output_dir",
-    "fabric_script_launcher",
-]
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,6 @@ from typing import Any
 from lightning_het.reliability.preemption import PREEMPTION_SIGNALS
 from lightning_het.reliability.processes import die_with_parent
 
-__all__ = ["shield_loader_workers"]
-
 
 class _ShieldedWorkerInit:
     """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original."""

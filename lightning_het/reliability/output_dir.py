@@ -9,8 +9,6 @@ import shutil
 import uuid
 from pathlib import Path
 
-__all__ = ["MIN_FREE_BYTES", "OutputDirError", "check_output_dir"]
-
 #: free space an output directory must have before a run starts (bytes).
 MIN_FREE_BYTES = 16 * 2**20
 

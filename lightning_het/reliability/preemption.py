@@ -36,17 +36,6 @@ from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.processes import launched_replicas
 
-__all__ = [
-    "DEFAULT_GRACE",
-    "PREEMPTION_EXIT_CODE",
-    "Preempted",
-    "PreemptionCallback",
-    "PreemptionHandler",
-    "attach_preemption",
-    "default_checkpoint_path",
-    "preemption_path",
-]
-
 log = logging.getLogger(__name__)
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.

@@ -12,17 +12,6 @@ from collections.abc import Sequence
 
 from lightning_het.reliability.verdicts import CHILD_INTERRUPTION_STATUS, Verdict
 
-__all__ = [
-    "check_children",
-    "descendants",
-    "die_with_parent",
-    "exit_job",
-    "kill_children",
-    "kill_pids",
-    "launched_replicas",
-    "process_alive",
-]
-
 _PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
 _PR_SET_PDEATHSIG = 1
 

@@ -26,18 +26,6 @@ from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, resumed_glob
 from lightning_het.reliability.emergency import EMERGENCY_CHECKPOINT_NAME, wants_resume
 from lightning_het.reliability.identity import identity_differences
 
-__all__ = [
-    "Candidate",
-    "ResumeChoice",
-    "auto_resume",
-    "checkpoint_candidates",
-    "choose_checkpoint",
-    "fit_reached_its_end",
-    "read_candidate",
-    "retire_emergencies",
-    "stale_emergencies",
-]
-
 _VERSION_DIR = re.compile(r"version_\d+")
 
 

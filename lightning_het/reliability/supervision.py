@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_het._compat import default_store, set_default_group_timeout, should_accumulate
+from lightning_het._compat import default_store, should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.heartbeats import BOOT_ID
@@ -23,20 +23,6 @@ from lightning_het.reliability.processes import launched_replicas
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import Watchdog
 
-__all__ = [
-    "DEFAULT_STARTUP_TIMEOUT",
-    "WatchdogCallback",
-    "apply_collective_timeout",
-    "as_seconds",
-    "attach_watchdog",
-    "rendezvous_timeout",
-    "start_watchdog",
-    "stop_watchdog",
-    "validate_launch_environment",
-]
-
-#: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`relaxed_startup_timeout`.
-DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
@@ -202,22 +188,6 @@ def _launched_replicas(strategy: LaunchingReplicas) -> Callable[[], list[tuple[i
         return [(first + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
 
     return children
-
-
-def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
-    """``startup_timeout`` when it is longer than ``timeout`` (``None``: keep ``timeout``): ``init_process_group``
-    uses one timeout for the rendezvous and every collective, and a short one must not fail slow starters."""
-    startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
-    startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
-    if timeout is None or startup <= timeout or dist.is_initialized():
-        return None
-    return startup
-
-
-def apply_collective_timeout(timeout: timedelta) -> None:
-    """Give the default process group's collectives and its store ``timeout`` (after a longer rendezvous)."""
-    if dist.is_initialized():
-        set_default_group_timeout(timeout)
 
 
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:

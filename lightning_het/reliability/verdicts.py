@@ -9,25 +9,6 @@ from enum import IntEnum
 
 import torch.distributed as dist
 
-__all__ = [
-    "CHILD_INTERRUPTION_STATUS",
-    "HINTS",
-    "INTERRUPTED_EXIT_CODE",
-    "INTERRUPTION_EXIT_CODES",
-    "WATCHDOG_EXIT_CODE",
-    "JobEnded",
-    "Phase",
-    "ReplicaStatus",
-    "Verdict",
-    "describe_phase",
-    "exit_code_for",
-    "first_line",
-    "interruption_of",
-    "is_collective_failure",
-    "is_sigterm_exit",
-    "judge",
-]
-
 #: exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out").
 WATCHDOG_EXIT_CODE = 124
 #: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).

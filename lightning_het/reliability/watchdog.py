@@ -43,8 +43,6 @@ from lightning_het.reliability.verdicts import (
     judge,
 )
 
-__all__ = ["EMERGENCY_KINDS", "Watchdog"]
-
 #: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
 EMERGENCY_KINDS = ("hung", "silent", "exited")
 #: seconds the survivors wait for the writer of the emergency checkpoint

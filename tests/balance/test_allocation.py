@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lightning_het import allocate_batch_sizes
-from lightning_het.balance.allocation import loss_scale, proportional_shares, sample_shares
+from lightning_het.allocation import loss_scale, proportional_shares, sample_shares
 
 
 def _random_cases(n: int, seed: int = 0):

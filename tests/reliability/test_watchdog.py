@@ -247,7 +247,7 @@ class TestRendezvousTimeout:
     def test_longer_startup_only(self) -> None:
         from datetime import timedelta
 
-        from lightning_het.reliability.supervision import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
+        from lightning_het.cluster.startup import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
 
         assert rendezvous_timeout(timedelta(seconds=5)) == DEFAULT_STARTUP_TIMEOUT
         assert rendezvous_timeout(timedelta(seconds=5), 30) == timedelta(seconds=30)

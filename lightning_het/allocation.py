@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["allocate_batch_sizes", "loss_scale", "proportional_shares", "sample_shares"]
-
 _BISECTION_STEPS = 200
 
 
