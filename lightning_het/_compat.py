@@ -39,7 +39,6 @@ try:
     )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
     from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
-    from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -56,14 +55,12 @@ __all__ = [
     "_basic_subprocess_cmd",
     "_check_cuda_matmul_precision",
     "_clear_cuda_memory",
-    "_collect_rng_states",
     "_get_dataloader_init_args_and_kwargs",
     "_hydra_subprocess_cmd",
     "_init_dist_connection",
     "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
     "_set_num_threads_if_needed",
-    "_set_rng_states",
     "attached_trainer",
     "broadcast_ddp_buffers",
     "cached_validation_loader",
