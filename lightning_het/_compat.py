@@ -38,7 +38,7 @@ try:
         _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
     )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
-    from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
+    from lightning.fabric.utilities.distributed import _init_dist_connection
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -60,7 +60,6 @@ __all__ = [
     "_init_dist_connection",
     "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
-    "_set_num_threads_if_needed",
     "attached_trainer",
     "broadcast_ddp_buffers",
     "cached_validation_loader",

@@ -14,13 +14,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from typing_extensions import override
 
 from lightning_het._compat import (
     _basic_subprocess_cmd,
     _FabricSubprocessScriptLauncher,
     _hydra_subprocess_cmd,
-    _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
 )
 from lightning_het._flavour import fabric_flavour, trainer_flavour
@@ -62,6 +62,17 @@ log = logging.getLogger(__name__)
 REAP_GRACE_S = 30.0
 #: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
 FAILED_REAP_GRACE_S = 10.0
+
+
+def share_cpu_threads(num_processes: int) -> None:
+    """Without ``OMP_NUM_THREADS``, give torch in each of the node's ``num_processes`` replicas an equal share of the
+    CPUs this process may run on (at least one) and record it in ``OMP_NUM_THREADS``, as Lightning's launchers do."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cpus // max(1, num_processes))
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 class TimedStrategy(Protocol):
@@ -188,7 +199,7 @@ class ScriptLauncherMixin(_ReplicaProcesses):
             keep_sockets_local(self.num_nodes)
         if self.procs:
             self._start_observer()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        share_cpu_threads(self.num_processes)
         self._in_run = True
         try:
             result = function(*args, **kwargs)

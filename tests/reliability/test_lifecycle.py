@@ -719,3 +719,19 @@ def test_app_output_directory_problem_is_one_line_and_exit_2(ended, request):
         -3000:
     ]
     assert "Traceback" not in stderr
+
+
+def test_replicas_share_the_cpus_unless_omp_num_threads_is_set(monkeypatch) -> None:
+    """The launched replicas of a node split its CPUs (at least one thread each); ``OMP_NUM_THREADS`` wins."""
+    from lightning_het.reliability.lifecycle import share_cpu_threads
+
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share_cpu_threads(3)
+    assert threads == [2] and os.environ["OMP_NUM_THREADS"] == "2"
+    share_cpu_threads(1)  # set now: kept
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    share_cpu_threads(16)
+    assert threads == [2, 1] and os.environ["OMP_NUM_THREADS"] == "1"
