@@ -38,7 +38,6 @@ try:
         _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
     )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
-    from lightning.fabric.utilities.distributed import _init_dist_connection
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -57,7 +56,6 @@ __all__ = [
     "_clear_cuda_memory",
     "_get_dataloader_init_args_and_kwargs",
     "_hydra_subprocess_cmd",
-    "_init_dist_connection",
     "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
     "attached_trainer",
