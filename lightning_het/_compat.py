@@ -42,12 +42,10 @@ try:
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
     from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-    from torch.nn.modules.batchnorm import _BatchNorm
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 __all__ = [
-    "_BatchNorm",
     "_FabricSubprocessScriptLauncher",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
