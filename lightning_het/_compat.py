@@ -112,8 +112,14 @@ def _private_attribute(owner: Any, name: str) -> Any:
 
 
 def attached_trainer(module: Any) -> Any:
-    """The trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
-    return getattr(module, "_trainer", None) if module is not None else None
+    """The trainer a LightningModule is attached to, or ``None`` (also under Fabric, where ``module.trainer`` is a
+    stand-in, and for a plain module); public API only: ``module.trainer`` raises when there is none."""
+    if module is None or getattr(module, "fabric", None) is not None:
+        return None
+    try:
+        return getattr(module, "trainer", None)
+    except RuntimeError:  # not attached to a Trainer
+        return None
 
 
 def training_combined_loader(trainer: Any) -> Any:

@@ -57,3 +57,21 @@ def test_loop_state_equals_lightnings_state_dict_throughout_a_fit(tmp_path) -> N
     assert compare.checked == 2 * (2 * 10 + 3 + 1) + 1
     state = loop_state(trainer.fit_loop)
     assert state["epoch_loop.batch_progress"]["total"]["completed"] == 20 and state == trainer.fit_loop.state_dict()
+
+
+def test_attached_trainer_is_the_modules_trainer_and_none_otherwise() -> None:
+    """``None`` for no module, a plain module, a detached LightningModule and one under Fabric (whose ``trainer`` is
+    a stand-in); the Trainer once one is attached."""
+    from lightning.fabric import Fabric
+
+    from lightning_het._compat import attached_trainer
+
+    module = _Tiny()
+    assert attached_trainer(None) is None and attached_trainer(nn.Linear(1, 1)) is None
+    assert attached_trainer(module) is None
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module.trainer = trainer
+    assert attached_trainer(module) is trainer
+    module.trainer = None
+    module.fabric = Fabric(accelerator="cpu", devices=1)
+    assert attached_trainer(module) is None
