@@ -140,8 +140,15 @@ def forget_validation_loader(trainer: Any) -> None:
 
 
 def should_accumulate(trainer: Any) -> bool:
-    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it)."""
-    return bool(_private_attribute(trainer.fit_loop.epoch_loop, "_should_accumulate")())
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it): the fit loop's own
+    rule, from public attributes (the step comes every ``accumulate_grad_batches`` batches and after the epoch's last
+    one, unless the strategy accumulates across it)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    ready = progress.current.ready
+    if ready % trainer.accumulate_grad_batches == 0:
+        return False
+    last = ready == trainer.num_training_batches or progress.is_last_batch
+    return bool(trainer.strategy.handles_gradient_accumulation or not last)
 
 
 def loop_state(loop: Any) -> dict[str, Any]:

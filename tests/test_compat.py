@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_het._compat import loop_state
+from lightning_het._compat import loop_state, should_accumulate
 
 
 class _Tiny(pl.LightningModule):
@@ -75,3 +75,31 @@ def test_attached_trainer_is_the_modules_trainer_and_none_otherwise() -> None:
     module.trainer = None
     module.fabric = Fabric(accelerator="cpu", devices=1)
     assert attached_trainer(module) is None
+
+
+class _Accumulating(pl.Callback):
+    def __init__(self) -> None:
+        self.answers: list[bool] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        expected = trainer.fit_loop.epoch_loop._should_accumulate()  # the loop's own (private) rule
+        assert should_accumulate(trainer) == expected
+        self.answers.append(expected)
+
+
+def test_should_accumulate_answers_as_the_fit_loop_after_every_batch(tmp_path) -> None:
+    """Every 3 batches an optimizer step, and one after each epoch's last batch (10 batches: 3, 6, 9, 10)."""
+    accumulating = _Accumulating()
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=3,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[accumulating],
+    )
+    trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(40, 4)), batch_size=4))
+    epoch = [True, True, False, True, True, False, True, True, False, False]
+    assert accumulating.answers == epoch + epoch
