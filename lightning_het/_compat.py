@@ -29,7 +29,6 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
 
 
 try:
-    from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
     from lightning.fabric.strategies.launchers.subprocess_script import (
         _basic_subprocess_cmd,
         _hydra_subprocess_cmd,
@@ -50,8 +49,6 @@ __all__ = [
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
     "_basic_subprocess_cmd",
-    "_check_cuda_matmul_precision",
-    "_clear_cuda_memory",
     "_get_dataloader_init_args_and_kwargs",
     "_hydra_subprocess_cmd",
     "_reinstantiate_wrapped_cls",
