@@ -30,10 +30,6 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
 
 try:
     from lightning.fabric.strategies.launchers.subprocess_script import (
-        _basic_subprocess_cmd,
-        _hydra_subprocess_cmd,
-    )
-    from lightning.fabric.strategies.launchers.subprocess_script import (
         _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
     )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
@@ -48,9 +44,7 @@ __all__ = [
     "_FabricSubprocessScriptLauncher",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
-    "_basic_subprocess_cmd",
     "_get_dataloader_init_args_and_kwargs",
-    "_hydra_subprocess_cmd",
     "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
     "attached_trainer",

@@ -18,9 +18,7 @@ import torch
 from typing_extensions import override
 
 from lightning_het._compat import (
-    _basic_subprocess_cmd,
     _FabricSubprocessScriptLauncher,
-    _hydra_subprocess_cmd,
     _SubprocessScriptLauncher,
 )
 from lightning_het._flavour import fabric_flavour, trainer_flavour
@@ -125,11 +123,7 @@ class _ReplicaProcesses:
             env["LOCAL_RANK"] = f"{local_rank}"
             if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
                 del env["PL_GLOBAL_SEED"]
-            cwd: str | None = None
-            if _hydra_in_use():
-                command, cwd = _hydra_subprocess_cmd(local_rank)
-            else:
-                command = _basic_subprocess_cmd()
+            command, cwd = child_command(local_rank)
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
         atexit.register(self._reap_children)
 
@@ -298,6 +292,24 @@ class FabricReplicaProcesses(_ReplicaProcesses):
 
 class HeterogeneousFabricScriptLauncher(FabricReplicaProcesses, _FabricSubprocessScriptLauncher):
     """Fabric's ``popen`` launcher, plus no orphans."""
+
+
+def child_command(local_rank: int) -> tuple[list[str], str | None]:
+    """The command line and working directory (``None``: this one) that start replica ``local_rank``: this script
+    again, as Lightning's launcher runs it; under Hydra from the job's original directory, with this run's output
+    directory and no config files of its own."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if not _hydra_in_use():
+        script = ["-m", spec.name] if spec is not None else [os.path.abspath(sys.argv[0])]
+        return [sys.executable, *script, *sys.argv[1:]], None
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    script = ["-m", spec.name] if spec is not None else [to_absolute_path(sys.argv[0])]
+    overrides = [f'hydra.run.dir="{HydraConfig.get().run.dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
+    return [sys.executable, *script, *sys.argv[1:], *overrides, "hydra.output_subdir=null"], get_original_cwd()
 
 
 def _hydra_in_use() -> bool:
