@@ -68,7 +68,7 @@ __all__ = [
     "should_accumulate",
     "skip_buffer_broadcast",
     "stop_child_process_observers",
-    "training_combined_loader",
+    "training_loaders",
     "uses_distributed_sampler",
     "wrapped_sampler",
 ]
@@ -113,9 +113,19 @@ def attached_trainer(module: Any) -> Any:
         return None
 
 
-def training_combined_loader(trainer: Any) -> Any:
-    """The fit loop's current training ``CombinedLoader`` (``None`` before the loop built it)."""
-    return _private_attribute(trainer.fit_loop, "_combined_loader")
+def training_loaders(trainer: Any) -> list[Any] | None:
+    """The fit loop's current training loaders, flattened as its ``CombinedLoader`` flattens them (``None`` before
+    the loop built them); public API: ``trainer.train_dataloader``."""
+    iterables = trainer.train_dataloader
+    return None if iterables is None else _leaves(iterables)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [leaf for branch in tree for leaf in _leaves(branch)]
+    return [tree]
 
 
 def cached_validation_loader(trainer: Any) -> Any:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_het._compat import loop_state, should_accumulate
+from lightning_het._compat import loop_state, should_accumulate, training_loaders
 
 
 class _Tiny(pl.LightningModule):
@@ -103,3 +103,36 @@ def test_should_accumulate_answers_as_the_fit_loop_after_every_batch(tmp_path) -
     trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(40, 4)), batch_size=4))
     epoch = [True, True, False, True, True, False, True, True, False, False]
     assert accumulating.answers == epoch + epoch
+
+
+class _Loaders(pl.Callback):
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        assert training_loaders(trainer) == trainer.fit_loop._combined_loader.flattened  # the fit loop's own list
+        self.checked += 1
+
+
+class _Pair(_Tiny):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"][1], batch_idx)
+
+
+def test_training_loaders_are_the_fit_loops_flattened_loaders(tmp_path) -> None:
+    """Nested loaders (a dict holding a list) come flattened in the fit loop's order; ``None`` before a fit."""
+    data = TensorDataset(torch.randn(8, 4))
+    loaders = {"a": DataLoader(data, batch_size=4), "b": [DataLoader(data, batch_size=2), DataLoader(data)]}
+    check = _Loaders()
+    trainer = pl.Trainer(
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[check],
+    )
+    assert training_loaders(trainer) is None
+    trainer.fit(_Pair(), loaders)
+    assert check.checked == 2 and [loader.batch_size for loader in training_loaders(trainer)] == [4, 2, 1]
