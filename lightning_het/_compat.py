@@ -9,8 +9,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
-import sys
+import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import ModuleType
@@ -203,7 +204,8 @@ def ddp_forward_skippable(ddp: Any) -> bool:
 def inside_log_sync(frames: int = 6) -> bool:
     """Whether the caller runs inside Lightning's on-step reduction of a value logged with ``sync_dist=True`` (a
     ``_ResultMetric`` updating, within ``frames`` frames up the stack)."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None
     for _ in range(frames):
         if frame is None:
             return False
@@ -271,6 +273,9 @@ def uses_distributed_sampler(trainer: Any) -> bool:
     return bool(_private_attribute(trainer, "_accelerator_connector").use_distributed_sampler)
 
 
+_RECORDING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the wrappers record_loader_arguments installed
+
+
 def record_loader_arguments(trainer: Any) -> None:
     """Make the loader Lightning re-creates around its distributed sampler record its ``__init__`` arguments.
 
@@ -281,14 +286,14 @@ def record_loader_arguments(trainer: Any) -> None:
 
     connector = _private_attribute(trainer, "_data_connector")
     prepare = _private_attribute(connector, "_prepare_dataloader")
-    if getattr(prepare, "_records_loader_arguments", False):
+    if prepare in _RECORDING:
         return
 
     def prepare_recording(*args: Any, **kwargs: Any) -> Any:
         with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
             return prepare(*args, **kwargs)
 
-    prepare_recording._records_loader_arguments = True  # type: ignore[attr-defined]
+    _RECORDING.add(prepare_recording)
     connector._prepare_dataloader = prepare_recording
 
 
