@@ -29,6 +29,9 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
     )
 
 
+# Kept, each without a public equivalent: Lightning's launchers (subclassed; it has no public launcher base), its
+# DataLoader re-instantiation with changed arguments (``_update_dataloader`` takes a new sampler only), and torch's
+# default store and default-group timeout (no public getter/setter for an existing group).
 try:
     from lightning.fabric.strategies.launchers.subprocess_script import (
         _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
@@ -76,12 +79,13 @@ __all__ = [
 
 
 def default_store() -> object:
-    """The ``torch.distributed.Store`` of the default process group (it must exist)."""
+    """The ``torch.distributed.Store`` of the default process group (it must exist; torch has no public getter)."""
     return _get_default_store()
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:
-    """Make ``timeout`` the default group's collective and (best effort) store timeout."""
+    """Make ``timeout`` the default group's collective and (best effort) store timeout (torch has no public setter
+    for an existing group)."""
     _set_pg_timeout(timeout)
     with contextlib.suppress(Exception):
         _get_default_store().set_timeout(timeout)
@@ -130,12 +134,14 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 def cached_validation_loader(trainer: Any) -> Any:
-    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one)."""
+    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one); private:
+    ``trainer.val_dataloaders`` falls back to the validate loop's loaders."""
     return _private_attribute(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader")
 
 
 def forget_validation_loader(trainer: Any) -> None:
-    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``)."""
+    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``); a
+    write: Lightning rebuilds them publicly only on ``reload_dataloaders_every_n_epochs``, at epoch boundaries."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     _private_attribute(val_loop, "_combined_loader")
     val_loop._combined_loader = None
@@ -155,7 +161,8 @@ def should_accumulate(trainer: Any) -> bool:
 
 def loop_state(loop: Any) -> dict[str, Any]:
     """``loop.state_dict()`` of a Lightning loop (either flavour), with plain copies of its progress dataclasses
-    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step."""
+    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step. It
+    recognises the progress and loop attributes by their (private) base class names, as ``state_dict`` does."""
     destination: dict[str, Any] = {}
     _loop_state(loop, destination, "")
     return destination
@@ -190,7 +197,7 @@ def ddp_forward_skippable(ddp: Any) -> bool:
     """Whether a forward and backward may bypass ``ddp`` (its reducer ignores a backward whose forward it did not
     prepare): not before its first forward, nor before the forward that rebuilds its buckets (a collective that the
     buffers' broadcast must not overtake; none with unused parameters), nor with a static graph, a delayed all-reduce
-    or a buffer comm hook."""
+    or a buffer comm hook. DDP's private state: it has no public "may skip" query."""
     return (
         getattr(ddp, "_lazy_init_ran", False)
         and (getattr(ddp, "_has_rebuilt_buckets", False) or getattr(ddp, "find_unused_parameters", False))
@@ -203,7 +210,7 @@ def ddp_forward_skippable(ddp: Any) -> bool:
 
 def inside_log_sync(frames: int = 6) -> bool:
     """Whether the caller runs inside Lightning's on-step reduction of a value logged with ``sync_dist=True`` (a
-    ``_ResultMetric`` updating, within ``frames`` frames up the stack)."""
+    ``_ResultMetric`` updating, within ``frames`` frames up the stack; Lightning says so nowhere else)."""
     frame = inspect.currentframe()
     frame = frame.f_back if frame is not None else None
     for _ in range(frames):
@@ -217,7 +224,8 @@ def inside_log_sync(frames: int = 6) -> bool:
 
 
 def broadcast_ddp_buffers(ddp: Any) -> None:
-    """Broadcast ``ddp``'s module buffers now, as its next forward would have done (that forward then does not)."""
+    """Broadcast ``ddp``'s module buffers now, as its next forward would have done (that forward then does not);
+    DDP's private method, the only way to broadcast them outside a forward with its own settings."""
     if ddp.will_sync_module_buffers():
         ddp._sync_buffers()
         ddp.require_forward_param_sync = False
@@ -237,7 +245,7 @@ def skip_buffer_broadcast(model: Any) -> None:
 def logged_batch(module: Any, batch: Any) -> Iterator[None]:
     """Around one micro-batch's ``training_step``: Lightning's logging infers the batch size of a value logged
     without ``batch_size`` from ``batch`` (else from the whole step's batch, cached per step); the step's batch and
-    cached size come back after."""
+    cached size come back after (the trainer's private result collection; no public way to set the batch)."""
     trainer = attached_trainer(module)
     results = _private_attribute(trainer, "_results") if trainer is not None else None
     if results is None:
@@ -252,24 +260,28 @@ def logged_batch(module: Any, batch: Any) -> Iterator[None]:
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank)."""
+    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank): only the
+    trainer's private checkpoint connector builds it without writing."""
     return _private_attribute(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
     """Load ``path`` as ``trainer.fit(ckpt_path=path)`` would before the strategy's setup: the model, the datamodule
-    and the callbacks now, the optimizers and loops when the fit restores its training state."""
+    and the callbacks now, the optimizers and loops when the fit restores its training state (the connector's
+    private step; ``ckpt_path`` restores only after the strategy's setup)."""
     _private_attribute(trainer, "_checkpoint_connector")._restore_modules_and_callbacks(path)
 
 
 def replace_signal_connector(trainer: Any, connector: Any) -> None:
-    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers)."""
+    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers; the
+    trainer has no public hook for it)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
 
 
 def uses_distributed_sampler(trainer: Any) -> bool:
-    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given)."""
+    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given); the
+    trainer keeps the argument only in its private accelerator connector."""
     return bool(_private_attribute(trainer, "_accelerator_connector").use_distributed_sampler)
 
 
@@ -307,13 +319,14 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 
 
 def run_atexit_handlers() -> None:
-    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``."""
+    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``
+    (the stdlib has no public form)."""
     atexit._run_exitfuncs()
 
 
 def stop_child_process_observers() -> None:
     """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
-    replica exits non-zero) watch nothing: its next check finds no process and it ends."""
+    replica exits non-zero) watch nothing: its next check finds no process and it ends (it has no public stop)."""
     for thread in threading.enumerate():
         if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
             thread._child_processes = []
@@ -321,14 +334,15 @@ def stop_child_process_observers() -> None:
 
 def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
-    ``None`` when ``sampler`` is no such wrapper."""
+    ``None`` when ``sampler`` is no such wrapper; the wrapper gives it no public name."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
 
 
 @contextlib.contextmanager
 def inside_fabric_backward(wrappers: ModuleType) -> Iterator[None]:
     """While the block runs, Fabric's ``wrappers`` module (of either Fabric package) believes that it runs inside
-    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed."""
+    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed; Fabric
+    has no public switch."""
     previous = wrappers._in_fabric_backward
     wrappers._in_fabric_backward = True
     try:
