@@ -9,8 +9,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
-import sys
+import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import ModuleType
@@ -28,44 +29,28 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
     )
 
 
+# Kept, each without a public equivalent: Lightning's launchers (subclassed; it has no public launcher base), its
+# DataLoader re-instantiation with changed arguments (``_update_dataloader`` takes a new sampler only), and torch's
+# default store and default-group timeout (no public getter/setter for an existing group).
 try:
-    from lightning.fabric.accelerators.cuda import _check_cuda_matmul_precision, _clear_cuda_memory
-    from lightning.fabric.strategies.launchers.subprocess_script import (
-        _basic_subprocess_cmd,
-        _hydra_subprocess_cmd,
-    )
     from lightning.fabric.strategies.launchers.subprocess_script import (
         _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
     )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
-    from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
-    from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
     from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-    from torch.nn.modules.batchnorm import _BatchNorm
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 __all__ = [
-    "_BatchNorm",
     "_FabricSubprocessScriptLauncher",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
-    "_basic_subprocess_cmd",
-    "_check_cuda_matmul_precision",
-    "_clear_cuda_memory",
-    "_collect_rng_states",
     "_get_dataloader_init_args_and_kwargs",
-    "_hydra_subprocess_cmd",
-    "_init_dist_connection",
-    "_register_ddp_comm_hook",
     "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
-    "_set_num_threads_if_needed",
-    "_set_rng_states",
     "attached_trainer",
     "broadcast_ddp_buffers",
     "cached_validation_loader",
@@ -87,19 +72,20 @@ __all__ = [
     "should_accumulate",
     "skip_buffer_broadcast",
     "stop_child_process_observers",
-    "training_combined_loader",
+    "training_loaders",
     "uses_distributed_sampler",
     "wrapped_sampler",
 ]
 
 
 def default_store() -> object:
-    """The ``torch.distributed.Store`` of the default process group (it must exist)."""
+    """The ``torch.distributed.Store`` of the default process group (it must exist; torch has no public getter)."""
     return _get_default_store()
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:
-    """Make ``timeout`` the default group's collective and (best effort) store timeout."""
+    """Make ``timeout`` the default group's collective and (best effort) store timeout (torch has no public setter
+    for an existing group)."""
     _set_pg_timeout(timeout)
     with contextlib.suppress(Exception):
         _get_default_store().set_timeout(timeout)
@@ -122,35 +108,61 @@ def _private_attribute(owner: Any, name: str) -> Any:
 
 
 def attached_trainer(module: Any) -> Any:
-    """The trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
-    return getattr(module, "_trainer", None) if module is not None else None
+    """The trainer a LightningModule is attached to, or ``None`` (also under Fabric, where ``module.trainer`` is a
+    stand-in, and for a plain module); public API only: ``module.trainer`` raises when there is none."""
+    if module is None or getattr(module, "fabric", None) is not None:
+        return None
+    try:
+        return getattr(module, "trainer", None)
+    except RuntimeError:  # not attached to a Trainer
+        return None
 
 
-def training_combined_loader(trainer: Any) -> Any:
-    """The fit loop's current training ``CombinedLoader`` (``None`` before the loop built it)."""
-    return _private_attribute(trainer.fit_loop, "_combined_loader")
+def training_loaders(trainer: Any) -> list[Any] | None:
+    """The fit loop's current training loaders, flattened as its ``CombinedLoader`` flattens them (``None`` before
+    the loop built them); public API: ``trainer.train_dataloader``."""
+    iterables = trainer.train_dataloader
+    return None if iterables is None else _leaves(iterables)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [leaf for branch in tree for leaf in _leaves(branch)]
+    return [tree]
 
 
 def cached_validation_loader(trainer: Any) -> Any:
-    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one)."""
+    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one); private:
+    ``trainer.val_dataloaders`` falls back to the validate loop's loaders."""
     return _private_attribute(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader")
 
 
 def forget_validation_loader(trainer: Any) -> None:
-    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``)."""
+    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``); a
+    write: Lightning rebuilds them publicly only on ``reload_dataloaders_every_n_epochs``, at epoch boundaries."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     _private_attribute(val_loop, "_combined_loader")
     val_loop._combined_loader = None
 
 
 def should_accumulate(trainer: Any) -> bool:
-    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it)."""
-    return bool(_private_attribute(trainer.fit_loop.epoch_loop, "_should_accumulate")())
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it): the fit loop's own
+    rule, from public attributes (the step comes every ``accumulate_grad_batches`` batches and after the epoch's last
+    one, unless the strategy accumulates across it)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    ready = progress.current.ready
+    if ready % trainer.accumulate_grad_batches == 0:
+        return False
+    last = ready == trainer.num_training_batches or progress.is_last_batch
+    return bool(trainer.strategy.handles_gradient_accumulation or not last)
 
 
 def loop_state(loop: Any) -> dict[str, Any]:
     """``loop.state_dict()`` of a Lightning loop (either flavour), with plain copies of its progress dataclasses
-    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step."""
+    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step. It
+    recognises the progress and loop attributes by their (private) base class names, as ``state_dict`` does."""
     destination: dict[str, Any] = {}
     _loop_state(loop, destination, "")
     return destination
@@ -185,7 +197,7 @@ def ddp_forward_skippable(ddp: Any) -> bool:
     """Whether a forward and backward may bypass ``ddp`` (its reducer ignores a backward whose forward it did not
     prepare): not before its first forward, nor before the forward that rebuilds its buckets (a collective that the
     buffers' broadcast must not overtake; none with unused parameters), nor with a static graph, a delayed all-reduce
-    or a buffer comm hook."""
+    or a buffer comm hook. DDP's private state: it has no public "may skip" query."""
     return (
         getattr(ddp, "_lazy_init_ran", False)
         and (getattr(ddp, "_has_rebuilt_buckets", False) or getattr(ddp, "find_unused_parameters", False))
@@ -198,8 +210,9 @@ def ddp_forward_skippable(ddp: Any) -> bool:
 
 def inside_log_sync(frames: int = 6) -> bool:
     """Whether the caller runs inside Lightning's on-step reduction of a value logged with ``sync_dist=True`` (a
-    ``_ResultMetric`` updating, within ``frames`` frames up the stack)."""
-    frame = sys._getframe(1)
+    ``_ResultMetric`` updating, within ``frames`` frames up the stack; Lightning says so nowhere else)."""
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None
     for _ in range(frames):
         if frame is None:
             return False
@@ -211,7 +224,8 @@ def inside_log_sync(frames: int = 6) -> bool:
 
 
 def broadcast_ddp_buffers(ddp: Any) -> None:
-    """Broadcast ``ddp``'s module buffers now, as its next forward would have done (that forward then does not)."""
+    """Broadcast ``ddp``'s module buffers now, as its next forward would have done (that forward then does not);
+    DDP's private method, the only way to broadcast them outside a forward with its own settings."""
     if ddp.will_sync_module_buffers():
         ddp._sync_buffers()
         ddp.require_forward_param_sync = False
@@ -231,7 +245,7 @@ def skip_buffer_broadcast(model: Any) -> None:
 def logged_batch(module: Any, batch: Any) -> Iterator[None]:
     """Around one micro-batch's ``training_step``: Lightning's logging infers the batch size of a value logged
     without ``batch_size`` from ``batch`` (else from the whole step's batch, cached per step); the step's batch and
-    cached size come back after."""
+    cached size come back after (the trainer's private result collection; no public way to set the batch)."""
     trainer = attached_trainer(module)
     results = _private_attribute(trainer, "_results") if trainer is not None else None
     if results is None:
@@ -246,25 +260,32 @@ def logged_batch(module: Any, batch: Any) -> Iterator[None]:
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank)."""
+    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank): only the
+    trainer's private checkpoint connector builds it without writing."""
     return _private_attribute(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
     """Load ``path`` as ``trainer.fit(ckpt_path=path)`` would before the strategy's setup: the model, the datamodule
-    and the callbacks now, the optimizers and loops when the fit restores its training state."""
+    and the callbacks now, the optimizers and loops when the fit restores its training state (the connector's
+    private step; ``ckpt_path`` restores only after the strategy's setup)."""
     _private_attribute(trainer, "_checkpoint_connector")._restore_modules_and_callbacks(path)
 
 
 def replace_signal_connector(trainer: Any, connector: Any) -> None:
-    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers)."""
+    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers; the
+    trainer has no public hook for it)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
 
 
 def uses_distributed_sampler(trainer: Any) -> bool:
-    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given)."""
+    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given); the
+    trainer keeps the argument only in its private accelerator connector."""
     return bool(_private_attribute(trainer, "_accelerator_connector").use_distributed_sampler)
+
+
+_RECORDING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the wrappers record_loader_arguments installed
 
 
 def record_loader_arguments(trainer: Any) -> None:
@@ -277,14 +298,14 @@ def record_loader_arguments(trainer: Any) -> None:
 
     connector = _private_attribute(trainer, "_data_connector")
     prepare = _private_attribute(connector, "_prepare_dataloader")
-    if getattr(prepare, "_records_loader_arguments", False):
+    if prepare in _RECORDING:
         return
 
     def prepare_recording(*args: Any, **kwargs: Any) -> Any:
         with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
             return prepare(*args, **kwargs)
 
-    prepare_recording._records_loader_arguments = True  # type: ignore[attr-defined]
+    _RECORDING.add(prepare_recording)
     connector._prepare_dataloader = prepare_recording
 
 
@@ -298,13 +319,14 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 
 
 def run_atexit_handlers() -> None:
-    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``."""
+    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``
+    (the stdlib has no public form)."""
     atexit._run_exitfuncs()
 
 
 def stop_child_process_observers() -> None:
     """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
-    replica exits non-zero) watch nothing: its next check finds no process and it ends."""
+    replica exits non-zero) watch nothing: its next check finds no process and it ends (it has no public stop)."""
     for thread in threading.enumerate():
         if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
             thread._child_processes = []
@@ -312,14 +334,15 @@ def stop_child_process_observers() -> None:
 
 def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
-    ``None`` when ``sampler`` is no such wrapper."""
+    ``None`` when ``sampler`` is no such wrapper; the wrapper gives it no public name."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
 
 
 @contextlib.contextmanager
 def inside_fabric_backward(wrappers: ModuleType) -> Iterator[None]:
     """While the block runs, Fabric's ``wrappers`` module (of either Fabric package) believes that it runs inside
-    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed."""
+    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed; Fabric
+    has no public switch."""
     previous = wrappers._in_fabric_backward
     wrappers._in_fabric_backward = True
     try:

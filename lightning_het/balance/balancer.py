@@ -17,7 +17,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_het._compat import _BatchNorm
 from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost
@@ -46,10 +45,22 @@ from lightning_het.reliability.checkpointing import checkpoint_record, log_resum
 CAPS_AGREED_EVERY = 16
 
 
+#: every batch norm layer of torch (they share only a private base class)
+_BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+
+
 def _norm_layers(module: torch.nn.Module | None, synced: bool) -> list[str]:
     """The names of ``module``'s ``SyncBatchNorm`` layers (``synced``), or of its other batch norm layers."""
     modules = module.named_modules() if module is not None else []
-    return [n for n, m in modules if isinstance(m, _BatchNorm) and isinstance(m, torch.nn.SyncBatchNorm) == synced]
+    return [n for n, m in modules if isinstance(m, _BATCH_NORMS) and isinstance(m, torch.nn.SyncBatchNorm) == synced]
 
 
 def _shown(names: list[str]) -> str:

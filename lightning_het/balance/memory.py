@@ -9,6 +9,7 @@ runs it with real forward and backward passes on the first training batch, resiz
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -17,7 +18,6 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_het._compat import _collect_rng_states, _set_rng_states
 from lightning_het.data.microbatch import batch_length, step_loss, take_grads
 
 #: the search stops when the sizes that fit and that do not are this close (relative to the first), or 1 apart
@@ -123,13 +123,39 @@ def resize_batch(batch: Any, size: int) -> Any:
     return take(batch)
 
 
+def _random_states() -> tuple[Any, ...]:
+    """The global random states of torch (CPU and CUDA), Python and NumPy (``None`` without NumPy)."""
+    numpy = _numpy_random()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, random.getstate(), numpy.get_state() if numpy is not None else None
+
+
+def _restore_random_states(states: tuple[Any, ...]) -> None:
+    cpu, cuda, python, numpy_state = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(python)
+    numpy = _numpy_random()
+    if numpy is not None and numpy_state is not None:
+        numpy.set_state(numpy_state)
+
+
+def _numpy_random() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - NumPy is optional
+        return None
+    return numpy.random
+
+
 @contextmanager
 def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> Iterator[None]:
     """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were,
     and ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
     grads = take_grads(params)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    rng = _collect_rng_states()  # torch (CPU and CUDA), NumPy and Python
+    rng = _random_states()
     quiet = [name for name in ("log", "log_dict") if hasattr(module, name)]
     for name in quiet:
         setattr(module, name, lambda *args, **kwargs: None)
@@ -142,7 +168,7 @@ def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> It
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-        _set_rng_states(rng)
+        _restore_random_states(rng)
         for p, g in zip(params, grads):
             p.grad = g
 

@@ -9,9 +9,8 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
-from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 
-from lightning_het._compat import _check_cuda_matmul_precision, _clear_cuda_memory
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
@@ -52,8 +51,7 @@ class MixedAcceleratorMixin:
     def setup_device(self, device: torch.device) -> None:
         """Select the CUDA device of a CUDA replica; nothing for a CPU replica (no CUDA context is created)."""
         if device.type == "cuda":
-            _check_cuda_matmul_precision(device)
-            torch.cuda.set_device(device)
+            CUDAAccelerator().setup_device(device)  # Lightning's: the float32 matmul precision hint, set_device
         elif device.type != "cpu":
             raise ValueError(f"MixedAccelerator runs replicas on 'cpu' or 'cuda' devices, got {device}.")
 
@@ -66,7 +64,7 @@ class MixedAcceleratorMixin:
                 " `strategy=HeterogeneousStrategy(device_map=...)` (or `strategy='heterogeneous'`)."
             )
         if strategy.root_device.type == "cuda":
-            _clear_cuda_memory()
+            CUDAAccelerator().teardown()  # Lightning's way to empty the CUDA cache and the cuBLAS workspaces
 
     def get_device_stats(self, device: torch.device | str | int) -> dict[str, Any]:
         """``torch.cuda.memory_stats`` for a CUDA replica, Lightning's CPU stats (psutil) for a CPU replica."""
@@ -79,7 +77,7 @@ class MixedAcceleratorMixin:
 
     def teardown(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            _clear_cuda_memory()
+            CUDAAccelerator().teardown()
 
     def auto_device_count(self) -> int:  # type: ignore[override]  # an instance method: the count is the map's
         """Replicas per node: the length of the map (``Trainer(devices='auto')`` picks it up)."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,10 +14,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import _init_dist_connection, set_default_group_timeout
+from lightning_het._compat import set_default_group_timeout
 from lightning_het.cluster.rendezvous import create_store, local_sockets
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
+
+log = logging.getLogger(__name__)
 
 #: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`rendezvous_timeout`.
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
@@ -70,6 +76,31 @@ class GroupMember(Protocol):
     def root_device(self) -> torch.device: ...
 
 
+def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
+    """``dist.init_process_group`` for the replica ``env`` names, as Lightning's DDP strategies call it: with
+    ``MASTER_ADDR`` / ``MASTER_PORT`` set, and an NCCL group destroyed at exit (torch warns about one left)."""
+    if dist.is_initialized():
+        return
+    rank, world_size = env.global_rank(), env.world_size()
+    os.environ["MASTER_ADDR"] = env.main_address
+    os.environ["MASTER_PORT"] = str(env.main_port)
+    log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    if backend == "nccl":
+        atexit.register(_destroy_default_group)
+    rank_zero_info(
+        f"{'-' * 100}\ndistributed_backend={backend}\n"
+        f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
+    )
+
+
+def _destroy_default_group() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C must not interrupt it
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def init_process_group(member: GroupMember, backend: str, timeout: timedelta | None) -> None:
     """Start the default process group on a store, and sockets, only the job can reach (a timed-out rendezvous ends
     the job)."""
@@ -87,7 +118,7 @@ def init_process_group(member: GroupMember, backend: str, timeout: timedelta | N
     kwargs: dict[str, Any] = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
     try:
         with local_sockets(member.num_nodes):
-            _init_dist_connection(env, backend, **kwargs)
+            start_default_group(env, backend, **kwargs)
     except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
         raise rendezvous_failed(err, store_timeout, rank, world_size) from err
 

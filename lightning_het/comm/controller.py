@@ -12,7 +12,6 @@ from typing import Any, get_args
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_het._compat import _register_ddp_comm_hook
 from lightning_het.arguments import CommMode, check_comm_args
 from lightning_het.cluster.topology import (
     NodeGroups,
@@ -51,7 +50,7 @@ def register_user_hook(model: DistributedDataParallel, mode: CommMode, hook: Any
             f"You passed `ddp_comm_hook`, but `comm` resolves to {mode!r}, which installs its own hook."
             " HINT: use comm='allreduce' with a custom hook."
         )
-    _register_ddp_comm_hook(model=model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=wrapper)
+    model.register_comm_hook(state=state, hook=wrapper(hook) if wrapper is not None else hook)
 
 
 def resolve_comm_mode(comm: str, node_ids: Sequence[int]) -> CommMode:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import training_combined_loader
+from lightning_het._compat import training_loaders
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,8 @@ def checkpoint_record(
     """
     sampler_state = None
     if trainer is not None:
-        combined = training_combined_loader(trainer)
-        sampler = find_sampler(combined.flattened) if combined is not None else None
+        loaders = training_loaders(trainer)
+        sampler = find_sampler(loaders) if loaders is not None else None
         if sampler is not None:
             done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
             sampler_state = sampler_record(sampler, done)

@@ -14,13 +14,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from typing_extensions import override
 
 from lightning_het._compat import (
-    _basic_subprocess_cmd,
     _FabricSubprocessScriptLauncher,
-    _hydra_subprocess_cmd,
-    _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
 )
 from lightning_het._flavour import fabric_flavour, trainer_flavour
@@ -52,6 +50,17 @@ log = logging.getLogger(__name__)
 REAP_GRACE_S = 30.0
 #: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
 FAILED_REAP_GRACE_S = 10.0
+
+
+def share_cpu_threads(num_processes: int) -> None:
+    """Without ``OMP_NUM_THREADS``, give torch in each of the node's ``num_processes`` replicas an equal share of the
+    CPUs this process may run on (at least one) and record it in ``OMP_NUM_THREADS``, as Lightning's launchers do."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cpus // max(1, num_processes))
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 class TimedStrategy(Protocol):
@@ -104,11 +113,7 @@ class _ReplicaProcesses:
             env["LOCAL_RANK"] = f"{local_rank}"
             if os.environ.get("PL_GLOBAL_SEED") is None and "PL_GLOBAL_SEED" in env:
                 del env["PL_GLOBAL_SEED"]
-            cwd: str | None = None
-            if _hydra_in_use():
-                command, cwd = _hydra_subprocess_cmd(local_rank)
-            else:
-                command = _basic_subprocess_cmd()
+            command, cwd = child_command(local_rank)
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, preexec_fn=preexec))
         atexit.register(self._reap_children)
 
@@ -178,7 +183,7 @@ class ScriptLauncherMixin(_ReplicaProcesses):
             keep_sockets_local(self.num_nodes)
         if self.procs:
             self._start_observer()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        share_cpu_threads(self.num_processes)
         self._in_run = True
         try:
             result = function(*args, **kwargs)
@@ -277,6 +282,24 @@ class FabricReplicaProcesses(_ReplicaProcesses):
 
 class HeterogeneousFabricScriptLauncher(FabricReplicaProcesses, _FabricSubprocessScriptLauncher):
     """Fabric's ``popen`` launcher, plus no orphans."""
+
+
+def child_command(local_rank: int) -> tuple[list[str], str | None]:
+    """The command line and working directory (``None``: this one) that start replica ``local_rank``: this script
+    again, as Lightning's launcher runs it; under Hydra from the job's original directory, with this run's output
+    directory and no config files of its own."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if not _hydra_in_use():
+        script = ["-m", spec.name] if spec is not None else [os.path.abspath(sys.argv[0])]
+        return [sys.executable, *script, *sys.argv[1:]], None
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    script = ["-m", spec.name] if spec is not None else [to_absolute_path(sys.argv[0])]
+    overrides = [f'hydra.run.dir="{HydraConfig.get().run.dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
+    return [sys.executable, *script, *sys.argv[1:], *overrides, "hydra.output_subdir=null"], get_original_cwd()
 
 
 def _hydra_in_use() -> bool:

@@ -54,6 +54,11 @@ def test_sync_batchnorm_is_refused_with_micro_batching_only() -> None:
         placed(emulate_memory_cap=[8, 64]).check_normalisation(_norm_model(synced=True))
     micro.check_normalisation(_norm_model(synced=False))  # per-replica batch norm: warned about, not refused
     assert micro.batchnorm_layers == ["1"]
+    norms = nn.Sequential(
+        nn.BatchNorm2d(2), nn.LazyBatchNorm3d(), nn.InstanceNorm1d(2), nn.LayerNorm(2), nn.GroupNorm(1, 2)
+    )
+    micro.check_normalisation(norms)  # every kind of batch norm torch has; the other normalisations are no concern
+    assert micro.batchnorm_layers == ["0", "1"]
     plain = placed()
     plain.check_normalisation(_norm_model(synced=True))  # one forward per step on every replica: fine
     assert plain.batchnorm_layers == []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import doctest
+import random
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -50,6 +52,8 @@ class _Module(nn.Module):
         self.logged += 1
 
     def training_step(self, batch):
+        random.random()  # the Python and NumPy random states move too
+        np.random.rand()
         loss = self.net(batch[0]).pow(2).mean()
         self.log("loss", loss)
         return {"loss": loss}
@@ -61,7 +65,7 @@ def test_measure_cap_leaves_the_training_state_as_it_was() -> None:
     for p in module.parameters():
         p.grad = torch.ones_like(p)
     buffers = {k: v.clone() for k, v in module.state_dict().items()}
-    rng = torch.get_rng_state()
+    rng, python_rng, numpy_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
     emulation = EmulatedMemoryCap(0, 6)  # raised from inside the model's forward, as a device out of memory
     emulation.install(module)
     failed: list[int] = []
@@ -77,6 +81,9 @@ def test_measure_cap_leaves_the_training_state_as_it_was() -> None:
     assert cap == 6 and trials <= 8 and 0 < len(failed) < trials  # retry() after each trial that ran out of memory
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in buffers.items())
     assert torch.equal(torch.get_rng_state(), rng) and module.logged == 0
+    assert random.getstate() == python_rng and all(
+        np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_rng)
+    )
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in module.parameters())
     margin, _ = measure_cap(module.training_step, batch, upper=40, no_sync=nullcontext, module=module, accelerator=True)
     assert margin == 5  # 10 % kept free on an accelerator

@@ -14,7 +14,6 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import lightning_het.cluster.accelerators as accelerators
 from lightning_het import HeterogeneousStrategy
 from lightning_het.cluster.accelerators import (
     MixedAccelerator,
@@ -222,7 +221,7 @@ class TestStrategyWiring:
         fake_gpus(2)
         calls = []
         fake_init = lambda env, be, store=None, **kw: calls.append((be, kw))  # noqa: E731  (store: our rendezvous)
-        monkeypatch.setattr("lightning_het.cluster.startup._init_dist_connection", fake_init)
+        monkeypatch.setattr("lightning_het.cluster.startup.start_default_group", fake_init)
         monkeypatch.setenv("LOCAL_RANK", "0")
         strategy = HeterogeneousStrategy(device_map=device_map)
         _trainer(strategy)
@@ -233,7 +232,6 @@ class TestStrategyWiring:
     def test_setup_device_touches_cuda_only_for_cuda_replicas(self, monkeypatch):
         selected = []
         monkeypatch.setattr(torch.cuda, "set_device", selected.append)
-        monkeypatch.setattr(accelerators, "_check_cuda_matmul_precision", lambda device: None)
         accelerator = MixedAccelerator(["cuda:0", "cpu"])
         accelerator.setup_device(CPU)
         assert selected == []

@@ -40,7 +40,7 @@ def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch, flavou
     for name in SOCKETS:
         monkeypatch.delenv(name, raising=False)
     seen = []
-    real_init, real_subgroups = startup._init_dist_connection, dist.new_subgroups_by_enumeration
+    real_init, real_subgroups = startup.start_default_group, dist.new_subgroups_by_enumeration
 
     def init(*args, **kwargs):
         seen.append(_sockets())
@@ -50,7 +50,7 @@ def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch, flavou
         seen.append(_sockets())
         return real_subgroups(*args, **kwargs)
 
-    monkeypatch.setattr(startup, "_init_dist_connection", init)
+    monkeypatch.setattr(startup, "start_default_group", init)
     monkeypatch.setattr(dist, "new_subgroups_by_enumeration", subgroups)
     if flavour == "trainer":
         trainer = Trainer(accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(), max_epochs=1, logger=False)

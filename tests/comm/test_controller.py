@@ -32,3 +32,24 @@ def test_a_users_hook_runs_on_cpu_and_is_refused_where_a_mode_installs_its_own(t
         register_user_hook(model, "hierarchical", lambda state, bucket: None, None, None)
     register_user_hook(model, "node_local", None, None, None)  # no hook: nothing to check
     assert run_gloo(_hooked, 2, tmp_path) == [[6.0], [6.0]]  # inputs 1 and 2: 2 x (1 + 2), not DDP's mean 1.5
+
+
+def test_a_users_wrapper_wraps_the_users_hook() -> None:
+    """``ddp_comm_wrapper`` is applied to ``ddp_comm_hook`` and the wrapped hook is registered with the state."""
+
+    class Recording:
+        def register_comm_hook(self, state, hook):
+            self.registered = (state, hook)
+
+    def hook(state, bucket):
+        return "hooked"
+
+    def wrapper(inner):
+        return lambda state, bucket: ("wrapped", inner(state, bucket))
+
+    model = Recording()
+    register_user_hook(model, "allreduce", hook, "state", wrapper)
+    state, registered = model.registered
+    assert state == "state" and registered(state, None) == ("wrapped", "hooked")
+    register_user_hook(model, "allreduce", hook, None, None)
+    assert model.registered == (None, hook)

@@ -719,3 +719,42 @@ def test_app_output_directory_problem_is_one_line_and_exit_2(ended, request):
         -3000:
     ]
     assert "Traceback" not in stderr
+
+
+def test_replicas_share_the_cpus_unless_omp_num_threads_is_set(monkeypatch) -> None:
+    """The launched replicas of a node split its CPUs (at least one thread each); ``OMP_NUM_THREADS`` wins."""
+    from lightning_het.reliability.lifecycle import share_cpu_threads
+
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share_cpu_threads(3)
+    assert threads == [2] and os.environ["OMP_NUM_THREADS"] == "2"
+    share_cpu_threads(1)  # set now: kept
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    share_cpu_threads(16)
+    assert threads == [2, 1] and os.environ["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("module", [None, "pkg.train"])
+@pytest.mark.parametrize("hydra", [False, True])
+def test_a_replica_starts_with_the_command_lightnings_launcher_uses(monkeypatch, module, hydra) -> None:
+    """This script again (a file or ``-m`` module) with its arguments; under Hydra from the original directory, in
+    this run's output directory: the command and directory of Lightning's own script launcher."""
+    from lightning.fabric.strategies.launchers import subprocess_script as lightnings
+
+    import __main__
+    from lightning_het.reliability import lifecycle
+
+    hydra_utils = pytest.importorskip("hydra.utils")  # (Hydra comes with the app's extra)
+    from hydra.core.hydra_config import HydraConfig
+
+    monkeypatch.setattr(__main__, "__spec__", SimpleNamespace(name=module) if module else None)
+    monkeypatch.setattr(sys, "argv", ["train.py", "trainer.max_epochs=2"])
+    monkeypatch.setattr(lifecycle, "_hydra_in_use", lambda: hydra)
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(run=SimpleNamespace(dir="out/run"))))
+    monkeypatch.setattr(hydra_utils, "get_original_cwd", lambda: "/jobs/first")
+    monkeypatch.setattr(hydra_utils, "to_absolute_path", lambda path: f"/jobs/first/{path}")
+    expected = lightnings._hydra_subprocess_cmd(2) if hydra else (lightnings._basic_subprocess_cmd(), None)
+    assert lifecycle.child_command(2) == expected
