@@ -10,10 +10,10 @@ the same initial weights and data:
 
 * ``ddp``: ``lightning.Trainer(strategy="ddp")`` (on CPU Lightning registers no comm hook: a flat all-reduce);
 * ``allreduce``, ``hierarchical``, ``node_local`` (K = 4 and 16; ``outer int8 K=32``: DiLoCo's outer Nesterov step
-  and int8 syncs): ``Trainer(strategy=HeterogeneousStrategy(comm=..., global_sync_every=K))``, which must detect the
+  and int8 syncs): ``Trainer(strategy=HeterogeneousStrategy(comm=NodeLocal(sync_every=K), ...))``, which must detect the
   two nodes by itself. ``hierarchical`` runs as a user gets it: its first ``2 * --autotune-steps + 1`` steps
   (untimed, inside the warm-up) time the flat and the hierarchical reduction and keep the faster; ``hierarchy only``
-  forces the node hierarchy (``comm_autotune_steps=0``).
+  forces the node hierarchy (``Hierarchical(autotune_steps=0)``).
 
 ``--runner raw`` runs the same configurations on a bare ``DistributedDataParallel`` with
 :class:`lightning_het.comm.CommController` instead (no Lightning; ``ddp`` is then DDP without a hook).
@@ -421,6 +421,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
 
     from lightning_het import HeterogeneousStrategy
     from lightning_het.comm.stats import flat_allreduce_traffic
+    from lightning_het.options import typed_keywords
 
     args = job.args
     if job.total % job.world:
@@ -464,15 +465,19 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
     if comm == "ddp":
         strategy: Any = "ddp"
     else:
+        settings = {
+            "comm": comm,
+            "global_sync_every": k,
+            "comm_autotune_steps": args.autotune_steps if tune else 0,
+            "telemetry": False,
+            **SYNC_SETTINGS.get(name, {}),
+        }
+        typed, _ = typed_keywords(settings)  # the row's flat settings as the comm and profiling objects
         strategy = HeterogeneousStrategy(
-            comm=comm,
-            global_sync_every=k,
             global_batch_size=job.total,
             speeds=[float(b) for b in job.batch_sizes],  # proportional allocation reproduces --batch-sizes exactly
-            telemetry=False,
             process_group_backend="gloo",
-            comm_autotune_steps=args.autotune_steps if tune else 0,
-            **SYNC_SETTINGS.get(name, {}),
+            **typed,
         )
     model = Module()
     window = Window()
