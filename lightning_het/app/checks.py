@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from lightning_het.app.config import DataConfig, StrategyConfig
 from lightning_het.app.messages import UserError
-from lightning_het.errors import RasterNotFoundError
+from lightning_het.hsi.errors import RasterNotFoundError
 
 __all__ = [
     "MAX_CPU_REPLICAS_PER_CORE",

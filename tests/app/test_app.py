@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 from lightning_het.app import config_dir
 from lightning_het.app.config import StrategyConfig, register_configs
 from lightning_het.config import KEYWORD_DEFAULTS
-from lightning_het.errors import SingleClassError
 from lightning_het.hsi import HyperspectralDataModule
 from lightning_het.hsi.datamodule import resolve_pca_components
+from lightning_het.hsi.errors import SingleClassError
 from lightning_het.hsi.raster import write_geotiff
 from lightning_het.hsi.synthetic import write_synthetic_scene
 from lightning_het.options import DEPRECATED_KEYWORDS
