@@ -12,11 +12,11 @@ import importlib.util
 from lightning_het._version import __version__
 from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
+from lightning_het.config import Profiling, Reliability
 from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.emulation import EmulatedPlatform
 from lightning_het.fabric import HeterogeneousFabricStrategy
-from lightning_het.options import Profiling, Reliability
 from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [

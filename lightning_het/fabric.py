@@ -31,14 +31,13 @@ from lightning_het.cluster.startup import detect_node_ids, init_process_group, s
 from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection
-from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
+from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.loaders import rebuild_loader, training_order
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
     UnpaddedDistributedSampler,
 )
-from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.launcher import ExitCleanup
 from lightning_het.reliability.supervision import validate_launch_environment
 
@@ -68,14 +67,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         reliability: Reliability | None = None,
         **kwargs: Any,
     ) -> None:
-        trainer_only = sorted(set(KEYWORD_DEFAULTS).difference(FABRIC_KEYWORDS).intersection(kwargs))
-        if trainer_only:
-            raise ValueError(
-                f"You passed {trainer_only} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
-                " `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or emulate a slow replica inside your own"
-                " step function; for memory caps, split each batch with"
-                " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md)."
-            )
         explicit = {
             "global_batch_size": global_batch_size,
             "speeds": speeds,
@@ -83,9 +74,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             "max_batch_sizes": max_batch_sizes,
             "node_ids": node_ids,
         }
-        name = type(self).__name__
-        kwargs = flat_keywords(name, explicit, comm, profiling, reliability, kwargs, allowed=FABRIC_KEYWORDS)
-        config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
+        config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs, fabric=True)
         super().__init__(**kwargs)
         self.balancer = Balancer(config)
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)

@@ -50,10 +50,9 @@ from lightning_het.cluster.startup import (
 from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.controller import register_user_hook, resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
-from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig
+from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import DirectPieces, piece_collective
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
-from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     end_resume_quiet,
@@ -113,12 +112,9 @@ class HeterogeneousStrategyMixin(BalanceView):
             "max_batch_sizes": max_batch_sizes,
             "max_micro_batch_sizes": max_micro_batch_sizes,
             "node_ids": node_ids,
-            "device_map": device_map,
-            "cpu_threads": cpu_threads,
         }
-        keywords = flat_keywords(type(self).__name__, explicit, comm, profiling, reliability, kwargs)
-        config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, keywords)
-        super().__init__(**mixed_accelerator_kwargs(type(self), devices["device_map"], devices["cpu_threads"], kwargs))
+        config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs)
+        super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs))
         self.balancer = Balancer(config)
         self._init_parts()
 
