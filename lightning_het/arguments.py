@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-# the communication modes, in one place (the app's config schema reads them too)
 #: a resolved mode, what a :class:`~lightning_het.comm.CommController` runs
 CommMode = Literal["allreduce", "hierarchical", "node_local"]
 #: what users pass as ``comm=``: a mode, or ``"auto"`` (``hierarchical`` on several nodes, else ``allreduce``)
@@ -162,16 +161,8 @@ def check_comm_args(
             f"Expected argument `comm` to be one of {list(COMM_CHOICES)} or a comm algorithm object (e.g."
             f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
         )
-    if global_sync_every is not None and (
-        isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1
-    ):
-        raise _error(
-            "global_sync_every",
-            "Expected argument `global_sync_every` to be an integer >= 1 (optimizer steps between global"
-            f" parameter averages) or None, but got {global_sync_every!r}.",
-        )
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise _error(warmup_name, f"Expected argument `{warmup_name}` to be an integer >= 0, but got {warmup_steps!r}.")
+    positive_int("global_sync_every", global_sync_every)
+    positive_int(warmup_name, warmup_steps, allow_none=False, minimum=0)
 
 
 #: ``comm="node_local"``'s sync keywords and their defaults (the only values accepted in the other modes)
@@ -192,8 +183,8 @@ def check_sync_args(
     merge_weights: Any,
     *,
     comm: str = "node_local",
-) -> dict[str, Any]:
-    """``comm="node_local"``'s sync keywords, with the numbers as ``float``. A value other than the default is
+) -> None:
+    """``comm="node_local"``'s sync keywords. A value other than the default is
     refused where nothing reads it: in another ``comm`` mode (``"auto"`` never resolves to ``"node_local"``), and
     ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"`` (plain averaging has no outer optimizer;
     a callable builds its own)."""
@@ -212,13 +203,7 @@ def check_sync_args(
     for name, (value, choices) in choices_of.items():
         if value not in choices:
             raise _error(name, f"Expected argument `{name}` to be one of {list(choices)}, but got {value!r}.")
-    given = {
-        "outer_optimizer": outer_optimizer,
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
-        "sync_dtype": sync_dtype,
-        "merge_weights": merge_weights,
-    }
+    given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
     changed = [n for n, v in given.items() if not _is_default(v, SYNC_DEFAULTS[n])]
     if comm != "node_local" and changed:
         name = changed[0]
@@ -238,13 +223,6 @@ def check_sync_args(
                 f" it: it sets the optimizer of `outer_optimizer='nesterov'` only. HINT: pass"
                 f" outer_optimizer='nesterov', or set the learning rate and momentum in your callable.",
             )
-    return {
-        "outer_optimizer": outer_optimizer,
-        "outer_lr": float(outer_lr),
-        "outer_momentum": float(outer_momentum),
-        "sync_dtype": sync_dtype,
-        "merge_weights": merge_weights,
-    }
 
 
 def _is_default(value: Any, default: Any) -> bool:
