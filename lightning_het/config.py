@@ -201,8 +201,8 @@ class HeterogeneousConfig:
                 )
         if self.global_batch_size is not None:  # a ValueError naming the bound that cannot hold it
             speeds = self.speeds or [1.0] * world
-            allocate_batch_sizes(self.global_batch_size, speeds, min_batch_size=self.min_batch_size,
-                                 max_batch_sizes=self.max_batch_sizes)  # fmt: skip
+            bounds = {"min_batch_size": self.min_batch_size, "max_batch_sizes": self.max_batch_sizes}
+            allocate_batch_sizes(self.global_batch_size, speeds, **bounds)
 
 
 #: every setting and its default
@@ -211,18 +211,10 @@ KEYWORD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Heterogene
 #: old flat keyword -> (the typed keyword that replaces it, the field there)
 DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
     **{old: ("comm", new) for old, new in FLAT_FIELDS.items()},
-    "emulate_slowdown": ("emulation", "slowdown"),
-    "emulate_memory_cap": ("emulation", "memory_cap"),
-    "profile_steps": ("profiling", "steps"),
-    "profile_warmup": ("profiling", "warmup"),
-    "profile_cache": ("profiling", "cache"),
-    "rebalance_every_n_epochs": ("profiling", "rebalance_every_n_epochs"),
-    "rebalance_threshold": ("profiling", "rebalance_threshold"),
-    "telemetry": ("profiling", "telemetry"),
-    "startup_timeout": ("reliability", "startup_timeout"),
-    "preemption_checkpoint": ("reliability", "preemption_checkpoint"),
-    "preemption_grace": ("reliability", "preemption_grace"),
-    "resume": ("reliability", "resume"),
+    **{f"emulate_{name}": ("emulation", name) for name in ("slowdown", "memory_cap")},
+    **{f"profile_{name}": ("profiling", name) for name in ("steps", "warmup", "cache")},
+    **{name: ("profiling", name) for name in ("rebalance_every_n_epochs", "rebalance_threshold", "telemetry")},
+    **{f.name: ("reliability", f.name) for f in fields(Reliability)},
 }
 _GROUPS: dict[str, type] = {"profiling": Profiling, "reliability": Reliability}
 
