@@ -218,7 +218,7 @@ class _StrategyFields:
         ``_target_`` nodes) and the ``EmulatedPlatform`` keywords (empty: no emulation). The deprecated flat keys
         win over the typed ones, with a ``FutureWarning`` naming the typed keys."""
         given = self.deprecated()
-        if warn and given:
+        if warn and given and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per replica
             old = ", ".join(f"`strategy.{n}={_show(v)}`" for n, v in given.items())
             new = ", ".join(f"`strategy.{'.'.join(DEPRECATED_KEYWORDS[n])}={_show(v)}`" for n, v in given.items())
             warnings.warn(f"{old}: deprecated config keys; use {new}.", FutureWarning, stacklevel=2)
