@@ -24,7 +24,7 @@ from lightning_het.comm import hierarchical as hierarchical_module
 from lightning_het.comm import node_local as node_local_module
 from lightning_het.comm.algorithms import ALGORITHMS, validate_comm_args
 from lightning_het.comm.allreduce import CommAlgorithm
-from lightning_het.comm.hierarchical import HierarchicalState, ReductionTuner, choose_reduction
+from lightning_het.comm.hierarchical import HierarchicalState, choose_reduction
 from lightning_het.comm.node_local import INT8_BLOCK, average_parameters, merge_weights
 from lightning_het.comm.stats import (
     CommStats,
@@ -75,7 +75,7 @@ def _train_ddp(
         now = [0.0]
 
         def clock() -> float:
-            now[0] += tuner_times[0] if algorithm._tuner.current == "flat" else tuner_times[1]
+            now[0] += tuner_times[0] if algorithm.reduction == "flat" else tuner_times[1]
             return now[0]
 
         algorithm._clock = clock
@@ -377,21 +377,25 @@ def test_measured_choice_is_exact_and_agreed(exact4: list[dict[str, Any]], scena
     assert entries[0]["stats"]["job_bytes_inter_per_step"] == pytest.approx(inter)
 
 
-def test_choose_reduction_and_tuner_schedule() -> None:
+def test_choose_reduction_and_measured_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_reduction(0.40, 0.50) == "flat"
     assert choose_reduction(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
     assert choose_reduction(float("nan"), 0.5) == "hierarchical"
+    monkeypatch.setattr(hierarchical_module.dist, "get_backend", lambda *args: "gloo")
+    monkeypatch.setattr(hierarchical_module.dist, "all_reduce", lambda tensor, op=None: None)  # every rank agrees
     times = iter([0.0, 1.0, 3.0, 4.0, 6.0])  # untimed first step, then flat 1 s, hier 2 s, flat 1 s, hier 2 s
-    tuner = ReductionTuner(2, clock=lambda: next(times))
+    algorithm = Hierarchical(autotune_steps=2)
+    algorithm._clock = lambda: next(times)
+    ddp, opt = _installed(algorithm, [0, 0, 1, 1], 0, [1, 1, 1, 1])
+    assert ddp.hook is hierarchical_module.hierarchical_hook and "(still measuring)" in algorithm.summary()
     used = []
     for _ in range(5):
-        used.append(tuner.current)
-        done = tuner.step_done()
+        used.append(algorithm.reduction)
+        opt.step()
     assert used == ["hierarchical", "flat", "hierarchical", "flat", "hierarchical"]
-    assert done and tuner.choice is None
-    assert tuner.medians() == [1.0, 2.0]
-    assert tuner.decide([1.0, 2.0]) == "flat"
-    assert tuner.current == "flat" and tuner.choice == "flat"
+    assert algorithm.reduction == "flat" and "(flat reduction, measured)" in algorithm.summary()
+    opt.step()  # decided: no more timing
+    assert algorithm.reduction == "flat"
 
 
 def test_rejects_bad_autotune_steps() -> None:
@@ -642,9 +646,9 @@ class TestByteModel:
 
     def test_comm_stats_dict(self) -> None:
         stats = CommStats(rank=0, world_size=4)
-        stats.record_step(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        stats.record_step(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        stats.record_sync(hierarchical_traffic(100, [0, 0, 1, 1]))
+        stats.record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        stats.record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        stats.record(hierarchical_traffic(100, [0, 0, 1, 1]), sync=True)
         d = stats.as_dict()
         assert d["steps"] == 2 and d["global_syncs"] == 1
         assert d["bytes_intra_total"] == 400.0 and d["bytes_inter_total"] == 100.0

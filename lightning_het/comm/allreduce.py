@@ -112,7 +112,7 @@ class CommAlgorithm:
         pattern = self._pattern(done + 1)
         if pattern not in self._traffic_cache:
             self._traffic_cache[pattern] = pattern(self._grad_bytes, self._node_ids)
-        self._stats.record_step(self._traffic_cache[pattern])  # type: ignore[union-attr]
+        self._stats.record(self._traffic_cache[pattern])  # type: ignore[union-attr]
         with torch.no_grad():
             self._after_step(done + 1, epoch_end)
 

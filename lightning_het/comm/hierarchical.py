@@ -190,29 +190,22 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     return hierarchical_sum(state, bucket.buffer().div_(state.world_size))
 
 
-class NodeLocalState:
-    """State of :func:`node_local_hook`: the node ``hierarchy``, ``node_scale = B / (W * B_n)`` and ``exact`` (whether
-    the step in progress is a warm-up step, reduced exactly)."""
+class NodeLocalState(HierarchicalState):
+    """State of :func:`node_local_hook`: ``node_scale = B / (W * B_n)`` and ``exact()`` (whether the step in progress
+    is a warm-up step, reduced exactly through the hierarchy)."""
 
-    __slots__ = ("exact", "hierarchy", "node_scale")
+    __slots__ = ("exact", "node_scale")
 
-    def __init__(self, hierarchy: HierarchicalState, exact: Callable[[], bool]) -> None:
-        self.hierarchy, self.exact, self.node_scale = hierarchy, exact, 1.0
-
-    @property
-    def groups(self) -> NodeGroups | None:
-        return self.hierarchy.groups
-
-    @groups.setter
-    def groups(self, groups: NodeGroups | None) -> None:
-        self.hierarchy.groups = groups
+    def __init__(self, groups: NodeGroups, chunk_bytes: int, exact: Callable[[], bool]) -> None:
+        super().__init__(groups, chunk_bytes)
+        self.exact, self.node_scale = exact, 1.0
 
 
 def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Gradient of this node's mean loss, ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only."""
-    groups = state.hierarchy.groups
+    groups = state.groups
     if groups is None or state.exact():
-        return hierarchical_hook(state.hierarchy, bucket)
+        return hierarchical_hook(state, bucket)
     tensor = bucket.buffer().mul_(state.node_scale)
     if groups.node_size == 1:
         return _future(tensor, done=True)
@@ -231,39 +224,6 @@ def choose_reduction(flat_s: float, hierarchical_s: float) -> str:
     return "hierarchical"
 
 
-class ReductionTuner:
-    """Times optimizer steps under alternating reductions, ``steps`` of each, after an untimed first step."""
-
-    __slots__ = ("_clock", "_last", "_steps", "_times", "choice", "current")
-
-    def __init__(self, steps: int, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._steps, self._clock = steps, clock
-        self._times: dict[str, list[float]] = {"flat": [], "hierarchical": []}
-        self._last: float | None = None
-        self.current = "hierarchical"  # the reduction the step about to run uses
-        self.choice: str | None = None  # the decision, ``None`` while measuring
-
-    def step_done(self) -> bool:
-        """Record the end of a step; ``True`` once both reductions have their times (then :meth:`decide`)."""
-        now = self._clock()
-        if self._last is not None:
-            self._times[self.current].append(now - self._last)
-        self._last = now
-        if all(len(t) >= self._steps for t in self._times.values()):
-            return True
-        self.current = "flat" if len(self._times["flat"]) <= len(self._times["hierarchical"]) else "hierarchical"
-        return False
-
-    def medians(self) -> list[float]:
-        """This rank's median step time (s) with ``[flat, hierarchical]``; ``nan`` where none was timed."""
-        return [statistics.median(t) if t else float("nan") for t in self._times.values()]
-
-    def decide(self, medians: Sequence[float]) -> str:
-        """Adopt the choice for ``[flat, hierarchical]`` step times agreed by all ranks."""
-        self.choice = self.current = choose_reduction(*medians)
-        return self.choice
-
-
 def _several_nodes_of_several(node_ids: Sequence[int]) -> bool:
     members = node_members(validate_node_ids(node_ids, len(node_ids)))
     return len(members) > 1 and any(len(m) > 1 for m in members)
@@ -278,7 +238,6 @@ class Hierarchical(CommAlgorithm):
     mode: ClassVar[str] = "hierarchical"
     autotune_steps: int = 5
     _clock = staticmethod(time.perf_counter)
-    _tuner = None
 
     def __post_init__(self) -> None:
         positive_int("autotune_steps", self.autotune_steps, allow_none=False, minimum=0)
@@ -294,7 +253,8 @@ class Hierarchical(CommAlgorithm):
     def _start(self, model: Any) -> None:
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
         self._hook_state = HierarchicalState(self._groups, self._chunk_bytes)
-        self._tuner = ReductionTuner(self.autotune_steps, self._clock) if self.autotune_steps else None
+        self._times: dict[str, list[float]] = {"flat": [], "hierarchical": []}  # step times under each, measured
+        self._last, self._measured = None, not self.autotune_steps
         model.register_comm_hook(self._hook_state, hierarchical_hook)
 
     @property
@@ -302,35 +262,40 @@ class Hierarchical(CommAlgorithm):
         return None if self._hook_state is None else ("flat" if self._hook_state.flat else "hierarchical")
 
     def _describe(self) -> str:
-        if self._tuner is None:
+        if not self.autotune_steps:
             return ""
-        return f" ({self.reduction} reduction, measured)" if self._tuner.choice else " (still measuring)"
+        return f" ({self.reduction} reduction, measured)" if self._measured else " (still measuring)"
 
     def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
         return flat_allreduce_traffic if self._hook_state.flat else hierarchical_traffic
 
     def _after_step(self, step: int, epoch_end: bool) -> None:
-        tuner = self._tuner
-        if tuner is None or tuner.choice is not None:
+        """While measuring: time the step that ended, pick the next step's reduction, or decide (all ranks agree)."""
+        if self._measured:
             return
         device = self._params[0].device if self._params else torch.device("cpu")
         if device.type == "cuda":  # time the step's kernels, not their launch (only while measuring)
             torch.cuda.synchronize(device)
-        if tuner.step_done():
-            on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
-            medians = torch.tensor(tuner.medians(), dtype=torch.float64, device=on)
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the same decision everywhere
-            flat_s, hier_s = (float(v) for v in medians.tolist())
-            choice = tuner.decide([flat_s, hier_s])
-            if self._rank == 0:
-                log.info(
-                    "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
-                    " the node hierarchy; using the %s reduction from now on.",
-                    flat_s * 1e3,
-                    hier_s * 1e3,
-                    choice,
-                )
-        self._hook_state.flat = tuner.current == "flat"
+        now, times = self._clock(), self._times
+        if self._last is not None:  # the first step is not timed
+            times[self.reduction].append(now - self._last)  # type: ignore[index]
+        self._last = now
+        if min(len(t) for t in times.values()) < self.autotune_steps:
+            self._hook_state.flat = len(times["flat"]) <= len(times["hierarchical"])
+            return
+        on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
+        medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64, device=on)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank of each: the same decision everywhere
+        flat_s, hier_s = (float(v) for v in medians.tolist())
+        self._hook_state.flat, self._measured = choose_reduction(flat_s, hier_s) == "flat", True
+        if self._rank == 0:
+            log.info(
+                "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
+                " the node hierarchy; using the %s reduction from now on.",
+                flat_s * 1e3,
+                hier_s * 1e3,
+                self.reduction,
+            )
 
 
 @dataclass

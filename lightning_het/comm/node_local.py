@@ -196,8 +196,8 @@ class NodeLocal(CommAlgorithm):
 
     def _start(self, model: Any) -> None:
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
-        self._hierarchy = HierarchicalState(self._groups, self._chunk_bytes)
-        self._hook_state = NodeLocalState(self._hierarchy, lambda: self._position()[0] < self.warmup_steps)
+        exact = lambda: self._position()[0] < self.warmup_steps  # noqa: E731
+        self._hook_state = NodeLocalState(self._groups, self._chunk_bytes, exact)
         self._set_node_scale()
         self._samples = [0] * len(self._node_ids)  # per replica, since the last sync
         self._in_consensus, self._own, self._residual = True, None, None
@@ -257,14 +257,14 @@ class NodeLocal(CommAlgorithm):
             return False
         self.hide_consensus()  # a merge of the replicas' own models
         if self._outer is None:
-            payload = average_parameters(self._params, self._weight(), self._hierarchy)
+            payload = average_parameters(self._params, self._weight(), self._hook_state)
             traffic = hierarchical_traffic(payload, self._node_ids)
         else:
             params = unique_floating(self._params)
             device = self._anchor[0].device
             delta = torch.cat([(a - p.to(device)).reshape(-1).float() for a, p in zip(self._anchor, params)])
             delta.mul_(self._weight())
-            self._residual = compressed_sum(self._hierarchy, delta, self.sync_dtype, self._residual)
+            self._residual = compressed_sum(self._hook_state, delta, self.sync_dtype, self._residual)
             for a, part in zip(self._anchor, delta.split([a.numel() for a in self._anchor])):
                 a.grad = part.view_as(a).to(a.dtype)
             self._outer.step()
@@ -275,7 +275,7 @@ class NodeLocal(CommAlgorithm):
             traffic = hierarchical_traffic(payload, self._node_ids)
             if self.sync_dtype != "float32":
                 traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), self._node_ids)
-        self._stats.record_sync(traffic)  # type: ignore[union-attr]
+        self._stats.record(traffic, sync=True)  # type: ignore[union-attr]
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
 
@@ -286,7 +286,7 @@ class NodeLocal(CommAlgorithm):
         if self._in_consensus or self._own is not None:
             return None
         copies = [p.detach().clone() for p in self._params]
-        average_parameters(copies, self._weight(), self._hierarchy)
+        average_parameters(copies, self._weight(), self._hook_state)
         return copies
 
     @torch.no_grad()

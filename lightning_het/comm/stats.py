@@ -109,28 +109,16 @@ class CommStats:
     def __post_init__(self) -> None:
         self.total = Traffic.zeros(self.world_size)
 
-    def record_step(self, traffic: Traffic) -> None:
-        self.steps += 1
-        self.total = self.total + traffic
-
-    def record_sync(self, traffic: Traffic) -> None:
-        self.syncs += 1
+    def record(self, traffic: Traffic, sync: bool = False) -> None:
+        """Add one optimizer step's gradient exchange, or (``sync``) one global parameter average."""
+        self.syncs, self.steps = self.syncs + sync, self.steps + (not sync)
         self.total = self.total + traffic
 
     def as_dict(self) -> dict[str, float]:
         """The counters in bytes; ``*_per_step``: the totals (syncs included) over the optimizer steps."""
-        steps = max(self.steps, 1)
-        intra, inter = self.total.intra[self.rank], self.total.inter[self.rank]
-        job_intra, job_inter = self.total.total_intra, self.total.total_inter
-        return {
-            "steps": float(self.steps),
-            "global_syncs": float(self.syncs),
-            "bytes_intra_total": intra,
-            "bytes_inter_total": inter,
-            "bytes_intra_per_step": intra / steps,
-            "bytes_inter_per_step": inter / steps,
-            "job_bytes_intra_total": job_intra,
-            "job_bytes_inter_total": job_inter,
-            "job_bytes_intra_per_step": job_intra / steps,
-            "job_bytes_inter_per_step": job_inter / steps,
-        }
+        out, steps = {"steps": float(self.steps), "global_syncs": float(self.syncs)}, max(self.steps, 1)
+        for kind in ("intra", "inter"):
+            mine, job = getattr(self.total, kind)[self.rank], sum(getattr(self.total, kind))
+            out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
+            out |= {f"job_bytes_{kind}_total": job, f"job_bytes_{kind}_per_step": job / steps}
+        return out
