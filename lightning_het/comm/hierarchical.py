@@ -1,8 +1,5 @@
-"""``comm="hierarchical"`` (and ``"auto"``): an exact reduction inside each node, then between the node leaders, then
-back, optionally timed against a flat all-reduce; with the DDP comm hooks of the node-aware algorithms.
-
-No ``from __future__ import annotations``: DDP inspects a hook's signature and rejects string annotations.
-"""
+"""``comm="hierarchical"`` and ``"auto"``, with the DDP comm hooks of the node-aware algorithms (no ``from __future__
+import annotations``: DDP rejects a hook's string annotations)."""
 
 import logging
 import statistics
@@ -28,9 +25,6 @@ from lightning_het.comm.allreduce import DEFAULT_CHUNK_BYTES, AllReduce, CommAlg
 from lightning_het.comm.stats import Traffic, flat_allreduce_traffic, hierarchical_traffic
 
 log = logging.getLogger(__name__)
-
-#: the relative advantage a flat all-reduce needs before it replaces the hierarchy
-MARGIN = 0.02
 
 
 class _InOrder:
@@ -214,12 +208,12 @@ def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.fut
 
 
 def choose_reduction(flat_s: float, hierarchical_s: float) -> str:
-    """The reduction to keep from typical step times: ``"flat"`` only when faster by :data:`MARGIN` (NaN: no).
+    """The reduction to keep from typical step times: ``"flat"`` only when 2 % faster (NaN: no).
 
     >>> choose_reduction(0.40, 0.50), choose_reduction(0.495, 0.50)
     ('flat', 'hierarchical')
     """
-    if flat_s > 0 and hierarchical_s > 0 and flat_s < hierarchical_s * (1.0 - MARGIN):
+    if flat_s > 0 and hierarchical_s > 0 and flat_s < hierarchical_s * 0.98:
         return "flat"
     return "hierarchical"
 

@@ -27,8 +27,7 @@ INT8_BLOCK = 2048
 
 
 def merge_weights(samples: Sequence[int], node_ids: Sequence[int], by: str = "samples") -> list[float]:
-    """Each replica's weight in a merge from the samples it trained on since the last: ``s_r / S``, or (``"nodes"``)
-    ``1 / N`` per node, split inside it by samples.
+    """Each replica's weight in a merge: ``s_r / S`` (``s_r``: its samples since the last), or ``1 / N`` per node.
 
     >>> merge_weights([2, 2, 4], [0, 0, 1]), merge_weights([6, 6, 4], [0, 0, 1], by="nodes")
     ([0.25, 0.25, 0.5], [0.25, 0.25, 0.5])
@@ -54,8 +53,7 @@ def unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def average_parameters(tensors: Iterable[torch.Tensor], weight: float, state: HierarchicalState) -> int:
-    """Replace every floating tensor by ``sum_r weight_r * t_r`` over the replicas, in place (accumulated in float32
-    for half types); returns the payload bytes per rank."""
+    """Replace every floating tensor by ``sum_r weight_r * t_r`` over the replicas, in place; the bytes per rank."""
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in unique_floating(tensors):
         buckets.setdefault((p.device, p.dtype), []).append(p)
@@ -103,9 +101,8 @@ def decode(payload: torch.Tensor, numel: int, dtype: str) -> torch.Tensor:
 def compressed_sum(
     state: HierarchicalState, vector: torch.Tensor, dtype: str, residual: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """Sum a float32 ``vector`` over all replicas in place: reduced onto each node leader, the leaders' sums plus
-    their ``residual`` encoded as ``dtype`` and all-gathered, broadcast inside each node; this leader's new residual
-    (error feedback). Float32: the exact :func:`hierarchical_sum`."""
+    """Sum a float32 ``vector`` over all replicas in place, the leaders' sums (plus their ``residual``) crossing the
+    nodes as ``dtype``; this leader's new residual (error feedback)."""
     if dtype == "float32":
         hierarchical_sum(state, vector).wait()
         return residual
@@ -128,8 +125,7 @@ def compressed_sum(
 
 
 def node_record(entries: Sequence[Any], node_ids: Sequence[int]) -> dict[str, Any]:
-    """A checkpoint's per-node record from one ``(optimizer_states, residual[, params])`` entry per rank (the
-    leaders' are read): the ``layout`` (replicas per node), then per node its entry's parts."""
+    """A checkpoint's per-node record from one ``(optimizer_states, residual[, params])`` entry per rank (leaders')."""
     leaders = [entries[m[0]] for m in node_members(node_ids)]
     return {
         "layout": [len(m) for m in node_members(node_ids)],
@@ -201,9 +197,8 @@ class NodeLocal(CommAlgorithm):
         self._set_node_scale()
         self._samples = [0] * len(self._node_ids)  # per replica, since the last sync
         self._in_consensus, self._own, self._residual = True, None, None
-        self._anchor: list[torch.Tensor] = []
+        self._anchor: list[torch.Tensor] = []  # the model of the last sync, which the outer optimizer steps
         self._outer: torch.optim.Optimizer | None = None
-        self._pending: dict[str, Any] | None = None  # a saved outer state, until the outer optimizer exists
         model.register_comm_hook(self._hook_state, node_local_hook)
         self._begin()  # DDP broadcast rank 0's model: the replicas agree
 
@@ -235,14 +230,9 @@ class NodeLocal(CommAlgorithm):
     def _begin(self) -> None:
         """The replicas agree: the anchor of the next outer step is the model now."""
         factory, params = self._outer_factory(), unique_floating(self._params)
-        if factory is None:
-            return
-        if self._outer is None or len(self._anchor) != len(params):
+        if factory is not None and self._outer is None:
             self._anchor = [p.detach().clone() for p in params]
             self._outer = factory(self._anchor)
-            if self._pending is not None:
-                self._load_outer(self._pending)
-            return
         for a, p in zip(self._anchor, params):
             a.copy_(p)
 
@@ -331,7 +321,13 @@ class NodeLocal(CommAlgorithm):
         if len(state.get("samples", [])) == len(self._samples):
             self._samples = [int(s) for s in state["samples"]]
         self._in_consensus = bool(state.get("in_consensus", True))
-        self._load_outer(state.get("merge", {}))
+        merge = state.get("merge") or {}  # the outer optimizer's state and anchor (of this model's shapes)
+        if self._outer is not None and merge.get("optimizer") is not None:
+            self._outer.load_state_dict(merge["optimizer"])
+        anchor = merge.get("anchor") or []
+        if len(anchor) == len(self._anchor) and all(a.shape == s.shape for a, s in zip(self._anchor, anchor)):
+            for a, saved in zip(self._anchor, anchor):
+                a.copy_(saved)
         record = state.get("nodes")
         if not record or layout_change(record, self._node_ids) is not None:
             return
@@ -343,24 +339,9 @@ class NodeLocal(CommAlgorithm):
             for p, saved in zip(self._params, params):
                 p.copy_(saved)
 
-    @torch.no_grad()
-    def _load_outer(self, state: dict[str, Any]) -> None:
-        """The outer optimizer's state and anchor (kept until :meth:`_begin` builds the optimizer; an anchor of
-        another model's size is ignored)."""
-        self._pending = state if self._outer is None else None
-        if self._outer is None:
-            return
-        if state.get("optimizer") is not None:
-            self._outer.load_state_dict(state["optimizer"])
-        anchor = state.get("anchor") or []
-        if len(anchor) == len(self._anchor) and all(a.shape == s.shape for a, s in zip(self._anchor, anchor)):
-            for a, saved in zip(self._anchor, anchor):
-                a.copy_(saved)
-
     def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
-        """Every node's parameters (its own, also while the consensus is shown), inner ``optimizer_states`` and its
-        leader's residual, gathered to rank 0 as a :func:`node_record` (a collective; ``None`` off rank 0). Rank 0
-        keeps its own objects (the checkpoint holds its optimizer state once), the others' arrive on the CPU."""
+        """Every node's own parameters, inner ``optimizer_states`` and leader's residual, gathered to rank 0 as a
+        :func:`node_record` (a collective; ``None`` off rank 0; rank 0 keeps its objects, the others' on the CPU)."""
         own = [p.detach() for p in (self._own if self._own is not None else self._params)]
         leader = node_members(self._node_ids)[self._node_ids[self._rank]][0] == self._rank
         mine = (optimizer_states, self._residual, own)
