@@ -579,7 +579,9 @@ def test_schedule_takes_phase_from_the_position(monkeypatch: pytest.MonkeyPatch)
     # resumed run: the phase comes from the position (the trainer's global step), not from a counter of its own
     resumed, done = NodeLocal(sync_every=3, warmup_steps=2), [10]
     _, opt = _installed(resumed, [0, 0, 1], 1, [2, 3, 5], position=lambda: (done[0], False))
-    assert [_stepping(opt, resumed, done) for _ in (11, 12, 13, 14)] == [True, False, False, True]
+    assert [_stepping(opt, resumed, done) for _ in (11, 12, 13, 14, 15, 16)] == [True, False, False, True, False, False]
+    done[0] += 1  # a gradient scaler skipped step 17's optimizer step (no hook ran), a sync step: step 18 catches up
+    assert _stepping(opt, resumed, done) and resumed.stats["steps"] == 8 and resumed.stats["global_syncs"] == 3
     stats = algorithm.stats
     assert stats["steps"] == 10 and stats["global_syncs"] == 3
 

@@ -71,8 +71,8 @@ class CommAlgorithm:
         if not 0 <= rank < len(ids):
             raise ValueError(f"Expected argument `rank` in [0, {len(ids)}), but got {rank}.")
         self._node_ids, self._rank, self._groups, self._chunk_bytes = ids, rank, groups, chunk_bytes
-        self._stats, self._traffic_cache, self._steps = CommStats(rank, len(ids)), {}, 0
-        self._position = position or (lambda: (self._steps, False))
+        self._stats, self._traffic_cache, self._stepped = CommStats(rank, len(ids)), {}, None
+        self._position = position or (lambda: (self._stepped or 0, False))
         self._params = list(model.parameters())
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
         self.set_batch_sizes([1] * len(ids) if batch_sizes is None else batch_sizes)
@@ -108,13 +108,15 @@ class CommAlgorithm:
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         done, epoch_end = self._position()
-        self._steps = done + 1
-        pattern = self._pattern(done + 1)
-        if pattern not in self._traffic_cache:
-            self._traffic_cache[pattern] = pattern(self._grad_bytes, self._node_ids)
-        self._stats.record(self._traffic_cache[pattern])  # type: ignore[union-attr]
-        with torch.no_grad():
-            self._after_step(done + 1, epoch_end)
+        first = done + 1 if self._stepped is None else self._stepped + 1  # < done + 1: a gradient scaler skipped steps
+        for step in range(first, done + 2):  # caught up, so that every rank runs the same collectives
+            pattern = self._pattern(step)
+            if pattern not in self._traffic_cache:
+                self._traffic_cache[pattern] = pattern(self._grad_bytes, self._node_ids)
+            self._stats.record(self._traffic_cache[pattern])  # type: ignore[union-attr]
+            with torch.no_grad():
+                self._after_step(step, epoch_end and step == done + 1)
+        self._stepped = done + 1
 
     # ------------------------------------------------------------------ what the algorithms override
     def _start(self, model: Any) -> None:
