@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-#: a resolved mode, what a :class:`~lightning_het.comm.CommController` runs
+#: a resolved mode, what an installed comm algorithm (`lightning_het.CommAlgorithm`) runs
 CommMode = Literal["allreduce", "hierarchical", "node_local"]
 #: what users pass as ``comm=``: a mode, or ``"auto"`` (``hierarchical`` on several nodes, else ``allreduce``)
 CommChoice = Literal["auto", "allreduce", "hierarchical", "node_local"]
