@@ -9,21 +9,10 @@ import numbers
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Literal, get_args
+from typing import Any
 
-#: a resolved mode, what an installed comm algorithm (`lightning_het.CommAlgorithm`) runs
-CommMode = Literal["allreduce", "hierarchical", "node_local"]
-#: what users pass as ``comm=``: a mode, or ``"auto"`` (``hierarchical`` on several nodes, else ``allreduce``)
-CommChoice = Literal["auto", "allreduce", "hierarchical", "node_local"]
-#: accepted values of ``comm``
-COMM_CHOICES: tuple[str, ...] = get_args(CommChoice)
-
-#: ``node_local``'s sync: accepted ``sync_dtype``, ``merge_weights`` and named ``outer_optimizer`` values
-SYNC_DTYPES = ("float32", "bfloat16", "int8")
-MERGE_WEIGHTS = ("samples", "nodes")
-OUTER_OPTIMIZERS = ("nesterov",)
-
-assert set(COMM_CHOICES) == {"auto", *get_args(CommMode)}
+#: ``comm=`` mode names (``"auto"``: ``hierarchical`` on several nodes, else ``allreduce``)
+COMM_CHOICES = ("auto", "allreduce", "hierarchical", "node_local")
 
 
 class ArgumentError(ValueError):
@@ -188,10 +177,10 @@ def check_sync_args(
     refused where nothing reads it: in another ``comm`` mode (``"auto"`` never resolves to ``"node_local"``), and
     ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"`` (plain averaging has no outer optimizer;
     a callable builds its own)."""
-    if not (outer_optimizer is None or outer_optimizer in OUTER_OPTIMIZERS or callable(outer_optimizer)):
+    if not (outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)):
         raise _error(
             "outer_optimizer",
-            f"Expected argument `outer_optimizer` to be None (plain averaging), one of {list(OUTER_OPTIMIZERS)} or a"
+            "Expected argument `outer_optimizer` to be None (plain averaging), one of ['nesterov'] or a"
             f" callable building a torch optimizer from a list of tensors, but got {outer_optimizer!r}.",
         )
     numbers = {"outer_lr": (outer_lr, "> 0"), "outer_momentum": (outer_momentum, "in [0, 1)")}
@@ -199,7 +188,10 @@ def check_sync_args(
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
             raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
-    choices_of = {"sync_dtype": (sync_dtype, SYNC_DTYPES), "merge_weights": (merge_weights, MERGE_WEIGHTS)}
+    choices_of = {
+        "sync_dtype": (sync_dtype, ("float32", "bfloat16", "int8")),
+        "merge_weights": (merge_weights, ("samples", "nodes")),
+    }
     for name, (value, choices) in choices_of.items():
         if value not in choices:
             raise _error(name, f"Expected argument `{name}` to be one of {list(choices)}, but got {value!r}.")
@@ -215,7 +207,7 @@ def check_sync_args(
             f" `{name}`.",
         )
     for name in ("outer_lr", "outer_momentum"):
-        if name in changed and outer_optimizer not in OUTER_OPTIMIZERS:
+        if name in changed and outer_optimizer != "nesterov":
             what = "plain averaging, which has no outer optimizer" if outer_optimizer is None else "a callable"
             raise _error(
                 name,
