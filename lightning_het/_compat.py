@@ -1,16 +1,13 @@
 """The private Lightning and torch APIs that lightning-het relies on, imported in one place.
 
 Behind one guard, an upstream change becomes one clear import-time error naming the missing API; no other module
-imports a private Lightning or torch name (:func:`flavour_private` reaches the standalone packages' ones).
+imports a private Lightning or torch name.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib
 import inspect
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -29,25 +26,17 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
     )
 
 
-# Kept, each without a public equivalent: Lightning's launchers (subclassed; it has no public launcher base), its
+# Kept, each without a public equivalent: Lightning's
 # DataLoader re-instantiation with changed arguments (``_update_dataloader`` takes a new sampler only), and torch's
 # default store and default-group timeout (no public getter/setter for an existing group).
 try:
-    from lightning.fabric.strategies.launchers.subprocess_script import (
-        _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
-    )
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
     from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 __all__ = [
-    "_FabricSubprocessScriptLauncher",
-    "_MultiProcessingLauncher",
-    "_SubprocessScriptLauncher",
     "_get_dataloader_init_args_and_kwargs",
     "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
@@ -57,7 +46,6 @@ __all__ = [
     "ddp_forward_skippable",
     "default_store",
     "dump_checkpoint",
-    "flavour_private",
     "forget_validation_loader",
     "inside_fabric_backward",
     "inside_log_sync",
@@ -67,11 +55,9 @@ __all__ = [
     "record_loader_arguments",
     "replace_signal_connector",
     "restore_checkpoint",
-    "run_atexit_handlers",
     "set_default_group_timeout",
     "should_accumulate",
     "skip_buffer_broadcast",
-    "stop_child_process_observers",
     "training_loaders",
     "uses_distributed_sampler",
     "wrapped_sampler",
@@ -89,14 +75,6 @@ def set_default_group_timeout(timeout: timedelta) -> None:
     _set_pg_timeout(timeout)
     with contextlib.suppress(Exception):
         _get_default_store().set_timeout(timeout)
-
-
-def flavour_private(package: str, module: str, name: str) -> Any:
-    """The private ``name`` of ``<package>.<module>`` in one Lightning flavour, imported on demand."""
-    try:
-        return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
-    except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
-        raise _missing_api_error(f"{package}.{module}.{name}", err) from err
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
@@ -316,20 +294,6 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(callback)
-
-
-def run_atexit_handlers() -> None:
-    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``
-    (the stdlib has no public form)."""
-    atexit._run_exitfuncs()
-
-
-def stop_child_process_observers() -> None:
-    """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
-    replica exits non-zero) watch nothing: its next check finds no process and it ends (it has no public stop)."""
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-            thread._child_processes = []
 
 
 def wrapped_sampler(sampler: Any) -> Any:

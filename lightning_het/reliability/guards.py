@@ -12,7 +12,6 @@ from typing import Any
 
 from lightning_het.reliability.emergency import EmergencyCheckpoint, attach_emergency
 from lightning_het.reliability.preemption import (
-    PreemptibleStrategy,
     PreemptionHandler,
     attach_preemption,
     detach_preemption,
@@ -59,7 +58,7 @@ class Guards:
         retire_emergencies(trainer, emergencies)
 
     def attach(
-        self, strategy: PreemptibleStrategy, trainer: Any, config: Any, record: Callable[[], dict], saves: bool
+        self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool
     ) -> None:
         """Give ``trainer`` the watchdog's and the preemption handler's callbacks, and (``saves``) an emergency
         checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
