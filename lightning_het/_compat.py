@@ -45,12 +45,10 @@ __all__ = [
     "cached_validation_loader",
     "ddp_forward_skippable",
     "default_store",
-    "dump_checkpoint",
     "forget_validation_loader",
     "inside_fabric_backward",
     "inside_log_sync",
     "logged_batch",
-    "loop_state",
     "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
@@ -137,40 +135,6 @@ def should_accumulate(trainer: Any) -> bool:
     return bool(trainer.strategy.handles_gradient_accumulation or not last)
 
 
-def loop_state(loop: Any) -> dict[str, Any]:
-    """``loop.state_dict()`` of a Lightning loop (either flavour), with plain copies of its progress dataclasses
-    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step. It
-    recognises the progress and loop attributes by their (private) base class names, as ``state_dict`` does."""
-    destination: dict[str, Any] = {}
-    _loop_state(loop, destination, "")
-    return destination
-
-
-_LOOP_PARTS: dict[type, str | None] = {}  # per attribute type: "progress", "loop" or None (what state_dict skips)
-
-
-def _loop_state(loop: Any, destination: dict[str, Any], prefix: str) -> None:
-    destination[prefix + "state_dict"] = loop.on_save_checkpoint()
-    for key, value in vars(loop).items():
-        kind = _LOOP_PARTS.get(type(value), "")
-        if kind == "":
-            names = {cls.__name__ for cls in type(value).__mro__}
-            kind = "progress" if "_BaseProgress" in names else "loop" if "_Loop" in names else None
-            _LOOP_PARTS[type(value)] = kind
-        if kind == "progress":
-            destination[prefix + key] = _progress_state(value)
-        elif kind == "loop":
-            _loop_state(value, destination, f"{prefix}{key}.")
-
-
-def _progress_state(progress: Any) -> dict[str, Any]:
-    out = {}
-    for name in progress.__dataclass_fields__:
-        value = getattr(progress, name)
-        out[name] = _progress_state(value) if hasattr(value, "__dataclass_fields__") else value
-    return out
-
-
 def ddp_forward_skippable(ddp: Any) -> bool:
     """Whether a forward and backward may bypass ``ddp`` (its reducer ignores a backward whose forward it did not
     prepare): not before its first forward, nor before the forward that rebuilds its buckets (a collective that the
@@ -235,12 +199,6 @@ def logged_batch(module: Any, batch: Any) -> Iterator[None]:
         yield
     finally:
         results.batch, results.batch_size = saved
-
-
-def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank): only the
-    trainer's private checkpoint connector builds it without writing."""
-    return _private_attribute(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:

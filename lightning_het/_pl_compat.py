@@ -19,7 +19,7 @@ from lightning_het.balance.monitor import BalanceCallbackMixin
 from lightning_het.balance.profiler import ProfilerCallbackMixin
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
-from lightning_het.reliability.supervision import WatchdogCallbackMixin
+from lightning_het.reliability.watchdog import WatchdogCallbackMixin
 from lightning_het.strategy import HeterogeneousStrategyMixin
 
 

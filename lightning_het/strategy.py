@@ -64,9 +64,9 @@ from lightning_het.reliability.checkpointing import (
 )
 from lightning_het.reliability.emergency import restore_rng
 from lightning_het.reliability.guards import Guards
-from lightning_het.reliability.identity import job_identity, trajectory_settings
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
 from lightning_het.reliability.preemption import shield_loader_workers
+from lightning_het.reliability.resume import job_identity, trajectory_settings
 from lightning_het.reliability.watchdog import Watchdog
 
 
@@ -400,9 +400,16 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.guards.captured(checkpoint):  # an emergency checkpoint: kept for the watchdog's thread to write
+            return
         entry = self._checkpoint_entry()  # allocation, sampler position (the emergency record too: no collective)
         checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_controller)  # node_local: collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.guards.capturing():  # building an emergency checkpoint: the other replicas are gone
+            super().barrier(*args, **kwargs)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -457,7 +464,7 @@ def _unified_trainer_flavour() -> TrainerFlavour:
     from lightning_het.balance.profiler import ProfilerCallback
     from lightning_het.cluster.accelerators import MixedAccelerator
     from lightning_het.reliability.preemption import Preempted, PreemptionCallback
-    from lightning_het.reliability.supervision import WatchdogCallback
+    from lightning_het.reliability.watchdog import WatchdogCallback
 
     return TrainerFlavour(
         TrainerFn=TrainerFn,

@@ -1,29 +1,24 @@
 """Emergency checkpoint: when the watchdog ends a fit, the survivors agree through the store (no collective) on the
 last optimizer step each of them completed, and the lowest survivor holding that step saves it, atomically.
 
-The training thread keeps, at the end of every optimizer step (``on_train_batch_end``, after the schedulers' update),
-the small part of a checkpoint that changes during a step: the loops' progress, the sampler's place, the RNG states
-(:class:`StepState`). The tensors (weights, optimizer, schedulers) do not change until the next parameter update, which
-:meth:`EmergencyCheckpoint.update` holds under a lock that a save takes too. See ``docs/reliability.md``.
+Each optimizer step's end keeps what changes during a step besides the tensors (:class:`StepState`); the tensors do not
+change until the next parameter update, which :meth:`EmergencyCheckpoint.update` holds under the save's lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-
-from lightning_het._compat import dump_checkpoint, loop_state
-from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 
 #: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
 EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
@@ -32,10 +27,9 @@ _POLL_S = 0.02
 
 
 def rng_state(numpy: bool = True) -> dict[str, Any]:
-    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's global one) as types
-    ``torch.load(weights_only=True)`` reads."""
+    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's) as ``torch.load(weights_only=True)`` reads."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if numpy:  # ~0.15 ms: kept per step only for torch and Python
+    if numpy:  # ~0.15 ms: not kept per step
         name, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
     return state
@@ -53,10 +47,33 @@ def restore_rng(state: dict[str, Any] | None) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-@dataclass(frozen=True)
+_KINDS: dict[type, str | None] = {}  # per attribute type of a loop: "progress", "loop" or None (state_dict skips it)
+
+
+def loop_state(loop: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``loop.state_dict()`` of a Lightning loop, with plain copies of its progress trackers (several times faster)."""
+    out = {} if out is None else out
+    out[prefix + "state_dict"] = loop.on_save_checkpoint()
+    for key, value in vars(loop).items():
+        kind = _KINDS.get(type(value), "")
+        if kind == "":
+            tracker = dataclasses.is_dataclass(value) and hasattr(value, "load_state_dict")
+            kind = _KINDS[type(value)] = "progress" if tracker else "loop" if hasattr(value, "restarting") else None
+        if kind == "progress":
+            out[prefix + key] = _plain(value)
+        elif kind == "loop":
+            loop_state(value, f"{prefix}{key}.", out)
+    return out
+
+
+def _plain(progress: Any) -> dict[str, Any]:
+    return {k: _plain(v) if dataclasses.is_dataclass(v) else v for k, v in vars(progress).items()}
+
+
+@dataclasses.dataclass(frozen=True)
 class StepState:
-    """What a checkpoint taken at the end of optimizer step ``step`` holds besides the tensors: the fit loop's
-    ``state_dict``, the epoch, the ``checkpoint["lightning_het"]`` record (allocation, sampler) and the RNG states."""
+    """A checkpoint at the end of optimizer step ``step`` besides the tensors: the fit loop's ``state_dict``, the epoch,
+    the ``checkpoint["lightning_het"]`` record and the RNG states."""
 
     step: int
     epoch: int
@@ -66,8 +83,8 @@ class StepState:
 
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
-    """From each survivor's last completed step (``-1``: it could not tell), the agreed step (the smallest: every
-    survivor completed it) and the lowest survivor holding it, which writes (``None``: no checkpoint). Pure."""
+    """From each survivor's last completed step (``-1``: unknown), the agreed step (the smallest) and the lowest
+    survivor holding it, which writes (``None``: no checkpoint). Pure."""
     if not steps or min(steps.values()) < 0:
         return -1, None
     step = min(steps.values())
@@ -75,14 +92,8 @@ def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
 
 
 class EmergencyCheckpoint:
-    """One replica's side of the emergency save (see the module docstring).
-
-    Args:
-        rank: this replica's global rank.
-        observe: the :class:`StepState` now (training thread, at the end of an optimizer step).
-        dump: builds the checkpoint (a dict) of a :class:`StepState`; called with the update lock held.
-        path: where the checkpoint goes (asked when saving).
-    """
+    """One replica's side of the emergency save: ``observe`` gives the :class:`StepState` now (training thread),
+    ``dump`` the checkpoint of one (under the update lock), ``path`` where it goes."""
 
     def __init__(
         self,
@@ -92,9 +103,7 @@ class EmergencyCheckpoint:
         path: Callable[[], str],
     ) -> None:
         self.rank = rank
-        self._observe = observe
-        self._dump = dump
-        self._path = path
+        self._observe, self._dump, self._path = observe, dump, path
         self._lock = threading.RLock()  # held by a parameter update, and by a save from settling to the end
         self._updated = -1  # optimizer steps completed by the last update (written under the lock)
         self.state: StepState | None = None
@@ -103,15 +112,13 @@ class EmergencyCheckpoint:
         self._finished = threading.Event()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
-        """Not copied (the lock that orders this process's parameter updates and saves):
-        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
-        group."""
+        """Shared, not copied (the lock that orders this process's parameter updates and saves)."""
         return self
 
     @contextlib.contextmanager
     def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
         """Wrap an optimizer step: the returned closure takes the lock once the user's closure (forward, backward,
-        the gradient all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
+        all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
         held = False
 
         def locked() -> Any:
@@ -149,9 +156,8 @@ class EmergencyCheckpoint:
             time.sleep(_POLL_S)
 
     def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float, tag: str = "") -> str | None:
-        """Agree with ``survivors`` (through ``store``, under keys marked with this job's ``tag``) and let the writer
-        save; returns the checkpoint's path or ``None``. Every thread that asks after the first waits for its
-        outcome."""
+        """Agree with ``survivors`` through ``store`` (keys marked with the job's ``tag``) and let the writer save;
+        the checkpoint's path or ``None``. A later caller waits for the first one's outcome."""
         if not self._claim.acquire(blocking=False):
             self._finished.wait(agree_s + write_s)
             return self.saved
@@ -177,8 +183,7 @@ class EmergencyCheckpoint:
             self._finished.set()
 
     def _write(self, state: StepState, steps: dict[int, int]) -> str | None:
-        started = time.monotonic()
-        path = self._path()
+        started, path = time.monotonic(), self._path()
         tmp = f"{path}.tmp"
         try:
             checkpoint = self._dump(state)
@@ -224,38 +229,8 @@ def _say(message: str) -> None:
 
 
 def wants_resume(resume: Any, environ: Any = None) -> bool:
-    """Whether a fit resumes by itself: ``resume="auto"``, or a worker restarted by torchelastic unless
-    ``resume=False``."""
+    """Whether a fit resumes by itself: ``resume="auto"``, or a restarted elastic worker unless ``resume=False``."""
     environ = os.environ if environ is None else environ
     if resume is False:
         return False
     return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-
-
-def attach_emergency(
-    watchdog: Any, trainer: Any, rank: int, entry: Callable[[], dict[str, Any]], preemption_path: str, saves: bool
-) -> EmergencyCheckpoint | None:
-    """Give ``watchdog`` (``None``: a single replica) the :class:`EmergencyCheckpoint` of this fit of ``trainer``
-    (``saves=False``: none, e.g. outside ``fit``); ``entry``: the ``checkpoint["lightning_het"]`` record now; the
-    checkpoint goes beside ``preemption_path``."""
-    if watchdog is None:
-        return None
-    watchdog.emergency = None
-    if not saves:
-        return None
-
-    def observe() -> StepState:
-        return StepState(
-            trainer.global_step, trainer.current_epoch, loop_state(trainer.fit_loop), entry(), rng_state(numpy=False)
-        )
-
-    def dump(state: StepState) -> dict[str, Any]:
-        checkpoint = dump_checkpoint(trainer)  # the tensors now: unchanged since the step (the lock holds updates)
-        checkpoint.update(epoch=state.epoch, global_step=state.step)
-        checkpoint["loops"]["fit_loop"] = state.loops
-        checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
-        return checkpoint
-
-    path = os.path.join(os.path.dirname(preemption_path), EMERGENCY_CHECKPOINT_NAME)
-    watchdog.emergency = EmergencyCheckpoint(rank, observe, dump, lambda: path)
-    return watchdog.emergency

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,7 +24,6 @@ from lightning_het.cluster.rendezvous import (
     save_job_environment,
 )
 from lightning_het.reliability.output_dir import check_output_dir
-from lightning_het.reliability.processes import check_children, die_with_parent, kill_children
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
@@ -34,6 +32,7 @@ from lightning_het.reliability.verdicts import (
     interruption_of,
     is_collective_failure,
 )
+from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, kill_children, stop_watchdog
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +72,6 @@ class ExitCleanup:
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(cls.exit_code)
-
-
-def as_seconds(value: timedelta | float | None) -> float | None:
-    if value is None:
-        return None
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
 def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
@@ -200,8 +193,6 @@ class ScriptLauncher:
             raise
         if not fabric:
             self._in_run = False
-            from lightning_het.reliability.supervision import stop_watchdog
-
             stop_watchdog(self.strategy.release_watchdog(), trainer, finished=True)  # wait for every replica
         return result
 

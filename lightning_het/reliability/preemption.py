@@ -29,7 +29,7 @@ from lightning_het._compat import replace_signal_connector, should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
-from lightning_het.reliability.processes import die_with_parent, launched_replicas
+from lightning_het.reliability.watchdog import die_with_parent, launched_replicas
 
 log = logging.getLogger(__name__)
 

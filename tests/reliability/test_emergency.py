@@ -23,6 +23,7 @@ from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
     StepState,
     agreed_writer,
+    loop_state,
     restore_rng,
     rng_state,
     wants_resume,
@@ -31,7 +32,7 @@ from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
 from tests.helpers.side_by_side import SideBySide
-from tests.helpers.tiny import make_dataset, pl, quiet_trainer, reference_weights
+from tests.helpers.tiny import TinyRegressor, make_dataset, pl, quiet_trainer, reference_weights
 from tests.helpers.watchdogs import watchdog_pair
 
 JOBS = SideBySide(width=1)
@@ -71,6 +72,19 @@ def test_rng_state_round_trips_and_loads_with_weights_only(tmp_path):
     restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
     again = (torch.rand(2), random.random(), np.random.rand())
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+
+
+def test_the_step_record_of_the_fit_loop_is_its_state_dict():
+    """What an emergency checkpoint keeps of the fit loop after each step is the loop's own ``state_dict()``."""
+    seen = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append((loop_state(trainer.fit_loop), trainer.fit_loop.state_dict()))
+
+    trainer = quiet_trainer(1, "auto", max_steps=4, callbacks=[Keep()], limit_val_batches=1, val_check_interval=2)
+    trainer.fit(TinyRegressor(), DataLoader(make_dataset(12), batch_size=4), DataLoader(make_dataset(4), batch_size=4))
+    assert len(seen) == 4 and all(fast == slow for fast, slow in seen)
 
 
 # ---------------------------------------------------------------------------------------------------- agreement

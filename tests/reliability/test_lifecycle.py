@@ -36,7 +36,7 @@ from lightning_het.cluster.rendezvous import create_store, listen_address, sign,
 from lightning_het.comm import hooks
 from lightning_het.reliability.preemption import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.processes import kill_children
+from lightning_het.reliability.watchdog import kill_children
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,

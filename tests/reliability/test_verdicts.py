@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_het.reliability.heartbeats import inside_torch_distributed
+from lightning_het.reliability.watchdog import inside_torch_distributed
 from lightning_het.reliability.verdicts import Phase, ReplicaStatus, describe_phase, judge
 
 
