@@ -7,9 +7,8 @@ import json
 import os
 import socket
 
-from lightning_het.reliability.watchdog import BOOT_ID, HeartbeatBook
-from lightning_het.reliability.watchdog import process_alive
 from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import BOOT_ID, HeartbeatBook, process_alive
 
 HOST = socket.gethostname()
 

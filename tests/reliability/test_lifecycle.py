@@ -34,9 +34,8 @@ from torch.utils.data import DataLoader
 from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hooks
-from lightning_het.reliability.preemption import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.watchdog import kill_children
+from lightning_het.reliability.preemption import shield_loader_workers
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
@@ -47,7 +46,7 @@ from lightning_het.reliability.verdicts import (
     exit_code_for,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog
+from lightning_het.reliability.watchdog import Watchdog, kill_children
 from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
