@@ -57,7 +57,7 @@ def loop_state(loop: Any, prefix: str = "", out: dict[str, Any] | None = None) -
     for key, value in vars(loop).items():
         kind = _KINDS.get(type(value), "")
         if kind == "":
-            tracker = dataclasses.is_dataclass(value) and hasattr(value, "load_state_dict")
+            tracker = hasattr(value, "__dataclass_fields__") and hasattr(value, "load_state_dict")
             kind = _KINDS[type(value)] = "progress" if tracker else "loop" if hasattr(value, "restarting") else None
         if kind == "progress":
             out[prefix + key] = _plain(value)
@@ -67,7 +67,7 @@ def loop_state(loop: Any, prefix: str = "", out: dict[str, Any] | None = None) -
 
 
 def _plain(progress: Any) -> dict[str, Any]:
-    return {k: _plain(v) if dataclasses.is_dataclass(v) else v for k, v in vars(progress).items()}
+    return {k: _plain(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(progress).items()}
 
 
 @dataclasses.dataclass(frozen=True)
