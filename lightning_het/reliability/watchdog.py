@@ -410,9 +410,6 @@ class Watchdog:
         """Shared, not copied (this process's heartbeat thread and store connection), as the process group is."""
         return self
 
-    def _write(self, key: str, payload: str) -> None:
-        self.store.set(key, self._book.sign(key, payload))
-
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
         self._main_ident = threading.get_ident()
@@ -554,28 +551,16 @@ class Watchdog:
 
     def _record(self) -> dict[str, Any]:
         """This replica's heartbeat record (without its ``beat`` number)."""
-        seq, batch, phase, _ = self._progress
-        stage, eval_batch = self._eval_where
-        frame = sys._current_frames().get(self._main_ident)
-        return {
-            "seq": seq,
-            "batch": batch,
-            "phase": int(phase),
-            "eval_stage": stage,
-            "eval_batch": eval_batch,
-            "armed": bool(self._armed),
-            "waiting": self._waited_in_collective or inside_torch_distributed(frame),
-            "state": self._state,
-            "error": self._error,
-            "host": self._host,
-            "boot": BOOT_ID,
-            "rank": self.rank,
-            "pid": self._pid,
-        }
+        (seq, batch, phase, _), (stage, eval_batch) = self._progress, self._eval_where
+        waiting = self._waited_in_collective or inside_torch_distributed(sys._current_frames().get(self._main_ident))
+        return {"seq": seq, "batch": batch, "phase": int(phase), "eval_stage": stage, "eval_batch": eval_batch,
+                "armed": bool(self._armed), "waiting": waiting, "state": self._state, "error": self._error,
+                "host": self._host, "boot": BOOT_ID, "rank": self.rank, "pid": self._pid}  # fmt: skip
 
     def _publish(self) -> None:
         self._beat += 1
-        self._write(f"hb/{self.rank}", json.dumps({"beat": self._beat, **self._record()}))
+        key = f"hb/{self.rank}"
+        self.store.set(key, self._book.sign(key, json.dumps({"beat": self._beat, **self._record()})))
 
     def _statuses(self) -> list[ReplicaStatus]:
         now = time.monotonic()
@@ -591,15 +576,12 @@ class Watchdog:
         statuses = []
         for r in range(self.world_size):
             if r == self.rank:
-                statuses.append(self._own_status(now))
+                statuses.append(status_from_record(r, self._record(), 0.0, now - self._progress[3]))
                 continue
             status = self._book.status(r, raw.get(r), now)
             child = children.get(r)
             statuses.append(status if child is None else self._book.child_status(status, child.poll()))
         return statuses
-
-    def _own_status(self, now: float) -> ReplicaStatus:
-        return status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
 
     def _check_children(self) -> Verdict | None:
         return check_children(self._children())
