@@ -47,37 +47,50 @@ def restore_rng(state: dict[str, Any] | None) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-_KINDS: dict[type, str | None] = {}  # per attribute type of a loop: "progress", "loop" or None (state_dict skips it)
+class LoopRecord:
+    """A Lightning loop's ``state_dict()`` taken in microseconds (copies of its counters) and built when needed."""
 
+    def __init__(self, loop: Any) -> None:
+        self.loops: list[tuple[str, Any]] = []  # (key prefix, loop)
+        self.parts: list[tuple[str, str, Any]] = []  # (parent key, name, dataclass): progress trackers and their parts
+        self._walk(loop, "")
 
-def loop_state(loop: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``loop.state_dict()`` of a Lightning loop, with plain copies of its progress trackers (several times faster)."""
-    out = {} if out is None else out
-    out[prefix + "state_dict"] = loop.on_save_checkpoint()
-    for key, value in vars(loop).items():
-        kind = _KINDS.get(type(value), "")
-        if kind == "":
-            tracker = hasattr(value, "__dataclass_fields__") and hasattr(value, "load_state_dict")
-            kind = _KINDS[type(value)] = "progress" if tracker else "loop" if hasattr(value, "restarting") else None
-        if kind == "progress":
-            out[prefix + key] = _plain(value)
-        elif kind == "loop":
-            loop_state(value, f"{prefix}{key}.", out)
-    return out
+    def _walk(self, loop: Any, prefix: str) -> None:
+        self.loops.append((prefix, loop))
+        for key, value in vars(loop).items():
+            if hasattr(value, "__dataclass_fields__") and hasattr(value, "load_state_dict"):  # a progress tracker
+                self._part("", prefix + key, value)
+            elif hasattr(value, "restarting") and hasattr(value, "on_save_checkpoint"):  # a loop
+                self._walk(value, f"{prefix}{key}.")
 
+    def _part(self, parent: str, name: str, value: Any) -> None:
+        self.parts.append((parent, name, value))
+        for field, inner in vars(value).items():
+            if hasattr(inner, "__dataclass_fields__"):
+                self._part(f"{parent}/{name}", field, inner)
 
-def _plain(progress: Any) -> dict[str, Any]:
-    return {k: _plain(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(progress).items()}
+    def take(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The loops' own states and copies of the counters now (training thread)."""
+        return [loop.on_save_checkpoint() for _, loop in self.loops], [vars(part).copy() for *_, part in self.parts]
+
+    def state_dict(self, taken: tuple[list[Any], list[dict[str, Any]]]) -> dict[str, Any]:
+        """The loop's ``state_dict()`` at the time of :meth:`take`."""
+        states, copies = taken
+        out: dict[str, Any] = {prefix + "state_dict": state for (prefix, _), state in zip(self.loops, states)}
+        built: dict[str, dict[str, Any]] = {"": out}
+        for (parent, name, _), values in zip(self.parts, copies):
+            built[parent][name] = built[f"{parent}/{name}"] = dict(values)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class StepState:
-    """A checkpoint at the end of optimizer step ``step`` besides the tensors: the fit loop's ``state_dict``, the epoch,
-    the ``checkpoint["lightning_het"]`` record and the RNG states."""
+    """A checkpoint at the end of optimizer step ``step`` besides the tensors: the fit loop's (a ``LoopRecord``'s
+    ``take()``), the epoch, the ``checkpoint["lightning_het"]`` record and the RNG states."""
 
     step: int
     epoch: int
-    loops: dict[str, Any]
+    loops: Any
     record: dict[str, Any]
     rng: dict[str, Any]
 

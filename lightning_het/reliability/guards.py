@@ -13,8 +13,8 @@ from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 from lightning_het.reliability.emergency import (
     EMERGENCY_CHECKPOINT_NAME,
     EmergencyCheckpoint,
+    LoopRecord,
     StepState,
-    loop_state,
     rng_state,
 )
 from lightning_het.reliability.preemption import (
@@ -39,10 +39,11 @@ class Guards:
         self.job: dict[str, Any] | None = None  # this fit's identity, written into every checkpoint
         self._emergencies: list[Candidate] = []  # this job's emergency checkpoints, retired when the fit ends
         self._capture: tuple[int, StepState, list[dict[str, Any]]] | None = None  # an emergency checkpoint being built
+        self._loops: LoopRecord | None = None  # the fit loop's record of this fit
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (a spawn launch, a pickled Trainer): the running parts stay in their process."""
-        return {"watchdog": None, "preemption": None, "emergency": None, "_capture": None}
+        return {"watchdog": None, "preemption": None, "emergency": None, "_capture": None, "_loops": None}
 
     def start(self, strategy: Any, timeout: timedelta | float | None, trainer: Any) -> None:
         """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
@@ -74,9 +75,11 @@ class Guards:
             folder = os.path.dirname(preemption_path(trainer, config.preemption_checkpoint))
             path = os.path.join(folder, EMERGENCY_CHECKPOINT_NAME)
 
+            self._loops = loops = LoopRecord(trainer.fit_loop)
+
             def observe() -> StepState:
-                loops = loop_state(trainer.fit_loop)
-                return StepState(trainer.global_step, trainer.current_epoch, loops, record(), rng_state(numpy=False))
+                state = loops.take()
+                return StepState(trainer.global_step, trainer.current_epoch, state, record(), rng_state(numpy=False))
 
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
             self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: path)
@@ -104,7 +107,7 @@ class Guards:
         assert self._capture is not None
         _, state, kept = self._capture
         checkpoint.update(epoch=state.epoch, global_step=state.step)  # the tensors: unchanged since the step
-        checkpoint["loops"]["fit_loop"] = state.loops
+        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)
         checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
         kept.append(checkpoint)
         return True

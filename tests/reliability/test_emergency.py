@@ -21,9 +21,9 @@ from lightning_het import HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError, validate_resume
 from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
+    LoopRecord,
     StepState,
     agreed_writer,
-    loop_state,
     restore_rng,
     rng_state,
     wants_resume,
@@ -79,8 +79,11 @@ def test_the_step_record_of_the_fit_loop_is_its_state_dict():
     seen = []
 
     class Keep(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            self.record = LoopRecord(trainer.fit_loop)  # once per fit, as the strategy's setup does
+
         def on_train_batch_end(self, trainer, *args):
-            seen.append((loop_state(trainer.fit_loop), trainer.fit_loop.state_dict()))
+            seen.append((self.record.state_dict(self.record.take()), trainer.fit_loop.state_dict()))
 
     trainer = quiet_trainer(1, "auto", max_steps=4, callbacks=[Keep()], limit_val_batches=1, val_check_interval=2)
     trainer.fit(TinyRegressor(), DataLoader(make_dataset(12), batch_size=4), DataLoader(make_dataset(4), batch_size=4))
