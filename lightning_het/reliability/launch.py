@@ -111,9 +111,6 @@ class SpawnLauncher:
     def is_interactive_compatible(self) -> bool:
         return self.launcher.is_interactive_compatible
 
-    def kill(self, signum: int) -> None:
-        self.launcher.kill(signum)
-
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         validate_launch_environment(self.strategy.num_nodes, self.strategy.cluster_environment)
         run = _WithAllocation(function, self.strategy)
@@ -150,11 +147,6 @@ class ScriptLauncher:
         self._in_run = False
         self._token: str | None = None  # the job token the replicas this process launched were given
         self._observer_stop = threading.Event()
-
-    def kill(self, signum: int) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(OSError):
-                proc.send_signal(signum)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
