@@ -62,8 +62,7 @@ from lightning_het.reliability.checkpointing import (
     synchronize_before_save,
     with_node_states,
 )
-from lightning_het.reliability.emergency import restore_rng
-from lightning_het.reliability.guards import Guards
+from lightning_het.reliability.emergency import Guards, restore_rng
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
 from lightning_het.reliability.preemption import shield_loader_workers
 from lightning_het.reliability.resume import job_identity, trajectory_settings

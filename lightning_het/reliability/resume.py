@@ -18,8 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._compat import restore_checkpoint
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, resumed_global_batch_size
-from lightning_het.reliability.emergency import EMERGENCY_CHECKPOINT_NAME, wants_resume
 
+#: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
+EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
 #: the comm modes whose optimizer steps are the same (exact gradient of the global batch)
 _EXACT_MODES = ("allreduce", "hierarchical")
 #: the ``node_local`` settings that change its trajectory
@@ -276,3 +277,11 @@ def retire_emergencies(trainer: Any, emergencies: Sequence[Candidate]) -> None:
             f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step}) now"
             f" holds the finished fit (global step {trainer.global_step})"
         )
+
+
+def wants_resume(resume: Any, environ: Any = None) -> bool:
+    """Whether a fit resumes by itself: ``resume="auto"``, or a restarted elastic worker unless ``resume=False``."""
+    environ = os.environ if environ is None else environ
+    if resume is False:
+        return False
+    return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

@@ -26,8 +26,8 @@ from lightning_het.reliability.emergency import (
     agreed_writer,
     restore_rng,
     rng_state,
-    wants_resume,
 )
+from lightning_het.reliability.resume import wants_resume
 from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
