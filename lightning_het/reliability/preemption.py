@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import multiprocessing
 import os
 import signal
@@ -30,8 +29,6 @@ from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
 from lightning_het.reliability.watchdog import die_with_parent, launched_replicas
-
-log = logging.getLogger(__name__)
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
