@@ -148,6 +148,10 @@ class ScriptLauncher:
         self._token: str | None = None  # the job token the replicas this process launched were given
         self._observer_stop = threading.Event()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ScriptLauncher:
+        """Shared, not copied (this process's replicas and observer thread)."""
+        return self
+
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
