@@ -274,28 +274,25 @@ class HeartbeatBook:
 
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
         """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
-        key = f"hb/{r}"
-        last = self.seen.get(r, (None, 0.0, None, 0.0, None))[4]
+        key, last, data = f"hb/{r}", self.seen.get(r, (None,) * 5)[4], None
+        payload = None if raw is None else self.verify(key, raw)
+        with contextlib.suppress(ValueError):
+            data = None if payload is None else json.loads(payload)
         if raw is None:
-            if last is not None:
-                self.tamper(key, "the record was deleted")
-            return None
-        payload = self.verify(key, raw)
-        if payload is None:
-            self.tamper(key, "a record without a valid signature")
-            return None
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            self.tamper(key, "a record that is not a heartbeat")
-            return None
-        if data.get("rank", r) != r:
-            self.tamper(key, f"a record of replica {data.get('rank')}")
-            return None
-        if last is not None and data["beat"] < last["beat"]:
-            self.tamper(key, f"an older record replayed (beat {data['beat']} after {last['beat']})")
-            return None
-        return data
+            problem = "the record was deleted" if last is not None else None
+        elif payload is None:
+            problem = "a record without a valid signature"
+        elif not isinstance(data, dict):
+            problem = "a record that is not a heartbeat"
+        elif data.get("rank", r) != r:
+            problem = f"a record of replica {data.get('rank')}"
+        elif last is not None and data["beat"] < last["beat"]:
+            problem = f"an older record replayed (beat {data['beat']} after {last['beat']})"
+        else:
+            return data
+        if problem is not None:
+            self.tamper(key, problem)
+        return None
 
     def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
         """Replica ``r``'s status from the record just read (``None``: missing), judged against what was seen."""
@@ -371,25 +368,17 @@ class Watchdog:
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
-        self.store = GuardedStore(store)
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = float(timeout)
+        self.store, self.rank, self.world_size, self.timeout = GuardedStore(store), rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
         self.grace = min(max(2 * self.interval, 1.0), 10.0)
         self.hosts_store = hosts_store
-        self._children = children or (lambda: [])
-        self._exit = exit or exit_job
-        self._token = token
-        self._host = socket.gethostname()
-        self._pid = os.getpid()
+        self._children, self._exit, self._token = children or (lambda: []), exit or exit_job, token
+        self._host, self._pid = socket.gethostname(), os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
         self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
-        self._state = "running"
-        self._error = ""
-        self._local_failure = False
+        self._state, self._error, self._local_failure = "running", "", False
         self._waited_in_collective = False  # set when a collective failed here (the replica was waiting in it)
         self._handled: BaseException | None = None  # the exception on_exception already dealt with
         self._standing: Verdict | None = None  # the verdict on_exception reached
