@@ -27,7 +27,13 @@ from lightning_het.balance.clock import StepClock
 from lightning_het.balance.profiler import LoopSteps
 from lightning_het.balance.view import BalanceView
 from lightning_het.cluster.accelerators import device_labels
-from lightning_het.cluster.startup import detect_node_ids, init_process_group, started_elsewhere, startup_timeout_scope
+from lightning_het.cluster.startup import (
+    detect_node_ids,
+    init_process_group,
+    rendezvous_wait,
+    started_elsewhere,
+    wait_under_torchrun,
+)
 from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection
@@ -101,11 +107,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @property
     def process_group_timeout(self) -> Any:
-        """The collective timeout (``timeout``; during the rendezvous the longer ``startup_timeout``)."""
+        """The collective timeout (``timeout``)."""
         return self._timeout
-
-    def _set_timeout(self, timeout: Any) -> None:
-        self._timeout = timeout
 
     # ------------------------------------------------------------------ launch, process group
     @override
@@ -129,13 +132,14 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def _setup_distributed(self) -> None:
         # as the Trainer's: a store and sockets only the job reaches; a short `timeout` does not fail the rendezvous of
         # replicas that start slowly
-        with startup_timeout_scope(self._timeout, self.config.startup_timeout, self._set_timeout):
-            if started_elsewhere():
-                super()._setup_distributed()  # torchrun's agent hosts the store
-                return
-            self._set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
-            init_process_group(self, self._process_group_backend, self._timeout)
+        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
+        if started_elsewhere():  # torchrun's agent hosts the store
+            wait_under_torchrun(wait)
+            super()._setup_distributed()
+            return
+        self._set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        init_process_group(self, self._process_group_backend, self._timeout, wait)
 
     # ------------------------------------------------------------------ model and optimizer
     @override
