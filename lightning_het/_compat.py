@@ -34,7 +34,7 @@ try:
     from lightning.fabric.strategies.launchers.subprocess_script import (
         _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
     )
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
+    from lightning.fabric.utilities.data import _replace_dunder_methods
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -47,14 +47,11 @@ __all__ = [
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
     "_get_dataloader_init_args_and_kwargs",
-    "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
     "attached_trainer",
-    "cached_validation_loader",
     "default_store",
     "dump_checkpoint",
     "flavour_private",
-    "forget_validation_loader",
     "inside_fabric_backward",
     "loop_state",
     "queue_backward_callback",
@@ -65,7 +62,6 @@ __all__ = [
     "should_accumulate",
     "stop_child_process_observers",
     "training_loaders",
-    "uses_distributed_sampler",
     "wrapped_sampler",
 ]
 
@@ -115,20 +111,6 @@ def _leaves(tree: Any) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [leaf for branch in tree for leaf in _leaves(branch)]
     return [tree]
-
-
-def cached_validation_loader(trainer: Any) -> Any:
-    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one); private:
-    ``trainer.val_dataloaders`` falls back to the validate loop's loaders."""
-    return _private_attribute(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader")
-
-
-def forget_validation_loader(trainer: Any) -> None:
-    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``); a
-    write: Lightning rebuilds them publicly only on ``reload_dataloaders_every_n_epochs``, at epoch boundaries."""
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    _private_attribute(val_loop, "_combined_loader")
-    val_loop._combined_loader = None
 
 
 def should_accumulate(trainer: Any) -> bool:
@@ -195,12 +177,6 @@ def replace_signal_connector(trainer: Any, connector: Any) -> None:
     trainer has no public hook for it)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
-
-
-def uses_distributed_sampler(trainer: Any) -> bool:
-    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given); the
-    trainer keeps the argument only in its private accelerator connector."""
-    return bool(_private_attribute(trainer, "_accelerator_connector").use_distributed_sampler)
 
 
 _RECORDING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the wrappers record_loader_arguments installed

@@ -38,12 +38,12 @@ from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.controller import resolve_comm_mode
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
-from lightning_het.data.loaders import rebuild_loader, training_order
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
     UnpaddedDistributedSampler,
 )
+from lightning_het.data.splitting import rebuild_loader, training_order
 from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.launcher import ExitCleanup
 from lightning_het.reliability.supervision import validate_launch_environment

@@ -34,13 +34,14 @@ from lightning_het.balance.report import telemetry_section
 from lightning_het.balance.state import render_balance_table
 from lightning_het.balance.view import BalanceView
 from lightning_het.cluster.accelerators import (
+    DeviceMapArg,
+    DevicePlan,
     apply_local_settings,
     configure_devices,
     device_labels,
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.cluster.devices import DeviceMapArg, DevicePlan
 from lightning_het.cluster.startup import (
     detect_node_ids,
     init_process_group,
@@ -263,7 +264,7 @@ class HeterogeneousStrategyMixin(BalanceView):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split, weights = self._training_split(), self.balancer.eval_weights()
+            split, weights = self._training_split(), self.balancer.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
 

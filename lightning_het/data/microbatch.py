@@ -218,8 +218,7 @@ class MicroBatcher:
         params: Sequence[Tensor] = (),
     ) -> Any:
         """``step(batch)`` as micro-batches of at most ``cap`` samples; ``backward(loss)`` backwards an earlier piece
-        (under ``no_sync()``). The earlier pieces' gradients are held apart
-        from ``params``' ``.grad`` until :meth:`restore_grads`."""
+        (under ``no_sync()``), whose gradients are held apart from ``params`` until :meth:`restore_grads`."""
         total = batch_length(batch)
         if total is None:
             return step(batch)
@@ -229,9 +228,29 @@ class MicroBatcher:
             except torch.OutOfMemoryError as error:
                 self.lower(total, error)
             _free_cache()
-        held = take_grads(params)
+        held, done, rest, earlier = take_grads(params), 0, batch, []
         try:
-            return self._pieces(step, backward, batch, total, no_sync)
+            while True:
+                sizes = micro_batch_sizes(total - done, self.cap)
+                for n, piece in zip(sizes, split_batch(rest, sizes) if len(sizes) > 1 else [rest]):
+                    last = done + n == total
+                    try:
+                        with nullcontext() if last else self.earlier_piece(no_sync):
+                            output = step(piece)
+                            if not last:
+                                backward(step_loss(output) * (n / total))
+                    except torch.OutOfMemoryError as error:
+                        self.lower(n, error)
+                        break
+                    if last and not earlier:
+                        return output
+                    if last:
+                        loss = step_loss(output) * (n / total) + sum(earlier)
+                        return {**output, "loss": loss} if isinstance(output, Mapping) else loss
+                    earlier.append(step_loss(output).detach() * (n / total))
+                    done += n
+                _free_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
+                rest = split_batch(batch, [done, total - done])[1] if done else batch
         finally:
             self._grads = take_grads(params)
             for p, g in zip(params, held):
@@ -243,38 +262,6 @@ class MicroBatcher:
         for p, g in zip(params, grads or ()):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
-
-    def _pieces(
-        self,
-        step: Callable[[Any], Any],
-        backward: Callable[[Tensor], None],
-        batch: Any,
-        total: int,
-        no_sync: Callable[[], AbstractContextManager[Any]],
-    ) -> Any:
-        done, rest, earlier = 0, batch, []
-        while True:
-            sizes = micro_batch_sizes(total - done, self.cap)
-            pieces = split_batch(rest, sizes) if len(sizes) > 1 else [rest]
-            for n, piece in zip(sizes, pieces):
-                last = done + n == total
-                try:
-                    with nullcontext() if last else self.earlier_piece(no_sync):
-                        output = step(piece)
-                        if not last:
-                            backward(step_loss(output) * (n / total))
-                except torch.OutOfMemoryError as error:
-                    self.lower(n, error)
-                    break
-                if last:
-                    if not earlier:
-                        return output
-                    loss = step_loss(output) * (n / total) + sum(earlier)
-                    return {**output, "loss": loss} if isinstance(output, Mapping) else loss
-                earlier.append(step_loss(output).detach() * (n / total))
-                done += n
-            _free_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
-            rest = split_batch(batch, [done, total - done])[1] if done else batch
 
 
 def _free_cache() -> None:
