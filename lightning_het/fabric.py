@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -34,8 +34,7 @@ from lightning_het.cluster.startup import (
     started_elsewhere,
     wait_under_torchrun,
 )
-from lightning_het.comm.algorithms import CommAlgorithm
-from lightning_het.comm.controller import resolve_comm_mode
+from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
 from lightning_het.data.sampler import (
@@ -94,6 +93,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
         super().__init__(**kwargs)
         self.balancer = Balancer(config)
+        self._comm = algorithm_of(comm, config)  # installed by `setup_module` and `setup_optimizer`
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
         self._optimizer_steps = 0  # drives the node_local schedule
@@ -144,18 +144,31 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     # ------------------------------------------------------------------ model and optimizer
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        """Wrap ``module`` in DDP and register the ``comm`` mode's gradient hook (a collective: every rank)."""
+        """Wrap ``module`` in DDP and install the ``comm`` algorithm on it (a collective: every rank)."""
         if self._ddp_model is not None:
             raise RuntimeError(
                 "HeterogeneousFabricStrategy handles one model, but `fabric.setup` was called for a second one."
                 " HINT: put the networks into one `nn.Module` and set that up once."
             )
         ddp_model = super().setup_module(module)
-        assert self.balancer.node_ids is not None
-        self.balancer.new_comm(resolve_comm_mode(self.config.comm, self.balancer.node_ids)).register(ddp_model)
+        ids, sizes = self.balancer.node_ids, self.balancer.allocation.batch_sizes
+        assert ids is not None
+        self.balancer.comm = comm = self._comm.resolve(ids)
+        comm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned
         return ddp_model
+
+    def _position(self) -> tuple[int, bool]:
+        """Optimizer steps done, and whether the one in progress ends an epoch (the comm schedule)."""
+        steps, per_epoch = self._optimizer_steps, self._steps_per_epoch
+        return steps, bool(per_epoch) and (steps + 1) % per_epoch == 0  # type: ignore[operator]
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.balancer.comm is not None:
+            self.balancer.comm.hook_optimizer(optimizer)  # the comm algorithm runs after each of its steps
+        return super().setup_optimizer(optimizer)
 
     @override
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -174,23 +187,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
         self._steps.step_ended(self.balancer.profiler)
-        if self.balancer.comm is not None and self._ddp_model is not None:
-            epoch_steps = self._steps_per_epoch
-            with torch.no_grad():
-                self.balancer.comm.after_optimizer_step(
-                    self._ddp_model.module.parameters(),
-                    self._optimizer_steps,
-                    end_of_epoch=bool(epoch_steps) and self._optimizer_steps % epoch_steps == 0,
-                )
         return output
 
     def synchronize(self) -> bool:
         """``comm="node_local"``: average the parameters across all replicas now (weighted by sample share) unless
         they already agree; a collective, e.g. before evaluating. Returns whether an average ran."""
-        if self.balancer.comm is None or self._ddp_model is None:
-            return False
-        with torch.no_grad():
-            return self.balancer.comm.synchronize(self._ddp_model.module.parameters())
+        return self.balancer.comm is not None and self.balancer.comm.sync()
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
@@ -306,15 +308,14 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        comm, model = self.balancer.comm, self._ddp_model
-        params = [] if comm is None or model is None else list(model.module.parameters())
+        comm = self.balancer.comm
         if comm is not None:  # node_local: the checkpoint holds the consensus model, computed without a sync
-            comm.show_consensus(params)
+            comm.show_consensus()
         try:
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         finally:
             if comm is not None:
-                comm.hide_consensus(params)  # each replica goes on with its own model
+                comm.hide_consensus()  # each replica goes on with its own model
 
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""
@@ -326,7 +327,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @override
     def teardown(self) -> None:
-        self.balancer.close_comm()
+        if self.balancer.comm is not None:
+            self.balancer.comm.remove()
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()

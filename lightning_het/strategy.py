@@ -49,8 +49,8 @@ from lightning_het.cluster.startup import (
     started_elsewhere,
     wait_under_torchrun,
 )
-from lightning_het.comm.algorithms import CommAlgorithm
-from lightning_het.comm.controller import register_user_hook, resolve_comm_mode
+from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
+from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig
 from lightning_het.data.microbatch import piece_collective
@@ -61,7 +61,6 @@ from lightning_het.reliability.checkpointing import (
     end_resume_quiet,
     node_optimizer_checkpoint,
     read_record,
-    synchronize_before_save,
     with_node_states,
 )
 from lightning_het.reliability.emergency import restore_rng
@@ -122,6 +121,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, keywords)
         super().__init__(**mixed_accelerator_kwargs(type(self), devices["device_map"], devices["cpu_threads"], kwargs))
         self.balancer = Balancer(config)
+        self._comm = algorithm_of(comm, config)  # installed on the DDP model and the optimizers by `setup`
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -206,13 +206,20 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers comm hooks only on CUDA; ours (and a user's `ddp_comm_hook`) run on any device
+        """Nothing: Lightning's registers only on CUDA; :meth:`setup` installs the comm algorithm on any device."""
+
+    def _install_comm(self, trainer: pl.Trainer) -> CommAlgorithm:
+        """Install ``comm`` on the DDP model and the optimizers (a collective) with a resumed fit's comm state."""
         assert isinstance(self.model, DistributedDataParallel) and self.balancer.node_ids is not None
-        mode = resolve_comm_mode(self.config.comm, self.balancer.node_ids)
-        register_user_hook(self.model, mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
-        comm = self.balancer.new_comm(mode)
-        comm.register(self.model)
-        comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # resumed: weights restored before setup
+        comm = self._comm.resolve(self.balancer.node_ids)
+        register_user_hook(self.model, comm.mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
+        loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
+        position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
+        ids, sizes = self.balancer.node_ids, self.balancer.allocation.batch_sizes
+        comm.install(self.model, self.optimizers, ids, self.global_rank, sizes, position=position)
+        comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
+        self.balancer.comm = comm
+        return comm
 
     # ------------------------------------------------------------------ setup, teardown
     @override
@@ -227,7 +234,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.balancer.check_normalisation(self.lightning_module)
         self.balancer.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
-        mode = resolve_comm_mode(config.comm, self.balancer.node_ids) if fitting else None
+        mode = self._install_comm(trainer).mode if fitting else None
         if mode is not None:  # resume="auto": once the optimizers exist (the job's identity), before their restore
             self._resume(trainer, mode)
         saves = mode is not None and mode != "node_local"  # the emergency checkpoint needs no collective
@@ -252,6 +259,8 @@ class HeterogeneousStrategyMixin(BalanceView):
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         self.balancer.emulate_memory(None)
+        if self.balancer.comm is not None:
+            self.balancer.comm.remove()  # its counters stay readable (`comm_stats`)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
@@ -359,11 +368,6 @@ class HeterogeneousStrategyMixin(BalanceView):
         step = super().optimizer_step  # the parameter update under the emergency checkpoint's lock
         output = self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
         self._buffers_stale = True
-        comm, module = self.balancer.comm, self._lightning_module
-        if comm is not None and module is not None:
-            last = bool(module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-            with torch.no_grad():
-                comm.after_optimizer_step(module.parameters(), module.trainer.global_step + 1, end_of_epoch=last)
         return output
 
     def _step_clock(self) -> StepClock | None:
@@ -374,36 +378,28 @@ class HeterogeneousStrategyMixin(BalanceView):
         return None if trainer is None else trainer.fit_loop.epoch_loop.batch_idx
 
     @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.balancer.comm is not None and self._lightning_module is not None:
-            # the node_local schedule (warm-up, every K) follows the global step, so resumed runs keep their phase
-            self.balancer.comm.set_step(self._lightning_module.trainer.global_step)
-
-    @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._synchronize()  # a fit stopped mid-epoch (max_steps) still ends on one consensus model
+        comm = self.balancer.comm
+        if comm is not None:
+            comm.sync()  # node_local: a fit stopped mid-epoch (max_steps) still ends on one consensus model
         self.guards.finish(self.lightning_module.trainer)  # this job's earlier emergency checkpoint: the end now
-        if self.balancer.comm is not None and self.world_size > 1:  # one replica communicates nothing
-            rank_zero_info(self.balancer.comm.summary())
+        if comm is not None and self.world_size > 1:  # one replica communicates nothing
+            rank_zero_info(comm.summary())
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self.model is not self._lightning_module:  # fitting (DDP): its first forward would broadcast the buffers
             self._broadcast_buffers()
-        if self.comm_controller is not None and self._lightning_module is not None:  # node_local: the consensus model,
-            self.comm_controller.show_consensus(self._lightning_module.parameters())  # without a sync (a collective)
+        if self.comm_algorithm is not None:  # node_local: the consensus model, without a sync (a collective)
+            self.comm_algorithm.show_consensus()
 
     @override
     def on_validation_end(self) -> None:
-        if self.comm_controller is not None and self._lightning_module is not None:
-            self.comm_controller.hide_consensus(self._lightning_module.parameters())  # each replica's own model again
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.hide_consensus()  # each replica's own model again
         super().on_validation_end()
-
-    def _synchronize(self) -> None:
-        synchronize_before_save(self.comm_controller, self._lightning_module)  # node_local: a sync
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -425,20 +421,20 @@ class HeterogeneousStrategyMixin(BalanceView):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
-        if self.comm_controller is None:
+        if self.comm_algorithm is None:
             return state
         # node_local: the consensus model, computed without a sync (a collective); each node's own in the record
-        return self.comm_controller.consensus_state_dict(self.lightning_module, state)
+        return self.comm_algorithm.consensus_state_dict(self.lightning_module, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         entry = self._checkpoint_entry()  # allocation, sampler position (the emergency record too: no collective)
-        checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_controller)  # node_local: collective
+        checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_algorithm)  # node_local: collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_controller))  # node_local
+        super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_algorithm))  # node_local
 
     def _checkpoint_entry(self) -> dict[str, Any]:
         return {**self.balancer.checkpoint_record(self._trainer()), "job": self.guards.job}  # job: its identity

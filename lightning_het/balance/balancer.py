@@ -39,7 +39,7 @@ from lightning_het.balance.profiler import InLoopProfiler
 from lightning_het.balance.profiling import ProfileCache
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.state import Allocation, render_balance_table
-from lightning_het.comm.controller import CommController
+from lightning_het.comm.allreduce import CommAlgorithm
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
 from lightning_het.data.sampler import training_sampler
@@ -76,10 +76,10 @@ class Balancer:
         self.allocation = Allocation()
         self.node_ids: list[int] | None = None
         self.profiler: InLoopProfiler | None = None
-        self.comm: CommController | None = None  # built when DDP wraps the model
+        self.comm: CommAlgorithm | None = None  # the comm algorithm installed for the fit
         self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
         self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
-        self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._fit: FitContext | None = None
         self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
@@ -226,6 +226,7 @@ class Balancer:
         self.allocation.reset()
         self.profiler = None
         self._fit = None
+        self._comm_sizes = None  # the next step's split goes to the fit's comm algorithm
 
     @property
     def min_batch_size(self) -> int:
@@ -416,7 +417,7 @@ class Balancer:
 
     # ------------------------------------------------------------------ each step
     def step_split(self, sampler: Any, batch_idx: Callable[[], int | None]) -> list[int]:
-        """The split of the global batch being trained now, which the comm controller follows."""
+        """The split of the global batch being trained now, which the comm algorithm follows."""
         sizes = self.allocation.step_batch_sizes(sampler, batch_idx)
         if self.comm is not None and sizes and sizes != self._comm_sizes:
             self.comm.set_batch_sizes(sizes)
@@ -426,28 +427,6 @@ class Balancer:
     def loss_scale(self, sizes: list[int]) -> float:
         """``W * b_r / B`` for the global batch split as ``sizes``."""
         return self.allocation.step_loss_scale(sizes, self.rank)
-
-    # ------------------------------------------------------------------ communication
-    def new_comm(self, mode: str) -> CommController:
-        """This rank's communication controller for the resolved ``mode`` (a collective: call it on every rank)."""
-        assert self.node_ids is not None
-        config = self.config
-        self.comm = CommController(
-            mode,  # type: ignore[arg-type]
-            self.node_ids,
-            self.allocation.batch_sizes,
-            self.rank,
-            global_sync_every=config.global_sync_every,
-            warmup_steps=config.comm_warmup_steps,
-            autotune_steps=config.comm_autotune_steps,
-            outer_optimizer=config.outer_optimizer,
-            outer_lr=config.outer_lr,
-            outer_momentum=config.outer_momentum,
-            sync_dtype=config.sync_dtype,
-            merge_weights=config.merge_weights,
-        )
-        self._comm_sizes = None
-        return self.comm
 
     def checkpoint_record(self, trainer: Any) -> dict[str, Any]:
         """The ``checkpoint["lightning_het"]`` record now: the allocation (no speeds while profiling: a resumed fit
@@ -464,11 +443,6 @@ class Balancer:
             find_sampler=training_sampler,
             comm=comm,
         )
-
-    def close_comm(self) -> None:
-        if self.comm is not None:
-            self.comm.close()
-        self.comm = None
 
     # ------------------------------------------------------------------ reporting
     def report(self, labels: list[str], telemetry: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning_het.balance.balancer import Balancer
 from lightning_het.balance.cost import AffineCost
-from lightning_het.comm.controller import CommController
+from lightning_het.comm.allreduce import CommAlgorithm
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
 
@@ -80,8 +80,8 @@ class BalanceView:
         return self.balancer.profiling
 
     @property
-    def comm_controller(self) -> CommController | None:
-        """The gradient communication of this replica (built when DDP wraps the model)."""
+    def comm_algorithm(self) -> CommAlgorithm | None:
+        """The comm algorithm installed for this replica's fit (``comm`` resolved: see :attr:`comm_mode`)."""
         return self.balancer.comm
 
     @property
