@@ -181,25 +181,23 @@ class LoaderSplitter:
         if isinstance(dataloader.sampler, ProportionalDistributedSampler) and training:
             return self._adopt_own_sampler(dataloader, trainer, split)
         # `Trainer(use_distributed_sampler=False)`: Lightning injected no DistributedSampler; read as given
-        if not any(isinstance(s, DistributedSampler) for s in (dataloader.sampler, _inner(dataloader))):
-            if training or evaluating:
-                self._warn_own_sharding()
+        samplers = (dataloader.sampler, getattr(dataloader.batch_sampler, "sampler", None))
+        if not any(isinstance(s, DistributedSampler) for s in samplers):
+            if (training or evaluating) and not self.own_sharding_warned:
+                self.own_sharding_warned = True
+                rank_zero_warn(
+                    "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its"
+                    " DataLoaders whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP"
+                    " behaviour for them: no speed-proportional batches, equal weights in the gradient mean (exact"
+                    " when the replicas' batches are equal). HINT: leave `use_distributed_sampler` at True for load"
+                    " balancing."
+                )
             return dataloader
         if training:
             return self.split_training_loader(dataloader, trainer, split)
         if evaluating:
             return self.split_eval_loader(dataloader, weights, split.rank, split.world_size)
         return dataloader
-
-    def _warn_own_sharding(self) -> None:
-        if not self.own_sharding_warned:
-            self.own_sharding_warned = True
-            rank_zero_warn(
-                "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its DataLoaders"
-                " whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP behaviour for"
-                " them: no speed-proportional batches, equal weights in the gradient mean (exact when the replicas'"
-                " batches are equal). HINT: leave `use_distributed_sampler` at True for load balancing."
-            )
 
     def resolve_global_batch_size(self, dataloader: DataLoader, trainer: Any, given: int | None, world: int) -> int:
         """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else the loader's x replicas."""
@@ -299,10 +297,6 @@ class LoaderSplitter:
                 f" {batches.repeats} times larger. HINT: evaluate at least one sample per replica."
             )
         return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
-
-
-def _inner(dataloader: DataLoader) -> Any:
-    return getattr(dataloader.batch_sampler, "sampler", None)
 
 
 def _training_sampler(
