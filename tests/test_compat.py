@@ -104,23 +104,6 @@ def test_training_loaders_are_the_fit_loops_flattened_loaders(tmp_path) -> None:
     assert check.checked == 2 and [loader.batch_size for loader in training_loaders(trainer)] == [4, 2, 1]
 
 
-def test_inside_log_sync_sees_a_result_metric_updating_a_few_frames_up() -> None:
-    from lightning_het._compat import inside_log_sync
-
-    class _ResultMetric:  # the name of Lightning's class whose update reduces a value logged with sync_dist=True
-        def update(self, depth: int) -> bool:
-            return probe(depth)
-
-        def compute(self) -> bool:
-            return probe(0)
-
-    def probe(depth: int) -> bool:
-        return probe(depth - 1) if depth else inside_log_sync()
-
-    assert _ResultMetric().update(0) and _ResultMetric().update(4)
-    assert not _ResultMetric().update(6) and not _ResultMetric().compute() and not probe(0)
-
-
 def test_record_loader_arguments_wraps_lightnings_loader_preparation_once() -> None:
     from lightning_het._compat import record_loader_arguments
 
