@@ -56,8 +56,8 @@ class HeterogeneousDataModule(pl.LightningDataModule):
         workers = self.num_workers
         return DataLoader(
             dataset,
-            batch_size,
-            shuffle,
+            batch_size=batch_size,
+            shuffle=shuffle,
             num_workers=workers,
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
