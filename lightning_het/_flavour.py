@@ -24,7 +24,6 @@ class TrainerFlavour:
     ProfilerCallback: type
     BalanceCallback: type
     MixedAccelerator: type
-    ScriptLauncher: type
     Preempted: type
 
 
@@ -33,7 +32,6 @@ class FabricFlavour:
     """What the Fabric strategy uses of one Fabric package, and our classes built on that package."""
 
     DistributedSamplerWrapper: type
-    ScriptLauncher: type
 
 
 #: (Trainer or Fabric, standalone) -> the flavour, built on first use by what the module composing it registered
