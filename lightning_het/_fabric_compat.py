@@ -6,13 +6,10 @@ from __future__ import annotations
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 
-from lightning_het._flavour import FabricFlavour, register_fabric_flavour
 from lightning_het.fabric import HeterogeneousFabricStrategyMixin
 
 
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
     """:class:`lightning_het.HeterogeneousFabricStrategy` on the standalone ``lightning_fabric`` package."""
 
-
-FABRIC_FLAVOUR = FabricFlavour(DistributedSamplerWrapper=DistributedSamplerWrapper)
-register_fabric_flavour(True, lambda: FABRIC_FLAVOUR)
+    sampler_wrapper = DistributedSamplerWrapper

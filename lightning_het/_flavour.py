@@ -1,6 +1,6 @@
-"""The Lightning package a run uses, as one namespace: ``lightning.pytorch`` / ``lightning.fabric``, or the standalone
-``pytorch_lightning`` / ``lightning_fabric``. A part takes the Lightning classes it needs (and ours built on them) from
-the flavour of the trainer or strategy it serves, so that a run meets its own package's objects only."""
+"""The Lightning package a run uses, as one namespace: ``lightning.pytorch`` or the standalone ``pytorch_lightning``. A
+part takes the Lightning classes it needs (and ours built on them) from the flavour of the trainer or strategy it
+serves, so that a run meets its own package's objects only (the Fabric strategies carry their one class)."""
 
 from __future__ import annotations
 
@@ -27,15 +27,8 @@ class TrainerFlavour:
     Preempted: type
 
 
-@dataclass(frozen=True)
-class FabricFlavour:
-    """What the Fabric strategy uses of one Fabric package, and our classes built on that package."""
-
-    DistributedSamplerWrapper: type
-
-
-#: (Trainer or Fabric, standalone) -> the flavour, built on first use by what the module composing it registered
-_FLAVOURS: dict[tuple[type, bool], Callable[[], Any]] = {}
+#: standalone or not -> its flavour, built on first use by what the module composing our classes registered
+_FLAVOURS: dict[bool, Callable[[], TrainerFlavour]] = {}
 
 
 @functools.cache
@@ -44,18 +37,10 @@ def _standalone(cls: type) -> bool:
 
 
 def register_trainer_flavour(standalone: bool, build: Callable[[], TrainerFlavour]) -> None:
-    _FLAVOURS[TrainerFlavour, standalone] = functools.cache(build)
-
-
-def register_fabric_flavour(standalone: bool, build: Callable[[], FabricFlavour]) -> None:
-    _FLAVOURS[FabricFlavour, standalone] = functools.cache(build)
+    """``build`` makes the flavour of the standalone or the unified package (called on first use)."""
+    _FLAVOURS[standalone] = functools.cache(build)
 
 
 def trainer_flavour(obj: Any) -> TrainerFlavour:
     """The flavour of ``obj`` (a trainer, strategy, ... or its class): ``pytorch_lightning``'s or ``lightning``'s."""
-    return _FLAVOURS[TrainerFlavour, _standalone(obj if isinstance(obj, type) else type(obj))]()
-
-
-def fabric_flavour(obj: Any) -> FabricFlavour:
-    """The flavour of ``obj`` (a Fabric strategy or its class): ``lightning_fabric``'s or ``lightning.fabric``'s."""
-    return _FLAVOURS[FabricFlavour, _standalone(obj if isinstance(obj, type) else type(obj))]()
+    return _FLAVOURS[_standalone(obj if isinstance(obj, type) else type(obj))]()

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -21,7 +22,6 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._flavour import FabricFlavour, fabric_flavour, register_fabric_flavour
 from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.profiler import LoopSteps
@@ -57,6 +57,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     """
 
     strategy_name = "heterogeneous"
+    #: Fabric's sampler wrapper of this strategy's Lightning package (a loader it wraps is split for training)
+    sampler_wrapper: type
 
     def __init__(
         self,
@@ -199,8 +201,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             return dataloader
         if isinstance(sampler, ProportionalDistributedSampler):
             return self._adopt_sampler(dataloader, sampler)
-        wrapper = fabric_flavour(self).DistributedSamplerWrapper
-        if type(sampler) is not DistributedSampler and not isinstance(sampler, wrapper):
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, self.sampler_wrapper):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         if self._steps_per_epoch is not None:
             # a second split could re-allocate, changing the loss scale under the first loader's batches
@@ -324,11 +325,4 @@ class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy)
     """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients
     (``lightning.fabric``; :mod:`lightning_het.pl` has the same for the standalone ``lightning_fabric``)."""
 
-
-def _unified_fabric_flavour() -> FabricFlavour:
-    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-
-    return FabricFlavour(DistributedSamplerWrapper=DistributedSamplerWrapper)
-
-
-register_fabric_flavour(False, _unified_fabric_flavour)
+    sampler_wrapper = DistributedSamplerWrapper
