@@ -33,27 +33,13 @@ try:
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
-__all__ = [
-    "_get_dataloader_init_args_and_kwargs",
-    "_replace_dunder_methods",
-    "attached_trainer",
-    "default_store",
-    "inside_fabric_backward",
-    "queue_backward_callback",
-    "record_loader_arguments",
-    "replace_signal_connector",
-    "restore_checkpoint",
-    "should_accumulate",
-    "training_loaders",
-    "wrapped_sampler",
-]
+#: the private upstream names other modules import from here (tests/test_fence.py reads it)
+__all__ = ["_get_dataloader_init_args_and_kwargs", "_replace_dunder_methods"]
 
 
 def default_store() -> object:
     """The ``torch.distributed.Store`` of the default process group (it must exist; torch has no public getter)."""
     return _get_default_store()
-
-
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
@@ -100,8 +86,6 @@ def should_accumulate(trainer: Any) -> bool:
         return False
     last = ready == trainer.num_training_batches or progress.is_last_batch
     return bool(trainer.strategy.handles_gradient_accumulation or not last)
-
-
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
