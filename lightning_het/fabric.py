@@ -89,12 +89,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         self._optimizer_steps = 0  # drives the node_local schedule
         self._steps = LoopSteps()  # the step being trained; its clock while your first steps profile
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous data parallelism")
-
     @property
     def process_group_timeout(self) -> Any:
         """The collective timeout (``timeout``)."""

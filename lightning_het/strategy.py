@@ -146,12 +146,6 @@ class HeterogeneousStrategyMixin(BalanceView):
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
         self.balancer.emulate(slowdown, memory_cap)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous data parallelism")
-
     # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
