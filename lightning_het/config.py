@@ -276,6 +276,8 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
             raise ArgumentError("comm", f"Expected argument `comm` to be one of {list(ALGORITHMS)}, but got {comm!r}.")
         given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
         check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
+        sync_every, warmup = given.get("global_sync_every"), given.get("comm_warmup_steps", 0)
+        check_comm_args(comm, sync_every, warmup, warmup_name="comm_warmup_steps")  # checked in every mode
         for name in ("global_sync_every", "comm_warmup_steps"):
             if given.get(name) and comm != "node_local":
                 message = f"`{name}={given[name]}` only applies to `comm='node_local'`; it is ignored with"
