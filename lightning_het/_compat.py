@@ -1,15 +1,12 @@
 """The private Lightning and torch APIs that lightning-het relies on, imported in one place.
 
 Behind one guard, an upstream change becomes one clear import-time error naming the missing API; no other module
-imports a private Lightning or torch name (:func:`flavour_private` reaches the standalone packages' ones).
+imports a private Lightning or torch name.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -27,40 +24,26 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
     )
 
 
-# Kept, each without a public equivalent: Lightning's launchers (subclassed; it has no public launcher base), its
-# DataLoader re-instantiation with changed arguments (``_update_dataloader`` takes a new sampler only), and torch's
-# default store (no public getter).
+# Kept, each without a public equivalent: Lightning's DataLoader re-instantiation with changed arguments
+# (``_update_dataloader`` takes a new sampler only), and torch's default store (no public getter).
 try:
-    from lightning.fabric.strategies.launchers.subprocess_script import (
-        _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
-    )
     from lightning.fabric.utilities.data import _replace_dunder_methods
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
     from torch.distributed.distributed_c10d import _get_default_store
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 __all__ = [
-    "_FabricSubprocessScriptLauncher",
-    "_MultiProcessingLauncher",
-    "_SubprocessScriptLauncher",
     "_get_dataloader_init_args_and_kwargs",
     "_replace_dunder_methods",
     "attached_trainer",
     "default_store",
-    "dump_checkpoint",
-    "flavour_private",
     "inside_fabric_backward",
-    "loop_state",
     "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
     "restore_checkpoint",
-    "run_atexit_handlers",
     "should_accumulate",
-    "stop_child_process_observers",
     "training_loaders",
     "wrapped_sampler",
 ]
@@ -71,12 +54,6 @@ def default_store() -> object:
     return _get_default_store()
 
 
-def flavour_private(package: str, module: str, name: str) -> Any:
-    """The private ``name`` of ``<package>.<module>`` in one Lightning flavour, imported on demand."""
-    try:
-        return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
-    except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
-        raise _missing_api_error(f"{package}.{module}.{name}", err) from err
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
@@ -125,44 +102,6 @@ def should_accumulate(trainer: Any) -> bool:
     return bool(trainer.strategy.handles_gradient_accumulation or not last)
 
 
-def loop_state(loop: Any) -> dict[str, Any]:
-    """``loop.state_dict()`` of a Lightning loop (either flavour), with plain copies of its progress dataclasses
-    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step. It
-    recognises the progress and loop attributes by their (private) base class names, as ``state_dict`` does."""
-    destination: dict[str, Any] = {}
-    _loop_state(loop, destination, "")
-    return destination
-
-
-_LOOP_PARTS: dict[type, str | None] = {}  # per attribute type: "progress", "loop" or None (what state_dict skips)
-
-
-def _loop_state(loop: Any, destination: dict[str, Any], prefix: str) -> None:
-    destination[prefix + "state_dict"] = loop.on_save_checkpoint()
-    for key, value in vars(loop).items():
-        kind = _LOOP_PARTS.get(type(value), "")
-        if kind == "":
-            names = {cls.__name__ for cls in type(value).__mro__}
-            kind = "progress" if "_BaseProgress" in names else "loop" if "_Loop" in names else None
-            _LOOP_PARTS[type(value)] = kind
-        if kind == "progress":
-            destination[prefix + key] = _progress_state(value)
-        elif kind == "loop":
-            _loop_state(value, destination, f"{prefix}{key}.")
-
-
-def _progress_state(progress: Any) -> dict[str, Any]:
-    out = {}
-    for name in progress.__dataclass_fields__:
-        value = getattr(progress, name)
-        out[name] = _progress_state(value) if hasattr(value, "__dataclass_fields__") else value
-    return out
-
-
-def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank): only the
-    trainer's private checkpoint connector builds it without writing."""
-    return _private_attribute(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
@@ -210,20 +149,6 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(callback)
-
-
-def run_atexit_handlers() -> None:
-    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``
-    (the stdlib has no public form)."""
-    atexit._run_exitfuncs()
-
-
-def stop_child_process_observers() -> None:
-    """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
-    replica exits non-zero) watch nothing: its next check finds no process and it ends (it has no public stop)."""
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-            thread._child_processes = []
 
 
 def wrapped_sampler(sampler: Any) -> Any:

@@ -44,8 +44,7 @@ from lightning_het.data.sampler import (
 )
 from lightning_het.data.splitting import rebuild_loader, training_order
 from lightning_het.options import Profiling, Reliability, flat_keywords
-from lightning_het.reliability.launcher import ExitCleanup
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, validate_launch_environment
 
 
 class HeterogeneousFabricStrategyMixin(BalanceView):
@@ -117,9 +116,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
         if self._start_method == "popen":  # replicas that cannot outlive the launching process
-            from lightning_het.reliability.lifecycle import fabric_script_launcher  # imports Lightning
-
-            self._launcher = fabric_script_launcher(self, self._launcher)
+            self._launcher = ScriptLauncher(self, self._launcher)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
 
     @override
@@ -342,11 +339,7 @@ class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy)
 def _unified_fabric_flavour() -> FabricFlavour:
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-    from lightning_het.reliability.lifecycle import HeterogeneousFabricScriptLauncher
-
-    return FabricFlavour(
-        DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
-    )
+    return FabricFlavour(DistributedSamplerWrapper=DistributedSamplerWrapper)
 
 
 register_fabric_flavour(False, _unified_fabric_flavour)

@@ -63,12 +63,10 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     with_node_states,
 )
-from lightning_het.reliability.emergency import restore_rng
-from lightning_het.reliability.guards import Guards
-from lightning_het.reliability.identity import job_identity, trajectory_settings
-from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
-from lightning_het.reliability.loader_workers import shield_loader_workers
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.emergency import Guards, restore_rng
+from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
+from lightning_het.reliability.preemption import shield_loader_workers
+from lightning_het.reliability.resume import job_identity, trajectory_settings
 from lightning_het.reliability.watchdog import Watchdog
 
 
@@ -88,8 +86,6 @@ class HeterogeneousStrategyMixin(BalanceView):
     """
 
     strategy_name = "heterogeneous"
-    #: the spawn/fork launcher (it sends the allocation back to the parent), of this strategy's Lightning package
-    spawn_launcher_cls: type
 
     def __init__(
         self,
@@ -170,15 +166,9 @@ class HeterogeneousStrategyMixin(BalanceView):
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
         self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
-        super()._configure_launcher()
-        if self._start_method != "popen":
-            self._launcher = self.spawn_launcher_cls(self, start_method=self._start_method)
-        else:  # no orphans, end barrier, exit statuses 124/130, output dir check
-            from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher  # imports Lightning
-
-            self._launcher = HeterogeneousScriptLauncher.for_strategy(self)
-        if not getattr(self._launcher, "validates_launch_environment", False):
-            validate_launch_environment(self.num_nodes, self.cluster_environment)
+        super()._configure_launcher()  # wrapped: no orphans, end barrier, exit statuses, the allocation sent back
+        launcher = ScriptLauncher if self._start_method == "popen" else SpawnLauncher
+        self._launcher = launcher(self, self._launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -428,9 +418,16 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.guards.captured(checkpoint):  # an emergency checkpoint: kept for the watchdog's thread to write
+            return
         entry = self._checkpoint_entry()  # allocation, sampler position (the emergency record too: no collective)
         checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_algorithm)  # node_local: collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.guards.capturing():  # building an emergency checkpoint: the other replicas are gone
+            super().barrier(*args, **kwargs)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -475,8 +472,6 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     share, so that every optimizer step applies exactly the gradient of the global batch (``lightning.pytorch``;
     :mod:`lightning_het.pl` has the same for the standalone ``pytorch_lightning``)."""
 
-    spawn_launcher_cls = HeterogeneousMultiProcessingLauncher
-
 
 def _unified_trainer_flavour() -> TrainerFlavour:
     from lightning.fabric.utilities.seed import reset_seed
@@ -486,9 +481,8 @@ def _unified_trainer_flavour() -> TrainerFlavour:
     from lightning_het.balance.monitor import HeterogeneousBalanceCallback
     from lightning_het.balance.profiler import ProfilerCallback
     from lightning_het.cluster.accelerators import MixedAccelerator
-    from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
     from lightning_het.reliability.preemption import Preempted, PreemptionCallback
-    from lightning_het.reliability.supervision import WatchdogCallback
+    from lightning_het.reliability.watchdog import WatchdogCallback
 
     return TrainerFlavour(
         TrainerFn=TrainerFn,
@@ -501,7 +495,6 @@ def _unified_trainer_flavour() -> TrainerFlavour:
         ProfilerCallback=ProfilerCallback,
         BalanceCallback=HeterogeneousBalanceCallback,
         MixedAccelerator=MixedAccelerator,
-        ScriptLauncher=HeterogeneousScriptLauncher,
         Preempted=Preempted,
     )
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_het._compat import loop_state, should_accumulate, training_loaders
+from lightning_het._compat import should_accumulate, training_loaders
 
 
 class _Tiny(pl.LightningModule):
@@ -23,40 +23,6 @@ class _Tiny(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class _Compare(pl.Callback):
-    def __init__(self) -> None:
-        self.checked = 0
-
-    def _check(self, trainer: pl.Trainer, *args) -> None:
-        assert loop_state(trainer.fit_loop) == trainer.fit_loop.state_dict()
-        self.checked += 1
-
-    on_train_batch_start = on_train_batch_end = on_validation_end = on_train_epoch_end = _check
-
-
-def test_loop_state_equals_lightnings_state_dict_throughout_a_fit(tmp_path) -> None:
-    """The emergency checkpoint's per-step record: the same dict as ``fit_loop.state_dict()`` at every hook (batch
-    starts and ends, after validation, at epoch ends), with gradient accumulation and a validation loop."""
-    data = TensorDataset(torch.randn(40, 4))
-    compare = _Compare()
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accumulate_grad_batches=2,
-        val_check_interval=3,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[compare],
-    )
-    trainer.fit(_Tiny(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
-    # per epoch: 10 batch starts and ends, validation after batches 3, 6 and 9, the epoch end; and the sanity check
-    assert compare.checked == 2 * (2 * 10 + 3 + 1) + 1
-    state = loop_state(trainer.fit_loop)
-    assert state["epoch_loop.batch_progress"]["total"]["completed"] == 20 and state == trainer.fit_loop.state_dict()
 
 
 def test_attached_trainer_is_the_modules_trainer_and_none_otherwise() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_het.arguments import as_timeout
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.launch import validate_launch_environment
 from lightning_het.reliability.verdicts import (
     WATCHDOG_EXIT_CODE,
     Phase,
