@@ -105,8 +105,9 @@ class ProfilePlan:
 
     @property
     def gather_step(self) -> int:
-        """The step at whose end the costs are fitted and agreed on."""
-        return self.first_trial + 2 * self.steps - 1
+        """The step at whose end the costs are fitted and agreed on (``steps`` steps at the rough split after a
+        warm-up, else ``steps`` at each of two trial splits)."""
+        return self.first_trial + (self.steps if self.warmup else 2 * self.steps) - 1
 
     @property
     def switch_step(self) -> int:
@@ -126,11 +127,12 @@ class ProfilePlan:
         )
 
     def split(self, n: int, around: Sequence[int] | None) -> list[int]:
-        """The split of step ``n < switch_step``: equal, then trials A and B in turn, then ``around`` (rough split)."""
+        """The split of step ``n < switch_step``: equal, then the rough split ``around`` (without a warm-up: trials A
+        and B around the equal split in turn)."""
         if n < self.first_trial:
             return list(self.equal)
-        if n <= self.gather_step:
-            return self.trials(around)[(n - self.first_trial) % 2]
+        if around is None and n <= self.gather_step:
+            return self.trials(None)[(n - self.first_trial) % 2]
         return list(around if around is not None else self.equal)
 
 
@@ -145,14 +147,16 @@ def profile_plan(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> ProfilePlan:
     """The in-loop profiling schedule (the same on every rank): ``warmup`` untimed steps at the equal split (their
-    fastest gives the rough speeds), then ``steps`` timed steps at each of the two trial splits, alternating; ``lag``
-    is how many steps the loader draws ahead (:func:`loader_prefetch_depth`). ``world_size`` must be ``>= 2``.
+    fastest gives the rough speeds), the ``lag`` steps drawn meanwhile (equal, timed), then ``steps`` timed steps at
+    the rough split: every replica is timed at two sizes, its equal share and its rough one. Without a warm-up,
+    ``steps`` at each of two trial splits around the equal split. ``lag``: steps the loader draws ahead
+    (:func:`loader_prefetch_depth`). ``world_size`` must be ``>= 2``.
 
     >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
     >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
-    [[24, 24], [24, 24], [23, 25], [42, 6], [23, 25], [42, 6], [36, 12]]
+    [[24, 24], [24, 24], [36, 12], [36, 12], [36, 12]]
     >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
-    (0, 2, 5, 7)
+    (0, 2, 3, 5)
     """
     if world_size < 2 or steps < 1 or warmup < 0 or lag < 0:
         raise ValueError(
@@ -289,17 +293,21 @@ class InLoopProfiler:
         self._read()
         plan, rank = self.plan, self.rank
         stages: dict[int, list[StepTiming]] = {}
+        trials: dict[int, list[float]] = {}  # the steps from the first trial on (the lag steps may be cold)
         cap = self.micro_cap()
         for n, seconds in enumerate(self._compute):
             if plan.timed(n) and math.isfinite(seconds):  # per micro-batch: a share of b in k pieces is k of b / k
                 b = plan.split(n, self.rough)[rank]
                 k = 1 if cap is None else max(math.ceil(b / cap), 1)
                 stages.setdefault(b / k, []).append(StepTiming(0.0, seconds / k))
-        repeated = {b: timings for b, timings in stages.items() if len(timings) > 1}
-        if len(repeated) >= 2:  # the trial sizes, each timed more than once: a size timed once (the equal split of
-            stages = repeated  # the first steps after the warm-up, still cold) would pull the line by its outlier
+                if n >= plan.first_trial:
+                    trials.setdefault(b / k, []).append(seconds / k)
+        fastest = {b: min(t.total_s for t in timings) for b, timings in stages.items()}
+        for b in [b for b, timings in stages.items() if len(timings) == 1]:
+            if any(other > b and fastest[other] < fastest[b] for other in stages):  # slower than a larger size: a
+                del stages[b]  # cold step timed once (right after the warm-up) would pull the line by its outlier
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
-        spread = stage_spread([[t.total_s for t in timings] for timings in stages.values()])
+        spread = stage_spread(list(trials.values()))
         rows = _all_gather([local.fixed_s, local.per_sample_s, spread, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
         # equal unless clearly imbalanced: beyond the default threshold and the spread of repeated steps' times

@@ -29,6 +29,8 @@ class StepTiming:
 #: appended to a replica's key for its measured memory cap
 MEMORY_KEY = "|memory"
 
+#: smallest ratio of a replica's largest to smallest timed size for an affine fit (below: proportional)
+_MIN_SIZE_SPREAD = 1.25
 #: smallest fitted per-sample cost, as a fraction of the average cost per sample at the largest profiled batch size
 _MIN_SLOPE_OF_AVERAGE = 0.1
 
@@ -48,11 +50,13 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
+    through_origin = slope_through_origin(sizes, seconds)
+    if max(sizes) < _MIN_SIZE_SPREAD * min(sizes):  # sizes too close for a slope: the one-number model
+        return AffineCost(0.0, through_origin)
     cost = fit_affine(sizes, seconds)
     # a fixed cost the stages cannot tell from their timing noise: the line through the origin, which extrapolates
     # to other sizes more safely than an intercept fitted to noise (the narrowest spread of a stage timed repeatedly)
     noise = min(stage_ratios([[t.total_s for t in ts] for _, ts in stages]), default=1.0)
-    through_origin = slope_through_origin(sizes, seconds)
     if cost.fixed_s > 0 and max(abs(t - through_origin * b) / t for b, t in zip(sizes, seconds)) <= noise - 1.0:
         return AffineCost(0.0, through_origin)
     # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line
