@@ -53,6 +53,20 @@ class MonitorSettings:
     min_gain: float = DEFAULT_MIN_GAIN
     profile: bool = False
 
+    @classmethod
+    def of(cls, config: Any, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
+        """This replica's settings from the strategy's config, and the batch bounds a rebalance keeps."""
+        factors, bounds = config.emulate_slowdown, config.max_batch_sizes
+        return cls(
+            record=config.telemetry,
+            slowdown=factors[rank] if factors else 1.0,
+            profile=config.speeds is None and world_size > 1,
+            every_n_epochs=config.rebalance_every_n_epochs,
+            threshold=config.rebalance_threshold,
+            min_batch_size=min_batch_size,
+            max_batch_sizes=tuple(bounds) if bounds is not None else None,
+        )
+
     @property
     def active(self) -> bool:
         """Whether the monitor has anything to do; off, training has no per-step cost."""

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.balance.cost import AffineCost, fit_affine
-from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings
+from lightning_het.balance.profiler import ProfileCache, StepTiming, cache_key, fit_stage_timings
 from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset
 

@@ -1,4 +1,5 @@
-"""The balancer's agreement on micro-batch caps: at fixed steps, the same on every replica, not at every step."""
+"""The balance policy: caps agreed at fixed steps (the same on every replica), batch norm policing, the speeds of a
+profiled split."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_het import HeterogeneousStrategy
-from lightning_het.balance.balancer import CAPS_AGREED_EVERY, Balancer
+from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, costs_from_speeds
+from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy, measured_speeds
+from lightning_het.balance.rebalance import profiled_split
+from lightning_het.balance.state import Allocation
 
 
 def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
-    balancer = Balancer(HeterogeneousStrategy(max_micro_batch_sizes=[8, 64]).config)
+    balancer = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes=[8, 64]).config)
     balancer.place(0, 2, torch.device("cpu"), 2)
     gathered: list[int] = []
     step = 0
@@ -22,7 +26,7 @@ def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
         gathered.append(step)
         return [values, [64.0, 0.0]]
 
-    balancer.all_gather_floats = all_gather  # type: ignore[method-assign]
+    balancer.gather = all_gather  # type: ignore[method-assign]
     assert balancer.micro is not None
     for step in range(40):
         if step == 3:  # an out-of-memory error in step 3 halves rank 0's cap; rank 1 learns it at the next agreement
@@ -40,8 +44,8 @@ def _norm_model(synced: bool) -> nn.Module:
 
 
 def test_sync_batchnorm_is_refused_with_micro_batching_only() -> None:
-    def placed(**keywords) -> Balancer:
-        balancer = Balancer(HeterogeneousStrategy(**keywords).config)
+    def placed(**keywords) -> BalancePolicy:
+        balancer = BalancePolicy(HeterogeneousStrategy(**keywords).config)
         balancer.place(0, 2, torch.device("cpu"), 1)
         return balancer
 
@@ -69,9 +73,9 @@ def test_measured_caps_below_what_batch_norm_needs_end_every_replica() -> None:
     piece of 1) ends the fit with the same message on every replica (after the caps' all-gather)."""
     from lightning_het.balance.memory import EmulatedMemoryCap
 
-    balancer = Balancer(HeterogeneousStrategy(max_micro_batch_sizes="auto").config)
+    balancer = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes="auto").config)
     balancer.place(0, 1, torch.device("cpu"), 1)
-    balancer.allocation.global_batch_size = 8
+    balancer.allocation = Allocation(batch_sizes=[8])
     module = _norm_model(synced=False)
     balancer.check_normalisation(module)
     assert balancer.micro is not None and balancer.micro.least_cap == 3
@@ -79,3 +83,24 @@ def test_measured_caps_below_what_batch_norm_needs_end_every_replica() -> None:
     x = torch.randn(8, 3)
     with pytest.raises(RuntimeError, match=r"not even a training step of 3 sample\(s\) \(the model's batch norm"):
         balancer.measure_caps(lambda piece: module(piece).pow(2).mean(), x, nullcontext, module)
+
+
+@pytest.mark.parametrize("total", [8, 9, 100])
+def test_speeds_of_a_split_kept_equal_within_noise_reproduce_it_when_pinned(total):
+    costs = [AffineCost(0.002, 1e-3), AffineCost(0.0021, 1.08e-3)]  # equally fast within the profile's noise
+    sizes = profiled_split(total, costs, threshold=1.1)
+    speeds = measured_speeds(sizes, costs, {})
+    assert sizes == allocate_batch_sizes(total, [1.0, 1.0])
+    assert speeds[0] == speeds[1] == pytest.approx(sum(b / c(b) for b, c in zip(sizes, costs)) / 2)
+    assert allocate_batch_sizes(total, speeds) == sizes  # what a run that pins these speeds splits
+
+
+def test_speeds_of_an_uneven_split_are_each_replicas_own():
+    costs = costs_from_speeds([1, 3])
+    sizes = profiled_split(48, costs)
+    speeds = measured_speeds(sizes, costs, {})
+    assert sizes == [12, 36] and speeds == pytest.approx([12 / costs[0](12), 36 / costs[1](36)])
+    assert allocate_batch_sizes(48, speeds) == sizes
+    # the equal split under bounds is the bounded one
+    bounded = {"min_batch_size": 1, "max_batch_sizes": [3, 64]}
+    assert measured_speeds([3, 5], costs, bounded)[0] == measured_speeds([3, 5], costs, bounded)[1]
