@@ -1,8 +1,4 @@
-"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation.
-
-The clock reads a device timer: the host clock on CPU, CUDA events on a GPU (:class:`EventTimer`: recorded on the
-compute stream, read once complete, so the step path never synchronises the device).
-"""
+"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation."""
 
 from __future__ import annotations
 
@@ -74,14 +70,7 @@ class HostTimer:
 
 
 class EventTimer:
-    """Marks are CUDA events (``enable_timing=True``) recorded on the current stream, the one the step's kernels run
-    on: a mark completes when the device has run everything queued before it. :meth:`done` asks without blocking
-    (``Event.query``); only :meth:`wait` blocks, and the clock calls it where a synchronisation happens anyway (an
-    epoch's gather, the profiler's agreement), never per step.
-
-    Args:
-        event: makes an unrecorded event (default ``torch.cuda.Event(enable_timing=True)``); tests pass a fake.
-    """
+    """Marks are CUDA events recorded on the step's stream, read without blocking (only :meth:`wait` blocks)."""
 
     lazy = True
 
@@ -259,9 +248,7 @@ class StepClock:
         self._end = now
 
     def open_step(self) -> tuple[int, float | Callable[[], float]] | None:
-        """The open step's batch size and compute seconds so far (wait left out), or ``None``. With a lazy timer the
-        seconds come as a function to call later, where a synchronisation happens anyway (it waits for the step's
-        last event): reading them now would synchronise the device every step."""
+        """The open step's batch size and compute seconds so far (wait left out), or ``None``."""
         marks = self._lazy
         if marks is not None:
             end, spans = marks.end, list(marks.spans)
@@ -298,8 +285,8 @@ class StepClock:
             t.batch_sizes.append(marks.batch)
 
     def flush(self) -> EpochTimings:
-        """Close the open step and hand over (and forget) everything recorded so far (a lazy timer waits for the
-        last step's events here: call it where the job synchronises anyway, e.g. an epoch's gather)."""
+        """Close the open step and hand over (and forget) everything recorded so far (a lazy timer waits for the last
+        step's events here: call it where the job synchronises anyway, e.g. an epoch's gather)."""
         if self._lazy is not None:
             self._pending.append(self._lazy)
             self._lazy = None

@@ -1,11 +1,4 @@
-"""Measured memory caps (``max_micro_batch_sizes="auto"``): the largest micro-batch whose training step fits.
-
-:func:`cap_search` is the schedule (pure): from the replica's share, double or halve until one size fits and the next
-does not, then bisect until the gap is within :data:`SEARCH_RESOLUTION` of the size that fits. :func:`measure_cap`
-runs it with real forward and backward passes on the first training batch, resized, catching
-``torch.OutOfMemoryError``, and leaves the training state as it found it (gradients, buffers, random state, logging).
-:class:`EmulatedMemoryCap` (emulation only) makes a model raise that error where a device out of memory would.
-"""
+"""Measured memory caps (``max_micro_batch_sizes="auto"``): the largest micro-batch whose training step fits."""
 
 from __future__ import annotations
 
@@ -28,22 +21,7 @@ SAFETY_MARGIN = 0.1
 
 
 class EmulatedMemoryCap:
-    """Emulation only (``emulate_memory_cap``): a training forward (gradients enabled) of more than ``cap`` samples
-    raises ``torch.OutOfMemoryError`` from inside the model, where a device out of memory raises it, so that the one
-    handler of real errors catches it. :meth:`install` puts a forward pre-hook on the module and on each of its direct
-    submodules, which compares the number of samples of the call's first tensor (its first dimension) with ``cap``;
-    :meth:`remove` takes them off. ``cap`` may change between steps (``None``: no limit).
-
-    >>> emulation, net = EmulatedMemoryCap(0, 4), torch.nn.Sequential(torch.nn.Linear(2, 1))
-    >>> emulation.install(net)
-    >>> net(torch.zeros(5, 2))
-    Traceback (most recent call last):
-    torch.OutOfMemoryError: emulated: rank 0 cannot hold 5 samples (emulate_memory_cap 4)
-    >>> with torch.no_grad():
-    ...     net(torch.zeros(5, 2)).shape
-    torch.Size([5, 1])
-    >>> emulation.remove()
-    """
+    """Emulation only (``emulate_memory_cap``)."""
 
     def __init__(self, rank: int, cap: int | None) -> None:
         self.rank = rank
@@ -74,13 +52,8 @@ class EmulatedMemoryCap:
 
 def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int = 1) -> tuple[int, int]:
     """The largest size in ``[lowest, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
-    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried).
-
-    >>> cap_search(lambda n: n <= 8, 24, 48), cap_search(lambda n: n <= 64, 24, 48)
-    ((8, 6), (48, 2))
-    >>> cap_search(lambda n: n <= 4, 10, 48, lowest=3), cap_search(lambda n: n <= 2, 10, 48, lowest=3)
-    ((4, 4), (0, 3))
-    """
+    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is
+    tried)."""
     trials = 0
 
     def trial(n: int) -> bool:
@@ -152,8 +125,8 @@ def _numpy_random() -> Any:
 
 @contextmanager
 def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> Iterator[None]:
-    """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were,
-    and ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
+    """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were, and
+    ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
     grads = take_grads(params)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     rng = _random_states()
@@ -185,10 +158,7 @@ def measure_cap(
     retry: Callable[[], None] | None = None,
     least: int = 1,
 ) -> tuple[int, int]:
-    """This replica's cap: the largest micro-batch (``<= upper``) whose forward and backward fit, less the safety
-    margin on an accelerator (not under ``least``), and the trial steps it took; ``0`` when not even ``least`` samples
-    fit (sizes under ``least`` are not tried: batch norm cannot train on one sample). ``retry()`` after each trial that
-    ran out of memory."""
+    """This replica's cap."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def fits(n: int) -> bool:

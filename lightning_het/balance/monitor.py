@@ -74,11 +74,7 @@ class MonitorSettings:
 
 
 class BalanceMonitor:
-    """Drives telemetry, rebalancing and the balance report of one strategy in one process.
-
-    It gathers at an epoch's last ``on_train_batch_end``, not at ``on_train_epoch_end``: there rank 0's progress bar
-    starts the epoch metrics' ``sync_dist`` reduction alone, and a collective of ours would pair with it (deadlock).
-    """
+    """Drives telemetry, rebalancing and the balance report of one strategy in one process."""
 
     def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
         self.strategy = strategy
@@ -256,10 +252,7 @@ def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
 def attach_monitor(
     strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
 ) -> BalanceMonitor | None:
-    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``.
-
-    One replica balances nothing: no telemetry (no ``het/*`` metrics in the loggers, no balance report files), so a
-    one-device run moved to this strategy logs what it logged before."""
+    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``."""
     if strategy.world_size < 2:
         settings = replace(settings, record=False)
     if not settings.active:

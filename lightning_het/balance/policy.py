@@ -60,11 +60,7 @@ class FitContext:
 
 
 def measured_speeds(batch_sizes: list[int], costs: list[AffineCost], bounds: dict[str, Any]) -> list[float]:
-    """Samples/s of every replica at ``batch_sizes``; the equal split gets one speed, the mean (pinned, it recurs).
-
-    >>> measured_speeds([4, 4], [AffineCost(0.0, 0.01), AffineCost(0.0, 0.0125)], {})
-    [90.0, 90.0]
-    """
+    """Samples/s of every replica at ``batch_sizes``; the equal split gets one speed, the mean (pinned, it recurs)."""
     speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
     if batch_sizes == allocate_batch_sizes(sum(batch_sizes), [1.0] * len(speeds), **bounds):
         return [sum(speeds) / len(speeds)] * len(speeds)
@@ -323,8 +319,8 @@ class BalancePolicy:
     def measure_caps(
         self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any, retry: Any = None
     ) -> None:
-        """``"auto"`` on the first training step: each replica's largest micro-batch that fits, agreed by an
-        all-gather and stored in the profile cache (``micro.search_s``: the slowest replica's search time)."""
+        """``"auto"`` on the first training step: each replica's largest micro-batch that fits, agreed by an all-gather
+        and stored in the profile cache (``micro.search_s``: the slowest replica's search time)."""
         micro = self.micro
         assert micro is not None
         start = time.perf_counter()
@@ -467,6 +463,6 @@ class BalanceView:
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
     ) -> None:
-        """Make ``batch_sizes`` the allocation (every replica, the same arguments; the training loader is rebuilt
-        before the next step); ``costs``: refreshed ``AffineCost.as_dict()`` costs, ``None`` keeps the model."""
+        """Make ``batch_sizes`` the allocation (every replica, the same arguments; the training loader is rebuilt before
+        the next step); ``costs``: refreshed ``AffineCost.as_dict()`` costs, ``None`` keeps the model."""
         self.policy.adopt(batch_sizes, speeds, costs)

@@ -58,15 +58,7 @@ def trial_splits(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Trial splits A and B around ``around``: same total, within the bounds, each replica's sizes about 3x apart.
-
-    >>> trial_splits([24, 24])
-    ([12, 36], [36, 12])
-    >>> trial_splits([16, 16, 16])
-    ([8, 32, 8], [20, 8, 20])
-    >>> trial_splits([7, 14, 27])
-    ([12, 23, 13], [3, 7, 38])
-    """
+    """Trial splits A and B around ``around``: same total, within the bounds, each replica's sizes about 3x apart."""
     floor = max(int(min_batch_size), 1)
     base = [int(b) for b in around]
     total = sum(base)
@@ -110,8 +102,8 @@ class ProfilePlan:
 
     @property
     def gather_step(self) -> int:
-        """The step at whose end the costs are fitted and agreed on (``steps`` steps at the rough split after a
-        warm-up, else ``steps`` at each of two trial splits)."""
+        """The step at whose end the costs are fitted and agreed on (``steps`` steps at the rough split after a warm-up,
+        else ``steps`` at each of two trial splits)."""
         return self.first_trial + (self.steps if self.warmup else 2 * self.steps) - 1
 
     @property
@@ -151,18 +143,7 @@ def profile_plan(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> ProfilePlan:
-    """The in-loop profiling schedule (the same on every rank): ``warmup`` untimed steps at the equal split (their
-    fastest gives the rough speeds), the ``lag`` steps drawn meanwhile (equal, timed), then ``steps`` timed steps at
-    the rough split: every replica is timed at two sizes, its equal share and its rough one. Without a warm-up,
-    ``steps`` at each of two trial splits around the equal split. ``lag``: steps the loader draws ahead
-    (:func:`loader_prefetch_depth`). ``world_size`` must be ``>= 2``.
-
-    >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
-    >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
-    [[24, 24], [24, 24], [36, 12], [36, 12], [36, 12]]
-    >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
-    (0, 2, 3, 5)
-    """
+    """The in-loop profiling schedule (the same on every rank)."""
     if world_size < 2 or steps < 1 or warmup < 0 or lag < 0:
         raise ValueError(
             f"Expected world_size >= 2, steps >= 1, warmup >= 0 and lag >= 0, but got {world_size}, {steps}, {warmup}"
@@ -177,12 +158,8 @@ def profile_plan(
 
 
 def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
-    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (1 in Lightning's fit loop, 0 in
-    a plain loop) plus ``num_workers * prefetch_factor``.
-
-    >>> loader_prefetch_depth(torch.utils.data.DataLoader(range(8), num_workers=2), loop_prefetch=0)
-    4
-    """
+    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (1 in Lightning's fit loop, 0 in a
+    plain loop) plus ``num_workers * prefetch_factor``."""
     workers = int(getattr(dataloader, "num_workers", 0) or 0)
     factor = getattr(dataloader, "prefetch_factor", None)
     return loop_prefetch + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
@@ -190,8 +167,7 @@ def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
 
 class InLoopProfiler:
     """Runs one fit's :class:`ProfilePlan` on one replica; its all-gathers run at the end of ``plan.rough_step`` and
-    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once.
-    """
+    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once."""
 
     def __init__(
         self,
@@ -281,8 +257,8 @@ class InLoopProfiler:
             self._finish()
 
     def _read(self) -> None:
-        """Read the steps' compute seconds: a device timer's come as functions, called here, at an agreement (one
-        wait for the last step's events, not one synchronisation per step)."""
+        """Read the steps' compute seconds: a device timer's come as functions, called here, at an agreement (one wait
+        for the last step's events, not one synchronisation per step)."""
         for i, value in enumerate(self._compute):
             seconds = value() if callable(value) else value
             self._compute[i] = seconds if math.isfinite(seconds) and seconds > 0 else math.nan
@@ -330,11 +306,7 @@ class InLoopProfiler:
 
 
 def stage_spread(stages: Sequence[Sequence[float]]) -> float:
-    """The largest ratio of the slowest to the fastest of repeated steps of one size (1.0: none repeated).
-
-    >>> stage_spread([[0.010, 0.012], [0.020], [0.031, 0.030]])
-    1.2
-    """
+    """The largest ratio of the slowest to the fastest of repeated steps of one size (1.0: none repeated)."""
     return round(max(stage_ratios(stages), default=1.0), 12)
 
 
@@ -431,11 +403,7 @@ _MIN_SLOPE_OF_AVERAGE = 0.1
 
 
 def stage_ratios(stages: Sequence[Sequence[float]]) -> list[float]:
-    """The slowest over the fastest of the steps of each stage timed more than once.
-
-    >>> stage_ratios([[0.010, 0.012], [0.020], [0.031, 0.030]])
-    [1.2, 1.0333333333333334]
-    """
+    """The slowest over the fastest of the steps of each stage timed more than once."""
     return [max(t) / min(t) for t in stages if len(t) > 1 and min(t) > 0]
 
 
@@ -521,8 +489,8 @@ class ProfileCache:
         return cost if math.isfinite(cost.fixed_s) else None
 
     def put(self, key: str, cost: AffineCost, threshold: float | None = None) -> None:
-        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log), with
-        the imbalance ``threshold`` its profiling split by."""
+        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log), with the
+        imbalance ``threshold`` its profiling split by."""
         self._write(key, {"cost": cost.as_dict(), "threshold": threshold})
 
     def get_threshold(self, key: str) -> float | None:
