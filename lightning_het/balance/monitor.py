@@ -6,38 +6,17 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.clock import EpochTimings, StepClock
-from lightning_het.balance.history import TelemetryHistory, gather_timings
+from lightning_het.balance.clock import EpochTimings, StepClock, TelemetryHistory, gather_timings
 from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 
 log = logging.getLogger(__name__)
-
-
-class BalancedStrategy(Protocol):
-    """What :class:`BalanceMonitor` uses of the strategy it serves: public state and two public methods."""
-
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-    @property
-    def batch_sizes(self) -> list[int] | None: ...
-    @property
-    def cost_model(self) -> list[Any] | None: ...
-    @property
-    def profiling(self) -> bool: ...
-    def adopt_allocation(
-        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
-    ) -> None: ...
-    def balance_report(self, include_series: bool = False) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +55,7 @@ class MonitorSettings:
 class BalanceMonitor:
     """Drives telemetry, rebalancing and the balance report of one strategy in one process."""
 
-    def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
+    def __init__(self, strategy: Any, settings: MonitorSettings) -> None:
         self.strategy = strategy
         self.settings = settings
         self.record = settings.record
@@ -250,7 +229,7 @@ def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
 
 
 def attach_monitor(
-    strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
+    strategy: Any, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
 ) -> BalanceMonitor | None:
     """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``."""
     if strategy.world_size < 2:

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_het.balance import history as history_module
-from lightning_het.balance.clock import EpochTimings
-from lightning_het.balance.history import TelemetryHistory, epoch_summary, gather_timings
+from lightning_het.balance import clock as history_module
+from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary, gather_timings
 
 
 def _timings(compute, wait, batch):
