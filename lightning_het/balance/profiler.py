@@ -273,17 +273,17 @@ class InLoopProfiler:
     def _finish(self) -> None:
         self._read()
         plan, rank = self.plan, self.rank
-        stages: dict[int, list[StepTiming]] = {}
-        trials: dict[int, list[float]] = {}  # the steps from the first trial on (the lag steps may be cold)
+        stages: dict[float, list[float]] = {}
+        trials: dict[float, list[float]] = {}  # the steps from the first trial on (the lag steps may be cold)
         cap = self.micro_cap()
         for n, seconds in enumerate(self._compute):
             if plan.timed(n) and math.isfinite(seconds):  # per micro-batch: a share of b in k pieces is k of b / k
                 b = plan.split(n, self.rough)[rank]
                 k = 1 if cap is None else max(math.ceil(b / cap), 1)
-                stages.setdefault(b / k, []).append(StepTiming(0.0, seconds / k))
+                stages.setdefault(b / k, []).append(seconds / k)
                 if n >= plan.first_trial:
                     trials.setdefault(b / k, []).append(seconds / k)
-        fastest = {b: min(t.total_s for t in timings) for b, timings in stages.items()}
+        fastest = {b: min(timings) for b, timings in stages.items()}
         for b in [b for b, timings in stages.items() if len(timings) == 1]:
             if any(other > b and fastest[other] < fastest[b] for other in stages):  # slower than a larger size: a
                 del stages[b]  # cold step timed once (right after the warm-up) would pull the line by its outlier
@@ -385,14 +385,6 @@ class LoopSteps:
         self._epoch_steps, self._open = (epoch, step + 1), False
 
 
-@dataclass(frozen=True)
-class StepTiming:
-    """Wall-clock seconds of one profiled step, split at the end of the forward pass."""
-
-    forward_s: float
-    total_s: float
-
-
 #: appended to a replica's key for its measured memory cap
 MEMORY_KEY = "|memory"
 
@@ -407,10 +399,10 @@ def stage_ratios(stages: Sequence[Sequence[float]]) -> list[float]:
     return [max(t) / min(t) for t in stages if len(t) > 1 and min(t) > 0]
 
 
-def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> AffineCost:
-    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its timed stages."""
+def fit_stage_timings(stages: Sequence[tuple[float, Sequence[float]]]) -> AffineCost:
+    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its stages' timed seconds, by size."""
     sizes = [b for b, timings in stages if timings]
-    seconds = [max(min(t.total_s for t in timings), 1e-9) for _, timings in stages if timings]
+    seconds = [max(min(timings), 1e-9) for _, timings in stages if timings]
     if not sizes:
         raise ValueError("Expected at least one timed profiling step, got none.")
     through_origin = slope_through_origin(sizes, seconds)
@@ -419,7 +411,7 @@ def fit_stage_timings(stages: Sequence[tuple[int, Sequence[StepTiming]]]) -> Aff
     cost = fit_affine(sizes, seconds)
     # a fixed cost the stages cannot tell from their timing noise: the line through the origin, which extrapolates
     # to other sizes more safely than an intercept fitted to noise (the narrowest spread of a stage timed repeatedly)
-    noise = min(stage_ratios([[t.total_s for t in ts] for _, ts in stages]), default=1.0)
+    noise = min(stage_ratios([ts for _, ts in stages]), default=1.0)
     if cost.fixed_s > 0 and max(abs(t - through_origin * b) / t for b, t in zip(sizes, seconds)) <= noise - 1.0:
         return AffineCost(0.0, through_origin)
     # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line

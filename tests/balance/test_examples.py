@@ -170,13 +170,6 @@ def test_rebalance_imbalance() -> None:
     """
 
 
-def test_rebalance_predicted_step_time() -> None:
-    """
-    >>> predicted_step_time([2, 4], [10.0, 10.0])
-    0.4
-    """
-
-
 def test_rebalance_is_check_epoch() -> None:
     """
     >>> [is_check_epoch(e, 2) for e in range(4)]
