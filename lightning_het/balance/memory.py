@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import numpy
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -97,44 +98,19 @@ def resize_batch(batch: Any, size: int) -> Any:
     return take(batch)
 
 
-def _random_states() -> tuple[Any, ...]:
-    """The global random states of torch (CPU and CUDA), Python and NumPy (``None`` without NumPy)."""
-    numpy = _numpy_random()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, random.getstate(), numpy.get_state() if numpy is not None else None
-
-
-def _restore_random_states(states: tuple[Any, ...]) -> None:
-    cpu, cuda, python, numpy_state = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(python)
-    numpy = _numpy_random()
-    if numpy is not None and numpy_state is not None:
-        numpy.set_state(numpy_state)
-
-
-def _numpy_random() -> Any:
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - NumPy is optional
-        return None
-    return numpy.random
-
-
 @contextmanager
 def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> Iterator[None]:
     """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were, and
     ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
     grads = take_grads(params)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    rng = _random_states()
+    states = random.getstate(), numpy.random.get_state()
     quiet = [name for name in ("log", "log_dict") if hasattr(module, name)]
     for name in quiet:
         setattr(module, name, lambda *args, **kwargs: None)
     try:
-        yield
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # torch's states, CPU and CUDA
+            yield
     finally:
         for name in quiet:
             delattr(module, name)
@@ -142,7 +118,8 @@ def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> It
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-        _restore_random_states(rng)
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
         for p, g in zip(params, grads):
             p.grad = g
 
