@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any, Literal, get_args
 
 # the communication modes, in one place (the app's config schema reads them too)
-#: a resolved mode, what a :class:`~lightning_het.comm.CommController` runs
+#: a resolved mode, what an installed comm algorithm (`lightning_het.CommAlgorithm`) runs
 CommMode = Literal["allreduce", "hierarchical", "node_local"]
 #: what users pass as ``comm=``: a mode, or ``"auto"`` (``hierarchical`` on several nodes, else ``allreduce``)
 CommChoice = Literal["auto", "allreduce", "hierarchical", "node_local"]

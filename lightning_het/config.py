@@ -119,7 +119,7 @@ class HeterogeneousConfig:
     ) -> tuple[HeterogeneousConfig, dict[str, Any], dict[str, Any]]:
         """Split a strategy's keywords: a validated config (``fixed`` forced), device keywords, ``DDPStrategy``'s."""
         from lightning_het.arguments import check_ddp_keywords
-        from lightning_het.comm.controller import validate_comm_args
+        from lightning_het.comm.algorithms import validate_comm_args
 
         rest = dict(kwargs)
         given = {n: rest.pop(n, KEYWORD_DEFAULTS[n]) for n in KEYWORD_DEFAULTS if n in names}

@@ -1,7 +1,7 @@
 """``Fabric(strategy="heterogeneous")``: speed-proportional batch shares, exact gradients and node-aware communication
 in a loop of your own (see ``docs/fabric.md``).
 
-Fabric glue over the same parts as the Trainer strategy (the balance policy, the communication controller):
+Fabric glue over the same parts as the Trainer strategy (the balance policy, the comm algorithm):
 :class:`HeterogeneousFabricStrategyMixin`, composed here with ``lightning.fabric``'s ``DDPStrategy`` and in
 :mod:`lightning_het._fabric_compat` with the standalone ``lightning_fabric``'s.
 """
@@ -11,26 +11,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het._flavour import FabricFlavour, fabric_flavour, register_fabric_flavour
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext, new_comm
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import LoopSteps
 from lightning_het.balance.report import balance_report, render_balance_table
 from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.startup import detect_node_ids, init_process_group, started_elsewhere, startup_timeout_scope
-from lightning_het.comm.algorithms import CommAlgorithm
-from lightning_het.comm.controller import resolve_comm_mode
+from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
 from lightning_het.data.loaders import rebuild_loader, training_order
@@ -89,7 +88,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
         super().__init__(**kwargs)
         self.policy = BalancePolicy(config)
-        self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
+        self._comm = algorithm_of(comm, config)  # installed by `setup_module` and `setup_optimizer`
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
         self._optimizer_steps = 0  # drives the node_local schedule
@@ -142,26 +142,37 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     # ------------------------------------------------------------------ model and optimizer
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        """Wrap ``module`` in DDP and register the ``comm`` mode's gradient hook (a collective: every rank)."""
+        """Wrap ``module`` in DDP and install the ``comm`` algorithm on it (a collective: every rank)."""
         if self._ddp_model is not None:
             raise RuntimeError(
                 "HeterogeneousFabricStrategy handles one model, but `fabric.setup` was called for a second one."
                 " HINT: put the networks into one `nn.Module` and set that up once."
             )
         ddp_model = super().setup_module(module)
-        assert self._node_ids is not None
-        mode = resolve_comm_mode(self.config.comm, self._node_ids)
-        self.comm_controller = new_comm(mode, self._node_ids, self.policy.allocation.batch_sizes, self.policy)
-        self.comm_controller.register(ddp_model)
-        self._comm_sizes = None
+        ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
+        assert ids is not None
+        self.comm_algorithm = comm = self._comm.resolve(ids)
+        self._comm_sizes = sizes
+        comm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned
         return ddp_model
 
+    def _position(self) -> tuple[int, bool]:
+        """Optimizer steps done, and whether the one in progress ends an epoch (the comm schedule)."""
+        steps, per_epoch = self._optimizer_steps, self._steps_per_epoch
+        return steps, bool(per_epoch) and (steps + 1) % per_epoch == 0  # type: ignore[operator]
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.hook_optimizer(optimizer)  # the comm algorithm runs after each of its steps
+        return super().setup_optimizer(optimizer)
+
     @override
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Back-propagate ``tensor * loss_scale`` (the scale of the step's split); returns ``tensor`` unscaled."""
-        split, comm = self._step_split(), self.comm_controller
+        split, comm = self._step_split(), self.comm_algorithm
         if comm is not None and split.sizes and split.sizes != self._comm_sizes:
             comm.set_batch_sizes(split.sizes)
             self._comm_sizes = split.sizes
@@ -179,23 +190,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
         self._steps.step_ended(self.policy.profiler)
-        if self.comm_controller is not None and self._ddp_model is not None:
-            epoch_steps = self._steps_per_epoch
-            with torch.no_grad():
-                self.comm_controller.after_optimizer_step(
-                    self._ddp_model.module.parameters(),
-                    self._optimizer_steps,
-                    end_of_epoch=bool(epoch_steps) and self._optimizer_steps % epoch_steps == 0,
-                )
         return output
 
     def synchronize(self) -> bool:
         """``comm="node_local"``: average the parameters across all replicas now (weighted by sample share) unless
         they already agree; a collective, e.g. before evaluating. Returns whether an average ran."""
-        if self.comm_controller is None or self._ddp_model is None:
-            return False
-        with torch.no_grad():
-            return self.comm_controller.synchronize(self._ddp_model.module.parameters())
+        return self.comm_algorithm is not None and self.comm_algorithm.sync()
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
@@ -314,15 +314,14 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        comm, model = self.comm_controller, self._ddp_model
-        params = [] if comm is None or model is None else list(model.module.parameters())
+        comm = self.comm_algorithm
         if comm is not None:  # node_local: the checkpoint holds the consensus model, computed without a sync
-            comm.show_consensus(params)
+            comm.show_consensus()
         try:
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         finally:
             if comm is not None:
-                comm.hide_consensus(params)  # each replica goes on with its own model
+                comm.hide_consensus()  # each replica goes on with its own model
 
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""
@@ -341,9 +340,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @override
     def teardown(self) -> None:
-        if self.comm_controller is not None:
-            self.comm_controller.close()
-        self.comm_controller = None
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()

@@ -27,7 +27,7 @@ from lightning_het._compat import attached_trainer, record_loader_arguments, ski
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
-from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext, new_comm
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import attach_profiler
 from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
@@ -45,8 +45,8 @@ from lightning_het.cluster.startup import (
     started_elsewhere,
     startup_timeout_scope,
 )
-from lightning_het.comm.algorithms import CommAlgorithm
-from lightning_het.comm.controller import register_user_hook, resolve_comm_mode
+from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
+from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig
 from lightning_het.data.microbatch import DirectPieces, piece_collective
@@ -59,7 +59,6 @@ from lightning_het.reliability.checkpointing import (
     end_resume_quiet,
     node_optimizer_checkpoint,
     read_record,
-    synchronize_before_save,
     with_node_states,
 )
 from lightning_het.reliability.emergency import restore_rng
@@ -120,6 +119,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, keywords)
         super().__init__(**mixed_accelerator_kwargs(type(self), devices["device_map"], devices["cpu_threads"], kwargs))
         self.policy = BalancePolicy(config)
+        self._comm = algorithm_of(comm, config)  # installed on the DDP model and the optimizers by `setup`
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -128,7 +128,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
-        self._comm_sizes: list[int] | None = None  # the split the comm controller was last given
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
@@ -209,14 +209,20 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers comm hooks only on CUDA; ours (and a user's `ddp_comm_hook`) run on any device
+        """Nothing: Lightning's registers only on CUDA; :meth:`setup` installs the comm algorithm on any device."""
+
+    def _install_comm(self, trainer: pl.Trainer) -> CommAlgorithm:
+        """Install ``comm`` on the DDP model and the optimizers (a collective) with a resumed fit's comm state."""
         assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
-        mode = resolve_comm_mode(self.config.comm, self._node_ids)
-        register_user_hook(self.model, mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
-        comm = self.comm_controller = new_comm(mode, self._node_ids, self.policy.allocation.batch_sizes, self.policy)
-        self._comm_sizes = None
-        comm.register(self.model)
-        comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # resumed: weights restored before setup
+        comm = self._comm.resolve(self._node_ids)
+        register_user_hook(self.model, comm.mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
+        loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
+        position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
+        ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
+        comm.install(self.model, self.optimizers, ids, self.global_rank, sizes, position=position)
+        comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
+        self.comm_algorithm, self._comm_sizes = comm, sizes
+        return comm
 
     # ------------------------------------------------------------------ setup, teardown
     @override
@@ -232,7 +238,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.policy.check_normalisation(self.lightning_module)
         self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
-        mode = resolve_comm_mode(config.comm, self._node_ids) if fitting else None
+        mode = self._install_comm(trainer).mode if fitting else None
         if mode is not None:  # resume="auto": once the optimizers exist (the job's identity), before their restore
             self._resume(trainer, mode)
         saves = mode is not None and mode != "node_local"  # the emergency checkpoint needs no collective
@@ -247,8 +253,8 @@ class HeterogeneousStrategyMixin(BalanceView):
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         settings = trajectory_settings(self.config, mode, trainer)
         job = job_identity(self.lightning_module, self.optimizers, schedulers, settings)
-        if self.guards.resume(trainer, self.config, job, self.broadcast) and self.comm_controller is not None:
-            self.comm_controller.load_state_dict((self._loaders.resume_record or {}).get("comm"))
+        if self.guards.resume(trainer, self.config, job, self.broadcast) and self.comm_algorithm is not None:
+            self.comm_algorithm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
 
     @override
     def teardown(self) -> None:
@@ -257,6 +263,8 @@ class HeterogeneousStrategyMixin(BalanceView):
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         self.policy.emulate_memory(None)
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()  # its counters stay readable (`comm_stats`)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
@@ -291,9 +299,9 @@ class HeterogeneousStrategyMixin(BalanceView):
         if self.policy.micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
             batches = getattr(self._trainer(), "num_training_batches", None)
             self.policy.agree_caps(self._batch_idx(), batches)
-        # the split of this global batch, once: loss scaling, micro-batches, the comm controller and the clock read it
+        # the split of this global batch, once: loss scaling, micro-batches, the comm algorithm and the clock read it
         self._split = split = self.policy.step_split(self._loaders.train_sampler, self._batch_idx())
-        comm = self.comm_controller
+        comm = self.comm_algorithm
         if comm is not None and split.sizes and split.sizes != self._comm_sizes:
             comm.set_batch_sizes(split.sizes)
             self._comm_sizes = split.sizes
@@ -351,13 +359,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         **kwargs: Any,
     ) -> Any:
         step = super().optimizer_step  # the parameter update under the emergency checkpoint's lock
-        output = self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
-        comm, module = self.comm_controller, self._lightning_module
-        if comm is not None and module is not None:
-            last = bool(module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-            with torch.no_grad():
-                comm.after_optimizer_step(module.parameters(), module.trainer.global_step + 1, end_of_epoch=last)
-        return output
+        return self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
 
     def _step_clock(self) -> StepClock | None:
         return self._monitor.clock if self._monitor is not None else None
@@ -367,34 +369,26 @@ class HeterogeneousStrategyMixin(BalanceView):
         return None if trainer is None else trainer.fit_loop.epoch_loop.batch_idx
 
     @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.comm_controller is not None and self._lightning_module is not None:
-            # the node_local schedule (warm-up, every K) follows the global step, so resumed runs keep their phase
-            self.comm_controller.set_step(self._lightning_module.trainer.global_step)
-
-    @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._synchronize()  # a fit stopped mid-epoch (max_steps) still ends on one consensus model
+        comm = self.comm_algorithm
+        if comm is not None:
+            comm.sync()  # node_local: a fit stopped mid-epoch (max_steps) still ends on one consensus model
         self.guards.finish(self.lightning_module.trainer)  # this job's earlier emergency checkpoint: the end now
-        if self.comm_controller is not None and self.world_size > 1:  # one replica communicates nothing
-            rank_zero_info(self.comm_controller.summary())
+        if comm is not None and self.world_size > 1:  # one replica communicates nothing
+            rank_zero_info(comm.summary())
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self.comm_controller is not None and self._lightning_module is not None:  # node_local: the consensus model,
-            self.comm_controller.show_consensus(self._lightning_module.parameters())  # without a sync (a collective)
+        if self.comm_algorithm is not None:  # node_local: the consensus model, without a sync (a collective)
+            self.comm_algorithm.show_consensus()
 
     @override
     def on_validation_end(self) -> None:
-        if self.comm_controller is not None and self._lightning_module is not None:
-            self.comm_controller.hide_consensus(self._lightning_module.parameters())  # each replica's own model again
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.hide_consensus()  # each replica's own model again
         super().on_validation_end()
-
-    def _synchronize(self) -> None:
-        synchronize_before_save(self.comm_controller, self._lightning_module)  # node_local: a sync
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -416,25 +410,25 @@ class HeterogeneousStrategyMixin(BalanceView):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
-        if self.comm_controller is None:
+        if self.comm_algorithm is None:
             return state
         # node_local: the consensus model, computed without a sync (a collective); each node's own in the record
-        return self.comm_controller.consensus_state_dict(self.lightning_module, state)
+        return self.comm_algorithm.consensus_state_dict(self.lightning_module, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         entry = self._checkpoint_entry()  # allocation, sampler position (the emergency record too: no collective)
-        checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_controller)  # node_local: collective
+        checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_algorithm)  # node_local: collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_controller))  # node_local
+        super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_algorithm))  # node_local
 
     def _checkpoint_entry(self) -> dict[str, Any]:
         """The allocation (no speeds while profiling: a resumed fit profiles again), the training sampler's place and
         the comm mode's state, and the job's identity."""
-        allocation, comm = self.policy.allocation, self.comm_controller
+        allocation, comm = self.policy.allocation, self.comm_algorithm
         record = checkpoint_record(
             self._trainer(),
             allocation.batch_sizes,

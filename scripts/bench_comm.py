@@ -16,11 +16,11 @@ the same initial weights and data:
   forces the node hierarchy (``Hierarchical(autotune_steps=0)``).
 
 ``--runner raw`` runs the same configurations on a bare ``DistributedDataParallel`` with
-:class:`lightning_het.comm.CommController` instead (no Lightning; ``ddp`` is then DDP without a hook).
+:meth:`lightning_het.CommAlgorithm.install` instead (no Lightning; ``ddp`` is then DDP without a hook).
 
 Reported per configuration: mean step time (s), inter-node bytes per step measured on the veth (both directions,
 TCP/IP headers included) and predicted by the byte model, and the loss on a held-out batch after a fixed number of
-steps (evaluated on the consensus model, after the epoch-end ``synchronize``).
+steps (evaluated on the consensus model, after the epoch-end ``sync``).
 
 Run (root; needs ``ip`` and ``tc``; 3-4 minutes on 2 cores)::
 
@@ -310,28 +310,19 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_het.comm import CommController
+    from lightning_het.comm.algorithms import algorithm_for
     from lightning_het.comm.stats import flat_allreduce_traffic
 
     args, rank, sizes = job.args, job.rank, job.batch_sizes
     ddp = DistributedDataParallel(job.model(), gradient_as_bucket_view=args.bucket_view)
     params = sum(p.numel() for p in ddp.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     ctl = None
     if comm != "ddp":
-        autotune = args.autotune_steps if tune else 0
-        ctl = CommController(
-            comm,  # type: ignore[arg-type]
-            NODE_IDS,
-            sizes,
-            rank,
-            global_sync_every=k,
-            groups=job.groups,
-            autotune_steps=autotune,
-            **SYNC_SETTINGS.get(name, {}),
-        )
-        ctl.register(ddp)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+        flat = {"global_sync_every": k, "comm_autotune_steps": args.autotune_steps if tune else 0}
+        ctl = algorithm_for(comm, **flat, **SYNC_SETTINGS.get(name, {}))
+        ctl.install(ddp, [opt], NODE_IDS, rank, sizes, groups=job.groups)  # its hooks run with each step
     scale = job.world * sizes[rank] / job.total  # the strategy's loss pre-scaling
     last_loss = torch.zeros(())
 
@@ -343,8 +334,6 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
         (loss * scale).backward()
         opt.step()
         last_loss = loss.detach() * sizes[rank] / job.total
-        if ctl is not None:
-            ctl.after_optimizer_step(ddp.parameters(), s)
 
     for s in range(1, args.warmup_steps + 1):
         step(s)
@@ -358,7 +347,7 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
     dist.all_reduce(last_loss)  # global-batch mean loss of the last step (share-weighted)
     if ctl is not None and before is not None:
         model_bytes = (ctl.stats["job_bytes_inter_total"] - before["job_bytes_inter_total"]) / args.steps
-        ctl.synchronize(ddp.parameters())  # end of run = end of epoch: one consensus model
+        ctl.sync()  # end of run = end of epoch: one consensus model
     else:
         model_bytes = flat_allreduce_traffic(grad_bytes, NODE_IDS).total_inter
     result = _result(
@@ -592,7 +581,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runner",
         choices=["lightning", "raw"],
         default="lightning",
-        help="lightning: Trainer(strategy='ddp') vs HeterogeneousStrategy(comm=...); raw: DDP + CommController",
+        help="lightning: Trainer(strategy='ddp') vs HeterogeneousStrategy(comm=...); raw: DDP with the comm algorithm installed",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the configurations this many times; median step time")
     p.add_argument("--only", nargs="*", default=None, help="subset of configurations by name")

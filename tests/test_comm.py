@@ -18,18 +18,14 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_het.cluster.topology import NodeGroups, node_members
-from lightning_het.comm import (
-    CommController,
-    NodeLocalState,
-    average_parameters,
-    resolve_comm_mode,
-    share_weights,
-    validate_comm_args,
-)
-from lightning_het.comm import outer as outer_module
-from lightning_het.comm.compression import INT8_BLOCK
-from lightning_het.comm.hooks import HierarchicalState
+from lightning_het import AllReduce, Auto, Hierarchical, NodeLocal
+from lightning_het.cluster.topology import NodeGroups, build_node_groups, node_members
+from lightning_het.comm import hierarchical as hierarchical_module
+from lightning_het.comm import node_local as node_local_module
+from lightning_het.comm.algorithms import ALGORITHMS, validate_comm_args
+from lightning_het.comm.allreduce import CommAlgorithm
+from lightning_het.comm.hierarchical import HierarchicalState, choose_reduction
+from lightning_het.comm.node_local import INT8_BLOCK, average_parameters, merge_weights
 from lightning_het.comm.stats import (
     CommStats,
     compressed_sync_traffic,
@@ -37,7 +33,6 @@ from lightning_het.comm.stats import (
     hierarchical_traffic,
     node_local_traffic,
 )
-from lightning_het.comm.tuning import ReductionTuner, choose_reduction
 from tests.helpers.gloo import run_gloo
 
 STEPS = 4
@@ -70,9 +65,9 @@ def _slices(batch_sizes: list[int]) -> list[slice]:
 
 
 def _train_ddp(
-    rank: int, mode: str, node_ids: list[int], batch_sizes: list[int], **kwargs: Any
-) -> tuple[list[torch.Tensor], CommController, DistributedDataParallel]:
-    """Train with the controller; return this rank's flat parameters after every step."""
+    rank: int, algorithm: CommAlgorithm, node_ids: list[int], batch_sizes: list[int], **kwargs: Any
+) -> tuple[list[torch.Tensor], CommAlgorithm, DistributedDataParallel]:
+    """Train with the algorithm installed on DDP and the optimizer; this rank's flat parameters after every step."""
     # one bucket per parameter: several buckets in flight exercise the ordering of the pipelined stages
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=1e-4)
     tuner_times = kwargs.pop("tuner_times", None)
@@ -80,35 +75,36 @@ def _train_ddp(
         now = [0.0]
 
         def clock() -> float:
-            now[0] += tuner_times[0] if ctl.algorithm.tuner.current == "flat" else tuner_times[1]
+            now[0] += tuner_times[0] if algorithm.reduction == "flat" else tuner_times[1]
             return now[0]
 
-        kwargs["autotune_clock"] = clock
-    ctl = CommController(mode, node_ids, batch_sizes, rank, **kwargs)  # type: ignore[arg-type]
-    ctl.register(ddp)
+        algorithm._clock = clock
     opt = _optimizer(ddp.parameters())
-    return _run_steps(ddp, opt, ctl, rank, batch_sizes, range(1, STEPS + 1)), ctl, ddp
+    algorithm.install(ddp, [opt], node_ids, rank, batch_sizes, **kwargs)
+    return _run_steps(ddp, opt, rank, batch_sizes, range(1, STEPS + 1)), algorithm, ddp
 
 
 def _run_steps(
     ddp: DistributedDataParallel,
     opt: torch.optim.Optimizer,
-    ctl: CommController,
     rank: int,
     batch_sizes: list[int],
     steps: range,
+    done: list[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Train ``steps`` (global step numbers); this rank's flat parameters after each."""
+    """Train ``steps`` (global step numbers; ``done``: the steps done, kept for a ``position``); this rank's flat
+    parameters after each."""
     world, total = len(batch_sizes), sum(batch_sizes)
     mine = _slices(batch_sizes)[rank]
     history = []
     for step in steps:
+        if done is not None:
+            done[0] = step - 1
         x, y = _batch(step, total)
         loss = torch.nn.functional.cross_entropy(ddp(x[mine]), y[mine]) * (world * batch_sizes[rank] / total)
         opt.zero_grad()
         loss.backward()
-        opt.step()
-        ctl.after_optimizer_step(ddp.parameters(), step)
+        opt.step()  # the algorithm's step hook runs
         history.append(_flat(ddp.module))
     return history
 
@@ -163,9 +159,9 @@ def _exact_worker(rank: int, world_size: int) -> dict[str, Any]:
     cases = EXACT_CASES_3 if world_size == 3 else EXACT_CASES_4
     result: dict[str, Any] = {}
     for node_ids, batch_sizes in cases:
-        for mode in ("hierarchical", "allreduce"):
+        for mode, algorithm in (("hierarchical", Hierarchical(autotune_steps=0)), ("allreduce", AllReduce())):
             # 64-byte chunks: every bucket is split, so chunks of several buckets are in flight at once
-            history, ctl, ddp = _train_ddp(rank, mode, node_ids, batch_sizes, chunk_bytes=64)
+            history, ctl, ddp = _train_ddp(rank, algorithm, node_ids, batch_sizes, chunk_bytes=64)
             result[(mode, str(node_ids))] = {
                 "final": history[-1],
                 "reference": _train_exact(batch_sizes)[-1],
@@ -178,7 +174,7 @@ def _exact_worker(rank: int, world_size: int) -> dict[str, Any]:
         for scenario, (flat_s, hier_s) in AUTOTUNE_TIMES.items():
             # each rank "measures" its own step times; the decision must follow the slowest rank of each reduction
             history, ctl, ddp = _train_ddp(
-                rank, "hierarchical", node_ids, batch_sizes, autotune_steps=1, tuner_times=(flat_s[rank], hier_s[rank])
+                rank, Hierarchical(autotune_steps=1), node_ids, batch_sizes, tuner_times=(flat_s[rank], hier_s[rank])
             )
             result[("autotune", scenario)] = {
                 "final": history[-1],
@@ -201,9 +197,8 @@ AUTOTUNE_TIMES = {
 def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for node_ids, batch_sizes, k, warmup in NODE_LOCAL_CASES:
-        history, ctl, ddp = _train_ddp(
-            rank, "node_local", node_ids, batch_sizes, global_sync_every=k, warmup_steps=warmup
-        )
+        algorithm = NodeLocal(sync_every=k, warmup_steps=warmup)
+        history, ctl, ddp = _train_ddp(rank, algorithm, node_ids, batch_sizes)
         result[str(node_ids)] = {
             "history": history,
             "reference": _train_node_local_reference(node_ids, batch_sizes, k, warmup),
@@ -212,25 +207,26 @@ def _node_local_worker(rank: int, world_size: int) -> dict[str, Any]:
             "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
         }
     result.update(_outer_cases(rank))
-    # K=None: no periodic sync; synchronize() (epoch end, checkpoint) forces one consensus model
-    history, ctl, ddp = _train_ddp(rank, "node_local", [0, 0, 1, 1], [1, 1, 1, 1])
+    # K=None: no periodic sync; sync() (epoch end, checkpoint) forces one consensus model
+    history, ctl, ddp = _train_ddp(rank, NodeLocal(), [0, 0, 1, 1], [1, 1, 1, 1])
     before = _flat(ddp.module)
-    ran = ctl.synchronize(ddp.parameters())
+    ran = ctl.sync()
     result["synchronize"] = {
         "before": before,
         "after": _flat(ddp.module),
         "ran": ran,
-        "ran_again": ctl.synchronize(ddp.parameters()),
+        "ran_again": ctl.sync(),
         "syncs": ctl.stats["global_syncs"],
     }
     # averaging weights: replicas of a node need not agree; result is the exact share-weighted sum
-    groups_state = HierarchicalState(ctl.groups) if ctl.groups is not None else None
-    assert groups_state is not None
+    groups_state = HierarchicalState(build_node_groups([0, 0, 1, 1], rank), 4 * 1024 * 1024)
     batch_sizes = [1, 2, 3, 4]
     full = torch.full((5,), float(rank + 1))
     half = torch.full((3,), float(rank + 1), dtype=torch.float16)
     count = torch.full((2,), rank)
-    payload = average_parameters([full, half, count, full], share_weights(batch_sizes)[rank], groups_state)
+    payload = average_parameters(
+        [full, half, count, full], merge_weights(batch_sizes, [0, 0, 1, 1])[rank], groups_state
+    )
     result["average"] = {"full": full, "half": half, "count": count, "payload": payload}
     return result
 
@@ -275,8 +271,8 @@ def _outer_cases(rank: int) -> dict[Any, Any]:
     node_ids, batch_sizes, k = OUTER_CASE
     result: dict[Any, Any] = {}
     for by, dtype in (("samples", "float32"), ("nodes", "float32"), ("samples", "int8")):
-        settings = {"outer_optimizer": "nesterov", "merge_weights": by, "sync_dtype": dtype}
-        history, ctl, ddp = _train_ddp(rank, "node_local", node_ids, batch_sizes, global_sync_every=k, **settings)
+        algorithm = NodeLocal(sync_every=k, outer="nesterov", merge=by, sync_dtype=dtype)  # type: ignore[arg-type]
+        history, ctl, ddp = _train_ddp(rank, algorithm, node_ids, batch_sizes)
         result[("outer", by, dtype)] = {
             "history": history,
             "reference": _train_outer_reference(node_ids, batch_sizes, k, by),
@@ -285,28 +281,27 @@ def _outer_cases(rank: int) -> dict[Any, Any]:
         }
     # a resume in the middle of a round (K = 4, saved after step 6, int8): the save forces a consensus (an outer step);
     # as a Trainer checkpoint, rank 0's file holds its optimizer state and every node's (gathered), which all ranks read
-    settings = {"global_sync_every": 4, "outer_optimizer": "nesterov", "sync_dtype": "int8"}
     runs, saved = [], {}
     for resume in (None, "saved"):
         model = _model()
         if resume is not None:
             model.load_state_dict(saved["model"])
         ddp = DistributedDataParallel(model, bucket_cap_mb=1e-4)
-        ctl = CommController("node_local", node_ids, batch_sizes, rank, **settings)  # type: ignore[arg-type]
-        ctl.register(ddp)
+        ctl = NodeLocal(sync_every=4, outer="nesterov", sync_dtype="int8")
         opt = _optimizer(ddp.parameters())
+        done = [0]  # the optimizer steps done: the schedule's position (a resumed fit reads it from its trainer)
+        ctl.install(ddp, [opt], node_ids, rank, batch_sizes, position=lambda done=done: (done[0], False))
         if resume is None:
-            _run_steps(ddp, opt, ctl, rank, batch_sizes, range(1, 7))
-            ctl.synchronize(ddp.parameters())
+            _run_steps(ddp, opt, rank, batch_sizes, range(1, 7), done)
+            ctl.sync()
             file = [{"model": model.state_dict(), "comm": ctl.state_dict()}]
             file[0]["comm"]["nodes"] = ctl.gather_node_states([opt.state_dict()])  # a collective; rank 0's record
             torch.distributed.broadcast_object_list(file, src=0)  # every rank loads rank 0's file
             saved = copy.deepcopy(file[0])  # rank 0's holds its live optimizer state
         else:
             ctl.load_state_dict(saved["comm"])
-            ctl.set_step(6)
             opt.load_state_dict(ctl.node_optimizer_states(saved["comm"])[0])  # type: ignore[index]
-        runs.append(_run_steps(ddp, opt, ctl, rank, batch_sizes, range(7, 13)))
+        runs.append(_run_steps(ddp, opt, rank, batch_sizes, range(7, 13), done))
     result["resume"] = {"continued": runs[0], "resumed": runs[1], "momentum": saved["comm"]}
     return result
 
@@ -382,30 +377,30 @@ def test_measured_choice_is_exact_and_agreed(exact4: list[dict[str, Any]], scena
     assert entries[0]["stats"]["job_bytes_inter_per_step"] == pytest.approx(inter)
 
 
-def test_choose_reduction_and_tuner_schedule() -> None:
+def test_choose_reduction_and_measured_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_reduction(0.40, 0.50) == "flat"
     assert choose_reduction(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
     assert choose_reduction(float("nan"), 0.5) == "hierarchical"
-    with pytest.raises(ValueError, match="margin"):
-        choose_reduction(1.0, 2.0, margin=1.5)
-    with pytest.raises(ValueError, match="steps_per_candidate"):
-        ReductionTuner(0)
+    monkeypatch.setattr(hierarchical_module.dist, "get_backend", lambda *args: "gloo")
+    monkeypatch.setattr(hierarchical_module.dist, "all_reduce", lambda tensor, op=None: None)  # every rank agrees
     times = iter([0.0, 1.0, 3.0, 4.0, 6.0])  # untimed first step, then flat 1 s, hier 2 s, flat 1 s, hier 2 s
-    tuner = ReductionTuner(2, clock=lambda: next(times))
+    algorithm = Hierarchical(autotune_steps=2)
+    algorithm._clock = lambda: next(times)
+    ddp, opt = _installed(algorithm, [0, 0, 1, 1], 0, [1, 1, 1, 1])
+    assert ddp.hook is hierarchical_module.hierarchical_hook and "(still measuring)" in algorithm.summary()
     used = []
     for _ in range(5):
-        used.append(tuner.current)
-        done = tuner.step_done()
+        used.append(algorithm.reduction)
+        opt.step()
     assert used == ["hierarchical", "flat", "hierarchical", "flat", "hierarchical"]
-    assert done and tuner.measuring
-    assert tuner.medians() == [1.0, 2.0]
-    assert tuner.decide([1.0, 2.0]) == "flat"
-    assert tuner.current == "flat" and not tuner.measuring and tuner.step_done() is False
+    assert algorithm.reduction == "flat" and "(flat reduction, measured)" in algorithm.summary()
+    opt.step()  # decided: no more timing
+    assert algorithm.reduction == "flat"
 
 
-def test_controller_rejects_bad_autotune_steps() -> None:
+def test_rejects_bad_autotune_steps() -> None:
     with pytest.raises(ValueError, match="autotune_steps"):
-        CommController("allreduce", [0, 0], [1, 1], 0, autotune_steps=-1)
+        Hierarchical(autotune_steps=-1)
 
 
 # --------------------------------------------------------------------------- node_local
@@ -516,68 +511,116 @@ def _fake_groups(node_ids: list[int], rank: int) -> NodeGroups:
     return NodeGroups(tuple(node_ids), rank, members, None, None, None)  # type: ignore[arg-type]
 
 
-def test_node_local_scale_and_warmup() -> None:
-    state = NodeLocalState(HierarchicalState(_fake_groups([0, 0, 1], 2)), [2, 3, 5], warmup_steps=2)
-    assert state.node_scale == pytest.approx(10 / (3 * 5))
-    assert state.exact
-    state.completed_steps = 2
-    assert not state.exact
-    state.set_batch_sizes([4, 4, 2])
-    assert state.node_scale == pytest.approx(10 / (3 * 2))
+class _FakeDDP:
+    """What :meth:`CommAlgorithm.install` uses of a ``DistributedDataParallel``: its parameters, the hook it gets."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params, self.state, self.hook = params, None, None
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        self.state, self.hook = state, hook
 
 
-def test_controller_schedule_takes_phase_from_global_step(monkeypatch: pytest.MonkeyPatch) -> None:
+class _Bucket:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+
+def _installed(algorithm: CommAlgorithm, node_ids: list[int], rank: int, sizes: list[int] | None, **kwargs: Any):
+    """``algorithm`` installed on a fake DDP model of one parameter and an SGD optimizer, with fake node groups."""
+    ddp = _FakeDDP([torch.zeros(5, requires_grad=True)])
+    opt = torch.optim.SGD(ddp.params, lr=0.1)
+    algorithm.install(ddp, [opt], node_ids, rank, sizes, groups=_fake_groups(node_ids, rank), **kwargs)
+    return ddp, opt
+
+
+def test_node_local_scale_warmup_and_removal(monkeypatch: pytest.MonkeyPatch) -> None:
+    done, algorithm = [0], NodeLocal(warmup_steps=2)
+    ddp, _ = _installed(algorithm, [0, 0, 1], 2, [2, 3, 5], position=lambda: (done[0], False))
+    assert ddp.hook is node_local_module.node_local_hook and ddp.state.exact()
+    done[0] = 2  # past the warm-up: this node's (one replica's) gradient, times B / (W * B_n)
+    assert not ddp.state.exact()
+    assert torch.allclose(ddp.hook(ddp.state, _Bucket(torch.ones(3))).wait(), torch.full((3,), 10 / (3 * 5)))
+    monkeypatch.setattr(hierarchical_module, "allreduce_hook", lambda group, bucket: "DDP's all-reduce")
+    algorithm.remove()  # DDP cannot unregister a comm hook: once removed, ours runs DDP's all-reduce
+    assert ddp.hook(ddp.state, _Bucket(torch.ones(3))) == "DDP's all-reduce"
+
+
+def _stepping(opt: torch.optim.Optimizer, algorithm: CommAlgorithm, done: list[int]) -> bool:
+    """One optimizer step (the algorithm's hook runs); whether it ended with a global sync."""
+    before = algorithm.stats["global_syncs"]
+    opt.step()
+    done[0] += 1
+    return algorithm.stats["global_syncs"] > before
+
+
+def test_schedule_takes_phase_from_the_position(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[float] = []
 
     def fake_average(params: Any, weight: float, state: Any) -> int:
         calls.append(weight)
         return 100
 
-    monkeypatch.setattr(outer_module, "average_parameters", fake_average)
-    ctl = CommController(
-        "node_local", [0, 0, 1], [2, 3, 5], 1, global_sync_every=3, warmup_steps=2, groups=_fake_groups([0, 0, 1], 1)
-    )
-    params = [torch.zeros(5, requires_grad=True)]
-    synced = [ctl.after_optimizer_step(params, step) for step in range(1, 10)]
+    monkeypatch.setattr(node_local_module, "average_parameters", fake_average)
+    done, last = [0], [False]
+    algorithm = NodeLocal(sync_every=3, warmup_steps=2)
+    _, opt = _installed(algorithm, [0, 0, 1], 1, [2, 3, 5], position=lambda: (done[0], last[0]))
+    synced = [_stepping(opt, algorithm, done) for _ in range(1, 10)]
     assert synced == [False, False, False, False, True, False, False, True, False]
     assert calls == [0.3, 0.3]
-    assert ctl.after_optimizer_step(params, 10, end_of_epoch=True)
-    # resumed run: the phase comes from the global step, not from a counter in the controller
-    resumed = CommController(
-        "node_local", [0, 0, 1], [2, 3, 5], 1, global_sync_every=3, warmup_steps=2, groups=_fake_groups([0, 0, 1], 1)
-    )
-    resumed.set_step(10)
-    assert [resumed.after_optimizer_step(params, s) for s in (11, 12, 13, 14)] == [True, False, False, True]
-    stats = ctl.stats
+    last[0] = True  # the epoch's last step
+    assert _stepping(opt, algorithm, done)
+    # resumed run: the phase comes from the position (the trainer's global step), not from a counter of its own
+    resumed, done = NodeLocal(sync_every=3, warmup_steps=2), [10]
+    _, opt = _installed(resumed, [0, 0, 1], 1, [2, 3, 5], position=lambda: (done[0], False))
+    assert [_stepping(opt, resumed, done) for _ in (11, 12, 13, 14, 15, 16)] == [True, False, False, True, False, False]
+    done[0] += 1  # a gradient scaler skipped step 17's optimizer step (no hook ran), a sync step: step 18 catches up
+    assert _stepping(opt, resumed, done) and resumed.stats["steps"] == 8 and resumed.stats["global_syncs"] == 3
+    stats = algorithm.stats
     assert stats["steps"] == 10 and stats["global_syncs"] == 3
 
 
-def test_allreduce_controller_needs_no_groups_and_counts_bytes() -> None:
-    ctl = CommController("allreduce", [0, 0, 1, 1], [1, 1, 1, 1], 1)
-    assert ctl.groups is None
-    params = [torch.zeros(25, requires_grad=True), torch.zeros(3)]  # 100 bytes need gradients
-    for step in range(1, 3):
-        assert not ctl.after_optimizer_step(params, step)
-    assert not ctl.synchronize(params)
-    stats = ctl.stats
+def test_allreduce_needs_no_groups_counts_bytes_and_removes_its_hook() -> None:
+    ddp = _FakeDDP([torch.zeros(25, requires_grad=True), torch.zeros(3)])  # 100 bytes need gradients
+    opt = torch.optim.SGD(ddp.params[:1], lr=0.1)
+    algorithm = AllReduce()
+    algorithm.install(ddp, [opt], [0, 0, 1, 1], 1, [1, 1, 1, 1])  # no process group: none is built
+    assert ddp.hook is None  # DDP's own all-reduce
+    for _ in range(2):
+        opt.step()
+    assert not algorithm.sync()
+    stats = algorithm.stats
     assert stats["bytes_inter_per_step"] == 150.0  # rank 1 -> rank 2 crosses nodes: 2 * 3/4 * 100
     assert stats["job_bytes_inter_per_step"] == 300.0
     assert stats["bytes_inter_total"] == 300.0
+    algorithm.remove()
+    opt.step()  # the step hook is gone; the counters stay readable
+    assert algorithm.stats["steps"] == 2
 
 
-def test_controller_without_allocation_counts_replicas_as_equal() -> None:
-    ctl = CommController("node_local", [0, 0, 1], None, 0, global_sync_every=2, groups=_fake_groups([0, 0, 1], 0))
-    assert ctl.algorithm.state.node_scale == pytest.approx(0.5)  # mean over the node's 2 replicas
-    ctl.set_batch_sizes([1, 1, 2])
-    assert ctl.algorithm.state.node_scale == pytest.approx(4 / (3 * 2))
+def test_without_allocation_replicas_count_as_equal() -> None:
+    algorithm = NodeLocal(sync_every=2)
+    ddp, _ = _installed(algorithm, [0, 0, 1], 0, None)
+    assert ddp.state.node_scale == pytest.approx(0.5)  # mean over the node's 2 replicas
+    algorithm.set_batch_sizes([1, 1, 2])
+    assert ddp.state.node_scale == pytest.approx(4 / (3 * 2))
     with pytest.raises(ValueError, match="`batch_sizes`"):
-        ctl.set_batch_sizes([1, 1])
+        algorithm.set_batch_sizes([1, 1])
 
 
 def test_summary_line() -> None:
-    ctl = CommController("allreduce", [0, 1], None, 0)
-    ctl.after_optimizer_step([torch.zeros(250, requires_grad=True)], 1)
-    assert ctl.summary() == (
+    ddp = _FakeDDP([torch.zeros(250, requires_grad=True)])
+    opt = torch.optim.SGD(ddp.params, lr=0.1)
+    algorithm = AllReduce()
+    algorithm.install(ddp, [opt], [0, 1], 0, None)
+    opt.step()
+    assert algorithm.summary() == (
         "comm=allreduce: 1 steps, 0 global syncs; per step this rank sent 0.000 MB inside its node and 0.001 MB to"
         " other nodes (whole job: 0.002 MB between nodes)"
     )
@@ -605,9 +648,9 @@ class TestByteModel:
 
     def test_comm_stats_dict(self) -> None:
         stats = CommStats(rank=0, world_size=4)
-        stats.record_step(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        stats.record_step(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        stats.record_sync(hierarchical_traffic(100, [0, 0, 1, 1]))
+        stats.record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        stats.record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        stats.record(hierarchical_traffic(100, [0, 0, 1, 1]), sync=True)
         d = stats.as_dict()
         assert d["steps"] == 2 and d["global_syncs"] == 1
         assert d["bytes_intra_total"] == 400.0 and d["bytes_inter_total"] == 100.0
@@ -615,9 +658,9 @@ class TestByteModel:
 
 
 def test_share_weights() -> None:
-    assert share_weights([1, 3]) == [0.25, 0.75]
-    with pytest.raises(ValueError, match="batch_sizes"):
-        share_weights([0, 0])
+    assert merge_weights([1, 3], [0, 1]) == [0.25, 0.75]
+    with pytest.raises(ValueError, match="samples"):
+        merge_weights([0, 0], [0, 1])
 
 
 # --------------------------------------------------------------------------- bad input
@@ -656,33 +699,32 @@ class TestArguments:
         ],
     )
     def test_resolve(self, comm: str, node_ids: list[int], expected: str) -> None:
-        assert resolve_comm_mode(comm, node_ids) == expected
+        assert ALGORITHMS[comm]().resolve(node_ids).mode == expected
 
     @pytest.mark.parametrize(("node_ids", "reason"), [([0, 0], "a single node"), ([0, 1], "one replica per node")])
     def test_hierarchical_without_benefit_falls_back_with_log(
         self, caplog: pytest.LogCaptureFixture, node_ids: list[int], reason: str
     ) -> None:
-        with caplog.at_level(logging.INFO, logger="lightning_het.comm.controller"):
-            assert resolve_comm_mode("hierarchical", node_ids) == "allreduce"
+        with caplog.at_level(logging.INFO, logger="lightning_het.comm.hierarchical"):
+            assert isinstance(Hierarchical().resolve(node_ids), AllReduce)
+        assert isinstance(Auto().resolve(node_ids), AllReduce)
         assert f"comm='hierarchical' with {reason}" in caplog.text
 
     def test_node_local_on_one_node_is_an_error(self) -> None:
         with pytest.raises(ValueError, match=r"`comm='node_local'`, but all 3 replicas are on one node.*HINT"):
-            resolve_comm_mode("node_local", [0, 0, 0])
+            NodeLocal().resolve([0, 0, 0])
         with pytest.raises(ValueError, match="one node"):
-            CommController("node_local", [0, 0], [1, 1], 0, global_sync_every=2)
+            NodeLocal(sync_every=2).resolve([0, 0])
 
-    def test_controller_rejects_bad_input(self) -> None:
-        with pytest.raises(ValueError, match="`mode`"):
-            CommController("auto", [0, 1], [1, 1], 0)  # type: ignore[arg-type]
+    def test_install_rejects_bad_input(self) -> None:
         with pytest.raises(ValueError, match=r"`batch_sizes` to hold one positive integer per replica \(2\)"):
-            CommController("allreduce", [0, 1], [1, 2, 3], 0)
+            AllReduce().install(_FakeDDP([]), [], [0, 1], 0, [1, 2, 3])
         with pytest.raises(ValueError, match="`node_ids`"):
-            CommController("allreduce", [0, "a"], [1, 1], 0)  # type: ignore[list-item]
-        with pytest.raises(ValueError, match="`global_sync_every`"):
-            CommController("node_local", [0, 1], [1, 1], 0, global_sync_every=0)
+            AllReduce().install(_FakeDDP([]), [], [0, "a"], 0, [1, 1])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="`sync_every`"):
+            NodeLocal(sync_every=0)
         with pytest.raises(ValueError, match="`rank`"):
-            CommController("allreduce", [0, 1], [1, 1], 2)
+            AllReduce().install(_FakeDDP([]), [], [0, 1], 2, [1, 1])
 
 
 # --------------------------------------------------------------------------- benchmark plumbing

@@ -309,21 +309,21 @@ def test_a_replica_that_hangs_does_not_outlive_the_job(tmp_path, flavour):
 class _ShowingController:
     """Stands for a ``node_local`` controller: shows a zero "consensus" and gives the own weights back."""
 
-    def __init__(self) -> None:
-        self.own: list[torch.Tensor] | None = None
+    def __init__(self, params) -> None:
+        self.params, self.own = list(params), None
 
-    def synchronize(self, params) -> bool:
+    def sync(self) -> bool:
         raise AssertionError("a save must not sync the replicas (with an outer optimizer, that is an extra step)")
 
-    def show_consensus(self, params) -> None:
-        self.own = [p.detach().clone() for p in params]
+    def show_consensus(self) -> None:
+        self.own = [p.detach().clone() for p in self.params]
         with torch.no_grad():
-            for p in params:
+            for p in self.params:
                 p.zero_()
 
-    def hide_consensus(self, params) -> None:
+    def hide_consensus(self) -> None:
         with torch.no_grad():
-            for p, own in zip(params, self.own or []):
+            for p, own in zip(self.params, self.own or []):
                 p.copy_(own)
 
 
@@ -334,7 +334,7 @@ def test_node_local_save_holds_the_consensus_and_leaves_the_model(tmp_path):
     model = torch.nn.Linear(3, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     strategy._ddp_model = SimpleNamespace(module=model)
-    strategy.comm_controller = _ShowingController()
+    strategy.comm_algorithm = _ShowingController(model.parameters())
     strategy.save_checkpoint(tmp_path / "ckpt.pt", {"model": model})
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
     assert all(not v.any() for v in saved.values())  # the consensus

@@ -37,7 +37,7 @@ from lightning_het.balance.profiler import (
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.report import render_balance_table
 from lightning_het.balance.state import Allocation, StepSplit
-from lightning_het.comm.controller import CommController
+from lightning_het.comm.allreduce import CommAlgorithm
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
 from lightning_het.data.splitting import TrainingSplit, eval_weights
@@ -362,30 +362,11 @@ class BalancePolicy:
                 rank_zero_info(self.table())
 
 
-def new_comm(mode: str, node_ids: list[int], batch_sizes: list[int] | None, policy: BalancePolicy) -> CommController:
-    """This rank's communication controller for the resolved ``mode`` (a collective: call it on every rank)."""
-    config = policy.config
-    return CommController(
-        mode,  # type: ignore[arg-type]
-        node_ids,
-        batch_sizes,
-        policy.rank,
-        global_sync_every=config.global_sync_every,
-        warmup_steps=config.comm_warmup_steps,
-        autotune_steps=config.comm_autotune_steps,
-        outer_optimizer=config.outer_optimizer,
-        outer_lr=config.outer_lr,
-        outer_momentum=config.outer_momentum,
-        sync_dtype=config.sync_dtype,
-        merge_weights=config.merge_weights,
-    )
-
-
 class BalanceView:
     """The public, read-only balancing state of a heterogeneous strategy (``None`` before the allocation is known)."""
 
     policy: BalancePolicy
-    comm_controller: Any = None  # the gradient communication of this replica (built when DDP wraps the model)
+    comm_algorithm: CommAlgorithm | None = None  # the comm algorithm installed for this replica's fit
     _node_ids: list[int] | None = None
 
     @property
@@ -448,17 +429,17 @@ class BalanceView:
     @property
     def comm_mode(self) -> str | None:
         """The communication mode running (``comm`` after ``"auto"`` and fallbacks are resolved)."""
-        return None if self.comm_controller is None else self.comm_controller.mode
+        return None if self.comm_algorithm is None else self.comm_algorithm.mode
 
     @property
     def comm_reduction(self) -> str | None:
         """``comm="hierarchical"``: ``"hierarchical"`` or ``"flat"`` after the measured choice; else ``None``."""
-        return None if self.comm_controller is None else self.comm_controller.reduction
+        return None if self.comm_algorithm is None else self.comm_algorithm.reduction
 
     @property
     def comm_stats(self) -> dict[str, float]:
         """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step."""
-        return {} if self.comm_controller is None else self.comm_controller.stats
+        return {} if self.comm_algorithm is None else self.comm_algorithm.stats
 
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None

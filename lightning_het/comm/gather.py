@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
@@ -13,48 +12,21 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-_INLINE_DIMS = 8  # dimensions exchanged in the first round; larger ranks take a second round
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())
-
-
-def gather_shapes(tensor: Tensor, group: Any = None) -> tuple[list[tuple[int, ...]], list[int]]:
-    """Every replica's ``(shape, dtype code)`` of ``tensor``, in rank order of ``group`` (one or two all-gathers)."""
-    world = dist.get_world_size(group)
-    meta = torch.zeros(2 + _INLINE_DIMS, dtype=torch.int64, device=tensor.device)
-    meta[0], meta[1] = tensor.dim(), _dtype_code(tensor.dtype)
-    inline = list(tensor.shape[:_INLINE_DIMS])
-    meta[2 : 2 + len(inline)] = torch.tensor(inline, dtype=torch.int64)
-    rows = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(rows, meta, group=group)
-    ranks = [int(r[0]) for r in rows]
-    codes = [int(r[1]) for r in rows]
-    if max(ranks) <= _INLINE_DIMS:
-        return [tuple(int(d) for d in r[2 : 2 + n]) for r, n in zip(rows, ranks)], codes
-    full = torch.zeros(max(ranks), dtype=torch.int64, device=tensor.device)
-    full[: tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
-    rows = [torch.empty_like(full) for _ in range(world)]
-    dist.all_gather(rows, full, group=group)
-    return [tuple(int(d) for d in r[:n]) for r, n in zip(rows, ranks)], codes
-
 
 def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-    """Gather ``tensor`` from every replica of ``group`` (default: all); ``tensor`` itself when not distributed.
-
-    Equal shapes are stacked to ``[W, *shape]`` (as DDP); shapes differing only in dimension 0 are concatenated in rank
-    order to ``[sum_r n_r, *rest]``; other differences raise ``ValueError``.
-    """
+    """Gather ``tensor`` from every replica of ``group``: equal shapes stacked to ``[W, *shape]`` (as DDP), shapes
+    differing in dimension 0 concatenated in rank order, others a ``ValueError``; ``tensor`` when not distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     group = group if group is not None else dist.group.WORLD
     tensor = tensor.contiguous()
-    shapes, codes = gather_shapes(tensor, group)
+    rows: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, (tuple(tensor.shape), str(tensor.dtype)), group=group)
+    shapes = [shape for shape, _ in rows]
     even = len(set(shapes)) == 1
-    if len(set(codes)) > 1 or (not even and any(len(s) == 0 or s[1:] != shapes[0][1:] for s in shapes)):
-        dtypes = _dtype_names(tensor, codes)
-        described = ", ".join(f"rank {r}: {list(s)} {d}" for r, (s, d) in enumerate(zip(shapes, dtypes)))
+    ragged = any(len(s) == 0 or s[1:] != shapes[0][1:] for s in shapes)
+    if len({dtype for _, dtype in rows}) > 1 or (not even and ragged):
+        described = ", ".join(f"rank {r}: {list(s)} {d}" for r, (s, d) in enumerate(rows))
         raise ValueError(
             "all_gather: the replicas' tensors differ in more than their first dimension, so they can be neither"
             f" stacked nor concatenated ({described}). HINT: gather tensors of one dtype whose shapes differ at most"
@@ -72,16 +44,6 @@ def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = Fals
     with nullcontext() if sync_grads else torch.no_grad():
         parts = differentiable_all_gather(padded, group)
         return torch.cat([part[: s[0]] for part, s in zip(parts, shapes)])
-
-
-def _dtype_names(tensor: Tensor, codes: list[int]) -> list[str]:
-    """Names of the replicas' dtypes for an error message (known names from their codes; no extra collective)."""
-    known = {_dtype_code(d): str(d) for d in _ALL_DTYPES}
-    known[_dtype_code(tensor.dtype)] = str(tensor.dtype)
-    return [known.get(c, "an unknown dtype") for c in codes]
-
-
-_ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
 
 def _structure(data: Any) -> str:
@@ -106,11 +68,10 @@ def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False
         group = group if group is not None else dist.group.WORLD
         count = [0]
         apply_to_collection(data, Tensor, lambda t: count.__setitem__(0, count[0] + 1))
-        mine = torch.tensor([zlib.crc32(_structure(data).encode()), count[0]], dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, mine, group=group)
-        if len({int(r[0]) for r in rows}) > 1:
-            counts = ", ".join(f"rank {r}: {int(row[1])}" for r, row in enumerate(rows))
+        rows: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(rows, (_structure(data), count[0]), group=group)
+        if len({structure for structure, _ in rows}) > 1:
+            counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(rows))
             raise ValueError(
                 "all_gather: the replicas passed collections of different structure (tensors per replica:"
                 f" {counts}), so their gathers cannot pair up. HINT: with uneven batch shares a list of per-sample"
@@ -121,13 +82,8 @@ def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False
 
 
 def reduce_counts(reduce: Any, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-    """``reduce(tensor, group=..., reduce_op=...)`` (a strategy's all-reduce), except that the mean of an integer
-    tensor is summed in ``float64`` and returned in the default float dtype.
-
-    Lightning's epoch-level ``self.log(..., sync_dist=True)`` mean-reduces its integer batch-size count; DDP's
-    in-place division would truncate it (``(10 + 31) / 2 -> 20``), and with uneven shares every epoch metric would be
-    off. The logged ``value / count`` then has the logged value's dtype, as in DDP.
-    """
+    """``reduce(tensor, ...)`` (a strategy's all-reduce), but an integer mean (Lightning's logged batch-size count,
+    which DDP's division would truncate) summed in ``float64`` and returned in the default float dtype."""
     if isinstance(tensor, torch.Tensor) and not (tensor.is_floating_point() or tensor.is_complex()):
         op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
         if op in ("mean", "avg", dist.ReduceOp.AVG):

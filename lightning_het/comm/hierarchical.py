@@ -1,85 +1,303 @@
-"""``comm="hierarchical"``: exact reduction inside each node, then between node leaders, optionally autotuned."""
-
-from __future__ import annotations
+"""``comm="hierarchical"`` and ``"auto"``, with the DDP comm hooks of the node-aware algorithms (no ``from __future__
+import annotations``: DDP rejects a hook's string annotations)."""
 
 import logging
+import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lightning_het.cluster.topology import NodeGroups
-from lightning_het.comm.allreduce import FlatAllReduce
-from lightning_het.comm.hooks import HierarchicalState, hierarchical_hook
-from lightning_het.comm.stats import CommStats, Traffic, flat_allreduce_traffic, hierarchical_traffic
-from lightning_het.comm.tuning import ReductionTuner
+from lightning_het.arguments import positive_int
+from lightning_het.cluster.topology import (
+    NodeGroups,
+    build_node_groups,
+    describe_topology,
+    node_members,
+    validate_node_ids,
+)
+from lightning_het.comm.allreduce import DEFAULT_CHUNK_BYTES, AllReduce, CommAlgorithm
+from lightning_het.comm.stats import Traffic, flat_allreduce_traffic, hierarchical_traffic
 
 log = logging.getLogger(__name__)
 
 
-class Hierarchical(FlatAllReduce):
-    """Node-aware exact reduction; with ``autotune_steps > 0`` timed against a flat all-reduce and the faster kept."""
+class _InOrder:
+    """Runs submitted actions in sequence-number order, whichever thread submits them: gloo completes callbacks in
+    any order, yet every rank must issue a group's collectives in the same order."""
 
-    mode = "hierarchical"
+    __slots__ = ("_draining", "_lock", "_next", "_pending")
 
-    def __init__(
-        self,
-        node_ids: Sequence[int],
-        rank: int,
-        stats: CommStats,
-        *,
-        groups: NodeGroups,
-        chunk_bytes: int,
-        autotune_steps: int = 0,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        super().__init__(node_ids, rank, stats)
-        self.state = HierarchicalState(groups, chunk_bytes)
-        #: the measured flat-vs-hierarchical choice (``None`` without ``autotune_steps``)
-        self.tuner = ReductionTuner(autotune_steps, clock=clock) if autotune_steps else None
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._pending: dict[int, tuple[Callable[[], None], Callable[[BaseException], None]]] = {}
+        self._draining = False
+
+    def submit(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """Run ``action`` once every action with a smaller ``seq`` has run; report its exception to ``on_error``."""
+        with self._lock:
+            self._pending[seq] = (action, on_error)
+            if self._draining:
+                return
+            self._draining = True
+        while True:
+            with self._lock:
+                item = self._pending.pop(self._next, None)
+                if item is None:
+                    self._draining = False
+                    return
+                self._next += 1
+            run, report = item
+            try:
+                run()
+            except BaseException as err:  # must reach the bucket's future, or DDP waits forever
+                report(err)
+
+
+def _nothing(*args: object) -> None:
+    """The action (and error handler) of a turn handed on by a failed chunk."""
+
+
+def _future(tensor: torch.Tensor, done: bool = False) -> torch.futures.Future[torch.Tensor]:
+    """A future DDP can wait on for ``tensor`` (device-aware on accelerators), already set when ``done``."""
+    fut = torch.futures.Future() if tensor.device.type == "cpu" else torch.futures.Future(devices=[tensor.device])
+    if done:
+        fut.set_result(tensor)
+    return fut
+
+
+class HierarchicalState:
+    """State of :func:`hierarchical_hook`: the node ``groups`` (``None`` once removed), ``chunk_bytes`` (the largest
+    chunk reduced at once), ``flat`` (run a flat all-reduce: the measured choice)."""
+
+    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "flat", "groups", "leader_order", "world_size")
+
+    def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.groups: NodeGroups | None = groups
+        self.chunk_bytes = chunk_bytes
+        self.world_size = groups.world_size
+        self.flat = False
+        self._seq = 0
+        self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
+        self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
+
+    def next_seq(self) -> int:
+        """The issue number of the next chunk (every rank numbers its chunks in the same order)."""
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
+
+
+def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Sum a contiguous ``tensor`` over all ranks in place, in chunks whose three stages overlap; a future of it."""
+    flat = tensor.view(-1)
+    chunk = state.chunk_bytes // max(flat.element_size(), 1)
+    if state.chunk_bytes <= 0 or flat.numel() <= chunk:
+        return _hierarchical_sum_chunk(state, tensor)
+    parts = [_hierarchical_sum_chunk(state, part) for part in flat.split(chunk)]
+    result, lock, remaining = _future(tensor), threading.Lock(), [len(parts)]
+
+    def part_done(fut: torch.futures.Future[torch.Tensor]) -> None:
+        try:
+            fut.value()
+        except BaseException as err:
+            with lock:
+                if not result.done():
+                    result.set_exception(err)
+            return
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not result.done():
+                result.set_result(tensor)
+
+    for part in parts:
+        part.then(part_done)
+    return result
+
+
+def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk."""
+    groups = state.groups
+    assert groups is not None
+    seq = state.next_seq()
+    result = _future(tensor)
+    # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
+    # later chunk would wait for it until the watchdog ends the job
+    turns = {"leaders": groups.is_leader and groups.num_nodes > 1, "bcast": groups.node_size > 1}
+
+    def fail(err: BaseException) -> None:
+        if not result.done():
+            result.set_exception(err)
+        if turns.pop("leaders", False):
+            state.leader_order.submit(seq, _nothing, _nothing)
+        if turns.pop("bcast", False):
+            state.bcast_order.submit(seq, _nothing, _nothing)
+
+    def chain(work: dist.Work, then: Callable[[], None]) -> None:
+        def callback(fut: torch.futures.Future[list[torch.Tensor]]) -> None:
+            try:
+                fut.value()
+                then()
+            except BaseException as err:
+                fail(err)
+
+        work.get_future().then(callback)
+
+    def broadcast() -> None:
+        work = dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True)
+        chain(work, lambda: result.set_result(tensor))
+
+    def after_leaders() -> None:
+        if turns.pop("bcast", False):
+            state.bcast_order.submit(seq, broadcast, fail)
+        else:
+            result.set_result(tensor)
+
+    def leaders_allreduce() -> None:
+        chain(dist.all_reduce(tensor, group=groups.leader_group, async_op=True), after_leaders)
+
+    def after_reduce() -> None:
+        if turns.pop("leaders", False):
+            state.leader_order.submit(seq, leaders_allreduce, fail)
+        else:
+            after_leaders()
+
+    try:
+        if groups.node_size > 1:
+            chain(dist.reduce(tensor, dst=groups.leader, group=groups.intra_group, async_op=True), after_reduce)
+        else:
+            after_reduce()
+    except BaseException as err:
+        fail(err)
+    return result
+
+
+def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Exact gradient mean ``(1/W) * sum_r g_r`` through the node hierarchy (flat: DDP's all-reduce)."""
+    if state.flat or state.groups is None:
+        return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    return hierarchical_sum(state, bucket.buffer().div_(state.world_size))
+
+
+class NodeLocalState(HierarchicalState):
+    """State of :func:`node_local_hook`: ``node_scale = B / (W * B_n)`` and ``exact()`` (whether the step in progress
+    is a warm-up step, reduced exactly through the hierarchy)."""
+
+    __slots__ = ("exact", "node_scale")
+
+    def __init__(self, groups: NodeGroups, chunk_bytes: int, exact: Callable[[], bool]) -> None:
+        super().__init__(groups, chunk_bytes)
+        self.exact, self.node_scale = exact, 1.0
+
+
+def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Gradient of this node's mean loss, ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only."""
+    groups = state.groups
+    if groups is None or state.exact():
+        return hierarchical_hook(state, bucket)
+    tensor = bucket.buffer().mul_(state.node_scale)
+    if groups.node_size == 1:
+        return _future(tensor, done=True)
+    work = dist.all_reduce(tensor, group=groups.intra_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def choose_reduction(flat_s: float, hierarchical_s: float) -> str:
+    """The reduction to keep from typical step times: ``"flat"`` only when 2 % faster (NaN: no).
+
+    >>> choose_reduction(0.40, 0.50), choose_reduction(0.495, 0.50)
+    ('flat', 'hierarchical')
+    """
+    if flat_s > 0 and hierarchical_s > 0 and flat_s < hierarchical_s * 0.98:
+        return "flat"
+    return "hierarchical"
+
+
+def _several_nodes_of_several(node_ids: Sequence[int]) -> bool:
+    members = node_members(validate_node_ids(node_ids, len(node_ids)))
+    return len(members) > 1 and any(len(m) > 1 for m in members)
+
+
+@dataclass
+class Hierarchical(CommAlgorithm):
+    """Exact two-level reduction: inside each node, then between the nodes' leaders, then back (a flat all-reduce
+    when no node holds several replicas). ``autotune_steps``: the first ``2 * n + 1`` steps alternate the hierarchy
+    with a flat all-reduce and keep the faster; 0: always the hierarchy."""
+
+    mode: ClassVar[str] = "hierarchical"
+    autotune_steps: int = 5
+    _clock = staticmethod(time.perf_counter)
+
+    def __post_init__(self) -> None:
+        positive_int("autotune_steps", self.autotune_steps, allow_none=False, minimum=0)
+
+    def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
+        if _several_nodes_of_several(node_ids):
+            return self
+        reason = "a single node" if len(set(node_ids)) < 2 else "one replica per node"
+        topology = describe_topology(node_ids)
+        log.info("comm='hierarchical' with %s (%s) is a flat all-reduce: using comm='allreduce'.", reason, topology)
+        return AllReduce()
+
+    def _start(self, model: Any) -> None:
+        self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
+        self._hook_state = HierarchicalState(self._groups, self._chunk_bytes)
+        self._times: dict[str, list[float]] = {"flat": [], "hierarchical": []}  # step times under each, measured
+        self._last, self._measured = None, not self.autotune_steps
+        model.register_comm_hook(self._hook_state, hierarchical_hook)
 
     @property
     def reduction(self) -> str | None:
-        return "flat" if self.state.flat else "hierarchical"
+        return None if self._hook_state is None else ("flat" if self._hook_state.flat else "hierarchical")
 
-    def describe(self) -> str:
-        if self.tuner is None:
+    def _describe(self) -> str:
+        if not self.autotune_steps:
             return ""
-        return f" ({self.reduction} reduction, measured)" if self.tuner.choice else " (still measuring)"
+        return f" ({self.reduction} reduction, measured)" if self._measured else " (still measuring)"
 
-    def register(self, ddp_model: DistributedDataParallel) -> None:
-        ddp_model.register_comm_hook(self.state, hierarchical_hook)
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+        return flat_allreduce_traffic if self._hook_state.flat else hierarchical_traffic
 
-    def step_traffic(self, grad_bytes: int, global_step: int) -> Traffic:
-        if self.state.flat:  # the measured choice (or a measuring step) ran a flat all-reduce
-            return flat_allreduce_traffic(grad_bytes, self.node_ids)
-        return hierarchical_traffic(grad_bytes, self.node_ids)
-
-    def after_step(self, params: list[torch.Tensor], global_step: int, end_of_epoch: bool) -> bool:
-        if self.tuner is not None and self.tuner.measuring:
-            self._tune(params)
-        return False
-
-    def _tune(self, params: list[torch.Tensor]) -> None:
-        """One step of the measured flat-vs-hierarchical choice; the decision itself is a small collective."""
-        assert self.tuner is not None
-        device = params[0].device if params else torch.device("cpu")
-        if device.type == "cuda":  # time the step's kernels, not their launch (only while measuring: 2k + 1 steps)
+    def _after_step(self, step: int, epoch_end: bool) -> None:
+        """While measuring: time the step that ended, pick the next step's reduction, or decide (all ranks agree)."""
+        if self._measured:
+            return
+        device = self._params[0].device if self._params else torch.device("cpu")
+        if device.type == "cuda":  # time the step's kernels, not their launch (only while measuring)
             torch.cuda.synchronize(device)
-        if self.tuner.step_done():
-            on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
-            medians = torch.tensor(self.tuner.medians(), dtype=torch.float64, device=on)
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the same decision everywhere
-            flat_s, hier_s = (float(v) for v in medians.tolist())
-            choice = self.tuner.decide([flat_s, hier_s])
-            if self.rank == 0:
-                log.info(
-                    "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
-                    " the node hierarchy; using the %s reduction from now on.",
-                    flat_s * 1e3,
-                    hier_s * 1e3,
-                    choice,
-                )
-        self.state.flat = self.tuner.current == "flat"
+        now, times = self._clock(), self._times
+        if self._last is not None:  # the first step is not timed
+            times[self.reduction].append(now - self._last)  # type: ignore[index]
+        self._last = now
+        if min(len(t) for t in times.values()) < self.autotune_steps:
+            self._hook_state.flat = len(times["flat"]) <= len(times["hierarchical"])
+            return
+        on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
+        medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64, device=on)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank of each: the same decision everywhere
+        flat_s, hier_s = (float(v) for v in medians.tolist())
+        self._hook_state.flat, self._measured = choose_reduction(flat_s, hier_s) == "flat", True
+        if self._rank == 0:
+            log.info(
+                "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
+                " the node hierarchy; using the %s reduction from now on.",
+                flat_s * 1e3,
+                hier_s * 1e3,
+                self.reduction,
+            )
+
+
+@dataclass
+class Auto(Hierarchical):
+    """``comm="auto"``: :class:`Hierarchical` when the job spans several nodes of several replicas, else
+    :class:`AllReduce`."""
+
+    mode: ClassVar[str] = "auto"
+
+    def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
+        return Hierarchical(self.autotune_steps) if _several_nodes_of_several(node_ids) else AllReduce()

@@ -1,4 +1,4 @@
-"""Byte accounting: how many bytes each rank sends inside its node and between nodes."""
+"""Byte accounting: what each rank sends inside its node and to other nodes, per collective pattern."""
 
 from __future__ import annotations
 
@@ -10,75 +10,59 @@ from lightning_het.cluster.topology import node_members
 
 @dataclass
 class Traffic:
-    """Bytes sent by every global rank (indexed by global rank) during one collective pattern, by destination."""
+    """Bytes sent by every global rank during one collective pattern: to its own node, to other nodes."""
 
-    intra: list[float]  # to ranks on the sender's node
-    inter: list[float]  # to ranks on other nodes
+    intra: list[float]
+    inter: list[float]
 
     @classmethod
     def zeros(cls, world_size: int) -> Traffic:
         return cls([0.0] * world_size, [0.0] * world_size)
 
+    def send(self, node_ids: Sequence[int], src: int, dst: int, nbytes: float) -> Traffic:
+        (self.intra if node_ids[src] == node_ids[dst] else self.inter)[src] += nbytes
+        return self
+
     def __add__(self, other: Traffic) -> Traffic:
-        intra = [a + b for a, b in zip(self.intra, other.intra)]
-        return Traffic(intra, [a + b for a, b in zip(self.inter, other.inter)])
+        return Traffic(
+            [a + b for a, b in zip(self.intra, other.intra)], [a + b for a, b in zip(self.inter, other.inter)]
+        )
 
     @property
     def total_intra(self) -> float:
-        """Bytes sent inside nodes, summed over the job."""
         return sum(self.intra)
 
     @property
     def total_inter(self) -> float:
-        """Bytes sent between nodes, summed over the job."""
         return sum(self.inter)
 
 
-def _send(traffic: Traffic, node_ids: Sequence[int], src: int, dst: int, nbytes: float) -> None:
-    if node_ids[src] == node_ids[dst]:
-        traffic.intra[src] += nbytes
-    else:
-        traffic.inter[src] += nbytes
-
-
-def allreduce_traffic(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int]) -> Traffic:
-    """Ring all-reduce of ``nbytes`` over the global ``ranks`` (ring order = ascending rank).
-
-    >>> allreduce_traffic(100, [0, 1, 2, 3], [0, 0, 1, 1])
-    Traffic(intra=[150.0, 0.0, 150.0, 0.0], inter=[0.0, 150.0, 0.0, 150.0])
-    """
-    traffic = Traffic.zeros(len(node_ids))
-    ring = sorted(ranks)
-    p = len(ring)
-    if p < 2:
-        return traffic
-    per_rank = 2.0 * (p - 1) / p * nbytes
-    for i, src in enumerate(ring):
-        _send(traffic, node_ids, src, ring[(i + 1) % p], per_rank)
+def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
+    """A ring over ``ranks`` (ascending): each sends ``per_rank`` bytes (default: an all-reduce's) to the next."""
+    traffic, ring = Traffic.zeros(len(node_ids)), sorted(ranks)
+    if len(ring) > 1:
+        per_rank = 2.0 * (len(ring) - 1) / len(ring) * nbytes if per_rank is None else per_rank
+        for i, src in enumerate(ring):
+            traffic.send(node_ids, src, ring[(i + 1) % len(ring)], per_rank)
     return traffic
 
 
-def reduce_traffic(nbytes: float, ranks: Sequence[int], root: int, node_ids: Sequence[int]) -> Traffic:
-    """Reduce of ``nbytes`` from ``ranks`` to ``root``: every non-root sends its ``nbytes`` once."""
+def _reduce_and_broadcast(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """Inside every node: a reduce onto its leader and a broadcast back."""
     traffic = Traffic.zeros(len(node_ids))
-    for src in ranks:
-        if src != root:
-            _send(traffic, node_ids, src, root, float(nbytes))
-    return traffic
-
-
-def broadcast_traffic(nbytes: float, ranks: Sequence[int], root: int, node_ids: Sequence[int]) -> Traffic:
-    """Broadcast of ``nbytes`` from ``root`` to ``ranks``: the root sends one copy to every other member."""
-    traffic = Traffic.zeros(len(node_ids))
-    for dst in ranks:
-        if dst != root:
-            _send(traffic, node_ids, root, dst, float(nbytes))
+    for members in node_members(node_ids):
+        for other in members[1:]:
+            traffic.send(node_ids, other, members[0], nbytes).send(node_ids, members[0], other, nbytes)
     return traffic
 
 
 def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
-    """One all-reduce over all ranks (plain DDP, ``comm="allreduce"``)."""
-    return allreduce_traffic(nbytes, range(len(node_ids)), node_ids)
+    """One ring all-reduce over all ranks (DDP's).
+
+    >>> flat_allreduce_traffic(100, [0, 0, 1, 1])
+    Traffic(intra=[150.0, 0.0, 150.0, 0.0], inter=[0.0, 150.0, 0.0, 150.0])
+    """
+    return _ring(nbytes, range(len(node_ids)), node_ids)
 
 
 def hierarchical_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
@@ -88,36 +72,27 @@ def hierarchical_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     >>> t.inter, t.total_intra
     ([100.0, 0.0, 100.0, 0.0], 400.0)
     """
-    members = node_members(node_ids)
-    leaders = [m[0] for m in members]
-    traffic = allreduce_traffic(nbytes, leaders, node_ids)
-    for m in members:
-        traffic = traffic + reduce_traffic(nbytes, m, m[0], node_ids) + broadcast_traffic(nbytes, m, m[0], node_ids)
-    return traffic
+    leaders = [m[0] for m in node_members(node_ids)]
+    return _ring(nbytes, leaders, node_ids) + _reduce_and_broadcast(nbytes, node_ids)
 
 
 def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence[int]) -> Traffic:
-    """A sync of ``comm="node_local"`` with ``sync_dtype`` compression: ``nbytes`` reduced onto each node leader and
-    broadcast back, the leaders' ``wire_bytes`` each all-gathered (a ring: ``(N-1) * wire_bytes`` per leader).
+    """A compressed sync: ``nbytes`` reduced onto each leader and broadcast back, the leaders' ``wire_bytes``
+    all-gathered in a ring.
 
     >>> compressed_sync_traffic(400, 100, [0, 0, 1]).inter
     [100.0, 0.0, 100.0]
     """
-    members = node_members(node_ids)
-    ring = [m[0] for m in members]
-    traffic = Traffic.zeros(len(node_ids))
-    for i, src in enumerate(ring):
-        _send(traffic, node_ids, src, ring[(i + 1) % len(ring)], (len(ring) - 1) * float(wire_bytes))
-    for m in members:
-        traffic = traffic + reduce_traffic(nbytes, m, m[0], node_ids) + broadcast_traffic(nbytes, m, m[0], node_ids)
-    return traffic
+    leaders = [m[0] for m in node_members(node_ids)]
+    ring = _ring(nbytes, leaders, node_ids, per_rank=(len(leaders) - 1) * float(wire_bytes))
+    return ring + _reduce_and_broadcast(nbytes, node_ids)
 
 
 def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     """One all-reduce inside each node, nothing between nodes."""
     traffic = Traffic.zeros(len(node_ids))
-    for m in node_members(node_ids):
-        traffic = traffic + allreduce_traffic(nbytes, m, node_ids)
+    for members in node_members(node_ids):
+        traffic = traffic + _ring(nbytes, members, node_ids)
     return traffic
 
 
@@ -127,36 +102,23 @@ class CommStats:
 
     rank: int
     world_size: int
-    steps: int = 0  # optimizer steps recorded
-    syncs: int = 0  # global parameter averages recorded
-    total: Traffic = field(init=False)  # bytes sent by every rank so far (gradients and syncs)
+    steps: int = 0
+    syncs: int = 0
+    total: Traffic = field(init=False)
 
     def __post_init__(self) -> None:
         self.total = Traffic.zeros(self.world_size)
 
-    def record_step(self, traffic: Traffic) -> None:
-        """Add one optimizer step's gradient exchange."""
-        self.steps += 1
-        self.total = self.total + traffic
-
-    def record_sync(self, traffic: Traffic) -> None:
-        """Add one global parameter average (not an optimizer step)."""
-        self.syncs += 1
+    def record(self, traffic: Traffic, sync: bool = False) -> None:
+        """Add one optimizer step's gradient exchange, or (``sync``) one global parameter average."""
+        self.syncs, self.steps = self.syncs + sync, self.steps + (not sync)
         self.total = self.total + traffic
 
     def as_dict(self) -> dict[str, float]:
-        """Counters in bytes. ``*_per_step`` divide the totals (syncs included) by the number of steps."""
-        steps = max(self.steps, 1)
-        intra, inter = self.total.intra[self.rank], self.total.inter[self.rank]
-        return {
-            "steps": float(self.steps),
-            "global_syncs": float(self.syncs),
-            "bytes_intra_total": intra,
-            "bytes_inter_total": inter,
-            "bytes_intra_per_step": intra / steps,
-            "bytes_inter_per_step": inter / steps,
-            "job_bytes_intra_total": self.total.total_intra,
-            "job_bytes_inter_total": self.total.total_inter,
-            "job_bytes_intra_per_step": self.total.total_intra / steps,
-            "job_bytes_inter_per_step": self.total.total_inter / steps,
-        }
+        """The counters in bytes; ``*_per_step``: the totals (syncs included) over the optimizer steps."""
+        out, steps = {"steps": float(self.steps), "global_syncs": float(self.syncs)}, max(self.steps, 1)
+        for kind in ("intra", "inter"):
+            mine, job = getattr(self.total, kind)[self.rank], sum(getattr(self.total, kind))
+            out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
+            out |= {f"job_bytes_{kind}_total": job, f"job_bytes_{kind}_per_step": job / steps}
+        return out

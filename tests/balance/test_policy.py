@@ -17,8 +17,8 @@ from lightning_het.balance.state import Allocation
 
 
 def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
-    balancer = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes=[8, 64]).config)
-    balancer.place(0, 2, torch.device("cpu"), 2)
+    policy = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes=[8, 64]).config)
+    policy.place(0, 2, torch.device("cpu"), 2)
     gathered: list[int] = []
     step = 0
 
@@ -26,16 +26,16 @@ def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
         gathered.append(step)
         return [values, [64.0, 0.0]]
 
-    balancer.gather = all_gather  # type: ignore[method-assign]
-    assert balancer.micro is not None
+    policy.gather = all_gather  # type: ignore[method-assign]
+    assert policy.micro is not None
     for step in range(40):
         if step == 3:  # an out-of-memory error in step 3 halves rank 0's cap; rank 1 learns it at the next agreement
-            balancer.micro.lower(8, torch.OutOfMemoryError("emulated"))
-        balancer.agree_caps(step, 40)
+            policy.micro.lower(8, torch.OutOfMemoryError("emulated"))
+        policy.agree_caps(step, 40)
         if step == CAPS_AGREED_EVERY - 2:
-            assert balancer.allocation.micro_caps is None and balancer.micro.pending
+            assert policy.allocation.micro_caps is None and policy.micro.pending
     assert gathered == [CAPS_AGREED_EVERY - 1, 2 * CAPS_AGREED_EVERY - 1, 39]  # and the epoch's last step
-    assert balancer.allocation.micro_caps == [4, 64] and not balancer.micro.pending
+    assert policy.allocation.micro_caps == [4, 64] and not policy.micro.pending
 
 
 def _norm_model(synced: bool) -> nn.Module:
@@ -45,9 +45,9 @@ def _norm_model(synced: bool) -> nn.Module:
 
 def test_sync_batchnorm_is_refused_with_micro_batching_only() -> None:
     def placed(**keywords) -> BalancePolicy:
-        balancer = BalancePolicy(HeterogeneousStrategy(**keywords).config)
-        balancer.place(0, 2, torch.device("cpu"), 1)
-        return balancer
+        policy = BalancePolicy(HeterogeneousStrategy(**keywords).config)
+        policy.place(0, 2, torch.device("cpu"), 1)
+        return policy
 
     micro = placed(max_micro_batch_sizes=[8, 64])
     with pytest.raises(
@@ -73,16 +73,16 @@ def test_measured_caps_below_what_batch_norm_needs_end_every_replica() -> None:
     piece of 1) ends the fit with the same message on every replica (after the caps' all-gather)."""
     from lightning_het.balance.memory import EmulatedMemoryCap
 
-    balancer = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes="auto").config)
-    balancer.place(0, 1, torch.device("cpu"), 1)
-    balancer.allocation = Allocation(batch_sizes=[8])
+    policy = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes="auto").config)
+    policy.place(0, 1, torch.device("cpu"), 1)
+    policy.allocation = Allocation(batch_sizes=[8])
     module = _norm_model(synced=False)
-    balancer.check_normalisation(module)
-    assert balancer.micro is not None and balancer.micro.least_cap == 3
+    policy.check_normalisation(module)
+    assert policy.micro is not None and policy.micro.least_cap == 3
     EmulatedMemoryCap(0, 2).install(module)
     x = torch.randn(8, 3)
     with pytest.raises(RuntimeError, match=r"not even a training step of 3 sample\(s\) \(the model's batch norm"):
-        balancer.measure_caps(lambda piece: module(piece).pow(2).mean(), x, nullcontext, module)
+        policy.measure_caps(lambda piece: module(piece).pow(2).mean(), x, nullcontext, module)
 
 
 @pytest.mark.parametrize("total", [8, 9, 100])

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_het import AllReduce, NodeLocal
 from lightning_het.cluster.topology import NodeGroups, node_members
 from lightning_het.comm import node_local as node_local_module
-from lightning_het.comm.controller import CommController
-from lightning_het.comm.node_state import is_leader, layout_change, node_index, node_layout, node_record
+from lightning_het.comm.node_local import layout_change, node_record
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, node_optimizer_checkpoint, with_node_states
 
 
@@ -21,11 +21,25 @@ def _fake_groups(node_ids: list[int], rank: int) -> NodeGroups:
     return NodeGroups(tuple(node_ids), rank, members, None, None, None)  # type: ignore[arg-type]
 
 
-def _controller(node_ids: list[int], rank: int) -> CommController:
-    """A ``node_local`` controller with DiLoCo's outer step over int8 (no process group: fake node groups)."""
-    groups = _fake_groups(node_ids, rank)
-    settings: dict[str, Any] = {"global_sync_every": 2, "outer_optimizer": "nesterov", "sync_dtype": "int8"}
-    return CommController("node_local", node_ids, None, rank, groups=groups, **settings)
+class _FakeDDP:
+    """What :meth:`NodeLocal.install` uses of a ``DistributedDataParallel``: its parameters."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        pass
+
+
+def _controller(node_ids: list[int], rank: int, params: list[torch.Tensor] | None = None) -> NodeLocal:
+    """``node_local`` with DiLoCo's outer step over int8, installed on ``params`` (no process group: fake groups)."""
+    algorithm = NodeLocal(sync_every=2, outer="nesterov", sync_dtype="int8")
+    ddp = _FakeDDP([torch.zeros(3)] if params is None else params)
+    algorithm.install(ddp, [], node_ids, rank, None, groups=_fake_groups(node_ids, rank))
+    return algorithm
 
 
 def _states(node: int) -> list[dict[str, Any]]:
@@ -42,13 +56,16 @@ def test_the_record_holds_each_nodes_leader_entry() -> None:
     assert RECORD["layout"] == [2, 2]
     assert RECORD["optimizer_states"] == [SAVED[0][0], SAVED[2][0]]  # type: ignore[index]
     assert [r.tolist() for r in RECORD["residuals"]] == [[0.5] * 4, [-0.25] * 4]
-    assert node_layout([0, 1, 0, 1, 1]) == [2, 3]
-    assert [is_leader([0, 1, 0, 1], r) for r in range(4)] == [True, True, False, False]
+    assert node_record([(i,) * 3 for i in range(5)], [0, 1, 0, 1, 1])["layout"] == [2, 3]
+    assert node_record([(i,) * 3 for i in range(4)], [0, 1, 0, 1])["params"] == [0, 1]  # the leaders: ranks 0 and 1
 
 
 def test_each_rank_picks_its_node_for_the_same_layout() -> None:
-    assert [node_index(RECORD, [0, 0, 1, 1], r) for r in range(4)] == [0, 0, 1, 1]
-    assert [node_index(RECORD, [0, 1, 0, 1], r) for r in range(4)] == [0, 1, 0, 1]  # ranks placed otherwise
+    comm = _checkpoint()[CHECKPOINT_KEY]["comm"]
+    for node_ids in ([0, 0, 1, 1], [0, 1, 0, 1]):  # ranks placed otherwise: the same layout
+        for rank in range(4):
+            states = _controller(node_ids, rank).node_optimizer_states(comm)
+            assert states is RECORD["optimizer_states"][node_ids[rank]]
     assert layout_change(RECORD, [0, 1, 0, 1]) is None
 
 
@@ -56,9 +73,10 @@ def test_each_rank_picks_its_node_for_the_same_layout() -> None:
     ("node_ids", "now"), [([0, 0, 1], [2, 1]), ([0, 1, 2, 3], [1, 1, 1, 1]), ([0, 0, 0, 1], [3, 1])]
 )
 def test_another_layout_picks_nothing(node_ids: list[int], now: list[int]) -> None:
-    assert all(node_index(RECORD, node_ids, r) is None for r in range(len(node_ids)))
+    comm = _checkpoint()[CHECKPOINT_KEY]["comm"]
+    assert all(_controller(node_ids, r).node_optimizer_states(comm) is None for r in range(len(node_ids)))
     assert layout_change(RECORD, node_ids) == f"the checkpoint's nodes held [2, 2] replicas, this run's hold {now}"
-    assert node_index(None, node_ids, 0) is None and layout_change(None, node_ids) is None  # nothing saved
+    assert _controller(node_ids, 0).node_optimizer_states(None) is None and layout_change(None, node_ids) is None
 
 
 def _checkpoint() -> dict[str, Any]:
@@ -71,7 +89,7 @@ def test_a_resumed_rank_loads_its_nodes_optimizer_state_and_a_leader_its_residua
     checkpoint, node = _checkpoint(), [0, 0, 1, 1][rank]
     ctl = _controller([0, 0, 1, 1], rank)
     ctl.load_state_dict(checkpoint[CHECKPOINT_KEY]["comm"])
-    residual = ctl.algorithm.merge.residual  # type: ignore[attr-defined]
+    residual = ctl._residual
     if rank in (0, 2):
         assert torch.equal(residual, RECORD["residuals"][node])
     else:
@@ -86,7 +104,7 @@ def test_another_layout_resumes_rank_0s_state_and_no_residual(caplog: pytest.Log
     for rank in (0, 2):
         ctl = _controller([0, 0, 1], rank)
         ctl.load_state_dict(checkpoint[CHECKPOINT_KEY]["comm"])
-        assert ctl.algorithm.merge.residual is None  # type: ignore[attr-defined]
+        assert ctl._residual is None
         with caplog.at_level(logging.INFO, logger="lightning_het.comm.node_local"):
             assert node_optimizer_checkpoint(checkpoint, ctl) is checkpoint
     assert [r.getMessage() for r in caplog.records] == [  # rank 0 alone says so
@@ -97,7 +115,7 @@ def test_another_layout_resumes_rank_0s_state_and_no_residual(caplog: pytest.Log
 
 def test_other_modes_and_older_checkpoints_keep_rank_0s_state() -> None:
     checkpoint = _checkpoint()
-    assert node_optimizer_checkpoint(checkpoint, CommController("allreduce", [0, 0, 1, 1], None, 2)) is checkpoint
+    assert node_optimizer_checkpoint(checkpoint, AllReduce()) is checkpoint
     assert node_optimizer_checkpoint(checkpoint, None) is checkpoint
     older = {"optimizer_states": _states(0), CHECKPOINT_KEY: {"comm": {"samples": [0, 0, 0, 0]}}}
     assert node_optimizer_checkpoint(older, _controller([0, 0, 1, 1], 2)) is older
@@ -129,19 +147,6 @@ def test_a_save_puts_the_gathered_record_into_the_comm_state() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the consensus
-class _FakeDDP:
-    """What :meth:`CommController.register` reads of a ``DistributedDataParallel``: its parameters."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = params
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self.params
-
-    def register_comm_hook(self, state: Any, hook: Any) -> None:
-        pass
-
-
 def _averaging_to(monkeypatch: pytest.MonkeyPatch, value: float) -> list[float]:
     """The sum over replicas, faked: every tensor becomes ``value``; returns the weights it was called with."""
     weights: list[float] = []
@@ -160,22 +165,20 @@ def test_the_consensus_changes_no_training_state(monkeypatch: pytest.MonkeyPatch
     """Computing, showing and hiding the consensus leaves the replica's model, the samples since the sync, the anchor,
     the outer optimizer and the residual as they were; no outer step is taken."""
     weights = _averaging_to(monkeypatch, 7.0)
-    ctl = CommController(
-        "node_local", [0, 1], [1, 3], 1, global_sync_every=4, outer_optimizer="nesterov", groups=_fake_groups([0, 1], 1)
-    )
-    params = [torch.ones(3), torch.full((2,), 2.0)]
-    ctl.register(_FakeDDP(params))  # type: ignore[arg-type]
-    assert ctl.consensus(params) is None and weights == []  # the replicas agree: nothing to exchange
-    with torch.no_grad():
-        params[0].add_(1.0)  # a local step
-    ctl.after_optimizer_step(params, 1)
+    params = [torch.ones(3, requires_grad=True), torch.full((2,), 2.0, requires_grad=True)]
+    ctl = NodeLocal(sync_every=4, outer="nesterov")
+    opt = torch.optim.SGD(params, lr=1.0)
+    ctl.install(_FakeDDP(params), [opt], [0, 1], 1, [1, 3], groups=_fake_groups([0, 1], 1))
+    assert ctl.consensus() is None and weights == []  # the replicas agree: nothing to exchange
+    params[0].grad = torch.full((3,), -1.0)
+    opt.step()  # a local step
     before = ctl.state_dict()
-    consensus = ctl.consensus(params)
+    consensus = ctl.consensus()
     assert weights == [0.75] and [c.tolist() for c in consensus] == [[7.0] * 3, [7.0] * 2]  # type: ignore[union-attr]
     assert params[0].tolist() == [2.0] * 3
-    ctl.show_consensus(params)
-    assert params[0].tolist() == [7.0] * 3 and ctl.consensus(params) is None  # shown already
-    ctl.hide_consensus(params)
+    ctl.show_consensus()
+    assert params[0].tolist() == [7.0] * 3 and ctl.consensus() is None  # shown already
+    ctl.hide_consensus()
     assert params[0].tolist() == [2.0] * 3 and params[1].tolist() == [2.0] * 2
     after = ctl.state_dict()
     assert after["samples"] == before["samples"] == [1, 3] and not after["in_consensus"]
@@ -190,8 +193,7 @@ def test_a_resumed_rank_loads_its_nodes_parameters_and_the_anchor() -> None:
     comm = {"samples": [2, 6], "in_consensus": False, "merge": {"optimizer": None, "anchor": anchor}, "nodes": record}
     for rank in range(2):
         params = [torch.zeros(3)]  # as loaded: the checkpoint's consensus
-        ctl = _controller([0, 1], rank)
-        ctl.register(_FakeDDP(params))  # type: ignore[arg-type]
+        ctl = _controller([0, 1], rank, params)
         ctl.load_state_dict(comm)
         assert torch.equal(params[0], saved_params[rank][0])
         state = ctl.state_dict()
@@ -199,7 +201,6 @@ def test_a_resumed_rank_loads_its_nodes_parameters_and_the_anchor() -> None:
         assert torch.equal(state["merge"]["anchor"][0], anchor[0])
     # another layout: every node goes on from the consensus
     params = [torch.zeros(3)]
-    ctl = _controller([0, 0, 1], 2)
-    ctl.register(_FakeDDP(params))  # type: ignore[arg-type]
+    ctl = _controller([0, 0, 1], 2, params)
     ctl.load_state_dict(comm)
     assert not params[0].any()

@@ -1,4 +1,4 @@
-"""The comm controller's module-level functions that the strategy calls with values."""
+"""A user's ``ddp_comm_hook`` under ``comm="allreduce"`` (registered by the strategy on any device)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_het.comm.controller import register_user_hook
+from lightning_het.comm.allreduce import register_user_hook
 from tests.helpers.gloo import run_gloo
 
 
