@@ -474,35 +474,30 @@ class ProfileCache:
 
     def get(self, key: str) -> AffineCost | None:
         """The cost stored under ``key``, or ``None`` (missing, unreadable or for another key)."""
-        try:
-            cost = AffineCost.from_dict(self._read(key)["cost"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return cost if math.isfinite(cost.fixed_s) else None
+        cost = self._field(key, "cost", AffineCost.from_dict)
+        return cost if cost is not None and math.isfinite(cost.fixed_s) else None
 
     def put(self, key: str, cost: AffineCost, threshold: float | None = None) -> None:
-        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored with a debug log), with the
-        imbalance ``threshold`` its profiling split by."""
+        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored), with the imbalance
+        ``threshold`` its profiling split by."""
         self._write(key, {"cost": cost.as_dict(), "threshold": threshold})
 
     def get_threshold(self, key: str) -> float | None:
-        """The ``threshold`` stored with ``key``'s cost, or ``None``."""
-        try:
-            return float(self._read(key)["threshold"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return self._field(key, "threshold", float)
 
     def get_cap(self, key: str) -> int | None:
         """The measured micro-batch cap stored for ``key`` (the memory entry beside the cost), or ``None``."""
-        try:
-            cap = int(self._read(key + MEMORY_KEY)["micro_batch_cap"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return cap if cap >= 1 else None
+        cap = self._field(key + MEMORY_KEY, "micro_batch_cap", int)
+        return cap if cap is not None and cap >= 1 else None
 
     def put_cap(self, key: str, cap: int) -> None:
-        """Store a measured micro-batch cap for ``key``."""
         self._write(key + MEMORY_KEY, {"micro_batch_cap": int(cap)})
+
+    def _field(self, key: str, name: str, cast: Callable[[Any], Any]) -> Any:
+        try:
+            return cast(self._read(key)[name])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def _read(self, key: str) -> dict[str, Any]:
         data = json.loads(self._path(key).read_text())
