@@ -29,21 +29,6 @@ class EpochTimings:
     def __len__(self) -> int:
         return len(self.compute_s)
 
-    def as_tensor(self) -> Tensor:
-        """``float64`` tensor of shape ``(steps, 4)``: compute, wait, step seconds and batch size."""
-        rows = list(zip(self.compute_s, self.wait_s, self.step_s, map(float, self.batch_sizes)))
-        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
-
-    @classmethod
-    def from_tensor(cls, rows: Tensor) -> EpochTimings:
-        data = rows.detach().cpu().tolist()
-        return cls(
-            compute_s=[r[0] for r in data],
-            wait_s=[r[1] for r in data],
-            step_s=[r[2] for r in data],
-            batch_sizes=[round(r[3]) for r in data],
-        )
-
 
 def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
     """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay."""
@@ -338,18 +323,9 @@ def gather_timings(local: EpochTimings, world_size: int, device: torch.device) -
     """All-gather every replica's timings (a collective: call it on every rank at the same point)."""
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return [local]
-    rows = local.as_tensor().to(device)
-    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
-    counts = [torch.zeros_like(count) for _ in range(world_size)]
-    dist.all_gather(counts, count)
-    longest = max(int(c.item()) for c in counts)
-    if longest == 0:  # the same on every rank: nothing recorded anywhere
-        return [EpochTimings() for _ in range(world_size)]
-    padded = torch.zeros(longest, 4, dtype=torch.float64, device=device)
-    padded[: rows.shape[0]] = rows
-    everyone = [torch.zeros_like(padded) for _ in range(world_size)]
-    dist.all_gather(everyone, padded)
-    return [EpochTimings.from_tensor(t[: int(c.item())]) for t, c in zip(everyone, counts)]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, local)  # once per epoch: a few floats per step
+    return everyone
 
 
 def _median(values: Sequence[float]) -> float:
