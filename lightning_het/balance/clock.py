@@ -122,6 +122,7 @@ class StepClock:
         "_cpu_inner",
         "_cpu_start",
         "_device",
+        "_done_hook",
         "_end",
         "_hook",
         "_inner",
@@ -130,6 +131,7 @@ class StepClock:
         "_pending",
         "_ready",
         "_start",
+        "_start_hook",
         "_step_batch",
         "_timer",
         "_timings",
@@ -165,6 +167,7 @@ class StepClock:
         self._ready: float | None = None
         self._hook: Any = None
         self._step_batch = 0
+        self._start_hook, self._done_hook = self._on_backward_start, self._on_local_backward_done  # bound once
 
     def _now(self) -> float:
         if self._device is not None:
@@ -214,7 +217,7 @@ class StepClock:
             self._backward_call_cpu = self._cpu()
         self._ready = None
         if isinstance(loss, Tensor) and loss.requires_grad:
-            self._hook = loss.register_hook(self._on_backward_start)
+            self._hook = loss.register_hook(self._start_hook)
 
     def after_backward(self) -> None:
         """``backward`` returned (gradients synchronised): book the wait."""
@@ -292,7 +295,7 @@ class StepClock:
         self._backward_start = time.perf_counter()
         if self._cpu is not None:
             self._backward_start_cpu = self._cpu()
-        queue_backward_callback(self._on_local_backward_done)
+        queue_backward_callback(self._done_hook)
 
     def _on_local_backward_done(self) -> None:
         if self._lazy is not None:  # on the compute stream: the gradient all-reduces in flight are not waited for
