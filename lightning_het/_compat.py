@@ -1,19 +1,14 @@
 """The private Lightning and torch APIs that lightning-het relies on, imported in one place.
 
 Behind one guard, an upstream change becomes one clear import-time error naming the missing API; no other module
-imports a private Lightning or torch name (:func:`flavour_private` reaches the standalone packages' ones).
+imports a private Lightning or torch name.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib
-import inspect
-import threading
 import weakref
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
@@ -29,51 +24,27 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
     )
 
 
-# Kept, each without a public equivalent: Lightning's launchers (subclassed; it has no public launcher base), its
-# DataLoader re-instantiation with changed arguments (``_update_dataloader`` takes a new sampler only), and torch's
-# default store and default-group timeout (no public getter/setter for an existing group).
+# Kept, each without a public equivalent: Lightning's DataLoader re-instantiation with changed arguments
+# (``_update_dataloader`` takes a new sampler only), and torch's default store (no public getter).
 try:
-    from lightning.fabric.strategies.launchers.subprocess_script import (
-        _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
-    )
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _replace_dunder_methods
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.fabric.utilities.data import _replace_dunder_methods
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-    from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+    from torch.distributed.distributed_c10d import _get_default_store
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 __all__ = [
-    "_FabricSubprocessScriptLauncher",
-    "_MultiProcessingLauncher",
-    "_SubprocessScriptLauncher",
     "_get_dataloader_init_args_and_kwargs",
-    "_reinstantiate_wrapped_cls",
     "_replace_dunder_methods",
     "attached_trainer",
-    "broadcast_ddp_buffers",
-    "cached_validation_loader",
-    "ddp_forward_skippable",
     "default_store",
-    "dump_checkpoint",
-    "flavour_private",
-    "forget_validation_loader",
     "inside_fabric_backward",
-    "inside_log_sync",
-    "logged_batch",
-    "loop_state",
     "queue_backward_callback",
     "record_loader_arguments",
     "replace_signal_connector",
     "restore_checkpoint",
-    "run_atexit_handlers",
-    "set_default_group_timeout",
     "should_accumulate",
-    "skip_buffer_broadcast",
-    "stop_child_process_observers",
     "training_loaders",
-    "uses_distributed_sampler",
     "wrapped_sampler",
 ]
 
@@ -83,20 +54,6 @@ def default_store() -> object:
     return _get_default_store()
 
 
-def set_default_group_timeout(timeout: timedelta) -> None:
-    """Make ``timeout`` the default group's collective and (best effort) store timeout (torch has no public setter
-    for an existing group)."""
-    _set_pg_timeout(timeout)
-    with contextlib.suppress(Exception):
-        _get_default_store().set_timeout(timeout)
-
-
-def flavour_private(package: str, module: str, name: str) -> Any:
-    """The private ``name`` of ``<package>.<module>`` in one Lightning flavour, imported on demand."""
-    try:
-        return getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
-    except (ImportError, AttributeError) as err:  # pragma: no cover - only with an untested Lightning release
-        raise _missing_api_error(f"{package}.{module}.{name}", err) from err
 
 
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
@@ -133,20 +90,6 @@ def _leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
-def cached_validation_loader(trainer: Any) -> Any:
-    """The fit loop's cached validation ``CombinedLoader`` (``None`` when the next validation builds one); private:
-    ``trainer.val_dataloaders`` falls back to the validate loop's loaders."""
-    return _private_attribute(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader")
-
-
-def forget_validation_loader(trainer: Any) -> None:
-    """Make the fit loop's next validation rebuild its loaders (``val_dataloader()`` and ``process_dataloader``); a
-    write: Lightning rebuilds them publicly only on ``reload_dataloaders_every_n_epochs``, at epoch boundaries."""
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    _private_attribute(val_loop, "_combined_loader")
-    val_loop._combined_loader = None
-
-
 def should_accumulate(trainer: Any) -> bool:
     """Whether the batch that just ran only accumulates gradients (no optimizer step follows it): the fit loop's own
     rule, from public attributes (the step comes every ``accumulate_grad_batches`` batches and after the epoch's last
@@ -159,110 +102,6 @@ def should_accumulate(trainer: Any) -> bool:
     return bool(trainer.strategy.handles_gradient_accumulation or not last)
 
 
-def loop_state(loop: Any) -> dict[str, Any]:
-    """``loop.state_dict()`` of a Lightning loop (either flavour), with plain copies of its progress dataclasses
-    instead of ``dataclasses.asdict``'s deep ones: several times faster, for a record taken after every step. It
-    recognises the progress and loop attributes by their (private) base class names, as ``state_dict`` does."""
-    destination: dict[str, Any] = {}
-    _loop_state(loop, destination, "")
-    return destination
-
-
-_LOOP_PARTS: dict[type, str | None] = {}  # per attribute type: "progress", "loop" or None (what state_dict skips)
-
-
-def _loop_state(loop: Any, destination: dict[str, Any], prefix: str) -> None:
-    destination[prefix + "state_dict"] = loop.on_save_checkpoint()
-    for key, value in vars(loop).items():
-        kind = _LOOP_PARTS.get(type(value), "")
-        if kind == "":
-            names = {cls.__name__ for cls in type(value).__mro__}
-            kind = "progress" if "_BaseProgress" in names else "loop" if "_Loop" in names else None
-            _LOOP_PARTS[type(value)] = kind
-        if kind == "progress":
-            destination[prefix + key] = _progress_state(value)
-        elif kind == "loop":
-            _loop_state(value, destination, f"{prefix}{key}.")
-
-
-def _progress_state(progress: Any) -> dict[str, Any]:
-    out = {}
-    for name in progress.__dataclass_fields__:
-        value = getattr(progress, name)
-        out[name] = _progress_state(value) if hasattr(value, "__dataclass_fields__") else value
-    return out
-
-
-def ddp_forward_skippable(ddp: Any) -> bool:
-    """Whether a forward and backward may bypass ``ddp`` (its reducer ignores a backward whose forward it did not
-    prepare): not before its first forward, nor before the forward that rebuilds its buckets (a collective that the
-    buffers' broadcast must not overtake; none with unused parameters), nor with a static graph, a delayed all-reduce
-    or a buffer comm hook. DDP's private state: it has no public "may skip" query."""
-    return (
-        getattr(ddp, "_lazy_init_ran", False)
-        and (getattr(ddp, "_has_rebuilt_buckets", False) or getattr(ddp, "find_unused_parameters", False))
-        and not getattr(ddp, "static_graph", True)
-        and not getattr(ddp, "_delay_all_reduce_all_params", True)
-        and not hasattr(ddp, "buffer_hook")
-        and hasattr(ddp, "_sync_buffers")
-    )
-
-
-def inside_log_sync(frames: int = 6) -> bool:
-    """Whether the caller runs inside Lightning's on-step reduction of a value logged with ``sync_dist=True`` (a
-    ``_ResultMetric`` updating, within ``frames`` frames up the stack; Lightning says so nowhere else)."""
-    frame = inspect.currentframe()
-    frame = frame.f_back if frame is not None else None
-    for _ in range(frames):
-        if frame is None:
-            return False
-        owner = frame.f_locals.get("self")
-        if type(owner).__name__ == "_ResultMetric" and frame.f_code.co_name == "update":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def broadcast_ddp_buffers(ddp: Any) -> None:
-    """Broadcast ``ddp``'s module buffers now, as its next forward would have done (that forward then does not);
-    DDP's private method, the only way to broadcast them outside a forward with its own settings."""
-    if ddp.will_sync_module_buffers():
-        ddp._sync_buffers()
-        ddp.require_forward_param_sync = False
-
-
-def skip_buffer_broadcast(model: Any) -> None:
-    """After a forward through ``model`` (a DDP wrapper; else nothing) that failed inside the module: DDP broadcast
-    the buffers before the module ran, so the step's next forwards do not broadcast them again (the other replicas
-    broadcast once in this step)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        model.require_forward_param_sync = False
-
-
-@contextlib.contextmanager
-def logged_batch(module: Any, batch: Any) -> Iterator[None]:
-    """Around one micro-batch's ``training_step``: Lightning's logging infers the batch size of a value logged
-    without ``batch_size`` from ``batch`` (else from the whole step's batch, cached per step); the step's batch and
-    cached size come back after (the trainer's private result collection; no public way to set the batch)."""
-    trainer = attached_trainer(module)
-    results = _private_attribute(trainer, "_results") if trainer is not None else None
-    if results is None:
-        yield
-        return
-    saved = results.batch, results.batch_size
-    results.batch, results.batch_size = batch, None
-    try:
-        yield
-    finally:
-        results.batch, results.batch_size = saved
-
-
-def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.save_checkpoint`` would write now, as a dict (no file, no collective, any rank): only the
-    trainer's private checkpoint connector builds it without writing."""
-    return _private_attribute(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
@@ -277,12 +116,6 @@ def replace_signal_connector(trainer: Any, connector: Any) -> None:
     trainer has no public hook for it)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
-
-
-def uses_distributed_sampler(trainer: Any) -> bool:
-    """``Trainer(use_distributed_sampler=...)`` (``False``: every rank reads its loaders whole, as given); the
-    trainer keeps the argument only in its private accelerator connector."""
-    return bool(_private_attribute(trainer, "_accelerator_connector").use_distributed_sampler)
 
 
 _RECORDING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the wrappers record_loader_arguments installed
@@ -316,20 +149,6 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(callback)
-
-
-def run_atexit_handlers() -> None:
-    """Run (and clear) the ``atexit`` handlers now, as the interpreter would at exit: ``atexit._run_exitfuncs``
-    (the stdlib has no public form)."""
-    atexit._run_exitfuncs()
-
-
-def stop_child_process_observers() -> None:
-    """Make Lightning's child-process observer (the thread that ``SIGKILL``s the launching process as soon as any
-    replica exits non-zero) watch nothing: its next check finds no process and it ends (it has no public stop)."""
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-            thread._child_processes = []
 
 
 def wrapped_sampler(sampler: Any) -> Any:

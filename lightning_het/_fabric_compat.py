@@ -10,17 +10,8 @@ from __future__ import annotations
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 
-from lightning_het._compat import flavour_private
 from lightning_het._flavour import FabricFlavour, register_fabric_flavour
 from lightning_het.fabric import HeterogeneousFabricStrategyMixin
-from lightning_het.reliability.lifecycle import FabricReplicaProcesses
-
-
-class HeterogeneousFabricScriptLauncher(
-    FabricReplicaProcesses,
-    flavour_private("lightning_fabric", "strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
-):
-    """``lightning_fabric``'s ``popen`` launcher, plus no orphans."""
 
 
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
@@ -28,7 +19,5 @@ class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy)
 
 
 #: what a ``lightning_fabric`` run uses (:func:`lightning_het._flavour.fabric_flavour`)
-FABRIC_FLAVOUR = FabricFlavour(
-    DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
-)
+FABRIC_FLAVOUR = FabricFlavour(DistributedSamplerWrapper=DistributedSamplerWrapper)
 register_fabric_flavour(True, lambda: FABRIC_FLAVOUR)

@@ -32,7 +32,6 @@ class TrainerFlavour:
     ProfilerCallback: type
     BalanceCallback: type
     MixedAccelerator: type
-    ScriptLauncher: type
     Preempted: type
 
 
@@ -41,7 +40,6 @@ class FabricFlavour:
     """What the Fabric strategy uses of one Fabric package, and our classes built on that package."""
 
     DistributedSamplerWrapper: type
-    ScriptLauncher: type
 
 
 @functools.cache

@@ -14,32 +14,13 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import flavour_private
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour
 from lightning_het.balance.monitor import BalanceCallbackMixin
 from lightning_het.balance.profiler import ProfilerCallbackMixin
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
-from lightning_het.reliability.launcher import AllocationResultsMixin
-from lightning_het.reliability.lifecycle import ScriptLauncherMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
-from lightning_het.reliability.supervision import WatchdogCallbackMixin
+from lightning_het.reliability.watchdog import WatchdogCallbackMixin
 from lightning_het.strategy import HeterogeneousStrategyMixin
-
-_LAUNCHERS = "strategies.launchers"
-
-
-class HeterogeneousMultiProcessingLauncher(
-    AllocationResultsMixin,
-    flavour_private("pytorch_lightning", f"{_LAUNCHERS}.multiprocessing", "_MultiProcessingLauncher"),
-):
-    """``pytorch_lightning``'s spawn/fork launcher, sending the allocation back to the parent."""
-
-
-class HeterogeneousScriptLauncher(
-    ScriptLauncherMixin,
-    flavour_private("pytorch_lightning", f"{_LAUNCHERS}.subprocess_script", "_SubprocessScriptLauncher"),
-):
-    """``pytorch_lightning``'s ``popen`` launcher, plus the lifecycle guarantees (:mod:`~lightning_het.reliability`)."""
 
 
 class WatchdogCallback(WatchdogCallbackMixin, Callback):
@@ -69,8 +50,6 @@ class Preempted(PreemptedMixin, SIGTERMException):
 class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`lightning_het.HeterogeneousStrategy` on the standalone ``pytorch_lightning`` package."""
 
-    spawn_launcher_cls = HeterogeneousMultiProcessingLauncher
-
 
 #: what the parts of a ``pytorch_lightning`` run use (:func:`lightning_het._flavour.trainer_flavour`)
 TRAINER_FLAVOUR = TrainerFlavour(
@@ -84,7 +63,6 @@ TRAINER_FLAVOUR = TrainerFlavour(
     ProfilerCallback=ProfilerCallback,
     BalanceCallback=HeterogeneousBalanceCallback,
     MixedAccelerator=MixedAccelerator,
-    ScriptLauncher=HeterogeneousScriptLauncher,
     Preempted=Preempted,
 )
 register_trainer_flavour(True, lambda: TRAINER_FLAVOUR)

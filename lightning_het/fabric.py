@@ -28,19 +28,24 @@ from lightning_het.balance.profiler import LoopSteps
 from lightning_het.balance.report import balance_report, render_balance_table
 from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
-from lightning_het.cluster.startup import detect_node_ids, init_process_group, started_elsewhere, startup_timeout_scope
+from lightning_het.cluster.startup import (
+    detect_node_ids,
+    init_process_group,
+    rendezvous_wait,
+    started_elsewhere,
+    wait_under_torchrun,
+)
 from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
-from lightning_het.data.loaders import rebuild_loader, training_order
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
     UnpaddedDistributedSampler,
 )
+from lightning_het.data.splitting import rebuild_loader, training_order
 from lightning_het.options import Profiling, Reliability, flat_keywords
-from lightning_het.reliability.launcher import ExitCleanup
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, validate_launch_environment
 
 
 class HeterogeneousFabricStrategyMixin(BalanceView):
@@ -103,11 +108,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @property
     def process_group_timeout(self) -> Any:
-        """The collective timeout (``timeout``; during the rendezvous the longer ``startup_timeout``)."""
+        """The collective timeout (``timeout``)."""
         return self._timeout
-
-    def _set_timeout(self, timeout: Any) -> None:
-        self._timeout = timeout
 
     # ------------------------------------------------------------------ launch, process group
     @override
@@ -116,9 +118,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
         if self._start_method == "popen":  # replicas that cannot outlive the launching process
-            from lightning_het.reliability.lifecycle import fabric_script_launcher  # imports Lightning
-
-            self._launcher = fabric_script_launcher(self, self._launcher)
+            self._launcher = ScriptLauncher(self, self._launcher)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
 
     @override
@@ -131,13 +131,14 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def _setup_distributed(self) -> None:
         # as the Trainer's: a store and sockets only the job reaches; a short `timeout` does not fail the rendezvous of
         # replicas that start slowly
-        with startup_timeout_scope(self._timeout, self.config.startup_timeout, self._set_timeout):
-            if started_elsewhere():
-                super()._setup_distributed()  # torchrun's agent hosts the store
-                return
-            self._set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
-            init_process_group(self, self._process_group_backend, self._timeout)
+        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
+        if started_elsewhere():  # torchrun's agent hosts the store
+            wait_under_torchrun(wait)
+            super()._setup_distributed()
+            return
+        self._set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        init_process_group(self, self._process_group_backend, self._timeout, wait)
 
     # ------------------------------------------------------------------ model and optimizer
     @override
@@ -355,11 +356,7 @@ class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy)
 def _unified_fabric_flavour() -> FabricFlavour:
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-    from lightning_het.reliability.lifecycle import HeterogeneousFabricScriptLauncher
-
-    return FabricFlavour(
-        DistributedSamplerWrapper=DistributedSamplerWrapper, ScriptLauncher=HeterogeneousFabricScriptLauncher
-    )
+    return FabricFlavour(DistributedSamplerWrapper=DistributedSamplerWrapper)
 
 
 register_fabric_flavour(False, _unified_fabric_flavour)

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_het._compat import attached_trainer, record_loader_arguments, skip_buffer_broadcast
+from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
@@ -32,24 +32,26 @@ from lightning_het.balance.profiler import attach_profiler
 from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
+    DeviceMapArg,
+    DevicePlan,
     apply_local_settings,
     configure_devices,
     device_labels,
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.cluster.devices import DeviceMapArg, DevicePlan
 from lightning_het.cluster.startup import (
     detect_node_ids,
     init_process_group,
+    rendezvous_wait,
     started_elsewhere,
-    startup_timeout_scope,
+    wait_under_torchrun,
 )
 from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig
-from lightning_het.data.microbatch import DirectPieces, piece_collective
+from lightning_het.data.microbatch import piece_collective
 from lightning_het.data.sampler import training_sampler
 from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
 from lightning_het.options import Profiling, Reliability, flat_keywords
@@ -61,12 +63,10 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     with_node_states,
 )
-from lightning_het.reliability.emergency import restore_rng
-from lightning_het.reliability.guards import Guards
-from lightning_het.reliability.identity import job_identity, trajectory_settings
-from lightning_het.reliability.launcher import ExitCleanup, HeterogeneousMultiProcessingLauncher
-from lightning_het.reliability.loader_workers import shield_loader_workers
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.emergency import Guards, restore_rng
+from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
+from lightning_het.reliability.preemption import shield_loader_workers
+from lightning_het.reliability.resume import job_identity, trajectory_settings
 from lightning_het.reliability.watchdog import Watchdog
 
 
@@ -86,8 +86,6 @@ class HeterogeneousStrategyMixin(BalanceView):
     """
 
     strategy_name = "heterogeneous"
-    #: the spawn/fork launcher (it sends the allocation back to the parent), of this strategy's Lightning package
-    spawn_launcher_cls: type
 
     def __init__(
         self,
@@ -134,7 +132,7 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     @property
     def process_group_timeout(self) -> Any:
-        """The collective timeout (``timeout``; during the rendezvous the longer ``startup_timeout``)."""
+        """The collective timeout (``timeout``)."""
         return self._timeout
 
     @property
@@ -150,10 +148,6 @@ class HeterogeneousStrategyMixin(BalanceView):
     def release_watchdog(self) -> Watchdog | None:
         """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
         return self.guards.release_watchdog()
-
-    def _startup_timeout_scope(self) -> Any:
-        """Around the rendezvous: ``startup_timeout`` when longer than ``timeout``, then ``timeout`` again."""
-        return startup_timeout_scope(self._timeout, self.config.startup_timeout, lambda t: setattr(self, "_timeout", t))
 
     def emulate_platform(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
@@ -175,15 +169,9 @@ class HeterogeneousStrategyMixin(BalanceView):
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
         self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
-        super()._configure_launcher()
-        if self._start_method != "popen":
-            self._launcher = self.spawn_launcher_cls(self, start_method=self._start_method)
-        else:  # no orphans, end barrier, exit statuses 124/130, output dir check
-            from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher  # imports Lightning
-
-            self._launcher = HeterogeneousScriptLauncher.for_strategy(self)
-        if not getattr(self._launcher, "validates_launch_environment", False):
-            validate_launch_environment(self.num_nodes, self.cluster_environment)
+        super()._configure_launcher()  # wrapped: no orphans, end barrier, exit statuses, the allocation sent back
+        launcher = ScriptLauncher if self._start_method == "popen" else SpawnLauncher
+        self._launcher = launcher(self, self._launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -197,15 +185,17 @@ class HeterogeneousStrategyMixin(BalanceView):
     def setup_distributed(self) -> None:
         # mixed CPU/GPU job: no rank binds a device to the default group; a short `timeout` does not fail the
         # rendezvous of replicas that start slowly
-        with unbound_process_group(self), self._startup_timeout_scope():
-            if started_elsewhere():
-                super().setup_distributed()  # torchrun's agent hosts the store / a later Trainer call
+        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
+        with unbound_process_group(self):
+            if started_elsewhere():  # torchrun's agent hosts the store / a later Trainer call
+                wait_under_torchrun(wait)
+                super().setup_distributed()
                 return
             trainer_flavour(self).reset_seed()
             self.set_world_ranks()
             self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None
-            init_process_group(self, self._process_group_backend, self._timeout)
+            init_process_group(self, self._process_group_backend, self._timeout, wait)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -277,7 +267,7 @@ class HeterogeneousStrategyMixin(BalanceView):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split, weights = self._training_split(), self.policy.eval_weights()
+            split, weights = self._training_split(), self.policy.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
 
@@ -318,11 +308,31 @@ class HeterogeneousStrategyMixin(BalanceView):
         step, micro, module = super().training_step, self.policy.micro, self.lightning_module
         if micro is None:
             return step(*args, **kwargs)
+        self._broadcast_buffers()  # once per step, before any piece (DDP's own would repeat after a failed forward)
         no_sync, policy = self.block_backward_sync, self.policy
-        retry = lambda: skip_buffer_broadcast(self.model)  # noqa: E731 - after an out-of-memory error inside DDP's forward
-        measure = (lambda s, b: policy.measure_caps(s, b, no_sync, module, retry)) if policy.cap_unknown else None
-        direct = DirectPieces.of(self.model, module, self.precision_plugin, self._piece_scale)  # the earlier pieces
-        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure, direct, retry)
+        measure = (lambda s, b: policy.measure_caps(s, b, no_sync, module)) if policy.cap_unknown else None
+        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        # micro-batches: the strategy broadcasts the buffers itself (``_broadcast_buffers``), not every DDP forward
+        saved = self._ddp_kwargs
+        self._own_buffer_sync = self._buffers_stale = self.policy.micro is not None and saved.get(
+            "broadcast_buffers", True
+        )
+        if self._own_buffer_sync:
+            self._ddp_kwargs = {**saved, "broadcast_buffers": False}
+        try:
+            return super()._setup_model(model)
+        finally:
+            self._ddp_kwargs = saved
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's module buffers to every replica before the first forward after an optimizer step, as DDP does."""
+        if getattr(self, "_own_buffer_sync", False) and self._buffers_stale:
+            self._buffers_stale = False
+            for buffer in self.lightning_module.buffers():
+                torch.distributed.broadcast(buffer, 0)
 
     def _piece_scale(self) -> float:
         """The factor Lightning's backward applies to the step's loss (the loss scale over ``accumulate_grad_batches``),
@@ -334,7 +344,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         return self._split or self.policy.step_split(self._loaders.train_sampler, self._batch_idx())
 
     def _backward_piece(self, loss: Tensor) -> None:
-        """Backward one micro-batch's weighted loss through Lightning (when :class:`DirectPieces` cannot)."""
+        """Backward an earlier micro-batch's weighted loss through Lightning (under ``no_sync``)."""
         super().backward(loss * self._piece_scale(), None)
 
     @override
@@ -359,7 +369,9 @@ class HeterogeneousStrategyMixin(BalanceView):
         **kwargs: Any,
     ) -> Any:
         step = super().optimizer_step  # the parameter update under the emergency checkpoint's lock
-        return self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
+        output = self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
+        self._buffers_stale = True
+        return output
 
     def _step_clock(self) -> StepClock | None:
         return self._monitor.clock if self._monitor is not None else None
@@ -381,6 +393,8 @@ class HeterogeneousStrategyMixin(BalanceView):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        if self.model is not self._lightning_module:  # fitting (DDP): its first forward would broadcast the buffers
+            self._broadcast_buffers()
         if self.comm_algorithm is not None:  # node_local: the consensus model, without a sync (a collective)
             self.comm_algorithm.show_consensus()
 
@@ -417,9 +431,16 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.guards.captured(checkpoint):  # an emergency checkpoint: kept for the watchdog's thread to write
+            return
         entry = self._checkpoint_entry()  # allocation, sampler position (the emergency record too: no collective)
         checkpoint[CHECKPOINT_KEY] = with_node_states(entry, checkpoint, self.comm_algorithm)  # node_local: collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.guards.capturing():  # building an emergency checkpoint: the other replicas are gone
+            super().barrier(*args, **kwargs)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -482,8 +503,6 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     share, so that every optimizer step applies exactly the gradient of the global batch (``lightning.pytorch``;
     :mod:`lightning_het.pl` has the same for the standalone ``pytorch_lightning``)."""
 
-    spawn_launcher_cls = HeterogeneousMultiProcessingLauncher
-
 
 def _unified_trainer_flavour() -> TrainerFlavour:
     from lightning.fabric.utilities.seed import reset_seed
@@ -493,9 +512,8 @@ def _unified_trainer_flavour() -> TrainerFlavour:
     from lightning_het.balance.monitor import HeterogeneousBalanceCallback
     from lightning_het.balance.profiler import ProfilerCallback
     from lightning_het.cluster.accelerators import MixedAccelerator
-    from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
     from lightning_het.reliability.preemption import Preempted, PreemptionCallback
-    from lightning_het.reliability.supervision import WatchdogCallback
+    from lightning_het.reliability.watchdog import WatchdogCallback
 
     return TrainerFlavour(
         TrainerFn=TrainerFn,
@@ -508,7 +526,6 @@ def _unified_trainer_flavour() -> TrainerFlavour:
         ProfilerCallback=ProfilerCallback,
         BalanceCallback=HeterogeneousBalanceCallback,
         MixedAccelerator=MixedAccelerator,
-        ScriptLauncher=HeterogeneousScriptLauncher,
         Preempted=Preempted,
     )
 

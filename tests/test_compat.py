@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_het._compat import loop_state, should_accumulate, training_loaders
+from lightning_het._compat import should_accumulate, training_loaders
 
 
 class _Tiny(pl.LightningModule):
@@ -23,40 +23,6 @@ class _Tiny(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class _Compare(pl.Callback):
-    def __init__(self) -> None:
-        self.checked = 0
-
-    def _check(self, trainer: pl.Trainer, *args) -> None:
-        assert loop_state(trainer.fit_loop) == trainer.fit_loop.state_dict()
-        self.checked += 1
-
-    on_train_batch_start = on_train_batch_end = on_validation_end = on_train_epoch_end = _check
-
-
-def test_loop_state_equals_lightnings_state_dict_throughout_a_fit(tmp_path) -> None:
-    """The emergency checkpoint's per-step record: the same dict as ``fit_loop.state_dict()`` at every hook (batch
-    starts and ends, after validation, at epoch ends), with gradient accumulation and a validation loop."""
-    data = TensorDataset(torch.randn(40, 4))
-    compare = _Compare()
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accumulate_grad_batches=2,
-        val_check_interval=3,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[compare],
-    )
-    trainer.fit(_Tiny(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
-    # per epoch: 10 batch starts and ends, validation after batches 3, 6 and 9, the epoch end; and the sanity check
-    assert compare.checked == 2 * (2 * 10 + 3 + 1) + 1
-    state = loop_state(trainer.fit_loop)
-    assert state["epoch_loop.batch_progress"]["total"]["completed"] == 20 and state == trainer.fit_loop.state_dict()
 
 
 def test_attached_trainer_is_the_modules_trainer_and_none_otherwise() -> None:
@@ -136,23 +102,6 @@ def test_training_loaders_are_the_fit_loops_flattened_loaders(tmp_path) -> None:
     assert training_loaders(trainer) is None
     trainer.fit(_Pair(), loaders)
     assert check.checked == 2 and [loader.batch_size for loader in training_loaders(trainer)] == [4, 2, 1]
-
-
-def test_inside_log_sync_sees_a_result_metric_updating_a_few_frames_up() -> None:
-    from lightning_het._compat import inside_log_sync
-
-    class _ResultMetric:  # the name of Lightning's class whose update reduces a value logged with sync_dist=True
-        def update(self, depth: int) -> bool:
-            return probe(depth)
-
-        def compute(self) -> bool:
-            return probe(0)
-
-    def probe(depth: int) -> bool:
-        return probe(depth - 1) if depth else inside_log_sync()
-
-    assert _ResultMetric().update(0) and _ResultMetric().update(4)
-    assert not _ResultMetric().update(6) and not _ResultMetric().compute() and not probe(0)
 
 
 def test_record_loader_arguments_wraps_lightnings_loader_preparation_once() -> None:

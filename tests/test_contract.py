@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
 from lightning_het.cluster.rendezvous import TOKEN_ENV
@@ -110,15 +110,24 @@ def test_use_distributed_sampler_false_reads_every_loader_whole_as_plain_ddp(con
 
 def test_use_distributed_sampler_false_still_adopts_a_proportional_sampler_of_the_users_own():
     """Only a plain loader falls back to DDP behaviour; a ``ProportionalDistributedSampler`` built by the user is the
-    allocation (its loss scale with it)."""
+    allocation (its loss scale with it), and a plain ``DistributedSampler`` is re-split as Lightning's own."""
     results = {}
-    for name, sampler in (("plain", None), ("proportional", ProportionalDistributedSampler(make_dataset(24), [6], 0))):
+    samplers = {
+        "plain": None,
+        "proportional": ProportionalDistributedSampler(make_dataset(24), [6], 0),
+        "distributed": DistributedSampler(make_dataset(24), num_replicas=1, rank=0, shuffle=False),
+    }
+    for name, sampler in samplers.items():
         strategy = HeterogeneousStrategy(speeds=[1.0], process_group_backend="gloo")
         trainer = quiet_trainer(1, strategy, max_epochs=1, use_distributed_sampler=False)
         model = TinyRegressor()
         trainer.fit(model, DataLoader(make_dataset(24), batch_size=6, sampler=sampler))
         results[name] = (strategy.batch_sizes, strategy.loss_scale, model.seen_batch_sizes)
-    assert results == {"plain": (None, 1.0, [6] * 4), "proportional": ([6], 1.0, [6] * 4)}
+    assert results == {
+        "plain": (None, 1.0, [6] * 4),
+        "proportional": ([6], 1.0, [6] * 4),
+        "distributed": ([6], 1.0, [6] * 4),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- callbacks

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from types import SimpleNamespace
@@ -278,11 +277,10 @@ def test_documented_example_runs_as_written(tmp_path):
 @pytest.mark.parametrize("package", ["lightning.fabric", "lightning_fabric"])
 def test_popen_launcher_starts_replicas_that_cannot_outlive_it(package):
     fabric_cls, strategy_cls = _standalone() if package == "lightning_fabric" else (Fabric, HeterogeneousFabricStrategy)
-    from lightning_het.reliability.lifecycle import _ReplicaProcesses
+    from lightning_het.reliability.launch import ScriptLauncher
 
     launcher = fabric_cls(accelerator="cpu", devices=2, strategy=strategy_cls())._strategy.launcher
-    fabric_launcher = importlib.import_module(f"{package}.strategies.launchers.subprocess_script")
-    assert isinstance(launcher, _ReplicaProcesses) and isinstance(launcher, fabric_launcher._SubprocessScriptLauncher)
+    assert isinstance(launcher, ScriptLauncher) and not launcher.is_interactive_compatible
     assert launcher.strategy is not None and launcher.num_processes == 2
 
 

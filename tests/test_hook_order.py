@@ -153,24 +153,15 @@ def test_recording_sees_the_hooks(jobs: _Jobs) -> None:
     assert fit.count("module.training_step") == 8  # 16 samples, batch 2, one device
 
 
-@pytest.mark.parametrize(("batch_sizes", "reloaded"), [([2, 2], False), ([1, 3], True)])
-def test_validation_loader_rebuilt_only_when_its_shards_change(monkeypatch, batch_sizes, reloaded) -> None:
-    """The sanity check's validation loaders (split by the speeds) are kept when the training allocation splits them
-    the same way, so ``val_dataloader()`` runs once, as under DDP; a different split rebuilds them."""
-    from types import SimpleNamespace
-
+def test_validation_loader_built_once_follows_the_allocation_when_iterated() -> None:
+    """The sanity check's validation loaders (split by the speeds) are kept, so ``val_dataloader()`` runs once, as
+    under DDP; their batches follow the allocation current when each validation iterates them."""
     from torch.utils.data import DataLoader
 
-    import lightning_het.data.splitting as splitting_module
     from lightning_het.data.sampler import EvalBatchSampler
-    from lightning_het.data.splitting import LoaderSplitter
 
-    splitter = LoaderSplitter()
-    loader = DataLoader(range(8), batch_sampler=EvalBatchSampler(range(8), [1.0, 1.0], 0, batch_size=2))
-    cached = SimpleNamespace(flattened=[loader])
-    forgotten = []
-    monkeypatch.setattr(splitting_module, "cached_validation_loader", lambda trainer: cached)
-    monkeypatch.setattr(splitting_module, "forget_validation_loader", forgotten.append)
-    splitter.eval_weights_used = [1.0, 1.0]
-    splitter.reset_cached_eval_loaders("trainer", [float(b) for b in batch_sizes])
-    assert forgotten == (["trainer"] if reloaded else [])
+    weights = [1.0, 1.0]
+    loader = DataLoader(range(8), batch_sampler=EvalBatchSampler(range(8), lambda: weights, 0, batch_size=2))
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    weights = [1.0, 3.0]  # the training allocation: rank 0's share is 2 samples now, in as many batches
+    assert [b.tolist() for b in loader] == [[0], [1]] and len(loader) == 2

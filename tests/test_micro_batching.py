@@ -32,14 +32,8 @@ FITS = {
         "memory_cap_from_epoch": [1, [5, 64, 64]],
     },
     "lower_from_start": {**_BASE, "strategy": {**_STRATEGY, "max_micro_batch_sizes": [4, 64, 64]}},
-    # a BatchNorm network: rank 0's six pieces on the direct path, then every piece through DDP and Lightning
+    # a BatchNorm network: every piece through DDP (under no_sync) and Lightning's backward
     "batchnorm": {**_BASE, "batchnorm": True, "strategy": {**_STRATEGY, "max_micro_batch_sizes": [3, 64, 64]}},
-    "batchnorm_full": {
-        **_BASE,
-        "batchnorm": True,
-        "full_micro_path": True,
-        "strategy": {**_STRATEGY, "max_micro_batch_sizes": [3, 64, 64]},
-    },
 }
 
 
@@ -105,22 +99,17 @@ def test_auto_caps_measured_within_one_search_step_below_then_cached(fits):
     assert [d["micro_search_steps"] for d in again] == [0, 0, 0]
 
 
-def test_batchnorm_pieces_on_the_direct_path_train_as_through_ddp(fits):
-    """Normalisation uses each piece's own statistics on either path, so the weights agree; the running statistics
-    are rank 0's (DDP broadcasts rank 0's buffers before a step's first forward), which the checkpoint saves."""
-    direct, _ = fits["batchnorm"]
-    full, _ = fits["batchnorm_full"]
-    assert direct[0]["seen_batch_sizes"] == full[0]["seen_batch_sizes"] == [16, 16, 8] * 2
-    # Lightning's backward: every piece of rank 0's on the full path (6 + 6 + 3 per epoch); on the direct path the
-    # last piece of each step only, but for the first two steps (DDP's first forward, then the one that rebuilds its
-    # buckets, a collective that the direct path's buffer broadcast would overtake)
-    assert full[0]["backward_hooks"] == 30 and direct[0]["backward_hooks"] == 6 + 6 + 1 + 3
-    assert _max_diff(direct[0]["state_dict"], full[0]["state_dict"]) < 1e-6  # rank 0: weights and statistics
-    params = [k for k in full[0]["state_dict"] if "running" not in k and "num_batches" not in k]
-    for d in direct[1:] + full[1:]:
-        assert max((d["state_dict"][k] - full[0]["state_dict"][k]).abs().max().item() for k in params) < 1e-6
-    pieces = sum(-(-b // 3) for b in direct[0]["seen_batch_sizes"])  # rank 0's forwards: 6 + 6 + 3 per epoch
-    assert int(direct[0]["state_dict"]["1.num_batches_tracked"]) == pieces == 30
+def test_batchnorm_pieces_train_with_rank_0s_buffers_broadcast_once_per_step(fits):
+    """Normalisation uses each piece's own statistics; the running statistics are broadcast from rank 0 before each
+    step's first forward, as DDP does (the checkpoint saves rank 0's)."""
+    dumps, _ = fits["batchnorm"]
+    assert dumps[0]["seen_batch_sizes"] == [16, 16, 8] * 2
+    assert dumps[0]["backward_hooks"] == 30  # Lightning's backward for every piece of rank 0's (6 + 6 + 3 per epoch)
+    params = [k for k in dumps[0]["state_dict"] if "running" not in k and "num_batches" not in k]
+    for d in dumps[1:]:
+        assert max((d["state_dict"][k] - dumps[0]["state_dict"][k]).abs().max().item() for k in params) < 1e-6
+    # rank 0's forwards: 6 + 6 + 3 per epoch; the others got rank 0's 27 before the last step, then ran one piece
+    assert [int(d["state_dict"]["1.num_batches_tracked"]) for d in dumps] == [30, 28, 28]
 
 
 _BASE_TWO = {"devices": 2, "n": 36, "epochs": 2, "batch_size": 6}  # B = 12: three global batches per epoch

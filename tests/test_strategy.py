@@ -219,11 +219,8 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
     """Whether a strategy gets the watchdog and the popen launcher depends on who drives it (a Trainer, of either
     package), never on which package's DDPStrategy it subclasses."""
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
-    from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as PLScriptLauncher
-
     import lightning_het.pl
-    from lightning_het import _pl_compat
-    from lightning_het.reliability.lifecycle import HeterogeneousScriptLauncher
+    from lightning_het.reliability.launch import ScriptLauncher
 
     unified = quiet_trainer(2, "heterogeneous").strategy
     standalone = pytorch_lightning.Trainer(
@@ -232,9 +229,7 @@ def test_trainer_strategies_of_both_packages_get_the_lifecycle_launcher_and_the_
     for strategy in (unified, standalone):
         assert strategy.launcher.finishes_runs and strategy.launcher.strategy is strategy
         assert strategy.watchdog is None  # started with the replicas (setup_environment), not at construction
-    assert type(unified.launcher) is HeterogeneousScriptLauncher
-    assert isinstance(standalone.launcher, PLScriptLauncher)  # what pytorch_lightning's Ctrl-C handling looks for
-    assert type(standalone.launcher) is _pl_compat.HeterogeneousScriptLauncher
+    assert type(unified.launcher) is ScriptLauncher and type(standalone.launcher) is ScriptLauncher
     for fabric_strategy in (lightning_het.HeterogeneousFabricStrategy, lightning_het.pl.HeterogeneousFabricStrategy):
         # your own loop: no Trainer hooks to watch; Fabric's launcher (made orphan-proof), not the Trainer's
         assert not issubclass(fabric_strategy, lightning_het.HeterogeneousStrategy)

@@ -1,34 +1,299 @@
-"""``MixedAccelerator``: one Lightning accelerator for a job whose replicas run on different device types."""
+"""Device maps for mixed CPU/GPU jobs (parsing, backend, CPU threads) and ``MixedAccelerator``."""
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.cluster.devices import DeviceMapArg, DevicePlan, node_device_maps, parse_device_map, plan_devices
 
 log = logging.getLogger(__name__)
 
+DeviceEntry = str | int | torch.device
+#: a map for every node, or ``{node_rank: map}`` when nodes differ
+DeviceMapArg = str | Sequence[DeviceEntry] | Mapping[int | str, str | Sequence[DeviceEntry]]
 
-def _plain_entry(entry: Any) -> str | int:
-    return entry if isinstance(entry, int) and not isinstance(entry, bool) else str(entry)
+_ALLOWED_FORMS = "'cpu', 'cuda', 'cuda:<index>', 'gpu', 'gpu:<index>', an integer GPU index or a torch.device"
+
+
+def _as_list(device_map: object, name: str) -> list[object]:
+    """A map's entries as a list (from a comma-separated string or any non-string sequence, e.g. a ListConfig)."""
+    if isinstance(device_map, str):
+        entries: list[object] = [part.strip() for part in device_map.split(",")]
+    elif isinstance(device_map, torch.device):
+        entries = [device_map]
+    elif isinstance(device_map, (bytes, Mapping)) or not hasattr(device_map, "__iter__"):
+        raise ValueError(
+            f"Expected argument `{name}` to be a list of devices (e.g. ['cuda:0', 'cpu']), but got {device_map!r}."
+        )
+    else:
+        entries = list(device_map)  # type: ignore[call-overload]
+    if not entries or entries == [""]:
+        raise ValueError(f"Expected argument `{name}` to hold at least one device, but got {device_map!r}.")
+    return entries
+
+
+def _parse_entry(entry: object, name: str) -> tuple[str, int | None]:
+    """``("cpu", None)``, ``("cuda", index)`` or ``("cuda", None)`` for a bare ``"cuda"``/``"gpu"``."""
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        if entry < 0:
+            raise ValueError(f"Expected argument `{name}` to be a GPU index >= 0, but got {entry!r}.")
+        return "cuda", entry
+    text = str(entry) if isinstance(entry, torch.device) else entry.strip().lower() if isinstance(entry, str) else ""
+    kind, sep, index = text.partition(":")
+    kind = "cuda" if kind == "gpu" else kind
+    if kind == "cpu" and (not sep or index == "0"):
+        return "cpu", None
+    if kind == "cuda" and (not sep or index.isdigit()):
+        return "cuda", int(index) if sep else None
+    raise ValueError(f"Expected argument `{name}` to be one of {_ALLOWED_FORMS}, but got {entry!r}.")
+
+
+def _visible_devices_hint() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+
+
+def parse_device_map(
+    device_map: str | Sequence[DeviceEntry],
+    local_world_size: int | None = None,
+    cuda_device_count: int | None = None,
+    *,
+    name: str = "device_map",
+) -> list[torch.device]:
+    """One node's device map as one :class:`torch.device` per local replica (a bare ``"cuda"`` takes a free index).
+
+    >>> parse_device_map(["cuda", "cpu", "cuda:0"], cuda_device_count=2)
+    [device(type='cuda', index=1), device(type='cpu'), device(type='cuda', index=0)]
+    """
+    entries = _as_list(device_map, name)
+    parsed = [_parse_entry(entry, f"{name}[{i}]") for i, entry in enumerate(entries)]
+    if local_world_size is not None and len(parsed) != local_world_size:
+        raise ValueError(
+            f"You set `{name}` with {len(parsed)} entries ({[str(e) for e in entries]}), but the node runs"
+            f" {local_world_size} replicas (Trainer(devices={local_world_size})). HINT: give one device per local"
+            f" replica, or leave `devices` at 'auto' so that the map decides."
+        )
+    taken = {index for kind, index in parsed if kind == "cuda" and index is not None}
+    devices: list[torch.device] = []
+    for kind, index in parsed:
+        if kind == "cuda" and index is None:
+            index = min(set(range(len(taken) + 1)) - taken)
+            taken.add(index)
+        devices.append(torch.device("cpu") if kind == "cpu" else torch.device("cuda", index))
+    cuda = [i for i, d in enumerate(devices) if d.type == "cuda"]
+    if cuda and cuda_device_count is not None and cuda_device_count < 1:
+        raise ValueError(
+            f"You set `{name}`={[str(e) for e in entries]} with {len(cuda)} CUDA replica(s), but no CUDA"
+            f" device is visible on this host (torch.cuda.device_count()=0, torch {torch.__version__},"
+            f" {_visible_devices_hint()}). HINT: run on a GPU node with a CUDA build of torch, or map the replicas"
+            " to 'cpu'."
+        )
+    seen: dict[int | None, int] = {}
+    for i in cuda:
+        if cuda_device_count is not None and devices[i].index >= cuda_device_count:  # type: ignore[operator]
+            raise ValueError(
+                f"You set `{name}[{i}]`={entries[i]!r} (-> {devices[i]}), but only {cuda_device_count} CUDA"
+                f" device(s) are visible on this host ({_visible_devices_hint()}); the map has"
+                f" {len(cuda)} CUDA replica(s). HINT: indices count from 0 among the visible devices;"
+                " use fewer CUDA replicas or map the others to 'cpu'."
+            )
+        first = seen.setdefault(devices[i].index, i)
+        if first != i:
+            raise ValueError(
+                f"You set `{name}` with {devices[i]} twice (`{name}[{first}]`={entries[first]!r} and"
+                f" `{name}[{i}]`={entries[i]!r}): two replicas cannot share one GPU. HINT: give each CUDA replica"
+                " its own index, or map the extra replica to 'cpu'."
+            )
+    return devices
+
+
+def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, name: str = "device_map") -> list[list]:
+    """The raw map of every node: ``[map] * num_nodes`` for one shared map, or the values of ``{node_rank: map}``."""
+    if not isinstance(device_map, Mapping):
+        return [list(_as_list(device_map, name)) for _ in range(num_nodes or 1)]
+    per_node: dict[int, list] = {}
+    for key, value in device_map.items():
+        text = str(key).strip()
+        if isinstance(key, bool) or not text.isdigit():
+            raise ValueError(
+                f"Expected the keys of `{name}` to be node ranks (integers >= 0), but got {key!r}."
+                " HINT: use {0: [...], 1: [...]} or one list for every node."
+            )
+        per_node[int(text)] = _as_list(value, f"{name}[{key!r}]")
+    if not per_node:
+        raise ValueError(f"Expected argument `{name}` to hold at least one node, but got {dict(device_map)!r}.")
+    ranks = sorted(per_node)
+    expected = list(range(num_nodes if num_nodes is not None else len(ranks)))
+    if ranks != expected:
+        raise ValueError(
+            f"You set `{name}` for node ranks {ranks}, but the job has {num_nodes if num_nodes is not None else '?'}"
+            f" node(s) (ranks {expected}). HINT: give exactly one map per node rank."
+        )
+    lengths = {rank: len(entries) for rank, entries in per_node.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"You set `{name}` with different numbers of replicas per node ({lengths}); Lightning runs the same number"
+            " of processes on every node. HINT: pad the smaller maps with 'cpu' replicas."
+        )
+    return [per_node[rank] for rank in ranks]
+
+
+def choose_backend(devices: Sequence[torch.device], requested: str | None = None) -> str:
+    """The ``torch.distributed`` backend for a job whose replicas run on ``devices`` (every replica of every node)."""
+    if not devices:
+        raise ValueError("Expected at least one replica device to choose a process-group backend, got none.")
+    kinds = sorted({d.type for d in devices})
+    counts = ", ".join(f"{sum(d.type == k for d in devices)} {k.upper()}" for k in kinds)
+    if not requested:
+        return "nccl" if kinds == ["cuda"] else "gloo"
+    backend = str(requested).strip().lower()
+    if kinds == ["cuda"]:
+        return backend
+    if len(kinds) > 1 and backend != "gloo":
+        raise ValueError(
+            f"You set `process_group_backend`={requested!r}, but the job mixes CPU and CUDA replicas ({counts}): only"
+            " Gloo can reduce a CPU tensor on one rank with a CUDA tensor on another. HINT: leave"
+            " `process_group_backend` unset (Gloo is chosen) or set it to 'gloo'."
+        )
+    if "nccl" in backend:
+        raise ValueError(
+            f"You set `process_group_backend`={requested!r}, but the job has CPU replicas ({counts}); NCCL only"
+            " communicates CUDA tensors. HINT: leave `process_group_backend` unset or use 'gloo'."
+        )
+    return backend
+
+
+def available_cpu_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a SLURM allocation), else ``os.cpu_count()``."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):  # not Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def plan_cpu_threads(
+    devices: Sequence[torch.device], cpu_cores: int, cpu_threads: int | Sequence[int] | None = None
+) -> list[int]:
+    """Intra-op threads of each local replica of one node (one per CUDA replica, the rest shared by the CPU ones).
+
+    >>> plan_cpu_threads([torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")], cpu_cores=16)
+    [1, 8, 7]
+    """
+    if isinstance(cpu_cores, bool) or not isinstance(cpu_cores, int) or cpu_cores < 1:
+        raise ValueError(f"Expected argument `cpu_cores` to be an integer >= 1, but got {cpu_cores!r}.")
+    if cpu_threads is not None:
+        if isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool):
+            counts, given = [1 if d.type == "cuda" else cpu_threads for d in devices], [cpu_threads]
+        elif isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
+            raise ValueError(
+                f"Expected argument `cpu_threads` to be an integer or one integer per local replica, but got"
+                f" {cpu_threads!r}."
+            )
+        else:
+            counts = given = list(cpu_threads)
+            if len(counts) != len(devices):
+                raise ValueError(
+                    f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}"
+                    f" replicas ({[str(d) for d in devices]}). HINT: give one count per local replica, or a single"
+                    " integer for every CPU replica."
+                )
+        for i, c in enumerate(given):
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                where = "`cpu_threads`" if isinstance(cpu_threads, int) else f"`cpu_threads[{i}]`"
+                raise ValueError(f"Expected {where} to be an integer >= 1, but got {c!r}.")
+        if sum(counts) > cpu_cores:
+            warnings.warn(
+                f"`cpu_threads`={counts} asks for {sum(counts)} threads on a node with {cpu_cores} available cores;"
+                " the replicas will compete for cores and CPU replicas will run (and be profiled) slower.",
+                stacklevel=2,
+            )
+        return [int(c) for c in counts]
+    cpu_ranks = [i for i, d in enumerate(devices) if d.type != "cuda"]
+    counts = [1] * len(devices)
+    free = cpu_cores - (len(devices) - len(cpu_ranks))
+    if cpu_ranks and free < len(cpu_ranks):
+        warnings.warn(
+            f"The node has {cpu_cores} available cores for {len(devices) - len(cpu_ranks)} CUDA replica(s) (one core"
+            f" each) and {len(cpu_ranks)} CPU replica(s); every CPU replica gets 1 thread and the processes will"
+            " compete for cores. HINT: use fewer CPU replicas per node.",
+            stacklevel=2,
+        )
+        free = len(cpu_ranks)
+    for j, rank in enumerate(cpu_ranks):
+        counts[rank] = free // len(cpu_ranks) + (j < free % len(cpu_ranks))
+    return counts
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where every replica of a job runs, the backend they share and this node's thread counts."""
+
+    local_devices: tuple[torch.device, ...]
+    global_devices: tuple[torch.device, ...]
+    backend: str
+    threads: tuple[int, ...]
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the job has both CPU and CUDA replicas (on any node)."""
+        return len({d.type for d in self.global_devices}) > 1
+
+    @property
+    def bind_device_id(self) -> bool:
+        """Whether a process may bind its device to the default group (the same on every rank: not when mixed)."""
+        return not self.mixed
+
+
+def plan_devices(
+    device_map: DeviceMapArg,
+    *,
+    node_rank: int,
+    num_nodes: int,
+    local_world_size: int,
+    cuda_device_count: int,
+    requested_backend: str | None = None,
+    cpu_threads: int | Sequence[int] | None = None,
+    cpu_cores: int | None = None,
+) -> DevicePlan:
+    """Resolve a device map for this node and the whole job (every check that can run before the workers start)."""
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(f"Expected `node_rank` in [0, {num_nodes}), but got {node_rank} (NODE_RANK / cluster env).")
+    per_node = node_device_maps(device_map, num_nodes)
+    parsed = [
+        parse_device_map(
+            entries,
+            local_world_size,
+            cuda_device_count if rank == node_rank else None,
+            name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]",
+        )
+        for rank, entries in enumerate(per_node)
+    ]
+    everyone = tuple(d for node in parsed for d in node)
+    local = tuple(parsed[node_rank])
+    threads = plan_cpu_threads(local, cpu_cores if cpu_cores is not None else available_cpu_cores(), cpu_threads)
+    return DevicePlan(local, everyone, choose_backend(everyone, requested_backend), tuple(threads))
 
 
 def _plain_map(device_map: DeviceMapArg) -> list[str | int] | dict[int, list[str | int]]:
     """A picklable, config-library-free copy (e.g. of an omegaconf ListConfig/DictConfig)."""
+
+    def plain(entries: list) -> list[str | int]:
+        return [e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in entries]
+
     if isinstance(device_map, Mapping):
         return {
-            int(str(k)) if str(k).strip().isdigit() else k: [_plain_entry(e) for e in node_device_maps(v)[0]]
-            for k, v in device_map.items()
+            int(str(k)) if str(k).strip().isdigit() else k: plain(node_device_maps(v)[0]) for k, v in device_map.items()
         }
-    return [_plain_entry(e) for e in node_device_maps(device_map)[0]]
+    return plain(node_device_maps(device_map)[0])
 
 
 class MixedAcceleratorMixin:
@@ -37,19 +302,17 @@ class MixedAcceleratorMixin:
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
         self.device_map = _plain_map(device_map)  # as given: one list for every node, or {node_rank: list}
         per_node = node_device_maps(self.device_map)  # checks keys and equal lengths
-        for rank, entries in enumerate(per_node):
-            name = "device_map" if not isinstance(self.device_map, Mapping) else f"device_map[{rank}]"
-            parse_device_map(entries, name=name)  # syntax and duplicates; the GPU count is checked per node later
+        for rank, entries in enumerate(per_node):  # syntax and duplicates; the GPU count is checked per node later
+            parse_device_map(
+                entries, name="device_map" if not isinstance(self.device_map, Mapping) else f"device_map[{rank}]"
+            )
         self._local_world_size = len(per_node[0])
-        if cpu_threads is not None and not isinstance(cpu_threads, int):
-            cpu_threads = list(cpu_threads)
-        self.cpu_threads: int | list[int] | None = cpu_threads
+        self.cpu_threads = cpu_threads if cpu_threads is None or isinstance(cpu_threads, int) else list(cpu_threads)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device_map={self.device_map!r}, cpu_threads={self.cpu_threads!r})"
 
     def setup_device(self, device: torch.device) -> None:
-        """Select the CUDA device of a CUDA replica; nothing for a CPU replica (no CUDA context is created)."""
         if device.type == "cuda":
             CUDAAccelerator().setup_device(device)  # Lightning's: the float32 matmul precision hint, set_device
         elif device.type != "cpu":
@@ -67,7 +330,6 @@ class MixedAcceleratorMixin:
             CUDAAccelerator().teardown()  # Lightning's way to empty the CUDA cache and the cuBLAS workspaces
 
     def get_device_stats(self, device: torch.device | str | int) -> dict[str, Any]:
-        """``torch.cuda.memory_stats`` for a CUDA replica, Lightning's CPU stats (psutil) for a CPU replica."""
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if device.type == "cuda":
             return torch.cuda.memory_stats(device)
@@ -79,8 +341,7 @@ class MixedAcceleratorMixin:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             CUDAAccelerator().teardown()
 
-    def auto_device_count(self) -> int:  # type: ignore[override]  # an instance method: the count is the map's
-        """Replicas per node: the length of the map (``Trainer(devices='auto')`` picks it up)."""
+    def auto_device_count(self) -> int:  # type: ignore[override]  # replicas per node: the map's length
         return self._local_world_size
 
     @staticmethod
@@ -100,8 +361,7 @@ class MixedAcceleratorMixin:
         return devices
 
     @staticmethod
-    def get_parallel_devices(devices: int) -> list[torch.device]:
-        """Placeholders (CPU); the strategy replaces them with the map's devices before any worker starts."""
+    def get_parallel_devices(devices: int) -> list[torch.device]:  # placeholders: the strategy sets the map's
         return [torch.device("cpu")] * int(devices)
 
     @staticmethod
@@ -110,7 +370,7 @@ class MixedAcceleratorMixin:
 
     @classmethod
     def register_accelerators(cls, accelerator_registry: Any) -> None:
-        """Not registered by name: it needs a device map (pass an instance, or ``device_map`` to the strategy)."""
+        """Not registered by name: it needs a device map."""
 
 
 class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
@@ -118,7 +378,7 @@ class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
 
 
 def mixed_accelerator_class(strategy_cls: type) -> type:
-    """The ``MixedAccelerator`` for a strategy's Lightning flavour (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    """The ``MixedAccelerator`` of a strategy's Lightning flavour."""
     return trainer_flavour(strategy_cls).MixedAccelerator
 
 
@@ -142,44 +402,7 @@ def mixed_accelerator_kwargs(
     return {**kwargs, "accelerator": mixed_accelerator_class(strategy_cls)(device_map, cpu_threads=cpu_threads)}
 
 
-class DeviceStrategy(Protocol):
-    """What the device functions use of the strategy; ``parallel_devices`` is the one attribute they set."""
-
-    parallel_devices: list[torch.device] | None
-
-    @property
-    def accelerator(self) -> Any: ...
-    @property
-    def cluster_environment(self) -> Any: ...
-    @property
-    def precision_plugin(self) -> Any: ...
-    @property
-    def num_nodes(self) -> int: ...
-    @property
-    def num_processes(self) -> int: ...
-    @property
-    def process_group_backend(self) -> str | None: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-
-
-def _check_precision(strategy: DeviceStrategy, plan: DevicePlan) -> None:
-    plugin = getattr(strategy, "precision_plugin", None)
-    names = {c.__name__ for c in type(plugin).__mro__}
-    has_cpu = any(d.type == "cpu" for d in plan.global_devices)
-    if "MixedPrecision" in names and has_cpu and getattr(plugin, "precision", None) == "16-mixed":
-        raise ValueError(
-            "You set `precision='16-mixed'` with CPU replicas in the device map: float16 autocast and its gradient"
-            " scaler are CUDA-only. HINT: use `precision='bf16-mixed'` (autocast on each replica's own device) or"
-            " '32-true'."
-        )
-
-
-def configure_devices(strategy: DeviceStrategy) -> DevicePlan | None:
+def configure_devices(strategy: Any) -> DevicePlan | None:
     """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``."""
     accelerator = strategy.accelerator
     if not isinstance(accelerator, MixedAcceleratorMixin):
@@ -194,13 +417,20 @@ def configure_devices(strategy: DeviceStrategy) -> DevicePlan | None:
         requested_backend=strategy.process_group_backend,
         cpu_threads=accelerator.cpu_threads,
     )
-    _check_precision(strategy, plan)
+    plugin = getattr(strategy, "precision_plugin", None)
+    amp = "MixedPrecision" in {c.__name__ for c in type(plugin).__mro__}
+    if amp and getattr(plugin, "precision", None) == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
+        raise ValueError(
+            "You set `precision='16-mixed'` with CPU replicas in the device map: float16 autocast and its gradient"
+            " scaler are CUDA-only. HINT: use `precision='bf16-mixed'` (autocast on each replica's own device) or"
+            " '32-true'."
+        )
     strategy.parallel_devices = list(plan.local_devices)
     log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")
     return plan
 
 
-def apply_local_settings(strategy: DeviceStrategy) -> None:
+def apply_local_settings(strategy: Any) -> None:
     """In each worker: this replica's intra-op threads, and its own autocast device under ``bf16-mixed``."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None:
@@ -215,12 +445,9 @@ def apply_local_settings(strategy: DeviceStrategy) -> None:
 
 
 @contextmanager
-def unbound_process_group(strategy: DeviceStrategy) -> Iterator[None]:
-    """Around ``setup_distributed``: in a mixed job, no rank binds a device to the default process group.
-
-    A bound device makes torch create later subgroups by splitting the bound backend, unbound ranks create them
-    normally: in one job the two paths would not meet. Hiding the CUDA devices keeps every rank unbound.
-    """
+def unbound_process_group(strategy: Any) -> Iterator[None]:
+    """Around ``setup_distributed`` in a mixed job: no rank binds a device to the default group (a bound one would
+    split later subgroups off its backend, the unbound ranks not), by hiding the CUDA devices."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is None or plan.bind_device_id:
         yield
@@ -233,10 +460,9 @@ def unbound_process_group(strategy: DeviceStrategy) -> Iterator[None]:
         strategy.parallel_devices = devices
 
 
-def device_labels(strategy: DeviceStrategy) -> list[str]:
+def device_labels(strategy: Any) -> list[str]:
     """The device of every global rank, as text (node-major ranks under a map; the local devices repeated otherwise)."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
     if plan is not None:
         return [str(d) for d in plan.global_devices]
-    local = [str(d) for d in (strategy.parallel_devices or [])]
-    return local * max(int(strategy.num_nodes or 1), 1)
+    return [str(d) for d in (strategy.parallel_devices or [])] * max(int(strategy.num_nodes or 1), 1)

@@ -1,4 +1,4 @@
-"""Process-group start-up: a rendezvous only the job can reach, its longer timeout, and every rank's node id."""
+"""Process-group start-up: a rendezvous only the job can reach, a longer wait for it, and every rank's node id."""
 
 from __future__ import annotations
 
@@ -7,56 +7,36 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import set_default_group_timeout
 from lightning_het.cluster.rendezvous import create_store, local_sockets
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
 
 log = logging.getLogger(__name__)
 
-#: start-up (rendezvous) timeout used when the strategy's ``timeout`` is shorter; see :func:`rendezvous_timeout`.
+#: the least time the replicas wait for each other at start-up (``startup_timeout``'s default)
 DEFAULT_STARTUP_TIMEOUT = timedelta(minutes=10)
+_TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
-def rendezvous_timeout(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta | None:
-    """``startup_timeout`` when it is longer than ``timeout`` (``None``: keep ``timeout``): ``init_process_group``
-    uses one timeout for the rendezvous and every collective, and a short one must not fail slow starters."""
-    startup = startup_timeout if startup_timeout is not None else DEFAULT_STARTUP_TIMEOUT
+def rendezvous_wait(timeout: timedelta | None, startup_timeout: timedelta | float | None = None) -> timedelta:
+    """How long the replicas wait for each other: ``startup_timeout`` (default 10 minutes) or, when longer, the
+    collective ``timeout`` (``None``: torch's 30 minutes)."""
+    startup = DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else startup_timeout
     startup = timedelta(seconds=startup) if isinstance(startup, (int, float)) else startup
-    if timeout is None or startup <= timeout or dist.is_initialized():
-        return None
-    return startup
+    return max(startup, timeout if timeout is not None else _TORCH_DEFAULT_TIMEOUT)
 
 
-def apply_collective_timeout(timeout: timedelta) -> None:
-    """Give the default process group's collectives and its store ``timeout`` (after a longer rendezvous)."""
-    if dist.is_initialized():
-        set_default_group_timeout(timeout)
-
-
-@contextmanager
-def startup_timeout_scope(
-    timeout: timedelta | None, startup_timeout: timedelta | None, set_timeout: Callable[[timedelta | None], None]
-) -> Iterator[None]:
-    """Around the rendezvous, use ``startup_timeout`` when it is longer than ``timeout`` (restored afterwards)."""
-    startup = rendezvous_timeout(timeout, startup_timeout)
-    if startup is None:
-        yield
-        return
-    set_timeout(startup)
-    try:
-        yield
-    finally:
-        set_timeout(timeout)
-    apply_collective_timeout(timeout)
+def store_barrier(store: dist.Store, world_size: int, wait: timedelta, key: str = "lightning_het/joined") -> None:
+    """Return once all ``world_size`` ranks called it on ``store``, waiting at most ``wait``."""
+    store.set_timeout(wait)
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"])
 
 
 def started_elsewhere() -> bool:
@@ -64,21 +44,41 @@ def started_elsewhere() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized()
 
 
-class GroupMember(Protocol):
-    """What :func:`init_process_group` reads of a strategy (the Trainer's and Fabric's DDP strategies have it all)."""
+def wait_under_torchrun(wait: timedelta) -> None:
+    """Under torchrun's agent store: every replica arrives (within ``wait``) before Lightning starts the group."""
+    if dist.is_initialized():
+        return
+    world_size, env = int(os.environ["WORLD_SIZE"]), os.environ
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, False, wait)
+    store_barrier(store, world_size, wait, f"lightning_het/joined/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}")
 
-    cluster_environment: Any
-    global_rank: int
-    world_size: int
-    num_nodes: int
 
-    @property
-    def root_device(self) -> torch.device: ...
+def init_process_group(member: Any, backend: str, timeout: timedelta | None, wait: timedelta) -> None:
+    """Start the default process group on a store, and sockets, only the job can reach: the replicas wait ``wait``
+    for each other there, then the group's collectives time out after ``timeout`` (a timed-out wait ends the job)."""
+    env, rank, world_size = member.cluster_environment, member.global_rank, member.world_size
+    device = member.root_device
+    try:
+        store = create_store(
+            master_addr=env.main_address,
+            port=env.main_port,
+            rank=rank,
+            world_size=world_size,
+            num_nodes=member.num_nodes,
+            timeout=wait,
+        )
+        store_barrier(store, world_size, wait)
+        store.set_timeout(timeout if timeout is not None else _TORCH_DEFAULT_TIMEOUT)
+        kwargs = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
+        with local_sockets(member.num_nodes):
+            start_default_group(env, backend, **kwargs)
+    except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
+        raise rendezvous_failed(err, wait, rank, world_size) from err
 
 
 def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
-    """``dist.init_process_group`` for the replica ``env`` names, as Lightning's DDP strategies call it: with
-    ``MASTER_ADDR`` / ``MASTER_PORT`` set, and an NCCL group destroyed at exit (torch warns about one left)."""
+    """``dist.init_process_group`` as Lightning's DDP strategies call it (``MASTER_ADDR`` / ``MASTER_PORT`` set, an
+    NCCL group destroyed at exit)."""
     if dist.is_initialized():
         return
     rank, world_size = env.global_rank(), env.world_size()
@@ -101,49 +101,23 @@ def _destroy_default_group() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def init_process_group(member: GroupMember, backend: str, timeout: timedelta | None) -> None:
-    """Start the default process group on a store, and sockets, only the job can reach (a timed-out rendezvous ends
-    the job)."""
-    env, rank, world_size = member.cluster_environment, member.global_rank, member.world_size
-    store_timeout = timeout if timeout is not None else timedelta(minutes=30)
-    store = create_store(
-        master_addr=env.main_address,
-        port=env.main_port,
-        rank=rank,
-        world_size=world_size,
-        num_nodes=member.num_nodes,
-        timeout=store_timeout,
-    )
-    device = member.root_device
-    kwargs: dict[str, Any] = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
-    try:
-        with local_sockets(member.num_nodes):
-            start_default_group(env, backend, **kwargs)
-    except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
-        raise rendezvous_failed(err, store_timeout, rank, world_size) from err
-
-
 def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[int]:
     """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
-    if given is not None:
-        return validate_node_ids(given, world_size)
-    assert env is not None
-    return gather_node_ids(env)
+    return validate_node_ids(given, world_size) if given is not None else gather_node_ids(env)
 
 
-def rendezvous_failed(err: BaseException, timeout: Any, rank: int, world_size: int) -> BaseException:
-    """A timed-out rendezvous: one line naming the wait, then exit status 124; any other error returned unchanged."""
+def rendezvous_failed(err: BaseException, wait: timedelta, rank: int, world_size: int) -> BaseException:
+    """A timed-out rendezvous: one line naming the wait, then exit status 124; any other error unchanged."""
     from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
 
     text = str(err).lower()
     if "timeout" not in text and "timed out" not in text:
         return err
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     print(
         f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
-        f" {seconds:g} s (startup_timeout); a replica hung or died while starting ({str(err).splitlines()[0][:200]})."
-        f" Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the other replicas' output; raise"
-        " `startup_timeout` if they only start slowly.",
+        f" {wait.total_seconds():g} s (startup_timeout); a replica hung or died while starting"
+        f" ({str(err).splitlines()[0][:200]}). Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the"
+        " other replicas' output; raise `startup_timeout` if they only start slowly.",
         file=sys.stderr,
         flush=True,
     )

@@ -16,23 +16,16 @@ log = logging.getLogger(__name__)
 
 
 def _normalise(keys: Sequence[Any]) -> list[int]:
-    """Map arbitrary hashable labels to ``0..N-1`` in order of first appearance."""
+    """Arbitrary hashable labels as ``0..N-1`` in order of first appearance."""
     index: dict[Any, int] = {}
     return [index.setdefault(key, len(index)) for key in keys]
 
 
 def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> list[int]:
-    """Node id of every global rank, from each rank's launcher node rank and host name.
+    """Node id of every global rank: by launcher node rank first, then host name.
 
-    The node rank is primary (two launchers on one host with ``NODE_RANK`` 0 and 1 form two nodes); host names only
-    split ranks that report the same node rank from different hosts.
-
-    >>> node_ids_from_ranks([0, 0, 1, 1], ["a", "a", "a", "a"])
-    [0, 0, 1, 1]
-    >>> node_ids_from_ranks([1, 0, 1, 0], ["a", "a", "a", "a"])
-    [0, 1, 0, 1]
-    >>> node_ids_from_ranks([0, 0, 0], ["a", "b", "a"])
-    [0, 1, 0]
+    >>> node_ids_from_ranks([1, 0, 1, 0], ["a", "a", "a", "a"]), node_ids_from_ranks([0, 0, 0], ["a", "b", "a"])
+    ([0, 1, 0, 1], [0, 1, 0])
     """
     if len(node_ranks) != len(hostnames) or not node_ranks:
         raise ValueError(
@@ -43,11 +36,7 @@ def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> 
 
 
 def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
-    """Check a user-given ``node_ids`` override and normalise it to ``0..N-1`` in order of first appearance.
-
-    >>> validate_node_ids([5, 5, 2], 3)
-    [0, 0, 1]
-    """
+    """A user-given ``node_ids``, checked and normalised (``[5, 5, 2]`` -> ``[0, 0, 1]``)."""
     if isinstance(node_ids, (str, bytes)) or not isinstance(node_ids, Sequence):
         raise ValueError(f"Expected argument `node_ids` to be a sequence of integers, but got {node_ids!r}.")
     values = list(node_ids)
@@ -67,11 +56,7 @@ def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
 
 
 def node_members(node_ids: Sequence[int]) -> list[list[int]]:
-    """Global ranks of each node, ascending, for normalised node ids.
-
-    >>> node_members([0, 1, 0, 1])
-    [[0, 2], [1, 3]]
-    """
+    """Global ranks of each node, ascending, for normalised node ids (``[0, 1, 0, 1]`` -> ``[[0, 2], [1, 3]]``)."""
     members: list[list[int]] = [[] for _ in range(max(node_ids) + 1)]
     for rank, node in enumerate(node_ids):
         members[node].append(rank)
@@ -86,22 +71,18 @@ def describe_topology(node_ids: Sequence[int]) -> str:
 
 
 def gather_node_ids(source: Any, *, hostname: str | None = None, group: dist.ProcessGroup | None = None) -> list[int]:
-    """Detect the node of every rank with one ``all_gather_object`` of ``(node_rank, hostname)``; ``source`` is a
-    node rank or a Lightning ``ClusterEnvironment``."""
+    """Every rank's node, from one ``all_gather_object`` of ``(node_rank, hostname)``; ``source``: a node rank or a
+    Lightning ``ClusterEnvironment``."""
     node_rank = int(source.node_rank()) if hasattr(source, "node_rank") else int(source)
-    host = socket.gethostname() if hostname is None else hostname
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (node_rank, host), group=group)
+    dist.all_gather_object(gathered, (node_rank, hostname or socket.gethostname()), group=group)
     return node_ids_from_ranks([g[0] for g in gathered], [g[1] for g in gathered])
 
 
 @dataclass(frozen=True)
 class NodeGroups:
-    """Process groups of a two-level (intra-node / between-node) topology, as seen from one rank.
-
-    ``intra_group`` and ``intra_bcast_group`` hold the same ranks, so that a pipelined reduction can run its reduce and
-    broadcast stages concurrently; ``leader_group`` is ``None`` off the leaders. Not picklable.
-    """
+    """Process groups of a two-level topology, seen from one rank: ``intra_group`` and ``intra_bcast_group`` (the
+    same ranks, for concurrent reduce and broadcast stages), ``leader_group`` (``None`` off the leaders)."""
 
     node_ids: tuple[int, ...]
     rank: int
@@ -124,7 +105,6 @@ class NodeGroups:
 
     @property
     def node_ranks(self) -> tuple[int, ...]:
-        """Global ranks of this rank's node, ascending."""
         return self.members[self.node_id]
 
     @property
@@ -133,12 +113,11 @@ class NodeGroups:
 
     @property
     def leader(self) -> int:
-        """Global rank of this node's leader (its lowest rank)."""
+        """This node's lowest rank."""
         return self.node_ranks[0]
 
     @property
     def leaders(self) -> tuple[int, ...]:
-        """Global rank of every node's leader, in node order (ascending ranks)."""
         return tuple(m[0] for m in self.members)
 
     @property
@@ -155,14 +134,7 @@ def build_node_groups(node_ids: Sequence[int], rank: int) -> NodeGroups:
         intra, _ = dist.new_subgroups_by_enumeration(members)
         intra_bcast, _ = dist.new_subgroups_by_enumeration(members)
         leader_group = dist.new_group(ranks=leaders)
-    groups = NodeGroups(
-        node_ids=tuple(ids),
-        rank=rank,
-        members=tuple(tuple(m) for m in members),
-        intra_group=intra,
-        intra_bcast_group=intra_bcast,
-        leader_group=leader_group if rank in leaders else None,
-    )
     if rank == 0:
         log.info("lightning-het topology: %s; leaders %s", describe_topology(ids), leaders)
-    return groups
+    members_t = tuple(tuple(m) for m in members)
+    return NodeGroups(tuple(ids), rank, members_t, intra, intra_bcast, leader_group if rank in leaders else None)

@@ -1,13 +1,8 @@
-"""Micro-batches: one replica's share of a global batch run in pieces of at most its memory cap (samples).
+"""Micro-batches: one replica's share run in pieces of at most its memory cap, with the share's exact gradient.
 
-A share of ``b`` samples runs as ``ceil(b / m)`` pieces split along the first dimension; every piece but the last is
-backwarded at once, its loss weighted ``n_j / b``, without gradient communication; the last piece's loss, weighted
-the same, is returned (plus the others' weighted losses, detached) for the usual backward, which synchronises the
-accumulated gradients. The gradient is the share's, exactly. Under the Trainer the earlier pieces take a cheap path
-(:class:`DirectPieces`: the LightningModule's ``training_step`` and a plain backward, past DDP and Lightning's hooks)
-where that is safe. A ``torch.OutOfMemoryError`` raised by any piece's step (a whole share run at once included)
-lowers the cap once and the rest of the share runs in smaller pieces. See ``docs/balancing.md`` (memory,
-micro-batches).
+Every piece but the last backwards at once under ``no_sync()``, its loss weighted ``n_j / b``; the last piece's loss
+(plus the others', detached) is returned for the usual, synchronising backward. An out-of-memory error lowers the cap
+once (``docs/balancing.md``).
 """
 
 from __future__ import annotations
@@ -21,11 +16,9 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_het._compat import broadcast_ddp_buffers, ddp_forward_skippable, inside_log_sync, logged_batch
-
 
 def micro_batch_sizes(batch_size: int, cap: int | None) -> list[int]:
-    """``ceil(batch_size / cap)`` sizes as even as possible, each at most ``cap``, summing to ``batch_size``.
+    """``ceil(batch_size / cap)`` sizes as even as possible, each at most ``cap``.
 
     >>> micro_batch_sizes(16, 3), micro_batch_sizes(4, 64), micro_batch_sizes(5, None)
     ([3, 3, 3, 3, 2, 2], [4], [5])
@@ -38,10 +31,10 @@ def micro_batch_sizes(batch_size: int, cap: int | None) -> list[int]:
 
 
 def pieces_label(sizes: Sequence[int]) -> str:
-    """``sizes`` (those of :func:`micro_batch_sizes`) as ``size x count`` terms joined by ``+``.
+    """``sizes`` as ``size x count`` terms joined by ``+``.
 
-    >>> pieces_label(micro_batch_sizes(16, 3)), pieces_label([3, 3, 3]), pieces_label([9])
-    ('3x4+2x2', '3x3', '9x1')
+    >>> pieces_label(micro_batch_sizes(16, 3)), pieces_label([9])
+    ('3x4+2x2', '9x1')
     """
     terms: list[list[int]] = []
     for n in sizes:
@@ -65,9 +58,7 @@ def batch_length(batch: Any) -> int | None:
 
 
 def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
-    """``batch`` cut along the first dimension of every tensor into pieces of ``sizes`` samples, each piece of the same
-    structure (Lightning's ``apply_to_collection``: tuples, named tuples, lists, dicts, dataclasses); scalars and
-    other values are repeated in every piece."""
+    """``batch`` cut along every tensor's first dimension into pieces of ``sizes`` (other values repeated)."""
     sizes = list(sizes)
 
     def piece(tensor: Tensor, index: int) -> Tensor:
@@ -77,9 +68,8 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
 
 
 def micro_batches(batch: Any, cap: int) -> list[tuple[Any, float]]:
-    """For a loop of your own (manual optimization, Fabric): ``batch`` as ``(piece, weight)`` pairs of at most
-    ``cap`` samples, ``weight = n_j / b``; backward ``loss(piece) * weight`` for each, all but the last under
-    ``no_sync()``, and the accumulated gradient is the whole batch's.
+    """For a loop of your own: ``(piece, n_j / b)`` pairs of at most ``cap`` samples; backward ``loss * weight`` for
+    each, all but the last under ``no_sync()``.
 
     >>> [(p.tolist(), w) for p, w in micro_batches(torch.arange(5), 2)]
     [([0, 1], 0.4), ([2, 3], 0.4), ([4], 0.2)]
@@ -92,7 +82,7 @@ def micro_batches(batch: Any, cap: int) -> list[tuple[Any, float]]:
 
 
 def step_loss(output: Any) -> Tensor:
-    """The loss a training step returned (a tensor, or a dict's ``"loss"``); a clear error otherwise."""
+    """The loss a training step returned (a tensor, or a dict's ``"loss"``)."""
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise RuntimeError(
@@ -102,15 +92,17 @@ def step_loss(output: Any) -> Tensor:
     return loss
 
 
-def _with_loss(output: Any, loss: Tensor) -> Any:
-    return {**output, "loss": loss} if isinstance(output, Mapping) else loss
+def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
+    """``params``' gradients, each ``.grad`` left ``None``."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
 
 
 class MicroBatcher:
-    """One replica's micro-batching: ``cap`` (most samples run at once, ``None``: the whole share), ``min_piece`` (the
-    fewest samples a piece may hold: 2 with batch norm layers, which need 2 in training), and the one fallback after
-    an out-of-memory error.
-    """
+    """One replica's micro-batching: ``cap`` (``None``: the whole share), ``min_piece`` (2 with batch norm layers)
+    and the one fallback after an out-of-memory error."""
 
     def __init__(self, rank: int, cap: int | None = None, min_piece: int = 1) -> None:
         self.rank = rank
@@ -122,23 +114,44 @@ class MicroBatcher:
         self.search_s = 0.0  # seconds the "auto" search held the first step (the slowest replica's)
         self._grads: list[Tensor | None] | None = None  # the earlier pieces' gradients, held until the last backward
         self.in_earlier_piece = False  # running a piece before the step's last one (or a trial step of the search)
+        self.in_log = False  # inside the module's ``self.log`` during a piece
 
     @property
     def least_cap(self) -> int:
-        """The smallest cap whose even split of any share (of ``min_piece`` samples or more) leaves no piece under
-        ``min_piece`` (3 for pieces of at least 2: a cap of 2 splits 3 samples as ``[2, 1]``)."""
+        """The smallest cap that leaves no piece under ``min_piece`` (3 for 2: a cap of 2 splits 3 as ``[2, 1]``)."""
         return 2 * self.min_piece - 1
 
     @contextmanager
     def earlier_piece(self, no_sync: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
-        """Run a piece before the step's last (or a trial step): ``no_sync()``, and collectives held back or refused
-        (:func:`piece_collective`), as the replicas run different numbers of pieces."""
+        """A piece before the step's last (or a trial step): ``no_sync()``, collectives refused."""
         self.in_earlier_piece = True
         try:
             with no_sync():
                 yield
         finally:
             self.in_earlier_piece = False
+
+    @contextmanager
+    def logging_as(self, module: Any, samples: int | None) -> Iterator[None]:
+        """During a piece of ``samples``: ``module.log`` without ``batch_size`` weighs the value by the piece's size."""
+        log = module.log
+
+        def piece_log(*args: Any, batch_size: int | None = None, **kwargs: Any) -> Any:
+            self.in_log = True
+            try:
+                return log(*args, batch_size=samples if batch_size is None else batch_size, **kwargs)
+            finally:
+                self.in_log = False
+
+        own = vars(module).get("log")  # an instance's own (a trial step's silenced log)
+        module.log = piece_log
+        try:
+            yield
+        finally:
+            if own is None:
+                del module.log
+            else:
+                module.log = own
 
     def refuse_manual(self, batch: Any) -> None:
         """Manual optimization runs its own backward: a share over the cap is the user's to split."""
@@ -153,8 +166,7 @@ class MicroBatcher:
             )
 
     def lower(self, samples: int, error: BaseException) -> None:
-        """A piece of ``samples`` ran out of memory: halve the cap once (not below :attr:`least_cap`); the second
-        time, or when no smaller piece is possible, end with advice."""
+        """A piece of ``samples`` ran out of memory: halve the cap once (not below :attr:`least_cap`), else raise."""
         least = self.least_cap
         if self.lowered_from is not None or samples <= least:
             why = (
@@ -171,15 +183,6 @@ class MicroBatcher:
         self.cap = max(samples // 2, least)
         self.pending = True
 
-    @staticmethod
-    def _recover(retry: Callable[[], None] | None) -> None:
-        """After the handler (the failed piece's activations freed with its traceback): ``retry()``, and the freed
-        memory back to the device."""
-        if retry is not None:
-            retry()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
     def training_step(
         self,
         step: Callable[..., Any],
@@ -189,32 +192,22 @@ class MicroBatcher:
         backward: Callable[[Tensor], None],
         no_sync: Callable[[], AbstractContextManager[Any]],
         measure: Callable[[Callable[[Any], Any], Any], None] | None = None,
-        direct: DirectPieces | None = None,
-        retry: Callable[[], None] | None = None,
     ) -> Any:
-        """A Lightning ``training_step(batch, *rest)`` of ``module`` through :meth:`run`; ``measure(piece_step,
-        batch)`` first when the cap is still to be measured. Manual optimization is refused over the cap. With
-        ``direct``, the earlier pieces take its cheap path; the last one always goes through ``step``. Each piece
-        counts for Lightning's logging as the batch it is (a value logged without ``batch_size`` weighs its size)."""
+        """A Lightning ``training_step(batch, *rest)`` through :meth:`run` (``measure`` first while the cap is unknown);
+        manual optimization is refused over the cap."""
         if not args:
             return step(*args, **kwargs)
         if not module.automatic_optimization:
             self.refuse_manual(args[0])
             return step(*args, **kwargs)
-        rest = args[1:]
 
         def piece_step(piece: Any) -> Any:
-            return step(piece, *rest, **kwargs)
+            with self.logging_as(module, batch_length(piece)):
+                return step(piece, *args[1:], **kwargs)
 
         if measure is not None:  # max_micro_batch_sizes="auto": measured on the first training batch
             measure(piece_step, args[0])
-        early = None
-        if direct is not None:
-            early = (lambda piece: direct.step(piece, *rest, **kwargs)), direct.backward
-        params = list(module.parameters())
-        return self.run(
-            piece_step, args[0], backward, no_sync, params, early, retry=retry, log_as=lambda p: logged_batch(module, p)
-        )
+        return self.run(piece_step, args[0], backward, no_sync, list(module.parameters()))
 
     def run(
         self,
@@ -223,20 +216,9 @@ class MicroBatcher:
         backward: Callable[[Tensor], None],
         no_sync: Callable[[], AbstractContextManager[Any]],
         params: Sequence[Tensor] = (),
-        early: tuple[Callable[[Any], Any], Callable[[Tensor], None]] | None = None,
-        *,
-        retry: Callable[[], None] | None = None,
-        log_as: Callable[[Any], AbstractContextManager[Any]] | None = None,
     ) -> Any:
-        """``step(batch)`` as micro-batches of at most ``cap`` samples (see the module); ``backward(loss)`` backwards
-        a piece without synchronising (``no_sync()`` around it); ``early``: another ``(step, backward)`` for every
-        piece but the last; ``log_as(piece)``: a context around each piece's step of a split share. A
-        ``torch.OutOfMemoryError`` from any piece's step (the whole share's, when it runs at once) lowers the cap once,
-        ``retry()`` is called, and the rest of the share runs in smaller pieces: the gradient stays exact.
-
-        The pieces' gradients are held apart from ``params``' ``.grad`` (which the loop zeroes between the step and
-        its backward) until :meth:`restore_grads`, which the backward of the returned loss calls first.
-        """
+        """``step(batch)`` as micro-batches of at most ``cap`` samples; ``backward(loss)`` backwards an earlier piece
+        (under ``no_sync()``), whose gradients are held apart from ``params`` until :meth:`restore_grads`."""
         total = batch_length(batch)
         if total is None:
             return step(batch)
@@ -245,10 +227,30 @@ class MicroBatcher:
                 return step(batch)  # the share at once, as without micro-batching
             except torch.OutOfMemoryError as error:
                 self.lower(total, error)
-            self._recover(retry)
-        held = take_grads(params)
+            _free_cache()
+        held, done, rest, earlier = take_grads(params), 0, batch, []
         try:
-            return self._pieces((step, backward), early or (step, backward), batch, total, no_sync, retry, log_as)
+            while True:
+                sizes = micro_batch_sizes(total - done, self.cap)
+                for n, piece in zip(sizes, split_batch(rest, sizes) if len(sizes) > 1 else [rest]):
+                    last = done + n == total
+                    try:
+                        with nullcontext() if last else self.earlier_piece(no_sync):
+                            output = step(piece)
+                            if not last:
+                                backward(step_loss(output) * (n / total))
+                    except torch.OutOfMemoryError as error:
+                        self.lower(n, error)
+                        break
+                    if last and not earlier:
+                        return output
+                    if last:
+                        loss = step_loss(output) * (n / total) + sum(earlier)
+                        return {**output, "loss": loss} if isinstance(output, Mapping) else loss
+                    earlier.append(step_loss(output).detach() * (n / total))
+                    done += n
+                _free_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
+                rest = split_batch(batch, [done, total - done])[1] if done else batch
         finally:
             self._grads = take_grads(params)
             for p, g in zip(params, held):
@@ -261,53 +263,18 @@ class MicroBatcher:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
 
-    def _pieces(
-        self,
-        last_path: tuple[Callable[[Any], Any], Callable[[Tensor], None]],
-        early: tuple[Callable[[Any], Any], Callable[[Tensor], None]],
-        batch: Any,
-        total: int,
-        no_sync: Callable[[], AbstractContextManager[Any]],
-        retry: Callable[[], None] | None,
-        log_as: Callable[[Any], AbstractContextManager[Any]] | None,
-    ) -> Any:
-        done, rest, earlier = 0, batch, []
-        while True:
-            sizes = micro_batch_sizes(total - done, self.cap)
-            pieces = split_batch(rest, sizes) if len(sizes) > 1 else [rest]
-            failed = False
-            for n, piece in zip(sizes, pieces):
-                last = done + n == total
-                step, backward = last_path if last else early
-                try:
-                    with nullcontext() if last else self.earlier_piece(no_sync):
-                        with log_as(piece) if log_as is not None else nullcontext():
-                            output = step(piece)
-                        if not last:
-                            backward(step_loss(output) * (n / total))
-                except torch.OutOfMemoryError as error:
-                    self.lower(n, error)
-                    failed = True
-                    break
-                if last:
-                    if not earlier:
-                        return output
-                    return _with_loss(output, step_loss(output) * (n / total) + sum(earlier))
-                earlier.append(step_loss(output).detach() * (n / total))
-                done += n
-            if failed:
-                self._recover(retry)
-                rest = split_batch(batch, [done, total - done])[1] if done else batch
+
+def _free_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def piece_collective(micro: MicroBatcher | None, collective: str) -> bool:
-    """Whether ``collective`` (a strategy's ``reduce`` or ``all_gather``), called now, must stay local: in a piece
-    before the step's last, ``self.log(..., sync_dist=True)``'s on-step reduction does (the last piece logs the value
-    synchronised; the replicas run different numbers of pieces, so only the last may communicate), and any other
-    collective raises ``RuntimeError``. ``False`` outside such pieces."""
+    """Whether ``collective`` called now must stay local: ``self.log(..., sync_dist=True)`` in a piece before the
+    step's last (the last piece synchronises); any other collective there raises. ``False`` outside such pieces."""
     if micro is None or not micro.in_earlier_piece:
         return False
-    if collective == "reduce" and inside_log_sync():
+    if collective == "reduce" and micro.in_log:
         return True
     raise RuntimeError(
         f"HeterogeneousStrategy: rank {micro.rank} called `{collective}` in `training_step` while running its share"
@@ -316,74 +283,3 @@ def piece_collective(micro: MicroBatcher | None, collective: str) -> bool:
         " move the collective to `on_train_batch_end` (once per step), or log with `self.log(..., sync_dist=True)`,"
         " which synchronises the step's last micro-batch only."
     )
-
-
-def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
-    """``params``' gradients, each ``.grad`` left ``None``."""
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return grads
-
-
-#: the precision plugins (``<flavour>.plugins.precision.<module>``, class) whose backward is ``loss.backward()``, after
-#: the grad scaler's ``scale`` for 16-bit mixed precision: the earlier pieces' cheap path honours them
-_PLAIN_PRECISIONS = {
-    ("precision", "Precision"),
-    ("amp", "MixedPrecision"),
-    ("half", "HalfPrecision"),
-    ("double", "DoublePrecision"),
-}
-
-
-class DirectPieces:
-    """The cheap path of a step's earlier micro-batches: the LightningModule's ``training_step`` under the precision
-    plugin's step context, past DDP's forward (its reducer ignores a backward whose forward it did not prepare), and
-    ``loss.backward()`` (scaled by the grad scaler under 16-bit mixed precision), past Lightning's backward hooks.
-    ``scale()``: the factor Lightning's backward applies to the step's loss, read once, applied to each piece's.
-    Built by :meth:`of`, which returns ``None`` where the full path is needed.
-    """
-
-    def __init__(self, module: Any, precision: Any, ddp: Any, scale: Callable[[], float]) -> None:
-        self.module = module
-        self.precision = precision
-        self.ddp = ddp  # the DistributedDataParallel wrapper (None: the module is not wrapped)
-        self._scale = scale
-        self.scale: float | None = None
-        self._first = True
-
-    @classmethod
-    def of(cls, model: Any, module: Any, precision: Any, scale: Callable[[], float]) -> DirectPieces | None:
-        """The cheap path for ``module`` wrapped as ``model``, or ``None``: a precision plugin with a backward of its
-        own (not in ``_PLAIN_PRECISIONS``), a module that overrides ``backward``, or a DDP wrapper that has not run
-        a forward yet, has a static graph, delays its all-reduce or has a buffer communication hook (or a torch
-        without the buffer broadcast this path calls)."""
-        kind = type(precision)
-        plain = (kind.__module__.rpartition(".")[2], kind.__name__) in _PLAIN_PRECISIONS
-        if not plain or getattr(type(module).backward, "__qualname__", "") != "LightningModule.backward":
-            return None
-        ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        if ddp is not None and not ddp_forward_skippable(ddp):
-            return None
-        if ddp is None and model is not module:
-            return None  # another wrapper: its forward may matter
-        return cls(module, precision, ddp, scale)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        """``training_step(*args, **kwargs)`` of the module; before the step's first piece, the buffers are
-        broadcast as DDP's forward of that piece would have done (the last piece's forward then does not)."""
-        if self._first:
-            self._first = False
-            ddp = self.ddp
-            if ddp is not None:
-                broadcast_ddp_buffers(ddp)
-        with self.precision.train_step_context():
-            return self.module.training_step(*args, **kwargs)
-
-    def backward(self, loss: Tensor) -> None:
-        """Backward ``loss`` times ``scale`` (and the grad scaler's scale, if any) into the parameters' ``.grad``."""
-        if self.scale is None:
-            self.scale = self._scale()
-        loss = loss * self.scale if self.scale != 1.0 else loss
-        scaler = getattr(self.precision, "scaler", None)
-        (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -14,26 +14,16 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampl
 from lightning_het.allocation import allocate_batch_sizes
 
 
-def _global_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[Any]:
-    """The order in which one process would visit the dataset in ``epoch``: a permutation seeded by ``seed + epoch``."""
-    if not shuffle:
-        return list(range(length))
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
-    return torch.randperm(length, generator=generator).tolist()
-
-
 def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
     """Everything ``sampler`` yields in one pass, drawn with random generators seeded by ``seed + epoch``."""
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     python_state, numpy_state = random.getstate(), np.random.get_state()
+    own, saved = hasattr(sampler, "generator"), getattr(sampler, "generator", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + epoch)
         random.seed(seed + epoch)
         np.random.seed((seed + epoch) % 2**32)
-        own = hasattr(sampler, "generator")
-        saved = getattr(sampler, "generator", None)
         try:
             if own:
                 sampler.generator = torch.Generator().manual_seed(seed + epoch)  # type: ignore[attr-defined]
@@ -46,12 +36,10 @@ def draw_sampler_order(sampler: Sampler, seed: int, epoch: int) -> list[Any]:
 
 
 def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int = 1) -> list[int] | None:
-    """How the last, smaller global batch of ``tail`` samples is split: ``None`` when it is not trained.
+    """How the last, smaller global batch of ``tail`` samples is split (``None``: not trained).
 
-    >>> tail_batch_sizes(4, [2, 6])
-    [1, 3]
-    >>> tail_batch_sizes(1, [2, 6]) is None
-    True
+    >>> tail_batch_sizes(4, [2, 6]), tail_batch_sizes(1, [2, 6])
+    ([1, 3], None)
     """
     sizes = [int(b) for b in batch_sizes]
     floor = max(1, min(int(min_batch_size), min(sizes)))
@@ -61,13 +49,12 @@ def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int 
 
 
 class ProportionalDistributedSampler(DistributedSampler):
-    """Yields this replica's slice of every global batch, with per-replica batch sizes.
+    """This replica's slice of every global batch, with per-replica batch sizes.
 
     At step ``k`` replica ``r`` takes ``[k*B + o_r, k*B + o_r + b_r)`` of one seeded global order (``B`` the global
     batch, ``o_r = sum(batch_sizes[:r])``); the last ``N % B`` samples form a smaller global batch split by
-    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small; ``min_batch_size`` per replica). Every
-    replica yields ``num_steps`` batches. ``seed`` must be the same on every replica; ``order_sampler`` (e.g. a
-    ``WeightedRandomSampler``) gives the order to cut instead of a permutation, ``shuffle`` then being ignored.
+    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small). ``seed`` must be the same on every
+    replica; ``order_sampler`` (e.g. a ``WeightedRandomSampler``) gives the order to cut instead of a permutation.
     """
 
     def __init__(
@@ -99,19 +86,13 @@ class ProportionalDistributedSampler(DistributedSampler):
                 " or use a larger dataset."
             )
         super().__init__(dataset, num_replicas=len(sizes), rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.batch_sizes = sizes
-        self.global_batch_size = global_batch
-        self.order_sampler = order_sampler
-        self.order_length = length
-        self.offset = sum(sizes[:rank])
+        self.batch_sizes, self.global_batch_size, self.order_sampler = sizes, global_batch, order_sampler
         self.num_full_steps = length // global_batch
-        tail = length - self.num_full_steps * global_batch
-        self.tail_batch_sizes = None if drop_last else tail_batch_sizes(tail, sizes, min_batch_size)
-        self._tail = tail
-        self._min_batch_size = min_batch_size
+        self._tail, self._min_batch_size = length - self.num_full_steps * global_batch, min_batch_size
+        self.tail_batch_sizes = None if drop_last else tail_batch_sizes(self._tail, sizes, min_batch_size)
         #: ``(epoch, step) -> split or None``: a global batch's split other than ``batch_sizes`` (profiler trials)
         self.split_schedule: Callable[[int, int], list[int] | None] | None = None
-        self.dropped_per_epoch = tail if self.tail_batch_sizes is None else 0
+        self.dropped_per_epoch = self._tail if self.tail_batch_sizes is None else 0
         self.num_steps = self.num_full_steps + (self.tail_batch_sizes is not None)
         self.num_samples = self.num_full_steps * sizes[rank] + (self.tail_batch_sizes or [0] * len(sizes))[rank]
         self.total_size = length - self.dropped_per_epoch
@@ -131,7 +112,6 @@ class ProportionalDistributedSampler(DistributedSampler):
 
     @property
     def local_batch_size(self) -> int:
-        """Samples per step on this replica (whole global batches; the tail batch may be smaller)."""
         return self.batch_sizes[self.rank]
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
@@ -155,23 +135,22 @@ class ProportionalDistributedSampler(DistributedSampler):
             return tail_batch_sizes(self._tail, planned, self._min_batch_size) or list(self.tail_batch_sizes)
         return list(planned) if planned is not None else list(self.batch_sizes)
 
-    def global_order(self) -> list[Any]:
-        """The single-process order of the current epoch (all ``N`` indices, before cutting)."""
-        if self.order_sampler is not None:
-            return draw_sampler_order(self.order_sampler, self.seed, self.epoch)
-        return _global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)  # type: ignore[arg-type]
-
     def epoch_batches(self, start: int = 0) -> list[list[Any]]:
         """This replica's batches of the current epoch from global batch ``start`` on (the tail batch last)."""
         return list(self.iter_batches(start))
 
     def iter_batches(self, start: int = 0) -> Iterator[list[Any]]:
         """This replica's batches of the current epoch from global batch ``start`` on, each split when drawn."""
-        order = self.global_order()
-        batch = self.global_batch_size
+        if self.order_sampler is not None:
+            order = draw_sampler_order(self.order_sampler, self.seed, self.epoch)
+        elif self.shuffle:
+            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            order = order.tolist()  # type: ignore[assignment]
+        else:
+            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
         for k in range(start, self.num_steps):
             sizes = self.step_batch_sizes(k)
-            begin = k * batch + sum(sizes[: self.rank])
+            begin = k * self.global_batch_size + sum(sizes[: self.rank])
             yield order[begin : begin + sizes[self.rank]]
 
     def take_start_step(self) -> int:
@@ -230,9 +209,8 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
 
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
-    """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``.
-
-    Every replica runs ``K = min(ceil(total / (batch_size * W)), min(shares))`` batches, so per-step collectives pair.
+    """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``; every replica runs
+    ``K = min(ceil(total / (batch_size * W)), total // W)`` batches (whatever the weights), so collectives pair.
 
     >>> eval_batch_plan(41, [1.0, 3.0], 5)
     ([10, 31], [[2, 2, 2, 2, 2], [7, 6, 6, 6, 6]])
@@ -242,40 +220,48 @@ def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> t
     world = len(weights)
     if world < 1 or int(batch_size) < 1:
         raise ValueError(f"Expected at least one weight and a positive `batch_size`, but got {weights}, {batch_size}.")
-    repeats = math.ceil(world / length) if 0 < length < world else 1
-    total = length * repeats
+    total = length * (math.ceil(world / length) if 0 < length < world else 1)
     if total == 0:
         return [0] * world, [[] for _ in range(world)]
-    target = max(1, math.ceil(total / (int(batch_size) * world)))
-    shares = allocate_batch_sizes(total, weights, min_batch_size=max(1, min(target, total // world)))
-    steps = min(target, min(shares))
+    steps = min(math.ceil(total / (int(batch_size) * world)), total // world)
+    shares = allocate_batch_sizes(total, weights, min_batch_size=steps)
     return shares, [[n // steps + (k < n % steps) for k in range(steps)] for n in shares]
 
 
 class EvalBatchSampler(BatchSampler):
-    """Evaluation batches with the same number of batches on every replica and speed-proportional batch sizes
-    (``batch_sizes``: this replica's; ``shares``: every replica's sample count; ``repeats``: passes over the set)."""
+    """Evaluation batches: as many on every replica, sized by the shares of ``weights`` (a callable: read at each
+    iteration, so that a loader built before the allocation follows it); ``batch_size`` is the mean per replica."""
 
-    def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, batch_size: int) -> None:
-        shares, plan = eval_batch_plan(len(dataset), weights, batch_size)
-        steps = len(plan[0])
-        sampler = UnpaddedDistributedSampler(dataset, weights, rank, min_share=max(1, steps))
-        if sampler.shard_sizes != shares:  # the same allocation, computed twice
-            raise AssertionError(f"evaluation shares disagree: {sampler.shard_sizes} != {shares}")
-        super().__init__(sampler, int(batch_size), drop_last=False)
-        self.shares = shares
-        self.batch_sizes = plan[rank]
-        self.repeats = sampler.repeats
+    def __init__(
+        self, dataset: Sized, weights: Sequence[float] | Callable[[], Sequence[float]], rank: int, batch_size: int
+    ) -> None:
+        super().__init__(range(len(dataset)), int(batch_size), drop_last=False)
+        self.weights = weights if callable(weights) else (lambda: weights)
+        self.rank = rank
+        self.repeats = math.ceil(len(self.weights()) / len(dataset)) if 0 < len(dataset) < len(self.weights()) else 1
+        self._steps = len(self.plan()[1][0])  # the same whatever the weights
+
+    def plan(self) -> tuple[list[int], list[list[int]]]:
+        return eval_batch_plan(len(self.sampler), self.weights(), self.batch_size)  # type: ignore[arg-type]
+
+    @property
+    def shares(self) -> list[int]:
+        return self.plan()[0]
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """This replica's batch sizes."""
+        return self.plan()[1][self.rank]
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = list(self.sampler)
-        start = 0
-        for size in self.batch_sizes:
-            yield indices[start : start + size]
+        shares, plan = self.plan()
+        start, n = sum(shares[: self.rank]), len(self.sampler)  # type: ignore[arg-type]
+        for size in plan[self.rank]:
+            yield [i % n for i in range(start, start + size)]
             start += size
 
     def __len__(self) -> int:
-        return len(self.batch_sizes)
+        return self._steps
 
 
 def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:

@@ -2,34 +2,134 @@
 
 from __future__ import annotations
 
+import operator
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_collate,
+    default_convert,
+)
 
-from lightning_het._compat import cached_validation_loader, forget_validation_loader, uses_distributed_sampler
+from lightning_het._compat import _get_dataloader_init_args_and_kwargs, wrapped_sampler
 from lightning_het._flavour import trainer_flavour
 from lightning_het.allocation import allocate_batch_sizes
-from lightning_het.data.loaders import (
-    TrainingOrder,
-    as_batch_size,
-    batch_sampler_error,
-    loader_batch_size,
-    lost_batch_sampler,
-    rebuild_loader,
-    rebuild_with_batch_sampler,
-    training_order,
-)
-from lightning_het.data.sampler import (
-    EvalBatchSampler,
-    ProportionalBatchSampler,
-    ProportionalDistributedSampler,
-    eval_batch_plan,
-)
+from lightning_het.data.sampler import EvalBatchSampler, ProportionalBatchSampler, ProportionalDistributedSampler
 from lightning_het.reliability.checkpointing import apply_sampler_resume, resumed_global_batch_size
+
+
+def as_batch_size(value: Any) -> int | None:
+    """``value`` as a positive ``int`` when it is one (Python or NumPy integer, not ``bool``), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number > 0 else None
+
+
+def batch_sampler_error(name: str) -> ValueError:
+    """The message for a training loader whose batches come from a batch sampler we cannot re-split."""
+    return ValueError(
+        f"The training DataLoader draws its batches from a batch sampler ({name}), which HeterogeneousStrategy"
+        " cannot re-split into speed-proportional global batches. HINT: give the DataLoader the index sampler"
+        " itself with `sampler=...` and `batch_size=...` (any sampler works: its order is cut into global batches),"
+        " move the grouping into the Dataset, or pass a `ProportionalDistributedSampler` of your own built from"
+        " `strategy.batch_sizes`."
+    )
+
+
+@dataclass(slots=True)
+class TrainingOrder:
+    """Where the single-process order of a training loader comes from."""
+
+    shuffle: bool
+    seed: int
+    sampler: Sampler | None = None
+    drop_last: bool = False
+
+
+def training_order(dataloader: DataLoader) -> TrainingOrder:
+    """The order one process would draw from ``dataloader`` (after Lightning's sampler injection)."""
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise batch_sampler_error(type(batch_sampler).__name__)
+    sampler, drop_last = dataloader.sampler, bool(dataloader.drop_last)
+    if batch_sampler is not None and dataloader.batch_size is None:  # DataLoader(batch_sampler=BatchSampler(...))
+        sampler, drop_last = batch_sampler.sampler, bool(batch_sampler.drop_last)
+    if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
+        return TrainingOrder(bool(sampler.shuffle), int(sampler.seed), drop_last=drop_last)
+    if type(sampler) is RandomSampler and not sampler.replacement and _one_permutation(sampler):
+        return TrainingOrder(True, seed, drop_last=drop_last)
+    if type(sampler) is SequentialSampler:
+        return TrainingOrder(False, seed, drop_last=drop_last)
+    user = wrapped_sampler(sampler) or sampler  # the user's sampler inside Lightning's DistributedSamplerWrapper
+    if isinstance(user, BatchSampler):  # a batch sampler passed as `sampler=` with batch_size=None
+        raise batch_sampler_error(type(user).__name__)
+    if isinstance(user, DistributedSampler):
+        raise ValueError(
+            f"The training DataLoader's sampler is a {type(user).__name__}, a DistributedSampler that yields one"
+            " replica's share only, so the replicas' orders differ and cannot be cut into common global batches."
+            " HINT: give the DataLoader the non-distributed sampler (HeterogeneousStrategy distributes it), or a"
+            " `ProportionalDistributedSampler` built from `strategy.batch_sizes`."
+        )
+    return TrainingOrder(True, seed, sampler=user, drop_last=drop_last)
+
+
+def _one_permutation(sampler: RandomSampler) -> bool:
+    try:
+        return sampler.num_samples == len(sampler.data_source)  # type: ignore[arg-type]
+    except TypeError:  # a data source without a length
+        return False
+
+
+def loader_batch_size(dataloader: DataLoader) -> int | None:
+    """Samples per batch of ``dataloader`` on one replica; ``None`` without automatic batching."""
+    if dataloader.batch_size is not None:
+        return int(dataloader.batch_size)
+    batch_sampler = dataloader.batch_sampler
+    return int(batch_sampler.batch_size) if type(batch_sampler) is BatchSampler else None
+
+
+class PerSampleCollate:
+    """The user's per-sample collate applied to each sample, then ``default_collate``. Picklable."""
+
+    def __init__(self, per_sample: Callable[[Any], Any]) -> None:
+        self.per_sample = per_sample
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return default_collate([self.per_sample(s) for s in samples])
+
+
+def rebuild_loader(
+    dataloader: DataLoader, sampler: Sampler, batch_size: int, *, batch_sampler: BatchSampler | None = None
+) -> DataLoader:
+    """Re-instantiate ``dataloader`` (any DataLoader subclass) with a new sampler and batch size, keeping the rest."""
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
+    replacements: dict[str, Any] = {"batch_size": batch_size, "drop_last": False}
+    if batch_sampler is not None:  # it excludes batch_size, shuffle, sampler and drop_last
+        replacements.update(batch_sampler=batch_sampler, sampler=None, batch_size=1, shuffle=None)
+    if dataloader.batch_size is None and dataloader.batch_sampler is None:
+        collate = dataloader.collate_fn
+        replacements["collate_fn"] = default_collate if collate is default_convert else PerSampleCollate(collate)
+    names = getattr(dataloader, "__pl_saved_arg_names", ())  # positional arguments Lightning recorded
+    args = tuple(replacements.pop(name, value) for name, value in zip(names, args)) + args[len(names) :]
+    loader = type(dataloader)(*args, **{**kwargs, **replacements})
+    for attr_args, setter in getattr(dataloader, "__pl_attrs_record", ()):  # attributes set after __init__
+        setter(loader, *attr_args)
+    return loader
 
 
 @dataclass(frozen=True)
@@ -51,29 +151,21 @@ def eval_weights(batch_sizes: list[int] | None, speeds: list[float] | None, worl
     """Each replica's share of an evaluation set: the allocation, else the given speeds, else equal."""
     if batch_sizes is not None:
         return [float(b) for b in batch_sizes]
-    if speeds is not None:
-        return list(speeds)
-    return [1.0] * world_size
-
-
-def read_as_given(dataloader: DataLoader, trainer: Any) -> bool:
-    """``use_distributed_sampler=False``: every replica reads ``dataloader`` whole (own sampler adopted)."""
-    own_sampler = isinstance(dataloader.sampler, ProportionalDistributedSampler)
-    return not own_sampler and not uses_distributed_sampler(trainer)
+    return list(speeds) if speeds is not None else [1.0] * world_size
 
 
 class LoaderSplitter:
-    """A strategy's loader state: training sampler, resumed record, evaluation weights, global batch."""
+    """A strategy's loader state: training sampler, resumed record, global batch of this fit's training loaders."""
 
     def __init__(self) -> None:
         self.train_sampler: ProportionalDistributedSampler | None = None  # the fit's training sampler (tail step)
         self.resume_record: dict[str, Any] | None = None  # checkpoint["lightning_het"] of the fit being resumed
-        self.eval_weights_used: list[float] | None = None
-        #: (the loader set-up of this fit it belongs to, the global batch of its first training loader)
-        self.train_pass: tuple[Any, int] | None = None
-        self.own_sharding_warned = False  # `use_distributed_sampler=False` warned about (once)
+        self.train_pass: tuple[Any, int] | None = None  # (this fit's loader set-up, its first loader's global batch)
+        self.own_sharding_warned = False
 
-    def process(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit, weights: list[float]) -> DataLoader:
+    def process(
+        self, dataloader: DataLoader, trainer: Any, split: TrainingSplit, weights: Callable[[], list[float]]
+    ) -> DataLoader:
         """``dataloader`` split for this replica at the trainer's stage (as given where it cannot be split)."""
         stage, stages = trainer.state.stage, trainer_flavour(trainer).RunningStage  # the trainer's package's enum
         training = stage == stages.TRAINING
@@ -86,8 +178,20 @@ class LoaderSplitter:
                     " map-style Dataset for speed-proportional batches and exact gradients."
                 )
             return dataloader
-        if (training or evaluating) and read_as_given(dataloader, trainer):
-            self.warn_own_sharding()  # plain DDP behaviour for this loader
+        if isinstance(dataloader.sampler, ProportionalDistributedSampler) and training:
+            return self._adopt_own_sampler(dataloader, trainer, split)
+        # `Trainer(use_distributed_sampler=False)`: Lightning injected no DistributedSampler; read as given
+        samplers = (dataloader.sampler, getattr(dataloader.batch_sampler, "sampler", None))
+        if not any(isinstance(s, DistributedSampler) for s in samplers):
+            if (training or evaluating) and not self.own_sharding_warned:
+                self.own_sharding_warned = True
+                rank_zero_warn(
+                    "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its"
+                    " DataLoaders whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP"
+                    " behaviour for them: no speed-proportional batches, equal weights in the gradient mean (exact"
+                    " when the replicas' batches are equal). HINT: leave `use_distributed_sampler` at True for load"
+                    " balancing."
+                )
             return dataloader
         if training:
             return self.split_training_loader(dataloader, trainer, split)
@@ -95,44 +199,29 @@ class LoaderSplitter:
             return self.split_eval_loader(dataloader, weights, split.rank, split.world_size)
         return dataloader
 
-    def warn_own_sharding(self) -> None:
-        if self.own_sharding_warned:
-            return
-        self.own_sharding_warned = True
-        rank_zero_warn(
-            "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its DataLoaders"
-            " whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP behaviour for them:"
-            " no speed-proportional batches, equal weights in the gradient mean (exact when the replicas' batches are"
-            " equal). HINT: leave `use_distributed_sampler` at True for load balancing."
-        )
-
-    def resolve_global_batch_size(
-        self, dataloader: DataLoader, trainer: Any, given: int | None, world_size: int
-    ) -> int:
+    def resolve_global_batch_size(self, dataloader: DataLoader, trainer: Any, given: int | None, world: int) -> int:
         """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else the loader's x replicas."""
         if given is not None:
             return given
-        datamodule_value = getattr(trainer.datamodule, "global_batch_size", None) if trainer.datamodule else None
-        if as_batch_size(datamodule_value) is not None:  # int or NumPy integer
-            return int(as_batch_size(datamodule_value))  # type: ignore[arg-type]
-        saved = resumed_global_batch_size(self.resume_record)
+        from_datamodule = as_batch_size(getattr(trainer.datamodule, "global_batch_size", None))
+        if from_datamodule is not None:
+            return from_datamodule
+        per_replica, saved = loader_batch_size(dataloader), resumed_global_batch_size(self.resume_record)
         if saved is not None:  # resuming: the checkpoint's global batch, whatever the number of replicas now
-            per_replica = loader_batch_size(dataloader)
-            if per_replica is not None and per_replica * world_size != saved:
+            if per_replica is not None and per_replica * world != saved:
                 rank_zero_info(
                     f"HeterogeneousStrategy: resuming with the checkpoint's global batch of {saved} samples (not the"
-                    f" DataLoader's batch_size {per_replica} x {world_size} replicas); pass `global_batch_size`"
+                    f" DataLoader's batch_size {per_replica} x {world} replicas); pass `global_batch_size`"
                     " to change it"
                 )
             return saved
-        per_replica = loader_batch_size(dataloader)
         if per_replica is None:
             raise ValueError(
                 "The training DataLoader has no `batch_size` (built with `batch_size=None`), so the global batch cannot"
                 " be inferred. HINT: pass `HeterogeneousStrategy(global_batch_size=...)`, or give the DataLoader a"
                 " `batch_size`."
             )
-        return per_replica * world_size
+        return per_replica * world
 
     def _adopt_own_sampler(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit) -> DataLoader:
         """A loader with a ``ProportionalDistributedSampler`` of the user's own: its sizes are the allocation."""
@@ -146,21 +235,22 @@ class LoaderSplitter:
                 f"The training DataLoader's ProportionalDistributedSampler has batch_sizes={sampler.batch_sizes},"
                 f" but the strategy allocated {allocated}. HINT: build it from `strategy.batch_sizes`."
             )
+        self._start(sampler, trainer)
+        return dataloader
+
+    def _start(self, sampler: ProportionalDistributedSampler, trainer: Any) -> None:
+        """The fit's sampler, at its epoch (and, resuming, after the global batches already trained on)."""
         apply_sampler_resume(sampler, self.resume_record, trainer.fit_loop.epoch_progress.current.processed)
         self.resume_record = None
         self.train_sampler = sampler
-        return dataloader
 
     def split_training_loader(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit) -> DataLoader:
         """Allocate the global batch (profiling when needed) and rebuild the loader around this replica's sampler."""
-        if isinstance(dataloader.sampler, ProportionalDistributedSampler):
-            return self._adopt_own_sampler(dataloader, trainer, split)
-        if lost_batch_sampler(dataloader):  # `batch_sampler=` that Lightning's sampler injection dropped
-            raise batch_sampler_error("given as `batch_sampler=`")
+        if dataloader.batch_sampler is None and dataloader.collate_fn is default_collate:  # `batch_size=None`:
+            raise batch_sampler_error("given as `batch_sampler=`")  # Lightning's sampler injection dropped it
         order = training_order(dataloader)
-        dataset = dataloader.dataset
         global_batch = self.resolve_global_batch_size(dataloader, trainer, split.given_global_batch, split.world_size)
-        length = len(order.sampler) if order.sampler is not None else len(dataset)
+        length = len(order.sampler) if order.sampler is not None else len(dataloader.dataset)
         if length < global_batch:
             raise ValueError(
                 f"The training dataset holds {length} samples, fewer than one global batch of {global_batch}"
@@ -169,14 +259,17 @@ class LoaderSplitter:
             )
         pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
         if self.train_pass is not None and self.train_pass[0] == pass_key and self.train_pass[1] != global_batch:
-            return self.split_other_training_loader(dataloader, order, global_batch, split)
+            # a further training loader with another global batch: split by the same speeds (or trial split)
+            sizes = allocate_batch_sizes(global_batch, split.batch_sizes(), min_batch_size=split.min_batch_size)
+            sampler = _training_sampler(dataloader.dataset, sizes, order, split)
+            return _rebuild_training_loader(dataloader, sampler, split)
         allocated = split.batch_sizes()
         if allocated is None or sum(allocated) != global_batch:
             split.allocate(dataloader, global_batch, order)
         batch_sizes = split.batch_sizes()
         assert batch_sizes is not None
         self.train_pass = (pass_key, global_batch)
-        sampler = _training_sampler(dataset, batch_sizes, order, split)
+        sampler = _training_sampler(dataloader.dataset, batch_sizes, order, split)
         if sampler.dropped_per_epoch and not order.drop_last:
             rank_zero_warn(
                 f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
@@ -184,31 +277,18 @@ class LoaderSplitter:
                 f" {split.min_batch_size} each) and are not trained. HINT: choose `global_batch_size` so that"
                 " the remainder of the dataset size is 0 or at least that many."
             )
-        # epoch (and, when resuming, the global batches already trained on) before Lightning's first iterator
-        apply_sampler_resume(sampler, self.resume_record, trainer.fit_loop.epoch_progress.current.processed)
-        self.resume_record = None
-        self.train_sampler = sampler
-        self.reset_cached_eval_loaders(trainer, eval_weights(batch_sizes, split.given_speeds, split.world_size))
+        self._start(sampler, trainer)
         return _rebuild_training_loader(dataloader, sampler, split)
 
-    def split_other_training_loader(
-        self, dataloader: DataLoader, order: TrainingOrder, global_batch: int, split: TrainingSplit
+    def split_eval_loader(
+        self, dataloader: DataLoader, weights: Callable[[], list[float]], rank: int, world_size: int
     ) -> DataLoader:
-        """A further training loader with another global batch: split by the same speeds (or trial split)."""
-        allocated = split.batch_sizes()
-        assert allocated is not None
-        sizes = allocate_batch_sizes(global_batch, allocated, min_batch_size=split.min_batch_size)
-        return _rebuild_training_loader(dataloader, _training_sampler(dataloader.dataset, sizes, order, split), split)
-
-    def split_eval_loader(self, dataloader: DataLoader, weights: list[float], rank: int, world_size: int) -> DataLoader:
-        """Every replica runs as many evaluation batches, sized by its share; each sample is evaluated once."""
-        if isinstance(dataloader.sampler, DistributedSampler) and type(dataloader.sampler) is not DistributedSampler:
+        """Every replica runs as many evaluation batches, sized by its share (the weights when iterated)."""
+        if type(dataloader.sampler) is not DistributedSampler and isinstance(dataloader.sampler, DistributedSampler):
             return dataloader  # the user's own distributed sampler
         if type(dataloader.batch_sampler) is not BatchSampler:
             return dataloader
-        self.eval_weights_used = weights
-        batch_size = dataloader.batch_size or 1
-        batches = EvalBatchSampler(dataloader.dataset, weights, rank, batch_size)
+        batches = EvalBatchSampler(dataloader.dataset, weights, rank, dataloader.batch_size or 1)
         if batches.repeats > 1:
             rank_zero_warn(
                 f"HeterogeneousStrategy: the evaluation set holds {len(dataloader.dataset)} sample(s), fewer than the"
@@ -216,21 +296,7 @@ class LoaderSplitter:
                 " times over (each sample equally often): means and accuracies are exact, summed values are"
                 f" {batches.repeats} times larger. HINT: evaluate at least one sample per replica."
             )
-        return rebuild_with_batch_sampler(dataloader, batches)
-
-    def reset_cached_eval_loaders(self, trainer: Any, weights: list[float]) -> None:
-        """Rebuild validation loaders cached with pre-allocation shares when the allocation changes a shard."""
-        cached = cached_validation_loader(trainer)
-        if cached is None or self.eval_weights_used == weights:
-            return
-        for loader in getattr(cached, "flattened", [cached]):
-            batches = getattr(loader, "batch_sampler", None)
-            if not isinstance(batches, EvalBatchSampler):
-                continue  # not split by the weights (the user's own sampler, an iterable dataset)
-            if eval_batch_plan(len(batches.sampler.dataset), weights, batches.batch_size)[0] != batches.shares:
-                forget_validation_loader(trainer)
-                return
-        self.eval_weights_used = weights
+        return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
 
 
 def _training_sampler(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -12,8 +11,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._compat import training_loaders
-
-log = logging.getLogger(__name__)
 
 #: top-level checkpoint key holding :func:`allocation_record`
 CHECKPOINT_KEY = "lightning_het"

@@ -1,41 +1,45 @@
-"""Emergency checkpoint: when the watchdog ends a fit, the survivors agree through the store (no collective) on the
-last optimizer step each of them completed, and the lowest survivor holding that step saves it, atomically.
-
-The training thread keeps, at the end of every optimizer step (``on_train_batch_end``, after the schedulers' update),
-the small part of a checkpoint that changes during a step: the loops' progress, the sampler's place, the RNG states
-(:class:`StepState`). The tensors (weights, optimizer, schedulers) do not change until the next parameter update, which
-:meth:`EmergencyCheckpoint.update` holds under a lock that a save takes too. See ``docs/reliability.md``.
+"""The reliability parts of one Trainer replica (:class:`Guards`), and the emergency checkpoint: when the watchdog
+ends a fit, the survivors agree through the store (no collective) on the last optimizer step each of them completed,
+and the lowest survivor holding it saves it atomically. Each step's end keeps what changes besides the tensors
+(:class:`StepState`); the tensors do not change until the next parameter update, which
+:meth:`EmergencyCheckpoint.update` holds under the save's lock (``docs/reliability.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_het._compat import dump_checkpoint, loop_state
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
+from lightning_het.reliability.preemption import (
+    PreemptionHandler,
+    attach_preemption,
+    detach_preemption,
+    preemption_path,
+)
+from lightning_het.reliability.resume import EMERGENCY_CHECKPOINT_NAME, Candidate, auto_resume, retire_emergencies
+from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import Watchdog, attach_watchdog, start_watchdog, stop_watchdog
 
-#: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
-EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02
 
 
 def rng_state(numpy: bool = True) -> dict[str, Any]:
-    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's global one) as types
-    ``torch.load(weights_only=True)`` reads."""
+    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's) as ``torch.load(weights_only=True)`` reads."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if numpy:  # ~0.15 ms: kept per step only for torch and Python
+    if numpy:  # ~0.15 ms: not kept per step
         name, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
     return state
@@ -53,21 +57,57 @@ def restore_rng(state: dict[str, Any] | None) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-@dataclass(frozen=True)
+class LoopRecord:
+    """A Lightning loop's ``state_dict()`` taken in microseconds (copies of its counters) and built when needed."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loops: list[tuple[str, Any]] = []  # (key prefix, loop)
+        self.parts: list[tuple[str, str, Any]] = []  # (parent key, name, dataclass): progress trackers and their parts
+        self._walk(loop, "")
+
+    def _walk(self, loop: Any, prefix: str) -> None:
+        self.loops.append((prefix, loop))
+        for key, value in vars(loop).items():
+            if hasattr(value, "__dataclass_fields__") and hasattr(value, "load_state_dict"):  # a progress tracker
+                self._part("", prefix + key, value)
+            elif hasattr(value, "restarting") and hasattr(value, "on_save_checkpoint"):  # a loop
+                self._walk(value, f"{prefix}{key}.")
+
+    def _part(self, parent: str, name: str, value: Any) -> None:
+        self.parts.append((parent, name, value))
+        for field, inner in vars(value).items():
+            if hasattr(inner, "__dataclass_fields__"):
+                self._part(f"{parent}/{name}", field, inner)
+
+    def take(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The loops' own states and copies of the counters now (training thread)."""
+        return [loop.on_save_checkpoint() for _, loop in self.loops], [vars(part).copy() for *_, part in self.parts]
+
+    def state_dict(self, taken: tuple[list[Any], list[dict[str, Any]]]) -> dict[str, Any]:
+        """The loop's ``state_dict()`` at the time of :meth:`take`."""
+        states, copies = taken
+        out: dict[str, Any] = {prefix + "state_dict": state for (prefix, _), state in zip(self.loops, states)}
+        built: dict[str, dict[str, Any]] = {"": out}
+        for (parent, name, _), values in zip(self.parts, copies):
+            built[parent][name] = built[f"{parent}/{name}"] = dict(values)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class StepState:
-    """What a checkpoint taken at the end of optimizer step ``step`` holds besides the tensors: the fit loop's
-    ``state_dict``, the epoch, the ``checkpoint["lightning_het"]`` record (allocation, sampler) and the RNG states."""
+    """A checkpoint at the end of optimizer step ``step`` besides the tensors: the fit loop's (a ``LoopRecord``'s
+    ``take()``), the epoch, the ``checkpoint["lightning_het"]`` record and the RNG states."""
 
     step: int
     epoch: int
-    loops: dict[str, Any]
+    loops: Any
     record: dict[str, Any]
     rng: dict[str, Any]
 
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
-    """From each survivor's last completed step (``-1``: it could not tell), the agreed step (the smallest: every
-    survivor completed it) and the lowest survivor holding it, which writes (``None``: no checkpoint). Pure."""
+    """From each survivor's last completed step (``-1``: unknown), the agreed step (the smallest) and the lowest
+    survivor holding it, which writes (``None``: no checkpoint). Pure."""
     if not steps or min(steps.values()) < 0:
         return -1, None
     step = min(steps.values())
@@ -75,14 +115,8 @@ def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
 
 
 class EmergencyCheckpoint:
-    """One replica's side of the emergency save (see the module docstring).
-
-    Args:
-        rank: this replica's global rank.
-        observe: the :class:`StepState` now (training thread, at the end of an optimizer step).
-        dump: builds the checkpoint (a dict) of a :class:`StepState`; called with the update lock held.
-        path: where the checkpoint goes (asked when saving).
-    """
+    """One replica's side of the emergency save: ``observe`` gives the :class:`StepState` now (training thread),
+    ``dump`` the checkpoint of one (under the update lock), ``path`` where it goes."""
 
     def __init__(
         self,
@@ -92,9 +126,7 @@ class EmergencyCheckpoint:
         path: Callable[[], str],
     ) -> None:
         self.rank = rank
-        self._observe = observe
-        self._dump = dump
-        self._path = path
+        self._observe, self._dump, self._path = observe, dump, path
         self._lock = threading.RLock()  # held by a parameter update, and by a save from settling to the end
         self._updated = -1  # optimizer steps completed by the last update (written under the lock)
         self.state: StepState | None = None
@@ -103,15 +135,13 @@ class EmergencyCheckpoint:
         self._finished = threading.Event()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
-        """Not copied (the lock that orders this process's parameter updates and saves):
-        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
-        group."""
+        """Shared, not copied (the lock that orders this process's parameter updates and saves)."""
         return self
 
     @contextlib.contextmanager
     def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
         """Wrap an optimizer step: the returned closure takes the lock once the user's closure (forward, backward,
-        the gradient all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
+        all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
         held = False
 
         def locked() -> Any:
@@ -149,9 +179,8 @@ class EmergencyCheckpoint:
             time.sleep(_POLL_S)
 
     def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float, tag: str = "") -> str | None:
-        """Agree with ``survivors`` (through ``store``, under keys marked with this job's ``tag``) and let the writer
-        save; returns the checkpoint's path or ``None``. Every thread that asks after the first waits for its
-        outcome."""
+        """Agree with ``survivors`` through ``store`` (keys marked with the job's ``tag``) and let the writer save;
+        the checkpoint's path or ``None``. A later caller waits for the first one's outcome."""
         if not self._claim.acquire(blocking=False):
             self._finished.wait(agree_s + write_s)
             return self.saved
@@ -177,8 +206,7 @@ class EmergencyCheckpoint:
             self._finished.set()
 
     def _write(self, state: StepState, steps: dict[int, int]) -> str | None:
-        started = time.monotonic()
-        path = self._path()
+        started, path = time.monotonic(), self._path()
         tmp = f"{path}.tmp"
         try:
             checkpoint = self._dump(state)
@@ -223,39 +251,108 @@ def _say(message: str) -> None:
     print(f"lightning_het watchdog: {message}", file=sys.stderr, flush=True)
 
 
-def wants_resume(resume: Any, environ: Any = None) -> bool:
-    """Whether a fit resumes by itself: ``resume="auto"``, or a worker restarted by torchelastic unless
-    ``resume=False``."""
-    environ = os.environ if environ is None else environ
-    if resume is False:
-        return False
-    return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+class Guards:
+    """This replica's watchdog (from ``setup_environment`` to the end of the run), preemption handler and emergency
+    checkpoint (one fit each); ``None`` where they do not apply (one replica, outside ``fit``)."""
 
+    def __init__(self) -> None:
+        self.watchdog: Watchdog | None = None
+        self.preemption: PreemptionHandler | None = None
+        self.emergency: EmergencyCheckpoint | None = None
+        self.job: dict[str, Any] | None = None  # this fit's identity, written into every checkpoint
+        self._emergencies: list[Candidate] = []  # this job's emergency checkpoints, retired when the fit ends
+        self._capture: tuple[int, StepState, list[dict[str, Any]]] | None = None  # an emergency checkpoint being built
+        self._loops: LoopRecord | None = None  # the fit loop's record of this fit
 
-def attach_emergency(
-    watchdog: Any, trainer: Any, rank: int, entry: Callable[[], dict[str, Any]], preemption_path: str, saves: bool
-) -> EmergencyCheckpoint | None:
-    """Give ``watchdog`` (``None``: a single replica) the :class:`EmergencyCheckpoint` of this fit of ``trainer``
-    (``saves=False``: none, e.g. outside ``fit``); ``entry``: the ``checkpoint["lightning_het"]`` record now; the
-    checkpoint goes beside ``preemption_path``."""
-    if watchdog is None:
-        return None
-    watchdog.emergency = None
-    if not saves:
-        return None
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a spawn launch, a pickled Trainer): the running parts stay in their process."""
+        return {"watchdog": None, "preemption": None, "emergency": None, "_capture": None, "_loops": None}
 
-    def observe() -> StepState:
-        return StepState(
-            trainer.global_step, trainer.current_epoch, loop_state(trainer.fit_loop), entry(), rng_state(numpy=False)
-        )
+    def start(self, strategy: Any, timeout: timedelta | float | None, trainer: Any) -> None:
+        """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
+        self.watchdog = start_watchdog(strategy, timeout, trainer)
 
-    def dump(state: StepState) -> dict[str, Any]:
-        checkpoint = dump_checkpoint(trainer)  # the tensors now: unchanged since the step (the lock holds updates)
-        checkpoint.update(epoch=state.epoch, global_step=state.step)
-        checkpoint["loops"]["fit_loop"] = state.loops
+    def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
+        """``resume="auto"`` (``job``: this fit's identity): load this job's checkpoint with the most progress."""
+        self.job = job
+        path = preemption_path(trainer, config.preemption_checkpoint)
+        before = trainer.ckpt_path
+        self._emergencies = auto_resume(trainer, config.resume, path, job, config.global_batch_size, broadcast)
+        return trainer.ckpt_path != before
+
+    def finish(self, trainer: Any) -> None:
+        """A fit that reached its end replaces this job's earlier emergency checkpoints with its state (every rank)."""
+        emergencies, self._emergencies = self._emergencies, []
+        retire_emergencies(trainer, emergencies)
+
+    def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
+        """Give ``trainer`` the watchdog's and preemption handler's callbacks and (``saves``) an emergency checkpoint
+        beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        attach_watchdog(self.watchdog, trainer)
+        self.preemption = attach_preemption(strategy, trainer, config.preemption_grace, config.preemption_checkpoint)
+        self.emergency = None
+        if self.watchdog is None:
+            return
+        self.watchdog.emergency = None
+        if saves:
+            folder = os.path.dirname(preemption_path(trainer, config.preemption_checkpoint))
+            path = os.path.join(folder, EMERGENCY_CHECKPOINT_NAME)
+
+            self._loops = loops = LoopRecord(trainer.fit_loop)
+
+            def observe() -> StepState:
+                state = loops.take()
+                return StepState(trainer.global_step, trainer.current_epoch, state, record(), rng_state(numpy=False))
+
+            dump = lambda state: self._dump(trainer, state)  # noqa: E731
+            self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: path)
+            self.watchdog.emergency = self.emergency
+
+    def _dump(self, trainer: Any, state: StepState) -> dict[str, Any]:
+        """The checkpoint of ``state``: what ``trainer.save_checkpoint`` builds now, kept by :meth:`captured`."""
+        kept: list[dict[str, Any]] = []
+        self._capture = (threading.get_ident(), state, kept)
+        try:
+            trainer.save_checkpoint(EMERGENCY_CHECKPOINT_NAME)
+        finally:
+            self._capture = None
+        return kept[0]
+
+    def capturing(self) -> bool:
+        """Whether this thread builds an emergency checkpoint (no file written, no barrier: the others are gone)."""
+        capture = self._capture
+        return capture is not None and capture[0] == threading.get_ident()
+
+    def captured(self, checkpoint: dict[str, Any]) -> bool:
+        """The strategy's ``save_checkpoint``: keep ``checkpoint`` with the step's state if :meth:`capturing`."""
+        if not self.capturing():
+            return False
+        assert self._capture is not None
+        _, state, kept = self._capture
+        checkpoint.update(epoch=state.epoch, global_step=state.step)  # the tensors: unchanged since the step
+        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)
         checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
-        return checkpoint
+        kept.append(checkpoint)
+        return True
 
-    path = os.path.join(os.path.dirname(preemption_path), EMERGENCY_CHECKPOINT_NAME)
-    watchdog.emergency = EmergencyCheckpoint(rank, observe, dump, lambda: path)
-    return watchdog.emergency
+    def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], trainer: Any) -> Any:
+        """``step(closure)``, with the parameter update under the emergency checkpoint's lock while one can save."""
+        if self.emergency is None or trainer is None:
+            return step(closure)
+        with self.emergency.update(closure, trainer.global_step + 1) as locked:
+            return step(locked)
+
+    def release_watchdog(self) -> Watchdog | None:
+        """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
+        watchdog, self.watchdog = self.watchdog, None
+        return watchdog
+
+    def end(self, trainer: Any, interrupted: bool, launcher_finishes: bool) -> None:
+        """At teardown: give the signals back; stop the watchdog after an exception or without a launcher that waits
+        for every replica's end, else keep it watching the end-of-run hooks."""
+        if interrupted or not launcher_finishes:
+            stop_watchdog(self.release_watchdog(), trainer, finished=not interrupted)
+        elif self.watchdog is not None:
+            self.watchdog.mark(Phase.TEARDOWN)
+        detach_preemption(self.preemption, trainer)
+        self.preemption = None

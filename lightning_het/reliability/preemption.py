@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import multiprocessing
 import os
 import signal
@@ -17,8 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,27 +24,24 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import (
-    replace_signal_connector,
-    run_atexit_handlers,
-    should_accumulate,
-    stop_child_process_observers,
-)
+from lightning_het._compat import replace_signal_connector, should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
-from lightning_het.reliability.processes import launched_replicas
-
-log = logging.getLogger(__name__)
+from lightning_het.reliability.launch import ExitCleanup
+from lightning_het.reliability.watchdog import die_with_parent, launched_replicas
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
 #: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: seconds of training between two agreements (at least one step; the steps between them are the same on every rank)
+AGREE_EVERY_S = 0.25
+#: the most optimizer steps between two agreements
+AGREE_MAX_STEPS = 64
 
 
 class PreemptedMixin:
-    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143 (mixed
-    into each package's ``SIGTERMException``, which its Trainer handles as a signal's end)."""
+    """Raised on every replica after the preemption checkpoint is written; ends the process with status 143."""
 
     def __init__(self, checkpoint: str | None, signals: Sequence[int]) -> None:
         super().__init__(PREEMPTION_EXIT_CODE)
@@ -65,12 +60,6 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-#: seconds of training between two agreements (at least one step; the steps between them are the same on every rank)
-AGREE_EVERY_S = 0.25
-#: the most optimizer steps between two agreements
-AGREE_MAX_STEPS = 64
-
-
 class PreemptionHandler:
     """One replica's signal notice, deadline and step-boundary agreement."""
 
@@ -85,54 +74,32 @@ class PreemptionHandler:
     ) -> None:
         self.grace = float(grace)
         self._fast_exit = fast_exit
-        #: whether the preempted fit saves a checkpoint (``preemption_checkpoint=False``: no)
-        self.saves = checkpoint is not False
+        self.saves = checkpoint is not False  # ``preemption_checkpoint=False``: stop without saving
         self.checkpoint = None if checkpoint is None or isinstance(checkpoint, bool) else os.fspath(checkpoint)
         self._children = children or (lambda: [])
         self._exit = exit
-        self.rank = 0
-        self.world_size = 1
-        self.fitting = True
-        #: signal number received by this replica (0: none); written by the handler and the pipe reader
-        self.received = 0
-        self.received_at: float | None = None
-        self._handler_saw = 0  # written by the Python-level handler only (no lock: it may interrupt a holder)
+        self.rank, self.world_size, self.fitting = 0, 1, True
+        self.received = 0  # the signal this replica received (0: none); set by the pipe reader
+        self._handler_saw = 0  # set by the Python-level handler only (no lock: it may interrupt a holder)
         self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
         self._previous: dict[int, Any] = {}
         self._previous_wakeup_fd: int | None = None
         self._pipe: tuple[int, int] | None = None
         self._reader: threading.Thread | None = None
         self._deadline: threading.Thread | None = None
-        self._deadline_at: float | None = None
+        self.deadline_at: float | None = None  # when (``time.monotonic()``) the armed deadline ends this process
         self._lock = threading.Lock()
-        self._launched: list[subprocess.Popen] = []
-        self._preempting = False
-        self._next_agreement = 0  # the optimizer step of the next agreement
+        self.preempting = False  # the replicas agreed to stop
+        self.next_agreement = 0  # the optimizer step of the next agreement
         self._last_agreement: tuple[int, float] | None = None  # (step, time.monotonic()) of the last one
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionHandler:
-        """Not copied (this process's signal handlers, their lock and reader thread):
-        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
-        group."""
+        """Shared, not copied (this process's signal handlers and threads)."""
         return self
-
-    @property
-    def installed(self) -> bool:
-        return self._pipe is not None
-
-    @property
-    def deadline_at(self) -> float | None:
-        """When (``time.monotonic()``) the armed deadline ends this process; ``None``: no deadline armed."""
-        return self._deadline_at
-
-    @property
-    def preempting(self) -> bool:
-        """Whether the replicas agreed to stop (this replica is saving / exiting)."""
-        return self._preempting
 
     def install(self, *, rank: int, world_size: int, fitting: bool, extra_signals: Sequence[int] = ()) -> None:
         """Take over the preemption signals (main thread only; a no-op elsewhere)."""
-        if self.installed or threading.current_thread() is not threading.main_thread():
+        if self._pipe is not None or threading.current_thread() is not threading.main_thread():
             return
         self.rank, self.world_size, self.fitting = rank, world_size, fitting
         self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, extra_signals)]))
@@ -145,13 +112,11 @@ class PreemptionHandler:
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._reader = threading.Thread(target=self._read_pipe, name="lightning-het-preemption", daemon=True)
         self._reader.start()
-        log.debug("preemption handler installed on rank %d (grace %.1f s)", rank, self.grace)
 
     def uninstall(self) -> None:
         """Give the signals back (main thread). An armed deadline keeps running until the process ends."""
-        if not self.installed or threading.current_thread() is not threading.main_thread():
+        if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return
-        assert self._pipe is not None
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
         for signum, handler in self._previous.items():
@@ -169,8 +134,7 @@ class PreemptionHandler:
                 os.close(fd)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Python-level handler (main thread, between bytecodes): only records; the pipe reader does the rest."""
-        self._handler_saw = signum
+        self._handler_saw = signum  # main thread, between bytecodes: the pipe reader does the rest
 
     def _read_pipe(self) -> None:
         assert self._pipe is not None
@@ -190,8 +154,7 @@ class PreemptionHandler:
         with self._lock:
             if self.received:
                 return
-            self.received, self.received_at = signum, time.monotonic()
-        self._hold_launched_replicas()
+            self.received = signum
         # outside fit there is nothing to save: end now
         self.arm_deadline(0.0 if not self.fitting else self.grace, f"received {_signal_name(signum)}")
 
@@ -199,22 +162,17 @@ class PreemptionHandler:
         """End this process (status 143) ``seconds`` from now unless it ends first; the earliest deadline wins."""
         at = time.monotonic() + seconds
         with self._lock:
-            if self._deadline_at is not None and self._deadline_at <= at:
+            if self.deadline_at is not None and self.deadline_at <= at:
                 return
-            self._deadline_at = at
-            if self._deadline is not None:
-                return  # the running thread re-reads `_deadline_at`
-            self._deadline = threading.Thread(
-                target=self._await_deadline, args=(reason,), name="lightning-het-preemption-deadline", daemon=True
-            )
-            self._deadline.start()
+            self.deadline_at = at
+            if self._deadline is None:  # else the running thread re-reads `deadline_at`
+                self._deadline = threading.Thread(
+                    target=self._await_deadline, args=(reason,), name="lightning-het-preemption-deadline", daemon=True
+                )
+                self._deadline.start()
 
     def _await_deadline(self, reason: str) -> None:
-        while True:
-            assert self._deadline_at is not None
-            left = self._deadline_at - time.monotonic()
-            if left <= 0:
-                break
+        while (left := self.deadline_at - time.monotonic()) > 0:  # type: ignore[operator]
             time.sleep(min(left, 0.2))
         head = f"[rank {self.rank}] lightning_het preemption: this replica {reason}"
         if self.fitting:
@@ -233,33 +191,14 @@ class PreemptionHandler:
             sys.stdout.flush()
         self._exit(PREEMPTION_EXIT_CODE)
 
-    def _exit_after_main_thread(self) -> None:
-        """Non-daemon thread: once the main thread returned, run ``atexit`` handlers and exit 143 at once."""
-        main = threading.main_thread()
-        while main.is_alive():
-            time.sleep(0.02)
-        with contextlib.suppress(Exception):
-            run_atexit_handlers()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        self._exit(PREEMPTION_EXIT_CODE)
-
-    def _hold_launched_replicas(self) -> None:
-        """Keep our own list of the replicas this process launched, and stop Lightning's child-process observer."""
-        with contextlib.suppress(Exception):
-            procs = list(self._children())
-            if procs:
-                self._launched = procs
-                stop_child_process_observers()
-
     def end_launched_replicas(self, wait: float) -> None:
         """Wait up to ``wait`` seconds for the replicas this process launched to exit, then kill the rest."""
         deadline = time.monotonic() + wait
-        for proc in self._launched:
+        launched = list(self._children())
+        for proc in launched:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        for proc in self._launched:
+        for proc in launched:
             with contextlib.suppress(Exception):
                 if proc.poll() is None:
                     proc.kill()
@@ -271,7 +210,7 @@ class PreemptionHandler:
         local[self.rank] = int(self.received or self._handler_saw)
         if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return local[:-1]
-        if step < self._next_agreement:
+        if step < self.next_agreement:
             return [0] * self.world_size
         now = time.monotonic()
         if self._last_agreement is not None and step > self._last_agreement[0]:
@@ -282,16 +221,15 @@ class PreemptionHandler:
         flags = torch.tensor(local, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the last entry: minus the fewest steps any replica asks for
         agreed = [int(v) for v in flags.tolist()]
-        self._next_agreement, self._last_agreement = step - agreed[-1], (step, now)
+        self.next_agreement, self._last_agreement = step - agreed[-1], (step, now)
         return agreed[:-1]
 
     def preempt(self, trainer: pl.Trainer, signals: Sequence[int]) -> PreemptedMixin:
         """Save the checkpoint (all ranks take part, rank 0 writes) and return the exception to raise."""
-        self._preempting = True
-        self._hold_launched_replicas()
+        self.preempting = True
         self.arm_deadline(self.grace, "was preempted")
-        if self._fast_exit:
-            threading.Thread(target=self._exit_after_main_thread, name="lightning-het-preemption-exit").start()
+        if self._fast_exit:  # once the exit handlers ran: no interpreter finalisation
+            ExitCleanup.exit_code = PREEMPTION_EXIT_CODE
         who = [r for r, s in enumerate(signals) if s]
         names = sorted({_signal_name(s) for s in signals if s})
         started = time.monotonic()
@@ -302,7 +240,6 @@ class PreemptionHandler:
                 saved = save_atomically(trainer, path)
         finally:
             if self.rank == 0:
-                step = trainer.global_step
                 if path is None:
                     done, resume = "saved no checkpoint (preemption_checkpoint=False)", ""
                 else:
@@ -310,8 +247,9 @@ class PreemptionHandler:
                     resume = f" Resume with trainer.fit(..., ckpt_path={saved or path!r})."
                 print(
                     f"lightning_het preemption: replica(s) {who} received {'/'.join(names)}; all {self.world_size}"
-                    f" replica(s) stopped after global step {step} (epoch {trainer.current_epoch}); {done} in"
-                    f" {time.monotonic() - started:.2f} s; exiting with status {PREEMPTION_EXIT_CODE}.{resume}",
+                    f" replica(s) stopped after global step {trainer.global_step} (epoch {trainer.current_epoch});"
+                    f" {done} in {time.monotonic() - started:.2f} s; exiting with status"
+                    f" {PREEMPTION_EXIT_CODE}.{resume}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -323,10 +261,9 @@ def save_atomically(trainer: pl.Trainer, path: str) -> str:
     if "://" in path:
         trainer.save_checkpoint(path)
         return path
-    tmp = f"{path}.tmp"
-    trainer.save_checkpoint(tmp)
+    trainer.save_checkpoint(f"{path}.tmp")
     if trainer.is_global_zero:
-        os.replace(tmp, path)
+        os.replace(f"{path}.tmp", path)
     return path
 
 
@@ -343,9 +280,7 @@ def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | N
     if path is None or path is False:  # the default location / no checkpoint on preemption
         return path
     path = os.fspath(path)
-    if Path(path).is_dir() or path.endswith(("/", os.sep)):
-        return os.path.join(path, "last.ckpt")
-    return path
+    return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
 
 def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
@@ -361,18 +296,18 @@ class PreemptionCallbackMixin:
         self.handler: PreemptionHandler | None = handler
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallbackMixin:
-        """A copy sharing this process's live handler, so ``copy.deepcopy(trainer.callbacks)`` works."""
-        return copy.copy(self)
+        return copy.copy(self)  # shares this process's live handler
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "handler": None}  # pickled: the live handler stays in its process
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self.handler is None or should_accumulate(trainer):
-            return  # the gradients of this batch wait for the next ones: not a place to stop and save
-        signals = self.handler.agree(pl_module.device, trainer.global_step)
+        handler = self.handler  # the cheap test first: most steps are between agreements
+        if handler is None or trainer.global_step < handler.next_agreement or should_accumulate(trainer):
+            return  # accumulating: the gradients of this batch wait for the next ones, not a place to stop
+        signals = handler.agree(pl_module.device, trainer.global_step)
         if any(signals):
-            raise self.handler.preempt(trainer, signals)
+            raise handler.preempt(trainer, signals)
 
 
 class PreemptionCallback(PreemptionCallbackMixin, Callback):
@@ -380,10 +315,8 @@ class PreemptionCallback(PreemptionCallbackMixin, Callback):
 
 
 class _PreemptionSignalConnector:
-    """Stands in for the Trainer's signal connector: our handler instead of Lightning's SIGTERM/SIGUSR1 ones.
-
-    ``received_sigterm`` stays ``False`` so Lightning's loops never raise their own (exit-status 0) exception.
-    """
+    """The Trainer's signal connector: our handler instead of Lightning's (whose ``received_sigterm`` stays ``False``,
+    so its loops never raise their own exit-status-0 exception)."""
 
     def __init__(self, handler: PreemptionHandler, install: Callable[[], None]) -> None:
         self.received_sigterm = False
@@ -400,24 +333,10 @@ class _PreemptionSignalConnector:
         return {"received_sigterm": False, "handler": None, "_install": None}
 
 
-class PreemptibleStrategy(Protocol):
-    """What :func:`attach_preemption` reads of the strategy: its launcher and cluster environment."""
-
-    @property
-    def launcher(self) -> Any: ...
-    @property
-    def cluster_environment(self) -> Any: ...
-
-
-def attach_preemption(
-    strategy: PreemptibleStrategy, trainer: pl.Trainer, grace: float, checkpoint: Any
-) -> PreemptionHandler:
+def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoint: Any) -> PreemptionHandler:
     """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``)."""
     flavour = trainer_flavour(trainer)  # the trainer's package's enums and Callback
-
-    def children() -> list[subprocess.Popen]:  # the replicas that the launcher started (none for a spawn launcher)
-        return launched_replicas(strategy.launcher)
-
+    children = lambda: launched_replicas(strategy.launcher)  # noqa: E731 - none for a spawn launcher
     handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
     fitting = trainer.state.fn == flavour.TrainerFn.FITTING
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
@@ -443,3 +362,32 @@ def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | N
         handler.end_launched_replicas(handler.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
     if trainer is not None:
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
+
+
+class _ShieldedWorkerInit:
+    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original."""
+
+    def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
+        self.inner, self.rank, self.signals = inner, rank, tuple(int(s) for s in signals)
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent()  # a worker stuck in __getitem__ never reaches torch's own parent check
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
+        if self.inner is not None:
+            self.inner(worker_id)
+        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
+    """Make ``dataloader``'s workers ignore the preemption signals and die with their replica; return it."""
+    if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
+        current = dataloader.worker_init_fn
+        if not isinstance(current, _ShieldedWorkerInit):
+            dataloader.worker_init_fn = _ShieldedWorkerInit(current, rank, signals)
+    return dataloader

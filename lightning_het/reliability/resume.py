@@ -1,15 +1,10 @@
-"""``resume="auto"``: which checkpoint of the run directory a fit continues from, and the emergency checkpoint's
-retirement once training has moved past it.
-
-Rank 0 reads every checkpoint of the run directory (:func:`checkpoint_candidates`), orders them by the training
-progress recorded inside (global step, epoch, then modification time), and takes the first that is readable and of
-this job (:func:`~lightning_het.reliability.identity.job_identity`); the other ranks receive its choice. See
-``docs/reliability.md``, "Automatic resume".
-"""
+"""``resume="auto"``: the checkpoint of this job (its identity) with the most progress in the run directory, and the
+emergency checkpoint's retirement once a fit has reached its end (``docs/reliability.md``, "Automatic resume")."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import warnings
@@ -23,8 +18,85 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._compat import restore_checkpoint
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, resumed_global_batch_size
-from lightning_het.reliability.emergency import EMERGENCY_CHECKPOINT_NAME, wants_resume
-from lightning_het.reliability.identity import identity_differences
+
+#: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
+EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
+#: the comm modes whose optimizer steps are the same (exact gradient of the global batch)
+_EXACT_MODES = ("allreduce", "hierarchical")
+#: the ``node_local`` settings that change its trajectory
+_NODE_LOCAL_SETTINGS = ("global_sync_every", "comm_warmup_steps", "outer_lr", "outer_momentum", "sync_dtype",
+                        "merge_weights")  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a plain, comparable type (a tensor's number, a tuple's list, anything else's ``repr``)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def model_signature(module: torch.nn.Module) -> str:
+    """The module's class and a digest of its state's names, shapes and dtypes (not its values)."""
+    entries = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items()]
+    digest = hashlib.sha1("\n".join(entries).encode()).hexdigest()[:12]
+    return f"{type(module).__name__} {digest}"
+
+
+def job_identity(
+    module: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """This fit's identity: the model's signature, each optimizer's class and hyperparameters as configured, each
+    scheduler's class and ``settings``; once the optimizers exist, before a checkpoint is loaded into them."""
+    identity: dict[str, Any] = {"model": model_signature(module)}
+    for index, optimizer in enumerate(optimizers):
+        identity[f"optimizer {index}"] = type(optimizer).__name__
+        for number, group in enumerate(optimizer.param_groups):
+            for key, value in sorted(group.items()):
+                if key in ("params", "initial_lr") or (key == "lr" and "initial_lr" in group):
+                    continue
+                identity[f"optimizer {index} group {number} {key}"] = _plain(value)
+            if "initial_lr" in group:
+                identity[f"optimizer {index} group {number} lr"] = _plain(group["initial_lr"])
+    for index, scheduler in enumerate(schedulers):
+        identity[f"scheduler {index}"] = type(scheduler).__name__
+    identity.update({key: _plain(value) for key, value in settings.items()})
+    return identity
+
+
+def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
+    """The settings that change the trajectory (not the replicas, speeds or micro-batching): the comm mode and its
+    settings, gradient accumulation and clipping, the precision."""
+    settings: dict[str, Any] = {"comm": "exact" if mode in _EXACT_MODES else mode}
+    if mode == "node_local":
+        outer = getattr(config, "outer_optimizer", None)
+        settings["outer_optimizer"] = outer if outer is None or isinstance(outer, str) else repr(outer)
+        settings.update({key: getattr(config, key, None) for key in _NODE_LOCAL_SETTINGS})
+    settings["accumulate_grad_batches"] = int(trainer.accumulate_grad_batches)
+    settings["gradient_clip_val"] = trainer.gradient_clip_val
+    settings["gradient_clip_algorithm"] = trainer.gradient_clip_algorithm
+    settings["precision"] = str(trainer.precision)
+    return settings
+
+
+def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
+    """What differs between a checkpoint's identity ``saved`` and this fit's ``now``: ``"<setting> <saved> -> <now>"``
+    each (``None``: a checkpoint written without one). Pure."""
+    if saved is None:
+        return ["no job identity (written by another strategy or an older lightning-het)"]
+    missing = object()
+    return [
+        f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in dict.fromkeys([*now, *saved])
+        if saved.get(key, missing) != now.get(key, missing)
+    ]
+
 
 _VERSION_DIR = re.compile(r"version_\d+")
 
@@ -77,9 +149,8 @@ class ResumeChoice:
 
 
 def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] = ()) -> list[str]:
-    """Every checkpoint file ``resume="auto"`` considers: the ``*.ckpt`` files of the preemption checkpoint's folder
-    (``emergency.ckpt``, ``last.ckpt``, the preemption checkpoint) and of every ``ModelCheckpoint`` folder
-    ``dirpaths`` (for a logger's ``version_N`` folder, those of every version), on the local filesystem; each once."""
+    """Every ``*.ckpt`` file of the preemption checkpoint's folder and of the ``ModelCheckpoint`` folders ``dirpaths``
+    (for a logger's ``version_N`` folder: of every version), each once."""
     folders = [os.path.dirname(preemption_path), *(d for d in dirpaths if d)]
     patterns = []
     for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
@@ -94,8 +165,7 @@ def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] =
 
 
 def read_candidate(path: str) -> Candidate:
-    """Read ``path`` (memory-mapped, as Lightning loads checkpoints: ``weights_only=True``) for its progress and
-    identity; an unreadable file gives a :class:`Candidate` with ``error``."""
+    """Read ``path`` (memory-mapped, ``weights_only=True``) for its progress and identity, or why it cannot be read."""
     mtime = 0.0
     try:
         mtime = os.path.getmtime(path)
@@ -127,9 +197,8 @@ def read_candidate(path: str) -> Candidate:
 def choose_checkpoint(
     candidates: Sequence[Candidate], job: Mapping[str, Any], global_batch_size: int | None
 ) -> ResumeChoice:
-    """The checkpoint of this ``job`` with the most training progress among ``candidates`` (ties: the most recently
-    written), past other jobs' (``global_batch_size``: the one given to this run, else the checkpoint's is kept) and
-    the unreadable ones (named when written after the chosen one). Pure."""
+    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest), past other jobs'
+    (``global_batch_size``: the one given to this run) and unreadable ones (named if newer than the choice). Pure."""
     choice, chosen = ResumeChoice(), None
     for candidate in sorted(candidates, key=lambda c: c.progress, reverse=True):
         if candidate.error is not None or candidate.weights_only:  # a weights-only file is not meant to resume
@@ -157,10 +226,8 @@ def auto_resume(
     global_batch_size: int | None,
     broadcast: Callable[[Any], Any],
 ) -> list[Candidate]:
-    """``resume="auto"`` (or a restarted elastic worker) and no ``ckpt_path``: load into ``trainer`` the checkpoint
-    :func:`choose_checkpoint` picks on rank 0 (``broadcast``: rank 0's object on every rank), after the strategy's
-    setup created the optimizers and before Lightning restores the training state. Every rank calls it; returns this
-    job's emergency checkpoints (for :func:`retire_emergencies`; empty when nothing was considered)."""
+    """``resume="auto"`` and no ``ckpt_path`` (every rank, once the optimizers exist): load the checkpoint rank 0's
+    :func:`choose_checkpoint` picks; returns this job's emergency checkpoints (for :func:`retire_emergencies`)."""
     if trainer.ckpt_path is not None or not wants_resume(resume):
         return []
     decision: tuple[str | None, list[Candidate]] = (None, [])
@@ -198,9 +265,8 @@ def fit_reached_its_end(trainer: Any) -> bool:
 
 
 def retire_emergencies(trainer: Any, emergencies: Sequence[Candidate]) -> None:
-    """At the end of a fit that reached its end: replace this job's earlier emergency checkpoints with the finished
-    state (every rank calls it: ``trainer.save_checkpoint`` saves atomically on rank 0), so that running the same
-    command again resumes to the end and trains nothing, and no stale step is resumed."""
+    """A fit that reached its end (every rank): this job's earlier emergency checkpoints now hold the finished state,
+    so that running the same command again trains nothing and no stale step is resumed."""
     if not fit_reached_its_end(trainer):
         return
     for emergency in emergencies:
@@ -211,3 +277,11 @@ def retire_emergencies(trainer: Any, emergencies: Sequence[Candidate]) -> None:
             f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step}) now"
             f" holds the finished fit (global step {trainer.global_step})"
         )
+
+
+def wants_resume(resume: Any, environ: Any = None) -> bool:
+    """Whether a fit resumes by itself: ``resume="auto"``, or a restarted elastic worker unless ``resume=False``."""
+    environ = os.environ if environ is None else environ
+    if resume is False:
+        return False
+    return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

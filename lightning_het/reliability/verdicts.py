@@ -13,23 +13,16 @@ import torch.distributed as dist
 WATCHDOG_EXIT_CODE = 124
 #: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).
 INTERRUPTED_EXIT_CODE = 130
-#: states (and verdict kinds) that are an interruption, not a failure, with every replica's exit status
-INTERRUPTION_EXIT_CODES: dict[str, int] = {"interrupted": INTERRUPTED_EXIT_CODE}
-_INTERRUPTED_STATES = INTERRUPTION_EXIT_CODES  # the states are the keys
-#: a local replica's exit status (or ``-signal``) that tells it was interrupted, with the verdict kind it gets
-CHILD_INTERRUPTION_STATUS: dict[int, str] = {INTERRUPTED_EXIT_CODE: "interrupted", -2: "interrupted"}
 
 
 def exit_code_for(verdict: Verdict) -> int:
     """The exit status of a replica ended by ``verdict``: 130 for Ctrl-C, else 124 (stalled, dead or failed)."""
-    return INTERRUPTION_EXIT_CODES.get(verdict.kind, WATCHDOG_EXIT_CODE)
+    return INTERRUPTED_EXIT_CODE if verdict.kind == "interrupted" else WATCHDOG_EXIT_CODE
 
 
 def interruption_of(exception: BaseException) -> str | None:
-    """The replica state for an exception that interrupts the job from outside (Ctrl-C), else ``None``."""
-    if isinstance(exception, KeyboardInterrupt):
-        return "interrupted"
-    return None
+    """``"interrupted"`` for an exception that interrupts the job from outside (Ctrl-C), else ``None``."""
+    return "interrupted" if isinstance(exception, KeyboardInterrupt) else None
 
 
 def is_sigterm_exit(exception: BaseException) -> bool:
@@ -164,15 +157,11 @@ def judge(
     """Decide whether the job must end and whom to blame (pure; the rules are in ``docs/reliability.md``)."""
     silence = timeout if silence_timeout is None else silence_timeout
     suspect = timeout / 2 if suspect_after is None else suspect_after
-    interrupted = [s for s in statuses if s.state in _INTERRUPTED_STATES]
-    if interrupted:
-        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or s.state}" for s in interrupted)
-        kind = interrupted[0].state
-        return Verdict(kind, tuple(_ranks(interrupted)), 0.0, f"replica(s) {_ranks(interrupted)} {kind} ({detail})")
-    failed = [s for s in statuses if s.state == "failed"]
-    if failed:
-        detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or 'error'}" for s in failed)
-        return Verdict("failed", tuple(_ranks(failed)), 0.0, f"replica(s) {_ranks(failed)} failed ({detail})")
+    for kind in ("interrupted", "failed"):
+        ended = [s for s in statuses if s.state == kind]
+        if ended:
+            detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or s.state}" for s in ended)
+            return Verdict(kind, tuple(_ranks(ended)), 0.0, f"replica(s) {_ranks(ended)} {kind} ({detail})")
     running = [s for s in statuses if s.state == "running"]
     silent = [s for s in running if s.silent_for > silence]
     if silent:

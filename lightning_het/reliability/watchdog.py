@@ -1,36 +1,41 @@
 """Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
 
-One :class:`Watchdog` per replica: progress markers, a heartbeat thread on the job's store, the pure :func:`judge` and
-one compare-and-set abort record that ends every replica (``docs/reliability.md``).
+One :class:`Watchdog` per replica: progress markers fed by :class:`WatchdogCallback`, a heartbeat thread writing signed
+records to the job's store, the pure :func:`~.verdicts.judge`, and one compare-and-set abort record that ends every
+replica; the local replicas' processes are a second signal (``docs/reliability.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import ctypes
 import hashlib
+import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
-from lightning_het.reliability.emergency import EmergencyCheckpoint
-from lightning_het.reliability.heartbeats import (
-    BOOT_ID,
-    GuardedStore,
-    HeartbeatBook,
-    StoreUnreachable,
-    inside_torch_distributed,
-    status_from_record,
-)
-from lightning_het.reliability.processes import check_children, exit_job, kill_children
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_het._compat import default_store, should_accumulate
+from lightning_het._flavour import trainer_flavour
+from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token, sign, verify
 from lightning_het.reliability.verdicts import (
     HINTS,
+    INTERRUPTED_EXIT_CODE,
     JobEnded,
     Phase,
     ReplicaStatus,
@@ -42,6 +47,298 @@ from lightning_het.reliability.verdicts import (
     is_sigterm_exit,
     judge,
 )
+
+log = logging.getLogger(__name__)
+
+
+_PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
+_PR_SET_PDEATHSIG = 1
+
+
+def launched_replicas(launcher: object) -> list[subprocess.Popen]:
+    """The replicas that ``launcher`` started from this process (a ``popen`` launcher's; none for spawn or fork)."""
+    return [proc for proc in getattr(launcher, "procs", None) or [] if isinstance(proc, subprocess.Popen)]
+
+
+def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
+    """A verdict for local replicas that exited with a non-zero status (interrupted ones: ``"interrupted"``)."""
+    exited = []
+    for rank, proc in children:
+        code = proc.poll()
+        if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
+            exited.append((rank, proc.pid, code))
+    if not exited:
+        return None
+    ranks = sorted(r for r, _, _ in exited)
+    kinds = {"interrupted" if code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) else None for _, _, code in exited}
+    detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
+    if len(kinds) == 1 and None not in kinds:
+        kind = kinds.pop()
+        return Verdict(str(kind), tuple(ranks), 0.0, f"replica(s) {ranks} {kind} ({detail})")
+    return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the parent thread ends (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (children first) from ``/proc`` (Linux; else ``[]``); read before it ends."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop(0)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(OSError, ValueError), open(f"/proc/{parent}/task/{task}/children") as fh:
+                    for child in (int(c) for c in fh.read().split()):
+                        if child not in found and child != pid:
+                            found.append(child)
+                            pending.append(child)
+    return found
+
+
+def kill_pids(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def exit_job(code: int) -> None:
+    """End this replica with ``code``, SIGKILLing its descendants first (workers must not outlive the job)."""
+    kill_pids(descendants(os.getpid()))
+    os._exit(code)
+
+
+def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
+    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran."""
+    killed = []
+    for rank, proc in children:
+        with contextlib.suppress(Exception):
+            if proc.poll() is None:
+                tree = descendants(proc.pid)
+                proc.kill()
+                kill_pids(tree)
+                killed.append(rank)
+    return killed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this node exists and is not a zombie (``os.kill(pid, 0)``, ``/proc/<pid>/stat``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def as_seconds(value: timedelta | float | None) -> float | None:
+    return value.total_seconds() if isinstance(value, timedelta) else None if value is None else float(value)
+
+
+try:  # this machine's boot id (Linux): with the host name, tells whether a replica runs on this node
+    with open("/proc/sys/kernel/random/boot_id") as _fh:
+        BOOT_ID = _fh.read().strip()
+except OSError:
+    BOOT_ID = ""
+
+
+def warn(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message``, or print it to stderr when no logging handler is configured."""
+    if log.hasHandlers():
+        log.log(level, message)
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+#: packages whose barriers call a process group's C++ method directly (no Python frame in ``torch.distributed``)
+_LIGHTNING_PACKAGES = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
+                                                                 "lightning_het"))  # fmt: skip
+#: their functions that wait for every replica (``strategy.barrier``, ``_sync_dir``, ``_InfiniteBarrier``)
+_WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
+_BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
+
+
+def _waits(code: Any) -> bool:
+    if _TORCH_DISTRIBUTED in code.co_filename:
+        return True
+    if not any(package in code.co_filename for package in _LIGHTNING_PACKAGES):
+        return False
+    if code.co_name in _WAITING_FUNCTIONS or getattr(code, "co_qualname", None) in _WAITING_FUNCTIONS:
+        return True
+    # Python 3.10 has no co_qualname: the _InfiniteBarrier methods are known by their file
+    infinite_barrier = code.co_filename.endswith(_BARRIER_FILE) and code.co_name in ("__exit__", "__call__")
+    return not hasattr(code, "co_qualname") and infinite_barrier
+
+
+def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
+    """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
+    while frame is not None and depth > 0:
+        if _waits(frame.f_code):
+            return True
+        frame = frame.f_back
+        depth -= 1
+    return False
+
+
+class StoreUnreachable(RuntimeError):
+    """A call to the job's store failed: its host (rank 0) ended, or the network between the nodes failed."""
+
+
+class GuardedStore:
+    """The store, every failing call raising :class:`StoreUnreachable` (a lost store, not a watchdog bug)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except Exception as err:
+                raise StoreUnreachable(f"{type(err).__name__}: {err}") from err
+
+        return call
+
+
+def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
+    """The :class:`ReplicaStatus` of replica ``rank`` from its (verified) heartbeat record ``data``."""
+    fields = {key: data[key] for key in ("host", "pid", "batch", "armed", "waiting", "state", "error")}
+    evaluation = {"eval_stage": data.get("eval_stage", ""), "eval_batch": data.get("eval_batch", -1)}
+    phase = Phase(data["phase"])
+    return ReplicaStatus(rank=rank, phase=phase, silent_for=silent_for, stalled_for=stalled_for, **fields, **evaluation)
+
+
+class HeartbeatBook:
+    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock."""
+
+    def __init__(
+        self,
+        rank: int,
+        token: str,
+        namespace: str,
+        host: str,
+        stale_after: float,
+        alive: Callable[[int], bool] = process_alive,
+        peers: dict[int, tuple[str, str, int]] | None = None,
+    ) -> None:
+        self.peers = peers or {}
+        self.rank, self.token, self.namespace, self.host = rank, token, namespace, host
+        self.stale_after = stale_after
+        self.alive = alive
+        self.started = 0.0
+        self.seen: dict[int, tuple[Any, float, Any, float, dict[str, Any] | None]] = {}
+        self.tampered: set[str] = set()
+        self._hidden: set[int] = set()
+        self._forgeries = 0
+
+    def sign(self, key: str, payload: str) -> str:
+        return sign(self.token, self.namespace + key, payload) if self.token else payload
+
+    def verify(self, key: str, raw: Any) -> str | None:
+        """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
+        if not self.token:
+            return raw.decode() if isinstance(raw, bytes) else raw
+        payload = verify(self.token, self.namespace + key, raw)
+        if payload is None:
+            self._forgeries += 1
+            if self._forgeries == 1:
+                warn(
+                    f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid"
+                    " signature (written by a client outside the job?)"
+                )
+        return payload
+
+    def tamper(self, key: str, what: str) -> None:
+        """Note tampering with ``key`` (one warning per key)."""
+        if key not in self.tampered:
+            self.tampered.add(key)
+            warn(
+                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
+                f" {what}; ignored, the last genuine record is kept (a client outside the job writes to the store)"
+            )
+
+    def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
+        """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
+        key, last, data = f"hb/{r}", self.seen.get(r, (None,) * 5)[4], None
+        payload = None if raw is None else self.verify(key, raw)
+        with contextlib.suppress(ValueError):
+            data = None if payload is None else json.loads(payload)
+        if raw is None:
+            problem = "the record was deleted" if last is not None else None
+        elif payload is None:
+            problem = "a record without a valid signature"
+        elif not isinstance(data, dict):
+            problem = "a record that is not a heartbeat"
+        elif data.get("rank", r) != r:
+            problem = f"a record of replica {data.get('rank')}"
+        elif last is not None and data["beat"] < last["beat"]:
+            problem = f"an older record replayed (beat {data['beat']} after {last['beat']})"
+        else:
+            return data
+        if problem is not None:
+            self.tamper(key, problem)
+        return None
+
+    def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
+        """Replica ``r``'s status from the record just read (``None``: missing), judged against what was seen."""
+        data = self.genuine(r, raw)
+        old = self.seen.get(r)
+        if data is None and old is not None and old[4] is not None:
+            data = old[4]  # a forged, replayed, deleted or garbled record: keep the last genuine one
+        beat, seq = (data["beat"], data["seq"]) if data else (None, None)
+        if old is None:
+            old = (beat, self.started, seq, self.started, None)
+        beat_changed = old[1] if beat == old[0] else now
+        seq_changed = old[3] if seq == old[2] else now
+        self.seen[r] = (beat, beat_changed, seq, seq_changed, data)
+        if data is None:
+            status = ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
+        else:
+            status = status_from_record(r, data, now - beat_changed, now - seq_changed)
+        identity = self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"]))
+        if status.silent_for > self.stale_after and identity and self._alive_here(*identity):
+            self._note_hidden(r, status.silent_for, identity[2])
+            return replace(status, silent_for=0.0, stalled_for=0.0)
+        return status
+
+    def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
+        """Second signal for a replica this process launched: exited 0 is finished; running is not silent."""
+        if exit_code == 0:
+            return replace(status, state="finished")
+        if exit_code is None and status.silent_for > self.stale_after:
+            self._note_hidden(status.rank, status.silent_for, status.pid)
+            return replace(status, silent_for=0.0, stalled_for=0.0)
+        return status
+
+    def _alive_here(self, host: str, boot: str, pid: int) -> bool:
+        """The second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat."""
+        return host == self.host and boot == BOOT_ID and self.alive(int(pid))
+
+    def _note_hidden(self, r: int, seconds: float, pid: int) -> None:
+        if r in self._hidden:
+            return
+        self._hidden.add(r)
+        warn(
+            f"[rank {self.rank}] lightning_het watchdog: no new heartbeat of replica {r} for {seconds:.1f} s, but its"
+            f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}' is hidden"
+            " by tampering with the store, or the process is frozen)"
+        )
+
 
 #: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
 EMERGENCY_KINDS = ("hung", "silent", "exited")
@@ -71,25 +368,17 @@ class Watchdog:
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
-        self.store = GuardedStore(store)
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = float(timeout)
+        self.store, self.rank, self.world_size, self.timeout = GuardedStore(store), rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
         self.grace = min(max(2 * self.interval, 1.0), 10.0)
         self.hosts_store = hosts_store
-        self._children = children or (lambda: [])
-        self._exit = exit or exit_job
-        self._token = token
-        self._host = socket.gethostname()
-        self._pid = os.getpid()
+        self._children, self._exit, self._token = children or (lambda: []), exit or exit_job, token
+        self._host, self._pid = socket.gethostname(), os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
         self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
-        self._state = "running"
-        self._error = ""
-        self._local_failure = False
+        self._state, self._error, self._local_failure = "running", "", False
         self._waited_in_collective = False  # set when a collective failed here (the replica was waiting in it)
         self._handled: BaseException | None = None  # the exception on_exception already dealt with
         self._standing: Verdict | None = None  # the verdict on_exception reached
@@ -103,18 +392,12 @@ class Watchdog:
         self._stop = threading.Event()
         self._reported = False
         self._main_ident = threading.get_ident()
-        #: the emergency checkpoint a verdict against other replicas saves (set by the owner; ``None``: none)
-        self.emergency: EmergencyCheckpoint | None = None
+        self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Watchdog:
-        """Not copied (this process's heartbeat thread, store connection and lock):
-        a deep copy of the Trainer, of its callbacks or of its strategy shares this one, as it shares the process
-        group."""
+        """Shared, not copied (this process's heartbeat thread and store connection), as the process group is."""
         return self
-
-    def _write(self, key: str, payload: str) -> None:
-        self.store.set(key, self._book.sign(key, payload))
 
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
@@ -257,28 +540,16 @@ class Watchdog:
 
     def _record(self) -> dict[str, Any]:
         """This replica's heartbeat record (without its ``beat`` number)."""
-        seq, batch, phase, _ = self._progress
-        stage, eval_batch = self._eval_where
-        frame = sys._current_frames().get(self._main_ident)
-        return {
-            "seq": seq,
-            "batch": batch,
-            "phase": int(phase),
-            "eval_stage": stage,
-            "eval_batch": eval_batch,
-            "armed": bool(self._armed),
-            "waiting": self._waited_in_collective or inside_torch_distributed(frame),
-            "state": self._state,
-            "error": self._error,
-            "host": self._host,
-            "boot": BOOT_ID,
-            "rank": self.rank,
-            "pid": self._pid,
-        }
+        (seq, batch, phase, _), (stage, eval_batch) = self._progress, self._eval_where
+        waiting = self._waited_in_collective or inside_torch_distributed(sys._current_frames().get(self._main_ident))
+        return {"seq": seq, "batch": batch, "phase": int(phase), "eval_stage": stage, "eval_batch": eval_batch,
+                "armed": bool(self._armed), "waiting": waiting, "state": self._state, "error": self._error,
+                "host": self._host, "boot": BOOT_ID, "rank": self.rank, "pid": self._pid}  # fmt: skip
 
     def _publish(self) -> None:
         self._beat += 1
-        self._write(f"hb/{self.rank}", json.dumps({"beat": self._beat, **self._record()}))
+        key = f"hb/{self.rank}"
+        self.store.set(key, self._book.sign(key, json.dumps({"beat": self._beat, **self._record()})))
 
     def _statuses(self) -> list[ReplicaStatus]:
         now = time.monotonic()
@@ -294,15 +565,12 @@ class Watchdog:
         statuses = []
         for r in range(self.world_size):
             if r == self.rank:
-                statuses.append(self._own_status(now))
+                statuses.append(status_from_record(r, self._record(), 0.0, now - self._progress[3]))
                 continue
             status = self._book.status(r, raw.get(r), now)
             child = children.get(r)
             statuses.append(status if child is None else self._book.child_status(status, child.poll()))
         return statuses
-
-    def _own_status(self, now: float) -> ReplicaStatus:
-        return status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
 
     def _check_children(self) -> Verdict | None:
         return check_children(self._children())
@@ -359,10 +627,7 @@ class Watchdog:
             f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. Ending the job (timeout={self.timeout:g}"
             f" s, exit status {exit_code_for(verdict)}). HINT: {HINTS.get(verdict.kind, HINTS['hung'])}"
         )
-        if log.hasHandlers():
-            log.error(message)
-        else:
-            print(message, file=sys.stderr, flush=True)
+        warn(message, logging.ERROR)
 
     def _acknowledge(self) -> None:
         with contextlib.suppress(Exception):
@@ -403,3 +668,133 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         self._exit(exit_code_for(verdict))
+
+
+_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
+
+
+class WatchdogCallbackMixin:
+    """Feeds the :class:`Watchdog` with the training thread's progress (mixed into each package's ``Callback``)."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallbackMixin:
+        """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
+        return copy.copy(self)
+
+    # loops
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.arm("fit")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.disarm("fit")
+        self.watchdog.emergency = None  # the fit is over: nothing left to save
+
+    def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.watchdog.arm("eval")
+        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=_stage(trainer))
+
+    def _eval_end(self, *args: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_DONE)
+        self.watchdog.disarm("eval")
+
+    on_validation_start = on_test_start = on_predict_start = _eval_start
+    on_validation_end = on_test_end = on_predict_end = _eval_end
+
+    # training batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.watchdog.mark(Phase.TRAINING_STEP, new_batch=True)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.watchdog.mark(Phase.BACKWARD)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.mark(Phase.OPTIMIZER_STEP)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.watchdog.mark(Phase.BETWEEN_BATCHES)
+        emergency = self.watchdog.emergency
+        if emergency is not None and not should_accumulate(trainer):
+            emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
+
+    def _between(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.BETWEEN_BATCHES)
+
+    on_train_epoch_start = on_train_epoch_end = _between
+
+    # evaluation batches
+    def _eval_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
+
+    def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_LOADING)
+
+    def _eval_epoch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(Phase.EVAL_EPOCH_END)  # the callbacks' hooks run before the LightningModule's
+
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_batch_end
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        self.watchdog.mark(self.watchdog.phase)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.watchdog.on_exception(exception)
+
+
+class WatchdogCallback(WatchdogCallbackMixin, Callback):
+    """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
+
+
+def _stage(trainer: pl.Trainer) -> str:
+    stage = trainer.state.stage
+    return str(stage.value) if stage is not None else ""
+
+
+def start_watchdog(strategy: Any, timeout: timedelta | float | None, trainer: Any = None) -> Watchdog | None:
+    """Start a :class:`Watchdog` for this replica (multi-replica jobs with a ``timeout`` only), in phase ``SETUP``."""
+    seconds = as_seconds(timeout)
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
+        return None
+    token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
+    base = default_store()  # torchrun's agent store outlives rank 0
+    namespace = f"lightning_het/watchdog/{next(_generation)}/"
+    store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    identities: list[Any] = [None] * world_size
+    dist.all_gather_object(identities, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
+    first = strategy.node_rank * strategy.num_processes  # the global rank of this node's local rank 0
+
+    def children() -> list[tuple[int, subprocess.Popen]]:  # the local replicas this process launched
+        return [(first + i, proc) for i, proc in enumerate(launched_replicas(strategy.launcher), start=1)]
+
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    watchdog = Watchdog(store, rank, world_size, seconds, hosts_store=hosts_store, children=children, token=token,
+                        namespace=namespace, peers=dict(enumerate(identities)))  # fmt: skip
+    watchdog.start()
+    if trainer is not None:
+        attach_watchdog(watchdog, trainer)
+    return watchdog
+
+
+def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
+    """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallbackMixin)]
+    if watchdog is not None:  # the trainer's own package's Callback
+        trainer.callbacks.append(trainer_flavour(trainer).WatchdogCallback(watchdog))
+
+
+def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
+    """Stop ``watchdog`` and remove its callback; ``finished``: first wait until every replica finished."""
+    if watchdog is None:
+        return
+    if finished:
+        watchdog.finish()
+    else:
+        watchdog.stop()
+    if trainer is not None:
+        attach_watchdog(None, trainer)

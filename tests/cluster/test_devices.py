@@ -18,16 +18,14 @@ from lightning_het import HeterogeneousStrategy
 from lightning_het.cluster.accelerators import (
     MixedAccelerator,
     apply_local_settings,
+    choose_backend,
     device_labels,
     mixed_accelerator_class,
-    unbound_process_group,
-)
-from lightning_het.cluster.devices import (
-    choose_backend,
     node_device_maps,
     parse_device_map,
     plan_cpu_threads,
     plan_devices,
+    unbound_process_group,
 )
 from tests.helpers.tiny import make_dataset, reference_weights
 
@@ -41,7 +39,7 @@ def cuda(i: int) -> torch.device:
 @pytest.fixture(autouse=True)
 def sixteen_cores(monkeypatch):
     """Thread plans of in-process Trainers as on a 16-core host (this one has 2)."""
-    monkeypatch.setattr("lightning_het.cluster.devices.available_cpu_cores", lambda: 16)
+    monkeypatch.setattr("lightning_het.cluster.accelerators.available_cpu_cores", lambda: 16)
 
 
 @pytest.fixture
@@ -103,9 +101,6 @@ class TestParseDeviceMap:
     def test_errors(self, device_map, kwargs, match):
         with pytest.raises(ValueError, match=match):
             parse_device_map(device_map, **kwargs)
-
-    def test_shared_gpu_only_when_allowed(self):
-        assert parse_device_map(["cuda:0", "cuda:0"], allow_shared_cuda=True) == [cuda(0), cuda(0)]
 
     def test_per_node_maps(self):
         assert node_device_maps(["cuda:0", "cpu"], 2) == [["cuda:0", "cpu"], ["cuda:0", "cpu"]]
@@ -222,6 +217,7 @@ class TestStrategyWiring:
         calls = []
         fake_init = lambda env, be, store=None, **kw: calls.append((be, kw))  # noqa: E731  (store: our rendezvous)
         monkeypatch.setattr("lightning_het.cluster.startup.start_default_group", fake_init)
+        monkeypatch.setattr("lightning_het.cluster.startup.store_barrier", lambda *args, **kwargs: None)  # rank 1: none
         monkeypatch.setenv("LOCAL_RANK", "0")
         strategy = HeterogeneousStrategy(device_map=device_map)
         _trainer(strategy)

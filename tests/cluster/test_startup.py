@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -75,3 +76,44 @@ def test_local_sockets_restores_after_an_error(monkeypatch, num_nodes):
     with pytest.raises(RuntimeError, match="boom"), local_sockets(num_nodes):
         raise RuntimeError("boom")
     assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_the_rendezvous_waits_startup_timeout_or_the_longer_collective_timeout():
+    assert startup.rendezvous_wait(timedelta(seconds=5)) == startup.DEFAULT_STARTUP_TIMEOUT
+    assert startup.rendezvous_wait(timedelta(seconds=5), 30) == timedelta(seconds=30)
+    assert startup.rendezvous_wait(timedelta(seconds=60), 30) == timedelta(seconds=60)  # the longer timeout
+    assert startup.rendezvous_wait(None, 30) == timedelta(minutes=30)  # torch's default timeout
+
+
+def test_store_barrier_waits_for_every_rank_then_times_out():
+    store = dist.HashStore()
+    startup.store_barrier(store, 1, timedelta(seconds=1))  # alone: through at once
+    with pytest.raises(RuntimeError, match=r"(?i)timeout"):
+        startup.store_barrier(store, 2, timedelta(milliseconds=300), key="two")  # the other rank never comes
+
+
+def test_the_group_gets_the_collective_timeout_after_the_longer_wait(monkeypatch):
+    """The replicas wait ``startup_timeout`` for each other on the job's store; the default group and the store
+    then time out after ``timeout`` (no private setter: the group is created with it)."""
+    seen = {}
+    real_init = startup.start_default_group
+
+    def init(env, backend, **kwargs):
+        seen.update(kwargs, store_timeout=kwargs["store"].timeout)
+        return real_init(env, backend, **kwargs)
+
+    real_barrier = startup.store_barrier
+    monkeypatch.setattr(startup, "start_default_group", init)
+    monkeypatch.setattr(startup, "store_barrier", lambda *a, **k: seen.update(wait=a[2]) or real_barrier(*a, **k))
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(timeout=5, startup_timeout=40), logger=False
+    )
+    trainer.strategy.connect(BoringModel())
+    try:
+        trainer.strategy.setup_environment()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert trainer.strategy.process_group_timeout == timedelta(seconds=5)
+    assert seen["wait"] == timedelta(seconds=40)
+    assert seen["timeout"] == seen["store_timeout"] == timedelta(seconds=5)

@@ -1,4 +1,4 @@
-"""lightning_het.data.loaders: reading a user's DataLoader and rebuilding it around our samplers (no processes)."""
+"""lightning_het.data.splitting: reading a user's DataLoader and rebuilding it around our samplers (no processes)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_het import ProportionalDistributedSampler
-from lightning_het.data.loaders import (
-    as_batch_size,
-    loader_batch_size,
-    rebuild_loader,
-    rebuild_with_batch_sampler,
-    training_order,
-)
 from lightning_het.data.sampler import EvalBatchSampler
+from lightning_het.data.splitting import as_batch_size, loader_batch_size, rebuild_loader, training_order
 from tests.helpers.tiny import make_dataset
 
 
@@ -91,6 +85,7 @@ class TestRebuildWithBatchSampler:
     def test_batches_of_varying_size_keep_the_collate_function(self):
         data = make_dataset(41)
         loader = DataLoader(data, batch_size=5, collate_fn=lambda samples: len(samples), num_workers=0)
-        rebuilt = rebuild_with_batch_sampler(loader, EvalBatchSampler(data, [3, 1], 0, 5))
+        batches = EvalBatchSampler(data, [3, 1], 0, 5)
+        rebuilt = rebuild_loader(loader, batches.sampler, 1, batch_sampler=batches)
         assert type(rebuilt) is DataLoader and rebuilt.batch_size is None
         assert list(rebuilt) == [7, 6, 6, 6, 6] and len(rebuilt) == 5

@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_het import HeterogeneousStrategy
 from lightning_het.data import microbatch
 from lightning_het.data.microbatch import (
-    DirectPieces,
     MicroBatcher,
     batch_length,
     micro_batch_sizes,
@@ -84,7 +83,7 @@ def test_accumulated_gradient_is_the_whole_batch_gradient(as_dict: bool) -> None
         assert torch.allclose(p.grad, g, atol=1e-6)
 
 
-def _run_limited(micro: MicroBatcher, limit: list[int], retried: list[int] | None = None) -> None:
+def _run_limited(micro: MicroBatcher, limit: list[int]) -> None:
     """:func:`_run` on the 16 samples of :func:`_setup` with a network that raises ``torch.OutOfMemoryError`` itself
     on a training forward of more than ``limit[0]`` samples; the gradient must be the whole batch's."""
     net, batch = _setup()
@@ -101,8 +100,7 @@ def _run_limited(micro: MicroBatcher, limit: list[int], retried: list[int] | Non
     def step(piece):
         return nn.functional.mse_loss(net(piece[0]), piece[1])
 
-    retry = (lambda: retried.append(micro.cap)) if retried is not None else None
-    output = micro.run(step, batch, lambda loss: loss.backward(), nullcontext, params, retry=retry)
+    output = micro.run(step, batch, lambda loss: loss.backward(), nullcontext, params)
     micro.restore_grads(params)
     output.backward()
     for p, g in zip(params, expected):
@@ -122,10 +120,10 @@ def test_out_of_memory_lowers_the_cap_once_and_stays_exact() -> None:
 @pytest.mark.parametrize("cap", [None, 16, 64])
 def test_out_of_memory_of_a_share_run_at_once_is_caught(cap: int | None) -> None:
     """A share the cap lets run in one piece (or no cap at all) takes the short path; a real out-of-memory error from
-    the model there lowers the cap, ``retry()`` runs once, and the share runs in pieces, exactly."""
-    micro, retried = MicroBatcher(0, cap=cap), []
-    _run_limited(micro, [10], retried)
-    assert micro.cap == 8 and micro.lowered_from == (cap or 16) and retried == [8]
+    the model there lowers the cap, and the share runs in pieces, exactly."""
+    micro = MicroBatcher(0, cap=cap)
+    _run_limited(micro, [10])
+    assert micro.cap == 8 and micro.lowered_from == (cap or 16)
 
 
 def test_batch_norm_pieces_keep_two_samples() -> None:
@@ -176,36 +174,13 @@ def _fit(precision: str, caps: list[int] | None) -> _Counted:
 
 
 @pytest.mark.parametrize(("precision", "atol"), [("32-true", 1e-6), ("bf16-mixed", 2e-3)])
-def test_earlier_pieces_take_the_direct_path_with_the_precision_plugin(precision: str, atol: float) -> None:
-    """From the third step the earlier pieces skip DDP's forward and Lightning's backward hooks (one
-    ``on_before_backward`` per step), under the plugin's autocast and grad scaler: the weights are the whole batch's."""
+def test_every_piece_backwards_through_lightning_with_the_precision_plugin(precision: str, atol: float) -> None:
+    """Every piece runs through DDP's forward and Lightning's backward (its hooks, autocast and grad scaler): the
+    weights are the whole batch's."""
     whole, micro = _fit(precision, None), _fit(precision, [3])
-    # the six pieces of the first two steps go through DDP (its first forward, then the one that rebuilds its
-    # buckets) and Lightning, then one backward hook per step
-    assert micro.before_backward == 6 + 6 + 1
+    assert micro.before_backward == 6 * 3  # three steps of 16 samples in pieces of at most 3
     for a, b in zip(whole.parameters(), micro.parameters()):
         assert torch.allclose(a, b, atol=atol)
-
-
-def test_direct_backward_applies_the_grad_scaler_and_refuses_what_it_cannot_honour() -> None:
-    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-
-    module, x = _Counted(), torch.randn(4, 3)
-    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    direct = DirectPieces.of(module, module, amp, lambda: 0.5)
-    assert direct is not None
-    direct.backward(module.net(x).sum())
-    assert torch.allclose(module.net.weight.grad, 512.0 * x.sum(0, keepdim=True))
-
-    class Custom(Precision):
-        pass
-
-    class OwnBackward(_Counted):
-        def backward(self, loss, *args, **kwargs):
-            loss.backward()
-
-    assert DirectPieces.of(module, module, Custom(), lambda: 1.0) is None  # Lightning's path for other plugins
-    assert DirectPieces.of(OwnBackward(), OwnBackward(), Precision(), lambda: 1.0) is None
 
 
 class _Collective(_Counted):

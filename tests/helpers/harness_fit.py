@@ -21,8 +21,8 @@ when saved in ``OUT_DIR/{before,saved}_step{s}_rank{r}.pt``, and those a validat
 in ``training_step`` from that step on), ``own_sharding`` (``use_distributed_sampler=False``, each rank's Dataset its
 own ``dataset[rank::world]``), ``custom_loader`` (:class:`FeatureLoader`), ``pin_previous_speeds`` (the strategy gets
 the speeds the previous fit of the same job ended with, as its ``speeds``), ``batchnorm`` (a ``BatchNorm1d`` layer in
-the network), ``log_on_step`` (the loss logged on every step with ``sync_dist=True``), ``full_micro_path`` (no
-micro-batch takes the direct path past DDP), ``val_check_interval`` / ``check_val_every_n_epoch`` (the Trainer's, with
+the network), ``log_on_step`` (the loss logged on every step with ``sync_dist=True``),
+``val_check_interval`` / ``check_val_every_n_epoch`` (the Trainer's, with
 ``val_n``), ``val_ckpt`` (a ``ModelCheckpoint`` writing ``OUT_DIR/val_ckpt/step=<s>.ckpt`` at the end of every
 validation), ``log_epoch_loss`` (the loss logged per epoch with ``sync_dist=True`` and
 no ``batch_size``, as ``train/epoch_loss``), ``oom_above`` (one limit per rank, 0: none: the network itself raises
@@ -40,17 +40,14 @@ import os
 import socket
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_het.cluster.rendezvous import TOKEN_ENV
-from lightning_het.data.microbatch import DirectPieces
 from tests.helpers.harness_parts import make_strategy, make_trainer, save_rank, train_loader, weights
 from tests.helpers.tiny import TinyRegressor, make_dataset, pl
 
@@ -271,13 +268,10 @@ def fit(out: Path, cfg: dict) -> None:
     )
     if cfg.get("report_children") and trainer.global_rank == 0:
         atexit.register(_report_children, trainer)
-    # ``full_micro_path``: every micro-batch through DDP and Lightning, none on the direct path
-    full = mock.patch.object(DirectPieces, "of", lambda *args: None) if cfg.get("full_micro_path") else nullcontext()
-    with full:
-        if cfg.get("module_loaders"):
-            trainer.fit(model, ckpt_path=cfg.get("resume"))
-        else:
-            trainer.fit(model, *_loaders(cfg), ckpt_path=cfg.get("resume"))
+    if cfg.get("module_loaders"):
+        trainer.fit(model, ckpt_path=cfg.get("resume"))
+    else:
+        trainer.fit(model, *_loaders(cfg), ckpt_path=cfg.get("resume"))
     record = fit_record(trainer, model)
     _previous_speeds.append(record["speeds"])
     record["env_before"] = env_before

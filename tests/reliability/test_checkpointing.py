@@ -21,8 +21,13 @@ from lightning_het.reliability.checkpointing import (
     read_record,
     synchronize_before_save,
 )
-from lightning_het.reliability.identity import identity_differences, job_identity
-from lightning_het.reliability.resume import Candidate, checkpoint_candidates, choose_checkpoint
+from lightning_het.reliability.resume import (
+    Candidate,
+    checkpoint_candidates,
+    choose_checkpoint,
+    identity_differences,
+    job_identity,
+)
 from tests.helpers.harness import run_harness, split_output
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
 

@@ -21,17 +21,18 @@ from lightning_het import HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError, validate_resume
 from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
+    LoopRecord,
     StepState,
     agreed_writer,
     restore_rng,
     rng_state,
-    wants_resume,
 )
+from lightning_het.reliability.resume import wants_resume
 from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
 from tests.helpers.side_by_side import SideBySide
-from tests.helpers.tiny import make_dataset, pl, quiet_trainer, reference_weights
+from tests.helpers.tiny import TinyRegressor, make_dataset, pl, quiet_trainer, reference_weights
 from tests.helpers.watchdogs import watchdog_pair
 
 JOBS = SideBySide(width=1)
@@ -71,6 +72,38 @@ def test_rng_state_round_trips_and_loads_with_weights_only(tmp_path):
     restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
     again = (torch.rand(2), random.random(), np.random.rand())
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+
+
+class _CompareLoopRecord(pl.Callback):
+    """At every hook: the :class:`LoopRecord` built at setup (as the strategy's) gives ``fit_loop.state_dict()``."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.record = LoopRecord(trainer.fit_loop)
+
+    def _check(self, trainer, *args) -> None:
+        assert self.record.state_dict(self.record.take()) == trainer.fit_loop.state_dict()
+        self.checked += 1
+
+    on_train_batch_start = on_train_batch_end = on_validation_end = on_train_epoch_end = _check
+
+
+def test_the_step_record_of_the_fit_loop_is_its_state_dict_throughout_a_fit(tmp_path):
+    """The emergency checkpoint's per-step record of the fit loop: the same dict as ``fit_loop.state_dict()`` at every
+    hook (batch starts and ends, after validation, at epoch ends), with gradient accumulation and a validation loop."""
+    data = make_dataset(40)
+    compare = _CompareLoopRecord()
+    trainer = pl.Trainer(
+        max_epochs=2, accumulate_grad_batches=2, val_check_interval=3, default_root_dir=tmp_path, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[compare],
+    )  # fmt: skip
+    trainer.fit(TinyRegressor(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+    # per epoch: 10 batch starts and ends, validation after batches 3, 6 and 9, the epoch end; and the sanity check
+    assert compare.checked == 2 * (2 * 10 + 3 + 1) + 1
+    state = compare.record.state_dict(compare.record.take())
+    assert state["epoch_loop.batch_progress"]["total"]["completed"] == 20 and state == trainer.fit_loop.state_dict()
 
 
 # ---------------------------------------------------------------------------------------------------- agreement

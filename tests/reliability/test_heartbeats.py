@@ -7,9 +7,8 @@ import json
 import os
 import socket
 
-from lightning_het.reliability.heartbeats import BOOT_ID, HeartbeatBook
-from lightning_het.reliability.processes import process_alive
 from lightning_het.reliability.verdicts import Phase
+from lightning_het.reliability.watchdog import BOOT_ID, HeartbeatBook, process_alive
 
 HOST = socket.gethostname()
 
@@ -97,7 +96,7 @@ def test_lightnings_infinite_barrier_waits_also_where_code_has_no_qualname():
     """Python 3.10 code objects have no ``co_qualname``: the barrier around ``prepare_data`` is known by its file."""
     from types import SimpleNamespace
 
-    from lightning_het.reliability.heartbeats import _waits
+    from lightning_het.reliability.watchdog import _waits
 
     barrier = os.path.join("site-packages", "lightning", "fabric", "utilities", "distributed.py")
     assert _waits(SimpleNamespace(co_filename=barrier, co_name="__exit__"))  # 3.10

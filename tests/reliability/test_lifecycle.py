@@ -34,9 +34,8 @@ from torch.utils.data import DataLoader
 from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hierarchical as hooks
-from lightning_het.reliability.loader_workers import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.processes import kill_children
+from lightning_het.reliability.preemption import shield_loader_workers
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
@@ -47,7 +46,7 @@ from lightning_het.reliability.verdicts import (
     exit_code_for,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog
+from lightning_het.reliability.watchdog import Watchdog, kill_children
 from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
@@ -723,7 +722,7 @@ def test_app_output_directory_problem_is_one_line_and_exit_2(ended, request):
 
 def test_replicas_share_the_cpus_unless_omp_num_threads_is_set(monkeypatch) -> None:
     """The launched replicas of a node split its CPUs (at least one thread each); ``OMP_NUM_THREADS`` wins."""
-    from lightning_het.reliability.lifecycle import share_cpu_threads
+    from lightning_het.reliability.launch import share_cpu_threads
 
     threads: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
@@ -745,16 +744,16 @@ def test_a_replica_starts_with_the_command_lightnings_launcher_uses(monkeypatch,
     from lightning.fabric.strategies.launchers import subprocess_script as lightnings
 
     import __main__
-    from lightning_het.reliability import lifecycle
+    from lightning_het.reliability import launch
 
     hydra_utils = pytest.importorskip("hydra.utils")  # (Hydra comes with the app's extra)
     from hydra.core.hydra_config import HydraConfig
 
     monkeypatch.setattr(__main__, "__spec__", SimpleNamespace(name=module) if module else None)
     monkeypatch.setattr(sys, "argv", ["train.py", "trainer.max_epochs=2"])
-    monkeypatch.setattr(lifecycle, "_hydra_in_use", lambda: hydra)
+    monkeypatch.setattr(launch, "_hydra_in_use", lambda: hydra)
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(run=SimpleNamespace(dir="out/run"))))
     monkeypatch.setattr(hydra_utils, "get_original_cwd", lambda: "/jobs/first")
     monkeypatch.setattr(hydra_utils, "to_absolute_path", lambda path: f"/jobs/first/{path}")
     expected = lightnings._hydra_subprocess_cmd(2) if hydra else (lightnings._basic_subprocess_cmd(), None)
-    assert lifecycle.child_command(2) == expected
+    assert launch.child_command(2) == expected

@@ -24,12 +24,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_het import HeterogeneousStrategy
-from lightning_het.reliability.loader_workers import _ShieldedWorkerInit, shield_loader_workers
 from lightning_het.reliability.preemption import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,
+    _ShieldedWorkerInit,
     default_checkpoint_path,
+    shield_loader_workers,
 )
 from tests.helpers import harness
 from tests.helpers.gloo import run_gloo

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_het.arguments import as_timeout
-from lightning_het.reliability.supervision import validate_launch_environment
+from lightning_het.reliability.launch import validate_launch_environment
 from lightning_het.reliability.verdicts import (
     WATCHDOG_EXIT_CODE,
     Phase,
@@ -239,28 +239,3 @@ def test_dead_replica_ends_the_job_within_seconds_without_orphans(tmp_path):
     assert "replica(s) [1] exited" in out or "terminated with code 3" in out, out[-3000:]
     assert after_fault < 10.0, f"ended {after_fault:.1f}s after the exit\n{out[-3000:]}"
     assert survivors == []
-
-
-class TestRendezvousTimeout:
-    """The rendezvous may wait longer than the collective timeout; the strategy alone changes its own timeout."""
-
-    def test_longer_startup_only(self) -> None:
-        from datetime import timedelta
-
-        from lightning_het.cluster.startup import DEFAULT_STARTUP_TIMEOUT, rendezvous_timeout
-
-        assert rendezvous_timeout(timedelta(seconds=5)) == DEFAULT_STARTUP_TIMEOUT
-        assert rendezvous_timeout(timedelta(seconds=5), 30) == timedelta(seconds=30)
-        assert rendezvous_timeout(timedelta(seconds=60), 30) is None  # the timeout is already longer: kept
-        assert rendezvous_timeout(None, 30) is None  # torch's default timeout: kept
-
-    def test_strategy_scope_restores_its_timeout(self) -> None:
-        from datetime import timedelta
-
-        from lightning_het import HeterogeneousStrategy
-
-        strategy = HeterogeneousStrategy(timeout=5, startup_timeout=40)
-        assert strategy.process_group_timeout == timedelta(seconds=5)
-        with strategy._startup_timeout_scope():
-            assert strategy.process_group_timeout == timedelta(seconds=40)
-        assert strategy.process_group_timeout == timedelta(seconds=5)

@@ -1,0 +1,291 @@
+"""Launching: Lightning's launchers wrapped so that replicas end together, leave no process behind, and say why."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_het.cluster.rendezvous import (
+    TOKEN_ENV,
+    ensure_job_token,
+    keep_sockets_local,
+    restore_job_environment,
+    save_job_environment,
+)
+from lightning_het.reliability.output_dir import check_output_dir
+from lightning_het.reliability.verdicts import (
+    INTERRUPTED_EXIT_CODE,
+    WATCHDOG_EXIT_CODE,
+    JobEnded,
+    exit_code_for,
+    interruption_of,
+    is_collective_failure,
+)
+from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, kill_children, stop_watchdog
+
+log = logging.getLogger(__name__)
+
+#: seconds beyond the strategy's ``timeout`` that the launching process waits, at exit, for its replicas to end.
+REAP_GRACE_S = 30.0
+#: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
+FAILED_REAP_GRACE_S = 10.0
+_WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit
+
+
+class ExitCleanup:
+    """At exit: destroy the default process group after a clean run; end with :attr:`exit_code` if one is set."""
+
+    registered = False
+    clean = True
+    exit_code: int | None = None  # a preempted replica's 143: ends the process once the later exit handlers ran
+
+    @classmethod
+    def register(cls) -> None:
+        if not cls.registered:
+            atexit.register(cls.run)
+            cls.registered = True
+
+    @classmethod
+    def run(cls) -> None:
+        if cls.clean and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # never turn a finished run into a failure at exit
+                log.debug("lightning-het: destroying the process group at exit failed: %s", err)
+            # a Gloo worker thread may still hold the last collective's tensors; it needs the GIL to free them, and a
+            # thread that asks for it once finalisation has begun is ended by a forced unwind that aborts the process
+            time.sleep(_WORKER_DRAIN_S)
+        if cls.exit_code is not None:  # no interpreter finalisation (backend threads): the status stays
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(cls.exit_code)
+
+
+def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
+    """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen."""
+    environ = os.environ if environ is None else environ
+    if num_nodes <= 1 or cluster_environment is None or cluster_environment.creates_processes_externally:
+        return
+    if type(cluster_environment).__name__ != "LightningEnvironment":
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]
+    if missing:
+        raise ValueError(
+            f"You set num_nodes={num_nodes}, but the environment variable(s) {', '.join(missing)} are not set, so the"
+            " nodes cannot find each other (each would wait for its own rendezvous until the start-up timeout)."
+            " HINT: on every node export MASTER_ADDR=<host of node 0>, MASTER_PORT=<free port, same on all nodes>"
+            " and NODE_RANK=<0..num_nodes-1>, or launch through SLURM / torchrun."
+        )
+
+
+def share_cpu_threads(num_processes: int) -> None:
+    """Without ``OMP_NUM_THREADS``, give each of the node's replicas an equal share of this process's CPUs."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cpus // max(1, num_processes))
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+class SpawnLauncher:
+    """Lightning's spawn/fork launcher, wrapped: the rendezvous checked at launch, the allocation sent back."""
+
+    def __init__(self, strategy: Any, launcher: Any) -> None:
+        self.strategy, self.launcher = strategy, launcher
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self.launcher.is_interactive_compatible
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        validate_launch_environment(self.strategy.num_nodes, self.strategy.cluster_environment)
+        run = _WithAllocation(function, self.strategy)
+        result, allocation = self.launcher.launch(run, *args, trainer=trainer, **kwargs)
+        if allocation:
+            self.strategy.import_allocation(allocation)
+        return result
+
+
+class _WithAllocation:
+    """In a spawned worker: ``function``'s result and the strategy's allocation (picklable)."""
+
+    def __init__(self, function: Callable, strategy: Any) -> None:
+        self.function, self.strategy = function, strategy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        return self.function(*args, **kwargs), self.strategy.export_allocation()
+
+
+class ScriptLauncher:
+    """Lightning's ``popen`` launcher, wrapped: replicas that die with this process and are reaped at its exit, the
+    run-to-the-end barrier, exit statuses 124/130 and the output directory checked before any replica starts."""
+
+    is_interactive_compatible = False
+    #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_launch`)
+    finishes_runs = True
+
+    def __init__(self, strategy: Any, launcher: Any) -> None:
+        self.strategy = strategy
+        self.cluster_environment = launcher.cluster_environment
+        self.num_processes, self.num_nodes = launcher.num_processes, launcher.num_nodes
+        self.procs: list[subprocess.Popen] = []
+        self._failed = False  # a run of this process ended with an exception
+        self._in_run = False
+        self._token: str | None = None  # the job token the replicas this process launched were given
+        self._observer_stop = threading.Event()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ScriptLauncher:
+        """Shared, not copied (this process's replicas and observer thread)."""
+        return self
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        validate_launch_environment(self.num_nodes, self.cluster_environment)
+        fabric = trainer is None and not hasattr(self.strategy, "release_watchdog")
+        environment = None if fabric else save_job_environment()  # put back when this Trainer call ends
+        try:
+            return self._launch(function, args, kwargs, trainer, fabric)
+        finally:
+            if not fabric:
+                self._observer_stop.set()
+                restore_job_environment(environment)
+
+    def _launch(self, function: Callable, args: Any, kwargs: Any, trainer: Any, fabric: bool) -> Any:
+        if not self.cluster_environment.creates_processes_externally:
+            if trainer is not None and self.cluster_environment.global_rank() == 0:
+                check_output_dir(trainer.default_root_dir)  # before any replica starts
+            self._token = ensure_job_token()
+            keep_sockets_local(self.num_nodes)
+            self._start_children()
+        elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
+            os.environ[TOKEN_ENV] = self._token
+            keep_sockets_local(self.num_nodes)
+        share_cpu_threads(self.num_processes)
+        self._in_run = True  # Fabric: your loop runs after this call, watched until the process ends
+        if self.procs:
+            self._observer_stop = threading.Event()
+            threading.Thread(target=self._observe, name="lightning-het-replica-observer", daemon=True).start()
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as exc:
+            self._in_run, self._failed = False, True
+            code = self._exit_code(exc)
+            if code is not None:
+                raise JobEnded(code) from exc
+            raise
+        if not fabric:
+            self._in_run = False
+            stop_watchdog(self.strategy.release_watchdog(), trainer, finished=True)  # wait for every replica
+        return result
+
+    def _start_children(self) -> None:
+        """Lightning's child start, with ``PR_SET_PDEATHSIG`` (Linux) and an exit handler that reaps them."""
+        env = self.cluster_environment
+        if self.procs or env.local_rank() != 0:
+            raise RuntimeError("The launcher can only create subprocesses once, from local rank 0.")
+        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
+        os.environ.update(NODE_RANK=str(env.node_rank()), LOCAL_RANK=str(env.local_rank()))
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        preexec = die_with_parent if sys.platform.startswith("linux") else None
+        for local_rank in range(1, self.num_processes):
+            child_env = {**os.environ, "LOCAL_RANK": f"{local_rank}"}
+            command, cwd = child_command(local_rank)
+            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, preexec_fn=preexec))
+        atexit.register(self._reap_children)
+        previous = sys.excepthook
+
+        def note_failure(*exc_info: Any) -> None:  # Fabric's loop runs outside the launcher: see an uncaught exception
+            self._failed = True
+            previous(*exc_info)
+
+        sys.excepthook = note_failure
+
+    def _children(self) -> list[tuple[int, subprocess.Popen]]:
+        first = self.cluster_environment.node_rank() * self.num_processes
+        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
+
+    def _observe(self) -> None:
+        """Until the watchdog runs: a local replica that fails ends the job."""
+        stop = self._observer_stop
+        while not stop.wait(0.5):
+            watchdog = getattr(self.strategy, "watchdog", None)
+            if not self._in_run or self._failed or (watchdog is not None and watchdog.running):
+                if all(proc.poll() is not None for proc in self.procs):
+                    return
+                continue
+            verdict = check_children(self._children())
+            if verdict is not None:
+                print(
+                    f"[rank {self.cluster_environment.global_rank()}] lightning_het: {verdict.message} before the"
+                    f" replicas could start their run. Ending the job (exit status {exit_code_for(verdict)}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                kill_children(self._children())
+                os._exit(exit_code_for(verdict))
+
+    def _reap_children(self) -> None:
+        """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
+        wait = (as_seconds(self.strategy.process_group_timeout) or 1800.0) + REAP_GRACE_S
+        deadline = time.monotonic() + (min(wait, FAILED_REAP_GRACE_S) if self._failed else wait)
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(0.1)
+        if killed := kill_children(self._children()):
+            message = f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them."
+            print(message, file=sys.stderr, flush=True)
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+    def _exit_code(self, exc: BaseException) -> int | None:
+        """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""
+        if isinstance(exc, JobEnded):
+            return None
+        watchdog = getattr(self.strategy, "watchdog", None)
+        verdict = watchdog.on_exception(exc) if watchdog is not None else None
+        if interruption_of(exc) is not None:
+            return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
+        if verdict is None or not is_collective_failure(exc):
+            return None
+        if verdict.kind == "failed" and watchdog is not None and watchdog.rank in verdict.culprits:
+            return None
+        return exit_code_for(verdict) if verdict.kind != "failed" else WATCHDOG_EXIT_CODE
+
+
+def child_command(local_rank: int) -> tuple[list[str], str | None]:
+    """The command and directory (``None``: this one) of replica ``local_rank``: this script again, as Lightning's
+    launcher runs it (under Hydra: from the original directory, in this run's output directory)."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if not _hydra_in_use():
+        script = ["-m", spec.name] if spec is not None else [os.path.abspath(sys.argv[0])]
+        return [sys.executable, *script, *sys.argv[1:]], None
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    script = ["-m", spec.name] if spec is not None else [to_absolute_path(sys.argv[0])]
+    overrides = [f'hydra.run.dir="{HydraConfig.get().run.dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
+    return [sys.executable, *script, *sys.argv[1:], *overrides, "hydra.output_subdir=null"], get_original_cwd()
+
+
+def _hydra_in_use() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return HydraConfig.initialized()
