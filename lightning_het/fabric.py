@@ -1,7 +1,7 @@
 """``Fabric(strategy="heterogeneous")``: speed-proportional batch shares, exact gradients and node-aware communication
 in a loop of your own (see ``docs/fabric.md``).
 
-Fabric glue over the same parts as the Trainer strategy (the balancer, the communication controller):
+Fabric glue over the same parts as the Trainer strategy (the balance policy, the comm algorithm):
 :class:`HeterogeneousFabricStrategyMixin`, composed here with ``lightning.fabric``'s ``DDPStrategy`` and in
 :mod:`lightning_het._fabric_compat` with the standalone ``lightning_fabric``'s.
 """
@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het._flavour import FabricFlavour, fabric_flavour, register_fabric_flavour
-from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import LoopSteps
-from lightning_het.balance.view import BalanceView
+from lightning_het.balance.report import balance_report, render_balance_table
+from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.startup import (
     detect_node_ids,
@@ -91,7 +92,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         kwargs = flat_keywords(name, explicit, comm, profiling, reliability, kwargs, allowed=FABRIC_KEYWORDS)
         config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
         super().__init__(**kwargs)
-        self.balancer = Balancer(config)
+        self.policy = BalancePolicy(config)
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         self._comm = algorithm_of(comm, config)  # installed by `setup_module` and `setup_optimizer`
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
@@ -122,8 +124,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.balancer.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self.balancer.node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
+        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
 
     @override
     def _setup_distributed(self) -> None:
@@ -148,9 +150,10 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
                 " HINT: put the networks into one `nn.Module` and set that up once."
             )
         ddp_model = super().setup_module(module)
-        ids, sizes = self.balancer.node_ids, self.balancer.allocation.batch_sizes
+        ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
         assert ids is not None
-        self.balancer.comm = comm = self._comm.resolve(ids)
+        self.comm_algorithm = comm = self._comm.resolve(ids)
+        self._comm_sizes = sizes
         comm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned
@@ -163,14 +166,18 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.balancer.comm is not None:
-            self.balancer.comm.hook_optimizer(optimizer)  # the comm algorithm runs after each of its steps
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.hook_optimizer(optimizer)  # the comm algorithm runs after each of its steps
         return super().setup_optimizer(optimizer)
 
     @override
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Back-propagate ``tensor * loss_scale`` (the scale of the step's split); returns ``tensor`` unscaled."""
-        scale = self.balancer.loss_scale(self._step_split())
+        split, comm = self._step_split(), self.comm_algorithm
+        if comm is not None and split.sizes and split.sizes != self._comm_sizes:
+            comm.set_batch_sizes(split.sizes)
+            self._comm_sizes = split.sizes
+        scale = split.loss_scale
         clock = self._step_clock()
         if clock is not None:
             clock.before_backward(tensor)  # end of local backward compute vs gradient-sync wait
@@ -183,13 +190,13 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
-        self._steps.step_ended(self.balancer.profiler)
+        self._steps.step_ended(self.policy.profiler)
         return output
 
     def synchronize(self) -> bool:
         """``comm="node_local"``: average the parameters across all replicas now (weighted by sample share) unless
         they already agree; a collective, e.g. before evaluating. Returns whether an average ran."""
-        return self.balancer.comm is not None and self.balancer.comm.sync()
+        return self.comm_algorithm is not None and self.comm_algorithm.sync()
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
@@ -226,10 +233,10 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
         """A sampler for evaluation loaders: every sample on exactly one replica, shares proportional to the
         allocation (to ``speeds``, or equal, before it). Fabric leaves it in place."""
-        return UnpaddedDistributedSampler(dataset, self.balancer.eval_weights(), self.global_rank)
+        return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
 
     def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
-        sizes, allocated = list(sampler.batch_sizes), self.balancer.allocation.batch_sizes
+        sizes, allocated = list(sampler.batch_sizes), self.policy.allocation.batch_sizes
         if allocated is not None and sizes != allocated:
             raise ValueError(
                 f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
@@ -256,11 +263,14 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
                     " `HeterogeneousFabricStrategy(global_batch_size=...)`."
                 )
             global_batch = dataloader.batch_size * self.world_size
-        allocation = self.balancer.allocation
-        if allocation.batch_sizes is None or sum(allocation.batch_sizes) != global_batch:
-            fit = FitContext(self._profiled_module, self._step_clock, device_labels(self), loop_prefetch=0)
-            self.balancer.allocate(dataloader, global_batch, fit)
-        sizes = allocation.batch_sizes
+        allocated = self.policy.allocation.batch_sizes
+        if allocated is None or sum(allocated) != global_batch:
+            labels = device_labels(self)
+            fit = FitContext(
+                self._profiled_module, self._step_clock, labels, loop_prefetch=0, report=self.balance_report
+            )
+            self.policy.allocate(dataloader, global_batch, fit)
+        sizes = self.policy.allocation.batch_sizes
         assert sizes is not None
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
         sampler = ProportionalDistributedSampler(
@@ -273,7 +283,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             order_sampler=order.sampler,
         )
         self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
-        profiler = self.balancer.profiler
+        profiler = self.policy.profiler
         if profiler is None:
             return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
         profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
@@ -289,12 +299,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def _step_clock(self) -> StepClock | None:
         return self._steps.clock if self.profiling else None
 
-    def _step_split(self) -> list[int]:
-        return self.balancer.step_split(self._steps.sampler, lambda: self._steps.position()[1])
+    def _step_split(self) -> StepSplit:
+        return self.policy.step_split(self._steps.sampler, self._steps.position()[1])
 
     def _watch_steps(self) -> None:
         if self.profiling and self._ddp_model is not None:
-            self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split()[self.global_rank])
+            self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split().sizes[self.global_rank])
 
     # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
@@ -305,7 +315,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        comm = self.balancer.comm
+        comm = self.comm_algorithm
         if comm is not None:  # node_local: the checkpoint holds the consensus model, computed without a sync
             comm.show_consensus()
         try:
@@ -316,16 +326,23 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""
-        return self.balancer.report(device_labels(self))
+        return balance_report(
+            self.policy.allocation,
+            node_ids=self._node_ids,
+            profiled=self.config.speeds is None,
+            emulate_slowdown=None,
+            devices=device_labels(self),
+            telemetry=None,
+        )
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
-        return self.balancer.table(device_labels(self))
+        return render_balance_table(self.balance_report())
 
     @override
     def teardown(self) -> None:
-        if self.balancer.comm is not None:
-            self.balancer.comm.remove()
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()
