@@ -38,11 +38,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 def proportional_shares(
     total: float, speeds: Sequence[float], lower: Sequence[float], upper: Sequence[float]
 ) -> list[float]:
-    """Real-valued shares ``clip(lam * speed_r, lower_r, upper_r)`` that sum to ``total``.
-
-    >>> proportional_shares(12, [1, 2, 3], [0, 0, 0], [12, 12, 12])
-    [2.0, 4.0, 6.0]
-    """
+    """Real-valued shares ``clip(lam * speed_r, lower_r, upper_r)`` that sum to ``total``."""
 
     def clipped_sum(lam: float) -> float:
         return sum(min(max(lam * s, lo), hi) for s, lo, hi in zip(speeds, lower, upper))
@@ -109,17 +105,8 @@ def allocate_batch_sizes(
     """Split ``global_batch_size`` samples among replicas in proportion to their ``speeds`` (by global rank, any
     consistent unit), each within ``[min_batch_size, max_batch_sizes[r]]``.
 
-    The sizes sum to ``global_batch_size``; each lies within one sample of the replica's proportional share
-    ``global_batch_size * speed / sum(speeds)`` unless a bound forces it away, the rest then being shared in
-    proportion among the unbounded replicas (water filling). Fractions are rounded by the largest-remainder method;
-    ties go to the lower rank. Bad speeds, bounds or totals raise ``ValueError`` naming the offending argument.
-
-    >>> allocate_batch_sizes(12, [1, 2, 3])
-    [2, 4, 6]
-    >>> allocate_batch_sizes(10, [1, 1, 1])
-    [4, 3, 3]
-    >>> allocate_batch_sizes(12, [1, 1, 10], max_batch_sizes=[12, 12, 6])
-    [3, 3, 6]
+    The sizes sum to ``global_batch_size``; each lies within one sample of its proportional share unless a bound
+    forces it away (water filling); largest remainders first, ties to the lower rank. Bad input raises ``ValueError``.
     """
     values = positive_finite("speeds", speeds)
     world = len(values)
@@ -152,11 +139,6 @@ def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
 
 
 def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
-    """Factor applied to replica ``rank``'s mean loss so that DDP's *mean* all-reduce yields the global-batch gradient.
-
-    ``(1/W) sum_r (W b_r / B) g_r = sum_r (b_r / B) g_r``, the gradient of the mean loss over the global batch.
-
-    >>> loss_scale([2, 4, 6], 2)
-    1.5
-    """
+    """Factor ``W * b_r / B`` for replica ``rank``'s mean loss: DDP's *mean* all-reduce then yields the global-batch
+    gradient."""
     return len(batch_sizes) * batch_sizes[rank] / sum(batch_sizes)

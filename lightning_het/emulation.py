@@ -1,9 +1,4 @@
-"""``EmulatedPlatform``: a heterogeneous platform reproduced on one machine, for tests, benchmarks and the app.
-
-A Trainer callback, not a strategy setting: before the fit's setup it hands its slowdowns and memory caps to the
-strategy, which then runs them exactly as on real hardware of those speeds and memory sizes (the step clock sleeps,
-a forward pre-hook raises ``torch.OutOfMemoryError``).
-"""
+"""``EmulatedPlatform``: a heterogeneous platform reproduced on one machine, for tests, benchmarks and the app."""
 
 from __future__ import annotations
 
@@ -16,20 +11,8 @@ from lightning_het.arguments import int_list, slowdown_factors
 
 
 class EmulatedPlatform(Callback):
-    """Emulated heterogeneity for ``HeterogeneousStrategy``, indexed by global rank.
-
-    ``slowdown``: replica ``r``'s steps take ``slowdown[r]`` (>= 1) times their compute time (the clock sleeps
-    ``f - 1`` times the forward and the backward work it just measured, before the gradients are synchronised).
-    ``memory_cap``: a training forward of more than ``memory_cap[r]`` samples raises ``torch.OutOfMemoryError`` from
-    inside the model on replica ``r``.
-
-    >>> EmulatedPlatform(slowdown=[1, 4])
-    EmulatedPlatform(slowdown=[1.0, 4.0], memory_cap=None)
-    >>> EmulatedPlatform(slowdown=[0.5])  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    lightning_het.arguments.ArgumentError: Expected argument `slowdown` to hold factors >= 1 ...
-    """
+    """Emulated heterogeneity, by global rank: replica ``r``'s steps take ``slowdown[r]`` (>= 1) times their compute
+    time; a training forward of more than ``memory_cap[r]`` samples raises ``torch.OutOfMemoryError`` on it."""
 
     def __init__(self, slowdown: Sequence[float] | None = None, memory_cap: Sequence[int] | None = None) -> None:
         self.slowdown = slowdown_factors("slowdown", slowdown)

@@ -1,14 +1,9 @@
 """``Fabric(strategy="heterogeneous")``: speed-proportional batch shares, exact gradients and node-aware communication
-in a loop of your own (see ``docs/fabric.md``).
-
-Fabric glue over the same parts as the Trainer strategy (the balancer, the communication controller):
-:class:`HeterogeneousFabricStrategyMixin`, composed here with ``lightning.fabric``'s ``DDPStrategy`` and in
-:mod:`lightning_het._fabric_compat` with the standalone ``lightning_fabric``'s.
-"""
+in a loop of your own (``docs/fabric.md``); glue over the same parts as the Trainer strategy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from lightning.fabric.strategies import DDPStrategy
@@ -22,10 +17,11 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import LoopSteps
-from lightning_het.balance.view import BalanceView
+from lightning_het.balance.report import balance_report, render_balance_table
+from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.startup import (
     detect_node_ids,
@@ -47,10 +43,8 @@ from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, valida
 
 
 class HeterogeneousFabricStrategyMixin(BalanceView):
-    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of
-    your loop's calls does: ``docs/fabric.md``). Keywords: as for the Trainer strategy, less
-    those that need its loop (a setting of theirs other than its default raises ``ValueError``); the rest go to
-    Fabric's ``DDPStrategy``.
+    """Fabric's DDP with per-replica batch shares proportional to speed and exact gradients. Keywords: the Trainer
+    strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``.
 
     >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
     [1.0, 3.0]
@@ -82,7 +76,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         }
         config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs, fabric=True)
         super().__init__(**kwargs)
-        self.balancer = Balancer(config)
+        self.policy = BalancePolicy(config)
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         self._comm = algorithm_of(comm, config)  # installed by `setup_module` and `setup_optimizer`
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
@@ -107,13 +102,11 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.balancer.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self.balancer.node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
+        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
 
     @override
     def _setup_distributed(self) -> None:
-        # as the Trainer's: a store and sockets only the job reaches; a short `timeout` does not fail the rendezvous of
-        # replicas that start slowly
         wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
         if started_elsewhere():  # torchrun's agent hosts the store
             wait_under_torchrun(wait)
@@ -133,9 +126,10 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
                 " HINT: put the networks into one `nn.Module` and set that up once."
             )
         ddp_model = super().setup_module(module)
-        ids, sizes = self.balancer.node_ids, self.balancer.allocation.batch_sizes
+        ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
         assert ids is not None
-        self.balancer.comm = comm = self._comm.resolve(ids)
+        self.comm_algorithm = comm = self._comm.resolve(ids)
+        self._comm_sizes = sizes
         comm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned
@@ -148,14 +142,18 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.balancer.comm is not None:
-            self.balancer.comm.hook_optimizer(optimizer)  # the comm algorithm runs after each of its steps
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.hook_optimizer(optimizer)  # the comm algorithm runs after each of its steps
         return super().setup_optimizer(optimizer)
 
     @override
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Back-propagate ``tensor * loss_scale`` (the scale of the step's split); returns ``tensor`` unscaled."""
-        scale = self.balancer.loss_scale(self._step_split())
+        split, comm = self._step_split(), self.comm_algorithm
+        if comm is not None and split.sizes and split.sizes != self._comm_sizes:
+            comm.set_batch_sizes(split.sizes)
+            self._comm_sizes = split.sizes
+        scale = split.loss_scale
         clock = self._step_clock()
         if clock is not None:
             clock.before_backward(tensor)  # end of local backward compute vs gradient-sync wait
@@ -168,13 +166,13 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
-        self._steps.step_ended(self.balancer.profiler)
+        self._steps.step_ended(self.policy.profiler)
         return output
 
     def synchronize(self) -> bool:
-        """``comm="node_local"``: average the parameters across all replicas now (weighted by sample share) unless
-        they already agree; a collective, e.g. before evaluating. Returns whether an average ran."""
-        return self.balancer.comm is not None and self.balancer.comm.sync()
+        """``comm="node_local"``: average the replicas' parameters now unless they agree (a collective); whether it
+        ran."""
+        return self.comm_algorithm is not None and self.comm_algorithm.sync()
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
@@ -208,12 +206,11 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         return self._split_for_training(dataloader)
 
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
-        """A sampler for evaluation loaders: every sample on exactly one replica, shares proportional to the
-        allocation (to ``speeds``, or equal, before it). Fabric leaves it in place."""
-        return UnpaddedDistributedSampler(dataset, self.balancer.eval_weights(), self.global_rank)
+        """For evaluation loaders: every sample on one replica, shares following the allocation."""
+        return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
 
     def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
-        sizes, allocated = list(sampler.batch_sizes), self.balancer.allocation.batch_sizes
+        sizes, allocated = list(sampler.batch_sizes), self.policy.allocation.batch_sizes
         if allocated is not None and sizes != allocated:
             raise ValueError(
                 f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
@@ -240,11 +237,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
                     " `HeterogeneousFabricStrategy(global_batch_size=...)`."
                 )
             global_batch = dataloader.batch_size * self.world_size
-        allocation = self.balancer.allocation
-        if allocation.batch_sizes is None or sum(allocation.batch_sizes) != global_batch:
-            fit = FitContext(self._profiled_module, self._step_clock, device_labels(self), loop_prefetch=0)
-            self.balancer.allocate(dataloader, global_batch, fit)
-        sizes = allocation.batch_sizes
+        allocated = self.policy.allocation.batch_sizes
+        if allocated is None or sum(allocated) != global_batch:
+            labels, report = device_labels(self), self.balance_report
+            fit = FitContext(self._profiled_module, self._step_clock, labels, loop_prefetch=0, report=report)
+            self.policy.allocate(dataloader, global_batch, fit)
+        sizes = self.policy.allocation.batch_sizes
         assert sizes is not None
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
         sampler = ProportionalDistributedSampler(
@@ -257,7 +255,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             order_sampler=order.sampler,
         )
         self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
-        profiler = self.balancer.profiler
+        profiler = self.policy.profiler
         if profiler is None:
             return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
         profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
@@ -273,50 +271,50 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def _step_clock(self) -> StepClock | None:
         return self._steps.clock if self.profiling else None
 
-    def _step_split(self) -> list[int]:
-        return self.balancer.step_split(self._steps.sampler, lambda: self._steps.position()[1])
+    def _step_split(self) -> StepSplit:
+        return self.policy.step_split(self._steps.sampler, self._steps.position()[1])
 
     def _watch_steps(self) -> None:
         if self.profiling and self._ddp_model is not None:
-            self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split()[self.global_rank])
+            self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split().sizes[self.global_rank])
 
     # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
-    def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        comm = self.balancer.comm
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        comm = self.comm_algorithm
         if comm is not None:  # node_local: the checkpoint holds the consensus model, computed without a sync
             comm.show_consensus()
         try:
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            super().save_checkpoint(path, state, *args, **kwargs)
         finally:
             if comm is not None:
                 comm.hide_consensus()  # each replica goes on with its own model
 
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""
-        return self.balancer.report(device_labels(self))
+        return balance_report(
+            self.policy.allocation,
+            node_ids=self._node_ids,
+            profiled=self.config.speeds is None,
+            emulate_slowdown=None,
+            devices=device_labels(self),
+            telemetry=None,
+        )
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
-        return self.balancer.table(device_labels(self))
+        return render_balance_table(self.balance_report())
 
     @override
     def teardown(self) -> None:
-        if self.balancer.comm is not None:
-            self.balancer.comm.remove()
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()
 
 
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
-    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients
-    (``lightning.fabric``; :mod:`lightning_het.pl` has the same for the standalone ``lightning_fabric``)."""
+    """The mixin on ``lightning.fabric`` (:mod:`lightning_het.pl`: ``lightning_fabric``)."""
 
     sampler_wrapper = DistributedSamplerWrapper

@@ -1,11 +1,5 @@
 """``HeterogeneousStrategy``: Lightning's ``DDPStrategy`` with speed-proportional batch shares and exact gradients.
-
-Trainer glue only: each hook hands its job to a part the strategy owns (the balancer, the loader splitter, the
-communication controller, the watchdog, the preemption handler, the balance monitor); ``docs/architecture.md`` maps
-them. The behaviour is :class:`HeterogeneousStrategyMixin`, composed here with ``lightning.pytorch``'s ``DDPStrategy``
-and in :mod:`lightning_het._pl_compat` with the standalone ``pytorch_lightning``'s; the parts take the Lightning
-classes they need from the strategy's or trainer's flavour (:mod:`lightning_het._flavour`).
-"""
+Trainer glue: each hook hands its job to a part the strategy owns (``docs/architecture.md``)."""
 
 from __future__ import annotations
 
@@ -25,14 +19,12 @@ from typing_extensions import override
 
 from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
-from lightning_het.balance.balancer import Balancer, FitContext
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.monitor import BalanceMonitor, attach_monitor
-from lightning_het.balance.planner import monitor_settings
+from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import attach_profiler
-from lightning_het.balance.report import telemetry_section
-from lightning_het.balance.state import render_balance_table
-from lightning_het.balance.view import BalanceView
+from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
+from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
     DevicePlan,
@@ -54,9 +46,11 @@ from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
 from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import piece_collective
-from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
+from lightning_het.data.sampler import training_sampler
+from lightning_het.data.splitting import LoaderSplitter
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
+    checkpoint_record,
     end_resume_quiet,
     node_optimizer_checkpoint,
     read_record,
@@ -70,14 +64,9 @@ from lightning_het.reliability.watchdog import Watchdog
 
 
 class HeterogeneousStrategyMixin(BalanceView):
-    """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
-    share, so that every optimizer step applies exactly the gradient of the global batch.
-
-    Keywords (each described in ``docs/strategy.md``): the balancing ones, ``comm`` (a mode name or an algorithm
-    object such as :class:`~lightning_het.NodeLocal`), ``profiling`` (:class:`~lightning_het.Profiling`),
-    ``reliability`` (:class:`~lightning_het.Reliability`) and the devices; every other keyword goes to ``DDPStrategy``
-    (``timeout``, ``start_method``, ...), except the flat keywords of earlier versions (``global_sync_every``, ...),
-    which keep their meaning with a ``DeprecationWarning``. A bad value raises ``ValueError`` naming the keyword.
+    """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share: every
+    optimizer step applies the global batch's exact gradient. Keywords: ``docs/strategy.md``; the others go to
+    ``DDPStrategy``.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes
@@ -112,15 +101,14 @@ class HeterogeneousStrategyMixin(BalanceView):
         }
         config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs)
         super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs))
-        self.balancer = Balancer(config)
+        self.policy = BalancePolicy(config)
         self._comm = algorithm_of(comm, config)  # installed on the DDP model and the optimizers by `setup`
-        self._init_parts()
-
-    def _init_parts(self) -> None:
-        """The per-process parts (empty until the Trainer sets them up)."""
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
+        self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
+        self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
@@ -144,14 +132,12 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     def emulate_platform(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
-        self.balancer.emulate(slowdown, memory_cap)
+        self.policy.emulate(slowdown, memory_cap)
 
     # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
-        # registered before the launcher's own exit handlers, so it runs after them (after the launching process has
-        # waited for its replicas): no "terminate called without an active exception" at interpreter exit
-        ExitCleanup.register()
+        ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
@@ -165,8 +151,8 @@ class HeterogeneousStrategyMixin(BalanceView):
         apply_local_settings(self)  # device map: this replica's intra-op threads
         super().setup_environment()
         self.guards.start(self, self._timeout, self._trainer())  # the watchdog: setup hooks to teardown
-        self.balancer.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self.balancer.node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
+        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
 
     @override
     def setup_distributed(self) -> None:
@@ -190,15 +176,15 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     def _install_comm(self, trainer: pl.Trainer) -> CommAlgorithm:
         """Install ``comm`` on the DDP model and the optimizers (a collective) with a resumed fit's comm state."""
-        assert isinstance(self.model, DistributedDataParallel) and self.balancer.node_ids is not None
-        comm = self._comm.resolve(self.balancer.node_ids)
-        register_user_hook(self.model, comm.mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
+        assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
+        comm = self._comm.resolve(self._node_ids)
+        register_user_hook(self.model, comm, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
         loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
         position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
-        ids, sizes = self.balancer.node_ids, self.balancer.allocation.batch_sizes
+        ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
         comm.install(self.model, self.optimizers, ids, self.global_rank, sizes, position=position)
         comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
-        self.balancer.comm = comm
+        self.comm_algorithm, self._comm_sizes = comm, sizes
         return comm
 
     # ------------------------------------------------------------------ setup, teardown
@@ -206,31 +192,31 @@ class HeterogeneousStrategyMixin(BalanceView):
     def setup(self, trainer: pl.Trainer) -> None:
         fitting, config = trainer.state.fn == trainer_flavour(trainer).TrainerFn.FITTING, self.config
         if fitting:  # a new fit derives a new allocation
-            self.balancer.reset()
+            self.policy.reset()
+            self._split = None
             self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
-        self.balancer.check_normalisation(self.lightning_module)
-        self.balancer.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
+        self.policy.check_normalisation(self.lightning_module)
+        self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
         mode = self._install_comm(trainer).mode if fitting else None
         if mode is not None:  # resume="auto": once the optimizers exist (the job's identity), before their restore
             self._resume(trainer, mode)
         saves = mode is not None and mode != "node_local"  # the emergency checkpoint needs no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
-            settings = monitor_settings(config, self.global_rank, self.world_size, self.balancer.min_batch_size)
+            settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)
 
     def _resume(self, trainer: pl.Trainer, mode: str) -> None:
-        """This fit's job identity, and ``resume="auto"``'s restore (the comm mode's state, restored after the hooks
-        were registered)."""
+        """This fit's job identity, and ``resume="auto"``'s restore (with the comm algorithm's state)."""
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         settings = trajectory_settings(self.config, mode, trainer)
         job = job_identity(self.lightning_module, self.optimizers, schedulers, settings)
-        if self.guards.resume(trainer, self.config, job, self.broadcast) and self.balancer.comm is not None:
-            self.balancer.comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
+        if self.guards.resume(trainer, self.config, job, self.broadcast) and self.comm_algorithm is not None:
+            self.comm_algorithm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
 
     @override
     def teardown(self) -> None:
@@ -238,9 +224,9 @@ class HeterogeneousStrategyMixin(BalanceView):
         interrupted = trainer is not None and trainer.state.status == trainer_flavour(trainer).TrainerStatus.INTERRUPTED
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
-        self.balancer.emulate_memory(None)
-        if self.balancer.comm is not None:
-            self.balancer.comm.remove()  # its counters stay readable (`comm_stats`)
+        self.policy.emulate_memory(None)
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()  # its counters stay readable (`comm_stats`)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
@@ -253,16 +239,14 @@ class HeterogeneousStrategyMixin(BalanceView):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split, weights = self._training_split(), self.balancer.eval_weights  # read when evaluating
+            split = self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
+            weights = self.policy.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
 
-    def _training_split(self) -> TrainingSplit:
-        """What the loader splitter needs to split a training loader: the balancer's split, for this fit."""
-        return self.balancer.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
-
     def _fit_context(self) -> FitContext:
-        return FitContext(self._profiled_module, self._step_clock, device_labels(self), self._trainer())
+        labels = device_labels(self)
+        return FitContext(self._profiled_module, self._step_clock, labels, self._trainer(), report=self.balance_report)
 
     def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
         """The module whose steps are profiled and the precision's name (what the speed cache keys on)."""
@@ -271,33 +255,38 @@ class HeterogeneousStrategyMixin(BalanceView):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.balancer.micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
+        if self.policy.micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
             batches = getattr(self._trainer(), "num_training_batches", None)
-            self.balancer.agree_caps(self._batch_idx(), batches)
-        sizes = self.balancer.step_split(self._loaders.train_sampler, self._batch_idx)
+            self.policy.agree_caps(self._batch_idx(), batches)
+        # the split of this global batch, once: loss scaling, micro-batches, the comm algorithm and the clock read it
+        self._split = split = self.policy.step_split(self._loaders.train_sampler, self._batch_idx())
+        comm = self.comm_algorithm
+        if comm is not None and split.sizes and split.sizes != self._comm_sizes:
+            comm.set_batch_sizes(split.sizes)
+            self._comm_sizes = split.sizes
         clock = self._step_clock()  # telemetry, emulation, profiling
         if clock is None:
             return self._micro_batched_step(*args, **kwargs)
-        clock.step_start(sizes[self.global_rank] if sizes else 0)
+        clock.step_start(split.sizes[self.global_rank] if split.sizes else 0)
         output = self._micro_batched_step(*args, **kwargs)
         clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
         return output
 
     def _micro_batched_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's step, as micro-batches when this replica's share exceeds its memory cap (``data/microbatch``)."""
-        step, micro, module = super().training_step, self.balancer.micro, self.lightning_module
+        step, micro, module = super().training_step, self.policy.micro, self.lightning_module
         if micro is None:
             return step(*args, **kwargs)
         self._broadcast_buffers()  # once per step, before any piece (DDP's own would repeat after a failed forward)
-        no_sync, balancer = self.block_backward_sync, self.balancer
-        measure = (lambda s, b: balancer.measure_caps(s, b, no_sync, module)) if balancer.cap_unknown else None
+        no_sync, policy = self.block_backward_sync, self.policy
+        measure = (lambda s, b: policy.measure_caps(s, b, no_sync, module)) if policy.cap_unknown else None
         return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         # micro-batches: the strategy broadcasts the buffers itself (``_broadcast_buffers``), not every DDP forward
         saved = self._ddp_kwargs
-        self._own_buffer_sync = self._buffers_stale = self.balancer.micro is not None and saved.get(
+        self._own_buffer_sync = self._buffers_stale = self.policy.micro is not None and saved.get(
             "broadcast_buffers", True
         )
         if self._own_buffer_sync:
@@ -315,10 +304,12 @@ class HeterogeneousStrategyMixin(BalanceView):
                 torch.distributed.broadcast(buffer, 0)
 
     def _piece_scale(self) -> float:
-        """The factor Lightning's backward applies to the step's loss (the loss scale over ``accumulate_grad_batches``),
-        applied to each earlier micro-batch's own backward."""
-        scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
-        return scale / self.lightning_module.trainer.accumulate_grad_batches
+        """The factor Lightning's backward applies to the step's loss, for an earlier micro-batch's own backward."""
+        return self._step_split().loss_scale / self.lightning_module.trainer.accumulate_grad_batches
+
+    def _step_split(self) -> StepSplit:
+        """The split set at the batch's start (computed here for a backward outside ``training_step``)."""
+        return self._split or self.policy.step_split(self._loaders.train_sampler, self._batch_idx())
 
     def _backward_piece(self, loss: Tensor) -> None:
         """Backward an earlier micro-batch's weighted loss through Lightning (under ``no_sync``)."""
@@ -329,22 +320,16 @@ class HeterogeneousStrategyMixin(BalanceView):
         clock = self._step_clock()
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
-        scale = self.balancer.loss_scale(self.balancer.step_split(self._loaders.train_sampler, self._batch_idx))
-        if self.balancer.micro is not None:  # the step's earlier micro-batches: their gradients join this backward
-            self.balancer.micro.restore_grads(list(self.lightning_module.parameters()))
+        scale = self._step_split().loss_scale
+        if self.policy.micro is not None:  # the step's earlier micro-batches: their gradients join this backward
+            self.policy.micro.restore_grads(list(self.lightning_module.parameters()))
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         if clock is not None:
             clock.after_backward()
         return closure_loss
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         step = super().optimizer_step  # the parameter update under the emergency checkpoint's lock
         output = self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
         self._buffers_stale = True
@@ -360,7 +345,7 @@ class HeterogeneousStrategyMixin(BalanceView):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        comm = self.balancer.comm
+        comm = self.comm_algorithm
         if comm is not None:
             comm.sync()  # node_local: a fit stopped mid-epoch (max_steps) still ends on one consensus model
         self.guards.finish(self.lightning_module.trainer)  # this job's earlier emergency checkpoint: the end now
@@ -384,17 +369,15 @@ class HeterogeneousStrategyMixin(BalanceView):
     # ------------------------------------------------------------------ collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """All-reduce; an integer mean (Lightning's logged batch-size count) is computed exactly, in ``float64``; in
-        an earlier micro-batch, local for logging and refused otherwise (``data/microbatch.piece_collective``)."""
-        if piece_collective(self.balancer.micro, "reduce"):
+        """All-reduce (an integer mean exactly, in ``float64``); local in an earlier micro-batch's logging."""
+        if piece_collective(self.policy.micro, "reduce"):
             return tensor
         return reduce_counts(super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """Gather from every replica: tensors of one shape stacked to ``[W, *shape]`` as in DDP, per-sample tensors
-        of uneven shares concatenated to ``[sum of n_r, *rest]`` (see :mod:`lightning_het.comm.gather`)."""
-        piece_collective(self.balancer.micro, "all_gather")  # raises in an earlier micro-batch
+        """As DDP's, with per-sample tensors of uneven shares concatenated to ``[sum of n_r, *rest]``."""
+        piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
         return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
@@ -424,7 +407,18 @@ class HeterogeneousStrategyMixin(BalanceView):
         super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_algorithm))  # node_local
 
     def _checkpoint_entry(self) -> dict[str, Any]:
-        return {**self.balancer.checkpoint_record(self._trainer()), "job": self.guards.job}  # job: its identity
+        """The allocation (no speeds while profiling), the sampler's place, the comm state and the job's identity."""
+        allocation, comm = self.policy.allocation, self.comm_algorithm
+        record = checkpoint_record(
+            self._trainer(),
+            allocation.batch_sizes,
+            None if self.profiling else allocation.speeds,
+            self._node_ids,
+            profiled=self.config.speeds is None,
+            find_sampler=training_sampler,
+            comm=None if comm is None else comm.state_dict(),
+        )
+        return {**record, "job": self.guards.job}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -435,9 +429,15 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     # ------------------------------------------------------------------ reports
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
-        """The allocation as plain data (``metrics.json``, loggers); with telemetry, ``"telemetry"`` holds the last
-        fit's per-epoch figures (and, with ``include_series=True``, the per-step series behind the balance plot)."""
-        return self.balancer.report(device_labels(self), self._telemetry(include_series))
+        """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
+        return balance_report(
+            self.policy.allocation,
+            node_ids=self._node_ids,
+            profiled=self.config.speeds is None,
+            emulate_slowdown=self.config.emulate_slowdown,
+            devices=device_labels(self),
+            telemetry=self._telemetry(include_series),
+        )
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
@@ -445,22 +445,19 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
-        return self.balancer.allocation.export(self.balancer.node_ids, self._telemetry(True))
+        return {**self.policy.allocation.as_dict(), "node_ids": self._node_ids, "telemetry": self._telemetry(True)}
 
     def import_allocation(self, state: dict[str, Any]) -> None:
         """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""
-        self.balancer.allocation.import_(state, self.global_rank)
-        self.balancer.node_ids = state.get("node_ids")
+        self.policy.allocation = Allocation.from_dict(state)
+        self._node_ids, self._telemetry_snapshot = state.get("node_ids"), state.get("telemetry")
 
     def _telemetry(self, include_series: bool) -> dict[str, Any] | None:
-        snapshot = self.balancer.allocation.telemetry_snapshot
-        return telemetry_section(self._monitor, snapshot, include_series=include_series)
+        return telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series)
 
 
 class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
-    """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
-    share, so that every optimizer step applies exactly the gradient of the global batch (``lightning.pytorch``;
-    :mod:`lightning_het.pl` has the same for the standalone ``pytorch_lightning``)."""
+    """:class:`HeterogeneousStrategyMixin` on ``lightning.pytorch`` (:mod:`lightning_het.pl`: ``pytorch_lightning``)."""
 
 
 def _unified_trainer_flavour() -> TrainerFlavour:

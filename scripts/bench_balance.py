@@ -78,6 +78,8 @@ AFFINE: dict[str, list[float]] = {"fixed_s": [0.040, 0.002], "per_sample_s": [0.
 MEMORY: dict[str, list[Any]] = {"fixed_s": [0.002, 0.002], "per_sample_s": [0.001, 0.004], "caps": [8, 64]}
 AFFINE_RUNS = ("affine ddp", "affine het proportional", "affine het")
 MEMORY_RUNS = ("memory ddp", "memory het capped", "memory het micro")
+#: fit lengths of the profiling-cost job: a profiled fit against the same fit at the best split (no profiling)
+PROFILING_STEPS = (30, 90)
 DOC_BEGIN, DOC_END = "<!-- bench_balance:begin -->", "<!-- bench_balance:end -->"
 
 
@@ -391,6 +393,55 @@ def _memory_plan(args: argparse.Namespace) -> list[dict]:
             "het_kwargs": {"max_micro_batch_sizes": "auto", "emulate_memory_cap": caps},
         },
     ]
+
+
+def _profiling_plan(args: argparse.Namespace, platform: str) -> list[dict]:
+    """Profiling's cost on ``platform`` (``1:2:4`` or ``affine``): a profiled fit of each of :data:`PROFILING_STEPS`
+    steps against the same fit given the best split as ``speeds`` (no profiling), ``--repeats`` alternated pairs."""
+    sys.path.insert(0, str(REPO))
+    from lightning_het import allocate_batch_sizes
+    from lightning_het.balance.cost import AffineCost, allocate_affine
+
+    if platform == "affine":
+        base: dict[str, Any] = {"model": "affine", "platform": "affine"}
+        best = allocate_affine(
+            GLOBAL_BATCH, [AffineCost(a, c) for a, c in zip(AFFINE["fixed_s"], AFFINE["per_sample_s"])]
+        )
+    else:
+        base = {"model": "sleep", "platform": platform, "speeds": PLATFORMS[platform]}
+        best = allocate_batch_sizes(GLOBAL_BATCH, PLATFORMS[platform])
+    runs = [{**base, "name": f"profiling {platform} warm-up", "strategy": "ddp", "epochs": 1, "steps": 2}]
+    for steps in PROFILING_STEPS:
+        for i in range(max(args.repeats // 4, 1)):
+            pair = [("het", {}), ("best", {"speeds": [float(b) for b in best]})]
+            for label, kwargs in pair if i % 2 == 0 else pair[::-1]:
+                name = f"profiling {platform} {steps} {label} #{i}"
+                runs.append(
+                    {**base, "name": name, "strategy": "het", "epochs": 1, "steps": steps, "het_kwargs": kwargs}
+                )
+    return runs
+
+
+def _profiling_markdown(runs: list[dict]) -> str:
+    """Profiling's cost per platform and fit length: the profiled fit's time over the best split's, less one."""
+    lines = [
+        "| platform | steps | profiled fit (s) | best-split fit (s) | fit time over the best (-1) | % of the best |"
+        " profiling's own estimate (s, % of the best fit) | profiled split | pairs |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    keys = sorted({tuple(r["name"].split()[1:3]) for r in runs if "#" in r["name"]}, key=lambda k: (k[0], int(k[1])))
+    for platform, steps in keys:
+        het = [r for r in runs if r["name"].startswith(f"profiling {platform} {steps} het")]
+        best = [r for r in runs if r["name"].startswith(f"profiling {platform} {steps} best")]
+        ratios = [h["fit_s"] / b["fit_s"] for h, b in zip(het, best)]
+        cost, best_s = statistics.median(ratios) - 1.0, statistics.median(r["fit_s"] for r in best)
+        profile_s = statistics.median(r.get("profile_s", 0.0) for r in het)
+        lines.append(
+            f"| {platform} | {steps} | {statistics.median(r['fit_s'] for r in het):.2f} | {best_s:.2f} |"
+            f" {cost:+.1%} | {1 / (1 + cost):.1%} | **{profile_s:.2f} ({profile_s / best_s:.1%})** |"
+            f" {het[-1].get('batch_sizes')} | {len(ratios)} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _affine_summary(
@@ -820,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="PREFIX",
         help="run only the platform jobs whose name starts with one of these (e.g. '1:2:4 ddp' '1:2:4 het' slowdown;"
-        " 'overhead': the homogeneous-overhead pairs);"
+        " 'overhead': the homogeneous-overhead pairs; 'profiling': profiling's cost on 30- and 90-step fits);"
         " skips the overhead runs and prints a short table instead of the full report",
     )
     args = parser.parse_args(argv)
@@ -843,12 +894,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = [p for p in platforms_plan[1:] if p["name"].startswith(tuple(args.only))]
         affine, memory = "affine" in args.only, "memory" in args.only
+        if "profiling" in args.only:  # profiling's cost on short fits (1:2:4 and affine)
+            runs = _launch("profiling3", 3, _profiling_plan(args, "1:2:4"), out, args.c0, timeout)[1:]
+            runs += _launch("profiling2", 2, _profiling_plan(args, "affine"), out, args.c0, timeout)[1:]
+            table = (
+                f"{command.strip()} (load average {args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after)\n\n"
+            )
+            table += _profiling_markdown(runs)
+            (out / "profiling.json").write_text(json.dumps(runs, indent=1))
+            (out / "profiling.md").write_text(table)
+            print(table)
+            if not keep and not affine and not memory and "overhead" not in args.only:
+                return 0
         if "overhead" in args.only:  # the homogeneous-overhead pairs alone
             over = _overhead_summary(_launch("overhead", 2, overhead_plan, out, args.c0, timeout))
             (out / "overhead.json").write_text(json.dumps(over, indent=1))
             print(f"{command.strip()}\n{_overhead_line(over)}")
             if not keep and not affine and not memory:
                 return 0
+        if "profiling" in args.only and not keep and not affine and not memory:
+            return 0
         if not keep and not affine and not memory:
             names = [p["name"] for p in platforms_plan[1:]]
             parser.error(f"--only {args.only} matches none of {names} (or 'affine', 'memory')")

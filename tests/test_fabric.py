@@ -332,7 +332,7 @@ def test_node_local_save_holds_the_consensus_and_leaves_the_model(tmp_path):
     model = torch.nn.Linear(3, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     strategy._ddp_model = SimpleNamespace(module=model)
-    strategy.balancer.comm = _ShowingController(model.parameters())
+    strategy.comm_algorithm = _ShowingController(model.parameters())
     strategy.save_checkpoint(tmp_path / "ckpt.pt", {"model": model})
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
     assert all(not v.any() for v in saved.values())  # the consensus

@@ -1,18 +1,17 @@
-"""The step clock: per-replica compute time, time waiting in gradient synchronisation, and slowdown emulation.
-
-The clock reads a device timer: the host clock on CPU, CUDA events on a GPU (:class:`EventTimer`: recorded on the
-compute stream, read once complete, so the step path never synchronises the device).
-"""
+"""The step clock (compute time, time waiting in gradient synchronisation, slowdown emulation) and its history."""
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_het._compat import queue_backward_callback
@@ -29,21 +28,6 @@ class EpochTimings:
 
     def __len__(self) -> int:
         return len(self.compute_s)
-
-    def as_tensor(self) -> Tensor:
-        """``float64`` tensor of shape ``(steps, 4)``: compute, wait, step seconds and batch size."""
-        rows = list(zip(self.compute_s, self.wait_s, self.step_s, map(float, self.batch_sizes)))
-        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
-
-    @classmethod
-    def from_tensor(cls, rows: Tensor) -> EpochTimings:
-        data = rows.detach().cpu().tolist()
-        return cls(
-            compute_s=[r[0] for r in data],
-            wait_s=[r[1] for r in data],
-            step_s=[r[2] for r in data],
-            batch_sizes=[round(r[3]) for r in data],
-        )
 
 
 def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
@@ -74,14 +58,7 @@ class HostTimer:
 
 
 class EventTimer:
-    """Marks are CUDA events (``enable_timing=True``) recorded on the current stream, the one the step's kernels run
-    on: a mark completes when the device has run everything queued before it. :meth:`done` asks without blocking
-    (``Event.query``); only :meth:`wait` blocks, and the clock calls it where a synchronisation happens anyway (an
-    epoch's gather, the profiler's agreement), never per step.
-
-    Args:
-        event: makes an unrecorded event (default ``torch.cuda.Event(enable_timing=True)``); tests pass a fake.
-    """
+    """Marks are CUDA events recorded on the step's stream, read without blocking (only :meth:`wait` blocks)."""
 
     lazy = True
 
@@ -145,6 +122,7 @@ class StepClock:
         "_cpu_inner",
         "_cpu_start",
         "_device",
+        "_done_hook",
         "_end",
         "_hook",
         "_inner",
@@ -153,6 +131,7 @@ class StepClock:
         "_pending",
         "_ready",
         "_start",
+        "_start_hook",
         "_step_batch",
         "_timer",
         "_timings",
@@ -188,6 +167,7 @@ class StepClock:
         self._ready: float | None = None
         self._hook: Any = None
         self._step_batch = 0
+        self._start_hook, self._done_hook = self._on_backward_start, self._on_local_backward_done  # bound once
 
     def _now(self) -> float:
         if self._device is not None:
@@ -237,7 +217,7 @@ class StepClock:
             self._backward_call_cpu = self._cpu()
         self._ready = None
         if isinstance(loss, Tensor) and loss.requires_grad:
-            self._hook = loss.register_hook(self._on_backward_start)
+            self._hook = loss.register_hook(self._start_hook)
 
     def after_backward(self) -> None:
         """``backward`` returned (gradients synchronised): book the wait."""
@@ -259,9 +239,7 @@ class StepClock:
         self._end = now
 
     def open_step(self) -> tuple[int, float | Callable[[], float]] | None:
-        """The open step's batch size and compute seconds so far (wait left out), or ``None``. With a lazy timer the
-        seconds come as a function to call later, where a synchronisation happens anyway (it waits for the step's
-        last event): reading them now would synchronise the device every step."""
+        """The open step's batch size and compute seconds so far (wait left out), or ``None``."""
         marks = self._lazy
         if marks is not None:
             end, spans = marks.end, list(marks.spans)
@@ -298,8 +276,8 @@ class StepClock:
             t.batch_sizes.append(marks.batch)
 
     def flush(self) -> EpochTimings:
-        """Close the open step and hand over (and forget) everything recorded so far (a lazy timer waits for the
-        last step's events here: call it where the job synchronises anyway, e.g. an epoch's gather)."""
+        """Close the open step and hand over (and forget) everything recorded so far (a lazy timer waits for the last
+        step's events here: call it where the job synchronises anyway, e.g. an epoch's gather)."""
         if self._lazy is not None:
             self._pending.append(self._lazy)
             self._lazy = None
@@ -317,7 +295,7 @@ class StepClock:
         self._backward_start = time.perf_counter()
         if self._cpu is not None:
             self._backward_start_cpu = self._cpu()
-        queue_backward_callback(self._on_local_backward_done)
+        queue_backward_callback(self._done_hook)
 
     def _on_local_backward_done(self) -> None:
         if self._lazy is not None:  # on the compute stream: the gradient all-reduces in flight are not waited for
@@ -339,3 +317,106 @@ class StepClock:
         t.wait_s.append(self._wait)
         t.step_s.append(max(step_s, busy + self._wait))
         t.batch_sizes.append(self._step_batch)
+
+
+_MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
+
+
+def gather_timings(local: EpochTimings, world_size: int, device: torch.device) -> list[EpochTimings]:
+    """All-gather every replica's timings (a collective: call it on every rank at the same point)."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, local)  # once per epoch: a few floats per step
+    return everyone
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _typical_steps(t: EpochTimings) -> tuple[int, EpochTimings]:
+    """The epoch's most common batch size (ties: the largest) and the steps that ran it (not the tail batch's)."""
+    if not t.batch_sizes:
+        return 0, t
+    counts = Counter(t.batch_sizes)
+    size = max(counts, key=lambda b: (counts[b], b))
+    keep = [i for i, b in enumerate(t.batch_sizes) if b == size]
+    return size, EpochTimings(
+        [t.compute_s[i] for i in keep], [t.wait_s[i] for i in keep], [t.step_s[i] for i in keep], [size] * len(keep)
+    )
+
+
+def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
+    """Per-replica figures of one epoch (lists indexed by global rank) and the imbalance."""
+    typical = [_typical_steps(t) for t in timings]
+    compute = [_median(t.compute_s) for _, t in typical]
+    total_c = [math.fsum(t.compute_s) for t in timings]
+    total_w = [math.fsum(t.wait_s) for t in timings]
+    positive = [c for c in compute if math.isfinite(c) and c > 0]
+    return {
+        "steps": [len(t) for t in timings],
+        "batch_sizes": [size for size, _ in typical],
+        "compute_s": compute,
+        "compute_recent_s": [_median(t.compute_s[len(t.compute_s) // 2 :]) for _, t in typical],
+        "wait_s": [_median(t.wait_s) for _, t in typical],
+        "step_s": [_median(t.step_s) for _, t in typical],
+        "compute_total_s": total_c,
+        "wait_total_s": total_w,
+        "wait_fraction": [w / (c + w) if c + w > 0 else 0.0 for c, w in zip(total_c, total_w)],
+        "samples_per_s": [
+            sum(t.batch_sizes) / math.fsum(t.step_s) if t.step_s and math.fsum(t.step_s) > 0 else 0.0 for t in timings
+        ],
+        "imbalance": (max(positive) / min(positive)) if len(positive) == len(compute) and positive else float("nan"),
+    }
+
+
+class TelemetryHistory:
+    """Everything measured during one ``fit``, identical on every rank once gathered."""
+
+    def __init__(self) -> None:
+        self.epochs: list[dict[str, Any]] = []
+        self.series: dict[str, list[list[float]]] = {"compute_s": [], "wait_s": [], "batch": []}
+        self.rebalances: list[dict[str, Any]] = []
+        self.checks: list[dict[str, Any]] = []
+        self._stride = 1
+        self._seen = 0
+
+    def add(self, timings: Sequence[EpochTimings], *, epoch: int, global_step: int) -> dict[str, Any]:
+        """Book one gathered window (usually an epoch); returns its summary."""
+        summary = epoch_summary(timings)
+        summary.update(epoch=epoch, global_step=global_step)
+        self.epochs.append(summary)
+        world = len(timings)
+        if not self.series["compute_s"]:
+            self.series = {key: [[] for _ in range(world)] for key in ("compute_s", "wait_s", "batch")}
+        steps = max((len(t) for t in timings), default=0)
+        for i in range(steps):
+            if (self._seen + i) % self._stride:
+                continue
+            for r, t in enumerate(timings):
+                if i < len(t):
+                    self.series["compute_s"][r].append(t.compute_s[i])
+                    self.series["wait_s"][r].append(t.wait_s[i])
+                    self.series["batch"][r].append(float(self._seen + i + 1))
+        self._seen += steps
+        while self.series["compute_s"] and len(self.series["compute_s"][0]) > _MAX_SERIES_POINTS:
+            self.series = {key: [v[::2] for v in values] for key, values in self.series.items()}
+            self._stride *= 2
+        return summary
+
+    def record_check(self, decision: dict[str, Any], *, epoch: int, global_step: int, old: Sequence[int]) -> None:
+        """Book a rebalancing decision (``RebalanceDecision.as_dict``) made after ``batch`` batches."""
+        entry = {"epoch": epoch, "global_step": global_step, "batch": self._seen, "from": list(old), **decision}
+        self.checks.append(entry)
+        if decision.get("adopt"):
+            self.rebalances.append(entry)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-serialisable)."""
+        return {
+            "epochs": [dict(e) for e in self.epochs],
+            "series": {k: [list(v) for v in vals] for k, vals in self.series.items()},
+            "rebalances": [dict(r) for r in self.rebalances],
+            "checks": [dict(c) for c in self.checks],
+        }

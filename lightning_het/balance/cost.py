@@ -23,11 +23,7 @@ _MIN_SLOPE_FRACTION = 0.01
 
 @dataclass(frozen=True)
 class AffineCost:
-    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``.
-
-    With ``micro_batch`` (the most samples the replica runs at once), a share runs as ``ceil(b / micro_batch)``
-    micro-batches, each paying the fixed cost: ``ceil(b / micro_batch) * fixed_s + per_sample_s * b``.
-    """
+    """Seconds of local compute for a step of ``b`` samples on one replica: ``fixed_s + per_sample_s * b``."""
 
     fixed_s: float
     per_sample_s: float
@@ -72,29 +68,17 @@ class AffineCost:
 
 
 def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
-    """The one-number model as affine costs: ``a_r = 0``, ``c_r = 1 / speed_r``.
-
-    >>> costs_from_speeds([2.0, 4.0])
-    [AffineCost(fixed_s=0.0, per_sample_s=0.5), AffineCost(fixed_s=0.0, per_sample_s=0.25)]
-    """
+    """The one-number model as affine costs: ``a_r = 0``, ``c_r = 1 / speed_r``."""
     return [AffineCost(0.0, 1.0 / s) for s in positive_finite("speeds", speeds)]
 
 
 def slope_through_origin(batch_sizes: Sequence[float], seconds: Sequence[float]) -> float:
-    """Least-squares seconds per sample of the line through the origin, ``seconds ~ slope * batch``.
-
-    >>> slope_through_origin([4, 8], [0.04, 0.08])
-    0.01
-    """
+    """Least-squares seconds per sample of the line through the origin, ``seconds ~ slope * batch``."""
     return sum(b * t for b, t in zip(batch_sizes, seconds)) / sum(b * b for b in batch_sizes)
 
 
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
-    """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0.
-
-    >>> fit_affine([4, 8], [0.05, 0.07])
-    AffineCost(fixed_s=0.03, per_sample_s=0.005)
-    """
+    """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0."""
     xs = [float(b) for b in batch_sizes]
     ys = [float(t) for t in seconds]
     if not xs or len(xs) != len(ys):
@@ -125,13 +109,7 @@ def refresh_costs(
     fixed_costs: Sequence[float],
     previous: Sequence[tuple[int, float] | None] | None = None,
 ) -> list[AffineCost]:
-    """Costs that reproduce measured step times at the current allocation.
-
-    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
-    [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
-    >>> refresh_costs([10], [0.06], [0.0], previous=[(20, 0.08)])
-    [AffineCost(fixed_s=0.04, per_sample_s=0.002)]
-    """
+    """Costs that reproduce measured step times at the current allocation."""
     if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
         raise ValueError(
             f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
@@ -163,11 +141,7 @@ def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
-    """Predicted seconds per step of an allocation: ``max_r t_r(b_r)``.
-
-    >>> step_time([2, 4], [AffineCost(0.5, 0.25), AffineCost(0.0, 0.25)])
-    1.0
-    """
+    """Predicted seconds per step of an allocation: ``max_r t_r(b_r)``."""
     if len(batch_sizes) != len(costs):
         raise ValueError(f"Expected one batch size per cost ({len(costs)}), but got {len(batch_sizes)}.")
     return max(c(b) for b, c in zip(batch_sizes, costs))
@@ -197,15 +171,7 @@ def allocate_affine(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal.
-
-    >>> allocate_affine(48, [AffineCost(0.040, 0.0005), AffineCost(0.002, 0.006)])
-    [39, 9]
-    >>> allocate_affine(14, costs_from_speeds([1, 2, 4]))
-    [2, 4, 8]
-    >>> allocate_affine(48, [AffineCost(0.004, 0.001, micro_batch=8), AffineCost(0.0, 0.004)])
-    [35, 13]
-    """
+    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal."""
     costs = list(costs)
     if not costs:
         raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
@@ -272,11 +238,7 @@ def useless_replicas(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them.
-
-    >>> useless_replicas(48, [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)])
-    [1]
-    """
+    """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them."""
     if len(costs) < 2:
         return []
     bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}

@@ -1,11 +1,4 @@
-"""Measured memory caps (``max_micro_batch_sizes="auto"``): the largest micro-batch whose training step fits.
-
-:func:`cap_search` is the schedule (pure): from the replica's share, double or halve until one size fits and the next
-does not, then bisect until the gap is within :data:`SEARCH_RESOLUTION` of the size that fits. :func:`measure_cap`
-runs it with real forward and backward passes on the first training batch, resized, catching
-``torch.OutOfMemoryError``, and leaves the training state as it found it (gradients, buffers, random state, logging).
-:class:`EmulatedMemoryCap` (emulation only) makes a model raise that error where a device out of memory would.
-"""
+"""Measured memory caps (``max_micro_batch_sizes="auto"``): the largest micro-batch whose training step fits."""
 
 from __future__ import annotations
 
@@ -14,7 +7,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import numpy
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
@@ -27,22 +22,7 @@ SAFETY_MARGIN = 0.1
 
 
 class EmulatedMemoryCap:
-    """Emulation only (``emulate_memory_cap``): a training forward (gradients enabled) of more than ``cap`` samples
-    raises ``torch.OutOfMemoryError`` from inside the model, where a device out of memory raises it, so that the one
-    handler of real errors catches it. :meth:`install` puts a forward pre-hook on the module and on each of its direct
-    submodules, which compares the number of samples of the call's first tensor (its first dimension) with ``cap``;
-    :meth:`remove` takes them off. ``cap`` may change between steps (``None``: no limit).
-
-    >>> emulation, net = EmulatedMemoryCap(0, 4), torch.nn.Sequential(torch.nn.Linear(2, 1))
-    >>> emulation.install(net)
-    >>> net(torch.zeros(5, 2))
-    Traceback (most recent call last):
-    torch.OutOfMemoryError: emulated: rank 0 cannot hold 5 samples (emulate_memory_cap 4)
-    >>> with torch.no_grad():
-    ...     net(torch.zeros(5, 2)).shape
-    torch.Size([5, 1])
-    >>> emulation.remove()
-    """
+    """Emulation only (``emulate_memory_cap``)."""
 
     def __init__(self, rank: int, cap: int | None) -> None:
         self.rank = rank
@@ -73,13 +53,8 @@ class EmulatedMemoryCap:
 
 def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int = 1) -> tuple[int, int]:
     """The largest size in ``[lowest, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
-    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried).
-
-    >>> cap_search(lambda n: n <= 8, 24, 48), cap_search(lambda n: n <= 64, 24, 48)
-    ((8, 6), (48, 2))
-    >>> cap_search(lambda n: n <= 4, 10, 48, lowest=3), cap_search(lambda n: n <= 2, 10, 48, lowest=3)
-    ((4, 4), (0, 3))
-    """
+    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is
+    tried)."""
     trials = 0
 
     def trial(n: int) -> bool:
@@ -123,44 +98,19 @@ def resize_batch(batch: Any, size: int) -> Any:
     return take(batch)
 
 
-def _random_states() -> tuple[Any, ...]:
-    """The global random states of torch (CPU and CUDA), Python and NumPy (``None`` without NumPy)."""
-    numpy = _numpy_random()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, random.getstate(), numpy.get_state() if numpy is not None else None
-
-
-def _restore_random_states(states: tuple[Any, ...]) -> None:
-    cpu, cuda, python, numpy_state = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(python)
-    numpy = _numpy_random()
-    if numpy is not None and numpy_state is not None:
-        numpy.set_state(numpy_state)
-
-
-def _numpy_random() -> Any:
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - NumPy is optional
-        return None
-    return numpy.random
-
-
 @contextmanager
 def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> Iterator[None]:
-    """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were,
-    and ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
+    """Around trial steps: the gradients, buffers (batch norm statistics) and random state come back as they were, and
+    ``module.log`` / ``log_dict`` (a LightningModule's) record nothing."""
     grads = take_grads(params)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    rng = _random_states()
+    states = random.getstate(), numpy.random.get_state()
     quiet = [name for name in ("log", "log_dict") if hasattr(module, name)]
     for name in quiet:
         setattr(module, name, lambda *args, **kwargs: None)
     try:
-        yield
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # torch's states, CPU and CUDA
+            yield
     finally:
         for name in quiet:
             delattr(module, name)
@@ -168,7 +118,8 @@ def training_state_kept(module: torch.nn.Module, params: Sequence[Tensor]) -> It
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-        _restore_random_states(rng)
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
         for p, g in zip(params, grads):
             p.grad = g
 
@@ -184,10 +135,7 @@ def measure_cap(
     retry: Callable[[], None] | None = None,
     least: int = 1,
 ) -> tuple[int, int]:
-    """This replica's cap: the largest micro-batch (``<= upper``) whose forward and backward fit, less the safety
-    margin on an accelerator (not under ``least``), and the trial steps it took; ``0`` when not even ``least`` samples
-    fit (sizes under ``least`` are not tried: batch norm cannot train on one sample). ``retry()`` after each trial that
-    ran out of memory."""
+    """This replica's cap."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def fits(n: int) -> bool:
@@ -212,3 +160,99 @@ def measure_cap(
     if cap < least:
         return 0, trials
     return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator else cap), trials
+
+
+def cached_caps(cap: int | None, gather: Callable[[list[float]], list[list[float]]]) -> list[int] | None:
+    """Every replica's cap from the profile cache (``cap``: this replica's entry), when every replica has one."""
+    rows = gather([float(cap or 0)])
+    return [int(r[0]) for r in rows] if all(r[0] >= 1 for r in rows) else None
+
+
+def checked_caps(caps: list[int], least: int, source: str) -> list[int]:
+    """``caps`` when every replica holds ``least`` samples at once, else the error every replica raises."""
+    small = [r for r, c in enumerate(caps) if c < least]
+    if small:
+        norm = " (the model's batch norm layers need micro-batches of 2 samples or more)" if least > 1 else ""
+        raise RuntimeError(
+            f"HeterogeneousStrategy: not even a training step of {least} sample(s){norm} fits in the memory"
+            f" of rank(s) {small} (micro-batch caps {caps}, {source}). HINT: free memory on that device,"
+            " shrink the model, or leave the device out of the job."
+        )
+    return caps
+
+
+def lowered_caps(micro: Any, gather: Callable[[list[float]], list[list[float]]], fallback: int) -> list[int] | None:
+    """The caps after an out-of-memory error lowered one (one all-gather, on every replica), or ``None``."""
+    rows = gather([float(micro.cap or 0), float(micro.pending)])
+    if not any(r[1] for r in rows):
+        return None
+    micro.pending = False
+    caps = [int(r[0]) or fallback for r in rows]
+    rank_zero_warn(
+        f"HeterogeneousStrategy: rank(s) {[r for r, row in enumerate(rows) if row[1]]} ran out of memory; micro-batch"
+        f" caps now {caps} (the global batch and the exact gradient are unchanged). HINT: set"
+        f" `max_micro_batch_sizes={caps}` for the next run."
+    )
+    return caps
+
+
+#: every batch norm layer of torch (they share only a private base class)
+_BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+
+
+def _norm_layers(module: torch.nn.Module | None, synced: bool) -> list[str]:
+    """The names of ``module``'s ``SyncBatchNorm`` layers (``synced``), or of its other batch norm layers."""
+    modules = module.named_modules() if module is not None else []
+    return [n for n, m in modules if isinstance(m, _BATCH_NORMS) and isinstance(m, torch.nn.SyncBatchNorm) == synced]
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def per_replica_batchnorm(module: torch.nn.Module | None, world_size: int) -> list[str]:
+    """The batch norm layers that normalise each replica's batch apart, with a warning (rank 0) naming them."""
+    layers = _norm_layers(module, synced=False)
+    if layers and world_size > 1:
+        rank_zero_warn(
+            f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
+            " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
+            " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
+            " `Trainer(sync_batchnorm=True)` for global batch statistics (not with micro-batching)."
+        )
+    return layers
+
+
+def refuse_synced_norm_in_pieces(module: torch.nn.Module | None, world_size: int, micro_batching: bool) -> None:
+    """Raise when micro-batching meets ``SyncBatchNorm``: its forward is a collective, and replicas that run their
+    shares in different numbers of micro-batches would pair different collectives."""
+    synced = _norm_layers(module, synced=True) if micro_batching and world_size > 1 else []
+    if synced:
+        raise ValueError(
+            f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the model's"
+            f" SyncBatchNorm layer(s) ({_shown(synced)}) make every training forward a collective that all replicas"
+            " must run equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then normalised by"
+            " its own statistics), or bound the shares with `max_batch_sizes` instead."
+        )
+
+
+def refuse_single_sample_pieces(layers: list[str], caps: Any, least: int) -> None:
+    """Raise when a micro-batch cap below ``least`` could leave a piece of one sample, which the model's batch norm
+    ``layers`` cannot normalise in training (a cap of 2 splits a share of 3 as ``[2, 1]``)."""
+    small = [(r, c) for r, c in enumerate(caps if isinstance(caps, list) else []) if c < least]
+    if layers and small:
+        rank, cap = small[0]
+        raise ValueError(
+            f"`max_micro_batch_sizes[{rank}]` is {cap}, but the model's batch norm layer(s) ({_shown(layers)}) need at"
+            f" least 2 samples per micro-batch in training, and pieces of at most {cap} samples can leave one of 1"
+            f" (a share of 3 runs as [2, 1]). HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or bound"
+            " the share itself with `max_batch_sizes` instead."
+        )

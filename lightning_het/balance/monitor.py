@@ -6,38 +6,17 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.clock import EpochTimings, StepClock
-from lightning_het.balance.history import TelemetryHistory, gather_timings
+from lightning_het.balance.clock import EpochTimings, StepClock, TelemetryHistory, gather_timings
 from lightning_het.balance.rebalance import DEFAULT_MIN_GAIN, DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 
 log = logging.getLogger(__name__)
-
-
-class BalancedStrategy(Protocol):
-    """What :class:`BalanceMonitor` uses of the strategy it serves: public state and two public methods."""
-
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-    @property
-    def batch_sizes(self) -> list[int] | None: ...
-    @property
-    def cost_model(self) -> list[Any] | None: ...
-    @property
-    def profiling(self) -> bool: ...
-    def adopt_allocation(
-        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
-    ) -> None: ...
-    def balance_report(self, include_series: bool = False) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -53,6 +32,20 @@ class MonitorSettings:
     min_gain: float = DEFAULT_MIN_GAIN
     profile: bool = False
 
+    @classmethod
+    def of(cls, config: Any, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
+        """This replica's settings from the strategy's config, and the batch bounds a rebalance keeps."""
+        factors, bounds = config.emulate_slowdown, config.max_batch_sizes
+        return cls(
+            record=config.telemetry,
+            slowdown=factors[rank] if factors else 1.0,
+            profile=config.speeds is None and world_size > 1,
+            every_n_epochs=config.rebalance_every_n_epochs,
+            threshold=config.rebalance_threshold,
+            min_batch_size=min_batch_size,
+            max_batch_sizes=tuple(bounds) if bounds is not None else None,
+        )
+
     @property
     def active(self) -> bool:
         """Whether the monitor has anything to do; off, training has no per-step cost."""
@@ -60,13 +53,9 @@ class MonitorSettings:
 
 
 class BalanceMonitor:
-    """Drives telemetry, rebalancing and the balance report of one strategy in one process.
+    """Drives telemetry, rebalancing and the balance report of one strategy in one process."""
 
-    It gathers at an epoch's last ``on_train_batch_end``, not at ``on_train_epoch_end``: there rank 0's progress bar
-    starts the epoch metrics' ``sync_dist`` reduction alone, and a collective of ours would pair with it (deadlock).
-    """
-
-    def __init__(self, strategy: BalancedStrategy, settings: MonitorSettings) -> None:
+    def __init__(self, strategy: Any, settings: MonitorSettings) -> None:
         self.strategy = strategy
         self.settings = settings
         self.record = settings.record
@@ -240,12 +229,9 @@ def monitor_callback(monitor: BalanceMonitor, trainer: Any) -> Any:
 
 
 def attach_monitor(
-    strategy: BalancedStrategy, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
+    strategy: Any, trainer: Any, settings: MonitorSettings, monitor: BalanceMonitor | None = None
 ) -> BalanceMonitor | None:
-    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``.
-
-    One replica balances nothing: no telemetry (no ``het/*`` metrics in the loggers, no balance report files), so a
-    one-device run moved to this strategy logs what it logged before."""
+    """Build (or reset) the strategy's :class:`BalanceMonitor` for a new ``fit`` and hook it into ``trainer``."""
     if strategy.world_size < 2:
         settings = replace(settings, record=False)
     if not settings.active:

@@ -1,10 +1,16 @@
-"""Profiling on the first training steps: they train under trial splits and are timed (see docs/balancing.md)."""
+"""Profiling on the first training steps (they train, timed: docs/balancing.md), the cost fit and the speed cache."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import platform
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,8 +20,7 @@ from lightning.pytorch import Callback
 from lightning_het._flavour import trainer_flavour
 from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.cost import AffineCost, step_time
-from lightning_het.balance.profiling import StepTiming, fit_stage_timings, stage_ratios
+from lightning_het.balance.cost import AffineCost, fit_affine, slope_through_origin, step_time
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 
 
@@ -53,15 +58,7 @@ def trial_splits(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Trial splits A and B around ``around``: same total, within the bounds, each replica's sizes about 3x apart.
-
-    >>> trial_splits([24, 24])
-    ([12, 36], [36, 12])
-    >>> trial_splits([16, 16, 16])
-    ([8, 32, 8], [20, 8, 20])
-    >>> trial_splits([7, 14, 27])
-    ([12, 23, 13], [3, 7, 38])
-    """
+    """Trial splits A and B around ``around``: same total, within the bounds, each replica's sizes about 3x apart."""
     floor = max(int(min_batch_size), 1)
     base = [int(b) for b in around]
     total = sum(base)
@@ -105,8 +102,9 @@ class ProfilePlan:
 
     @property
     def gather_step(self) -> int:
-        """The step at whose end the costs are fitted and agreed on."""
-        return self.first_trial + 2 * self.steps - 1
+        """The step at whose end the costs are fitted and agreed on (``steps`` steps at the rough split after a warm-up,
+        else ``steps`` at each of two trial splits)."""
+        return self.first_trial + (self.steps if self.warmup else 2 * self.steps) - 1
 
     @property
     def switch_step(self) -> int:
@@ -126,11 +124,12 @@ class ProfilePlan:
         )
 
     def split(self, n: int, around: Sequence[int] | None) -> list[int]:
-        """The split of step ``n < switch_step``: equal, then trials A and B in turn, then ``around`` (rough split)."""
+        """The split of step ``n < switch_step``: equal, then the rough split ``around`` (without a warm-up: trials A
+        and B around the equal split in turn)."""
         if n < self.first_trial:
             return list(self.equal)
-        if n <= self.gather_step:
-            return self.trials(around)[(n - self.first_trial) % 2]
+        if around is None and n <= self.gather_step:
+            return self.trials(None)[(n - self.first_trial) % 2]
         return list(around if around is not None else self.equal)
 
 
@@ -144,16 +143,7 @@ def profile_plan(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> ProfilePlan:
-    """The in-loop profiling schedule (the same on every rank): ``warmup`` untimed steps at the equal split (their
-    fastest gives the rough speeds), then ``steps`` timed steps at each of the two trial splits, alternating; ``lag``
-    is how many steps the loader draws ahead (:func:`loader_prefetch_depth`). ``world_size`` must be ``>= 2``.
-
-    >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
-    >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
-    [[24, 24], [24, 24], [23, 25], [42, 6], [23, 25], [42, 6], [36, 12]]
-    >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
-    (0, 2, 5, 7)
-    """
+    """The in-loop profiling schedule (the same on every rank)."""
     if world_size < 2 or steps < 1 or warmup < 0 or lag < 0:
         raise ValueError(
             f"Expected world_size >= 2, steps >= 1, warmup >= 0 and lag >= 0, but got {world_size}, {steps}, {warmup}"
@@ -168,12 +158,8 @@ def profile_plan(
 
 
 def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
-    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (1 in Lightning's fit loop, 0 in
-    a plain loop) plus ``num_workers * prefetch_factor``.
-
-    >>> loader_prefetch_depth(torch.utils.data.DataLoader(range(8), num_workers=2), loop_prefetch=0)
-    4
-    """
+    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (1 in Lightning's fit loop, 0 in a
+    plain loop) plus ``num_workers * prefetch_factor``."""
     workers = int(getattr(dataloader, "num_workers", 0) or 0)
     factor = getattr(dataloader, "prefetch_factor", None)
     return loop_prefetch + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
@@ -181,8 +167,7 @@ def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
 
 class InLoopProfiler:
     """Runs one fit's :class:`ProfilePlan` on one replica; its all-gathers run at the end of ``plan.rough_step`` and
-    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once.
-    """
+    ``plan.gather_step`` on every rank, then ``adopt(costs, batch_sizes)`` is called once."""
 
     def __init__(
         self,
@@ -272,8 +257,8 @@ class InLoopProfiler:
             self._finish()
 
     def _read(self) -> None:
-        """Read the steps' compute seconds: a device timer's come as functions, called here, at an agreement (one
-        wait for the last step's events, not one synchronisation per step)."""
+        """Read the steps' compute seconds: a device timer's come as functions, called here, at an agreement (one wait
+        for the last step's events, not one synchronisation per step)."""
         for i, value in enumerate(self._compute):
             seconds = value() if callable(value) else value
             self._compute[i] = seconds if math.isfinite(seconds) and seconds > 0 else math.nan
@@ -288,18 +273,22 @@ class InLoopProfiler:
     def _finish(self) -> None:
         self._read()
         plan, rank = self.plan, self.rank
-        stages: dict[int, list[StepTiming]] = {}
+        stages: dict[float, list[float]] = {}
+        trials: dict[float, list[float]] = {}  # the steps from the first trial on (the lag steps may be cold)
         cap = self.micro_cap()
         for n, seconds in enumerate(self._compute):
             if plan.timed(n) and math.isfinite(seconds):  # per micro-batch: a share of b in k pieces is k of b / k
                 b = plan.split(n, self.rough)[rank]
                 k = 1 if cap is None else max(math.ceil(b / cap), 1)
-                stages.setdefault(b / k, []).append(StepTiming(0.0, seconds / k))
-        repeated = {b: timings for b, timings in stages.items() if len(timings) > 1}
-        if len(repeated) >= 2:  # the trial sizes, each timed more than once: a size timed once (the equal split of
-            stages = repeated  # the first steps after the warm-up, still cold) would pull the line by its outlier
+                stages.setdefault(b / k, []).append(seconds / k)
+                if n >= plan.first_trial:
+                    trials.setdefault(b / k, []).append(seconds / k)
+        fastest = {b: min(timings) for b, timings in stages.items()}
+        for b in [b for b, timings in stages.items() if len(timings) == 1]:
+            if any(other > b and fastest[other] < fastest[b] for other in stages):  # slower than a larger size: a
+                del stages[b]  # cold step timed once (right after the warm-up) would pull the line by its outlier
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
-        spread = stage_spread([[t.total_s for t in timings] for timings in stages.values()])
+        spread = stage_spread(list(trials.values()))
         rows = _all_gather([local.fixed_s, local.per_sample_s, spread, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
         # equal unless clearly imbalanced: beyond the default threshold and the spread of repeated steps' times
@@ -317,11 +306,7 @@ class InLoopProfiler:
 
 
 def stage_spread(stages: Sequence[Sequence[float]]) -> float:
-    """The largest ratio of the slowest to the fastest of repeated steps of one size (1.0: none repeated).
-
-    >>> stage_spread([[0.010, 0.012], [0.020], [0.031, 0.030]])
-    1.2
-    """
+    """The largest ratio of the slowest to the fastest of repeated steps of one size (1.0: none repeated)."""
     return round(max(stage_ratios(stages), default=1.0), 12)
 
 
@@ -398,3 +383,134 @@ class LoopSteps:
             if profiler.done:
                 self.unwatch()
         self._epoch_steps, self._open = (epoch, step + 1), False
+
+
+#: appended to a replica's key for its measured memory cap
+MEMORY_KEY = "|memory"
+
+#: smallest ratio of a replica's largest to smallest timed size for an affine fit (below: proportional)
+_MIN_SIZE_SPREAD = 1.25
+#: smallest fitted per-sample cost, as a fraction of the average cost per sample at the largest profiled batch size
+_MIN_SLOPE_OF_AVERAGE = 0.1
+
+
+def stage_ratios(stages: Sequence[Sequence[float]]) -> list[float]:
+    """The slowest over the fastest of the steps of each stage timed more than once."""
+    return [max(t) / min(t) for t in stages if len(t) > 1 and min(t) > 0]
+
+
+def fit_stage_timings(stages: Sequence[tuple[float, Sequence[float]]]) -> AffineCost:
+    """One replica's :class:`~lightning_het.balance.cost.AffineCost` from its stages' timed seconds, by size."""
+    sizes = [b for b, timings in stages if timings]
+    seconds = [max(min(timings), 1e-9) for _, timings in stages if timings]
+    if not sizes:
+        raise ValueError("Expected at least one timed profiling step, got none.")
+    through_origin = slope_through_origin(sizes, seconds)
+    if max(sizes) < _MIN_SIZE_SPREAD * min(sizes):  # sizes too close for a slope: the one-number model
+        return AffineCost(0.0, through_origin)
+    cost = fit_affine(sizes, seconds)
+    # a fixed cost the stages cannot tell from their timing noise: the line through the origin, which extrapolates
+    # to other sizes more safely than an intercept fitted to noise (the narrowest spread of a stage timed repeatedly)
+    noise = min(stage_ratios([ts for _, ts in stages]), default=1.0)
+    if cost.fixed_s > 0 and max(abs(t - through_origin * b) / t for b, t in zip(sizes, seconds)) <= noise - 1.0:
+        return AffineCost(0.0, through_origin)
+    # a slope below 10 % of the largest stage's cost per sample is more likely noise than a flat curve: keep the line
+    # through the largest stage with that slope (a cautious estimate that rebalancing can correct)
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    floor = _MIN_SLOPE_OF_AVERAGE * seconds[largest] / sizes[largest]
+    if cost.per_sample_s < floor:
+        cost = AffineCost(max(seconds[largest] - floor * sizes[largest], 0.0), floor)
+    return cost
+
+
+def _describe(value: Any) -> Any:
+    """Shapes and dtypes of the tensors in a (nested) sample: what its cost depends on, not its values."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return {str(k): _describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return type(value).__name__
+    return type(value).__qualname__
+
+
+def device_description(device: torch.device) -> str:
+    """What identifies a device's speed: the GPU model, or the CPU model and the intra-op thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{platform.machine()}:{platform.processor() or 'cpu'}:threads={torch.get_num_threads()}"
+
+
+def cache_key(module: torch.nn.Module, device: torch.device, sample: Any, **extra: Any) -> str:
+    """A stable key for one replica's cost: module class, parameter count, device, one sample's tensor shapes."""
+    cls = type(module)
+    data = {
+        "module": f"{cls.__module__}.{cls.__qualname__}",
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "device": device_description(device),
+        "sample": _describe(sample),
+        "torch": torch.__version__,
+        **{k: extra[k] for k in sorted(extra)},
+    }
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+class ProfileCache:
+    """Fitted costs on disk: one small JSON file per key under ``directory`` (safe for concurrent replicas)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory).expanduser()
+
+    @staticmethod
+    def default_directory() -> Path:
+        """``$XDG_CACHE_HOME/lightning_het/profiles``, else ``~/.cache/lightning_het/profiles``."""
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "lightning_het" / "profiles"
+
+    def _path(self, key: str) -> Path:
+        return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+    def get(self, key: str) -> AffineCost | None:
+        """The cost stored under ``key``, or ``None`` (missing, unreadable or for another key)."""
+        cost = self._field(key, "cost", AffineCost.from_dict)
+        return cost if cost is not None and math.isfinite(cost.fixed_s) else None
+
+    def put(self, key: str, cost: AffineCost, threshold: float | None = None) -> None:
+        """Store ``cost`` under ``key`` (atomic replace; an unwritable directory is ignored), with the imbalance
+        ``threshold`` its profiling split by."""
+        self._write(key, {"cost": cost.as_dict(), "threshold": threshold})
+
+    def get_threshold(self, key: str) -> float | None:
+        return self._field(key, "threshold", float)
+
+    def get_cap(self, key: str) -> int | None:
+        """The measured micro-batch cap stored for ``key`` (the memory entry beside the cost), or ``None``."""
+        cap = self._field(key + MEMORY_KEY, "micro_batch_cap", int)
+        return cap if cap is not None and cap >= 1 else None
+
+    def put_cap(self, key: str, cap: int) -> None:
+        self._write(key + MEMORY_KEY, {"micro_batch_cap": int(cap)})
+
+    def _field(self, key: str, name: str, cast: Callable[[Any], Any]) -> Any:
+        try:
+            return cast(self._read(key)[name])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _read(self, key: str) -> dict[str, Any]:
+        data = json.loads(self._path(key).read_text())
+        if data.get("key") != key:
+            raise KeyError(key)
+        return data
+
+    def _write(self, key: str, payload: dict[str, Any]) -> None:
+        path = self._path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, **payload, "time": time.time()}))
+            os.replace(tmp, path)
+        except OSError:
+            return

@@ -1,4 +1,4 @@
-"""The balance report: logger metrics, the markdown table, the plot and the ``balance_report.*`` files."""
+"""The balance report: plain data, logger metrics, the tables, the plot and the ``balance_report.*`` files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,72 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_het.allocation import sample_shares
+from lightning_het.balance.cost import AffineCost, step_time
+from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
+
 if TYPE_CHECKING:
     from lightning_het.balance.monitor import BalanceMonitor
+    from lightning_het.balance.state import Allocation
+
+
+def balance_report(
+    allocation: Allocation,
+    *,
+    node_ids: list[int] | None,
+    profiled: bool,
+    emulate_slowdown: list[float] | None,
+    devices: list[str],
+    telemetry: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The allocation as plain data (for ``metrics.json`` and loggers)."""
+    sizes, costs = allocation.batch_sizes or [], allocation.cost_model
+    return {
+        "global_batch_size": allocation.global_batch_size,
+        "batch_sizes": list(sizes),
+        "speeds": list(allocation.speeds or []),
+        "shares": sample_shares(sizes) if sizes else [],
+        "node_ids": list(node_ids or []),
+        "profiled": profiled,
+        "emulate_slowdown": list(emulate_slowdown) if emulate_slowdown else None,
+        "devices": devices,
+        "profile_seconds": allocation.profile_seconds,
+        "profile_cached": allocation.profile_cached,
+        "cost_model": [c.as_dict() for c in costs] if costs else None,
+        "max_micro_batch_sizes": list(allocation.micro_caps) if allocation.micro_caps else None,
+        "predicted_step_s": step_time(sizes, costs) if costs and sizes else None,
+        "telemetry": telemetry,
+    }
+
+
+def render_balance_table(report: dict[str, Any]) -> str:
+    """A human-readable table of a balance report: rank, node, device, speed, batch size, share (and costs)."""
+    if not report["batch_sizes"]:
+        return "HeterogeneousStrategy: no allocation yet"
+    devices = report["devices"]
+    unit = "samples/s" if report["profiled"] else "(given)"
+    costs = report["cost_model"]
+    caps = report.get("max_micro_batch_sizes")
+    source = " (costs from the profile cache)" if report["profile_cached"] else ""
+    lines = [
+        f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}{source}",
+        f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}"
+        + (f" {'micro':>7}" if caps else "")
+        + (f" {'fixed ms':>9} {'ms/sample':>9} {'step ms':>8}" if costs else ""),
+    ]
+    for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
+        node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
+        device = devices[r] if r < len(devices) else "?"
+        line = f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}"
+        if caps:  # the pieces that run: size x count (a share of 16 under a cap of 3: 3x4+2x2)
+            line += f" {pieces_label(micro_batch_sizes(b, caps[r])):>7}"
+        if costs:
+            cost = AffineCost.from_dict(costs[r])
+            line += f" {cost.fixed_s * 1e3:>9.2f} {cost.per_sample_s * 1e3:>9.3f} {cost(b) * 1e3:>8.2f}"
+        lines.append(line)
+    if report["predicted_step_s"] is not None:
+        lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")
+    return "\n".join(lines)
 
 
 def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int) -> None:

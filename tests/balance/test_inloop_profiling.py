@@ -49,15 +49,15 @@ def test_trial_splits_cover_two_sizes_per_replica_within_bounds() -> None:
         assert all(max(x, y) <= 2 * r + 1 for x, y, r in zip(a, b, around))
 
 
-def test_profile_plan_warms_up_agrees_on_rough_speeds_then_tries_around_them() -> None:
+def test_profile_plan_warms_up_agrees_on_rough_speeds_then_times_the_rough_split() -> None:
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=3)
-    assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 7, 11)
+    assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 5, 9)
     rough = [24, 8]
     assert [plan.split(n, rough) for n in range(4)] == [[16, 16]] * 4  # drawn before the rough speeds are known
-    a, b = trial_splits(rough)
-    assert [plan.split(n, rough) for n in range(4, 8)] == [a, b, a, b] and a[1] != b[1] and a[0] != b[0]
-    assert [plan.split(n, rough) for n in range(8, 11)] == [rough] * 3  # drawn before the costs are agreed
-    assert [plan.timed(n) for n in range(9)] == [False] + [True] * 7 + [False]
+    # every replica timed at two sizes: its equal share (the lag steps) and its rough one, twice
+    assert [plan.split(n, rough) for n in range(4, 6)] == [rough] * 2
+    assert [plan.split(n, rough) for n in range(6, 9)] == [rough] * 3  # drawn before the costs are agreed
+    assert [plan.timed(n) for n in range(7)] == [False] + [True] * 5 + [False]
     no_warmup = profile_plan(32, 2, warmup=0, steps=1, lag=1)
     assert (no_warmup.first_trial, no_warmup.gather_step, no_warmup.switch_step) == (0, 1, 3)
     assert [no_warmup.split(n, None) for n in range(3)] == [[8, 24], [24, 8], [16, 16]]
@@ -79,7 +79,7 @@ def _profiler(plan) -> InLoopProfiler:
 def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_too_early(monkeypatch) -> None:
     gathered = []
     monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: gathered.append(v) or [list(v), list(v)])
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # trials from step 2, switch at step 7
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # the rough split from step 2, switch at step 5
     profiler = _profiler(plan)
     resumed = ProportionalDistributedSampler(list(range(128)), [12, 20], 0)  # epochs of 4 global batches of 32
     resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
@@ -91,30 +91,32 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     profiler.on_train_batch_end(0, 2)  # the warm-up ends: the rough split is agreed (equal speeds here)
     assert gathered == [[16 / 0.01]] and profiler.rough == [16, 16]
     profiler.on_train_batch_end(0, 3)
-    # the next epoch is drawn after the steps trained so far: its batch 0 is plan step 2, the first trial
-    a, b = trial_splits([16, 16])
-    assert [profiler.split_for(1, k) for k in range(4)] == [a, b, a, b]  # plan steps 2 .. 5
+    # the next epoch is drawn after the steps trained so far: its batch 0 is plan step 2, the first at the rough split
+    assert [profiler.split_for(1, k) for k in range(3)] == [[16, 16]] * 3  # plan steps 2 .. 4
     # the other loader's splits are the plan's, scaled to its global batch
-    assert [half.step_batch_sizes(k) for k in range(4)] == [allocate_batch_sizes(16, s) for s in (a, b, a, b)]
-    for k in range(4):
+    assert [half.step_batch_sizes(k) for k in range(3)] == [allocate_batch_sizes(16, [16, 16])] * 3
+    for k in range(2):
         profiler.on_train_batch_end(1, k)
     assert profiler.done and len(gathered) == 2
     other = ProportionalDistributedSampler(list(range(360)), [12, 20], 0)  # a second loader follows the same plan
     profiler.bind(other)
     other.set_epoch(2)
-    assert other.step_batch_sizes(0) == [16, 16]  # plan step 6: drawn before the costs were agreed, the rough split
-    assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 7
+    assert other.step_batch_sizes(0) == [16, 16]  # plan step 4: drawn before the costs were agreed, the rough split
+    assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 5
 
 
 def test_the_fit_leaves_out_a_size_timed_once_and_equal_replicas_keep_the_equal_split(monkeypatch) -> None:
-    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), list(v)])  # two identical replicas
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # warm-up, the lag step (equal, timed once), trials A B A B
+    def gather(values, world, device):  # two identical replicas, but a rough split of [24, 8] (rank 1 cold at first)
+        return [list(values), [values[0] / 3]] if len(values) == 1 else [list(values), list(values)]
+
+    monkeypatch.setattr(profiler_module, "_all_gather", gather)
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # warm-up, the lag step (equal, timed once), rough x 2
     true_cost = AffineCost(0.001, 0.0001)
     steps = iter(range(plan.gather_step + 1))
 
     def clock() -> tuple[int, float]:
         n = next(steps)
-        size = plan.split(n, [16, 16])[0]
+        size = plan.split(n, [24, 8])[0]
         return size, 0.05 if n == 1 else true_cost(size)  # the lag step, right after the warm-up: a cold outlier
 
     adopted = []
@@ -124,9 +126,24 @@ def test_the_fit_leaves_out_a_size_timed_once_and_equal_replicas_keep_the_equal_
     for k in range(plan.gather_step + 1):
         sampler.step_batch_sizes(k)  # drawn, then trained
         profiler.on_train_batch_end(0, k)
+    assert profiler.rough == [24, 8]
     assert profiler.done and adopted == [[16, 16]] and profiler.threshold == pytest.approx(1.1)
-    fitted = profiler.costs[0]  # the line through the two trial sizes, not pulled up by the cold step
-    assert fitted.fixed_s == pytest.approx(true_cost.fixed_s) and fitted.per_sample_s == pytest.approx(1e-4)
+    fitted = profiler.costs[0]  # the rough size alone (the line through the origin), not pulled up by the cold step
+    assert fitted.fixed_s == 0.0 and fitted.per_sample_s == pytest.approx(true_cost(24) / 24)
+
+
+def test_the_fit_is_the_line_through_the_equal_and_the_rough_size(monkeypatch) -> None:
+    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), [v[0] / 3] if len(v) == 1 else v])
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    true_cost = AffineCost(0.001, 0.0001)
+    steps = iter(range(plan.gather_step + 1))
+    profiler = InLoopProfiler(
+        plan, 0, 2, torch.device("cpu"), lambda: (0, true_cost(plan.split(next(steps), [24, 8])[0])), lambda c, s: None
+    )
+    for k in range(plan.gather_step + 1):
+        profiler.split_for(0, k)
+        profiler.on_train_batch_end(0, k)
+    assert profiler.costs[0].fixed_s == pytest.approx(0.001) and profiler.costs[0].per_sample_s == pytest.approx(1e-4)
 
 
 def test_an_epoch_shorter_than_its_loader_leaves_no_plan_step_out() -> None:
@@ -275,7 +292,7 @@ def test_training_step_without_batch_idx_runs_once_per_step_with_its_state(inloo
 
 
 @pytest.mark.parametrize("name", list(INLOOP_FITS))
-def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fits, name: str) -> None:
+def test_rough_split_then_the_fitted_split_with_every_gradient_exact(inloop_fits, name: str) -> None:
     dumps = inloop_fits[name]
     sizes = dumps[0]["batch_sizes"]
     assert dumps[1]["batch_sizes"] == sizes and sum(sizes) == 32
@@ -288,7 +305,7 @@ def test_trial_splits_then_the_fitted_split_with_every_gradient_exact(inloop_fit
     trials = seen[plan.first_trial : plan.gather_step + 1]
     rough = seen[plan.gather_step + 1]
     assert seen[: plan.first_trial] == [[16, 16]] * plan.first_trial  # warm-up, and the batches drawn meanwhile
-    assert trials == [*trial_splits(rough)] * 2  # A, B, A, B around the rough split (from the first step: rough)
+    assert trials == [rough] * 2  # the rough split, timed twice (from the first step's timings)
     assert seen[plan.gather_step + 1 : plan.switch_step] == [rough] * lag
     assert seen[plan.switch_step :] == [sizes] * (20 - plan.switch_step)  # step 7 without workers: in epoch 0
     cfg = INLOOP_FITS[name]
@@ -308,14 +325,14 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(inloop_job)
     record = torch.load(out / RESUME_FROM, weights_only=True)["lightning_het"]
     assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3
     assert "skips the 3 global batch(es) already trained on" in output
-    assert output.count("profiling on the first 6 training steps") == 2
+    assert output.count("profiling on the first 4 training steps") == 2
     full = [torch.load(out / str(FIRST) / f"rank{r}.pt") for r in range(2)]
     again = [torch.load(out / str(FIRST + 1) / f"rank{r}.pt") for r in range(2)]
     for rank in range(2):
         assert again[rank]["global_step"] == 20
         # global batches 3 and 4 of epoch 0: the warm-up (and the batch drawn meanwhile) again, from the resumed step
         assert again[rank]["seen_batch_sizes"][:2] == [4, 4]
-        assert len(set(again[rank]["seen_batch_sizes"][2:6])) == 2  # then the trial splits
+        assert len(set(again[rank]["seen_batch_sizes"][2:5])) == 1  # then the rough split
         state = full[rank]["state_dict"]
         assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)
 
@@ -323,7 +340,7 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(inloop_job)
 def test_a_device_timers_steps_are_read_at_the_agreements_only(monkeypatch) -> None:
     """On a GPU the clock hands each step's compute seconds as a function (reading them waits for the step's events):
     the profiler calls them at its two agreements, not at every step's end."""
-    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), list(v)])
+    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), [v[0] / 3] if len(v) == 1 else v])
     plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
     true_cost = AffineCost(0.001, 0.0001)
     reads: list[int] = []
@@ -331,7 +348,7 @@ def test_a_device_timers_steps_are_read_at_the_agreements_only(monkeypatch) -> N
 
     def clock():
         n = next(steps)
-        size = plan.split(n, [16, 16])[0]
+        size = plan.split(n, [24, 8])[0]
         return size, lambda: reads.append(n) or true_cost(size)
 
     profiler = InLoopProfiler(plan, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: None)

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_het.balance import memory
 from lightning_het.balance.memory import SEARCH_RESOLUTION, EmulatedMemoryCap, cap_search, measure_cap, resize_batch
-from lightning_het.balance.profiling import ProfileCache
+from lightning_het.balance.profiler import ProfileCache
 
 
 def test_doctests() -> None:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.balance.cost import AffineCost, fit_affine
-from lightning_het.balance.profiling import ProfileCache, StepTiming, cache_key, fit_stage_timings
+from lightning_het.balance.profiler import ProfileCache, cache_key, fit_stage_timings
 from tests.helpers.harness import run_fits_job
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
@@ -144,9 +144,10 @@ def test_string_strategy_profiles_slow_replica_to_a_quarter(slow_replica_fits) -
     assert 6 <= sizes[1] <= 10, sizes  # a quarter of 32 is 8
     assert dumps[0]["speeds"][0] / dumps[0]["speeds"][1] == pytest.approx(3.0, rel=0.35)
     seen = dumps[1]["seen_batch_sizes"]
-    # warm-up (and the batch drawn meanwhile), trials A B A B around the rough split, the rough split, the fitted one
-    assert seen[:2] == [16, 16] and seen[2] == seen[4] != seen[3] == seen[5] and seen[7:] == [sizes[1]] * 3
-    assert "profiling on the first 6 training steps" in out and "balance" in out and "samples/s" in out
+    # warm-up (and the batch drawn meanwhile) at the equal split, the rough split (timed twice, then drawn meanwhile),
+    # the fitted one
+    assert seen[:2] == [16, 16] and seen[2] == seen[3] == seen[4] != 16 and seen[5:] == [sizes[1]] * 5
+    assert "profiling on the first 4 training steps" in out and "balance" in out and "samples/s" in out
 
 
 @pytest.mark.slow
@@ -169,8 +170,8 @@ def test_manual_optimization_profiles_the_slow_replica(slow_replica_fits) -> Non
 
 
 def test_fit_stage_timings_uses_the_fastest_step_of_each_stage() -> None:
-    slow_first = [StepTiming(0.0, 1.0), StepTiming(0.0, 0.03)]
-    cost = fit_stage_timings([(4, slow_first), (8, [StepTiming(0.0, 0.05), StepTiming(0.0, 0.051)])])
+    slow_first = [1.0, 0.03]
+    cost = fit_stage_timings([(4, slow_first), (8, [0.05, 0.051])])
     assert cost.fixed_s == pytest.approx(0.01) and cost.per_sample_s == pytest.approx(0.005)
 
 
@@ -216,7 +217,7 @@ class TestProfileCache:
 
 def test_fit_stage_timings_keeps_a_cautious_slope() -> None:
     # two stages that timing noise made almost equal: the slope is kept at 10 % of 20 ms / 8 samples
-    cost = fit_stage_timings([(2, [StepTiming(0.0, 0.0199)]), (8, [StepTiming(0.0, 0.020)])])
+    cost = fit_stage_timings([(2, [0.0199]), (8, [0.020])])
     assert cost.per_sample_s == pytest.approx(0.00025)
     assert cost(8) == pytest.approx(0.020)
 
@@ -224,10 +225,10 @@ def test_fit_stage_timings_keeps_a_cautious_slope() -> None:
 def test_fit_stage_timings_drops_a_fixed_cost_within_the_timing_noise() -> None:
     # 3 ms a sample, timed twice at 6, 8 and 10 samples with 25 % noise: the minima's line has a 3.3 ms intercept
     noisy = [(6, [0.025, 0.020]), (8, [0.030, 0.0375]), (10, [0.032, 0.040])]
-    stages = [(b, [StepTiming(0.0, t) for t in ts]) for b, ts in noisy]
+    stages = [(b, list(ts)) for b, ts in noisy]
     assert fit_affine([6, 8, 10], [0.020, 0.030, 0.032]).fixed_s == pytest.approx(0.01 / 3)
     cost = fit_stage_timings(stages)
     assert cost.fixed_s == 0.0 and cost.per_sample_s == pytest.approx((6 * 0.02 + 8 * 0.03 + 10 * 0.032) / 200)
     # the same minima timed with 2 % noise: the intercept is beyond the noise, kept
-    quiet = [(b, [StepTiming(0.0, t), StepTiming(0.0, t * 1.02)]) for b, t in ((6, 0.020), (8, 0.030), (10, 0.032))]
+    quiet = [(b, [t, t * 1.02]) for b, t in ((6, 0.020), (8, 0.030), (10, 0.032))]
     assert fit_stage_timings(quiet).fixed_s == pytest.approx(0.01 / 3)

@@ -13,7 +13,6 @@ from lightning_het.balance.rebalance import (
     imbalance,
     is_check_epoch,
     plan_rebalance,
-    predicted_step_time,
     profiled_split,
     robust_step_ratio,
     speeds_from_step_times,
@@ -31,7 +30,6 @@ class TestPureFunctions:
     def test_speeds_imbalance_and_predicted_time(self):
         assert speeds_from_step_times([8, 4], [0.1, 0.2]) == [80.0, 20.0]
         assert imbalance([0.3, 0.1, 0.15]) == pytest.approx(3.0)
-        assert predicted_step_time([8, 4], [80.0, 20.0]) == pytest.approx(0.2)
 
     @pytest.mark.parametrize(
         ("call", "match"),
@@ -245,9 +243,7 @@ class TestNoiseGuards:
         lasting = plan_rebalance(sizes, spike, fixed_costs=costs, last_times=steady, recent_times=spike)
         assert lasting.adopt and lasting.batch_sizes[0] < 66
 
-    def test_invalid_surge_and_last_times(self) -> None:
-        with pytest.raises(ValueError, match="`surge`"):
-            plan_rebalance([8, 8], [0.1, 0.3], surge=1.0)
+    def test_invalid_last_times(self) -> None:
         with pytest.raises(ValueError, match="`last_times`"):
             plan_rebalance([8, 8], [0.1, 0.3], last_times=[0.1])
         with pytest.raises(ValueError, match="`recent_times`"):

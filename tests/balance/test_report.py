@@ -7,8 +7,7 @@ import json
 import pytest
 
 from lightning_het.balance import report as report_module
-from lightning_het.balance.clock import EpochTimings
-from lightning_het.balance.history import TelemetryHistory, epoch_summary
+from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary
 from lightning_het.balance.report import format_balance_table, log_epoch_metrics, write_balance_report
 
 

@@ -246,7 +246,7 @@ class TestStrategyWiring:
         assert strategy.parallel_devices == [CPU, CPU]
         assert strategy.process_group_backend == "gloo"
         strategy.adopt_allocation([8, 2, 2, 2], [8.0, 1.0, 1.0, 1.0])
-        strategy.balancer.node_ids = [0, 0, 1, 1]
+        strategy._node_ids = [0, 0, 1, 1]
         rows = strategy.balance_table().splitlines()[2:]
         assert [row.split()[2] for row in rows] == ["cuda:0", "cpu", "cpu", "cpu"]
         assert strategy.balance_report()["devices"] == ["cuda:0", "cpu", "cpu", "cpu"]

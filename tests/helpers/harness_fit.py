@@ -112,7 +112,7 @@ class FitRegressor(TinyRegressor):
         self.slow_factor = self.target_factor if self.current_epoch >= self.slow_from_epoch else 1.0
         lowered = self.cfg.get("memory_cap_from_epoch")  # [epoch, caps]: the emulated memory caps from that epoch on
         if lowered and self.current_epoch == lowered[0]:
-            self.trainer.strategy.balancer.memory_emulation.cap = lowered[1][self.global_rank]
+            self.trainer.strategy.policy.memory_emulation.cap = lowered[1][self.global_rank]
 
     def on_before_backward(self, loss) -> None:
         self.backward_hooks += 1  # once per micro-batch through Lightning's backward

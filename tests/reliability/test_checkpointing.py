@@ -207,9 +207,9 @@ class _FakeController:
 def test_node_local_checkpoint_holds_the_consensus_model_without_a_sync():
     strategy = HeterogeneousStrategy(process_group_backend="gloo")
     strategy._lightning_module = module = TinyRegressor()
-    strategy.balancer.comm = _FakeController()
+    strategy.comm_algorithm = _FakeController()
     state = strategy.lightning_module_state_dict()
-    assert strategy.balancer.comm.calls == 1 and not state["net.0.weight"].any()
+    assert strategy.comm_algorithm.calls == 1 and not state["net.0.weight"].any()
     assert module.net[0].weight.any()  # the module keeps its own weights
     synchronize_before_save(None, TinyRegressor())  # no controller: nothing to do
 

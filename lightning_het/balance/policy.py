@@ -1,0 +1,449 @@
+"""The balancing policy of one strategy: from the keywords, the speed cache or profiling to an allocation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_het.allocation import allocate_batch_sizes
+from lightning_het.balance.clock import StepClock
+from lightning_het.balance.cost import AffineCost, useless_replica_message
+from lightning_het.balance.memory import (
+    EmulatedMemoryCap,
+    cached_caps,
+    checked_caps,
+    lowered_caps,
+    measure_cap,
+    per_replica_batchnorm,
+    refuse_single_sample_pieces,
+    refuse_synced_norm_in_pieces,
+)
+from lightning_het.balance.profiler import (
+    InLoopProfiler,
+    ProfileCache,
+    attach_profiler,
+    cache_key,
+    loader_prefetch_depth,
+    profile_plan,
+)
+from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
+from lightning_het.balance.report import render_balance_table
+from lightning_het.balance.state import Allocation, StepSplit
+from lightning_het.comm.allreduce import CommAlgorithm
+from lightning_het.config import HeterogeneousConfig
+from lightning_het.data.microbatch import MicroBatcher
+from lightning_het.data.splitting import TrainingSplit, eval_weights
+from lightning_het.reliability.checkpointing import log_resumed_allocation, plan_allocation
+
+#: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
+CAPS_AGREED_EVERY = 16
+
+
+@dataclasses.dataclass
+class FitContext:
+    """What allocating needs from the fit: its module and precision, step clock, device labels, trainer."""
+
+    module: Callable[[], tuple[torch.nn.Module | None, str]]
+    clock: Callable[[], StepClock | None]
+    labels: list[str]
+    trainer: Any = None
+    loop_prefetch: int = 1
+    report: Callable[[], dict[str, Any]] = dict  # the balance report, for the table logged on a new allocation
+
+
+def measured_speeds(batch_sizes: list[int], costs: list[AffineCost], bounds: dict[str, Any]) -> list[float]:
+    """Samples/s of every replica at ``batch_sizes``; the equal split gets one speed, the mean (pinned, it recurs)."""
+    speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
+    if batch_sizes == allocate_batch_sizes(sum(batch_sizes), [1.0] * len(speeds), **bounds):
+        return [sum(speeds) / len(speeds)] * len(speeds)
+    return speeds
+
+
+class BalancePolicy:
+    """Profiling, allocation and the caps of one strategy on one replica, from its validated keywords."""
+
+    def __init__(self, config: HeterogeneousConfig) -> None:
+        self.config = config
+        self.allocation = Allocation()
+        self.profiler: InLoopProfiler | None = None
+        self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
+        self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
+        self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
+        self.memory_emulation: EmulatedMemoryCap | None = None  # emulate_memory_cap: this replica's emulated cap
+        self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
+        self._fit: FitContext | None = None
+
+    def place(self, rank: int, world_size: int, device: torch.device, replicas_on_node: int) -> None:
+        """Where this replica runs (once the ranks are known)."""
+        self.rank, self.world_size, self.device, self.replicas_on_node = rank, world_size, device, replicas_on_node
+        caps, emulated = self.config.max_micro_batch_sizes, self.config.emulate_memory_cap
+        if caps is not None or emulated is not None:
+            self.micro = MicroBatcher(rank, caps[rank] if isinstance(caps, list) else None)
+        if emulated is not None:
+            self.memory_emulation = EmulatedMemoryCap(rank, emulated[rank])
+
+    def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
+        """``EmulatedPlatform``'s settings, as if given as ``emulate_slowdown`` / ``emulate_memory_cap``."""
+        given = {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}
+        for name, value in given.items():
+            current = getattr(self.config, name)
+            if value is not None and current is not None and list(current) != list(value):
+                raise ValueError(
+                    f"The strategy was given `{name}={current}` and the EmulatedPlatform callback {value}."
+                    f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
+                )
+        changed = {k: v for k, v in given.items() if v is not None and getattr(self.config, k) is None}
+        if changed:
+            self.config = dataclasses.replace(self.config, **changed)
+            self.config.check_world(1, self.world_size)
+            self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
+
+    def check_normalisation(self, module: torch.nn.Module) -> None:
+        """Warn about per-replica batch norm (2 samples per share then), refuse it where micro-batches break it."""
+        self.batchnorm_layers = per_replica_batchnorm(module, self.world_size)
+        refuse_synced_norm_in_pieces(module, self.world_size, self.micro is not None)
+        if self.micro is not None:
+            self.micro.min_piece = 2 if self.batchnorm_layers else 1
+            refuse_single_sample_pieces(self.batchnorm_layers, self.config.max_micro_batch_sizes, self.micro.least_cap)
+
+    def emulate_memory(self, module: torch.nn.Module | None) -> None:
+        """``emulate_memory_cap``: put the emulated cap's hooks on ``module`` (``None``: take them off)."""
+        if self.memory_emulation is not None and module is not None:
+            self.memory_emulation.install(module)
+        elif self.memory_emulation is not None:
+            self.memory_emulation.remove()
+
+    def reset(self) -> None:
+        """A new fit derives a new allocation (measured caps are kept)."""
+        self.allocation = Allocation(micro_caps=self.allocation.micro_caps)
+        self.profiler = self._fit = None
+
+    @property
+    def min_batch_size(self) -> int:
+        """Fewest training samples per replica and step (2 where batch norm trains per replica)."""
+        return max(self.config.min_batch_size, 2 if self.batchnorm_layers else 1)
+
+    @property
+    def bounds(self) -> dict[str, Any]:
+        return {"min_batch_size": self.min_batch_size, "max_batch_sizes": self.config.max_batch_sizes}
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the first training steps are still profiling."""
+        return self.profiler is not None and not self.profiler.done
+
+    @property
+    def cap_unknown(self) -> bool:
+        """``max_micro_batch_sizes="auto"`` and the caps neither cached nor measured yet."""
+        return self.config.max_micro_batch_sizes == "auto" and self.allocation.micro_caps is None
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every replica's ``values`` (a collective)."""
+        gathered = torch.tensor(values, dtype=torch.float64, device=self.device)
+        everyone = [torch.zeros_like(gathered) for _ in range(self.world_size)]
+        dist.all_gather(everyone, gathered)
+        return [t.tolist() for t in everyone]
+
+    def eval_weights(self) -> list[float]:
+        return eval_weights(self.allocation.batch_sizes, self.config.speeds, self.world_size)
+
+    def step_split(self, sampler: Any, step: int | None) -> StepSplit:
+        return self.allocation.step_split(sampler, step, self.rank)
+
+    def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
+        """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""
+        self.allocation = self.allocation.adopt(batch_sizes, speeds, costs)
+
+    def table(self) -> str:
+        assert self._fit is not None
+        return render_balance_table(self._fit.report())
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None) -> None:
+        """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
+        self._fit, self._cache_loader = fit, dataloader
+        world, bounds = self.world_size, self.bounds
+        allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
+        plan = plan_allocation(resume, world_size=world, given_speeds=self.config.speeds)
+        self._cached_caps()
+        caps = self.allocation.micro_caps or self._given_caps()
+        self.allocation = dataclasses.replace(self.allocation, profile_seconds=0.0, profile_cached=False)
+        costs, threshold = None, DEFAULT_THRESHOLD
+        speeds = plan.speeds if plan.speeds is not None else self.config.speeds
+        if speeds is None and world > 1:
+            cached = self._cached_costs()
+            if cached is None:
+                self._start_profiler(dataloader, global_batch, fit)
+            else:
+                costs, threshold = cached
+                self.allocation = dataclasses.replace(self.allocation, profile_cached=True)
+        self.allocation = dataclasses.replace(self.allocation, cost_model=costs).with_caps(caps)
+        costs = self.allocation.cost_model
+        if costs is None:  # profiled on the first training steps (or one replica): the equal split till then
+            speeds = list(speeds) if speeds is not None else [1.0] * world
+            sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
+        else:
+            sizes = profiled_split(global_batch, costs, threshold=threshold, **bounds)
+            speeds = measured_speeds(sizes, costs, bounds)
+            self._warn_useless(costs, sizes)
+        self.adopt(sizes, speeds)
+        log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
+        if self.profiler is not None:
+            rank_zero_info(
+                f"HeterogeneousStrategy: profiling on the first {self.profiler.plan.gather_step + 1} training steps"
+                f" (the equal, then the rough split); the fitted split applies from step"
+                f" {self.profiler.plan.switch_step}"
+            )
+        elif world > 1:  # one replica: nothing is balanced, nothing to show
+            rank_zero_info(self.table())
+
+    def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
+        """What the loader splitter needs to split a training loader."""
+        return TrainingSplit(
+            rank=self.rank,
+            world_size=self.world_size,
+            min_batch_size=self.min_batch_size,
+            given_global_batch=self.config.global_batch_size,
+            given_speeds=self.config.speeds,
+            batch_sizes=lambda: self.allocation.batch_sizes,
+            allocate=lambda loader, global_batch, order: self.allocate(loader, global_batch, *fit()),
+            adopt=self.adopt,
+            profiler=lambda: self.profiler if self.profiling else None,
+        )
+
+    def _warn_useless(self, costs: list[AffineCost], sizes: list[int]) -> None:
+        labels = self._fit.labels if self._fit is not None else []
+        message = useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds)
+        if message is not None:
+            rank_zero_warn(message)
+
+    def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
+        """This replica's speed cache and key in it (``(None, None)``: off, or nothing to key on yet)."""
+        setting = self.config.profile_cache
+        module, precision = self._fit.module() if self._fit is not None else (None, "")
+        if setting in (None, False) or module is None or self._cache_loader is None:
+            return None, None
+        cache = ProfileCache(ProfileCache.default_directory() if setting is True else setting)  # type: ignore[arg-type]
+        try:
+            sample = self._cache_loader.dataset[0]
+        except Exception:  # a dataset we cannot peek into is simply not cached
+            return cache, None
+        factors = self.config.emulate_slowdown
+        slowdown = factors[self.rank] if factors else 1.0
+        extra = {"precision": precision, "slowdown": slowdown, "replicas_on_node": self.replicas_on_node}
+        return cache, cache_key(module, self.device, sample, **extra)
+
+    def _cached_costs(self) -> tuple[list[AffineCost], float] | None:
+        """Every replica's cost and the threshold their profiling split by, when every replica has an entry."""
+        cache, key = self.cache_entry()
+        if cache is None:
+            return None
+        cost = cache.get(key) if key is not None else None
+        threshold = (cache.get_threshold(key) if key is not None else None) or DEFAULT_THRESHOLD
+        rows = self.gather([1.0, cost.fixed_s, cost.per_sample_s, threshold] if cost else [0.0] * 4)
+        if not all(r[0] == 1.0 for r in rows):
+            return None
+        return [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
+
+    def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
+        """Plan the first training steps' profiling and hook the profiler into the fit loop."""
+        lag = loader_prefetch_depth(dataloader, fit.loop_prefetch)
+        config = self.config
+        plan = profile_plan(
+            global_batch,
+            self.world_size,
+            warmup=config.profile_warmup,
+            steps=config.profile_steps,
+            lag=lag,
+            **self.bounds,
+        )
+
+        def clock() -> tuple[int, Any] | None:
+            step_clock = fit.clock()
+            return None if step_clock is None else step_clock.open_step()
+
+        self.profiler = InLoopProfiler(plan, self.rank, self.world_size, self.device, clock, self._adopt_profiled)
+        micro = self.micro
+        if micro is not None:
+            self.profiler.micro_cap = lambda: micro.cap
+        if fit.trainer is not None:
+            attach_profiler(self.profiler, fit.trainer)
+
+    def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
+        """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
+        assert self.profiler is not None
+        caps = self.allocation.micro_caps
+        if caps is not None:  # the split that knows each share's micro-batches
+            costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
+            batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
+        speeds = measured_speeds(batch_sizes, costs, self.bounds)
+        self._warn_useless(costs, batch_sizes)
+        self.allocation = dataclasses.replace(
+            self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
+        )
+        for sampler in self.profiler.samplers:
+            total = sampler.global_batch_size
+            other = allocate_batch_sizes(total, speeds, min_batch_size=self.min_batch_size)
+            sampler.set_batch_sizes(batch_sizes if total == sum(batch_sizes) else other)
+        cache, key = self.cache_entry()
+        if cache is not None and key is not None:
+            cache.put(key, costs[self.rank], self.profiler.threshold)
+        rank_zero_info(self.table())
+
+    # ------------------------------------------------------------------ micro-batch caps (memory)
+    def _given_caps(self) -> list[int] | None:
+        caps = self.config.max_micro_batch_sizes
+        return list(caps) if isinstance(caps, list) else None
+
+    def _memory_key(self) -> tuple[ProfileCache | None, str | None]:
+        cache, key = self.cache_entry()
+        emulated = self.config.emulate_memory_cap
+        return cache, None if key is None else f"{key}|emulated_memory={emulated[self.rank] if emulated else None}"
+
+    def _cached_caps(self) -> None:
+        """``"auto"``: every replica's measured cap from the profile cache, when every replica has one."""
+        cache, key = self._memory_key()
+        if self.cap_unknown and cache is not None and self.world_size > 1:
+            caps = cached_caps(cache.get_cap(key) if key is not None else None, self.gather)
+            if caps is not None:
+                self._set_caps(caps, "from the profile cache")
+
+    def measure_caps(
+        self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any, retry: Any = None
+    ) -> None:
+        """``"auto"`` on the first training step: each replica's largest micro-batch that fits, agreed by an all-gather
+        and stored in the profile cache (``micro.search_s``: the slowest replica's search time)."""
+        micro = self.micro
+        assert micro is not None
+        start = time.perf_counter()
+        cap, micro.search_steps = measure_cap(
+            step,
+            batch,
+            upper=self.allocation.global_batch_size or 1,
+            no_sync=lambda: micro.earlier_piece(no_sync),
+            module=module,
+            accelerator=self.device.type == "cuda",
+            retry=retry,
+            least=micro.least_cap,
+        )
+        cache, key = self._memory_key()
+        if cache is not None and key is not None and cap >= 1:
+            cache.put_cap(key, cap)
+        row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
+        rows = self.gather(row) if self.world_size > 1 else [row]
+        micro.search_s = max(r[2] for r in rows)
+        self._set_caps([int(r[0]) for r in rows], f"measured in {[int(r[1]) for r in rows]} trial steps")
+
+    def _set_caps(self, caps: list[int], source: str) -> None:
+        if self.micro is not None:
+            self.micro.cap = checked_caps(caps, self.micro.least_cap, source)[self.rank]
+        self.allocation = self.allocation.with_caps(caps)
+        rank_zero_info(f"HeterogeneousStrategy: micro-batch caps {caps} ({source})")
+
+    def agree_caps(self, batch_idx: int | None = None, batches: float | None = None) -> None:
+        """While micro-batching, every :data:`CAPS_AGREED_EVERY` steps of an epoch and at its last: a cap that an
+        out-of-memory error lowered becomes every replica's (one all-gather, the same step everywhere)."""
+        if self.micro is None or self.world_size == 1:
+            return
+        if batch_idx is not None and (batch_idx + 1) % CAPS_AGREED_EVERY and batch_idx + 1 < (batches or math.inf):
+            return
+        caps = lowered_caps(self.micro, self.gather, self.allocation.global_batch_size or 1)
+        if caps is not None:
+            self.allocation = self.allocation.with_caps(caps)
+            if self._fit is not None:
+                rank_zero_info(self.table())
+
+
+class BalanceView:
+    """The public, read-only balancing state of a heterogeneous strategy (``None`` before the allocation is known)."""
+
+    policy: BalancePolicy
+    comm_algorithm: CommAlgorithm | None = None  # the comm algorithm installed for this replica's fit
+    _node_ids: list[int] | None = None
+
+    @property
+    def config(self) -> HeterogeneousConfig:
+        """The validated keywords of this strategy (frozen)."""
+        return self.policy.config
+
+    @property
+    def batch_sizes(self) -> list[int] | None:
+        """Samples per step of every replica, indexed by global rank."""
+        sizes = self.policy.allocation.batch_sizes
+        return None if sizes is None else list(sizes)
+
+    @property
+    def local_batch_size(self) -> int | None:
+        sizes = self.policy.allocation.batch_sizes
+        return None if sizes is None else sizes[self.policy.rank]
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self.policy.allocation.global_batch_size
+
+    @property
+    def speeds(self) -> list[float] | None:
+        """Relative throughput (samples/s when profiled) of every replica, indexed by global rank."""
+        speeds = self.policy.allocation.speeds
+        return None if speeds is None else list(speeds)
+
+    @property
+    def speeds_given(self) -> bool:
+        return self.policy.config.speeds is not None
+
+    @property
+    def node_ids(self) -> list[int] | None:
+        return None if self._node_ids is None else list(self._node_ids)
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
+        return self.policy.allocation.loss_scale(self.policy.rank)
+
+    @property
+    def cost_model(self) -> list[AffineCost] | None:
+        """Every replica's fitted cost ``t_r(b)`` in seconds; ``None`` when the speeds were given."""
+        costs = self.policy.allocation.cost_model
+        return None if costs is None else list(costs)
+
+    @property
+    def micro_batcher(self) -> MicroBatcher | None:
+        return self.policy.micro
+
+    @property
+    def profile_seconds(self) -> float:
+        return self.policy.allocation.profile_seconds
+
+    @property
+    def profiling(self) -> bool:
+        return self.policy.profiling
+
+    @property
+    def comm_mode(self) -> str | None:
+        """The communication mode running (``comm`` after ``"auto"`` and fallbacks are resolved)."""
+        return None if self.comm_algorithm is None else self.comm_algorithm.mode
+
+    @property
+    def comm_reduction(self) -> str | None:
+        """``comm="hierarchical"``: ``"hierarchical"`` or ``"flat"`` after the measured choice; else ``None``."""
+        return None if self.comm_algorithm is None else self.comm_algorithm.reduction
+
+    @property
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step."""
+        return {} if self.comm_algorithm is None else self.comm_algorithm.stats
+
+    def adopt_allocation(
+        self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
+    ) -> None:
+        """Make ``batch_sizes`` the allocation (every replica, the same arguments; the training loader is rebuilt before
+        the next step); ``costs``: refreshed ``AffineCost.as_dict()`` costs, ``None`` keeps the model."""
+        self.policy.adopt(batch_sizes, speeds, costs)

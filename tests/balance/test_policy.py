@@ -1,0 +1,106 @@
+"""The balance policy: caps agreed at fixed steps (the same on every replica), batch norm policing, the speeds of a
+profiled split."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, costs_from_speeds
+from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy, measured_speeds
+from lightning_het.balance.rebalance import profiled_split
+from lightning_het.balance.state import Allocation
+
+
+def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
+    policy = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes=[8, 64]).config)
+    policy.place(0, 2, torch.device("cpu"), 2)
+    gathered: list[int] = []
+    step = 0
+
+    def all_gather(values: list[float]) -> list[list[float]]:
+        gathered.append(step)
+        return [values, [64.0, 0.0]]
+
+    policy.gather = all_gather  # type: ignore[method-assign]
+    assert policy.micro is not None
+    for step in range(40):
+        if step == 3:  # an out-of-memory error in step 3 halves rank 0's cap; rank 1 learns it at the next agreement
+            policy.micro.lower(8, torch.OutOfMemoryError("emulated"))
+        policy.agree_caps(step, 40)
+        if step == CAPS_AGREED_EVERY - 2:
+            assert policy.allocation.micro_caps is None and policy.micro.pending
+    assert gathered == [CAPS_AGREED_EVERY - 1, 2 * CAPS_AGREED_EVERY - 1, 39]  # and the epoch's last step
+    assert policy.allocation.micro_caps == [4, 64] and not policy.micro.pending
+
+
+def _norm_model(synced: bool) -> nn.Module:
+    norm = nn.SyncBatchNorm(4) if synced else nn.BatchNorm1d(4)
+    return nn.Sequential(nn.Linear(3, 4), norm, nn.Linear(4, 1))
+
+
+def test_sync_batchnorm_is_refused_with_micro_batching_only() -> None:
+    def placed(**keywords) -> BalancePolicy:
+        policy = BalancePolicy(HeterogeneousStrategy(**keywords).config)
+        policy.place(0, 2, torch.device("cpu"), 1)
+        return policy
+
+    micro = placed(max_micro_batch_sizes=[8, 64])
+    with pytest.raises(
+        ValueError, match=r"SyncBatchNorm layer\(s\) \(1\).*HINT: drop `Trainer\(sync_batchnorm=True\)`"
+    ):
+        micro.check_normalisation(_norm_model(synced=True))
+    with pytest.raises(ValueError, match="emulate_memory_cap"):
+        placed(emulate_memory_cap=[8, 64]).check_normalisation(_norm_model(synced=True))
+    micro.check_normalisation(_norm_model(synced=False))  # per-replica batch norm: warned about, not refused
+    assert micro.batchnorm_layers == ["1"]
+    norms = nn.Sequential(
+        nn.BatchNorm2d(2), nn.LazyBatchNorm3d(), nn.InstanceNorm1d(2), nn.LayerNorm(2), nn.GroupNorm(1, 2)
+    )
+    micro.check_normalisation(norms)  # every kind of batch norm torch has; the other normalisations are no concern
+    assert micro.batchnorm_layers == ["0", "1"]
+    plain = placed()
+    plain.check_normalisation(_norm_model(synced=True))  # one forward per step on every replica: fine
+    assert plain.batchnorm_layers == []
+
+
+def test_measured_caps_below_what_batch_norm_needs_end_every_replica() -> None:
+    """``"auto"`` with batch norm: a replica that cannot hold a micro-batch of 3 (the least cap that never leaves a
+    piece of 1) ends the fit with the same message on every replica (after the caps' all-gather)."""
+    from lightning_het.balance.memory import EmulatedMemoryCap
+
+    policy = BalancePolicy(HeterogeneousStrategy(max_micro_batch_sizes="auto").config)
+    policy.place(0, 1, torch.device("cpu"), 1)
+    policy.allocation = Allocation(batch_sizes=[8])
+    module = _norm_model(synced=False)
+    policy.check_normalisation(module)
+    assert policy.micro is not None and policy.micro.least_cap == 3
+    EmulatedMemoryCap(0, 2).install(module)
+    x = torch.randn(8, 3)
+    with pytest.raises(RuntimeError, match=r"not even a training step of 3 sample\(s\) \(the model's batch norm"):
+        policy.measure_caps(lambda piece: module(piece).pow(2).mean(), x, nullcontext, module)
+
+
+@pytest.mark.parametrize("total", [8, 9, 100])
+def test_speeds_of_a_split_kept_equal_within_noise_reproduce_it_when_pinned(total):
+    costs = [AffineCost(0.002, 1e-3), AffineCost(0.0021, 1.08e-3)]  # equally fast within the profile's noise
+    sizes = profiled_split(total, costs, threshold=1.1)
+    speeds = measured_speeds(sizes, costs, {})
+    assert sizes == allocate_batch_sizes(total, [1.0, 1.0])
+    assert speeds[0] == speeds[1] == pytest.approx(sum(b / c(b) for b, c in zip(sizes, costs)) / 2)
+    assert allocate_batch_sizes(total, speeds) == sizes  # what a run that pins these speeds splits
+
+
+def test_speeds_of_an_uneven_split_are_each_replicas_own():
+    costs = costs_from_speeds([1, 3])
+    sizes = profiled_split(48, costs)
+    speeds = measured_speeds(sizes, costs, {})
+    assert sizes == [12, 36] and speeds == pytest.approx([12 / costs[0](12), 36 / costs[1](36)])
+    assert allocate_batch_sizes(48, speeds) == sizes
+    # the equal split under bounds is the bounded one
+    bounded = {"min_batch_size": 1, "max_batch_sizes": [3, 64]}
+    assert measured_speeds([3, 5], costs, bounded)[0] == measured_speeds([3, 5], costs, bounded)[1]
