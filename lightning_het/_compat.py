@@ -54,8 +54,6 @@ def default_store() -> object:
     return _get_default_store()
 
 
-
-
 # ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
 def _private_attribute(owner: Any, name: str) -> Any:
     try:
@@ -100,8 +98,6 @@ def should_accumulate(trainer: Any) -> bool:
         return False
     last = ready == trainer.num_training_batches or progress.is_last_batch
     return bool(trainer.strategy.handles_gradient_accumulation or not last)
-
-
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
