@@ -24,8 +24,9 @@ def _missing_api_error(what: str, err: BaseException) -> ImportError:
     )
 
 
-# Kept, each without a public equivalent: Lightning's DataLoader re-instantiation with changed arguments
-# (``_update_dataloader`` takes a new sampler only), and torch's default store (no public getter).
+# Kept, each without a public equivalent: Lightning's reading of a DataLoader's ``__init__`` arguments (its
+# ``_update_dataloader`` changes the sampler only, not the batch size) and their recording (``_replace_dunder_methods``
+# around its sampler injection), and torch's default store (no public getter).
 try:
     from lightning.fabric.utilities.data import _replace_dunder_methods
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -35,7 +36,6 @@ except ImportError as err:  # pragma: no cover - only with an untested Lightning
 
 __all__ = [
     "_get_dataloader_init_args_and_kwargs",
-    "_replace_dunder_methods",
     "attached_trainer",
     "default_store",
     "inside_fabric_backward",

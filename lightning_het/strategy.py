@@ -205,7 +205,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         """Install ``comm`` on the DDP model and the optimizers (a collective) with a resumed fit's comm state."""
         assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
         comm = self._comm.resolve(self._node_ids)
-        register_user_hook(self.model, comm.mode, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
+        register_user_hook(self.model, comm, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
         loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
         position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
         ids, sizes = self._node_ids, self.policy.allocation.batch_sizes

@@ -192,14 +192,14 @@ class AllReduce(CommAlgorithm):
     mode: ClassVar[str] = "allreduce"
 
 
-def register_user_hook(model: Any, mode: str, hook: Any, state: Any, wrapper: Any) -> None:
+def register_user_hook(model: Any, algorithm: CommAlgorithm, hook: Any, state: Any, wrapper: Any) -> None:
     """Register the user's ``ddp_comm_hook`` (with ``ddp_comm_state``, ``ddp_comm_wrapper``) on any device; a
-    ``ValueError`` unless ``mode`` is ``"allreduce"`` (the others install their own)."""
+    ``ValueError`` unless ``algorithm`` is :class:`AllReduce` (the others install their own)."""
     if hook is None:
         return
-    if mode != "allreduce":
+    if not isinstance(algorithm, AllReduce):
         raise ValueError(
-            f"You passed `ddp_comm_hook`, but `comm` resolves to {mode!r}, which installs its own hook."
+            f"You passed `ddp_comm_hook`, but `comm` resolves to {algorithm.mode!r}, which installs its own hook."
             " HINT: use comm='allreduce' with a custom hook."
         )
     model.register_comm_hook(state=state, hook=wrapper(hook) if wrapper is not None else hook)

@@ -53,14 +53,13 @@ class HeterogeneousDataModule(pl.LightningDataModule):
                 f"{type(self).__name__}.setup() did not set `{name}_dataset`; set it before asking for the"
                 f" {name} loader."
             )
-        workers = self.num_workers
         return DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
-            num_workers=workers,
+            num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            persistent_workers=workers > 0,
+            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_het import AllReduce, Hierarchical, NodeLocal
 from lightning_het.comm.allreduce import register_user_hook
 from tests.helpers.gloo import run_gloo
 
@@ -21,7 +22,7 @@ def _hooked(rank: int, world_size: int) -> list[float]:
         future.set_result(bucket.buffer() * state)
         return future
 
-    register_user_hook(model, "allreduce", doubled, 2.0, None)
+    register_user_hook(model, AllReduce(), doubled, 2.0, None)
     model(torch.full((1, 1), float(rank + 1))).sum().backward()
     return [float(model.module.weight.grad)]
 
@@ -29,8 +30,8 @@ def _hooked(rank: int, world_size: int) -> list[float]:
 def test_a_users_hook_runs_on_cpu_and_is_refused_where_a_mode_installs_its_own(tmp_path) -> None:
     model = nn.Linear(1, 1)  # (not wrapped: the checks come first)
     with pytest.raises(ValueError, match=r"`ddp_comm_hook`, but `comm` resolves to 'hierarchical'.*comm='allreduce'"):
-        register_user_hook(model, "hierarchical", lambda state, bucket: None, None, None)
-    register_user_hook(model, "node_local", None, None, None)  # no hook: nothing to check
+        register_user_hook(model, Hierarchical(), lambda state, bucket: None, None, None)
+    register_user_hook(model, NodeLocal(), None, None, None)  # no hook: nothing to check
     assert run_gloo(_hooked, 2, tmp_path) == [[6.0], [6.0]]  # inputs 1 and 2: 2 x (1 + 2), not DDP's mean 1.5
 
 
@@ -48,8 +49,8 @@ def test_a_users_wrapper_wraps_the_users_hook() -> None:
         return lambda state, bucket: ("wrapped", inner(state, bucket))
 
     model = Recording()
-    register_user_hook(model, "allreduce", hook, "state", wrapper)
+    register_user_hook(model, AllReduce(), hook, "state", wrapper)
     state, registered = model.registered
     assert state == "state" and registered(state, None) == ("wrapped", "hooked")
-    register_user_hook(model, "allreduce", hook, None, None)
+    register_user_hook(model, AllReduce(), hook, None, None)
     assert model.registered == (None, hook)
