@@ -430,14 +430,8 @@ class HeterogeneousStrategyMixin(BalanceView):
     # ------------------------------------------------------------------ reports
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
         """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
-        return balance_report(
-            self.policy.allocation,
-            node_ids=self._node_ids,
-            profiled=self.config.speeds is None,
-            emulate_slowdown=self.config.emulate_slowdown,
-            devices=device_labels(self),
-            telemetry=self._telemetry(include_series),
-        )
+        telemetry = self._telemetry(include_series)
+        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
