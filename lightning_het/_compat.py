@@ -6,10 +6,8 @@ imports a private Lightning or torch name.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 
@@ -140,16 +138,3 @@ def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
     ``None`` when ``sampler`` is no such wrapper; the wrapper gives it no public name."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
-
-
-@contextlib.contextmanager
-def inside_fabric_backward(wrappers: ModuleType) -> Iterator[None]:
-    """While the block runs, Fabric's ``wrappers`` module (of either Fabric package) believes that it runs inside
-    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed; Fabric
-    has no public switch."""
-    previous = wrappers._in_fabric_backward
-    wrappers._in_fabric_backward = True
-    try:
-        yield
-    finally:
-        wrappers._in_fabric_backward = previous
