@@ -1,9 +1,4 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
-
-One :class:`Watchdog` per replica: progress markers fed by :class:`WatchdogCallback`, a heartbeat thread writing signed
-records to the job's store, the pure :func:`~.verdicts.judge`, and one compare-and-set abort record that ends every
-replica; the local replicas' processes are a second signal (``docs/reliability.md``).
-"""
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped."""
 
 from __future__ import annotations
 
@@ -62,19 +57,14 @@ def launched_replicas(launcher: object) -> list[subprocess.Popen]:
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
     """A verdict for local replicas that exited with a non-zero status (interrupted ones: ``"interrupted"``)."""
-    exited = []
-    for rank, proc in children:
-        code = proc.poll()
-        if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
-            exited.append((rank, proc.pid, code))
+    # 143: a preempted replica, ending with the others
+    exited = [(r, p.pid, code) for r, p in children if (code := p.poll()) and code != _PREEMPTED_EXIT_CODE]
     if not exited:
         return None
     ranks = sorted(r for r, _, _ in exited)
-    kinds = {"interrupted" if code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) else None for _, _, code in exited}
     detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
-    if len(kinds) == 1 and None not in kinds:
-        kind = kinds.pop()
-        return Verdict(str(kind), tuple(ranks), 0.0, f"replica(s) {ranks} {kind} ({detail})")
+    if all(code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) for _, _, code in exited):
+        return Verdict("interrupted", tuple(ranks), 0.0, f"replica(s) {ranks} interrupted ({detail})")
     return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
 
 
@@ -172,24 +162,21 @@ _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _
 
 
 def _waits(code: Any) -> bool:
-    if _TORCH_DISTRIBUTED in code.co_filename:
-        return True
-    if not any(package in code.co_filename for package in _LIGHTNING_PACKAGES):
-        return False
-    if code.co_name in _WAITING_FUNCTIONS or getattr(code, "co_qualname", None) in _WAITING_FUNCTIONS:
-        return True
-    # Python 3.10 has no co_qualname: the _InfiniteBarrier methods are known by their file
-    infinite_barrier = code.co_filename.endswith(_BARRIER_FILE) and code.co_name in ("__exit__", "__call__")
-    return not hasattr(code, "co_qualname") and infinite_barrier
+    name, file = getattr(code, "co_qualname", code.co_name), code.co_filename
+    if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
+        name = f"_InfiniteBarrier.{name}"
+    waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
+    return _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING_PACKAGES))
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
-    while frame is not None and depth > 0:
+    for _ in range(depth):
+        if frame is None:
+            return False
         if _waits(frame.f_code):
             return True
         frame = frame.f_back
-        depth -= 1
     return False
 
 
@@ -198,7 +185,7 @@ class StoreUnreachable(RuntimeError):
 
 
 class GuardedStore:
-    """The store, every failing call raising :class:`StoreUnreachable` (a lost store, not a watchdog bug)."""
+    """The store, every failing call raising :class:`StoreUnreachable`."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -259,7 +246,7 @@ class HeartbeatBook:
             if self._forgeries == 1:
                 warn(
                     f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid"
-                    " signature (written by a client outside the job?)"
+                    " signature"
                 )
         return payload
 
@@ -269,7 +256,7 @@ class HeartbeatBook:
             self.tampered.add(key)
             warn(
                 f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {what}; ignored, the last genuine record is kept (a client outside the job writes to the store)"
+                f" {what}; ignored"
             )
 
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
@@ -334,18 +321,15 @@ class HeartbeatBook:
             return
         self._hidden.add(r)
         warn(
-            f"[rank {self.rank}] lightning_het watchdog: no new heartbeat of replica {r} for {seconds:.1f} s, but its"
+            f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {seconds:.1f} s, but its"
             f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}' is hidden"
-            " by tampering with the store, or the process is frozen)"
+            " by tampering, or it is frozen)"
         )
 
 
 #: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
 EMERGENCY_KINDS = ("hung", "silent", "exited")
-#: seconds the survivors wait for the writer of the emergency checkpoint
-EMERGENCY_WRITE_S = 120.0
-
-log = logging.getLogger(__name__)
+EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
 
 
 class Watchdog:
