@@ -474,8 +474,7 @@ class Watchdog:
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
                 message = (
-                    f"replica 0 ended: replica {self.rank} lost its connection to the rendezvous store that"
-                    f" replica 0 hosts ({err}) while raising {first_line(exception)}"
+                    f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising {first_line(exception)}"
                 )
                 self._standing = Verdict("lost_store", (0,), 0.0, message)
                 self._report(self._standing)
@@ -507,10 +506,7 @@ class Watchdog:
                 self._store_lost_since = self._store_lost_since or time.monotonic()
                 lost = time.monotonic() - self._store_lost_since
                 if lost > self.timeout:
-                    message = (
-                        f"replica {self.rank} lost contact with the job's rendezvous store for {lost:.1f} s ({err});"
-                        " the replica hosting it (rank 0) ended or the network failed"
-                    )
+                    message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
                     self._end(Verdict("lost_store", (0,), lost, message))
                     return
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
