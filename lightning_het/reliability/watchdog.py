@@ -204,10 +204,9 @@ class GuardedStore:
 
 def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
     """The :class:`ReplicaStatus` of replica ``rank`` from its (verified) heartbeat record ``data``."""
-    fields = {key: data[key] for key in ("host", "pid", "batch", "armed", "waiting", "state", "error")}
-    evaluation = {"eval_stage": data.get("eval_stage", ""), "eval_batch": data.get("eval_batch", -1)}
-    phase = Phase(data["phase"])
-    return ReplicaStatus(rank=rank, phase=phase, silent_for=silent_for, stalled_for=stalled_for, **fields, **evaluation)
+    keys = ("host", "pid", "batch", "armed", "waiting", "state", "error", "eval_stage", "eval_batch")
+    ages = {"silent_for": silent_for, "stalled_for": stalled_for}
+    return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
 
 
 class HeartbeatBook:
@@ -297,9 +296,12 @@ class HeartbeatBook:
             status = ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
         else:
             status = status_from_record(r, data, now - beat_changed, now - seq_changed)
-        identity = self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"]))
-        if status.silent_for > self.stale_after and identity and self._alive_here(*identity):
-            self._note_hidden(r, status.silent_for, identity[2])
+        host, boot, pid = (
+            self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"])) or ("",) * 3
+        )
+        # the second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat
+        if status.silent_for > self.stale_after and host == self.host and boot == BOOT_ID and self.alive(int(pid)):
+            self._note_hidden(r, status.silent_for, pid)
             return replace(status, silent_for=0.0, stalled_for=0.0)
         return status
 
@@ -311,10 +313,6 @@ class HeartbeatBook:
             self._note_hidden(status.rank, status.silent_for, status.pid)
             return replace(status, silent_for=0.0, stalled_for=0.0)
         return status
-
-    def _alive_here(self, host: str, boot: str, pid: int) -> bool:
-        """The second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat."""
-        return host == self.host and boot == BOOT_ID and self.alive(int(pid))
 
     def _note_hidden(self, r: int, seconds: float, pid: int) -> None:
         if r in self._hidden:
