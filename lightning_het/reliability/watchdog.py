@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import hashlib
 import itertools
@@ -601,11 +600,9 @@ class Watchdog:
         if self._reported:
             return
         self._reported = True
-        message = (
-            f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. Ending the job (timeout={self.timeout:g}"
-            f" s, exit status {exit_code_for(verdict)}). HINT: {HINTS.get(verdict.kind, HINTS['hung'])}"
-        )
-        warn(message, logging.ERROR)
+        ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
+        hint = HINTS.get(verdict.kind, HINTS["hung"])
+        warn(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}", logging.ERROR)
 
     def _acknowledge(self) -> None:
         with contextlib.suppress(Exception):
@@ -656,10 +653,6 @@ class WatchdogCallbackMixin:
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallbackMixin:
-        """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
-        return copy.copy(self)
 
     # loops
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
