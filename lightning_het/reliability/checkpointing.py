@@ -202,11 +202,8 @@ def checkpoint_record(
     find_sampler: Callable[[Iterable[Any]], Any],
     comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The entry for the checkpoint being saved now: the allocation, the training sampler's position (``trainer``
-    ``None``: none; ``find_sampler`` picks it among the training loaders) and the comm mode's state (``node_local``:
-    the outer optimizer's, after the forced consensus).
-    ``speeds`` is ``None`` while the first steps still profile (a run resumed from there profiles again).
-    """
+    """The ``checkpoint["lightning_het"]`` entry now: allocation, training sampler position and comm state
+    (``speeds`` is ``None`` while the first steps still profile)."""
     sampler_state = None
     if trainer is not None:
         loaders = training_loaders(trainer)
@@ -239,9 +236,8 @@ def synchronize_before_save(controller: Any, module: torch.nn.Module | None) -> 
 
 
 def with_node_states(record: dict[str, Any], checkpoint: Mapping[str, Any], controller: Any) -> dict[str, Any]:
-    """``record`` (the ``checkpoint["lightning_het"]`` entry) with, in ``comm="node_local"``, every node's inner
-    optimizer state and compression residual in its comm state (``"nodes"``) on rank 0. A collective: call it where
-    every rank saves (``Strategy.save_checkpoint``), never per step; nothing without optimizer states (weights only)."""
+    """``record`` with every node's inner optimizer state and residual under ``comm["nodes"]`` on rank 0
+    (``node_local``; a collective, called where every rank saves)."""
     if controller is None or "optimizer_states" not in checkpoint:
         return record
     nodes = controller.gather_node_states(checkpoint["optimizer_states"])

@@ -1,9 +1,5 @@
-"""The reliability parts of one Trainer replica (:class:`Guards`), and the emergency checkpoint: when the watchdog
-ends a fit, the survivors agree through the store (no collective) on the last optimizer step each of them completed,
-and the lowest survivor holding it saves it atomically. Each step's end keeps what changes besides the tensors
-(:class:`StepState`); the tensors do not change until the next parameter update, which
-:meth:`EmergencyCheckpoint.update` holds under the save's lock (``docs/reliability.md``).
-"""
+"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: when the watchdog ends a fit, the
+survivors agree through the store on the last step they all completed and the lowest one holding it saves it."""
 
 from __future__ import annotations
 

@@ -26,7 +26,6 @@ from lightning_het.cluster.rendezvous import (
 from lightning_het.reliability.output_dir import check_output_dir
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
-    WATCHDOG_EXIT_CODE,
     JobEnded,
     exit_code_for,
     interruption_of,
@@ -84,10 +83,8 @@ def validate_launch_environment(num_nodes: int, cluster_environment: Any, enviro
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]
     if missing:
         raise ValueError(
-            f"You set num_nodes={num_nodes}, but the environment variable(s) {', '.join(missing)} are not set, so the"
-            " nodes cannot find each other (each would wait for its own rendezvous until the start-up timeout)."
-            " HINT: on every node export MASTER_ADDR=<host of node 0>, MASTER_PORT=<free port, same on all nodes>"
-            " and NODE_RANK=<0..num_nodes-1>, or launch through SLURM / torchrun."
+            f"You set num_nodes={num_nodes}, but {', '.join(missing)} are not set: the nodes cannot find each other."
+            " HINT: export MASTER_ADDR, MASTER_PORT and NODE_RANK on every node, or launch through SLURM / torchrun."
         )
 
 
@@ -261,9 +258,9 @@ class ScriptLauncher:
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
         if verdict is None or not is_collective_failure(exc):
             return None
-        if verdict.kind == "failed" and watchdog is not None and watchdog.rank in verdict.culprits:
+        if verdict.kind == "failed" and watchdog.rank in verdict.culprits:
             return None
-        return exit_code_for(verdict) if verdict.kind != "failed" else WATCHDOG_EXIT_CODE
+        return exit_code_for(verdict)
 
 
 def child_command(local_rank: int) -> tuple[list[str], str | None]:

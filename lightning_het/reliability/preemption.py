@@ -1,8 +1,4 @@
-"""Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143.
-
-The replicas agree on the notice after an optimizer step, rank 0 saves atomically, every replica raises
-:class:`Preempted`; one still alive ``grace`` seconds after the signal exits with 143 (``docs/preemption.md``).
-"""
+"""Preemption: on SIGTERM (or SLURM's ``--signal``), save a resumable checkpoint and end every replica with 143."""
 
 from __future__ import annotations
 
@@ -174,15 +170,9 @@ class PreemptionHandler:
     def _await_deadline(self, reason: str) -> None:
         while (left := self.deadline_at - time.monotonic()) > 0:  # type: ignore[operator]
             time.sleep(min(left, 0.2))
-        head = f"[rank {self.rank}] lightning_het preemption: this replica {reason}"
-        if self.fitting:
-            message = (
-                f"{head} and did not end within preemption_grace={self.grace:g} s (stuck in a collective, a long"
-                f" validation or a slow teardown); ending it now with exit status {PREEMPTION_EXIT_CODE}."
-            )
-        else:
-            message = f"{head} outside fit (nothing to save); ending it with exit status {PREEMPTION_EXIT_CODE}."
-        print(message, file=sys.stderr, flush=True)
+        late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
+        message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
+        print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
         self.end_launched_replicas(0.0)
         for child in multiprocessing.active_children():  # data-loader workers ignore SIGTERM: they would linger
             with contextlib.suppress(Exception):

@@ -175,14 +175,9 @@ def judge(
     seconds = max(s.stalled_for for s in armed)
     waiting = {s.rank for s in running if s.waiting or s.phase == Phase.EVAL_DONE}
     suspects = [s for s in armed if s.stalled_for > suspect and s.rank not in waiting]
-    evaluating = [s for s in suspects if s.phase in _EVAL_PHASES]
-    if evaluating:
-        culprits = evaluating
-    elif suspects:
-        behind = min(s.position for s in suspects)
-        culprits = [s for s in suspects if s.position == behind]
-    else:
-        culprits = [s for s in running if s.rank not in waiting]
+    behind = min((s.position for s in suspects), default=None)
+    culprits = [s for s in suspects if s.phase in _EVAL_PHASES] or [s for s in suspects if s.position == behind]
+    culprits = culprits or [s for s in running if s.rank not in waiting]
     progressing = bool(culprits) and all(s.stalled_for <= suspect for s in culprits)
     if not culprits:  # everyone waits on everyone: report them all
         culprits = armed
@@ -190,11 +185,8 @@ def judge(
     context = "; ".join(s.describe() for s in culprits)
     if others:
         context += "; the others wait: " + "; ".join(s.describe() for s in others)
-    if progressing:
-        text = f"kept the other replicas waiting for {seconds:.1f} s"
-    else:
-        seconds = max(s.stalled_for for s in culprits)
-        text = f"stopped responding for {seconds:.1f} s"
+    seconds = seconds if progressing else max(s.stalled_for for s in culprits)
+    text = f"{'kept the other replicas waiting' if progressing else 'stopped responding'} for {seconds:.1f} s"
     return Verdict("hung", tuple(_ranks(culprits)), seconds, f"replica(s) {_ranks(culprits)} {text} ({context})")
 
 
@@ -203,13 +195,10 @@ _COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "con
 
 def is_collective_failure(exception: BaseException) -> bool:
     """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection)."""
-    dist_errors = tuple(getattr(dist, name) for name in ("DistError",) if hasattr(dist, name))
-    if dist_errors and isinstance(exception, dist_errors):
+    if isinstance(exception, dist.DistError):  # torch >= 2.1
         return True
-    if not isinstance(exception, RuntimeError):
-        return False
     text = str(exception).lower()
-    return any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+    return isinstance(exception, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
 
 
 def first_line(exception: BaseException, limit: int = 300) -> str:

@@ -1,14 +1,8 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped.
-
-One :class:`Watchdog` per replica: progress markers fed by :class:`WatchdogCallback`, a heartbeat thread writing signed
-records to the job's store, the pure :func:`~.verdicts.judge`, and one compare-and-set abort record that ends every
-replica; the local replicas' processes are a second signal (``docs/reliability.md``).
-"""
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import hashlib
 import itertools
@@ -62,19 +56,14 @@ def launched_replicas(launcher: object) -> list[subprocess.Popen]:
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
     """A verdict for local replicas that exited with a non-zero status (interrupted ones: ``"interrupted"``)."""
-    exited = []
-    for rank, proc in children:
-        code = proc.poll()
-        if code and code != _PREEMPTED_EXIT_CODE:  # 143: a preempted replica, ending with the others
-            exited.append((rank, proc.pid, code))
+    # 143: a preempted replica, ending with the others
+    exited = [(r, p.pid, code) for r, p in children if (code := p.poll()) and code != _PREEMPTED_EXIT_CODE]
     if not exited:
         return None
     ranks = sorted(r for r, _, _ in exited)
-    kinds = {"interrupted" if code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) else None for _, _, code in exited}
     detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
-    if len(kinds) == 1 and None not in kinds:
-        kind = kinds.pop()
-        return Verdict(str(kind), tuple(ranks), 0.0, f"replica(s) {ranks} {kind} ({detail})")
+    if all(code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) for _, _, code in exited):
+        return Verdict("interrupted", tuple(ranks), 0.0, f"replica(s) {ranks} interrupted ({detail})")
     return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
 
 
@@ -172,24 +161,21 @@ _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _
 
 
 def _waits(code: Any) -> bool:
-    if _TORCH_DISTRIBUTED in code.co_filename:
-        return True
-    if not any(package in code.co_filename for package in _LIGHTNING_PACKAGES):
-        return False
-    if code.co_name in _WAITING_FUNCTIONS or getattr(code, "co_qualname", None) in _WAITING_FUNCTIONS:
-        return True
-    # Python 3.10 has no co_qualname: the _InfiniteBarrier methods are known by their file
-    infinite_barrier = code.co_filename.endswith(_BARRIER_FILE) and code.co_name in ("__exit__", "__call__")
-    return not hasattr(code, "co_qualname") and infinite_barrier
+    name, file = getattr(code, "co_qualname", code.co_name), code.co_filename
+    if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
+        name = f"_InfiniteBarrier.{name}"
+    waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
+    return _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING_PACKAGES))
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
-    while frame is not None and depth > 0:
+    for _ in range(depth):
+        if frame is None:
+            return False
         if _waits(frame.f_code):
             return True
         frame = frame.f_back
-        depth -= 1
     return False
 
 
@@ -198,7 +184,7 @@ class StoreUnreachable(RuntimeError):
 
 
 class GuardedStore:
-    """The store, every failing call raising :class:`StoreUnreachable` (a lost store, not a watchdog bug)."""
+    """The store, every failing call raising :class:`StoreUnreachable`."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -217,10 +203,9 @@ class GuardedStore:
 
 def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
     """The :class:`ReplicaStatus` of replica ``rank`` from its (verified) heartbeat record ``data``."""
-    fields = {key: data[key] for key in ("host", "pid", "batch", "armed", "waiting", "state", "error")}
-    evaluation = {"eval_stage": data.get("eval_stage", ""), "eval_batch": data.get("eval_batch", -1)}
-    phase = Phase(data["phase"])
-    return ReplicaStatus(rank=rank, phase=phase, silent_for=silent_for, stalled_for=stalled_for, **fields, **evaluation)
+    keys = ("host", "pid", "batch", "armed", "waiting", "state", "error", "eval_stage", "eval_batch")
+    ages = {"silent_for": silent_for, "stalled_for": stalled_for}
+    return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
 
 
 class HeartbeatBook:
@@ -259,7 +244,7 @@ class HeartbeatBook:
             if self._forgeries == 1:
                 warn(
                     f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid"
-                    " signature (written by a client outside the job?)"
+                    " signature"
                 )
         return payload
 
@@ -269,7 +254,7 @@ class HeartbeatBook:
             self.tampered.add(key)
             warn(
                 f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {what}; ignored, the last genuine record is kept (a client outside the job writes to the store)"
+                f" {what}; ignored"
             )
 
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
@@ -310,9 +295,12 @@ class HeartbeatBook:
             status = ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
         else:
             status = status_from_record(r, data, now - beat_changed, now - seq_changed)
-        identity = self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"]))
-        if status.silent_for > self.stale_after and identity and self._alive_here(*identity):
-            self._note_hidden(r, status.silent_for, identity[2])
+        host, boot, pid = (
+            self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"])) or ("",) * 3
+        )
+        # the second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat
+        if status.silent_for > self.stale_after and host == self.host and boot == BOOT_ID and self.alive(int(pid)):
+            self._note_hidden(r, status.silent_for, pid)
             return replace(status, silent_for=0.0, stalled_for=0.0)
         return status
 
@@ -325,27 +313,20 @@ class HeartbeatBook:
             return replace(status, silent_for=0.0, stalled_for=0.0)
         return status
 
-    def _alive_here(self, host: str, boot: str, pid: int) -> bool:
-        """The second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat."""
-        return host == self.host and boot == BOOT_ID and self.alive(int(pid))
-
     def _note_hidden(self, r: int, seconds: float, pid: int) -> None:
         if r in self._hidden:
             return
         self._hidden.add(r)
         warn(
-            f"[rank {self.rank}] lightning_het watchdog: no new heartbeat of replica {r} for {seconds:.1f} s, but its"
+            f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {seconds:.1f} s, but its"
             f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}' is hidden"
-            " by tampering with the store, or the process is frozen)"
+            " by tampering, or it is frozen)"
         )
 
 
 #: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
 EMERGENCY_KINDS = ("hung", "silent", "exited")
-#: seconds the survivors wait for the writer of the emergency checkpoint
-EMERGENCY_WRITE_S = 120.0
-
-log = logging.getLogger(__name__)
+EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
 
 
 class Watchdog:
@@ -490,8 +471,7 @@ class Watchdog:
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
                 message = (
-                    f"replica 0 ended: replica {self.rank} lost its connection to the rendezvous store that"
-                    f" replica 0 hosts ({err}) while raising {first_line(exception)}"
+                    f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising {first_line(exception)}"
                 )
                 self._standing = Verdict("lost_store", (0,), 0.0, message)
                 self._report(self._standing)
@@ -523,10 +503,7 @@ class Watchdog:
                 self._store_lost_since = self._store_lost_since or time.monotonic()
                 lost = time.monotonic() - self._store_lost_since
                 if lost > self.timeout:
-                    message = (
-                        f"replica {self.rank} lost contact with the job's rendezvous store for {lost:.1f} s ({err});"
-                        " the replica hosting it (rank 0) ended or the network failed"
-                    )
+                    message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
                     self._end(Verdict("lost_store", (0,), lost, message))
                     return
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
@@ -623,11 +600,9 @@ class Watchdog:
         if self._reported:
             return
         self._reported = True
-        message = (
-            f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. Ending the job (timeout={self.timeout:g}"
-            f" s, exit status {exit_code_for(verdict)}). HINT: {HINTS.get(verdict.kind, HINTS['hung'])}"
-        )
-        warn(message, logging.ERROR)
+        ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
+        hint = HINTS.get(verdict.kind, HINTS["hung"])
+        warn(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}", logging.ERROR)
 
     def _acknowledge(self) -> None:
         with contextlib.suppress(Exception):
@@ -678,10 +653,6 @@ class WatchdogCallbackMixin:
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> WatchdogCallbackMixin:
-        """A copy sharing this process's running watchdog, so ``copy.deepcopy(trainer.callbacks)`` works."""
-        return copy.copy(self)
 
     # loops
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
