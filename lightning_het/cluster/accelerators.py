@@ -330,10 +330,6 @@ class MixedAcceleratorMixin:
     def name() -> str:
         return "mixed"
 
-    @classmethod
-    def register_accelerators(cls, accelerator_registry: Any) -> None:
-        """Not registered by name: it needs a device map."""
-
 
 class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
     """Accelerator for jobs that mix CPU and CUDA replicas; use it with ``HeterogeneousStrategy``."""
