@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
 
@@ -163,8 +163,6 @@ def plan_cpu_threads(
     >>> plan_cpu_threads([torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")], cpu_cores=16)
     [1, 8, 7]
     """
-    if isinstance(cpu_cores, bool) or not isinstance(cpu_cores, int) or cpu_cores < 1:
-        raise ValueError(f"Expected argument `cpu_cores` to be an integer >= 1, but got {cpu_cores!r}.")
     if cpu_threads is not None:
         if isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool):
             counts, given = [1 if d.type == "cuda" else cpu_threads for d in devices], [cpu_threads]
@@ -294,11 +292,7 @@ class MixedAcceleratorMixin:
 
     def get_device_stats(self, device: torch.device | str | int) -> dict[str, Any]:
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if device.type == "cuda":
-            return torch.cuda.memory_stats(device)
-        from lightning.pytorch.accelerators.cpu import get_cpu_stats
-
-        return get_cpu_stats()
+        return (CUDAAccelerator() if device.type == "cuda" else CPUAccelerator()).get_device_stats(device)
 
     def teardown(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -124,7 +124,7 @@ class MicroBatcher:
     @contextmanager
     def logging_as(self, module: Any, samples: int | None) -> Iterator[None]:
         """During a piece of ``samples``: ``module.log`` without ``batch_size`` weighs the value by the piece's size."""
-        log = module.log
+        log, own = module.log, vars(module).get("log")  # an instance's own: a trial step's silenced log
 
         def piece_log(*args: Any, batch_size: int | None = None, **kwargs: Any) -> Any:
             self.in_log = True
@@ -133,7 +133,6 @@ class MicroBatcher:
             finally:
                 self.in_log = False
 
-        own = vars(module).get("log")  # an instance's own (a trial step's silenced log)
         module.log = piece_log
         try:
             yield
