@@ -146,19 +146,15 @@ def local_sockets(num_nodes: int) -> Iterator[None]:
         restore_job_environment(saved)
 
 
-def save_job_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
-    """The values of :data:`JOB_ENVIRONMENT` in ``environ`` (default ``os.environ``; ``None``: unset)."""
-    environ = os.environ if environ is None else environ
-    return {name: environ.get(name) for name in JOB_ENVIRONMENT}
+def save_job_environment() -> dict[str, str | None]:
+    """The values of :data:`JOB_ENVIRONMENT` in ``os.environ`` (``None``: unset)."""
+    return {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
 
 
-def restore_job_environment(
-    saved: dict[str, str | None] | None, environ: MutableMapping[str, str] | None = None
-) -> None:
+def restore_job_environment(saved: dict[str, str | None] | None) -> None:
     """Put the variables of ``saved`` (from :func:`save_job_environment`) back; ``None``: nothing to do."""
-    environ = os.environ if environ is None else environ
     for name, value in (saved or {}).items():
         if value is None:
-            environ.pop(name, None)
+            os.environ.pop(name, None)
         else:
-            environ[name] = value
+            os.environ[name] = value

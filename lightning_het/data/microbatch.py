@@ -210,7 +210,7 @@ class MicroBatcher:
                 return step(batch)  # the share at once, as without micro-batching
             except torch.OutOfMemoryError as error:
                 self.lower(total, error)
-            _free_cache()
+            torch.cuda.empty_cache()
         held, done, rest, earlier = take_grads(params), 0, batch, []
         try:
             while True:
@@ -232,7 +232,7 @@ class MicroBatcher:
                         return {**output, "loss": loss} if isinstance(output, Mapping) else loss
                     earlier.append(step_loss(output).detach() * (n / total))
                     done += n
-                _free_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
+                torch.cuda.empty_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
                 rest = split_batch(batch, [done, total - done])[1] if done else batch
         finally:
             self._grads = take_grads(params)
@@ -245,11 +245,6 @@ class MicroBatcher:
         for p, g in zip(params, grads or ()):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
-
-
-def _free_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def piece_collective(micro: MicroBatcher | None, collective: str) -> bool:
