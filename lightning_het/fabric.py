@@ -326,14 +326,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""
-        return balance_report(
-            self.policy.allocation,
-            node_ids=self._node_ids,
-            profiled=self.config.speeds is None,
-            emulate_slowdown=None,
-            devices=device_labels(self),
-            telemetry=None,
-        )
+        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self))
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""

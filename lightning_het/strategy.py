@@ -472,14 +472,8 @@ class HeterogeneousStrategyMixin(BalanceView):
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
         """The allocation as plain data (``metrics.json``, loggers); with telemetry, ``"telemetry"`` holds the last
         fit's per-epoch figures (and, with ``include_series=True``, the per-step series behind the balance plot)."""
-        return balance_report(
-            self.policy.allocation,
-            node_ids=self._node_ids,
-            profiled=self.config.speeds is None,
-            emulate_slowdown=self.config.emulate_slowdown,
-            devices=device_labels(self),
-            telemetry=self._telemetry(include_series),
-        )
+        telemetry = self._telemetry(include_series)
+        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""

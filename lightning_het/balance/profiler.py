@@ -288,7 +288,7 @@ class InLoopProfiler:
             if any(other > b and fastest[other] < fastest[b] for other in stages):  # slower than a larger size: a
                 del stages[b]  # cold step timed once (right after the warm-up) would pull the line by its outlier
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
-        spread = stage_spread(list(trials.values()))
+        spread = round(max(stage_ratios(list(trials.values())), default=1.0), 12)  # of repeated steps' times
         rows = _all_gather([local.fixed_s, local.per_sample_s, spread, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
         # equal unless clearly imbalanced: beyond the default threshold and the spread of repeated steps' times
@@ -303,11 +303,6 @@ class InLoopProfiler:
         self.costs = costs
         self.done = True
         self._adopt(costs, sizes)
-
-
-def stage_spread(stages: Sequence[Sequence[float]]) -> float:
-    """The largest ratio of the slowest to the fastest of repeated steps of one size (1.0: none repeated)."""
-    return round(max(stage_ratios(stages), default=1.0), 12)
 
 
 def _all_gather(values: list[float], world_size: int, device: torch.device) -> list[list[float]]:

@@ -18,13 +18,7 @@ if TYPE_CHECKING:
 
 
 def balance_report(
-    allocation: Allocation,
-    *,
-    node_ids: list[int] | None,
-    profiled: bool,
-    emulate_slowdown: list[float] | None,
-    devices: list[str],
-    telemetry: dict[str, Any] | None,
+    allocation: Allocation, config: Any, node_ids: list[int] | None, devices: list[str], telemetry: Any = None
 ) -> dict[str, Any]:
     """The allocation as plain data (for ``metrics.json`` and loggers)."""
     sizes, costs = allocation.batch_sizes or [], allocation.cost_model
@@ -34,8 +28,8 @@ def balance_report(
         "speeds": list(allocation.speeds or []),
         "shares": sample_shares(sizes) if sizes else [],
         "node_ids": list(node_ids or []),
-        "profiled": profiled,
-        "emulate_slowdown": list(emulate_slowdown) if emulate_slowdown else None,
+        "profiled": config.speeds is None,
+        "emulate_slowdown": list(config.emulate_slowdown) if config.emulate_slowdown else None,
         "devices": devices,
         "profile_seconds": allocation.profile_seconds,
         "profile_cached": allocation.profile_cached,

@@ -125,13 +125,6 @@ def test_profiler_loader_prefetch_depth() -> None:
     """
 
 
-def test_profiler_stage_spread() -> None:
-    """
-    >>> stage_spread([[0.010, 0.012], [0.020], [0.031, 0.030]])
-    1.2
-    """
-
-
 def test_profiler_stage_ratios() -> None:
     """
     >>> stage_ratios([[0.010, 0.012], [0.020], [0.031, 0.030]])

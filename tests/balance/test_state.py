@@ -10,9 +10,9 @@ from lightning_het.balance.report import balance_report, render_balance_table
 from lightning_het.balance.state import Allocation
 
 
-def _report(allocation: Allocation, **overrides):
-    values = {"node_ids": [0, 0], "profiled": True, "emulate_slowdown": None, "devices": ["cpu", "cpu"]}
-    return balance_report(allocation, **{**values, **overrides}, telemetry=None)
+def _report(allocation: Allocation, node_ids=(0, 0), profiled=True, emulate_slowdown=None, devices=("cpu", "cpu")):
+    config = SimpleNamespace(speeds=None if profiled else [1.0], emulate_slowdown=emulate_slowdown)
+    return balance_report(allocation, config, list(node_ids), list(devices))
 
 
 def test_adopt_sets_sizes_speeds_global_batch_and_loss_scale():
