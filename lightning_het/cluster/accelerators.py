@@ -31,9 +31,7 @@ def _as_list(device_map: object, name: str) -> list[object]:
     elif isinstance(device_map, torch.device):
         entries = [device_map]
     elif isinstance(device_map, (bytes, Mapping)) or not hasattr(device_map, "__iter__"):
-        raise ValueError(
-            f"Expected argument `{name}` to be a list of devices (e.g. ['cuda:0', 'cpu']), but got {device_map!r}."
-        )
+        raise ValueError(f"Expected `{name}` to be a list of devices, but got {device_map!r}.")
     else:
         entries = list(device_map)  # type: ignore[call-overload]
     if not entries or entries == [""]:
@@ -167,14 +165,12 @@ def plan_cpu_threads(
         if isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool):
             counts, given = [1 if d.type == "cuda" else cpu_threads for d in devices], [cpu_threads]
         elif isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
-            raise ValueError(
-                f"Expected `cpu_threads` to be an integer or one integer per local replica, got {cpu_threads!r}."
-            )
+            raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
         else:
             counts = given = list(cpu_threads)
             if len(counts) != len(devices):
                 raise ValueError(
-                    f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}."
+                    f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}"
                 )
         for i, c in enumerate(given):
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
@@ -311,9 +307,7 @@ class MixedAcceleratorMixin:
         if isinstance(devices, str) and devices.strip().isdigit():
             devices = int(devices)
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-            raise ValueError(
-                f"With a device map, `Trainer(devices=...)` is a number of processes per node or 'auto': {devices!r}."
-            )
+            raise ValueError(f"With a device map, `devices` is a process count per node or 'auto', got {devices!r}.")
         return devices
 
     @staticmethod
@@ -339,13 +333,9 @@ def mixed_accelerator_kwargs(
         return kwargs
     for clash in ("accelerator", "parallel_devices"):
         if kwargs.get(clash) is not None:
-            raise ValueError(
-                f"You set both `device_map` and `{clash}`={kwargs[clash]!r}: the map decides; drop `{clash}`."
-            )
-    return {
-        **kwargs,
-        "accelerator": trainer_flavour(strategy_cls).MixedAccelerator(device_map, cpu_threads=cpu_threads),
-    }
+            raise ValueError(f"You set both `device_map` and `{clash}`={kwargs[clash]!r}; drop `{clash}`.")
+    accelerator = trainer_flavour(strategy_cls).MixedAccelerator(device_map, cpu_threads=cpu_threads)
+    return {**kwargs, "accelerator": accelerator}
 
 
 def configure_devices(strategy: Any) -> DevicePlan | None:

@@ -77,9 +77,7 @@ def listen_address(num_nodes: int, master_addr: str) -> str:
     try:
         infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
-        raise ValueError(
-            f"You set MASTER_ADDR={master_addr!r}, but it does not resolve to an address ({err})."
-        ) from None
+        raise ValueError(f"MASTER_ADDR={master_addr!r} does not resolve to an address ({err}).") from None
     addresses = [info[4][0] for info in infos]
     ipv4 = [a for a in addresses if ipaddress.ip_address(a).version == 4]
     return (ipv4 or addresses)[0]

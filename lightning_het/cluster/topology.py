@@ -41,9 +41,7 @@ def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
         raise ValueError(f"Expected argument `node_ids` to be a sequence of integers, but got {node_ids!r}.")
     values = list(node_ids)
     if len(values) != world_size:
-        raise ValueError(
-            f"Expected `node_ids` with world size {world_size} entries, but got {len(values)} entries: {values}."
-        )
+        raise ValueError(f"Expected `node_ids` of world size {world_size}, but got {len(values)} entries: {values}.")
     for rank, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"Expected `node_ids` to hold integers, but `node_ids[{rank}]` is {value!r}.")

@@ -21,9 +21,7 @@ class HeterogeneousDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if as_batch_size(global_batch_size) is None:  # a Python or NumPy integer >= 1
-            raise ValueError(
-                f"Expected argument `global_batch_size` to be a positive integer, got {global_batch_size!r}."
-            )
+            raise ValueError(f"Expected `global_batch_size` to be a positive integer, got {global_batch_size!r}.")
         if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
             raise ValueError(f"Expected argument `eval_batch_size` to be a positive integer, got {eval_batch_size!r}.")
         if not isinstance(num_workers, int) or num_workers < 0:

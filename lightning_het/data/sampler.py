@@ -102,7 +102,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         sizes = [int(b) for b in batch_sizes]
         if len(sizes) != len(self.batch_sizes) or sum(sizes) != self.global_batch_size or min(sizes) < 1:
             raise ValueError(
-                f"Expected `batch_sizes` to split {self.global_batch_size} in {len(self.batch_sizes)}, got {sizes}."
+                f"Expected `batch_sizes` to split {self.global_batch_size} in {len(self.batch_sizes)}: {sizes}"
             )
         self.batch_sizes = sizes
         if self.tail_batch_sizes is not None:
@@ -170,11 +170,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
         total = n * self.repeats
         floor = max(1, min(int(min_share), total // len(weights)))
         sizes = allocate_batch_sizes(total, weights, min_batch_size=floor) if total else [0] * len(weights)
-        self.shard_sizes = sizes
-        self.start = sum(sizes[:rank])
-        self.num_samples = sizes[rank]
-        self.total_size = total
-        self._length = n
+        self.start, self.num_samples, self.total_size, self._length = sum(sizes[:rank]), sizes[rank], total, n
 
     def __iter__(self) -> Iterator[int]:
         return iter(i % self._length for i in range(self.start, self.start + self.num_samples))

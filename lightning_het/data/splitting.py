@@ -214,9 +214,7 @@ class LoaderSplitter:
         if allocated is None:
             split.adopt(list(sampler.batch_sizes), split.given_speeds or list(map(float, sampler.batch_sizes)))
         elif list(sampler.batch_sizes) != allocated:
-            raise ValueError(
-                f"The loader's sampler has batch_sizes={sampler.batch_sizes}, the strategy allocated {allocated}."
-            )
+            raise ValueError(f"The sampler's batch_sizes={sampler.batch_sizes} are not the allocation {allocated}.")
         self._start(sampler, trainer)
         return dataloader
 
@@ -234,9 +232,7 @@ class LoaderSplitter:
         global_batch = self.resolve_global_batch_size(dataloader, trainer, split.given_global_batch, split.world_size)
         length = len(order.sampler) if order.sampler is not None else len(dataloader.dataset)
         if length < global_batch:
-            raise ValueError(
-                f"The training dataset holds {length} samples, fewer than one global batch of {global_batch}."
-            )
+            raise ValueError(f"The training set holds {length} samples, fewer than one global batch of {global_batch}.")
         pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
         if self.train_pass is not None and self.train_pass[0] == pass_key and self.train_pass[1] != global_batch:
             # a further training loader with another global batch: split by the same speeds (or trial split)
