@@ -8,15 +8,16 @@ Importing it registers ``strategy="heterogeneous"`` in the strategy registries o
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from lightning_het._version import __version__
 from lightning_het.allocation import allocate_batch_sizes
 from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
+from lightning_het.config import Profiling, Reliability
 from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.emulation import EmulatedPlatform
 from lightning_het.fabric import HeterogeneousFabricStrategy
-from lightning_het.options import Profiling, Reliability
 from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
@@ -43,20 +44,25 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    HeterogeneousStrategy.register_strategies(StrategyRegistry)
-    HeterogeneousFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    registries: list[tuple[Any, type]] = [
+        (StrategyRegistry, HeterogeneousStrategy),
+        (STRATEGY_REGISTRY, HeterogeneousFabricStrategy),
+    ]
     if importlib.util.find_spec("pytorch_lightning") is not None:
         from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
 
         from lightning_het._pl_compat import HeterogeneousStrategy as Standalone
 
-        Standalone.register_strategies(StandaloneRegistry)
+        registries.append((StandaloneRegistry, Standalone))
     if importlib.util.find_spec("lightning_fabric") is not None:
         from lightning_fabric.strategies import STRATEGY_REGISTRY as STANDALONE_REGISTRY
 
         from lightning_het._fabric_compat import HeterogeneousFabricStrategy as StandaloneFabric
 
-        StandaloneFabric.register_strategies(STANDALONE_REGISTRY)
+        registries.append((STANDALONE_REGISTRY, StandaloneFabric))
+    for registry, cls in registries:
+        if "heterogeneous" not in registry:
+            registry.register("heterogeneous", cls, description="Heterogeneous data parallelism")
 
 
 _register()

@@ -6,10 +6,8 @@ imports a private Lightning or torch name.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 
@@ -34,19 +32,8 @@ try:
 except ImportError as err:  # pragma: no cover - only with an untested Lightning/torch release
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
-__all__ = [
-    "_get_dataloader_init_args_and_kwargs",
-    "attached_trainer",
-    "default_store",
-    "inside_fabric_backward",
-    "queue_backward_callback",
-    "record_loader_arguments",
-    "replace_signal_connector",
-    "restore_checkpoint",
-    "should_accumulate",
-    "training_loaders",
-    "wrapped_sampler",
-]
+#: the private upstream names other modules import from here (tests/test_fence.py reads it)
+__all__ = ["_get_dataloader_init_args_and_kwargs"]
 
 
 def default_store() -> object:
@@ -151,16 +138,3 @@ def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
     ``None`` when ``sampler`` is no such wrapper; the wrapper gives it no public name."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
-
-
-@contextlib.contextmanager
-def inside_fabric_backward(wrappers: ModuleType) -> Iterator[None]:
-    """While the block runs, Fabric's ``wrappers`` module (of either Fabric package) believes that it runs inside
-    ``fabric.backward`` (its ``_in_fabric_backward`` flag), so that a bare ``loss.backward()`` is allowed; Fabric
-    has no public switch."""
-    previous = wrappers._in_fabric_backward
-    wrappers._in_fabric_backward = True
-    try:
-        yield
-    finally:
-        wrappers._in_fabric_backward = previous

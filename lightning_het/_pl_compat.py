@@ -1,9 +1,5 @@
-"""The standalone ``pytorch_lightning`` flavour: our Trainer strategy, and the classes its parts give a trainer,
-composed with that package's classes by plain class statements (see :mod:`lightning_het._flavour`).
-
-``import lightning_het`` imports it when ``pytorch_lightning`` is installed, and registers its strategy in that
-package's ``StrategyRegistry``; :mod:`lightning_het.pl` is its public import.
-"""
+"""The standalone ``pytorch_lightning`` flavour: our Trainer strategy and the classes its parts give a trainer, composed
+with that package's classes by plain class statements (public import: :mod:`lightning_het.pl`)."""
 
 from __future__ import annotations
 
@@ -51,7 +47,6 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`lightning_het.HeterogeneousStrategy` on the standalone ``pytorch_lightning`` package."""
 
 
-#: what the parts of a ``pytorch_lightning`` run use (:func:`lightning_het._flavour.trainer_flavour`)
 TRAINER_FLAVOUR = TrainerFlavour(
     TrainerFn=TrainerFn,
     TrainerStatus=TrainerStatus,

@@ -7,25 +7,12 @@ import inspect
 import math
 import numbers
 import operator
-import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Literal, get_args
+from typing import Any
 
-# the communication modes, in one place (the app's config schema reads them too)
-#: a resolved mode, what an installed comm algorithm (`lightning_het.CommAlgorithm`) runs
-CommMode = Literal["allreduce", "hierarchical", "node_local"]
-#: what users pass as ``comm=``: a mode, or ``"auto"`` (``hierarchical`` on several nodes, else ``allreduce``)
-CommChoice = Literal["auto", "allreduce", "hierarchical", "node_local"]
-#: accepted values of ``comm``
-COMM_CHOICES: tuple[str, ...] = get_args(CommChoice)
-
-#: ``node_local``'s sync: accepted ``sync_dtype``, ``merge_weights`` and named ``outer_optimizer`` values
-SYNC_DTYPES = ("float32", "bfloat16", "int8")
-MERGE_WEIGHTS = ("samples", "nodes")
-OUTER_OPTIMIZERS = ("nesterov",)
-
-assert set(COMM_CHOICES) == {"auto", *get_args(CommMode)}
+#: ``comm=`` mode names (``"auto"``: ``hierarchical`` on several nodes, else ``allreduce``)
+COMM_CHOICES = ("auto", "allreduce", "hierarchical", "node_local")
 
 
 class ArgumentError(ValueError):
@@ -141,28 +128,6 @@ def as_timeout(name: str, value: Any) -> timedelta | None:
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
-def validate_grace(value: Any) -> float:
-    """``preemption_grace``: finite seconds > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _error(
-            "preemption_grace", f"Expected argument `preemption_grace` to be finite seconds > 0, but got {value!r}."
-        )
-    return float(value)
-
-
-def validate_preemption_checkpoint(value: Any) -> str | bool | None:
-    """``preemption_checkpoint``: a path (returned as ``str``), ``None`` (default location) or ``False`` (none)."""
-    if value is None or value is False:
-        return value
-    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
-        return str(os.fspath(value))
-    raise _error(
-        "preemption_checkpoint",
-        "Expected argument `preemption_checkpoint` to be a file or directory path, None (the default location) or"
-        f" False (no checkpoint on preemption), but got {value!r}.",
-    )
-
-
 def validate_resume(value: Any) -> str | bool | None:
     """``resume``: ``"auto"`` (resume from the newest checkpoint of this run), ``None`` (only a restarted elastic
     worker does) or ``False`` (never)."""
@@ -185,16 +150,8 @@ def check_comm_args(
             f"Expected argument `comm` to be one of {list(COMM_CHOICES)} or a comm algorithm object (e.g."
             f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
         )
-    if global_sync_every is not None and (
-        isinstance(global_sync_every, bool) or not isinstance(global_sync_every, int) or global_sync_every < 1
-    ):
-        raise _error(
-            "global_sync_every",
-            "Expected argument `global_sync_every` to be an integer >= 1 (optimizer steps between global"
-            f" parameter averages) or None, but got {global_sync_every!r}.",
-        )
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise _error(warmup_name, f"Expected argument `{warmup_name}` to be an integer >= 0, but got {warmup_steps!r}.")
+    positive_int("global_sync_every", global_sync_every)
+    positive_int(warmup_name, warmup_steps, allow_none=False, minimum=0)
 
 
 #: ``comm="node_local"``'s sync keywords and their defaults (the only values accepted in the other modes)
@@ -215,15 +172,15 @@ def check_sync_args(
     merge_weights: Any,
     *,
     comm: str = "node_local",
-) -> dict[str, Any]:
-    """``comm="node_local"``'s sync keywords, with the numbers as ``float``. A value other than the default is
+) -> None:
+    """``comm="node_local"``'s sync keywords. A value other than the default is
     refused where nothing reads it: in another ``comm`` mode (``"auto"`` never resolves to ``"node_local"``), and
     ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"`` (plain averaging has no outer optimizer;
     a callable builds its own)."""
-    if not (outer_optimizer is None or outer_optimizer in OUTER_OPTIMIZERS or callable(outer_optimizer)):
+    if not (outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)):
         raise _error(
             "outer_optimizer",
-            f"Expected argument `outer_optimizer` to be None (plain averaging), one of {list(OUTER_OPTIMIZERS)} or a"
+            "Expected argument `outer_optimizer` to be None (plain averaging), one of ['nesterov'] or a"
             f" callable building a torch optimizer from a list of tensors, but got {outer_optimizer!r}.",
         )
     numbers = {"outer_lr": (outer_lr, "> 0"), "outer_momentum": (outer_momentum, "in [0, 1)")}
@@ -231,17 +188,14 @@ def check_sync_args(
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
             raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
-    choices_of = {"sync_dtype": (sync_dtype, SYNC_DTYPES), "merge_weights": (merge_weights, MERGE_WEIGHTS)}
+    choices_of = {
+        "sync_dtype": (sync_dtype, ("float32", "bfloat16", "int8")),
+        "merge_weights": (merge_weights, ("samples", "nodes")),
+    }
     for name, (value, choices) in choices_of.items():
         if value not in choices:
             raise _error(name, f"Expected argument `{name}` to be one of {list(choices)}, but got {value!r}.")
-    given = {
-        "outer_optimizer": outer_optimizer,
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
-        "sync_dtype": sync_dtype,
-        "merge_weights": merge_weights,
-    }
+    given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
     changed = [n for n, v in given.items() if not _is_default(v, SYNC_DEFAULTS[n])]
     if comm != "node_local" and changed:
         name = changed[0]
@@ -253,7 +207,7 @@ def check_sync_args(
             f" `{name}`.",
         )
     for name in ("outer_lr", "outer_momentum"):
-        if name in changed and outer_optimizer not in OUTER_OPTIMIZERS:
+        if name in changed and outer_optimizer != "nesterov":
             what = "plain averaging, which has no outer optimizer" if outer_optimizer is None else "a callable"
             raise _error(
                 name,
@@ -261,99 +215,11 @@ def check_sync_args(
                 f" it: it sets the optimizer of `outer_optimizer='nesterov'` only. HINT: pass"
                 f" outer_optimizer='nesterov', or set the learning rate and momentum in your callable.",
             )
-    return {
-        "outer_optimizer": outer_optimizer,
-        "outer_lr": float(outer_lr),
-        "outer_momentum": float(outer_momentum),
-        "sync_dtype": sync_dtype,
-        "merge_weights": merge_weights,
-    }
-
-
-def validate_strategy_arguments(**keywords: Any) -> dict[str, Any]:
-    """Check every strategy keyword that needs no world size (the fields of
-    :class:`~lightning_het.config.HeterogeneousConfig`, all required: defaults live in the strategy); return them
-    normalised (``int``, ``list[float]``, ``list[int]``, ``timedelta``) or raise an :class:`ArgumentError`."""
-    out = dict(keywords)
-    out["timeout"] = as_timeout("timeout", out["timeout"])
-    out["startup_timeout"] = as_timeout("startup_timeout", out["startup_timeout"])
-    out["preemption_grace"] = validate_grace(out["preemption_grace"])
-    out["preemption_checkpoint"] = validate_preemption_checkpoint(out["preemption_checkpoint"])
-    out["resume"] = validate_resume(out["resume"])
-    _check_batches(out)
-    check_comm_args(out["comm"], out["global_sync_every"], out["comm_warmup_steps"], warmup_name="comm_warmup_steps")
-    out.update(check_sync_args(*(out[name] for name in _SYNC_KEYWORDS), comm=out["comm"]))
-    _check_node_local_nodes(out["comm"], out["node_ids"])
-    out["comm_autotune_steps"] = positive_int(
-        "comm_autotune_steps", out["comm_autotune_steps"], allow_none=False, minimum=0
-    )
-    out["emulate_slowdown"] = slowdown_factors("emulate_slowdown", out["emulate_slowdown"])
-    out["profile_steps"] = positive_int("profile_steps", out["profile_steps"], allow_none=False)
-    out["profile_warmup"] = positive_int("profile_warmup", out["profile_warmup"], allow_none=False, minimum=0)
-    if not isinstance(out["profile_cache"], (str, os.PathLike, bool)) and out["profile_cache"] is not None:
-        raise _error(
-            "profile_cache",
-            f"Expected argument `profile_cache` to be a directory, True (the default directory) or None/False"
-            f" (off), but got {out['profile_cache']!r}.",
-        )
-    out["rebalance_every_n_epochs"] = positive_int("rebalance_every_n_epochs", out["rebalance_every_n_epochs"])
-    out["rebalance_threshold"] = threshold("rebalance_threshold", out["rebalance_threshold"])
-    _check_telemetry(out["telemetry"], out["rebalance_every_n_epochs"], out["rebalance_threshold"])
-    return out
-
-
-_SYNC_KEYWORDS = tuple(SYNC_DEFAULTS)
 
 
 def _is_default(value: Any, default: Any) -> bool:
     """Whether ``value`` is ``default`` (``0.7 == 0.7``; a callable is never a default)."""
     return value is default or (not callable(value) and value == default)
-
-
-def _check_batches(out: dict[str, Any]) -> None:
-    """The batch-size keywords of ``out``, normalised in place."""
-    out["global_batch_size"] = positive_int("global_batch_size", out["global_batch_size"])
-    out["speeds"] = finite_positive_list("speeds", out["speeds"])
-    least = out["min_batch_size"] = positive_int("min_batch_size", out["min_batch_size"], allow_none=False)
-    if out["max_batch_sizes"] is not None:
-        bounds = [
-            positive_int(f"max_batch_sizes[{i}]", b, allow_none=False) for i, b in enumerate(out["max_batch_sizes"])
-        ]
-        for i, b in enumerate(bounds):
-            if b < least:  # type: ignore[operator]
-                raise _error(
-                    "max_batch_sizes",
-                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={least}, but"
-                    f" `max_batch_sizes[{i}]` is {b}.",
-                )
-        out["max_batch_sizes"] = bounds
-    if out["max_micro_batch_sizes"] != "auto":  # "auto": measured by a short search on the first steps
-        out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", out["max_micro_batch_sizes"], 'or "auto"')
-    out["emulate_memory_cap"] = int_list("emulate_memory_cap", out["emulate_memory_cap"])
-    if out["node_ids"] is not None:
-        out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(out["node_ids"])]
-
-
-def _check_node_local_nodes(comm: str, node_ids: list[int] | None) -> None:
-    """``comm="node_local"`` with ``node_ids`` that declare one node: known now, not only after the launch."""
-    if comm == "node_local" and node_ids is not None and len(set(node_ids)) < 2:
-        raise _error(
-            "node_ids",
-            f"You set `comm='node_local'`, but `node_ids={node_ids}` puts every replica on one node, so node-local"
-            " steps would be exact training. HINT: declare at least two nodes (e.g. node_ids=[0, 0, 1, 1]), or use"
-            " comm='allreduce'.",
-        )
-
-
-def _check_telemetry(telemetry: Any, rebalance_every_n_epochs: Any, rebalance_threshold: Any) -> None:
-    if not isinstance(telemetry, bool):
-        raise _error("telemetry", f"Expected argument `telemetry` to be True or False, but got {telemetry!r}.")
-    if not telemetry and (rebalance_every_n_epochs is not None or rebalance_threshold is not None):
-        raise _error(
-            "telemetry",
-            "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
-            " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments.",
-        )
 
 
 #: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)

@@ -1,148 +1,197 @@
-"""The strategy's keywords, validated once into one frozen :class:`HeterogeneousConfig` (no torch, no Lightning)."""
+"""The strategy's settings (no torch): the :class:`Profiling` / :class:`Reliability` keyword objects, the flat frozen
+:class:`HeterogeneousConfig` the parts read, and the deprecated flat keywords mapped onto the typed ones.
+
+>>> Profiling(steps=3, rebalance_threshold=1.1)
+Profiling(steps=3, warmup=1, cache=None, rebalance_every_n_epochs=None, rebalance_threshold=1.1, telemetry=True)
+>>> Reliability(preemption_grace=0)
+Traceback (most recent call last):
+...
+lightning_het.arguments.ArgumentError: Expected argument `preemption_grace` to be finite seconds > 0, but got 0.
+"""
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Collection, Mapping
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal
 
 from lightning_het.allocation import allocate_batch_sizes
-from lightning_het.arguments import validate_strategy_arguments
+from lightning_het.arguments import (
+    SYNC_DEFAULTS,
+    ArgumentError,
+    as_timeout,
+    check_comm_args,
+    check_ddp_keywords,
+    check_sync_args,
+    finite_positive_list,
+    int_list,
+    positive_int,
+    slowdown_factors,
+    threshold,
+    validate_resume,
+)
+from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
 
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0
 
-#: every flat setting of the Trainer strategy and its default (the typed keywords and their objects map onto them;
-#: the grouped ones are also the deprecated flat keywords, see ``docs/strategy.md``)
-KEYWORD_DEFAULTS: dict[str, Any] = {
-    "global_batch_size": None,
-    "speeds": None,
-    "min_batch_size": 1,
-    "max_batch_sizes": None,
-    "max_micro_batch_sizes": None,
-    "node_ids": None,
-    "comm": "auto",
-    "global_sync_every": None,
-    "emulate_slowdown": None,
-    "emulate_memory_cap": None,
-    "profile_steps": 2,
-    "profile_warmup": 1,
-    "profile_cache": None,
-    "device_map": None,
-    "cpu_threads": None,
-    "startup_timeout": None,
-    "rebalance_every_n_epochs": None,
-    "rebalance_threshold": None,
-    "telemetry": True,
-    "comm_warmup_steps": 0,
-    "comm_autotune_steps": 5,
-    "outer_optimizer": None,
-    "outer_lr": 0.7,
-    "outer_momentum": 0.9,
-    "sync_dtype": "float32",
-    "merge_weights": "samples",
-    "preemption_checkpoint": None,
-    "preemption_grace": DEFAULT_GRACE,
-    "resume": None,
-}
 
-#: the keywords that mean the same in a Fabric loop; the others need the Trainer's loop
-FABRIC_KEYWORDS = (
-    "global_batch_size",
-    "speeds",
-    "min_batch_size",
-    "max_batch_sizes",
-    "node_ids",
-    "comm",
-    "global_sync_every",
-    "comm_warmup_steps",
-    "comm_autotune_steps",
-    "outer_optimizer",
-    "outer_lr",
-    "outer_momentum",
-    "sync_dtype",
-    "merge_weights",
-    "profile_steps",
-    "profile_warmup",
-    "profile_cache",
-    "startup_timeout",
-)
+@dataclass(frozen=True)
+class Profiling:
+    """How the first training steps measure the replicas' speeds (``steps`` per trial split after ``warmup``
+    equal-split steps; ``cache``: a directory, or ``True`` for the default one), when the allocation is revised
+    (``rebalance_every_n_epochs`` / ``rebalance_threshold``), and ``telemetry`` (see ``docs/strategy.md``)."""
 
-#: keywords that configure the devices (the mixed accelerator), not the config
-DEVICE_KEYWORDS = ("device_map", "cpu_threads")
+    steps: int = 2
+    warmup: int = 1
+    cache: str | os.PathLike[str] | bool | None = None
+    rebalance_every_n_epochs: int | None = None
+    rebalance_threshold: float | None = None
+    telemetry: bool = True
+
+    def __post_init__(self) -> None:
+        positive_int("steps", self.steps, allow_none=False)
+        positive_int("warmup", self.warmup, allow_none=False, minimum=0)
+        if self.cache is not None and not isinstance(self.cache, (str, os.PathLike, bool)):
+            raise ArgumentError(
+                "cache",
+                f"Expected argument `cache` to be a directory, True (the default directory) or None/False (off), but"
+                f" got {self.cache!r}.",
+            )
+        positive_int("rebalance_every_n_epochs", self.rebalance_every_n_epochs)
+        threshold("rebalance_threshold", self.rebalance_threshold)
+        if not isinstance(self.telemetry, bool):
+            raise ArgumentError("telemetry", f"Expected argument `telemetry` to be True or False: {self.telemetry!r}.")
+        if not self.telemetry and (self.rebalance_every_n_epochs is not None or self.rebalance_threshold is not None):
+            raise ArgumentError(
+                "telemetry",
+                "You set `telemetry=False`, but rebalancing (`rebalance_every_n_epochs` / `rebalance_threshold`) needs"
+                " the measured step times. HINT: keep `telemetry=True` or drop the rebalancing arguments.",
+            )
+
+
+@dataclass(frozen=True)
+class Reliability:
+    """Start-up and preemption settings: ``startup_timeout`` (seconds or a ``timedelta``), ``preemption_checkpoint``
+    (``None``: beside the first ``ModelCheckpoint``; ``False``: none), ``preemption_grace`` (seconds from ``SIGTERM``
+    to save and exit) and ``resume`` (``"auto"``, ``None``: only a restarted torchelastic worker, or ``False``)."""
+
+    startup_timeout: float | timedelta | None = None
+    preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None = None
+    preemption_grace: float = DEFAULT_GRACE
+    resume: Literal["auto", False] | None = None
+
+    def __post_init__(self) -> None:
+        as_timeout("startup_timeout", self.startup_timeout)
+        path = self.preemption_checkpoint
+        if not (path is None or path is False or (isinstance(path, (str, os.PathLike)) and os.fspath(path))):
+            raise ArgumentError(
+                "preemption_checkpoint",
+                "Expected argument `preemption_checkpoint` to be a file or directory path, None (the default location)"
+                f" or False (no checkpoint on preemption), but got {path!r}.",
+            )
+        grace = self.preemption_grace
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace <= 0:
+            raise ArgumentError(
+                "preemption_grace", f"Expected argument `preemption_grace` to be finite seconds > 0, but got {grace!r}."
+            )
+        validate_resume(self.resume)
 
 
 @dataclass(frozen=True)
 class HeterogeneousConfig:
-    """Every keyword of the strategy, normalised (``int``, ``float``, ``timedelta``); ``None``: not given.
-    All fields required (defaults: :data:`KEYWORD_DEFAULTS`); treat the lists as read-only."""
+    """Every setting of the strategy, flat and normalised (``int``, ``float``, ``timedelta``); ``None``: not given.
+    Built by :func:`strategy_config`; treat the lists as read-only."""
 
-    global_batch_size: int | None
-    speeds: list[float] | None
-    min_batch_size: int
-    max_batch_sizes: list[int] | None
-    max_micro_batch_sizes: list[int] | Literal["auto"] | None
-    node_ids: list[int] | None
-    comm: Any
-    global_sync_every: int | None
-    comm_warmup_steps: int
-    comm_autotune_steps: int
-    outer_optimizer: Any
-    outer_lr: float
-    outer_momentum: float
-    sync_dtype: str
-    merge_weights: str
-    emulate_slowdown: list[float] | None
-    emulate_memory_cap: list[int] | None
-    profile_steps: int
-    profile_warmup: int
-    profile_cache: str | os.PathLike[str] | bool | None
-    startup_timeout: timedelta | None
-    timeout: timedelta | None
-    rebalance_every_n_epochs: int | None
-    rebalance_threshold: float | None
-    telemetry: bool
-    preemption_grace: float
-    preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None
-    resume: Literal["auto", False] | None
-
-    @classmethod
-    def from_keywords(cls, **keywords: Any) -> HeterogeneousConfig:
-        """Validate every keyword (all required); an ``ArgumentError`` names the first impossible one."""
-        return cls(**validate_strategy_arguments(**keywords))
+    global_batch_size: int | None = None
+    speeds: list[float] | None = None
+    min_batch_size: int = 1
+    max_batch_sizes: list[int] | None = None
+    max_micro_batch_sizes: list[int] | Literal["auto"] | None = None
+    node_ids: list[int] | None = None
+    comm: str = "auto"
+    global_sync_every: int | None = None
+    comm_warmup_steps: int = 0
+    comm_autotune_steps: int = 5
+    outer_optimizer: Any = SYNC_DEFAULTS["outer_optimizer"]
+    outer_lr: float = SYNC_DEFAULTS["outer_lr"]
+    outer_momentum: float = SYNC_DEFAULTS["outer_momentum"]
+    sync_dtype: str = SYNC_DEFAULTS["sync_dtype"]
+    merge_weights: str = SYNC_DEFAULTS["merge_weights"]
+    emulate_slowdown: list[float] | None = None
+    emulate_memory_cap: list[int] | None = None
+    profile_steps: int = 2
+    profile_warmup: int = 1
+    profile_cache: str | os.PathLike[str] | bool | None = None
+    startup_timeout: timedelta | None = None
+    timeout: timedelta | None = None
+    rebalance_every_n_epochs: int | None = None
+    rebalance_threshold: float | None = None
+    telemetry: bool = True
+    preemption_grace: float = DEFAULT_GRACE
+    preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None = None
+    resume: Literal["auto", False] | None = None
 
     @classmethod
-    def split_keywords(
-        cls, strategy_cls: type, names: Collection[str], kwargs: Mapping[str, Any], **fixed: Any
-    ) -> tuple[HeterogeneousConfig, dict[str, Any], dict[str, Any]]:
-        """Split a strategy's keywords: a validated config (``fixed`` forced), device keywords, ``DDPStrategy``'s."""
-        from lightning_het.arguments import check_ddp_keywords
-        from lightning_het.comm.algorithms import validate_comm_args
-
-        rest = dict(kwargs)
-        given = {n: rest.pop(n, KEYWORD_DEFAULTS[n]) for n in KEYWORD_DEFAULTS if n in names}
-        devices = {n: given.pop(n, None) for n in DEVICE_KEYWORDS}
-        keywords = {n: v for n, v in KEYWORD_DEFAULTS.items() if n not in DEVICE_KEYWORDS} | given | fixed
-        config = cls.from_keywords(**keywords, timeout=rest.get("timeout"))
-        validate_comm_args(keywords["comm"], keywords["global_sync_every"], keywords["comm_warmup_steps"])  # warnings
-        check_ddp_keywords(strategy_cls, list(names), rest)
-        if config.timeout is not None:
-            rest["timeout"] = config.timeout
-        return config, devices, rest
+    def from_keywords(cls, **flat: Any) -> HeterogeneousConfig:
+        """The balancing settings of ``flat`` checked and normalised (the grouped ones were checked by their
+        objects); an :class:`ArgumentError` names the first impossible one."""
+        out = dict(flat)
+        out["global_batch_size"] = positive_int("global_batch_size", out.get("global_batch_size"))
+        out["speeds"] = finite_positive_list("speeds", out.get("speeds"))
+        least = out["min_batch_size"] = positive_int("min_batch_size", out.get("min_batch_size", 1), allow_none=False)
+        bounds = int_list("max_batch_sizes", out.get("max_batch_sizes"))
+        for i, bound in enumerate(bounds or []):
+            if bound < least:  # type: ignore[operator]
+                raise ArgumentError(
+                    "max_batch_sizes",
+                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={least}, but"
+                    f" `max_batch_sizes[{i}]` is {bound}.",
+                )
+        out["max_batch_sizes"] = bounds
+        if out.get("max_micro_batch_sizes") != "auto":  # "auto": measured by a short search on the first steps
+            caps = out.get("max_micro_batch_sizes")
+            out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", caps, 'or "auto"')
+        nodes = out.get("node_ids")
+        if nodes is not None:
+            nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
+        comm = out.get("comm", "auto")
+        check_comm_args(
+            comm, out.get("global_sync_every"), out.get("comm_warmup_steps", 0), warmup_name="comm_warmup_steps"
+        )
+        if comm == "node_local" and nodes is not None and len(set(nodes)) < 2:
+            raise ArgumentError(
+                "node_ids",
+                f"You set `comm='node_local'`, but `node_ids={nodes}` puts every replica on one node, so node-local"
+                " steps would be exact training. HINT: declare at least two nodes (e.g. node_ids=[0, 0, 1, 1]), or"
+                " use comm='allreduce'.",
+            )
+        out["emulate_slowdown"] = slowdown_factors("emulate_slowdown", out.get("emulate_slowdown"))
+        out["emulate_memory_cap"] = int_list("emulate_memory_cap", out.get("emulate_memory_cap"))
+        for name in ("timeout", "startup_timeout"):
+            out[name] = as_timeout(name, out.get(name))
+        if out.get("preemption_checkpoint"):
+            out["preemption_checkpoint"] = os.fspath(out["preemption_checkpoint"])
+        if "outer_lr" in out:
+            out["outer_lr"], out["outer_momentum"] = float(out["outer_lr"]), float(out["outer_momentum"])
+        return cls(**out)
 
     def check_world(self, num_nodes: int, devices: int) -> None:
         """Checks that need the world size (list lengths, a global batch the bounds can hold); ``ValueError``."""
         world = num_nodes * devices
         if world < 1:
             return
+        caps = None if self.max_micro_batch_sizes == "auto" else self.max_micro_batch_sizes
         for name, values in (
             ("speeds", self.speeds),
             ("max_batch_sizes", self.max_batch_sizes),
             ("node_ids", self.node_ids),
             ("emulate_slowdown", self.emulate_slowdown),
-            ("max_micro_batch_sizes", None if self.max_micro_batch_sizes == "auto" else self.max_micro_batch_sizes),
+            ("max_micro_batch_sizes", caps),
             ("emulate_memory_cap", self.emulate_memory_cap),
         ):
             if values is not None and len(values) != world:
@@ -150,15 +199,165 @@ class HeterogeneousConfig:
                     f"You set `{name}` with {len(values)} entries ({list(values)}), but the job has {world} replicas"
                     f" (num_nodes={num_nodes} x devices={devices}). HINT: give one entry per global rank."
                 )
-        if self.global_batch_size is not None:
-            # raises ValueError naming global_batch_size / max_batch_sizes when the bounds cannot hold it
-            allocate_batch_sizes(
-                self.global_batch_size,
-                self.speeds or [1.0] * world,
-                min_batch_size=self.min_batch_size,
-                max_batch_sizes=self.max_batch_sizes,
-            )
+        if self.global_batch_size is not None:  # a ValueError naming the bound that cannot hold it
+            speeds = self.speeds or [1.0] * world
+            bounds = {"min_batch_size": self.min_batch_size, "max_batch_sizes": self.max_batch_sizes}
+            allocate_batch_sizes(self.global_batch_size, speeds, **bounds)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The fields by name (shallow: the lists are shared)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+#: every setting and its default
+KEYWORD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(HeterogeneousConfig)}
+
+#: old flat keyword -> (the typed keyword that replaces it, the field there)
+DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
+    **{old: ("comm", new) for old, new in FLAT_FIELDS.items()},
+    **{f"emulate_{name}": ("emulation", name) for name in ("slowdown", "memory_cap")},
+    **{f"profile_{name}": ("profiling", name) for name in ("steps", "warmup", "cache")},
+    **{name: ("profiling", name) for name in ("rebalance_every_n_epochs", "rebalance_threshold", "telemetry")},
+    **{f.name: ("reliability", f.name) for f in fields(Reliability)},
+}
+_GROUPS: dict[str, type] = {"profiling": Profiling, "reliability": Reliability}
+
+#: settings a Fabric loop cannot run (they need the Trainer's loop)
+TRAINER_ONLY = (
+    "max_micro_batch_sizes",
+    "device_map",
+    "cpu_threads",
+    "emulate_slowdown",
+    "emulate_memory_cap",
+    "rebalance_every_n_epochs",
+    "rebalance_threshold",
+    "preemption_checkpoint",
+    "preemption_grace",
+    "resume",
+)
+
+
+def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    groups: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        if name in DEPRECATED_KEYWORDS:
+            group, field = DEPRECATED_KEYWORDS[name]
+            groups.setdefault(group, {})[field] = value
+    return groups
+
+
+def _call(name: str, values: Mapping[str, Any]) -> str:
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+
+
+def new_form(old: Mapping[str, Any], comm: Any = "auto") -> str:
+    """The typed form of the deprecated keywords ``old`` (with ``comm``, the mode name they went with)."""
+    groups, parts = _grouped(old), []
+    if "comm" in groups:
+        cls = algorithm_class(comm if isinstance(comm, str) else "auto", groups["comm"])
+        parts.append(f"comm={_call(cls.__name__, groups['comm'])}")
+    parts += [f"{g}={_call(_GROUPS[g].__name__, groups[g])}" for g in _GROUPS if g in groups]
+    if "emulation" in groups:
+        parts.append(f"Trainer(callbacks=[{_call('EmulatedPlatform', groups['emulation'])}])")
+    return ", ".join(parts)
+
+
+def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Flat keywords (the deprecated ones among them, e.g. a config file's) in the typed form, with the same meaning:
+    the strategy's keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode
+    does not read are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a ``UserWarning``); a bad value
+    raises :class:`ArgumentError` naming the flat keyword.
+
+    >>> typed_keywords({"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]})
+    ... # doctest: +ELLIPSIS
+    ({'comm': NodeLocal(sync_every=4, ...), 'profiling': Profiling(steps=3, ...)}, {'slowdown': [1, 2]})
+    """
+    out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
+    groups = _grouped(flat)
+    comm = out.get("comm", "auto")
+    if "comm" in groups:
+        if not isinstance(comm, str) or comm not in ALGORITHMS:
+            raise ArgumentError("comm", f"Expected argument `comm` to be one of {list(ALGORITHMS)}, but got {comm!r}.")
+        given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
+        check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
+        sync_every, warmup = given.get("global_sync_every"), given.get("comm_warmup_steps", 0)
+        check_comm_args(comm, sync_every, warmup, warmup_name="comm_warmup_steps")  # checked in every mode
+        for name in ("global_sync_every", "comm_warmup_steps"):
+            if given.get(name) and comm != "node_local":
+                message = f"`{name}={given[name]}` only applies to `comm='node_local'`; it is ignored with"
+                warnings.warn(f"{message} `comm={comm!r}`.", UserWarning, stacklevel=2)
+        out["comm"] = _named("comm", lambda: algorithm_for(comm, **given))
+    for group, cls in _GROUPS.items():
+        if group in groups:
+            out[group] = _named(group, lambda: cls(**groups[group]))  # noqa: B023 - called at once
+    emulation = {k: v for k, v in groups.get("emulation", {}).items() if v is not None}
+    return out, emulation
+
+
+def _named(group: str, build: Any) -> Any:
+    """``build()``, its :class:`ArgumentError` told with the flat keyword the caller used."""
+    try:
+        return build()
+    except ArgumentError as err:
+        name = next((o for o, (g, f) in DEPRECATED_KEYWORDS.items() if (g, f) == (group, err.argument)), err.argument)
+        raise ArgumentError(name, str(err).replace(f"`{err.argument}`", f"`{name}`")) from None
+
+
+def _flat(comm: Any, profiling: Profiling | None, reliability: Reliability | None) -> dict[str, Any]:
+    """The comm object or mode name and the grouped objects as flat settings."""
+    flat = comm.keywords() if isinstance(comm, CommAlgorithm) else {"comm": comm}
+    for group, value in (("profiling", profiling), ("reliability", reliability)):
+        if value is not None:
+            flat |= {old: getattr(value, f) for old, (g, f) in DEPRECATED_KEYWORDS.items() if g == group}
+    return flat
+
+
+def strategy_config(
+    owner: type,
+    explicit: Mapping[str, Any],
+    comm: Any,
+    profiling: Any,
+    reliability: Any,
+    kwargs: Mapping[str, Any],
+    *,
+    fabric: bool = False,
+) -> tuple[HeterogeneousConfig, dict[str, Any]]:
+    """A strategy's validated config, and the rest of ``kwargs`` (``DDPStrategy``'s). The deprecated flat keywords in
+    ``kwargs`` keep their meaning with one ``DeprecationWarning`` naming the typed form; a setting given both ways,
+    or (``fabric``) one only the Trainer's loop can run, raises :class:`ArgumentError`."""
+    rest = dict(kwargs)
+    old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
+    objects = {"comm": None if isinstance(comm, str) else comm, "profiling": profiling, "reliability": reliability}
+    for group, cls in _GROUPS.items():
+        if objects[group] is not None and not isinstance(objects[group], cls):
+            message = f"Expected argument `{group}` to be a `lightning_het.{cls.__name__}` or None"
+            raise ArgumentError(group, f"{message}, but got {objects[group]!r}.")
+    for name, value in old.items():
+        group, field = DEPRECATED_KEYWORDS[name]
+        if objects.get(group) is not None:
+            raise ArgumentError(
+                name,
+                f"You passed `{group}={objects[group]!r}` and the deprecated `{name}={value!r}`. HINT: set `{field}` on"
+                f" the `{group}` object only.",
+            )
+    typed, emulation = typed_keywords({"comm": comm, **old})
+    profiling, reliability = typed.get("profiling", profiling), typed.get("reliability", reliability)
+    flat = {**explicit, **_flat(typed["comm"], profiling, reliability)}
+    flat |= {f"emulate_{field}": value for field, value in emulation.items()}
+    if fabric:
+        flat |= {name: rest.pop(name) for name in TRAINER_ONLY if name in rest} | {"telemetry": False}
+        refused = [n for n in TRAINER_ONLY if flat.get(n, KEYWORD_DEFAULTS.get(n)) != KEYWORD_DEFAULTS.get(n)]
+        if refused:
+            raise ArgumentError(
+                refused[0],
+                f"{owner.__name__} cannot run {', '.join(f'`{n}={flat[n]!r}`' for n in refused)}: settings that need"
+                " the Trainer's loop. HINT: use `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or leave"
+                " them at their defaults; for memory caps, split each batch with"
+                " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md).",
+            )
+        flat = {name: value for name, value in flat.items() if name not in TRAINER_ONLY}
+    config = HeterogeneousConfig.from_keywords(**flat, timeout=rest.get("timeout"))
+    check_ddp_keywords(owner, [*explicit, "comm", "profiling", "reliability"], rest)
+    if old:
+        names = ", ".join(f"`{n}={v!r}`" for n, v in old.items())
+        message = f"{owner.__name__}: {names} {'is' if len(old) == 1 else 'are'} deprecated; use {new_form(old, comm)}."
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+    if config.timeout is not None:
+        rest["timeout"] = config.timeout
+    return config, rest

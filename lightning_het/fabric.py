@@ -1,18 +1,14 @@
 """``Fabric(strategy="heterogeneous")``: speed-proportional batch shares, exact gradients and node-aware communication
-in a loop of your own (see ``docs/fabric.md``).
-
-Fabric glue over the same parts as the Trainer strategy (the balance policy, the comm algorithm):
-:class:`HeterogeneousFabricStrategyMixin`, composed here with ``lightning.fabric``'s ``DDPStrategy`` and in
-:mod:`lightning_het._fabric_compat` with the standalone ``lightning_fabric``'s.
-"""
+in a loop of your own (``docs/fabric.md``); glue over the same parts as the Trainer strategy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -21,7 +17,6 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_het._flavour import FabricFlavour, fabric_flavour, register_fabric_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import LoopSteps
@@ -37,28 +32,27 @@ from lightning_het.cluster.startup import (
 )
 from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
-from lightning_het.config import FABRIC_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
+from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
     UnpaddedDistributedSampler,
 )
 from lightning_het.data.splitting import rebuild_loader, training_order
-from lightning_het.options import Profiling, Reliability, flat_keywords
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, validate_launch_environment
 
 
 class HeterogeneousFabricStrategyMixin(BalanceView):
-    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients (what each of
-    your loop's calls does: ``docs/fabric.md``). Keywords: as for the Trainer strategy, less
-    those that need its loop (a setting of theirs other than its default raises ``ValueError``); the rest go to
-    Fabric's ``DDPStrategy``.
+    """Fabric's DDP with per-replica batch shares proportional to speed and exact gradients. Keywords: the Trainer
+    strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``.
 
     >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
     [1.0, 3.0]
     """
 
     strategy_name = "heterogeneous"
+    #: Fabric's sampler wrapper of this strategy's Lightning package (a loader it wraps is split for training)
+    sampler_wrapper: type
 
     def __init__(
         self,
@@ -73,14 +67,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         reliability: Reliability | None = None,
         **kwargs: Any,
     ) -> None:
-        trainer_only = sorted(set(KEYWORD_DEFAULTS).difference(FABRIC_KEYWORDS).intersection(kwargs))
-        if trainer_only:
-            raise ValueError(
-                f"You passed {trainer_only} to HeterogeneousFabricStrategy, but they need the Trainer's loop. HINT: use"
-                " `lightning.Trainer(strategy=HeterogeneousStrategy(...))`, or emulate a slow replica inside your own"
-                " step function; for memory caps, split each batch with"
-                " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md)."
-            )
         explicit = {
             "global_batch_size": global_batch_size,
             "speeds": speeds,
@@ -88,9 +74,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             "max_batch_sizes": max_batch_sizes,
             "node_ids": node_ids,
         }
-        name = type(self).__name__
-        kwargs = flat_keywords(name, explicit, comm, profiling, reliability, kwargs, allowed=FABRIC_KEYWORDS)
-        config, _, kwargs = HeterogeneousConfig.split_keywords(type(self), FABRIC_KEYWORDS, kwargs, telemetry=False)
+        config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs, fabric=True)
         super().__init__(**kwargs)
         self.policy = BalancePolicy(config)
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
@@ -99,12 +83,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
         self._optimizer_steps = 0  # drives the node_local schedule
         self._steps = LoopSteps()  # the step being trained; its clock while your first steps profile
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous data parallelism")
 
     @property
     def process_group_timeout(self) -> Any:
@@ -129,8 +107,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     @override
     def _setup_distributed(self) -> None:
-        # as the Trainer's: a store and sockets only the job reaches; a short `timeout` does not fail the rendezvous of
-        # replicas that start slowly
         wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
         if started_elsewhere():  # torchrun's agent hosts the store
             wait_under_torchrun(wait)
@@ -194,8 +170,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         return output
 
     def synchronize(self) -> bool:
-        """``comm="node_local"``: average the parameters across all replicas now (weighted by sample share) unless
-        they already agree; a collective, e.g. before evaluating. Returns whether an average ran."""
+        """``comm="node_local"``: average the replicas' parameters now unless they agree (a collective); whether it
+        ran."""
         return self.comm_algorithm is not None and self.comm_algorithm.sync()
 
     @override
@@ -217,8 +193,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             return dataloader
         if isinstance(sampler, ProportionalDistributedSampler):
             return self._adopt_sampler(dataloader, sampler)
-        wrapper = fabric_flavour(self).DistributedSamplerWrapper
-        if type(sampler) is not DistributedSampler and not isinstance(sampler, wrapper):
+        if type(sampler) is not DistributedSampler and not isinstance(sampler, self.sampler_wrapper):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         if self._steps_per_epoch is not None:
             # a second split could re-allocate, changing the loss scale under the first loader's batches
@@ -231,8 +206,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         return self._split_for_training(dataloader)
 
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
-        """A sampler for evaluation loaders: every sample on exactly one replica, shares proportional to the
-        allocation (to ``speeds``, or equal, before it). Fabric leaves it in place."""
+        """For evaluation loaders: every sample on one replica, shares following the allocation."""
         return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
 
     def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
@@ -265,10 +239,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             global_batch = dataloader.batch_size * self.world_size
         allocated = self.policy.allocation.batch_sizes
         if allocated is None or sum(allocated) != global_batch:
-            labels = device_labels(self)
-            fit = FitContext(
-                self._profiled_module, self._step_clock, labels, loop_prefetch=0, report=self.balance_report
-            )
+            labels, report = device_labels(self), self.balance_report
+            fit = FitContext(self._profiled_module, self._step_clock, labels, loop_prefetch=0, report=report)
             self.policy.allocate(dataloader, global_batch, fit)
         sizes = self.policy.allocation.batch_sizes
         assert sizes is not None
@@ -308,18 +280,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
     # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
-    def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         comm = self.comm_algorithm
         if comm is not None:  # node_local: the checkpoint holds the consensus model, computed without a sync
             comm.show_consensus()
         try:
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            super().save_checkpoint(path, state, *args, **kwargs)
         finally:
             if comm is not None:
                 comm.hide_consensus()  # each replica goes on with its own model
@@ -342,14 +308,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
 
 
 class HeterogeneousFabricStrategy(HeterogeneousFabricStrategyMixin, DDPStrategy):
-    """Lightning Fabric's DDP with per-replica batch shares proportional to speed and exact gradients
-    (``lightning.fabric``; :mod:`lightning_het.pl` has the same for the standalone ``lightning_fabric``)."""
+    """The mixin on ``lightning.fabric`` (:mod:`lightning_het.pl`: ``lightning_fabric``)."""
 
-
-def _unified_fabric_flavour() -> FabricFlavour:
-    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-
-    return FabricFlavour(DistributedSamplerWrapper=DistributedSamplerWrapper)
-
-
-register_fabric_flavour(False, _unified_fabric_flavour)
+    sampler_wrapper = DistributedSamplerWrapper

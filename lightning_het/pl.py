@@ -1,11 +1,6 @@
-"""The strategies for the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages (docs/api.md).
-
-Same keywords and guarantees as :class:`lightning_het.HeterogeneousStrategy` and
-:class:`lightning_het.HeterogeneousFabricStrategy`, composed with those packages' ``DDPStrategy`` classes; each name
-needs its package installed.
-
-.. versionadded:: 0.1
-"""
+"""The strategies for the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages: the same keywords and
+guarantees as :class:`lightning_het.HeterogeneousStrategy` / :class:`lightning_het.HeterogeneousFabricStrategy`; each
+name needs its package installed."""
 
 from __future__ import annotations
 
@@ -34,11 +29,9 @@ def __getattr__(name: str) -> Any:
     except ImportError as err:
         raise ImportError(
             f"lightning_het.pl.{name} builds on the standalone `{package}` package, which is not installed ({err})."
-            f' HINT: `pip install "{distribution}>=2.4,<2.7"`, or use `lightning_het.{name}` with the unified'
-            " `lightning` package."
+            f' HINT: `pip install "{distribution}>=2.4,<2.7"`, or use `lightning_het.{name}` with `lightning`.'
         ) from err
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    value = globals()[name] = getattr(importlib.import_module(module), name)
     return value
 
 

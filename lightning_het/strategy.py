@@ -1,11 +1,5 @@
 """``HeterogeneousStrategy``: Lightning's ``DDPStrategy`` with speed-proportional batch shares and exact gradients.
-
-Trainer glue only: each hook hands its job to a part the strategy owns (the balance policy, the loader splitter, the
-communication controller, the watchdog, the preemption handler, the balance monitor); ``docs/architecture.md`` maps
-them. The behaviour is :class:`HeterogeneousStrategyMixin`, composed here with ``lightning.pytorch``'s ``DDPStrategy``
-and in :mod:`lightning_het._pl_compat` with the standalone ``pytorch_lightning``'s; the parts take the Lightning
-classes they need from the strategy's or trainer's flavour (:mod:`lightning_het._flavour`).
-"""
+Trainer glue: each hook hands its job to a part the strategy owns (``docs/architecture.md``)."""
 
 from __future__ import annotations
 
@@ -50,11 +44,10 @@ from lightning_het.cluster.startup import (
 from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import all_gather_collection, reduce_counts
-from lightning_het.config import KEYWORD_DEFAULTS, HeterogeneousConfig
+from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import piece_collective
 from lightning_het.data.sampler import training_sampler
-from lightning_het.data.splitting import LoaderSplitter, TrainingSplit
-from lightning_het.options import Profiling, Reliability, flat_keywords
+from lightning_het.data.splitting import LoaderSplitter
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     checkpoint_record,
@@ -71,14 +64,9 @@ from lightning_het.reliability.watchdog import Watchdog
 
 
 class HeterogeneousStrategyMixin(BalanceView):
-    """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
-    share, so that every optimizer step applies exactly the gradient of the global batch.
-
-    Keywords (each described in ``docs/strategy.md``): the balancing ones, ``comm`` (a mode name or an algorithm
-    object such as :class:`~lightning_het.NodeLocal`), ``profiling`` (:class:`~lightning_het.Profiling`),
-    ``reliability`` (:class:`~lightning_het.Reliability`) and the devices; every other keyword goes to ``DDPStrategy``
-    (``timeout``, ``start_method``, ...), except the flat keywords of earlier versions (``global_sync_every``, ...),
-    which keep their meaning with a ``DeprecationWarning``. A bad value raises ``ValueError`` naming the keyword.
+    """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share: every
+    optimizer step applies the global batch's exact gradient. Keywords: ``docs/strategy.md``; the others go to
+    ``DDPStrategy``.
 
     >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
     >>> strategy.config.speeds, strategy.batch_sizes
@@ -110,18 +98,11 @@ class HeterogeneousStrategyMixin(BalanceView):
             "max_batch_sizes": max_batch_sizes,
             "max_micro_batch_sizes": max_micro_batch_sizes,
             "node_ids": node_ids,
-            "device_map": device_map,
-            "cpu_threads": cpu_threads,
         }
-        keywords = flat_keywords(type(self).__name__, explicit, comm, profiling, reliability, kwargs)
-        config, devices, kwargs = HeterogeneousConfig.split_keywords(type(self), KEYWORD_DEFAULTS, keywords)
-        super().__init__(**mixed_accelerator_kwargs(type(self), devices["device_map"], devices["cpu_threads"], kwargs))
+        config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs)
+        super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs))
         self.policy = BalancePolicy(config)
         self._comm = algorithm_of(comm, config)  # installed on the DDP model and the optimizers by `setup`
-        self._init_parts()
-
-    def _init_parts(self) -> None:
-        """The per-process parts (empty until the Trainer sets them up)."""
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
@@ -153,18 +134,10 @@ class HeterogeneousStrategyMixin(BalanceView):
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
         self.policy.emulate(slowdown, memory_cap)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Heterogeneous data parallelism")
-
     # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
-        # registered before the launcher's own exit handlers, so it runs after them (after the launching process has
-        # waited for its replicas): no "terminate called without an active exception" at interpreter exit
-        ExitCleanup.register()
+        ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
@@ -238,8 +211,7 @@ class HeterogeneousStrategyMixin(BalanceView):
             self._monitor = attach_monitor(self, trainer, settings, self._monitor)
 
     def _resume(self, trainer: pl.Trainer, mode: str) -> None:
-        """This fit's job identity, and ``resume="auto"``'s restore (the comm mode's state, restored after the hooks
-        were registered)."""
+        """This fit's job identity, and ``resume="auto"``'s restore (with the comm algorithm's state)."""
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         settings = trajectory_settings(self.config, mode, trainer)
         job = job_identity(self.lightning_module, self.optimizers, schedulers, settings)
@@ -267,13 +239,10 @@ class HeterogeneousStrategyMixin(BalanceView):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split, weights = self._training_split(), self.policy.eval_weights  # read when evaluating
+            split = self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
+            weights = self.policy.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
-
-    def _training_split(self) -> TrainingSplit:
-        """What the loader splitter needs to split a training loader: the policy's split, for this fit."""
-        return self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
 
     def _fit_context(self) -> FitContext:
         labels = device_labels(self)
@@ -335,8 +304,7 @@ class HeterogeneousStrategyMixin(BalanceView):
                 torch.distributed.broadcast(buffer, 0)
 
     def _piece_scale(self) -> float:
-        """The factor Lightning's backward applies to the step's loss (the loss scale over ``accumulate_grad_batches``),
-        applied to each earlier micro-batch's own backward."""
+        """The factor Lightning's backward applies to the step's loss, for an earlier micro-batch's own backward."""
         return self._step_split().loss_scale / self.lightning_module.trainer.accumulate_grad_batches
 
     def _step_split(self) -> StepSplit:
@@ -361,13 +329,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         return closure_loss
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         step = super().optimizer_step  # the parameter update under the emergency checkpoint's lock
         output = self.guards.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure, self._trainer())
         self._buffers_stale = True
@@ -407,16 +369,14 @@ class HeterogeneousStrategyMixin(BalanceView):
     # ------------------------------------------------------------------ collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """All-reduce; an integer mean (Lightning's logged batch-size count) is computed exactly, in ``float64``; in
-        an earlier micro-batch, local for logging and refused otherwise (``data/microbatch.piece_collective``)."""
+        """All-reduce (an integer mean exactly, in ``float64``); local in an earlier micro-batch's logging."""
         if piece_collective(self.policy.micro, "reduce"):
             return tensor
         return reduce_counts(super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """Gather from every replica: tensors of one shape stacked to ``[W, *shape]`` as in DDP, per-sample tensors
-        of uneven shares concatenated to ``[sum of n_r, *rest]`` (see :mod:`lightning_het.comm.gather`)."""
+        """As DDP's, with per-sample tensors of uneven shares concatenated to ``[sum of n_r, *rest]``."""
         piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
         return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
@@ -447,8 +407,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         super().load_optimizer_state_dict(node_optimizer_checkpoint(checkpoint, self.comm_algorithm))  # node_local
 
     def _checkpoint_entry(self) -> dict[str, Any]:
-        """The allocation (no speeds while profiling: a resumed fit profiles again), the training sampler's place and
-        the comm mode's state, and the job's identity."""
+        """The allocation (no speeds while profiling), the sampler's place, the comm state and the job's identity."""
         allocation, comm = self.policy.allocation, self.comm_algorithm
         record = checkpoint_record(
             self._trainer(),
@@ -470,8 +429,7 @@ class HeterogeneousStrategyMixin(BalanceView):
 
     # ------------------------------------------------------------------ reports
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
-        """The allocation as plain data (``metrics.json``, loggers); with telemetry, ``"telemetry"`` holds the last
-        fit's per-epoch figures (and, with ``include_series=True``, the per-step series behind the balance plot)."""
+        """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
         telemetry = self._telemetry(include_series)
         return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
 
@@ -493,9 +451,7 @@ class HeterogeneousStrategyMixin(BalanceView):
 
 
 class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
-    """DDP in which every replica's share of each global batch follows its speed, and its loss is scaled by that
-    share, so that every optimizer step applies exactly the gradient of the global batch (``lightning.pytorch``;
-    :mod:`lightning_het.pl` has the same for the standalone ``pytorch_lightning``)."""
+    """:class:`HeterogeneousStrategyMixin` on ``lightning.pytorch`` (:mod:`lightning_het.pl`: ``pytorch_lightning``)."""
 
 
 def _unified_trainer_flavour() -> TrainerFlavour:

@@ -97,7 +97,7 @@ def _worker(spec_path: str) -> None:
 
     import lightning_het
     from lightning_het.balance.report import balance_report_paths
-    from lightning_het.options import typed_keywords
+    from lightning_het.config import typed_keywords
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["LOCAL_RANK"])

@@ -410,7 +410,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
 
     from lightning_het import HeterogeneousStrategy
     from lightning_het.comm.stats import flat_allreduce_traffic
-    from lightning_het.options import typed_keywords
+    from lightning_het.config import typed_keywords
 
     args = job.args
     if job.total % job.world:

@@ -16,7 +16,7 @@ Nesterov step on the sample-weighted pseudo-gradient, int8 syncs once per epoch)
 with every node weighted equally).
 
 The platform is ``experiment=paper_comparison``: 3 CPU replicas, the second 2x and the third 4x slower
-(``strategy.emulate_slowdown=[1,2,4]``); replicas 0-1 and 2 form two emulated nodes for ``node_local``. Each
+(``strategy.emulation.slowdown=[1,2,4]``); replicas 0-1 and 2 form two emulated nodes for ``node_local``. Each
 (method, seed) is one job of ``lightning-het-train -m``, in its own directory with its own ``metrics.json``.
 
 Run (about 12 jobs x 40-60 s on 2 cores)::
@@ -26,7 +26,7 @@ Run (about 12 jobs x 40-60 s on 2 cores)::
     python scripts/run_experiments.py --collect bench_results/paper_comparison/runs   # tables/plots only
 
 Everything after ``--`` is passed to the app as overrides (e.g. ``data=geotiff data.image=... data.labels=...`` or
-``strategy.emulate_slowdown=[1,1,3]``). Writes into ``--out``: ``runs/<job>/`` (the sweep), ``results.csv`` (one row
+``strategy.emulation.slowdown=[1,1,3]``). Writes into ``--out``: ``runs/<job>/`` (the sweep), ``results.csv`` (one row
 per job), ``summary.csv`` and ``summary.md`` (mean and standard deviation per method), ``epoch_time.png``,
 ``accuracy.png`` and ``learning_curves.png``, and prints the command that produced them.
 """

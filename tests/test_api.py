@@ -23,7 +23,7 @@ from lightning_het import (
     Reliability,
 )
 from lightning_het.arguments import ArgumentError
-from lightning_het.options import DEPRECATED_KEYWORDS, typed_keywords
+from lightning_het.config import DEPRECATED_KEYWORDS, typed_keywords
 from tests.helpers.tiny import TinyRegressor, make_dataset, quiet_trainer
 
 OURS = {

@@ -5,16 +5,18 @@ from datetime import timedelta
 
 import pytest
 
+from lightning_het import HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError
-from lightning_het.config import DEVICE_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig
+from lightning_het.config import DEPRECATED_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, typed_keywords
 
 #: every field of the config with the strategy's default (``timeout`` is DDP's keyword, which the config holds too)
-DEFAULTS = {n: v for n, v in KEYWORD_DEFAULTS.items() if n not in DEVICE_KEYWORDS} | {"timeout": None}
+DEFAULTS = KEYWORD_DEFAULTS
 
 
-def test_fields_are_the_validated_keywords():
-    # the keyword table and the dataclass name the same keywords (the device map's go to the accelerator instead)
-    assert {f.name for f in dataclasses.fields(HeterogeneousConfig)} == set(DEFAULTS)
+def test_fields_are_the_typed_and_the_deprecated_keywords():
+    # the config holds every setting: the explicit keywords, comm, the deprecated flat ones (grouped) and DDP's timeout
+    explicit = {"global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids"}
+    assert set(DEFAULTS) == explicit | {"comm", "timeout"} | set(DEPRECATED_KEYWORDS)
 
 
 def test_values_are_normalised():
@@ -23,7 +25,6 @@ def test_values_are_normalised():
     )
     assert config.speeds == [1.0, 3.0] and config.max_batch_sizes == [4, 8]
     assert config.startup_timeout == timedelta(seconds=30) and config.timeout == timedelta(seconds=5)
-    assert config.as_dict()["speeds"] == [1.0, 3.0]
 
 
 def test_is_frozen():
@@ -39,9 +40,8 @@ def test_a_bad_value_names_its_keyword():
 
 
 def test_the_strategy_holds_it():
-    from lightning_het import HeterogeneousStrategy
-
-    strategy = HeterogeneousStrategy(speeds=[1, 2], profile_steps=3)
+    with pytest.warns(DeprecationWarning):
+        strategy = HeterogeneousStrategy(speeds=[1, 2], profile_steps=3)
     assert isinstance(strategy.config, HeterogeneousConfig)
     assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profile_steps == 3
     assert strategy.speeds_given
@@ -73,7 +73,7 @@ def test_node_local_settings_outside_node_local_are_refused(name, comm):
     """A setting only ``comm="node_local"``'s sync reads would be silently ignored in another mode (``"auto"`` never
     resolves to ``node_local``): refused, naming the keyword and the mode."""
     with pytest.raises(ArgumentError, match=rf"You set `{name}=.*`, but it only applies to `comm='node_local'`") as err:
-        HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": comm, name: SYNC_SETTINGS[name]})
+        HeterogeneousStrategy(comm=comm, **{name: SYNC_SETTINGS[name]})
     assert err.value.argument == name and f"comm={comm!r}" in str(err.value)
 
 
@@ -82,18 +82,19 @@ def test_node_local_settings_outside_node_local_are_refused(name, comm):
 def test_outer_numbers_without_a_named_outer_optimizer_are_refused(name, outer):
     """``outer_lr`` and ``outer_momentum`` set ``"nesterov"``'s optimizer: plain averaging has none, and a callable
     builds its own."""
-    keywords = {**DEFAULTS, "comm": "node_local", "outer_optimizer": outer, name: SYNC_SETTINGS[name]}
+    keywords = {"comm": "node_local", "outer_optimizer": outer, name: SYNC_SETTINGS[name]}
     with pytest.raises(ArgumentError, match=rf"You set `{name}=0.5`, but `outer_optimizer=") as err:
-        HeterogeneousConfig.from_keywords(**keywords)
+        typed_keywords(keywords)
     assert err.value.argument == name
 
 
 def test_node_local_takes_its_settings():
-    config = HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "node_local", **SYNC_SETTINGS})
+    with pytest.warns(DeprecationWarning):
+        config = HeterogeneousStrategy(comm="node_local", node_ids=[0, 1], **SYNC_SETTINGS).config
     assert config.outer_optimizer == "nesterov" and config.sync_dtype == "int8" and config.outer_lr == 0.5
     # the defaults, or a callable without the numbers, are fine in any mode
-    HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "allreduce"})
-    HeterogeneousConfig.from_keywords(**{**DEFAULTS, "comm": "node_local", "outer_optimizer": lambda params: None})
+    typed_keywords({"comm": "allreduce", **{n: KEYWORD_DEFAULTS[n] for n in SYNC_SETTINGS}})
+    typed_keywords({"comm": "node_local", "outer_optimizer": lambda params: None})
 
 
 @pytest.mark.parametrize("node_ids", [[0, 0, 0], [3], [2, 2]])

@@ -111,7 +111,7 @@ def test_comm_table_matches_the_algorithm_objects():
 
 
 def test_deprecated_table_lists_every_deprecated_keyword():
-    options = pytest.importorskip("lightning_het.options")
+    options = pytest.importorskip("lightning_het.config")
     deprecated = getattr(options, "DEPRECATED_KEYWORDS", None)
     if deprecated is None:
         pytest.skip("no DEPRECATED_KEYWORDS to check against")

@@ -31,7 +31,7 @@ def test_each_flavour_holds_the_classes_of_its_own_package_only():
     import lightning.pytorch
 
     from lightning_het import _fabric_compat, _pl_compat
-    from lightning_het._flavour import fabric_flavour, trainer_flavour
+    from lightning_het._flavour import trainer_flavour
     from lightning_het.fabric import HeterogeneousFabricStrategy
     from lightning_het.strategy import HeterogeneousStrategy
 
@@ -41,13 +41,14 @@ def test_each_flavour_holds_the_classes_of_its_own_package_only():
         trainer_flavour(standalone) is _pl_compat.TRAINER_FLAVOUR is trainer_flavour(_pl_compat.HeterogeneousStrategy)
     )
     assert trainer_flavour(unified) is trainer_flavour(HeterogeneousStrategy)
-    assert fabric_flavour(_fabric_compat.HeterogeneousFabricStrategy) is _fabric_compat.FABRIC_FLAVOUR
     standalone_packages = {"pytorch_lightning", "lightning_fabric"}
-    for flavour in (trainer_flavour(standalone), fabric_flavour(_fabric_compat.HeterogeneousFabricStrategy)):
-        assert "lightning" not in _flavour_packages(flavour), flavour
-        assert _flavour_packages(flavour) & standalone_packages
-    for flavour in (trainer_flavour(unified), fabric_flavour(HeterogeneousFabricStrategy)):
-        assert "lightning" in _flavour_packages(flavour) and not _flavour_packages(flavour) & standalone_packages
+    assert "lightning" not in _flavour_packages(trainer_flavour(standalone))
+    assert _flavour_packages(trainer_flavour(standalone)) & standalone_packages
+    assert "lightning" in _flavour_packages(trainer_flavour(unified))
+    assert not _flavour_packages(trainer_flavour(unified)) & standalone_packages
+    # the Fabric strategies carry their package's one class: its sampler wrapper
+    assert _fabric_compat.HeterogeneousFabricStrategy.sampler_wrapper.__module__.split(".")[0] == "lightning_fabric"
+    assert HeterogeneousFabricStrategy.sampler_wrapper.__module__.split(".")[0] == "lightning"
     for cls in (_pl_compat.HeterogeneousStrategy, _fabric_compat.HeterogeneousFabricStrategy):
         assert "lightning" not in _packages(cls)
     for cls in (HeterogeneousStrategy, HeterogeneousFabricStrategy):

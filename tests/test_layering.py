@@ -15,7 +15,7 @@ PACKAGE = Path(lightning_het.__file__).parent
 #: bottom to top; a part may import from its own layer's parts and from any layer below. A part is a top-level module
 #: (``config``) or a subpackage (``balance``: all its modules)
 LAYERS: list[set[str]] = [
-    {"_version", "errors", "_compat", "arguments", "allocation"},  # foundations: no package import but each other
+    {"_version", "_compat", "arguments", "allocation"},  # foundations: no package import but each other
     {"_flavour"},  # which Lightning package a run uses
     {"cluster"},  # process group, rendezvous, topology, devices
     {"comm"},  # the comm algorithms (on the topology)
@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"reliability"},  # watchdog, preemption, checkpoint records, resume
     {"data"},  # samplers and loaders (positioned from the checkpoint record)
     {"balance"},  # the allocation of one strategy and everything that sets it
-    {"strategy", "fabric", "options", "emulation", "_pl_compat", "_fabric_compat", "pl", "train", "__init__"},  # glue
+    {"strategy", "fabric", "emulation", "_pl_compat", "_fabric_compat", "pl", "train", "__init__"},  # glue
 ]
 ABOVE_CORE = {"hsi", "app"}
 

@@ -11,7 +11,6 @@ from omegaconf import DictConfig
 
 from lightning_het.app.config import DataConfig, StrategyConfig
 from lightning_het.app.messages import UserError
-from lightning_het.errors import RasterNotFoundError
 
 __all__ = [
     "MAX_CPU_REPLICAS_PER_CORE",
@@ -132,6 +131,8 @@ def check_cpu_replicas(cfg: DictConfig) -> None:
 
 
 def check_input_files(data_cfg: DataConfig) -> None:
+    from lightning_het.hsi.errors import RasterNotFoundError  # hsi/ imports rasterio: not for `--help`
+
     for role in ("image", "labels"):
         path = getattr(data_cfg, role)
         if path and not os.path.exists(absolute(path)):

@@ -2,20 +2,21 @@
 
 import enum
 import functools
+import json
 import os
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+import warnings
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from datetime import datetime
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from lightning_het.arguments import COMM_CHOICES, ArgumentError, validate_strategy_arguments
-from lightning_het.config import HeterogeneousConfig
-from lightning_het.options import typed_keywords
+from lightning_het.arguments import ArgumentError
+from lightning_het.comm.algorithms import ALGORITHMS
+from lightning_het.config import DEPRECATED_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, typed_keywords
 
 __all__ = [
-    "Comm",
     "ConfigValueError",
     "DataConfig",
     "GradientAveraging",
@@ -47,7 +48,6 @@ def _choices(name: str, values: tuple[str, ...], doc: str) -> Any:
     return choices
 
 
-Comm = _choices("Comm", COMM_CHOICES, "``comm``: see ``docs/communication.md``.")
 GradientAveraging = _choices("GradientAveraging", ("weighted", "unweighted"), "How replicas' gradients combine.")
 StartMethod = _choices("StartMethod", ("popen", "spawn", "fork", "forkserver"), "How Lightning starts replicas.")
 ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl", "mpi", "ucc"), "``null``: Lightning's choice.")
@@ -71,14 +71,59 @@ def _plain(value: Any) -> Any:
     return value
 
 
-@dataclass
-class StrategyConfig:
-    """Schema of the ``strategy`` group: the keywords of :class:`~lightning_het.HeterogeneousStrategy`, with the
-    grouped settings as flat keys (``global_sync_every``, ``profile_steps``, ``resume``, ``emulate_slowdown``, ...)
-    that :meth:`to_node` maps onto the ``comm`` / ``profiling`` / ``reliability`` objects and the ``EmulatedPlatform``
-    callback (their meaning: ``docs/strategy.md``; ``Any``: a type OmegaConf cannot express, checked by the
-    strategy's validators)."""
+def _show(value: Any) -> str:
+    """``value`` as an override writes it."""
+    return value if isinstance(value, str) else json.dumps(value)
 
+
+@dataclass
+class ProfilingConfig:
+    """Schema of ``strategy.profiling``: the fields of :class:`lightning_het.Profiling`."""
+
+    steps: int = 2
+    warmup: int = 1
+    cache: Any = None
+    rebalance_every_n_epochs: int | None = None
+    rebalance_threshold: float | None = None
+    telemetry: bool = True
+
+
+@dataclass
+class ReliabilityConfig:
+    """Schema of ``strategy.reliability``: the fields of :class:`lightning_het.Reliability`."""
+
+    startup_timeout: float | None = None
+    preemption_checkpoint: Any = None
+    preemption_grace: float = 25.0
+    resume: Any = None
+
+
+@dataclass
+class EmulationConfig:
+    """Schema of ``strategy.emulation``: the :class:`lightning_het.EmulatedPlatform` callback's keywords."""
+
+    slowdown: list[float] | None = None
+    memory_cap: list[int] | None = None
+
+
+#: the comm algorithms' fields: (type, default)
+_COMM_FIELDS: dict[str, tuple[Any, Any]] = {
+    "sync_every": (int | None, None),
+    "warmup_steps": (int, 0),
+    "autotune_steps": (int, 5),
+    "outer": (str | None, None),
+    "outer_lr": (float, 0.7),
+    "outer_momentum": (float, 0.9),
+    "sync_dtype": (str, "float32"),
+    "merge": (str, "samples"),
+}
+#: ``_target_`` of our algorithm classes -> their mode name
+_MODES = {f"lightning_het.{cls.__name__}": mode for mode, cls in ALGORITHMS.items()}
+_SECTIONS = {"profiling": ProfilingConfig, "reliability": ReliabilityConfig, "emulation": EmulationConfig}
+
+
+@dataclass
+class _StrategyFields:
     _target_: str = "lightning_het.strategy.HeterogeneousStrategy"
     global_batch_size: int | None = None
     speeds: list[float] | None = None
@@ -86,30 +131,13 @@ class StrategyConfig:
     max_batch_sizes: list[int] | None = None
     max_micro_batch_sizes: Any = None
     node_ids: list[int] | None = None
-    comm: Comm = Comm.auto
-    global_sync_every: int | None = None
-    emulate_slowdown: list[float] | None = None
-    emulate_memory_cap: list[int] | None = None
-    profile_steps: int = 2
-    profile_warmup: int = 1
-    profile_cache: Any = None
+    #: a mode name, or an algorithm node (``_target_: lightning_het.NodeLocal`` and its fields)
+    comm: Any = "auto"
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
     device_map: Any = None
     cpu_threads: Any = None
-    startup_timeout: float | None = None
-    rebalance_every_n_epochs: int | None = None
-    rebalance_threshold: float | None = None
-    telemetry: bool = True
-    comm_warmup_steps: int = 0
-    comm_autotune_steps: int = 5
-    outer_optimizer: str | None = None
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    sync_dtype: str = "float32"
-    merge_weights: str = "samples"
-    preemption_checkpoint: Any = None
-    preemption_grace: float = 25.0
-    #: ``auto`` in conf/strategy/heterogeneous.yaml: a run started again in its run directory resumes
-    resume: Any = None
     #: app-level baseline switch, not a strategy keyword (see GradientAveraging)
     gradient_averaging: GradientAveraging = GradientAveraging.weighted
     # --- DDPStrategy keywords
@@ -120,18 +148,24 @@ class StrategyConfig:
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        values = {name: _plain(getattr(self, name)) for name in STRATEGY_CHECKED_FIELDS}
-        try:  # the strategy's own validators: one rule for the constructor and the config
-            validate_strategy_arguments(**values)
+        flat, given = self.to_kwargs(), self.deprecated()
+        try:  # the strategy's own checks: one rule for the constructor and the config
+            self.to_node(warn=False)
+            comm = "auto" if isinstance(flat["comm"], dict) else flat["comm"]
+            HeterogeneousConfig.from_keywords(
+                **{n: v for n, v in flat.items() if n in KEYWORD_DEFAULTS} | {"comm": comm}
+            )
         except ArgumentError as err:
-            key = f"strategy.{err.argument}"
-            value = values.get(err.argument)
-            raise ConfigValueError(f"You set `{key}={value}`; the strategy refuses it: {err}") from None
-        if self.gradient_averaging == GradientAveraging.unweighted and self.comm != Comm.allreduce:
+            name = err.argument
+            key = ".".join(DEPRECATED_KEYWORDS[name]) if name in DEPRECATED_KEYWORDS and name not in given else name
+            raise ConfigValueError(
+                f"You set `strategy.{key}={flat.get(name)}`; the strategy refuses it: {err}"
+            ) from None
+        if self.gradient_averaging == GradientAveraging.unweighted and flat["comm"] != "allreduce":
             _fail(
                 "strategy.gradient_averaging",
                 self.gradient_averaging.value,
-                f"the unweighted baseline is defined for all-reduce only (got `strategy.comm={self.comm.value}`)",
+                f"the unweighted baseline is defined for all-reduce only (got `strategy.comm={flat['comm']}`)",
                 "set `strategy.comm=allreduce`",
             )
         if self.gradient_averaging == GradientAveraging.unweighted and self.start_method != StartMethod.popen:
@@ -141,10 +175,34 @@ class StrategyConfig:
                 f"the unweighted baseline needs `strategy.start_method=popen` (got {self.start_method.value})",
             )
 
+    def _typed(self, old: str) -> Any:
+        """The value of the typed key the deprecated flat key ``old`` stands for."""
+        group, name = DEPRECATED_KEYWORDS[old]
+        if group == "comm":
+            comm = _plain(self.comm)
+            return comm.get(name, _COMM_FIELDS[name][1]) if isinstance(comm, dict) else _COMM_FIELDS[name][1]
+        return _plain(getattr(getattr(self, group), name))
+
+    def deprecated(self) -> dict[str, Any]:
+        """The deprecated flat keys (``strategy.global_sync_every=4``, ...) set to another value than the typed
+        key's (an unresolved ``${...}``: built in Python, not composed, so not set)."""
+        values = {old: _plain(getattr(self, old)) for old in DEPRECATED_KEYWORDS}
+        unset = {old for old, v in values.items() if isinstance(v, str) and v.startswith("${")}
+        return {old: v for old, v in values.items() if old not in unset and v != self._typed(old)}
+
     def to_kwargs(self) -> dict[str, Any]:
-        """Constructor keywords for the strategy class."""
-        skip = ("_target_", "ddp_kwargs", "gradient_averaging")
-        kwargs = {name: _plain(getattr(self, name)) for name in self.__dataclass_fields__ if name not in skip}
+        """The strategy's keywords in the flat form (each grouped setting as its deprecated flat keyword; ``comm``
+        as its mode name unless it is another class's node)."""
+        skip = {"_target_", "ddp_kwargs", "gradient_averaging", *_SECTIONS, *DEPRECATED_KEYWORDS}
+        kwargs = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
+        comm = kwargs["comm"]
+        if (
+            isinstance(comm, dict)
+            and comm.get("_target_") in _MODES
+            and not any(isinstance(v, dict) for v in comm.values())
+        ):
+            kwargs["comm"] = _MODES[comm["_target_"]]
+        kwargs |= {old: self._typed(old) for old in DEPRECATED_KEYWORDS} | self.deprecated()
         clash = sorted(set(self.ddp_kwargs) & set(kwargs))
         if clash:
             _fail(
@@ -153,24 +211,48 @@ class StrategyConfig:
                 f"it repeats keys that are strategy fields: {clash}",
                 f"set them directly, e.g. `strategy.{clash[0]}=...`",
             )
-        kwargs.update(self.ddp_kwargs)
-        return kwargs
+        return kwargs | dict(self.ddp_kwargs)
 
-    def to_node(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The strategy's Hydra node in the typed form (this schema's flat keys mapped onto ``comm``, ``profiling``
-        and ``reliability`` objects, as nested ``_target_`` nodes) and the ``EmulatedPlatform`` keywords (empty:
-        no emulation)."""
-        keywords, emulation = typed_keywords(self.to_kwargs())
-        node: dict[str, Any] = {"_target_": self._target_}
+    def to_node(self, warn: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The strategy's Hydra node in the typed form (``comm``, ``profiling`` and ``reliability`` as nested
+        ``_target_`` nodes) and the ``EmulatedPlatform`` keywords (empty: no emulation). The deprecated flat keys
+        win over the typed ones, with a ``FutureWarning`` naming the typed keys."""
+        given = self.deprecated()
+        if warn and given and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per replica
+            old = ", ".join(f"`strategy.{n}={_show(v)}`" for n, v in given.items())
+            new = ", ".join(f"`strategy.{'.'.join(DEPRECATED_KEYWORDS[n])}={_show(v)}`" for n, v in given.items())
+            warnings.warn(f"{old}: deprecated config keys; use {new}.", FutureWarning, stacklevel=2)
+        flat = self.to_kwargs()
+        comm = flat["comm"]
+        if isinstance(comm, dict):  # another class's node (or with nested nodes): instantiated as it is
+            flat = {n: v for n, v in flat.items() if DEPRECATED_KEYWORDS.get(n, ("",))[0] != "comm"} | {"comm": "auto"}
+        keywords, emulation = typed_keywords(flat)
+        node: dict[str, Any] = {"_target_": self._target_, **keywords}
+        if isinstance(comm, dict):
+            node["comm"] = comm
         for name, value in keywords.items():
             if is_dataclass(value) and not isinstance(value, type):
-                value = {"_target_": f"lightning_het.{type(value).__name__}", **asdict(value)}
-            node[name] = value
+                node[name] = {"_target_": f"lightning_het.{type(value).__name__}", **asdict(value)}
         return node, emulation
 
 
-#: the :class:`StrategyConfig` fields that :func:`~lightning_het.arguments.validate_strategy_arguments` checks
-STRATEGY_CHECKED_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HeterogeneousConfig))
+def _deprecated_field(old: str) -> tuple[str, Any, Any]:
+    """The deprecated flat key ``old``: a view of the typed key (``${...}``) that an override replaces."""
+    group, name = DEPRECATED_KEYWORDS[old]
+    if group == "comm":
+        kind, default = _COMM_FIELDS[name]
+        return old, kind, field(default=f"${{oc.select:.comm.{name},{'null' if default is None else default}}}")
+    return old, _SECTIONS[group].__dataclass_fields__[name].type, field(default=f"${{.{group}.{name}}}")
+
+
+StrategyConfig = make_dataclass(
+    "StrategyConfig", [_deprecated_field(old) for old in DEPRECATED_KEYWORDS], bases=(_StrategyFields,)
+)
+StrategyConfig.__module__ = __name__
+StrategyConfig.__doc__ = """Schema of the ``strategy`` group: the keywords of ``HeterogeneousStrategy``
+(``comm`` a mode name or an algorithm node; ``profiling``, ``reliability``; ``emulation``: the ``EmulatedPlatform``
+callback the app adds), and the deprecated flat keys (``global_sync_every``, ``emulate_slowdown``, ...) as views of the
+typed keys that an override replaces (:meth:`to_node`, with a warning)."""
 
 
 @dataclass

@@ -13,8 +13,8 @@ from rasterio.crs import CRS
 from rasterio.transform import Affine
 
 from lightning_het.data.datamodule import HeterogeneousDataModule
-from lightning_het.errors import NoLabelledPixelsError, RasterNotFoundError, SingleClassError
 from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, PatchSource, WindowedPatches, check_patch_size
+from lightning_het.hsi.errors import NoLabelledPixelsError, RasterNotFoundError, SingleClassError
 from lightning_het.hsi.matfile import is_mat_file, read_mat_scene
 from lightning_het.hsi.preprocessing import SpectralTransform, fit_spectral_transform, valid_mask
 from lightning_het.hsi.raster import (

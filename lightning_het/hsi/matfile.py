@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_het.errors import MatFileError, ShapeMismatchError
+from lightning_het.hsi.errors import MatFileError, ShapeMismatchError
 from lightning_het.hsi.raster import check_exists, check_labels
 
 __all__ = ["is_mat_file", "read_mat_scene"]

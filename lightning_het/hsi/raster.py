@@ -17,7 +17,7 @@ from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
 from rasterio.transform import Affine
 from rasterio.windows import Window
 
-from lightning_het.errors import (
+from lightning_het.hsi.errors import (
     GeoreferenceMismatchError,
     LabelValueError,
     RasterFormatError,
@@ -72,7 +72,7 @@ class RasterInfo:
 
 
 def check_exists(path: str | os.PathLike, role: str) -> str:
-    """``path`` as a string; a :class:`~lightning_het.errors.RasterNotFoundError` naming ``role`` when it is missing."""
+    """``path`` as a string; a `RasterNotFoundError` naming ``role`` when it is missing."""
     text = os.fspath(path)
     if not os.path.exists(text):
         raise RasterNotFoundError(text, role)

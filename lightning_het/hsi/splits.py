@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_het.errors import ClassTooSmallError, NoLabelledPixelsError
+from lightning_het.hsi.errors import ClassTooSmallError, NoLabelledPixelsError
 
 __all__ = ["Split", "block_split", "dilate", "footprint_mask", "format_class_counts", "random_split"]
 

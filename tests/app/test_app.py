@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 import subprocess
@@ -22,18 +23,17 @@ from omegaconf import OmegaConf
 
 from lightning_het.app import config_dir
 from lightning_het.app.config import StrategyConfig, register_configs
-from lightning_het.config import KEYWORD_DEFAULTS
-from lightning_het.errors import SingleClassError
+from lightning_het.config import DEPRECATED_KEYWORDS, Profiling, Reliability
 from lightning_het.hsi import HyperspectralDataModule
 from lightning_het.hsi.datamodule import resolve_pca_components
+from lightning_het.hsi.errors import SingleClassError
 from lightning_het.hsi.raster import write_geotiff
 from lightning_het.hsi.synthetic import write_synthetic_scene
-from lightning_het.options import DEPRECATED_KEYWORDS
 from lightning_het.strategy import HeterogeneousStrategy
 from tests.app.test_cli import CONSOLE_SCRIPT, check_metrics, run_app
 
-#: StrategyConfig fields that are not strategy keywords (the app's own switches)
-APP_ONLY_FIELDS = {"_target_", "gradient_averaging", "ddp_kwargs"}
+#: StrategyConfig fields that are not strategy keywords (the app's own switches; emulation: the callback)
+APP_ONLY_FIELDS = {"_target_", "gradient_averaging", "ddp_kwargs", "emulation"}
 #: StrategyConfig fields that DDPStrategy forwards to DistributedDataParallel through ``**kwargs``
 DDP_FORWARDED = {"find_unused_parameters"}
 
@@ -87,38 +87,39 @@ def test_one_class_labels_name_the_file(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- config
 def test_structured_strategy_config_matches_the_strategy_signature():
-    """Every StrategyConfig field is a keyword of HeterogeneousStrategy (or a DDPStrategy keyword it forwards), and the
-    defaults agree except where the app states its own choice in conf/strategy/heterogeneous.yaml. The app's flat keys
-    for the grouped settings (``global_sync_every``, ``profile_steps``, ``emulate_slowdown``, ...) are the strategy's
-    deprecated aliases, which the app maps onto ``comm`` / ``profiling`` / ``reliability`` and ``EmulatedPlatform``."""
+    """Every StrategyConfig field is a keyword of HeterogeneousStrategy (or a DDPStrategy keyword it forwards, or one of
+    the deprecated flat keys, views of the typed ones), and the defaults agree except where the app states its own
+    choice in conf/strategy/heterogeneous.yaml (a comment saying "default")."""
     signature = inspect.signature(HeterogeneousStrategy.__init__).parameters
-    params = {n: p.default for n, p in signature.items()} | {n: KEYWORD_DEFAULTS[n] for n in DEPRECATED_KEYWORDS}
+    params = {n: p.default for n, p in signature.items()}
     ddp_params = inspect.signature(DDPStrategy.__init__).parameters
     fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
-    unknown = sorted(set(fields) - APP_ONLY_FIELDS - DDP_FORWARDED - set(params) - set(ddp_params))
-    assert not unknown, f"StrategyConfig fields the strategy does not take: {unknown}"
+    known = set(params) | set(ddp_params) | set(DEPRECATED_KEYWORDS) | APP_ONLY_FIELDS | DDP_FORWARDED
+    assert not sorted(set(fields) - known), f"StrategyConfig fields the strategy does not take: {set(fields) - known}"
     keywords = [n for n, p in signature.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     assert len(keywords) > 10, keywords
-    missing = sorted(n for n in keywords if n not in fields and n not in ("profiling", "reliability"))
+    missing = sorted(n for n in keywords if n not in fields)
     assert not missing, f"strategy keywords the app cannot set: {missing}"
-    yaml_text = (config_dir() / "strategy" / "heterogeneous.yaml").read_text()
     for name, field in fields.items():
         if name in APP_ONLY_FIELDS or name not in params or field.default is dataclasses.MISSING:
             continue
-        code_default = params[name]
         schema_default = field.default.value if hasattr(field.default, "value") else field.default
-        assert schema_default == code_default, (name, schema_default, code_default)
-    # the YAML may differ from the code only where a comment says so
+        assert schema_default == params[name], (name, schema_default, params[name])
+    # the YAML may differ from the code only where a comment says so (the groups: their objects' defaults)
+    yaml_text = (config_dir() / "strategy" / "heterogeneous.yaml").read_text()
+    objects = {"profiling": Profiling(), "reliability": Reliability()}
     for name, value in OmegaConf.load(config_dir() / "strategy" / "heterogeneous.yaml").items():
-        if name in APP_ONLY_FIELDS or name == "defaults" or name not in params:
-            continue
-        if isinstance(value, str) and value.startswith("${"):
-            continue  # computed by the app (e.g. the emulated slowdowns)
-        code_default = params[name]
         plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        if plain != code_default and not (plain == {} and code_default is None):
-            block = yaml_text.split(f"\n{name}:")[0].rsplit("\n\n", 1)[-1]
-            assert "default" in block, f"{name}: YAML {plain!r} vs strategy {code_default!r}, with no comment saying so"
+        values = plain.items() if name in objects else [(None, plain)] if name in params else []
+        for field_name, field_value in values:
+            code_default = getattr(objects[name], field_name) if field_name else params[name]
+            if isinstance(field_value, str) and field_value.startswith("${"):
+                continue  # computed by the app (e.g. the emulated slowdowns)
+            if field_value != code_default and not (field_value == {} and code_default is None):
+                key = f"\n  {field_name}:" if field_name else f"\n{name}:"
+                lines = yaml_text.split(key)[0].splitlines()
+                block = " ".join(itertools.takewhile(lambda line: line.lstrip().startswith("#"), reversed(lines)))
+                assert "default" in block, f"{name}.{field_name}: YAML {field_value!r} vs {code_default!r}, no comment"
 
 
 # ------------------------------------------------------------------------------------------------- callbacks, loggers

@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning_het.app import config_dir
 from lightning_het.app.config import register_configs
 from lightning_het.app.train import main, train
-from lightning_het.errors import ShapeMismatchError
+from lightning_het.hsi.errors import ShapeMismatchError
 from lightning_het.hsi.raster import write_geotiff
 from lightning_het.hsi.synthetic import write_synthetic_scene
 from tests.helpers.jobs import REPO, run_in_session

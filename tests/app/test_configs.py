@@ -144,7 +144,7 @@ class TestExperiments:
         cfg = compose_cfg("experiment=gpu")
         assert cfg.trainer.accelerator == "gpu"
         assert cfg.trainer.devices == -1
-        assert cfg.strategy.emulate_slowdown is None
+        assert cfg.strategy.emulation.slowdown is None
 
     def test_quick_experiment_is_tiny(self, compose_cfg):
         cfg = compose_cfg("experiment=quick")
@@ -157,13 +157,13 @@ class TestDefaults:
         cfg = compose_cfg()
         assert cfg.trainer.accelerator == "cpu"
         assert cfg.trainer.devices == 3
-        assert list(cfg.strategy.emulate_slowdown) == [1.0, 2.0, 4.0]
+        assert list(cfg.strategy.emulation.slowdown) == [1.0, 2.0, 4.0]
         assert cfg.data.synthetic is not None and cfg.data.image is None
 
     def test_gpu_accelerator_uses_every_gpu_and_real_speeds(self, compose_cfg):
         cfg = compose_cfg("trainer.accelerator=gpu")
         assert cfg.trainer.devices == -1
-        assert cfg.strategy.emulate_slowdown is None
+        assert cfg.strategy.emulation.slowdown is None
 
     @pytest.mark.parametrize(
         ("overrides", "expected"),
@@ -171,14 +171,17 @@ class TestDefaults:
             (["trainer.devices=2"], [1.0, 4.0]),
             (["trainer.devices=1"], None),
             (["trainer.devices=2", "trainer.num_nodes=2"], None),
-            (["strategy.emulate_slowdown=[1,1,3]"], [1.0, 1.0, 3.0]),
+            (["strategy.emulation.slowdown=[1,1,3]"], [1.0, 1.0, 3.0]),
+            (["strategy.emulation.slowdown=null"], None),
+            (["strategy.emulate_slowdown=[1,1,3]"], [1.0, 1.0, 3.0]),  # the deprecated flat key: the same run
             (["strategy.emulate_slowdown=null"], None),
         ],
     )
     def test_emulation_follows_the_trainer(self, compose_cfg, overrides, expected):
-        cfg = compose_cfg(*overrides)
-        value = cfg.strategy.emulate_slowdown
-        assert (list(value) if value is not None else None) == expected
+        strategy_cfg, _ = validate_config(compose_cfg(*overrides))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            assert strategy_cfg.to_node()[1].get("slowdown") == expected
 
     def test_equal_split_has_one_equal_speed_per_replica(self, compose_cfg):
         cfg = compose_cfg("strategy=equal_split", "trainer.devices=4")
@@ -191,7 +194,7 @@ class TestDefaults:
 
     def test_node_local_emulates_two_nodes_on_one_cpu_machine(self, compose_cfg):
         cfg = compose_cfg("strategy=node_local")
-        assert cfg.strategy.comm == "node_local"
+        assert cfg.strategy.comm._target_ == "lightning_het.NodeLocal"
         assert list(cfg.strategy.node_ids) == [0, 0, 1]
         cfg = compose_cfg("strategy=node_local", "trainer.num_nodes=2", "trainer.devices=2")
         assert cfg.strategy.node_ids is None  # a real multi-node job: detected
@@ -243,7 +246,6 @@ class TestValidation:
         ("override", "message"),
         [
             ("strategy.min_batch_size=abc", "could not be converted to Integer"),
-            ("strategy.comm=fastest", "Invalid value 'fastest'"),
             ("strategy.speeds=[1,fast]", "could not be converted to Float"),
             ("strategy.typo=1", "Key 'typo' not in 'StrategyConfig'"),
             ("data.patch_size=big", "could not be converted to Integer"),
@@ -262,6 +264,10 @@ class TestValidation:
         [
             (["strategy.min_batch_size=0"], "strategy.min_batch_size"),
             (["strategy.emulate_slowdown=[1,0.5,2]"], "strategy.emulate_slowdown"),
+            (["strategy.emulation.slowdown=[1,0.5,2]"], "strategy.emulation.slowdown"),
+            (["strategy.comm=fastest"], "strategy.comm"),
+            (["strategy.profiling.steps=0"], "strategy.profiling.steps"),
+            (["strategy=node_local", "strategy.comm.sync_every=0"], "strategy.comm"),
             (["strategy.speeds=[1,-1,1]"], "strategy.speeds"),
             (["strategy.global_sync_every=0", "strategy.comm=node_local"], "strategy.global_sync_every"),
             (["strategy.comm_warmup_steps=-1"], "strategy.comm_warmup_steps"),
@@ -278,10 +284,13 @@ class TestValidation:
 
     @pytest.mark.parametrize(("override", "expected"), [("false", False), ("ck/", "ck/"), ("null", None)])
     def test_preemption_checkpoint_path_or_false(self, compose_cfg, override, expected):
-        strategy_cfg, _ = validate_config(compose_cfg(f"strategy.preemption_checkpoint={override}"))
-        assert strategy_cfg.to_kwargs()["preemption_checkpoint"] == expected
+        for key in ("strategy.reliability.preemption_checkpoint", "strategy.preemption_checkpoint"):
+            strategy_cfg, _ = validate_config(compose_cfg(f"{key}={override}"))
+            assert strategy_cfg.to_kwargs()["preemption_checkpoint"] == expected
 
     def test_preemption_checkpoint_true_names_the_key(self, compose_cfg):
+        with pytest.raises(ConfigValueError, match=r"strategy\.reliability\.preemption_checkpoint"):
+            validate_config(compose_cfg("strategy.reliability.preemption_checkpoint=true"))[0].to_kwargs()
         with pytest.raises(ConfigValueError, match=r"strategy\.preemption_checkpoint"):
             validate_config(compose_cfg("strategy.preemption_checkpoint=true"))[0].to_kwargs()
 
@@ -379,52 +388,58 @@ class TestOneSourceOfTruth:
     """The strategy node of the app mirrors the strategy: same keywords, same defaults, the same validators."""
 
     def test_fields_and_defaults_match_the_strategy_signature(self):
-        import dataclasses
         import enum
         import inspect
 
-        from lightning_het import HeterogeneousStrategy
-        from lightning_het.config import KEYWORD_DEFAULTS
-        from lightning_het.options import DEPRECATED_KEYWORDS
+        from lightning_het import HeterogeneousStrategy, Profiling, Reliability
+        from lightning_het.app.config import EmulationConfig, ProfilingConfig, ReliabilityConfig
+        from lightning_het.config import DEPRECATED_KEYWORDS
 
         parameters = inspect.signature(HeterogeneousStrategy).parameters
-        app_only = {"_target_", "gradient_averaging", "ddp_kwargs"}  # app switches, not strategy keywords
+        app_only = {"_target_", "gradient_averaging", "ddp_kwargs", "emulation"}  # app switches, not strategy keywords
         ddp_keywords = {"process_group_backend", "start_method", "timeout", "find_unused_parameters"}  # **kwargs
         fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
-        ours = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} - {"profiling", "reliability"}
-        # the grouped settings as the app's flat keys (the strategy's deprecated aliases, mapped by the app)
-        defaults = {name: parameters[name].default for name in ours} | {
-            name: KEYWORD_DEFAULTS[name] for name in DEPRECATED_KEYWORDS
-        }
-        assert set(defaults) == set(fields) - app_only - ddp_keywords
-        for name, code_default in defaults.items():
+        ours = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+        # the typed keywords, and the deprecated flat keys (views of the typed ones, which an override replaces)
+        assert set(fields) - app_only - ddp_keywords == ours | set(DEPRECATED_KEYWORDS)
+        for name in ours - {"profiling", "reliability"}:
             default = fields[name].default
-            default = default.value if isinstance(default, enum.Enum) else default
-            assert default == code_default, name
+            assert (default.value if isinstance(default, enum.Enum) else default) == parameters[name].default, name
+        for schema, cls in ((ProfilingConfig, Profiling), (ReliabilityConfig, Reliability)):
+            assert dataclasses.asdict(schema()) == dataclasses.asdict(cls()), cls
+        assert [f.name for f in dataclasses.fields(EmulationConfig)] == ["slowdown", "memory_cap"]
+        for old, (_, name) in DEPRECATED_KEYWORDS.items():
+            assert name in fields[old].default, (old, fields[old].default)  # `${.profiling.steps}`, ...
 
     def test_the_config_runs_the_strategy_validators(self):
-        import dataclasses
+        from lightning_het.app.config import ProfilingConfig
 
-        from lightning_het.app.config import STRATEGY_CHECKED_FIELDS
-
-        assert set(STRATEGY_CHECKED_FIELDS) <= {f.name for f in dataclasses.fields(StrategyConfig)}
         with pytest.raises(ConfigValueError, match=r"strategy\.max_batch_sizes.*`min_batch_size`=4"):
             StrategyConfig(min_batch_size=4, max_batch_sizes=[8, 2])
+        with pytest.raises(ConfigValueError, match=r"strategy\.profiling\.telemetry"):
+            StrategyConfig(profiling=ProfilingConfig(telemetry=False, rebalance_every_n_epochs=1))
         with pytest.raises(ConfigValueError, match=r"strategy\.telemetry"):
             StrategyConfig(telemetry=False, rebalance_every_n_epochs=1)
 
 
 def test_flat_overrides_build_the_typed_form(compose_cfg):
-    """`strategy=node_local strategy.global_sync_every=4`: the app's flat keys become `comm=NodeLocal(sync_every=4)`
-    (a nested `_target_` node), the profiling / reliability keys their objects, the emulation the callback's keys."""
+    """`strategy=node_local strategy.global_sync_every=4`: the deprecated flat keys still work, with a warning naming
+    the typed keys, and build the same strategy node as `strategy.comm.sync_every=4` (nested `_target_` nodes)."""
     cfg = compose_cfg("strategy=node_local", "strategy.global_sync_every=4", "strategy.profile_steps=3")
     strategy_cfg, _ = validate_config(cfg)
-    node, emulation = strategy_cfg.to_node()
+    with pytest.warns(FutureWarning, match=r"`strategy.global_sync_every=4`.*use `strategy.comm.sync_every=4`"):
+        node, emulation = strategy_cfg.to_node()
+    typed_cfg, _ = validate_config(
+        compose_cfg("strategy=node_local", "strategy.comm.sync_every=4", "strategy.profiling.steps=3")
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert typed_cfg.to_node() == (node, emulation)
     assert node["comm"]["_target_"] == "lightning_het.NodeLocal" and node["comm"]["sync_every"] == 4
     assert node["profiling"]["_target_"] == "lightning_het.Profiling" and node["profiling"]["steps"] == 3
     assert node["reliability"]["resume"] == "auto"
-    assert not {"global_sync_every", "profile_steps", "emulate_slowdown", "resume"} & set(node)
-    assert emulation == ({"slowdown": strategy_cfg.emulate_slowdown} if strategy_cfg.emulate_slowdown else {})
+    assert not {"global_sync_every", "profile_steps", "emulate_slowdown", "resume", "emulation"} & set(node)
+    assert emulation == {"slowdown": [1.0, 2.0, 4.0]}
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         strategy = instantiate(node)
@@ -433,3 +448,8 @@ def test_flat_overrides_build_the_typed_form(compose_cfg):
         4,
         3,
     )
+    # a mode name and an old comm key: the object of that mode
+    cfg = compose_cfg("strategy.comm=node_local", "strategy.global_sync_every=2", "strategy.node_ids=[0,0,1]")
+    with pytest.warns(FutureWarning):
+        node, _ = validate_config(cfg)[0].to_node()
+    assert node["comm"]["_target_"] == "lightning_het.NodeLocal" and node["comm"]["sync_every"] == 2

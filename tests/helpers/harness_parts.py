@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_het.options import typed_keywords
+from lightning_het.config import typed_keywords
 from tests.helpers.tiny import HeterogeneousStrategy, make_dataset, pl
 
 #: strategy -> the EmulatedPlatform keywords its spec gave (``make_trainer`` adds the callback)

@@ -11,7 +11,9 @@ import torch
 from rasterio.crs import CRS
 from torch.utils.data import DataLoader
 
-from lightning_het.errors import (
+from lightning_het.hsi import HyperspectralDataModule
+from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, WindowedPatches
+from lightning_het.hsi.errors import (
     ClassTooSmallError,
     GeoreferenceMismatchError,
     LabelValueError,
@@ -19,8 +21,6 @@ from lightning_het.errors import (
     RasterNotFoundError,
     ShapeMismatchError,
 )
-from lightning_het.hsi import HyperspectralDataModule
-from lightning_het.hsi.datasets import InMemoryPatches, PatchDataset, WindowedPatches
 from lightning_het.hsi.preprocessing import fit_spectral_transform
 from lightning_het.hsi.raster import write_geotiff
 from tests.conftest_hsi import (

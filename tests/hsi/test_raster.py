@@ -12,7 +12,7 @@ import scipy.io
 from rasterio.crs import CRS
 from rasterio.transform import Affine
 
-from lightning_het.errors import (
+from lightning_het.hsi.errors import (
     GeoreferenceMismatchError,
     LabelValueError,
     MatFileError,

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from lightning_het.errors import ClassTooSmallError, NoLabelledPixelsError
+from lightning_het.hsi.errors import ClassTooSmallError, NoLabelledPixelsError
 from lightning_het.hsi.splits import block_split, dilate, footprint_mask, format_class_counts, random_split
 from lightning_het.hsi.synthetic import make_synthetic_scene
 
