@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
 
@@ -31,9 +31,7 @@ def _as_list(device_map: object, name: str) -> list[object]:
     elif isinstance(device_map, torch.device):
         entries = [device_map]
     elif isinstance(device_map, (bytes, Mapping)) or not hasattr(device_map, "__iter__"):
-        raise ValueError(
-            f"Expected argument `{name}` to be a list of devices (e.g. ['cuda:0', 'cpu']), but got {device_map!r}."
-        )
+        raise ValueError(f"Expected `{name}` to be a list of devices, but got {device_map!r}.")
     else:
         entries = list(device_map)  # type: ignore[call-overload]
     if not entries or entries == [""]:
@@ -57,11 +55,6 @@ def _parse_entry(entry: object, name: str) -> tuple[str, int | None]:
     raise ValueError(f"Expected argument `{name}` to be one of {_ALLOWED_FORMS}, but got {entry!r}.")
 
 
-def _visible_devices_hint() -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
-
-
 def parse_device_map(
     device_map: str | Sequence[DeviceEntry],
     local_world_size: int | None = None,
@@ -78,9 +71,8 @@ def parse_device_map(
     parsed = [_parse_entry(entry, f"{name}[{i}]") for i, entry in enumerate(entries)]
     if local_world_size is not None and len(parsed) != local_world_size:
         raise ValueError(
-            f"You set `{name}` with {len(parsed)} entries ({[str(e) for e in entries]}), but the node runs"
-            f" {local_world_size} replicas (Trainer(devices={local_world_size})). HINT: give one device per local"
-            f" replica, or leave `devices` at 'auto' so that the map decides."
+            f"You set `{name}` with {len(parsed)} entries, but the node runs {local_world_size} replicas"
+            f" (Trainer(devices={local_world_size})). HINT: leave `devices` at 'auto' so that the map decides."
         )
     taken = {index for kind, index in parsed if kind == "cuda" and index is not None}
     devices: list[torch.device] = []
@@ -92,26 +84,21 @@ def parse_device_map(
     cuda = [i for i, d in enumerate(devices) if d.type == "cuda"]
     if cuda and cuda_device_count is not None and cuda_device_count < 1:
         raise ValueError(
-            f"You set `{name}`={[str(e) for e in entries]} with {len(cuda)} CUDA replica(s), but no CUDA"
-            f" device is visible on this host (torch.cuda.device_count()=0, torch {torch.__version__},"
-            f" {_visible_devices_hint()}). HINT: run on a GPU node with a CUDA build of torch, or map the replicas"
-            " to 'cpu'."
+            f"You set `{name}` with CUDA replicas, but no CUDA device is visible on this host"
+            f" (torch.cuda.device_count()=0, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})."
         )
     seen: dict[int | None, int] = {}
     for i in cuda:
         if cuda_device_count is not None and devices[i].index >= cuda_device_count:  # type: ignore[operator]
             raise ValueError(
                 f"You set `{name}[{i}]`={entries[i]!r} (-> {devices[i]}), but only {cuda_device_count} CUDA"
-                f" device(s) are visible on this host ({_visible_devices_hint()}); the map has"
-                f" {len(cuda)} CUDA replica(s). HINT: indices count from 0 among the visible devices;"
-                " use fewer CUDA replicas or map the others to 'cpu'."
+                " device(s) are visible on this host (indices count from 0 among the visible devices)."
             )
         first = seen.setdefault(devices[i].index, i)
         if first != i:
             raise ValueError(
                 f"You set `{name}` with {devices[i]} twice (`{name}[{first}]`={entries[first]!r} and"
-                f" `{name}[{i}]`={entries[i]!r}): two replicas cannot share one GPU. HINT: give each CUDA replica"
-                " its own index, or map the extra replica to 'cpu'."
+                f" `{name}[{i}]`={entries[i]!r}): two replicas cannot share one GPU."
             )
     return devices
 
@@ -124,26 +111,17 @@ def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, 
     for key, value in device_map.items():
         text = str(key).strip()
         if isinstance(key, bool) or not text.isdigit():
-            raise ValueError(
-                f"Expected the keys of `{name}` to be node ranks (integers >= 0), but got {key!r}."
-                " HINT: use {0: [...], 1: [...]} or one list for every node."
-            )
+            raise ValueError(f"Expected the keys of `{name}` to be node ranks (integers >= 0), but got {key!r}.")
         per_node[int(text)] = _as_list(value, f"{name}[{key!r}]")
     if not per_node:
         raise ValueError(f"Expected argument `{name}` to hold at least one node, but got {dict(device_map)!r}.")
     ranks = sorted(per_node)
     expected = list(range(num_nodes if num_nodes is not None else len(ranks)))
     if ranks != expected:
-        raise ValueError(
-            f"You set `{name}` for node ranks {ranks}, but the job has {num_nodes if num_nodes is not None else '?'}"
-            f" node(s) (ranks {expected}). HINT: give exactly one map per node rank."
-        )
+        raise ValueError(f"You set `{name}` for node ranks {ranks}, but the job has {len(expected)} node(s).")
     lengths = {rank: len(entries) for rank, entries in per_node.items()}
     if len(set(lengths.values())) > 1:
-        raise ValueError(
-            f"You set `{name}` with different numbers of replicas per node ({lengths}); Lightning runs the same number"
-            " of processes on every node. HINT: pad the smaller maps with 'cpu' replicas."
-        )
+        raise ValueError(f"You set `{name}` with different numbers of replicas per node ({lengths}).")
     return [per_node[rank] for rank in ranks]
 
 
@@ -159,16 +137,11 @@ def choose_backend(devices: Sequence[torch.device], requested: str | None = None
     if kinds == ["cuda"]:
         return backend
     if len(kinds) > 1 and backend != "gloo":
-        raise ValueError(
-            f"You set `process_group_backend`={requested!r}, but the job mixes CPU and CUDA replicas ({counts}): only"
-            " Gloo can reduce a CPU tensor on one rank with a CUDA tensor on another. HINT: leave"
-            " `process_group_backend` unset (Gloo is chosen) or set it to 'gloo'."
-        )
+        msg = f"You set `process_group_backend`={requested!r}, but the job mixes CPU and CUDA replicas ({counts}):"
+        raise ValueError(f"{msg} only Gloo can reduce across both.")
     if "nccl" in backend:
-        raise ValueError(
-            f"You set `process_group_backend`={requested!r}, but the job has CPU replicas ({counts}); NCCL only"
-            " communicates CUDA tensors. HINT: leave `process_group_backend` unset or use 'gloo'."
-        )
+        msg = f"You set `process_group_backend`={requested!r}, but the job has CPU replicas ({counts});"
+        raise ValueError(f"{msg} NCCL only communicates CUDA tensors.")
     return backend
 
 
@@ -188,23 +161,16 @@ def plan_cpu_threads(
     >>> plan_cpu_threads([torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")], cpu_cores=16)
     [1, 8, 7]
     """
-    if isinstance(cpu_cores, bool) or not isinstance(cpu_cores, int) or cpu_cores < 1:
-        raise ValueError(f"Expected argument `cpu_cores` to be an integer >= 1, but got {cpu_cores!r}.")
     if cpu_threads is not None:
         if isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool):
             counts, given = [1 if d.type == "cuda" else cpu_threads for d in devices], [cpu_threads]
         elif isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
-            raise ValueError(
-                f"Expected argument `cpu_threads` to be an integer or one integer per local replica, but got"
-                f" {cpu_threads!r}."
-            )
+            raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
         else:
             counts = given = list(cpu_threads)
             if len(counts) != len(devices):
                 raise ValueError(
                     f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}"
-                    f" replicas ({[str(d) for d in devices]}). HINT: give one count per local replica, or a single"
-                    " integer for every CPU replica."
                 )
         for i, c in enumerate(given):
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
@@ -212,8 +178,7 @@ def plan_cpu_threads(
                 raise ValueError(f"Expected {where} to be an integer >= 1, but got {c!r}.")
         if sum(counts) > cpu_cores:
             warnings.warn(
-                f"`cpu_threads`={counts} asks for {sum(counts)} threads on a node with {cpu_cores} available cores;"
-                " the replicas will compete for cores and CPU replicas will run (and be profiled) slower.",
+                f"`cpu_threads`={counts} asks for {sum(counts)} threads on a node with {cpu_cores} available cores.",
                 stacklevel=2,
             )
         return [int(c) for c in counts]
@@ -222,9 +187,8 @@ def plan_cpu_threads(
     free = cpu_cores - (len(devices) - len(cpu_ranks))
     if cpu_ranks and free < len(cpu_ranks):
         warnings.warn(
-            f"The node has {cpu_cores} available cores for {len(devices) - len(cpu_ranks)} CUDA replica(s) (one core"
-            f" each) and {len(cpu_ranks)} CPU replica(s); every CPU replica gets 1 thread and the processes will"
-            " compete for cores. HINT: use fewer CPU replicas per node.",
+            f"The node has {cpu_cores} available cores for {len(devices) - len(cpu_ranks)} CUDA replica(s) and"
+            f" {len(cpu_ranks)} CPU replica(s): every CPU replica gets 1 thread.",
             stacklevel=2,
         )
         free = len(cpu_ranks)
@@ -244,13 +208,8 @@ class DevicePlan:
 
     @property
     def mixed(self) -> bool:
-        """Whether the job has both CPU and CUDA replicas (on any node)."""
+        """Whether the job has both CPU and CUDA replicas (then no rank binds a device to the default group)."""
         return len({d.type for d in self.global_devices}) > 1
-
-    @property
-    def bind_device_id(self) -> bool:
-        """Whether a process may bind its device to the default group (the same on every rank: not when mixed)."""
-        return not self.mixed
 
 
 def plan_devices(
@@ -283,24 +242,23 @@ def plan_devices(
     return DevicePlan(local, everyone, choose_backend(everyone, requested_backend), tuple(threads))
 
 
-def _plain_map(device_map: DeviceMapArg) -> list[str | int] | dict[int, list[str | int]]:
-    """A picklable, config-library-free copy (e.g. of an omegaconf ListConfig/DictConfig)."""
-
-    def plain(entries: list) -> list[str | int]:
-        return [e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in entries]
-
-    if isinstance(device_map, Mapping):
-        return {
-            int(str(k)) if str(k).strip().isdigit() else k: plain(node_device_maps(v)[0]) for k, v in device_map.items()
-        }
-    return plain(node_device_maps(device_map)[0])
+def _plain(entries: list) -> list[str | int]:
+    """A picklable, config-library-free copy of one map (e.g. of an omegaconf ListConfig)."""
+    return [e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in entries]
 
 
 class MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
-        self.device_map = _plain_map(device_map)  # as given: one list for every node, or {node_rank: list}
+        self.device_map: list | dict = (  # as given: one list for every node, or {node_rank: list}
+            {
+                int(str(k)) if str(k).strip().isdigit() else k: _plain(node_device_maps(v)[0])
+                for k, v in device_map.items()
+            }
+            if isinstance(device_map, Mapping)
+            else _plain(node_device_maps(device_map)[0])
+        )
         per_node = node_device_maps(self.device_map)  # checks keys and equal lengths
         for rank, entries in enumerate(per_node):  # syntax and duplicates; the GPU count is checked per node later
             parse_device_map(
@@ -323,19 +281,14 @@ class MixedAcceleratorMixin:
         if getattr(strategy, "device_plan", None) is None:
             raise TypeError(
                 f"MixedAccelerator places replicas through HeterogeneousStrategy, but the trainer uses"
-                f" {type(strategy).__name__}, which would run every replica on {strategy.root_device}. HINT: use"
-                " `strategy=HeterogeneousStrategy(device_map=...)` (or `strategy='heterogeneous'`)."
+                f" {type(strategy).__name__}. HINT: use `strategy=HeterogeneousStrategy(device_map=...)`."
             )
         if strategy.root_device.type == "cuda":
             CUDAAccelerator().teardown()  # Lightning's way to empty the CUDA cache and the cuBLAS workspaces
 
     def get_device_stats(self, device: torch.device | str | int) -> dict[str, Any]:
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if device.type == "cuda":
-            return torch.cuda.memory_stats(device)
-        from lightning.pytorch.accelerators.cpu import get_cpu_stats
-
-        return get_cpu_stats()
+        return (CUDAAccelerator() if device.type == "cuda" else CPUAccelerator()).get_device_stats(device)
 
     def teardown(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -354,10 +307,7 @@ class MixedAcceleratorMixin:
         if isinstance(devices, str) and devices.strip().isdigit():
             devices = int(devices)
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-            raise ValueError(
-                f"With a device map, `Trainer(devices=...)` is a number of processes per node (an int > 0) or"
-                f" 'auto' (the map's length), but got {devices!r}. HINT: list the devices in the map, not in `devices`."
-            )
+            raise ValueError(f"With a device map, `devices` is a process count per node or 'auto', got {devices!r}.")
         return devices
 
     @staticmethod
@@ -368,18 +318,9 @@ class MixedAcceleratorMixin:
     def name() -> str:
         return "mixed"
 
-    @classmethod
-    def register_accelerators(cls, accelerator_registry: Any) -> None:
-        """Not registered by name: it needs a device map."""
-
 
 class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
     """Accelerator for jobs that mix CPU and CUDA replicas; use it with ``HeterogeneousStrategy``."""
-
-
-def mixed_accelerator_class(strategy_cls: type) -> type:
-    """The ``MixedAccelerator`` of a strategy's Lightning flavour."""
-    return trainer_flavour(strategy_cls).MixedAccelerator
 
 
 def mixed_accelerator_kwargs(
@@ -388,18 +329,13 @@ def mixed_accelerator_kwargs(
     """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` given a map."""
     if device_map is None:
         if cpu_threads is not None:
-            raise ValueError(
-                f"You set `cpu_threads`={cpu_threads!r} without a `device_map`. HINT: threads are planned per mapped"
-                " replica; for a CPU-only job use e.g. `device_map=['cpu', 'cpu']`, or set OMP_NUM_THREADS."
-            )
+            raise ValueError(f"You set `cpu_threads`={cpu_threads!r} without a `device_map` (e.g. ['cpu', 'cpu']).")
         return kwargs
     for clash in ("accelerator", "parallel_devices"):
         if kwargs.get(clash) is not None:
-            raise ValueError(
-                f"You set both `device_map` and `{clash}`={kwargs[clash]!r}. HINT: the device map decides where each"
-                f" replica runs; drop `{clash}`."
-            )
-    return {**kwargs, "accelerator": mixed_accelerator_class(strategy_cls)(device_map, cpu_threads=cpu_threads)}
+            raise ValueError(f"You set both `device_map` and `{clash}`={kwargs[clash]!r}; drop `{clash}`.")
+    accelerator = trainer_flavour(strategy_cls).MixedAccelerator(device_map, cpu_threads=cpu_threads)
+    return {**kwargs, "accelerator": accelerator}
 
 
 def configure_devices(strategy: Any) -> DevicePlan | None:
@@ -420,11 +356,7 @@ def configure_devices(strategy: Any) -> DevicePlan | None:
     plugin = getattr(strategy, "precision_plugin", None)
     amp = "MixedPrecision" in {c.__name__ for c in type(plugin).__mro__}
     if amp and getattr(plugin, "precision", None) == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
-        raise ValueError(
-            "You set `precision='16-mixed'` with CPU replicas in the device map: float16 autocast and its gradient"
-            " scaler are CUDA-only. HINT: use `precision='bf16-mixed'` (autocast on each replica's own device) or"
-            " '32-true'."
-        )
+        raise ValueError("You set `precision='16-mixed'` with CPU replicas in the map (CUDA-only); use 'bf16-mixed'.")
     strategy.parallel_devices = list(plan.local_devices)
     log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")
     return plan
@@ -446,10 +378,9 @@ def apply_local_settings(strategy: Any) -> None:
 
 @contextmanager
 def unbound_process_group(strategy: Any) -> Iterator[None]:
-    """Around ``setup_distributed`` in a mixed job: no rank binds a device to the default group (a bound one would
-    split later subgroups off its backend, the unbound ranks not), by hiding the CUDA devices."""
+    """Around ``setup_distributed`` in a mixed job: no rank binds a device to the default group (hides CUDA)."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
-    if plan is None or plan.bind_device_id:
+    if plan is None or not plan.mixed:
         yield
         return
     devices = strategy.parallel_devices

@@ -66,11 +66,7 @@ def agree_on_token(token: str) -> str:
     shared = [token or secrets.token_hex(32)]
     dist.broadcast_object_list(shared, src=0)
     if dist.get_rank() == 0:
-        log.info(
-            "lightning_het: the replicas were started with different job tokens; they now use rank 0's. HINT: export"
-            " the same %s on every node.",
-            TOKEN_ENV,
-        )
+        log.info("lightning_het: the replicas were started with different %s values; they now use rank 0's.", TOKEN_ENV)
     return shared[0]
 
 
@@ -81,10 +77,7 @@ def listen_address(num_nodes: int, master_addr: str) -> str:
     try:
         infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
-        raise ValueError(
-            f"You set MASTER_ADDR={master_addr!r}, but it does not resolve to an address ({err}). HINT: use the host"
-            " name or IP address of node 0 as the other nodes reach it."
-        ) from None
+        raise ValueError(f"MASTER_ADDR={master_addr!r} does not resolve to an address ({err}).") from None
     addresses = [info[4][0] for info in infos]
     ipv4 = [a for a in addresses if ipaddress.ip_address(a).version == 4]
     return (ipv4 or addresses)[0]
@@ -119,10 +112,7 @@ def create_store(
         sock.listen(socket.SOMAXCONN)
     except OSError as err:
         sock.close()
-        raise RuntimeError(
-            f"The job's rendezvous store cannot listen on {address}:{port} ({err}). HINT: pick another MASTER_PORT,"
-            " or, on several nodes, set MASTER_ADDR to an address of node 0 itself."
-        ) from None
+        raise RuntimeError(f"The job's rendezvous store cannot listen on {address}:{port} ({err}).") from None
     _sockets.append(sock)
     return dist.TCPStore(
         address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
@@ -154,19 +144,15 @@ def local_sockets(num_nodes: int) -> Iterator[None]:
         restore_job_environment(saved)
 
 
-def save_job_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
-    """The values of :data:`JOB_ENVIRONMENT` in ``environ`` (default ``os.environ``; ``None``: unset)."""
-    environ = os.environ if environ is None else environ
-    return {name: environ.get(name) for name in JOB_ENVIRONMENT}
+def save_job_environment() -> dict[str, str | None]:
+    """The values of :data:`JOB_ENVIRONMENT` in ``os.environ`` (``None``: unset)."""
+    return {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
 
 
-def restore_job_environment(
-    saved: dict[str, str | None] | None, environ: MutableMapping[str, str] | None = None
-) -> None:
+def restore_job_environment(saved: dict[str, str | None] | None) -> None:
     """Put the variables of ``saved`` (from :func:`save_job_environment`) back; ``None``: nothing to do."""
-    environ = os.environ if environ is None else environ
     for name, value in (saved or {}).items():
         if value is None:
-            environ.pop(name, None)
+            os.environ.pop(name, None)
         else:
-            environ[name] = value
+            os.environ[name] = value

@@ -54,8 +54,7 @@ def wait_under_torchrun(wait: timedelta) -> None:
 
 
 def init_process_group(member: Any, backend: str, timeout: timedelta | None, wait: timedelta) -> None:
-    """Start the default process group on a store, and sockets, only the job can reach: the replicas wait ``wait``
-    for each other there, then the group's collectives time out after ``timeout`` (a timed-out wait ends the job)."""
+    """Start the default process group on a store only the job can reach, the replicas waiting ``wait`` there."""
     env, rank, world_size = member.cluster_environment, member.global_rank, member.world_size
     device = member.root_device
     try:
@@ -77,8 +76,7 @@ def init_process_group(member: Any, backend: str, timeout: timedelta | None, wai
 
 
 def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
-    """``dist.init_process_group`` as Lightning's DDP strategies call it (``MASTER_ADDR`` / ``MASTER_PORT`` set, an
-    NCCL group destroyed at exit)."""
+    """``dist.init_process_group`` as Lightning's DDP strategies call it (an NCCL group destroyed at exit)."""
     if dist.is_initialized():
         return
     rank, world_size = env.global_rank(), env.world_size()
@@ -115,9 +113,7 @@ def rendezvous_failed(err: BaseException, wait: timedelta, rank: int, world_size
         return err
     print(
         f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
-        f" {wait.total_seconds():g} s (startup_timeout); a replica hung or died while starting"
-        f" ({str(err).splitlines()[0][:200]}). Ending the job (exit status {WATCHDOG_EXIT_CODE}). HINT: look at the"
-        " other replicas' output; raise `startup_timeout` if they only start slowly.",
+        f" {wait.total_seconds():g} s (startup_timeout). Ending the job (exit status {WATCHDOG_EXIT_CODE}).",
         file=sys.stderr,
         flush=True,
     )

@@ -41,17 +41,10 @@ def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
         raise ValueError(f"Expected argument `node_ids` to be a sequence of integers, but got {node_ids!r}.")
     values = list(node_ids)
     if len(values) != world_size:
-        raise ValueError(
-            f"Expected argument `node_ids` to have one entry per replica (world size {world_size}), but got"
-            f" {len(values)} entries: {values}. HINT: list the node id of every global rank, e.g."
-            f" {[r * 2 // max(world_size, 1) for r in range(world_size)]} for two nodes."
-        )
+        raise ValueError(f"Expected `node_ids` of world size {world_size}, but got {len(values)} entries: {values}.")
     for rank, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(
-                f"Expected argument `node_ids` to hold integers, but `node_ids[{rank}]` is {value!r}"
-                f" (node_ids={values})."
-            )
+            raise ValueError(f"Expected `node_ids` to hold integers, but `node_ids[{rank}]` is {value!r}.")
     return _normalise(values)
 
 
@@ -71,8 +64,7 @@ def describe_topology(node_ids: Sequence[int]) -> str:
 
 
 def gather_node_ids(source: Any, *, hostname: str | None = None, group: dist.ProcessGroup | None = None) -> list[int]:
-    """Every rank's node, from one ``all_gather_object`` of ``(node_rank, hostname)``; ``source``: a node rank or a
-    Lightning ``ClusterEnvironment``."""
+    """Every rank's node from one all-gather of ``(node_rank, hostname)`` (``source``: a node rank or environment)."""
     node_rank = int(source.node_rank()) if hasattr(source, "node_rank") else int(source)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (node_rank, hostname or socket.gethostname()), group=group)
@@ -81,8 +73,7 @@ def gather_node_ids(source: Any, *, hostname: str | None = None, group: dist.Pro
 
 @dataclass(frozen=True)
 class NodeGroups:
-    """Process groups of a two-level topology, seen from one rank: ``intra_group`` and ``intra_bcast_group`` (the
-    same ranks, for concurrent reduce and broadcast stages), ``leader_group`` (``None`` off the leaders)."""
+    """One rank's groups: two intra-node ones (concurrent reduce and broadcast), ``leader_group`` (leaders only)."""
 
     node_ids: tuple[int, ...]
     rank: int
@@ -100,12 +91,8 @@ class NodeGroups:
         return len(self.members)
 
     @property
-    def node_id(self) -> int:
-        return self.node_ids[self.rank]
-
-    @property
     def node_ranks(self) -> tuple[int, ...]:
-        return self.members[self.node_id]
+        return self.members[self.node_ids[self.rank]]
 
     @property
     def node_size(self) -> int:

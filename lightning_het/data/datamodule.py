@@ -9,13 +9,8 @@ from lightning_het.data.splitting import as_batch_size
 
 
 class HeterogeneousDataModule(pl.LightningDataModule):
-    """Base class for data modules trained with ``HeterogeneousStrategy``.
-
-    ``global_batch_size``: samples per optimizer step over all replicas (the strategy's default; another strategy
-    gives each process ``global_batch_size // world_size``); ``eval_batch_size`` (default ``global_batch_size``): per
-    replica for predict, the mean over replicas for validation and test; ``num_workers`` and ``pin_memory``: every
-    loader's. Subclasses set ``train_dataset``, ``val_dataset``, ... in ``setup()``.
-    """
+    """Base class for data modules trained with ``HeterogeneousStrategy``: ``global_batch_size`` over all replicas;
+    subclasses set ``train_dataset``, ``val_dataset``, ... in ``setup()``."""
 
     def __init__(
         self,
@@ -26,9 +21,7 @@ class HeterogeneousDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if as_batch_size(global_batch_size) is None:  # a Python or NumPy integer >= 1
-            raise ValueError(
-                f"Expected argument `global_batch_size` to be a positive integer, got {global_batch_size!r}."
-            )
+            raise ValueError(f"Expected `global_batch_size` to be a positive integer, got {global_batch_size!r}.")
         if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
             raise ValueError(f"Expected argument `eval_batch_size` to be a positive integer, got {eval_batch_size!r}.")
         if not isinstance(num_workers, int) or num_workers < 0:
@@ -49,10 +42,7 @@ class HeterogeneousDataModule(pl.LightningDataModule):
     def _loader(self, name: str, batch_size: int, shuffle: bool = False) -> DataLoader:
         dataset = getattr(self, f"{name}_dataset", None)
         if dataset is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.setup() did not set `{name}_dataset`; set it before asking for the"
-                f" {name} loader."
-            )
+            raise RuntimeError(f"{type(self).__name__}.setup() did not set `{name}_dataset`.")
         return DataLoader(
             dataset,
             batch_size=batch_size,

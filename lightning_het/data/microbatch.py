@@ -1,9 +1,4 @@
-"""Micro-batches: one replica's share run in pieces of at most its memory cap, with the share's exact gradient.
-
-Every piece but the last backwards at once under ``no_sync()``, its loss weighted ``n_j / b``; the last piece's loss
-(plus the others', detached) is returned for the usual, synchronising backward. An out-of-memory error lowers the cap
-once (``docs/balancing.md``).
-"""
+"""Micro-batches: one replica's share run in pieces of at most its memory cap, with the share's exact gradient."""
 
 from __future__ import annotations
 
@@ -68,8 +63,7 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
 
 
 def micro_batches(batch: Any, cap: int) -> list[tuple[Any, float]]:
-    """For a loop of your own: ``(piece, n_j / b)`` pairs of at most ``cap`` samples; backward ``loss * weight`` for
-    each, all but the last under ``no_sync()``.
+    """``(piece, n_j / b)`` pieces of at most ``cap``: backward ``loss * weight`` (earlier ones in ``no_sync()``).
 
     >>> [(p.tolist(), w) for p, w in micro_batches(torch.arange(5), 2)]
     [([0, 1], 0.4), ([2, 3], 0.4), ([4], 0.2)]
@@ -85,10 +79,7 @@ def step_loss(output: Any) -> Tensor:
     """The loss a training step returned (a tensor, or a dict's ``"loss"``)."""
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
-        raise RuntimeError(
-            "HeterogeneousStrategy runs this replica's share as micro-batches (`max_micro_batch_sizes`), so"
-            f" `training_step` must return the loss (a tensor, or a dict with 'loss'), but it returned {output!r}."
-        )
+        raise RuntimeError(f"With micro-batches, `training_step` must return the loss, but it returned {output!r}.")
     return loss
 
 
@@ -101,8 +92,7 @@ def take_grads(params: Sequence[Tensor]) -> list[Tensor | None]:
 
 
 class MicroBatcher:
-    """One replica's micro-batching: ``cap`` (``None``: the whole share), ``min_piece`` (2 with batch norm layers)
-    and the one fallback after an out-of-memory error."""
+    """One replica's micro-batching: ``cap`` (``None``: whole share), ``min_piece`` and the one fallback after OOM."""
 
     def __init__(self, rank: int, cap: int | None = None, min_piece: int = 1) -> None:
         self.rank = rank
@@ -118,7 +108,7 @@ class MicroBatcher:
 
     @property
     def least_cap(self) -> int:
-        """The smallest cap that leaves no piece under ``min_piece`` (3 for 2: a cap of 2 splits 3 as ``[2, 1]``)."""
+        """The smallest cap that leaves no piece under ``min_piece``."""
         return 2 * self.min_piece - 1
 
     @contextmanager
@@ -134,7 +124,7 @@ class MicroBatcher:
     @contextmanager
     def logging_as(self, module: Any, samples: int | None) -> Iterator[None]:
         """During a piece of ``samples``: ``module.log`` without ``batch_size`` weighs the value by the piece's size."""
-        log = module.log
+        log, own = module.log, vars(module).get("log")  # an instance's own: a trial step's silenced log
 
         def piece_log(*args: Any, batch_size: int | None = None, **kwargs: Any) -> Any:
             self.in_log = True
@@ -143,7 +133,6 @@ class MicroBatcher:
             finally:
                 self.in_log = False
 
-        own = vars(module).get("log")  # an instance's own (a trial step's silenced log)
         module.log = piece_log
         try:
             yield
@@ -158,11 +147,8 @@ class MicroBatcher:
         samples = batch_length(batch)
         if self.cap is not None and samples is not None and samples > self.cap:
             raise RuntimeError(
-                f"HeterogeneousStrategy: rank {self.rank}'s share of {samples} samples exceeds its micro-batch cap"
-                f" {self.cap} (`max_micro_batch_sizes`), which manual optimization cannot split for you. HINT: in"
-                " `training_step`, loop over `lightning_het.data.microbatch.micro_batches(batch, cap)` and call"
-                " `self.manual_backward(loss * weight)` for each piece (inside `self.trainer.model.no_sync()` for all"
-                " but the last), or use automatic optimization."
+                f"Rank {self.rank}'s share of {samples} samples exceeds its micro-batch cap {self.cap} under manual"
+                " optimization. HINT: loop over `lightning_het.data.microbatch.micro_batches(batch, cap)`."
             )
 
     def lower(self, samples: int, error: BaseException) -> None:
@@ -175,9 +161,8 @@ class MicroBatcher:
                 else f"no smaller micro-batch is possible{' with batch norm layers' if self.min_piece > 1 else ''}"
             )
             raise RuntimeError(
-                f"HeterogeneousStrategy: rank {self.rank} ran out of memory on a micro-batch of {samples} samples with"
-                f" its cap at {self.cap} ({why}). HINT: set `max_micro_batch_sizes[{self.rank}]` to at most"
-                f" {max(samples // 2, least)} (or lower `global_batch_size`), or free memory on that device."
+                f"Rank {self.rank} ran out of memory on a micro-batch of {samples} samples with its cap at {self.cap}"
+                f" ({why}). HINT: set `max_micro_batch_sizes[{self.rank}]` to at most {max(samples // 2, least)}."
             ) from error
         self.lowered_from = self.cap if self.cap is not None else samples
         self.cap = max(samples // 2, least)
@@ -193,8 +178,7 @@ class MicroBatcher:
         no_sync: Callable[[], AbstractContextManager[Any]],
         measure: Callable[[Callable[[Any], Any], Any], None] | None = None,
     ) -> Any:
-        """A Lightning ``training_step(batch, *rest)`` through :meth:`run` (``measure`` first while the cap is unknown);
-        manual optimization is refused over the cap."""
+        """A Lightning ``training_step(batch, *rest)`` through :meth:`run` (``measure``: the cap's search)."""
         if not args:
             return step(*args, **kwargs)
         if not module.automatic_optimization:
@@ -217,8 +201,7 @@ class MicroBatcher:
         no_sync: Callable[[], AbstractContextManager[Any]],
         params: Sequence[Tensor] = (),
     ) -> Any:
-        """``step(batch)`` as micro-batches of at most ``cap`` samples; ``backward(loss)`` backwards an earlier piece
-        (under ``no_sync()``), whose gradients are held apart from ``params`` until :meth:`restore_grads`."""
+        """``step(batch)`` as micro-batches of at most ``cap``; earlier pieces' grads held for :meth:`restore_grads`."""
         total = batch_length(batch)
         if total is None:
             return step(batch)
@@ -227,7 +210,7 @@ class MicroBatcher:
                 return step(batch)  # the share at once, as without micro-batching
             except torch.OutOfMemoryError as error:
                 self.lower(total, error)
-            _free_cache()
+            torch.cuda.empty_cache()
         held, done, rest, earlier = take_grads(params), 0, batch, []
         try:
             while True:
@@ -249,7 +232,7 @@ class MicroBatcher:
                         return {**output, "loss": loss} if isinstance(output, Mapping) else loss
                     earlier.append(step_loss(output).detach() * (n / total))
                     done += n
-                _free_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
+                torch.cuda.empty_cache()  # after an out-of-memory error: the rest of the share in smaller pieces
                 rest = split_batch(batch, [done, total - done])[1] if done else batch
         finally:
             self._grads = take_grads(params)
@@ -264,22 +247,13 @@ class MicroBatcher:
                 p.grad = g if p.grad is None else p.grad.add_(g)
 
 
-def _free_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def piece_collective(micro: MicroBatcher | None, collective: str) -> bool:
-    """Whether ``collective`` called now must stay local: ``self.log(..., sync_dist=True)`` in a piece before the
-    step's last (the last piece synchronises); any other collective there raises. ``False`` outside such pieces."""
+    """Whether ``collective`` must stay local (``self.log(sync_dist=True)`` in an earlier piece); others there raise."""
     if micro is None or not micro.in_earlier_piece:
         return False
     if collective == "reduce" and micro.in_log:
         return True
     raise RuntimeError(
-        f"HeterogeneousStrategy: rank {micro.rank} called `{collective}` in `training_step` while running its share"
-        f" in micro-batches of at most {micro.cap} samples (`max_micro_batch_sizes`): the replicas run different"
-        " numbers of micro-batches, so a collective there would pair with another replica's different one. HINT:"
-        " move the collective to `on_train_batch_end` (once per step), or log with `self.log(..., sync_dist=True)`,"
-        " which synchronises the step's last micro-batch only."
+        f"Rank {micro.rank} called `{collective}` in `training_step` in micro-batches of at most {micro.cap} samples,"
+        " where replicas run different numbers of pieces. HINT: move it to `on_train_batch_end`."
     )

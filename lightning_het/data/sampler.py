@@ -49,13 +49,8 @@ def tail_batch_sizes(tail: int, batch_sizes: Sequence[int], min_batch_size: int 
 
 
 class ProportionalDistributedSampler(DistributedSampler):
-    """This replica's slice of every global batch, with per-replica batch sizes.
-
-    At step ``k`` replica ``r`` takes ``[k*B + o_r, k*B + o_r + b_r)`` of one seeded global order (``B`` the global
-    batch, ``o_r = sum(batch_sizes[:r])``); the last ``N % B`` samples form a smaller global batch split by
-    :func:`tail_batch_sizes` (dropped with ``drop_last`` or when too small). ``seed`` must be the same on every
-    replica; ``order_sampler`` (e.g. a ``WeightedRandomSampler``) gives the order to cut instead of a permutation.
-    """
+    """Replica ``r``'s slice ``[k*B + sum(b[:r]), +b[r])`` of every global batch ``k`` of one seeded order (the
+    ``order_sampler``'s, else a permutation); the last ``N % B`` samples split by :func:`tail_batch_sizes`."""
 
     def __init__(
         self,
@@ -77,14 +72,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         global_batch = sum(sizes)
         length = len(order_sampler) if order_sampler is not None else len(dataset)  # type: ignore[arg-type]
         if length < global_batch:
-            what = (
-                "The dataset holds" if order_sampler is None else f"The sampler {type(order_sampler).__name__} yields"
-            )
-            raise ValueError(
-                f"{what} {length} samples, fewer than one global batch of {global_batch}"
-                f" (batch_sizes={sizes}): no replica could run a single step. HINT: lower the global batch size"
-                " or use a larger dataset."
-            )
+            raise ValueError(f"The dataset holds {length} samples, fewer than one global batch of {global_batch}.")
         super().__init__(dataset, num_replicas=len(sizes), rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.batch_sizes, self.global_batch_size, self.order_sampler = sizes, global_batch, order_sampler
         self.num_full_steps = length // global_batch
@@ -106,11 +94,6 @@ class ProportionalDistributedSampler(DistributedSampler):
         self._skip = (epoch, skip_steps) if skip_steps else None
 
     @property
-    def position(self) -> tuple[int, int]:
-        """The epoch and the global batch within it that the next iteration starts from."""
-        return self.epoch, (self._skip[1] if self._skip is not None and self._skip[0] == self.epoch else 0)
-
-    @property
     def local_batch_size(self) -> int:
         return self.batch_sizes[self.rank]
 
@@ -119,8 +102,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         sizes = [int(b) for b in batch_sizes]
         if len(sizes) != len(self.batch_sizes) or sum(sizes) != self.global_batch_size or min(sizes) < 1:
             raise ValueError(
-                f"Expected argument `batch_sizes` to split the global batch of {self.global_batch_size} among"
-                f" {len(self.batch_sizes)} replicas (positive integers), but got {sizes}."
+                f"Expected `batch_sizes` to split {self.global_batch_size} in {len(self.batch_sizes)}: {sizes}"
             )
         self.batch_sizes = sizes
         if self.tail_batch_sizes is not None:
@@ -134,10 +116,6 @@ class ProportionalDistributedSampler(DistributedSampler):
                 return list(self.tail_batch_sizes)
             return tail_batch_sizes(self._tail, planned, self._min_batch_size) or list(self.tail_batch_sizes)
         return list(planned) if planned is not None else list(self.batch_sizes)
-
-    def epoch_batches(self, start: int = 0) -> list[list[Any]]:
-        """This replica's batches of the current epoch from global batch ``start`` on (the tail batch last)."""
-        return list(self.iter_batches(start))
 
     def iter_batches(self, start: int = 0) -> Iterator[list[Any]]:
         """This replica's batches of the current epoch from global batch ``start`` on, each split when drawn."""
@@ -161,7 +139,7 @@ class ProportionalDistributedSampler(DistributedSampler):
         return start
 
     def __iter__(self) -> Iterator[Any]:
-        return iter([i for step in self.epoch_batches(self.take_start_step()) for i in step])
+        return iter([i for step in self.iter_batches(self.take_start_step()) for i in step])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -182,11 +160,8 @@ class ProportionalBatchSampler(BatchSampler):
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
-    """Evaluation sampler: each sample goes to exactly one replica, no padding, shares proportional to ``weights``.
-
-    Replica ``r`` takes a contiguous block, at least one sample (``min_share``); a set smaller than the number of
-    replicas is repeated whole ``ceil(W / N)`` times first.
-    """
+    """Evaluation sampler: each sample on one replica, no padding, contiguous shares proportional to ``weights``
+    (at least ``min_share``; a set smaller than the replicas repeated whole first)."""
 
     def __init__(self, dataset: Sized, weights: Sequence[float], rank: int, *, min_share: int = 1) -> None:
         super().__init__(dataset, num_replicas=len(weights), rank=rank, shuffle=False, drop_last=False)
@@ -195,11 +170,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
         total = n * self.repeats
         floor = max(1, min(int(min_share), total // len(weights)))
         sizes = allocate_batch_sizes(total, weights, min_batch_size=floor) if total else [0] * len(weights)
-        self.shard_sizes = sizes
-        self.start = sum(sizes[:rank])
-        self.num_samples = sizes[rank]
-        self.total_size = total
-        self._length = n
+        self.start, self.num_samples, self.total_size, self._length = sum(sizes[:rank]), sizes[rank], total, n
 
     def __iter__(self) -> Iterator[int]:
         return iter(i % self._length for i in range(self.start, self.start + self.num_samples))
@@ -209,8 +180,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
 
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
-    """How an evaluation set of ``length`` samples is cut: ``(shares, batch_sizes)``; every replica runs
-    ``K = min(ceil(total / (batch_size * W)), total // W)`` batches (whatever the weights), so collectives pair.
+    """``(shares, batch_sizes)`` of an evaluation set: every replica runs as many batches, whatever the weights.
 
     >>> eval_batch_plan(41, [1.0, 3.0], 5)
     ([10, 31], [[2, 2, 2, 2, 2], [7, 6, 6, 6, 6]])
@@ -219,7 +189,7 @@ def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> t
     """
     world = len(weights)
     if world < 1 or int(batch_size) < 1:
-        raise ValueError(f"Expected at least one weight and a positive `batch_size`, but got {weights}, {batch_size}.")
+        raise ValueError(f"Expected at least one weight and a positive `batch_size`, got {weights}, {batch_size}.")
     total = length * (math.ceil(world / length) if 0 < length < world else 1)
     if total == 0:
         return [0] * world, [[] for _ in range(world)]
@@ -229,8 +199,7 @@ def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> t
 
 
 class EvalBatchSampler(BatchSampler):
-    """Evaluation batches: as many on every replica, sized by the shares of ``weights`` (a callable: read at each
-    iteration, so that a loader built before the allocation follows it); ``batch_size`` is the mean per replica."""
+    """Evaluation batches, as many on every replica, sized by ``weights`` (a callable is read at each iteration)."""
 
     def __init__(
         self, dataset: Sized, weights: Sequence[float] | Callable[[], Sequence[float]], rank: int, batch_size: int
@@ -250,7 +219,6 @@ class EvalBatchSampler(BatchSampler):
 
     @property
     def batch_sizes(self) -> list[int]:
-        """This replica's batch sizes."""
         return self.plan()[1][self.rank]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -40,13 +40,9 @@ def as_batch_size(value: Any) -> int | None:
 
 
 def batch_sampler_error(name: str) -> ValueError:
-    """The message for a training loader whose batches come from a batch sampler we cannot re-split."""
     return ValueError(
-        f"The training DataLoader draws its batches from a batch sampler ({name}), which HeterogeneousStrategy"
-        " cannot re-split into speed-proportional global batches. HINT: give the DataLoader the index sampler"
-        " itself with `sampler=...` and `batch_size=...` (any sampler works: its order is cut into global batches),"
-        " move the grouping into the Dataset, or pass a `ProportionalDistributedSampler` of your own built from"
-        " `strategy.batch_sizes`."
+        f"The training DataLoader draws its batches from a batch sampler ({name}), which cannot be re-split."
+        " HINT: give the DataLoader the index sampler itself with `sampler=...` and `batch_size=...`."
     )
 
 
@@ -81,9 +77,7 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
     if isinstance(user, DistributedSampler):
         raise ValueError(
             f"The training DataLoader's sampler is a {type(user).__name__}, a DistributedSampler that yields one"
-            " replica's share only, so the replicas' orders differ and cannot be cut into common global batches."
-            " HINT: give the DataLoader the non-distributed sampler (HeterogeneousStrategy distributes it), or a"
-            " `ProportionalDistributedSampler` built from `strategy.batch_sizes`."
+            " replica's share only. HINT: give the DataLoader the non-distributed sampler."
         )
     return TrainingOrder(True, seed, sampler=user, drop_last=drop_last)
 
@@ -173,9 +167,7 @@ class LoaderSplitter:
         if has_iterable_dataset(dataloader):
             if training:
                 rank_zero_warn(
-                    "The training DataLoader wraps an IterableDataset, which HeterogeneousStrategy cannot re-split:"
-                    " every replica reads it as in plain DDP, with equal weights and no load balancing. HINT: use a"
-                    " map-style Dataset for speed-proportional batches and exact gradients."
+                    "The training IterableDataset cannot be re-split: every replica reads it as in plain DDP."
                 )
             return dataloader
         if isinstance(dataloader.sampler, ProportionalDistributedSampler) and training:
@@ -186,11 +178,8 @@ class LoaderSplitter:
             if (training or evaluating) and not self.own_sharding_warned:
                 self.own_sharding_warned = True
                 rank_zero_warn(
-                    "HeterogeneousStrategy: `Trainer(use_distributed_sampler=False)`: every replica reads its"
-                    " DataLoaders whole, as given (shard inside the Dataset), and the strategy falls back to plain DDP"
-                    " behaviour for them: no speed-proportional batches, equal weights in the gradient mean (exact"
-                    " when the replicas' batches are equal). HINT: leave `use_distributed_sampler` at True for load"
-                    " balancing."
+                    "HeterogeneousStrategy with `Trainer(use_distributed_sampler=False)`: every replica reads its"
+                    " DataLoaders as given, with equal weights, as in plain DDP."
                 )
             return dataloader
         if training:
@@ -209,17 +198,11 @@ class LoaderSplitter:
         per_replica, saved = loader_batch_size(dataloader), resumed_global_batch_size(self.resume_record)
         if saved is not None:  # resuming: the checkpoint's global batch, whatever the number of replicas now
             if per_replica is not None and per_replica * world != saved:
-                rank_zero_info(
-                    f"HeterogeneousStrategy: resuming with the checkpoint's global batch of {saved} samples (not the"
-                    f" DataLoader's batch_size {per_replica} x {world} replicas); pass `global_batch_size`"
-                    " to change it"
-                )
+                rank_zero_info(f"HeterogeneousStrategy: resuming with the checkpoint's global batch of {saved} samples")
             return saved
         if per_replica is None:
             raise ValueError(
-                "The training DataLoader has no `batch_size` (built with `batch_size=None`), so the global batch cannot"
-                " be inferred. HINT: pass `HeterogeneousStrategy(global_batch_size=...)`, or give the DataLoader a"
-                " `batch_size`."
+                "The training loader has no `batch_size`; HINT: pass `HeterogeneousStrategy(global_batch_size=...)`."
             )
         return per_replica * world
 
@@ -231,10 +214,7 @@ class LoaderSplitter:
         if allocated is None:
             split.adopt(list(sampler.batch_sizes), split.given_speeds or list(map(float, sampler.batch_sizes)))
         elif list(sampler.batch_sizes) != allocated:
-            raise ValueError(
-                f"The training DataLoader's ProportionalDistributedSampler has batch_sizes={sampler.batch_sizes},"
-                f" but the strategy allocated {allocated}. HINT: build it from `strategy.batch_sizes`."
-            )
+            raise ValueError(f"The sampler's batch_sizes={sampler.batch_sizes} are not the allocation {allocated}.")
         self._start(sampler, trainer)
         return dataloader
 
@@ -252,11 +232,7 @@ class LoaderSplitter:
         global_batch = self.resolve_global_batch_size(dataloader, trainer, split.given_global_batch, split.world_size)
         length = len(order.sampler) if order.sampler is not None else len(dataloader.dataset)
         if length < global_batch:
-            raise ValueError(
-                f"The training dataset holds {length} samples, fewer than one global batch of {global_batch}"
-                f" (global_batch_size={global_batch}, {split.world_size} replicas): no step could run. HINT: lower"
-                " `global_batch_size` or use more data."
-            )
+            raise ValueError(f"The training set holds {length} samples, fewer than one global batch of {global_batch}.")
         pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
         if self.train_pass is not None and self.train_pass[0] == pass_key and self.train_pass[1] != global_batch:
             # a further training loader with another global batch: split by the same speeds (or trial split)
@@ -273,9 +249,7 @@ class LoaderSplitter:
         if sampler.dropped_per_epoch and not order.drop_last:
             rank_zero_warn(
                 f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
-                f" few for a last global batch over {split.world_size} replicas (at least"
-                f" {split.min_batch_size} each) and are not trained. HINT: choose `global_batch_size` so that"
-                " the remainder of the dataset size is 0 or at least that many."
+                f" few for {split.world_size} replicas and are not trained."
             )
         self._start(sampler, trainer)
         return _rebuild_training_loader(dataloader, sampler, split)
@@ -291,10 +265,8 @@ class LoaderSplitter:
         batches = EvalBatchSampler(dataloader.dataset, weights, rank, dataloader.batch_size or 1)
         if batches.repeats > 1:
             rank_zero_warn(
-                f"HeterogeneousStrategy: the evaluation set holds {len(dataloader.dataset)} sample(s), fewer than the"
-                f" {world_size} replicas; every replica needs one, so the set is evaluated {batches.repeats}"
-                " times over (each sample equally often): means and accuracies are exact, summed values are"
-                f" {batches.repeats} times larger. HINT: evaluate at least one sample per replica."
+                f"HeterogeneousStrategy: the evaluation set holds fewer samples than the {world_size} replicas, so"
+                f" it is evaluated {batches.repeats} times over (summed values {batches.repeats} times larger)."
             )
         return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
 

@@ -165,7 +165,7 @@ def test_lazy_batches_follow_the_schedule_and_stay_the_single_process_batches() 
     data = list(range(45))  # 5 global batches of 8 and a tail of 5
     single = ProportionalDistributedSampler(data, [8], 0, seed=3)
     single.set_epoch(1)
-    reference = single.epoch_batches()
+    reference = list(single.iter_batches())
     schedule = {0: [2, 6], 1: [6, 2], 5: [4, 4]}  # step 5 is the tail: split like [4, 4]
     samplers = [ProportionalDistributedSampler(data, [1, 7], r, seed=3) for r in range(2)]
     iters = []

@@ -15,12 +15,12 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_het import HeterogeneousStrategy
+from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.accelerators import (
     MixedAccelerator,
     apply_local_settings,
     choose_backend,
     device_labels,
-    mixed_accelerator_class,
     node_device_maps,
     parse_device_map,
     plan_cpu_threads,
@@ -167,7 +167,7 @@ class TestCpuThreads:
         [
             (0, r"`cpu_threads` to be an integer >= 1, but got 0"),
             ([2, 0], r"`cpu_threads\[1\]`"),
-            ([2], r"`cpu_threads`=\[2\] with 1 entries, but the node runs 2 replicas"),
+            ([2], r"`cpu_threads`=\[2\] with 1 entries, but the node runs 2"),
             ("4", r"an integer or one integer per local replica"),
         ],
     )
@@ -182,7 +182,7 @@ def test_plan_checks_only_this_nodes_gpus():
     plan = plan_devices(per_node, node_rank=1, **common)  # the CPU-only node may have no GPU at all
     assert plan.local_devices == (CPU, CPU)
     assert plan.global_devices == (cuda(0), CPU, CPU, CPU)
-    assert (plan.backend, plan.threads, plan.mixed, plan.bind_device_id) == ("gloo", (2, 2), True, False)
+    assert (plan.backend, plan.threads, plan.mixed) == ("gloo", (2, 2), True)
     with pytest.raises(ValueError, match=r"`device_map\[0\]`.*no CUDA device is visible"):
         plan_devices(per_node, node_rank=0, **common)
 
@@ -281,7 +281,7 @@ class TestStrategyWiring:
 
         strategy = PLHeterogeneousStrategy(device_map=["cpu", "cpu"])
         assert isinstance(strategy.accelerator, pytorch_lightning.accelerators.Accelerator)
-        assert mixed_accelerator_class(PLHeterogeneousStrategy) is type(strategy.accelerator)
+        assert trainer_flavour(PLHeterogeneousStrategy).MixedAccelerator is type(strategy.accelerator)
         assert type(pickle.loads(pickle.dumps(strategy.accelerator))) is type(strategy.accelerator)
         trainer = pytorch_lightning.Trainer(strategy=strategy, logger=False, enable_progress_bar=False)
         assert trainer.strategy.parallel_devices == [CPU, CPU]

@@ -112,7 +112,7 @@ def test_out_of_memory_lowers_the_cap_once_and_stays_exact() -> None:
     _run_limited(micro, [5])
     assert micro.cap == 4 and micro.lowered_from == 8 and micro.pending
     with pytest.raises(
-        RuntimeError, match=r"rank 1 ran out of memory.*cap at 4 \(lowered from 8.*`max_micro_batch_sizes\[1\]`"
+        RuntimeError, match=r"Rank 1 ran out of memory.*cap at 4 \(lowered from 8.*`max_micro_batch_sizes\[1\]`"
     ):
         _run_limited(micro, [3])
 
@@ -219,7 +219,7 @@ def test_synchronised_logging_in_micro_batches_and_other_collectives_refused() -
     assert float(metrics["step_loss_step"]) == pytest.approx(model.pieces[-1][0])
     mean = sum(loss * n for loss, n in model.pieces) / 48
     assert float(metrics["step_loss_epoch"]) == pytest.approx(mean, rel=1e-6)
-    with pytest.raises(RuntimeError, match=r"rank 0 called `all_gather` in `training_step`.*at most 5"):
+    with pytest.raises(RuntimeError, match=r"Rank 0 called `all_gather` in `training_step`.*at most 5"):
         _fit_collective(gather=True)
 
 

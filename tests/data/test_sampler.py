@@ -88,7 +88,7 @@ class TestProportionalDistributedSampler:
         resumed = ProportionalDistributedSampler(dataset, [2, 6], 1, seed=3)
         resumed.resume(2, 2)
         assert whole.num_steps == 4 and whole.tail_batch_sizes == [1, 2]
-        assert list(resumed) == [i for b in whole.epoch_batches(2) for i in b] == list(whole)[12:]
+        assert list(resumed) == [i for b in whole.iter_batches(2) for i in b] == list(whole)[12:]
 
     def test_deterministic_across_epochs_and_seeds(self):
         dataset = list(range(40))
@@ -151,7 +151,7 @@ class TestAnySampler:
         for r in range(len(sizes)):
             s = ProportionalDistributedSampler(dataset, sizes, r, seed=seed, order_sampler=make())
             s.set_epoch(epoch)
-            parts.append(s.epoch_batches())
+            parts.append(list(s.iter_batches()))
         assert {len(p) for p in parts} == {parts[0].__len__()}
         union = [i for step in zip(*parts) for batch in step for i in batch]
         trained = len(expected) - (len(expected) % sum(sizes) if len(expected) % sum(sizes) < len(sizes) else 0)
