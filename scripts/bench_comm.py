@@ -581,7 +581,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runner",
         choices=["lightning", "raw"],
         default="lightning",
-        help="lightning: Trainer(strategy='ddp') vs HeterogeneousStrategy(comm=...); raw: DDP, comm algorithm installed",
+        help="lightning: Trainer(strategy='ddp') vs HeterogeneousStrategy(comm=...); raw: DDP + comm algorithm",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the configurations this many times; median step time")
     p.add_argument("--only", nargs="*", default=None, help="subset of configurations by name")

@@ -83,8 +83,8 @@ def validate_launch_environment(num_nodes: int, cluster_environment: Any, enviro
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]
     if missing:
         raise ValueError(
-            f"You set num_nodes={num_nodes}, but the environment variable(s) {', '.join(missing)} are not set: the nodes"
-            " cannot find each other."
+            f"You set num_nodes={num_nodes}, but the environment variable(s) {', '.join(missing)} are not set:"
+            " the nodes cannot find each other."
             " HINT: export MASTER_ADDR, MASTER_PORT and NODE_RANK on every node, or launch through SLURM / torchrun."
         )
 
