@@ -109,6 +109,12 @@ class SpawnLauncher:
     def is_interactive_compatible(self) -> bool:
         return self.launcher.is_interactive_compatible
 
+    def __getattr__(self, name: str) -> Any:
+        # the wrapped launcher's other attributes (its start method, processes), as Lightning's own callers read them
+        if name == "launcher":
+            raise AttributeError(name)
+        return getattr(self.launcher, name)
+
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         validate_launch_environment(self.strategy.num_nodes, self.strategy.cluster_environment)
         run = _WithAllocation(function, self.strategy)

@@ -757,3 +757,19 @@ def test_a_replica_starts_with_the_command_lightnings_launcher_uses(monkeypatch,
     monkeypatch.setattr(hydra_utils, "to_absolute_path", lambda path: f"/jobs/first/{path}")
     expected = lightnings._hydra_subprocess_cmd(2) if hydra else (lightnings._basic_subprocess_cmd(), None)
     assert launch.child_command(2) == expected
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_the_spawn_launcher_shows_the_wrapped_launchers_attributes(start_method: str) -> None:
+    # Lightning's own callers and tests read the launcher's start method and interactivity through the wrapper
+    import lightning.pytorch as pl
+
+    from lightning_het import HeterogeneousStrategy
+
+    strategy = HeterogeneousStrategy(start_method=start_method)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    launcher = trainer.strategy.launcher
+    assert launcher._start_method == start_method
+    assert launcher.is_interactive_compatible is (start_method == "fork")
+    with pytest.raises(AttributeError):
+        launcher.no_such_attribute  # noqa: B018
