@@ -1,4 +1,4 @@
-"""Profiling on the first training steps (they train, timed: docs/balancing.md), the cost fit and the speed cache."""
+"""One job, profiling: the first training steps timed (docs/balancing.md), their cost fit and the speed cache."""
 
 from __future__ import annotations
 

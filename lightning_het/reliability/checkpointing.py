@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._compat import training_loaders
@@ -224,15 +223,6 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
         f"HeterogeneousStrategy: {plan.message}; batch sizes {list(record.get('batch_sizes', []))} ->"
         f" {list(batch_sizes)}"
     )
-
-
-def synchronize_before_save(controller: Any, module: torch.nn.Module | None) -> None:
-    """``comm="node_local"``: bring every replica to the consensus model before a checkpoint captures the weights
-    (a collective; ``controller`` is ``None`` before DDP wrapped the model)."""
-    if controller is None or module is None or not hasattr(controller, "synchronize"):
-        return
-    with torch.no_grad():
-        controller.synchronize(list(module.parameters()))
 
 
 def with_node_states(record: dict[str, Any], checkpoint: Mapping[str, Any], controller: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) that stopped."""
+"""One job, hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s)."""
 
 from __future__ import annotations
 

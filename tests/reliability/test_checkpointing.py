@@ -19,7 +19,6 @@ from lightning_het.reliability.checkpointing import (
     plan_allocation,
     plan_sampler_resume,
     read_record,
-    synchronize_before_save,
 )
 from lightning_het.reliability.resume import (
     Candidate,
@@ -211,7 +210,6 @@ def test_node_local_checkpoint_holds_the_consensus_model_without_a_sync():
     state = strategy.lightning_module_state_dict()
     assert strategy.comm_algorithm.calls == 1 and not state["net.0.weight"].any()
     assert module.net[0].weight.any()  # the module keeps its own weights
-    synchronize_before_save(None, TinyRegressor())  # no controller: nothing to do
 
 
 # ---------------------------------------------------------------------------------------------------- resume="auto"
