@@ -21,8 +21,14 @@ from lightning_het.cluster.topology import (
     node_members,
     validate_node_ids,
 )
-from lightning_het.comm.allreduce import DEFAULT_CHUNK_BYTES, AllReduce, CommAlgorithm
-from lightning_het.comm.stats import Traffic, flat_allreduce_traffic, hierarchical_traffic
+from lightning_het.comm.allreduce import (
+    DEFAULT_CHUNK_BYTES,
+    AllReduce,
+    CommAlgorithm,
+    Traffic,
+    flat_allreduce_traffic,
+    hierarchical_traffic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +79,17 @@ def _future(tensor: torch.Tensor, done: bool = False) -> torch.futures.Future[to
 
 
 class HierarchicalState:
-    """State of :func:`hierarchical_hook`: the node ``groups`` (``None`` once removed), ``chunk_bytes`` (the largest
-    chunk reduced at once), ``flat`` (run a flat all-reduce: the measured choice)."""
+    """State of the comm hooks: the node ``groups`` (``None`` once removed), ``chunk_bytes`` (the largest chunk reduced
+    at once), ``flat`` (run a flat all-reduce: the measured choice); for :func:`node_local_hook`, ``node_scale = B /
+    (W * B_n)`` and ``exact()`` (whether the step in progress is a warm-up step, reduced exactly)."""
 
-    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "flat", "groups", "leader_order", "world_size")
+    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "exact", "flat", "groups", "leader_order", "node_scale")
 
-    def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES, exact: Callable[[], bool] = lambda: True
+    ) -> None:
         self.groups: NodeGroups | None = groups
-        self.chunk_bytes = chunk_bytes
-        self.world_size = groups.world_size
-        self.flat = False
-        self._seq = 0
+        self.chunk_bytes, self.exact, self.node_scale, self.flat, self._seq = chunk_bytes, exact, 1.0, False, 0
         self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
         self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
 
@@ -181,21 +187,10 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """Exact gradient mean ``(1/W) * sum_r g_r`` through the node hierarchy (flat: DDP's all-reduce)."""
     if state.flat or state.groups is None:
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]
-    return hierarchical_sum(state, bucket.buffer().div_(state.world_size))
+    return hierarchical_sum(state, bucket.buffer().div_(state.groups.world_size))
 
 
-class NodeLocalState(HierarchicalState):
-    """State of :func:`node_local_hook`: ``node_scale = B / (W * B_n)`` and ``exact()`` (whether the step in progress
-    is a warm-up step, reduced exactly through the hierarchy)."""
-
-    __slots__ = ("exact", "node_scale")
-
-    def __init__(self, groups: NodeGroups, chunk_bytes: int, exact: Callable[[], bool]) -> None:
-        super().__init__(groups, chunk_bytes)
-        self.exact, self.node_scale = exact, 1.0
-
-
-def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def node_local_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Gradient of this node's mean loss, ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only."""
     groups = state.groups
     if groups is None or state.exact():

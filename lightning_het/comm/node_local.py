@@ -16,9 +16,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_het.arguments import SYNC_DEFAULTS, ArgumentError, check_sync_args, positive_int
 from lightning_het.cluster.topology import build_node_groups, node_members, validate_node_ids
-from lightning_het.comm.allreduce import FLAT_FIELDS, CommAlgorithm
-from lightning_het.comm.hierarchical import HierarchicalState, NodeLocalState, hierarchical_sum, node_local_hook
-from lightning_het.comm.stats import Traffic, compressed_sync_traffic, hierarchical_traffic, node_local_traffic
+from lightning_het.comm.allreduce import (
+    FLAT_FIELDS,
+    CommAlgorithm,
+    Traffic,
+    compressed_sync_traffic,
+    hierarchical_traffic,
+    node_local_traffic,
+)
+from lightning_het.comm.hierarchical import HierarchicalState, hierarchical_sum, node_local_hook
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +199,7 @@ class NodeLocal(CommAlgorithm):
     def _start(self, model: Any) -> None:
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
         exact = lambda: self._position()[0] < self.warmup_steps  # noqa: E731
-        self._hook_state = NodeLocalState(self._groups, self._chunk_bytes, exact)
+        self._hook_state = HierarchicalState(self._groups, self._chunk_bytes, exact)
         self._set_node_scale()
         self._samples = [0] * len(self._node_ids)  # per replica, since the last sync
         self._in_consensus, self._own, self._residual = True, None, None
@@ -265,7 +271,7 @@ class NodeLocal(CommAlgorithm):
             traffic = hierarchical_traffic(payload, self._node_ids)
             if self.sync_dtype != "float32":
                 traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), self._node_ids)
-        self._stats.record(traffic, sync=True)  # type: ignore[union-attr]
+        self._record(traffic, sync=True)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
 
