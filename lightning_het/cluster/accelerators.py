@@ -232,28 +232,18 @@ def plan_devices(
     return DevicePlan(local, everyone, choose_backend(everyone, requested_backend), tuple(threads))
 
 
-def _plain(entries: list) -> list[str | int]:
-    """A picklable, config-library-free copy of one map (e.g. of an omegaconf ListConfig)."""
-    return [e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in entries]
-
-
 class MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
-        self.device_map: list | dict = (  # as given: one list for every node, or {node_rank: list}
-            {
-                int(str(k)) if str(k).strip().isdigit() else k: _plain(node_device_maps(v)[0])
-                for k, v in device_map.items()
-            }
-            if isinstance(device_map, Mapping)
-            else _plain(node_device_maps(device_map)[0])
-        )
-        per_node = node_device_maps(self.device_map)  # checks keys and equal lengths
+        per_node = node_device_maps(device_map)  # checks keys and equal lengths
         for rank, entries in enumerate(per_node):  # syntax and duplicates; the GPU count is checked per node later
             parse_device_map(
-                entries, name="device_map" if not isinstance(self.device_map, Mapping) else f"device_map[{rank}]"
+                entries, name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]"
             )
+        # as given (one list for every node, or {node_rank: list}), free of config-library types
+        plain = [[e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in m] for m in per_node]
+        self.device_map: list | dict = dict(enumerate(plain)) if isinstance(device_map, Mapping) else plain[0]
         self._local_world_size = len(per_node[0])
         self.cpu_threads = cpu_threads if cpu_threads is None or isinstance(cpu_threads, int) else list(cpu_threads)
 
