@@ -83,20 +83,15 @@ class HierarchicalState:
     at once), ``flat`` (run a flat all-reduce: the measured choice); for :func:`node_local_hook`, ``node_scale = B /
     (W * B_n)`` and ``exact()`` (whether the step in progress is a warm-up step, reduced exactly)."""
 
-    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "exact", "flat", "groups", "leader_order", "node_scale")
+    __slots__ = ("bcast_order", "chunk_bytes", "exact", "flat", "groups", "leader_order", "node_scale", "seq")
 
     def __init__(
         self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES, exact: Callable[[], bool] = lambda: True
     ) -> None:
         self.groups: NodeGroups | None = groups
-        self.chunk_bytes, self.exact, self.node_scale, self.flat, self._seq = chunk_bytes, exact, 1.0, False, 0
+        self.chunk_bytes, self.exact, self.node_scale, self.flat, self.seq = chunk_bytes, exact, 1.0, False, 0
         self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
         self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
-
-    def next_seq(self) -> int:
-        """The issue number of the next chunk (every rank numbers its chunks in the same order)."""
-        seq, self._seq = self._seq, self._seq + 1
-        return seq
 
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -130,7 +125,7 @@ def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> t
     """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk."""
     groups = state.groups
     assert groups is not None
-    seq = state.next_seq()
+    seq, state.seq = state.seq, state.seq + 1  # every rank numbers its chunks in the same order
     result = _future(tensor)
     # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
     # later chunk would wait for it until the watchdog ends the job

@@ -200,7 +200,7 @@ class NodeLocal(CommAlgorithm):
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
         exact = lambda: self._position()[0] < self.warmup_steps  # noqa: E731
         self._hook_state = HierarchicalState(self._groups, self._chunk_bytes, exact)
-        self._set_node_scale()
+        self.set_batch_sizes(self._batch_sizes)  # the node's gradient scale
         self._samples = [0] * len(self._node_ids)  # per replica, since the last sync
         self._in_consensus, self._own, self._residual = True, None, None
         self._anchor: list[torch.Tensor] = []  # the model of the last sync, which the outer optimizer steps
@@ -211,11 +211,8 @@ class NodeLocal(CommAlgorithm):
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         super().set_batch_sizes(batch_sizes)
         if self._hook_state is not None:
-            self._set_node_scale()
-
-    def _set_node_scale(self) -> None:
-        node_total = sum(self._batch_sizes[r] for r in node_members(self._node_ids)[self._node_ids[self._rank]])
-        self._hook_state.node_scale = sum(self._batch_sizes) / (len(self._batch_sizes) * node_total)
+            node_total = sum(self._batch_sizes[r] for r in node_members(self._node_ids)[self._node_ids[self._rank]])
+            self._hook_state.node_scale = sum(self._batch_sizes) / (len(self._batch_sizes) * node_total)
 
     def _describe(self) -> str:
         return f" K={self.sync_every} warmup={self.warmup_steps}"

@@ -67,9 +67,9 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
         sampler, drop_last = batch_sampler.sampler, bool(batch_sampler.drop_last)
     if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
         return TrainingOrder(bool(sampler.shuffle), int(sampler.seed), drop_last=drop_last)
-    if type(sampler) is RandomSampler and not sampler.replacement and isinstance(sampler.data_source, Sized):
-        if sampler.num_samples == len(sampler.data_source):  # one permutation
-            return TrainingOrder(True, seed, drop_last=drop_last)
+    random = type(sampler) is RandomSampler and isinstance(sampler.data_source, Sized) and not sampler.replacement
+    if random and sampler.num_samples == len(sampler.data_source):  # one permutation
+        return TrainingOrder(True, seed, drop_last=drop_last)
     if type(sampler) is SequentialSampler:
         return TrainingOrder(False, seed, drop_last=drop_last)
     user = wrapped_sampler(sampler) or sampler  # the user's sampler inside Lightning's DistributedSamplerWrapper
