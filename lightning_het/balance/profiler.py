@@ -25,19 +25,13 @@ from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 
 
 def _spread(total: int, room: Sequence[int]) -> list[int]:
-    """``total`` samples over slots of capacity ``room``, in proportion, largest remainders first."""
-    capacity = sum(room)
-    if total <= 0 or capacity <= 0:
-        return [0] * len(room)
-    exact = [total * r / capacity for r in room]
-    out = [min(int(e), r) for e, r in zip(exact, room)]
-    order = sorted(range(len(room)), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    left = total - sum(out)
-    while left > 0:
-        for i in order:
-            if left and out[i] < room[i]:
-                out[i] += 1
-                left -= 1
+    """``total`` samples over slots of capacity ``room``, in proportion (the allocation's rounding)."""
+    slots = [r for r, cap in enumerate(room) if cap > 0]
+    out = [0] * len(room)
+    if total > 0 and slots:
+        caps = [room[r] for r in slots]
+        for r, b in zip(slots, allocate_batch_sizes(total, caps, min_batch_size=0, max_batch_sizes=caps)):
+            out[r] = b
     return out
 
 
