@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
+from lightning_het.arguments import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +156,9 @@ def plan_cpu_threads(
     >>> plan_cpu_threads([torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")], cpu_cores=16)
     [1, 8, 7]
     """
-    if isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool):
-        if cpu_threads < 1:
-            raise ValueError(f"Expected `cpu_threads` to be an integer >= 1, but got {cpu_threads!r}.")
-        cpu_threads = [1 if d.type == "cuda" else cpu_threads for d in devices]
+    if isinstance(cpu_threads, int):
+        threads = positive_int("cpu_threads", cpu_threads, allow_none=False)
+        cpu_threads = [1 if d.type == "cuda" else threads for d in devices]  # type: ignore[misc]
     elif cpu_threads is not None:
         if isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
             raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
@@ -168,8 +168,7 @@ def plan_cpu_threads(
                 f"You set `cpu_threads`={cpu_threads} with {len(cpu_threads)} entries, but the node runs {len(devices)}"
             )
         for i, c in enumerate(cpu_threads):
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-                raise ValueError(f"Expected `cpu_threads[{i}]` to be an integer >= 1, but got {c!r}.")
+            positive_int(f"cpu_threads[{i}]", c, allow_none=False)
     if cpu_threads is not None:
         if sum(cpu_threads) > cpu_cores:
             message = f"`cpu_threads`={cpu_threads} asks for {sum(cpu_threads)} threads on a node with {cpu_cores}"
