@@ -42,32 +42,24 @@ class _InOrder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
-        self._pending: dict[int, tuple[Callable[[], None], Callable[[BaseException], None]]] = {}
+        self._pending: dict[int, Callable[[], None]] = {}
         self._draining = False
 
-    def submit(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        """Run ``action`` once every action with a smaller ``seq`` has run; report its exception to ``on_error``."""
+    def submit(self, seq: int, action: Callable[[], None]) -> None:
+        """Run ``action`` (which reports its own errors) once every action with a smaller ``seq`` has run."""
         with self._lock:
-            self._pending[seq] = (action, on_error)
+            self._pending[seq] = action
             if self._draining:
                 return
             self._draining = True
         while True:
             with self._lock:
-                item = self._pending.pop(self._next, None)
-                if item is None:
+                run = self._pending.pop(self._next, None)
+                if run is None:
                     self._draining = False
                     return
                 self._next += 1
-            run, report = item
-            try:
-                run()
-            except BaseException as err:  # must reach the bucket's future, or DDP waits forever
-                report(err)
-
-
-def _nothing(*args: object) -> None:
-    """The action (and error handler) of a turn handed on by a failed chunk."""
+            run()
 
 
 def _future(tensor: torch.Tensor, done: bool = False) -> torch.futures.Future[torch.Tensor]:
@@ -122,59 +114,52 @@ def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.fu
 
 
 def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk."""
+    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk. It takes its
+    turn in every ordered stage, a failed chunk too (issuing nothing more), or every later chunk would wait for it."""
     groups = state.groups
     assert groups is not None
     seq, state.seq = state.seq, state.seq + 1  # every rank numbers its chunks in the same order
-    result = _future(tensor)
-    # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
-    # later chunk would wait for it until the watchdog ends the job
-    turns = {"leaders": groups.is_leader and groups.num_nodes > 1, "bcast": groups.node_size > 1}
+    result, errors = _future(tensor), []
+    leader, several, leads = groups.leader, groups.node_size > 1, groups.is_leader and groups.num_nodes > 1
 
-    def fail(err: BaseException) -> None:
-        if not result.done():
-            result.set_exception(err)
-        if turns.pop("leaders", False):
-            state.leader_order.submit(seq, _nothing, _nothing)
-        if turns.pop("bcast", False):
-            state.bcast_order.submit(seq, _nothing, _nothing)
+    def stage(start: Callable[[], Any], then: Callable[[], None]) -> None:
+        """Issue ``start()``'s collective unless the chunk failed, and ``then()`` once it is done."""
+        try:
+            work = None if errors else start()
+        except BaseException as err:  # must reach the bucket's future, or DDP waits forever
+            errors.append(err)
+            work = None
+        if work is None:
+            return then()
 
-    def chain(work: dist.Work, then: Callable[[], None]) -> None:
-        def callback(fut: torch.futures.Future[list[torch.Tensor]]) -> None:
+        def done(fut: torch.futures.Future[Any]) -> None:
             try:
                 fut.value()
-                then()
             except BaseException as err:
-                fail(err)
+                errors.append(err)
+            then()
 
-        work.get_future().then(callback)
+        work.get_future().then(done)
 
-    def broadcast() -> None:
-        work = dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True)
-        chain(work, lambda: result.set_result(tensor))
+    def finish() -> None:
+        result.set_exception(errors[0]) if errors else result.set_result(tensor)
 
-    def after_leaders() -> None:
-        if turns.pop("bcast", False):
-            state.bcast_order.submit(seq, broadcast, fail)
-        else:
-            result.set_result(tensor)
+    def reduce() -> Any:
+        return dist.reduce(tensor, dst=leader, group=groups.intra_group, async_op=True) if several else None
 
-    def leaders_allreduce() -> None:
-        chain(dist.all_reduce(tensor, group=groups.leader_group, async_op=True), after_leaders)
+    def all_reduce() -> Any:
+        return dist.all_reduce(tensor, group=groups.leader_group, async_op=True) if leads else None
 
-    def after_reduce() -> None:
-        if turns.pop("leaders", False):
-            state.leader_order.submit(seq, leaders_allreduce, fail)
-        else:
-            after_leaders()
+    def broadcast() -> Any:
+        return dist.broadcast(tensor, src=leader, group=groups.intra_bcast_group, async_op=True) if several else None
 
-    try:
-        if groups.node_size > 1:
-            chain(dist.reduce(tensor, dst=groups.leader, group=groups.intra_group, async_op=True), after_reduce)
-        else:
-            after_reduce()
-    except BaseException as err:
-        fail(err)
+    def bcast_turn() -> None:
+        state.bcast_order.submit(seq, lambda: stage(broadcast, finish))
+
+    def leader_turn() -> None:
+        state.leader_order.submit(seq, lambda: stage(all_reduce, bcast_turn))
+
+    stage(reduce, leader_turn)
     return result
 
 
