@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from lightning_het.balance import clock as history_module
 from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary, gather_timings
@@ -38,7 +37,7 @@ class TestSummaryAndHistory:
 
     def test_gather_single_process(self):
         t = _timings([0.1, 0.2], [0.0, 0.1], 5)
-        assert gather_timings(t, 1, torch.device("cpu")) == [t]
+        assert gather_timings(t, 1) == [t]
 
     def test_history_thins_long_series(self, monkeypatch):
         monkeypatch.setattr(history_module, "_MAX_SERIES_POINTS", 10)

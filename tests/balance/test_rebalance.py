@@ -299,7 +299,7 @@ class TestMonitorInterface:
         assert len(speeds) == 2 and speeds[0] > speeds[1]
         assert sum(sizes) == 16 and sizes[0] == 12, sizes  # capped by max_batch_sizes, global batch kept
         assert trainer.reload_dataloaders_every_n_epochs == 1  # the loader is rebuilt when the next epoch starts
-        assert attach_monitor(strategy, trainer, settings, monitor) is monitor and len(trainer.callbacks) == 1
+        assert attach_monitor(strategy, trainer, settings) is not monitor and len(trainer.callbacks) == 1  # replaced
 
     def test_an_epoch_that_mostly_ran_other_splits_is_not_checked(self) -> None:
         """A short first epoch spent profiling (trial splits) has medians at other sizes than the allocation."""
