@@ -308,7 +308,7 @@ class TelemetryHistory:
         return summary
 
     def record_check(self, decision: dict[str, Any], *, epoch: int, global_step: int, old: Sequence[int]) -> None:
-        """Book a rebalancing decision (``RebalanceDecision.as_dict``) made after ``batch`` batches."""
+        """Book a rebalancing decision (a ``RebalanceDecision`` as a dict) made after ``batch`` batches."""
         entry = {"epoch": epoch, "global_step": global_step, "batch": self._seen, "from": list(old), **decision}
         self.checks.append(entry)
         if decision.get("adopt"):

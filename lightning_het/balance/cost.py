@@ -9,11 +9,6 @@ from dataclasses import dataclass, replace
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
-#: smallest spread of two batch sizes, relative to the larger, for a secant through their measured times
-_SECANT_MIN_SPREAD = 0.15
-#: smallest spread of the two measured times, relative to the larger, for that secant
-_SECANT_MIN_TIME_SPREAD = 0.25
-
 _BISECTION_STEPS = 100
 #: a useless replica is reported when the job is predicted this much faster without it (less may be timing noise)
 USELESS_MARGIN = 0.9
@@ -104,40 +99,22 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
 
 
 def refresh_costs(
-    batch_sizes: Sequence[int],
-    compute_times: Sequence[float],
-    fixed_costs: Sequence[float],
-    previous: Sequence[tuple[int, float] | None] | None = None,
+    batch_sizes: Sequence[float], compute_times: Sequence[float], fixed_costs: Sequence[float]
 ) -> list[AffineCost]:
-    """Costs that reproduce measured step times at the current allocation."""
+    """Costs that reproduce measured step times at the current allocation: each fixed cost kept (at most 90 % of the
+    time), the slope refreshed."""
     if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
         raise ValueError(
             f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
             f" {len(compute_times)} and {len(fixed_costs)}."
         )
-    earlier = list(previous) if previous is not None else [None] * len(batch_sizes)
-    if len(earlier) != len(batch_sizes):
-        raise ValueError(f"Expected argument `previous` to hold one entry per replica ({len(batch_sizes)}).")
     out = []
-    for b, t, a, prev in zip(batch_sizes, compute_times, fixed_costs, earlier):
+    for b, t, a in zip(batch_sizes, compute_times, fixed_costs):
         if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
             raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
-        if prev is not None and math.isfinite(prev[1]) and prev[1] > 0 and _far_apart(prev, (b, t)):
-            slope = (t - prev[1]) / (b - prev[0])
-            intercept = t - slope * b
-            if slope >= 0.1 * t / b and intercept >= 0:  # a flatter secant is more likely noise than a real curve
-                out.append(AffineCost(round(intercept, 15), round(slope, 15)))
-                continue
         fixed = min(float(a), 0.9 * float(t))
         out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
     return out
-
-
-def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
-    """Two ``(batch size, seconds)`` points far enough apart for a secant: sizes 15 %, times 25 % apart."""
-    (b_prev, t_prev), (b, t) = earlier, now
-    sizes_apart = abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev)
-    return sizes_apart and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(t, t_prev)
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:

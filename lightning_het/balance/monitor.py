@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,7 @@ class BalanceMonitor:
         costs = list(strategy.cost_model) if strategy.cost_model else None
         recent = summary.get("compute_recent_s")
         decision = self.policy.check(sizes, times, costs=costs, recent_times=recent, steps_per_check=steps)
-        self.history.record_check(decision.as_dict(), epoch=epoch, global_step=trainer.global_step, old=sizes)
+        self.history.record_check(asdict(decision), epoch=epoch, global_step=trainer.global_step, old=sizes)
         if not decision.adopt:
             log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
             return False

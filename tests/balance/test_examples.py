@@ -37,8 +37,6 @@ def test_cost_refresh_costs() -> None:
     """
     >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
     [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
-    >>> refresh_costs([10], [0.06], [0.0], previous=[(20, 0.08)])
-    [AffineCost(fixed_s=0.04, per_sample_s=0.002)]
     """
 
 
@@ -170,18 +168,11 @@ def test_rebalance_is_check_epoch() -> None:
     """
 
 
-def test_rebalance_robust_step_ratio() -> None:
-    """
-    >>> round(robust_step_ratio([8, 8], [12, 4], [0.1, 0.3], 0.0), 12)
-    0.5
-    """
-
-
 def test_rebalance_plan_rebalance() -> None:
     """
     >>> d = plan_rebalance([8, 8], [0.1, 0.3])
-    >>> d.adopt, d.batch_sizes
-    (True, [12, 4])
+    >>> d.adopt, d.batch_sizes, round(d.gain, 12)
+    (True, [12, 4], 0.5)
     >>> plan_rebalance([12, 4], [0.101, 0.099]).adopt
     False
     """
