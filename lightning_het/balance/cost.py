@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -74,26 +75,21 @@ def slope_through_origin(batch_sizes: Sequence[float], seconds: Sequence[float])
 
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
     """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0."""
-    xs = [float(b) for b in batch_sizes]
-    ys = [float(t) for t in seconds]
+    xs, ys = [float(b) for b in batch_sizes], [float(t) for t in seconds]
     if not xs or len(xs) != len(ys):
         raise ValueError(f"Expected as many batch sizes as times (>= 1), but got {len(xs)} and {len(ys)}.")
     if any(not math.isfinite(x) or x <= 0 for x in xs):
         raise ValueError(f"Expected argument `batch_sizes` to hold positive numbers, but got {xs}.")
     if any(not math.isfinite(y) or y <= 0 for y in ys):
         raise ValueError(f"Expected argument `seconds` to hold positive finite numbers, but got {ys}.")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    min_slope = _MIN_SLOPE_FRACTION * my / mx
-    if sxx <= 0:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    if len(set(xs)) == 1:
         return AffineCost(0.0, my / mx)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    intercept = my - slope * mx
+    slope, intercept = statistics.linear_regression(xs, ys)
     if intercept < 0:
         slope, intercept = slope_through_origin(xs, ys), 0.0
-    if slope < min_slope:
-        slope = min_slope
+    if slope < _MIN_SLOPE_FRACTION * my / mx:  # a flat curve would attract every sample
+        slope = _MIN_SLOPE_FRACTION * my / mx
         intercept = max(my - slope * mx, 0.0)
     return AffineCost(round(intercept, 15), round(slope, 15))
 
@@ -174,8 +170,6 @@ def allocate_affine(
         if high - low <= 1e-12 * max(abs(high), 1.0):
             break
     sizes = capacity(low)
-    if sum(sizes) > total:  # pragma: no cover - `low` keeps capacity <= B by construction
-        sizes = list(lower)
     # the rest, one sample at a time, to the replica whose step grows least (ties: lower rank)
     heap = [(costs[r](sizes[r] + 1), r) for r in range(world) if sizes[r] < upper[r]]
     heapq.heapify(heap)
@@ -196,14 +190,11 @@ def step_without(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> float | None:
     """Best predicted step time without the replicas in ``dropped`` (``None`` when the others cannot hold it)."""
-    keep = [r for r in range(len(costs)) if r not in set(dropped)]
-    if not keep:
-        return None
-    bounds = None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
-    kept = [costs[r] for r in keep]
+    keep = [r for r in range(len(costs)) if r not in dropped]
+    kept, bounds = [costs[r] for r in keep], None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
     try:
         sizes = allocate_affine(global_batch_size, kept, min_batch_size=min_batch_size, max_batch_sizes=bounds)
-    except ValueError:
+    except ValueError:  # none left, or too few to hold the global batch
         return None
     return step_time(sizes, kept)
 
@@ -216,8 +207,6 @@ def useless_replicas(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them."""
-    if len(costs) < 2:
-        return []
     bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
     best = [step_without(global_batch_size, costs, [r], **bounds) for r in range(len(costs))]
     return [r for r, (cost, t) in enumerate(zip(costs, best)) if t is not None and cost.fixed_s >= t]

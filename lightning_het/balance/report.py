@@ -40,33 +40,53 @@ def balance_report(
     }
 
 
+def _cell(value: Any, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value * scale, spec)
+
+
 def render_balance_table(report: dict[str, Any]) -> str:
-    """A human-readable table of a balance report: rank, node, device, speed, batch size, share (and costs)."""
-    if not report["batch_sizes"]:
+    """The balance table of a balance report: rank, node, device, speed, batch, share, and where known the micro-batches
+    that run, the costs, the last epoch's timings and the rebalances."""
+    sizes = report.get("batch_sizes") or []
+    if not sizes:
         return "HeterogeneousStrategy: no allocation yet"
-    devices = report["devices"]
-    unit = "samples/s" if report["profiled"] else "(given)"
-    costs = report["cost_model"]
-    caps = report.get("max_micro_batch_sizes")
-    source = " (costs from the profile cache)" if report["profile_cached"] else ""
-    lines = [
-        f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}{source}",
-        f"{'rank':>4} {'node':>4} {'device':>8} {'speed ' + unit:>18} {'batch':>6} {'share':>7}"
-        + (f" {'micro':>7}" if caps else "")
-        + (f" {'fixed ms':>9} {'ms/sample':>9} {'step ms':>8}" if costs else ""),
-    ]
-    for r, (b, s, sh) in enumerate(zip(report["batch_sizes"], report["speeds"], report["shares"])):
-        node = report["node_ids"][r] if r < len(report["node_ids"]) else "?"
-        device = devices[r] if r < len(devices) else "?"
-        line = f"{r:>4} {node!s:>4} {device:>8} {s:>18.2f} {b:>6d} {sh:>7.1%}"
+    caps, costs, telemetry = (
+        report.get("max_micro_batch_sizes"),
+        report.get("cost_model"),
+        report.get("telemetry") or {},
+    )
+    last = telemetry["epochs"][-1] if telemetry.get("epochs") else None
+    nodes, devices, shares = report.get("node_ids") or [], report.get("devices") or [], sample_shares(sizes)
+    head = f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}"
+    head += " (costs from the profile cache)" if report.get("profile_cached") else ""
+    head += (
+        f"; last epoch {last['epoch']}: imbalance (max/min compute) {_cell(last['imbalance'], '.3f')}" if last else ""
+    )
+    titles = ["rank", "node", "device", "speed " + ("samples/s" if report.get("profiled", True) else "(given)")]
+    titles += ["batch", "share", *["micro"] * bool(caps), *["fixed ms", "ms/sample", "step ms"] * bool(costs)]
+    titles += ["compute ms", "wait ms", "wait share", "samples/s"] if last else []
+    rows = [titles]
+    for r, (b, speed) in enumerate(zip(sizes, report["speeds"])):
+        row = [r, nodes[r] if r < len(nodes) else "?", devices[r] if r < len(devices) else "?", f"{speed:.2f}", b]
+        row.append(f"{shares[r]:.1%}")
         if caps:  # the pieces that run: size x count (a share of 16 under a cap of 3: 3x4+2x2)
-            line += f" {pieces_label(micro_batch_sizes(b, caps[r])):>7}"
+            row.append(pieces_label(micro_batch_sizes(b, caps[r])))
         if costs:
             cost = AffineCost.from_dict(costs[r])
-            line += f" {cost.fixed_s * 1e3:>9.2f} {cost.per_sample_s * 1e3:>9.3f} {cost(b) * 1e3:>8.2f}"
-        lines.append(line)
-    if report["predicted_step_s"] is not None:
+            row += [f"{cost.fixed_s * 1e3:.2f}", f"{cost.per_sample_s * 1e3:.3f}", f"{cost(b) * 1e3:.2f}"]
+        if last:
+            row += [_cell(last["compute_s"][r], ".1f", 1e3), _cell(last["wait_s"][r], ".1f", 1e3)]
+            row += [_cell(last["wait_fraction"][r], ".1%"), _cell(last["samples_per_s"][r], ".1f")]
+        rows.append([str(cell) for cell in row])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(titles))]
+    lines = [head, *(" ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)]
+    if report.get("predicted_step_s") is not None:
         lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")
+    for e in telemetry.get("rebalances") or []:
+        lines.append(
+            f"rebalanced at the end of epoch {e['epoch']} (step {e['global_step']}): {e['from']} ->"
+            f" {e['batch_sizes']} ({e['reason']})"
+        )
     return "\n".join(lines)
 
 
@@ -87,40 +107,6 @@ def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int
                 metrics[f"het/{name}/rank{rank}"] = float(value)
     for logger in loggers:
         logger.log_metrics(metrics, step=step)
-
-
-def format_balance_table(report: dict[str, Any]) -> str:
-    """Markdown table of a :meth:`HeterogeneousStrategy.balance_report`: allocation plus last-epoch telemetry."""
-    sizes = report.get("batch_sizes") or []
-    if not sizes:
-        return "HeterogeneousStrategy: no allocation yet"
-    telemetry = report.get("telemetry") or {}
-    epochs = telemetry.get("epochs") or []
-    last = epochs[-1] if epochs else None
-    speeds = report.get("speeds") or [float("nan")] * len(sizes)
-    lines = [
-        f"Global batch {report.get('global_batch_size')}, {len(sizes)} replicas"
-        + (f"; last epoch {last['epoch']}: imbalance (max/min compute) {last['imbalance']:.3f}" if last else ""),
-        "",
-        "| rank | batch | speed (samples/s) | compute (ms, median) | wait (ms, median) | wait share | samples/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r, (b, s) in enumerate(zip(sizes, speeds)):
-        if last:
-            c, w = last["compute_s"][r] * 1e3, last["wait_s"][r] * 1e3
-            cols = f"{c:.1f} | {w:.1f} | {last['wait_fraction'][r]:.1%} | {last['samples_per_s'][r]:.1f}"
-        else:
-            cols = "- | - | - | -"
-        lines.append(f"| {r} | {b} | {s:.2f} | {cols} |")
-    rebalances = telemetry.get("rebalances") or []
-    if rebalances:
-        lines += ["", "Rebalances:"]
-        for e in rebalances:
-            lines.append(
-                f"- end of epoch {e['epoch']} (step {e['global_step']}): {e['from']} -> {e['batch_sizes']}"
-                f" ({e['reason']})"
-            )
-    return "\n".join(lines)
 
 
 def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
@@ -180,7 +166,7 @@ def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[
     out.mkdir(parents=True, exist_ok=True)
     paths = balance_report_paths(out)
     paths["json"].write_text(json.dumps(_plain(report), indent=1) + "\n")
-    paths["table"].write_text(format_balance_table(report) + "\n")
+    paths["table"].write_text(f"```text\n{render_balance_table(report)}\n```\n")
     plot_balance(report, paths["plot"])
     return paths
 
