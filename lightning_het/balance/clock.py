@@ -315,10 +315,5 @@ class TelemetryHistory:
             self.rebalances.append(entry)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-serialisable)."""
-        return {
-            "epochs": [dict(e) for e in self.epochs],
-            "series": {k: [list(v) for v in vals] for k, vals in self.series.items()},
-            "rebalances": [dict(r) for r in self.rebalances],
-            "checks": [dict(c) for c in self.checks],
-        }
+        """Everything as one dict (the lists themselves: :func:`~lightning_het.balance.report._plain` copies them)."""
+        return {"epochs": self.epochs, "series": self.series, "rebalances": self.rebalances, "checks": self.checks}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lightning_het.allocation import allocate_batch_sizes, positive_finite
 from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
@@ -71,9 +71,7 @@ def imbalance(compute_times: Sequence[float]) -> float:
 
 def is_check_epoch(epoch: int, every_n_epochs: int | None) -> bool:
     """Whether the end of 0-based ``epoch`` is a rebalancing check (every ``every_n_epochs``-th epoch end)."""
-    if every_n_epochs is None:
-        return False
-    return (epoch + 1) % every_n_epochs == 0
+    return every_n_epochs is not None and (epoch + 1) % every_n_epochs == 0
 
 
 @dataclass(frozen=True)
@@ -89,8 +87,8 @@ class RebalanceDecision:
     predicted_step_s: float
     gain: float
     robust_gain: float
-    reason: str = field(default="")
-    costs: list[dict[str, float]] | None = field(default=None)
+    reason: str = ""
+    costs: list[dict[str, float]] | None = None
 
 
 def plan_rebalance(
@@ -165,19 +163,9 @@ def plan_rebalance(
         reason = f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}"
     else:
         adopt, reason = True, f"imbalance {ratio:.3f} >= {threshold:.3f}, predicted gain {gain:.1%}"
-    return RebalanceDecision(
-        adopt=adopt,
-        batch_sizes=proposal if adopt else sizes,
-        proposed=proposal,
-        speeds=speeds,
-        imbalance=ratio,
-        current_step_s=current,
-        predicted_step_s=predicted,
-        gain=gain,
-        robust_gain=robust_gain,
-        reason=reason,
-        costs=[c.as_dict() for c in costs] if costs is not None else None,
-    )
+    data = [c.as_dict() for c in costs] if costs is not None else None
+    kept = proposal if adopt else sizes
+    return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust_gain, reason, data)
 
 
 #: standard errors by which a gain must exceed its doubt (about 93 % one-sided)

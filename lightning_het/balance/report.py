@@ -92,63 +92,41 @@ def render_balance_table(report: dict[str, Any]) -> str:
 
 def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int) -> None:
     """Send one epoch's per-replica figures to Lightning loggers (``logger.log_metrics``), keyed ``het/...``."""
-    metrics: dict[str, float] = {}
-    if math.isfinite(summary["imbalance"]):
-        metrics["het/imbalance"] = float(summary["imbalance"])
-    names = {
-        "compute_s": "compute_s",
-        "wait_s": "wait_s",
-        "samples_per_s": "samples_per_s",
-        "batch_sizes": "batch_size",
-    }
-    for key, name in names.items():
-        for rank, value in enumerate(summary[key]):
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                metrics[f"het/{name}/rank{rank}"] = float(value)
+    metrics = {"het/imbalance": float(summary["imbalance"])}
+    for key in ("compute_s", "wait_s", "samples_per_s", "batch_sizes"):
+        name = "batch_size" if key == "batch_sizes" else key
+        metrics |= {f"het/{name}/rank{r}": float(v) for r, v in enumerate(summary[key]) if v is not None}
+    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
     for logger in loggers:
         logger.log_metrics(metrics, step=step)
 
 
 def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
-    """PNG of compute vs wait time per replica over the global step, with rebalances marked."""
+    """PNG of each replica's compute and wait time per training batch, with rebalances marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     telemetry = report.get("telemetry") or {}
     series = telemetry.get("series") or {}
-    compute, wait, steps = series.get("compute_s") or [], series.get("wait_s") or [], series.get("batch") or []
-    world = len(compute)
-    path = Path(path)
-    rebalance_steps = [e["batch"] + 0.5 for e in telemetry.get("rebalances") or []]
-    if world == 0:
-        fig = Figure(figsize=(6, 2))
-        fig.text(0.5, 0.5, "no telemetry recorded", ha="center", va="center")
-    elif world <= 8:
-        fig = Figure(figsize=(9, 1.8 * world + 0.8))
-        axes = fig.subplots(world, 1, sharex=True, squeeze=False)[:, 0]
-        for r, ax in enumerate(axes):
-            ax.plot(steps[r], [c * 1e3 for c in compute[r]], lw=0.9, label="compute")
-            ax.plot(steps[r], [w * 1e3 for w in wait[r]], lw=0.9, label="wait (gradient sync)")
-            for s in rebalance_steps:
-                ax.axvline(s, color="k", ls="--", lw=0.8)
-            ax.set_ylabel(f"rank {r}\nms / step")
-            ax.grid(alpha=0.3)
-            values = sorted(v for v in compute[r] + wait[r] if math.isfinite(v))
-            if len(values) > 20:  # keep the first steps (start-up costs) from flattening the rest
-                ax.set_ylim(0, values[int(0.98 * (len(values) - 1))] * 1.3e3)
-        axes[0].legend(loc="upper right", fontsize=8)
-        axes[-1].set_xlabel("training batch" + ("  (dashed: rebalance)" if rebalance_steps else ""))
-        fig.suptitle("Compute vs wait per replica")
+    steps = series.get("batch") or []
+    fig = Figure(figsize=(9, 6))
+    axes = fig.subplots(2, 1, sharex=True)
+    for ax, key, title in ((axes[0], "compute_s", "compute"), (axes[1], "wait_s", "wait (gradient sync)")):
+        values = series.get(key) or []
+        for r, row in enumerate(values):
+            ax.plot(steps[r], [v * 1e3 for v in row], lw=0.9, label=f"rank {r}")
+        for e in telemetry.get("rebalances") or []:
+            ax.axvline(e["batch"] + 0.5, color="k", ls="--", lw=0.8)
+        finite = sorted(v for row in values for v in row if math.isfinite(v))
+        if len(finite) > 20:  # keep the first steps (start-up costs) from flattening the rest
+            ax.set_ylim(0, finite[int(0.98 * (len(finite) - 1))] * 1.3e3)
+        ax.set_ylabel(f"{title}\nms / step")
+        ax.grid(alpha=0.3)
+    if steps:
+        axes[0].legend(loc="upper right", fontsize=8, ncol=max(len(steps) // 8, 1))
     else:
-        fig = Figure(figsize=(10, 6))
-        axes = fig.subplots(2, 1, sharex=True)
-        length = min(len(c) for c in compute)
-        for ax, data, title in ((axes[0], compute, "compute (ms)"), (axes[1], wait, "wait (ms)")):
-            image = ax.imshow([[v * 1e3 for v in row[:length]] for row in data], aspect="auto", interpolation="nearest")
-            ax.set_ylabel("rank")
-            ax.set_title(title)
-            fig.colorbar(image, ax=ax)
-        axes[-1].set_xlabel("recorded step")
+        axes[0].set_title("no telemetry recorded")
+    axes[-1].set_xlabel("training batch (dashed: rebalance)")
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
     return path
