@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
-_BISECTION_STEPS = 100
 #: a useless replica is reported when the job is predicted this much faster without it (less may be timing noise)
 USELESS_MARGIN = 0.9
 #: least fitted slope, as a fraction of the mean seconds per sample (a flat curve would attract every sample)
@@ -120,23 +119,6 @@ def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
     return max(c(b) for b, c in zip(batch_sizes, costs))
 
 
-def _capacity(cost: AffineCost, level: float, lo: int, hi: int) -> int:
-    """Most samples (within ``[lo, hi]``) replica can take without its step exceeding ``level`` seconds."""
-    if cost.micro_batch is not None:  # a step function, non-decreasing in b: bisection on the integers
-        if cost(hi) <= level:
-            return hi
-        good, bad = lo, hi
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            good, bad = (mid, bad) if cost(mid) <= level else (good, mid)
-        return good
-    if level < cost.fixed_s:
-        return lo
-    if cost.per_sample_s == 0:
-        return hi
-    return min(max(math.floor((level - cost.fixed_s) / cost.per_sample_s), lo), hi)
-
-
 def allocate_affine(
     global_batch_size: int,
     costs: Sequence[AffineCost],
@@ -144,36 +126,19 @@ def allocate_affine(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal."""
+    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal: from
+    the lower bounds, one sample at a time to the replica whose step grows least (ties: lower rank)."""
     costs = list(costs)
     if not costs:
         raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
     for rank, cost in enumerate(costs):
         if not isinstance(cost, AffineCost):
             raise ValueError(f"Expected argument `costs` to hold AffineCost objects, but `costs[{rank}]` is {cost!r}.")
-    world = len(costs)
-    lower, upper = batch_bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
-    total = global_batch_size
-
-    def capacity(level: float) -> list[int]:
-        return [_capacity(c, level, lo, hi) for c, lo, hi in zip(costs, lower, upper)]
-
-    # bisection on the water level: `low` keeps capacity <= B, `high` reaches B
-    low = -1.0
-    high = max(c(hi) for c, hi in zip(costs, upper))
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (low + high)
-        if sum(capacity(mid)) <= total:
-            low = mid
-        else:
-            high = mid
-        if high - low <= 1e-12 * max(abs(high), 1.0):
-            break
-    sizes = capacity(low)
-    # the rest, one sample at a time, to the replica whose step grows least (ties: lower rank)
-    heap = [(costs[r](sizes[r] + 1), r) for r in range(world) if sizes[r] < upper[r]]
+    lower, upper = batch_bounds(len(costs), global_batch_size, min_batch_size, max_batch_sizes)
+    sizes = list(lower)
+    heap = [(costs[r](sizes[r] + 1), r) for r in range(len(costs)) if sizes[r] < upper[r]]
     heapq.heapify(heap)
-    for _ in range(total - sum(sizes)):
+    for _ in range(global_batch_size - sum(sizes)):  # exact: every replica's cost is non-decreasing in its size
         _, r = heapq.heappop(heap)
         sizes[r] += 1
         if sizes[r] < upper[r]:
