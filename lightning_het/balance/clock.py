@@ -57,27 +57,6 @@ class StepClock:
     On a GPU the marks are CUDA events, read without blocking once complete (only :meth:`flush` and a step read by
     :meth:`open_step` wait); elsewhere, and under emulation, host clock readings (a GPU synchronised first)."""
 
-    __slots__ = (
-        "_backward_call",
-        "_backward_start",
-        "_cpu",
-        "_cpu_backward_call",
-        "_cpu_backward_start",
-        "_cpu_inner",
-        "_cpu_start",
-        "_done_hook",
-        "_events",
-        "_hook",
-        "_inner",
-        "_pending",
-        "_start_hook",
-        "_step",
-        "_sync",
-        "_timings",
-        "record",
-        "slowdown",
-    )
-
     def __init__(
         self,
         slowdown: float = 1.0,

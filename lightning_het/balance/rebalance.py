@@ -115,24 +115,18 @@ def plan_rebalance(
     speeds = speeds_from_step_times(sizes, times)
     current = max(times)
     ratio = current / min(times)
-    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
-    costs = None
-    if fixed_costs is None:
-        proposal = allocate_batch_sizes(sum(sizes), speeds, **bounds)
-        new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
-    else:  # per micro-batch: a share of b run as k pieces is k steps of b / k
-        caps = micro_batch_sizes if micro_batch_sizes is not None else [None] * len(sizes)
-        pieces = [1 if m is None else max(math.ceil(b / m), 1) for b, m in zip(sizes, caps)]
-        per_piece = refresh_costs(
-            [b / k for b, k in zip(sizes, pieces)], [t / k for t, k in zip(times, pieces)], fixed_costs
-        )
-        costs = [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
-        # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
-        upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
-        trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
-        proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
-        proposal = monotone_split(proposal, costs, trusted)
-        new_times = [c(b) for c, b in zip(costs, proposal)]
+    # the costs refreshed per micro-batch (a share of b run as k pieces is k steps of b / k), fixed costs kept
+    caps = micro_batch_sizes if micro_batch_sizes is not None else [None] * len(sizes)
+    pieces = [1 if m is None else max(math.ceil(b / m), 1) for b, m in zip(sizes, caps)]
+    fixed = fixed_costs if fixed_costs is not None else [0.0] * len(sizes)
+    per_piece = refresh_costs([b / k for b, k in zip(sizes, pieces)], [t / k for t, k in zip(times, pieces)], fixed)
+    costs = [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
+    # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
+    upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
+    trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
+    proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
+    proposal = monotone_split(proposal, costs, trusted)
+    new_times = [c(b) for c, b in zip(costs, proposal)]
     predicted = max(new_times)
     gain = 1.0 - predicted / current
     if uncertainty is None:  # the worst step ratio when every measured time may be off by `noise`
