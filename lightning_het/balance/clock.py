@@ -52,10 +52,8 @@ class _Marks:
 
 
 class StepClock:
-    """Times one replica's training steps and, optionally, stretches them to emulate slower hardware.
-
-    On a GPU the marks are CUDA events, read without blocking once complete (only :meth:`flush` and a step read by
-    :meth:`open_step` wait); elsewhere, and under emulation, host clock readings (a GPU synchronised first)."""
+    """Times one replica's training steps (on a GPU with CUDA events, read once complete; else the host clock) and,
+    optionally, stretches them to emulate slower hardware."""
 
     def __init__(
         self,
@@ -268,19 +266,14 @@ class TelemetryHistory:
         summary = epoch_summary(timings)
         summary.update(epoch=epoch, global_step=global_step)
         self.epochs.append(summary)
-        world = len(timings)
         if not self.series["compute_s"]:
-            self.series = {key: [[] for _ in range(world)] for key in ("compute_s", "wait_s", "batch")}
-        steps = max((len(t) for t in timings), default=0)
-        for i in range(steps):
-            if (self._seen + i) % self._stride:
-                continue
-            for r, t in enumerate(timings):
-                if i < len(t):
-                    self.series["compute_s"][r].append(t.compute_s[i])
-                    self.series["wait_s"][r].append(t.wait_s[i])
-                    self.series["batch"][r].append(float(self._seen + i + 1))
-        self._seen += steps
+            self.series = {key: [[] for _ in timings] for key in self.series}
+        for r, t in enumerate(timings):
+            keep = [i for i in range(len(t)) if (self._seen + i) % self._stride == 0]
+            self.series["compute_s"][r] += [t.compute_s[i] for i in keep]
+            self.series["wait_s"][r] += [t.wait_s[i] for i in keep]
+            self.series["batch"][r] += [float(self._seen + i + 1) for i in keep]
+        self._seen += max((len(t) for t in timings), default=0)
         while self.series["compute_s"] and len(self.series["compute_s"][0]) > _MAX_SERIES_POINTS:
             self.series = {key: [v[::2] for v in values] for key, values in self.series.items()}
             self._stride *= 2

@@ -195,13 +195,10 @@ def useless_replica_message(
     without = step_without(global_batch_size, costs, useless, **bounds)
     if without is None or without > USELESS_MARGIN * with_all:
         return None
-
-    def label(r: int) -> str:
-        return labels[r] if r < len(labels) else f"rank {r}"
-
-    names = ", ".join(f"rank {r} ({label(r)})" for r in useless)
+    label = [labels[r] if r < len(labels) else f"rank {r}" for r in range(len(costs))]
+    names = ", ".join(f"rank {r} ({label[r]})" for r in useless)
     fixed = ", ".join(f"{costs[r].fixed_s * 1e3:.1f} ms" for r in useless)
-    keep = [label(r) for r in range(len(costs)) if r not in useless]
+    keep = [label[r] for r in range(len(costs)) if r not in useless]
     return (
         f"HeterogeneousStrategy: {names} only slow(s) the job down: its fixed cost per step ({fixed}) is at least the"
         f" best step the other replicas reach on the whole global batch of {global_batch_size}. Predicted step:"
