@@ -123,15 +123,13 @@ class BalanceMonitor:
         strategy, every = self.strategy, self.settings.every_n_epochs
         sizes, times = strategy.batch_sizes, summary["compute_s"]
         epoch = trainer.current_epoch if epoch is None else epoch
-        max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
-        last_epoch = max_epochs is not None and max_epochs >= 0 and epoch + 1 >= max_epochs
-        out_of_steps = max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps
+        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch + 1
+        out_of_steps = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
         due = is_check_epoch(epoch, every) if every is not None else self.settings.threshold is not None
-        if not due or last_epoch or out_of_steps or trainer.should_stop or not sizes:
+        if not due or last_epoch or out_of_steps or trainer.should_stop or not sizes or strategy.profiling:
             return False
-        if not all(math.isfinite(t) and t > 0 for t in times) or strategy.profiling:
-            return False
-        if list(summary.get("batch_sizes", sizes)) != list(sizes):  # the epoch mostly ran other splits (profiling)
+        # the epoch's medians must describe `sizes` (not the trial splits of profiling)
+        if not all(math.isfinite(t) and t > 0 for t in times) or list(summary.get("batch_sizes", sizes)) != sizes:
             return False
         steps = max(summary["steps"]) * (every or 1) if summary.get("steps") else None
         costs = list(strategy.cost_model) if strategy.cost_model else None

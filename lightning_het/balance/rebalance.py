@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_het.allocation import allocate_batch_sizes, positive_finite
 from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
@@ -157,8 +157,7 @@ def plan_rebalance(
         reason = f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}"
     else:
         adopt, reason = True, f"imbalance {ratio:.3f} >= {threshold:.3f}, predicted gain {gain:.1%}"
-    data = [c.as_dict() for c in costs] if costs is not None else None
-    kept = proposal if adopt else sizes
+    kept, data = (proposal if adopt else sizes), [c.as_dict() for c in costs]
     return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust_gain, reason, data)
 
 
@@ -238,21 +237,15 @@ def _beyond(a: float, b: float, band: float) -> bool:
     return a * b > 0 and min(abs(a), abs(b)) > band
 
 
+@dataclass(kw_only=True)
 class RebalancePolicy:
     """The rebalancing decision of one ``fit`` across its checks, pure."""
 
-    def __init__(
-        self,
-        *,
-        threshold: float = DEFAULT_THRESHOLD,
-        min_batch_size: int = 1,
-        max_batch_sizes: Sequence[int] | None = None,
-    ) -> None:
-        self.threshold = threshold
-        self.min_batch_size = min_batch_size
-        self.max_batch_sizes = list(max_batch_sizes) if max_batch_sizes is not None else None
-        self._tracks: list[_Track] = []
-        self._shape: list[AffineCost] | None = None
+    threshold: float = DEFAULT_THRESHOLD
+    min_batch_size: int = 1
+    max_batch_sizes: Sequence[int] | None = None
+    _tracks: list[_Track] = field(default_factory=list, init=False, repr=False)
+    _shape: list[AffineCost] | None = field(default=None, init=False, repr=False)
 
     def check(
         self,
