@@ -35,17 +35,10 @@ class AffineCost:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"Expected `micro_batch` to be an integer >= 1 or None, but got {m!r}.")
 
-    def __repr__(self) -> str:
-        micro = "" if self.micro_batch is None else f", micro_batch={self.micro_batch}"
-        return f"AffineCost(fixed_s={self.fixed_s!r}, per_sample_s={self.per_sample_s!r}{micro})"
-
-    def micro_batches(self, batch_size: float) -> int:
-        """Micro-batches a step of ``batch_size`` samples runs as (1 without ``micro_batch``)."""
-        return 1 if self.micro_batch is None else max(math.ceil(batch_size / self.micro_batch), 1)
-
     def __call__(self, batch_size: float) -> float:
-        """Predicted seconds for a step of ``batch_size`` samples."""
-        return self.fixed_s * self.micro_batches(batch_size) + self.per_sample_s * batch_size
+        """Predicted seconds for a step of ``batch_size`` samples (in pieces of at most ``micro_batch``)."""
+        pieces = 1 if self.micro_batch is None else max(math.ceil(batch_size / self.micro_batch), 1)
+        return self.fixed_s * pieces + self.per_sample_s * batch_size
 
     def as_dict(self) -> dict[str, float]:
         """Plain data, for reports and the speed cache (``micro_batch`` only when set)."""

@@ -151,15 +151,7 @@ def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[
 
 def _plain(value: Any) -> Any:
     """JSON-safe copy: non-finite floats become ``None``, tuples lists, unknown objects strings."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)
+    return json.loads(json.dumps(value, default=str), parse_constant=lambda _: None)
 
 
 def telemetry_section(

@@ -14,8 +14,9 @@ from lightning_het.emulation import *
 
 def test_cost_costs_from_speeds() -> None:
     """
-    >>> costs_from_speeds([2.0, 4.0])
-    [AffineCost(fixed_s=0.0, per_sample_s=0.5), AffineCost(fixed_s=0.0, per_sample_s=0.25)]
+    >>> costs_from_speeds([2.0, 4.0])  # doctest: +NORMALIZE_WHITESPACE
+    [AffineCost(fixed_s=0.0, per_sample_s=0.5, micro_batch=None),
+     AffineCost(fixed_s=0.0, per_sample_s=0.25, micro_batch=None)]
     """
 
 
@@ -29,14 +30,15 @@ def test_cost_slope_through_origin() -> None:
 def test_cost_fit_affine() -> None:
     """
     >>> fit_affine([4, 8], [0.05, 0.07])
-    AffineCost(fixed_s=0.03, per_sample_s=0.005)
+    AffineCost(fixed_s=0.03, per_sample_s=0.005, micro_batch=None)
     """
 
 
 def test_cost_refresh_costs() -> None:
     """
-    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])
-    [AffineCost(fixed_s=0.04, per_sample_s=0.002), AffineCost(fixed_s=0.0, per_sample_s=0.01)]
+    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])  # doctest: +NORMALIZE_WHITESPACE
+    [AffineCost(fixed_s=0.04, per_sample_s=0.002, micro_batch=None),
+     AffineCost(fixed_s=0.0, per_sample_s=0.01, micro_batch=None)]
     """
 
 
