@@ -54,7 +54,6 @@ class BalanceMonitor:
     def __init__(self, strategy: Any, settings: MonitorSettings) -> None:
         self.strategy = strategy
         self.settings = settings
-        self.record = settings.record
         self.clock = StepClock(settings.slowdown, record=settings.record, device=strategy.root_device)
         self.history = TelemetryHistory()
         #: the decision across this fit's checks (smoothed costs, confirmed changes, gain net of the rebuild)
@@ -73,7 +72,7 @@ class BalanceMonitor:
 
     def _gather(self, trainer: Any, epoch: int) -> dict[str, Any] | None:
         local = self.clock.flush()
-        if not self.record:
+        if not self.settings.record:
             return None
         timings = gather_timings(local, self.strategy.world_size)
         if not any(len(t) for t in timings):
@@ -111,7 +110,7 @@ class BalanceMonitor:
         self._restore_reload(trainer)
         self._end_epoch(trainer, self._pending_epoch)
         self._gather(trainer, trainer.current_epoch)
-        if not self.record or not trainer.loggers:
+        if not self.settings.record or not trainer.loggers:
             return
         directory = trainer.log_dir  # a broadcast: every rank must ask
         if trainer.is_global_zero and directory:

@@ -179,8 +179,6 @@ class _Track:
     """One replica's cost scale over the checks, in log space: a level (the mean since its last confirmed change) and
     the spread of a check around it (pooled over the stretches between changes, from a prior)."""
 
-    __slots__ = ("pooled", "previous", "values")
-
     def __init__(self) -> None:
         self.values: list[float] = []  # log scales since the last confirmed change
         #: squared deviations and degrees of freedom of the earlier stretches, the prior included
@@ -197,11 +195,6 @@ class _Track:
         level = self.level
         squares = self.pooled[0] + sum((v - level) ** 2 for v in self.values)
         return math.sqrt(squares / (self.pooled[1] + len(self.values) - 1))
-
-    @property
-    def error(self) -> float:
-        """Relative standard error of the level."""
-        return self.spread / math.sqrt(len(self.values))
 
     def add(self, x: float, recent: float | None) -> None:
         """Book one check's log scale ``x`` (``recent``: that of the later half of its epoch, if known)."""
@@ -275,6 +268,6 @@ class RebalancePolicy:
             max_batch_sizes=self.max_batch_sizes,
             fixed_costs=[c.fixed_s for c in smoothed],
             micro_batch_sizes=[c.micro_batch for c in smoothed],
-            uncertainty=[t.error for t in self._tracks],
+            uncertainty=[t.spread / math.sqrt(len(t.values)) for t in self._tracks],  # the levels' standard errors
             reallocation_cost=0.0 if steps_per_check is None else REALLOCATION_COST_STEPS / max(steps_per_check, 1),
         )

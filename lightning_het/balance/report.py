@@ -158,7 +158,7 @@ def telemetry_section(
     monitor: BalanceMonitor | None, snapshot: dict[str, Any] | None, *, include_series: bool
 ) -> dict[str, Any] | None:
     """The ``"telemetry"`` entry of ``balance_report()``: JSON-safe, from the live monitor or a spawn snapshot."""
-    if monitor is not None and monitor.record:
+    if monitor is not None and monitor.settings.record:
         data = monitor.history.as_dict()
     elif snapshot is not None:
         data = dict(snapshot)
