@@ -50,25 +50,21 @@ def render_balance_table(report: dict[str, Any]) -> str:
     sizes = report.get("batch_sizes") or []
     if not sizes:
         return "HeterogeneousStrategy: no allocation yet"
-    caps, costs, telemetry = (
-        report.get("max_micro_batch_sizes"),
-        report.get("cost_model"),
-        report.get("telemetry") or {},
-    )
+    caps, costs = report.get("max_micro_batch_sizes"), report.get("cost_model")
+    telemetry = report.get("telemetry") or {}
     last = telemetry["epochs"][-1] if telemetry.get("epochs") else None
-    nodes, devices, shares = report.get("node_ids") or [], report.get("devices") or [], sample_shares(sizes)
+    unknown = ["?"] * len(sizes)
+    nodes, devices = [*(report.get("node_ids") or []), *unknown], [*(report.get("devices") or []), *unknown]
     head = f"HeterogeneousStrategy balance: global batch {report['global_batch_size']}"
     head += " (costs from the profile cache)" if report.get("profile_cached") else ""
-    head += (
-        f"; last epoch {last['epoch']}: imbalance (max/min compute) {_cell(last['imbalance'], '.3f')}" if last else ""
-    )
+    if last:
+        head += f"; last epoch {last['epoch']}: imbalance (max/min compute) {_cell(last['imbalance'], '.3f')}"
     titles = ["rank", "node", "device", "speed " + ("samples/s" if report.get("profiled", True) else "(given)")]
     titles += ["batch", "share", *["micro"] * bool(caps), *["fixed ms", "ms/sample", "step ms"] * bool(costs)]
     titles += ["compute ms", "wait ms", "wait share", "samples/s"] if last else []
     rows = [titles]
-    for r, (b, speed) in enumerate(zip(sizes, report["speeds"])):
-        row = [r, nodes[r] if r < len(nodes) else "?", devices[r] if r < len(devices) else "?", f"{speed:.2f}", b]
-        row.append(f"{shares[r]:.1%}")
+    for r, (b, speed, share) in enumerate(zip(sizes, report["speeds"], sample_shares(sizes))):
+        row = [r, nodes[r], devices[r], f"{speed:.2f}", b, f"{share:.1%}"]
         if caps:  # the pieces that run: size x count (a share of 16 under a cap of 3: 3x4+2x2)
             row.append(pieces_label(micro_batch_sizes(b, caps[r])))
         if costs:
@@ -158,12 +154,5 @@ def telemetry_section(
     monitor: BalanceMonitor | None, snapshot: dict[str, Any] | None, *, include_series: bool
 ) -> dict[str, Any] | None:
     """The ``"telemetry"`` entry of ``balance_report()``: JSON-safe, from the live monitor or a spawn snapshot."""
-    if monitor is not None and monitor.settings.record:
-        data = monitor.history.as_dict()
-    elif snapshot is not None:
-        data = dict(snapshot)
-    else:
-        return None
-    if not include_series:
-        data.pop("series", None)
-    return _plain(data)
+    data = monitor.history.as_dict() if monitor is not None and monitor.settings.record else snapshot
+    return None if data is None else _plain({k: v for k, v in data.items() if include_series or k != "series"})
