@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_het._compat import queue_backward_callback
@@ -204,15 +203,6 @@ class StepClock:
 
 
 _MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
-
-
-def gather_timings(local: EpochTimings, world_size: int) -> list[EpochTimings]:
-    """All-gather every replica's timings (a collective: call it on every rank at the same point)."""
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [local]
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, local)  # once per epoch: a few floats per step
-    return everyone
 
 
 def _median(values: Sequence[float]) -> float:

@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.clock import StepClock, TelemetryHistory, gather_timings
+from lightning_het.balance.clock import StepClock, TelemetryHistory
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 
@@ -74,7 +75,10 @@ class BalanceMonitor:
         local = self.clock.flush()
         if not self.settings.record:
             return None
-        timings = gather_timings(local, self.strategy.world_size)
+        world, timings = self.strategy.world_size, [local]
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            timings = [None] * world
+            dist.all_gather_object(timings, local)  # once per epoch: a few floats per step
         if not any(len(t) for t in timings):
             return None
         return self.history.add(timings, epoch=epoch, global_step=trainer.global_step)

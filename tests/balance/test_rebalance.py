@@ -294,6 +294,18 @@ class TestMonitorInterface:
         assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]})
         assert strategy.adopted == []
 
+    def test_a_single_process_gathers_its_own_timings_at_the_end(self) -> None:
+        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+
+        trainer = self._trainer(0)
+        monitor = attach_monitor(_PublicOnlyStrategy([4, 4]), trainer, MonitorSettings(record=True))
+        assert monitor is not None
+        monitor.clock.step_start(4)
+        monitor.clock.forward_end()
+        monitor.on_train_end(trainer, None)  # no process group: no collective, this process's steps
+        (epoch,) = monitor.history.epochs
+        assert epoch["steps"] == [1] and epoch["batch_sizes"] == [4] and epoch["epoch"] == 0
+
     def test_off_means_no_monitor(self) -> None:
         from lightning_het.balance.monitor import MonitorSettings, attach_monitor
 
