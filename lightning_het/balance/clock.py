@@ -51,8 +51,7 @@ class _Marks:
 
 
 class StepClock:
-    """Times one replica's training steps (on a GPU with CUDA events, read once complete; else the host clock) and,
-    optionally, stretches them to emulate slower hardware."""
+    """Times one replica's training steps (CUDA events on a GPU, else the host clock); can emulate slower hardware."""
 
     def __init__(
         self,
@@ -175,8 +174,7 @@ class StepClock:
         t.batch_sizes.append(marks.batch)
 
     def flush(self) -> EpochTimings:
-        """Close the open step and hand over (and forget) everything recorded so far (events: waits for the last
-        step's, so call it where the job synchronises anyway, e.g. an epoch's gather)."""
+        """Close the open step and hand over everything recorded (CUDA events: waits for the last step's)."""
         if self._step is not None:
             self._pending.append(self._step)
             self._step = None
@@ -210,8 +208,7 @@ def _median(values: Sequence[float]) -> float:
 
 
 def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
-    """Per-replica figures of one epoch (lists indexed by global rank) and the imbalance; the medians are those of the
-    steps at the epoch's most common batch size (ties: the largest), not the tail batch's."""
+    """Per-replica figures of one epoch (medians over the steps at its most common batch size) and the imbalance."""
     sizes, typical = [], []
     for t in timings:
         counts = Counter(t.batch_sizes)

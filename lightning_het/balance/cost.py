@@ -89,8 +89,7 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
 def refresh_costs(
     batch_sizes: Sequence[float], compute_times: Sequence[float], fixed_costs: Sequence[float]
 ) -> list[AffineCost]:
-    """Costs that reproduce measured step times at the current allocation: each fixed cost kept (at most 90 % of the
-    time), the slope refreshed."""
+    """Costs reproducing measured step times: each fixed cost kept (at most 90 % of the time), the slope refreshed."""
     if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
         raise ValueError(
             f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
@@ -119,8 +118,7 @@ def allocate_affine(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal: from
-    the lower bounds, one sample at a time to the replica whose step grows least (ties: lower rank)."""
+    """The split of ``global_batch_size`` minimising the step ``max_r t_r(b_r)`` (greedy from the lower bounds)."""
     costs = list(costs)
     if not costs:
         raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
@@ -131,7 +129,7 @@ def allocate_affine(
     sizes = list(lower)
     heap = [(costs[r](sizes[r] + 1), r) for r in range(len(costs)) if sizes[r] < upper[r]]
     heapq.heapify(heap)
-    for _ in range(global_batch_size - sum(sizes)):  # exact: every replica's cost is non-decreasing in its size
+    for _ in range(global_batch_size - sum(sizes)):  # to the least-growing step (ties: lower rank): exact, costs rising
         _, r = heapq.heappop(heap)
         sizes[r] += 1
         if sizes[r] < upper[r]:

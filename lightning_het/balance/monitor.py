@@ -48,9 +48,8 @@ class MonitorSettings:
 
 
 class BalanceMonitor:
-    """Times the steps, gathers each epoch's timings (a collective at its last batch, or at the next epoch's start for
-    one that ended early), logs them, rebalances when due and writes the balance report: a callback's hooks, mixed
-    into the trainer package's ``Callback``."""
+    """Callback hooks (mixed into the trainer package's ``Callback``): times the steps, gathers each epoch's timings (a
+    collective at its last batch), logs them, rebalances when due and writes the balance report."""
 
     def __init__(self, strategy: Any, settings: MonitorSettings) -> None:
         self.strategy = strategy
@@ -158,8 +157,7 @@ class HeterogeneousBalanceCallback(BalanceMonitor, Callback):
 
 
 def attach_monitor(strategy: Any, trainer: Any, settings: MonitorSettings) -> BalanceMonitor | None:
-    """A new ``fit``'s :class:`BalanceMonitor` (``None``: nothing to do), in ``trainer.callbacks`` in place of the last
-    fit's; off, training has no per-step cost."""
+    """A new ``fit``'s monitor in ``trainer.callbacks`` (replacing the last fit's), or ``None`` when it has no job."""
     if strategy.world_size < 2:
         settings = replace(settings, record=False)
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, BalanceMonitor)]

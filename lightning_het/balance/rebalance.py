@@ -38,8 +38,7 @@ def profiled_split(
 
 
 def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], upper: Sequence[int]) -> list[int]:
-    """``batch_sizes`` with no replica holding fewer samples than one it is faster than (its cost lower at every size),
-    swapping two replicas' sizes where the bounds ``upper`` allow."""
+    """``batch_sizes`` with no replica holding fewer samples than a slower one (swapped within the bounds ``upper``)."""
     sizes = [int(b) for b in batch_sizes]
     order = sorted(range(len(sizes)), key=lambda r: (costs[r].per_sample_s, costs[r].fixed_s, r))
     for _ in range(len(sizes)):

@@ -45,8 +45,7 @@ def _cell(value: Any, spec: str, scale: float = 1.0) -> str:
 
 
 def render_balance_table(report: dict[str, Any]) -> str:
-    """The balance table of a balance report: rank, node, device, speed, batch, share, and where known the micro-batches
-    that run, the costs, the last epoch's timings and the rebalances."""
+    """The balance table: each replica's node, device, speed, batch, share, micro-batches, costs and timings."""
     sizes = report.get("batch_sizes") or []
     if not sizes:
         return "HeterogeneousStrategy: no allocation yet"
