@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
 from lightning_het.balance.clock import StepClock, TelemetryHistory
-from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy, is_check_epoch
+from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class BalanceMonitor:
         epoch = trainer.current_epoch if epoch is None else epoch
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch + 1
         out_of_steps = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
-        due = is_check_epoch(epoch, every) if every is not None else self.settings.threshold is not None
+        due = (epoch + 1) % every == 0 if every is not None else self.settings.threshold is not None
         if not due or last_epoch or out_of_steps or trainer.should_stop or not sizes or strategy.profiling:
             return False
         # the epoch's medians must describe `sizes` (not the trial splits of profiling)

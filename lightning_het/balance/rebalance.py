@@ -27,14 +27,12 @@ def profiled_split(
     **bounds: object,
 ) -> list[int]:
     """The split of ``global_batch`` for profiled ``costs``."""
-    sizes = allocate_affine(global_batch, costs, **bounds)  # type: ignore[arg-type]
     upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
-    sizes = monotone_split(sizes, costs, upper)  # type: ignore[arg-type]
+    sizes = monotone_split(allocate_affine(global_batch, costs, **bounds), costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
-    mean_share_times = [cost(global_batch / len(costs)) for cost in costs]
-    if imbalance(mean_share_times) < threshold or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
+    if imbalance([cost(global_batch / len(costs)) for cost in costs]) < threshold:  # at the mean share
         return equal
-    return sizes
+    return equal if step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs) else sizes
 
 
 def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], upper: Sequence[int]) -> list[int]:
@@ -66,11 +64,6 @@ def imbalance(compute_times: Sequence[float]) -> float:
     """``max / min`` of the replicas' busy times per step: 1.0 is perfect balance."""
     times = positive_finite("compute_times", compute_times)
     return max(times) / min(times)
-
-
-def is_check_epoch(epoch: int, every_n_epochs: int | None) -> bool:
-    """Whether the end of 0-based ``epoch`` is a rebalancing check (every ``every_n_epochs``-th epoch end)."""
-    return every_n_epochs is not None and (epoch + 1) % every_n_epochs == 0
 
 
 @dataclass(frozen=True)

@@ -163,13 +163,6 @@ def test_rebalance_imbalance() -> None:
     """
 
 
-def test_rebalance_is_check_epoch() -> None:
-    """
-    >>> [is_check_epoch(e, 2) for e in range(4)]
-    [False, True, False, True]
-    """
-
-
 def test_rebalance_plan_rebalance() -> None:
     """
     >>> d = plan_rebalance([8, 8], [0.1, 0.3])

@@ -12,7 +12,6 @@ from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_cost
 from lightning_het.balance.rebalance import (
     RebalancePolicy,
     imbalance,
-    is_check_epoch,
     plan_rebalance,
     profiled_split,
     speeds_from_step_times,
@@ -46,10 +45,6 @@ class TestPureFunctions:
     def test_invalid_input_names_the_argument(self, call, match):
         with pytest.raises(ValueError, match=match):
             call()
-
-    def test_check_epochs(self):
-        assert [e for e in range(7) if is_check_epoch(e, 3)] == [2, 5]
-        assert not any(is_check_epoch(e, None) for e in range(5))
 
 
 class TestDecision:
@@ -305,6 +300,23 @@ class TestMonitorInterface:
         monitor.on_train_end(trainer, None)  # no process group: no collective, this process's steps
         (epoch,) = monitor.history.epochs
         assert epoch["steps"] == [1] and epoch["batch_sizes"] == [4] and epoch["epoch"] == 0
+
+    @pytest.mark.parametrize(
+        ("every", "threshold", "checked"),
+        [(3, None, [2, 5]), (2, None, [1, 3, 5]), (None, 1.1, [0, 1, 2, 3, 4, 5]), (None, None, [])],
+    )
+    def test_checks_at_the_end_of_every_nth_epoch_but_the_last(self, every, threshold, checked) -> None:
+        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+
+        strategy = _PublicOnlyStrategy([8, 8])
+        settings = MonitorSettings(record=True, every_n_epochs=every, threshold=threshold)
+        monitor = attach_monitor(strategy, self._trainer(0), settings)
+        assert monitor is not None
+        for epoch in range(7):  # max_epochs=7: no check after the last epoch
+            trainer = self._trainer(epoch)
+            trainer.max_epochs = 7
+            assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.1, 0.1]}, epoch)  # balanced: kept
+        assert [check["epoch"] for check in monitor.history.checks] == checked
 
     def test_off_means_no_monitor(self) -> None:
         from lightning_het.balance.monitor import MonitorSettings, attach_monitor
