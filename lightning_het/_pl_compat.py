@@ -11,7 +11,7 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerSta
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour
-from lightning_het.balance.monitor import BalanceCallbackMixin
+from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.balance.profiler import ProfilerCallbackMixin
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
@@ -31,7 +31,7 @@ class ProfilerCallback(ProfilerCallbackMixin, Callback):
     """Forwards the end of every training step to the in-loop profiler (``pytorch_lightning``)."""
 
 
-class HeterogeneousBalanceCallback(BalanceCallbackMixin, Callback):
+class HeterogeneousBalanceCallback(BalanceMonitor, Callback):
     """Forwards the fit loop's epoch hooks to the balance monitor (``pytorch_lightning``)."""
 
 

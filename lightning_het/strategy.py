@@ -208,7 +208,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
             settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
-            self._monitor = attach_monitor(self, trainer, settings, self._monitor)
+            self._monitor = attach_monitor(self, trainer, settings)
 
     def _resume(self, trainer: pl.Trainer, mode: str) -> None:
         """This fit's job identity, and ``resume="auto"``'s restore (with the comm algorithm's state)."""
