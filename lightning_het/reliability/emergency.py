@@ -1,5 +1,5 @@
-"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: when the watchdog ends a fit, the
-survivors agree through the store on the last step they all completed and the lowest one holding it saves it."""
+"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: the survivors of a watchdog verdict
+agree through the store on the last step they all completed, and the lowest one holding it saves it."""
 
 from __future__ import annotations
 
@@ -91,8 +91,7 @@ class LoopRecord:
 
 @dataclasses.dataclass(frozen=True)
 class StepState:
-    """A checkpoint at the end of optimizer step ``step`` besides the tensors: the fit loop's (a ``LoopRecord``'s
-    ``take()``), the epoch, the ``checkpoint["lightning_het"]`` record and the RNG states."""
+    """What a checkpoint at the end of optimizer ``step`` holds besides the tensors."""
 
     step: int
     epoch: int
@@ -102,8 +101,7 @@ class StepState:
 
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
-    """From each survivor's last completed step (``-1``: unknown), the agreed step (the smallest) and the lowest
-    survivor holding it, which writes (``None``: no checkpoint). Pure."""
+    """From each survivor's last completed step (-1: unknown), the agreed (smallest) step and its lowest holder."""
     if not steps or min(steps.values()) < 0:
         return -1, None
     step = min(steps.values())
@@ -111,8 +109,7 @@ def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
 
 
 class EmergencyCheckpoint:
-    """One replica's side of the emergency save: ``observe`` gives the :class:`StepState` now (training thread),
-    ``dump`` the checkpoint of one (under the update lock), ``path`` where it goes."""
+    """One replica's side of the emergency save: ``observe`` gives the step's state, ``dump`` its checkpoint."""
 
     def __init__(
         self,
@@ -121,23 +118,20 @@ class EmergencyCheckpoint:
         dump: Callable[[StepState], dict[str, Any]],
         path: Callable[[], str],
     ) -> None:
-        self.rank = rank
-        self._observe, self._dump, self._path = observe, dump, path
+        self.rank, self._observe, self._dump, self._path = rank, observe, dump, path
         self._lock = threading.RLock()  # held by a parameter update, and by a save from settling to the end
         self._updated = -1  # optimizer steps completed by the last update (written under the lock)
         self.state: StepState | None = None
         self.saved: str | None = None
-        self._claim = threading.Lock()
-        self._finished = threading.Event()
+        self._claim, self._finished = threading.Lock(), threading.Event()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
-        """Shared, not copied (the lock that orders this process's parameter updates and saves)."""
-        return self
+        return self  # shared: the lock that orders this process's parameter updates and saves
 
     @contextlib.contextmanager
     def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
-        """Wrap an optimizer step: the returned closure takes the lock once the user's closure (forward, backward,
-        all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
+        """Wrap an optimizer step: the closure it yields takes the lock once the user's closure returned (the lock
+        covers the parameter update only); ``step_after`` counts it."""
         held = False
 
         def locked() -> Any:
@@ -157,7 +151,7 @@ class EmergencyCheckpoint:
                 self._lock.release()
 
     def step_ended(self) -> None:
-        """The end of an optimizer step (training thread, ``on_train_batch_end``): keep its :class:`StepState`."""
+        """The end of an optimizer step (training thread): keep its :class:`StepState`."""
         self.state = self._observe()
 
     def _settle(self, deadline: float) -> tuple[int, bool]:
@@ -175,8 +169,7 @@ class EmergencyCheckpoint:
             time.sleep(_POLL_S)
 
     def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float, tag: str = "") -> str | None:
-        """Agree with ``survivors`` through ``store`` (keys marked with the job's ``tag``) and let the writer save;
-        the checkpoint's path or ``None``. A later caller waits for the first one's outcome."""
+        """Agree with ``survivors`` through ``store`` and let the writer save; the checkpoint's path or ``None``."""
         if not self._claim.acquire(blocking=False):
             self._finished.wait(agree_s + write_s)
             return self.saved
@@ -248,8 +241,7 @@ def _say(message: str) -> None:
 
 
 class Guards:
-    """This replica's watchdog (from ``setup_environment`` to the end of the run), preemption handler and emergency
-    checkpoint (one fit each); ``None`` where they do not apply (one replica, outside ``fit``)."""
+    """This replica's watchdog (setup to the end of the run), preemption handler and emergency checkpoint (per fit)."""
 
     def __init__(self) -> None:
         self.watchdog: Watchdog | None = None
@@ -260,12 +252,10 @@ class Guards:
         self._capture: tuple[int, StepState, list[dict[str, Any]]] | None = None  # an emergency checkpoint being built
         self._loops: LoopRecord | None = None  # the fit loop's record of this fit
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a spawn launch, a pickled Trainer): the running parts stay in their process."""
+    def __getstate__(self) -> dict[str, Any]:  # pickled (spawn): the running parts stay in their process
         return {"watchdog": None, "preemption": None, "emergency": None, "_capture": None, "_loops": None}
 
     def start(self, strategy: Any, timeout: timedelta | float | None, trainer: Any) -> None:
-        """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
         self.watchdog = start_watchdog(strategy, timeout, trainer)
 
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
@@ -282,8 +272,7 @@ class Guards:
         retire_emergencies(trainer, emergencies)
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
-        """Give ``trainer`` the watchdog's and preemption handler's callbacks and (``saves``) an emergency checkpoint
-        beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        """The watchdog's and preemption handler's callbacks, and (``saves``) an emergency checkpoint."""
         attach_watchdog(self.watchdog, trainer)
         self.preemption = attach_preemption(strategy, trainer, config.preemption_grace, config.preemption_checkpoint)
         self.emergency = None
@@ -305,7 +294,7 @@ class Guards:
             self.watchdog.emergency = self.emergency
 
     def _dump(self, trainer: Any, state: StepState) -> dict[str, Any]:
-        """The checkpoint of ``state``: what ``trainer.save_checkpoint`` builds now, kept by :meth:`captured`."""
+        """The checkpoint of ``state``: what ``trainer.save_checkpoint`` builds now (kept by :meth:`captured`)."""
         kept: list[dict[str, Any]] = []
         self._capture = (threading.get_ident(), state, kept)
         try:
@@ -339,13 +328,11 @@ class Guards:
             return step(locked)
 
     def release_watchdog(self) -> Watchdog | None:
-        """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
         watchdog, self.watchdog = self.watchdog, None
         return watchdog
 
     def end(self, trainer: Any, interrupted: bool, launcher_finishes: bool) -> None:
-        """At teardown: give the signals back; stop the watchdog after an exception or without a launcher that waits
-        for every replica's end, else keep it watching the end-of-run hooks."""
+        """Teardown: give the signals back; stop the watchdog unless the launcher waits for every replica's end."""
         if interrupted or not launcher_finishes:
             stop_watchdog(self.release_watchdog(), trainer, finished=not interrupted)
         elif self.watchdog is not None:
