@@ -586,6 +586,13 @@ class Watchdog:
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
+def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:
+    def hook(self: WatchdogCallbackMixin, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(phase, new_batch=new_batch)
+
+    return hook
+
+
 class WatchdogCallbackMixin:
     """Feeds the :class:`Watchdog` with the training thread's progress (mixed into each package's ``Callback``)."""
 
@@ -607,46 +614,30 @@ class WatchdogCallbackMixin:
         self.watchdog.mark(Phase.EVAL_DONE)
         self.watchdog.disarm("eval")
 
-    on_validation_start = on_test_start = on_predict_start = _eval_start
-    on_validation_end = on_test_end = on_predict_end = _eval_end
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.watchdog.mark(Phase.TRAINING_STEP, new_batch=True)
-
-    def on_before_backward(self, *args: Any) -> None:
-        self.watchdog.mark(Phase.BACKWARD)
-
-    def on_after_backward(self, *args: Any) -> None:
-        self.watchdog.mark(Phase.OPTIMIZER_STEP)
-
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.mark(Phase.BETWEEN_BATCHES)
         emergency = self.watchdog.emergency
         if emergency is not None and not should_accumulate(trainer):
             emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
 
-    def _between(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.BETWEEN_BATCHES)
-
     def _eval_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
-
-    def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_LOADING)
-
-    def _eval_epoch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_EPOCH_END)  # the callbacks' hooks run before the LightningModule's
-
-    on_train_epoch_start = on_train_epoch_end = _between
-    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
-    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_batch_end
-    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
 
     def on_save_checkpoint(self, *args: Any) -> None:
         self.watchdog.mark(self.watchdog.phase)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
+
+    on_validation_start = on_test_start = on_predict_start = _eval_start
+    on_validation_end = on_test_end = on_predict_end = _eval_end
+    on_train_batch_start = _marks(Phase.TRAINING_STEP, new_batch=True)
+    on_before_backward, on_after_backward = _marks(Phase.BACKWARD), _marks(Phase.OPTIMIZER_STEP)
+    on_train_epoch_start = on_train_epoch_end = _marks(Phase.BETWEEN_BATCHES)
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _marks(Phase.EVAL_LOADING)
+    # the callbacks' epoch-end hooks run before the LightningModule's
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _marks(Phase.EVAL_EPOCH_END)
 
 
 class WatchdogCallback(WatchdogCallbackMixin, Callback):
