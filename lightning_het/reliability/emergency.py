@@ -179,13 +179,13 @@ class EmergencyCheckpoint:
             step, held = self._settle(deadline)
             keys = f"{_KEYS}{tag}/"
             store.set(f"{keys}step/{self.rank}", str(step))
-            steps = _gather(store, f"{keys}step/", survivors, deadline)
+            steps = {r: int(v) for r, v in _read(store, f"{keys}step/", survivors, deadline).items()}
             _, writer = agreed_writer(steps)
             if writer == self.rank and self.state is not None:
                 self.saved = self._write(self.state, steps)
                 store.set(f"{keys}path", self.saved or "")
             elif writer is not None:
-                self.saved = _wait_for(store, f"{keys}path", time.monotonic() + write_s) or None
+                self.saved = _read(store, keys, ["path"], time.monotonic() + write_s).get("path") or None
             elif any(s >= 0 for s in steps.values()):
                 _say(f"no emergency checkpoint: a survivor could not tell its last completed step ({steps})")
             return self.saved
@@ -215,25 +215,12 @@ class EmergencyCheckpoint:
         return path
 
 
-def _gather(store: Any, prefix: str, survivors: Sequence[int], deadline: float) -> dict[int, int]:
-    """Each survivor's published step, waiting until ``deadline`` for the missing ones (they are left out)."""
-    steps: dict[int, int] = {}
-    while True:
-        for rank in survivors:
-            if rank not in steps and store.check([f"{prefix}{rank}"]):
-                steps[rank] = int(store.get(f"{prefix}{rank}"))
-        if len(steps) == len(survivors) or time.monotonic() >= deadline:
-            return steps
-        time.sleep(_POLL_S)
-
-
-def _wait_for(store: Any, key: str, deadline: float) -> str:
-    while not store.check([key]):
-        if time.monotonic() >= deadline:
-            return ""
-        time.sleep(_POLL_S)
-    value = store.get(key)
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _read(store: Any, prefix: str, names: Sequence[Any], deadline: float) -> dict[Any, str]:
+    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out)."""
+    keys = {name: f"{prefix}{name}" for name in names}
+    with contextlib.suppress(RuntimeError):  # timed out
+        store.wait(list(keys.values()), timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    return {name: store.get(key).decode() for name, key in keys.items() if store.check([key])}
 
 
 def _say(message: str) -> None:

@@ -31,7 +31,14 @@ from lightning_het.reliability.verdicts import (
     exit_code_for,
     is_collective_failure,
 )
-from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, kill_children, stop_watchdog
+from lightning_het.reliability.watchdog import (
+    as_seconds,
+    check_children,
+    die_with_parent,
+    end_children,
+    kill_children,
+    stop_watchdog,
+)
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +236,7 @@ class ScriptLauncher:
     def _reap_children(self) -> None:
         """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
         wait = (as_seconds(self.strategy.process_group_timeout) or 1800.0) + REAP_GRACE_S
-        deadline = time.monotonic() + (min(wait, FAILED_REAP_GRACE_S) if self._failed else wait)
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-            time.sleep(0.1)
-        if killed := kill_children(self.children()):
+        if killed := end_children(self.children(), min(wait, FAILED_REAP_GRACE_S) if self._failed else wait):
             message = f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them."
             print(message, file=sys.stderr, flush=True)
         for proc in self.procs:

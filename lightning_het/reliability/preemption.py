@@ -23,7 +23,7 @@ from lightning_het._compat import replace_signal_connector, should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
-from lightning_het.reliability.watchdog import die_with_parent
+from lightning_het.reliability.watchdog import die_with_parent, end_children
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
@@ -133,6 +133,13 @@ class PreemptionHandler:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    def close(self) -> None:
+        """End of a run: give the signals back; if preempting, wait for the launched replicas, then kill them."""
+        self.uninstall()
+        if self.preempting:
+            at = self.deadline_at
+            end_children(self._children(), self.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._handler_saw = signum  # main thread, between bytecodes: the pipe reader does the rest
 
@@ -176,23 +183,13 @@ class PreemptionHandler:
         late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
         message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
         print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
-        self.end_launched_replicas(0.0)
+        end_children(self._children(), 0.0)
         for child in multiprocessing.active_children():  # data-loader workers ignore SIGTERM: they would linger
             with contextlib.suppress(Exception):
                 child.kill()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         self._exit(PREEMPTION_EXIT_CODE)
-
-    def end_launched_replicas(self, wait: float) -> None:
-        """Wait up to ``wait`` seconds for the replicas this process launched to exit, then kill the rest."""
-        deadline, launched = time.monotonic() + wait, [proc for _, proc in self._children()]
-        for proc in launched:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        for proc in launched:
-            with contextlib.suppress(Exception):
-                proc.kill()
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
         """Which replica received which signal (0: none), all-reduced (MAX) if ``step`` (the optimizer step just
@@ -316,10 +313,7 @@ def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoi
 def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | None = None) -> None:
     """End of a run (normal or not): give the signals back; if preempting, wait for the launched replicas."""
     if handler is not None:
-        handler.uninstall()
-        if handler.preempting:
-            at = handler.deadline_at
-            handler.end_launched_replicas(handler.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
+        handler.close()
     if trainer is not None:
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
 

@@ -41,7 +41,7 @@ from lightning_het.reliability.verdicts import (
     judge,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # without a handler configured: to stderr (logging.lastResort)
 Children = Callable[[], Sequence[tuple[int, subprocess.Popen]]]  # (global rank, process) of the launched replicas
 
 
@@ -99,6 +99,14 @@ def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]
     return [rank for rank, _ in running]
 
 
+def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float) -> list[int]:
+    """Wait up to ``wait`` seconds for the local replicas to exit, then :func:`kill_children` the rest."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
+        time.sleep(0.05)
+    return kill_children(children)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` on this node exists and is not a zombie."""
     try:
@@ -120,14 +128,6 @@ try:  # this machine's boot id (Linux): with the host name, tells whether a repl
         BOOT_ID = _fh.read().strip()
 except OSError:
     BOOT_ID = ""
-
-
-def warn(message: str, level: int = logging.WARNING) -> None:
-    """Log ``message``, or print it to stderr when no logging handler is configured."""
-    if log.hasHandlers():
-        log.log(level, message)
-    else:
-        print(message, file=sys.stderr, flush=True)
 
 
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -215,14 +215,16 @@ class HeartbeatBook:
         payload = verify(self.token, self.namespace + key, raw)
         if payload is None and not self._forged:
             self._forged = True
-            warn(f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature")
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature"
+            )
         return payload
 
     def tamper(self, key: str, what: str) -> None:
         """Note tampering with ``key`` (one warning per key)."""
         if key not in self.tampered:
             self.tampered.add(key)
-            warn(
+            log.warning(
                 f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
                 f" {what}; ignored"
             )
@@ -283,7 +285,7 @@ class HeartbeatBook:
         r = status.rank
         if r not in self._hidden:
             self._hidden.add(r)
-            warn(
+            log.warning(
                 f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {status.silent_for:.1f}"
                 f" s, but its process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under"
                 f" 'hb/{r}' is hidden by tampering, or it is frozen)"
@@ -540,7 +542,7 @@ class Watchdog:
             ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
             message = f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}"
-            warn(message, logging.ERROR)
+            log.error(message)
 
     def _acknowledge(self) -> None:
         with contextlib.suppress(Exception):
