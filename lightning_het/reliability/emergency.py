@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -16,20 +18,20 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from lightning_het._compat import default_store, replace_signal_connector
+from lightning_het._flavour import trainer_flavour
+from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
-from lightning_het.reliability.preemption import (
-    PreemptionHandler,
-    attach_preemption,
-    detach_preemption,
-    preemption_path,
-)
+from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
 from lightning_het.reliability.resume import EMERGENCY_CHECKPOINT_NAME, Candidate, auto_resume, retire_emergencies
 from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import Watchdog, attach_watchdog, start_watchdog, stop_watchdog
+from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02
+_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
 def rng_state(numpy: bool = True) -> dict[str, Any]:
@@ -227,6 +229,13 @@ def _say(message: str) -> None:
     print(f"lightning_het watchdog: {message}", file=sys.stderr, flush=True)
 
 
+def _replace_callback(trainer: Any, mixin: type, callback: Any) -> None:
+    """``trainer``'s callbacks without those of class ``mixin``, plus ``callback`` (if any)."""
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, mixin)] + (
+        [callback] if callback else []
+    )
+
+
 class Guards:
     """This replica's watchdog (setup to the end of the run), preemption handler and emergency checkpoint (per fit)."""
 
@@ -243,13 +252,29 @@ class Guards:
         return {"watchdog": None, "preemption": None, "emergency": None, "_capture": None, "_loops": None}
 
     def start(self, strategy: Any, timeout: timedelta | float | None, trainer: Any) -> None:
-        self.watchdog = start_watchdog(strategy, timeout, trainer)
+        """Start a :class:`Watchdog` (multi-replica jobs with a ``timeout``), in phase ``SETUP``."""
+        seconds, self.watchdog = as_seconds(timeout), None
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
+            return
+        token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
+        base = default_store()  # torchrun's agent store outlives rank 0
+        namespace = f"lightning_het/watchdog/{next(_generation)}/"
+        store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        peers: list[Any] = [None] * world_size
+        dist.all_gather_object(peers, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
+        children = getattr(strategy.launcher, "children", list)  # the local replicas a popen launcher started
+        hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+        self.watchdog = Watchdog(store, rank, world_size, seconds, hosts_store=hosts_store, children=children,
+                                 token=token, namespace=namespace, peers=dict(enumerate(peers)))  # fmt: skip
+        self.watchdog.start()
+        if trainer is not None:
+            _replace_callback(trainer, WatchdogCallbackMixin, trainer_flavour(trainer).WatchdogCallback(self.watchdog))
 
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
         """``resume="auto"`` (``job``: this fit's identity): load this job's checkpoint with the most progress."""
-        self.job = job
+        self.job, before = job, trainer.ckpt_path
         path = preemption_path(trainer, config.preemption_checkpoint)
-        before = trainer.ckpt_path
         self._emergencies = auto_resume(trainer, config.resume, path, job, config.global_batch_size, broadcast)
         return trainer.ckpt_path != before
 
@@ -259,17 +284,24 @@ class Guards:
         retire_emergencies(trainer, emergencies)
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
-        """The watchdog's and preemption handler's callbacks, and (``saves``) an emergency checkpoint."""
-        attach_watchdog(self.watchdog, trainer)
-        self.preemption = attach_preemption(strategy, trainer, config.preemption_grace, config.preemption_checkpoint)
+        """The watchdog's and preemption handler's callbacks and signal handling, and (``saves``) an emergency
+        checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
+        watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
+        _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
+        children = getattr(strategy.launcher, "children", list)
+        self.preemption = handler = PreemptionHandler(config.preemption_grace, checkpoint is not False and path,
+                                                      children=children)  # fmt: skip
+        handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
+        handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
+        requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
+        handler.extra_signals = () if requeue is None else (int(requeue),)
+        _replace_callback(trainer, PreemptionCallbackMixin, handler.fitting and flavour.PreemptionCallback(handler))
+        replace_signal_connector(trainer, handler)
         self.emergency = None
-        if self.watchdog is None:
-            return
-        self.watchdog.emergency = None
-        if saves:
-            folder = os.path.dirname(preemption_path(trainer, config.preemption_checkpoint))
-            path = os.path.join(folder, EMERGENCY_CHECKPOINT_NAME)
-
+        if watchdog is not None:
+            watchdog.emergency = None
+        if watchdog is not None and saves:
             self._loops = loops = LoopRecord(trainer.fit_loop)
 
             def observe() -> StepState:
@@ -277,8 +309,9 @@ class Guards:
                 return StepState(trainer.global_step, trainer.current_epoch, state, record(), rng_state(numpy=False))
 
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
-            self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: path)
-            self.watchdog.emergency = self.emergency
+            emergency = os.path.join(os.path.dirname(path), EMERGENCY_CHECKPOINT_NAME)
+            self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: emergency)
+            watchdog.emergency = self.emergency
 
     def _dump(self, trainer: Any, state: StepState) -> dict[str, Any]:
         """The checkpoint of ``state``: what ``trainer.save_checkpoint`` builds now (kept by :meth:`captured`)."""
@@ -299,10 +332,9 @@ class Guards:
         """The strategy's ``save_checkpoint``: keep ``checkpoint`` with the step's state if :meth:`capturing`."""
         if not self.capturing():
             return False
-        assert self._capture is not None
-        _, state, kept = self._capture
+        _, state, kept = self._capture  # type: ignore[misc]
         checkpoint.update(epoch=state.epoch, global_step=state.step)  # the tensors: unchanged since the step
-        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)
+        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)  # type: ignore[union-attr]
         checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
         kept.append(checkpoint)
         return True
@@ -318,11 +350,22 @@ class Guards:
         watchdog, self.watchdog = self.watchdog, None
         return watchdog
 
+    def stop_watchdog(self, trainer: Any, *, finished: bool) -> None:
+        """Stop the watchdog and remove its callback; ``finished``: first wait until every replica finished."""
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.finish() if finished else watchdog.stop()
+            if trainer is not None:
+                _replace_callback(trainer, WatchdogCallbackMixin, None)
+
     def end(self, trainer: Any, interrupted: bool, launcher_finishes: bool) -> None:
         """Teardown: give the signals back; stop the watchdog unless the launcher waits for every replica's end."""
         if interrupted or not launcher_finishes:
-            stop_watchdog(self.release_watchdog(), trainer, finished=not interrupted)
+            self.stop_watchdog(trainer, finished=not interrupted)
         elif self.watchdog is not None:
             self.watchdog.mark(Phase.TEARDOWN)
-        detach_preemption(self.preemption, trainer)
+        if self.preemption is not None:
+            self.preemption.close()
+        if trainer is not None:
+            _replace_callback(trainer, PreemptionCallbackMixin, None)
         self.preemption = None

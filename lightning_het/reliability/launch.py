@@ -37,7 +37,6 @@ from lightning_het.reliability.watchdog import (
     die_with_parent,
     end_children,
     kill_children,
-    stop_watchdog,
 )
 
 log = logging.getLogger(__name__)
@@ -152,7 +151,7 @@ class ScriptLauncher:
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
-        fabric = trainer is None and not hasattr(self.strategy, "release_watchdog")
+        fabric = trainer is None and not hasattr(self.strategy, "guards")
         environment = None if fabric else save_job_environment()  # put back when this Trainer call ends
         try:
             return self._launch(function, args, kwargs, trainer, fabric)
@@ -186,7 +185,7 @@ class ScriptLauncher:
             raise
         if not fabric:
             self._in_run = False
-            stop_watchdog(self.strategy.release_watchdog(), trainer, finished=True)  # wait for every replica
+            self.strategy.guards.stop_watchdog(trainer, finished=True)  # wait for every replica
         return result
 
     def _start_children(self) -> None:

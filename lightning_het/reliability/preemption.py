@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import replace_signal_connector, should_accumulate
+from lightning_het._compat import should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
@@ -61,15 +61,14 @@ class PreemptionHandler:
     def __init__(
         self,
         grace: float = DEFAULT_GRACE,
-        checkpoint: str | os.PathLike | bool | None = None,
+        checkpoint: str | None = None,
         *,
         children: Callable[[], Sequence[Any]] = list,
         exit: Callable[[int], None] = os._exit,
         fast_exit: bool = True,
     ) -> None:
         self.grace, self._fast_exit, self._children, self._exit = float(grace), fast_exit, children, exit
-        self.saves = checkpoint is not False  # ``preemption_checkpoint=False``: stop without saving
-        self.checkpoint = None if checkpoint is None or isinstance(checkpoint, bool) else os.fspath(checkpoint)
+        self.checkpoint = checkpoint or None  # where to save (``None``: stop without saving)
         self.rank, self.world_size, self.fitting, self.extra_signals = 0, 1, True, ()
         self.received = 0  # the signal this replica received (0: none); set by the pipe reader
         self._handler_saw = 0  # set by the Python-level handler only (no lock: it may interrupt a holder)
@@ -217,16 +216,11 @@ class PreemptionHandler:
         self.arm_deadline(self.grace, "was preempted")
         if self._fast_exit:  # once the exit handlers ran: no interpreter finalisation
             ExitCleanup.exit_code = PREEMPTION_EXIT_CODE
-        started = time.monotonic()
-        path = (self.checkpoint or default_checkpoint_path(trainer)) if self.saves else None
-        saved: str | None = None
+        started, path, saved = time.monotonic(), self.checkpoint, None
         try:
-            if path is not None and "://" in path:
-                trainer.save_checkpoint(path)
-                saved = path
-            elif path is not None:  # into ``path + ".tmp"`` (all ranks), then rank 0 renames it
-                trainer.save_checkpoint(f"{path}.tmp")
-                if trainer.is_global_zero:
+            if path is not None:  # a local file: into ``path + ".tmp"`` (all ranks), then rank 0 renames it
+                trainer.save_checkpoint(path if "://" in path else f"{path}.tmp")
+                if trainer.is_global_zero and "://" not in path:
                     os.replace(f"{path}.tmp", path)
                 saved = path
         finally:
@@ -256,17 +250,12 @@ def default_checkpoint_path(trainer: pl.Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
 
 
-def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | None:
-    if path is None or path is False:  # the default location / no checkpoint on preemption
-        return path
-    path = os.fspath(path)
-    return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
-
-
 def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
     """Where the preemption checkpoint goes for the strategy's ``preemption_checkpoint`` (``False``: where it would)."""
-    resolved = _resolve_checkpoint(checkpoint)
-    return resolved if isinstance(resolved, str) else default_checkpoint_path(trainer)
+    if checkpoint is None or checkpoint is False:
+        return default_checkpoint_path(trainer)
+    path = os.fspath(checkpoint)
+    return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
 
 class PreemptionCallbackMixin:
@@ -292,30 +281,6 @@ class PreemptionCallbackMixin:
 
 class PreemptionCallback(PreemptionCallbackMixin, Callback):
     """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
-
-
-def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoint: Any) -> PreemptionHandler:
-    """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``)."""
-    flavour = trainer_flavour(trainer)  # the trainer's package's enums and Callback
-    children = getattr(strategy.launcher, "children", list)  # the replicas a popen launcher started here
-    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
-    handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
-    handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
-    requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
-    handler.extra_signals = () if requeue is None else (int(requeue),)
-    detach_preemption(None, trainer)
-    if handler.fitting:
-        trainer.callbacks.append(flavour.PreemptionCallback(handler))
-    replace_signal_connector(trainer, handler)
-    return handler
-
-
-def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | None = None) -> None:
-    """End of a run (normal or not): give the signals back; if preempting, wait for the launched replicas."""
-    if handler is not None:
-        handler.close()
-    if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
 
 
 class _ShieldedWorkerInit:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -21,12 +20,10 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_het._compat import default_store, should_accumulate
-from lightning_het._flavour import trainer_flavour
-from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token, sign, verify
+from lightning_het._compat import should_accumulate
+from lightning_het.cluster.rendezvous import sign, verify
 from lightning_het.reliability.verdicts import (
     HINTS,
     INTERRUPTED_EXIT_CODE,
@@ -585,9 +582,6 @@ class Watchdog:
         self._exit(exit_code_for(verdict))
 
 
-_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
-
-
 def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:
     def hook(self: WatchdogCallbackMixin, *args: Any, **kwargs: Any) -> None:
         self.watchdog.mark(phase, new_batch=new_batch)
@@ -649,40 +643,3 @@ class WatchdogCallback(WatchdogCallbackMixin, Callback):
 def _stage(trainer: pl.Trainer) -> str:
     stage = trainer.state.stage
     return str(stage.value) if stage is not None else ""
-
-
-def start_watchdog(strategy: Any, timeout: timedelta | float | None, trainer: Any = None) -> Watchdog | None:
-    """Start a :class:`Watchdog` for this replica (multi-replica jobs with a ``timeout`` only), in phase ``SETUP``."""
-    seconds = as_seconds(timeout)
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
-        return None
-    token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
-    base = default_store()  # torchrun's agent store outlives rank 0
-    namespace = f"lightning_het/watchdog/{next(_generation)}/"
-    store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    identities: list[Any] = [None] * world_size
-    dist.all_gather_object(identities, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
-    children = getattr(strategy.launcher, "children", list)  # the local replicas this process launched (popen)
-    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
-    watchdog = Watchdog(store, rank, world_size, seconds, hosts_store=hosts_store, children=children, token=token,
-                        namespace=namespace, peers=dict(enumerate(identities)))  # fmt: skip
-    watchdog.start()
-    if trainer is not None:
-        attach_watchdog(watchdog, trainer)
-    return watchdog
-
-
-def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
-    """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallbackMixin)]
-    if watchdog is not None:  # the trainer's own package's Callback
-        trainer.callbacks.append(trainer_flavour(trainer).WatchdogCallback(watchdog))
-
-
-def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
-    """Stop ``watchdog`` and remove its callback; ``finished``: first wait until every replica finished."""
-    if watchdog is not None:
-        watchdog.finish() if finished else watchdog.stop()
-        if trainer is not None:
-            attach_watchdog(None, trainer)
