@@ -51,14 +51,13 @@ _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for 
 class ExitCleanup:
     """At exit: destroy the default process group after a clean run; end with :attr:`exit_code` if one is set."""
 
-    registered, clean = False, True
+    clean = True
     exit_code: int | None = None  # a preempted replica's 143: ends the process once the later exit handlers ran
 
     @classmethod
-    def register(cls) -> None:
-        if not cls.registered:
-            atexit.register(cls.run)
-            cls.registered = True
+    @functools.cache
+    def register(cls) -> None:  # once per process
+        atexit.register(cls.run)
 
     @classmethod
     def run(cls) -> None:
