@@ -3,29 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_het.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes, loss_scale
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, useless_replica_message
-from lightning_het.balance.memory import (
-    EmulatedMemoryCap,
-    cached_caps,
-    checked_caps,
-    lowered_caps,
-    measure_cap,
-    per_replica_batchnorm,
-    refuse_single_sample_pieces,
-    refuse_synced_norm_in_pieces,
-)
+from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
 from lightning_het.balance.profiler import (
     InLoopProfiler,
     ProfileCache,
@@ -45,13 +38,16 @@ from lightning_het.reliability.checkpointing import log_resumed_allocation, plan
 
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
 CAPS_AGREED_EVERY = 16
+#: torch's batch norm layers (they share only a private base class)
+_BATCH_NORMS = (*(getattr(nn, f"{lazy}BatchNorm{d}d") for lazy in ("", "Lazy") for d in (1, 2, 3)), nn.SyncBatchNorm)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class FitContext:
     """What allocating needs from the fit: its module and precision, step clock, device labels, trainer."""
 
-    module: Callable[[], tuple[torch.nn.Module | None, str]]
+    module: Callable[[], tuple[nn.Module | None, str]]
     clock: Callable[[], StepClock | None]
     labels: list[str]
     trainer: Any = None
@@ -65,6 +61,10 @@ def measured_speeds(batch_sizes: list[int], costs: list[AffineCost], bounds: dic
     if batch_sizes == allocate_batch_sizes(sum(batch_sizes), [1.0] * len(speeds), **bounds):
         return [sum(speeds) / len(speeds)] * len(speeds)
     return speeds
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 class BalancePolicy:
@@ -92,29 +92,57 @@ class BalancePolicy:
 
     def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """``EmulatedPlatform``'s settings, as if given as ``emulate_slowdown`` / ``emulate_memory_cap``."""
-        given = {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}
-        for name, value in given.items():
-            current = getattr(self.config, name)
+        config = self.config
+        for name, value in {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}.items():
+            current = getattr(config, name)
             if value is not None and current is not None and list(current) != list(value):
                 raise ValueError(
                     f"The strategy was given `{name}={current}` and the EmulatedPlatform callback {value}."
                     f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
                 )
-        changed = {k: v for k, v in given.items() if v is not None and getattr(self.config, k) is None}
-        if changed:
-            self.config = dataclasses.replace(self.config, **changed)
-            self.config.check_world(1, self.world_size)
+            if value is not None and current is None:
+                config = dataclasses.replace(config, **{name: value})
+        if config is not self.config:
+            config.check_world(1, self.world_size)
+            self.config = config
             self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
 
-    def check_normalisation(self, module: torch.nn.Module) -> None:
+    def check_normalisation(self, module: nn.Module) -> None:
         """Warn about per-replica batch norm (2 samples per share then), refuse it where micro-batches break it."""
-        self.batchnorm_layers = per_replica_batchnorm(module, self.world_size)
-        refuse_synced_norm_in_pieces(module, self.world_size, self.micro is not None)
-        if self.micro is not None:
-            self.micro.min_piece = 2 if self.batchnorm_layers else 1
-            refuse_single_sample_pieces(self.batchnorm_layers, self.config.max_micro_batch_sizes, self.micro.least_cap)
+        norms = [
+            (name, isinstance(m, nn.SyncBatchNorm)) for name, m in module.named_modules() if isinstance(m, _BATCH_NORMS)
+        ]
+        layers = self.batchnorm_layers = [name for name, synced in norms if not synced]
+        synced = [name for name, s in norms if s] if self.micro is not None and self.world_size > 1 else []
+        if layers and self.world_size > 1:
+            rank_zero_warn(
+                f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
+                " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
+                " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
+                " `Trainer(sync_batchnorm=True)` for global batch statistics (not with micro-batching)."
+            )
+        if synced:  # a collective in every forward: replicas running different numbers of pieces would mismatch
+            raise ValueError(
+                f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the"
+                f" model's SyncBatchNorm layer(s) ({_shown(synced)}) make every training forward a collective that all"
+                " replicas must run equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then"
+                " normalised by its own statistics), or bound the shares with `max_batch_sizes` instead."
+            )
+        if self.micro is None:
+            return
+        self.micro.min_piece = 2 if layers else 1
+        caps, least = self.config.max_micro_batch_sizes, self.micro.least_cap
+        small = [(r, c) for r, c in enumerate(caps if isinstance(caps, list) else []) if c < least]
+        if layers and small:  # a cap of 2 splits a share of 3 as [2, 1]: batch norm cannot train on 1 sample
+            rank, cap = small[0]
+            raise ValueError(
+                f"`max_micro_batch_sizes[{rank}]` is {cap}, but the model's batch norm layer(s) ({_shown(layers)}) need"
+                f" at least 2 samples per micro-batch in training, and pieces of at most {cap} samples can leave one of"
+                f" 1 (a share of 3 runs as [2, 1]). HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or"
+                " bound the share itself with `max_batch_sizes` instead."
+            )
 
-    def emulate_memory(self, module: torch.nn.Module | None) -> None:
+    def emulate_memory(self, module: nn.Module | None) -> None:
         """``emulate_memory_cap``: put the emulated cap's hooks on ``module`` (``None``: take them off)."""
         if self.memory_emulation is not None and module is not None:
             self.memory_emulation.install(module)
@@ -156,7 +184,11 @@ class BalancePolicy:
         return eval_weights(self.allocation.batch_sizes, self.config.speeds, self.world_size)
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
-        return self.allocation.step_split(sampler, step, self.rank)
+        """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""
+        sizes = list(self.allocation.batch_sizes or [])
+        if sampler is not None and step is not None and list(sampler.batch_sizes) == sizes:
+            sizes = sampler.step_batch_sizes(step)
+        return StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
 
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
         """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""
@@ -171,27 +203,23 @@ class BalancePolicy:
         """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
         self._fit, self._cache_loader = fit, dataloader
         world, bounds = self.world_size, self.bounds
-        allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
+        sizes = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # checks the bounds before profiling
         plan = plan_allocation(resume, world_size=world, given_speeds=self.config.speeds)
         self._cached_caps()
-        caps = self.allocation.micro_caps or self._given_caps()
-        self.allocation = dataclasses.replace(self.allocation, profile_seconds=0.0, profile_cached=False)
-        costs, threshold = None, DEFAULT_THRESHOLD
+        given = self.config.max_micro_batch_sizes
+        caps = self.allocation.micro_caps or (given if isinstance(given, list) else None)
         speeds = plan.speeds if plan.speeds is not None else self.config.speeds
-        if speeds is None and world > 1:
-            cached = self._cached_costs()
-            if cached is None:
-                self._start_profiler(dataloader, global_batch, fit)
-            else:
-                costs, threshold = cached
-                self.allocation = dataclasses.replace(self.allocation, profile_cached=True)
-        self.allocation = dataclasses.replace(self.allocation, cost_model=costs).with_caps(caps)
-        costs = self.allocation.cost_model
-        if costs is None:  # profiled on the first training steps (or one replica): the equal split till then
+        cached = self._cached_costs() if speeds is None and world > 1 else None
+        costs = cached[0] if cached is not None else None
+        self.allocation = Allocation(cost_model=costs, profile_cached=cached is not None).with_caps(caps)
+        if speeds is None and world > 1 and cached is None:
+            self._start_profiler(dataloader, global_batch, fit)
+        if cached is None:  # profiled on the first training steps (or one replica): the equal split till then
             speeds = list(speeds) if speeds is not None else [1.0] * world
             sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:
-            sizes = profiled_split(global_batch, costs, threshold=threshold, **bounds)
+            costs = self.allocation.cost_model
+            sizes = profiled_split(global_batch, costs, threshold=cached[1], **bounds)
             speeds = measured_speeds(sizes, costs, bounds)
             self._warn_useless(costs, sizes)
         self.adopt(sizes, speeds)
@@ -225,8 +253,8 @@ class BalancePolicy:
         if message is not None:
             rank_zero_warn(message)
 
-    def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
-        """This replica's speed cache and key in it (``(None, None)``: off, or nothing to key on yet)."""
+    def cache_entry(self, memory: bool = False) -> tuple[ProfileCache | None, str | None]:
+        """This replica's speed cache and key in it (``memory``: its cap's); ``(None, None)``: off, or no key yet."""
         setting = self.config.profile_cache
         module, precision = self._fit.module() if self._fit is not None else (None, "")
         if setting in (None, False) or module is None or self._cache_loader is None:
@@ -236,10 +264,10 @@ class BalancePolicy:
             sample = self._cache_loader.dataset[0]
         except Exception:  # a dataset we cannot peek into is simply not cached
             return cache, None
-        factors = self.config.emulate_slowdown
-        slowdown = factors[self.rank] if factors else 1.0
-        extra = {"precision": precision, "slowdown": slowdown, "replicas_on_node": self.replicas_on_node}
-        return cache, cache_key(module, self.device, sample, **extra)
+        slowdown, emulated = self.config.emulate_slowdown, self.config.emulate_memory_cap
+        extra = {"precision": precision, "slowdown": slowdown[self.rank] if slowdown else 1.0}
+        key = cache_key(module, self.device, sample, **extra, replicas_on_node=self.replicas_on_node)
+        return cache, f"{key}|emulated_memory={emulated[self.rank] if emulated else None}" if memory else key
 
     def _cached_costs(self) -> tuple[list[AffineCost], float] | None:
         """Every replica's cost and the threshold their profiling split by, when every replica has an entry."""
@@ -247,24 +275,17 @@ class BalancePolicy:
         if cache is None:
             return None
         cost = cache.get(key) if key is not None else None
-        threshold = (cache.get_threshold(key) if key is not None else None) or DEFAULT_THRESHOLD
-        rows = self.gather([1.0, cost.fixed_s, cost.per_sample_s, threshold] if cost else [0.0] * 4)
+        row = [1.0, cost.fixed_s, cost.per_sample_s, cache.get_threshold(key) or DEFAULT_THRESHOLD] if cost else [0.0]
+        rows = self.gather(row + [0.0] * (4 - len(row)))
         if not all(r[0] == 1.0 for r in rows):
             return None
         return [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
         """Plan the first training steps' profiling and hook the profiler into the fit loop."""
-        lag = loader_prefetch_depth(dataloader, fit.loop_prefetch)
-        config = self.config
-        plan = profile_plan(
-            global_batch,
-            self.world_size,
-            warmup=config.profile_warmup,
-            steps=config.profile_steps,
-            lag=lag,
-            **self.bounds,
-        )
+        config, lag = self.config, loader_prefetch_depth(dataloader, fit.loop_prefetch)
+        steps = {"warmup": config.profile_warmup, "steps": config.profile_steps, "lag": lag}
+        plan = profile_plan(global_batch, self.world_size, **steps, **self.bounds)
 
         def clock() -> tuple[int, Any] | None:
             step_clock = fit.clock()
@@ -299,42 +320,23 @@ class BalancePolicy:
         rank_zero_info(self.table())
 
     # ------------------------------------------------------------------ micro-batch caps (memory)
-    def _given_caps(self) -> list[int] | None:
-        caps = self.config.max_micro_batch_sizes
-        return list(caps) if isinstance(caps, list) else None
-
-    def _memory_key(self) -> tuple[ProfileCache | None, str | None]:
-        cache, key = self.cache_entry()
-        emulated = self.config.emulate_memory_cap
-        return cache, None if key is None else f"{key}|emulated_memory={emulated[self.rank] if emulated else None}"
-
     def _cached_caps(self) -> None:
         """``"auto"``: every replica's measured cap from the profile cache, when every replica has one."""
-        cache, key = self._memory_key()
+        cache, key = self.cache_entry(memory=True)
         if self.cap_unknown and cache is not None and self.world_size > 1:
-            caps = cached_caps(cache.get_cap(key) if key is not None else None, self.gather)
-            if caps is not None:
-                self._set_caps(caps, "from the profile cache")
+            rows = self.gather([float((cache.get_cap(key) if key is not None else None) or 0)])
+            if all(r[0] >= 1 for r in rows):
+                self._set_caps([int(r[0]) for r in rows], "from the profile cache")
 
-    def measure_caps(
-        self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any, retry: Any = None
-    ) -> None:
+    def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Any, module: nn.Module) -> None:
         """``"auto"`` on the first training step: each replica's largest micro-batch that fits, agreed by an all-gather
         and stored in the profile cache (``micro.search_s``: the slowest replica's search time)."""
-        micro = self.micro
+        micro, start = self.micro, time.perf_counter()
         assert micro is not None
-        start = time.perf_counter()
-        cap, micro.search_steps = measure_cap(
-            step,
-            batch,
-            upper=self.allocation.global_batch_size or 1,
-            no_sync=lambda: micro.earlier_piece(no_sync),
-            module=module,
-            accelerator=self.device.type == "cuda",
-            retry=retry,
-            least=micro.least_cap,
-        )
-        cache, key = self._memory_key()
+        upper, cuda = self.allocation.global_batch_size or 1, self.device.type == "cuda"
+        pieces = functools.partial(micro.earlier_piece, no_sync)
+        cap, micro.search_steps = measure_cap(step, batch, upper, pieces, module, cuda, micro.least_cap)
+        cache, key = self.cache_entry(memory=True)
         if cache is not None and key is not None and cap >= 1:
             cache.put_cap(key, cap)
         row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
@@ -343,23 +345,52 @@ class BalancePolicy:
         self._set_caps([int(r[0]) for r in rows], f"measured in {[int(r[1]) for r in rows]} trial steps")
 
     def _set_caps(self, caps: list[int], source: str) -> None:
-        if self.micro is not None:
-            self.micro.cap = checked_caps(caps, self.micro.least_cap, source)[self.rank]
+        """``caps`` measured or cached: every replica's micro-batches, or (one too small) the same error everywhere."""
+        assert self.micro is not None
+        least = self.micro.least_cap
+        small = [r for r, c in enumerate(caps) if c < least]
+        if small:
+            norm = " (the model's batch norm layers need micro-batches of 2 samples or more)" if least > 1 else ""
+            raise RuntimeError(
+                f"HeterogeneousStrategy: not even a training step of {least} sample(s){norm} fits in the memory"
+                f" of rank(s) {small} (micro-batch caps {caps}, {source}). HINT: free memory on that device,"
+                " shrink the model, or leave the device out of the job."
+            )
+        self.micro.cap = caps[self.rank]
         self.allocation = self.allocation.with_caps(caps)
         rank_zero_info(f"HeterogeneousStrategy: micro-batch caps {caps} ({source})")
 
     def agree_caps(self, batch_idx: int | None = None, batches: float | None = None) -> None:
         """While micro-batching, every :data:`CAPS_AGREED_EVERY` steps of an epoch and at its last: a cap that an
         out-of-memory error lowered becomes every replica's (one all-gather, the same step everywhere)."""
-        if self.micro is None or self.world_size == 1:
+        micro = self.micro
+        if micro is None or self.world_size == 1:
             return
         if batch_idx is not None and (batch_idx + 1) % CAPS_AGREED_EVERY and batch_idx + 1 < (batches or math.inf):
             return
-        caps = lowered_caps(self.micro, self.gather, self.allocation.global_batch_size or 1)
-        if caps is not None:
-            self.allocation = self.allocation.with_caps(caps)
-            if self._fit is not None:
-                rank_zero_info(self.table())
+        rows = self.gather([float(micro.cap or 0), float(micro.pending)])
+        if not any(r[1] for r in rows):
+            return
+        micro.pending = False
+        caps = [int(r[0]) or self.allocation.global_batch_size or 1 for r in rows]
+        rank_zero_warn(
+            f"HeterogeneousStrategy: rank(s) {[r for r, row in enumerate(rows) if row[1]]} ran out of memory;"
+            f" micro-batch caps now {caps} (the global batch and the exact gradient are unchanged). HINT: set"
+            f" `max_micro_batch_sizes={caps}` for the next run."
+        )
+        self.allocation = self.allocation.with_caps(caps)
+        if self._fit is not None:
+            rank_zero_info(self.table())
+
+
+def _read(read: Callable[[BalancePolicy], T], doc: str | None = None) -> T:
+    """A read-only attribute of the strategy: ``read(strategy.policy)`` (a list copied)."""
+
+    def get(strategy: BalanceView) -> T:
+        value = read(strategy.policy)
+        return list(value) if isinstance(value, list) else value  # type: ignore[return-value]
+
+    return property(get, doc=doc)  # type: ignore[return-value]
 
 
 class BalanceView:
@@ -369,62 +400,23 @@ class BalanceView:
     comm_algorithm: CommAlgorithm | None = None  # the comm algorithm installed for this replica's fit
     _node_ids: list[int] | None = None
 
-    @property
-    def config(self) -> HeterogeneousConfig:
-        """The validated keywords of this strategy (frozen)."""
-        return self.policy.config
-
-    @property
-    def batch_sizes(self) -> list[int] | None:
-        """Samples per step of every replica, indexed by global rank."""
-        sizes = self.policy.allocation.batch_sizes
-        return None if sizes is None else list(sizes)
-
-    @property
-    def local_batch_size(self) -> int | None:
-        sizes = self.policy.allocation.batch_sizes
-        return None if sizes is None else sizes[self.policy.rank]
-
-    @property
-    def global_batch_size(self) -> int | None:
-        return self.policy.allocation.global_batch_size
-
-    @property
-    def speeds(self) -> list[float] | None:
-        """Relative throughput (samples/s when profiled) of every replica, indexed by global rank."""
-        speeds = self.policy.allocation.speeds
-        return None if speeds is None else list(speeds)
-
-    @property
-    def speeds_given(self) -> bool:
-        return self.policy.config.speeds is not None
+    config = _read(lambda p: p.config, "The validated keywords of this strategy (frozen).")
+    batch_sizes = _read(lambda p: p.allocation.batch_sizes, "Samples per step of every replica, by global rank.")
+    local_batch_size = _read(lambda p: p.allocation.batch_sizes[p.rank] if p.allocation.batch_sizes else None)
+    global_batch_size = _read(lambda p: p.allocation.global_batch_size)
+    speeds = _read(lambda p: p.allocation.speeds, "Relative throughput (samples/s when profiled) of every replica.")
+    speeds_given = _read(lambda p: p.config.speeds is not None)
+    loss_scale = _read(lambda p: p.step_split(None, None).loss_scale, "Factor ``W * b_r / B`` of this replica's loss.")
+    cost_model = _read(
+        lambda p: p.allocation.cost_model, "Every replica's fitted cost ``t_r(b)`` (given speeds: None)."
+    )
+    micro_batcher = _read(lambda p: p.micro)
+    profile_seconds = _read(lambda p: p.allocation.profile_seconds)
+    profiling = _read(lambda p: p.profiling)
 
     @property
     def node_ids(self) -> list[int] | None:
         return None if self._node_ids is None else list(self._node_ids)
-
-    @property
-    def loss_scale(self) -> float:
-        """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
-        return self.policy.allocation.loss_scale(self.policy.rank)
-
-    @property
-    def cost_model(self) -> list[AffineCost] | None:
-        """Every replica's fitted cost ``t_r(b)`` in seconds; ``None`` when the speeds were given."""
-        costs = self.policy.allocation.cost_model
-        return None if costs is None else list(costs)
-
-    @property
-    def micro_batcher(self) -> MicroBatcher | None:
-        return self.policy.micro
-
-    @property
-    def profile_seconds(self) -> float:
-        return self.policy.allocation.profile_seconds
-
-    @property
-    def profiling(self) -> bool:
-        return self.policy.profiling
 
     @property
     def comm_mode(self) -> str | None:
