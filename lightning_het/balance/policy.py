@@ -16,17 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_het.allocation import allocate_batch_sizes, loss_scale
+from lightning_het.balance import profiler as profiling
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
-from lightning_het.balance.profiler import (
-    InLoopProfiler,
-    ProfileCache,
-    attach_profiler,
-    cache_key,
-    loader_prefetch_depth,
-    profile_plan,
-)
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.report import render_balance_table
 from lightning_het.balance.state import Allocation, StepSplit
@@ -73,7 +66,7 @@ class BalancePolicy:
     def __init__(self, config: HeterogeneousConfig) -> None:
         self.config = config
         self.allocation = Allocation()
-        self.profiler: InLoopProfiler | None = None
+        self.profiler: profiling.InLoopProfiler | None = None
         self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
         self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
         self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
@@ -198,30 +191,31 @@ class BalancePolicy:
         assert self._fit is not None
         return render_balance_table(self._fit.report())
 
-    # ------------------------------------------------------------------ allocation
     def allocate(self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None) -> None:
         """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
         self._fit, self._cache_loader = fit, dataloader
-        world, bounds = self.world_size, self.bounds
+        world, bounds, given = self.world_size, self.bounds, self.config.max_micro_batch_sizes
         sizes = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # checks the bounds before profiling
         plan = plan_allocation(resume, world_size=world, given_speeds=self.config.speeds)
-        self._cached_caps()
-        given = self.config.max_micro_batch_sizes
+        cache, key = self.cache_entry(memory=True)
+        if self.cap_unknown and cache is not None and world > 1:  # "auto": the caps every replica has cached
+            rows = self.gather([float((cache.get_cap(key) if key is not None else None) or 0)])
+            if all(r[0] >= 1 for r in rows):
+                self._set_caps([int(r[0]) for r in rows], "from the profile cache")
         caps = self.allocation.micro_caps or (given if isinstance(given, list) else None)
         speeds = plan.speeds if plan.speeds is not None else self.config.speeds
         cached = self._cached_costs() if speeds is None and world > 1 else None
-        costs = cached[0] if cached is not None else None
-        self.allocation = Allocation(cost_model=costs, profile_cached=cached is not None).with_caps(caps)
-        if speeds is None and world > 1 and cached is None:
-            self._start_profiler(dataloader, global_batch, fit)
-        if cached is None:  # profiled on the first training steps (or one replica): the equal split till then
-            speeds = list(speeds) if speeds is not None else [1.0] * world
-            sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
-        else:
+        self.allocation = Allocation(cost_model=cached and cached[0], profile_cached=bool(cached)).with_caps(caps)
+        if cached is not None:
             costs = self.allocation.cost_model
             sizes = profiled_split(global_batch, costs, threshold=cached[1], **bounds)
-            speeds = measured_speeds(sizes, costs, bounds)
-            self._warn_useless(costs, sizes)
+            speeds = self._measured(costs, sizes)
+        elif speeds is not None:
+            sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
+        else:  # the equal split, profiled on the first training steps (one replica: nothing to balance)
+            speeds = [1.0] * world
+            if world > 1:
+                self._start_profiler(dataloader, global_batch, fit)
         self.adopt(sizes, speeds)
         log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
         if self.profiler is not None:
@@ -247,26 +241,29 @@ class BalancePolicy:
             profiler=lambda: self.profiler if self.profiling else None,
         )
 
-    def _warn_useless(self, costs: list[AffineCost], sizes: list[int]) -> None:
+    def _measured(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
+        """The speeds of a profiled split, with a warning naming the replicas that only slow the step down."""
         labels = self._fit.labels if self._fit is not None else []
         message = useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds)
         if message is not None:
             rank_zero_warn(message)
+        return measured_speeds(sizes, costs, self.bounds)
 
-    def cache_entry(self, memory: bool = False) -> tuple[ProfileCache | None, str | None]:
+    def cache_entry(self, memory: bool = False) -> tuple[profiling.ProfileCache | None, str | None]:
         """This replica's speed cache and key in it (``memory``: its cap's); ``(None, None)``: off, or no key yet."""
         setting = self.config.profile_cache
         module, precision = self._fit.module() if self._fit is not None else (None, "")
         if setting in (None, False) or module is None or self._cache_loader is None:
             return None, None
-        cache = ProfileCache(ProfileCache.default_directory() if setting is True else setting)  # type: ignore[arg-type]
+        folder = profiling.ProfileCache.default_directory() if setting is True else setting
+        cache = profiling.ProfileCache(folder)  # type: ignore[arg-type]
         try:
             sample = self._cache_loader.dataset[0]
         except Exception:  # a dataset we cannot peek into is simply not cached
             return cache, None
         slowdown, emulated = self.config.emulate_slowdown, self.config.emulate_memory_cap
         extra = {"precision": precision, "slowdown": slowdown[self.rank] if slowdown else 1.0}
-        key = cache_key(module, self.device, sample, **extra, replicas_on_node=self.replicas_on_node)
+        key = profiling.cache_key(module, self.device, sample, **extra, replicas_on_node=self.replicas_on_node)
         return cache, f"{key}|emulated_memory={emulated[self.rank] if emulated else None}" if memory else key
 
     def _cached_costs(self) -> tuple[list[AffineCost], float] | None:
@@ -283,20 +280,22 @@ class BalancePolicy:
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
         """Plan the first training steps' profiling and hook the profiler into the fit loop."""
-        config, lag = self.config, loader_prefetch_depth(dataloader, fit.loop_prefetch)
+        config, lag = self.config, profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
         steps = {"warmup": config.profile_warmup, "steps": config.profile_steps, "lag": lag}
-        plan = profile_plan(global_batch, self.world_size, **steps, **self.bounds)
+        plan = profiling.profile_plan(global_batch, self.world_size, **steps, **self.bounds)
 
         def clock() -> tuple[int, Any] | None:
             step_clock = fit.clock()
             return None if step_clock is None else step_clock.open_step()
 
-        self.profiler = InLoopProfiler(plan, self.rank, self.world_size, self.device, clock, self._adopt_profiled)
+        self.profiler = profiling.InLoopProfiler(
+            plan, self.rank, self.world_size, self.device, clock, self._adopt_profiled
+        )
         micro = self.micro
         if micro is not None:
             self.profiler.micro_cap = lambda: micro.cap
         if fit.trainer is not None:
-            attach_profiler(self.profiler, fit.trainer)
+            profiling.attach_profiler(self.profiler, fit.trainer)
 
     def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
@@ -305,8 +304,7 @@ class BalancePolicy:
         if caps is not None:  # the split that knows each share's micro-batches
             costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
-        speeds = measured_speeds(batch_sizes, costs, self.bounds)
-        self._warn_useless(costs, batch_sizes)
+        speeds = self._measured(costs, batch_sizes)
         self.allocation = dataclasses.replace(
             self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
         )
@@ -318,15 +316,6 @@ class BalancePolicy:
         if cache is not None and key is not None:
             cache.put(key, costs[self.rank], self.profiler.threshold)
         rank_zero_info(self.table())
-
-    # ------------------------------------------------------------------ micro-batch caps (memory)
-    def _cached_caps(self) -> None:
-        """``"auto"``: every replica's measured cap from the profile cache, when every replica has one."""
-        cache, key = self.cache_entry(memory=True)
-        if self.cap_unknown and cache is not None and self.world_size > 1:
-            rows = self.gather([float((cache.get_cap(key) if key is not None else None) or 0)])
-            if all(r[0] >= 1 for r in rows):
-                self._set_caps([int(r[0]) for r in rows], "from the profile cache")
 
     def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Any, module: nn.Module) -> None:
         """``"auto"`` on the first training step: each replica's largest micro-batch that fits, agreed by an all-gather
@@ -383,11 +372,11 @@ class BalancePolicy:
             rank_zero_info(self.table())
 
 
-def _read(read: Callable[[BalancePolicy], T], doc: str | None = None) -> T:
-    """A read-only attribute of the strategy: ``read(strategy.policy)`` (a list copied)."""
+def _read(read: Callable[[BalanceView], T], doc: str | None = None) -> T:
+    """A read-only attribute of the strategy: ``read(strategy)`` (a list copied)."""
 
     def get(strategy: BalanceView) -> T:
-        value = read(strategy.policy)
+        value = read(strategy)
         return list(value) if isinstance(value, list) else value  # type: ignore[return-value]
 
     return property(get, doc=doc)  # type: ignore[return-value]
@@ -400,38 +389,24 @@ class BalanceView:
     comm_algorithm: CommAlgorithm | None = None  # the comm algorithm installed for this replica's fit
     _node_ids: list[int] | None = None
 
-    config = _read(lambda p: p.config, "The validated keywords of this strategy (frozen).")
-    batch_sizes = _read(lambda p: p.allocation.batch_sizes, "Samples per step of every replica, by global rank.")
-    local_batch_size = _read(lambda p: p.allocation.batch_sizes[p.rank] if p.allocation.batch_sizes else None)
-    global_batch_size = _read(lambda p: p.allocation.global_batch_size)
-    speeds = _read(lambda p: p.allocation.speeds, "Relative throughput (samples/s when profiled) of every replica.")
-    speeds_given = _read(lambda p: p.config.speeds is not None)
-    loss_scale = _read(lambda p: p.step_split(None, None).loss_scale, "Factor ``W * b_r / B`` of this replica's loss.")
-    cost_model = _read(
-        lambda p: p.allocation.cost_model, "Every replica's fitted cost ``t_r(b)`` (given speeds: None)."
-    )
-    micro_batcher = _read(lambda p: p.micro)
-    profile_seconds = _read(lambda p: p.allocation.profile_seconds)
-    profiling = _read(lambda p: p.profiling)
+    config = _read(lambda s: s.policy.config, "The validated keywords of this strategy (frozen).")
+    batch_sizes = _read(lambda s: s.policy.allocation.batch_sizes, "Samples per step of every replica, by global rank.")
+    local_batch_size = _read(lambda s: s.batch_sizes[s.policy.rank] if s.batch_sizes else None)
+    global_batch_size = _read(lambda s: s.policy.allocation.global_batch_size)
+    speeds = _read(lambda s: s.policy.allocation.speeds, "Relative throughput (samples/s when profiled) by rank.")
+    speeds_given = _read(lambda s: s.policy.config.speeds is not None)
+    loss_scale = _read(lambda s: s.policy.step_split(None, None).loss_scale, "Factor ``W * b_r / B`` of this loss.")
+    cost_model = _read(lambda s: s.policy.allocation.cost_model, "Every replica's fitted cost ``t_r(b)`` in seconds.")
+    micro_batcher = _read(lambda s: s.policy.micro)
+    profile_seconds = _read(lambda s: s.policy.allocation.profile_seconds)
+    profiling = _read(lambda s: s.policy.profiling, "Whether the first training steps are still profiling.")
+    comm_mode = _read(lambda s: None if s.comm_algorithm is None else s.comm_algorithm.mode, "``comm`` resolved.")
+    comm_reduction = _read(lambda s: None if s.comm_algorithm is None else s.comm_algorithm.reduction)
+    comm_stats = _read(lambda s: {} if s.comm_algorithm is None else s.comm_algorithm.stats, "Bytes sent, by kind.")
 
     @property
     def node_ids(self) -> list[int] | None:
         return None if self._node_ids is None else list(self._node_ids)
-
-    @property
-    def comm_mode(self) -> str | None:
-        """The communication mode running (``comm`` after ``"auto"`` and fallbacks are resolved)."""
-        return None if self.comm_algorithm is None else self.comm_algorithm.mode
-
-    @property
-    def comm_reduction(self) -> str | None:
-        """``comm="hierarchical"``: ``"hierarchical"`` or ``"flat"`` after the measured choice; else ``None``."""
-        return None if self.comm_algorithm is None else self.comm_algorithm.reduction
-
-    @property
-    def comm_stats(self) -> dict[str, float]:
-        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step."""
-        return {} if self.comm_algorithm is None else self.comm_algorithm.stats
 
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None
