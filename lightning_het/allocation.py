@@ -10,8 +10,7 @@ from lightning_het.arguments import finite_positive_list, int_list, positive_int
 
 def positive_finite(name: str, values: Sequence[float], world: int | None = None) -> list[float]:
     """``values`` as a non-empty list of positive finite floats (``world`` of them when given), else ``ValueError``."""
-    out = finite_positive_list(name, [] if values is None else values)
-    assert out is not None
+    out = finite_positive_list(name, [] if values is None else values) or []  # (an empty list raised)
     if world is not None and len(out) != world:
         raise ValueError(f"Expected argument `{name}` to hold one entry per replica ({world}), but got {len(out)}.")
     return out
@@ -95,6 +94,5 @@ def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
 
 
 def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
-    """Factor ``W * b_r / B`` for replica ``rank``'s mean loss: DDP's *mean* all-reduce then yields the global-batch
-    gradient."""
+    """``W * b_r / B``: replica ``rank``'s loss factor for which DDP's mean gives the global-batch gradient."""
     return len(batch_sizes) * batch_sizes[rank] / sum(batch_sizes)

@@ -22,16 +22,17 @@ SAFETY_MARGIN = 0.1
 
 
 class EmulatedMemoryCap:
-    """Emulation (``emulate_memory_cap``): a training forward of more than ``cap`` samples raises
-    ``torch.OutOfMemoryError`` from inside the model, as a full device would."""
+    """Emulation (``emulate_memory_cap``): a training forward over ``cap`` samples raises ``torch.OutOfMemoryError``."""
 
     def __init__(self, rank: int, cap: int) -> None:
         self.rank, self.cap = rank, cap
         self._handles: list[RemovableHandle] = []
 
-    def install(self, module: torch.nn.Module) -> None:
-        """Check every training forward of ``module`` and of its direct submodules (once installed, on one module)."""
+    def install(self, module: torch.nn.Module | None) -> None:
+        """Check every training forward of ``module`` and of its direct submodules (``None``: none any more)."""
         self.remove()
+        if module is None:
+            return
         self._handles = [
             m.register_forward_pre_hook(self._check, with_kwargs=True) for m in (module, *module.children())
         ]
@@ -42,8 +43,7 @@ class EmulatedMemoryCap:
         self._handles = []
 
     def _check(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        samples = batch_length(args)
-        samples = batch_length(kwargs) if samples is None else samples
+        samples = batch_length((args, kwargs))
         if torch.is_grad_enabled() and samples is not None and samples > self.cap:
             raise torch.OutOfMemoryError(
                 f"emulated: rank {self.rank} cannot hold {samples} samples (emulate_memory_cap {self.cap})"
@@ -51,9 +51,8 @@ class EmulatedMemoryCap:
 
 
 def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int = 1) -> tuple[int, int]:
-    """The largest size in ``[lowest, upper]`` for which ``fits`` (non-increasing in the size) holds, to within one
-    search step below, and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is
-    tried)."""
+    """The largest size in ``[lowest, upper]`` where ``fits`` (non-increasing) holds, to within one search step below,
+    and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried)."""
     tried: list[int] = []
 
     def trial(n: int) -> bool:

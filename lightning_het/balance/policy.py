@@ -7,7 +7,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,7 @@ _BATCH_NORMS = (*(getattr(nn, f"{lazy}BatchNorm{d}d") for lazy in ("", "Lazy") f
 T = TypeVar("T")
 
 
-@dataclasses.dataclass
-class FitContext:
+class FitContext(NamedTuple):
     """What allocating needs from the fit: its module and precision, step clock, device labels, trainer."""
 
     module: Callable[[], tuple[nn.Module | None, str]]
@@ -46,14 +45,6 @@ class FitContext:
     trainer: Any = None
     loop_prefetch: int = 1
     report: Callable[[], dict[str, Any]] = dict  # the balance report, for the table logged on a new allocation
-
-
-def measured_speeds(batch_sizes: list[int], costs: list[AffineCost], bounds: dict[str, Any]) -> list[float]:
-    """Samples/s of every replica at ``batch_sizes``; the equal split gets one speed, the mean (pinned, it recurs)."""
-    speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
-    if batch_sizes == allocate_batch_sizes(sum(batch_sizes), [1.0] * len(speeds), **bounds):
-        return [sum(speeds) / len(speeds)] * len(speeds)
-    return speeds
 
 
 def _shown(names: list[str]) -> str:
@@ -85,28 +76,25 @@ class BalancePolicy:
 
     def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """``EmulatedPlatform``'s settings, as if given as ``emulate_slowdown`` / ``emulate_memory_cap``."""
-        config = self.config
-        for name, value in {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}.items():
-            current = getattr(config, name)
-            if value is not None and current is not None and list(current) != list(value):
+        given = {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}
+        given = {name: value for name, value in given.items() if value is not None}
+        for name, value in given.items():
+            current = getattr(self.config, name)
+            if current is not None and list(current) != list(value):
                 raise ValueError(
                     f"The strategy was given `{name}={current}` and the EmulatedPlatform callback {value}."
                     f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
                 )
-            if value is not None and current is None:
-                config = dataclasses.replace(config, **{name: value})
-        if config is not self.config:
-            config.check_world(1, self.world_size)
-            self.config = config
+        if given:  # before the fit's setup: the replica is placed again with them
+            self.config = dataclasses.replace(self.config, **given)
+            self.config.check_world(1, self.world_size)
             self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
 
     def check_normalisation(self, module: nn.Module) -> None:
         """Warn about per-replica batch norm (2 samples per share then), refuse it where micro-batches break it."""
-        norms = [
-            (name, isinstance(m, nn.SyncBatchNorm)) for name, m in module.named_modules() if isinstance(m, _BATCH_NORMS)
-        ]
-        layers = self.batchnorm_layers = [name for name, synced in norms if not synced]
-        synced = [name for name, s in norms if s] if self.micro is not None and self.world_size > 1 else []
+        norms = {n: isinstance(m, nn.SyncBatchNorm) for n, m in module.named_modules() if isinstance(m, _BATCH_NORMS)}
+        layers = self.batchnorm_layers = [name for name, synced in norms.items() if not synced]
+        synced = [name for name, s in norms.items() if s] if self.micro is not None and self.world_size > 1 else []
         if layers and self.world_size > 1:
             rank_zero_warn(
                 f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
@@ -137,10 +125,8 @@ class BalancePolicy:
 
     def emulate_memory(self, module: nn.Module | None) -> None:
         """``emulate_memory_cap``: put the emulated cap's hooks on ``module`` (``None``: take them off)."""
-        if self.memory_emulation is not None and module is not None:
+        if self.memory_emulation is not None:
             self.memory_emulation.install(module)
-        elif self.memory_emulation is not None:
-            self.memory_emulation.remove()
 
     def reset(self) -> None:
         """A new fit derives a new allocation (measured caps are kept)."""
@@ -209,7 +195,7 @@ class BalancePolicy:
         if cached is not None:
             costs = self.allocation.cost_model
             sizes = profiled_split(global_batch, costs, threshold=cached[1], **bounds)
-            speeds = self._measured(costs, sizes)
+            speeds = self.measured_speeds(costs, sizes)
         elif speeds is not None:
             sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:  # the equal split, profiled on the first training steps (one replica: nothing to balance)
@@ -218,13 +204,7 @@ class BalancePolicy:
                 self._start_profiler(dataloader, global_batch, fit)
         self.adopt(sizes, speeds)
         log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
-        if self.profiler is not None:
-            rank_zero_info(
-                f"HeterogeneousStrategy: profiling on the first {self.profiler.plan.gather_step + 1} training steps"
-                f" (the equal, then the rough split); the fitted split applies from step"
-                f" {self.profiler.plan.switch_step}"
-            )
-        elif world > 1:  # one replica: nothing is balanced, nothing to show
+        if self.profiler is None and world > 1:  # one replica: nothing is balanced, nothing to show
             rank_zero_info(self.table())
 
     def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
@@ -241,13 +221,17 @@ class BalancePolicy:
             profiler=lambda: self.profiler if self.profiling else None,
         )
 
-    def _measured(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
-        """The speeds of a profiled split, with a warning naming the replicas that only slow the step down."""
-        labels = self._fit.labels if self._fit is not None else []
-        message = useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds)
+    def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
+        """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
+        pinned), with a warning naming the replicas that only slow the step down."""
+        message = useless_replica_message(
+            sum(sizes), costs, sizes, self._fit.labels if self._fit else [], **self.bounds
+        )
         if message is not None:
             rank_zero_warn(message)
-        return measured_speeds(sizes, costs, self.bounds)
+        speeds = [b / max(c(b), 1e-12) for b, c in zip(sizes, costs)]
+        equal = sizes == allocate_batch_sizes(sum(sizes), [1.0] * len(sizes), **self.bounds)
+        return [sum(speeds) / len(speeds)] * len(speeds) if equal else speeds
 
     def cache_entry(self, memory: bool = False) -> tuple[profiling.ProfileCache | None, str | None]:
         """This replica's speed cache and key in it (``memory``: its cap's); ``(None, None)``: off, or no key yet."""
@@ -274,9 +258,8 @@ class BalancePolicy:
         cost = cache.get(key) if key is not None else None
         row = [1.0, cost.fixed_s, cost.per_sample_s, cache.get_threshold(key) or DEFAULT_THRESHOLD] if cost else [0.0]
         rows = self.gather(row + [0.0] * (4 - len(row)))
-        if not all(r[0] == 1.0 for r in rows):
-            return None
-        return [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
+        everyone = all(r[0] == 1.0 for r in rows)
+        return ([AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)) if everyone else None
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
         """Plan the first training steps' profiling and hook the profiler into the fit loop."""
@@ -288,23 +271,23 @@ class BalancePolicy:
             step_clock = fit.clock()
             return None if step_clock is None else step_clock.open_step()
 
-        self.profiler = profiling.InLoopProfiler(
-            plan, self.rank, self.world_size, self.device, clock, self._adopt_profiled
-        )
-        micro = self.micro
-        if micro is not None:
-            self.profiler.micro_cap = lambda: micro.cap
+        self.profiler = profiling.InLoopProfiler(plan, self.rank, self.world_size, self.device, clock, self._profiled)
+        self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
         if fit.trainer is not None:
             profiling.attach_profiler(self.profiler, fit.trainer)
+        rank_zero_info(
+            f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps (the equal, then the"
+            f" rough split); the fitted split applies from step {plan.switch_step}"
+        )
 
-    def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
+    def _profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
         assert self.profiler is not None
         caps = self.allocation.micro_caps
         if caps is not None:  # the split that knows each share's micro-batches
             costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
-        speeds = self._measured(costs, batch_sizes)
+        speeds = self.measured_speeds(costs, batch_sizes)
         self.allocation = dataclasses.replace(
             self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
         )
@@ -352,10 +335,9 @@ class BalancePolicy:
     def agree_caps(self, batch_idx: int | None = None, batches: float | None = None) -> None:
         """While micro-batching, every :data:`CAPS_AGREED_EVERY` steps of an epoch and at its last: a cap that an
         out-of-memory error lowered becomes every replica's (one all-gather, the same step everywhere)."""
-        micro = self.micro
-        if micro is None or self.world_size == 1:
-            return
-        if batch_idx is not None and (batch_idx + 1) % CAPS_AGREED_EVERY and batch_idx + 1 < (batches or math.inf):
+        micro, step = self.micro, None if batch_idx is None else batch_idx + 1
+        between = step is not None and step % CAPS_AGREED_EVERY and step < (batches or math.inf)
+        if micro is None or self.world_size == 1 or between:
             return
         rows = self.gather([float(micro.cap or 0), float(micro.pending)])
         if not any(r[1] for r in rows):
