@@ -31,11 +31,8 @@ class EmulatedMemoryCap:
     def install(self, module: torch.nn.Module | None) -> None:
         """Check every training forward of ``module`` and of its direct submodules (``None``: none any more)."""
         self.remove()
-        if module is None:
-            return
-        self._handles = [
-            m.register_forward_pre_hook(self._check, with_kwargs=True) for m in (module, *module.children())
-        ]
+        targets = () if module is None else (module, *module.children())
+        self._handles = [m.register_forward_pre_hook(self._check, with_kwargs=True) for m in targets]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -104,8 +101,7 @@ def measure_cap(
         except torch.OutOfMemoryError:
             return False
         finally:
-            for p in params:
-                p.grad = None
+            take_grads(params)  # the trial's gradients dropped
             if accelerator:
                 torch.cuda.empty_cache()
         return True

@@ -114,6 +114,9 @@ def test_emulated_cap_raises_inside_the_forward_of_training_only() -> None:
     emulation.cap = 4
     emulation.remove()
     module.training_step((torch.randn(5, 3),))
+    emulation.install(module)
+    emulation.install(None)  # what the strategy's teardown does: the hooks are gone
+    module.training_step((torch.randn(5, 3),))
 
 
 def test_measure_cap_never_tries_fewer_samples_than_batch_norm_needs() -> None:
