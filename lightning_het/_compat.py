@@ -38,7 +38,6 @@ def default_store() -> object:
     return _get_default_store()
 
 
-# ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
 def _private_attribute(owner: Any, name: str) -> Any:
     try:
         return getattr(owner, name)
@@ -111,7 +110,6 @@ def record_loader_arguments(trainer: Any) -> None:
     connector._prepare_dataloader = prepare_recording
 
 
-# ------------------------------------------------------ private attributes of torch, the stdlib and Lightning helpers
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass has finished (from inside a backward hook)."""
     from torch.autograd import Variable

@@ -122,7 +122,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         self._optimizer_steps = 0  # drives the node_local schedule
         self._steps = LoopSteps()  # the step being trained; its clock while your first steps profile
 
-    # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
         ExitCleanup.register()  # runs after the launcher's own exit handlers
@@ -141,7 +140,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
     def _setup_distributed(self) -> None:
         self._start_process_group(super()._setup_distributed, self._set_world_ranks)
 
-    # ------------------------------------------------------------------ model and optimizer
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DDP and install the ``comm`` algorithm on it (a collective: every rank)."""
@@ -190,8 +188,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         return output
 
     def synchronize(self) -> bool:
-        """``comm="node_local"``: average the replicas' parameters now unless they agree (a collective); whether it
-        ran."""
+        """``comm="node_local"``: average the replicas' parameters unless they agree (a collective); whether it ran."""
         return self.comm_algorithm is not None and self.comm_algorithm.sync()
 
     @override
@@ -199,7 +196,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         """As :meth:`lightning_het.HeterogeneousStrategy.all_gather`: uneven per-sample shares concatenated."""
         return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
-    # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         sampler = getattr(dataloader, "sampler", None)
@@ -211,8 +207,22 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
                 " replica reads it as in plain DDP. HINT: use a map-style Dataset for speed-proportional batches."
             )
             return dataloader
-        if isinstance(sampler, ProportionalDistributedSampler):
-            return self._adopt_sampler(dataloader, sampler)
+        if isinstance(sampler, ProportionalDistributedSampler):  # the user's own split: the allocation
+            sizes, allocated = list(sampler.batch_sizes), self.policy.allocation.batch_sizes
+            if allocated is not None and sizes != allocated:
+                raise ValueError(
+                    f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy"
+                    f" allocated {allocated}. HINT: build it from `strategy.batch_sizes`."
+                )
+            if sampler.tail_batch_sizes is not None:
+                raise ValueError(
+                    f"The DataLoader's ProportionalDistributedSampler trains the tail as a last, smaller global batch"
+                    f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your"
+                    " loop. HINT: build it with `drop_last=True`."
+                )
+            self.adopt_allocation(sizes, self.config.speeds or [float(b) for b in sizes])
+            self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
+            return dataloader
         if type(sampler) is not DistributedSampler and not isinstance(sampler, self.sampler_wrapper):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         if self._steps_per_epoch is not None:
@@ -228,23 +238,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
     def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
         """For evaluation loaders: every sample on one replica, shares following the allocation."""
         return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
-
-    def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
-        sizes, allocated = list(sampler.batch_sizes), self.policy.allocation.batch_sizes
-        if allocated is not None and sizes != allocated:
-            raise ValueError(
-                f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
-                f" {allocated}. HINT: build it from `strategy.batch_sizes`."
-            )
-        if sampler.tail_batch_sizes is not None:
-            raise ValueError(
-                f"The DataLoader's ProportionalDistributedSampler trains the tail as a last, smaller global batch"
-                f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
-                " HINT: build it with `drop_last=True`."
-            )
-        self.adopt_allocation(sizes, self.config.speeds or [float(b) for b in sizes])
-        self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
-        return dataloader
 
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
         """Allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler."""
@@ -275,16 +268,13 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
             order_sampler=order.sampler,
         )
         self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
-        profiler = self.policy.profiler
-        if profiler is None:
-            return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
-        profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
-        self._watch_steps()
-        return rebuild_loader(
-            dataloader, sampler, sizes[self.global_rank], batch_sampler=ProportionalBatchSampler(sampler)
-        )
+        profiler, batches = self.policy.profiler, None
+        if profiler is not None:  # trial splits on the first steps, each batch cut when the loop fetches it
+            profiler.bind(sampler)
+            self._watch_steps()
+            batches = ProportionalBatchSampler(sampler)
+        return rebuild_loader(dataloader, sampler, sizes[self.global_rank], batch_sampler=batches)
 
-    # ------------------------------------------------------------------ profiling on your first steps
     def _profiled_module(self) -> tuple[Module | None, str]:
         return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
 
@@ -298,7 +288,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         if self.profiling and self._ddp_model is not None:
             self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split().sizes[self.global_rank])
 
-    # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         comm = self.comm_algorithm

@@ -111,7 +111,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
         self.policy.emulate(slowdown, memory_cap)
 
-    # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
         ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
@@ -140,7 +139,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def _register_ddp_hooks(self) -> None:
         """Nothing: Lightning's registers only on CUDA; :meth:`setup` installs the comm algorithm on any device."""
 
-    # ------------------------------------------------------------------ setup, teardown
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         fitting, config = trainer.state.fn == trainer_flavour(trainer).TrainerFn.FITTING, self.config
@@ -191,7 +189,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def _trainer(self) -> pl.Trainer | None:
         return attached_trainer(getattr(self, "_lightning_module", None))
 
-    # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
@@ -209,7 +206,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         """The module whose steps are profiled and the precision's name (what the speed cache keys on)."""
         return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
 
-    # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         policy, micro, module = self.policy, self.policy.micro, self.lightning_module
@@ -315,7 +311,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
             self.comm_algorithm.hide_consensus()  # each replica's own model again
         super().on_validation_end()
 
-    # ------------------------------------------------------------------ collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """All-reduce (an integer mean exactly, in ``float64``); local in an earlier micro-batch's logging."""
@@ -329,7 +324,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
         return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
-    # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
@@ -376,7 +370,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         restore_rng((self._loaders.resume_record or {}).get("rng"))  # an emergency checkpoint's RNG states
         return checkpoint
 
-    # ------------------------------------------------------------------ reports
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
         """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
         telemetry = self._telemetry(include_series)
