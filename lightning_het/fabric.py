@@ -33,6 +33,7 @@ from lightning_het.cluster.startup import (
 from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
+from lightning_het.data.microbatch import piece_collective
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
@@ -89,6 +90,11 @@ class HeterogeneousParts(BalanceView):
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
         return render_balance_table(self.balance_report())
+
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """As DDP's, with per-sample tensors of uneven shares concatenated to ``[sum of n_r, *rest]``."""
+        piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
+        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
 
 class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
@@ -190,11 +196,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
     def synchronize(self) -> bool:
         """``comm="node_local"``: average the replicas' parameters unless they agree (a collective); whether it ran."""
         return self.comm_algorithm is not None and self.comm_algorithm.sync()
-
-    @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """As :meth:`lightning_het.HeterogeneousStrategy.all_gather`: uneven per-sample shares concatenated."""
-        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:

@@ -36,7 +36,7 @@ from lightning_het.cluster.accelerators import (
 )
 from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.allreduce import register_user_hook
-from lightning_het.comm.gather import all_gather_collection, reduce_counts
+from lightning_het.comm.gather import reduce_counts
 from lightning_het.config import Profiling, Reliability
 from lightning_het.data.microbatch import piece_collective
 from lightning_het.data.sampler import training_sampler
@@ -284,7 +284,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         return self._monitor.clock if self._monitor is not None else None
 
     def _batch_idx(self) -> int | None:
-        trainer = attached_trainer(self._lightning_module)
+        trainer = self._trainer()
         return None if trainer is None else trainer.fit_loop.epoch_loop.batch_idx
 
     @override
@@ -317,12 +317,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         if piece_collective(self.policy.micro, "reduce"):
             return tensor
         return reduce_counts(super().reduce, tensor, group, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """As DDP's, with per-sample tensors of uneven shares concatenated to ``[sum of n_r, *rest]``."""
-        piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
-        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
