@@ -206,13 +206,8 @@ _GROUPS: dict[str, type] = {"profiling": Profiling, "reliability": Reliability}
 
 #: settings a Fabric loop cannot run (they need the Trainer's loop)
 TRAINER_ONLY = ("max_micro_batch_sizes", "device_map", "cpu_threads", "emulate_slowdown", "emulate_memory_cap")
-TRAINER_ONLY += (
-    "rebalance_every_n_epochs",
-    "rebalance_threshold",
-    "preemption_checkpoint",
-    "preemption_grace",
-    "resume",
-)
+TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_checkpoint", "preemption_grace")
+TRAINER_ONLY += ("resume",)
 
 
 def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

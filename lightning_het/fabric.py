@@ -87,6 +87,12 @@ class HeterogeneousParts(BalanceView):
             self.comm_algorithm.set_batch_sizes(sizes)
             self._comm_sizes = sizes
 
+    def _fit_context(self, **fit: Any) -> FitContext:
+        """What allocating needs from this fit (the module, the clock, the device labels, the report)."""
+        return FitContext(
+            self._profiled_module, self._step_clock, device_labels(self), report=self.balance_report, **fit
+        )
+
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
         return render_balance_table(self.balance_report())
@@ -253,9 +259,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
             global_batch = dataloader.batch_size * self.world_size
         allocated = self.policy.allocation.batch_sizes
         if allocated is None or sum(allocated) != global_batch:
-            labels, report = device_labels(self), self.balance_report
-            fit = FitContext(self._profiled_module, self._step_clock, labels, loop_prefetch=0, report=report)
-            self.policy.allocate(dataloader, global_batch, fit)
+            self.policy.allocate(dataloader, global_batch, self._fit_context(loop_prefetch=0))
         sizes = self.policy.allocation.batch_sizes
         assert sizes is not None
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is

@@ -21,7 +21,6 @@ from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
-from lightning_het.balance.policy import FitContext
 from lightning_het.balance.profiler import attach_profiler
 from lightning_het.balance.report import balance_report, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
@@ -193,14 +192,12 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split = self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
+            split = self.policy.training_split(
+                lambda: (self._fit_context(trainer=self._trainer()), self._loaders.resume_record)
+            )
             weights = self.policy.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
-
-    def _fit_context(self) -> FitContext:
-        labels = device_labels(self)
-        return FitContext(self._profiled_module, self._step_clock, labels, self._trainer(), report=self.balance_report)
 
     def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
         """The module whose steps are profiled and the precision's name (what the speed cache keys on)."""
