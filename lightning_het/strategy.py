@@ -229,12 +229,9 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         # micro-batches: the strategy broadcasts the buffers itself (``_broadcast_buffers``), not every DDP forward
-        saved = self._ddp_kwargs
-        self._own_buffer_sync = self._buffers_stale = self.policy.micro is not None and saved.get(
-            "broadcast_buffers", True
-        )
-        if self._own_buffer_sync:
-            self._ddp_kwargs = {**saved, "broadcast_buffers": False}
+        saved, micro = self._ddp_kwargs, self.policy.micro is not None
+        self._own_buffer_sync = self._buffers_stale = micro and saved.get("broadcast_buffers", True)
+        self._ddp_kwargs = {**saved, "broadcast_buffers": False} if self._own_buffer_sync else saved
         try:
             return super()._setup_model(model)
         finally:
