@@ -161,9 +161,9 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
             comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
             self.comm_algorithm, self._comm_sizes = comm, sizes
             # resume="auto": once the optimizers exist (the job's identity), before their restore
-            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-            settings = trajectory_settings(self.config, comm.mode, trainer)
-            job = job_identity(self.lightning_module, self.optimizers, schedulers, settings)
+            schedulers = [scheduler.scheduler for scheduler in self.lr_scheduler_configs]
+            trajectory = trajectory_settings(config, comm.mode, trainer)
+            job = job_identity(self.lightning_module, self.optimizers, schedulers, trajectory)
             if self.guards.resume(trainer, self.config, job, self.broadcast):
                 comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
         saves = fitting and self.comm_algorithm.mode != "node_local"  # the emergency checkpoint needs no collective
