@@ -107,9 +107,7 @@ def refresh_costs(
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
     """Predicted seconds per step of an allocation: ``max_r t_r(b_r)``."""
-    if len(batch_sizes) != len(costs):
-        raise ValueError(f"Expected one batch size per cost ({len(costs)}), but got {len(batch_sizes)}.")
-    return max(c(b) for b, c in zip(batch_sizes, costs))
+    return max(c(b) for b, c in zip(batch_sizes, costs, strict=True))
 
 
 def allocate_affine(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,21 +30,20 @@ class MonitorSettings:
     every_n_epochs: int | None = None
     threshold: float | None = None
     min_batch_size: int = 1
-    max_batch_sizes: tuple[int, ...] | None = None
+    max_batch_sizes: Sequence[int] | None = None
     profile: bool = False
 
     @classmethod
     def of(cls, config: Any, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
         """This replica's settings from the strategy's config, and the batch bounds a rebalance keeps."""
-        factors, bounds = config.emulate_slowdown, config.max_batch_sizes
         return cls(
             record=config.telemetry,
-            slowdown=factors[rank] if factors else 1.0,
+            slowdown=config.emulate_slowdown[rank] if config.emulate_slowdown else 1.0,
             profile=config.speeds is None and world_size > 1,
             every_n_epochs=config.rebalance_every_n_epochs,
             threshold=config.rebalance_threshold,
             min_batch_size=min_batch_size,
-            max_batch_sizes=tuple(bounds) if bounds is not None else None,
+            max_batch_sizes=config.max_batch_sizes,
         )
 
 
