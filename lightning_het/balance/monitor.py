@@ -91,13 +91,10 @@ class BalanceMonitor:
             log_epoch_metrics(trainer.loggers, summary, step=trainer.global_step)
             self.maybe_rebalance(trainer, summary, epoch)
 
-    def _restore_reload(self, trainer: Any) -> None:
-        if self._saved_reload_every is not None:
-            trainer.reload_dataloaders_every_n_epochs = self._saved_reload_every
-            self._saved_reload_every = None
-
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._restore_reload(trainer)
+        """Restore the user's reload setting; gather an epoch that ended before its last batch."""
+        if self._saved_reload_every is not None:
+            trainer.reload_dataloaders_every_n_epochs, self._saved_reload_every = self._saved_reload_every, None
         self._end_epoch(trainer, self._pending_epoch)
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -110,8 +107,7 @@ class BalanceMonitor:
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Collective: gather what is left, then rank 0 writes the balance report (with loggers)."""
-        self._restore_reload(trainer)
-        self._end_epoch(trainer, self._pending_epoch)
+        self.on_train_epoch_start(trainer, pl_module)  # the same catching up
         self._gather(trainer, trainer.current_epoch)
         if not self.settings.record or not trainer.loggers:
             return
