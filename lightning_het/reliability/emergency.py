@@ -1,12 +1,14 @@
-"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: when the watchdog ends a fit, the
-survivors agree through the store on the last step they all completed and the lowest one holding it saves it."""
+"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: the survivors of a watchdog verdict
+agree through the store on the last step they all completed, and the lowest one holding it saves it."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -16,20 +18,20 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from lightning_het._compat import default_store, replace_signal_connector
+from lightning_het._flavour import trainer_flavour
+from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
-from lightning_het.reliability.preemption import (
-    PreemptionHandler,
-    attach_preemption,
-    detach_preemption,
-    preemption_path,
-)
+from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
 from lightning_het.reliability.resume import EMERGENCY_CHECKPOINT_NAME, Candidate, auto_resume, retire_emergencies
 from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import Watchdog, attach_watchdog, start_watchdog, stop_watchdog
+from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02
+_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
 def rng_state(numpy: bool = True) -> dict[str, Any]:
@@ -91,8 +93,7 @@ class LoopRecord:
 
 @dataclasses.dataclass(frozen=True)
 class StepState:
-    """A checkpoint at the end of optimizer step ``step`` besides the tensors: the fit loop's (a ``LoopRecord``'s
-    ``take()``), the epoch, the ``checkpoint["lightning_het"]`` record and the RNG states."""
+    """What a checkpoint at the end of optimizer ``step`` holds besides the tensors."""
 
     step: int
     epoch: int
@@ -102,8 +103,7 @@ class StepState:
 
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
-    """From each survivor's last completed step (``-1``: unknown), the agreed step (the smallest) and the lowest
-    survivor holding it, which writes (``None``: no checkpoint). Pure."""
+    """From each survivor's last completed step (-1: unknown), the agreed (smallest) step and its lowest holder."""
     if not steps or min(steps.values()) < 0:
         return -1, None
     step = min(steps.values())
@@ -111,8 +111,7 @@ def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
 
 
 class EmergencyCheckpoint:
-    """One replica's side of the emergency save: ``observe`` gives the :class:`StepState` now (training thread),
-    ``dump`` the checkpoint of one (under the update lock), ``path`` where it goes."""
+    """One replica's side of the emergency save: ``observe`` gives the step's state, ``dump`` its checkpoint."""
 
     def __init__(
         self,
@@ -121,23 +120,20 @@ class EmergencyCheckpoint:
         dump: Callable[[StepState], dict[str, Any]],
         path: Callable[[], str],
     ) -> None:
-        self.rank = rank
-        self._observe, self._dump, self._path = observe, dump, path
+        self.rank, self._observe, self._dump, self._path = rank, observe, dump, path
         self._lock = threading.RLock()  # held by a parameter update, and by a save from settling to the end
         self._updated = -1  # optimizer steps completed by the last update (written under the lock)
         self.state: StepState | None = None
         self.saved: str | None = None
-        self._claim = threading.Lock()
-        self._finished = threading.Event()
+        self._claim, self._finished = threading.Lock(), threading.Event()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
-        """Shared, not copied (the lock that orders this process's parameter updates and saves)."""
-        return self
+        return self  # shared: the lock that orders this process's parameter updates and saves
 
     @contextlib.contextmanager
     def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
-        """Wrap an optimizer step: the returned closure takes the lock once the user's closure (forward, backward,
-        all-reduce) returned, so the lock covers the parameter update only; ``step_after`` counts it."""
+        """Wrap an optimizer step: the closure it yields takes the lock once the user's closure returned (the lock
+        covers the parameter update only); ``step_after`` counts it."""
         held = False
 
         def locked() -> Any:
@@ -157,7 +153,7 @@ class EmergencyCheckpoint:
                 self._lock.release()
 
     def step_ended(self) -> None:
-        """The end of an optimizer step (training thread, ``on_train_batch_end``): keep its :class:`StepState`."""
+        """The end of an optimizer step (training thread): keep its :class:`StepState`."""
         self.state = self._observe()
 
     def _settle(self, deadline: float) -> tuple[int, bool]:
@@ -175,8 +171,7 @@ class EmergencyCheckpoint:
             time.sleep(_POLL_S)
 
     def save(self, store: Any, survivors: Sequence[int], agree_s: float, write_s: float, tag: str = "") -> str | None:
-        """Agree with ``survivors`` through ``store`` (keys marked with the job's ``tag``) and let the writer save;
-        the checkpoint's path or ``None``. A later caller waits for the first one's outcome."""
+        """Agree with ``survivors`` through ``store`` and let the writer save; the checkpoint's path or ``None``."""
         if not self._claim.acquire(blocking=False):
             self._finished.wait(agree_s + write_s)
             return self.saved
@@ -186,13 +181,13 @@ class EmergencyCheckpoint:
             step, held = self._settle(deadline)
             keys = f"{_KEYS}{tag}/"
             store.set(f"{keys}step/{self.rank}", str(step))
-            steps = _gather(store, f"{keys}step/", survivors, deadline)
+            steps = {r: int(v) for r, v in _read(store, f"{keys}step/", survivors, deadline).items()}
             _, writer = agreed_writer(steps)
             if writer == self.rank and self.state is not None:
                 self.saved = self._write(self.state, steps)
                 store.set(f"{keys}path", self.saved or "")
             elif writer is not None:
-                self.saved = _wait_for(store, f"{keys}path", time.monotonic() + write_s) or None
+                self.saved = _read(store, keys, ["path"], time.monotonic() + write_s).get("path") or None
             elif any(s >= 0 for s in steps.values()):
                 _say(f"no emergency checkpoint: a survivor could not tell its last completed step ({steps})")
             return self.saved
@@ -222,34 +217,27 @@ class EmergencyCheckpoint:
         return path
 
 
-def _gather(store: Any, prefix: str, survivors: Sequence[int], deadline: float) -> dict[int, int]:
-    """Each survivor's published step, waiting until ``deadline`` for the missing ones (they are left out)."""
-    steps: dict[int, int] = {}
-    while True:
-        for rank in survivors:
-            if rank not in steps and store.check([f"{prefix}{rank}"]):
-                steps[rank] = int(store.get(f"{prefix}{rank}"))
-        if len(steps) == len(survivors) or time.monotonic() >= deadline:
-            return steps
-        time.sleep(_POLL_S)
-
-
-def _wait_for(store: Any, key: str, deadline: float) -> str:
-    while not store.check([key]):
-        if time.monotonic() >= deadline:
-            return ""
-        time.sleep(_POLL_S)
-    value = store.get(key)
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _read(store: Any, prefix: str, names: Sequence[Any], deadline: float) -> dict[Any, str]:
+    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out)."""
+    keys = {name: f"{prefix}{name}" for name in names}
+    with contextlib.suppress(RuntimeError):  # timed out
+        store.wait(list(keys.values()), timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    return {name: store.get(key).decode() for name, key in keys.items() if store.check([key])}
 
 
 def _say(message: str) -> None:
     print(f"lightning_het watchdog: {message}", file=sys.stderr, flush=True)
 
 
+def _replace_callback(trainer: Any, mixin: type, callback: Any) -> None:
+    """``trainer``'s callbacks without those of class ``mixin``, plus ``callback`` (if any)."""
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, mixin)] + (
+        [callback] if callback else []
+    )
+
+
 class Guards:
-    """This replica's watchdog (from ``setup_environment`` to the end of the run), preemption handler and emergency
-    checkpoint (one fit each); ``None`` where they do not apply (one replica, outside ``fit``)."""
+    """This replica's watchdog (setup to the end of the run), preemption handler and emergency checkpoint (per fit)."""
 
     def __init__(self) -> None:
         self.watchdog: Watchdog | None = None
@@ -260,19 +248,33 @@ class Guards:
         self._capture: tuple[int, StepState, list[dict[str, Any]]] | None = None  # an emergency checkpoint being built
         self._loops: LoopRecord | None = None  # the fit loop's record of this fit
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a spawn launch, a pickled Trainer): the running parts stay in their process."""
+    def __getstate__(self) -> dict[str, Any]:  # pickled (spawn): the running parts stay in their process
         return {"watchdog": None, "preemption": None, "emergency": None, "_capture": None, "_loops": None}
 
     def start(self, strategy: Any, timeout: timedelta | float | None, trainer: Any) -> None:
-        """Start watching this replica (a multi-replica job with a ``timeout``), in phase ``SETUP``."""
-        self.watchdog = start_watchdog(strategy, timeout, trainer)
+        """Start a :class:`Watchdog` (multi-replica jobs with a ``timeout``), in phase ``SETUP``."""
+        seconds, self.watchdog = as_seconds(timeout), None
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
+            return
+        token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
+        base = default_store()  # torchrun's agent store outlives rank 0
+        namespace = f"lightning_het/watchdog/{next(_generation)}/"
+        store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        peers: list[Any] = [None] * world_size
+        dist.all_gather_object(peers, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
+        children = getattr(strategy.launcher, "children", list)  # the local replicas a popen launcher started
+        hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+        self.watchdog = Watchdog(store, rank, world_size, seconds, hosts_store=hosts_store, children=children,
+                                 token=token, namespace=namespace, peers=dict(enumerate(peers)))  # fmt: skip
+        self.watchdog.start()
+        if trainer is not None:
+            _replace_callback(trainer, WatchdogCallbackMixin, trainer_flavour(trainer).WatchdogCallback(self.watchdog))
 
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
         """``resume="auto"`` (``job``: this fit's identity): load this job's checkpoint with the most progress."""
-        self.job = job
+        self.job, before = job, trainer.ckpt_path
         path = preemption_path(trainer, config.preemption_checkpoint)
-        before = trainer.ckpt_path
         self._emergencies = auto_resume(trainer, config.resume, path, job, config.global_batch_size, broadcast)
         return trainer.ckpt_path != before
 
@@ -282,18 +284,24 @@ class Guards:
         retire_emergencies(trainer, emergencies)
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
-        """Give ``trainer`` the watchdog's and preemption handler's callbacks and (``saves``) an emergency checkpoint
-        beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
-        attach_watchdog(self.watchdog, trainer)
-        self.preemption = attach_preemption(strategy, trainer, config.preemption_grace, config.preemption_checkpoint)
+        """The watchdog's and preemption handler's callbacks and signal handling, and (``saves``) an emergency
+        checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
+        watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
+        _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
+        children = getattr(strategy.launcher, "children", list)
+        self.preemption = handler = PreemptionHandler(config.preemption_grace, checkpoint is not False and path,
+                                                      children=children)  # fmt: skip
+        handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
+        handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
+        requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
+        handler.extra_signals = () if requeue is None else (int(requeue),)
+        _replace_callback(trainer, PreemptionCallbackMixin, handler.fitting and flavour.PreemptionCallback(handler))
+        replace_signal_connector(trainer, handler)
         self.emergency = None
-        if self.watchdog is None:
-            return
-        self.watchdog.emergency = None
-        if saves:
-            folder = os.path.dirname(preemption_path(trainer, config.preemption_checkpoint))
-            path = os.path.join(folder, EMERGENCY_CHECKPOINT_NAME)
-
+        if watchdog is not None:
+            watchdog.emergency = None
+        if watchdog is not None and saves:
             self._loops = loops = LoopRecord(trainer.fit_loop)
 
             def observe() -> StepState:
@@ -301,11 +309,12 @@ class Guards:
                 return StepState(trainer.global_step, trainer.current_epoch, state, record(), rng_state(numpy=False))
 
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
-            self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: path)
-            self.watchdog.emergency = self.emergency
+            emergency = os.path.join(os.path.dirname(path), EMERGENCY_CHECKPOINT_NAME)
+            self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: emergency)
+            watchdog.emergency = self.emergency
 
     def _dump(self, trainer: Any, state: StepState) -> dict[str, Any]:
-        """The checkpoint of ``state``: what ``trainer.save_checkpoint`` builds now, kept by :meth:`captured`."""
+        """The checkpoint of ``state``: what ``trainer.save_checkpoint`` builds now (kept by :meth:`captured`)."""
         kept: list[dict[str, Any]] = []
         self._capture = (threading.get_ident(), state, kept)
         try:
@@ -323,10 +332,9 @@ class Guards:
         """The strategy's ``save_checkpoint``: keep ``checkpoint`` with the step's state if :meth:`capturing`."""
         if not self.capturing():
             return False
-        assert self._capture is not None
-        _, state, kept = self._capture
+        _, state, kept = self._capture  # type: ignore[misc]
         checkpoint.update(epoch=state.epoch, global_step=state.step)  # the tensors: unchanged since the step
-        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)
+        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)  # type: ignore[union-attr]
         checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
         kept.append(checkpoint)
         return True
@@ -339,16 +347,25 @@ class Guards:
             return step(locked)
 
     def release_watchdog(self) -> Watchdog | None:
-        """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
         watchdog, self.watchdog = self.watchdog, None
         return watchdog
 
+    def stop_watchdog(self, trainer: Any, *, finished: bool) -> None:
+        """Stop the watchdog and remove its callback; ``finished``: first wait until every replica finished."""
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.finish() if finished else watchdog.stop()
+            if trainer is not None:
+                _replace_callback(trainer, WatchdogCallbackMixin, None)
+
     def end(self, trainer: Any, interrupted: bool, launcher_finishes: bool) -> None:
-        """At teardown: give the signals back; stop the watchdog after an exception or without a launcher that waits
-        for every replica's end, else keep it watching the end-of-run hooks."""
+        """Teardown: give the signals back; stop the watchdog unless the launcher waits for every replica's end."""
         if interrupted or not launcher_finishes:
-            stop_watchdog(self.release_watchdog(), trainer, finished=not interrupted)
+            self.stop_watchdog(trainer, finished=not interrupted)
         elif self.watchdog is not None:
             self.watchdog.mark(Phase.TEARDOWN)
-        detach_preemption(self.preemption, trainer)
+        if self.preemption is not None:
+            self.preemption.close()
+        if trainer is not None:
+            _replace_callback(trainer, PreemptionCallbackMixin, None)
         self.preemption = None

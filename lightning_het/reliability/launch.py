@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import subprocess
@@ -28,10 +29,15 @@ from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     JobEnded,
     exit_code_for,
-    interruption_of,
     is_collective_failure,
 )
-from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, kill_children, stop_watchdog
+from lightning_het.reliability.watchdog import (
+    as_seconds,
+    check_children,
+    die_with_parent,
+    end_children,
+    kill_children,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +51,13 @@ _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for 
 class ExitCleanup:
     """At exit: destroy the default process group after a clean run; end with :attr:`exit_code` if one is set."""
 
-    registered = False
     clean = True
     exit_code: int | None = None  # a preempted replica's 143: ends the process once the later exit handlers ran
 
     @classmethod
-    def register(cls) -> None:
-        if not cls.registered:
-            atexit.register(cls.run)
-            cls.registered = True
+    @functools.cache
+    def register(cls) -> None:  # once per process
+        atexit.register(cls.run)
 
     @classmethod
     def run(cls) -> None:
@@ -105,33 +109,23 @@ class SpawnLauncher:
     def __init__(self, strategy: Any, launcher: Any) -> None:
         self.strategy, self.launcher = strategy, launcher
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return self.launcher.is_interactive_compatible
-
-    def __getattr__(self, name: str) -> Any:
-        # the wrapped launcher's other attributes (its start method, processes), as Lightning's own callers read them
+    def __getattr__(self, name: str) -> Any:  # the wrapped launcher's other attributes, as Lightning reads them
         if name == "launcher":
             raise AttributeError(name)
         return getattr(self.launcher, name)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         validate_launch_environment(self.strategy.num_nodes, self.strategy.cluster_environment)
-        run = _WithAllocation(function, self.strategy)
+        run = functools.partial(_with_allocation, function, self.strategy)
         result, allocation = self.launcher.launch(run, *args, trainer=trainer, **kwargs)
         if allocation:
             self.strategy.import_allocation(allocation)
         return result
 
 
-class _WithAllocation:
-    """In a spawned worker: ``function``'s result and the strategy's allocation (picklable)."""
-
-    def __init__(self, function: Callable, strategy: Any) -> None:
-        self.function, self.strategy = function, strategy
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        return self.function(*args, **kwargs), self.strategy.export_allocation()
+def _with_allocation(function: Callable, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """In a spawned worker: ``function``'s result and the strategy's allocation."""
+    return function(*args, **kwargs), strategy.export_allocation()
 
 
 class ScriptLauncher:
@@ -139,27 +133,24 @@ class ScriptLauncher:
     run-to-the-end barrier, exit statuses 124/130 and the output directory checked before any replica starts."""
 
     is_interactive_compatible = False
-    #: the strategy leaves the end-of-run barrier to this launcher (:meth:`_launch`)
-    finishes_runs = True
+    finishes_runs = True  # the strategy leaves the end-of-run barrier to this launcher
 
     def __init__(self, strategy: Any, launcher: Any) -> None:
         self.strategy = strategy
         self.cluster_environment = launcher.cluster_environment
         self.num_processes, self.num_nodes = launcher.num_processes, launcher.num_nodes
         self.procs: list[subprocess.Popen] = []
-        self._failed = False  # a run of this process ended with an exception
-        self._in_run = False
+        self._failed = self._in_run = False  # _failed: a run of this process ended with an exception
         self._token: str | None = None  # the job token the replicas this process launched were given
         self._observer_stop = threading.Event()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ScriptLauncher:
-        """Shared, not copied (this process's replicas and observer thread)."""
-        return self
+        return self  # shared: this process's replicas and observer thread
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
-        fabric = trainer is None and not hasattr(self.strategy, "release_watchdog")
+        fabric = trainer is None and not hasattr(self.strategy, "guards")
         environment = None if fabric else save_job_environment()  # put back when this Trainer call ends
         try:
             return self._launch(function, args, kwargs, trainer, fabric)
@@ -187,13 +178,13 @@ class ScriptLauncher:
             result = function(*args, **kwargs)
         except BaseException as exc:
             self._in_run, self._failed = False, True
-            code = self._exit_code(exc)
+            code = None if isinstance(exc, JobEnded) else self._exit_code(exc)
             if code is not None:
                 raise JobEnded(code) from exc
             raise
         if not fabric:
             self._in_run = False
-            stop_watchdog(self.strategy.release_watchdog(), trainer, finished=True)  # wait for every replica
+            self.strategy.guards.stop_watchdog(trainer, finished=True)  # wait for every replica
         return result
 
     def _start_children(self) -> None:
@@ -206,9 +197,9 @@ class ScriptLauncher:
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
         preexec = die_with_parent if sys.platform.startswith("linux") else None
         for local_rank in range(1, self.num_processes):
-            child_env = {**os.environ, "LOCAL_RANK": f"{local_rank}"}
             command, cwd = child_command(local_rank)
-            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, preexec_fn=preexec))
+            env_vars = {**os.environ, "LOCAL_RANK": f"{local_rank}"}
+            self.procs.append(subprocess.Popen(command, env=env_vars, cwd=cwd, preexec_fn=preexec))
         atexit.register(self._reap_children)
         previous = sys.excepthook
 
@@ -218,9 +209,10 @@ class ScriptLauncher:
 
         sys.excepthook = note_failure
 
-    def _children(self) -> list[tuple[int, subprocess.Popen]]:
+    def children(self) -> list[tuple[int, subprocess.Popen]]:
+        """(global rank, process) of the replicas this process launched."""
         first = self.cluster_environment.node_rank() * self.num_processes
-        return [(first + local_rank, proc) for local_rank, proc in enumerate(self.procs, start=1)]
+        return list(enumerate(self.procs, start=first + 1))
 
     def _observe(self) -> None:
         """Until the watchdog runs: a local replica that fails ends the job."""
@@ -231,24 +223,18 @@ class ScriptLauncher:
                 if all(proc.poll() is not None for proc in self.procs):
                     return
                 continue
-            verdict = check_children(self._children())
+            verdict = check_children(self.children())
             if verdict is not None:
-                print(
-                    f"[rank {self.cluster_environment.global_rank()}] lightning_het: {verdict.message} before the"
-                    f" replicas could start their run. Ending the job (exit status {exit_code_for(verdict)}).",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                kill_children(self._children())
-                os._exit(exit_code_for(verdict))
+                rank, code = self.cluster_environment.global_rank(), exit_code_for(verdict)
+                message = f"{verdict.message} before the replicas could start their run. Ending the job"
+                print(f"[rank {rank}] lightning_het: {message} (exit status {code}).", file=sys.stderr, flush=True)
+                kill_children(self.children())
+                os._exit(code)
 
     def _reap_children(self) -> None:
         """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
         wait = (as_seconds(self.strategy.process_group_timeout) or 1800.0) + REAP_GRACE_S
-        deadline = time.monotonic() + (min(wait, FAILED_REAP_GRACE_S) if self._failed else wait)
-        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-            time.sleep(0.1)
-        if killed := kill_children(self._children()):
+        if killed := end_children(self.children(), min(wait, FAILED_REAP_GRACE_S) if self._failed else wait):
             message = f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them."
             print(message, file=sys.stderr, flush=True)
         for proc in self.procs:
@@ -257,15 +243,15 @@ class ScriptLauncher:
 
     def _exit_code(self, exc: BaseException) -> int | None:
         """124/130 when ``exc`` only reflects how the job ended elsewhere (or Ctrl-C); ``None``: propagate ``exc``."""
-        if isinstance(exc, JobEnded):
-            return None
         watchdog = getattr(self.strategy, "watchdog", None)
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
-        if interruption_of(exc) is not None:
+        if isinstance(exc, KeyboardInterrupt):
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
-        if verdict is None or not is_collective_failure(exc):
-            return None
-        if verdict.kind == "failed" and watchdog.rank in verdict.culprits:
+        if (
+            verdict is None
+            or not is_collective_failure(exc)
+            or (verdict.kind == "failed" and watchdog.rank in verdict.culprits)
+        ):
             return None
         return exit_code_for(verdict)
 
@@ -275,21 +261,12 @@ def child_command(local_rank: int) -> tuple[list[str], str | None]:
     launcher runs it (under Hydra: from the original directory, in this run's output directory)."""
     import __main__
 
-    spec = getattr(__main__, "__spec__", None)
-    if not _hydra_in_use():
+    spec, hydra = getattr(__main__, "__spec__", None), sys.modules.get("hydra.core.hydra_config")
+    if hydra is None or not hydra.HydraConfig.initialized():  # imported by a running Hydra app
         script = ["-m", spec.name] if spec is not None else [os.path.abspath(sys.argv[0])]
         return [sys.executable, *script, *sys.argv[1:]], None
-    from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd, to_absolute_path
 
     script = ["-m", spec.name] if spec is not None else [to_absolute_path(sys.argv[0])]
-    overrides = [f'hydra.run.dir="{HydraConfig.get().run.dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
+    overrides = [f'hydra.run.dir="{hydra.HydraConfig.get().run.dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
     return [sys.executable, *script, *sys.argv[1:], *overrides, "hydra.output_subdir=null"], get_original_cwd()
-
-
-def _hydra_in_use() -> bool:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
-        return False
-    return HydraConfig.initialized()

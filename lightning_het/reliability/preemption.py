@@ -7,7 +7,6 @@ import copy
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,20 +19,18 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import replace_signal_connector, should_accumulate
+from lightning_het._compat import should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
-from lightning_het.reliability.watchdog import die_with_parent, launched_replicas
+from lightning_het.reliability.watchdog import die_with_parent, end_children
 
 #: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
 #: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-#: seconds of training between two agreements (at least one step; the steps between them are the same on every rank)
-AGREE_EVERY_S = 0.25
-#: the most optimizer steps between two agreements
-AGREE_MAX_STEPS = 64
+AGREE_EVERY_S = 0.25  # seconds of training between two agreements (at least one step, the same steps on every rank)
+AGREE_MAX_STEPS = 64  # the most optimizer steps between two agreements
 
 
 class PreemptedMixin:
@@ -41,8 +38,7 @@ class PreemptedMixin:
 
     def __init__(self, checkpoint: str | None, signals: Sequence[int]) -> None:
         super().__init__(PREEMPTION_EXIT_CODE)
-        self.checkpoint = checkpoint
-        self.signals = list(signals)
+        self.checkpoint, self.signals = checkpoint, list(signals)
 
 
 class Preempted(PreemptedMixin, SIGTERMException):
@@ -57,29 +53,28 @@ def _signal_name(signum: int) -> str:
 
 
 class PreemptionHandler:
-    """One replica's signal notice, deadline and step-boundary agreement."""
+    """One replica's signal notice, deadline and step-boundary agreement; the Trainer's signal connector (Lightning's
+    own would set ``received_sigterm``, and its loops would raise their exit-status-0 exception)."""
+
+    received_sigterm = False
 
     def __init__(
         self,
         grace: float = DEFAULT_GRACE,
-        checkpoint: str | os.PathLike | bool | None = None,
+        checkpoint: str | None = None,
         *,
-        children: Callable[[], Sequence[subprocess.Popen]] | None = None,
+        children: Callable[[], Sequence[Any]] = list,
         exit: Callable[[int], None] = os._exit,
         fast_exit: bool = True,
     ) -> None:
-        self.grace = float(grace)
-        self._fast_exit = fast_exit
-        self.saves = checkpoint is not False  # ``preemption_checkpoint=False``: stop without saving
-        self.checkpoint = None if checkpoint is None or isinstance(checkpoint, bool) else os.fspath(checkpoint)
-        self._children = children or (lambda: [])
-        self._exit = exit
-        self.rank, self.world_size, self.fitting = 0, 1, True
+        self.grace, self._fast_exit, self._children, self._exit = float(grace), fast_exit, children, exit
+        self.checkpoint = checkpoint or None  # where to save (``None``: stop without saving)
+        self.rank, self.world_size, self.fitting, self.extra_signals = 0, 1, True, ()
         self.received = 0  # the signal this replica received (0: none); set by the pipe reader
         self._handler_saw = 0  # set by the Python-level handler only (no lock: it may interrupt a holder)
         self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
         self._previous: dict[int, Any] = {}
-        self._previous_wakeup_fd: int | None = None
+        self._previous_wakeup_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._reader: threading.Thread | None = None
         self._deadline: threading.Thread | None = None
@@ -90,8 +85,16 @@ class PreemptionHandler:
         self._last_agreement: tuple[int, float] | None = None  # (step, time.monotonic()) of the last one
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionHandler:
-        """Shared, not copied (this process's signal handlers and threads)."""
-        return self
+        return self  # shared: this process's signal handlers and threads
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # a pickled Trainer: the live handler stays in its process
+
+    def register_signal_handlers(self) -> None:  # the signal connector's
+        self.install(rank=self.rank, world_size=self.world_size, fitting=self.fitting, extra_signals=self.extra_signals)
+
+    def teardown(self) -> None:  # the signal connector's
+        self.uninstall()
 
     def install(self, *, rank: int, world_size: int, fitting: bool, extra_signals: Sequence[int] = ()) -> None:
         """Take over the preemption signals (main thread only; a no-op elsewhere)."""
@@ -114,7 +117,7 @@ class PreemptionHandler:
         if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return
         with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
         for signum, handler in self._previous.items():
             with contextlib.suppress(TypeError, ValueError):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
@@ -128,6 +131,13 @@ class PreemptionHandler:
         for fd in (read_fd, write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def close(self) -> None:
+        """End of a run: give the signals back; if preempting, wait for the launched replicas, then kill them."""
+        self.uninstall()
+        if self.preempting:
+            at = self.deadline_at
+            end_children(self._children(), self.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._handler_saw = signum  # main thread, between bytecodes: the pipe reader does the rest
@@ -162,9 +172,8 @@ class PreemptionHandler:
                 return
             self.deadline_at = at
             if self._deadline is None:  # else the running thread re-reads `deadline_at`
-                self._deadline = threading.Thread(
-                    target=self._await_deadline, args=(reason,), name="lightning-het-preemption-deadline", daemon=True
-                )
+                name = "lightning-het-preemption-deadline"
+                self._deadline = threading.Thread(target=self._await_deadline, args=(reason,), name=name, daemon=True)
                 self._deadline.start()
 
     def _await_deadline(self, reason: str) -> None:
@@ -173,25 +182,13 @@ class PreemptionHandler:
         late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
         message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
         print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
-        self.end_launched_replicas(0.0)
+        end_children(self._children(), 0.0)
         for child in multiprocessing.active_children():  # data-loader workers ignore SIGTERM: they would linger
             with contextlib.suppress(Exception):
                 child.kill()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         self._exit(PREEMPTION_EXIT_CODE)
-
-    def end_launched_replicas(self, wait: float) -> None:
-        """Wait up to ``wait`` seconds for the replicas this process launched to exit, then kill the rest."""
-        deadline = time.monotonic() + wait
-        launched = list(self._children())
-        for proc in launched:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        for proc in launched:
-            with contextlib.suppress(Exception):
-                if proc.poll() is None:
-                    proc.kill()
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
         """Which replica received which signal (0: none), all-reduced (MAX) if ``step`` (the optimizer step just
@@ -202,12 +199,11 @@ class PreemptionHandler:
             return local[:-1]
         if step < self.next_agreement:
             return [0] * self.world_size
-        now = time.monotonic()
-        if self._last_agreement is not None and step > self._last_agreement[0]:
-            per_step = (now - self._last_agreement[1]) / (step - self._last_agreement[0])
+        now, last = time.monotonic(), self._last_agreement
+        local[-1] = -1
+        if last is not None and step > last[0]:
+            per_step = (now - last[1]) / (step - last[0])
             local[-1] = -min(max(int(AGREE_EVERY_S / max(per_step, 1e-6)), 1), AGREE_MAX_STEPS)
-        else:
-            local[-1] = -1
         flags = torch.tensor(local, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the last entry: minus the fewest steps any replica asks for
         agreed = [int(v) for v in flags.tolist()]
@@ -220,19 +216,18 @@ class PreemptionHandler:
         self.arm_deadline(self.grace, "was preempted")
         if self._fast_exit:  # once the exit handlers ran: no interpreter finalisation
             ExitCleanup.exit_code = PREEMPTION_EXIT_CODE
-        who = [r for r, s in enumerate(signals) if s]
-        names = sorted({_signal_name(s) for s in signals if s})
-        started = time.monotonic()
-        path = (self.checkpoint or default_checkpoint_path(trainer)) if self.saves else None
-        saved: str | None = None
+        started, path, saved = time.monotonic(), self.checkpoint, None
         try:
-            if path is not None:
-                saved = save_atomically(trainer, path)
+            if path is not None:  # a local file: into ``path + ".tmp"`` (all ranks), then rank 0 renames it
+                trainer.save_checkpoint(path if "://" in path else f"{path}.tmp")
+                if trainer.is_global_zero and "://" not in path:
+                    os.replace(f"{path}.tmp", path)
+                saved = path
         finally:
             if self.rank == 0:
-                if path is None:
-                    done, resume = "saved no checkpoint (preemption_checkpoint=False)", ""
-                else:
+                who, names = [r for r, s in enumerate(signals) if s], sorted({_signal_name(s) for s in signals if s})
+                done, resume = "saved no checkpoint (preemption_checkpoint=False)", ""
+                if path is not None:
                     done = f"saved {saved}" if saved else "could NOT save a checkpoint"
                     resume = f" Resume with trainer.fit(..., ckpt_path={saved or path!r})."
                 print(
@@ -246,17 +241,6 @@ class PreemptionHandler:
         return trainer_flavour(trainer).Preempted(saved, signals)  # the trainer's package's SIGTERMException
 
 
-def save_atomically(trainer: pl.Trainer, path: str) -> str:
-    """``trainer.save_checkpoint`` into ``path + ".tmp"`` (all ranks), then rank 0 renames it to ``path``."""
-    if "://" in path:
-        trainer.save_checkpoint(path)
-        return path
-    trainer.save_checkpoint(f"{path}.tmp")
-    if trainer.is_global_zero:
-        os.replace(f"{path}.tmp", path)
-    return path
-
-
 def default_checkpoint_path(trainer: pl.Trainer) -> str:
     """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given."""
     model_checkpoint = trainer_flavour(trainer).ModelCheckpoint  # the trainer's package's
@@ -266,17 +250,12 @@ def default_checkpoint_path(trainer: pl.Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
 
 
-def _resolve_checkpoint(path: str | os.PathLike | bool | None) -> str | bool | None:
-    if path is None or path is False:  # the default location / no checkpoint on preemption
-        return path
-    path = os.fspath(path)
-    return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
-
-
 def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
     """Where the preemption checkpoint goes for the strategy's ``preemption_checkpoint`` (``False``: where it would)."""
-    resolved = _resolve_checkpoint(checkpoint)
-    return resolved if isinstance(resolved, str) else default_checkpoint_path(trainer)
+    if checkpoint is None or checkpoint is False:
+        return default_checkpoint_path(trainer)
+    path = os.fspath(checkpoint)
+    return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
 
 class PreemptionCallbackMixin:
@@ -302,56 +281,6 @@ class PreemptionCallbackMixin:
 
 class PreemptionCallback(PreemptionCallbackMixin, Callback):
     """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
-
-
-class _PreemptionSignalConnector:
-    """The Trainer's signal connector: our handler instead of Lightning's (whose ``received_sigterm`` stays ``False``,
-    so its loops never raise their own exit-status-0 exception)."""
-
-    def __init__(self, handler: PreemptionHandler, install: Callable[[], None]) -> None:
-        self.received_sigterm = False
-        self.handler = handler
-        self._install = install
-
-    def register_signal_handlers(self) -> None:
-        self._install()
-
-    def teardown(self) -> None:
-        self.handler.uninstall()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"received_sigterm": False, "handler": None, "_install": None}
-
-
-def attach_preemption(strategy: Any, trainer: pl.Trainer, grace: float, checkpoint: Any) -> PreemptionHandler:
-    """Wire a :class:`PreemptionHandler` into ``trainer`` (called from the strategy's ``setup``)."""
-    flavour = trainer_flavour(trainer)  # the trainer's package's enums and Callback
-    children = lambda: launched_replicas(strategy.launcher)  # noqa: E731 - none for a spawn launcher
-    handler = PreemptionHandler(grace, _resolve_checkpoint(checkpoint), children=children)
-    fitting = trainer.state.fn == flavour.TrainerFn.FITTING
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
-    if fitting:
-        trainer.callbacks.append(flavour.PreemptionCallback(handler))
-
-    def install() -> None:
-        requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
-        extra = [] if requeue is None else [int(requeue)]
-        handler.install(rank=trainer.global_rank, world_size=trainer.world_size, fitting=fitting, extra_signals=extra)
-
-    replace_signal_connector(trainer, _PreemptionSignalConnector(handler, install))
-    return handler
-
-
-def detach_preemption(handler: PreemptionHandler | None, trainer: pl.Trainer | None = None) -> None:
-    """End of a run (normal or not): give the signals back; if preempting, wait for the launched replicas."""
-    if handler is None:
-        return
-    handler.uninstall()
-    if handler.preempting:
-        at = handler.deadline_at
-        handler.end_launched_replicas(handler.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
-    if trainer is not None:
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCallbackMixin)]
 
 
 class _ShieldedWorkerInit:

@@ -19,13 +19,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_het._compat import restore_checkpoint
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, resumed_global_batch_size
 
-#: the emergency checkpoint's file name, beside the preemption checkpoint (``last.ckpt``)
-EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"
-#: the comm modes whose optimizer steps are the same (exact gradient of the global batch)
-_EXACT_MODES = ("allreduce", "hierarchical")
+EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"  # beside the preemption checkpoint (``last.ckpt``)
 #: the ``node_local`` settings that change its trajectory
-_NODE_LOCAL_SETTINGS = ("global_sync_every", "comm_warmup_steps", "outer_lr", "outer_momentum", "sync_dtype",
-                        "merge_weights")  # fmt: skip
+_NODE_LOCAL_SETTINGS = ("outer_optimizer", "global_sync_every", "comm_warmup_steps", "outer_lr", "outer_momentum",
+                        "sync_dtype", "merge_weights")  # fmt: skip
+_VERSION_DIR = re.compile(r"version_\d+")
 
 
 def _plain(value: Any) -> Any:
@@ -34,55 +32,38 @@ def _plain(value: Any) -> Any:
         value = value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return repr(value)
-
-
-def model_signature(module: torch.nn.Module) -> str:
-    """The module's class and a digest of its state's names, shapes and dtypes (not its values)."""
-    entries = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items()]
-    digest = hashlib.sha1("\n".join(entries).encode()).hexdigest()[:12]
-    return f"{type(module).__name__} {digest}"
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else repr(value)
 
 
 def job_identity(
-    module: torch.nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    schedulers: Sequence[Any],
-    settings: Mapping[str, Any],
+    module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], settings: Mapping
 ) -> dict[str, Any]:
-    """This fit's identity: the model's signature, each optimizer's class and hyperparameters as configured, each
-    scheduler's class and ``settings``; once the optimizers exist, before a checkpoint is loaded into them."""
-    identity: dict[str, Any] = {"model": model_signature(module)}
+    """This fit's identity: the model's class and state's shapes, each optimizer's class and hyperparameters as
+    configured, each scheduler's class and ``settings``; before a checkpoint is loaded into the optimizers."""
+    shapes = "\n".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items())
+    identity: dict[str, Any] = {"model": f"{type(module).__name__} {hashlib.sha1(shapes.encode()).hexdigest()[:12]}"}
     for index, optimizer in enumerate(optimizers):
         identity[f"optimizer {index}"] = type(optimizer).__name__
         for number, group in enumerate(optimizer.param_groups):
             for key, value in sorted(group.items()):
-                if key in ("params", "initial_lr") or (key == "lr" and "initial_lr" in group):
-                    continue
-                identity[f"optimizer {index} group {number} {key}"] = _plain(value)
-            if "initial_lr" in group:
-                identity[f"optimizer {index} group {number} lr"] = _plain(group["initial_lr"])
+                if key != "params" and (key != "lr" or "initial_lr" not in group):
+                    identity[f"optimizer {index} group {number} {'lr' if key == 'initial_lr' else key}"] = _plain(value)
     for index, scheduler in enumerate(schedulers):
         identity[f"scheduler {index}"] = type(scheduler).__name__
-    identity.update({key: _plain(value) for key, value in settings.items()})
-    return identity
+    return {**identity, **{key: _plain(value) for key, value in settings.items()}}
 
 
 def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
     """The settings that change the trajectory (not the replicas, speeds or micro-batching): the comm mode and its
     settings, gradient accumulation and clipping, the precision."""
-    settings: dict[str, Any] = {"comm": "exact" if mode in _EXACT_MODES else mode}
+    settings: dict[str, Any] = {"comm": "exact" if mode in ("allreduce", "hierarchical") else mode}
     if mode == "node_local":
-        outer = getattr(config, "outer_optimizer", None)
-        settings["outer_optimizer"] = outer if outer is None or isinstance(outer, str) else repr(outer)
         settings.update({key: getattr(config, key, None) for key in _NODE_LOCAL_SETTINGS})
-    settings["accumulate_grad_batches"] = int(trainer.accumulate_grad_batches)
-    settings["gradient_clip_val"] = trainer.gradient_clip_val
-    settings["gradient_clip_algorithm"] = trainer.gradient_clip_algorithm
-    settings["precision"] = str(trainer.precision)
-    return settings
+        outer = settings["outer_optimizer"]
+        settings["outer_optimizer"] = outer if outer is None or isinstance(outer, str) else repr(outer)
+    return {**settings, "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+            "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+            "precision": str(trainer.precision)}  # fmt: skip
 
 
 def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
@@ -91,14 +72,12 @@ def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]
     if saved is None:
         return ["no job identity (written by another strategy or an older lightning-het)"]
     missing = object()
+    keys = dict.fromkeys([*now, *saved])
     return [
         f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
-        for key in dict.fromkeys([*now, *saved])
+        for key in keys
         if saved.get(key, missing) != now.get(key, missing)
     ]
-
-
-_VERSION_DIR = re.compile(r"version_\d+")
 
 
 @dataclass(frozen=True)
@@ -114,15 +93,11 @@ class Candidate:
     error: str | None = None  # unreadable: the error's type and message
     weights_only: bool = False  # no training state (``ModelCheckpoint(save_weights_only=True)``): not resumable
 
-    @property
-    def progress(self) -> tuple[int, int, float]:
-        return (self.step, self.epoch, self.mtime)
-
 
 @dataclass
 class ResumeChoice:
-    """What :func:`choose_checkpoint` decided: the checkpoint to resume (``None``: start fresh), the unreadable files
-    and the other jobs' checkpoints (with what differs) it passed over, in the order it considered them."""
+    """The checkpoint to resume (``None``: start fresh), and the unreadable files and other jobs' checkpoints (with
+    what differs) passed over."""
 
     path: str | None = None
     unreadable: list[Candidate] = field(default_factory=list)
@@ -137,13 +112,12 @@ class ResumeChoice:
             for c in self.unreadable
         ]
         if self.foreign:
-            path, differences = self.foreign[0]
-            more = f" (and {len(self.foreign) - 1} more checkpoint(s) of other jobs)" if len(self.foreign) > 1 else ""
-            differ = "; ".join(differences)
+            (path, differences), more = self.foreign[0], len(self.foreign) - 1
+            others = f" (and {more} more checkpoint(s) of other jobs)" if more else ""
             lines.append(
-                f"resume='auto' does not resume {path}{more}: it is another job's checkpoint ({differ}); {then}."
-                f" HINT: pass `trainer.fit(..., ckpt_path=...)` to resume it anyway, or give this job its own"
-                " `default_root_dir`"
+                f"resume='auto' does not resume {path}{others}: it is another job's checkpoint"
+                f" ({'; '.join(differences)}); {then}. HINT: pass `trainer.fit(..., ckpt_path=...)` to resume it"
+                " anyway, or give this job its own `default_root_dir`"
             )
         return lines
 
@@ -151,9 +125,8 @@ class ResumeChoice:
 def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] = ()) -> list[str]:
     """Every ``*.ckpt`` file of the preemption checkpoint's folder and of the ``ModelCheckpoint`` folders ``dirpaths``
     (for a logger's ``version_N`` folder: of every version), each once."""
-    folders = [os.path.dirname(preemption_path), *(d for d in dirpaths if d)]
     patterns = []
-    for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
+    for folder in dict.fromkeys(os.path.abspath(f) for f in [os.path.dirname(preemption_path), *dirpaths] if f):
         patterns.append(os.path.join(glob.escape(folder), "*.ckpt"))
         parent = os.path.dirname(folder)
         if _VERSION_DIR.fullmatch(os.path.basename(parent)):  # lightning_logs/version_N/checkpoints: every version
@@ -178,14 +151,10 @@ def read_candidate(path: str) -> Candidate:
         if not isinstance(checkpoint, Mapping):
             raise ValueError(f"holds a {type(checkpoint).__name__}, not a checkpoint")
         record = checkpoint.get(CHECKPOINT_KEY) or {}
+        step, epoch = int(checkpoint.get("global_step", -1)), int(checkpoint.get("epoch", -1))
+        weights_only = "optimizer_states" not in checkpoint or "loops" not in checkpoint
         return Candidate(
-            path,
-            int(checkpoint.get("global_step", -1)),
-            int(checkpoint.get("epoch", -1)),
-            mtime,
-            record.get("job"),
-            resumed_global_batch_size(record) if record else None,
-            weights_only="optimizer_states" not in checkpoint or "loops" not in checkpoint,
+            path, step, epoch, mtime, record.get("job"), resumed_global_batch_size(record), None, weights_only
         )
     except Exception as err:  # truncated, not a checkpoint, unreadable: the next one is tried
         message = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
@@ -200,18 +169,17 @@ def choose_checkpoint(
     """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest), past other jobs'
     (``global_batch_size``: the one given to this run) and unreadable ones (named if newer than the choice). Pure."""
     choice, chosen = ResumeChoice(), None
-    for candidate in sorted(candidates, key=lambda c: c.progress, reverse=True):
+    for candidate in sorted(candidates, key=lambda c: (c.step, c.epoch, c.mtime), reverse=True):
         if candidate.error is not None or candidate.weights_only:  # a weights-only file is not meant to resume
             continue
         differences = identity_differences(candidate.job, job)
         saved_batch = candidate.global_batch_size
         if global_batch_size is not None and saved_batch is not None and saved_batch != global_batch_size:
             differences.append(f"global_batch_size {saved_batch!r} -> {global_batch_size!r}")
-        if differences:
-            choice.foreign.append((candidate.path, differences))
-            continue
-        choice.path, chosen = candidate.path, candidate
-        break
+        if not differences:
+            choice.path, chosen = candidate.path, candidate
+            break
+        choice.foreign.append((candidate.path, differences))
     # an unreadable file's progress is unknown: named when it was written after the checkpoint resumed
     unreadable = [c for c in candidates if c.error is not None and (chosen is None or c.mtime >= chosen.mtime)]
     choice.unreadable = sorted(unreadable, key=lambda c: c.mtime, reverse=True)
@@ -219,12 +187,7 @@ def choose_checkpoint(
 
 
 def auto_resume(
-    trainer: Any,
-    resume: Any,
-    preemption_path: str,
-    job: Mapping[str, Any],
-    global_batch_size: int | None,
-    broadcast: Callable[[Any], Any],
+    trainer: Any, resume: Any, preemption_path: str, job: Mapping, global_batch_size: int | None, broadcast: Callable
 ) -> list[Candidate]:
     """``resume="auto"`` and no ``ckpt_path`` (every rank, once the optimizers exist): load the checkpoint rank 0's
     :func:`choose_checkpoint` picks; returns this job's emergency checkpoints (for :func:`retire_emergencies`)."""
@@ -237,7 +200,9 @@ def auto_resume(
         choice = choose_checkpoint(candidates, job, global_batch_size)
         for line in choice.warnings():
             warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
-        decision = (choice.path, stale_emergencies(candidates, job))
+        emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
+                       and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
+        decision = (choice.path, emergencies)
     path, emergencies = broadcast(decision)
     if path is not None:
         rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")
@@ -245,43 +210,23 @@ def auto_resume(
     return emergencies
 
 
-def stale_emergencies(candidates: Sequence[Candidate], job: Mapping[str, Any]) -> list[Candidate]:
-    """The emergency checkpoints among ``candidates`` that are this job's."""
-    return [
-        c
-        for c in candidates
-        if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
-        and c.error is None
-        and not identity_differences(c.job, job)
-    ]
-
-
-def fit_reached_its_end(trainer: Any) -> bool:
-    """Whether the fit stopped at ``max_steps`` or ``max_epochs`` (not early, not interrupted)."""
-    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
-    if max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps:
-        return True
-    return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch >= max_epochs
-
-
 def retire_emergencies(trainer: Any, emergencies: Sequence[Candidate]) -> None:
-    """A fit that reached its end (every rank): this job's earlier emergency checkpoints now hold the finished state,
-    so that running the same command again trains nothing and no stale step is resumed."""
-    if not fit_reached_its_end(trainer):
+    """A fit that reached ``max_steps`` or ``max_epochs`` (every rank): this job's earlier emergency checkpoints now
+    hold the finished state, so that running the same command again trains nothing and no stale step is resumed."""
+    max_steps, max_epochs, step = trainer.max_steps, trainer.max_epochs, trainer.global_step
+    ended = max_steps is not None and 0 <= max_steps <= step
+    if not ended and not (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch):
         return
     for emergency in emergencies:
-        if trainer.global_step <= emergency.step:
-            continue
-        trainer.save_checkpoint(emergency.path)
-        rank_zero_info(
-            f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step}) now"
-            f" holds the finished fit (global step {trainer.global_step})"
-        )
+        if step > emergency.step:
+            trainer.save_checkpoint(emergency.path)
+            rank_zero_info(
+                f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step}) now"
+                f" holds the finished fit (global step {step})"
+            )
 
 
 def wants_resume(resume: Any, environ: Any = None) -> bool:
     """Whether a fit resumes by itself: ``resume="auto"``, or a restarted elastic worker unless ``resume=False``."""
-    environ = os.environ if environ is None else environ
-    if resume is False:
-        return False
-    return resume == "auto" or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    restarted = int((os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return resume is not False and (resume == "auto" or restarted)

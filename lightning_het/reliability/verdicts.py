@@ -20,11 +20,6 @@ def exit_code_for(verdict: Verdict) -> int:
     return INTERRUPTED_EXIT_CODE if verdict.kind == "interrupted" else WATCHDOG_EXIT_CODE
 
 
-def interruption_of(exception: BaseException) -> str | None:
-    """``"interrupted"`` for an exception that interrupts the job from outside (Ctrl-C), else ``None``."""
-    return "interrupted" if isinstance(exception, KeyboardInterrupt) else None
-
-
 def is_sigterm_exit(exception: BaseException) -> bool:
     """Whether ``exception`` is a ``SIGTERMException`` of either Lightning package (e.g. preempted)."""
     return isinstance(exception, SystemExit) and any(

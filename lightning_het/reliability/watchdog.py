@@ -1,11 +1,10 @@
-"""One job, hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s)."""
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -21,12 +20,10 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_het._compat import default_store, should_accumulate
-from lightning_het._flavour import trainer_flavour
-from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token, sign, verify
+from lightning_het._compat import should_accumulate
+from lightning_het.cluster.rendezvous import sign, verify
 from lightning_het.reliability.verdicts import (
     HINTS,
     INTERRUPTED_EXIT_CODE,
@@ -36,47 +33,36 @@ from lightning_het.reliability.verdicts import (
     Verdict,
     exit_code_for,
     first_line,
-    interruption_of,
     is_collective_failure,
     is_sigterm_exit,
     judge,
 )
 
-log = logging.getLogger(__name__)
-
-
-_PREEMPTED_EXIT_CODE = 143  # lightning_het.reliability.preemption.PREEMPTION_EXIT_CODE (128 + SIGTERM)
-_PR_SET_PDEATHSIG = 1
-
-
-def launched_replicas(launcher: object) -> list[subprocess.Popen]:
-    """The replicas that ``launcher`` started from this process (a ``popen`` launcher's; none for spawn or fork)."""
-    return [proc for proc in getattr(launcher, "procs", None) or [] if isinstance(proc, subprocess.Popen)]
+log = logging.getLogger(__name__)  # without a handler configured: to stderr (logging.lastResort)
+Children = Callable[[], Sequence[tuple[int, subprocess.Popen]]]  # (global rank, process) of the launched replicas
 
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
-    """A verdict for local replicas that exited with a non-zero status (interrupted ones: ``"interrupted"``)."""
-    # 143: a preempted replica, ending with the others
-    exited = [(r, p.pid, code) for r, p in children if (code := p.poll()) and code != _PREEMPTED_EXIT_CODE]
+    """A verdict for local replicas that exited with a non-zero status (143, preempted: none)."""
+    exited = [(r, p.pid, code) for r, p in children if (code := p.poll()) and code != 128 + signal.SIGTERM]
     if not exited:
         return None
     ranks = sorted(r for r, _, _ in exited)
     detail = "; ".join(f"rank {r} (pid {pid}) exit status {code}" for r, pid, code in exited)
-    if all(code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) for _, _, code in exited):
+    if all(code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT) for *_, code in exited):
         return Verdict("interrupted", tuple(ranks), 0.0, f"replica(s) {ranks} interrupted ({detail})")
     return Verdict("exited", tuple(ranks), 0.0, f"replica(s) {ranks} exited during the run ({detail})")
 
 
 def die_with_parent() -> None:
     """Ask the kernel for SIGKILL when the parent thread ends (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
 def descendants(pid: int) -> list[int]:
-    """Live descendants of ``pid`` (children first) from ``/proc`` (Linux; else ``[]``); read before it ends."""
+    """Live descendants of ``pid`` (children first) from ``/proc`` (Linux; else ``[]``)."""
     found: list[int] = []
     pending = [pid]
     while pending:
@@ -84,14 +70,13 @@ def descendants(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{parent}/task"):
                 with contextlib.suppress(OSError, ValueError), open(f"/proc/{parent}/task/{task}/children") as fh:
-                    for child in (int(c) for c in fh.read().split()):
-                        if child not in found and child != pid:
-                            found.append(child)
-                            pending.append(child)
+                    new = [c for c in map(int, fh.read().split()) if c not in found and c != pid]
+                    found += new
+                    pending += new
     return found
 
 
-def kill_pids(pids: Sequence[int]) -> None:
+def _kill(pids: Sequence[int]) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
@@ -99,37 +84,36 @@ def kill_pids(pids: Sequence[int]) -> None:
 
 def exit_job(code: int) -> None:
     """End this replica with ``code``, SIGKILLing its descendants first (workers must not outlive the job)."""
-    kill_pids(descendants(os.getpid()))
+    _kill(descendants(os.getpid()))
     os._exit(code)
 
 
 def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
-    """SIGKILL the local replicas still running, and every descendant of theirs; returns the ranks of those that ran."""
-    killed = []
-    for rank, proc in children:
-        with contextlib.suppress(Exception):
-            if proc.poll() is None:
-                tree = descendants(proc.pid)
-                proc.kill()
-                kill_pids(tree)
-                killed.append(rank)
-    return killed
+    """SIGKILL the local replicas still running and their descendants; the ranks of those that ran."""
+    running = [(rank, proc) for rank, proc in children if proc.poll() is None]
+    for _, proc in running:
+        _kill([proc.pid, *descendants(proc.pid)])  # what it started, read before it ends
+    return [rank for rank, _ in running]
+
+
+def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float) -> list[int]:
+    """Wait up to ``wait`` seconds for the local replicas to exit, then :func:`kill_children` the rest."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
+        time.sleep(0.05)
+    return kill_children(children)
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` on this node exists and is not a zombie (``os.kill(pid, 0)``, ``/proc/<pid>/stat``)."""
+    """Whether process ``pid`` on this node exists and is not a zombie."""
     try:
         os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] not in ("Z", "X")
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OSError, IndexError):
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def as_seconds(value: timedelta | float | None) -> float | None:
@@ -143,19 +127,10 @@ except OSError:
     BOOT_ID = ""
 
 
-def warn(message: str, level: int = logging.WARNING) -> None:
-    """Log ``message``, or print it to stderr when no logging handler is configured."""
-    if log.hasHandlers():
-        log.log(level, message)
-    else:
-        print(message, file=sys.stderr, flush=True)
-
-
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
-#: packages whose barriers call a process group's C++ method directly (no Python frame in ``torch.distributed``)
-_LIGHTNING_PACKAGES = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
-                                                                 "lightning_het"))  # fmt: skip
-#: their functions that wait for every replica (``strategy.barrier``, ``_sync_dir``, ``_InfiniteBarrier``)
+#: packages whose barriers call a process group's C++ method directly, and those barriers
+_LIGHTNING = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
+                                                       "lightning_het"))  # fmt: skip
 _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
@@ -165,7 +140,7 @@ def _waits(code: Any) -> bool:
     if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
         name = f"_InfiniteBarrier.{name}"
     waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
-    return _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING_PACKAGES))
+    return _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING))
 
 
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
@@ -202,7 +177,6 @@ class GuardedStore:
 
 
 def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
-    """The :class:`ReplicaStatus` of replica ``rank`` from its (verified) heartbeat record ``data``."""
     keys = ("host", "pid", "batch", "armed", "waiting", "state", "error", "eval_stage", "eval_batch")
     ages = {"silent_for": silent_for, "stalled_for": stalled_for}
     return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
@@ -221,15 +195,12 @@ class HeartbeatBook:
         alive: Callable[[int], bool] = process_alive,
         peers: dict[int, tuple[str, str, int]] | None = None,
     ) -> None:
-        self.peers = peers or {}
-        self.rank, self.token, self.namespace, self.host = rank, token, namespace, host
-        self.stale_after = stale_after
-        self.alive = alive
-        self.started = 0.0
-        self.seen: dict[int, tuple[Any, float, Any, float, dict[str, Any] | None]] = {}
+        self.rank, self.token, self.namespace, self.host, self.peers = rank, token, namespace, host, peers or {}
+        self.stale_after, self.alive, self.started = stale_after, alive, 0.0
+        self.seen: dict[int, tuple[Any, float, Any, float, dict[str, Any] | None]] = {}  # beat, when, seq, when, data
         self.tampered: set[str] = set()
         self._hidden: set[int] = set()
-        self._forgeries = 0
+        self._forged = False
 
     def sign(self, key: str, payload: str) -> str:
         return sign(self.token, self.namespace + key, payload) if self.token else payload
@@ -239,20 +210,18 @@ class HeartbeatBook:
         if not self.token:
             return raw.decode() if isinstance(raw, bytes) else raw
         payload = verify(self.token, self.namespace + key, raw)
-        if payload is None:
-            self._forgeries += 1
-            if self._forgeries == 1:
-                warn(
-                    f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid"
-                    " signature"
-                )
+        if payload is None and not self._forged:
+            self._forged = True
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature"
+            )
         return payload
 
     def tamper(self, key: str, what: str) -> None:
         """Note tampering with ``key`` (one warning per key)."""
         if key not in self.tampered:
             self.tampered.add(key)
-            warn(
+            log.warning(
                 f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
                 f" {what}; ignored"
             )
@@ -281,27 +250,24 @@ class HeartbeatBook:
 
     def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
         """Replica ``r``'s status from the record just read (``None``: missing), judged against what was seen."""
-        data = self.genuine(r, raw)
-        old = self.seen.get(r)
+        data, old = self.genuine(r, raw), self.seen.get(r)
         if data is None and old is not None and old[4] is not None:
             data = old[4]  # a forged, replayed, deleted or garbled record: keep the last genuine one
         beat, seq = (data["beat"], data["seq"]) if data else (None, None)
-        if old is None:
-            old = (beat, self.started, seq, self.started, None)
-        beat_changed = old[1] if beat == old[0] else now
-        seq_changed = old[3] if seq == old[2] else now
+        old = old or (beat, self.started, seq, self.started, None)
+        beat_changed, seq_changed = old[1] if beat == old[0] else now, old[3] if seq == old[2] else now
         self.seen[r] = (beat, beat_changed, seq, seq_changed, data)
+        silent, stalled = now - beat_changed, now - seq_changed
         if data is None:
-            status = ReplicaStatus(r, silent_for=now - beat_changed, stalled_for=now - seq_changed)
+            status = ReplicaStatus(r, silent_for=silent, stalled_for=stalled)
         else:
-            status = status_from_record(r, data, now - beat_changed, now - seq_changed)
+            status = status_from_record(r, data, silent, stalled)
         host, boot, pid = (
             self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"])) or ("",) * 3
         )
         # the second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat
-        if status.silent_for > self.stale_after and host == self.host and boot == BOOT_ID and self.alive(int(pid)):
-            self._note_hidden(r, status.silent_for, pid)
-            return replace(status, silent_for=0.0, stalled_for=0.0)
+        if silent > self.stale_after and host == self.host and boot == BOOT_ID and self.alive(int(pid)):
+            return self._hidden_alive(status, pid)
         return status
 
     def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
@@ -309,19 +275,19 @@ class HeartbeatBook:
         if exit_code == 0:
             return replace(status, state="finished")
         if exit_code is None and status.silent_for > self.stale_after:
-            self._note_hidden(status.rank, status.silent_for, status.pid)
-            return replace(status, silent_for=0.0, stalled_for=0.0)
+            return self._hidden_alive(status, status.pid)
         return status
 
-    def _note_hidden(self, r: int, seconds: float, pid: int) -> None:
-        if r in self._hidden:
-            return
-        self._hidden.add(r)
-        warn(
-            f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {seconds:.1f} s, but its"
-            f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}' is hidden"
-            " by tampering, or it is frozen)"
-        )
+    def _hidden_alive(self, status: ReplicaStatus, pid: Any) -> ReplicaStatus:
+        r = status.rank
+        if r not in self._hidden:
+            self._hidden.add(r)
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {status.silent_for:.1f}"
+                f" s, but its process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under"
+                f" 'hb/{r}' is hidden by tampering, or it is frozen)"
+            )
+        return replace(status, silent_for=0.0, stalled_for=0.0)
 
 
 #: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
@@ -341,7 +307,7 @@ class Watchdog:
         *,
         interval: float | None = None,
         hosts_store: bool = False,
-        children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
+        children: Children | None = None,
         exit: Callable[[int], None] | None = None,
         token: str = "",
         namespace: str = "",
@@ -353,50 +319,41 @@ class Watchdog:
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
         self.grace = min(max(2 * self.interval, 1.0), 10.0)
         self.hosts_store = hosts_store
-        self._children, self._exit, self._token = children or (lambda: []), exit or exit_job, token
+        self._children, self._exit, self._token = children or list, exit or exit_job, token
         self._host, self._pid = socket.gethostname(), os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
-        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())
+        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
         self._state, self._error, self._local_failure = "running", "", False
-        self._waited_in_collective = False  # set when a collective failed here (the replica was waiting in it)
-        self._handled: BaseException | None = None  # the exception on_exception already dealt with
-        self._standing: Verdict | None = None  # the verdict on_exception reached
+        self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
+        self._handled: BaseException | None = None  # the exception on_exception dealt with, and its verdict
+        self._standing: Verdict | None = None
         # heartbeat thread only
-        self._beat = 0
-        self._book = HeartbeatBook(
-            rank, token, namespace, self._host, stale_after=max(3 * self.interval, 1.0), peers=peers
-        )
+        self._beat, self._bugs, self._reported = 0, 0, False
+        self._book = HeartbeatBook(rank, token, namespace, self._host, max(3 * self.interval, 1.0), peers=peers)
         self._store_lost_since: float | None = None
-        self._bugs = 0
         self._stop = threading.Event()
-        self._reported = False
         self._main_ident = threading.get_ident()
         self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Watchdog:
-        """Shared, not copied (this process's heartbeat thread and store connection), as the process group is."""
-        return self
+        return self  # shared, as the process group is (this process's thread and store connection)
 
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
         self._main_ident = threading.get_ident()
-        self._started = self._book.started = time.monotonic()
+        self._book.started = time.monotonic()
         self._publish()
         self._thread.start()
-        log.debug("watchdog started on rank %d: timeout %.1f s, heartbeat every %.2f s", self.rank, self.timeout,
-                  self.interval)  # fmt: skip
 
     @property
     def running(self) -> bool:
-        """Whether the heartbeat thread runs (started and not stopped)."""
         return self._thread.is_alive() and not self._stop.is_set()
 
     @property
     def phase(self) -> Phase:
-        """Where the training thread was at its last :meth:`mark`."""
         return self._progress[2]
 
     def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
@@ -408,33 +365,29 @@ class Watchdog:
         self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
 
     def arm(self, loop: str) -> None:
-        """Note that the training thread entered a loop (``"fit"`` or ``"eval"``); progress counts as made."""
+        """The training thread entered a loop (``"fit"`` or ``"eval"``); progress counts as made."""
         self._armed.add(loop)
-        self.mark(self._progress[2])
+        self.mark(self.phase)
 
     def disarm(self, loop: str) -> None:
         self._armed.discard(loop)
-        self.mark(self._progress[2])
+        self.mark(self.phase)
 
-    def finish(self, *, wait: bool = True) -> None:
-        """Normal end of this replica's run: say so, then (``wait``) wait until every replica has finished."""
+    def finish(self) -> None:
+        """Normal end of this replica's run: say so, wait until every replica has finished, stop."""
         self.mark(Phase.TEARDOWN)
-        if self._state == "running":
-            self._state = "finished"
-        try:
+        self._state = "finished" if self._state == "running" else self._state
+        with contextlib.suppress(StoreUnreachable):
             self._publish()
-            while wait and not self._stop.is_set():
+            while not self._stop.is_set():
                 if all(s.state == "finished" for s in self._statuses() if s.rank != self.rank):
                     break
                 time.sleep(min(self.interval, 0.2))
-        except StoreUnreachable:
-            pass
         self.stop()
 
     def stop(self) -> None:
         """Stop the thread (normal end, or this replica's own exception is reaching the caller)."""
-        if self._state == "running":
-            self._state = "finished"
+        self._state = "finished" if self._state == "running" else self._state
         self._stop.set()
         with contextlib.suppress(Exception):
             self._publish()
@@ -445,35 +398,30 @@ class Watchdog:
         """The training thread is raising: make sure the whole job ends, and say who is to blame."""
         if self._handled is exception or isinstance(exception, JobEnded):
             return self._standing
-        self._handled = exception
-        self._standing = None
-        if is_sigterm_exit(exception):  # preemption (exit 143, lightning_het.reliability.preemption): not a failure
+        self._handled, self._standing = exception, None
+        if is_sigterm_exit(exception):  # preemption (exit 143): not a failure
             self.stop()
             return None
         try:
             self._local_failure = True
-            interruption = interruption_of(exception)
             record = self._abort_record()
             if record is not None:
                 self._acknowledge()
                 self._standing = record
-                self._save_emergency(record)
-                return record
-            if interruption is None and is_collective_failure(exception):
-                verdict = self._judge_collective_failure(exception)
+            elif not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
+                self._standing = self._decide(self._judge_collective_failure(exception))
             else:
-                self._state, self._error = interruption or "failed", first_line(exception)
+                self._state = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
+                self._error = first_line(exception)
                 self._publish()
                 verdict = judge(self._statuses(), self.timeout)
-            if verdict is not None:
-                self._standing = self._decide(verdict)
+                self._standing = None if verdict is None else self._decide(verdict)
+            if self._standing is not None:
                 self._save_emergency(self._standing)
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
-                message = (
-                    f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising {first_line(exception)}"
-                )
-                self._standing = Verdict("lost_store", (0,), 0.0, message)
+                message = f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising"
+                self._standing = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
                 self._report(self._standing)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
             log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
@@ -486,17 +434,15 @@ class Watchdog:
             try:
                 record = self._abort_record()
                 if record is not None:
-                    self._end(record)
-                    return
-                verdict = self._check_children()
+                    return self._end(record)
+                verdict = check_children(self._children())
                 if verdict is None and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
                     self._publish()
                     verdict = judge(self._statuses(), self.timeout)
                 self._store_lost_since = None
                 if verdict is not None:
-                    self._end(self._decide(verdict))
-                    return
+                    return self._end(self._decide(verdict))
             except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
                 if self._stop.is_set():
                     return
@@ -504,8 +450,7 @@ class Watchdog:
                 lost = time.monotonic() - self._store_lost_since
                 if lost > self.timeout:
                     message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
-                    self._end(Verdict("lost_store", (0,), lost, message))
-                    return
+                    return self._end(Verdict("lost_store", (0,), lost, message))
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
                 if self._bugs == 1:
@@ -531,13 +476,10 @@ class Watchdog:
     def _statuses(self) -> list[ReplicaStatus]:
         now = time.monotonic()
         keys = [f"hb/{r}" for r in range(self.world_size)]
-        raw: dict[int, Any] = {}
         if self.store.check(keys):
             raw = dict(enumerate(self.store.multi_get(keys)))
         else:
-            for r, key in enumerate(keys):
-                if self.store.check([key]):
-                    raw[r] = self.store.get(key)
+            raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
         children = dict(self._children())
         statuses = []
         for r in range(self.world_size):
@@ -549,9 +491,6 @@ class Watchdog:
             statuses.append(status if child is None else self._book.child_status(status, child.poll()))
         return statuses
 
-    def _check_children(self) -> Verdict | None:
-        return check_children(self._children())
-
     def _judge_collective_failure(self, exception: BaseException) -> Verdict:
         """A collective failed here: find the peer at fault (a dead one shows within a few heartbeats)."""
         deadline = time.monotonic() + min(max(3 * self.interval, 1.0), self.timeout)
@@ -561,9 +500,8 @@ class Watchdog:
             record = self._abort_record()
             if record is not None:
                 return record
-            verdict = self._check_children() or judge(
-                self._statuses(), self.timeout, silence_timeout=2.5 * self.interval
-            )
+            silence = 2.5 * self.interval
+            verdict = check_children(self._children()) or judge(self._statuses(), self.timeout, silence_timeout=silence)
             if verdict is not None or time.monotonic() >= deadline:
                 break
             time.sleep(self.interval)
@@ -572,8 +510,8 @@ class Watchdog:
         cause = first_line(exception)
         if verdict is None:
             return Verdict("hung", (), 0.0, f"a collective failed on replica {self.rank} ({cause})")
-        return Verdict(verdict.kind, verdict.culprits, verdict.seconds, f"{verdict.message}; on replica"
-                       f" {self.rank} a collective failed: {cause}")  # fmt: skip
+        message = f"{verdict.message}; on replica {self.rank} a collective failed: {cause}"
+        return Verdict(verdict.kind, verdict.culprits, verdict.seconds, message)
 
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
@@ -584,8 +522,7 @@ class Watchdog:
     def _decide(self, verdict: Verdict) -> Verdict:
         """Publish ``verdict`` unless another replica already did; return the one that stands."""
         record = self._book.sign("abort", verdict.to_json())
-        current = self.store.compare_set("abort", "", record)
-        payload = self._book.verify("abort", current)  # None: the signature does not match
+        payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
         if payload is None:  # a forged record holds the key: replace it with ours
             self.store.set("abort", record)
             payload = verdict.to_json()
@@ -597,12 +534,12 @@ class Watchdog:
         return standing
 
     def _report(self, verdict: Verdict) -> None:
-        if self._reported:
-            return
-        self._reported = True
-        ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
-        hint = HINTS.get(verdict.kind, HINTS["hung"])
-        warn(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}", logging.ERROR)
+        if not self._reported:
+            self._reported = True
+            ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
+            hint = HINTS.get(verdict.kind, HINTS["hung"])
+            message = f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}"
+            log.error(message)
 
     def _acknowledge(self) -> None:
         with contextlib.suppress(Exception):
@@ -635,8 +572,8 @@ class Watchdog:
         if self.hosts_store:
             with contextlib.suppress(Exception):
                 self._await_acknowledgements(verdict)
-        # the training thread is unwinding its own exception: let it end the process once the Trainer tore down (the
-        # exception then reaches the caller, who decides); end it here only if the teardown hangs
+        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
+        # exception then reaches the caller); end it here only if the teardown hangs
         if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
             return
         kill_children(self._children())
@@ -645,7 +582,11 @@ class Watchdog:
         self._exit(exit_code_for(verdict))
 
 
-_generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
+def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:
+    def hook(self: WatchdogCallbackMixin, *args: Any, **kwargs: Any) -> None:
+        self.watchdog.mark(phase, new_batch=new_batch)
+
+    return hook
 
 
 class WatchdogCallbackMixin:
@@ -654,11 +595,10 @@ class WatchdogCallbackMixin:
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
 
-    # loops
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, *args: Any) -> None:
         self.watchdog.arm("fit")
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, *args: Any) -> None:
         self.watchdog.disarm("fit")
         self.watchdog.emergency = None  # the fit is over: nothing left to save
 
@@ -670,51 +610,30 @@ class WatchdogCallbackMixin:
         self.watchdog.mark(Phase.EVAL_DONE)
         self.watchdog.disarm("eval")
 
-    on_validation_start = on_test_start = on_predict_start = _eval_start
-    on_validation_end = on_test_end = on_predict_end = _eval_end
-
-    # training batch
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self.watchdog.mark(Phase.TRAINING_STEP, new_batch=True)
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self.watchdog.mark(Phase.BACKWARD)
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.watchdog.mark(Phase.OPTIMIZER_STEP)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.mark(Phase.BETWEEN_BATCHES)
         emergency = self.watchdog.emergency
         if emergency is not None and not should_accumulate(trainer):
             emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
 
-    def _between(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.BETWEEN_BATCHES)
-
-    on_train_epoch_start = on_train_epoch_end = _between
-
-    # evaluation batches
-    def _eval_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
-    ) -> None:
+    def _eval_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
 
-    def _eval_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_LOADING)
-
-    def _eval_epoch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_EPOCH_END)  # the callbacks' hooks run before the LightningModule's
-
-    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
-    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_batch_end
-    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _eval_epoch_end
-
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+    def on_save_checkpoint(self, *args: Any) -> None:
         self.watchdog.mark(self.watchdog.phase)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
+
+    on_validation_start = on_test_start = on_predict_start = _eval_start
+    on_validation_end = on_test_end = on_predict_end = _eval_end
+    on_train_batch_start = _marks(Phase.TRAINING_STEP, new_batch=True)
+    on_before_backward, on_after_backward = _marks(Phase.BACKWARD), _marks(Phase.OPTIMIZER_STEP)
+    on_train_epoch_start = on_train_epoch_end = _marks(Phase.BETWEEN_BATCHES)
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _marks(Phase.EVAL_LOADING)
+    # the callbacks' epoch-end hooks run before the LightningModule's
+    on_validation_epoch_end = on_test_epoch_end = on_predict_epoch_end = _marks(Phase.EVAL_EPOCH_END)
 
 
 class WatchdogCallback(WatchdogCallbackMixin, Callback):
@@ -724,48 +643,3 @@ class WatchdogCallback(WatchdogCallbackMixin, Callback):
 def _stage(trainer: pl.Trainer) -> str:
     stage = trainer.state.stage
     return str(stage.value) if stage is not None else ""
-
-
-def start_watchdog(strategy: Any, timeout: timedelta | float | None, trainer: Any = None) -> Watchdog | None:
-    """Start a :class:`Watchdog` for this replica (multi-replica jobs with a ``timeout`` only), in phase ``SETUP``."""
-    seconds = as_seconds(timeout)
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
-        return None
-    token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
-    base = default_store()  # torchrun's agent store outlives rank 0
-    namespace = f"lightning_het/watchdog/{next(_generation)}/"
-    store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    identities: list[Any] = [None] * world_size
-    dist.all_gather_object(identities, (socket.gethostname(), BOOT_ID, os.getpid()))  # not through the store
-    first = strategy.node_rank * strategy.num_processes  # the global rank of this node's local rank 0
-
-    def children() -> list[tuple[int, subprocess.Popen]]:  # the local replicas this process launched
-        return [(first + i, proc) for i, proc in enumerate(launched_replicas(strategy.launcher), start=1)]
-
-    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
-    watchdog = Watchdog(store, rank, world_size, seconds, hosts_store=hosts_store, children=children, token=token,
-                        namespace=namespace, peers=dict(enumerate(identities)))  # fmt: skip
-    watchdog.start()
-    if trainer is not None:
-        attach_watchdog(watchdog, trainer)
-    return watchdog
-
-
-def attach_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer) -> None:
-    """Give ``trainer`` the :class:`WatchdogCallback` of ``watchdog`` (replacing an older one)."""
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, WatchdogCallbackMixin)]
-    if watchdog is not None:  # the trainer's own package's Callback
-        trainer.callbacks.append(trainer_flavour(trainer).WatchdogCallback(watchdog))
-
-
-def stop_watchdog(watchdog: Watchdog | None, trainer: pl.Trainer | None = None, *, finished: bool = False) -> None:
-    """Stop ``watchdog`` and remove its callback; ``finished``: first wait until every replica finished."""
-    if watchdog is None:
-        return
-    if finished:
-        watchdog.finish()
-    else:
-        watchdog.stop()
-    if trainer is not None:
-        attach_watchdog(None, trainer)

@@ -92,7 +92,7 @@ def test_memory_cap_search() -> None:
 
 def test_policy_measured_speeds() -> None:
     """
-    >>> measured_speeds([4, 4], [AffineCost(0.0, 0.01), AffineCost(0.0, 0.0125)], {})
+    >>> BalancePolicy(HeterogeneousConfig()).measured_speeds([AffineCost(0.0, 0.01), AffineCost(0.0, 0.0125)], [4, 4])
     [90.0, 90.0]
     """
 

@@ -751,7 +751,7 @@ def test_a_replica_starts_with_the_command_lightnings_launcher_uses(monkeypatch,
 
     monkeypatch.setattr(__main__, "__spec__", SimpleNamespace(name=module) if module else None)
     monkeypatch.setattr(sys, "argv", ["train.py", "trainer.max_epochs=2"])
-    monkeypatch.setattr(launch, "_hydra_in_use", lambda: hydra)
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: hydra))
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(run=SimpleNamespace(dir="out/run"))))
     monkeypatch.setattr(hydra_utils, "get_original_cwd", lambda: "/jobs/first")
     monkeypatch.setattr(hydra_utils, "to_absolute_path", lambda path: f"/jobs/first/{path}")

@@ -164,10 +164,10 @@ def test_a_long_error_keeps_its_hint_in_the_verdict():
 def test_launching_process_notices_a_local_replica_that_exited():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     child.wait()
-    recorder = ExitRecorder()
-    dog = Watchdog(dist.HashStore(), 0, 2, 30.0, interval=0.05, exit=recorder, children=lambda: [(1, child)])
-    dog._started = time.monotonic()
-    verdict = dog._check_children()
+    recorder, store = ExitRecorder(), dist.HashStore()
+    Watchdog(store, 0, 2, 30.0, interval=0.05, exit=recorder, children=lambda: [(1, child)]).start()
+    assert recorder.done.wait(10) and recorder.codes == [WATCHDOG_EXIT_CODE]  # long before the timeout
+    verdict = Verdict.from_json(store.get("abort"))
     assert verdict.kind == "exited" and verdict.culprits == (1,)
     assert "exit status 3" in verdict.message
 
