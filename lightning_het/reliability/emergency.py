@@ -218,11 +218,16 @@ class EmergencyCheckpoint:
 
 
 def _read(store: Any, prefix: str, names: Sequence[Any], deadline: float) -> dict[Any, str]:
-    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out)."""
-    keys = {name: f"{prefix}{name}" for name in names}
-    with contextlib.suppress(RuntimeError):  # timed out
-        store.wait(list(keys.values()), timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    return {name: store.get(key).decode() for name, key in keys.items() if store.check([key])}
+    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out; polled: a timed-out
+    ``store.wait`` can leave a TCPStore client out of step)."""
+    found: dict[Any, str] = {}
+    while True:
+        for name in names:
+            if name not in found and store.check([f"{prefix}{name}"]):
+                found[name] = store.get(f"{prefix}{name}").decode()
+        if len(found) == len(names) or time.monotonic() >= deadline:
+            return found
+        time.sleep(_POLL_S)
 
 
 def _say(message: str) -> None:
