@@ -351,10 +351,6 @@ class Guards:
         with self.emergency.update(closure, trainer.global_step + 1) as locked:
             return step(locked)
 
-    def release_watchdog(self) -> Watchdog | None:
-        watchdog, self.watchdog = self.watchdog, None
-        return watchdog
-
     def stop_watchdog(self, trainer: Any, *, finished: bool) -> None:
         """Stop the watchdog and remove its callback; ``finished``: first wait until every replica finished."""
         watchdog, self.watchdog = self.watchdog, None
