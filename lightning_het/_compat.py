@@ -1,8 +1,5 @@
-"""The private Lightning and torch APIs that lightning-het relies on, imported in one place.
-
-Behind one guard, an upstream change becomes one clear import-time error naming the missing API; no other module
-imports a private Lightning or torch name.
-"""
+"""The private Lightning and torch APIs that lightning-het relies on, imported in one place: an upstream change becomes
+one clear import-time error naming the missing API; no other module imports a private Lightning or torch name."""
 
 from __future__ import annotations
 
@@ -37,11 +34,10 @@ __all__ = ["_get_dataloader_init_args_and_kwargs"]
 
 
 def default_store() -> object:
-    """The ``torch.distributed.Store`` of the default process group (it must exist; torch has no public getter)."""
+    """The ``torch.distributed.Store`` of the default process group (it must exist)."""
     return _get_default_store()
 
 
-# ---------------------------------------------------------------- private attributes of Lightning's trainer and loops
 def _private_attribute(owner: Any, name: str) -> Any:
     try:
         return getattr(owner, name)
@@ -50,8 +46,7 @@ def _private_attribute(owner: Any, name: str) -> Any:
 
 
 def attached_trainer(module: Any) -> Any:
-    """The trainer a LightningModule is attached to, or ``None`` (also under Fabric, where ``module.trainer`` is a
-    stand-in, and for a plain module); public API only: ``module.trainer`` raises when there is none."""
+    """The Trainer a LightningModule is attached to, else ``None`` (also under Fabric, and for a plain module)."""
     if module is None or getattr(module, "fabric", None) is not None:
         return None
     try:
@@ -61,24 +56,19 @@ def attached_trainer(module: Any) -> Any:
 
 
 def training_loaders(trainer: Any) -> list[Any] | None:
-    """The fit loop's current training loaders, flattened as its ``CombinedLoader`` flattens them (``None`` before
-    the loop built them); public API: ``trainer.train_dataloader``."""
-    iterables = trainer.train_dataloader
-    return None if iterables is None else _leaves(iterables)
+    """The fit loop's training loaders, flattened as its ``CombinedLoader`` flattens them (``None`` before it built
+    them)."""
 
+    def leaves(tree: Any) -> list[Any]:
+        tree = list(tree.values()) if isinstance(tree, dict) else tree
+        return [leaf for branch in tree for leaf in leaves(branch)] if isinstance(tree, (list, tuple)) else [tree]
 
-def _leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        return [leaf for branch in tree for leaf in _leaves(branch)]
-    return [tree]
+    return None if trainer.train_dataloader is None else leaves(trainer.train_dataloader)
 
 
 def should_accumulate(trainer: Any) -> bool:
-    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it): the fit loop's own
-    rule, from public attributes (the step comes every ``accumulate_grad_batches`` batches and after the epoch's last
-    one, unless the strategy accumulates across it)."""
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it): the fit loop's rule,
+    from public attributes."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     ready = progress.current.ready
     if ready % trainer.accumulate_grad_batches == 0:
@@ -88,15 +78,13 @@ def should_accumulate(trainer: Any) -> bool:
 
 
 def restore_checkpoint(trainer: Any, path: str) -> None:
-    """Load ``path`` as ``trainer.fit(ckpt_path=path)`` would before the strategy's setup: the model, the datamodule
-    and the callbacks now, the optimizers and loops when the fit restores its training state (the connector's
-    private step; ``ckpt_path`` restores only after the strategy's setup)."""
+    """Load ``path`` as ``trainer.fit(ckpt_path=path)`` would, before the strategy's setup: the model, datamodule and
+    callbacks now, the optimizers and loops when the fit restores its training state."""
     _private_attribute(trainer, "_checkpoint_connector")._restore_modules_and_callbacks(path)
 
 
 def replace_signal_connector(trainer: Any, connector: Any) -> None:
-    """Install ``connector`` where the trainer keeps its signal connector (it registers the signal handlers; the
-    trainer has no public hook for it)."""
+    """Install ``connector`` as the trainer's signal connector (no public hook registers the signal handlers)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
 
@@ -105,11 +93,8 @@ _RECORDING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the wrapp
 
 
 def record_loader_arguments(trainer: Any) -> None:
-    """Make the loader Lightning re-creates around its distributed sampler record its ``__init__`` arguments.
-
-    Lightning re-creates it without ``_replace_dunder_methods``, so a subclass with arguments of its own could not be
-    re-created once more from the copy; the sampler injection runs under the wrapper from here on (idempotent).
-    """
+    """Make the loader Lightning re-creates around its distributed sampler record its ``__init__`` arguments, so that
+    a subclass with arguments of its own can be re-created from the copy (idempotent)."""
     from torch.utils.data import BatchSampler, DataLoader
 
     connector = _private_attribute(trainer, "_data_connector")
@@ -125,16 +110,13 @@ def record_loader_arguments(trainer: Any) -> None:
     connector._prepare_dataloader = prepare_recording
 
 
-# ------------------------------------------------------ private attributes of torch, the stdlib and Lightning helpers
 def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current backward pass has finished (called from inside a backward hook); torch's
-    ``Variable._execution_engine.queue_callback``, which has no public equivalent."""
+    """Run ``callback`` when the current backward pass has finished (from inside a backward hook)."""
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(callback)
 
 
 def wrapped_sampler(sampler: Any) -> Any:
-    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (its dataset keeps it as ``_sampler``), or
-    ``None`` when ``sampler`` is no such wrapper; the wrapper gives it no public name."""
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper``, else ``None``."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)

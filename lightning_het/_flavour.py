@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -25,6 +25,12 @@ class TrainerFlavour:
     BalanceCallback: type
     MixedAccelerator: type
     Preempted: type
+
+    @classmethod
+    def of(cls, names: dict[str, Any]) -> TrainerFlavour:
+        """The flavour of the names in ``names`` (a module's globals); ``BalanceCallback``: ours, by its name."""
+        names = {**names, "BalanceCallback": names["HeterogeneousBalanceCallback"]}
+        return cls(**{field.name: names[field.name] for field in fields(cls)})
 
 
 #: standalone or not -> its flavour, built on first use by what the module composing our classes registered

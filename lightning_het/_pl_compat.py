@@ -3,15 +3,15 @@ with that package's classes by plain class statements (public import: :mod:`ligh
 
 from __future__ import annotations
 
-from lightning_fabric.utilities.seed import reset_seed
+from lightning_fabric.utilities.seed import reset_seed  # noqa: F401 - read by name from globals()
 from pytorch_lightning.accelerators import Accelerator
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: F401
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour
-from lightning_het.balance.monitor import BalanceCallbackMixin
+from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.balance.profiler import ProfilerCallbackMixin
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
@@ -31,7 +31,7 @@ class ProfilerCallback(ProfilerCallbackMixin, Callback):
     """Forwards the end of every training step to the in-loop profiler (``pytorch_lightning``)."""
 
 
-class HeterogeneousBalanceCallback(BalanceCallbackMixin, Callback):
+class HeterogeneousBalanceCallback(BalanceMonitor, Callback):
     """Forwards the fit loop's epoch hooks to the balance monitor (``pytorch_lightning``)."""
 
 
@@ -47,17 +47,5 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`lightning_het.HeterogeneousStrategy` on the standalone ``pytorch_lightning`` package."""
 
 
-TRAINER_FLAVOUR = TrainerFlavour(
-    TrainerFn=TrainerFn,
-    TrainerStatus=TrainerStatus,
-    RunningStage=RunningStage,
-    ModelCheckpoint=ModelCheckpoint,
-    reset_seed=reset_seed,
-    WatchdogCallback=WatchdogCallback,
-    PreemptionCallback=PreemptionCallback,
-    ProfilerCallback=ProfilerCallback,
-    BalanceCallback=HeterogeneousBalanceCallback,
-    MixedAccelerator=MixedAccelerator,
-    Preempted=Preempted,
-)
+TRAINER_FLAVOUR = TrainerFlavour.of(globals())
 register_trainer_flavour(True, lambda: TRAINER_FLAVOUR)

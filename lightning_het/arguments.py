@@ -40,38 +40,32 @@ def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int
     return number
 
 
-def finite_positive_list(name: str, values: Sequence[float] | None, *, minimum: float = 0.0) -> list[float] | None:
-    """``values`` as a non-empty list of finite floats ``> minimum``; ``None`` stays ``None``."""
+def finite_positive_list(name: str, values: Sequence[float] | None) -> list[float] | None:
+    """``values`` as a non-empty list of finite floats ``> 0``; ``None`` stays ``None``."""
     if values is None:
         return None
+    expected = f"Expected argument `{name}` to be a sequence of numbers"
     if isinstance(values, (str, bytes)):  # "1,3" would otherwise be read character by character
-        raise _error(name, f"Expected argument `{name}` to be a sequence of numbers, but got the string {values!r}.")
+        raise _error(name, f"{expected}, but got the string {values!r}.")
     if isinstance(values, Mapping):  # a dict would otherwise be read as its keys
-        raise _error(
-            name,
-            f"Expected argument `{name}` to be a sequence of numbers (one per replica), but got the mapping {values!r}."
-            f" HINT: list the values in rank order, e.g. {list(values.values())!r}.",
-        )
-    if not isinstance(values, Sequence):
-        try:
-            values = list(values)  # e.g. an omegaconf ListConfig
-        except TypeError:
-            raise _error(name, f"Expected argument `{name}` to be a sequence of numbers, but got {values!r}.") from None
-    out = []
+        hint = f"HINT: list the values in rank order, e.g. {list(values.values())!r}."
+        raise _error(name, f"{expected} (one per replica), but got the mapping {values!r}. {hint}")
+    try:
+        values = list(values)  # e.g. an omegaconf ListConfig
+    except TypeError:
+        raise _error(name, f"{expected}, but got {values!r}.") from None
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):  # True would count as 1, "2" as 2.0
             raise _error(name, f"Expected argument `{name}` to hold real numbers, but `{name}[{i}]` is {v!r}.")
-        f = float(v)
-        if not math.isfinite(f) or f <= minimum:
+        if not math.isfinite(v) or v <= 0:
             raise _error(
                 name,
-                f"Expected argument `{name}` to hold finite numbers > {minimum}, but `{name}[{i}]` is {v!r}"
-                f" ({name}={list(values)}).",
+                f"Expected argument `{name}` to hold finite numbers > 0.0, but `{name}[{i}]` is {v!r}"
+                f" ({name}={values}).",
             )
-        out.append(f)
-    if not out:
+    if not values:
         raise _error(name, f"Expected argument `{name}` to be non-empty.")
-    return out
+    return [float(v) for v in values]
 
 
 def int_list(name: str, values: Any, alternatives: str = "") -> list[int] | None:
@@ -129,8 +123,7 @@ def as_timeout(name: str, value: Any) -> timedelta | None:
 
 
 def validate_resume(value: Any) -> str | bool | None:
-    """``resume``: ``"auto"`` (resume from the newest checkpoint of this run), ``None`` (only a restarted elastic
-    worker does) or ``False`` (never)."""
+    """``resume``: ``"auto"``, ``None`` (only a restarted elastic worker resumes) or ``False`` (never)."""
     if value is None or value is False or value == "auto":
         return value
     raise _error(
@@ -173,30 +166,29 @@ def check_sync_args(
     *,
     comm: str = "node_local",
 ) -> None:
-    """``comm="node_local"``'s sync keywords. A value other than the default is
-    refused where nothing reads it: in another ``comm`` mode (``"auto"`` never resolves to ``"node_local"``), and
-    ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"`` (plain averaging has no outer optimizer;
-    a callable builds its own)."""
+    """``comm="node_local"``'s sync keywords; a value other than the default is refused where nothing reads it (another
+    ``comm`` mode; ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"``)."""
     if not (outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)):
         raise _error(
             "outer_optimizer",
             "Expected argument `outer_optimizer` to be None (plain averaging), one of ['nesterov'] or a"
             f" callable building a torch optimizer from a list of tensors, but got {outer_optimizer!r}.",
         )
-    numbers = {"outer_lr": (outer_lr, "> 0"), "outer_momentum": (outer_momentum, "in [0, 1)")}
-    for name, (value, rule) in numbers.items():
+    for name, value, rule in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
             raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
-    choices_of = {
-        "sync_dtype": (sync_dtype, ("float32", "bfloat16", "int8")),
-        "merge_weights": (merge_weights, ("samples", "nodes")),
-    }
-    for name, (value, choices) in choices_of.items():
+    for name, value, choices in (
+        ("sync_dtype", sync_dtype, ["float32", "bfloat16", "int8"]),
+        ("merge_weights", merge_weights, ["samples", "nodes"]),
+    ):
         if value not in choices:
-            raise _error(name, f"Expected argument `{name}` to be one of {list(choices)}, but got {value!r}.")
+            raise _error(name, f"Expected argument `{name}` to be one of {choices}, but got {value!r}.")
     given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
-    changed = [n for n, v in given.items() if not _is_default(v, SYNC_DEFAULTS[n])]
+    # a callable is never a default
+    changed = [
+        n for n, v in given.items() if not (v is SYNC_DEFAULTS[n] or (not callable(v) and v == SYNC_DEFAULTS[n]))
+    ]
     if comm != "node_local" and changed:
         name = changed[0]
         resolves = " (which resolves to 'hierarchical' or 'allreduce', never to 'node_local')" if comm == "auto" else ""
@@ -217,11 +209,6 @@ def check_sync_args(
             )
 
 
-def _is_default(value: Any, default: Any) -> bool:
-    """Whether ``value`` is ``default`` (``0.7 == 0.7``; a callable is never a default)."""
-    return value is default or (not callable(value) and value == default)
-
-
 #: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)
 _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
@@ -238,12 +225,9 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
     from torch.nn.parallel import DistributedDataParallel
 
     ddp_cls = next((c for c in strategy_cls.__mro__ if c.__name__ == "DDPStrategy"), None)
-    ddp_names = _named_parameters(ddp_cls.__init__) if ddp_cls is not None else set()  # type: ignore[misc]
-    wrapper_names = _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
-    known = ddp_names | wrapper_names
-    for name in kwargs:
-        if name in known:
-            continue
+    known = _named_parameters(ddp_cls.__init__) if ddp_cls is not None else set()  # type: ignore[misc]
+    known |= _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
+    for name in [name for name in kwargs if name not in known]:
         close = difflib.get_close_matches(name, sorted(known | set(own)), n=1)
         if name in ("module", "device_ids"):
             hint = "the strategy sets it when it wraps the model (one device per replica); drop it."

@@ -34,7 +34,7 @@ from lightning_het.arguments import (
     threshold,
     validate_resume,
 )
-from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
+from lightning_het.comm.algorithms import FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
 
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0
@@ -42,9 +42,8 @@ DEFAULT_GRACE = 25.0
 
 @dataclass(frozen=True)
 class Profiling:
-    """How the first training steps measure the replicas' speeds (``steps`` per trial split after ``warmup``
-    equal-split steps; ``cache``: a directory, or ``True`` for the default one), when the allocation is revised
-    (``rebalance_every_n_epochs`` / ``rebalance_threshold``), and ``telemetry`` (see ``docs/strategy.md``)."""
+    """How the first steps measure the replicas' speeds, when the allocation is revised, and ``telemetry``
+    (``docs/strategy.md``)."""
 
     steps: int = 2
     warmup: int = 1
@@ -76,9 +75,7 @@ class Profiling:
 
 @dataclass(frozen=True)
 class Reliability:
-    """Start-up and preemption settings: ``startup_timeout`` (seconds or a ``timedelta``), ``preemption_checkpoint``
-    (``None``: beside the first ``ModelCheckpoint``; ``False``: none), ``preemption_grace`` (seconds from ``SIGTERM``
-    to save and exit) and ``resume`` (``"auto"``, ``None``: only a restarted torchelastic worker, or ``False``)."""
+    """Start-up and preemption settings and ``resume`` (``docs/strategy.md``)."""
 
     startup_timeout: float | timedelta | None = None
     preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None = None
@@ -104,8 +101,7 @@ class Reliability:
 
 @dataclass(frozen=True)
 class HeterogeneousConfig:
-    """Every setting of the strategy, flat and normalised (``int``, ``float``, ``timedelta``); ``None``: not given.
-    Built by :func:`strategy_config`; treat the lists as read-only."""
+    """Every setting of the strategy, flat and normalised; ``None``: not given. Treat the lists as read-only."""
 
     global_batch_size: int | None = None
     speeds: list[float] | None = None
@@ -138,13 +134,12 @@ class HeterogeneousConfig:
 
     @classmethod
     def from_keywords(cls, **flat: Any) -> HeterogeneousConfig:
-        """The balancing settings of ``flat`` checked and normalised (the grouped ones were checked by their
-        objects); an :class:`ArgumentError` names the first impossible one."""
+        """``flat`` checked (the grouped settings by their objects) and normalised; :class:`ArgumentError`."""
         out = dict(flat)
         out["global_batch_size"] = positive_int("global_batch_size", out.get("global_batch_size"))
         out["speeds"] = finite_positive_list("speeds", out.get("speeds"))
         least = out["min_batch_size"] = positive_int("min_batch_size", out.get("min_batch_size", 1), allow_none=False)
-        bounds = int_list("max_batch_sizes", out.get("max_batch_sizes"))
+        out["max_batch_sizes"] = bounds = int_list("max_batch_sizes", out.get("max_batch_sizes"))
         for i, bound in enumerate(bounds or []):
             if bound < least:  # type: ignore[operator]
                 raise ArgumentError(
@@ -152,18 +147,15 @@ class HeterogeneousConfig:
                     f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={least}, but"
                     f" `max_batch_sizes[{i}]` is {bound}.",
                 )
-        out["max_batch_sizes"] = bounds
         if out.get("max_micro_batch_sizes") != "auto":  # "auto": measured by a short search on the first steps
             caps = out.get("max_micro_batch_sizes")
             out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", caps, 'or "auto"')
         nodes = out.get("node_ids")
         if nodes is not None:
             nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
-        comm = out.get("comm", "auto")
-        check_comm_args(
-            comm, out.get("global_sync_every"), out.get("comm_warmup_steps", 0), warmup_name="comm_warmup_steps"
-        )
-        if comm == "node_local" and nodes is not None and len(set(nodes)) < 2:
+        sync_every, warmup = out.get("global_sync_every"), out.get("comm_warmup_steps", 0)
+        check_comm_args(out.get("comm", "auto"), sync_every, warmup, warmup_name="comm_warmup_steps")
+        if out.get("comm") == "node_local" and nodes is not None and len(set(nodes)) < 2:
             raise ArgumentError(
                 "node_ids",
                 f"You set `comm='node_local'`, but `node_ids={nodes}` puts every replica on one node, so node-local"
@@ -176,8 +168,7 @@ class HeterogeneousConfig:
             out[name] = as_timeout(name, out.get(name))
         if out.get("preemption_checkpoint"):
             out["preemption_checkpoint"] = os.fspath(out["preemption_checkpoint"])
-        if "outer_lr" in out:
-            out["outer_lr"], out["outer_momentum"] = float(out["outer_lr"]), float(out["outer_momentum"])
+        out |= {name: float(out[name]) for name in ("outer_lr", "outer_momentum") if name in out}
         return cls(**out)
 
     def check_world(self, num_nodes: int, devices: int) -> None:
@@ -185,16 +176,10 @@ class HeterogeneousConfig:
         world = num_nodes * devices
         if world < 1:
             return
-        caps = None if self.max_micro_batch_sizes == "auto" else self.max_micro_batch_sizes
-        for name, values in (
-            ("speeds", self.speeds),
-            ("max_batch_sizes", self.max_batch_sizes),
-            ("node_ids", self.node_ids),
-            ("emulate_slowdown", self.emulate_slowdown),
-            ("max_micro_batch_sizes", caps),
-            ("emulate_memory_cap", self.emulate_memory_cap),
-        ):
-            if values is not None and len(values) != world:
+        lists = ("speeds", "max_batch_sizes", "node_ids", "emulate_slowdown", "max_micro_batch_sizes")
+        for name in (*lists, "emulate_memory_cap"):
+            values = getattr(self, name)
+            if values is not None and values != "auto" and len(values) != world:
                 raise ValueError(
                     f"You set `{name}` with {len(values)} entries ({list(values)}), but the job has {world} replicas"
                     f" (num_nodes={num_nodes} x devices={devices}). HINT: give one entry per global rank."
@@ -216,21 +201,13 @@ DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
     **{name: ("profiling", name) for name in ("rebalance_every_n_epochs", "rebalance_threshold", "telemetry")},
     **{f.name: ("reliability", f.name) for f in fields(Reliability)},
 }
+_OLD_NAMES = {new: old for old, new in DEPRECATED_KEYWORDS.items()}
 _GROUPS: dict[str, type] = {"profiling": Profiling, "reliability": Reliability}
 
 #: settings a Fabric loop cannot run (they need the Trainer's loop)
-TRAINER_ONLY = (
-    "max_micro_batch_sizes",
-    "device_map",
-    "cpu_threads",
-    "emulate_slowdown",
-    "emulate_memory_cap",
-    "rebalance_every_n_epochs",
-    "rebalance_threshold",
-    "preemption_checkpoint",
-    "preemption_grace",
-    "resume",
-)
+TRAINER_ONLY = ("max_micro_batch_sizes", "device_map", "cpu_threads", "emulate_slowdown", "emulate_memory_cap")
+TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_checkpoint", "preemption_grace")
+TRAINER_ONLY += ("resume",)
 
 
 def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -259,71 +236,47 @@ def new_form(old: Mapping[str, Any], comm: Any = "auto") -> str:
 
 
 def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Flat keywords (the deprecated ones among them, e.g. a config file's) in the typed form, with the same meaning:
-    the strategy's keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode
-    does not read are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a ``UserWarning``); a bad value
-    raises :class:`ArgumentError` naming the flat keyword.
+    """Flat keywords (the deprecated ones among them) in the typed form, with the same meaning: the strategy's
+    keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode does not read
+    are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a ``UserWarning``); a bad value raises
+    :class:`ArgumentError` naming the flat keyword.
 
     >>> typed_keywords({"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]})
     ... # doctest: +ELLIPSIS
     ({'comm': NodeLocal(sync_every=4, ...), 'profiling': Profiling(steps=3, ...)}, {'slowdown': [1, 2]})
     """
     out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
-    groups = _grouped(flat)
-    comm = out.get("comm", "auto")
+    groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:
-        if not isinstance(comm, str) or comm not in ALGORITHMS:
-            raise ArgumentError("comm", f"Expected argument `comm` to be one of {list(ALGORITHMS)}, but got {comm!r}.")
         given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
-        check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
         sync_every, warmup = given.get("global_sync_every"), given.get("comm_warmup_steps", 0)
         check_comm_args(comm, sync_every, warmup, warmup_name="comm_warmup_steps")  # checked in every mode
+        check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
         for name in ("global_sync_every", "comm_warmup_steps"):
             if given.get(name) and comm != "node_local":
                 message = f"`{name}={given[name]}` only applies to `comm='node_local'`; it is ignored with"
                 warnings.warn(f"{message} `comm={comm!r}`.", UserWarning, stacklevel=2)
-        out["comm"] = _named("comm", lambda: algorithm_for(comm, **given))
-    for group, cls in _GROUPS.items():
-        if group in groups:
-            out[group] = _named(group, lambda: cls(**groups[group]))  # noqa: B023 - called at once
-    emulation = {k: v for k, v in groups.get("emulation", {}).items() if v is not None}
-    return out, emulation
-
-
-def _named(group: str, build: Any) -> Any:
-    """``build()``, its :class:`ArgumentError` told with the flat keyword the caller used."""
-    try:
-        return build()
-    except ArgumentError as err:
-        name = next((o for o, (g, f) in DEPRECATED_KEYWORDS.items() if (g, f) == (group, err.argument)), err.argument)
-        raise ArgumentError(name, str(err).replace(f"`{err.argument}`", f"`{name}`")) from None
-
-
-def _flat(comm: Any, profiling: Profiling | None, reliability: Reliability | None) -> dict[str, Any]:
-    """The comm object or mode name and the grouped objects as flat settings."""
-    flat = comm.keywords() if isinstance(comm, CommAlgorithm) else {"comm": comm}
-    for group, value in (("profiling", profiling), ("reliability", reliability)):
-        if value is not None:
-            flat |= {old: getattr(value, f) for old, (g, f) in DEPRECATED_KEYWORDS.items() if g == group}
-    return flat
+        groups["comm"] = given
+    builders = {"comm": lambda **given: algorithm_for(comm, **given), **_GROUPS}
+    for group, build in builders.items():
+        try:
+            if group in groups:
+                out[group] = build(**groups[group])
+        except ArgumentError as err:  # told with the flat keyword the caller used
+            name = _OLD_NAMES.get((group, err.argument), err.argument)
+            raise ArgumentError(name, str(err).replace(f"`{err.argument}`", f"`{name}`")) from None
+    return out, {k: v for k, v in groups.get("emulation", {}).items() if v is not None}
 
 
 def strategy_config(
-    owner: type,
-    explicit: Mapping[str, Any],
-    comm: Any,
-    profiling: Any,
-    reliability: Any,
-    kwargs: Mapping[str, Any],
-    *,
-    fabric: bool = False,
+    owner: type, explicit: Mapping[str, Any], comm: Any, groups: Mapping[str, Any], kwargs: Any, fabric: bool = False
 ) -> tuple[HeterogeneousConfig, dict[str, Any]]:
     """A strategy's validated config, and the rest of ``kwargs`` (``DDPStrategy``'s). The deprecated flat keywords in
     ``kwargs`` keep their meaning with one ``DeprecationWarning`` naming the typed form; a setting given both ways,
     or (``fabric``) one only the Trainer's loop can run, raises :class:`ArgumentError`."""
     rest = dict(kwargs)
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
-    objects = {"comm": None if isinstance(comm, str) else comm, "profiling": profiling, "reliability": reliability}
+    objects = {"comm": None if isinstance(comm, str) else comm, **groups}
     for group, cls in _GROUPS.items():
         if objects[group] is not None and not isinstance(objects[group], cls):
             message = f"Expected argument `{group}` to be a `lightning_het.{cls.__name__}` or None"
@@ -337,8 +290,12 @@ def strategy_config(
                 f" the `{group}` object only.",
             )
     typed, emulation = typed_keywords({"comm": comm, **old})
-    profiling, reliability = typed.get("profiling", profiling), typed.get("reliability", reliability)
-    flat = {**explicit, **_flat(typed["comm"], profiling, reliability)}
+    flat = dict(explicit)
+    flat |= typed["comm"].keywords() if isinstance(typed["comm"], CommAlgorithm) else {"comm": typed["comm"]}
+    for group in _GROUPS:
+        value = typed.get(group, objects[group])
+        if value is not None:
+            flat |= {_OLD_NAMES[group, f.name]: getattr(value, f.name) for f in fields(value)}
     flat |= {f"emulate_{field}": value for field, value in emulation.items()}
     if fabric:
         flat |= {name: rest.pop(name) for name in TRAINER_ONLY if name in rest} | {"telemetry": False}
@@ -353,7 +310,7 @@ def strategy_config(
             )
         flat = {name: value for name, value in flat.items() if name not in TRAINER_ONLY}
     config = HeterogeneousConfig.from_keywords(**flat, timeout=rest.get("timeout"))
-    check_ddp_keywords(owner, [*explicit, "comm", "profiling", "reliability"], rest)
+    check_ddp_keywords(owner, [*explicit, "comm", *groups], rest)
     if old:
         names = ", ".join(f"`{n}={v!r}`" for n, v in old.items())
         message = f"{owner.__name__}: {names} {'is' if len(old) == 1 else 'are'} deprecated; use {new_form(old, comm)}."

@@ -3,7 +3,7 @@ in a loop of your own (``docs/fabric.md``); glue over the same parts as the Trai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.strategies import DDPStrategy
@@ -33,6 +33,7 @@ from lightning_het.cluster.startup import (
 from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
+from lightning_het.data.microbatch import piece_collective
 from lightning_het.data.sampler import (
     ProportionalBatchSampler,
     ProportionalDistributedSampler,
@@ -41,8 +42,68 @@ from lightning_het.data.sampler import (
 from lightning_het.data.splitting import rebuild_loader, training_order
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, validate_launch_environment
 
+#: the balancing keywords (the Fabric strategy takes them but ``max_micro_batch_sizes``)
+BALANCING = ("global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids")
 
-class HeterogeneousFabricStrategyMixin(BalanceView):
+
+class HeterogeneousParts(BalanceView):
+    """What both strategies build from their keywords (the balance policy, the comm algorithm) and their shared
+    glue: the process group's start, the replica's place, the step's split told to the comm algorithm."""
+
+    def _configure(self, keywords: dict[str, Any], fabric: bool = False) -> dict[str, Any]:
+        """The constructor's ``locals()`` validated into the policy and the comm algorithm; returns DDP's keywords."""
+        explicit = {name: keywords[name] for name in BALANCING if name in keywords}
+        groups = {name: keywords[name] for name in ("profiling", "reliability")}
+        config, rest = strategy_config(type(self), explicit, keywords["comm"], groups, keywords["kwargs"], fabric)
+        self.policy = BalancePolicy(config)
+        self._comm = algorithm_of(keywords["comm"], config)  # installed once the model is wrapped
+        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
+        return rest
+
+    @property
+    def process_group_timeout(self) -> Any:
+        """The collective timeout (``timeout``)."""
+        return self._timeout
+
+    def _start_process_group(self, joined: Callable[[], None], set_ranks: Callable[[], None]) -> None:
+        """``set_ranks`` and start the process group, or (torchrun's agent hosts the store) wait and run ``joined``;
+        a short ``timeout`` does not fail the rendezvous of replicas that start slowly."""
+        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
+        if started_elsewhere():
+            wait_under_torchrun(wait)
+            return joined()
+        set_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        init_process_group(self, self._process_group_backend, self._timeout, wait)
+
+    def _place(self) -> None:
+        """This replica's rank, device and node (``setup_environment``)."""
+        self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
+        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+
+    def _tell_comm(self, sizes: list[int] | None) -> None:
+        """The comm algorithm is given the step's split when it changed."""
+        if self.comm_algorithm is not None and sizes and sizes != self._comm_sizes:
+            self.comm_algorithm.set_batch_sizes(sizes)
+            self._comm_sizes = sizes
+
+    def _fit_context(self, **fit: Any) -> FitContext:
+        """What allocating needs from this fit (the module, the clock, the device labels, the report)."""
+        return FitContext(
+            self._profiled_module, self._step_clock, device_labels(self), report=self.balance_report, **fit
+        )
+
+    def balance_table(self) -> str:
+        """A human-readable table: rank, node, device, speed, batch size, share."""
+        return render_balance_table(self.balance_report())
+
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """As DDP's, with per-sample tensors of uneven shares concatenated to ``[sum of n_r, *rest]``."""
+        piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
+        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
+
+
+class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
     """Fabric's DDP with per-replica batch shares proportional to speed and exact gradients. Keywords: the Trainer
     strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``.
 
@@ -67,29 +128,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         reliability: Reliability | None = None,
         **kwargs: Any,
     ) -> None:
-        explicit = {
-            "global_batch_size": global_batch_size,
-            "speeds": speeds,
-            "min_batch_size": min_batch_size,
-            "max_batch_sizes": max_batch_sizes,
-            "node_ids": node_ids,
-        }
-        config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs, fabric=True)
-        super().__init__(**kwargs)
-        self.policy = BalancePolicy(config)
-        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
-        self._comm = algorithm_of(comm, config)  # installed by `setup_module` and `setup_optimizer`
+        super().__init__(**self._configure(locals(), fabric=True))
         self._ddp_model: DistributedDataParallel | None = None  # the model `fabric.setup` wrapped (one per strategy)
         self._steps_per_epoch: int | None = None  # global batches per epoch of the training loader
         self._optimizer_steps = 0  # drives the node_local schedule
         self._steps = LoopSteps()  # the step being trained; its clock while your first steps profile
 
-    @property
-    def process_group_timeout(self) -> Any:
-        """The collective timeout (``timeout``)."""
-        return self._timeout
-
-    # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
         ExitCleanup.register()  # runs after the launcher's own exit handlers
@@ -102,21 +146,12 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        self._place()
 
     @override
     def _setup_distributed(self) -> None:
-        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
-        if started_elsewhere():  # torchrun's agent hosts the store
-            wait_under_torchrun(wait)
-            super()._setup_distributed()
-            return
-        self._set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        init_process_group(self, self._process_group_backend, self._timeout, wait)
+        self._start_process_group(super()._setup_distributed, self._set_world_ranks)
 
-    # ------------------------------------------------------------------ model and optimizer
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DDP and install the ``comm`` algorithm on it (a collective: every rank)."""
@@ -128,9 +163,8 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         ddp_model = super().setup_module(module)
         ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
         assert ids is not None
-        self.comm_algorithm = comm = self._comm.resolve(ids)
-        self._comm_sizes = sizes
-        comm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
+        self.comm_algorithm, self._comm_sizes = self._comm.resolve(ids), sizes
+        self.comm_algorithm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned
         return ddp_model
@@ -149,15 +183,11 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     @override
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Back-propagate ``tensor * loss_scale`` (the scale of the step's split); returns ``tensor`` unscaled."""
-        split, comm = self._step_split(), self.comm_algorithm
-        if comm is not None and split.sizes and split.sizes != self._comm_sizes:
-            comm.set_batch_sizes(split.sizes)
-            self._comm_sizes = split.sizes
-        scale = split.loss_scale
-        clock = self._step_clock()
+        split, clock = self._step_split(), self._step_clock()
+        self._tell_comm(split.sizes)
         if clock is not None:
             clock.before_backward(tensor)  # end of local backward compute vs gradient-sync wait
-        super().backward(tensor * scale if scale != 1.0 else tensor, module, *args, **kwargs)
+        super().backward(tensor * split.loss_scale if split.loss_scale != 1.0 else tensor, module, *args, **kwargs)
         if clock is not None:
             clock.after_backward()
         return tensor
@@ -170,16 +200,9 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         return output
 
     def synchronize(self) -> bool:
-        """``comm="node_local"``: average the replicas' parameters now unless they agree (a collective); whether it
-        ran."""
+        """``comm="node_local"``: average the replicas' parameters unless they agree (a collective); whether it ran."""
         return self.comm_algorithm is not None and self.comm_algorithm.sync()
 
-    @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """As :meth:`lightning_het.HeterogeneousStrategy.all_gather`: uneven per-sample shares concatenated."""
-        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
-
-    # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         sampler = getattr(dataloader, "sampler", None)
@@ -191,8 +214,22 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
                 " replica reads it as in plain DDP. HINT: use a map-style Dataset for speed-proportional batches."
             )
             return dataloader
-        if isinstance(sampler, ProportionalDistributedSampler):
-            return self._adopt_sampler(dataloader, sampler)
+        if isinstance(sampler, ProportionalDistributedSampler):  # the user's own split: the allocation
+            sizes, allocated = list(sampler.batch_sizes), self.policy.allocation.batch_sizes
+            if allocated is not None and sizes != allocated:
+                raise ValueError(
+                    f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy"
+                    f" allocated {allocated}. HINT: build it from `strategy.batch_sizes`."
+                )
+            if sampler.tail_batch_sizes is not None:
+                raise ValueError(
+                    f"The DataLoader's ProportionalDistributedSampler trains the tail as a last, smaller global batch"
+                    f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your"
+                    " loop. HINT: build it with `drop_last=True`."
+                )
+            self.adopt_allocation(sizes, self.config.speeds or [float(b) for b in sizes])
+            self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
+            return dataloader
         if type(sampler) is not DistributedSampler and not isinstance(sampler, self.sampler_wrapper):
             return dataloader  # the user's own distributed sampler, e.g. `eval_sampler`
         if self._steps_per_epoch is not None:
@@ -209,23 +246,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         """For evaluation loaders: every sample on one replica, shares following the allocation."""
         return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
 
-    def _adopt_sampler(self, dataloader: DataLoader, sampler: ProportionalDistributedSampler) -> DataLoader:
-        sizes, allocated = list(sampler.batch_sizes), self.policy.allocation.batch_sizes
-        if allocated is not None and sizes != allocated:
-            raise ValueError(
-                f"The DataLoader's ProportionalDistributedSampler has batch_sizes={sizes}, but the strategy allocated"
-                f" {allocated}. HINT: build it from `strategy.batch_sizes`."
-            )
-        if sampler.tail_batch_sizes is not None:
-            raise ValueError(
-                f"The DataLoader's ProportionalDistributedSampler trains the tail as a last, smaller global batch"
-                f" ({sampler.tail_batch_sizes}), whose loss scale HeterogeneousFabricStrategy cannot know in your loop."
-                " HINT: build it with `drop_last=True`."
-            )
-        self.adopt_allocation(sizes, self.config.speeds or [float(b) for b in sizes])
-        self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
-        return dataloader
-
     def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
         """Allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler."""
         order = training_order(dataloader)
@@ -239,9 +259,7 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             global_batch = dataloader.batch_size * self.world_size
         allocated = self.policy.allocation.batch_sizes
         if allocated is None or sum(allocated) != global_batch:
-            labels, report = device_labels(self), self.balance_report
-            fit = FitContext(self._profiled_module, self._step_clock, labels, loop_prefetch=0, report=report)
-            self.policy.allocate(dataloader, global_batch, fit)
+            self.policy.allocate(dataloader, global_batch, self._fit_context(loop_prefetch=0))
         sizes = self.policy.allocation.batch_sizes
         assert sizes is not None
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
@@ -255,16 +273,13 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
             order_sampler=order.sampler,
         )
         self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
-        profiler = self.policy.profiler
-        if profiler is None:
-            return rebuild_loader(dataloader, sampler, sizes[self.global_rank])
-        profiler.bind(sampler)  # trial splits on the first steps, each batch cut when the loop fetches it
-        self._watch_steps()
-        return rebuild_loader(
-            dataloader, sampler, sizes[self.global_rank], batch_sampler=ProportionalBatchSampler(sampler)
-        )
+        profiler, batches = self.policy.profiler, None
+        if profiler is not None:  # trial splits on the first steps, each batch cut when the loop fetches it
+            profiler.bind(sampler)
+            self._watch_steps()
+            batches = ProportionalBatchSampler(sampler)
+        return rebuild_loader(dataloader, sampler, sizes[self.global_rank], batch_sampler=batches)
 
-    # ------------------------------------------------------------------ profiling on your first steps
     def _profiled_module(self) -> tuple[Module | None, str]:
         return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
 
@@ -278,7 +293,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
         if self.profiling and self._ddp_model is not None:
             self._steps.watch(self._ddp_model, self.root_device, lambda: self._step_split().sizes[self.global_rank])
 
-    # ------------------------------------------------------------------ checkpoints, reports, teardown
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         comm = self.comm_algorithm
@@ -293,10 +307,6 @@ class HeterogeneousFabricStrategyMixin(BalanceView):
     def balance_report(self) -> dict[str, Any]:
         """The allocation as plain data."""
         return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self))
-
-    def balance_table(self) -> str:
-        """A human-readable table: rank, node, device, speed, batch size, share."""
-        return render_balance_table(self.balance_report())
 
     @override
     def teardown(self) -> None:

@@ -21,9 +21,8 @@ from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
-from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import attach_profiler
-from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
+from lightning_het.balance.report import balance_report, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
@@ -34,20 +33,14 @@ from lightning_het.cluster.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.cluster.startup import (
-    detect_node_ids,
-    init_process_group,
-    rendezvous_wait,
-    started_elsewhere,
-    wait_under_torchrun,
-)
-from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
+from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.allreduce import register_user_hook
-from lightning_het.comm.gather import all_gather_collection, reduce_counts
-from lightning_het.config import Profiling, Reliability, strategy_config
+from lightning_het.comm.gather import reduce_counts
+from lightning_het.config import Profiling, Reliability
 from lightning_het.data.microbatch import piece_collective
 from lightning_het.data.sampler import training_sampler
 from lightning_het.data.splitting import LoaderSplitter
+from lightning_het.fabric import HeterogeneousParts
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     checkpoint_record,
@@ -63,7 +56,7 @@ from lightning_het.reliability.resume import job_identity, trajectory_settings
 from lightning_het.reliability.watchdog import Watchdog
 
 
-class HeterogeneousStrategyMixin(BalanceView):
+class HeterogeneousStrategyMixin(HeterogeneousParts):
     """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share: every
     optimizer step applies the global batch's exact gradient. Keywords: ``docs/strategy.md``; the others go to
     ``DDPStrategy``.
@@ -91,30 +84,13 @@ class HeterogeneousStrategyMixin(BalanceView):
         cpu_threads: int | Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        explicit = {
-            "global_batch_size": global_batch_size,
-            "speeds": speeds,
-            "min_batch_size": min_batch_size,
-            "max_batch_sizes": max_batch_sizes,
-            "max_micro_batch_sizes": max_micro_batch_sizes,
-            "node_ids": node_ids,
-        }
-        config, kwargs = strategy_config(type(self), explicit, comm, profiling, reliability, kwargs)
-        super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, kwargs))
-        self.policy = BalancePolicy(config)
-        self._comm = algorithm_of(comm, config)  # installed on the DDP model and the optimizers by `setup`
+        super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, self._configure(locals())))
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
-        self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
-
-    @property
-    def process_group_timeout(self) -> Any:
-        """The collective timeout (``timeout``)."""
-        return self._timeout
 
     @property
     def device_plan(self) -> DevicePlan | None:
@@ -130,7 +106,6 @@ class HeterogeneousStrategyMixin(BalanceView):
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
         self.policy.emulate(slowdown, memory_cap)
 
-    # ------------------------------------------------------------------ launch, process group
     @override
     def _configure_launcher(self) -> None:
         ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
@@ -147,72 +122,51 @@ class HeterogeneousStrategyMixin(BalanceView):
         apply_local_settings(self)  # device map: this replica's intra-op threads
         super().setup_environment()
         self.guards.start(self, self._timeout, self._trainer())  # the watchdog: setup hooks to teardown
-        self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        self._place()
 
     @override
     def setup_distributed(self) -> None:
-        # mixed CPU/GPU job: no rank binds a device to the default group; a short `timeout` does not fail the
-        # rendezvous of replicas that start slowly
-        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
-        with unbound_process_group(self):
-            if started_elsewhere():  # torchrun's agent hosts the store / a later Trainer call
-                wait_under_torchrun(wait)
-                super().setup_distributed()
-                return
-            trainer_flavour(self).reset_seed()
-            self.set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
-            assert self.cluster_environment is not None
-            init_process_group(self, self._process_group_backend, self._timeout, wait)
+        seeded_ranks = lambda: (trainer_flavour(self).reset_seed(), self.set_world_ranks())  # noqa: E731
+        with unbound_process_group(self):  # mixed CPU/GPU job: no rank binds a device to the default group
+            self._start_process_group(super().setup_distributed, seeded_ranks)  # or a later Trainer call's
 
     @override
     def _register_ddp_hooks(self) -> None:
         """Nothing: Lightning's registers only on CUDA; :meth:`setup` installs the comm algorithm on any device."""
 
-    def _install_comm(self, trainer: pl.Trainer) -> CommAlgorithm:
-        """Install ``comm`` on the DDP model and the optimizers (a collective) with a resumed fit's comm state."""
-        assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
-        comm = self._comm.resolve(self._node_ids)
-        register_user_hook(self.model, comm, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
-        loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
-        position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
-        ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
-        comm.install(self.model, self.optimizers, ids, self.global_rank, sizes, position=position)
-        comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
-        self.comm_algorithm, self._comm_sizes = comm, sizes
-        return comm
-
-    # ------------------------------------------------------------------ setup, teardown
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         fitting, config = trainer.state.fn == trainer_flavour(trainer).TrainerFn.FITTING, self.config
         if fitting:  # a new fit derives a new allocation
             self.policy.reset()
-            self._split = None
-            self._loaders.train_sampler = self._loaders.train_pass = None
+            self._split = self._loaders.train_sampler = self._loaders.train_pass = None
             attach_profiler(None, trainer)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.policy.check_normalisation(self.lightning_module)
         self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
-        mode = self._install_comm(trainer).mode if fitting else None
-        if mode is not None:  # resume="auto": once the optimizers exist (the job's identity), before their restore
-            self._resume(trainer, mode)
-        saves = mode is not None and mode != "node_local"  # the emergency checkpoint needs no collective
+        if fitting:  # `comm` on the DDP model and the optimizers (a collective), with a resumed fit's comm state
+            assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
+            comm = self._comm.resolve(self._node_ids)
+            register_user_hook(self.model, comm, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
+            loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
+            position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
+            ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
+            comm.install(self.model, self.optimizers, ids, self.global_rank, sizes, position=position)
+            comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
+            self.comm_algorithm, self._comm_sizes = comm, sizes
+            # resume="auto": once the optimizers exist (the job's identity), before their restore
+            schedulers = [scheduler.scheduler for scheduler in self.lr_scheduler_configs]
+            trajectory = trajectory_settings(config, comm.mode, trainer)
+            job = job_identity(self.lightning_module, self.optimizers, schedulers, trajectory)
+            if self.guards.resume(trainer, self.config, job, self.broadcast):
+                comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
+        saves = fitting and self.comm_algorithm.mode != "node_local"  # the emergency checkpoint needs no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
             settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
-            self._monitor = attach_monitor(self, trainer, settings, self._monitor)
-
-    def _resume(self, trainer: pl.Trainer, mode: str) -> None:
-        """This fit's job identity, and ``resume="auto"``'s restore (with the comm algorithm's state)."""
-        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        settings = trajectory_settings(self.config, mode, trainer)
-        job = job_identity(self.lightning_module, self.optimizers, schedulers, settings)
-        if self.guards.resume(trainer, self.config, job, self.broadcast) and self.comm_algorithm is not None:
-            self.comm_algorithm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
+            self._monitor = attach_monitor(self, trainer, settings)
 
     @override
     def teardown(self) -> None:
@@ -230,63 +184,50 @@ class HeterogeneousStrategyMixin(BalanceView):
     def _trainer(self) -> pl.Trainer | None:
         return attached_trainer(getattr(self, "_lightning_module", None))
 
-    # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split = self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
+            split = self.policy.training_split(
+                lambda: (self._fit_context(trainer=self._trainer()), self._loaders.resume_record)
+            )
             weights = self.policy.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)
-
-    def _fit_context(self) -> FitContext:
-        labels = device_labels(self)
-        return FitContext(self._profiled_module, self._step_clock, labels, self._trainer(), report=self.balance_report)
 
     def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:
         """The module whose steps are profiled and the precision's name (what the speed cache keys on)."""
         return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
 
-    # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.policy.micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
-            batches = getattr(self._trainer(), "num_training_batches", None)
-            self.policy.agree_caps(self._batch_idx(), batches)
+        policy, micro, module = self.policy, self.policy.micro, self.lightning_module
+        if micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
+            policy.agree_caps(self._batch_idx(), getattr(self._trainer(), "num_training_batches", None))
         # the split of this global batch, once: loss scaling, micro-batches, the comm algorithm and the clock read it
-        self._split = split = self.policy.step_split(self._loaders.train_sampler, self._batch_idx())
-        comm = self.comm_algorithm
-        if comm is not None and split.sizes and split.sizes != self._comm_sizes:
-            comm.set_batch_sizes(split.sizes)
-            self._comm_sizes = split.sizes
+        self._split = split = policy.step_split(self._loaders.train_sampler, self._batch_idx())
+        self._tell_comm(split.sizes)
         clock = self._step_clock()  # telemetry, emulation, profiling
-        if clock is None:
-            return self._micro_batched_step(*args, **kwargs)
-        clock.step_start(split.sizes[self.global_rank] if split.sizes else 0)
-        output = self._micro_batched_step(*args, **kwargs)
-        clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
-        return output
-
-    def _micro_batched_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The user's step, as micro-batches when this replica's share exceeds its memory cap (``data/microbatch``)."""
-        step, micro, module = super().training_step, self.policy.micro, self.lightning_module
+        if clock is not None:
+            clock.step_start(split.sizes[self.global_rank] if split.sizes else 0)
+        step = super().training_step
         if micro is None:
-            return step(*args, **kwargs)
-        self._broadcast_buffers()  # once per step, before any piece (DDP's own would repeat after a failed forward)
-        no_sync, policy = self.block_backward_sync, self.policy
-        measure = (lambda s, b: policy.measure_caps(s, b, no_sync, module)) if policy.cap_unknown else None
-        return micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure)
+            output = step(*args, **kwargs)
+        else:  # the user's step as micro-batches: this replica's share exceeds its memory cap (``data/microbatch``)
+            self._broadcast_buffers()  # once per step, before any piece (DDP's own would repeat after a failure)
+            no_sync = self.block_backward_sync
+            measure = (lambda s, b: policy.measure_caps(s, b, no_sync, module)) if policy.cap_unknown else None
+            output = micro.training_step(step, args, kwargs, module, self._backward_piece, no_sync, measure)
+        if clock is not None:
+            clock.forward_end()  # sleeps (f - 1) x the forward time under emulate_slowdown
+        return output
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         # micro-batches: the strategy broadcasts the buffers itself (``_broadcast_buffers``), not every DDP forward
-        saved = self._ddp_kwargs
-        self._own_buffer_sync = self._buffers_stale = self.policy.micro is not None and saved.get(
-            "broadcast_buffers", True
-        )
-        if self._own_buffer_sync:
-            self._ddp_kwargs = {**saved, "broadcast_buffers": False}
+        saved, micro = self._ddp_kwargs, self.policy.micro is not None
+        self._own_buffer_sync = self._buffers_stale = micro and saved.get("broadcast_buffers", True)
+        self._ddp_kwargs = {**saved, "broadcast_buffers": False} if self._own_buffer_sync else saved
         try:
             return super()._setup_model(model)
         finally:
@@ -299,17 +240,15 @@ class HeterogeneousStrategyMixin(BalanceView):
             for buffer in self.lightning_module.buffers():
                 torch.distributed.broadcast(buffer, 0)
 
-    def _piece_scale(self) -> float:
-        """The factor Lightning's backward applies to the step's loss, for an earlier micro-batch's own backward."""
-        return self._step_split().loss_scale / self.lightning_module.trainer.accumulate_grad_batches
-
     def _step_split(self) -> StepSplit:
         """The split set at the batch's start (computed here for a backward outside ``training_step``)."""
         return self._split or self.policy.step_split(self._loaders.train_sampler, self._batch_idx())
 
     def _backward_piece(self, loss: Tensor) -> None:
-        """Backward an earlier micro-batch's weighted loss through Lightning (under ``no_sync``)."""
-        super().backward(loss * self._piece_scale(), None)
+        """Backward an earlier micro-batch's loss through Lightning (under ``no_sync``), scaled as the step's."""
+        super().backward(
+            loss * self._step_split().loss_scale / self.lightning_module.trainer.accumulate_grad_batches, None
+        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -335,7 +274,7 @@ class HeterogeneousStrategyMixin(BalanceView):
         return self._monitor.clock if self._monitor is not None else None
 
     def _batch_idx(self) -> int | None:
-        trainer = attached_trainer(self._lightning_module)
+        trainer = self._trainer()
         return None if trainer is None else trainer.fit_loop.epoch_loop.batch_idx
 
     @override
@@ -362,7 +301,6 @@ class HeterogeneousStrategyMixin(BalanceView):
             self.comm_algorithm.hide_consensus()  # each replica's own model again
         super().on_validation_end()
 
-    # ------------------------------------------------------------------ collectives
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """All-reduce (an integer mean exactly, in ``float64``); local in an earlier micro-batch's logging."""
@@ -370,13 +308,6 @@ class HeterogeneousStrategyMixin(BalanceView):
             return tensor
         return reduce_counts(super().reduce, tensor, group, reduce_op)
 
-    @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        """As DDP's, with per-sample tensors of uneven shares concatenated to ``[sum of n_r, *rest]``."""
-        piece_collective(self.policy.micro, "all_gather")  # raises in an earlier micro-batch
-        return all_gather_collection(tensor, group=group, sync_grads=sync_grads)
-
-    # ------------------------------------------------------------------ checkpoints (docs/reliability.md)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
@@ -423,15 +354,10 @@ class HeterogeneousStrategyMixin(BalanceView):
         restore_rng((self._loaders.resume_record or {}).get("rng"))  # an emergency checkpoint's RNG states
         return checkpoint
 
-    # ------------------------------------------------------------------ reports
     def balance_report(self, include_series: bool = False) -> dict[str, Any]:
         """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
         telemetry = self._telemetry(include_series)
         return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
-
-    def balance_table(self) -> str:
-        """A human-readable table: rank, node, device, speed, batch size, share."""
-        return render_balance_table(self.balance_report())
 
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
@@ -451,29 +377,17 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
 
 
 def _unified_trainer_flavour() -> TrainerFlavour:
-    from lightning.fabric.utilities.seed import reset_seed
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+    from lightning.fabric.utilities.seed import reset_seed  # noqa: F401 - each read by name from locals()
+    from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: F401
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
 
-    from lightning_het.balance.monitor import HeterogeneousBalanceCallback
-    from lightning_het.balance.profiler import ProfilerCallback
-    from lightning_het.cluster.accelerators import MixedAccelerator
-    from lightning_het.reliability.preemption import Preempted, PreemptionCallback
-    from lightning_het.reliability.watchdog import WatchdogCallback
+    from lightning_het.balance.monitor import HeterogeneousBalanceCallback  # noqa: F401
+    from lightning_het.balance.profiler import ProfilerCallback  # noqa: F401
+    from lightning_het.cluster.accelerators import MixedAccelerator  # noqa: F401
+    from lightning_het.reliability.preemption import Preempted, PreemptionCallback  # noqa: F401
+    from lightning_het.reliability.watchdog import WatchdogCallback  # noqa: F401
 
-    return TrainerFlavour(
-        TrainerFn=TrainerFn,
-        TrainerStatus=TrainerStatus,
-        RunningStage=RunningStage,
-        ModelCheckpoint=ModelCheckpoint,
-        reset_seed=reset_seed,
-        WatchdogCallback=WatchdogCallback,
-        PreemptionCallback=PreemptionCallback,
-        ProfilerCallback=ProfilerCallback,
-        BalanceCallback=HeterogeneousBalanceCallback,
-        MixedAccelerator=MixedAccelerator,
-        Preempted=Preempted,
-    )
+    return TrainerFlavour.of(locals())
 
 
 register_trainer_flavour(False, _unified_trainer_flavour)

@@ -311,7 +311,7 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_het.comm.algorithms import algorithm_for
-    from lightning_het.comm.stats import flat_allreduce_traffic
+    from lightning_het.comm.allreduce import flat_allreduce_traffic
 
     args, rank, sizes = job.args, job.rank, job.batch_sizes
     ddp = DistributedDataParallel(job.model(), gradient_as_bucket_view=args.bucket_view)
@@ -409,7 +409,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_het import HeterogeneousStrategy
-    from lightning_het.comm.stats import flat_allreduce_traffic
+    from lightning_het.comm.allreduce import flat_allreduce_traffic
     from lightning_het.config import typed_keywords
 
     args = job.args

@@ -18,21 +18,21 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_het import AllReduce, Auto, Hierarchical, NodeLocal
+from lightning_het import AllReduce, Auto, HeterogeneousStrategy, Hierarchical, NodeLocal
 from lightning_het.cluster.topology import NodeGroups, build_node_groups, node_members
 from lightning_het.comm import hierarchical as hierarchical_module
 from lightning_het.comm import node_local as node_local_module
-from lightning_het.comm.algorithms import ALGORITHMS, validate_comm_args
-from lightning_het.comm.allreduce import CommAlgorithm
-from lightning_het.comm.hierarchical import HierarchicalState, choose_reduction
-from lightning_het.comm.node_local import INT8_BLOCK, average_parameters, merge_weights
-from lightning_het.comm.stats import (
-    CommStats,
+from lightning_het.comm.algorithms import ALGORITHMS
+from lightning_het.comm.allreduce import (
+    CommAlgorithm,
     compressed_sync_traffic,
     flat_allreduce_traffic,
     hierarchical_traffic,
     node_local_traffic,
 )
+from lightning_het.comm.hierarchical import HierarchicalState, choose_reduction
+from lightning_het.comm.node_local import INT8_BLOCK, average_parameters, merge_weights
+from lightning_het.config import typed_keywords
 from tests.helpers.gloo import run_gloo
 
 STEPS = 4
@@ -647,11 +647,12 @@ class TestByteModel:
         assert flat / amortised >= 10
 
     def test_comm_stats_dict(self) -> None:
-        stats = CommStats(rank=0, world_size=4)
-        stats.record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        stats.record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        stats.record(hierarchical_traffic(100, [0, 0, 1, 1]), sync=True)
-        d = stats.as_dict()
+        algorithm = AllReduce()
+        algorithm.install(_FakeDDP([torch.zeros(25, requires_grad=True)]), [], [0, 0, 1, 1], 0)
+        algorithm._record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        algorithm._record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
+        algorithm._record(hierarchical_traffic(100, [0, 0, 1, 1]), sync=True)
+        d = algorithm.stats
         assert d["steps"] == 2 and d["global_syncs"] == 1
         assert d["bytes_intra_total"] == 400.0 and d["bytes_inter_total"] == 100.0
         assert d["job_bytes_inter_per_step"] == (300 * 2 + 200) / 2
@@ -669,21 +670,23 @@ class TestArguments:
         with pytest.raises(
             ValueError, match=r"`comm` to be one of \['auto', 'allreduce', 'hierarchical', 'node_local'\]"
         ):
-            validate_comm_args("ring")
+            HeterogeneousStrategy(comm="ring")
 
     @pytest.mark.parametrize("k", [0, -3, 1.5, True, "4"])
     def test_bad_global_sync_every(self, k: Any) -> None:
         with pytest.raises(ValueError, match="`global_sync_every` to be an integer >= 1"):
-            validate_comm_args("node_local", k)
+            typed_keywords({"comm": "node_local", "global_sync_every": k})
 
     @pytest.mark.parametrize("comm", ["auto", "allreduce", "hierarchical"])
     def test_k_without_node_local_warns(self, comm: str) -> None:
         with pytest.warns(UserWarning, match="only applies to `comm='node_local'`"):
-            validate_comm_args(comm, 4)
+            typed_keywords({"comm": comm, "global_sync_every": 4})
 
     def test_bad_warmup(self) -> None:
+        with pytest.raises(ValueError, match="`comm_warmup_steps`"):
+            typed_keywords({"comm": "node_local", "global_sync_every": 4, "comm_warmup_steps": -1})
         with pytest.raises(ValueError, match="`warmup_steps`"):
-            validate_comm_args("node_local", 4, -1)
+            NodeLocal(sync_every=4, warmup_steps=-1)
 
     @pytest.mark.parametrize(
         ("comm", "node_ids", "expected"),

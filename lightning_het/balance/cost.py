@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
-#: smallest spread of two batch sizes, relative to the larger, for a secant through their measured times
-_SECANT_MIN_SPREAD = 0.15
-#: smallest spread of the two measured times, relative to the larger, for that secant
-_SECANT_MIN_TIME_SPREAD = 0.25
-
-_BISECTION_STEPS = 100
 #: a useless replica is reported when the job is predicted this much faster without it (less may be timing noise)
 USELESS_MARGIN = 0.9
 #: least fitted slope, as a fraction of the mean seconds per sample (a flat curve would attract every sample)
@@ -40,17 +35,10 @@ class AffineCost:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"Expected `micro_batch` to be an integer >= 1 or None, but got {m!r}.")
 
-    def __repr__(self) -> str:
-        micro = "" if self.micro_batch is None else f", micro_batch={self.micro_batch}"
-        return f"AffineCost(fixed_s={self.fixed_s!r}, per_sample_s={self.per_sample_s!r}{micro})"
-
-    def micro_batches(self, batch_size: float) -> int:
-        """Micro-batches a step of ``batch_size`` samples runs as (1 without ``micro_batch``)."""
-        return 1 if self.micro_batch is None else max(math.ceil(batch_size / self.micro_batch), 1)
-
     def __call__(self, batch_size: float) -> float:
-        """Predicted seconds for a step of ``batch_size`` samples."""
-        return self.fixed_s * self.micro_batches(batch_size) + self.per_sample_s * batch_size
+        """Predicted seconds for a step of ``batch_size`` samples (in pieces of at most ``micro_batch``)."""
+        pieces = 1 if self.micro_batch is None else max(math.ceil(batch_size / self.micro_batch), 1)
+        return self.fixed_s * pieces + self.per_sample_s * batch_size
 
     def as_dict(self) -> dict[str, float]:
         """Plain data, for reports and the speed cache (``micro_batch`` only when set)."""
@@ -79,65 +67,41 @@ def slope_through_origin(batch_sizes: Sequence[float], seconds: Sequence[float])
 
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
     """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0."""
-    xs = [float(b) for b in batch_sizes]
-    ys = [float(t) for t in seconds]
+    xs, ys = [float(b) for b in batch_sizes], [float(t) for t in seconds]
     if not xs or len(xs) != len(ys):
         raise ValueError(f"Expected as many batch sizes as times (>= 1), but got {len(xs)} and {len(ys)}.")
     if any(not math.isfinite(x) or x <= 0 for x in xs):
         raise ValueError(f"Expected argument `batch_sizes` to hold positive numbers, but got {xs}.")
     if any(not math.isfinite(y) or y <= 0 for y in ys):
         raise ValueError(f"Expected argument `seconds` to hold positive finite numbers, but got {ys}.")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    min_slope = _MIN_SLOPE_FRACTION * my / mx
-    if sxx <= 0:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    if len(set(xs)) == 1:
         return AffineCost(0.0, my / mx)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    intercept = my - slope * mx
+    slope, intercept = statistics.linear_regression(xs, ys)
     if intercept < 0:
         slope, intercept = slope_through_origin(xs, ys), 0.0
-    if slope < min_slope:
-        slope = min_slope
+    if slope < _MIN_SLOPE_FRACTION * my / mx:  # a flat curve would attract every sample
+        slope = _MIN_SLOPE_FRACTION * my / mx
         intercept = max(my - slope * mx, 0.0)
     return AffineCost(round(intercept, 15), round(slope, 15))
 
 
 def refresh_costs(
-    batch_sizes: Sequence[int],
-    compute_times: Sequence[float],
-    fixed_costs: Sequence[float],
-    previous: Sequence[tuple[int, float] | None] | None = None,
+    batch_sizes: Sequence[float], compute_times: Sequence[float], fixed_costs: Sequence[float]
 ) -> list[AffineCost]:
-    """Costs that reproduce measured step times at the current allocation."""
+    """Costs reproducing measured step times: each fixed cost kept (at most 90 % of the time), the slope refreshed."""
     if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
         raise ValueError(
             f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
             f" {len(compute_times)} and {len(fixed_costs)}."
         )
-    earlier = list(previous) if previous is not None else [None] * len(batch_sizes)
-    if len(earlier) != len(batch_sizes):
-        raise ValueError(f"Expected argument `previous` to hold one entry per replica ({len(batch_sizes)}).")
     out = []
-    for b, t, a, prev in zip(batch_sizes, compute_times, fixed_costs, earlier):
+    for b, t, a in zip(batch_sizes, compute_times, fixed_costs):
         if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
             raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
-        if prev is not None and math.isfinite(prev[1]) and prev[1] > 0 and _far_apart(prev, (b, t)):
-            slope = (t - prev[1]) / (b - prev[0])
-            intercept = t - slope * b
-            if slope >= 0.1 * t / b and intercept >= 0:  # a flatter secant is more likely noise than a real curve
-                out.append(AffineCost(round(intercept, 15), round(slope, 15)))
-                continue
         fixed = min(float(a), 0.9 * float(t))
         out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
     return out
-
-
-def _far_apart(earlier: tuple[int, float], now: tuple[int, float]) -> bool:
-    """Two ``(batch size, seconds)`` points far enough apart for a secant: sizes 15 %, times 25 % apart."""
-    (b_prev, t_prev), (b, t) = earlier, now
-    sizes_apart = abs(b - b_prev) >= _SECANT_MIN_SPREAD * max(b, b_prev)
-    return sizes_apart and abs(t - t_prev) >= _SECANT_MIN_TIME_SPREAD * max(t, t_prev)
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
@@ -147,23 +111,6 @@ def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
     return max(c(b) for b, c in zip(batch_sizes, costs))
 
 
-def _capacity(cost: AffineCost, level: float, lo: int, hi: int) -> int:
-    """Most samples (within ``[lo, hi]``) replica can take without its step exceeding ``level`` seconds."""
-    if cost.micro_batch is not None:  # a step function, non-decreasing in b: bisection on the integers
-        if cost(hi) <= level:
-            return hi
-        good, bad = lo, hi
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            good, bad = (mid, bad) if cost(mid) <= level else (good, mid)
-        return good
-    if level < cost.fixed_s:
-        return lo
-    if cost.per_sample_s == 0:
-        return hi
-    return min(max(math.floor((level - cost.fixed_s) / cost.per_sample_s), lo), hi)
-
-
 def allocate_affine(
     global_batch_size: int,
     costs: Sequence[AffineCost],
@@ -171,38 +118,18 @@ def allocate_affine(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Split ``global_batch_size`` samples among replicas so that the step time ``max_r t_r(b_r)`` is minimal."""
+    """The split of ``global_batch_size`` minimising the step ``max_r t_r(b_r)`` (greedy from the lower bounds)."""
     costs = list(costs)
     if not costs:
         raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
     for rank, cost in enumerate(costs):
         if not isinstance(cost, AffineCost):
             raise ValueError(f"Expected argument `costs` to hold AffineCost objects, but `costs[{rank}]` is {cost!r}.")
-    world = len(costs)
-    lower, upper = batch_bounds(world, global_batch_size, min_batch_size, max_batch_sizes)
-    total = global_batch_size
-
-    def capacity(level: float) -> list[int]:
-        return [_capacity(c, level, lo, hi) for c, lo, hi in zip(costs, lower, upper)]
-
-    # bisection on the water level: `low` keeps capacity <= B, `high` reaches B
-    low = -1.0
-    high = max(c(hi) for c, hi in zip(costs, upper))
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (low + high)
-        if sum(capacity(mid)) <= total:
-            low = mid
-        else:
-            high = mid
-        if high - low <= 1e-12 * max(abs(high), 1.0):
-            break
-    sizes = capacity(low)
-    if sum(sizes) > total:  # pragma: no cover - `low` keeps capacity <= B by construction
-        sizes = list(lower)
-    # the rest, one sample at a time, to the replica whose step grows least (ties: lower rank)
-    heap = [(costs[r](sizes[r] + 1), r) for r in range(world) if sizes[r] < upper[r]]
+    lower, upper = batch_bounds(len(costs), global_batch_size, min_batch_size, max_batch_sizes)
+    sizes = list(lower)
+    heap = [(costs[r](sizes[r] + 1), r) for r in range(len(costs)) if sizes[r] < upper[r]]
     heapq.heapify(heap)
-    for _ in range(total - sum(sizes)):
+    for _ in range(global_batch_size - sum(sizes)):  # to the least-growing step (ties: lower rank): exact, costs rising
         _, r = heapq.heappop(heap)
         sizes[r] += 1
         if sizes[r] < upper[r]:
@@ -219,14 +146,11 @@ def step_without(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> float | None:
     """Best predicted step time without the replicas in ``dropped`` (``None`` when the others cannot hold it)."""
-    keep = [r for r in range(len(costs)) if r not in set(dropped)]
-    if not keep:
-        return None
-    bounds = None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
-    kept = [costs[r] for r in keep]
+    keep = [r for r in range(len(costs)) if r not in dropped]
+    kept, bounds = [costs[r] for r in keep], None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
     try:
         sizes = allocate_affine(global_batch_size, kept, min_batch_size=min_batch_size, max_batch_sizes=bounds)
-    except ValueError:
+    except ValueError:  # none left, or too few to hold the global batch
         return None
     return step_time(sizes, kept)
 
@@ -239,8 +163,6 @@ def useless_replicas(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them."""
-    if len(costs) < 2:
-        return []
     bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
     best = [step_without(global_batch_size, costs, [r], **bounds) for r in range(len(costs))]
     return [r for r, (cost, t) in enumerate(zip(costs, best)) if t is not None and cost.fixed_s >= t]
@@ -264,13 +186,10 @@ def useless_replica_message(
     without = step_without(global_batch_size, costs, useless, **bounds)
     if without is None or without > USELESS_MARGIN * with_all:
         return None
-
-    def label(r: int) -> str:
-        return labels[r] if r < len(labels) else f"rank {r}"
-
-    names = ", ".join(f"rank {r} ({label(r)})" for r in useless)
+    label = [labels[r] if r < len(labels) else f"rank {r}" for r in range(len(costs))]
+    names = ", ".join(f"rank {r} ({label[r]})" for r in useless)
     fixed = ", ".join(f"{costs[r].fixed_s * 1e3:.1f} ms" for r in useless)
-    keep = [label(r) for r in range(len(costs)) if r not in useless]
+    keep = [label[r] for r in range(len(costs)) if r not in useless]
     return (
         f"HeterogeneousStrategy: {names} only slow(s) the job down: its fixed cost per step ({fixed}) is at least the"
         f" best step the other replicas reach on the whole global batch of {global_batch_size}. Predicted step:"

@@ -3,37 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_het.allocation import allocate_batch_sizes
+from lightning_het.allocation import allocate_batch_sizes, loss_scale
+from lightning_het.balance import profiler as profiling
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.cost import AffineCost, useless_replica_message
-from lightning_het.balance.memory import (
-    EmulatedMemoryCap,
-    cached_caps,
-    checked_caps,
-    lowered_caps,
-    measure_cap,
-    per_replica_batchnorm,
-    refuse_single_sample_pieces,
-    refuse_synced_norm_in_pieces,
-)
-from lightning_het.balance.profiler import (
-    InLoopProfiler,
-    ProfileCache,
-    attach_profiler,
-    cache_key,
-    loader_prefetch_depth,
-    profile_plan,
-)
+from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.report import render_balance_table
 from lightning_het.balance.state import Allocation, StepSplit
@@ -45,13 +31,15 @@ from lightning_het.reliability.checkpointing import log_resumed_allocation, plan
 
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
 CAPS_AGREED_EVERY = 16
+#: torch's batch norm layers (they share only a private base class)
+_BATCH_NORMS = (*(getattr(nn, f"{lazy}BatchNorm{d}d") for lazy in ("", "Lazy") for d in (1, 2, 3)), nn.SyncBatchNorm)
+T = TypeVar("T")
 
 
-@dataclasses.dataclass
-class FitContext:
+class FitContext(NamedTuple):
     """What allocating needs from the fit: its module and precision, step clock, device labels, trainer."""
 
-    module: Callable[[], tuple[torch.nn.Module | None, str]]
+    module: Callable[[], tuple[nn.Module | None, str]]
     clock: Callable[[], StepClock | None]
     labels: list[str]
     trainer: Any = None
@@ -59,12 +47,8 @@ class FitContext:
     report: Callable[[], dict[str, Any]] = dict  # the balance report, for the table logged on a new allocation
 
 
-def measured_speeds(batch_sizes: list[int], costs: list[AffineCost], bounds: dict[str, Any]) -> list[float]:
-    """Samples/s of every replica at ``batch_sizes``; the equal split gets one speed, the mean (pinned, it recurs)."""
-    speeds = [b / max(c(b), 1e-12) for b, c in zip(batch_sizes, costs)]
-    if batch_sizes == allocate_batch_sizes(sum(batch_sizes), [1.0] * len(speeds), **bounds):
-        return [sum(speeds) / len(speeds)] * len(speeds)
-    return speeds
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 class BalancePolicy:
@@ -73,7 +57,7 @@ class BalancePolicy:
     def __init__(self, config: HeterogeneousConfig) -> None:
         self.config = config
         self.allocation = Allocation()
-        self.profiler: InLoopProfiler | None = None
+        self.profiler: profiling.InLoopProfiler | None = None
         self.batchnorm_layers: list[str] = []  # batch norm layers that normalise per replica
         self.rank, self.world_size, self.device, self.replicas_on_node = 0, 1, torch.device("cpu"), 1
         self.micro: MicroBatcher | None = None  # this replica's micro-batching (memory caps), when any is set
@@ -93,33 +77,56 @@ class BalancePolicy:
     def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """``EmulatedPlatform``'s settings, as if given as ``emulate_slowdown`` / ``emulate_memory_cap``."""
         given = {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}
+        given = {name: value for name, value in given.items() if value is not None}
         for name, value in given.items():
             current = getattr(self.config, name)
-            if value is not None and current is not None and list(current) != list(value):
+            if current is not None and list(current) != list(value):
                 raise ValueError(
                     f"The strategy was given `{name}={current}` and the EmulatedPlatform callback {value}."
                     f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
                 )
-        changed = {k: v for k, v in given.items() if v is not None and getattr(self.config, k) is None}
-        if changed:
-            self.config = dataclasses.replace(self.config, **changed)
+        if given:  # before the fit's setup: the replica is placed again with them
+            self.config = dataclasses.replace(self.config, **given)
             self.config.check_world(1, self.world_size)
             self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
 
-    def check_normalisation(self, module: torch.nn.Module) -> None:
+    def check_normalisation(self, module: nn.Module) -> None:
         """Warn about per-replica batch norm (2 samples per share then), refuse it where micro-batches break it."""
-        self.batchnorm_layers = per_replica_batchnorm(module, self.world_size)
-        refuse_synced_norm_in_pieces(module, self.world_size, self.micro is not None)
-        if self.micro is not None:
-            self.micro.min_piece = 2 if self.batchnorm_layers else 1
-            refuse_single_sample_pieces(self.batchnorm_layers, self.config.max_micro_batch_sizes, self.micro.least_cap)
+        norms = {n: isinstance(m, nn.SyncBatchNorm) for n, m in module.named_modules() if isinstance(m, _BATCH_NORMS)}
+        layers = self.batchnorm_layers = [name for name, synced in norms.items() if not synced]
+        synced = [name for name, s in norms.items() if s] if self.micro is not None and self.world_size > 1 else []
+        if layers and self.world_size > 1:
+            rank_zero_warn(
+                f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
+                " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
+                " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
+                " `Trainer(sync_batchnorm=True)` for global batch statistics (not with micro-batching)."
+            )
+        if synced:  # a collective in every forward: replicas running different numbers of pieces would mismatch
+            raise ValueError(
+                f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the"
+                f" model's SyncBatchNorm layer(s) ({_shown(synced)}) make every training forward a collective that all"
+                " replicas must run equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then"
+                " normalised by its own statistics), or bound the shares with `max_batch_sizes` instead."
+            )
+        if self.micro is None:
+            return
+        self.micro.min_piece = 2 if layers else 1
+        caps, least = self.config.max_micro_batch_sizes, self.micro.least_cap
+        small = [(r, c) for r, c in enumerate(caps if isinstance(caps, list) else []) if c < least]
+        if layers and small:  # a cap of 2 splits a share of 3 as [2, 1]: batch norm cannot train on 1 sample
+            rank, cap = small[0]
+            raise ValueError(
+                f"`max_micro_batch_sizes[{rank}]` is {cap}, but the model's batch norm layer(s) ({_shown(layers)}) need"
+                f" at least 2 samples per micro-batch in training, and pieces of at most {cap} samples can leave one of"
+                f" 1 (a share of 3 runs as [2, 1]). HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or"
+                " bound the share itself with `max_batch_sizes` instead."
+            )
 
-    def emulate_memory(self, module: torch.nn.Module | None) -> None:
+    def emulate_memory(self, module: nn.Module | None) -> None:
         """``emulate_memory_cap``: put the emulated cap's hooks on ``module`` (``None``: take them off)."""
-        if self.memory_emulation is not None and module is not None:
+        if self.memory_emulation is not None:
             self.memory_emulation.install(module)
-        elif self.memory_emulation is not None:
-            self.memory_emulation.remove()
 
     def reset(self) -> None:
         """A new fit derives a new allocation (measured caps are kept)."""
@@ -156,7 +163,11 @@ class BalancePolicy:
         return eval_weights(self.allocation.batch_sizes, self.config.speeds, self.world_size)
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
-        return self.allocation.step_split(sampler, step, self.rank)
+        """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""
+        sizes = list(self.allocation.batch_sizes or [])
+        if sampler is not None and step is not None and list(sampler.batch_sizes) == sizes:
+            sizes = sampler.step_batch_sizes(step)
+        return StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
 
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
         """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""
@@ -166,43 +177,34 @@ class BalancePolicy:
         assert self._fit is not None
         return render_balance_table(self._fit.report())
 
-    # ------------------------------------------------------------------ allocation
     def allocate(self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None) -> None:
         """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
         self._fit, self._cache_loader = fit, dataloader
-        world, bounds = self.world_size, self.bounds
-        allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # validates the bounds before any profiling
+        world, bounds, given = self.world_size, self.bounds, self.config.max_micro_batch_sizes
+        sizes = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # checks the bounds before profiling
         plan = plan_allocation(resume, world_size=world, given_speeds=self.config.speeds)
-        self._cached_caps()
-        caps = self.allocation.micro_caps or self._given_caps()
-        self.allocation = dataclasses.replace(self.allocation, profile_seconds=0.0, profile_cached=False)
-        costs, threshold = None, DEFAULT_THRESHOLD
+        cache, key = self.cache_entry(memory=True)
+        if self.cap_unknown and cache is not None and world > 1:  # "auto": the caps every replica has cached
+            rows = self.gather([float((cache.get_cap(key) if key is not None else None) or 0)])
+            if all(r[0] >= 1 for r in rows):
+                self._set_caps([int(r[0]) for r in rows], "from the profile cache")
+        caps = self.allocation.micro_caps or (given if isinstance(given, list) else None)
         speeds = plan.speeds if plan.speeds is not None else self.config.speeds
-        if speeds is None and world > 1:
-            cached = self._cached_costs()
-            if cached is None:
-                self._start_profiler(dataloader, global_batch, fit)
-            else:
-                costs, threshold = cached
-                self.allocation = dataclasses.replace(self.allocation, profile_cached=True)
-        self.allocation = dataclasses.replace(self.allocation, cost_model=costs).with_caps(caps)
-        costs = self.allocation.cost_model
-        if costs is None:  # profiled on the first training steps (or one replica): the equal split till then
-            speeds = list(speeds) if speeds is not None else [1.0] * world
+        cached = self._cached_costs() if speeds is None and world > 1 else None
+        self.allocation = Allocation(cost_model=cached and cached[0], profile_cached=bool(cached)).with_caps(caps)
+        if cached is not None:
+            costs = self.allocation.cost_model
+            sizes = profiled_split(global_batch, costs, threshold=cached[1], **bounds)
+            speeds = self.measured_speeds(costs, sizes)
+        elif speeds is not None:
             sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
-        else:
-            sizes = profiled_split(global_batch, costs, threshold=threshold, **bounds)
-            speeds = measured_speeds(sizes, costs, bounds)
-            self._warn_useless(costs, sizes)
+        else:  # the equal split, profiled on the first training steps (one replica: nothing to balance)
+            speeds = [1.0] * world
+            if world > 1:
+                self._start_profiler(dataloader, global_batch, fit)
         self.adopt(sizes, speeds)
         log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
-        if self.profiler is not None:
-            rank_zero_info(
-                f"HeterogeneousStrategy: profiling on the first {self.profiler.plan.gather_step + 1} training steps"
-                f" (the equal, then the rough split); the fitted split applies from step"
-                f" {self.profiler.plan.switch_step}"
-            )
-        elif world > 1:  # one replica: nothing is balanced, nothing to show
+        if self.profiler is None and world > 1:  # one replica: nothing is balanced, nothing to show
             rank_zero_info(self.table())
 
     def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
@@ -219,27 +221,34 @@ class BalancePolicy:
             profiler=lambda: self.profiler if self.profiling else None,
         )
 
-    def _warn_useless(self, costs: list[AffineCost], sizes: list[int]) -> None:
-        labels = self._fit.labels if self._fit is not None else []
-        message = useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds)
+    def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
+        """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
+        pinned), with a warning naming the replicas that only slow the step down."""
+        message = useless_replica_message(
+            sum(sizes), costs, sizes, self._fit.labels if self._fit else [], **self.bounds
+        )
         if message is not None:
             rank_zero_warn(message)
+        speeds = [b / max(c(b), 1e-12) for b, c in zip(sizes, costs)]
+        equal = sizes == allocate_batch_sizes(sum(sizes), [1.0] * len(sizes), **self.bounds)
+        return [sum(speeds) / len(speeds)] * len(speeds) if equal else speeds
 
-    def cache_entry(self) -> tuple[ProfileCache | None, str | None]:
-        """This replica's speed cache and key in it (``(None, None)``: off, or nothing to key on yet)."""
+    def cache_entry(self, memory: bool = False) -> tuple[profiling.ProfileCache | None, str | None]:
+        """This replica's speed cache and key in it (``memory``: its cap's); ``(None, None)``: off, or no key yet."""
         setting = self.config.profile_cache
         module, precision = self._fit.module() if self._fit is not None else (None, "")
         if setting in (None, False) or module is None or self._cache_loader is None:
             return None, None
-        cache = ProfileCache(ProfileCache.default_directory() if setting is True else setting)  # type: ignore[arg-type]
+        folder = profiling.ProfileCache.default_directory() if setting is True else setting
+        cache = profiling.ProfileCache(folder)  # type: ignore[arg-type]
         try:
             sample = self._cache_loader.dataset[0]
         except Exception:  # a dataset we cannot peek into is simply not cached
             return cache, None
-        factors = self.config.emulate_slowdown
-        slowdown = factors[self.rank] if factors else 1.0
-        extra = {"precision": precision, "slowdown": slowdown, "replicas_on_node": self.replicas_on_node}
-        return cache, cache_key(module, self.device, sample, **extra)
+        slowdown, emulated = self.config.emulate_slowdown, self.config.emulate_memory_cap
+        extra = {"precision": precision, "slowdown": slowdown[self.rank] if slowdown else 1.0}
+        key = profiling.cache_key(module, self.device, sample, **extra, replicas_on_node=self.replicas_on_node)
+        return cache, f"{key}|emulated_memory={emulated[self.rank] if emulated else None}" if memory else key
 
     def _cached_costs(self) -> tuple[list[AffineCost], float] | None:
         """Every replica's cost and the threshold their profiling split by, when every replica has an entry."""
@@ -247,45 +256,38 @@ class BalancePolicy:
         if cache is None:
             return None
         cost = cache.get(key) if key is not None else None
-        threshold = (cache.get_threshold(key) if key is not None else None) or DEFAULT_THRESHOLD
-        rows = self.gather([1.0, cost.fixed_s, cost.per_sample_s, threshold] if cost else [0.0] * 4)
-        if not all(r[0] == 1.0 for r in rows):
-            return None
-        return [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
+        row = [1.0, cost.fixed_s, cost.per_sample_s, cache.get_threshold(key) or DEFAULT_THRESHOLD] if cost else [0.0]
+        rows = self.gather(row + [0.0] * (4 - len(row)))
+        everyone = all(r[0] == 1.0 for r in rows)
+        return ([AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)) if everyone else None
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
         """Plan the first training steps' profiling and hook the profiler into the fit loop."""
-        lag = loader_prefetch_depth(dataloader, fit.loop_prefetch)
-        config = self.config
-        plan = profile_plan(
-            global_batch,
-            self.world_size,
-            warmup=config.profile_warmup,
-            steps=config.profile_steps,
-            lag=lag,
-            **self.bounds,
-        )
+        config, lag = self.config, profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
+        steps = {"warmup": config.profile_warmup, "steps": config.profile_steps, "lag": lag}
+        plan = profiling.profile_plan(global_batch, self.world_size, **steps, **self.bounds)
 
         def clock() -> tuple[int, Any] | None:
             step_clock = fit.clock()
             return None if step_clock is None else step_clock.open_step()
 
-        self.profiler = InLoopProfiler(plan, self.rank, self.world_size, self.device, clock, self._adopt_profiled)
-        micro = self.micro
-        if micro is not None:
-            self.profiler.micro_cap = lambda: micro.cap
+        self.profiler = profiling.InLoopProfiler(plan, self.rank, self.world_size, self.device, clock, self._profiled)
+        self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
         if fit.trainer is not None:
-            attach_profiler(self.profiler, fit.trainer)
+            profiling.attach_profiler(self.profiler, fit.trainer)
+        rank_zero_info(
+            f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps (the equal, then the"
+            f" rough split); the fitted split applies from step {plan.switch_step}"
+        )
 
-    def _adopt_profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
+    def _profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
         assert self.profiler is not None
         caps = self.allocation.micro_caps
         if caps is not None:  # the split that knows each share's micro-batches
             costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
-        speeds = measured_speeds(batch_sizes, costs, self.bounds)
-        self._warn_useless(costs, batch_sizes)
+        speeds = self.measured_speeds(costs, batch_sizes)
         self.allocation = dataclasses.replace(
             self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
         )
@@ -298,43 +300,15 @@ class BalancePolicy:
             cache.put(key, costs[self.rank], self.profiler.threshold)
         rank_zero_info(self.table())
 
-    # ------------------------------------------------------------------ micro-batch caps (memory)
-    def _given_caps(self) -> list[int] | None:
-        caps = self.config.max_micro_batch_sizes
-        return list(caps) if isinstance(caps, list) else None
-
-    def _memory_key(self) -> tuple[ProfileCache | None, str | None]:
-        cache, key = self.cache_entry()
-        emulated = self.config.emulate_memory_cap
-        return cache, None if key is None else f"{key}|emulated_memory={emulated[self.rank] if emulated else None}"
-
-    def _cached_caps(self) -> None:
-        """``"auto"``: every replica's measured cap from the profile cache, when every replica has one."""
-        cache, key = self._memory_key()
-        if self.cap_unknown and cache is not None and self.world_size > 1:
-            caps = cached_caps(cache.get_cap(key) if key is not None else None, self.gather)
-            if caps is not None:
-                self._set_caps(caps, "from the profile cache")
-
-    def measure_caps(
-        self, step: Callable[[Any], Any], batch: Any, no_sync: Callable[[], Any], module: Any, retry: Any = None
-    ) -> None:
+    def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Any, module: nn.Module) -> None:
         """``"auto"`` on the first training step: each replica's largest micro-batch that fits, agreed by an all-gather
         and stored in the profile cache (``micro.search_s``: the slowest replica's search time)."""
-        micro = self.micro
+        micro, start = self.micro, time.perf_counter()
         assert micro is not None
-        start = time.perf_counter()
-        cap, micro.search_steps = measure_cap(
-            step,
-            batch,
-            upper=self.allocation.global_batch_size or 1,
-            no_sync=lambda: micro.earlier_piece(no_sync),
-            module=module,
-            accelerator=self.device.type == "cuda",
-            retry=retry,
-            least=micro.least_cap,
-        )
-        cache, key = self._memory_key()
+        upper, cuda = self.allocation.global_batch_size or 1, self.device.type == "cuda"
+        pieces = functools.partial(micro.earlier_piece, no_sync)
+        cap, micro.search_steps = measure_cap(step, batch, upper, pieces, module, cuda, micro.least_cap)
+        cache, key = self.cache_entry(memory=True)
         if cache is not None and key is not None and cap >= 1:
             cache.put_cap(key, cap)
         row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
@@ -343,23 +317,51 @@ class BalancePolicy:
         self._set_caps([int(r[0]) for r in rows], f"measured in {[int(r[1]) for r in rows]} trial steps")
 
     def _set_caps(self, caps: list[int], source: str) -> None:
-        if self.micro is not None:
-            self.micro.cap = checked_caps(caps, self.micro.least_cap, source)[self.rank]
+        """``caps`` measured or cached: every replica's micro-batches, or (one too small) the same error everywhere."""
+        assert self.micro is not None
+        least = self.micro.least_cap
+        small = [r for r, c in enumerate(caps) if c < least]
+        if small:
+            norm = " (the model's batch norm layers need micro-batches of 2 samples or more)" if least > 1 else ""
+            raise RuntimeError(
+                f"HeterogeneousStrategy: not even a training step of {least} sample(s){norm} fits in the memory"
+                f" of rank(s) {small} (micro-batch caps {caps}, {source}). HINT: free memory on that device,"
+                " shrink the model, or leave the device out of the job."
+            )
+        self.micro.cap = caps[self.rank]
         self.allocation = self.allocation.with_caps(caps)
         rank_zero_info(f"HeterogeneousStrategy: micro-batch caps {caps} ({source})")
 
     def agree_caps(self, batch_idx: int | None = None, batches: float | None = None) -> None:
         """While micro-batching, every :data:`CAPS_AGREED_EVERY` steps of an epoch and at its last: a cap that an
         out-of-memory error lowered becomes every replica's (one all-gather, the same step everywhere)."""
-        if self.micro is None or self.world_size == 1:
+        micro, step = self.micro, None if batch_idx is None else batch_idx + 1
+        between = step is not None and step % CAPS_AGREED_EVERY and step < (batches or math.inf)
+        if micro is None or self.world_size == 1 or between:
             return
-        if batch_idx is not None and (batch_idx + 1) % CAPS_AGREED_EVERY and batch_idx + 1 < (batches or math.inf):
+        rows = self.gather([float(micro.cap or 0), float(micro.pending)])
+        if not any(r[1] for r in rows):
             return
-        caps = lowered_caps(self.micro, self.gather, self.allocation.global_batch_size or 1)
-        if caps is not None:
-            self.allocation = self.allocation.with_caps(caps)
-            if self._fit is not None:
-                rank_zero_info(self.table())
+        micro.pending = False
+        caps = [int(r[0]) or self.allocation.global_batch_size or 1 for r in rows]
+        rank_zero_warn(
+            f"HeterogeneousStrategy: rank(s) {[r for r, row in enumerate(rows) if row[1]]} ran out of memory;"
+            f" micro-batch caps now {caps} (the global batch and the exact gradient are unchanged). HINT: set"
+            f" `max_micro_batch_sizes={caps}` for the next run."
+        )
+        self.allocation = self.allocation.with_caps(caps)
+        if self._fit is not None:
+            rank_zero_info(self.table())
+
+
+def _read(read: Callable[[BalanceView], T], doc: str | None = None) -> T:
+    """A read-only attribute of the strategy: ``read(strategy)`` (a list copied)."""
+
+    def get(strategy: BalanceView) -> T:
+        value = read(strategy)
+        return list(value) if isinstance(value, list) else value  # type: ignore[return-value]
+
+    return property(get, doc=doc)  # type: ignore[return-value]
 
 
 class BalanceView:
@@ -369,77 +371,24 @@ class BalanceView:
     comm_algorithm: CommAlgorithm | None = None  # the comm algorithm installed for this replica's fit
     _node_ids: list[int] | None = None
 
-    @property
-    def config(self) -> HeterogeneousConfig:
-        """The validated keywords of this strategy (frozen)."""
-        return self.policy.config
-
-    @property
-    def batch_sizes(self) -> list[int] | None:
-        """Samples per step of every replica, indexed by global rank."""
-        sizes = self.policy.allocation.batch_sizes
-        return None if sizes is None else list(sizes)
-
-    @property
-    def local_batch_size(self) -> int | None:
-        sizes = self.policy.allocation.batch_sizes
-        return None if sizes is None else sizes[self.policy.rank]
-
-    @property
-    def global_batch_size(self) -> int | None:
-        return self.policy.allocation.global_batch_size
-
-    @property
-    def speeds(self) -> list[float] | None:
-        """Relative throughput (samples/s when profiled) of every replica, indexed by global rank."""
-        speeds = self.policy.allocation.speeds
-        return None if speeds is None else list(speeds)
-
-    @property
-    def speeds_given(self) -> bool:
-        return self.policy.config.speeds is not None
+    config = _read(lambda s: s.policy.config, "The validated keywords of this strategy (frozen).")
+    batch_sizes = _read(lambda s: s.policy.allocation.batch_sizes, "Samples per step of every replica, by global rank.")
+    local_batch_size = _read(lambda s: s.batch_sizes[s.policy.rank] if s.batch_sizes else None)
+    global_batch_size = _read(lambda s: s.policy.allocation.global_batch_size)
+    speeds = _read(lambda s: s.policy.allocation.speeds, "Relative throughput (samples/s when profiled) by rank.")
+    speeds_given = _read(lambda s: s.policy.config.speeds is not None)
+    loss_scale = _read(lambda s: s.policy.step_split(None, None).loss_scale, "Factor ``W * b_r / B`` of this loss.")
+    cost_model = _read(lambda s: s.policy.allocation.cost_model, "Every replica's fitted cost ``t_r(b)`` in seconds.")
+    micro_batcher = _read(lambda s: s.policy.micro)
+    profile_seconds = _read(lambda s: s.policy.allocation.profile_seconds)
+    profiling = _read(lambda s: s.policy.profiling, "Whether the first training steps are still profiling.")
+    comm_mode = _read(lambda s: None if s.comm_algorithm is None else s.comm_algorithm.mode, "``comm`` resolved.")
+    comm_reduction = _read(lambda s: None if s.comm_algorithm is None else s.comm_algorithm.reduction)
+    comm_stats = _read(lambda s: {} if s.comm_algorithm is None else s.comm_algorithm.stats, "Bytes sent, by kind.")
 
     @property
     def node_ids(self) -> list[int] | None:
         return None if self._node_ids is None else list(self._node_ids)
-
-    @property
-    def loss_scale(self) -> float:
-        """Factor ``W * b_r / B`` applied to this replica's loss before backward."""
-        return self.policy.allocation.loss_scale(self.policy.rank)
-
-    @property
-    def cost_model(self) -> list[AffineCost] | None:
-        """Every replica's fitted cost ``t_r(b)`` in seconds; ``None`` when the speeds were given."""
-        costs = self.policy.allocation.cost_model
-        return None if costs is None else list(costs)
-
-    @property
-    def micro_batcher(self) -> MicroBatcher | None:
-        return self.policy.micro
-
-    @property
-    def profile_seconds(self) -> float:
-        return self.policy.allocation.profile_seconds
-
-    @property
-    def profiling(self) -> bool:
-        return self.policy.profiling
-
-    @property
-    def comm_mode(self) -> str | None:
-        """The communication mode running (``comm`` after ``"auto"`` and fallbacks are resolved)."""
-        return None if self.comm_algorithm is None else self.comm_algorithm.mode
-
-    @property
-    def comm_reduction(self) -> str | None:
-        """``comm="hierarchical"``: ``"hierarchical"`` or ``"flat"`` after the measured choice; else ``None``."""
-        return None if self.comm_algorithm is None else self.comm_algorithm.reduction
-
-    @property
-    def comm_stats(self) -> dict[str, float]:
-        """Bytes sent by this replica inside its node and to other nodes, in total and per optimizer step."""
-        return {} if self.comm_algorithm is None else self.comm_algorithm.stats
 
     def adopt_allocation(
         self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None

@@ -25,19 +25,13 @@ from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 
 
 def _spread(total: int, room: Sequence[int]) -> list[int]:
-    """``total`` samples over slots of capacity ``room``, in proportion, largest remainders first."""
-    capacity = sum(room)
-    if total <= 0 or capacity <= 0:
-        return [0] * len(room)
-    exact = [total * r / capacity for r in room]
-    out = [min(int(e), r) for e, r in zip(exact, room)]
-    order = sorted(range(len(room)), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    left = total - sum(out)
-    while left > 0:
-        for i in order:
-            if left and out[i] < room[i]:
-                out[i] += 1
-                left -= 1
+    """``total`` samples over slots of capacity ``room``, in proportion (the allocation's rounding)."""
+    slots = [r for r, cap in enumerate(room) if cap > 0]
+    out = [0] * len(room)
+    if total > 0 and slots:
+        caps = [room[r] for r in slots]
+        for r, b in zip(slots, allocate_batch_sizes(total, caps, min_batch_size=0, max_batch_sizes=caps)):
+            out[r] = b
     return out
 
 
@@ -110,10 +104,6 @@ class ProfilePlan:
     def switch_step(self) -> int:
         """The first step split by the fitted allocation (the first one drawn after ``gather_step`` ended)."""
         return self.gather_step + 1 + self.lag
-
-    def timed(self, n: int) -> bool:
-        """Whether step ``n``'s compute time enters the fit (every step after the warm-up, up to ``gather_step``)."""
-        return self.warmup <= n <= self.gather_step
 
     def trials(self, around: Sequence[int] | None) -> tuple[list[int], list[int]]:
         """Trial splits A and B around the rough split (``None``: the equal split)."""
@@ -268,27 +258,29 @@ class InLoopProfiler:
         warm = [t for t in self._compute[: self.plan.warmup] if math.isfinite(t)]
         local = self.plan.equal[self.rank] / min(warm) if warm else 1.0
         speeds = [r[0] for r in _all_gather([local], self.world_size, self.device)]
+        if max(speeds) < _ROUGH_THRESHOLD * min(speeds):  # one step's times tell noise from a mild imbalance no better
+            speeds = [1.0] * len(speeds)  # than the fit will: the trials stay at DDP's equal split
         self.rough = allocate_batch_sizes(self.global_batch_size, speeds, **self._bounds)
 
     def _finish(self) -> None:
         self._read()
         plan, rank = self.plan, self.rank
-        stages: dict[float, list[float]] = {}
-        trials: dict[float, list[float]] = {}  # the steps from the first trial on (the lag steps may be cold)
+        stages: dict[float, list[float]] = {}  # by size: every step's time (the fastest of a stage enters the fit)
+        warm: dict[float, list[float]] = {}  # the steps after the warm-up (their spread: the timing noise)
         cap = self.micro_cap()
-        for n, seconds in enumerate(self._compute):
-            if plan.timed(n) and math.isfinite(seconds):  # per micro-batch: a share of b in k pieces is k of b / k
+        for n, seconds in enumerate(self._compute[: plan.gather_step + 1]):
+            if math.isfinite(seconds):  # per micro-batch: a share of b in k pieces is k of b / k
                 b = plan.split(n, self.rough)[rank]
                 k = 1 if cap is None else max(math.ceil(b / cap), 1)
                 stages.setdefault(b / k, []).append(seconds / k)
-                if n >= plan.first_trial:
-                    trials.setdefault(b / k, []).append(seconds / k)
+                if n >= plan.warmup:
+                    warm.setdefault(b / k, []).append(seconds / k)
+        spread = round(max(stage_ratios(list(warm.values())), default=1.0), 12)
         fastest = {b: min(timings) for b, timings in stages.items()}
         for b in [b for b, timings in stages.items() if len(timings) == 1]:
             if any(other > b and fastest[other] < fastest[b] for other in stages):  # slower than a larger size: a
                 del stages[b]  # cold step timed once (right after the warm-up) would pull the line by its outlier
         local = fit_stage_timings(sorted(stages.items())) if stages else AffineCost(0.0, 1.0)
-        spread = round(max(stage_ratios(list(trials.values())), default=1.0), 12)  # of repeated steps' times
         rows = _all_gather([local.fixed_s, local.per_sample_s, spread, *self._compute], self.world_size, self.device)
         costs = [AffineCost(r[0], r[1]) for r in rows]
         # equal unless clearly imbalanced: beyond the default threshold and the spread of repeated steps' times
@@ -380,6 +372,8 @@ class LoopSteps:
         self._epoch_steps, self._open = (epoch, step + 1), False
 
 
+#: smallest imbalance of the warm-up step's speeds (max / min) for the trials to leave the equal split
+_ROUGH_THRESHOLD = 1.5
 #: appended to a replica's key for its measured memory cap
 MEMORY_KEY = "|memory"
 

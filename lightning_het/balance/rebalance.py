@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from lightning_het.allocation import allocate_batch_sizes, positive_finite
 from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
@@ -14,8 +14,6 @@ from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_s
 DEFAULT_THRESHOLD = 1.1
 #: smallest predicted relative shortening of the step that justifies a new allocation
 DEFAULT_MIN_GAIN = 0.03
-#: rise of the slowest replica's time since the previous epoch (same batch sizes) that is confirmed before acting
-DEFAULT_SURGE = 1.25
 #: what a re-allocation costs (the training loader rebuilt, its workers restarted), in step times
 REALLOCATION_COST_STEPS = 2.0
 
@@ -29,19 +27,16 @@ def profiled_split(
     **bounds: object,
 ) -> list[int]:
     """The split of ``global_batch`` for profiled ``costs``."""
-    sizes = allocate_affine(global_batch, costs, **bounds)  # type: ignore[arg-type]
     upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
-    sizes = monotone_split(sizes, costs, upper)  # type: ignore[arg-type]
+    sizes = monotone_split(allocate_affine(global_batch, costs, **bounds), costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
-    mean_share_times = [cost(global_batch / len(costs)) for cost in costs]
-    if imbalance(mean_share_times) < threshold or step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs):
+    if imbalance([cost(global_batch / len(costs)) for cost in costs]) < threshold:  # at the mean share
         return equal
-    return sizes
+    return equal if step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs) else sizes
 
 
 def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], upper: Sequence[int]) -> list[int]:
-    """``batch_sizes`` with no replica holding fewer samples than one it is faster than (its cost lower at every size),
-    swapping two replicas' sizes where the bounds ``upper`` allow."""
+    """``batch_sizes`` with no replica holding fewer samples than a slower one (swapped within the bounds ``upper``)."""
     sizes = [int(b) for b in batch_sizes]
     order = sorted(range(len(sizes)), key=lambda r: (costs[r].per_sample_s, costs[r].fixed_s, r))
     for _ in range(len(sizes)):
@@ -71,33 +66,6 @@ def imbalance(compute_times: Sequence[float]) -> float:
     return max(times) / min(times)
 
 
-def is_check_epoch(epoch: int, every_n_epochs: int | None) -> bool:
-    """Whether the end of 0-based ``epoch`` is a rebalancing check (every ``every_n_epochs``-th epoch end)."""
-    if every_n_epochs is None:
-        return False
-    return (epoch + 1) % every_n_epochs == 0
-
-
-def robust_step_ratio(
-    batch_sizes: Sequence[int], proposal: Sequence[int], compute_times: Sequence[float], noise: float
-) -> float:
-    """Worst-case ``step time(proposal) / step time(current)`` when every measured time may be off by ``noise``."""
-    times = positive_finite("compute_times", compute_times, len(batch_sizes))
-    if len(proposal) != len(times):
-        raise ValueError(f"Expected argument `proposal` to hold one entry per replica ({len(times)}).")
-    return _robust_ratio(times, [t * b_new / b for b, b_new, t in zip(batch_sizes, proposal, times)], noise)
-
-
-def _robust_ratio(times: Sequence[float], new_times: Sequence[float], noise: float) -> float:
-    """:func:`robust_step_ratio` with each replica's predicted time under the proposal given directly."""
-    up, down = 1.0 + noise, 1.0 - noise
-    worst = 0.0
-    for r, (t, t_new) in enumerate(zip(times, new_times)):
-        others = max((t_s * down for s, t_s in enumerate(times) if s != r), default=0.0)
-        worst = max(worst, t_new * up / max(t * up, others))
-    return worst
-
-
 @dataclass(frozen=True)
 class RebalanceDecision:
     """Outcome of one rebalancing check (identical on every rank)."""
@@ -111,36 +79,8 @@ class RebalanceDecision:
     predicted_step_s: float
     gain: float
     robust_gain: float
-    reason: str = field(default="")
-    costs: list[dict[str, float]] | None = field(default=None)
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain data, for reports and loggers."""
-        lists = ("batch_sizes", "proposed", "speeds")
-        return {f.name: list(getattr(self, f.name)) if f.name in lists else getattr(self, f.name) for f in fields(self)}
-
-
-def _refresh_micro(
-    sizes: list[int],
-    times: list[float],
-    fixed_costs: Sequence[float],
-    previous: Sequence[tuple[int, float] | None] | None,
-    caps: Sequence[int | None] | None,
-) -> list[AffineCost]:
-    """:func:`refresh_costs`, per micro-batch: a share of ``b`` run as ``k`` pieces is ``k`` steps of ``b / k``."""
-    if caps is None:
-        return refresh_costs(sizes, times, fixed_costs, previous)
-
-    def piece(point: tuple[float, float] | None, cap: int | None) -> tuple[float, float] | None:
-        if point is None:
-            return None
-        k = 1 if cap is None else max(math.ceil(point[0] / cap), 1)
-        return point[0] / k, point[1] / k
-
-    now = [piece((b, t), m) for b, t, m in zip(sizes, times, caps)]
-    earlier = [piece(p, m) for p, m in zip(previous or [None] * len(sizes), caps)]
-    per_piece = refresh_costs([p[0] for p in now], [p[1] for p in now], fixed_costs, earlier)  # type: ignore[arg-type,index,misc]
-    return [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
+    reason: str = ""
+    costs: list[dict[str, float]] | None = None
 
 
 def plan_rebalance(
@@ -149,92 +89,68 @@ def plan_rebalance(
     *,
     threshold: float = DEFAULT_THRESHOLD,
     min_gain: float = DEFAULT_MIN_GAIN,
-    noise: float | None = None,
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
     fixed_costs: Sequence[float] | None = None,
-    previous: Sequence[tuple[int, float] | None] | None = None,
-    last_times: Sequence[float] | None = None,
-    recent_times: Sequence[float] | None = None,
-    surge: float = DEFAULT_SURGE,
     micro_batch_sizes: Sequence[int | None] | None = None,
     uncertainty: Sequence[float] | None = None,
     reallocation_cost: float = 0.0,
 ) -> RebalanceDecision:
-    """Decide whether to re-allocate the global batch from measured busy times, with hysteresis."""
+    """Decide whether to re-allocate the global batch from measured busy times, with hysteresis (without
+    ``uncertainty``: against timing errors of ``(threshold - 1) / (threshold + 1)`` either way)."""
     sizes = [int(b) for b in batch_sizes]
     times = positive_finite("compute_times", compute_times, len(sizes))
     if not math.isfinite(threshold) or threshold < 1.0:
         raise ValueError(f"Expected argument `threshold` to be a finite number >= 1, but got {threshold!r}.")
     if not math.isfinite(min_gain) or not 0.0 <= min_gain < 1.0:
         raise ValueError(f"Expected argument `min_gain` to be in [0, 1), but got {min_gain!r}.")
-    if noise is None:
-        noise = (threshold - 1.0) / (threshold + 1.0)
-    errors = None if uncertainty is None else [float(u) for u in uncertainty]
-    last = positive_finite("last_times", last_times, len(sizes)) if last_times is not None else None
-    recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
     speeds = speeds_from_step_times(sizes, times)
-    ratio = max(times) / min(times)
     current = max(times)
-    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
-    costs = None
-    if fixed_costs is None:
-        proposal = allocate_batch_sizes(sum(sizes), speeds, **bounds)
-        new_times = [t * b_new / b for b, b_new, t in zip(sizes, proposal, times)]
-    else:
-        costs = _refresh_micro(sizes, times, fixed_costs, previous, micro_batch_sizes)
-        # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
-        upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
-        trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
-        proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
-        proposal = monotone_split(proposal, costs, trusted)
-        new_times = [c(b) for c, b in zip(costs, proposal)]
+    ratio = current / min(times)
+    # the costs refreshed per micro-batch (a share of b run as k pieces is k steps of b / k), fixed costs kept
+    caps = micro_batch_sizes if micro_batch_sizes is not None else [None] * len(sizes)
+    pieces = [1 if m is None else max(math.ceil(b / m), 1) for b, m in zip(sizes, caps)]
+    fixed = fixed_costs if fixed_costs is not None else [0.0] * len(sizes)
+    per_piece = refresh_costs([b / k for b, k in zip(sizes, pieces)], [t / k for t, k in zip(times, pieces)], fixed)
+    costs = [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
+    # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
+    upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
+    trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
+    proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
+    proposal = monotone_split(proposal, costs, trusted)
+    new_times = [c(b) for c, b in zip(costs, proposal)]
     predicted = max(new_times)
     gain = 1.0 - predicted / current
-    if errors is None:
-        robust_gain = 1.0 - _robust_ratio(times, new_times, noise) - reallocation_cost
+    if uncertainty is None:  # the worst step ratio when every measured time may be off by `noise`
+        noise = (threshold - 1.0) / (threshold + 1.0)
+        up, down = 1.0 + noise, 1.0 - noise
+        worst = max(
+            t_new * up / max(t * up, max((t_s * down for s, t_s in enumerate(times) if s != r), default=0.0))
+            for r, (t, t_new) in enumerate(zip(times, new_times))
+        )
+        robust_gain = 1.0 - worst - reallocation_cost
         doubt = f"{robust_gain:.1%} with +-{noise:.1%} timing error < {min_gain:.1%}"
+        noisy = robust_gain < min_gain
     else:  # the standard error of the gain: the current slowest replica's and that of those given more samples
-        growing = max((e for e, b, b_new in zip(errors, sizes, proposal) if b_new > b), default=0.0)
-        spread = _CONFIDENCE * (predicted / current) * math.hypot(errors[times.index(current)], growing)
+        growing = max((float(e) for e, b, b_new in zip(uncertainty, sizes, proposal) if b_new > b), default=0.0)
+        spread = _CONFIDENCE * (predicted / current) * math.hypot(uncertainty[times.index(current)], growing)
         robust_gain = gain - reallocation_cost - spread
         doubt = (
             f"{gain - reallocation_cost:.1%} net of a re-allocation's cost of {reallocation_cost:.1%}, below"
             f" {max(min_gain, spread):.1%} (the least gain, or {_CONFIDENCE} standard errors of the gain)"
         )
-    slowest = times.index(current)
-    rise = current / last[slowest] if last is not None else 1.0
-    recent_rise = recent[slowest] / last[slowest] if last is not None and recent is not None else rise
+        noisy = gain - reallocation_cost < max(min_gain, spread)
+    adopt = False
     if ratio < threshold:
-        adopt, reason = False, f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
-    elif rise >= surge and recent_rise < surge:
-        adopt, reason = (
-            False,
-            f"imbalance {ratio:.3f}, but rank {slowest}'s step rose {rise:.2f}x since the previous epoch at the same"
-            f" batch sizes and is back to {recent_rise:.2f}x in the later half of the epoch: a transient",
-        )
+        reason = f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
     elif proposal == sizes:
-        adopt, reason = False, f"imbalance {ratio:.3f}, but the best allocation is the current one"
-    elif (robust_gain < min_gain) if errors is None else (gain - reallocation_cost < max(min_gain, spread)):
-        adopt, reason = (
-            False,
-            f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}",
-        )
+        reason = f"imbalance {ratio:.3f}, but the best allocation is the current one"
+    elif noisy:
+        reason = f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}"
     else:
         adopt, reason = True, f"imbalance {ratio:.3f} >= {threshold:.3f}, predicted gain {gain:.1%}"
-    return RebalanceDecision(
-        adopt=adopt,
-        batch_sizes=proposal if adopt else sizes,
-        proposed=proposal,
-        speeds=speeds,
-        imbalance=ratio,
-        current_step_s=current,
-        predicted_step_s=predicted,
-        gain=gain,
-        robust_gain=robust_gain,
-        reason=reason,
-        costs=[c.as_dict() for c in costs] if costs is not None else None,
-    )
+    kept, data = (proposal if adopt else sizes), [c.as_dict() for c in costs]
+    return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust_gain, reason, data)
 
 
 #: standard errors by which a gain must exceed its doubt (about 93 % one-sided)
@@ -255,8 +171,6 @@ class _Track:
     """One replica's cost scale over the checks, in log space: a level (the mean since its last confirmed change) and
     the spread of a check around it (pooled over the stretches between changes, from a prior)."""
 
-    __slots__ = ("pooled", "previous", "values")
-
     def __init__(self) -> None:
         self.values: list[float] = []  # log scales since the last confirmed change
         #: squared deviations and degrees of freedom of the earlier stretches, the prior included
@@ -273,11 +187,6 @@ class _Track:
         level = self.level
         squares = self.pooled[0] + sum((v - level) ** 2 for v in self.values)
         return math.sqrt(squares / (self.pooled[1] + len(self.values) - 1))
-
-    @property
-    def error(self) -> float:
-        """Relative standard error of the level."""
-        return self.spread / math.sqrt(len(self.values))
 
     def add(self, x: float, recent: float | None) -> None:
         """Book one check's log scale ``x`` (``recent``: that of the later half of its epoch, if known)."""
@@ -313,29 +222,15 @@ def _beyond(a: float, b: float, band: float) -> bool:
     return a * b > 0 and min(abs(a), abs(b)) > band
 
 
+@dataclass(kw_only=True)
 class RebalancePolicy:
     """The rebalancing decision of one ``fit`` across its checks, pure."""
 
-    def __init__(
-        self,
-        *,
-        threshold: float = DEFAULT_THRESHOLD,
-        min_gain: float = DEFAULT_MIN_GAIN,
-        reallocation_cost_steps: float = REALLOCATION_COST_STEPS,
-        min_batch_size: int = 1,
-        max_batch_sizes: Sequence[int] | None = None,
-    ) -> None:
-        self.threshold = threshold
-        self.min_gain = min_gain
-        self.reallocation_cost_steps = float(reallocation_cost_steps)
-        self.min_batch_size = min_batch_size
-        self.max_batch_sizes = list(max_batch_sizes) if max_batch_sizes is not None else None
-        self._tracks: list[_Track] = []
-        self._shape: list[AffineCost] | None = None
-
-    def reset(self) -> None:
-        """Forget every check (a new ``fit``)."""
-        self._tracks, self._shape = [], None
+    threshold: float = DEFAULT_THRESHOLD
+    min_batch_size: int = 1
+    max_batch_sizes: Sequence[int] | None = None
+    _tracks: list[_Track] = field(default_factory=list, init=False, repr=False)
+    _shape: list[AffineCost] | None = field(default=None, init=False, repr=False)
 
     def check(
         self,
@@ -353,26 +248,18 @@ class RebalancePolicy:
         if self._shape is None or len(self._shape) != len(sizes):
             self._shape = list(costs) if costs is not None else costs_from_speeds([1.0] * len(sizes))
             self._tracks = [_Track() for _ in sizes]
-        shape = self._shape
-        for r, (track, cost, b) in enumerate(zip(self._tracks, shape, sizes)):
-            late = math.log(recent[r] / cost(b)) if recent is not None else None
-            track.add(math.log(times[r] / cost(b)), late)
-        smoothed = [_scaled(c, math.exp(t.level)) for c, t in zip(shape, self._tracks)]
+        for r, (track, cost, b) in enumerate(zip(self._tracks, self._shape, sizes)):
+            track.add(math.log(times[r] / cost(b)), math.log(recent[r] / cost(b)) if recent is not None else None)
+        scales = [math.exp(t.level) for t in self._tracks]
+        smoothed = [AffineCost(c.fixed_s * f, c.per_sample_s * f, c.micro_batch) for c, f in zip(self._shape, scales)]
         return plan_rebalance(
             sizes,
             [c(b) for c, b in zip(smoothed, sizes)],
             threshold=self.threshold,
-            min_gain=self.min_gain,
             min_batch_size=self.min_batch_size,
             max_batch_sizes=self.max_batch_sizes,
             fixed_costs=[c.fixed_s for c in smoothed],
             micro_batch_sizes=[c.micro_batch for c in smoothed],
-            uncertainty=[t.error for t in self._tracks],
-            reallocation_cost=0.0
-            if steps_per_check is None
-            else self.reallocation_cost_steps / max(steps_per_check, 1),
+            uncertainty=[t.spread / math.sqrt(len(t.values)) for t in self._tracks],  # the levels' standard errors
+            reallocation_cost=0.0 if steps_per_check is None else REALLOCATION_COST_STEPS / max(steps_per_check, 1),
         )
-
-
-def _scaled(cost: AffineCost, factor: float) -> AffineCost:
-    return AffineCost(cost.fixed_s * factor, cost.per_sample_s * factor, cost.micro_batch)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
-from lightning_het.allocation import loss_scale
 from lightning_het.balance.cost import AffineCost
 
 
@@ -32,9 +31,6 @@ class Allocation:
     def global_batch_size(self) -> int | None:
         return sum(self.batch_sizes) if self.batch_sizes else None
 
-    def loss_scale(self, rank: int) -> float:
-        return loss_scale(self.batch_sizes, rank) if self.batch_sizes else 1.0
-
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> Any:
         """This allocation with ``batch_sizes`` and ``speeds`` (and refreshed ``costs``, ``AffineCost.as_dict()``)."""
         model = [AffineCost.from_dict(c) for c in costs] if costs is not None else self.cost_model
@@ -47,14 +43,6 @@ class Allocation:
             costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
         return replace(self, micro_caps=caps, cost_model=costs)
 
-    def step_split(self, sampler: Any, step: int | None, rank: int) -> StepSplit:
-        """The split of global batch ``step`` of ``sampler``: the allocation, a profiling split or the tail's."""
-        sizes = list(self.batch_sizes or [])
-        own = sampler is not None and step is not None and list(sampler.batch_sizes) == sizes
-        if own and (sampler.tail_batch_sizes is not None or sampler.split_schedule is not None):
-            sizes = sampler.step_batch_sizes(step)
-        return StepSplit(sizes, loss_scale(sizes, rank) if sizes else 1.0)
-
     def as_dict(self) -> dict[str, Any]:
         """Plain data (what a spawned worker sends back to the parent)."""
         costs = [c.as_dict() for c in self.cost_model] if self.cost_model else None
@@ -62,11 +50,6 @@ class Allocation:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Allocation:
-        costs = data.get("cost_model")
-        fields = {k: data.get(k) for k in ("batch_sizes", "speeds", "micro_caps")}
-        return cls(
-            **fields,
-            cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None,
-            profile_seconds=data.get("profile_seconds", 0.0),
-            profile_cached=bool(data.get("profile_cached", False)),
-        )
+        known = {f.name: data[f.name] for f in fields(cls) if data.get(f.name) is not None}
+        costs = known.pop("cost_model", None)
+        return cls(**known, cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None)

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
+from lightning_het.arguments import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,8 @@ _ALLOWED_FORMS = "'cpu', 'cuda', 'cuda:<index>', 'gpu', 'gpu:<index>', an intege
 
 def _as_list(device_map: object, name: str) -> list[object]:
     """A map's entries as a list (from a comma-separated string or any non-string sequence, e.g. a ListConfig)."""
-    if isinstance(device_map, str):
-        entries: list[object] = [part.strip() for part in device_map.split(",")]
-    elif isinstance(device_map, torch.device):
-        entries = [device_map]
+    if isinstance(device_map, (str, torch.device)):
+        entries = [part.strip() for part in device_map.split(",")] if isinstance(device_map, str) else [device_map]
     elif isinstance(device_map, (bytes, Mapping)) or not hasattr(device_map, "__iter__"):
         raise ValueError(f"Expected `{name}` to be a list of devices, but got {device_map!r}.")
     else:
@@ -75,26 +74,26 @@ def parse_device_map(
             f" (Trainer(devices={local_world_size})). HINT: leave `devices` at 'auto' so that the map decides."
         )
     taken = {index for kind, index in parsed if kind == "cuda" and index is not None}
-    devices: list[torch.device] = []
-    for kind, index in parsed:
-        if kind == "cuda" and index is None:
+    devices, seen = [], {}
+    for i, (kind, index) in enumerate(parsed):
+        if kind == "cpu":
+            devices.append(torch.device("cpu"))
+            continue
+        if index is None:  # a bare "cuda": the lowest index not taken
             index = min(set(range(len(taken) + 1)) - taken)
             taken.add(index)
-        devices.append(torch.device("cpu") if kind == "cpu" else torch.device("cuda", index))
-    cuda = [i for i, d in enumerate(devices) if d.type == "cuda"]
-    if cuda and cuda_device_count is not None and cuda_device_count < 1:
-        raise ValueError(
-            f"You set `{name}` with CUDA replicas, but no CUDA device is visible on this host"
-            f" (torch.cuda.device_count()=0, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})."
-        )
-    seen: dict[int | None, int] = {}
-    for i in cuda:
-        if cuda_device_count is not None and devices[i].index >= cuda_device_count:  # type: ignore[operator]
+        devices.append(torch.device("cuda", index))
+        if cuda_device_count == 0:
+            raise ValueError(
+                f"You set `{name}` with CUDA replicas, but no CUDA device is visible on this host"
+                f" (torch.cuda.device_count()=0, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})."
+            )
+        if cuda_device_count is not None and index >= cuda_device_count:
             raise ValueError(
                 f"You set `{name}[{i}]`={entries[i]!r} (-> {devices[i]}), but only {cuda_device_count} CUDA"
                 " device(s) are visible on this host (indices count from 0 among the visible devices)."
             )
-        first = seen.setdefault(devices[i].index, i)
+        first = seen.setdefault(index, i)
         if first != i:
             raise ValueError(
                 f"You set `{name}` with {devices[i]} twice (`{name}[{first}]`={entries[first]!r} and"
@@ -109,16 +108,13 @@ def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, 
         return [list(_as_list(device_map, name)) for _ in range(num_nodes or 1)]
     per_node: dict[int, list] = {}
     for key, value in device_map.items():
-        text = str(key).strip()
-        if isinstance(key, bool) or not text.isdigit():
+        if isinstance(key, bool) or not str(key).strip().isdigit():
             raise ValueError(f"Expected the keys of `{name}` to be node ranks (integers >= 0), but got {key!r}.")
-        per_node[int(text)] = _as_list(value, f"{name}[{key!r}]")
-    if not per_node:
-        raise ValueError(f"Expected argument `{name}` to hold at least one node, but got {dict(device_map)!r}.")
+        per_node[int(str(key))] = _as_list(value, f"{name}[{key!r}]")
     ranks = sorted(per_node)
-    expected = list(range(num_nodes if num_nodes is not None else len(ranks)))
-    if ranks != expected:
-        raise ValueError(f"You set `{name}` for node ranks {ranks}, but the job has {len(expected)} node(s).")
+    if not ranks or ranks != list(range(num_nodes if num_nodes is not None else len(ranks))):
+        expected = num_nodes if num_nodes is not None else len(ranks)
+        raise ValueError(f"You set `{name}` for node ranks {ranks}, but the job has {expected} node(s).")
     lengths = {rank: len(entries) for rank, entries in per_node.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"You set `{name}` with different numbers of replicas per node ({lengths}).")
@@ -130,10 +126,12 @@ def choose_backend(devices: Sequence[torch.device], requested: str | None = None
     if not devices:
         raise ValueError("Expected at least one replica device to choose a process-group backend, got none.")
     kinds = sorted({d.type for d in devices})
-    counts = ", ".join(f"{sum(d.type == k for d in devices)} {k.upper()}" for k in kinds)
     if not requested:
         return "nccl" if kinds == ["cuda"] else "gloo"
-    backend = str(requested).strip().lower()
+    backend, counts = (
+        str(requested).strip().lower(),
+        ", ".join(f"{sum(d.type == k for d in devices)} {k.upper()}" for k in kinds),
+    )
     if kinds == ["cuda"]:
         return backend
     if len(kinds) > 1 and backend != "gloo":
@@ -147,10 +145,7 @@ def choose_backend(devices: Sequence[torch.device], requested: str | None = None
 
 def available_cpu_cores() -> int:
     """Cores this process may run on (its CPU affinity, e.g. a SLURM allocation), else ``os.cpu_count()``."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):  # not Linux
-        return max(os.cpu_count() or 1, 1)
+    return max(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 1)
 
 
 def plan_cpu_threads(
@@ -161,30 +156,26 @@ def plan_cpu_threads(
     >>> plan_cpu_threads([torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")], cpu_cores=16)
     [1, 8, 7]
     """
-    if cpu_threads is not None:
-        if isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool):
-            counts, given = [1 if d.type == "cuda" else cpu_threads for d in devices], [cpu_threads]
-        elif isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
+    if isinstance(cpu_threads, int):
+        threads = positive_int("cpu_threads", cpu_threads, allow_none=False)
+        cpu_threads = [1 if d.type == "cuda" else threads for d in devices]  # type: ignore[misc]
+    elif cpu_threads is not None:
+        if isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
             raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
-        else:
-            counts = given = list(cpu_threads)
-            if len(counts) != len(devices):
-                raise ValueError(
-                    f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}"
-                )
-        for i, c in enumerate(given):
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-                where = "`cpu_threads`" if isinstance(cpu_threads, int) else f"`cpu_threads[{i}]`"
-                raise ValueError(f"Expected {where} to be an integer >= 1, but got {c!r}.")
-        if sum(counts) > cpu_cores:
-            warnings.warn(
-                f"`cpu_threads`={counts} asks for {sum(counts)} threads on a node with {cpu_cores} available cores.",
-                stacklevel=2,
+        cpu_threads = list(cpu_threads)
+        if len(cpu_threads) != len(devices):
+            raise ValueError(
+                f"You set `cpu_threads`={cpu_threads} with {len(cpu_threads)} entries, but the node runs {len(devices)}"
             )
-        return [int(c) for c in counts]
+        for i, c in enumerate(cpu_threads):
+            positive_int(f"cpu_threads[{i}]", c, allow_none=False)
+    if cpu_threads is not None:
+        if sum(cpu_threads) > cpu_cores:
+            message = f"`cpu_threads`={cpu_threads} asks for {sum(cpu_threads)} threads on a node with {cpu_cores}"
+            warnings.warn(f"{message} available cores.", stacklevel=2)
+        return [int(c) for c in cpu_threads]
     cpu_ranks = [i for i, d in enumerate(devices) if d.type != "cuda"]
-    counts = [1] * len(devices)
-    free = cpu_cores - (len(devices) - len(cpu_ranks))
+    counts, free = [1] * len(devices), cpu_cores - (len(devices) - len(cpu_ranks))
     if cpu_ranks and free < len(cpu_ranks):
         warnings.warn(
             f"The node has {cpu_cores} available cores for {len(devices) - len(cpu_ranks)} CUDA replica(s) and"
@@ -226,7 +217,6 @@ def plan_devices(
     """Resolve a device map for this node and the whole job (every check that can run before the workers start)."""
     if not 0 <= node_rank < num_nodes:
         raise ValueError(f"Expected `node_rank` in [0, {num_nodes}), but got {node_rank} (NODE_RANK / cluster env).")
-    per_node = node_device_maps(device_map, num_nodes)
     parsed = [
         parse_device_map(
             entries,
@@ -234,36 +224,25 @@ def plan_devices(
             cuda_device_count if rank == node_rank else None,
             name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]",
         )
-        for rank, entries in enumerate(per_node)
+        for rank, entries in enumerate(node_device_maps(device_map, num_nodes))
     ]
-    everyone = tuple(d for node in parsed for d in node)
-    local = tuple(parsed[node_rank])
+    everyone, local = tuple(d for node in parsed for d in node), tuple(parsed[node_rank])
     threads = plan_cpu_threads(local, cpu_cores if cpu_cores is not None else available_cpu_cores(), cpu_threads)
     return DevicePlan(local, everyone, choose_backend(everyone, requested_backend), tuple(threads))
-
-
-def _plain(entries: list) -> list[str | int]:
-    """A picklable, config-library-free copy of one map (e.g. of an omegaconf ListConfig)."""
-    return [e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in entries]
 
 
 class MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
-        self.device_map: list | dict = (  # as given: one list for every node, or {node_rank: list}
-            {
-                int(str(k)) if str(k).strip().isdigit() else k: _plain(node_device_maps(v)[0])
-                for k, v in device_map.items()
-            }
-            if isinstance(device_map, Mapping)
-            else _plain(node_device_maps(device_map)[0])
-        )
-        per_node = node_device_maps(self.device_map)  # checks keys and equal lengths
+        per_node = node_device_maps(device_map)  # checks keys and equal lengths
         for rank, entries in enumerate(per_node):  # syntax and duplicates; the GPU count is checked per node later
             parse_device_map(
-                entries, name="device_map" if not isinstance(self.device_map, Mapping) else f"device_map[{rank}]"
+                entries, name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]"
             )
+        # as given (one list for every node, or {node_rank: list}), free of config-library types
+        plain = [[e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in m] for m in per_node]
+        self.device_map: list | dict = dict(enumerate(plain)) if isinstance(device_map, Mapping) else plain[0]
         self._local_world_size = len(per_node[0])
         self.cpu_threads = cpu_threads if cpu_threads is None or isinstance(cpu_threads, int) else list(cpu_threads)
 

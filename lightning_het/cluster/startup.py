@@ -72,7 +72,17 @@ def init_process_group(member: Any, backend: str, timeout: timedelta | None, wai
         with local_sockets(member.num_nodes):
             start_default_group(env, backend, **kwargs)
     except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
-        raise rendezvous_failed(err, wait, rank, world_size) from err
+        if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
+            raise
+        from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
+
+        print(
+            f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
+            f" {wait.total_seconds():g} s (startup_timeout). Ending the job (exit status {WATCHDOG_EXIT_CODE}).",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise JobEnded(WATCHDOG_EXIT_CODE) from err
 
 
 def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
@@ -102,19 +112,3 @@ def _destroy_default_group() -> None:
 def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[int]:
     """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
     return validate_node_ids(given, world_size) if given is not None else gather_node_ids(env)
-
-
-def rendezvous_failed(err: BaseException, wait: timedelta, rank: int, world_size: int) -> BaseException:
-    """A timed-out rendezvous: one line naming the wait, then exit status 124; any other error unchanged."""
-    from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
-
-    text = str(err).lower()
-    if "timeout" not in text and "timed out" not in text:
-        return err
-    print(
-        f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
-        f" {wait.total_seconds():g} s (startup_timeout). Ending the job (exit status {WATCHDOG_EXIT_CODE}).",
-        file=sys.stderr,
-        flush=True,
-    )
-    return JobEnded(WATCHDOG_EXIT_CODE)

@@ -15,12 +15,6 @@ from lightning_het.cluster.rendezvous import local_sockets
 log = logging.getLogger(__name__)
 
 
-def _normalise(keys: Sequence[Any]) -> list[int]:
-    """Arbitrary hashable labels as ``0..N-1`` in order of first appearance."""
-    index: dict[Any, int] = {}
-    return [index.setdefault(key, len(index)) for key in keys]
-
-
 def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> list[int]:
     """Node id of every global rank: by launcher node rank first, then host name.
 
@@ -32,7 +26,8 @@ def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> 
             f"Expected `node_ranks` and `hostnames` to have the same non-zero length, but got {len(node_ranks)} and"
             f" {len(hostnames)}."
         )
-    return _normalise(list(zip((int(n) for n in node_ranks), hostnames)))
+    index: dict[Any, int] = {}  # labels as 0..N-1 in order of first appearance
+    return [index.setdefault(key, len(index)) for key in zip((int(n) for n in node_ranks), hostnames)]
 
 
 def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
@@ -45,7 +40,8 @@ def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
     for rank, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"Expected `node_ids` to hold integers, but `node_ids[{rank}]` is {value!r}.")
-    return _normalise(values)
+    index: dict[int, int] = {}
+    return [index.setdefault(value, len(index)) for value in values]
 
 
 def node_members(node_ids: Sequence[int]) -> list[list[int]]:
@@ -91,21 +87,13 @@ class NodeGroups:
         return len(self.members)
 
     @property
-    def node_ranks(self) -> tuple[int, ...]:
-        return self.members[self.node_ids[self.rank]]
-
-    @property
     def node_size(self) -> int:
-        return len(self.node_ranks)
+        return len(self.members[self.node_ids[self.rank]])
 
     @property
     def leader(self) -> int:
         """This node's lowest rank."""
-        return self.node_ranks[0]
-
-    @property
-    def leaders(self) -> tuple[int, ...]:
-        return tuple(m[0] for m in self.members)
+        return self.members[self.node_ids[self.rank]][0]
 
     @property
     def is_leader(self) -> bool:

@@ -7,12 +7,10 @@ their mode-name shorthands and the strategy's old flat keywords they replace.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Collection
 from dataclasses import fields
 from typing import Any
 
-from lightning_het.arguments import check_comm_args
 from lightning_het.comm.allreduce import FLAT_FIELDS, AllReduce, CommAlgorithm
 from lightning_het.comm.hierarchical import Auto, Hierarchical
 from lightning_het.comm.node_local import NodeLocal
@@ -39,16 +37,6 @@ def algorithm_for(comm: str, **flat: Any) -> CommAlgorithm:
     cls = ALGORITHMS[comm]
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     return cls(**{FLAT_FIELDS[k]: v for k, v in flat.items() if FLAT_FIELDS[k] in names})
-
-
-def validate_comm_args(comm: str, global_sync_every: int | None = None, warmup_steps: int = 0) -> None:
-    """Checks of the flat comm keywords (``ValueError``); a ``UserWarning`` for the node-local schedule given with
-    another ``comm`` (ignored)."""
-    check_comm_args(comm, global_sync_every, warmup_steps)
-    for name, value in (("global_sync_every", global_sync_every), ("warmup_steps", warmup_steps)):
-        if value and comm != "node_local":
-            message = f"`{name}={value}` only applies to `comm='node_local'`; it is ignored with `comm={comm!r}`."
-            warnings.warn(message, UserWarning, stacklevel=2)
 
 
 def algorithm_of(comm: Any, config: Any) -> CommAlgorithm:

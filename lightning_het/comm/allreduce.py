@@ -1,5 +1,5 @@
-"""The base of the ``comm=`` algorithms (hooks installed and removed, the step schedule, the byte counters) and
-``comm="allreduce"``: DDP's own flat all-reduce of the share-scaled gradients (exact)."""
+"""The base of the ``comm=`` algorithms (hooks installed and removed, the step schedule, the byte model and counters)
+and ``comm="allreduce"``: DDP's own flat all-reduce of the share-scaled gradients (exact)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_het.cluster.topology import NodeGroups, describe_topology, validate_node_ids
-from lightning_het.comm.stats import CommStats, Traffic, flat_allreduce_traffic
+from lightning_het.cluster.topology import NodeGroups, describe_topology, node_members, validate_node_ids
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +31,90 @@ FLAT_FIELDS: dict[str, str] = {
 }
 
 
+@dataclass
+class Traffic:
+    """Bytes sent by every global rank during one collective pattern: to its own node, to other nodes."""
+
+    intra: list[float]
+    inter: list[float]
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            [a + b for a, b in zip(self.intra, other.intra)], [a + b for a, b in zip(self.inter, other.inter)]
+        )
+
+    @property
+    def total_intra(self) -> float:
+        return sum(self.intra)
+
+    @property
+    def total_inter(self) -> float:
+        return sum(self.inter)
+
+
+def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
+    """A ring over ``ranks`` (ascending): each sends ``per_rank`` bytes (default: an all-reduce's) to the next."""
+    traffic, ring = Traffic([0.0] * len(node_ids), [0.0] * len(node_ids)), sorted(ranks)
+    if len(ring) > 1:
+        per_rank = 2.0 * (len(ring) - 1) / len(ring) * nbytes if per_rank is None else per_rank
+        for src, dst in zip(ring, ring[1:] + ring[:1]):
+            (traffic.intra if node_ids[src] == node_ids[dst] else traffic.inter)[src] += per_rank
+    return traffic
+
+
+def _leaders_ring(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
+    """A ring among the node leaders, plus a reduce onto each leader and a broadcast back inside every node."""
+    members = node_members(node_ids)
+    traffic = _ring(nbytes, [m[0] for m in members], node_ids, per_rank)
+    for leader, *others in members:
+        traffic.intra[leader] += nbytes * len(others)
+        for other in others:
+            traffic.intra[other] += nbytes
+    return traffic
+
+
+def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """One ring all-reduce over all ranks (DDP's).
+
+    >>> flat_allreduce_traffic(100, [0, 0, 1, 1])
+    Traffic(intra=[150.0, 0.0, 150.0, 0.0], inter=[0.0, 150.0, 0.0, 150.0])
+    """
+    return _ring(nbytes, range(len(node_ids)), node_ids)
+
+
+def hierarchical_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """Reduce inside each node, all-reduce among node leaders, broadcast inside each node.
+
+    >>> t = hierarchical_traffic(100, [0, 0, 1, 1])
+    >>> t.inter, t.total_intra
+    ([100.0, 0.0, 100.0, 0.0], 400.0)
+    """
+    return _leaders_ring(nbytes, node_ids)
+
+
+def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence[int]) -> Traffic:
+    """A compressed sync: ``nbytes`` reduced onto each leader and broadcast back, the leaders' ``wire_bytes``
+    all-gathered in a ring.
+
+    >>> compressed_sync_traffic(400, 100, [0, 0, 1]).inter
+    [100.0, 0.0, 100.0]
+    """
+    return _leaders_ring(nbytes, node_ids, per_rank=(len(set(node_ids)) - 1) * float(wire_bytes))
+
+
+def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+    """One all-reduce inside each node, nothing between nodes."""
+    parts = [_ring(nbytes, members, node_ids) for members in node_members(node_ids)]
+    return sum(parts[1:], parts[0])
+
+
 class CommAlgorithm:
     """Base of the ``comm=`` objects: :meth:`install` registers the DDP comm hook and optimizer step post-hooks and
     starts a run's state; :meth:`remove` removes the step hooks (DDP cannot unregister a comm hook: ours then runs
     DDP's all-reduce). Settings are dataclass fields; the run's state is private and not pickled."""
 
     mode: ClassVar[str] = ""
-    _stats: CommStats | None = None
+    _total: Traffic | None = None
     _handles: tuple[Any, ...] = ()
     _hook_state: Any = None
 
@@ -71,7 +147,8 @@ class CommAlgorithm:
         if not 0 <= rank < len(ids):
             raise ValueError(f"Expected argument `rank` in [0, {len(ids)}), but got {rank}.")
         self._node_ids, self._rank, self._groups, self._chunk_bytes = ids, rank, groups, chunk_bytes
-        self._stats, self._traffic_cache, self._stepped = CommStats(rank, len(ids)), {}, None
+        self._total, self._steps, self._syncs = Traffic([0.0] * len(ids), [0.0] * len(ids)), 0, 0
+        self._traffic_cache, self._stepped = {}, None
         self._position = position or (lambda: (self._stepped or 0, False))
         self._params = list(model.parameters())
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
@@ -113,10 +190,15 @@ class CommAlgorithm:
             pattern = self._pattern(step)
             if pattern not in self._traffic_cache:
                 self._traffic_cache[pattern] = pattern(self._grad_bytes, self._node_ids)
-            self._stats.record(self._traffic_cache[pattern])  # type: ignore[union-attr]
+            self._record(self._traffic_cache[pattern])
             with torch.no_grad():
                 self._after_step(step, epoch_end and step == done + 1)
         self._stepped = done + 1
+
+    def _record(self, traffic: Traffic, sync: bool = False) -> None:
+        """Count one optimizer step's gradient exchange, or (``sync``) one global parameter average."""
+        self._syncs, self._steps = self._syncs + sync, self._steps + (not sync)
+        self._total = self._total + traffic  # type: ignore[operator]
 
     # ------------------------------------------------------------------ what the algorithms override
     def _start(self, model: Any) -> None:
@@ -168,8 +250,16 @@ class CommAlgorithm:
     # ------------------------------------------------------------------ reports
     @property
     def stats(self) -> dict[str, float]:
-        """Bytes this rank and the job sent inside nodes and between nodes, in total and per optimizer step."""
-        return {} if self._stats is None else self._stats.as_dict()
+        """Bytes this rank and the job sent inside and between nodes, in total and per optimizer step (syncs
+        included)."""
+        if self._total is None:
+            return {}
+        out, steps = {"steps": float(self._steps), "global_syncs": float(self._syncs)}, max(self._steps, 1)
+        for kind in ("intra", "inter"):
+            mine, job = getattr(self._total, kind)[self._rank], sum(getattr(self._total, kind))
+            out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
+            out |= {f"job_bytes_{kind}_total": job, f"job_bytes_{kind}_per_step": job / steps}
+        return out
 
     def summary(self) -> str:
         """One log line: mode, schedule and bytes per step."""

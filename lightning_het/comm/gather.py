@@ -34,22 +34,18 @@ def all_gather_uneven(tensor: Tensor, group: Any = None, sync_grads: bool = Fals
         )
     from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 
-    if even:  # DDP's behaviour: stacked to [W, *shape]
-        with nullcontext() if sync_grads else torch.no_grad():
-            return torch.stack(differentiable_all_gather(tensor, group))
-    most = max(s[0] for s in shapes)
-    padded = tensor
-    if tensor.shape[0] < most:
-        padded = torch.cat([tensor, tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))])
     with nullcontext() if sync_grads else torch.no_grad():
-        parts = differentiable_all_gather(padded, group)
+        if even:  # DDP's behaviour: stacked to [W, *shape]
+            return torch.stack(differentiable_all_gather(tensor, group))
+        padding = tensor.new_zeros((max(s[0] for s in shapes) - tensor.shape[0], *tensor.shape[1:]))
+        parts = differentiable_all_gather(torch.cat([tensor, padding]), group)
         return torch.cat([part[: s[0]] for part, s in zip(parts, shapes)])
 
 
 def _structure(data: Any) -> str:
     """A description of where the tensors sit in a nested collection (keys, lengths, types), without their values."""
     if isinstance(data, Tensor):
-        return "T"
+        return "<T>"
     if isinstance(data, Mapping):
         return "{" + ",".join(f"{k!r}:{_structure(v)}" for k, v in data.items()) + "}"
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
@@ -66,12 +62,10 @@ def all_gather_collection(data: Any, group: Any = None, sync_grads: bool = False
         return all_gather_uneven(data, group=group, sync_grads=sync_grads)
     if dist.is_available() and dist.is_initialized():
         group = group if group is not None else dist.group.WORLD
-        count = [0]
-        apply_to_collection(data, Tensor, lambda t: count.__setitem__(0, count[0] + 1))
         rows: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(rows, (_structure(data), count[0]), group=group)
-        if len({structure for structure, _ in rows}) > 1:
-            counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(rows))
+        dist.all_gather_object(rows, _structure(data), group=group)
+        if len(set(rows)) > 1:
+            counts = ", ".join(f"rank {r}: {structure.count('<T>')}" for r, structure in enumerate(rows))
             raise ValueError(
                 "all_gather: the replicas passed collections of different structure (tensors per replica:"
                 f" {counts}), so their gathers cannot pair up. HINT: with uneven batch shares a list of per-sample"

@@ -3,7 +3,6 @@ import annotations``: DDP rejects a hook's string annotations)."""
 
 import logging
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,76 +20,74 @@ from lightning_het.cluster.topology import (
     node_members,
     validate_node_ids,
 )
-from lightning_het.comm.allreduce import DEFAULT_CHUNK_BYTES, AllReduce, CommAlgorithm
-from lightning_het.comm.stats import Traffic, flat_allreduce_traffic, hierarchical_traffic
+from lightning_het.comm.allreduce import (
+    DEFAULT_CHUNK_BYTES,
+    AllReduce,
+    CommAlgorithm,
+    Traffic,
+    flat_allreduce_traffic,
+    hierarchical_traffic,
+)
 
 log = logging.getLogger(__name__)
 
 
-class _InOrder:
-    """Runs submitted actions in sequence-number order, whichever thread submits them: gloo completes callbacks in
-    any order, yet every rank must issue a group's collectives in the same order."""
-
-    __slots__ = ("_draining", "_lock", "_next", "_pending")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
-        self._pending: dict[int, tuple[Callable[[], None], Callable[[BaseException], None]]] = {}
-        self._draining = False
-
-    def submit(self, seq: int, action: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        """Run ``action`` once every action with a smaller ``seq`` has run; report its exception to ``on_error``."""
-        with self._lock:
-            self._pending[seq] = (action, on_error)
-            if self._draining:
-                return
-            self._draining = True
-        while True:
-            with self._lock:
-                item = self._pending.pop(self._next, None)
-                if item is None:
-                    self._draining = False
-                    return
-                self._next += 1
-            run, report = item
-            try:
-                run()
-            except BaseException as err:  # must reach the bucket's future, or DDP waits forever
-                report(err)
-
-
-def _nothing(*args: object) -> None:
-    """The action (and error handler) of a turn handed on by a failed chunk."""
-
-
-def _future(tensor: torch.Tensor, done: bool = False) -> torch.futures.Future[torch.Tensor]:
+def _future(tensor: torch.Tensor | None = None, done: bool = False) -> torch.futures.Future[Any]:
     """A future DDP can wait on for ``tensor`` (device-aware on accelerators), already set when ``done``."""
-    fut = torch.futures.Future() if tensor.device.type == "cpu" else torch.futures.Future(devices=[tensor.device])
+    on_device = tensor is not None and tensor.device.type != "cpu"
+    fut = torch.futures.Future(devices=[tensor.device]) if on_device else torch.futures.Future()  # type: ignore[union-attr]
     if done:
         fut.set_result(tensor)
     return fut
 
 
+def _settle(fut: torch.futures.Future[Any], source: torch.futures.Future[Any], value: Any = None) -> None:
+    """Set ``fut`` to ``value``, or to ``source``'s error (``source`` is done)."""
+    try:
+        source.wait()
+        fut.set_result(value)
+    except BaseException as err:  # must reach the bucket's future, or DDP waits forever
+        fut.set_exception(err)
+
+
+def _in_turn(
+    turn: torch.futures.Future[None], ready: torch.futures.Future[None], start: Callable[[], Any]
+) -> tuple[torch.futures.Future[None], torch.futures.Future[None]]:
+    """Issue ``start()``'s collective (``None``: none) once ``ready`` and the previous chunk's ``turn`` are done: every
+    rank issues a group's collectives in chunk order, though gloo completes them in any. The futures of this chunk's
+    turn (done once issued, or failed: a failed chunk hands its turn on) and of the collective."""
+    mine, completed = _future(), _future()
+
+    def run(_: Any) -> None:
+        try:
+            ready.wait()
+            work = start()
+            if work is None:
+                completed.set_result(None)
+            else:
+                work.get_future().then(lambda f: _settle(completed, f))
+        except BaseException as err:
+            completed.set_exception(err)
+        finally:
+            mine.set_result(None)
+
+    torch.futures.collect_all([turn, ready]).then(run)
+    return mine, completed
+
+
 class HierarchicalState:
-    """State of :func:`hierarchical_hook`: the node ``groups`` (``None`` once removed), ``chunk_bytes`` (the largest
-    chunk reduced at once), ``flat`` (run a flat all-reduce: the measured choice)."""
+    """State of the comm hooks: the node ``groups`` (``None`` once removed), ``chunk_bytes`` (the largest chunk reduced
+    at once), ``flat`` (run a flat all-reduce: the measured choice); for :func:`node_local_hook`, ``node_scale = B /
+    (W * B_n)`` and ``exact()`` (whether the step in progress is a warm-up step, reduced exactly)."""
 
-    __slots__ = ("_seq", "bcast_order", "chunk_bytes", "flat", "groups", "leader_order", "world_size")
+    __slots__ = ("bcast_turn", "chunk_bytes", "exact", "flat", "groups", "leader_turn", "node_scale")
 
-    def __init__(self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES, exact: Callable[[], bool] = lambda: True
+    ) -> None:
         self.groups: NodeGroups | None = groups
-        self.chunk_bytes = chunk_bytes
-        self.world_size = groups.world_size
-        self.flat = False
-        self._seq = 0
-        self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
-        self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
-
-    def next_seq(self) -> int:
-        """The issue number of the next chunk (every rank numbers its chunks in the same order)."""
-        seq, self._seq = self._seq, self._seq + 1
-        return seq
+        self.chunk_bytes, self.exact, self.node_scale, self.flat = chunk_bytes, exact, 1.0, False
+        self.leader_turn = self.bcast_turn = _future(done=True)  # the last chunk's turn in each ordered stage
 
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -99,81 +96,35 @@ def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.fu
     chunk = state.chunk_bytes // max(flat.element_size(), 1)
     if state.chunk_bytes <= 0 or flat.numel() <= chunk:
         return _hierarchical_sum_chunk(state, tensor)
+    result = _future(tensor)
     parts = [_hierarchical_sum_chunk(state, part) for part in flat.split(chunk)]
-    result, lock, remaining = _future(tensor), threading.Lock(), [len(parts)]
-
-    def part_done(fut: torch.futures.Future[torch.Tensor]) -> None:
-        try:
-            fut.value()
-        except BaseException as err:
-            with lock:
-                if not result.done():
-                    result.set_exception(err)
-            return
-        with lock:
-            remaining[0] -= 1
-            if remaining[0] == 0 and not result.done():
-                result.set_result(tensor)
-
-    for part in parts:
-        part.then(part_done)
+    torch.futures.collect_all(parts).then(lambda all_parts: _settle(result, all_parts, tensor))
     return result
 
 
 def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk."""
-    groups = state.groups
+    groups, result, none = state.groups, _future(tensor), _future(done=True)
     assert groups is not None
-    seq = state.next_seq()
-    result = _future(tensor)
-    # the ordered stages this chunk still holds a turn in; a chunk that fails before them hands its turn on, or every
-    # later chunk would wait for it until the watchdog ends the job
-    turns = {"leaders": groups.is_leader and groups.num_nodes > 1, "bcast": groups.node_size > 1}
+    several, leads = groups.node_size > 1, groups.is_leader and groups.num_nodes > 1
 
-    def fail(err: BaseException) -> None:
-        if not result.done():
-            result.set_exception(err)
-        if turns.pop("leaders", False):
-            state.leader_order.submit(seq, _nothing, _nothing)
-        if turns.pop("bcast", False):
-            state.bcast_order.submit(seq, _nothing, _nothing)
+    def reduce() -> Any:
+        return dist.reduce(tensor, dst=groups.leader, group=groups.intra_group, async_op=True) if several else None
 
-    def chain(work: dist.Work, then: Callable[[], None]) -> None:
-        def callback(fut: torch.futures.Future[list[torch.Tensor]]) -> None:
-            try:
-                fut.value()
-                then()
-            except BaseException as err:
-                fail(err)
+    def leaders() -> Any:
+        return dist.all_reduce(tensor, group=groups.leader_group, async_op=True) if leads else None
 
-        work.get_future().then(callback)
+    def broadcast() -> Any:
+        return (
+            dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True)
+            if several
+            else None
+        )
 
-    def broadcast() -> None:
-        work = dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True)
-        chain(work, lambda: result.set_result(tensor))
-
-    def after_leaders() -> None:
-        if turns.pop("bcast", False):
-            state.bcast_order.submit(seq, broadcast, fail)
-        else:
-            result.set_result(tensor)
-
-    def leaders_allreduce() -> None:
-        chain(dist.all_reduce(tensor, group=groups.leader_group, async_op=True), after_leaders)
-
-    def after_reduce() -> None:
-        if turns.pop("leaders", False):
-            state.leader_order.submit(seq, leaders_allreduce, fail)
-        else:
-            after_leaders()
-
-    try:
-        if groups.node_size > 1:
-            chain(dist.reduce(tensor, dst=groups.leader, group=groups.intra_group, async_op=True), after_reduce)
-        else:
-            after_reduce()
-    except BaseException as err:
-        fail(err)
+    _, reduced = _in_turn(none, none, reduce)  # issued now: chunks come in the same order on every rank
+    state.leader_turn, summed = _in_turn(state.leader_turn, reduced, leaders)
+    state.bcast_turn, sent = _in_turn(state.bcast_turn, summed, broadcast)
+    sent.then(lambda fut: _settle(result, fut, tensor))
     return result
 
 
@@ -181,21 +132,10 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """Exact gradient mean ``(1/W) * sum_r g_r`` through the node hierarchy (flat: DDP's all-reduce)."""
     if state.flat or state.groups is None:
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]
-    return hierarchical_sum(state, bucket.buffer().div_(state.world_size))
+    return hierarchical_sum(state, bucket.buffer().div_(state.groups.world_size))
 
 
-class NodeLocalState(HierarchicalState):
-    """State of :func:`node_local_hook`: ``node_scale = B / (W * B_n)`` and ``exact()`` (whether the step in progress
-    is a warm-up step, reduced exactly through the hierarchy)."""
-
-    __slots__ = ("exact", "node_scale")
-
-    def __init__(self, groups: NodeGroups, chunk_bytes: int, exact: Callable[[], bool]) -> None:
-        super().__init__(groups, chunk_bytes)
-        self.exact, self.node_scale = exact, 1.0
-
-
-def node_local_hook(state: NodeLocalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def node_local_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Gradient of this node's mean loss, ``B / (W * B_n) * sum_{r in n} g_r``, summed inside the node only."""
     groups = state.groups
     if groups is None or state.exact():

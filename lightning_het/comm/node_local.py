@@ -16,9 +16,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_het.arguments import SYNC_DEFAULTS, ArgumentError, check_sync_args, positive_int
 from lightning_het.cluster.topology import build_node_groups, node_members, validate_node_ids
-from lightning_het.comm.allreduce import FLAT_FIELDS, CommAlgorithm
-from lightning_het.comm.hierarchical import HierarchicalState, NodeLocalState, hierarchical_sum, node_local_hook
-from lightning_het.comm.stats import Traffic, compressed_sync_traffic, hierarchical_traffic, node_local_traffic
+from lightning_het.comm.allreduce import (
+    FLAT_FIELDS,
+    CommAlgorithm,
+    Traffic,
+    compressed_sync_traffic,
+    hierarchical_traffic,
+    node_local_traffic,
+)
+from lightning_het.comm.hierarchical import HierarchicalState, hierarchical_sum, node_local_hook
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +199,8 @@ class NodeLocal(CommAlgorithm):
     def _start(self, model: Any) -> None:
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
         exact = lambda: self._position()[0] < self.warmup_steps  # noqa: E731
-        self._hook_state = NodeLocalState(self._groups, self._chunk_bytes, exact)
-        self._set_node_scale()
+        self._hook_state = HierarchicalState(self._groups, self._chunk_bytes, exact)
+        self.set_batch_sizes(self._batch_sizes)  # the node's gradient scale
         self._samples = [0] * len(self._node_ids)  # per replica, since the last sync
         self._in_consensus, self._own, self._residual = True, None, None
         self._anchor: list[torch.Tensor] = []  # the model of the last sync, which the outer optimizer steps
@@ -205,11 +211,8 @@ class NodeLocal(CommAlgorithm):
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         super().set_batch_sizes(batch_sizes)
         if self._hook_state is not None:
-            self._set_node_scale()
-
-    def _set_node_scale(self) -> None:
-        node_total = sum(self._batch_sizes[r] for r in node_members(self._node_ids)[self._node_ids[self._rank]])
-        self._hook_state.node_scale = sum(self._batch_sizes) / (len(self._batch_sizes) * node_total)
+            node_total = sum(self._batch_sizes[r] for r in node_members(self._node_ids)[self._node_ids[self._rank]])
+            self._hook_state.node_scale = sum(self._batch_sizes) / (len(self._batch_sizes) * node_total)
 
     def _describe(self) -> str:
         return f" K={self.sync_every} warmup={self.warmup_steps}"
@@ -265,7 +268,7 @@ class NodeLocal(CommAlgorithm):
             traffic = hierarchical_traffic(payload, self._node_ids)
             if self.sync_dtype != "float32":
                 traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), self._node_ids)
-        self._stats.record(traffic, sync=True)  # type: ignore[union-attr]
+        self._record(traffic, sync=True)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_het.data.splitting import as_batch_size
+from lightning_het.arguments import positive_int
 
 
 class HeterogeneousDataModule(pl.LightningDataModule):
@@ -20,15 +20,10 @@ class HeterogeneousDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
-        if as_batch_size(global_batch_size) is None:  # a Python or NumPy integer >= 1
-            raise ValueError(f"Expected `global_batch_size` to be a positive integer, got {global_batch_size!r}.")
-        if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
-            raise ValueError(f"Expected argument `eval_batch_size` to be a positive integer, got {eval_batch_size!r}.")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"Expected argument `num_workers` to be a non-negative integer, got {num_workers!r}.")
-        self.global_batch_size = int(global_batch_size)
-        self.eval_batch_size = eval_batch_size or self.global_batch_size
-        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.global_batch_size: int = positive_int("global_batch_size", global_batch_size, allow_none=False)  # type: ignore[assignment]
+        self.eval_batch_size = positive_int("eval_batch_size", eval_batch_size) or self.global_batch_size
+        self.num_workers = positive_int("num_workers", num_workers, allow_none=False, minimum=0)
+        self.pin_memory = pin_memory
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -31,13 +32,7 @@ def pieces_label(sizes: Sequence[int]) -> str:
     >>> pieces_label(micro_batch_sizes(16, 3)), pieces_label([9])
     ('3x4+2x2', '9x1')
     """
-    terms: list[list[int]] = []
-    for n in sizes:
-        if terms and terms[-1][0] == n:
-            terms[-1][1] += 1
-        else:
-            terms.append([n, 1])
-    return "+".join(f"{n}x{count}" for n, count in terms)
+    return "+".join(f"{n}x{len(list(group))}" for n, group in groupby(sizes))
 
 
 def batch_length(batch: Any) -> int | None:

@@ -213,14 +213,6 @@ class EvalBatchSampler(BatchSampler):
     def plan(self) -> tuple[list[int], list[list[int]]]:
         return eval_batch_plan(len(self.sampler), self.weights(), self.batch_size)  # type: ignore[arg-type]
 
-    @property
-    def shares(self) -> list[int]:
-        return self.plan()[0]
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return self.plan()[1][self.rank]
-
     def __iter__(self) -> Iterator[list[int]]:
         shares, plan = self.plan()
         start, n = sum(shares[: self.rank]), len(self.sampler)  # type: ignore[arg-type]

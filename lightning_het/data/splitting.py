@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,8 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
         sampler, drop_last = batch_sampler.sampler, bool(batch_sampler.drop_last)
     if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
         return TrainingOrder(bool(sampler.shuffle), int(sampler.seed), drop_last=drop_last)
-    if type(sampler) is RandomSampler and not sampler.replacement and _one_permutation(sampler):
+    random = type(sampler) is RandomSampler and isinstance(sampler.data_source, Sized) and not sampler.replacement
+    if random and sampler.num_samples == len(sampler.data_source):  # one permutation
         return TrainingOrder(True, seed, drop_last=drop_last)
     if type(sampler) is SequentialSampler:
         return TrainingOrder(False, seed, drop_last=drop_last)
@@ -80,13 +81,6 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
             " replica's share only. HINT: give the DataLoader the non-distributed sampler."
         )
     return TrainingOrder(True, seed, sampler=user, drop_last=drop_last)
-
-
-def _one_permutation(sampler: RandomSampler) -> bool:
-    try:
-        return sampler.num_samples == len(sampler.data_source)  # type: ignore[arg-type]
-    except TypeError:  # a data source without a length
-        return False
 
 
 def loader_batch_size(dataloader: DataLoader) -> int | None:

@@ -73,6 +73,11 @@ class TestAllocateBatchSizes:
             ({"global_batch_size": 12, "speeds": [1, 1], "max_batch_sizes": [12]}, r"`max_batch_sizes`.*one entry"),
             ({"global_batch_size": 12, "speeds": [1, 1], "max_batch_sizes": [12, 0]}, r"`max_batch_sizes\[1\]`"),
             ({"global_batch_size": 12, "speeds": [1], "min_batch_size": -1}, r"`min_batch_size`"),
+            (
+                {"global_batch_size": 12, "speeds": [1, 1], "min_batch_size": 3, "max_batch_sizes": [2, 10]},
+                r"`max_batch_sizes\[0\]`=2",
+            ),
+            ({"global_batch_size": 12, "speeds": None}, r"`speeds`"),
         ],
     )
     def test_invalid_input_names_argument(self, kwargs, match):

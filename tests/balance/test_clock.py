@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_het.balance import clock as clock_module
-from lightning_het.balance.clock import EventTimer, StepClock, emulate_slower_device
+from lightning_het.balance.clock import StepClock, emulate_slower_device
 from tests.helpers.tiny import burn
 
 
@@ -230,7 +230,7 @@ class TestEventTimer:
 
     def test_compute_excludes_the_allreduce_and_is_read_one_step_late(self, no_synchronize):
         device = _FakeDevice()
-        clock = StepClock(timer=EventTimer(lambda: _FakeEvent(device)))
+        clock = StepClock(events=lambda: _FakeEvent(device))
         for _ in range(4):
             _device_step(clock, device, forward_s=0.03, backward_s=0.02, allreduce_s=0.05)
             device.run(until=device.queued - 0.01)  # the device runs behind the host: the step's tail is pending
@@ -255,7 +255,7 @@ class TestEventTimer:
 
     def test_steps_are_booked_once_the_device_has_run_them(self, no_synchronize):
         device = _FakeDevice()
-        clock = StepClock(timer=EventTimer(lambda: _FakeEvent(device)))
+        clock = StepClock(events=lambda: _FakeEvent(device))
         _device_step(clock, device, 0.03, 0.02, 0.0)
         _device_step(clock, device, 0.03, 0.02, 0.0)  # the device has run nothing yet: step 0 stays pending
         device.run()
@@ -266,17 +266,18 @@ class TestEventTimer:
 
     def test_open_step_is_read_at_the_agreement(self, no_synchronize):
         device = _FakeDevice()
-        clock = StepClock(record=False, timer=EventTimer(lambda: _FakeEvent(device)))
+        clock = StepClock(record=False, events=lambda: _FakeEvent(device))
         _device_step(clock, device, 0.01, 0.03, 0.02)
         batch, seconds = clock.open_step()
         assert batch == 4 and callable(seconds) and device.event_waits == 0  # nothing read at the step's end
         assert seconds() == pytest.approx(0.04) and device.event_waits == 1  # read when the profiler agrees
 
-    def test_gpu_picks_events_and_emulation_the_host_clock(self):
-        from lightning_het.balance.clock import HostTimer, device_timer
-
-        assert isinstance(device_timer(torch.device("cuda", 0)), EventTimer)
-        assert isinstance(device_timer(torch.device("cuda", 0), slowdown=2.0), HostTimer)
-        assert isinstance(device_timer(torch.device("cpu")), HostTimer)
+    def test_gpu_picks_events_and_emulation_the_host_clock(self, monkeypatch, no_synchronize):
+        """Events on a GPU; under emulation, or on a CPU, the host clock (a GPU synchronised at each mark)."""
+        monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: pytest.fail("an event was made"))
+        for device, slowdown, synchronises in [("cpu", 1.0, False), (None, 2.0, False), ("cuda", 2.0, True)]:
+            clock = StepClock(slowdown=slowdown, device=None if device is None else torch.device(device))
+            _automatic_step(clock, forward_s=0.0, backward_s=0.0, sync_s=0.0)
+            assert len(clock.flush()) == 1 and bool(no_synchronize) == synchronises
         with pytest.raises(ValueError, match=r"`slowdown=1\.0`"):
-            StepClock(slowdown=2.0, timer=EventTimer(lambda: None))
+            StepClock(slowdown=2.0, events=lambda: None)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from lightning_het.balance import clock as history_module
-from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary, gather_timings
+from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary
 
 
 def _timings(compute, wait, batch):
@@ -35,10 +34,6 @@ class TestSummaryAndHistory:
         assert s["steps"] == [4, 4] and s["compute_total_s"][0] == pytest.approx(0.066)
         tie = epoch_summary([EpochTimings([0.1, 0.2], [0.0, 0.0], [0.1, 0.2], [3, 5])])
         assert tie["batch_sizes"] == [5] and tie["compute_s"] == [pytest.approx(0.2)]
-
-    def test_gather_single_process(self):
-        t = _timings([0.1, 0.2], [0.0, 0.1], 5)
-        assert gather_timings(t, 1, torch.device("cpu")) == [t]
 
     def test_history_thins_long_series(self, monkeypatch):
         monkeypatch.setattr(history_module, "_MAX_SERIES_POINTS", 10)

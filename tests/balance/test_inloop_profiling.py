@@ -57,7 +57,6 @@ def test_profile_plan_warms_up_agrees_on_rough_speeds_then_times_the_rough_split
     # every replica timed at two sizes: its equal share (the lag steps) and its rough one, twice
     assert [plan.split(n, rough) for n in range(4, 6)] == [rough] * 2
     assert [plan.split(n, rough) for n in range(6, 9)] == [rough] * 3  # drawn before the costs are agreed
-    assert [plan.timed(n) for n in range(7)] == [False] + [True] * 5 + [False]
     no_warmup = profile_plan(32, 2, warmup=0, steps=1, lag=1)
     assert (no_warmup.first_trial, no_warmup.gather_step, no_warmup.switch_step) == (0, 1, 3)
     assert [no_warmup.split(n, None) for n in range(3)] == [[8, 24], [24, 8], [16, 16]]
@@ -105,31 +104,55 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 5
 
 
-def test_the_fit_leaves_out_a_size_timed_once_and_equal_replicas_keep_the_equal_split(monkeypatch) -> None:
-    def gather(values, world, device):  # two identical replicas, but a rough split of [24, 8] (rank 1 cold at first)
-        return [list(values), [values[0] / 3]] if len(values) == 1 else [list(values), list(values)]
+def _fit_one_replica(monkeypatch, plan, seconds, rough_ratio: float = 3.0) -> InLoopProfiler:
+    """Run ``plan`` on rank 0 of two identical replicas whose step ``n`` takes ``seconds(n, size)``; rank 1's warm-up
+    step looks ``rough_ratio`` times faster (cold), its fitted cost is rank 0's."""
+
+    def gather(values, world, device):
+        return [list(values), [values[0] * rough_ratio]] if len(values) == 1 else [list(values), list(values)]
 
     monkeypatch.setattr(profiler_module, "_all_gather", gather)
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # warm-up, the lag step (equal, timed once), rough x 2
-    true_cost = AffineCost(0.001, 0.0001)
-    steps = iter(range(plan.gather_step + 1))
+    steps, adopted, made = iter(range(plan.gather_step + 1)), [], []
 
     def clock() -> tuple[int, float]:
         n = next(steps)
-        size = plan.split(n, [24, 8])[0]
-        return size, 0.05 if n == 1 else true_cost(size)  # the lag step, right after the warm-up: a cold outlier
+        size = plan.split(n, made[0].rough)[0]
+        return size, seconds(n, size)
 
-    adopted = []
     profiler = InLoopProfiler(plan, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: adopted.append(sizes))
+    made.append(profiler)
     sampler = ProportionalDistributedSampler(list(range(320)), [16, 16], 0)
     profiler.bind(sampler)
     for k in range(plan.gather_step + 1):
         sampler.step_batch_sizes(k)  # drawn, then trained
         profiler.on_train_batch_end(0, k)
-    assert profiler.rough == [24, 8]
-    assert profiler.done and adopted == [[16, 16]] and profiler.threshold == pytest.approx(1.1)
+    assert profiler.done and len(adopted) == 1
+    profiler.adopted = adopted[0]
+    return profiler
+
+
+def test_a_cold_step_does_not_pull_the_fit_and_equal_replicas_keep_the_equal_split(monkeypatch) -> None:
+    true_cost = AffineCost(0.001, 0.0001)
+    # the lag step after the warm-up (equal split) is a cold outlier; the warm-up step at the same size is not
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    profiler = _fit_one_replica(monkeypatch, plan, lambda n, b: 0.05 if n == 1 else true_cost(b))
+    assert profiler.rough == [8, 24]
+    assert profiler.adopted == [16, 16] and profiler.threshold == pytest.approx(1.1)
+    fitted = profiler.costs[0]  # the line through the fastest step of each size: the true one
+    assert fitted.fixed_s == pytest.approx(0.001) and fitted.per_sample_s == pytest.approx(1e-4)
+    # no lag (your own loop): the cold warm-up step is the equal size's only timing and is left out of the fit
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=0)
+    profiler = _fit_one_replica(monkeypatch, plan, lambda n, b: 0.05 if n == 0 else true_cost(b), rough_ratio=1 / 3)
     fitted = profiler.costs[0]  # the rough size alone (the line through the origin), not pulled up by the cold step
+    assert profiler.rough == [24, 8] and profiler.adopted == [16, 16]
     assert fitted.fixed_s == 0.0 and fitted.per_sample_s == pytest.approx(true_cost(24) / 24)
+
+
+def test_a_mild_warm_up_imbalance_keeps_the_trials_at_the_equal_split(monkeypatch) -> None:
+    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    cost = AffineCost(0.0, 0.001)
+    assert _fit_one_replica(monkeypatch, plan, lambda n, b: cost(b), rough_ratio=1.4).rough == [16, 16]
+    assert _fit_one_replica(monkeypatch, plan, lambda n, b: cost(b), rough_ratio=1.6).rough != [16, 16]
 
 
 def test_the_fit_is_the_line_through_the_equal_and_the_rough_size(monkeypatch) -> None:

@@ -61,19 +61,10 @@ def monitor_decision():
 
 
 def previous_decision():
-    """How the monitor decided before: each check alone, with the profiled fixed costs, the secant through an earlier
-    epoch at another size and the previous epoch's times (the inputs it gave ``plan_rebalance``)."""
-    history: list[tuple[list[int], list[float]]] = []
+    """How the monitor decided before: each check alone, with the profiled fixed costs (``plan_rebalance``)."""
 
     def decide(sizes, measured, profiled):
-        last = history[-1][1] if history and history[-1][0] == list(sizes) else None
-        previous = []
-        for r, b in enumerate(sizes):
-            earlier = [(s[r], t[r]) for s, t in reversed(history) if s[r] != b]
-            previous.append(earlier[0] if earlier else None)
-        history.append((list(sizes), list(measured)))
-        fixed = [c.fixed_s for c in profiled]
-        return plan_rebalance(sizes, measured, fixed_costs=fixed, previous=previous, last_times=last)
+        return plan_rebalance(sizes, measured, fixed_costs=[c.fixed_s for c in profiled])
 
     return decide
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, costs_from_speeds
-from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy, measured_speeds
+from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy
 from lightning_het.balance.rebalance import profiled_split
 from lightning_het.balance.state import Allocation
 
@@ -89,7 +89,7 @@ def test_measured_caps_below_what_batch_norm_needs_end_every_replica() -> None:
 def test_speeds_of_a_split_kept_equal_within_noise_reproduce_it_when_pinned(total):
     costs = [AffineCost(0.002, 1e-3), AffineCost(0.0021, 1.08e-3)]  # equally fast within the profile's noise
     sizes = profiled_split(total, costs, threshold=1.1)
-    speeds = measured_speeds(sizes, costs, {})
+    speeds = BalancePolicy(HeterogeneousStrategy().config).measured_speeds(costs, sizes)
     assert sizes == allocate_batch_sizes(total, [1.0, 1.0])
     assert speeds[0] == speeds[1] == pytest.approx(sum(b / c(b) for b, c in zip(sizes, costs)) / 2)
     assert allocate_batch_sizes(total, speeds) == sizes  # what a run that pins these speeds splits
@@ -98,9 +98,9 @@ def test_speeds_of_a_split_kept_equal_within_noise_reproduce_it_when_pinned(tota
 def test_speeds_of_an_uneven_split_are_each_replicas_own():
     costs = costs_from_speeds([1, 3])
     sizes = profiled_split(48, costs)
-    speeds = measured_speeds(sizes, costs, {})
+    speeds = BalancePolicy(HeterogeneousStrategy().config).measured_speeds(costs, sizes)
     assert sizes == [12, 36] and speeds == pytest.approx([12 / costs[0](12), 36 / costs[1](36)])
     assert allocate_batch_sizes(48, speeds) == sizes
     # the equal split under bounds is the bounded one
-    bounded = {"min_batch_size": 1, "max_batch_sizes": [3, 64]}
-    assert measured_speeds([3, 5], costs, bounded)[0] == measured_speeds([3, 5], costs, bounded)[1]
+    bounded = BalancePolicy(HeterogeneousStrategy(max_batch_sizes=[3, 64]).config)
+    assert bounded.measured_speeds(costs, [3, 5])[0] == bounded.measured_speeds(costs, [3, 5])[1]

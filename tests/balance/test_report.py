@@ -8,7 +8,7 @@ import pytest
 
 from lightning_het.balance import report as report_module
 from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary
-from lightning_het.balance.report import format_balance_table, log_epoch_metrics, write_balance_report
+from lightning_het.balance.report import log_epoch_metrics, render_balance_table, write_balance_report
 
 
 def _timings(compute, wait, batch):
@@ -46,10 +46,14 @@ def test_report_files(tmp_path, world):
         "telemetry": report_module._plain(history.as_dict()),
     }
     report["telemetry"]["epochs"][0]["imbalance"] = float("nan")  # must not leak into the JSON
+    report["telemetry"]["epochs"][1]["wait_s"][1] = None  # as read back from JSON: no figure
     paths = write_balance_report(report, tmp_path / "out")
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded = json.loads(paths["json"].read_text())  # strict JSON: no NaN
     assert loaded["telemetry"]["epochs"][0]["imbalance"] is None
-    table = paths["table"].read_text()
-    assert "| 0 | 4 |" in table and "end of epoch 0" in table
-    assert format_balance_table({"batch_sizes": []}).startswith("HeterogeneousStrategy: no allocation")
+    table = paths["table"].read_text().splitlines()
+    assert f"last epoch 1: imbalance (max/min compute) {world:.3f}" in table[1] and "wait share" in table[2]
+    assert table[3].split() == ["0", "?", "?", "1.00", "4", f"{1 / world:.1%}", "100.0", "50.0", "33.3%", "26.5"]
+    assert table[4].split()[7] == "-"
+    assert "end of epoch 0 (step 5): [4, 4" in table[-2] and table[-1] == "```"
+    assert render_balance_table({"batch_sizes": []}).startswith("HeterogeneousStrategy: no allocation")

@@ -5,7 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from lightning_het import HeterogeneousStrategy
+from lightning_het.allocation import loss_scale
 from lightning_het.balance.cost import AffineCost
+from lightning_het.balance.policy import BalancePolicy
 from lightning_het.balance.report import balance_report, render_balance_table
 from lightning_het.balance.state import Allocation
 
@@ -19,36 +22,38 @@ def test_adopt_sets_sizes_speeds_global_batch_and_loss_scale():
     allocation = Allocation().adopt([2, 6], [1.0, 3.0])
     assert allocation.batch_sizes == [2, 6] and allocation.speeds == [1.0, 3.0]
     assert allocation.global_batch_size == 8
-    assert allocation.loss_scale(1) == pytest.approx(2 * 6 / 8)
+    assert loss_scale(allocation.batch_sizes, 1) == pytest.approx(2 * 6 / 8)
     allocation = allocation.adopt([4, 4], [1.0, 1.0], costs=[AffineCost(0.1, 0.01).as_dict()] * 2)
-    assert allocation.cost_model == [AffineCost(0.1, 0.01)] * 2 and allocation.loss_scale(1) == 1.0
+    assert allocation.cost_model == [AffineCost(0.1, 0.01)] * 2 and loss_scale(allocation.batch_sizes, 1) == 1.0
     with pytest.raises(FrozenInstanceError):
         allocation.batch_sizes = [1, 7]  # type: ignore[misc]
 
 
 def test_no_allocation_is_plain_ddp():
-    allocation = Allocation()
-    assert allocation.batch_sizes is None and allocation.loss_scale(0) == 1.0 and allocation.global_batch_size is None
+    allocation, strategy = Allocation(), HeterogeneousStrategy()
+    assert allocation.batch_sizes is None and allocation.global_batch_size is None
+    assert strategy.batch_sizes is None and strategy.loss_scale == 1.0 and strategy.local_batch_size is None
 
 
 def test_plain_data_round_trip():
     worker = Allocation(cost_model=[AffineCost(0.1, 0.02), AffineCost(0.2, 0.01)], profile_seconds=1.5)
     worker = Allocation(**{**worker.__dict__, "profile_cached": True}).adopt([3, 5], [3.0, 5.0])
     parent = Allocation.from_dict(worker.as_dict())
-    assert parent == worker and parent.global_batch_size == 8 and parent.loss_scale(1) == pytest.approx(2 * 5 / 8)
+    assert parent == worker and parent.global_batch_size == 8 and loss_scale(parent.batch_sizes, 1) == 2 * 5 / 8
     assert Allocation.from_dict({}) == Allocation()
 
 
 def test_step_split_follows_the_tail_only_for_the_allocated_sampler():
-    allocation = Allocation().adopt([2, 6], [1.0, 3.0])
+    policy = BalancePolicy(HeterogeneousStrategy().config)
+    policy.adopt([2, 6], [1.0, 3.0])
     tail = SimpleNamespace(
         batch_sizes=[2, 6], tail_batch_sizes=[1, 3], split_schedule=None, step_batch_sizes=lambda step: [1, 3]
     )
-    assert allocation.step_split(None, 0, 0).sizes == [2, 6]
-    assert allocation.step_split(tail, None, 0).sizes == [2, 6]  # no trainer
-    assert allocation.step_split(tail, 5, 0) == ([1, 3], pytest.approx(2 * 1 / 4))
+    assert policy.step_split(None, 0).sizes == [2, 6]
+    assert policy.step_split(tail, None).sizes == [2, 6]  # no trainer
+    assert policy.step_split(tail, 5) == ([1, 3], pytest.approx(2 * 1 / 4))
     other = SimpleNamespace(batch_sizes=[4, 4], tail_batch_sizes=[1, 3], split_schedule=None)
-    assert allocation.step_split(other, 5, 0) == ([2, 6], allocation.loss_scale(0))
+    assert policy.step_split(other, 5) == ([2, 6], loss_scale([2, 6], 0))
 
 
 def test_report_and_table():

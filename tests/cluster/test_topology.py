@@ -42,7 +42,7 @@ def _topology_worker(rank: int, world_size: int) -> dict[str, Any]:
         result[str(ids)] = {
             "members": groups.members,
             "leader": groups.leader,
-            "leaders": groups.leaders,
+            "leaders": tuple(m[0] for m in groups.members),
             "is_leader": groups.is_leader,
             "has_leader_group": groups.leader_group is not None,
             "node_size": groups.node_size,

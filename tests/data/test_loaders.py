@@ -89,3 +89,22 @@ class TestRebuildWithBatchSampler:
         rebuilt = rebuild_loader(loader, batches.sampler, 1, batch_sampler=batches)
         assert type(rebuilt) is DataLoader and rebuilt.batch_size is None
         assert list(rebuilt) == [7, 6, 6, 6, 6] and len(rebuilt) == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"global_batch_size": 0}, "global_batch_size"),
+        ({"global_batch_size": True}, "global_batch_size"),
+        ({"eval_batch_size": 0}, "eval_batch_size"),
+        ({"eval_batch_size": 2.5}, "eval_batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+    ],
+)
+def test_datamodule_rejects_bad_sizes(kwargs, name):
+    from lightning_het import HeterogeneousDataModule
+
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        HeterogeneousDataModule(**kwargs)
+    module = HeterogeneousDataModule(global_batch_size=np.int64(12), num_workers=0)
+    assert (module.global_batch_size, module.eval_batch_size) == (12, 12) and type(module.global_batch_size) is int

@@ -211,16 +211,17 @@ class TestEvalBatchSampler:
         assert len(counts) == 1 and counts == {len(s) for s in samplers}  # the same number of batches everywhere
         steps = counts.pop()
         world = len(weights)
-        assert steps == min(-(-n // (batch_size * world)), min(samplers[0].shares))
+        assert steps == min(-(-n // (batch_size * world)), min(samplers[0].plan()[0]))
         assert sorted(i for b in batches for batch in b for i in batch) == list(range(n))  # once, no padding
         for s, b in zip(samplers, batches):
-            assert [len(batch) for batch in b] == s.batch_sizes
-            assert min(s.batch_sizes) >= 1 and max(s.batch_sizes) - min(s.batch_sizes) <= 1  # even cut of a share
+            sizes = s.plan()[1][s.rank]
+            assert [len(batch) for batch in b] == sizes
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1  # even cut of a share
 
     def test_batches_follow_the_shares_and_batch_size_is_the_mean(self):
         samplers = [EvalBatchSampler(list(range(41)), [3, 1], r, 5) for r in range(2)]
-        assert samplers[0].shares == [31, 10]
-        assert [samplers[0].batch_sizes, samplers[1].batch_sizes] == [[7, 6, 6, 6, 6], [2, 2, 2, 2, 2]]
+        assert samplers[0].plan()[0] == [31, 10]
+        assert [s.plan()[1][s.rank] for s in samplers] == [[7, 6, 6, 6, 6], [2, 2, 2, 2, 2]]
         assert [next(iter(DataLoader(range(41), batch_sampler=s))).tolist() for s in samplers] == [
             list(range(7)),
             [31, 32],

@@ -282,7 +282,7 @@ def fit(out: Path, cfg: dict) -> None:
 def fit_record(trainer, model: TinyRegressor) -> dict[str, Any]:
     """What a rank saw in a fit: weights, batch sizes, allocation, communication, profile, telemetry, threads."""
     s = trainer.strategy
-    monitor = next((cb.monitor for cb in trainer.callbacks if hasattr(cb, "monitor")), None)
+    monitor = next((cb for cb in trainer.callbacks if hasattr(cb, "report_paths")), None)
     return {
         "state_dict": weights(model.net),
         "seen_batch_sizes": model.seen_batch_sizes,
