@@ -294,9 +294,9 @@ class Guards:
         flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
-        children = getattr(strategy.launcher, "children", list)
-        self.preemption = handler = PreemptionHandler(config.preemption_grace, checkpoint is not False and path,
-                                                      children=children)  # fmt: skip
+        children = getattr(strategy.launcher, "children", list)  # the local replicas a popen launcher started
+        saves_to = None if checkpoint is False else path  # ``preemption_checkpoint=False``: stop without saving
+        self.preemption = handler = PreemptionHandler(config.preemption_grace, saves_to, children=children)
         handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
         handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
@@ -304,8 +304,6 @@ class Guards:
         _replace_callback(trainer, PreemptionCallbackMixin, handler.fitting and flavour.PreemptionCallback(handler))
         replace_signal_connector(trainer, handler)
         self.emergency = None
-        if watchdog is not None:
-            watchdog.emergency = None
         if watchdog is not None and saves:
             self._loops = loops = LoopRecord(trainer.fit_loop)
 
@@ -316,6 +314,7 @@ class Guards:
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
             emergency = os.path.join(os.path.dirname(path), EMERGENCY_CHECKPOINT_NAME)
             self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: emergency)
+        if watchdog is not None:
             watchdog.emergency = self.emergency
 
     def _dump(self, trainer: Any, state: StepState) -> dict[str, Any]:
