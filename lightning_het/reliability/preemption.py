@@ -90,18 +90,11 @@ class PreemptionHandler:
     def __getstate__(self) -> dict[str, Any]:
         return {}  # a pickled Trainer: the live handler stays in its process
 
-    def register_signal_handlers(self) -> None:  # the signal connector's
-        self.install(rank=self.rank, world_size=self.world_size, fitting=self.fitting, extra_signals=self.extra_signals)
-
-    def teardown(self) -> None:  # the signal connector's
-        self.uninstall()
-
-    def install(self, *, rank: int, world_size: int, fitting: bool, extra_signals: Sequence[int] = ()) -> None:
-        """Take over the preemption signals (main thread only; a no-op elsewhere)."""
+    def register_signal_handlers(self) -> None:
+        """The signal connector's: take over the preemption signals (main thread only; a no-op elsewhere)."""
         if self._pipe is not None or threading.current_thread() is not threading.main_thread():
             return
-        self.rank, self.world_size, self.fitting = rank, world_size, fitting
-        self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, extra_signals)]))
+        self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, self.extra_signals)]))
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._pipe = (read_fd, write_fd)
@@ -113,8 +106,8 @@ class PreemptionHandler:
         self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name=name, daemon=True)
         self._reader.start()
 
-    def uninstall(self) -> None:
-        """Give the signals back (main thread). An armed deadline keeps running until the process ends."""
+    def teardown(self) -> None:
+        """The signal connector's: give the signals back (main thread); an armed deadline keeps running."""
         if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return
         with contextlib.suppress(ValueError):
@@ -135,7 +128,7 @@ class PreemptionHandler:
 
     def close(self) -> None:
         """End of a run: give the signals back; if preempting, wait for the launched replicas, then kill them."""
-        self.uninstall()
+        self.teardown()
         if self.preempting:
             at = self.deadline_at
             end_children(self._children(), self.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))

@@ -404,45 +404,36 @@ class Watchdog:
             return None
         try:
             self._local_failure = True
-            record = self._abort_record()
-            if record is not None:
-                self._acknowledge()
-                self._standing = record
-            elif not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
-                self._standing = self._decide(self._judge_collective_failure(exception))
-            else:
+            verdict = self._abort_record()
+            if verdict is None and not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
+                verdict = self._judge_collective_failure(exception)
+            elif verdict is None:
                 self._state = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
                 self._error = first_line(exception)
                 self._publish()
                 verdict = judge(self._statuses(), self.timeout)
-                self._standing = None if verdict is None else self._decide(verdict)
-            if self._standing is not None:
-                self._save_emergency(self._standing)
+            if verdict is not None:
+                self._standing = self._conclude(verdict)
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
                 message = f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising"
-                self._standing = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
-                self._report(self._standing)
+                lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
+                self._standing = self._conclude(lost, publish=False)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
             log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
         return self._standing
 
     def _run(self) -> None:
         tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
-        next_beat = 0.0
-        while not self._stop.wait(tick):
+        next_beat, verdict, publish = 0.0, None, True
+        while verdict is None and not self._stop.wait(tick):
             try:
-                record = self._abort_record()
-                if record is not None:
-                    return self._end(record)
-                verdict = check_children(self._children())
+                verdict = self._abort_record() or check_children(self._children())
                 if verdict is None and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
                     self._publish()
                     verdict = judge(self._statuses(), self.timeout)
                 self._store_lost_since = None
-                if verdict is not None:
-                    return self._end(self._decide(verdict))
             except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
                 if self._stop.is_set():
                     return
@@ -450,7 +441,7 @@ class Watchdog:
                 lost = time.monotonic() - self._store_lost_since
                 if lost > self.timeout:
                     message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
-                    return self._end(Verdict("lost_store", (0,), lost, message))
+                    verdict, publish = Verdict("lost_store", (0,), lost, message), False
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
                 if self._bugs == 1:
@@ -459,6 +450,17 @@ class Watchdog:
                         " (this replica's stalls may go unnoticed until it recovers). Please report this.",
                         self.rank,
                     )
+        if verdict is None:
+            return
+        verdict = self._conclude(verdict, publish)
+        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
+        # exception then reaches the caller); end it here only if the teardown hangs
+        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
+            return
+        kill_children(self._children())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._exit(exit_code_for(verdict))
 
     def _record(self) -> dict[str, Any]:
         """This replica's heartbeat record (without its ``beat`` number)."""
@@ -519,67 +521,38 @@ class Watchdog:
         payload = self._book.verify("abort", self.store.get("abort"))
         return None if payload is None else Verdict.from_json(payload)
 
-    def _decide(self, verdict: Verdict) -> Verdict:
-        """Publish ``verdict`` unless another replica already did; return the one that stands."""
-        record = self._book.sign("abort", verdict.to_json())
-        payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
-        if payload is None:  # a forged record holds the key: replace it with ours
-            self.store.set("abort", record)
-            payload = verdict.to_json()
-        standing = Verdict.from_json(payload)
-        self._report(standing)
-        self._acknowledge()
-        if self.hosts_store:
-            self._await_acknowledgements(standing)
-        return standing
-
-    def _report(self, verdict: Verdict) -> None:
+    def _conclude(self, verdict: Verdict, publish: bool = True) -> Verdict:
+        """Publish ``verdict`` unless another replica did; report and acknowledge the standing one, save the emergency
+        checkpoint (survivors, :mod:`.emergency`) and, hosting the store, wait for the others' acknowledgements."""
+        if publish:
+            record = self._book.sign("abort", verdict.to_json())
+            payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
+            if payload is None:  # a forged record holds the key: replace it with ours
+                self.store.set("abort", record)
+                payload = verdict.to_json()
+            verdict = Verdict.from_json(payload)
         if not self._reported:
             self._reported = True
             ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
-            message = f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}"
-            log.error(message)
-
-    def _acknowledge(self) -> None:
+            log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):
             self.store.set(f"ack/{self.rank}", "1")
-
-    def _await_acknowledgements(self, verdict: Verdict) -> None:
+        if self.emergency is not None and verdict.kind in EMERGENCY_KINDS and self.rank not in verdict.culprits:
+            survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
+            try:
+                tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
+                self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
+            except Exception:  # the store is gone or the save failed: the job ends as it would without it
+                log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
         deadline = time.monotonic() + self.grace
         gone = set(verdict.culprits) if verdict.kind in ("exited", "silent") else set()
-        pending = [f"ack/{r}" for r in range(self.world_size) if r != self.rank and r not in gone]
-        while pending and time.monotonic() < deadline:
-            pending = [key for key in pending if not self.store.check([key])]
-            time.sleep(0.05)
-
-    def _save_emergency(self, verdict: Verdict) -> None:
-        """A replica died or hung: the survivors save the last step they all completed (:mod:`.emergency`)."""
-        if self.emergency is None or verdict.kind not in EMERGENCY_KINDS or self.rank in verdict.culprits:
-            return
-        survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
-        try:
-            tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
-            self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
-        except Exception:  # the store is gone or the save failed: the job ends as it would without it
-            log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
-
-    def _end(self, verdict: Verdict) -> None:
-        """Heartbeat thread: end this process (unless its training thread is already raising)."""
-        self._report(verdict)
-        self._acknowledge()
-        self._save_emergency(verdict)
-        if self.hosts_store:
-            with contextlib.suppress(Exception):
-                self._await_acknowledgements(verdict)
-        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
-        # exception then reaches the caller); end it here only if the teardown hangs
-        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
-            return
-        kill_children(self._children())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._exit(exit_code_for(verdict))
+        pending = [f"ack/{r}" for r in range(self.world_size) if self.hosts_store and r not in gone | {self.rank}]
+        with contextlib.suppress(Exception):
+            while pending and time.monotonic() < deadline:
+                pending = [key for key in pending if not self.store.check([key])]
+                time.sleep(0.05)
+        return verdict
 
 
 def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:

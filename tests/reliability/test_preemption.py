@@ -106,7 +106,7 @@ def _spaced_agreement_worker(rank: int, world_size: int) -> list[tuple[int, list
     all_reduce = dist.all_reduce
     dist.all_reduce = lambda *args, **kwargs: reduces.append(1) or all_reduce(*args, **kwargs)
     handler = PreemptionHandler(fast_exit=False)
-    handler.rank, handler.world_size = rank, world_size  # what install() records, without taking over the signals
+    handler.rank, handler.world_size = rank, world_size  # what the strategy records, without taking over the signals
     seen = []
     for step in range(1, 61):
         time.sleep(0.01 * (rank + 1))
@@ -166,7 +166,8 @@ def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, sig
     previous = signal.getsignal(signum)
     exits = ExitRecorder()
     handler = PreemptionHandler(grace, exit=exits, fast_exit=False)
-    handler.install(rank=0, world_size=1, fitting=fitting)
+    handler.rank, handler.world_size, handler.fitting = 0, 1, fitting
+    handler.register_signal_handlers()
     try:
         started = time.monotonic()
         os.kill(os.getpid(), signum)
@@ -175,7 +176,7 @@ def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, sig
         assert grace <= time.monotonic() - started < grace + 5 if fitting else time.monotonic() - started < 5
         assert handler.agree(torch.device("cpu")) == [signum]  # one replica: no collective
     finally:
-        handler.uninstall()
+        handler.teardown()
     assert signal.getsignal(signum) == previous
 
 
