@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -19,13 +20,22 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import default_store, replace_signal_connector
+from lightning_het._compat import default_store, replace_signal_connector, restore_checkpoint
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
-from lightning_het.reliability.resume import EMERGENCY_CHECKPOINT_NAME, Candidate, auto_resume, retire_emergencies
+from lightning_het.reliability.resume import (
+    EMERGENCY_CHECKPOINT_NAME,
+    Candidate,
+    checkpoint_candidates,
+    choose_checkpoint,
+    identity_differences,
+    read_candidate,
+    wants_resume,
+)
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
 
@@ -277,16 +287,43 @@ class Guards:
             _replace_callback(trainer, WatchdogCallbackMixin, trainer_flavour(trainer).WatchdogCallback(self.watchdog))
 
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
-        """``resume="auto"`` (``job``: this fit's identity): load this job's checkpoint with the most progress."""
-        self.job, before = job, trainer.ckpt_path
-        path = preemption_path(trainer, config.preemption_checkpoint)
-        self._emergencies = auto_resume(trainer, config.resume, path, job, config.global_batch_size, broadcast)
-        return trainer.ckpt_path != before
+        """``resume="auto"`` (every rank, ``job``: this fit's identity): load the checkpoint rank 0's
+        :func:`choose_checkpoint` picks; keep this job's emergency checkpoints for :meth:`finish`."""
+        self.job, self._emergencies = job, []
+        if trainer.ckpt_path is not None or not wants_resume(config.resume):
+            return False
+        decision: tuple[str | None, list[Candidate]] = (None, [])
+        if trainer.global_rank == 0:
+            dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
+            found = checkpoint_candidates(preemption_path(trainer, config.preemption_checkpoint), dirpaths)
+            candidates = [read_candidate(path) for path in found]
+            choice = choose_checkpoint(candidates, job, config.global_batch_size)
+            for line in choice.warnings():
+                warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
+            emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
+                           and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
+            decision = (choice.path, emergencies)
+        path, self._emergencies = broadcast(decision)
+        if path is not None:
+            rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")
+            restore_checkpoint(trainer, path)
+        return path is not None
 
     def finish(self, trainer: Any) -> None:
-        """A fit that reached its end replaces this job's earlier emergency checkpoints with its state (every rank)."""
+        """A fit that reached ``max_steps`` or ``max_epochs`` (every rank): this job's earlier emergency checkpoints
+        now hold the finished state (running the same command again trains nothing, no stale step is resumed)."""
         emergencies, self._emergencies = self._emergencies, []
-        retire_emergencies(trainer, emergencies)
+        max_steps, max_epochs, step = trainer.max_steps, trainer.max_epochs, trainer.global_step
+        ended = max_steps is not None and 0 <= max_steps <= step
+        if not ended and not (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch):
+            return
+        for emergency in emergencies:
+            if step > emergency.step:
+                trainer.save_checkpoint(emergency.path)
+                rank_zero_info(
+                    f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step})"
+                    f" now holds the finished fit (global step {step})"
+                )
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
         """The watchdog's and preemption handler's callbacks and signal handling, and (``saves``) an emergency

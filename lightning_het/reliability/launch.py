@@ -153,39 +153,36 @@ class ScriptLauncher:
         fabric = trainer is None and not hasattr(self.strategy, "guards")
         environment = None if fabric else save_job_environment()  # put back when this Trainer call ends
         try:
-            return self._launch(function, args, kwargs, trainer, fabric)
+            if not self.cluster_environment.creates_processes_externally:
+                if trainer is not None and self.cluster_environment.global_rank() == 0:
+                    check_output_dir(trainer.default_root_dir)  # before any replica starts
+                self._token = ensure_job_token()
+                keep_sockets_local(self.num_nodes)
+                self._start_children()
+            elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
+                os.environ[TOKEN_ENV] = self._token
+                keep_sockets_local(self.num_nodes)
+            share_cpu_threads(self.num_processes)
+            self._in_run = True  # Fabric: your loop runs after this call, watched until the process ends
+            if self.procs:
+                self._observer_stop = threading.Event()
+                threading.Thread(target=self._observe, name="lightning-het-replica-observer", daemon=True).start()
+            try:
+                result = function(*args, **kwargs)
+            except BaseException as exc:
+                self._in_run, self._failed = False, True
+                code = None if isinstance(exc, JobEnded) else self._exit_code(exc)
+                if code is not None:
+                    raise JobEnded(code) from exc
+                raise
+            if not fabric:
+                self._in_run = False
+                self.strategy.guards.stop_watchdog(trainer, finished=True)  # wait for every replica
+            return result
         finally:
             if not fabric:
                 self._observer_stop.set()
                 restore_job_environment(environment)
-
-    def _launch(self, function: Callable, args: Any, kwargs: Any, trainer: Any, fabric: bool) -> Any:
-        if not self.cluster_environment.creates_processes_externally:
-            if trainer is not None and self.cluster_environment.global_rank() == 0:
-                check_output_dir(trainer.default_root_dir)  # before any replica starts
-            self._token = ensure_job_token()
-            keep_sockets_local(self.num_nodes)
-            self._start_children()
-        elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
-            os.environ[TOKEN_ENV] = self._token
-            keep_sockets_local(self.num_nodes)
-        share_cpu_threads(self.num_processes)
-        self._in_run = True  # Fabric: your loop runs after this call, watched until the process ends
-        if self.procs:
-            self._observer_stop = threading.Event()
-            threading.Thread(target=self._observe, name="lightning-het-replica-observer", daemon=True).start()
-        try:
-            result = function(*args, **kwargs)
-        except BaseException as exc:
-            self._in_run, self._failed = False, True
-            code = None if isinstance(exc, JobEnded) else self._exit_code(exc)
-            if code is not None:
-                raise JobEnded(code) from exc
-            raise
-        if not fabric:
-            self._in_run = False
-            self.strategy.guards.stop_watchdog(trainer, finished=True)  # wait for every replica
-        return result
 
     def _start_children(self) -> None:
         """Lightning's child start, with ``PR_SET_PDEATHSIG`` (Linux) and an exit handler that reaps them."""

@@ -7,16 +7,13 @@ import glob
 import hashlib
 import os
 import re
-import warnings
 import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import restore_checkpoint
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, resumed_global_batch_size
 
 EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"  # beside the preemption checkpoint (``last.ckpt``)
@@ -184,46 +181,6 @@ def choose_checkpoint(
     unreadable = [c for c in candidates if c.error is not None and (chosen is None or c.mtime >= chosen.mtime)]
     choice.unreadable = sorted(unreadable, key=lambda c: c.mtime, reverse=True)
     return choice
-
-
-def auto_resume(
-    trainer: Any, resume: Any, preemption_path: str, job: Mapping, global_batch_size: int | None, broadcast: Callable
-) -> list[Candidate]:
-    """``resume="auto"`` and no ``ckpt_path`` (every rank, once the optimizers exist): load the checkpoint rank 0's
-    :func:`choose_checkpoint` picks; returns this job's emergency checkpoints (for :func:`retire_emergencies`)."""
-    if trainer.ckpt_path is not None or not wants_resume(resume):
-        return []
-    decision: tuple[str | None, list[Candidate]] = (None, [])
-    if trainer.global_rank == 0:
-        dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
-        candidates = [read_candidate(path) for path in checkpoint_candidates(preemption_path, dirpaths)]
-        choice = choose_checkpoint(candidates, job, global_batch_size)
-        for line in choice.warnings():
-            warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
-        emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
-                       and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
-        decision = (choice.path, emergencies)
-    path, emergencies = broadcast(decision)
-    if path is not None:
-        rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")
-        restore_checkpoint(trainer, path)
-    return emergencies
-
-
-def retire_emergencies(trainer: Any, emergencies: Sequence[Candidate]) -> None:
-    """A fit that reached ``max_steps`` or ``max_epochs`` (every rank): this job's earlier emergency checkpoints now
-    hold the finished state, so that running the same command again trains nothing and no stale step is resumed."""
-    max_steps, max_epochs, step = trainer.max_steps, trainer.max_epochs, trainer.global_step
-    ended = max_steps is not None and 0 <= max_steps <= step
-    if not ended and not (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch):
-        return
-    for emergency in emergencies:
-        if step > emergency.step:
-            trainer.save_checkpoint(emergency.path)
-            rank_zero_info(
-                f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step}) now"
-                f" holds the finished fit (global step {step})"
-            )
 
 
 def wants_resume(resume: Any, environ: Any = None) -> bool:

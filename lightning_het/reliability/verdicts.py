@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import IntEnum
 
 import torch.distributed as dist
@@ -118,13 +118,12 @@ class Verdict:
     message: str
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "culprits": list(self.culprits), "seconds": self.seconds,
-                           "message": self.message})  # fmt: skip
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Verdict:
         data = json.loads(text)
-        return cls(data["kind"], tuple(data["culprits"]), float(data["seconds"]), data["message"])
+        return cls(**{**data, "culprits": tuple(data["culprits"]), "seconds": float(data["seconds"])})
 
 
 HINTS = {

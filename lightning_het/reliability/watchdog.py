@@ -135,20 +135,17 @@ _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
 
-def _waits(code: Any) -> bool:
-    name, file = getattr(code, "co_qualname", code.co_name), code.co_filename
-    if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
-        name = f"_InfiniteBarrier.{name}"
-    waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
-    return _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING))
-
-
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
     for _ in range(depth):
         if frame is None:
             return False
-        if _waits(frame.f_code):
+        code = frame.f_code
+        name, file = getattr(code, "co_qualname", code.co_name), code.co_filename
+        if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
+            name = f"_InfiniteBarrier.{name}"
+        waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
+        if _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING)):
             return True
         frame = frame.f_back
     return False
@@ -217,15 +214,6 @@ class HeartbeatBook:
             )
         return payload
 
-    def tamper(self, key: str, what: str) -> None:
-        """Note tampering with ``key`` (one warning per key)."""
-        if key not in self.tampered:
-            self.tampered.add(key)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {what}; ignored"
-            )
-
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
         """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
         key, last, data = f"hb/{r}", self.seen.get(r, (None,) * 5)[4], None
@@ -244,8 +232,12 @@ class HeartbeatBook:
             problem = f"an older record replayed (beat {data['beat']} after {last['beat']})"
         else:
             return data
-        if problem is not None:
-            self.tamper(key, problem)
+        if problem is not None and key not in self.tampered:
+            self.tampered.add(key)
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
+                f" {problem}; ignored"
+            )
         return None
 
     def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
