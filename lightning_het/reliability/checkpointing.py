@@ -34,8 +34,7 @@ def checkpoint_record(
     find_sampler: Callable[[Iterable[Any]], Any],
     comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``checkpoint["lightning_het"]`` entry now (plain types, the comm state's tensors under ``"comm"``): the
-    allocation (no ``speeds`` while profiling), the training sampler's position and the comm state."""
+    """The ``checkpoint["lightning_het"]`` entry now: the allocation, the sampler position, the comm state."""
     loaders = None if trainer is None else training_loaders(trainer)
     sampler, state = None if loaders is None else find_sampler(loaders), None
     if sampler is not None:
@@ -165,8 +164,7 @@ def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: 
 
 
 def end_resume_quiet() -> None:
-    """Remove the filters :func:`apply_sampler_resume` added (at the fit's teardown; a ``catch_warnings`` block may
-    have removed them already)."""
+    """Remove the filters :func:`apply_sampler_resume` added (at the fit's teardown)."""
     while _QUIET:
         added = _QUIET.pop()
         with contextlib.suppress(ValueError):
@@ -174,8 +172,7 @@ def end_resume_quiet() -> None:
 
 
 def with_node_states(record: dict[str, Any], checkpoint: Mapping[str, Any], controller: Any) -> dict[str, Any]:
-    """``record`` with every node's inner optimizer state and residual under ``comm["nodes"]`` on rank 0
-    (``node_local``; a collective, called where every rank saves)."""
+    """``record`` with every node's inner optimizer state under ``comm["nodes"]`` on rank 0 (a collective)."""
     if controller is None or "optimizer_states" not in checkpoint:
         return record
     nodes = controller.gather_node_states(checkpoint["optimizer_states"])

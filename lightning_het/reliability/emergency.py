@@ -1,5 +1,4 @@
-"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: the survivors of a watchdog verdict
-agree through the store on the last step they all completed, and the lowest one holding it saves it."""
+"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint of a watchdog verdict's survivors."""
 
 from __future__ import annotations
 
@@ -142,8 +141,7 @@ class EmergencyCheckpoint:
 
     @contextlib.contextmanager
     def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
-        """Wrap an optimizer step: the closure it yields takes the lock once the user's closure returned (the lock
-        covers the parameter update only); ``step_after`` counts it."""
+        """Wrap an optimizer step: the yielded closure takes the lock for the parameter update (step ``step_after``)."""
         held = False
 
         def locked() -> Any:
@@ -228,8 +226,7 @@ class EmergencyCheckpoint:
 
 
 def _read(store: Any, prefix: str, names: Sequence[Any], deadline: float) -> dict[Any, str]:
-    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out; polled: a timed-out
-    ``store.wait`` can leave a TCPStore client out of step)."""
+    """The values under ``prefix + name`` published by ``deadline`` (polled: a timed-out ``store.wait`` desyncs)."""
     found: dict[Any, str] = {}
     while True:
         for name in names:
@@ -287,8 +284,7 @@ class Guards:
             _replace_callback(trainer, WatchdogCallbackMixin, trainer_flavour(trainer).WatchdogCallback(self.watchdog))
 
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
-        """``resume="auto"`` (every rank, ``job``: this fit's identity): load the checkpoint rank 0's
-        :func:`choose_checkpoint` picks; keep this job's emergency checkpoints for :meth:`finish`."""
+        """``resume="auto"`` (every rank): load the checkpoint rank 0 chooses for this fit's identity ``job``."""
         self.job, self._emergencies = job, []
         if trainer.ckpt_path is not None or not wants_resume(config.resume):
             return False
@@ -310,8 +306,7 @@ class Guards:
         return path is not None
 
     def finish(self, trainer: Any) -> None:
-        """A fit that reached ``max_steps`` or ``max_epochs`` (every rank): this job's earlier emergency checkpoints
-        now hold the finished state (running the same command again trains nothing, no stale step is resumed)."""
+        """A fit that reached its end (every rank): this job's earlier emergency checkpoints now hold its state."""
         emergencies, self._emergencies = self._emergencies, []
         max_steps, max_epochs, step = trainer.max_steps, trainer.max_epochs, trainer.global_step
         ended = max_steps is not None and 0 <= max_steps <= step
@@ -326,8 +321,7 @@ class Guards:
                 )
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
-        """The watchdog's and preemption handler's callbacks and signal handling, and (``saves``) an emergency
-        checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint."""
         flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))

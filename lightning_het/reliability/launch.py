@@ -129,8 +129,7 @@ def _with_allocation(function: Callable, strategy: Any, *args: Any, **kwargs: An
 
 
 class ScriptLauncher:
-    """Lightning's ``popen`` launcher, wrapped: replicas that die with this process and are reaped at its exit, the
-    run-to-the-end barrier, exit statuses 124/130 and the output directory checked before any replica starts."""
+    """Lightning's ``popen`` launcher, wrapped: no orphan replicas, the end-of-run barrier, exit statuses 124/130."""
 
     is_interactive_compatible = False
     finishes_runs = True  # the strategy leaves the end-of-run barrier to this launcher
@@ -259,8 +258,7 @@ class ScriptLauncher:
 
 
 def child_command(local_rank: int) -> tuple[list[str], str | None]:
-    """The command and directory (``None``: this one) of replica ``local_rank``: this script again, as Lightning's
-    launcher runs it (under Hydra: from the original directory, in this run's output directory)."""
+    """The command and directory (``None``: this one) of replica ``local_rank``, as Lightning's launcher runs it."""
     import __main__
 
     spec, hydra = getattr(__main__, "__spec__", None), sys.modules.get("hydra.core.hydra_config")

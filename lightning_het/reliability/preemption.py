@@ -53,8 +53,7 @@ def _signal_name(signum: int) -> str:
 
 
 class PreemptionHandler:
-    """One replica's signal notice, deadline and step-boundary agreement; the Trainer's signal connector (Lightning's
-    own would set ``received_sigterm``, and its loops would raise their exit-status-0 exception)."""
+    """One replica's signal notice, deadline and step-boundary agreement; the Trainer's signal connector."""
 
     received_sigterm = False
 
@@ -170,8 +169,7 @@ class PreemptionHandler:
         self._exit(PREEMPTION_EXIT_CODE)
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
-        """Which replica received which signal (0: none), all-reduced (MAX) if ``step`` (the optimizer step just
-        done) is due, else all zeros. Every replica gets the same list; the next due step is agreed with it."""
+        """Which replica received which signal (0: none), all-reduced if optimizer ``step`` is due, else all zeros."""
         local = [0] * (self.world_size + 1)
         local[self.rank] = int(self.received or self._handler_saw)
         if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
@@ -220,19 +218,14 @@ class PreemptionHandler:
         return trainer_flavour(trainer).Preempted(saved, signals)  # the trainer's package's SIGTERMException
 
 
-def default_checkpoint_path(trainer: pl.Trainer) -> str:
-    """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given."""
-    model_checkpoint = trainer_flavour(trainer).ModelCheckpoint  # the trainer's package's
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, model_checkpoint) and callback.dirpath:
-            return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
-    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
-
-
-def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
+def preemption_path(trainer: pl.Trainer, checkpoint: Any = None) -> str:
     """Where the preemption checkpoint goes for the strategy's ``preemption_checkpoint`` (``False``: where it would)."""
     if checkpoint is None or checkpoint is False:
-        return default_checkpoint_path(trainer)
+        model_checkpoint = trainer_flavour(trainer).ModelCheckpoint  # the trainer's package's
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, model_checkpoint) and callback.dirpath:
+                return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
     path = os.fspath(checkpoint)
     return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 

@@ -1,5 +1,4 @@
-"""``resume="auto"``: the checkpoint of this job (its identity) with the most progress in the run directory, and the
-emergency checkpoint's retirement once a fit has reached its end (``docs/reliability.md``, "Automatic resume")."""
+"""``resume="auto"``: this job's checkpoint with the most progress in the run directory (``docs/reliability.md``)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ def _plain(value: Any) -> Any:
 def job_identity(
     module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], settings: Mapping
 ) -> dict[str, Any]:
-    """This fit's identity: the model's class and state's shapes, each optimizer's class and hyperparameters as
-    configured, each scheduler's class and ``settings``; before a checkpoint is loaded into the optimizers."""
+    """This fit's identity: the model's class and shapes, the optimizers' and schedulers' classes and settings."""
     shapes = "\n".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items())
     identity: dict[str, Any] = {"model": f"{type(module).__name__} {hashlib.sha1(shapes.encode()).hexdigest()[:12]}"}
     for index, optimizer in enumerate(optimizers):
@@ -51,8 +49,7 @@ def job_identity(
 
 
 def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
-    """The settings that change the trajectory (not the replicas, speeds or micro-batching): the comm mode and its
-    settings, gradient accumulation and clipping, the precision."""
+    """The settings that change the trajectory: comm, gradient accumulation and clipping, precision."""
     settings: dict[str, Any] = {"comm": "exact" if mode in ("allreduce", "hierarchical") else mode}
     if mode == "node_local":
         settings.update({key: getattr(config, key, None) for key in _NODE_LOCAL_SETTINGS})
@@ -64,8 +61,7 @@ def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
 
 
 def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
-    """What differs between a checkpoint's identity ``saved`` and this fit's ``now``: ``"<setting> <saved> -> <now>"``
-    each (``None``: a checkpoint written without one). Pure."""
+    """What differs between a checkpoint's identity ``saved`` and ``now``: ``"<setting> <saved> -> <now>"`` each."""
     if saved is None:
         return ["no job identity (written by another strategy or an older lightning-het)"]
     missing = object()
@@ -93,8 +89,7 @@ class Candidate:
 
 @dataclass
 class ResumeChoice:
-    """The checkpoint to resume (``None``: start fresh), and the unreadable files and other jobs' checkpoints (with
-    what differs) passed over."""
+    """The checkpoint to resume (``None``: start fresh), and the unreadable and other jobs' checkpoints passed over."""
 
     path: str | None = None
     unreadable: list[Candidate] = field(default_factory=list)
@@ -120,8 +115,7 @@ class ResumeChoice:
 
 
 def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] = ()) -> list[str]:
-    """Every ``*.ckpt`` file of the preemption checkpoint's folder and of the ``ModelCheckpoint`` folders ``dirpaths``
-    (for a logger's ``version_N`` folder: of every version), each once."""
+    """Every ``*.ckpt`` file of the preemption checkpoint's folder and of ``dirpaths`` (and their ``version_*``)."""
     patterns = []
     for folder in dict.fromkeys(os.path.abspath(f) for f in [os.path.dirname(preemption_path), *dirpaths] if f):
         patterns.append(os.path.join(glob.escape(folder), "*.ckpt"))
@@ -163,8 +157,7 @@ def read_candidate(path: str) -> Candidate:
 def choose_checkpoint(
     candidates: Sequence[Candidate], job: Mapping[str, Any], global_batch_size: int | None
 ) -> ResumeChoice:
-    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest), past other jobs'
-    (``global_batch_size``: the one given to this run) and unreadable ones (named if newer than the choice). Pure."""
+    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest)."""
     choice, chosen = ResumeChoice(), None
     for candidate in sorted(candidates, key=lambda c: (c.step, c.epoch, c.mtime), reverse=True):
         if candidate.error is not None or candidate.weights_only:  # a weights-only file is not meant to resume

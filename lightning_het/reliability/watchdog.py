@@ -514,8 +514,7 @@ class Watchdog:
         return None if payload is None else Verdict.from_json(payload)
 
     def _conclude(self, verdict: Verdict, publish: bool = True) -> Verdict:
-        """Publish ``verdict`` unless another replica did; report and acknowledge the standing one, save the emergency
-        checkpoint (survivors, :mod:`.emergency`) and, hosting the store, wait for the others' acknowledgements."""
+        """Publish ``verdict`` unless another replica did; report, acknowledge and (survivors) save the standing one."""
         if publish:
             record = self._book.sign("abort", verdict.to_json())
             payload = self._book.verify("abort", self.store.compare_set("abort", "", record))

@@ -29,7 +29,7 @@ from lightning_het.reliability.preemption import (
     Preempted,
     PreemptionHandler,
     _ShieldedWorkerInit,
-    default_checkpoint_path,
+    preemption_path,
     shield_loader_workers,
 )
 from tests.helpers import harness
@@ -56,11 +56,11 @@ def test_bad_grace(grace):
         HeterogeneousStrategy(preemption_grace=grace)
 
 
-def test_default_checkpoint_path(tmp_path):
+def test_default_preemption_path(tmp_path):
     plain = SimpleNamespace(checkpoint_callbacks=[], default_root_dir=str(tmp_path))
-    assert default_checkpoint_path(plain) == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert preemption_path(plain) == str(tmp_path / "checkpoints" / "last.ckpt")
     with_callback = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(tmp_path / "ck")], default_root_dir="/")
-    assert default_checkpoint_path(with_callback) == str(tmp_path / "ck" / "last.ckpt")
+    assert preemption_path(with_callback) == str(tmp_path / "ck" / "last.ckpt")
 
 
 def test_the_apps_strategy_schema_passes_the_preemption_keywords():
