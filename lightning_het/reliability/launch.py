@@ -25,26 +25,13 @@ from lightning_het.cluster.rendezvous import (
     save_job_environment,
 )
 from lightning_het.reliability.output_dir import check_output_dir
-from lightning_het.reliability.verdicts import (
-    INTERRUPTED_EXIT_CODE,
-    JobEnded,
-    exit_code_for,
-    is_collective_failure,
-)
-from lightning_het.reliability.watchdog import (
-    as_seconds,
-    check_children,
-    die_with_parent,
-    end_children,
-    kill_children,
-)
+from lightning_het.reliability.verdicts import INTERRUPTED_EXIT_CODE, JobEnded, exit_code_for, is_collective_failure
+from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, end_children
 
 log = logging.getLogger(__name__)
 
-#: seconds beyond the strategy's ``timeout`` that the launching process waits, at exit, for its replicas to end.
-REAP_GRACE_S = 30.0
-#: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
-FAILED_REAP_GRACE_S = 10.0
+REAP_GRACE_S = 30.0  # seconds beyond the strategy's ``timeout`` the launching process waits at exit for its replicas
+FAILED_REAP_GRACE_S = 10.0  # the same after a run that ended with an exception here
 _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit
 
 
@@ -229,7 +216,7 @@ class ScriptLauncher:
                 rank, code = self.cluster_environment.global_rank(), exit_code_for(verdict)
                 message = f"{verdict.message} before the replicas could start their run. Ending the job"
                 print(f"[rank {rank}] lightning_het: {message} (exit status {code}).", file=sys.stderr, flush=True)
-                kill_children(self.children())
+                end_children(self.children())
                 os._exit(code)
 
     def _reap_children(self) -> None:

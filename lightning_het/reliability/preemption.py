@@ -25,9 +25,8 @@ from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
 from lightning_het.reliability.watchdog import die_with_parent, end_children
 
-#: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
-PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
-#: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
+PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+# signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``)
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 AGREE_EVERY_S = 0.25  # seconds of training between two agreements (at least one step, the same steps on every rank)
 AGREE_MAX_STEPS = 64  # the most optimizer steps between two agreements
@@ -72,11 +71,8 @@ class PreemptionHandler:
         self.received = 0  # the signal this replica received (0: none); set by the pipe reader
         self._handler_saw = 0  # set by the Python-level handler only (no lock: it may interrupt a holder)
         self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
-        self._previous: dict[int, Any] = {}
-        self._previous_wakeup_fd = -1
-        self._pipe: tuple[int, int] | None = None
-        self._reader: threading.Thread | None = None
-        self._deadline: threading.Thread | None = None
+        self._previous: dict[int, Any] = {}  # the signal handlers taken over, and the wakeup fd
+        self._previous_wakeup_fd, self._pipe, self._reader, self._deadline = -1, None, None, None  # fds, threads
         self.deadline_at: float | None = None  # when (``time.monotonic()``) the armed deadline ends this process
         self._lock = threading.Lock()
         self.preempting = False  # the replicas agreed to stop

@@ -39,7 +39,6 @@ from lightning_het.reliability.verdicts import (
 )
 
 log = logging.getLogger(__name__)  # without a handler configured: to stderr (logging.lastResort)
-Children = Callable[[], Sequence[tuple[int, subprocess.Popen]]]  # (global rank, process) of the launched replicas
 
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
@@ -88,20 +87,16 @@ def exit_job(code: int) -> None:
     os._exit(code)
 
 
-def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
-    """SIGKILL the local replicas still running and their descendants; the ranks of those that ran."""
+def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float = 0.0) -> list[int]:
+    """Wait up to ``wait`` seconds for the local replicas to exit, then SIGKILL the rest and their descendants; the
+    ranks of those killed."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
+        time.sleep(0.05)
     running = [(rank, proc) for rank, proc in children if proc.poll() is None]
     for _, proc in running:
         _kill([proc.pid, *descendants(proc.pid)])  # what it started, read before it ends
     return [rank for rank, _ in running]
-
-
-def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float) -> list[int]:
-    """Wait up to ``wait`` seconds for the local replicas to exit, then :func:`kill_children` the rest."""
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
-        time.sleep(0.05)
-    return kill_children(children)
 
 
 def process_alive(pid: int) -> bool:
@@ -299,7 +294,7 @@ class Watchdog:
         *,
         interval: float | None = None,
         hosts_store: bool = False,
-        children: Children | None = None,
+        children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
         exit: Callable[[int], None] | None = None,
         token: str = "",
         namespace: str = "",
@@ -449,7 +444,7 @@ class Watchdog:
         # exception then reaches the caller); end it here only if the teardown hangs
         if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
             return
-        kill_children(self._children())
+        end_children(self._children())
         sys.stdout.flush()
         sys.stderr.flush()
         self._exit(exit_code_for(verdict))
