@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -71,8 +70,7 @@ def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
     return int(saved) if isinstance(saved, int) and saved > 0 else None
 
 
-@dataclass(frozen=True)
-class AllocationPlan:
+class AllocationPlan(NamedTuple):
     """What a resumed fit uses as speeds, and the log line explaining it."""
 
     speeds: list[float] | None
@@ -108,8 +106,7 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
         rank_zero_info(f"HeterogeneousStrategy: {plan.message}; {sizes}")
 
 
-@dataclass(frozen=True)
-class SamplerResume:
+class SamplerResume(NamedTuple):
     """Where the training sampler starts: ``epoch`` and the global batches of it to skip."""
 
     epoch: int

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import multiprocessing
 import os
 import signal
@@ -231,9 +230,6 @@ class PreemptionCallbackMixin:
 
     def __init__(self, handler: PreemptionHandler) -> None:
         self.handler: PreemptionHandler | None = handler
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallbackMixin:
-        return copy.copy(self)  # shares this process's live handler
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "handler": None}  # pickled: the live handler stays in its process

@@ -47,11 +47,10 @@ class Phase(IntEnum):
     TEARDOWN = 10, "in teardown (end-of-run hooks)"  # the loops are over: waiting for the others to finish
 
 
-_EVAL_STEP_NAMES = {"validate": "validation_step", "sanity_check": "validation_step (sanity check)",
-                    "test": "test_step", "predict": "predict_step"}  # fmt: skip
+_EVAL_HOOKS = {"validate": ("validation_step", "on_validation_epoch_end"), "test": ("test_step", "on_test_epoch_end"),
+               "sanity_check": ("validation_step (sanity check)", "on_validation_epoch_end"),
+               "predict": ("predict_step", "on_predict_epoch_end")}  # fmt: skip
 _EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP, Phase.EVAL_EPOCH_END)
-_EPOCH_END_HOOKS = {"validate": "on_validation_epoch_end", "sanity_check": "on_validation_epoch_end",
-                    "test": "on_test_epoch_end", "predict": "on_predict_epoch_end"}  # fmt: skip
 
 
 def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
@@ -59,11 +58,11 @@ def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: i
     if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
         return phase.text
     if phase in _EVAL_PHASES and eval_stage:
-        step = _EVAL_STEP_NAMES.get(eval_stage, f"{eval_stage} step")
+        step, hook = _EVAL_HOOKS.get(eval_stage, (f"{eval_stage} step", "the evaluation epoch-end hooks"))
         if phase == Phase.EVAL_STEP:
             where = f"in {step} of evaluation batch {eval_batch}"
         elif phase == Phase.EVAL_EPOCH_END:
-            where = f"in {_EPOCH_END_HOOKS.get(eval_stage, 'the evaluation epoch-end hooks')}"
+            where = f"in {hook}"
         else:
             where = f"loading evaluation batch {eval_batch + 1} for {step}"
         return f"{where} (after training batch {batch})" if batch else where
