@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import signal
@@ -247,30 +248,26 @@ class PreemptionCallback(PreemptionCallbackMixin, Callback):
     """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
 
 
-class _ShieldedWorkerInit:
-    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original."""
+def _shielded_init(inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int], worker_id: int) -> None:
+    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original ``inner``."""
+    die_with_parent()  # a worker stuck in __getitem__ never reaches torch's own parent check
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
+    if inner is not None:
+        inner(worker_id)
+    elif int(os.environ.get("PL_SEED_WORKERS", 0)):
+        from lightning.fabric.utilities.seed import pl_worker_init_function
 
-    def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
-        self.inner, self.rank, self.signals = inner, rank, tuple(int(s) for s in signals)
-
-    def __call__(self, worker_id: int) -> None:
-        die_with_parent()  # a worker stuck in __getitem__ never reaches torch's own parent check
-        for signum in self.signals:
-            signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
-        with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
-        if self.inner is not None:
-            self.inner(worker_id)
-        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
-            from lightning.fabric.utilities.seed import pl_worker_init_function
-
-            pl_worker_init_function(worker_id, rank=self.rank)
+        pl_worker_init_function(worker_id, rank=rank)
 
 
 def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
     """Make ``dataloader``'s workers ignore the preemption signals and die with their replica; return it."""
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn
-        if not isinstance(current, _ShieldedWorkerInit):
-            dataloader.worker_init_fn = _ShieldedWorkerInit(current, rank, signals)
+        if getattr(current, "func", None) is not _shielded_init:
+            shielded = functools.partial(_shielded_init, current, rank, tuple(int(s) for s in signals))
+            dataloader.worker_init_fn = shielded
     return dataloader

@@ -304,8 +304,7 @@ class Watchdog:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
         self.store, self.rank, self.world_size, self.timeout = GuardedStore(store), rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
-        self.grace = min(max(2 * self.interval, 1.0), 10.0)
-        self.hosts_store = hosts_store
+        self.grace, self.hosts_store = min(max(2 * self.interval, 1.0), 10.0), hosts_store
         self._children, self._exit, self._token = children or list, exit or exit_job, token
         self._host, self._pid = socket.gethostname(), os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
@@ -351,13 +350,9 @@ class Watchdog:
         seq, batch, _, _ = self._progress
         self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
 
-    def arm(self, loop: str) -> None:
-        """The training thread entered a loop (``"fit"`` or ``"eval"``); progress counts as made."""
-        self._armed.add(loop)
-        self.mark(self.phase)
-
-    def disarm(self, loop: str) -> None:
-        self._armed.discard(loop)
+    def arm(self, loop: str, armed: bool = True) -> None:
+        """The training thread entered (``armed``) or left a loop (``"fit"`` or ``"eval"``); progress counts as made."""
+        self._armed.add(loop) if armed else self._armed.discard(loop)
         self.mark(self.phase)
 
     def finish(self) -> None:
@@ -558,7 +553,7 @@ class WatchdogCallbackMixin:
         self.watchdog.arm("fit")
 
     def on_train_end(self, *args: Any) -> None:
-        self.watchdog.disarm("fit")
+        self.watchdog.arm("fit", False)
         self.watchdog.emergency = None  # the fit is over: nothing left to save
 
     def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -567,7 +562,7 @@ class WatchdogCallbackMixin:
 
     def _eval_end(self, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_DONE)
-        self.watchdog.disarm("eval")
+        self.watchdog.arm("eval", False)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.mark(Phase.BETWEEN_BATCHES)

@@ -28,7 +28,7 @@ from lightning_het.reliability.preemption import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,
-    _ShieldedWorkerInit,
+    _shielded_init,
     preemption_path,
     shield_loader_workers,
 )
@@ -150,7 +150,7 @@ def test_loader_workers_ignore_the_preemption_signals_and_keep_their_init_fn():
     loader = DataLoader(_SignalDisposition(), batch_size=2, num_workers=1, worker_init_fn=_inner)
     assert shield_loader_workers(loader, rank=0) is loader
     wrapped = loader.worker_init_fn
-    assert isinstance(wrapped, _ShieldedWorkerInit) and wrapped.inner is _inner
+    assert wrapped.func is _shielded_init and wrapped.args[0] is _inner
     shield_loader_workers(loader, rank=0)
     assert loader.worker_init_fn is wrapped  # not wrapped twice
     pickle.dumps(wrapped)  # spawn/forkserver workers receive it pickled

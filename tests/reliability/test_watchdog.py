@@ -178,7 +178,7 @@ def test_a_clean_stop_is_not_a_failure():
         dog.start()
         dog.arm("fit")
     for dog in dogs:
-        dog.disarm("fit")
+        dog.arm("fit", False)
         dog.stop()
     time.sleep(0.6)
     assert not any(r.codes for r in recorders)
