@@ -313,14 +313,11 @@ class Watchdog:
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
         self._state, self._error, self._local_failure = "running", "", False
         self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
-        self._handled: BaseException | None = None  # the exception on_exception dealt with, and its verdict
-        self._standing: Verdict | None = None
+        self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
         self._beat, self._bugs, self._reported = 0, 0, False
         self._book = HeartbeatBook(rank, token, namespace, self._host, max(3 * self.interval, 1.0), peers=peers)
-        self._store_lost_since: float | None = None
-        self._stop = threading.Event()
-        self._main_ident = threading.get_ident()
+        self._store_lost_since, self._stop, self._main_ident = None, threading.Event(), threading.get_ident()
         self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
@@ -480,12 +477,9 @@ class Watchdog:
         deadline = time.monotonic() + min(max(3 * self.interval, 1.0), self.timeout)
         self._waited_in_collective = True  # this replica was waiting for the others: never a suspect itself
         while True:
-            self._publish()
-            record = self._abort_record()
-            if record is not None:
-                return record
-            silence = 2.5 * self.interval
-            verdict = check_children(self._children()) or judge(self._statuses(), self.timeout, silence_timeout=silence)
+            self._publish()  # a verdict already published stands (see _conclude)
+            verdict = self._abort_record() or check_children(self._children())
+            verdict = verdict or judge(self._statuses(), self.timeout, silence_timeout=2.5 * self.interval)
             if verdict is not None or time.monotonic() >= deadline:
                 break
             time.sleep(self.interval)
