@@ -180,9 +180,8 @@ class ScriptLauncher:
             )
         if self.procs:
             raise RuntimeError("The launcher can only create subprocesses once.")
-        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
-        os.environ.update(NODE_RANK=str(env.node_rank()), LOCAL_RANK=str(env.local_rank()))
-        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port), NODE_RANK=str(env.node_rank()))
+        os.environ.update(LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=f"{self.num_processes * self.num_nodes}")
         preexec = die_with_parent if sys.platform.startswith("linux") else None
         for local_rank in range(1, self.num_processes):
             command, cwd = child_command(local_rank)
@@ -235,13 +234,8 @@ class ScriptLauncher:
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
         if isinstance(exc, KeyboardInterrupt):
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
-        if (
-            verdict is None
-            or not is_collective_failure(exc)
-            or (verdict.kind == "failed" and watchdog.rank in verdict.culprits)
-        ):
-            return None
-        return exit_code_for(verdict)
+        blamed_here = verdict is None or (verdict.kind == "failed" and watchdog.rank in verdict.culprits)
+        return None if blamed_here or not is_collective_failure(exc) else exit_code_for(verdict)
 
 
 def child_command(local_rank: int) -> tuple[list[str], str | None]:

@@ -552,7 +552,7 @@ class WatchdogCallbackMixin:
 
     def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.arm("eval")
-        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=_stage(trainer))
+        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=getattr(trainer.state.stage, "value", ""))
 
     def _eval_end(self, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_DONE)
@@ -565,7 +565,7 @@ class WatchdogCallbackMixin:
             emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
 
     def _eval_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
+        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=getattr(trainer.state.stage, "value", ""))
 
     def on_save_checkpoint(self, *args: Any) -> None:
         self.watchdog.mark(self.watchdog.phase)
@@ -586,8 +586,3 @@ class WatchdogCallbackMixin:
 
 class WatchdogCallback(WatchdogCallbackMixin, Callback):
     """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
-
-
-def _stage(trainer: pl.Trainer) -> str:
-    stage = trainer.state.stage
-    return str(stage.value) if stage is not None else ""
