@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
 import random
@@ -14,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -100,8 +99,7 @@ class LoopRecord:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class StepState:
+class StepState(NamedTuple):
     """What a checkpoint at the end of optimizer ``step`` holds besides the tensors."""
 
     step: int
@@ -113,9 +111,9 @@ class StepState:
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
     """From each survivor's last completed step (-1: unknown), the agreed (smallest) step and its lowest holder."""
-    if not steps or min(steps.values()) < 0:
+    step = min(steps.values(), default=-1)
+    if step < 0:
         return -1, None
-    step = min(steps.values())
     return step, min(rank for rank, s in steps.items() if s == step)
 
 

@@ -203,14 +203,12 @@ class PreemptionHandler:
                 if path is not None:
                     done = f"saved {saved}" if saved else "could NOT save a checkpoint"
                     resume = f" Resume with trainer.fit(..., ckpt_path={saved or path!r})."
-                print(
-                    f"lightning_het preemption: replica(s) {who} received {'/'.join(names)}; all {self.world_size}"
-                    f" replica(s) stopped after global step {trainer.global_step} (epoch {trainer.current_epoch});"
-                    f" {done} in {time.monotonic() - started:.2f} s; exiting with status"
-                    f" {PREEMPTION_EXIT_CODE}.{resume}",
-                    file=sys.stderr,
-                    flush=True,
+                message = (
+                    f"replica(s) {who} received {'/'.join(names)}; all {self.world_size} replica(s) stopped after"
+                    f" global step {trainer.global_step} (epoch {trainer.current_epoch}); {done} in"
+                    f" {time.monotonic() - started:.2f} s; exiting with status {PREEMPTION_EXIT_CODE}.{resume}"
                 )
+                print(f"lightning_het preemption: {message}", file=sys.stderr, flush=True)
         return trainer_flavour(trainer).Preempted(saved, signals)  # the trainer's package's SIGTERMException
 
 
