@@ -30,9 +30,9 @@ class Phase(IntEnum):
     """Where a replica's main thread is (values increase with progress), and its :attr:`text`."""
 
     def __new__(cls, value: int, text: str) -> Phase:
-        phase = int.__new__(cls, value)
-        phase._value_, phase.text = value, text
-        return phase
+        self = int.__new__(cls, value)  # the member being made
+        self._value_, self.text = value, text
+        return self
 
     SETUP = 0, "in setup (setup hooks, model wrapping, data loaders)"  # process group up, checkpoint restore
     PROFILING = 1, "profiling the training step (speed measurement)"
