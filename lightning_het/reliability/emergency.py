@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -137,9 +137,8 @@ class EmergencyCheckpoint:
     def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
         return self  # shared: the lock that orders this process's parameter updates and saves
 
-    @contextlib.contextmanager
-    def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
-        """Wrap an optimizer step: the yielded closure takes the lock for the parameter update (step ``step_after``)."""
+    def update(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], step_after: int) -> Any:
+        """``step(closure)``, the parameter update (once the closure returned) under the lock; it is ``step_after``."""
         held = False
 
         def locked() -> Any:
@@ -151,9 +150,10 @@ class EmergencyCheckpoint:
             return result
 
         try:
-            yield locked
+            output = step(locked)
             if held:
                 self._updated = step_after
+            return output
         finally:
             if held:
                 self._lock.release()
@@ -376,8 +376,7 @@ class Guards:
         """``step(closure)``, with the parameter update under the emergency checkpoint's lock while one can save."""
         if self.emergency is None or trainer is None:
             return step(closure)
-        with self.emergency.update(closure, trainer.global_step + 1) as locked:
-            return step(locked)
+        return self.emergency.update(step, closure, trainer.global_step + 1)
 
     def stop_watchdog(self, trainer: Any, *, finished: bool) -> None:
         """Stop the watchdog and remove its callback; ``finished``: first wait until every replica finished."""
