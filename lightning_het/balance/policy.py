@@ -75,8 +75,7 @@ class BalancePolicy:
 
     def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """``EmulatedPlatform``'s settings, as if given as ``emulate_slowdown`` / ``emulate_memory_cap``."""
-        given = {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}
-        given = {name: value for name, value in given.items() if value is not None}
+        given = {n: v for n, v in (("emulate_slowdown", slowdown), ("emulate_memory_cap", memory_cap)) if v is not None}
         for name, value in given.items():
             current = getattr(self.config, name)
             if current is not None and list(current) != list(value):
