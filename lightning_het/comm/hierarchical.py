@@ -3,6 +3,7 @@ import annotations``: DDP rejects a hook's string annotations)."""
 
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,47 +33,41 @@ from lightning_het.comm.allreduce import (
 log = logging.getLogger(__name__)
 
 
-def _future(tensor: torch.Tensor | None = None, done: bool = False) -> torch.futures.Future[Any]:
+class _InOrder:
+    """Runs submitted actions in sequence-number order, whichever thread submits them: gloo completes callbacks in
+    any order, yet every rank must issue a group's collectives in the same order."""
+
+    __slots__ = ("_draining", "_lock", "_next", "_pending")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._pending: dict[int, Callable[[], None]] = {}
+        self._draining = False
+
+    def submit(self, seq: int, action: Callable[[], None]) -> None:
+        """Run ``action`` (which reports its own errors) once every action with a smaller ``seq`` has run."""
+        with self._lock:
+            self._pending[seq] = action
+            if self._draining:
+                return
+            self._draining = True
+        while True:
+            with self._lock:
+                run = self._pending.pop(self._next, None)
+                if run is None:
+                    self._draining = False
+                    return
+                self._next += 1
+            run()
+
+
+def _future(tensor: torch.Tensor, done: bool = False) -> torch.futures.Future[torch.Tensor]:
     """A future DDP can wait on for ``tensor`` (device-aware on accelerators), already set when ``done``."""
-    on_device = tensor is not None and tensor.device.type != "cpu"
-    fut = torch.futures.Future(devices=[tensor.device]) if on_device else torch.futures.Future()  # type: ignore[union-attr]
+    fut = torch.futures.Future() if tensor.device.type == "cpu" else torch.futures.Future(devices=[tensor.device])
     if done:
         fut.set_result(tensor)
     return fut
-
-
-def _settle(fut: torch.futures.Future[Any], source: torch.futures.Future[Any], value: Any = None) -> None:
-    """Set ``fut`` to ``value``, or to ``source``'s error (``source`` is done)."""
-    try:
-        source.wait()
-        fut.set_result(value)
-    except BaseException as err:  # must reach the bucket's future, or DDP waits forever
-        fut.set_exception(err)
-
-
-def _in_turn(
-    turn: torch.futures.Future[None], ready: torch.futures.Future[None], start: Callable[[], Any]
-) -> tuple[torch.futures.Future[None], torch.futures.Future[None]]:
-    """Issue ``start()``'s collective (``None``: none) once ``ready`` and the previous chunk's ``turn`` are done: every
-    rank issues a group's collectives in chunk order, though gloo completes them in any. The futures of this chunk's
-    turn (done once issued, or failed: a failed chunk hands its turn on) and of the collective."""
-    mine, completed = _future(), _future()
-
-    def run(_: Any) -> None:
-        try:
-            ready.wait()
-            work = start()
-            if work is None:
-                completed.set_result(None)
-            else:
-                work.get_future().then(lambda f: _settle(completed, f))
-        except BaseException as err:
-            completed.set_exception(err)
-        finally:
-            mine.set_result(None)
-
-    torch.futures.collect_all([turn, ready]).then(run)
-    return mine, completed
 
 
 class HierarchicalState:
@@ -80,14 +75,15 @@ class HierarchicalState:
     at once), ``flat`` (run a flat all-reduce: the measured choice); for :func:`node_local_hook`, ``node_scale = B /
     (W * B_n)`` and ``exact()`` (whether the step in progress is a warm-up step, reduced exactly)."""
 
-    __slots__ = ("bcast_turn", "chunk_bytes", "exact", "flat", "groups", "leader_turn", "node_scale")
+    __slots__ = ("bcast_order", "chunk_bytes", "exact", "flat", "groups", "leader_order", "node_scale", "seq")
 
     def __init__(
         self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES, exact: Callable[[], bool] = lambda: True
     ) -> None:
         self.groups: NodeGroups | None = groups
-        self.chunk_bytes, self.exact, self.node_scale, self.flat = chunk_bytes, exact, 1.0, False
-        self.leader_turn = self.bcast_turn = _future(done=True)  # the last chunk's turn in each ordered stage
+        self.chunk_bytes, self.exact, self.node_scale, self.flat, self.seq = chunk_bytes, exact, 1.0, False, 0
+        self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
+        self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
 
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -96,35 +92,74 @@ def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.fu
     chunk = state.chunk_bytes // max(flat.element_size(), 1)
     if state.chunk_bytes <= 0 or flat.numel() <= chunk:
         return _hierarchical_sum_chunk(state, tensor)
-    result = _future(tensor)
     parts = [_hierarchical_sum_chunk(state, part) for part in flat.split(chunk)]
-    torch.futures.collect_all(parts).then(lambda all_parts: _settle(result, all_parts, tensor))
+    result, lock, remaining = _future(tensor), threading.Lock(), [len(parts)]
+
+    def part_done(fut: torch.futures.Future[torch.Tensor]) -> None:
+        try:
+            fut.value()
+        except BaseException as err:
+            with lock:
+                if not result.done():
+                    result.set_exception(err)
+            return
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not result.done():
+                result.set_result(tensor)
+
+    for part in parts:
+        part.then(part_done)
     return result
 
 
 def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk."""
-    groups, result, none = state.groups, _future(tensor), _future(done=True)
+    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk. It takes its
+    turn in every ordered stage, a failed chunk too (issuing nothing more), or every later chunk would wait for it."""
+    groups = state.groups
     assert groups is not None
-    several, leads = groups.node_size > 1, groups.is_leader and groups.num_nodes > 1
+    seq, state.seq = state.seq, state.seq + 1  # every rank numbers its chunks in the same order
+    result, errors = _future(tensor), []
+    leader, several, leads = groups.leader, groups.node_size > 1, groups.is_leader and groups.num_nodes > 1
+
+    def stage(start: Callable[[], Any], then: Callable[[], None]) -> None:
+        """Issue ``start()``'s collective unless the chunk failed, and ``then()`` once it is done."""
+        try:
+            work = None if errors else start()
+        except BaseException as err:  # must reach the bucket's future, or DDP waits forever
+            errors.append(err)
+            work = None
+        if work is None:
+            return then()
+
+        def done(fut: torch.futures.Future[Any]) -> None:
+            try:
+                fut.value()
+            except BaseException as err:
+                errors.append(err)
+            then()
+
+        work.get_future().then(done)
+
+    def finish() -> None:
+        result.set_exception(errors[0]) if errors else result.set_result(tensor)
 
     def reduce() -> Any:
-        return dist.reduce(tensor, dst=groups.leader, group=groups.intra_group, async_op=True) if several else None
+        return dist.reduce(tensor, dst=leader, group=groups.intra_group, async_op=True) if several else None
 
-    def leaders() -> Any:
+    def all_reduce() -> Any:
         return dist.all_reduce(tensor, group=groups.leader_group, async_op=True) if leads else None
 
     def broadcast() -> Any:
-        return (
-            dist.broadcast(tensor, src=groups.leader, group=groups.intra_bcast_group, async_op=True)
-            if several
-            else None
-        )
+        return dist.broadcast(tensor, src=leader, group=groups.intra_bcast_group, async_op=True) if several else None
 
-    _, reduced = _in_turn(none, none, reduce)  # issued now: chunks come in the same order on every rank
-    state.leader_turn, summed = _in_turn(state.leader_turn, reduced, leaders)
-    state.bcast_turn, sent = _in_turn(state.bcast_turn, summed, broadcast)
-    sent.then(lambda fut: _settle(result, fut, tensor))
+    def bcast_turn() -> None:
+        state.bcast_order.submit(seq, lambda: stage(broadcast, finish))
+
+    def leader_turn() -> None:
+        state.leader_order.submit(seq, lambda: stage(all_reduce, bcast_turn))
+
+    stage(reduce, leader_turn)
     return result
 
 

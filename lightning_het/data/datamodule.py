@@ -20,7 +20,7 @@ class HeterogeneousDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
-        self.global_batch_size: int = positive_int("global_batch_size", global_batch_size, allow_none=False)  # type: ignore[assignment]
+        self.global_batch_size = positive_int("global_batch_size", global_batch_size, allow_none=False)
         self.eval_batch_size = positive_int("eval_batch_size", eval_batch_size) or self.global_batch_size
         self.num_workers = positive_int("num_workers", num_workers, allow_none=False, minimum=0)
         self.pin_memory = pin_memory
