@@ -25,7 +25,7 @@ from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere, wait_under_torchrun
 from lightning_het.cluster.topology import detect_node_ids
-from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
+from lightning_het.comm import CommAlgorithm, algorithm_of
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import piece_collective

@@ -33,7 +33,7 @@ from lightning_het.cluster.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.comm.algorithms import CommAlgorithm
+from lightning_het.comm import CommAlgorithm
 from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import reduce_counts
 from lightning_het.config import Profiling, Reliability
