@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -186,16 +187,6 @@ class NodeLocal(CommAlgorithm):
             )
         return self
 
-    def _outer_factory(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None:
-        """What builds the outer optimizer over the anchor: ``None`` for the plain float32 average; with compression
-        and no ``outer``, SGD with lr 1 (the same average)."""
-        if self.outer == "nesterov":
-            lr, momentum = self.outer_lr, self.outer_momentum
-            return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0)
-        if self.outer is None:
-            return None if self.sync_dtype == "float32" else (lambda ps: torch.optim.SGD(ps, lr=1.0))
-        return self.outer  # type: ignore[return-value]
-
     def _start(self, model: Any) -> None:
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
         exact = lambda: self._position()[0] < self.warmup_steps  # noqa: E731
@@ -231,11 +222,16 @@ class NodeLocal(CommAlgorithm):
 
     @torch.no_grad()
     def _begin(self) -> None:
-        """The replicas agree: the anchor of the next outer step is the model now."""
-        factory, params = self._outer_factory(), unique_floating(self._params)
-        if factory is not None and self._outer is None:
+        """The replicas agree: the anchor of the next outer step is the model now (no outer optimizer: the plain
+        float32 average; compressed without ``outer``: SGD with lr 1, the same average)."""
+        params, outer, momentum = unique_floating(self._params), self.outer, self.outer_momentum
+        if outer == "nesterov":
+            outer = functools.partial(torch.optim.SGD, lr=self.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        elif outer is None and self.sync_dtype != "float32":
+            outer = functools.partial(torch.optim.SGD, lr=1.0)
+        if outer is not None and self._outer is None:
             self._anchor = [p.detach().clone() for p in params]
-            self._outer = factory(self._anchor)
+            self._outer = outer(self._anchor)
         for a, p in zip(self._anchor, params):
             a.copy_(p)
 
