@@ -100,7 +100,7 @@ _sockets: list[socket.socket] = []  # listening sockets handed to stores (open a
 
 
 def create_store(
-    *, master_addr: str, port: int, rank: int, world_size: int, num_nodes: int, timeout: timedelta
+    master_addr: str, port: int, rank: int, world_size: int, num_nodes: int, timeout: timedelta
 ) -> dist.TCPStore:
     """The job's TCPStore: hosted by rank 0 on :func:`listen_address`, reached there by the other ranks."""
     address = listen_address(num_nodes, master_addr)
@@ -180,33 +180,28 @@ def store_barrier(store: dist.Store, world_size: int, wait: timedelta, key: str 
     store.wait([f"{key}/all"])
 
 
-def started_elsewhere() -> bool:
-    """Whether Lightning's own start-up applies: torchrun's agent hosts the store, or the group already exists."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or dist.is_initialized()
-
-
-def wait_under_torchrun(wait: timedelta) -> None:
-    """Under torchrun's agent store: every replica arrives (within ``wait``) before Lightning starts the group."""
-    if dist.is_initialized():
-        return
-    world_size, env = int(os.environ["WORLD_SIZE"]), os.environ
+def started_elsewhere(wait: timedelta) -> bool:
+    """Whether Lightning's own start-up applies (the group exists, or torchrun's agent hosts the store: then every
+    replica arrives there first, within ``wait``)."""
+    env = os.environ
+    if dist.is_initialized() or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return dist.is_initialized()
+    world_size = int(env["WORLD_SIZE"])
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, False, wait)
     store_barrier(store, world_size, wait, f"lightning_het/joined/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}")
+    return True
 
 
 def init_process_group(member: Any, backend: str, timeout: timedelta | None, wait: timedelta) -> None:
     """Start the default process group on a store only the job can reach, the replicas waiting ``wait`` there."""
-    env, rank, world_size = member.cluster_environment, member.global_rank, member.world_size
-    device = member.root_device
+    env, rank, world_size, device = (
+        member.cluster_environment,
+        member.global_rank,
+        member.world_size,
+        member.root_device,
+    )
     try:
-        store = create_store(
-            master_addr=env.main_address,
-            port=env.main_port,
-            rank=rank,
-            world_size=world_size,
-            num_nodes=member.num_nodes,
-            timeout=wait,
-        )
+        store = create_store(env.main_address, env.main_port, rank, world_size, member.num_nodes, wait)
         store_barrier(store, world_size, wait)
         store.set_timeout(timeout if timeout is not None else _TORCH_DEFAULT_TIMEOUT)
         kwargs = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
@@ -231,8 +226,7 @@ def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
     if dist.is_initialized():
         return
     rank, world_size = env.global_rank(), env.world_size()
-    os.environ["MASTER_ADDR"] = env.main_address
-    os.environ["MASTER_PORT"] = str(env.main_port)
+    os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     if backend == "nccl":
