@@ -141,10 +141,17 @@ class LoaderSplitter:
                     "The training IterableDataset cannot be re-split: every replica reads it as in plain DDP."
                 )
             return dataloader
-        if isinstance(dataloader.sampler, ProportionalDistributedSampler) and training:
-            return self._adopt_own_sampler(dataloader, trainer, policy)
+        sampler = dataloader.sampler
+        if isinstance(sampler, ProportionalDistributedSampler) and training:  # the user's own: it is the allocation
+            allocated = policy.allocation.batch_sizes
+            if allocated is None:
+                policy.adopt(list(sampler.batch_sizes), policy.config.speeds or list(map(float, sampler.batch_sizes)))
+            elif list(sampler.batch_sizes) != allocated:
+                raise ValueError(f"The sampler's batch_sizes={sampler.batch_sizes} are not the allocation {allocated}.")
+            self._start(sampler, trainer)
+            return dataloader
         # `Trainer(use_distributed_sampler=False)`: Lightning injected no DistributedSampler; read as given
-        samplers = (dataloader.sampler, getattr(dataloader.batch_sampler, "sampler", None))
+        samplers = (sampler, getattr(dataloader.batch_sampler, "sampler", None))
         if not any(isinstance(s, DistributedSampler) for s in samplers):
             if (training or evaluating) and not self.own_sharding_warned:
                 self.own_sharding_warned = True
@@ -155,9 +162,17 @@ class LoaderSplitter:
             return dataloader
         if training:
             return self.split_training_loader(dataloader, trainer, policy, fit)
-        if evaluating:
-            return self.split_eval_loader(dataloader, policy)
-        return dataloader
+        own = type(sampler) is not DistributedSampler and isinstance(sampler, DistributedSampler)  # the user's own
+        if not evaluating or own or type(dataloader.batch_sampler) is not BatchSampler:
+            return dataloader
+        # every replica runs as many evaluation batches, sized by its share (the weights read when iterated)
+        batches = EvalBatchSampler(dataloader.dataset, policy.eval_weights, policy.rank, dataloader.batch_size or 1)
+        if batches.repeats > 1:
+            rank_zero_warn(
+                f"HeterogeneousStrategy: the evaluation set holds fewer samples than the {policy.world_size} replicas,"
+                f" so it is evaluated {batches.repeats} times over (summed values {batches.repeats} times larger)."
+            )
+        return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
 
     def resolve_global_batch_size(self, dataloader: DataLoader, trainer: Any, policy: Any) -> int:
         """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else the loader's x replicas."""
@@ -177,18 +192,6 @@ class LoaderSplitter:
                 "The training loader has no `batch_size`; HINT: pass `HeterogeneousStrategy(global_batch_size=...)`."
             )
         return per_replica * world
-
-    def _adopt_own_sampler(self, dataloader: DataLoader, trainer: Any, policy: Any) -> DataLoader:
-        """A loader with a ``ProportionalDistributedSampler`` of the user's own: its sizes are the allocation."""
-        sampler = dataloader.sampler
-        assert isinstance(sampler, ProportionalDistributedSampler)
-        allocated = policy.allocation.batch_sizes
-        if allocated is None:
-            policy.adopt(list(sampler.batch_sizes), policy.config.speeds or list(map(float, sampler.batch_sizes)))
-        elif list(sampler.batch_sizes) != allocated:
-            raise ValueError(f"The sampler's batch_sizes={sampler.batch_sizes} are not the allocation {allocated}.")
-        self._start(sampler, trainer)
-        return dataloader
 
     def _start(self, sampler: ProportionalDistributedSampler, trainer: Any) -> None:
         """The fit's sampler, at its epoch (and, resuming, after the global batches already trained on)."""
@@ -238,17 +241,3 @@ class LoaderSplitter:
             policy.profiler.bind(sampler)
             batches = ProportionalBatchSampler(sampler)
         return rebuild_loader(dataloader, sampler, sizes[policy.rank], batch_sampler=batches)
-
-    def split_eval_loader(self, dataloader: DataLoader, policy: Any) -> DataLoader:
-        """Every replica runs as many evaluation batches, sized by its share (the weights when iterated)."""
-        if type(dataloader.sampler) is not DistributedSampler and isinstance(dataloader.sampler, DistributedSampler):
-            return dataloader  # the user's own distributed sampler
-        if type(dataloader.batch_sampler) is not BatchSampler:
-            return dataloader
-        batches = EvalBatchSampler(dataloader.dataset, policy.eval_weights, policy.rank, dataloader.batch_size or 1)
-        if batches.repeats > 1:
-            rank_zero_warn(
-                f"HeterogeneousStrategy: the evaluation set holds fewer samples than the {policy.world_size} replicas,"
-                f" so it is evaluated {batches.repeats} times over (summed values {batches.repeats} times larger)."
-            )
-        return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
