@@ -44,6 +44,8 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_het._compat import keep_rank_zero_log
+
     registries: list[tuple[Any, type]] = [
         (StrategyRegistry, HeterogeneousStrategy),
         (STRATEGY_REGISTRY, HeterogeneousFabricStrategy),
@@ -63,6 +65,8 @@ def _register() -> None:
     for registry, cls in registries:
         if "heterogeneous" not in registry:
             registry.register("heterogeneous", cls, description="Heterogeneous data parallelism")
+    # each Lightning package points the rank-zero logger at its own when imported: the run's stays
+    keep_rank_zero_log()
 
 
 _register()

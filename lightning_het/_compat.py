@@ -120,3 +120,18 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def wrapped_sampler(sampler: Any) -> Any:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper``, else ``None``."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
+
+
+def keep_rank_zero_log() -> None:
+    """Send Lightning's rank-zero messages to the logger they went to before ``lightning_het`` was imported (importing
+    a Lightning package points ``lightning_utilities``' shared logger at its own), else to ``lightning.pytorch``'s."""
+    import logging
+    import sys
+
+    from lightning_utilities.core import rank_zero
+
+    names = list(sys.modules)  # in import order
+    before = names[: names.index("lightning_het")] if "lightning_het" in names else []
+    packages = ("lightning", "pytorch_lightning", "lightning_fabric")
+    loggers = [n for n in before if n.endswith(".utilities.rank_zero") and n.split(".")[0] in packages]
+    rank_zero.log = logging.getLogger(loggers[-1] if loggers else "lightning.pytorch.utilities.rank_zero")

@@ -11,9 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-#: ``comm=`` mode names (``"auto"``: ``hierarchical`` on several nodes, else ``allreduce``)
-COMM_CHOICES = ("auto", "allreduce", "hierarchical", "node_local")
-
 
 class ArgumentError(ValueError):
     """A strategy keyword has an impossible value; ``argument`` names the keyword (without an index)."""
@@ -131,20 +128,6 @@ def validate_resume(value: Any) -> str | bool | None:
         "Expected argument `resume` to be 'auto' (resume from the newest emergency, preemption or last checkpoint),"
         f" None (only a restarted torchelastic worker resumes) or False (never), but got {value!r}.",
     )
-
-
-def check_comm_args(
-    comm: Any, global_sync_every: Any = None, warmup_steps: Any = 0, *, warmup_name: str = "warmup_steps"
-) -> None:
-    """The communication arguments' values (no warnings; ``warmup_steps`` is reported as ``warmup_name``)."""
-    if not isinstance(comm, str) or comm not in COMM_CHOICES:
-        raise _error(
-            "comm",
-            f"Expected argument `comm` to be one of {list(COMM_CHOICES)} or a comm algorithm object (e.g."
-            f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
-        )
-    positive_int("global_sync_every", global_sync_every)
-    positive_int(warmup_name, warmup_steps, allow_none=False, minimum=0)
 
 
 #: ``comm="node_local"``'s sync keywords and their defaults (the only values accepted in the other modes)

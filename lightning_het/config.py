@@ -24,7 +24,6 @@ from lightning_het.arguments import (
     SYNC_DEFAULTS,
     ArgumentError,
     as_timeout,
-    check_comm_args,
     check_ddp_keywords,
     check_sync_args,
     finite_positive_list,
@@ -34,7 +33,7 @@ from lightning_het.arguments import (
     threshold,
     validate_resume,
 )
-from lightning_het.comm import FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
+from lightning_het.comm import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
 
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0
@@ -153,8 +152,7 @@ class HeterogeneousConfig:
         nodes = out.get("node_ids")
         if nodes is not None:
             nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
-        sync_every, warmup = out.get("global_sync_every"), out.get("comm_warmup_steps", 0)
-        check_comm_args(out.get("comm", "auto"), sync_every, warmup, warmup_name="comm_warmup_steps")
+        _check_comm(out)
         if out.get("comm") == "node_local" and nodes is not None and len(set(nodes)) < 2:
             raise ArgumentError(
                 "node_ids",
@@ -210,6 +208,19 @@ TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_
 TRAINER_ONLY += ("resume",)
 
 
+def _check_comm(flat: Mapping[str, Any]) -> None:
+    """The flat comm settings' values: the mode name, ``global_sync_every`` and ``comm_warmup_steps``."""
+    comm = flat.get("comm", "auto")
+    if not isinstance(comm, str) or comm not in ALGORITHMS:
+        raise ArgumentError(
+            "comm",
+            f"Expected argument `comm` to be one of {list(ALGORITHMS)} or a comm algorithm object (e.g."
+            f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
+        )
+    positive_int("global_sync_every", flat.get("global_sync_every"))
+    positive_int("comm_warmup_steps", flat.get("comm_warmup_steps", 0), allow_none=False, minimum=0)
+
+
 def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
     for name, value in flat.items():
@@ -249,8 +260,7 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:
         given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
-        sync_every, warmup = given.get("global_sync_every"), given.get("comm_warmup_steps", 0)
-        check_comm_args(comm, sync_every, warmup, warmup_name="comm_warmup_steps")  # checked in every mode
+        _check_comm({"comm": comm, **given})  # checked in every mode
         check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
         for name in ("global_sync_every", "comm_warmup_steps"):
             if given.get(name) and comm != "node_local":

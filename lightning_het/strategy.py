@@ -102,10 +102,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         """This replica's hung/dead-replica watchdog while one runs."""
         return self.guards.watchdog
 
-    def release_watchdog(self) -> Watchdog | None:
-        """Hand the running watchdog over (to the launcher's end-of-run barrier, which stops it)."""
-        return self.guards.release_watchdog()
-
     def emulate_platform(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
         self.policy.emulate(slowdown, memory_cap)

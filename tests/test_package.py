@@ -145,7 +145,7 @@ def import_order_runs() -> dict[str, subprocess.CompletedProcess[str]]:
     :data:`_ORDERS_IN_FORKS`): Lightning's third-party dependencies are imported once, not once per order."""
     have_pl = importlib.util.find_spec("pytorch_lightning") is not None
     codes = {
-        name: f"{code}\nprint('heterogeneous' in R)"
+        name: f"{code}\nprint('heterogeneous' in R)\nimport lightning_utilities.core.rank_zero as Z\nprint(Z.log.name)"
         for name, code in IMPORT_ORDERS.items()
         if have_pl or "pytorch_lightning" not in code
     }
@@ -164,8 +164,12 @@ def test_registered_whatever_the_import_order(import_order_runs, order):
         pytest.importorskip("pytorch_lightning")
     result = import_order_runs[order]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "True"
+    registered, rank_zero_log = result.stdout.split()
+    assert registered == "True"
     assert "could not register" not in result.stderr
+    # Lightning's rank-zero messages still go to the logger of the package the user imported first
+    first = "pytorch_lightning" if order == "pl-before" else "lightning.pytorch"
+    assert rank_zero_log == f"{first}.utilities.rank_zero"
 
 
 def test_help_composes_no_run():

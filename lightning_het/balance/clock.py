@@ -31,11 +31,10 @@ class EpochTimings:
 
 def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
     """Sleep so that work which took ``wall_s`` seconds appears to take ``slowdown`` times as long; return the delay."""
-    work = max(wall_s if cpu_s is None else min(wall_s, cpu_s), 0.0)
-    delay = (slowdown - 1.0) * work
+    delay = (slowdown - 1.0) * max(wall_s if cpu_s is None else min(wall_s, cpu_s), 0.0)
     if delay > 0.0:
         time.sleep(delay)
-    return max(delay, 0.0)
+    return delay
 
 
 @dataclass
@@ -245,8 +244,7 @@ class TelemetryHistory:
         self.series: dict[str, list[list[float]]] = {"compute_s": [], "wait_s": [], "batch": []}
         self.rebalances: list[dict[str, Any]] = []
         self.checks: list[dict[str, Any]] = []
-        self._stride = 1
-        self._seen = 0
+        self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
 
     def add(self, timings: Sequence[EpochTimings], *, epoch: int, global_step: int) -> dict[str, Any]:
         """Book one gathered window (usually an epoch); returns its summary."""

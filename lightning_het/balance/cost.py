@@ -7,6 +7,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
@@ -106,9 +107,7 @@ def refresh_costs(
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
     """Predicted seconds per step of an allocation: ``max_r t_r(b_r)``."""
-    if len(batch_sizes) != len(costs):
-        raise ValueError(f"Expected one batch size per cost ({len(costs)}), but got {len(batch_sizes)}.")
-    return max(c(b) for b, c in zip(batch_sizes, costs))
+    return max(c(b) for b, c in zip(batch_sizes, costs, strict=True))
 
 
 def allocate_affine(
@@ -155,15 +154,8 @@ def step_without(
     return step_time(sizes, kept)
 
 
-def useless_replicas(
-    global_batch_size: int,
-    costs: Sequence[AffineCost],
-    *,
-    min_batch_size: int = 1,
-    max_batch_sizes: Sequence[int] | None = None,
-) -> list[int]:
+def useless_replicas(global_batch_size: int, costs: Sequence[AffineCost], **bounds: Any) -> list[int]:
     """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them."""
-    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
     best = [step_without(global_batch_size, costs, [r], **bounds) for r in range(len(costs))]
     return [r for r, (cost, t) in enumerate(zip(costs, best)) if t is not None and cost.fixed_s >= t]
 
@@ -173,12 +165,9 @@ def useless_replica_message(
     costs: Sequence[AffineCost],
     batch_sizes: Sequence[int],
     labels: Sequence[str],
-    *,
-    min_batch_size: int = 1,
-    max_batch_sizes: Sequence[int] | None = None,
+    **bounds: Any,
 ) -> str | None:
     """The warning about replicas that only slow the job down (by more than ``USELESS_MARGIN``), or ``None``."""
-    bounds = {"min_batch_size": min_batch_size, "max_batch_sizes": max_batch_sizes}
     useless = useless_replicas(global_batch_size, costs, **bounds)
     if not useless:
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,21 +30,20 @@ class MonitorSettings:
     every_n_epochs: int | None = None
     threshold: float | None = None
     min_batch_size: int = 1
-    max_batch_sizes: tuple[int, ...] | None = None
+    max_batch_sizes: Sequence[int] | None = None
     profile: bool = False
 
     @classmethod
     def of(cls, config: Any, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
         """This replica's settings from the strategy's config, and the batch bounds a rebalance keeps."""
-        factors, bounds = config.emulate_slowdown, config.max_batch_sizes
         return cls(
             record=config.telemetry,
-            slowdown=factors[rank] if factors else 1.0,
+            slowdown=config.emulate_slowdown[rank] if config.emulate_slowdown else 1.0,
             profile=config.speeds is None and world_size > 1,
             every_n_epochs=config.rebalance_every_n_epochs,
             threshold=config.rebalance_threshold,
             min_batch_size=min_batch_size,
-            max_batch_sizes=tuple(bounds) if bounds is not None else None,
+            max_batch_sizes=config.max_batch_sizes,
         )
 
 
@@ -91,13 +91,10 @@ class BalanceMonitor:
             log_epoch_metrics(trainer.loggers, summary, step=trainer.global_step)
             self.maybe_rebalance(trainer, summary, epoch)
 
-    def _restore_reload(self, trainer: Any) -> None:
-        if self._saved_reload_every is not None:
-            trainer.reload_dataloaders_every_n_epochs = self._saved_reload_every
-            self._saved_reload_every = None
-
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._restore_reload(trainer)
+        """Restore the user's reload setting; gather an epoch that ended before its last batch."""
+        if self._saved_reload_every is not None:
+            trainer.reload_dataloaders_every_n_epochs, self._saved_reload_every = self._saved_reload_every, None
         self._end_epoch(trainer, self._pending_epoch)
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -110,8 +107,7 @@ class BalanceMonitor:
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Collective: gather what is left, then rank 0 writes the balance report (with loggers)."""
-        self._restore_reload(trainer)
-        self._end_epoch(trainer, self._pending_epoch)
+        self.on_train_epoch_start(trainer, pl_module)  # the same catching up
         self._gather(trainer, trainer.current_epoch)
         if not self.settings.record or not trainer.loggers:
             return

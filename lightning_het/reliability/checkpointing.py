@@ -24,23 +24,6 @@ def _sampler_order(sampler: Any) -> dict[str, Any]:
     return {key: type_(value) for key, type_, value in zip(_ORDER, (int, int, int, bool, int), values)}
 
 
-def allocation_record(
-    batch_sizes: Sequence[int] | None,
-    speeds: Sequence[float] | None,
-    node_ids: Sequence[int] | None,
-    *,
-    profiled: bool,
-    sampler: Mapping[str, Any] | None = None,
-    comm: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The ``checkpoint["lightning_het"]`` entry (plain types, and the comm mode's tensors under ``"comm"``)."""
-    sizes = [int(b) for b in batch_sizes or []]
-    return {"version": _VERSION, "world_size": len(sizes), "global_batch_size": sum(sizes), "batch_sizes": sizes,
-            "speeds": [float(s) for s in speeds or []], "profiled": bool(profiled),
-            "node_ids": [int(n) for n in node_ids or []], "sampler": dict(sampler) if sampler is not None else None,
-            "comm": dict(comm) if comm else None}  # fmt: skip
-
-
 def checkpoint_record(
     trainer: Any,
     batch_sizes: Sequence[int] | None,
@@ -51,7 +34,8 @@ def checkpoint_record(
     find_sampler: Callable[[Iterable[Any]], Any],
     comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The entry now: allocation, training sampler position and comm state (no ``speeds`` while profiling)."""
+    """The ``checkpoint["lightning_het"]`` entry now (plain types, the comm state's tensors under ``"comm"``): the
+    allocation (no ``speeds`` while profiling), the training sampler's position and the comm state."""
     loaders = None if trainer is None else training_loaders(trainer)
     sampler, state = None if loaders is None else find_sampler(loaders), None
     if sampler is not None:
@@ -59,7 +43,10 @@ def checkpoint_record(
         state = {"epoch": int(sampler.epoch), "steps_done": int(loop.epoch_loop.batch_progress.current.processed),
                  **_sampler_order(sampler),  # the epoch's end-of-epoch bookkeeping ran (saved in on_train_epoch_end)
                  "epoch_finished": loop.epoch_progress.current.processed > sampler.epoch}  # fmt: skip
-    return allocation_record(batch_sizes, speeds, node_ids, profiled=profiled, sampler=state, comm=comm)
+    sizes = [int(b) for b in batch_sizes or []]
+    return {"version": _VERSION, "world_size": len(sizes), "global_batch_size": sum(sizes), "batch_sizes": sizes,
+            "speeds": [float(s) for s in speeds or []], "node_ids": [int(n) for n in node_ids or []],
+            "profiled": bool(profiled), "sampler": state, "comm": dict(comm) if comm else None}  # fmt: skip
 
 
 def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:

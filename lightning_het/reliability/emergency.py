@@ -218,11 +218,16 @@ class EmergencyCheckpoint:
 
 
 def _read(store: Any, prefix: str, names: Sequence[Any], deadline: float) -> dict[Any, str]:
-    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out)."""
-    keys = {name: f"{prefix}{name}" for name in names}
-    with contextlib.suppress(RuntimeError):  # timed out
-        store.wait(list(keys.values()), timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    return {name: store.get(key).decode() for name, key in keys.items() if store.check([key])}
+    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out; polled: a timed-out
+    ``store.wait`` can leave a TCPStore client out of step)."""
+    found: dict[Any, str] = {}
+    while True:
+        for name in names:
+            if name not in found and store.check([f"{prefix}{name}"]):
+                found[name] = store.get(f"{prefix}{name}").decode()
+        if len(found) == len(names) or time.monotonic() >= deadline:
+            return found
+        time.sleep(_POLL_S)
 
 
 def _say(message: str) -> None:
@@ -289,9 +294,9 @@ class Guards:
         flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
-        children = getattr(strategy.launcher, "children", list)
-        self.preemption = handler = PreemptionHandler(config.preemption_grace, checkpoint is not False and path,
-                                                      children=children)  # fmt: skip
+        children = getattr(strategy.launcher, "children", list)  # the local replicas a popen launcher started
+        saves_to = None if checkpoint is False else path  # ``preemption_checkpoint=False``: stop without saving
+        self.preemption = handler = PreemptionHandler(config.preemption_grace, saves_to, children=children)
         handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
         handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
@@ -299,8 +304,6 @@ class Guards:
         _replace_callback(trainer, PreemptionCallbackMixin, handler.fitting and flavour.PreemptionCallback(handler))
         replace_signal_connector(trainer, handler)
         self.emergency = None
-        if watchdog is not None:
-            watchdog.emergency = None
         if watchdog is not None and saves:
             self._loops = loops = LoopRecord(trainer.fit_loop)
 
@@ -311,6 +314,7 @@ class Guards:
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
             emergency = os.path.join(os.path.dirname(path), EMERGENCY_CHECKPOINT_NAME)
             self.emergency = EmergencyCheckpoint(trainer.global_rank, observe, dump, lambda: emergency)
+        if watchdog is not None:
             watchdog.emergency = self.emergency
 
     def _dump(self, trainer: Any, state: StepState) -> dict[str, Any]:
@@ -345,10 +349,6 @@ class Guards:
             return step(closure)
         with self.emergency.update(closure, trainer.global_step + 1) as locked:
             return step(locked)
-
-    def release_watchdog(self) -> Watchdog | None:
-        watchdog, self.watchdog = self.watchdog, None
-        return watchdog
 
     def stop_watchdog(self, trainer: Any, *, finished: bool) -> None:
         """Stop the watchdog and remove its callback; ``finished``: first wait until every replica finished."""

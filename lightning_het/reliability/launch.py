@@ -190,8 +190,13 @@ class ScriptLauncher:
     def _start_children(self) -> None:
         """Lightning's child start, with ``PR_SET_PDEATHSIG`` (Linux) and an exit handler that reaps them."""
         env = self.cluster_environment
-        if self.procs or env.local_rank() != 0:
-            raise RuntimeError("The launcher can only create subprocesses once, from local rank 0.")
+        if env.local_rank() != 0:  # Lightning's message: the cluster environment should create these processes
+            raise RuntimeError(
+                "Lightning attempted to launch new distributed processes with `local_rank > 0`. This should not happen:"
+                " the cluster environment says it does not create the processes (`creates_processes_externally`)."
+            )
+        if self.procs:
+            raise RuntimeError("The launcher can only create subprocesses once.")
         os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
         os.environ.update(NODE_RANK=str(env.node_rank()), LOCAL_RANK=str(env.local_rank()))
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"

@@ -26,8 +26,8 @@ def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_
         raise OutputDirError(f"The output directory '{directory}' exists but is not a directory.") from None
     except OSError as err:
         raise OutputDirError(
-            f"The output directory '{directory}' does not exist and cannot be created ({_reason(err)})."
-            " HINT: choose a directory whose parent exists and is writable."
+            f"The output directory '{directory}' does not exist and cannot be created"
+            f" ({err.strerror or type(err).__name__}). HINT: choose a directory whose parent exists and is writable."
         ) from None
     probe = directory / f".lightning_het_probe_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     try:
@@ -38,7 +38,7 @@ def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_
     except OSError as err:
         hint = "free some space or choose another directory" if err.errno == errno.ENOSPC else "check its permissions"
         raise OutputDirError(
-            f"The output directory '{directory}' is not writable ({_reason(err)}). HINT: {hint}."
+            f"The output directory '{directory}' is not writable ({err.strerror or type(err).__name__}). HINT: {hint}."
         ) from None
     finally:
         with contextlib.suppress(OSError):
@@ -51,7 +51,3 @@ def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_
             " choose another directory."
         )
     return directory
-
-
-def _reason(err: OSError) -> str:
-    return err.strerror or type(err).__name__

@@ -109,7 +109,8 @@ class PreemptionHandler:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self._reader = threading.Thread(target=self._read_pipe, name="lightning-het-preemption", daemon=True)
+        name = "lightning-het-preemption"
+        self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name=name, daemon=True)
         self._reader.start()
 
     def uninstall(self) -> None:
@@ -142,27 +143,12 @@ class PreemptionHandler:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._handler_saw = signum  # main thread, between bytecodes: the pipe reader does the rest
 
-    def _read_pipe(self) -> None:
-        assert self._pipe is not None
-        read_fd = self._pipe[0]
-        while True:
-            try:
-                data = os.read(read_fd, 64)
-            except OSError:
-                return
-            if not data or 0 in data:
-                return
-            for signum in data:
-                if signum in self._signals:
-                    self._notice(signum)
-
-    def _notice(self, signum: int) -> None:
-        with self._lock:
-            if self.received:
-                return
-            self.received = signum
-        # outside fit there is nothing to save: end now
-        self.arm_deadline(0.0 if not self.fitting else self.grace, f"received {_signal_name(signum)}")
+    def _read_pipe(self, read_fd: int) -> None:  # the one writer of `received`
+        with contextlib.suppress(OSError):
+            while (data := os.read(read_fd, 64)) and 0 not in data:
+                for signum in (s for s in data if s in self._signals and not self.received):
+                    self.received = signum  # outside fit there is nothing to save: end now
+                    self.arm_deadline(self.grace if self.fitting else 0.0, f"received {_signal_name(signum)}")
 
     def arm_deadline(self, seconds: float, reason: str) -> None:
         """End this process (status 143) ``seconds`` from now unless it ends first; the earliest deadline wins."""

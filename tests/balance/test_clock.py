@@ -219,7 +219,7 @@ def _device_step(clock: StepClock, device: _FakeDevice, forward_s: float, backwa
     clock.after_backward()
 
 
-class TestEventTimer:
+class TestCudaEvents:
     """The GPU step clock, on a fake device: durations from events, read a step late, no synchronisation per step."""
 
     @pytest.fixture

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
-    allocation_record,
+    checkpoint_record,
     plan_allocation,
     plan_sampler_resume,
     read_record,
@@ -41,8 +41,8 @@ def _close(a: dict, b: dict, tol: float = 1e-6) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- decisions (pure)
-def _record(world: int = 2, speeds=(1.0, 3.0), sizes=(2, 6), sampler=None) -> dict:
-    return allocation_record(list(sizes), list(speeds), [0] * world, profiled=True, sampler=sampler)
+def _record(world: int = 2, speeds=(1.0, 3.0), sizes=(2, 6)) -> dict:
+    return checkpoint_record(None, list(sizes), list(speeds), [0] * world, profiled=True, find_sampler=list)
 
 
 class TestPlanAllocation:
