@@ -1,6 +1,4 @@
-"""The gradient communication algorithms (``comm=``, docs/communication.md): :class:`AllReduce`,
-:class:`Hierarchical`, :class:`Auto`, :class:`NodeLocal`, their mode-name shorthands and the strategy's old flat
-keywords they replace.
+"""The ``comm=`` algorithms (docs/communication.md), their mode-name shorthands and the old flat keywords they replace.
 
 >>> algorithm_for("node_local", global_sync_every=16, outer_optimizer="nesterov").outer
 'nesterov'

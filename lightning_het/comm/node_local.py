@@ -245,12 +245,11 @@ class NodeLocal(CommAlgorithm):
         if self._in_consensus:
             return False
         self.hide_consensus()  # a merge of the replicas' own models
+        ids = self._node_ids
         if self._outer is None:
-            payload = average_parameters(self._params, self._weight(), self._hook_state)
-            traffic = hierarchical_traffic(payload, self._node_ids)
+            traffic = hierarchical_traffic(average_parameters(self._params, self._weight(), self._hook_state), ids)
         else:
-            params = unique_floating(self._params)
-            device = self._anchor[0].device
+            params, device = unique_floating(self._params), self._anchor[0].device
             delta = torch.cat([(a - p.to(device)).reshape(-1).float() for a, p in zip(self._anchor, params)])
             delta.mul_(self._weight())
             self._residual = compressed_sum(self._hook_state, delta, self.sync_dtype, self._residual)
@@ -261,9 +260,9 @@ class NodeLocal(CommAlgorithm):
                 a.grad = None
                 p.copy_(a)
             payload = delta.numel() * delta.element_size()
-            traffic = hierarchical_traffic(payload, self._node_ids)
+            traffic = hierarchical_traffic(payload, ids)
             if self.sync_dtype != "float32":
-                traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), self._node_ids)
+                traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), ids)
         self._record(traffic, sync=True)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
