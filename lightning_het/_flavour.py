@@ -21,7 +21,6 @@ class TrainerFlavour:
     reset_seed: Callable[[], Any]
     WatchdogCallback: type
     PreemptionCallback: type
-    ProfilerCallback: type
     BalanceCallback: type
     MixedAccelerator: type
     Preempted: type

@@ -21,7 +21,6 @@ from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
-from lightning_het.balance.profiler import attach_profiler
 from lightning_het.balance.report import balance_report, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
@@ -140,7 +139,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         if fitting:  # a new fit derives a new allocation
             self.policy.reset()
             self._split = self._loaders.train_sampler = self._loaders.train_pass = None
-            attach_profiler(None, trainer)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
@@ -188,7 +186,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            fit = self._fit_context(trainer=self._trainer())
+            fit = self._fit_context()
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, self.policy, fit)
         return shield_loader_workers(dataloader, self.global_rank)
 
@@ -379,7 +377,6 @@ def _unified_trainer_flavour() -> TrainerFlavour:
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
 
     from lightning_het.balance.monitor import HeterogeneousBalanceCallback  # noqa: F401
-    from lightning_het.balance.profiler import ProfilerCallback  # noqa: F401
     from lightning_het.cluster.accelerators import MixedAccelerator  # noqa: F401
     from lightning_het.reliability.preemption import Preempted, PreemptionCallback  # noqa: F401
     from lightning_het.reliability.watchdog import WatchdogCallback  # noqa: F401
