@@ -431,7 +431,10 @@ class Watchdog:
                     )
         if verdict is None:
             return
-        verdict = self._conclude(verdict, publish)
+        try:
+            verdict = self._conclude(verdict, publish)
+        except Exception:  # the store went away while publishing (or a bug): end with the verdict reached here
+            verdict = self._conclude(verdict, publish=False)
         # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
         # exception then reaches the caller); end it here only if the teardown hangs
         if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
