@@ -1,4 +1,4 @@
-"""The strategy's settings (no torch): the :class:`Profiling` / :class:`Reliability` keyword objects, the flat frozen
+"""The strategy's settings (no torch): the :class:`Profiling` / :class:`Reliability` keyword objects, the frozen
 :class:`HeterogeneousConfig` the parts read, and the deprecated flat keywords mapped onto the typed ones.
 
 >>> Profiling(steps=3, rebalance_threshold=1.1)
@@ -15,7 +15,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -100,7 +100,8 @@ class Reliability:
 
 @dataclass(frozen=True)
 class HeterogeneousConfig:
-    """Every setting of the strategy, flat and normalised; ``None``: not given. Treat the lists as read-only."""
+    """Every setting of the strategy, normalised: the balancing keywords, the ``comm`` algorithm, the ``profiling`` and
+    ``reliability`` objects and the emulation; ``None``: not given. Treat the lists as read-only."""
 
     global_batch_size: int | None = None
     speeds: list[float] | None = None
@@ -108,33 +109,17 @@ class HeterogeneousConfig:
     max_batch_sizes: list[int] | None = None
     max_micro_batch_sizes: list[int] | Literal["auto"] | None = None
     node_ids: list[int] | None = None
-    comm: str = "auto"
-    global_sync_every: int | None = None
-    comm_warmup_steps: int = 0
-    comm_autotune_steps: int = 5
-    outer_optimizer: Any = SYNC_DEFAULTS["outer_optimizer"]
-    outer_lr: float = SYNC_DEFAULTS["outer_lr"]
-    outer_momentum: float = SYNC_DEFAULTS["outer_momentum"]
-    sync_dtype: str = SYNC_DEFAULTS["sync_dtype"]
-    merge_weights: str = SYNC_DEFAULTS["merge_weights"]
+    comm: CommAlgorithm = field(default_factory=ALGORITHMS["auto"])
+    profiling: Profiling = Profiling()
+    reliability: Reliability = Reliability()
     emulate_slowdown: list[float] | None = None
     emulate_memory_cap: list[int] | None = None
-    profile_steps: int = 2
-    profile_warmup: int = 1
-    profile_cache: str | os.PathLike[str] | bool | None = None
-    startup_timeout: timedelta | None = None
     timeout: timedelta | None = None
-    rebalance_every_n_epochs: int | None = None
-    rebalance_threshold: float | None = None
-    telemetry: bool = True
-    preemption_grace: float = DEFAULT_GRACE
-    preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None = None
-    resume: Literal["auto", False] | None = None
 
     @classmethod
-    def from_keywords(cls, **flat: Any) -> HeterogeneousConfig:
-        """``flat`` checked (the grouped settings by their objects) and normalised; :class:`ArgumentError`."""
-        out = dict(flat)
+    def from_keywords(cls, **given: Any) -> HeterogeneousConfig:
+        """``given`` (the typed form) checked and normalised; :class:`ArgumentError`."""
+        out = dict(given)
         out["global_batch_size"] = positive_int("global_batch_size", out.get("global_batch_size"))
         out["speeds"] = finite_positive_list("speeds", out.get("speeds"))
         least = out["min_batch_size"] = positive_int("min_batch_size", out.get("min_batch_size", 1), allow_none=False)
@@ -152,8 +137,8 @@ class HeterogeneousConfig:
         nodes = out.get("node_ids")
         if nodes is not None:
             nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
-        _check_comm(out)
-        if out.get("comm") == "node_local" and nodes is not None and len(set(nodes)) < 2:
+        comm = out["comm"] = _comm_object(out.get("comm", "auto"))
+        if comm.mode == "node_local" and nodes is not None and len(set(nodes)) < 2:
             raise ArgumentError(
                 "node_ids",
                 f"You set `comm='node_local'`, but `node_ids={nodes}` puts every replica on one node, so node-local"
@@ -162,12 +147,8 @@ class HeterogeneousConfig:
             )
         out["emulate_slowdown"] = slowdown_factors("emulate_slowdown", out.get("emulate_slowdown"))
         out["emulate_memory_cap"] = int_list("emulate_memory_cap", out.get("emulate_memory_cap"))
-        for name in ("timeout", "startup_timeout"):
-            out[name] = as_timeout(name, out.get(name))
-        if out.get("preemption_checkpoint"):
-            out["preemption_checkpoint"] = os.fspath(out["preemption_checkpoint"])
-        out |= {name: float(out[name]) for name in ("outer_lr", "outer_momentum") if name in out}
-        return cls(**out)
+        out["timeout"] = as_timeout("timeout", out.get("timeout"))
+        return cls(**{name: value for name, value in out.items() if value is not None})
 
     def check_world(self, num_nodes: int, devices: int) -> None:
         """Checks that need the world size (list lengths, a global batch the bounds can hold); ``ValueError``."""
@@ -188,9 +169,6 @@ class HeterogeneousConfig:
             allocate_batch_sizes(self.global_batch_size, speeds, **bounds)
 
 
-#: every setting and its default
-KEYWORD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(HeterogeneousConfig)}
-
 #: old flat keyword -> (the typed keyword that replaces it, the field there)
 DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
     **{old: ("comm", new) for old, new in FLAT_FIELDS.items()},
@@ -208,17 +186,17 @@ TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_
 TRAINER_ONLY += ("resume",)
 
 
-def _check_comm(flat: Mapping[str, Any]) -> None:
-    """The flat comm settings' values: the mode name, ``global_sync_every`` and ``comm_warmup_steps``."""
-    comm = flat.get("comm", "auto")
+def _comm_object(comm: Any) -> CommAlgorithm:
+    """``comm``: an algorithm object, or the one (with its defaults) a mode name stands for."""
+    if isinstance(comm, CommAlgorithm):
+        return comm
     if not isinstance(comm, str) or comm not in ALGORITHMS:
         raise ArgumentError(
             "comm",
             f"Expected argument `comm` to be one of {list(ALGORITHMS)} or a comm algorithm object (e.g."
             f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
         )
-    positive_int("global_sync_every", flat.get("global_sync_every"))
-    positive_int("comm_warmup_steps", flat.get("comm_warmup_steps", 0), allow_none=False, minimum=0)
+    return ALGORITHMS[comm]()
 
 
 def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -260,7 +238,9 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:
         given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
-        _check_comm({"comm": comm, **given})  # checked in every mode
+        _comm_object(comm)  # checked in every mode
+        positive_int("global_sync_every", given.get("global_sync_every"))
+        positive_int("comm_warmup_steps", given.get("comm_warmup_steps", 0), allow_none=False, minimum=0)
         check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
         for name in ("global_sync_every", "comm_warmup_steps"):
             if given.get(name) and comm != "node_local":
@@ -300,16 +280,13 @@ def strategy_config(
                 f" the `{group}` object only.",
             )
     typed, emulation = typed_keywords({"comm": comm, **old})
-    flat = dict(explicit)
-    flat |= typed["comm"].keywords() if isinstance(typed["comm"], CommAlgorithm) else {"comm": typed["comm"]}
-    for group in _GROUPS:
-        value = typed.get(group, objects[group])
-        if value is not None:
-            flat |= {_OLD_NAMES[group, f.name]: getattr(value, f.name) for f in fields(value)}
-    flat |= {f"emulate_{field}": value for field, value in emulation.items()}
+    given = {**explicit, "comm": typed["comm"], **{f"emulate_{field}": value for field, value in emulation.items()}}
+    given |= {group: typed.get(group, objects[group]) or cls() for group, cls in _GROUPS.items()}
     if fabric:
-        flat |= {name: rest.pop(name) for name in TRAINER_ONLY if name in rest} | {"telemetry": False}
-        refused = [n for n in TRAINER_ONLY if flat.get(n, KEYWORD_DEFAULTS.get(n)) != KEYWORD_DEFAULTS.get(n)]
+        flat = {name: rest.pop(name) for name in TRAINER_ONLY if name in rest} | given
+        for group, cls in _GROUPS.items():  # the grouped settings set, by their flat names
+            flat |= {_OLD_NAMES[group, k]: v for k, v in vars(given[group]).items() if v != getattr(cls, k)}
+        refused = [n for n in TRAINER_ONLY if flat.get(n) is not None]
         if refused:
             raise ArgumentError(
                 refused[0],
@@ -318,8 +295,8 @@ def strategy_config(
                 " them at their defaults; for memory caps, split each batch with"
                 " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md).",
             )
-        flat = {name: value for name, value in flat.items() if name not in TRAINER_ONLY}
-    config = HeterogeneousConfig.from_keywords(**flat, timeout=rest.get("timeout"))
+        given["profiling"] = replace(given["profiling"], telemetry=False)
+    config = HeterogeneousConfig.from_keywords(**given, timeout=rest.get("timeout"))
     check_ddp_keywords(owner, [*explicit, "comm", *groups], rest)
     if old:
         names = ", ".join(f"`{n}={v!r}`" for n, v in old.items())

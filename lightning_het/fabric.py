@@ -30,7 +30,7 @@ from lightning_het.cluster.startup import (
     started_elsewhere,
     wait_under_torchrun,
 )
-from lightning_het.comm.algorithms import CommAlgorithm, algorithm_of
+from lightning_het.comm.algorithms import CommAlgorithm
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import piece_collective
@@ -56,7 +56,7 @@ class HeterogeneousParts(BalanceView):
         groups = {name: keywords[name] for name in ("profiling", "reliability")}
         config, rest = strategy_config(type(self), explicit, keywords["comm"], groups, keywords["kwargs"], fabric)
         self.policy = BalancePolicy(config)
-        self._comm = algorithm_of(keywords["comm"], config)  # installed once the model is wrapped
+        self._comm = config.comm  # installed once the model is wrapped
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         return rest
 
@@ -68,7 +68,7 @@ class HeterogeneousParts(BalanceView):
     def _start_process_group(self, joined: Callable[[], None], set_ranks: Callable[[], None]) -> None:
         """``set_ranks`` and start the process group, or (torchrun's agent hosts the store) wait and run ``joined``;
         a short ``timeout`` does not fail the rendezvous of replicas that start slowly."""
-        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
+        wait = rendezvous_wait(self._timeout, self.config.reliability.startup_timeout)
         if started_elsewhere():
             wait_under_torchrun(wait)
             return joined()

@@ -7,24 +7,29 @@ import pytest
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError
-from lightning_het.config import DEPRECATED_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, typed_keywords
+from lightning_het.cluster.startup import rendezvous_wait
+from lightning_het.comm.allreduce import FLAT_FIELDS
+from lightning_het.comm.node_local import NodeLocal
+from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, Reliability, typed_keywords
 
-#: every field of the config with the strategy's default (``timeout`` is DDP's keyword, which the config holds too)
-DEFAULTS = KEYWORD_DEFAULTS
+#: the config's defaults are the strategy's
+DEFAULTS: dict = {}
 
 
-def test_fields_are_the_typed_and_the_deprecated_keywords():
-    # the config holds every setting: the explicit keywords, comm, the deprecated flat ones (grouped) and DDP's timeout
+def test_fields_are_the_typed_keywords():
+    # the config holds every setting: the explicit keywords, the typed objects, the emulation and DDP's timeout
     explicit = {"global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids"}
-    assert set(DEFAULTS) == explicit | {"comm", "timeout"} | set(DEPRECATED_KEYWORDS)
+    names = {f.name for f in dataclasses.fields(HeterogeneousConfig)}
+    assert names == explicit | {"comm", "profiling", "reliability", "emulate_slowdown", "emulate_memory_cap", "timeout"}
+    assert {group for group, _ in DEPRECATED_KEYWORDS.values()} - names == {"emulation"}
 
 
 def test_values_are_normalised():
     config = HeterogeneousConfig.from_keywords(
-        **{**DEFAULTS, "speeds": (1, 3), "max_batch_sizes": [4, 8], "startup_timeout": 30, "timeout": 5}
+        **{**DEFAULTS, "speeds": (1, 3), "max_batch_sizes": [4, 8], "reliability": Reliability(30), "timeout": 5}
     )
-    assert config.speeds == [1.0, 3.0] and config.max_batch_sizes == [4, 8]
-    assert config.startup_timeout == timedelta(seconds=30) and config.timeout == timedelta(seconds=5)
+    assert config.speeds == [1.0, 3.0] and config.max_batch_sizes == [4, 8] and config.timeout == timedelta(seconds=5)
+    assert rendezvous_wait(config.timeout, config.reliability.startup_timeout) == timedelta(seconds=30)
 
 
 def test_is_frozen():
@@ -43,7 +48,7 @@ def test_the_strategy_holds_it():
     with pytest.warns(DeprecationWarning):
         strategy = HeterogeneousStrategy(speeds=[1, 2], profile_steps=3)
     assert isinstance(strategy.config, HeterogeneousConfig)
-    assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profile_steps == 3
+    assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profiling.steps == 3
     assert strategy.speeds_given
 
 
@@ -91,9 +96,9 @@ def test_outer_numbers_without_a_named_outer_optimizer_are_refused(name, outer):
 def test_node_local_takes_its_settings():
     with pytest.warns(DeprecationWarning):
         config = HeterogeneousStrategy(comm="node_local", node_ids=[0, 1], **SYNC_SETTINGS).config
-    assert config.outer_optimizer == "nesterov" and config.sync_dtype == "int8" and config.outer_lr == 0.5
+    assert config.comm.outer == "nesterov" and config.comm.sync_dtype == "int8" and config.comm.outer_lr == 0.5
     # the defaults, or a callable without the numbers, are fine in any mode
-    typed_keywords({"comm": "allreduce", **{n: KEYWORD_DEFAULTS[n] for n in SYNC_SETTINGS}})
+    typed_keywords({"comm": "allreduce", **{n: getattr(NodeLocal(), FLAT_FIELDS[n]) for n in SYNC_SETTINGS}})
     typed_keywords({"comm": "node_local", "outer_optimizer": lambda params: None})
 
 
@@ -132,4 +137,4 @@ def test_speeds_take_any_real_number_type():
 def test_the_sync_defaults_are_the_strategys():
     from lightning_het.arguments import SYNC_DEFAULTS
 
-    assert {n: KEYWORD_DEFAULTS[n] for n in SYNC_DEFAULTS} == SYNC_DEFAULTS
+    assert {n: getattr(NodeLocal(), FLAT_FIELDS[n]) for n in SYNC_DEFAULTS} == SYNC_DEFAULTS

@@ -279,8 +279,10 @@ class Guards:
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
         """``resume="auto"`` (``job``: this fit's identity): load this job's checkpoint with the most progress."""
         self.job, before = job, trainer.ckpt_path
-        path = preemption_path(trainer, config.preemption_checkpoint)
-        self._emergencies = auto_resume(trainer, config.resume, path, job, config.global_batch_size, broadcast)
+        path = preemption_path(trainer, config.reliability.preemption_checkpoint)
+        self._emergencies = auto_resume(
+            trainer, config.reliability.resume, path, job, config.global_batch_size, broadcast
+        )
         return trainer.ckpt_path != before
 
     def finish(self, trainer: Any) -> None:
@@ -291,12 +293,12 @@ class Guards:
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
         """The watchdog's and preemption handler's callbacks and signal handling, and (``saves``) an emergency
         checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
-        flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
+        flavour, checkpoint = trainer_flavour(trainer), config.reliability.preemption_checkpoint  # its package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
         children = getattr(strategy.launcher, "children", list)  # the local replicas a popen launcher started
         saves_to = None if checkpoint is False else path  # ``preemption_checkpoint=False``: stop without saving
-        self.preemption = handler = PreemptionHandler(config.preemption_grace, saves_to, children=children)
+        self.preemption = handler = PreemptionHandler(config.reliability.preemption_grace, saves_to, children=children)
         handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
         handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)

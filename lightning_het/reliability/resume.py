@@ -58,7 +58,7 @@ def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
     settings, gradient accumulation and clipping, the precision."""
     settings: dict[str, Any] = {"comm": "exact" if mode in ("allreduce", "hierarchical") else mode}
     if mode == "node_local":
-        settings.update({key: getattr(config, key, None) for key in _NODE_LOCAL_SETTINGS})
+        settings.update({key: config.comm.keywords().get(key) for key in _NODE_LOCAL_SETTINGS})
         outer = settings["outer_optimizer"]
         settings["outer_optimizer"] = outer if outer is None or isinstance(outer, str) else repr(outer)
     return {**settings, "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
