@@ -159,6 +159,6 @@ def attach_monitor(strategy: Any, trainer: Any, settings: MonitorSettings) -> Ba
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, BalanceMonitor)]
     if not (settings.record or settings.slowdown != 1.0 or settings.profile):
         return None
-    monitor = trainer_flavour(trainer).BalanceCallback(strategy, settings)
+    monitor = trainer_flavour(trainer).HeterogeneousBalanceCallback(strategy, settings)
     trainer.callbacks.append(monitor)
     return monitor
