@@ -12,7 +12,7 @@ from typing import Any
 
 #: what the Trainer strategy's parts use of a flavour: its package's names and our classes built on that package
 NAMES = ("TrainerFn", "TrainerStatus", "RunningStage", "ModelCheckpoint", "reset_seed", "WatchdogCallback")
-NAMES += ("PreemptionCallback", "ProfilerCallback", "HeterogeneousBalanceCallback", "MixedAccelerator", "Preempted")
+NAMES += ("PreemptionCallback", "HeterogeneousBalanceCallback", "MixedAccelerator", "Preempted")
 
 #: standalone or not -> its flavour, registered by the module composing our classes
 _FLAVOURS: dict[bool, ModuleType] = {}

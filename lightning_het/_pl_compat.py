@@ -14,7 +14,6 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_het._flavour import register_trainer_flavour
 from lightning_het.balance.monitor import BalanceMonitor
-from lightning_het.balance.profiler import ProfilerCallbackMixin
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
 from lightning_het.reliability.watchdog import WatchdogCallbackMixin
@@ -27,10 +26,6 @@ class WatchdogCallback(WatchdogCallbackMixin, Callback):
 
 class PreemptionCallback(PreemptionCallbackMixin, Callback):
     """Runs the preemption agreement after optimizer steps (``pytorch_lightning``)."""
-
-
-class ProfilerCallback(ProfilerCallbackMixin, Callback):
-    """Forwards the end of every training step to the in-loop profiler (``pytorch_lightning``)."""
 
 
 class HeterogeneousBalanceCallback(BalanceMonitor, Callback):

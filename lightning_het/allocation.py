@@ -41,11 +41,7 @@ def batch_bounds(
     positive_int("global_batch_size", global_batch_size, allow_none=False)
     positive_int("min_batch_size", min_batch_size, allow_none=False, minimum=0)
     upper = int_list("max_batch_sizes", max_batch_sizes) or [global_batch_size] * world
-    if len(upper) != world:
-        raise ValueError(
-            f"Expected argument `max_batch_sizes` to have one entry per replica ({world}), but got {len(upper)}:"
-            f" {upper}."
-        )
+    positive_finite("max_batch_sizes", upper, world)  # one entry per replica
     small = [r for r, bound in enumerate(upper) if bound < min_batch_size]
     if small:
         raise ValueError(
@@ -72,12 +68,8 @@ def allocate_batch_sizes(
     min_batch_size: int = 1,
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
-    """Split ``global_batch_size`` samples among replicas in proportion to their ``speeds`` (by global rank, any
-    consistent unit), each within ``[min_batch_size, max_batch_sizes[r]]``.
-
-    The sizes sum to ``global_batch_size``; each lies within one sample of its proportional share unless a bound
-    forces it away (water filling); largest remainders first, ties to the lower rank. Bad input raises ``ValueError``.
-    """
+    """``global_batch_size`` samples split in proportion to ``speeds`` (by global rank), each within its bounds and
+    one sample of its share unless a bound forces it away; largest remainders first, ties to the lower rank."""
     values = positive_finite("speeds", speeds)
     lower, upper = batch_bounds(len(values), global_batch_size, min_batch_size, max_batch_sizes)
     shares = proportional_shares(global_batch_size, values, lower, upper)

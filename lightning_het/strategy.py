@@ -29,7 +29,6 @@ from lightning_het.balance.monitor import (
     MonitorSettings,
     attach_monitor,
 )
-from lightning_het.balance.profiler import ProfilerCallback, attach_profiler  # noqa: F401 - the flavour's
 from lightning_het.balance.report import balance_report, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
@@ -149,7 +148,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         if fitting:  # a new fit derives a new allocation
             self.policy.reset()
             self._split = self._loaders.train_sampler = self._loaders.train_pass = None
-            attach_profiler(None, trainer)
         super().setup(trainer)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
@@ -197,9 +195,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split = self.policy.training_split(
-                lambda: (self._fit_context(trainer=self._trainer()), self._loaders.resume_record)
-            )
+            split = self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
             weights = self.policy.eval_weights  # read when evaluating
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
         return shield_loader_workers(dataloader, self.global_rank)

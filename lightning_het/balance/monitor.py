@@ -97,9 +97,12 @@ class BalanceMonitor:
             trainer.reload_dataloaders_every_n_epochs, self._saved_reload_every = self._saved_reload_every, None
         self._end_epoch(trainer, self._pending_epoch)
 
-    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._end_epoch(trainer, trainer.current_epoch)
+        profiler = self.strategy.policy.profiler  # the first steps' profiling reads their compute times
+        if profiler is not None:
+            profiler.on_train_batch_end(trainer.current_epoch, batch_idx)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._gathered_epoch != trainer.current_epoch:  # no collective here: gathered at the next epoch's start

@@ -37,12 +37,11 @@ T = TypeVar("T")
 
 
 class FitContext(NamedTuple):
-    """What allocating needs from the fit: its module and precision, step clock, device labels, trainer."""
+    """What allocating needs from the fit: its module and precision, step clock, device labels."""
 
     module: Callable[[], tuple[nn.Module | None, str]]
     clock: Callable[[], StepClock | None]
     labels: list[str]
-    trainer: Any = None
     loop_prefetch: int = 1
     report: Callable[[], dict[str, Any]] = dict  # the balance report, for the table logged on a new allocation
 
@@ -76,8 +75,7 @@ class BalancePolicy:
 
     def emulate(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
         """``EmulatedPlatform``'s settings, as if given as ``emulate_slowdown`` / ``emulate_memory_cap``."""
-        given = {"emulate_slowdown": slowdown, "emulate_memory_cap": memory_cap}
-        given = {name: value for name, value in given.items() if value is not None}
+        given = {n: v for n, v in (("emulate_slowdown", slowdown), ("emulate_memory_cap", memory_cap)) if v is not None}
         for name, value in given.items():
             current = getattr(self.config, name)
             if current is not None and list(current) != list(value):
@@ -185,7 +183,7 @@ class BalancePolicy:
         plan = plan_allocation(resume, world_size=world, given_speeds=self.config.speeds)
         cache, key = self.cache_entry(memory=True)
         if self.cap_unknown and cache is not None and world > 1:  # "auto": the caps every replica has cached
-            rows = self.gather([float((cache.get_cap(key) if key is not None else None) or 0)])
+            rows = self.gather([float((cache.get(key)["cap"] if key is not None else None) or 0)])
             if all(r[0] >= 1 for r in rows):
                 self._set_caps([int(r[0]) for r in rows], "from the profile cache")
         caps = self.allocation.micro_caps or (given if isinstance(given, list) else None)
@@ -239,8 +237,7 @@ class BalancePolicy:
         module, precision = self._fit.module() if self._fit is not None else (None, "")
         if setting in (None, False) or module is None or self._cache_loader is None:
             return None, None
-        folder = profiling.ProfileCache.default_directory() if setting is True else setting
-        cache = profiling.ProfileCache(folder)  # type: ignore[arg-type]
+        cache = profiling.ProfileCache(None if setting is True else setting)  # type: ignore[arg-type]
         try:
             sample = self._cache_loader.dataset[0]
         except Exception:  # a dataset we cannot peek into is simply not cached
@@ -255,26 +252,25 @@ class BalancePolicy:
         cache, key = self.cache_entry()
         if cache is None:
             return None
-        cost = cache.get(key) if key is not None else None
-        row = [1.0, cost.fixed_s, cost.per_sample_s, cache.get_threshold(key) or DEFAULT_THRESHOLD] if cost else [0.0]
+        record = cache.get(key) if key is not None else {}
+        cost, threshold = record.get("cost"), record.get("threshold") or DEFAULT_THRESHOLD
+        row = [1.0, cost.fixed_s, cost.per_sample_s, threshold] if cost else [0.0]
         rows = self.gather(row + [0.0] * (4 - len(row)))
         everyone = all(r[0] == 1.0 for r in rows)
         return ([AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)) if everyone else None
 
     def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
-        """Plan the first training steps' profiling and hook the profiler into the fit loop."""
+        """Plan the first training steps' profiling (the fit loop hands it every step's end)."""
         config, lag = self.config, profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
         steps = {"warmup": config.profiling.warmup, "steps": config.profiling.steps, "lag": lag}
-        plan = profiling.profile_plan(global_batch, self.world_size, **steps, **self.bounds)
+        plan = profiling.ProfilePlan(global_batch, self.world_size, **steps, **self.bounds)
 
         def clock() -> tuple[int, Any] | None:
             step_clock = fit.clock()
             return None if step_clock is None else step_clock.open_step()
 
-        self.profiler = profiling.InLoopProfiler(plan, self.rank, self.world_size, self.device, clock, self._profiled)
+        self.profiler = profiling.InLoopProfiler(plan, self.rank, self.gather, clock, self._profiled)
         self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
-        if fit.trainer is not None:
-            profiling.attach_profiler(self.profiler, fit.trainer)
         rank_zero_info(
             f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps (the equal, then the"
             f" rough split); the fitted split applies from step {plan.switch_step}"
@@ -297,7 +293,7 @@ class BalancePolicy:
             sampler.set_batch_sizes(batch_sizes if total == sum(batch_sizes) else other)
         cache, key = self.cache_entry()
         if cache is not None and key is not None:
-            cache.put(key, costs[self.rank], self.profiler.threshold)
+            cache.put(key, cost=costs[self.rank], threshold=self.profiler.threshold)
         rank_zero_info(self.table())
 
     def measure_caps(self, step: Callable[[Any], Any], batch: Any, no_sync: Any, module: nn.Module) -> None:
@@ -310,7 +306,7 @@ class BalancePolicy:
         cap, micro.search_steps = measure_cap(step, batch, upper, pieces, module, cuda, micro.least_cap)
         cache, key = self.cache_entry(memory=True)
         if cache is not None and key is not None and cap >= 1:
-            cache.put_cap(key, cap)
+            cache.put(key, cap=cap)
         row = [float(cap), float(micro.search_steps), time.perf_counter() - start]
         rows = self.gather(row) if self.world_size > 1 else [row]
         micro.search_s = max(r[2] for r in rows)

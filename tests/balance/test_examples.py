@@ -110,7 +110,7 @@ def test_profiler_trial_splits() -> None:
 
 def test_profiler_profile_plan() -> None:
     """
-    >>> plan = profile_plan(48, 2, warmup=1, steps=2, lag=1)
+    >>> plan = ProfilePlan(48, 2, warmup=1, steps=2, lag=1)
     >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
     [[24, 24], [24, 24], [36, 12], [36, 12], [36, 12]]
     >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step

@@ -18,9 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
-from lightning_het.balance import profiler as profiler_module
 from lightning_het.balance.cost import AffineCost, allocate_affine
-from lightning_het.balance.profiler import InLoopProfiler, loader_prefetch_depth, profile_plan, trial_splits
+from lightning_het.balance.profiler import InLoopProfiler, ProfilePlan, loader_prefetch_depth, trial_splits
 from lightning_het.data.sampler import ProportionalBatchSampler
 from tests.helpers.harness import run_harness, split_output
 from tests.helpers.harness_steps import ContractModule
@@ -50,18 +49,18 @@ def test_trial_splits_cover_two_sizes_per_replica_within_bounds() -> None:
 
 
 def test_profile_plan_warms_up_agrees_on_rough_speeds_then_times_the_rough_split() -> None:
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=3)
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=3)
     assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 5, 9)
     rough = [24, 8]
     assert [plan.split(n, rough) for n in range(4)] == [[16, 16]] * 4  # drawn before the rough speeds are known
     # every replica timed at two sizes: its equal share (the lag steps) and its rough one, twice
     assert [plan.split(n, rough) for n in range(4, 6)] == [rough] * 2
     assert [plan.split(n, rough) for n in range(6, 9)] == [rough] * 3  # drawn before the costs are agreed
-    no_warmup = profile_plan(32, 2, warmup=0, steps=1, lag=1)
+    no_warmup = ProfilePlan(32, 2, warmup=0, steps=1, lag=1)
     assert (no_warmup.first_trial, no_warmup.gather_step, no_warmup.switch_step) == (0, 1, 3)
     assert [no_warmup.split(n, None) for n in range(3)] == [[8, 24], [24, 8], [16, 16]]
     with pytest.raises(ValueError, match="world_size >= 2"):
-        profile_plan(32, 1, warmup=1, steps=2, lag=1)
+        ProfilePlan(32, 1, warmup=1, steps=2, lag=1)
 
 
 def test_prefetch_depth_of_a_loader() -> None:
@@ -71,15 +70,18 @@ def test_prefetch_depth_of_a_loader() -> None:
     assert loader_prefetch_depth(DataLoader(data, num_workers=2, prefetch_factor=3)) == 7
 
 
-def _profiler(plan) -> InLoopProfiler:
-    return InLoopProfiler(plan, 0, 2, torch.device("cpu"), lambda: (8, 0.01), lambda costs, sizes: None)
+def _profiler(plan, gather=None) -> InLoopProfiler:
+    return InLoopProfiler(plan, 0, gather, lambda: (8, 0.01), lambda costs, sizes: None)
 
 
-def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_too_early(monkeypatch) -> None:
+def _rank_one_a_third(values):  # rank 1: the same fit, its warm-up step 3x faster
+    return [list(values), [values[0] / 3] if len(values) == 1 else values]
+
+
+def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_too_early() -> None:
     gathered = []
-    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: gathered.append(v) or [list(v), list(v)])
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)  # the rough split from step 2, switch at step 5
-    profiler = _profiler(plan)
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)  # the rough split from step 2, switch at step 5
+    profiler = _profiler(plan, lambda v: gathered.append(v) or [list(v), list(v)])
     resumed = ProportionalDistributedSampler(list(range(128)), [12, 20], 0)  # epochs of 4 global batches of 32
     resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
     profiler.bind(resumed)
@@ -104,14 +106,13 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 5
 
 
-def _fit_one_replica(monkeypatch, plan, seconds, rough_ratio: float = 3.0) -> InLoopProfiler:
+def _fit_one_replica(plan, seconds, rough_ratio: float = 3.0) -> InLoopProfiler:
     """Run ``plan`` on rank 0 of two identical replicas whose step ``n`` takes ``seconds(n, size)``; rank 1's warm-up
     step looks ``rough_ratio`` times faster (cold), its fitted cost is rank 0's."""
 
-    def gather(values, world, device):
+    def gather(values):
         return [list(values), [values[0] * rough_ratio]] if len(values) == 1 else [list(values), list(values)]
 
-    monkeypatch.setattr(profiler_module, "_all_gather", gather)
     steps, adopted, made = iter(range(plan.gather_step + 1)), [], []
 
     def clock() -> tuple[int, float]:
@@ -119,7 +120,7 @@ def _fit_one_replica(monkeypatch, plan, seconds, rough_ratio: float = 3.0) -> In
         size = plan.split(n, made[0].rough)[0]
         return size, seconds(n, size)
 
-    profiler = InLoopProfiler(plan, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: adopted.append(sizes))
+    profiler = InLoopProfiler(plan, 0, gather, clock, lambda costs, sizes: adopted.append(sizes))
     made.append(profiler)
     sampler = ProportionalDistributedSampler(list(range(320)), [16, 16], 0)
     profiler.bind(sampler)
@@ -131,37 +132,36 @@ def _fit_one_replica(monkeypatch, plan, seconds, rough_ratio: float = 3.0) -> In
     return profiler
 
 
-def test_a_cold_step_does_not_pull_the_fit_and_equal_replicas_keep_the_equal_split(monkeypatch) -> None:
+def test_a_cold_step_does_not_pull_the_fit_and_equal_replicas_keep_the_equal_split() -> None:
     true_cost = AffineCost(0.001, 0.0001)
     # the lag step after the warm-up (equal split) is a cold outlier; the warm-up step at the same size is not
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
-    profiler = _fit_one_replica(monkeypatch, plan, lambda n, b: 0.05 if n == 1 else true_cost(b))
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)
+    profiler = _fit_one_replica(plan, lambda n, b: 0.05 if n == 1 else true_cost(b))
     assert profiler.rough == [8, 24]
     assert profiler.adopted == [16, 16] and profiler.threshold == pytest.approx(1.1)
     fitted = profiler.costs[0]  # the line through the fastest step of each size: the true one
     assert fitted.fixed_s == pytest.approx(0.001) and fitted.per_sample_s == pytest.approx(1e-4)
     # no lag (your own loop): the cold warm-up step is the equal size's only timing and is left out of the fit
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=0)
-    profiler = _fit_one_replica(monkeypatch, plan, lambda n, b: 0.05 if n == 0 else true_cost(b), rough_ratio=1 / 3)
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=0)
+    profiler = _fit_one_replica(plan, lambda n, b: 0.05 if n == 0 else true_cost(b), rough_ratio=1 / 3)
     fitted = profiler.costs[0]  # the rough size alone (the line through the origin), not pulled up by the cold step
     assert profiler.rough == [24, 8] and profiler.adopted == [16, 16]
     assert fitted.fixed_s == 0.0 and fitted.per_sample_s == pytest.approx(true_cost(24) / 24)
 
 
-def test_a_mild_warm_up_imbalance_keeps_the_trials_at_the_equal_split(monkeypatch) -> None:
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+def test_a_mild_warm_up_imbalance_keeps_the_trials_at_the_equal_split() -> None:
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)
     cost = AffineCost(0.0, 0.001)
-    assert _fit_one_replica(monkeypatch, plan, lambda n, b: cost(b), rough_ratio=1.4).rough == [16, 16]
-    assert _fit_one_replica(monkeypatch, plan, lambda n, b: cost(b), rough_ratio=1.6).rough != [16, 16]
+    assert _fit_one_replica(plan, lambda n, b: cost(b), rough_ratio=1.4).rough == [16, 16]
+    assert _fit_one_replica(plan, lambda n, b: cost(b), rough_ratio=1.6).rough != [16, 16]
 
 
-def test_the_fit_is_the_line_through_the_equal_and_the_rough_size(monkeypatch) -> None:
-    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), [v[0] / 3] if len(v) == 1 else v])
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+def test_the_fit_is_the_line_through_the_equal_and_the_rough_size() -> None:
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)
     true_cost = AffineCost(0.001, 0.0001)
     steps = iter(range(plan.gather_step + 1))
     profiler = InLoopProfiler(
-        plan, 0, 2, torch.device("cpu"), lambda: (0, true_cost(plan.split(next(steps), [24, 8])[0])), lambda c, s: None
+        plan, 0, _rank_one_a_third, lambda: (0, true_cost(plan.split(next(steps), [24, 8])[0])), lambda c, s: None
     )
     for k in range(plan.gather_step + 1):
         profiler.split_for(0, k)
@@ -171,7 +171,7 @@ def test_the_fit_is_the_line_through_the_equal_and_the_rough_size(monkeypatch) -
 
 def test_an_epoch_shorter_than_its_loader_leaves_no_plan_step_out() -> None:
     """``limit_train_batches``: epoch 0 trains 1 of its batches; epoch 1 starts at the next plan step."""
-    profiler = _profiler(profile_plan(32, 2, warmup=0, steps=1, lag=1))  # trials at steps 0 and 1, switch at 3
+    profiler = _profiler(ProfilePlan(32, 2, warmup=0, steps=1, lag=1))  # trials at steps 0 and 1, switch at 3
     a, b = trial_splits([16, 16])
     assert profiler.split_for(0, 0) == a and profiler.split_for(0, 1) == b  # step 1 drawn, never trained
     profiler._clock = lambda: None
@@ -324,7 +324,7 @@ def test_rough_split_then_the_fitted_split_with_every_gradient_exact(inloop_fits
     assert sizes == allocate_affine(32, [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]])  # the fitted optimum
     seen = [list(s) for s in zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"])]
     lag = 5 if name == "workers" else 1  # Lightning's prefetched batch (+ 2 workers x 2)
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=lag)
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=lag)
     trials = seen[plan.first_trial : plan.gather_step + 1]
     rough = seen[plan.gather_step + 1]
     assert seen[: plan.first_trial] == [[16, 16]] * plan.first_trial  # warm-up, and the batches drawn meanwhile
@@ -360,11 +360,10 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(inloop_job)
         assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)
 
 
-def test_a_device_timers_steps_are_read_at_the_agreements_only(monkeypatch) -> None:
+def test_a_device_timers_steps_are_read_at_the_agreements_only() -> None:
     """On a GPU the clock hands each step's compute seconds as a function (reading them waits for the step's events):
     the profiler calls them at its two agreements, not at every step's end."""
-    monkeypatch.setattr(profiler_module, "_all_gather", lambda v, w, d: [list(v), [v[0] / 3] if len(v) == 1 else v])
-    plan = profile_plan(32, 2, warmup=1, steps=2, lag=1)
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)
     true_cost = AffineCost(0.001, 0.0001)
     reads: list[int] = []
     steps = iter(range(plan.gather_step + 1))
@@ -374,7 +373,7 @@ def test_a_device_timers_steps_are_read_at_the_agreements_only(monkeypatch) -> N
         size = plan.split(n, [24, 8])[0]
         return size, lambda: reads.append(n) or true_cost(size)
 
-    profiler = InLoopProfiler(plan, 0, 2, torch.device("cpu"), clock, lambda costs, sizes: None)
+    profiler = InLoopProfiler(plan, 0, _rank_one_a_third, clock, lambda costs, sizes: None)
     sampler = ProportionalDistributedSampler(list(range(320)), [16, 16], 0)
     profiler.bind(sampler)
     for k in range(plan.gather_step + 1):

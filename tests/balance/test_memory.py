@@ -91,9 +91,9 @@ def test_measure_cap_leaves_the_training_state_as_it_was() -> None:
 
 def test_cap_in_the_profile_cache(tmp_path) -> None:
     cache = ProfileCache(tmp_path)
-    assert cache.get_cap("k") is None
-    cache.put_cap("k", 12)
-    assert cache.get_cap("k") == 12 and cache.get("k") is None
+    assert cache.get("k")["cap"] is None
+    cache.put("k", cap=12)
+    assert cache.get("k")["cap"] == 12 and cache.get("k")["cost"] is None
 
 
 def test_emulated_cap_raises_inside_the_forward_of_training_only() -> None:

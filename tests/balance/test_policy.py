@@ -3,17 +3,20 @@ profiled split."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, costs_from_speeds
-from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy
+from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy, FitContext
 from lightning_het.balance.rebalance import profiled_split
 from lightning_het.balance.state import Allocation
+from lightning_het.config import HeterogeneousConfig
 
 
 def test_caps_agreed_every_few_steps_and_at_the_epoch_end() -> None:
@@ -104,3 +107,20 @@ def test_speeds_of_an_uneven_split_are_each_replicas_own():
     # the equal split under bounds is the bounded one
     bounded = BalancePolicy(HeterogeneousStrategy(max_batch_sizes=[3, 64]).config)
     assert bounded.measured_speeds(costs, [3, 5])[0] == bounded.measured_speeds(costs, [3, 5])[1]
+
+
+def test_the_cached_cap_and_cost_are_separate_records(tmp_path) -> None:
+    """A replica's micro-batch cap and its cost live under two keys: storing one keeps the other."""
+    policy = BalancePolicy(dataclasses.replace(HeterogeneousConfig(), profile_cache=str(tmp_path)))
+    policy.place(0, 2, torch.device("cpu"), 1)
+    policy._fit = FitContext(lambda: (nn.Linear(3, 1), "32-true"), lambda: None, [])
+    policy._cache_loader = DataLoader([torch.zeros(3)])
+    (cache, key), (_, memory) = policy.cache_entry(), policy.cache_entry(memory=True)
+    assert cache is not None and key is not None and memory is not None and key != memory
+    cache.put(memory, cap=12)
+    cache.put(key, cost=AffineCost(0.01, 0.002), threshold=1.2)
+    assert cache.get(memory)["cap"] == 12 and cache.get(key) == {
+        "cost": AffineCost(0.01, 0.002),
+        "threshold": 1.2,
+        "cap": None,
+    }

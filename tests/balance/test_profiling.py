@@ -178,14 +178,22 @@ def test_fit_stage_timings_uses_the_fastest_step_of_each_stage() -> None:
 class TestProfileCache:
     def test_round_trip_and_key_mismatch(self, tmp_path) -> None:
         cache = ProfileCache(tmp_path / "c")
-        assert cache.get("k") is None
-        cache.put("k", AffineCost(0.01, 0.002))
-        assert cache.get("k") == AffineCost(0.01, 0.002)
-        assert cache.get("other") is None
-        assert cache.get_threshold("k") is None  # stored without one
-        cache.put("k", AffineCost(0.01, 0.002), threshold=1.25)
-        assert cache.get("k") == AffineCost(0.01, 0.002) and cache.get_threshold("k") == 1.25
-        assert cache.get_threshold("other") is None
+        assert cache.get("k")["cost"] is None
+        cache.put("k", cost=AffineCost(0.01, 0.002))
+        assert cache.get("k")["cost"] == AffineCost(0.01, 0.002)
+        assert cache.get("other")["cost"] is None
+        assert cache.get("k")["threshold"] is None  # stored without one
+        cache.put("k", cost=AffineCost(0.01, 0.002), threshold=1.25)
+        assert cache.get("k")["cost"] == AffineCost(0.01, 0.002) and cache.get("k")["threshold"] == 1.25
+        assert cache.get("other")["threshold"] is None
+        (tmp_path / "c" / next(p.name for p in (tmp_path / "c").iterdir())).write_text("{not json")
+        assert cache.get("k") == {"cost": None, "threshold": None, "cap": None}  # unreadable: nothing stored
+        ProfileCache(tmp_path / "file" / "c").directory.parent.write_text("")  # an unwritable directory is ignored
+        ProfileCache(tmp_path / "file" / "c").put("k", cap=3)
+
+    def test_default_directory(self, tmp_path, monkeypatch) -> None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        assert ProfileCache().directory == tmp_path / "lightning_het" / "profiles"
 
     def test_key_depends_on_what_sets_the_speed(self) -> None:
         cpu = torch.device("cpu")
