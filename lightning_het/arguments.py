@@ -92,17 +92,6 @@ def slowdown_factors(name: str, values: Any) -> list[float] | None:
     return slowdown
 
 
-def threshold(name: str, value: Any) -> float | None:
-    """An imbalance threshold (max / min ratio): a finite number ``>= 1``; ``None`` stays ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
-        raise _error(
-            name, f"Expected argument `{name}` to be a finite number >= 1 (max / min ratio), but got {value!r}."
-        )
-    return float(value)
-
-
 def as_timeout(name: str, value: Any) -> timedelta | None:
     """A timeout given as seconds or a ``timedelta``, as a positive ``timedelta``; ``None`` stays ``None``."""
     if value is None:

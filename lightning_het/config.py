@@ -30,7 +30,6 @@ from lightning_het.arguments import (
     int_list,
     positive_int,
     slowdown_factors,
-    threshold,
     validate_resume,
 )
 from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
@@ -61,7 +60,10 @@ class Profiling:
                 f" got {self.cache!r}.",
             )
         positive_int("rebalance_every_n_epochs", self.rebalance_every_n_epochs)
-        threshold("rebalance_threshold", self.rebalance_threshold)
+        ratio, real = self.rebalance_threshold, (int, float)  # max / min step time
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, real) or not 1 <= ratio < math.inf):
+            message = "Expected argument `rebalance_threshold` to be a finite number >= 1 (max / min ratio), but got"
+            raise ArgumentError("rebalance_threshold", f"{message} {ratio!r}.")
         if not isinstance(self.telemetry, bool):
             raise ArgumentError("telemetry", f"Expected argument `telemetry` to be True or False: {self.telemetry!r}.")
         if not self.telemetry and (self.rebalance_every_n_epochs is not None or self.rebalance_threshold is not None):

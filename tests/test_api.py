@@ -102,6 +102,8 @@ def test_node_local_object_sets_the_sync():
         (lambda: Profiling(steps=0), "steps"),
         (lambda: Profiling(telemetry=False, rebalance_threshold=1.2), "telemetry"),
         (lambda: Profiling(rebalance_threshold=0.5), "rebalance_threshold"),
+        (lambda: Profiling(rebalance_threshold=float("nan")), "rebalance_threshold"),
+        (lambda: Profiling(rebalance_threshold=True), "rebalance_threshold"),
         (lambda: Reliability(startup_timeout=-1), "startup_timeout"),
         (lambda: Reliability(resume="always"), "resume"),
         (lambda: EmulatedPlatform(slowdown=[0.5, 1]), "slowdown"),
