@@ -261,12 +261,13 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 
 
 def strategy_config(
-    owner: type, explicit: Mapping[str, Any], comm: Any, groups: Mapping[str, Any], kwargs: Any, fabric: bool = False
+    owner: type, keywords: Mapping[str, Any], fabric: bool = False
 ) -> tuple[HeterogeneousConfig, dict[str, Any]]:
-    """A strategy's validated config, and the rest of ``kwargs`` (``DDPStrategy``'s). The deprecated flat keywords in
-    ``kwargs`` keep their meaning with one ``DeprecationWarning`` naming the typed form; a setting given both ways,
-    or (``fabric``) one only the Trainer's loop can run, raises :class:`ArgumentError`."""
-    rest = dict(kwargs)
+    """A strategy's validated config from its constructor's ``locals()``, and the rest of ``kwargs`` (DDP's). The old
+    flat keywords warn once naming the typed form; a setting given both ways, or (``fabric``) one needing the Trainer's
+    loop, raises :class:`ArgumentError`."""
+    comm, groups, rest = keywords["comm"], {group: keywords[group] for group in _GROUPS}, dict(keywords["kwargs"])
+    explicit = {n: keywords[n] for n in HeterogeneousConfig.__dataclass_fields__ if n in keywords and n not in groups}
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
     objects = {"comm": None if isinstance(comm, str) else comm, **groups}
     for group, cls in _GROUPS.items():

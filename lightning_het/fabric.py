@@ -42,9 +42,6 @@ from lightning_het.data.sampler import (
 from lightning_het.data.splitting import rebuild_loader, training_order
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, validate_launch_environment
 
-#: the balancing keywords (the Fabric strategy takes them but ``max_micro_batch_sizes``)
-BALANCING = ("global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids")
-
 
 class HeterogeneousParts(BalanceView):
     """What both strategies build from their keywords (the balance policy, the comm algorithm) and their shared
@@ -52,9 +49,7 @@ class HeterogeneousParts(BalanceView):
 
     def _configure(self, keywords: dict[str, Any], fabric: bool = False) -> dict[str, Any]:
         """The constructor's ``locals()`` validated into the policy and the comm algorithm; returns DDP's keywords."""
-        explicit = {name: keywords[name] for name in BALANCING if name in keywords}
-        groups = {name: keywords[name] for name in ("profiling", "reliability")}
-        config, rest = strategy_config(type(self), explicit, keywords["comm"], groups, keywords["kwargs"], fabric)
+        config, rest = strategy_config(type(self), keywords, fabric)
         self.policy = BalancePolicy(config)
         self._comm = config.comm  # installed once the model is wrapped
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
