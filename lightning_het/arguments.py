@@ -181,10 +181,6 @@ def check_sync_args(
             )
 
 
-#: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)
-_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-
-
 def _named_parameters(function: Callable[..., Any]) -> set[str]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds} - {"self"}
@@ -215,8 +211,7 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
         )
     backend = kwargs.get("process_group_backend")
     if backend is not None:
-        registered = {str(b).lower() for b in getattr(dist.Backend, "backend_list", ())} - {"undefined"}
-        allowed = sorted(set(_KNOWN_BACKENDS) | registered)
+        allowed = sorted({str(b).lower() for b in dist.Backend.backend_list} - {"undefined"})  # registered ones too
         if not isinstance(backend, str) or backend.lower() not in allowed:
             raise ArgumentError(
                 "process_group_backend",
