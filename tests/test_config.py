@@ -138,3 +138,25 @@ def test_the_sync_defaults_are_the_strategys():
     from lightning_het.arguments import SYNC_DEFAULTS
 
     assert {n: getattr(NodeLocal(), FLAT_FIELDS[n]) for n in SYNC_DEFAULTS} == SYNC_DEFAULTS
+
+
+def test_the_job_identity_reads_the_comm_object_under_the_flat_names():
+    """``resume="auto"`` tells jobs apart by node_local's settings, named as in checkpoints written before."""
+    from types import SimpleNamespace
+
+    from lightning_het.reliability.resume import identity_differences, trajectory_settings
+
+    trainer = SimpleNamespace(
+        accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None, precision="32-true"
+    )
+    four, eight = (HeterogeneousConfig.from_keywords(comm=NodeLocal(sync_every=k, outer="nesterov")) for k in (4, 8))
+    settings = trajectory_settings(four, "node_local", trainer)
+    assert (settings["global_sync_every"], settings["outer_optimizer"], settings["merge_weights"]) == (
+        4,
+        "nesterov",
+        "samples",
+    )
+    assert identity_differences(settings, trajectory_settings(eight, "node_local", trainer)) == [
+        "global_sync_every 4 -> 8"
+    ]
+    assert trajectory_settings(four, "hierarchical", trainer)["comm"] == "exact"
