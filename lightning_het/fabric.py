@@ -235,14 +235,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
                 " `sampler=strategy.eval_sampler(dataset)` (each sample on one replica) or with"
                 " `fabric.setup_dataloaders(loader, use_distributed_sampler=False)` (every replica reads it all)."
             )
-        return self._split_for_training(dataloader)
-
-    def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
-        """For evaluation loaders: every sample on one replica, shares following the allocation."""
-        return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
-
-    def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
-        """Allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler."""
+        # allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler
         order = training_order(dataloader)
         global_batch = self.config.global_batch_size
         if global_batch is None:
@@ -274,6 +267,10 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
             self._watch_steps()
             batches = ProportionalBatchSampler(sampler)
         return rebuild_loader(dataloader, sampler, sizes[self.global_rank], batch_sampler=batches)
+
+    def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
+        """For evaluation loaders: every sample on one replica, shares following the allocation."""
+        return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
 
     def _profiled_module(self) -> tuple[Module | None, str]:
         return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__
