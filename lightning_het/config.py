@@ -1,13 +1,5 @@
 """The strategy's settings (no torch): the :class:`Profiling` / :class:`Reliability` keyword objects, the frozen
-:class:`HeterogeneousConfig` the parts read, and the deprecated flat keywords mapped onto the typed ones.
-
->>> Profiling(steps=3, rebalance_threshold=1.1)
-Profiling(steps=3, warmup=1, cache=None, rebalance_every_n_epochs=None, rebalance_threshold=1.1, telemetry=True)
->>> Reliability(preemption_grace=0)
-Traceback (most recent call last):
-...
-lightning_het.arguments.ArgumentError: Expected argument `preemption_grace` to be finite seconds > 0, but got 0.
-"""
+:class:`HeterogeneousConfig` the parts read, and the deprecated flat keywords mapped onto the typed ones."""
 
 from __future__ import annotations
 

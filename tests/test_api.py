@@ -106,6 +106,7 @@ def test_node_local_object_sets_the_sync():
         (lambda: Profiling(rebalance_threshold=True), "rebalance_threshold"),
         (lambda: Reliability(startup_timeout=-1), "startup_timeout"),
         (lambda: Reliability(resume="always"), "resume"),
+        (lambda: Reliability(preemption_grace=0), "preemption_grace"),
         (lambda: EmulatedPlatform(slowdown=[0.5, 1]), "slowdown"),
         (lambda: EmulatedPlatform(memory_cap=[4, 0]), "memory_cap"),
     ],

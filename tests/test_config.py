@@ -10,7 +10,7 @@ from lightning_het.arguments import ArgumentError
 from lightning_het.cluster.startup import rendezvous_wait
 from lightning_het.comm.allreduce import FLAT_FIELDS
 from lightning_het.comm.node_local import NodeLocal
-from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, Reliability, typed_keywords
+from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, Profiling, Reliability, typed_keywords
 
 #: the config's defaults are the strategy's
 DEFAULTS: dict = {}
@@ -160,3 +160,13 @@ def test_the_job_identity_reads_the_comm_object_under_the_flat_names():
         "global_sync_every 4 -> 8"
     ]
     assert trajectory_settings(four, "hierarchical", trainer)["comm"] == "exact"
+
+
+def test_the_grouped_settings_defaults():
+    profiling = Profiling(steps=3, rebalance_threshold=1.1)
+    fields = "steps=3, warmup=1, cache=None, rebalance_every_n_epochs=None, rebalance_threshold=1.1, telemetry=True"
+    assert repr(profiling) == f"Profiling({fields})"
+    with pytest.raises(
+        ArgumentError, match=r"^Expected argument `preemption_grace` to be finite seconds > 0, but got 0\.$"
+    ):
+        Reliability(preemption_grace=0)
