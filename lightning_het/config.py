@@ -222,12 +222,7 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     """Flat keywords (the deprecated ones among them) in the typed form, with the same meaning: the strategy's
     keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode does not read
     are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a ``UserWarning``); a bad value raises
-    :class:`ArgumentError` naming the flat keyword.
-
-    >>> typed_keywords({"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]})
-    ... # doctest: +ELLIPSIS
-    ({'comm': NodeLocal(sync_every=4, ...), 'profiling': Profiling(steps=3, ...)}, {'slowdown': [1, 2]})
-    """
+    :class:`ArgumentError` naming the flat keyword."""
     out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:

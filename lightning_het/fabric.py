@@ -100,11 +100,7 @@ class HeterogeneousParts(BalanceView):
 
 class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
     """Fabric's DDP with per-replica batch shares proportional to speed and exact gradients. Keywords: the Trainer
-    strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``.
-
-    >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
-    [1.0, 3.0]
-    """
+    strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``."""
 
     strategy_name = "heterogeneous"
     #: Fabric's sampler wrapper of this strategy's Lightning package (a loader it wraps is split for training)

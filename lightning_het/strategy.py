@@ -67,12 +67,7 @@ from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noq
 class HeterogeneousStrategyMixin(HeterogeneousParts):
     """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share: every
     optimizer step applies the global batch's exact gradient. Keywords: ``docs/strategy.md``; the others go to
-    ``DDPStrategy``.
-
-    >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
-    >>> strategy.config.speeds, strategy.batch_sizes
-    ([3.0, 1.0], None)
-    """
+    ``DDPStrategy``."""
 
     strategy_name = "heterogeneous"
 

@@ -5,7 +5,7 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_het import HeterogeneousStrategy
+from lightning_het import HeterogeneousFabricStrategy, HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError
 from lightning_het.cluster.startup import rendezvous_wait
 from lightning_het.comm.allreduce import FLAT_FIELDS
@@ -170,3 +170,14 @@ def test_the_grouped_settings_defaults():
         ArgumentError, match=r"^Expected argument `preemption_grace` to be finite seconds > 0, but got 0\.$"
     ):
         Reliability(preemption_grace=0)
+
+
+def test_both_strategies_hold_their_normalised_keywords():
+    strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
+    assert (strategy.config.speeds, strategy.batch_sizes) == ([3.0, 1.0], None)
+    assert HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds == [1.0, 3.0]
+    flat = {"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]}
+    assert typed_keywords(flat) == (
+        {"comm": NodeLocal(sync_every=4), "profiling": Profiling(steps=3)},
+        {"slowdown": [1, 2]},
+    )
