@@ -219,10 +219,9 @@ def new_form(old: Mapping[str, Any], comm: Any = "auto") -> str:
 
 
 def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Flat keywords (the deprecated ones among them) in the typed form, with the same meaning: the strategy's
-    keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode does not read
-    are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a ``UserWarning``); a bad value raises
-    :class:`ArgumentError` naming the flat keyword."""
+    """Flat keywords in the typed form, same meaning: the strategy's and the ``EmulatedPlatform``'s (empty: none).
+    Comm settings the mode does not read are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a
+    ``UserWarning``); a bad value raises :class:`ArgumentError` naming the flat keyword."""
     out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:

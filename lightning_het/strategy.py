@@ -65,9 +65,8 @@ from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noq
 
 
 class HeterogeneousStrategyMixin(HeterogeneousParts):
-    """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share: every
-    optimizer step applies the global batch's exact gradient. Keywords: ``docs/strategy.md``; the others go to
-    ``DDPStrategy``."""
+    """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share (the exact
+    gradient of the global batch). Keywords: ``docs/strategy.md``; the others go to ``DDPStrategy``."""
 
     strategy_name = "heterogeneous"
 
