@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_het._version import __version__
 from lightning_het.allocation import allocate_batch_sizes
-from lightning_het.comm.algorithms import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
+from lightning_het.comm import AllReduce, Auto, CommAlgorithm, Hierarchical, NodeLocal
 from lightning_het.config import Profiling, Reliability
 from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler

@@ -24,7 +24,7 @@ from lightning_het.arguments import (
     slowdown_factors,
     validate_resume,
 )
-from lightning_het.comm.algorithms import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
+from lightning_het.comm import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
 
 #: seconds a replica has, from SIGTERM, to reach a step boundary, save and exit
 DEFAULT_GRACE = 25.0

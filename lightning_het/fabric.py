@@ -23,14 +23,9 @@ from lightning_het.balance.profiler import LoopSteps
 from lightning_het.balance.report import balance_report, render_balance_table
 from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
-from lightning_het.cluster.startup import (
-    detect_node_ids,
-    init_process_group,
-    rendezvous_wait,
-    started_elsewhere,
-    wait_under_torchrun,
-)
-from lightning_het.comm.algorithms import CommAlgorithm
+from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere
+from lightning_het.cluster.topology import detect_node_ids
+from lightning_het.comm import CommAlgorithm
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import piece_collective
@@ -64,8 +59,7 @@ class HeterogeneousParts(BalanceView):
         """``set_ranks`` and start the process group, or (torchrun's agent hosts the store) wait and run ``joined``;
         a short ``timeout`` does not fail the rendezvous of replicas that start slowly."""
         wait = rendezvous_wait(self._timeout, self.config.reliability.startup_timeout)
-        if started_elsewhere():
-            wait_under_torchrun(wait)
+        if started_elsewhere(wait):
             return joined()
         set_ranks()
         self._process_group_backend = self._get_process_group_backend()

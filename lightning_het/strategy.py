@@ -41,7 +41,7 @@ from lightning_het.cluster.accelerators import (
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
-from lightning_het.comm.algorithms import CommAlgorithm
+from lightning_het.comm import CommAlgorithm
 from lightning_het.comm.allreduce import register_user_hook
 from lightning_het.comm.gather import reduce_counts
 from lightning_het.config import Profiling, Reliability
@@ -189,9 +189,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            split = self.policy.training_split(lambda: (self._fit_context(), self._loaders.resume_record))
-            weights = self.policy.eval_weights  # read when evaluating
-            dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, split, weights)
+            fit = self._fit_context()
+            dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, self.policy, fit)
         return shield_loader_workers(dataloader, self.global_rank)
 
     def _profiled_module(self) -> tuple[torch.nn.Module | None, str]:

@@ -310,7 +310,7 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_het.comm.algorithms import algorithm_for
+    from lightning_het.comm import algorithm_for
     from lightning_het.comm.allreduce import flat_allreduce_traffic
 
     args, rank, sizes = job.args, job.rank, job.batch_sizes

@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_het import AllReduce, Auto, HeterogeneousStrategy, Hierarchical, NodeLocal
 from lightning_het.cluster.topology import NodeGroups, build_node_groups, node_members
+from lightning_het.comm import ALGORITHMS
 from lightning_het.comm import hierarchical as hierarchical_module
 from lightning_het.comm import node_local as node_local_module
-from lightning_het.comm.algorithms import ALGORITHMS
 from lightning_het.comm.allreduce import (
     CommAlgorithm,
     compressed_sync_traffic,

@@ -29,8 +29,10 @@ ABOVE_CORE = {"hsi", "app"}
 
 #: (importing module, imported module prefix): why the import goes up a layer
 ALLOWED = {
-    ("lightning_het.cluster.startup", "lightning_het.reliability.verdicts"): "a timed-out rendezvous ends the job with"
-    " the watchdog's exit status (verdicts imports nothing of the package)",
+    (
+        "lightning_het.cluster.rendezvous",
+        "lightning_het.reliability.verdicts",
+    ): "a timed-out rendezvous ends the job with the watchdog's exit status (verdicts imports nothing of the package)",
 }
 
 

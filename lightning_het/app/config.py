@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lightning_het.arguments import ArgumentError
-from lightning_het.comm.algorithms import ALGORITHMS
+from lightning_het.comm import ALGORITHMS
 from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, typed_keywords
 
 __all__ = [

@@ -26,7 +26,6 @@ from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.comm.allreduce import CommAlgorithm
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
-from lightning_het.data.splitting import TrainingSplit, eval_weights
 from lightning_het.reliability.checkpointing import log_resumed_allocation, plan_allocation
 
 #: while micro-batching, the replicas agree on their caps every this many steps of an epoch and at its last step
@@ -158,7 +157,11 @@ class BalancePolicy:
         return [t.tolist() for t in everyone]
 
     def eval_weights(self) -> list[float]:
-        return eval_weights(self.allocation.batch_sizes, self.config.speeds, self.world_size)
+        """Each replica's share of an evaluation set: the allocation, else the given speeds, else equal."""
+        sizes, speeds = self.allocation.batch_sizes, self.config.speeds
+        if sizes is not None:
+            return [float(b) for b in sizes]
+        return list(speeds) if speeds is not None else [1.0] * self.world_size
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
         """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""
@@ -204,20 +207,6 @@ class BalancePolicy:
         log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
         if self.profiler is None and world > 1:  # one replica: nothing is balanced, nothing to show
             rank_zero_info(self.table())
-
-    def training_split(self, fit: Callable[[], tuple[FitContext, dict[str, Any] | None]]) -> TrainingSplit:
-        """What the loader splitter needs to split a training loader."""
-        return TrainingSplit(
-            rank=self.rank,
-            world_size=self.world_size,
-            min_batch_size=self.min_batch_size,
-            given_global_batch=self.config.global_batch_size,
-            given_speeds=self.config.speeds,
-            batch_sizes=lambda: self.allocation.batch_sizes,
-            allocate=lambda loader, global_batch, order: self.allocate(loader, global_batch, *fit()),
-            adopt=self.adopt,
-            profiler=lambda: self.profiler if self.profiling else None,
-        )
 
     def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
         """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when

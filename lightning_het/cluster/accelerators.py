@@ -128,18 +128,13 @@ def choose_backend(devices: Sequence[torch.device], requested: str | None = None
     kinds = sorted({d.type for d in devices})
     if not requested:
         return "nccl" if kinds == ["cuda"] else "gloo"
-    backend, counts = (
-        str(requested).strip().lower(),
-        ", ".join(f"{sum(d.type == k for d in devices)} {k.upper()}" for k in kinds),
-    )
-    if kinds == ["cuda"]:
-        return backend
+    backend = str(requested).strip().lower()
+    counts = ", ".join(f"{sum(d.type == k for d in devices)} {k.upper()}" for k in kinds)
+    given = f"You set `process_group_backend`={requested!r}, but the job"
     if len(kinds) > 1 and backend != "gloo":
-        msg = f"You set `process_group_backend`={requested!r}, but the job mixes CPU and CUDA replicas ({counts}):"
-        raise ValueError(f"{msg} only Gloo can reduce across both.")
-    if "nccl" in backend:
-        msg = f"You set `process_group_backend`={requested!r}, but the job has CPU replicas ({counts});"
-        raise ValueError(f"{msg} NCCL only communicates CUDA tensors.")
+        raise ValueError(f"{given} mixes CPU and CUDA replicas ({counts}): only Gloo can reduce across both.")
+    if kinds != ["cuda"] and "nccl" in backend:
+        raise ValueError(f"{given} has CPU replicas ({counts}); NCCL only communicates CUDA tensors.")
     return backend
 
 
@@ -359,11 +354,9 @@ def apply_local_settings(strategy: Any) -> None:
 def unbound_process_group(strategy: Any) -> Iterator[None]:
     """Around ``setup_distributed`` in a mixed job: no rank binds a device to the default group (hides CUDA)."""
     plan: DevicePlan | None = getattr(strategy, "device_plan", None)
-    if plan is None or not plan.mixed:
-        yield
-        return
     devices = strategy.parallel_devices
-    strategy.parallel_devices = [torch.device("cpu")] * len(devices)
+    if plan is not None and plan.mixed:
+        strategy.parallel_devices = [torch.device("cpu")] * len(devices)
     try:
         yield
     finally:

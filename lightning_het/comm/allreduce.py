@@ -14,8 +14,6 @@ from lightning_het.cluster.topology import NodeGroups, describe_topology, node_m
 
 log = logging.getLogger(__name__)
 
-#: the optimizer steps completed before the one in progress, and whether that one ends an epoch
-Position = Callable[[], tuple[int, bool]]
 #: the largest chunk a hierarchical sum reduces at once (its stages overlap across chunks; 0: no chunks)
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: the strategy's old flat keyword -> the field of the algorithm object that replaces it
@@ -62,17 +60,6 @@ def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank
     return traffic
 
 
-def _leaders_ring(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
-    """A ring among the node leaders, plus a reduce onto each leader and a broadcast back inside every node."""
-    members = node_members(node_ids)
-    traffic = _ring(nbytes, [m[0] for m in members], node_ids, per_rank)
-    for leader, *others in members:
-        traffic.intra[leader] += nbytes * len(others)
-        for other in others:
-            traffic.intra[other] += nbytes
-    return traffic
-
-
 def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     """One ring all-reduce over all ranks (DDP's).
 
@@ -82,14 +69,20 @@ def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     return _ring(nbytes, range(len(node_ids)), node_ids)
 
 
-def hierarchical_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
-    """Reduce inside each node, all-reduce among node leaders, broadcast inside each node.
+def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
+    """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each), broadcast inside each node.
 
     >>> t = hierarchical_traffic(100, [0, 0, 1, 1])
     >>> t.inter, t.total_intra
     ([100.0, 0.0, 100.0, 0.0], 400.0)
     """
-    return _leaders_ring(nbytes, node_ids)
+    members = node_members(node_ids)
+    traffic = _ring(nbytes, [m[0] for m in members], node_ids, per_rank)
+    for leader, *others in members:
+        traffic.intra[leader] += nbytes * len(others)
+        for other in others:
+            traffic.intra[other] += nbytes
+    return traffic
 
 
 def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence[int]) -> Traffic:
@@ -99,7 +92,7 @@ def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence
     >>> compressed_sync_traffic(400, 100, [0, 0, 1]).inter
     [100.0, 0.0, 100.0]
     """
-    return _leaders_ring(nbytes, node_ids, per_rank=(len(set(node_ids)) - 1) * float(wire_bytes))
+    return hierarchical_traffic(nbytes, node_ids, per_rank=(len(set(node_ids)) - 1) * float(wire_bytes))
 
 
 def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
@@ -109,9 +102,8 @@ def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
 
 
 class CommAlgorithm:
-    """Base of the ``comm=`` objects: :meth:`install` registers the DDP comm hook and optimizer step post-hooks and
-    starts a run's state; :meth:`remove` removes the step hooks (DDP cannot unregister a comm hook: ours then runs
-    DDP's all-reduce). Settings are dataclass fields; the run's state is private and not pickled."""
+    """Base of the ``comm=`` objects: :meth:`install` registers the DDP comm hook and optimizer step post-hooks,
+    :meth:`remove` the step hooks (the comm hook then runs DDP's all-reduce). Settings are dataclass fields."""
 
     mode: ClassVar[str] = ""
     _total: Traffic | None = None
@@ -135,13 +127,12 @@ class CommAlgorithm:
         rank: int,
         batch_sizes: Sequence[int] | None = None,
         *,
-        position: Position | None = None,
+        position: Callable[[], tuple[int, bool]] | None = None,
         groups: NodeGroups | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        """Start a run on ``model`` (DDP) and ``optimizers`` as global ``rank`` of nodes ``node_ids``, trained with
-        ``batch_sizes`` (``None``: equal). ``position``: default, steps counted here and no epoch ends. A collective
-        where node ``groups`` are built."""
+        """Start a run on ``model`` (DDP) and ``optimizers`` as global ``rank`` of nodes ``node_ids`` (a collective
+        where node ``groups`` are built); ``position()``: the steps done and whether this one ends an epoch."""
         self.remove()
         ids = validate_node_ids(node_ids, len(node_ids))
         if not 0 <= rank < len(ids):
@@ -250,8 +241,7 @@ class CommAlgorithm:
     # ------------------------------------------------------------------ reports
     @property
     def stats(self) -> dict[str, float]:
-        """Bytes this rank and the job sent inside and between nodes, in total and per optimizer step (syncs
-        included)."""
+        """Bytes this rank and the job sent inside and between nodes, in total and per optimizer step."""
         if self._total is None:
             return {}
         out, steps = {"steps": float(self._steps), "global_syncs": float(self._syncs)}, max(self._steps, 1)
@@ -283,8 +273,7 @@ class AllReduce(CommAlgorithm):
 
 
 def register_user_hook(model: Any, algorithm: CommAlgorithm, hook: Any, state: Any, wrapper: Any) -> None:
-    """Register the user's ``ddp_comm_hook`` (with ``ddp_comm_state``, ``ddp_comm_wrapper``) on any device; a
-    ``ValueError`` unless ``algorithm`` is :class:`AllReduce` (the others install their own)."""
+    """Register the user's ``ddp_comm_hook`` (with its state and wrapper) on any device, with :class:`AllReduce`."""
     if hook is None:
         return
     if not isinstance(algorithm, AllReduce):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -186,16 +187,6 @@ class NodeLocal(CommAlgorithm):
             )
         return self
 
-    def _outer_factory(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None:
-        """What builds the outer optimizer over the anchor: ``None`` for the plain float32 average; with compression
-        and no ``outer``, SGD with lr 1 (the same average)."""
-        if self.outer == "nesterov":
-            lr, momentum = self.outer_lr, self.outer_momentum
-            return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0)
-        if self.outer is None:
-            return None if self.sync_dtype == "float32" else (lambda ps: torch.optim.SGD(ps, lr=1.0))
-        return self.outer  # type: ignore[return-value]
-
     def _start(self, model: Any) -> None:
         self._groups = self._groups or build_node_groups(self._node_ids, self._rank)
         exact = lambda: self._position()[0] < self.warmup_steps  # noqa: E731
@@ -231,11 +222,16 @@ class NodeLocal(CommAlgorithm):
 
     @torch.no_grad()
     def _begin(self) -> None:
-        """The replicas agree: the anchor of the next outer step is the model now."""
-        factory, params = self._outer_factory(), unique_floating(self._params)
-        if factory is not None and self._outer is None:
+        """The replicas agree: the anchor of the next outer step is the model now (no outer optimizer: the plain
+        float32 average; compressed without ``outer``: SGD with lr 1, the same average)."""
+        params, outer, momentum = unique_floating(self._params), self.outer, self.outer_momentum
+        if outer == "nesterov":
+            outer = functools.partial(torch.optim.SGD, lr=self.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        elif outer is None and self.sync_dtype != "float32":
+            outer = functools.partial(torch.optim.SGD, lr=1.0)
+        if outer is not None and self._outer is None:
             self._anchor = [p.detach().clone() for p in params]
-            self._outer = factory(self._anchor)
+            self._outer = outer(self._anchor)
         for a, p in zip(self._anchor, params):
             a.copy_(p)
 
@@ -249,12 +245,11 @@ class NodeLocal(CommAlgorithm):
         if self._in_consensus:
             return False
         self.hide_consensus()  # a merge of the replicas' own models
+        ids = self._node_ids
         if self._outer is None:
-            payload = average_parameters(self._params, self._weight(), self._hook_state)
-            traffic = hierarchical_traffic(payload, self._node_ids)
+            traffic = hierarchical_traffic(average_parameters(self._params, self._weight(), self._hook_state), ids)
         else:
-            params = unique_floating(self._params)
-            device = self._anchor[0].device
+            params, device = unique_floating(self._params), self._anchor[0].device
             delta = torch.cat([(a - p.to(device)).reshape(-1).float() for a, p in zip(self._anchor, params)])
             delta.mul_(self._weight())
             self._residual = compressed_sum(self._hook_state, delta, self.sync_dtype, self._residual)
@@ -265,9 +260,9 @@ class NodeLocal(CommAlgorithm):
                 a.grad = None
                 p.copy_(a)
             payload = delta.numel() * delta.element_size()
-            traffic = hierarchical_traffic(payload, self._node_ids)
+            traffic = hierarchical_traffic(payload, ids)
             if self.sync_dtype != "float32":
-                traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), self._node_ids)
+                traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), ids)
         self._record(traffic, sync=True)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True

@@ -116,27 +116,6 @@ class MicroBatcher:
         finally:
             self.in_earlier_piece = False
 
-    @contextmanager
-    def logging_as(self, module: Any, samples: int | None) -> Iterator[None]:
-        """During a piece of ``samples``: ``module.log`` without ``batch_size`` weighs the value by the piece's size."""
-        log, own = module.log, vars(module).get("log")  # an instance's own: a trial step's silenced log
-
-        def piece_log(*args: Any, batch_size: int | None = None, **kwargs: Any) -> Any:
-            self.in_log = True
-            try:
-                return log(*args, batch_size=samples if batch_size is None else batch_size, **kwargs)
-            finally:
-                self.in_log = False
-
-        module.log = piece_log
-        try:
-            yield
-        finally:
-            if own is None:
-                del module.log
-            else:
-                module.log = own
-
     def refuse_manual(self, batch: Any) -> None:
         """Manual optimization runs its own backward: a share over the cap is the user's to split."""
         samples = batch_length(batch)
@@ -181,8 +160,24 @@ class MicroBatcher:
             return step(*args, **kwargs)
 
         def piece_step(piece: Any) -> Any:
-            with self.logging_as(module, batch_length(piece)):
+            """The step on ``piece``: ``module.log`` without ``batch_size`` weighs the value by the piece's size."""
+            log, own, samples = module.log, vars(module).get("log"), batch_length(piece)  # own: a trial's silenced log
+
+            def piece_log(*log_args: Any, batch_size: int | None = None, **log_kwargs: Any) -> Any:
+                self.in_log = True
+                try:
+                    return log(*log_args, batch_size=samples if batch_size is None else batch_size, **log_kwargs)
+                finally:
+                    self.in_log = False
+
+            module.log = piece_log
+            try:
                 return step(piece, *args[1:], **kwargs)
+            finally:
+                if own is None:
+                    del module.log
+                else:
+                    module.log = own
 
         if measure is not None:  # max_micro_batch_sizes="auto": measured on the first training batch
             measure(piece_step, args[0])

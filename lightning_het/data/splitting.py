@@ -120,28 +120,6 @@ def rebuild_loader(
     return loader
 
 
-@dataclass(frozen=True)
-class TrainingSplit:
-    """What splitting a training loader needs: this replica, the bounds, the allocation's callables."""
-
-    rank: int
-    world_size: int
-    min_batch_size: int  # fewest training samples per replica and step
-    given_global_batch: int | None
-    given_speeds: list[float] | None
-    batch_sizes: Callable[[], list[int] | None]  # the allocation now
-    allocate: Callable[[DataLoader, int, TrainingOrder], None]  # allocate (profiling when needed) a global batch
-    adopt: Callable[[list[int], list[float]], None]  # make batch sizes and speeds the allocation
-    profiler: Callable[[], Any]  # the InLoopProfiler while the first steps profile (it binds the sampler), else None
-
-
-def eval_weights(batch_sizes: list[int] | None, speeds: list[float] | None, world_size: int) -> list[float]:
-    """Each replica's share of an evaluation set: the allocation, else the given speeds, else equal."""
-    if batch_sizes is not None:
-        return [float(b) for b in batch_sizes]
-    return list(speeds) if speeds is not None else [1.0] * world_size
-
-
 class LoaderSplitter:
     """A strategy's loader state: training sampler, resumed record, global batch of this fit's training loaders."""
 
@@ -151,10 +129,9 @@ class LoaderSplitter:
         self.train_pass: tuple[Any, int] | None = None  # (this fit's loader set-up, its first loader's global batch)
         self.own_sharding_warned = False
 
-    def process(
-        self, dataloader: DataLoader, trainer: Any, split: TrainingSplit, weights: Callable[[], list[float]]
-    ) -> DataLoader:
-        """``dataloader`` split for this replica at the trainer's stage (as given where it cannot be split)."""
+    def process(self, dataloader: DataLoader, trainer: Any, policy: Any, fit: Any) -> DataLoader:
+        """``dataloader`` split for this replica at the trainer's stage by the strategy's ``BalancePolicy`` (``fit``:
+        the ``FitContext`` it allocates with), as given where it cannot be split."""
         stage, stages = trainer.state.stage, trainer_flavour(trainer).RunningStage  # the trainer's package's enum
         training = stage == stages.TRAINING
         evaluating = stage in (stages.VALIDATING, stages.TESTING, stages.SANITY_CHECKING)
@@ -164,10 +141,17 @@ class LoaderSplitter:
                     "The training IterableDataset cannot be re-split: every replica reads it as in plain DDP."
                 )
             return dataloader
-        if isinstance(dataloader.sampler, ProportionalDistributedSampler) and training:
-            return self._adopt_own_sampler(dataloader, trainer, split)
+        sampler = dataloader.sampler
+        if isinstance(sampler, ProportionalDistributedSampler) and training:  # the user's own: it is the allocation
+            allocated = policy.allocation.batch_sizes
+            if allocated is None:
+                policy.adopt(list(sampler.batch_sizes), policy.config.speeds or list(map(float, sampler.batch_sizes)))
+            elif list(sampler.batch_sizes) != allocated:
+                raise ValueError(f"The sampler's batch_sizes={sampler.batch_sizes} are not the allocation {allocated}.")
+            self._start(sampler, trainer)
+            return dataloader
         # `Trainer(use_distributed_sampler=False)`: Lightning injected no DistributedSampler; read as given
-        samplers = (dataloader.sampler, getattr(dataloader.batch_sampler, "sampler", None))
+        samplers = (sampler, getattr(dataloader.batch_sampler, "sampler", None))
         if not any(isinstance(s, DistributedSampler) for s in samplers):
             if (training or evaluating) and not self.own_sharding_warned:
                 self.own_sharding_warned = True
@@ -177,13 +161,22 @@ class LoaderSplitter:
                 )
             return dataloader
         if training:
-            return self.split_training_loader(dataloader, trainer, split)
-        if evaluating:
-            return self.split_eval_loader(dataloader, weights, split.rank, split.world_size)
-        return dataloader
+            return self.split_training_loader(dataloader, trainer, policy, fit)
+        own = type(sampler) is not DistributedSampler and isinstance(sampler, DistributedSampler)  # the user's own
+        if not evaluating or own or type(dataloader.batch_sampler) is not BatchSampler:
+            return dataloader
+        # every replica runs as many evaluation batches, sized by its share (the weights read when iterated)
+        batches = EvalBatchSampler(dataloader.dataset, policy.eval_weights, policy.rank, dataloader.batch_size or 1)
+        if batches.repeats > 1:
+            rank_zero_warn(
+                f"HeterogeneousStrategy: the evaluation set holds fewer samples than the {policy.world_size} replicas,"
+                f" so it is evaluated {batches.repeats} times over (summed values {batches.repeats} times larger)."
+            )
+        return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
 
-    def resolve_global_batch_size(self, dataloader: DataLoader, trainer: Any, given: int | None, world: int) -> int:
+    def resolve_global_batch_size(self, dataloader: DataLoader, trainer: Any, policy: Any) -> int:
         """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else the loader's x replicas."""
+        given, world = policy.config.global_batch_size, policy.world_size
         if given is not None:
             return given
         from_datamodule = as_batch_size(getattr(trainer.datamodule, "global_batch_size", None))
@@ -200,92 +193,51 @@ class LoaderSplitter:
             )
         return per_replica * world
 
-    def _adopt_own_sampler(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit) -> DataLoader:
-        """A loader with a ``ProportionalDistributedSampler`` of the user's own: its sizes are the allocation."""
-        sampler = dataloader.sampler
-        assert isinstance(sampler, ProportionalDistributedSampler)
-        allocated = split.batch_sizes()
-        if allocated is None:
-            split.adopt(list(sampler.batch_sizes), split.given_speeds or list(map(float, sampler.batch_sizes)))
-        elif list(sampler.batch_sizes) != allocated:
-            raise ValueError(f"The sampler's batch_sizes={sampler.batch_sizes} are not the allocation {allocated}.")
-        self._start(sampler, trainer)
-        return dataloader
-
     def _start(self, sampler: ProportionalDistributedSampler, trainer: Any) -> None:
         """The fit's sampler, at its epoch (and, resuming, after the global batches already trained on)."""
         apply_sampler_resume(sampler, self.resume_record, trainer.fit_loop.epoch_progress.current.processed)
         self.resume_record = None
         self.train_sampler = sampler
 
-    def split_training_loader(self, dataloader: DataLoader, trainer: Any, split: TrainingSplit) -> DataLoader:
+    def split_training_loader(self, dataloader: DataLoader, trainer: Any, policy: Any, fit: Any) -> DataLoader:
         """Allocate the global batch (profiling when needed) and rebuild the loader around this replica's sampler."""
         if dataloader.batch_sampler is None and dataloader.collate_fn is default_collate:  # `batch_size=None`:
             raise batch_sampler_error("given as `batch_sampler=`")  # Lightning's sampler injection dropped it
         order = training_order(dataloader)
-        global_batch = self.resolve_global_batch_size(dataloader, trainer, split.given_global_batch, split.world_size)
+        global_batch = self.resolve_global_batch_size(dataloader, trainer, policy)
         length = len(order.sampler) if order.sampler is not None else len(dataloader.dataset)
         if length < global_batch:
             raise ValueError(f"The training set holds {length} samples, fewer than one global batch of {global_batch}.")
         pass_key = (id(trainer), trainer.fit_loop.epoch_progress.current.processed, trainer.global_step)
-        if self.train_pass is not None and self.train_pass[0] == pass_key and self.train_pass[1] != global_batch:
-            # a further training loader with another global batch: split by the same speeds (or trial split)
-            sizes = allocate_batch_sizes(global_batch, split.batch_sizes(), min_batch_size=split.min_batch_size)
-            sampler = _training_sampler(dataloader.dataset, sizes, order, split)
-            return _rebuild_training_loader(dataloader, sampler, split)
-        allocated = split.batch_sizes()
-        if allocated is None or sum(allocated) != global_batch:
-            split.allocate(dataloader, global_batch, order)
-        batch_sizes = split.batch_sizes()
-        assert batch_sizes is not None
-        self.train_pass = (pass_key, global_batch)
-        sampler = _training_sampler(dataloader.dataset, batch_sizes, order, split)
-        if sampler.dropped_per_epoch and not order.drop_last:
-            rank_zero_warn(
-                f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are too"
-                f" few for {split.world_size} replicas and are not trained."
+        further = self.train_pass is not None and self.train_pass[0] == pass_key and self.train_pass[1] != global_batch
+        if further:  # a further training loader with another global batch: split by the same speeds (or trial split)
+            sizes = allocate_batch_sizes(
+                global_batch, policy.allocation.batch_sizes, min_batch_size=policy.min_batch_size
             )
-        self._start(sampler, trainer)
-        return _rebuild_training_loader(dataloader, sampler, split)
-
-    def split_eval_loader(
-        self, dataloader: DataLoader, weights: Callable[[], list[float]], rank: int, world_size: int
-    ) -> DataLoader:
-        """Every replica runs as many evaluation batches, sized by its share (the weights when iterated)."""
-        if type(dataloader.sampler) is not DistributedSampler and isinstance(dataloader.sampler, DistributedSampler):
-            return dataloader  # the user's own distributed sampler
-        if type(dataloader.batch_sampler) is not BatchSampler:
-            return dataloader
-        batches = EvalBatchSampler(dataloader.dataset, weights, rank, dataloader.batch_size or 1)
-        if batches.repeats > 1:
-            rank_zero_warn(
-                f"HeterogeneousStrategy: the evaluation set holds fewer samples than the {world_size} replicas, so"
-                f" it is evaluated {batches.repeats} times over (summed values {batches.repeats} times larger)."
-            )
-        return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
-
-
-def _training_sampler(
-    dataset: Any, batch_sizes: list[int], order: TrainingOrder, split: TrainingSplit
-) -> ProportionalDistributedSampler:
-    """This replica's sampler of ``dataset`` for the split ``batch_sizes``, in the user's loader's order."""
-    return ProportionalDistributedSampler(
-        dataset,
-        batch_sizes,
-        split.rank,
-        shuffle=order.shuffle,
-        seed=order.seed,
-        drop_last=order.drop_last,
-        min_batch_size=split.min_batch_size,
-        order_sampler=order.sampler,
-    )
-
-
-def _rebuild_training_loader(dataloader: DataLoader, sampler: ProportionalDistributedSampler, split: TrainingSplit):
-    """The user's loader around ``sampler``; while profiling, its batches are cut one at a time by the plan."""
-    profiler = split.profiler()
-    size = sampler.batch_sizes[split.rank]
-    if profiler is None:
-        return rebuild_loader(dataloader, sampler, size)
-    profiler.bind(sampler)
-    return rebuild_loader(dataloader, sampler, size, batch_sampler=ProportionalBatchSampler(sampler))
+        else:
+            allocated = policy.allocation.batch_sizes
+            if allocated is None or sum(allocated) != global_batch:
+                policy.allocate(dataloader, global_batch, fit, self.resume_record)
+            sizes, self.train_pass = policy.allocation.batch_sizes, (pass_key, global_batch)
+        sampler = ProportionalDistributedSampler(
+            dataloader.dataset,
+            sizes,
+            policy.rank,
+            shuffle=order.shuffle,
+            seed=order.seed,
+            drop_last=order.drop_last,
+            min_batch_size=policy.min_batch_size,
+            order_sampler=order.sampler,
+        )
+        if not further:
+            if sampler.dropped_per_epoch and not order.drop_last:
+                rank_zero_warn(
+                    f"HeterogeneousStrategy: the last {sampler.dropped_per_epoch} training sample(s) of each epoch are"
+                    f" too few for {policy.world_size} replicas and are not trained."
+                )
+            self._start(sampler, trainer)
+        batches = None
+        if policy.profiling:  # trial splits on the first steps, each batch cut when the loop fetches it
+            policy.profiler.bind(sampler)
+            batches = ProportionalBatchSampler(sampler)
+        return rebuild_loader(dataloader, sampler, sizes[policy.rank], batch_sampler=batches)

@@ -216,8 +216,10 @@ class TestStrategyWiring:
         fake_gpus(2)
         calls = []
         fake_init = lambda env, be, store=None, **kw: calls.append((be, kw))  # noqa: E731  (store: our rendezvous)
-        monkeypatch.setattr("lightning_het.cluster.startup.start_default_group", fake_init)
-        monkeypatch.setattr("lightning_het.cluster.startup.store_barrier", lambda *args, **kwargs: None)  # rank 1: none
+        monkeypatch.setattr("lightning_het.cluster.rendezvous.start_default_group", fake_init)
+        monkeypatch.setattr(
+            "lightning_het.cluster.rendezvous.store_barrier", lambda *args, **kwargs: None
+        )  # rank 1: none
         monkeypatch.setenv("LOCAL_RANK", "0")
         strategy = HeterogeneousStrategy(device_map=device_map)
         _trainer(strategy)

@@ -11,7 +11,7 @@ from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-import lightning_het.cluster.startup as startup
+import lightning_het.cluster.rendezvous as rendezvous
 from lightning_het import HeterogeneousFabricStrategy, HeterogeneousStrategy
 from lightning_het.cluster.rendezvous import local_sockets
 from lightning_het.cluster.topology import build_node_groups
@@ -41,7 +41,7 @@ def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch, flavou
     for name in SOCKETS:
         monkeypatch.delenv(name, raising=False)
     seen = []
-    real_init, real_subgroups = startup.start_default_group, dist.new_subgroups_by_enumeration
+    real_init, real_subgroups = rendezvous.start_default_group, dist.new_subgroups_by_enumeration
 
     def init(*args, **kwargs):
         seen.append(_sockets())
@@ -51,7 +51,7 @@ def test_setup_environment_by_hand_leaves_no_socket_variable(monkeypatch, flavou
         seen.append(_sockets())
         return real_subgroups(*args, **kwargs)
 
-    monkeypatch.setattr(startup, "start_default_group", init)
+    monkeypatch.setattr(rendezvous, "start_default_group", init)
     monkeypatch.setattr(dist, "new_subgroups_by_enumeration", subgroups)
     if flavour == "trainer":
         trainer = Trainer(accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(), max_epochs=1, logger=False)
@@ -79,32 +79,32 @@ def test_local_sockets_restores_after_an_error(monkeypatch, num_nodes):
 
 
 def test_the_rendezvous_waits_startup_timeout_or_the_longer_collective_timeout():
-    assert startup.rendezvous_wait(timedelta(seconds=5)) == startup.DEFAULT_STARTUP_TIMEOUT
-    assert startup.rendezvous_wait(timedelta(seconds=5), 30) == timedelta(seconds=30)
-    assert startup.rendezvous_wait(timedelta(seconds=60), 30) == timedelta(seconds=60)  # the longer timeout
-    assert startup.rendezvous_wait(None, 30) == timedelta(minutes=30)  # torch's default timeout
+    assert rendezvous.rendezvous_wait(timedelta(seconds=5)) == rendezvous.DEFAULT_STARTUP_TIMEOUT
+    assert rendezvous.rendezvous_wait(timedelta(seconds=5), 30) == timedelta(seconds=30)
+    assert rendezvous.rendezvous_wait(timedelta(seconds=60), 30) == timedelta(seconds=60)  # the longer timeout
+    assert rendezvous.rendezvous_wait(None, 30) == timedelta(minutes=30)  # torch's default timeout
 
 
 def test_store_barrier_waits_for_every_rank_then_times_out():
     store = dist.HashStore()
-    startup.store_barrier(store, 1, timedelta(seconds=1))  # alone: through at once
+    rendezvous.store_barrier(store, 1, timedelta(seconds=1))  # alone: through at once
     with pytest.raises(RuntimeError, match=r"(?i)timeout"):
-        startup.store_barrier(store, 2, timedelta(milliseconds=300), key="two")  # the other rank never comes
+        rendezvous.store_barrier(store, 2, timedelta(milliseconds=300), key="two")  # the other rank never comes
 
 
 def test_the_group_gets_the_collective_timeout_after_the_longer_wait(monkeypatch):
     """The replicas wait ``startup_timeout`` for each other on the job's store; the default group and the store
     then time out after ``timeout`` (no private setter: the group is created with it)."""
     seen = {}
-    real_init = startup.start_default_group
+    real_init = rendezvous.start_default_group
 
     def init(env, backend, **kwargs):
         seen.update(kwargs, store_timeout=kwargs["store"].timeout)
         return real_init(env, backend, **kwargs)
 
-    real_barrier = startup.store_barrier
-    monkeypatch.setattr(startup, "start_default_group", init)
-    monkeypatch.setattr(startup, "store_barrier", lambda *a, **k: seen.update(wait=a[2]) or real_barrier(*a, **k))
+    real_barrier = rendezvous.store_barrier
+    monkeypatch.setattr(rendezvous, "start_default_group", init)
+    monkeypatch.setattr(rendezvous, "store_barrier", lambda *a, **k: seen.update(wait=a[2]) or real_barrier(*a, **k))
     trainer = Trainer(
         accelerator="cpu", devices=1, strategy=HeterogeneousStrategy(timeout=5, startup_timeout=40), logger=False
     )
