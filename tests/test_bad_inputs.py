@@ -18,7 +18,7 @@ import pytest
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from lightning_het import HeterogeneousStrategy
-from lightning_het.cluster.startup import rendezvous_wait
+from lightning_het.cluster.rendezvous import rendezvous_wait
 from tests.helpers.tiny import TinyRegressor, make_dataset
 
 REPO = Path(__file__).resolve().parents[1]

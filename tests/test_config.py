@@ -7,7 +7,7 @@ import pytest
 
 from lightning_het import HeterogeneousFabricStrategy, HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError
-from lightning_het.cluster.startup import rendezvous_wait
+from lightning_het.cluster.rendezvous import rendezvous_wait
 from lightning_het.comm.allreduce import FLAT_FIELDS
 from lightning_het.comm.node_local import NodeLocal
 from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, Profiling, Reliability, typed_keywords
