@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -34,8 +33,7 @@ def checkpoint_record(
     find_sampler: Callable[[Iterable[Any]], Any],
     comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``checkpoint["lightning_het"]`` entry now (plain types, the comm state's tensors under ``"comm"``): the
-    allocation (no ``speeds`` while profiling), the training sampler's position and the comm state."""
+    """The ``checkpoint["lightning_het"]`` entry now: the allocation, the sampler position, the comm state."""
     loaders = None if trainer is None else training_loaders(trainer)
     sampler, state = None if loaders is None else find_sampler(loaders), None
     if sampler is not None:
@@ -72,8 +70,7 @@ def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
     return int(saved) if isinstance(saved, int) and saved > 0 else None
 
 
-@dataclass(frozen=True)
-class AllocationPlan:
+class AllocationPlan(NamedTuple):
     """What a resumed fit uses as speeds, and the log line explaining it."""
 
     speeds: list[float] | None
@@ -109,8 +106,7 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
         rank_zero_info(f"HeterogeneousStrategy: {plan.message}; {sizes}")
 
 
-@dataclass(frozen=True)
-class SamplerResume:
+class SamplerResume(NamedTuple):
     """Where the training sampler starts: ``epoch`` and the global batches of it to skip."""
 
     epoch: int
@@ -165,8 +161,7 @@ def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: 
 
 
 def end_resume_quiet() -> None:
-    """Remove the filters :func:`apply_sampler_resume` added (at the fit's teardown; a ``catch_warnings`` block may
-    have removed them already)."""
+    """Remove the filters :func:`apply_sampler_resume` added (at the fit's teardown)."""
     while _QUIET:
         added = _QUIET.pop()
         with contextlib.suppress(ValueError):
@@ -174,8 +169,7 @@ def end_resume_quiet() -> None:
 
 
 def with_node_states(record: dict[str, Any], checkpoint: Mapping[str, Any], controller: Any) -> dict[str, Any]:
-    """``record`` with every node's inner optimizer state and residual under ``comm["nodes"]`` on rank 0
-    (``node_local``; a collective, called where every rank saves)."""
+    """``record`` with every node's inner optimizer state under ``comm["nodes"]`` on rank 0 (a collective)."""
     if controller is None or "optimizer_states" not in checkpoint:
         return record
     nodes = controller.gather_node_states(checkpoint["optimizer_states"])

@@ -1,10 +1,8 @@
-"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint: the survivors of a watchdog verdict
-agree through the store on the last step they all completed, and the lowest one holding it saves it."""
+"""One replica's reliability parts (:class:`Guards`) and the emergency checkpoint of a watchdog verdict's survivors."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
 import random
@@ -12,20 +10,30 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import default_store, replace_signal_connector
+from lightning_het._compat import default_store, replace_signal_connector, restore_checkpoint
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
 from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
-from lightning_het.reliability.resume import EMERGENCY_CHECKPOINT_NAME, Candidate, auto_resume, retire_emergencies
+from lightning_het.reliability.resume import (
+    EMERGENCY_CHECKPOINT_NAME,
+    Candidate,
+    checkpoint_candidates,
+    choose_checkpoint,
+    identity_differences,
+    read_candidate,
+    wants_resume,
+)
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
 
@@ -91,8 +99,7 @@ class LoopRecord:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class StepState:
+class StepState(NamedTuple):
     """What a checkpoint at the end of optimizer ``step`` holds besides the tensors."""
 
     step: int
@@ -104,9 +111,9 @@ class StepState:
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
     """From each survivor's last completed step (-1: unknown), the agreed (smallest) step and its lowest holder."""
-    if not steps or min(steps.values()) < 0:
+    step = min(steps.values(), default=-1)
+    if step < 0:
         return -1, None
-    step = min(steps.values())
     return step, min(rank for rank, s in steps.items() if s == step)
 
 
@@ -130,10 +137,8 @@ class EmergencyCheckpoint:
     def __deepcopy__(self, memo: dict[int, Any]) -> EmergencyCheckpoint:
         return self  # shared: the lock that orders this process's parameter updates and saves
 
-    @contextlib.contextmanager
-    def update(self, closure: Callable[[], Any], step_after: int) -> Iterator[Callable[[], Any]]:
-        """Wrap an optimizer step: the closure it yields takes the lock once the user's closure returned (the lock
-        covers the parameter update only); ``step_after`` counts it."""
+    def update(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], step_after: int) -> Any:
+        """``step(closure)``, the parameter update (once the closure returned) under the lock; it is ``step_after``."""
         held = False
 
         def locked() -> Any:
@@ -145,9 +150,10 @@ class EmergencyCheckpoint:
             return result
 
         try:
-            yield locked
+            output = step(locked)
             if held:
                 self._updated = step_after
+            return output
         finally:
             if held:
                 self._lock.release()
@@ -218,8 +224,7 @@ class EmergencyCheckpoint:
 
 
 def _read(store: Any, prefix: str, names: Sequence[Any], deadline: float) -> dict[Any, str]:
-    """The values under ``prefix + name`` published by ``deadline`` (the missing ones left out; polled: a timed-out
-    ``store.wait`` can leave a TCPStore client out of step)."""
+    """The values under ``prefix + name`` published by ``deadline`` (polled: a timed-out ``store.wait`` desyncs)."""
     found: dict[Any, str] = {}
     while True:
         for name in names:
@@ -277,22 +282,44 @@ class Guards:
             _replace_callback(trainer, WatchdogCallbackMixin, trainer_flavour(trainer).WatchdogCallback(self.watchdog))
 
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
-        """``resume="auto"`` (``job``: this fit's identity): load this job's checkpoint with the most progress."""
-        self.job, before = job, trainer.ckpt_path
-        path = preemption_path(trainer, config.reliability.preemption_checkpoint)
-        self._emergencies = auto_resume(
-            trainer, config.reliability.resume, path, job, config.global_batch_size, broadcast
-        )
-        return trainer.ckpt_path != before
+        """``resume="auto"`` (every rank): load the checkpoint rank 0 chooses for this fit's identity ``job``."""
+        self.job, self._emergencies = job, []
+        if trainer.ckpt_path is not None or not wants_resume(config.reliability.resume):
+            return False
+        decision: tuple[str | None, list[Candidate]] = (None, [])
+        if trainer.global_rank == 0:
+            dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
+            found = checkpoint_candidates(preemption_path(trainer, config.reliability.preemption_checkpoint), dirpaths)
+            candidates = [read_candidate(path) for path in found]
+            choice = choose_checkpoint(candidates, job, config.global_batch_size)
+            for line in choice.warnings():
+                warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
+            emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
+                           and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
+            decision = (choice.path, emergencies)
+        path, self._emergencies = broadcast(decision)
+        if path is not None:
+            rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")
+            restore_checkpoint(trainer, path)
+        return path is not None
 
     def finish(self, trainer: Any) -> None:
-        """A fit that reached its end replaces this job's earlier emergency checkpoints with its state (every rank)."""
+        """A fit that reached its end (every rank): this job's earlier emergency checkpoints now hold its state."""
         emergencies, self._emergencies = self._emergencies, []
-        retire_emergencies(trainer, emergencies)
+        max_steps, max_epochs, step = trainer.max_steps, trainer.max_epochs, trainer.global_step
+        ended = max_steps is not None and 0 <= max_steps <= step
+        if not ended and not (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch):
+            return
+        for emergency in emergencies:
+            if step > emergency.step:
+                trainer.save_checkpoint(emergency.path)
+                rank_zero_info(
+                    f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step})"
+                    f" now holds the finished fit (global step {step})"
+                )
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
-        """The watchdog's and preemption handler's callbacks and signal handling, and (``saves``) an emergency
-        checkpoint beside the preemption checkpoint; ``record``: the strategy's checkpoint record now."""
+        """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint."""
         flavour, checkpoint = trainer_flavour(trainer), config.reliability.preemption_checkpoint  # its package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
@@ -349,8 +376,7 @@ class Guards:
         """``step(closure)``, with the parameter update under the emergency checkpoint's lock while one can save."""
         if self.emergency is None or trainer is None:
             return step(closure)
-        with self.emergency.update(closure, trainer.global_step + 1) as locked:
-            return step(locked)
+        return self.emergency.update(step, closure, trainer.global_step + 1)
 
     def stop_watchdog(self, trainer: Any, *, finished: bool) -> None:
         """Stop the watchdog and remove its callback; ``finished``: first wait until every replica finished."""

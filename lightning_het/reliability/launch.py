@@ -25,26 +25,13 @@ from lightning_het.cluster.rendezvous import (
     save_job_environment,
 )
 from lightning_het.reliability.output_dir import check_output_dir
-from lightning_het.reliability.verdicts import (
-    INTERRUPTED_EXIT_CODE,
-    JobEnded,
-    exit_code_for,
-    is_collective_failure,
-)
-from lightning_het.reliability.watchdog import (
-    as_seconds,
-    check_children,
-    die_with_parent,
-    end_children,
-    kill_children,
-)
+from lightning_het.reliability.verdicts import INTERRUPTED_EXIT_CODE, JobEnded, exit_code_for, is_collective_failure
+from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, end_children
 
 log = logging.getLogger(__name__)
 
-#: seconds beyond the strategy's ``timeout`` that the launching process waits, at exit, for its replicas to end.
-REAP_GRACE_S = 30.0
-#: the same after a run that ended with an exception here (the replicas have the verdict, or never started their run).
-FAILED_REAP_GRACE_S = 10.0
+REAP_GRACE_S = 30.0  # seconds beyond the strategy's ``timeout`` the launching process waits at exit for its replicas
+FAILED_REAP_GRACE_S = 10.0  # the same after a run that ended with an exception here
 _WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit
 
 
@@ -129,8 +116,7 @@ def _with_allocation(function: Callable, strategy: Any, *args: Any, **kwargs: An
 
 
 class ScriptLauncher:
-    """Lightning's ``popen`` launcher, wrapped: replicas that die with this process and are reaped at its exit, the
-    run-to-the-end barrier, exit statuses 124/130 and the output directory checked before any replica starts."""
+    """Lightning's ``popen`` launcher, wrapped: no orphan replicas, the end-of-run barrier, exit statuses 124/130."""
 
     is_interactive_compatible = False
     finishes_runs = True  # the strategy leaves the end-of-run barrier to this launcher
@@ -153,39 +139,36 @@ class ScriptLauncher:
         fabric = trainer is None and not hasattr(self.strategy, "guards")
         environment = None if fabric else save_job_environment()  # put back when this Trainer call ends
         try:
-            return self._launch(function, args, kwargs, trainer, fabric)
+            if not self.cluster_environment.creates_processes_externally:
+                if trainer is not None and self.cluster_environment.global_rank() == 0:
+                    check_output_dir(trainer.default_root_dir)  # before any replica starts
+                self._token = ensure_job_token()
+                keep_sockets_local(self.num_nodes)
+                self._start_children()
+            elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
+                os.environ[TOKEN_ENV] = self._token
+                keep_sockets_local(self.num_nodes)
+            share_cpu_threads(self.num_processes)
+            self._in_run = True  # Fabric: your loop runs after this call, watched until the process ends
+            if self.procs:
+                self._observer_stop = threading.Event()
+                threading.Thread(target=self._observe, name="lightning-het-replica-observer", daemon=True).start()
+            try:
+                result = function(*args, **kwargs)
+            except BaseException as exc:
+                self._in_run, self._failed = False, True
+                code = None if isinstance(exc, JobEnded) else self._exit_code(exc)
+                if code is not None:
+                    raise JobEnded(code) from exc
+                raise
+            if not fabric:
+                self._in_run = False
+                self.strategy.guards.stop_watchdog(trainer, finished=True)  # wait for every replica
+            return result
         finally:
             if not fabric:
                 self._observer_stop.set()
                 restore_job_environment(environment)
-
-    def _launch(self, function: Callable, args: Any, kwargs: Any, trainer: Any, fabric: bool) -> Any:
-        if not self.cluster_environment.creates_processes_externally:
-            if trainer is not None and self.cluster_environment.global_rank() == 0:
-                check_output_dir(trainer.default_root_dir)  # before any replica starts
-            self._token = ensure_job_token()
-            keep_sockets_local(self.num_nodes)
-            self._start_children()
-        elif self._token is not None:  # a later Trainer call with the replicas launched by the first one
-            os.environ[TOKEN_ENV] = self._token
-            keep_sockets_local(self.num_nodes)
-        share_cpu_threads(self.num_processes)
-        self._in_run = True  # Fabric: your loop runs after this call, watched until the process ends
-        if self.procs:
-            self._observer_stop = threading.Event()
-            threading.Thread(target=self._observe, name="lightning-het-replica-observer", daemon=True).start()
-        try:
-            result = function(*args, **kwargs)
-        except BaseException as exc:
-            self._in_run, self._failed = False, True
-            code = None if isinstance(exc, JobEnded) else self._exit_code(exc)
-            if code is not None:
-                raise JobEnded(code) from exc
-            raise
-        if not fabric:
-            self._in_run = False
-            self.strategy.guards.stop_watchdog(trainer, finished=True)  # wait for every replica
-        return result
 
     def _start_children(self) -> None:
         """Lightning's child start, with ``PR_SET_PDEATHSIG`` (Linux) and an exit handler that reaps them."""
@@ -197,9 +180,8 @@ class ScriptLauncher:
             )
         if self.procs:
             raise RuntimeError("The launcher can only create subprocesses once.")
-        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
-        os.environ.update(NODE_RANK=str(env.node_rank()), LOCAL_RANK=str(env.local_rank()))
-        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port), NODE_RANK=str(env.node_rank()))
+        os.environ.update(LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=f"{self.num_processes * self.num_nodes}")
         preexec = die_with_parent if sys.platform.startswith("linux") else None
         for local_rank in range(1, self.num_processes):
             command, cwd = child_command(local_rank)
@@ -233,7 +215,7 @@ class ScriptLauncher:
                 rank, code = self.cluster_environment.global_rank(), exit_code_for(verdict)
                 message = f"{verdict.message} before the replicas could start their run. Ending the job"
                 print(f"[rank {rank}] lightning_het: {message} (exit status {code}).", file=sys.stderr, flush=True)
-                kill_children(self.children())
+                end_children(self.children())
                 os._exit(code)
 
     def _reap_children(self) -> None:
@@ -252,18 +234,12 @@ class ScriptLauncher:
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
         if isinstance(exc, KeyboardInterrupt):
             return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
-        if (
-            verdict is None
-            or not is_collective_failure(exc)
-            or (verdict.kind == "failed" and watchdog.rank in verdict.culprits)
-        ):
-            return None
-        return exit_code_for(verdict)
+        blamed_here = verdict is None or (verdict.kind == "failed" and watchdog.rank in verdict.culprits)
+        return None if blamed_here or not is_collective_failure(exc) else exit_code_for(verdict)
 
 
 def child_command(local_rank: int) -> tuple[list[str], str | None]:
-    """The command and directory (``None``: this one) of replica ``local_rank``: this script again, as Lightning's
-    launcher runs it (under Hydra: from the original directory, in this run's output directory)."""
+    """The command and directory (``None``: this one) of replica ``local_rank``, as Lightning's launcher runs it."""
     import __main__
 
     spec, hydra = getattr(__main__, "__spec__", None), sys.modules.get("hydra.core.hydra_config")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import multiprocessing
 import os
 import signal
@@ -25,9 +25,8 @@ from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
 from lightning_het.reliability.watchdog import die_with_parent, end_children
 
-#: exit status of a preempted replica: 128 + SIGTERM, what a shell reports for a process ended by SIGTERM.
-PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
-#: signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``).
+PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+# signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``)
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 AGREE_EVERY_S = 0.25  # seconds of training between two agreements (at least one step, the same steps on every rank)
 AGREE_MAX_STEPS = 64  # the most optimizer steps between two agreements
@@ -53,8 +52,7 @@ def _signal_name(signum: int) -> str:
 
 
 class PreemptionHandler:
-    """One replica's signal notice, deadline and step-boundary agreement; the Trainer's signal connector (Lightning's
-    own would set ``received_sigterm``, and its loops would raise their exit-status-0 exception)."""
+    """One replica's signal notice, deadline and step-boundary agreement; the Trainer's signal connector."""
 
     received_sigterm = False
 
@@ -73,11 +71,8 @@ class PreemptionHandler:
         self.received = 0  # the signal this replica received (0: none); set by the pipe reader
         self._handler_saw = 0  # set by the Python-level handler only (no lock: it may interrupt a holder)
         self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
-        self._previous: dict[int, Any] = {}
-        self._previous_wakeup_fd = -1
-        self._pipe: tuple[int, int] | None = None
-        self._reader: threading.Thread | None = None
-        self._deadline: threading.Thread | None = None
+        self._previous: dict[int, Any] = {}  # the signal handlers taken over, and the wakeup fd
+        self._previous_wakeup_fd, self._pipe, self._reader, self._deadline = -1, None, None, None  # fds, threads
         self.deadline_at: float | None = None  # when (``time.monotonic()``) the armed deadline ends this process
         self._lock = threading.Lock()
         self.preempting = False  # the replicas agreed to stop
@@ -90,18 +85,11 @@ class PreemptionHandler:
     def __getstate__(self) -> dict[str, Any]:
         return {}  # a pickled Trainer: the live handler stays in its process
 
-    def register_signal_handlers(self) -> None:  # the signal connector's
-        self.install(rank=self.rank, world_size=self.world_size, fitting=self.fitting, extra_signals=self.extra_signals)
-
-    def teardown(self) -> None:  # the signal connector's
-        self.uninstall()
-
-    def install(self, *, rank: int, world_size: int, fitting: bool, extra_signals: Sequence[int] = ()) -> None:
-        """Take over the preemption signals (main thread only; a no-op elsewhere)."""
+    def register_signal_handlers(self) -> None:
+        """The signal connector's: take over the preemption signals (main thread only; a no-op elsewhere)."""
         if self._pipe is not None or threading.current_thread() is not threading.main_thread():
             return
-        self.rank, self.world_size, self.fitting = rank, world_size, fitting
-        self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, extra_signals)]))
+        self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, self.extra_signals)]))
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._pipe = (read_fd, write_fd)
@@ -113,8 +101,8 @@ class PreemptionHandler:
         self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name=name, daemon=True)
         self._reader.start()
 
-    def uninstall(self) -> None:
-        """Give the signals back (main thread). An armed deadline keeps running until the process ends."""
+    def teardown(self) -> None:
+        """The signal connector's: give the signals back (main thread); an armed deadline keeps running."""
         if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return
         with contextlib.suppress(ValueError):
@@ -135,7 +123,7 @@ class PreemptionHandler:
 
     def close(self) -> None:
         """End of a run: give the signals back; if preempting, wait for the launched replicas, then kill them."""
-        self.uninstall()
+        self.teardown()
         if self.preempting:
             at = self.deadline_at
             end_children(self._children(), self.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
@@ -177,8 +165,7 @@ class PreemptionHandler:
         self._exit(PREEMPTION_EXIT_CODE)
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
-        """Which replica received which signal (0: none), all-reduced (MAX) if ``step`` (the optimizer step just
-        done) is due, else all zeros. Every replica gets the same list; the next due step is agreed with it."""
+        """Which replica received which signal (0: none), all-reduced if optimizer ``step`` is due, else all zeros."""
         local = [0] * (self.world_size + 1)
         local[self.rank] = int(self.received or self._handler_saw)
         if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
@@ -216,30 +203,23 @@ class PreemptionHandler:
                 if path is not None:
                     done = f"saved {saved}" if saved else "could NOT save a checkpoint"
                     resume = f" Resume with trainer.fit(..., ckpt_path={saved or path!r})."
-                print(
-                    f"lightning_het preemption: replica(s) {who} received {'/'.join(names)}; all {self.world_size}"
-                    f" replica(s) stopped after global step {trainer.global_step} (epoch {trainer.current_epoch});"
-                    f" {done} in {time.monotonic() - started:.2f} s; exiting with status"
-                    f" {PREEMPTION_EXIT_CODE}.{resume}",
-                    file=sys.stderr,
-                    flush=True,
+                message = (
+                    f"replica(s) {who} received {'/'.join(names)}; all {self.world_size} replica(s) stopped after"
+                    f" global step {trainer.global_step} (epoch {trainer.current_epoch}); {done} in"
+                    f" {time.monotonic() - started:.2f} s; exiting with status {PREEMPTION_EXIT_CODE}.{resume}"
                 )
+                print(f"lightning_het preemption: {message}", file=sys.stderr, flush=True)
         return trainer_flavour(trainer).Preempted(saved, signals)  # the trainer's package's SIGTERMException
 
 
-def default_checkpoint_path(trainer: pl.Trainer) -> str:
-    """Where the preemption checkpoint goes when ``preemption_checkpoint`` is not given."""
-    model_checkpoint = trainer_flavour(trainer).ModelCheckpoint  # the trainer's package's
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, model_checkpoint) and callback.dirpath:
-            return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
-    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
-
-
-def preemption_path(trainer: pl.Trainer, checkpoint: Any) -> str:
+def preemption_path(trainer: pl.Trainer, checkpoint: Any = None) -> str:
     """Where the preemption checkpoint goes for the strategy's ``preemption_checkpoint`` (``False``: where it would)."""
     if checkpoint is None or checkpoint is False:
-        return default_checkpoint_path(trainer)
+        model_checkpoint = trainer_flavour(trainer).ModelCheckpoint  # the trainer's package's
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, model_checkpoint) and callback.dirpath:
+                return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
     path = os.fspath(checkpoint)
     return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
@@ -249,9 +229,6 @@ class PreemptionCallbackMixin:
 
     def __init__(self, handler: PreemptionHandler) -> None:
         self.handler: PreemptionHandler | None = handler
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionCallbackMixin:
-        return copy.copy(self)  # shares this process's live handler
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "handler": None}  # pickled: the live handler stays in its process
@@ -269,30 +246,26 @@ class PreemptionCallback(PreemptionCallbackMixin, Callback):
     """Runs the agreement after optimizer steps; added to the Trainer by the strategy (after its callbacks)."""
 
 
-class _ShieldedWorkerInit:
-    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original."""
+def _shielded_init(inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int], worker_id: int) -> None:
+    """``worker_init_fn``: ignore the preemption signals, die with the replica, then run the original ``inner``."""
+    die_with_parent()  # a worker stuck in __getitem__ never reaches torch's own parent check
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
+    if inner is not None:
+        inner(worker_id)
+    elif int(os.environ.get("PL_SEED_WORKERS", 0)):
+        from lightning.fabric.utilities.seed import pl_worker_init_function
 
-    def __init__(self, inner: Callable[[int], Any] | None, rank: int, signals: Sequence[int]) -> None:
-        self.inner, self.rank, self.signals = inner, rank, tuple(int(s) for s in signals)
-
-    def __call__(self, worker_id: int) -> None:
-        die_with_parent()  # a worker stuck in __getitem__ never reaches torch's own parent check
-        for signum in self.signals:
-            signal.signal(signum, signal.SIG_IGN)  # the worker ends with its replica (torch watches the parent)
-        with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(-1)  # a forked worker inherits the replica's wakeup pipe
-        if self.inner is not None:
-            self.inner(worker_id)
-        elif int(os.environ.get("PL_SEED_WORKERS", 0)):
-            from lightning.fabric.utilities.seed import pl_worker_init_function
-
-            pl_worker_init_function(worker_id, rank=self.rank)
+        pl_worker_init_function(worker_id, rank=rank)
 
 
 def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] = PREEMPTION_SIGNALS) -> object:
     """Make ``dataloader``'s workers ignore the preemption signals and die with their replica; return it."""
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn
-        if not isinstance(current, _ShieldedWorkerInit):
-            dataloader.worker_init_fn = _ShieldedWorkerInit(current, rank, signals)
+        if getattr(current, "func", None) is not _shielded_init:
+            shielded = functools.partial(_shielded_init, current, rank, tuple(int(s) for s in signals))
+            dataloader.worker_init_fn = shielded
     return dataloader

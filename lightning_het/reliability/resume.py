@@ -1,5 +1,4 @@
-"""``resume="auto"``: the checkpoint of this job (its identity) with the most progress in the run directory, and the
-emergency checkpoint's retirement once a fit has reached its end (``docs/reliability.md``, "Automatic resume")."""
+"""``resume="auto"``: this job's checkpoint with the most progress in the run directory (``docs/reliability.md``)."""
 
 from __future__ import annotations
 
@@ -7,16 +6,13 @@ import glob
 import hashlib
 import os
 import re
-import warnings
 import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import restore_checkpoint
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, resumed_global_batch_size
 
 EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"  # beside the preemption checkpoint (``last.ckpt``)
@@ -38,8 +34,7 @@ def _plain(value: Any) -> Any:
 def job_identity(
     module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], settings: Mapping
 ) -> dict[str, Any]:
-    """This fit's identity: the model's class and state's shapes, each optimizer's class and hyperparameters as
-    configured, each scheduler's class and ``settings``; before a checkpoint is loaded into the optimizers."""
+    """This fit's identity: the model's class and shapes, the optimizers' and schedulers' classes and settings."""
     shapes = "\n".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items())
     identity: dict[str, Any] = {"model": f"{type(module).__name__} {hashlib.sha1(shapes.encode()).hexdigest()[:12]}"}
     for index, optimizer in enumerate(optimizers):
@@ -54,21 +49,17 @@ def job_identity(
 
 
 def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
-    """The settings that change the trajectory (not the replicas, speeds or micro-batching): the comm mode and its
-    settings, gradient accumulation and clipping, the precision."""
+    """The settings that change the trajectory: comm, gradient accumulation and clipping, precision."""
     settings: dict[str, Any] = {"comm": "exact" if mode in ("allreduce", "hierarchical") else mode}
     if mode == "node_local":
-        settings.update({key: config.comm.keywords().get(key) for key in _NODE_LOCAL_SETTINGS})
-        outer = settings["outer_optimizer"]
-        settings["outer_optimizer"] = outer if outer is None or isinstance(outer, str) else repr(outer)
+        settings.update({key: config.comm.keywords().get(key) for key in _NODE_LOCAL_SETTINGS})  # objects: by repr
     return {**settings, "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
             "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
             "precision": str(trainer.precision)}  # fmt: skip
 
 
 def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
-    """What differs between a checkpoint's identity ``saved`` and this fit's ``now``: ``"<setting> <saved> -> <now>"``
-    each (``None``: a checkpoint written without one). Pure."""
+    """What differs between a checkpoint's identity ``saved`` and ``now``: ``"<setting> <saved> -> <now>"`` each."""
     if saved is None:
         return ["no job identity (written by another strategy or an older lightning-het)"]
     missing = object()
@@ -96,8 +87,7 @@ class Candidate:
 
 @dataclass
 class ResumeChoice:
-    """The checkpoint to resume (``None``: start fresh), and the unreadable files and other jobs' checkpoints (with
-    what differs) passed over."""
+    """The checkpoint to resume (``None``: start fresh), and the unreadable and other jobs' checkpoints passed over."""
 
     path: str | None = None
     unreadable: list[Candidate] = field(default_factory=list)
@@ -123,8 +113,7 @@ class ResumeChoice:
 
 
 def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] = ()) -> list[str]:
-    """Every ``*.ckpt`` file of the preemption checkpoint's folder and of the ``ModelCheckpoint`` folders ``dirpaths``
-    (for a logger's ``version_N`` folder: of every version), each once."""
+    """Every ``*.ckpt`` file of the preemption checkpoint's folder and of ``dirpaths`` (and their ``version_*``)."""
     patterns = []
     for folder in dict.fromkeys(os.path.abspath(f) for f in [os.path.dirname(preemption_path), *dirpaths] if f):
         patterns.append(os.path.join(glob.escape(folder), "*.ckpt"))
@@ -166,8 +155,7 @@ def read_candidate(path: str) -> Candidate:
 def choose_checkpoint(
     candidates: Sequence[Candidate], job: Mapping[str, Any], global_batch_size: int | None
 ) -> ResumeChoice:
-    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest), past other jobs'
-    (``global_batch_size``: the one given to this run) and unreadable ones (named if newer than the choice). Pure."""
+    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest)."""
     choice, chosen = ResumeChoice(), None
     for candidate in sorted(candidates, key=lambda c: (c.step, c.epoch, c.mtime), reverse=True):
         if candidate.error is not None or candidate.weights_only:  # a weights-only file is not meant to resume
@@ -184,46 +172,6 @@ def choose_checkpoint(
     unreadable = [c for c in candidates if c.error is not None and (chosen is None or c.mtime >= chosen.mtime)]
     choice.unreadable = sorted(unreadable, key=lambda c: c.mtime, reverse=True)
     return choice
-
-
-def auto_resume(
-    trainer: Any, resume: Any, preemption_path: str, job: Mapping, global_batch_size: int | None, broadcast: Callable
-) -> list[Candidate]:
-    """``resume="auto"`` and no ``ckpt_path`` (every rank, once the optimizers exist): load the checkpoint rank 0's
-    :func:`choose_checkpoint` picks; returns this job's emergency checkpoints (for :func:`retire_emergencies`)."""
-    if trainer.ckpt_path is not None or not wants_resume(resume):
-        return []
-    decision: tuple[str | None, list[Candidate]] = (None, [])
-    if trainer.global_rank == 0:
-        dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
-        candidates = [read_candidate(path) for path in checkpoint_candidates(preemption_path, dirpaths)]
-        choice = choose_checkpoint(candidates, job, global_batch_size)
-        for line in choice.warnings():
-            warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
-        emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
-                       and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
-        decision = (choice.path, emergencies)
-    path, emergencies = broadcast(decision)
-    if path is not None:
-        rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")
-        restore_checkpoint(trainer, path)
-    return emergencies
-
-
-def retire_emergencies(trainer: Any, emergencies: Sequence[Candidate]) -> None:
-    """A fit that reached ``max_steps`` or ``max_epochs`` (every rank): this job's earlier emergency checkpoints now
-    hold the finished state, so that running the same command again trains nothing and no stale step is resumed."""
-    max_steps, max_epochs, step = trainer.max_steps, trainer.max_epochs, trainer.global_step
-    ended = max_steps is not None and 0 <= max_steps <= step
-    if not ended and not (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch):
-        return
-    for emergency in emergencies:
-        if step > emergency.step:
-            trainer.save_checkpoint(emergency.path)
-            rank_zero_info(
-                f"HeterogeneousStrategy: the emergency checkpoint {emergency.path} (global step {emergency.step}) now"
-                f" holds the finished fit (global step {step})"
-            )
 
 
 def wants_resume(resume: Any, environ: Any = None) -> bool:

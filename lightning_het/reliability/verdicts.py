@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import IntEnum
 
 import torch.distributed as dist
 
-#: exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out").
-WATCHDOG_EXIT_CODE = 124
-#: exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it (128 + 2).
-INTERRUPTED_EXIT_CODE = 130
+WATCHDOG_EXIT_CODE = 124  # exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out")
+INTERRUPTED_EXIT_CODE = 130  # exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it
 
 
 def exit_code_for(verdict: Verdict) -> int:
@@ -29,55 +27,46 @@ def is_sigterm_exit(exception: BaseException) -> bool:
 
 
 class Phase(IntEnum):
-    """Where a replica's main thread is; values increase with progress."""
+    """Where a replica's main thread is (values increase with progress), and its :attr:`text`."""
 
-    SETUP = 0  # process group up: setup hooks, model wrapping, checkpoint restore, building loaders
-    PROFILING = 1  # timing the training step to measure the replica's speed
-    TRAINING_STEP = 2
-    BACKWARD = 3
-    OPTIMIZER_STEP = 4
-    BETWEEN_BATCHES = 5  # after batch k: loading batch k+1, epoch hooks, checkpointing
-    EVAL_LOADING = 6  # evaluation after batch k: between evaluation batches
-    EVAL_STEP = 7
-    EVAL_EPOCH_END = 8  # all evaluation batches done: the evaluation epoch-end hooks (``on_validation_epoch_end``)
-    EVAL_DONE = 9  # the evaluation loop ended (``on_validation_end``): metrics synchronised, waiting for the others
-    TEARDOWN = 10  # the loops are over: teardown and end-of-run hooks, waiting for the others to finish
+    def __new__(cls, value: int, text: str) -> Phase:
+        self = int.__new__(cls, value)  # the member being made
+        self._value_, self.text = value, text
+        return self
+
+    SETUP = 0, "in setup (setup hooks, model wrapping, data loaders)"  # process group up, checkpoint restore
+    PROFILING = 1, "profiling the training step (speed measurement)"
+    TRAINING_STEP = 2, "in training_step"
+    BACKWARD = 3, "in backward (gradient all-reduce)"
+    OPTIMIZER_STEP = 4, "in the optimizer step"
+    BETWEEN_BATCHES = 5, "between training batches (loading data, epoch hooks, checkpointing)"  # after batch k
+    EVAL_LOADING = 6, "loading an evaluation batch"  # evaluation after batch k: between evaluation batches
+    EVAL_STEP = 7, "in an evaluation step"
+    EVAL_EPOCH_END = 8, "in the evaluation epoch-end hooks"  # all evaluation batches done
+    EVAL_DONE = 9, "done with evaluation (synchronising metrics)"  # the loop ended: waiting for the others
+    TEARDOWN = 10, "in teardown (end-of-run hooks)"  # the loops are over: waiting for the others to finish
 
 
-_PHASE_TEXT = {
-    Phase.SETUP: "in setup (setup hooks, model wrapping, data loaders)",
-    Phase.PROFILING: "profiling the training step (speed measurement)",
-    Phase.TRAINING_STEP: "in training_step",
-    Phase.BACKWARD: "in backward (gradient all-reduce)",
-    Phase.OPTIMIZER_STEP: "in the optimizer step",
-    Phase.BETWEEN_BATCHES: "between training batches (loading data, epoch hooks, checkpointing)",
-    Phase.EVAL_LOADING: "loading an evaluation batch",
-    Phase.EVAL_STEP: "in an evaluation step",
-    Phase.EVAL_EPOCH_END: "in the evaluation epoch-end hooks",
-    Phase.EVAL_DONE: "done with evaluation (synchronising metrics)",
-    Phase.TEARDOWN: "in teardown (end-of-run hooks)",
-}
-_EVAL_STEP_NAMES = {"validate": "validation_step", "sanity_check": "validation_step (sanity check)",
-                    "test": "test_step", "predict": "predict_step"}  # fmt: skip
+_EVAL_HOOKS = {"validate": ("validation_step", "on_validation_epoch_end"), "test": ("test_step", "on_test_epoch_end"),
+               "sanity_check": ("validation_step (sanity check)", "on_validation_epoch_end"),
+               "predict": ("predict_step", "on_predict_epoch_end")}  # fmt: skip
 _EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP, Phase.EVAL_EPOCH_END)
-_EPOCH_END_HOOKS = {"validate": "on_validation_epoch_end", "sanity_check": "on_validation_epoch_end",
-                    "test": "on_test_epoch_end", "predict": "on_predict_epoch_end"}  # fmt: skip
 
 
 def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
     """Where a replica is, in words: the phase and the training (or evaluation) batch it concerns."""
     if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
-        return _PHASE_TEXT[phase]
+        return phase.text
     if phase in _EVAL_PHASES and eval_stage:
-        step = _EVAL_STEP_NAMES.get(eval_stage, f"{eval_stage} step")
+        step, hook = _EVAL_HOOKS.get(eval_stage, (f"{eval_stage} step", "the evaluation epoch-end hooks"))
         if phase == Phase.EVAL_STEP:
             where = f"in {step} of evaluation batch {eval_batch}"
         elif phase == Phase.EVAL_EPOCH_END:
-            where = f"in {_EPOCH_END_HOOKS.get(eval_stage, 'the evaluation epoch-end hooks')}"
+            where = f"in {hook}"
         else:
             where = f"loading evaluation batch {eval_batch + 1} for {step}"
         return f"{where} (after training batch {batch})" if batch else where
-    return f"{_PHASE_TEXT[phase]} of batch {batch}"
+    return f"{phase.text} of batch {batch}"
 
 
 @dataclass(frozen=True)
@@ -118,13 +107,12 @@ class Verdict:
     message: str
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "culprits": list(self.culprits), "seconds": self.seconds,
-                           "message": self.message})  # fmt: skip
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Verdict:
         data = json.loads(text)
-        return cls(data["kind"], tuple(data["culprits"]), float(data["seconds"]), data["message"])
+        return cls(**{**data, "culprits": tuple(data["culprits"]), "seconds": float(data["seconds"])})
 
 
 HINTS = {

@@ -39,7 +39,6 @@ from lightning_het.reliability.verdicts import (
 )
 
 log = logging.getLogger(__name__)  # without a handler configured: to stderr (logging.lastResort)
-Children = Callable[[], Sequence[tuple[int, subprocess.Popen]]]  # (global rank, process) of the launched replicas
 
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
@@ -88,20 +87,16 @@ def exit_job(code: int) -> None:
     os._exit(code)
 
 
-def kill_children(children: Sequence[tuple[int, subprocess.Popen]]) -> list[int]:
-    """SIGKILL the local replicas still running and their descendants; the ranks of those that ran."""
+def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float = 0.0) -> list[int]:
+    """Wait up to ``wait`` seconds for the local replicas to exit, then SIGKILL the rest and their descendants; the
+    ranks of those killed."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
+        time.sleep(0.05)
     running = [(rank, proc) for rank, proc in children if proc.poll() is None]
     for _, proc in running:
         _kill([proc.pid, *descendants(proc.pid)])  # what it started, read before it ends
     return [rank for rank, _ in running]
-
-
-def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float) -> list[int]:
-    """Wait up to ``wait`` seconds for the local replicas to exit, then :func:`kill_children` the rest."""
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
-        time.sleep(0.05)
-    return kill_children(children)
 
 
 def process_alive(pid: int) -> bool:
@@ -135,20 +130,17 @@ _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
 
-def _waits(code: Any) -> bool:
-    name, file = getattr(code, "co_qualname", code.co_name), code.co_filename
-    if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
-        name = f"_InfiniteBarrier.{name}"
-    waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
-    return _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING))
-
-
 def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     """Whether one of the innermost ``depth`` frames waits for other replicas (a collective or a barrier)."""
     for _ in range(depth):
         if frame is None:
             return False
-        if _waits(frame.f_code):
+        code = frame.f_code
+        name, file = getattr(code, "co_qualname", code.co_name), code.co_filename
+        if not hasattr(code, "co_qualname") and file.endswith(_BARRIER_FILE):  # Python 3.10: no co_qualname
+            name = f"_InfiniteBarrier.{name}"
+        waiting = code.co_name in _WAITING_FUNCTIONS or name in _WAITING_FUNCTIONS
+        if _TORCH_DISTRIBUTED in file or (waiting and any(package in file for package in _LIGHTNING)):
             return True
         frame = frame.f_back
     return False
@@ -217,15 +209,6 @@ class HeartbeatBook:
             )
         return payload
 
-    def tamper(self, key: str, what: str) -> None:
-        """Note tampering with ``key`` (one warning per key)."""
-        if key not in self.tampered:
-            self.tampered.add(key)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {what}; ignored"
-            )
-
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
         """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
         key, last, data = f"hb/{r}", self.seen.get(r, (None,) * 5)[4], None
@@ -244,8 +227,12 @@ class HeartbeatBook:
             problem = f"an older record replayed (beat {data['beat']} after {last['beat']})"
         else:
             return data
-        if problem is not None:
-            self.tamper(key, problem)
+        if problem is not None and key not in self.tampered:
+            self.tampered.add(key)
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
+                f" {problem}; ignored"
+            )
         return None
 
     def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
@@ -307,7 +294,7 @@ class Watchdog:
         *,
         interval: float | None = None,
         hosts_store: bool = False,
-        children: Children | None = None,
+        children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
         exit: Callable[[int], None] | None = None,
         token: str = "",
         namespace: str = "",
@@ -317,8 +304,7 @@ class Watchdog:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
         self.store, self.rank, self.world_size, self.timeout = GuardedStore(store), rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
-        self.grace = min(max(2 * self.interval, 1.0), 10.0)
-        self.hosts_store = hosts_store
+        self.grace, self.hosts_store = min(max(2 * self.interval, 1.0), 10.0), hosts_store
         self._children, self._exit, self._token = children or list, exit or exit_job, token
         self._host, self._pid = socket.gethostname(), os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
@@ -327,14 +313,11 @@ class Watchdog:
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
         self._state, self._error, self._local_failure = "running", "", False
         self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
-        self._handled: BaseException | None = None  # the exception on_exception dealt with, and its verdict
-        self._standing: Verdict | None = None
+        self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
         self._beat, self._bugs, self._reported = 0, 0, False
         self._book = HeartbeatBook(rank, token, namespace, self._host, max(3 * self.interval, 1.0), peers=peers)
-        self._store_lost_since: float | None = None
-        self._stop = threading.Event()
-        self._main_ident = threading.get_ident()
+        self._store_lost_since, self._stop, self._main_ident = None, threading.Event(), threading.get_ident()
         self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
 
@@ -364,13 +347,9 @@ class Watchdog:
         seq, batch, _, _ = self._progress
         self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
 
-    def arm(self, loop: str) -> None:
-        """The training thread entered a loop (``"fit"`` or ``"eval"``); progress counts as made."""
-        self._armed.add(loop)
-        self.mark(self.phase)
-
-    def disarm(self, loop: str) -> None:
-        self._armed.discard(loop)
+    def arm(self, loop: str, armed: bool = True) -> None:
+        """The training thread entered (``armed``) or left a loop (``"fit"`` or ``"eval"``); progress counts as made."""
+        self._armed.add(loop) if armed else self._armed.discard(loop)
         self.mark(self.phase)
 
     def finish(self) -> None:
@@ -404,45 +383,36 @@ class Watchdog:
             return None
         try:
             self._local_failure = True
-            record = self._abort_record()
-            if record is not None:
-                self._acknowledge()
-                self._standing = record
-            elif not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
-                self._standing = self._decide(self._judge_collective_failure(exception))
-            else:
+            verdict = self._abort_record()
+            if verdict is None and not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
+                verdict = self._judge_collective_failure(exception)
+            elif verdict is None:
                 self._state = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
                 self._error = first_line(exception)
                 self._publish()
                 verdict = judge(self._statuses(), self.timeout)
-                self._standing = None if verdict is None else self._decide(verdict)
-            if self._standing is not None:
-                self._save_emergency(self._standing)
+            if verdict is not None:
+                self._standing = self._conclude(verdict)
         except StoreUnreachable as err:  # its host (rank 0) has ended
             if self.rank != 0:
                 message = f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising"
-                self._standing = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
-                self._report(self._standing)
+                lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
+                self._standing = self._conclude(lost, publish=False)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
             log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
         return self._standing
 
     def _run(self) -> None:
         tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
-        next_beat = 0.0
-        while not self._stop.wait(tick):
+        next_beat, verdict, publish = 0.0, None, True
+        while verdict is None and not self._stop.wait(tick):
             try:
-                record = self._abort_record()
-                if record is not None:
-                    return self._end(record)
-                verdict = check_children(self._children())
+                verdict = self._abort_record() or check_children(self._children())
                 if verdict is None and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
                     self._publish()
                     verdict = judge(self._statuses(), self.timeout)
                 self._store_lost_since = None
-                if verdict is not None:
-                    return self._end(self._decide(verdict))
             except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
                 if self._stop.is_set():
                     return
@@ -450,7 +420,7 @@ class Watchdog:
                 lost = time.monotonic() - self._store_lost_since
                 if lost > self.timeout:
                     message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
-                    return self._end(Verdict("lost_store", (0,), lost, message))
+                    verdict, publish = Verdict("lost_store", (0,), lost, message), False
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
                 if self._bugs == 1:
@@ -459,6 +429,20 @@ class Watchdog:
                         " (this replica's stalls may go unnoticed until it recovers). Please report this.",
                         self.rank,
                     )
+        if verdict is None:
+            return
+        try:
+            verdict = self._conclude(verdict, publish)
+        except Exception:  # the store went away while publishing (or a bug): end with the verdict reached here
+            verdict = self._conclude(verdict, publish=False)
+        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
+        # exception then reaches the caller); end it here only if the teardown hangs
+        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
+            return
+        end_children(self._children())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._exit(exit_code_for(verdict))
 
     def _record(self) -> dict[str, Any]:
         """This replica's heartbeat record (without its ``beat`` number)."""
@@ -496,12 +480,9 @@ class Watchdog:
         deadline = time.monotonic() + min(max(3 * self.interval, 1.0), self.timeout)
         self._waited_in_collective = True  # this replica was waiting for the others: never a suspect itself
         while True:
-            self._publish()
-            record = self._abort_record()
-            if record is not None:
-                return record
-            silence = 2.5 * self.interval
-            verdict = check_children(self._children()) or judge(self._statuses(), self.timeout, silence_timeout=silence)
+            self._publish()  # a verdict already published stands (see _conclude)
+            verdict = self._abort_record() or check_children(self._children())
+            verdict = verdict or judge(self._statuses(), self.timeout, silence_timeout=2.5 * self.interval)
             if verdict is not None or time.monotonic() >= deadline:
                 break
             time.sleep(self.interval)
@@ -519,67 +500,37 @@ class Watchdog:
         payload = self._book.verify("abort", self.store.get("abort"))
         return None if payload is None else Verdict.from_json(payload)
 
-    def _decide(self, verdict: Verdict) -> Verdict:
-        """Publish ``verdict`` unless another replica already did; return the one that stands."""
-        record = self._book.sign("abort", verdict.to_json())
-        payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
-        if payload is None:  # a forged record holds the key: replace it with ours
-            self.store.set("abort", record)
-            payload = verdict.to_json()
-        standing = Verdict.from_json(payload)
-        self._report(standing)
-        self._acknowledge()
-        if self.hosts_store:
-            self._await_acknowledgements(standing)
-        return standing
-
-    def _report(self, verdict: Verdict) -> None:
+    def _conclude(self, verdict: Verdict, publish: bool = True) -> Verdict:
+        """Publish ``verdict`` unless another replica did; report, acknowledge and (survivors) save the standing one."""
+        if publish:
+            record = self._book.sign("abort", verdict.to_json())
+            payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
+            if payload is None:  # a forged record holds the key: replace it with ours
+                self.store.set("abort", record)
+                payload = verdict.to_json()
+            verdict = Verdict.from_json(payload)
         if not self._reported:
             self._reported = True
             ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
-            message = f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}"
-            log.error(message)
-
-    def _acknowledge(self) -> None:
+            log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):
             self.store.set(f"ack/{self.rank}", "1")
-
-    def _await_acknowledgements(self, verdict: Verdict) -> None:
+        if self.emergency is not None and verdict.kind in EMERGENCY_KINDS and self.rank not in verdict.culprits:
+            survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
+            try:
+                tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
+                self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
+            except Exception:  # the store is gone or the save failed: the job ends as it would without it
+                log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
         deadline = time.monotonic() + self.grace
         gone = set(verdict.culprits) if verdict.kind in ("exited", "silent") else set()
-        pending = [f"ack/{r}" for r in range(self.world_size) if r != self.rank and r not in gone]
-        while pending and time.monotonic() < deadline:
-            pending = [key for key in pending if not self.store.check([key])]
-            time.sleep(0.05)
-
-    def _save_emergency(self, verdict: Verdict) -> None:
-        """A replica died or hung: the survivors save the last step they all completed (:mod:`.emergency`)."""
-        if self.emergency is None or verdict.kind not in EMERGENCY_KINDS or self.rank in verdict.culprits:
-            return
-        survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
-        try:
-            tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
-            self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
-        except Exception:  # the store is gone or the save failed: the job ends as it would without it
-            log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
-
-    def _end(self, verdict: Verdict) -> None:
-        """Heartbeat thread: end this process (unless its training thread is already raising)."""
-        self._report(verdict)
-        self._acknowledge()
-        self._save_emergency(verdict)
-        if self.hosts_store:
-            with contextlib.suppress(Exception):
-                self._await_acknowledgements(verdict)
-        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
-        # exception then reaches the caller); end it here only if the teardown hangs
-        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
-            return
-        kill_children(self._children())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._exit(exit_code_for(verdict))
+        pending = [f"ack/{r}" for r in range(self.world_size) if self.hosts_store and r not in gone | {self.rank}]
+        with contextlib.suppress(Exception):
+            while pending and time.monotonic() < deadline:
+                pending = [key for key in pending if not self.store.check([key])]
+                time.sleep(0.05)
+        return verdict
 
 
 def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:
@@ -599,16 +550,16 @@ class WatchdogCallbackMixin:
         self.watchdog.arm("fit")
 
     def on_train_end(self, *args: Any) -> None:
-        self.watchdog.disarm("fit")
+        self.watchdog.arm("fit", False)
         self.watchdog.emergency = None  # the fit is over: nothing left to save
 
     def _eval_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.arm("eval")
-        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=_stage(trainer))
+        self.watchdog.mark(Phase.EVAL_LOADING, eval_batch=-1, stage=getattr(trainer.state.stage, "value", ""))
 
     def _eval_end(self, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_DONE)
-        self.watchdog.disarm("eval")
+        self.watchdog.arm("eval", False)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.watchdog.mark(Phase.BETWEEN_BATCHES)
@@ -617,7 +568,7 @@ class WatchdogCallbackMixin:
             emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
 
     def _eval_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
-        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=_stage(trainer))
+        self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=getattr(trainer.state.stage, "value", ""))
 
     def on_save_checkpoint(self, *args: Any) -> None:
         self.watchdog.mark(self.watchdog.phase)
@@ -638,8 +589,3 @@ class WatchdogCallbackMixin:
 
 class WatchdogCallback(WatchdogCallbackMixin, Callback):
     """Feeds the :class:`Watchdog` with the training thread's progress; added to the Trainer by the strategy."""
-
-
-def _stage(trainer: pl.Trainer) -> str:
-    stage = trainer.state.stage
-    return str(stage.value) if stage is not None else ""

@@ -9,6 +9,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -122,11 +123,13 @@ class Replica:
         return {"global_step": state.step, "weights": self.weights.clone()}
 
     def train_step(self) -> None:
-        with self.emergency.update(lambda: None, self.step + 1) as locked:
-            locked()
-            self.weights += 1
-            self.step += 1
+        self.emergency.update(self._update, lambda: None, self.step + 1)
         self.emergency.step_ended()
+
+    def _update(self, closure: Callable[[], None]) -> None:
+        closure()
+        self.weights += 1
+        self.step += 1
 
 
 def test_survivors_agree_and_the_lowest_writes_the_step_all_completed(tmp_path):
@@ -165,8 +168,7 @@ def test_a_parameter_update_waits_for_the_save_and_a_step_not_yet_ended_is_waite
     assert torch.load(tmp_path / "e.ckpt", weights_only=True)["global_step"] == 2 and replica.step == 3
     # an update done but its step not ended yet (the schedulers' update, on_train_batch_end): nothing to agree on
     late = Replica(0, tmp_path)
-    with late.emergency.update(lambda: None, 1) as locked:
-        locked()
+    late.emergency.update(lambda closure: closure(), lambda: None, 1)
     assert late.emergency.save(dist.HashStore(), [0], 0.3, 1.0) is None
 
 

@@ -46,7 +46,7 @@ from lightning_het.reliability.verdicts import (
     exit_code_for,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog, kill_children
+from lightning_het.reliability.watchdog import Watchdog, end_children
 from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
@@ -270,7 +270,7 @@ def test_killing_a_replica_kills_its_descendants():
     replica = subprocess.Popen([sys.executable, "-c", _GRANDCHILD], stdout=subprocess.PIPE, text=True)
     grandchild = int(replica.stdout.readline())
     try:
-        assert kill_children([(1, replica)]) == [1]
+        assert end_children([(1, replica)]) == [1]
         replica.wait(timeout=10)
         deadline = time.monotonic() + 10
         while alive([grandchild]) and time.monotonic() < deadline:

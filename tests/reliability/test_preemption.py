@@ -28,8 +28,8 @@ from lightning_het.reliability.preemption import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,
-    _ShieldedWorkerInit,
-    default_checkpoint_path,
+    _shielded_init,
+    preemption_path,
     shield_loader_workers,
 )
 from tests.helpers import harness
@@ -56,11 +56,11 @@ def test_bad_grace(grace):
         HeterogeneousStrategy(preemption_grace=grace)
 
 
-def test_default_checkpoint_path(tmp_path):
+def test_default_preemption_path(tmp_path):
     plain = SimpleNamespace(checkpoint_callbacks=[], default_root_dir=str(tmp_path))
-    assert default_checkpoint_path(plain) == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert preemption_path(plain) == str(tmp_path / "checkpoints" / "last.ckpt")
     with_callback = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(tmp_path / "ck")], default_root_dir="/")
-    assert default_checkpoint_path(with_callback) == str(tmp_path / "ck" / "last.ckpt")
+    assert preemption_path(with_callback) == str(tmp_path / "ck" / "last.ckpt")
 
 
 def test_the_apps_strategy_schema_passes_the_preemption_keywords():
@@ -107,7 +107,7 @@ def _spaced_agreement_worker(rank: int, world_size: int) -> list[tuple[int, list
     all_reduce = dist.all_reduce
     dist.all_reduce = lambda *args, **kwargs: reduces.append(1) or all_reduce(*args, **kwargs)
     handler = PreemptionHandler(fast_exit=False)
-    handler.rank, handler.world_size = rank, world_size  # what install() records, without taking over the signals
+    handler.rank, handler.world_size = rank, world_size  # what the strategy records, without taking over the signals
     seen = []
     for step in range(1, 61):
         time.sleep(0.01 * (rank + 1))
@@ -151,7 +151,7 @@ def test_loader_workers_ignore_the_preemption_signals_and_keep_their_init_fn():
     loader = DataLoader(_SignalDisposition(), batch_size=2, num_workers=1, worker_init_fn=_inner)
     assert shield_loader_workers(loader, rank=0) is loader
     wrapped = loader.worker_init_fn
-    assert isinstance(wrapped, _ShieldedWorkerInit) and wrapped.inner is _inner
+    assert wrapped.func is _shielded_init and wrapped.args[0] is _inner
     shield_loader_workers(loader, rank=0)
     assert loader.worker_init_fn is wrapped  # not wrapped twice
     pickle.dumps(wrapped)  # spawn/forkserver workers receive it pickled
@@ -167,7 +167,8 @@ def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, sig
     previous = signal.getsignal(signum)
     exits = ExitRecorder()
     handler = PreemptionHandler(grace, exit=exits, fast_exit=False)
-    handler.install(rank=0, world_size=1, fitting=fitting)
+    handler.rank, handler.world_size, handler.fitting = 0, 1, fitting
+    handler.register_signal_handlers()
     try:
         started = time.monotonic()
         os.kill(os.getpid(), signum)
@@ -176,7 +177,7 @@ def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, sig
         assert grace <= time.monotonic() - started < grace + 5 if fitting else time.monotonic() - started < 5
         assert handler.agree(torch.device("cpu")) == [signum]  # one replica: no collective
     finally:
-        handler.uninstall()
+        handler.teardown()
     assert signal.getsignal(signum) == previous
 
 

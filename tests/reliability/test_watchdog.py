@@ -131,6 +131,37 @@ def test_threads_end_every_replica_and_blame_the_one_stuck_in_its_step(caplog):
     assert "replica(s) [1] stopped responding for" in caplog.text
 
 
+class _StoreLostOnPublish:
+    """A store whose ``compare_set`` fails: its host went away just when a verdict is published."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def compare_set(self, *args):
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_a_verdict_whose_publication_fails_still_ends_the_replica():
+    store, recorders = dist.HashStore(), [ExitRecorder(), ExitRecorder()]
+    stores = [_StoreLostOnPublish(dist.PrefixStore("t/", store)), dist.PrefixStore("t/", store)]
+    dogs = [Watchdog(stores[r], r, 2, 0.6, interval=0.05, exit=recorders[r], hosts_store=r == 0) for r in range(2)]
+    for dog in dogs:
+        dog.start()
+        dog.arm("fit")
+    dogs[0].mark(Phase.TRAINING_STEP, new_batch=True)
+    dogs[0].mark(Phase.BACKWARD)
+    dogs[1].mark(Phase.TRAINING_STEP, new_batch=True)  # rank 1 never gets out of training_step
+    try:
+        assert recorders[0].done.wait(10), "the replica whose store failed while publishing never ended"
+        assert recorders[0].codes == [WATCHDOG_EXIT_CODE]
+    finally:
+        for dog in dogs:
+            dog.stop()
+
+
 def test_a_failing_replica_ends_the_others_at_once():
     dogs, recorders, store = _pair(timeout=30.0)
     for dog in dogs:
@@ -178,7 +209,7 @@ def test_a_clean_stop_is_not_a_failure():
         dog.start()
         dog.arm("fit")
     for dog in dogs:
-        dog.disarm("fit")
+        dog.arm("fit", False)
         dog.stop()
     time.sleep(0.6)
     assert not any(r.codes for r in recorders)
