@@ -7,6 +7,7 @@ Importing it registers ``strategy="heterogeneous"`` in the strategy registries o
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from typing import Any
 
@@ -50,18 +51,14 @@ def _register() -> None:
         (StrategyRegistry, HeterogeneousStrategy),
         (STRATEGY_REGISTRY, HeterogeneousFabricStrategy),
     ]
-    if importlib.util.find_spec("pytorch_lightning") is not None:
-        from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
-
-        from lightning_het._pl_compat import HeterogeneousStrategy as Standalone
-
-        registries.append((StandaloneRegistry, Standalone))
-    if importlib.util.find_spec("lightning_fabric") is not None:
-        from lightning_fabric.strategies import STRATEGY_REGISTRY as STANDALONE_REGISTRY
-
-        from lightning_het._fabric_compat import HeterogeneousFabricStrategy as StandaloneFabric
-
-        registries.append((STANDALONE_REGISTRY, StandaloneFabric))
+    standalone = [  # (package, its registry, our module for it, our strategy there)
+        ("pytorch_lightning", "StrategyRegistry", "_pl_compat", "HeterogeneousStrategy"),
+        ("lightning_fabric", "STRATEGY_REGISTRY", "_fabric_compat", "HeterogeneousFabricStrategy"),
+    ]
+    for package, registry, module, name in standalone:
+        if importlib.util.find_spec(package) is not None:
+            ours = getattr(importlib.import_module(f"lightning_het.{module}"), name)
+            registries.append((getattr(importlib.import_module(f"{package}.strategies"), registry), ours))
     for registry, cls in registries:
         if "heterogeneous" not in registry:
             registry.register("heterogeneous", cls, description="Heterogeneous data parallelism")

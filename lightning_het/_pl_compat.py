@@ -3,14 +3,16 @@ with that package's classes by plain class statements (public import: :mod:`ligh
 
 from __future__ import annotations
 
-from lightning_fabric.utilities.seed import reset_seed  # noqa: F401 - read by name from globals()
+import sys
+
+from lightning_fabric.utilities.seed import reset_seed  # noqa: F401 - the flavour's (lightning_het._flavour)
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: F401
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_het._flavour import TrainerFlavour, register_trainer_flavour
+from lightning_het._flavour import register_trainer_flavour
 from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
 from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
@@ -42,5 +44,4 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`lightning_het.HeterogeneousStrategy` on the standalone ``pytorch_lightning`` package."""
 
 
-TRAINER_FLAVOUR = TrainerFlavour.of(globals())
-register_trainer_flavour(True, lambda: TRAINER_FLAVOUR)
+register_trainer_flavour(True, sys.modules[__name__])

@@ -92,17 +92,6 @@ def slowdown_factors(name: str, values: Any) -> list[float] | None:
     return slowdown
 
 
-def threshold(name: str, value: Any) -> float | None:
-    """An imbalance threshold (max / min ratio): a finite number ``>= 1``; ``None`` stays ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
-        raise _error(
-            name, f"Expected argument `{name}` to be a finite number >= 1 (max / min ratio), but got {value!r}."
-        )
-    return float(value)
-
-
 def as_timeout(name: str, value: Any) -> timedelta | None:
     """A timeout given as seconds or a ``timedelta``, as a positive ``timedelta``; ``None`` stays ``None``."""
     if value is None:
@@ -192,10 +181,6 @@ def check_sync_args(
             )
 
 
-#: process-group backends torch knows by name (a backend registered with ``torch.distributed.Backend`` is accepted too)
-_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-
-
 def _named_parameters(function: Callable[..., Any]) -> set[str]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds} - {"self"}
@@ -226,8 +211,7 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
         )
     backend = kwargs.get("process_group_backend")
     if backend is not None:
-        registered = {str(b).lower() for b in getattr(dist.Backend, "backend_list", ())} - {"undefined"}
-        allowed = sorted(set(_KNOWN_BACKENDS) | registered)
+        allowed = sorted({str(b).lower() for b in dist.Backend.backend_list} - {"undefined"})  # registered ones too
         if not isinstance(backend, str) or backend.lower() not in allowed:
             raise ArgumentError(
                 "process_group_backend",

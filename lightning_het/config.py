@@ -1,13 +1,5 @@
-"""The strategy's settings (no torch): the :class:`Profiling` / :class:`Reliability` keyword objects, the flat frozen
-:class:`HeterogeneousConfig` the parts read, and the deprecated flat keywords mapped onto the typed ones.
-
->>> Profiling(steps=3, rebalance_threshold=1.1)
-Profiling(steps=3, warmup=1, cache=None, rebalance_every_n_epochs=None, rebalance_threshold=1.1, telemetry=True)
->>> Reliability(preemption_grace=0)
-Traceback (most recent call last):
-...
-lightning_het.arguments.ArgumentError: Expected argument `preemption_grace` to be finite seconds > 0, but got 0.
-"""
+"""The strategy's settings (no torch): the :class:`Profiling` / :class:`Reliability` keyword objects, the frozen
+:class:`HeterogeneousConfig` the parts read, and the deprecated flat keywords mapped onto the typed ones."""
 
 from __future__ import annotations
 
@@ -15,7 +7,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -30,7 +22,6 @@ from lightning_het.arguments import (
     int_list,
     positive_int,
     slowdown_factors,
-    threshold,
     validate_resume,
 )
 from lightning_het.comm import ALGORITHMS, FLAT_FIELDS, CommAlgorithm, algorithm_class, algorithm_for
@@ -61,7 +52,10 @@ class Profiling:
                 f" got {self.cache!r}.",
             )
         positive_int("rebalance_every_n_epochs", self.rebalance_every_n_epochs)
-        threshold("rebalance_threshold", self.rebalance_threshold)
+        ratio, real = self.rebalance_threshold, (int, float)  # max / min step time
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, real) or not 1 <= ratio < math.inf):
+            message = "Expected argument `rebalance_threshold` to be a finite number >= 1 (max / min ratio), but got"
+            raise ArgumentError("rebalance_threshold", f"{message} {ratio!r}.")
         if not isinstance(self.telemetry, bool):
             raise ArgumentError("telemetry", f"Expected argument `telemetry` to be True or False: {self.telemetry!r}.")
         if not self.telemetry and (self.rebalance_every_n_epochs is not None or self.rebalance_threshold is not None):
@@ -100,7 +94,8 @@ class Reliability:
 
 @dataclass(frozen=True)
 class HeterogeneousConfig:
-    """Every setting of the strategy, flat and normalised; ``None``: not given. Treat the lists as read-only."""
+    """Every setting of the strategy, normalised: the balancing keywords, the ``comm`` algorithm, the ``profiling`` and
+    ``reliability`` objects and the emulation; ``None``: not given. Treat the lists as read-only."""
 
     global_batch_size: int | None = None
     speeds: list[float] | None = None
@@ -108,33 +103,17 @@ class HeterogeneousConfig:
     max_batch_sizes: list[int] | None = None
     max_micro_batch_sizes: list[int] | Literal["auto"] | None = None
     node_ids: list[int] | None = None
-    comm: str = "auto"
-    global_sync_every: int | None = None
-    comm_warmup_steps: int = 0
-    comm_autotune_steps: int = 5
-    outer_optimizer: Any = SYNC_DEFAULTS["outer_optimizer"]
-    outer_lr: float = SYNC_DEFAULTS["outer_lr"]
-    outer_momentum: float = SYNC_DEFAULTS["outer_momentum"]
-    sync_dtype: str = SYNC_DEFAULTS["sync_dtype"]
-    merge_weights: str = SYNC_DEFAULTS["merge_weights"]
+    comm: CommAlgorithm = field(default_factory=ALGORITHMS["auto"])
+    profiling: Profiling = Profiling()
+    reliability: Reliability = Reliability()
     emulate_slowdown: list[float] | None = None
     emulate_memory_cap: list[int] | None = None
-    profile_steps: int = 2
-    profile_warmup: int = 1
-    profile_cache: str | os.PathLike[str] | bool | None = None
-    startup_timeout: timedelta | None = None
     timeout: timedelta | None = None
-    rebalance_every_n_epochs: int | None = None
-    rebalance_threshold: float | None = None
-    telemetry: bool = True
-    preemption_grace: float = DEFAULT_GRACE
-    preemption_checkpoint: str | os.PathLike[str] | Literal[False] | None = None
-    resume: Literal["auto", False] | None = None
 
     @classmethod
-    def from_keywords(cls, **flat: Any) -> HeterogeneousConfig:
-        """``flat`` checked (the grouped settings by their objects) and normalised; :class:`ArgumentError`."""
-        out = dict(flat)
+    def from_keywords(cls, **given: Any) -> HeterogeneousConfig:
+        """``given`` (the typed form) checked and normalised; :class:`ArgumentError`."""
+        out = dict(given)
         out["global_batch_size"] = positive_int("global_batch_size", out.get("global_batch_size"))
         out["speeds"] = finite_positive_list("speeds", out.get("speeds"))
         least = out["min_batch_size"] = positive_int("min_batch_size", out.get("min_batch_size", 1), allow_none=False)
@@ -152,8 +131,8 @@ class HeterogeneousConfig:
         nodes = out.get("node_ids")
         if nodes is not None:
             nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
-        _check_comm(out)
-        if out.get("comm") == "node_local" and nodes is not None and len(set(nodes)) < 2:
+        comm = out["comm"] = _comm_object(out.get("comm", "auto"))
+        if comm.mode == "node_local" and nodes is not None and len(set(nodes)) < 2:
             raise ArgumentError(
                 "node_ids",
                 f"You set `comm='node_local'`, but `node_ids={nodes}` puts every replica on one node, so node-local"
@@ -162,12 +141,8 @@ class HeterogeneousConfig:
             )
         out["emulate_slowdown"] = slowdown_factors("emulate_slowdown", out.get("emulate_slowdown"))
         out["emulate_memory_cap"] = int_list("emulate_memory_cap", out.get("emulate_memory_cap"))
-        for name in ("timeout", "startup_timeout"):
-            out[name] = as_timeout(name, out.get(name))
-        if out.get("preemption_checkpoint"):
-            out["preemption_checkpoint"] = os.fspath(out["preemption_checkpoint"])
-        out |= {name: float(out[name]) for name in ("outer_lr", "outer_momentum") if name in out}
-        return cls(**out)
+        out["timeout"] = as_timeout("timeout", out.get("timeout"))
+        return cls(**{name: value for name, value in out.items() if value is not None})
 
     def check_world(self, num_nodes: int, devices: int) -> None:
         """Checks that need the world size (list lengths, a global batch the bounds can hold); ``ValueError``."""
@@ -188,9 +163,6 @@ class HeterogeneousConfig:
             allocate_batch_sizes(self.global_batch_size, speeds, **bounds)
 
 
-#: every setting and its default
-KEYWORD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(HeterogeneousConfig)}
-
 #: old flat keyword -> (the typed keyword that replaces it, the field there)
 DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
     **{old: ("comm", new) for old, new in FLAT_FIELDS.items()},
@@ -208,17 +180,17 @@ TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_
 TRAINER_ONLY += ("resume",)
 
 
-def _check_comm(flat: Mapping[str, Any]) -> None:
-    """The flat comm settings' values: the mode name, ``global_sync_every`` and ``comm_warmup_steps``."""
-    comm = flat.get("comm", "auto")
+def _comm_object(comm: Any) -> CommAlgorithm:
+    """``comm``: an algorithm object, or the one (with its defaults) a mode name stands for."""
+    if isinstance(comm, CommAlgorithm):
+        return comm
     if not isinstance(comm, str) or comm not in ALGORITHMS:
         raise ArgumentError(
             "comm",
             f"Expected argument `comm` to be one of {list(ALGORITHMS)} or a comm algorithm object (e.g."
             f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
         )
-    positive_int("global_sync_every", flat.get("global_sync_every"))
-    positive_int("comm_warmup_steps", flat.get("comm_warmup_steps", 0), allow_none=False, minimum=0)
+    return ALGORITHMS[comm]()
 
 
 def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -247,20 +219,16 @@ def new_form(old: Mapping[str, Any], comm: Any = "auto") -> str:
 
 
 def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Flat keywords (the deprecated ones among them) in the typed form, with the same meaning: the strategy's
-    keywords, and the ``EmulatedPlatform`` keywords (empty: no emulation). The comm settings the mode does not read
-    are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a ``UserWarning``); a bad value raises
-    :class:`ArgumentError` naming the flat keyword.
-
-    >>> typed_keywords({"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]})
-    ... # doctest: +ELLIPSIS
-    ({'comm': NodeLocal(sync_every=4, ...), 'profiling': Profiling(steps=3, ...)}, {'slowdown': [1, 2]})
-    """
+    """Flat keywords in the typed form, same meaning: the strategy's and the ``EmulatedPlatform``'s (empty: none).
+    Comm settings the mode does not read are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a
+    ``UserWarning``); a bad value raises :class:`ArgumentError` naming the flat keyword."""
     out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:
         given = {old: flat[old] for old in FLAT_FIELDS if old in flat}
-        _check_comm({"comm": comm, **given})  # checked in every mode
+        _comm_object(comm)  # checked in every mode
+        positive_int("global_sync_every", given.get("global_sync_every"))
+        positive_int("comm_warmup_steps", given.get("comm_warmup_steps", 0), allow_none=False, minimum=0)
         check_sync_args(*(given.get(name, default) for name, default in SYNC_DEFAULTS.items()), comm=comm)
         for name in ("global_sync_every", "comm_warmup_steps"):
             if given.get(name) and comm != "node_local":
@@ -279,12 +247,13 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 
 
 def strategy_config(
-    owner: type, explicit: Mapping[str, Any], comm: Any, groups: Mapping[str, Any], kwargs: Any, fabric: bool = False
+    owner: type, keywords: Mapping[str, Any], fabric: bool = False
 ) -> tuple[HeterogeneousConfig, dict[str, Any]]:
-    """A strategy's validated config, and the rest of ``kwargs`` (``DDPStrategy``'s). The deprecated flat keywords in
-    ``kwargs`` keep their meaning with one ``DeprecationWarning`` naming the typed form; a setting given both ways,
-    or (``fabric``) one only the Trainer's loop can run, raises :class:`ArgumentError`."""
-    rest = dict(kwargs)
+    """A strategy's validated config from its constructor's ``locals()``, and the rest of ``kwargs`` (DDP's). The old
+    flat keywords warn once naming the typed form; a setting given both ways, or (``fabric``) one needing the Trainer's
+    loop, raises :class:`ArgumentError`."""
+    comm, groups, rest = keywords["comm"], {group: keywords[group] for group in _GROUPS}, dict(keywords["kwargs"])
+    explicit = {n: keywords[n] for n in HeterogeneousConfig.__dataclass_fields__ if n in keywords and n not in groups}
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
     objects = {"comm": None if isinstance(comm, str) else comm, **groups}
     for group, cls in _GROUPS.items():
@@ -300,16 +269,13 @@ def strategy_config(
                 f" the `{group}` object only.",
             )
     typed, emulation = typed_keywords({"comm": comm, **old})
-    flat = dict(explicit)
-    flat |= typed["comm"].keywords() if isinstance(typed["comm"], CommAlgorithm) else {"comm": typed["comm"]}
-    for group in _GROUPS:
-        value = typed.get(group, objects[group])
-        if value is not None:
-            flat |= {_OLD_NAMES[group, f.name]: getattr(value, f.name) for f in fields(value)}
-    flat |= {f"emulate_{field}": value for field, value in emulation.items()}
+    given = {**explicit, "comm": typed["comm"], **{f"emulate_{field}": value for field, value in emulation.items()}}
+    given |= {group: typed.get(group, objects[group]) or cls() for group, cls in _GROUPS.items()}
     if fabric:
-        flat |= {name: rest.pop(name) for name in TRAINER_ONLY if name in rest} | {"telemetry": False}
-        refused = [n for n in TRAINER_ONLY if flat.get(n, KEYWORD_DEFAULTS.get(n)) != KEYWORD_DEFAULTS.get(n)]
+        flat = {name: rest.pop(name) for name in TRAINER_ONLY if name in rest} | given
+        for group, cls in _GROUPS.items():  # the grouped settings set, by their flat names
+            flat |= {_OLD_NAMES[group, k]: v for k, v in vars(given[group]).items() if v != getattr(cls, k)}
+        refused = [n for n in TRAINER_ONLY if flat.get(n) is not None]
         if refused:
             raise ArgumentError(
                 refused[0],
@@ -318,8 +284,8 @@ def strategy_config(
                 " them at their defaults; for memory caps, split each batch with"
                 " `lightning_het.data.microbatch.micro_batches(batch, cap)` (docs/balancing.md).",
             )
-        flat = {name: value for name, value in flat.items() if name not in TRAINER_ONLY}
-    config = HeterogeneousConfig.from_keywords(**flat, timeout=rest.get("timeout"))
+        given["profiling"] = replace(given["profiling"], telemetry=False)
+    config = HeterogeneousConfig.from_keywords(**given, timeout=rest.get("timeout"))
     check_ddp_keywords(owner, [*explicit, "comm", *groups], rest)
     if old:
         names = ", ".join(f"`{n}={v!r}`" for n, v in old.items())

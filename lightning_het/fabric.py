@@ -25,7 +25,7 @@ from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere
 from lightning_het.cluster.topology import detect_node_ids
-from lightning_het.comm import CommAlgorithm, algorithm_of
+from lightning_het.comm import CommAlgorithm
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
 from lightning_het.data.microbatch import piece_collective
@@ -37,9 +37,6 @@ from lightning_het.data.sampler import (
 from lightning_het.data.splitting import rebuild_loader, training_order
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, validate_launch_environment
 
-#: the balancing keywords (the Fabric strategy takes them but ``max_micro_batch_sizes``)
-BALANCING = ("global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids")
-
 
 class HeterogeneousParts(BalanceView):
     """What both strategies build from their keywords (the balance policy, the comm algorithm) and their shared
@@ -47,11 +44,9 @@ class HeterogeneousParts(BalanceView):
 
     def _configure(self, keywords: dict[str, Any], fabric: bool = False) -> dict[str, Any]:
         """The constructor's ``locals()`` validated into the policy and the comm algorithm; returns DDP's keywords."""
-        explicit = {name: keywords[name] for name in BALANCING if name in keywords}
-        groups = {name: keywords[name] for name in ("profiling", "reliability")}
-        config, rest = strategy_config(type(self), explicit, keywords["comm"], groups, keywords["kwargs"], fabric)
+        config, rest = strategy_config(type(self), keywords, fabric)
         self.policy = BalancePolicy(config)
-        self._comm = algorithm_of(keywords["comm"], config)  # installed once the model is wrapped
+        self._comm = config.comm  # installed once the model is wrapped
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         return rest
 
@@ -63,7 +58,7 @@ class HeterogeneousParts(BalanceView):
     def _start_process_group(self, joined: Callable[[], None], set_ranks: Callable[[], None]) -> None:
         """``set_ranks`` and start the process group, or (torchrun's agent hosts the store) wait and run ``joined``;
         a short ``timeout`` does not fail the rendezvous of replicas that start slowly."""
-        wait = rendezvous_wait(self._timeout, self.config.startup_timeout)
+        wait = rendezvous_wait(self._timeout, self.config.reliability.startup_timeout)
         if started_elsewhere(wait):
             return joined()
         set_ranks()
@@ -99,11 +94,7 @@ class HeterogeneousParts(BalanceView):
 
 class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
     """Fabric's DDP with per-replica batch shares proportional to speed and exact gradients. Keywords: the Trainer
-    strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``.
-
-    >>> HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds
-    [1.0, 3.0]
-    """
+    strategy's, less those that need its loop; the others go to Fabric's ``DDPStrategy``."""
 
     strategy_name = "heterogeneous"
     #: Fabric's sampler wrapper of this strategy's Lightning package (a loader it wraps is split for training)
@@ -234,14 +225,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
                 " `sampler=strategy.eval_sampler(dataset)` (each sample on one replica) or with"
                 " `fabric.setup_dataloaders(loader, use_distributed_sampler=False)` (every replica reads it all)."
             )
-        return self._split_for_training(dataloader)
-
-    def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
-        """For evaluation loaders: every sample on one replica, shares following the allocation."""
-        return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
-
-    def _split_for_training(self, dataloader: DataLoader) -> DataLoader:
-        """Allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler."""
+        # allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler
         order = training_order(dataloader)
         global_batch = self.config.global_batch_size
         if global_batch is None:
@@ -273,6 +257,10 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
             self._watch_steps()
             batches = ProportionalBatchSampler(sampler)
         return rebuild_loader(dataloader, sampler, sizes[self.global_rank], batch_sampler=batches)
+
+    def eval_sampler(self, dataset: Any) -> UnpaddedDistributedSampler:
+        """For evaluation loaders: every sample on one replica, shares following the allocation."""
+        return UnpaddedDistributedSampler(dataset, self.policy.eval_weights(), self.global_rank)
 
     def _profiled_module(self) -> tuple[Module | None, str]:
         return (None if self._ddp_model is None else self._ddp_model.module), type(self.precision).__name__

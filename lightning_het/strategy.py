@@ -9,7 +9,10 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: F401
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -18,14 +21,20 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import attached_trainer, record_loader_arguments
-from lightning_het._flavour import TrainerFlavour, register_trainer_flavour, trainer_flavour
+from lightning_het._flavour import register_trainer_flavour, trainer_flavour
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings, attach_monitor
+from lightning_het.balance.monitor import (
+    BalanceMonitor,
+    HeterogeneousBalanceCallback,  # noqa: F401
+    MonitorSettings,
+    attach_monitor,
+)
 from lightning_het.balance.report import balance_report, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
     DevicePlan,
+    MixedAccelerator,  # noqa: F401
     apply_local_settings,
     configure_devices,
     device_labels,
@@ -50,20 +59,14 @@ from lightning_het.reliability.checkpointing import (
 )
 from lightning_het.reliability.emergency import Guards, restore_rng
 from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
-from lightning_het.reliability.preemption import shield_loader_workers
+from lightning_het.reliability.preemption import Preempted, PreemptionCallback, shield_loader_workers  # noqa: F401
 from lightning_het.reliability.resume import job_identity, trajectory_settings
-from lightning_het.reliability.watchdog import Watchdog
+from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noqa: F401
 
 
 class HeterogeneousStrategyMixin(HeterogeneousParts):
-    """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share: every
-    optimizer step applies the global batch's exact gradient. Keywords: ``docs/strategy.md``; the others go to
-    ``DDPStrategy``.
-
-    >>> strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
-    >>> strategy.config.speeds, strategy.batch_sizes
-    ([3.0, 1.0], None)
-    """
+    """DDP whose replicas' shares of each global batch follow their speeds, each loss scaled by its share (the exact
+    gradient of the global batch). Keywords: ``docs/strategy.md``; the others go to ``DDPStrategy``."""
 
     strategy_name = "heterogeneous"
 
@@ -371,17 +374,4 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`HeterogeneousStrategyMixin` on ``lightning.pytorch`` (:mod:`lightning_het.pl`: ``pytorch_lightning``)."""
 
 
-def _unified_trainer_flavour() -> TrainerFlavour:
-    from lightning.fabric.utilities.seed import reset_seed  # noqa: F401 - each read by name from locals()
-    from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: F401
-    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
-
-    from lightning_het.balance.monitor import HeterogeneousBalanceCallback  # noqa: F401
-    from lightning_het.cluster.accelerators import MixedAccelerator  # noqa: F401
-    from lightning_het.reliability.preemption import Preempted, PreemptionCallback  # noqa: F401
-    from lightning_het.reliability.watchdog import WatchdogCallback  # noqa: F401
-
-    return TrainerFlavour.of(locals())
-
-
-register_trainer_flavour(False, _unified_trainer_flavour)
+register_trainer_flavour(False, sys.modules[__name__])  # defines `_flavour.NAMES` (the imports marked F401)

@@ -79,14 +79,14 @@ def test_node_local_object_sets_the_sync():
         comm=NodeLocal(sync_every=16, warmup_steps=2, outer="nesterov", outer_lr=0.5, sync_dtype="int8", merge="nodes"),
         node_ids=[0, 0, 1],
     ).config
-    assert (config.comm, config.global_sync_every, config.comm_warmup_steps) == ("node_local", 16, 2)
-    assert (config.outer_optimizer, config.outer_lr, config.sync_dtype, config.merge_weights) == (
+    assert (config.comm.mode, config.comm.sync_every, config.comm.warmup_steps) == ("node_local", 16, 2)
+    assert (config.comm.outer, config.comm.outer_lr, config.comm.sync_dtype, config.comm.merge) == (
         "nesterov",
         0.5,
         "int8",
         "nodes",
     )
-    assert HeterogeneousStrategy(comm=Hierarchical(autotune_steps=0)).config.comm_autotune_steps == 0
+    assert HeterogeneousStrategy(comm=Hierarchical(autotune_steps=0)).config.comm.autotune_steps == 0
 
 
 @pytest.mark.parametrize(
@@ -102,8 +102,11 @@ def test_node_local_object_sets_the_sync():
         (lambda: Profiling(steps=0), "steps"),
         (lambda: Profiling(telemetry=False, rebalance_threshold=1.2), "telemetry"),
         (lambda: Profiling(rebalance_threshold=0.5), "rebalance_threshold"),
+        (lambda: Profiling(rebalance_threshold=float("nan")), "rebalance_threshold"),
+        (lambda: Profiling(rebalance_threshold=True), "rebalance_threshold"),
         (lambda: Reliability(startup_timeout=-1), "startup_timeout"),
         (lambda: Reliability(resume="always"), "resume"),
+        (lambda: Reliability(preemption_grace=0), "preemption_grace"),
         (lambda: EmulatedPlatform(slowdown=[0.5, 1]), "slowdown"),
         (lambda: EmulatedPlatform(memory_cap=[4, 0]), "memory_cap"),
     ],
@@ -129,8 +132,8 @@ def test_fabric_takes_the_objects_and_refuses_what_needs_the_trainer():
     config = HeterogeneousFabricStrategy(
         comm=NodeLocal(sync_every=4), node_ids=[0, 1], profiling=Profiling(steps=3), reliability=Reliability(60)
     ).config
-    assert (config.global_sync_every, config.profile_steps, config.startup_timeout.total_seconds()) == (4, 3, 60)
-    assert config.telemetry is False
+    assert (config.comm.sync_every, config.profiling.steps, config.reliability.startup_timeout) == (4, 3, 60)
+    assert config.profiling.telemetry is False
     with pytest.raises(ArgumentError, match=r"`rebalance_threshold=1.2`.*Trainer"):
         HeterogeneousFabricStrategy(profiling=Profiling(rebalance_threshold=1.2))
     with pytest.raises(ArgumentError, match=r"`resume='auto'`.*Trainer"):
@@ -288,7 +291,7 @@ def test_lightning_cli_builds_the_strategy_with_a_nested_comm_object(tmp_path):
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HeterogeneousStrategy)
-    assert (strategy.config.comm, strategy.config.global_sync_every, strategy.config.profile_steps) == (
+    assert (strategy.config.comm.mode, strategy.config.comm.sync_every, strategy.config.profiling.steps) == (
         "node_local",
         8,
         3,
@@ -297,10 +300,10 @@ def test_lightning_cli_builds_the_strategy_with_a_nested_comm_object(tmp_path):
     args = ["--trainer.accelerator=cpu", "--trainer.devices=2"]
     args.append("--trainer.strategy=lightning_het.HeterogeneousStrategy")
     cli = LightningCLI(BoringModel, run=False, args=[*args, "--trainer.strategy.comm=allreduce"])
-    assert cli.trainer.strategy.config.comm == "allreduce"
+    assert cli.trainer.strategy.config.comm.mode == "allreduce"
     node_local = ["--trainer.strategy.comm=lightning_het.NodeLocal", "--trainer.strategy.comm.sync_every=4"]
     cli = LightningCLI(BoringModel, run=False, args=[*args, "--trainer.strategy.node_ids=[0, 1]", *node_local])
-    assert (cli.trainer.strategy.config.comm, cli.trainer.strategy.config.global_sync_every) == ("node_local", 4)
+    assert (cli.trainer.strategy.config.comm.mode, cli.trainer.strategy.config.comm.sync_every) == ("node_local", 4)
 
 
 # ------------------------------------------------------------------------------------------------- EmulatedPlatform

@@ -5,26 +5,31 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_het import HeterogeneousStrategy
+from lightning_het import HeterogeneousFabricStrategy, HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError
-from lightning_het.config import DEPRECATED_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, typed_keywords
+from lightning_het.cluster.rendezvous import rendezvous_wait
+from lightning_het.comm.allreduce import FLAT_FIELDS
+from lightning_het.comm.node_local import NodeLocal
+from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, Profiling, Reliability, typed_keywords
 
-#: every field of the config with the strategy's default (``timeout`` is DDP's keyword, which the config holds too)
-DEFAULTS = KEYWORD_DEFAULTS
+#: the config's defaults are the strategy's
+DEFAULTS: dict = {}
 
 
-def test_fields_are_the_typed_and_the_deprecated_keywords():
-    # the config holds every setting: the explicit keywords, comm, the deprecated flat ones (grouped) and DDP's timeout
+def test_fields_are_the_typed_keywords():
+    # the config holds every setting: the explicit keywords, the typed objects, the emulation and DDP's timeout
     explicit = {"global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids"}
-    assert set(DEFAULTS) == explicit | {"comm", "timeout"} | set(DEPRECATED_KEYWORDS)
+    names = {f.name for f in dataclasses.fields(HeterogeneousConfig)}
+    assert names == explicit | {"comm", "profiling", "reliability", "emulate_slowdown", "emulate_memory_cap", "timeout"}
+    assert {group for group, _ in DEPRECATED_KEYWORDS.values()} - names == {"emulation"}
 
 
 def test_values_are_normalised():
     config = HeterogeneousConfig.from_keywords(
-        **{**DEFAULTS, "speeds": (1, 3), "max_batch_sizes": [4, 8], "startup_timeout": 30, "timeout": 5}
+        **{**DEFAULTS, "speeds": (1, 3), "max_batch_sizes": [4, 8], "reliability": Reliability(30), "timeout": 5}
     )
-    assert config.speeds == [1.0, 3.0] and config.max_batch_sizes == [4, 8]
-    assert config.startup_timeout == timedelta(seconds=30) and config.timeout == timedelta(seconds=5)
+    assert config.speeds == [1.0, 3.0] and config.max_batch_sizes == [4, 8] and config.timeout == timedelta(seconds=5)
+    assert rendezvous_wait(config.timeout, config.reliability.startup_timeout) == timedelta(seconds=30)
 
 
 def test_is_frozen():
@@ -43,7 +48,7 @@ def test_the_strategy_holds_it():
     with pytest.warns(DeprecationWarning):
         strategy = HeterogeneousStrategy(speeds=[1, 2], profile_steps=3)
     assert isinstance(strategy.config, HeterogeneousConfig)
-    assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profile_steps == 3
+    assert strategy.config.speeds == [1.0, 2.0] and strategy.config.profiling.steps == 3
     assert strategy.speeds_given
 
 
@@ -91,9 +96,9 @@ def test_outer_numbers_without_a_named_outer_optimizer_are_refused(name, outer):
 def test_node_local_takes_its_settings():
     with pytest.warns(DeprecationWarning):
         config = HeterogeneousStrategy(comm="node_local", node_ids=[0, 1], **SYNC_SETTINGS).config
-    assert config.outer_optimizer == "nesterov" and config.sync_dtype == "int8" and config.outer_lr == 0.5
+    assert config.comm.outer == "nesterov" and config.comm.sync_dtype == "int8" and config.comm.outer_lr == 0.5
     # the defaults, or a callable without the numbers, are fine in any mode
-    typed_keywords({"comm": "allreduce", **{n: KEYWORD_DEFAULTS[n] for n in SYNC_SETTINGS}})
+    typed_keywords({"comm": "allreduce", **{n: getattr(NodeLocal(), FLAT_FIELDS[n]) for n in SYNC_SETTINGS}})
     typed_keywords({"comm": "node_local", "outer_optimizer": lambda params: None})
 
 
@@ -132,4 +137,47 @@ def test_speeds_take_any_real_number_type():
 def test_the_sync_defaults_are_the_strategys():
     from lightning_het.arguments import SYNC_DEFAULTS
 
-    assert {n: KEYWORD_DEFAULTS[n] for n in SYNC_DEFAULTS} == SYNC_DEFAULTS
+    assert {n: getattr(NodeLocal(), FLAT_FIELDS[n]) for n in SYNC_DEFAULTS} == SYNC_DEFAULTS
+
+
+def test_the_job_identity_reads_the_comm_object_under_the_flat_names():
+    """``resume="auto"`` tells jobs apart by node_local's settings, named as in checkpoints written before."""
+    from types import SimpleNamespace
+
+    from lightning_het.reliability.resume import identity_differences, trajectory_settings
+
+    trainer = SimpleNamespace(
+        accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None, precision="32-true"
+    )
+    four, eight = (HeterogeneousConfig.from_keywords(comm=NodeLocal(sync_every=k, outer="nesterov")) for k in (4, 8))
+    settings = trajectory_settings(four, "node_local", trainer)
+    assert (settings["global_sync_every"], settings["outer_optimizer"], settings["merge_weights"]) == (
+        4,
+        "nesterov",
+        "samples",
+    )
+    assert identity_differences(settings, trajectory_settings(eight, "node_local", trainer)) == [
+        "global_sync_every 4 -> 8"
+    ]
+    assert trajectory_settings(four, "hierarchical", trainer)["comm"] == "exact"
+
+
+def test_the_grouped_settings_defaults():
+    profiling = Profiling(steps=3, rebalance_threshold=1.1)
+    fields = "steps=3, warmup=1, cache=None, rebalance_every_n_epochs=None, rebalance_threshold=1.1, telemetry=True"
+    assert repr(profiling) == f"Profiling({fields})"
+    with pytest.raises(
+        ArgumentError, match=r"^Expected argument `preemption_grace` to be finite seconds > 0, but got 0\.$"
+    ):
+        Reliability(preemption_grace=0)
+
+
+def test_both_strategies_hold_their_normalised_keywords():
+    strategy = HeterogeneousStrategy(speeds=[3, 1], global_batch_size=8, timeout=60)
+    assert (strategy.config.speeds, strategy.batch_sizes) == ([3.0, 1.0], None)
+    assert HeterogeneousFabricStrategy(speeds=[1, 3], timeout=60).config.speeds == [1.0, 3.0]
+    flat = {"comm": "node_local", "global_sync_every": 4, "profile_steps": 3, "emulate_slowdown": [1, 2]}
+    assert typed_keywords(flat) == (
+        {"comm": NodeLocal(sync_every=4), "profiling": Profiling(steps=3)},
+        {"slowdown": [1, 2]},
+    )

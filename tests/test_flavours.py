@@ -3,7 +3,6 @@ meets the classes of its own Lightning package only, and ``"heterogeneous"`` is 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from lightning_het._flavour import NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def _packages(obj: object) -> set[str]:
 
 
 def _flavour_packages(flavour: object) -> set[str]:
-    return set().union(*(_packages(getattr(flavour, f.name)) for f in dataclasses.fields(flavour)))
+    return set().union(*(_packages(getattr(flavour, name)) for name in NAMES))
 
 
 def test_each_flavour_holds_the_classes_of_its_own_package_only():
@@ -37,9 +38,7 @@ def test_each_flavour_holds_the_classes_of_its_own_package_only():
 
     standalone = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
     unified = lightning.pytorch.Trainer(accelerator="cpu", devices=1, logger=False)
-    assert (
-        trainer_flavour(standalone) is _pl_compat.TRAINER_FLAVOUR is trainer_flavour(_pl_compat.HeterogeneousStrategy)
-    )
+    assert trainer_flavour(standalone) is _pl_compat is trainer_flavour(_pl_compat.HeterogeneousStrategy)
     assert trainer_flavour(unified) is trainer_flavour(HeterogeneousStrategy)
     standalone_packages = {"pytorch_lightning", "lightning_fabric"}
     assert "lightning" not in _flavour_packages(trainer_flavour(standalone))

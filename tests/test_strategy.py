@@ -280,7 +280,7 @@ def test_standalone_pytorch_lightning_gets_its_own_callbacks():
 
     trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=1, logger=False)
     standalone, unified = trainer_flavour(trainer), trainer_flavour(quiet_trainer(1, "heterogeneous"))
-    for name in ("WatchdogCallback", "PreemptionCallback", "BalanceCallback"):
+    for name in ("WatchdogCallback", "PreemptionCallback", "HeterogeneousBalanceCallback"):
         assert issubclass(getattr(unified, name), Callback)
         assert issubclass(getattr(standalone, name), pytorch_lightning.Callback)
         assert not issubclass(getattr(standalone, name), Callback)

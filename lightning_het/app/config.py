@@ -14,7 +14,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lightning_het.arguments import ArgumentError
 from lightning_het.comm import ALGORITHMS
-from lightning_het.config import DEPRECATED_KEYWORDS, KEYWORD_DEFAULTS, HeterogeneousConfig, typed_keywords
+from lightning_het.config import DEPRECATED_KEYWORDS, HeterogeneousConfig, typed_keywords
 
 __all__ = [
     "ConfigValueError",
@@ -150,11 +150,10 @@ class _StrategyFields:
     def __post_init__(self) -> None:
         flat, given = self.to_kwargs(), self.deprecated()
         try:  # the strategy's own checks: one rule for the constructor and the config
-            self.to_node(warn=False)
-            comm = "auto" if isinstance(flat["comm"], dict) else flat["comm"]
-            HeterogeneousConfig.from_keywords(
-                **{n: v for n, v in flat.items() if n in KEYWORD_DEFAULTS} | {"comm": comm}
-            )
+            node, emulation = self.to_node(warn=False)
+            own = HeterogeneousConfig.__dataclass_fields__
+            checked = {n: v for n, v in node.items() if n in own and not isinstance(v, dict)}
+            HeterogeneousConfig.from_keywords(**checked, **{f"emulate_{k}": v for k, v in emulation.items()})
         except ArgumentError as err:
             name = err.argument
             key = ".".join(DEPRECATED_KEYWORDS[name]) if name in DEPRECATED_KEYWORDS and name not in given else name

@@ -37,11 +37,11 @@ class MonitorSettings:
     def of(cls, config: Any, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
         """This replica's settings from the strategy's config, and the batch bounds a rebalance keeps."""
         return cls(
-            record=config.telemetry,
+            record=config.profiling.telemetry,
             slowdown=config.emulate_slowdown[rank] if config.emulate_slowdown else 1.0,
             profile=config.speeds is None and world_size > 1,
-            every_n_epochs=config.rebalance_every_n_epochs,
-            threshold=config.rebalance_threshold,
+            every_n_epochs=config.profiling.rebalance_every_n_epochs,
+            threshold=config.profiling.rebalance_threshold,
             min_batch_size=min_batch_size,
             max_batch_sizes=config.max_batch_sizes,
         )
@@ -162,6 +162,6 @@ def attach_monitor(strategy: Any, trainer: Any, settings: MonitorSettings) -> Ba
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, BalanceMonitor)]
     if not (settings.record or settings.slowdown != 1.0 or settings.profile):
         return None
-    monitor = trainer_flavour(trainer).BalanceCallback(strategy, settings)
+    monitor = trainer_flavour(trainer).HeterogeneousBalanceCallback(strategy, settings)
     trainer.callbacks.append(monitor)
     return monitor

@@ -222,7 +222,7 @@ class BalancePolicy:
 
     def cache_entry(self, memory: bool = False) -> tuple[profiling.ProfileCache | None, str | None]:
         """This replica's speed cache and key in it (``memory``: its cap's); ``(None, None)``: off, or no key yet."""
-        setting = self.config.profile_cache
+        setting = self.config.profiling.cache
         module, precision = self._fit.module() if self._fit is not None else (None, "")
         if setting in (None, False) or module is None or self._cache_loader is None:
             return None, None
@@ -251,7 +251,7 @@ class BalancePolicy:
     def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
         """Plan the first training steps' profiling (the fit loop hands it every step's end)."""
         config, lag = self.config, profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
-        steps = {"warmup": config.profile_warmup, "steps": config.profile_steps, "lag": lag}
+        steps = {"warmup": config.profiling.warmup, "steps": config.profiling.steps, "lag": lag}
         plan = profiling.ProfilePlan(global_batch, self.world_size, **steps, **self.bounds)
 
         def clock() -> tuple[int, Any] | None:

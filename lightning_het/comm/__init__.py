@@ -36,10 +36,3 @@ def algorithm_for(comm: str, **flat: Any) -> CommAlgorithm:
     cls = ALGORITHMS[comm]
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     return cls(**{FLAT_FIELDS[k]: v for k, v in flat.items() if FLAT_FIELDS[k] in names})
-
-
-def algorithm_of(comm: Any, config: Any) -> CommAlgorithm:
-    """The user's ``comm`` object, or the one a validated config's flat comm settings name."""
-    if isinstance(comm, CommAlgorithm):
-        return comm
-    return algorithm_for(config.comm, **{name: getattr(config, name) for name in FLAT_FIELDS})

@@ -284,12 +284,12 @@ class Guards:
     def resume(self, trainer: Any, config: Any, job: dict[str, Any], broadcast: Callable[[Any], Any]) -> bool:
         """``resume="auto"`` (every rank): load the checkpoint rank 0 chooses for this fit's identity ``job``."""
         self.job, self._emergencies = job, []
-        if trainer.ckpt_path is not None or not wants_resume(config.resume):
+        if trainer.ckpt_path is not None or not wants_resume(config.reliability.resume):
             return False
         decision: tuple[str | None, list[Candidate]] = (None, [])
         if trainer.global_rank == 0:
             dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
-            found = checkpoint_candidates(preemption_path(trainer, config.preemption_checkpoint), dirpaths)
+            found = checkpoint_candidates(preemption_path(trainer, config.reliability.preemption_checkpoint), dirpaths)
             candidates = [read_candidate(path) for path in found]
             choice = choose_checkpoint(candidates, job, config.global_batch_size)
             for line in choice.warnings():
@@ -320,12 +320,12 @@ class Guards:
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
         """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint."""
-        flavour, checkpoint = trainer_flavour(trainer), config.preemption_checkpoint  # the trainer's package's
+        flavour, checkpoint = trainer_flavour(trainer), config.reliability.preemption_checkpoint  # its package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
         children = getattr(strategy.launcher, "children", list)  # the local replicas a popen launcher started
         saves_to = None if checkpoint is False else path  # ``preemption_checkpoint=False``: stop without saving
-        self.preemption = handler = PreemptionHandler(config.preemption_grace, saves_to, children=children)
+        self.preemption = handler = PreemptionHandler(config.reliability.preemption_grace, saves_to, children=children)
         handler.rank, handler.world_size = trainer.global_rank, trainer.world_size
         handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)

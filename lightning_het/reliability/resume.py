@@ -52,7 +52,7 @@ def trajectory_settings(config: Any, mode: str, trainer: Any) -> dict[str, Any]:
     """The settings that change the trajectory: comm, gradient accumulation and clipping, precision."""
     settings: dict[str, Any] = {"comm": "exact" if mode in ("allreduce", "hierarchical") else mode}
     if mode == "node_local":
-        settings.update({key: getattr(config, key, None) for key in _NODE_LOCAL_SETTINGS})  # objects: by repr
+        settings.update({key: config.comm.keywords().get(key) for key in _NODE_LOCAL_SETTINGS})  # objects: by repr
     return {**settings, "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
             "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
             "precision": str(trainer.precision)}  # fmt: skip

@@ -443,7 +443,7 @@ def test_flat_overrides_build_the_typed_form(compose_cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         strategy = instantiate(node)
-    assert (strategy.config.comm, strategy.config.global_sync_every, strategy.config.profile_steps) == (
+    assert (strategy.config.comm.mode, strategy.config.comm.sync_every, strategy.config.profiling.steps) == (
         "node_local",
         4,
         3,

@@ -3,7 +3,6 @@ profiled split."""
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from lightning_het import HeterogeneousStrategy, Profiling, allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, costs_from_speeds
 from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy, FitContext
 from lightning_het.balance.rebalance import profiled_split
@@ -111,7 +110,7 @@ def test_speeds_of_an_uneven_split_are_each_replicas_own():
 
 def test_the_cached_cap_and_cost_are_separate_records(tmp_path) -> None:
     """A replica's micro-batch cap and its cost live under two keys: storing one keeps the other."""
-    policy = BalancePolicy(dataclasses.replace(HeterogeneousConfig(), profile_cache=str(tmp_path)))
+    policy = BalancePolicy(HeterogeneousConfig(profiling=Profiling(cache=str(tmp_path))))
     policy.place(0, 2, torch.device("cpu"), 1)
     policy._fit = FitContext(lambda: (nn.Linear(3, 1), "32-true"), lambda: None, [])
     policy._cache_loader = DataLoader([torch.zeros(3)])

@@ -67,15 +67,16 @@ def test_the_apps_strategy_schema_passes_the_preemption_keywords():
     from lightning_het.app.config import StrategyConfig
 
     strategy = HeterogeneousStrategy(**StrategyConfig(preemption_checkpoint="ck/", preemption_grace=5).to_kwargs())
-    assert strategy.config.preemption_grace == 5.0 and strategy.config.preemption_checkpoint == "ck/"
+    reliability = strategy.config.reliability
+    assert reliability.preemption_grace == 5.0 and reliability.preemption_checkpoint == "ck/"
 
 
 def test_preemption_checkpoint_false_is_accepted_by_the_strategy_and_the_apps_schema():
     from lightning_het.app.config import StrategyConfig
 
-    assert HeterogeneousStrategy(preemption_checkpoint=False).config.preemption_checkpoint is False
+    assert HeterogeneousStrategy(preemption_checkpoint=False).config.reliability.preemption_checkpoint is False
     strategy = HeterogeneousStrategy(**StrategyConfig(preemption_checkpoint=False).to_kwargs())
-    assert strategy.config.preemption_checkpoint is False
+    assert strategy.config.reliability.preemption_checkpoint is False
     with pytest.raises(ValueError, match=r"`preemption_checkpoint` to be a file or directory path.*got True"):
         HeterogeneousStrategy(preemption_checkpoint=True)
 
