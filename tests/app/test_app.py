@@ -231,7 +231,7 @@ def test_each_lightning_and_strategy_message_is_printed_once(quick_runs):
     assert console.count("GPU available:") == 1, console  # Lightning's
     assert console.count("HeterogeneousStrategy: profiling on the first") == 1, console  # the strategy's
     # the balance table: logged once when profiling ends, and once more in the run's closing summary
-    assert console.count("rank node   device") == 2, console
+    assert console.count("rank node device") == 2, console
     assert "INFO: " not in console  # Lightning's own handler's format
     assert "GPU available:" in (out / "train.log").read_text()  # the job's log file still has Lightning's records
 
