@@ -235,21 +235,9 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
                     " `HeterogeneousFabricStrategy(global_batch_size=...)`."
                 )
             global_batch = dataloader.batch_size * self.world_size
-        allocated = self.policy.allocation.batch_sizes
-        if allocated is None or sum(allocated) != global_batch:
-            self.policy.allocate(dataloader, global_batch, self._fit_context(loop_prefetch=0))
-        sizes = self.policy.allocation.batch_sizes
-        assert sizes is not None
+        sizes = self.policy.sizes_for(dataloader, global_batch, self._fit_context(loop_prefetch=0))
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
-        sampler = ProportionalDistributedSampler(
-            dataloader.dataset,
-            sizes,
-            self.global_rank,
-            shuffle=order.shuffle,
-            seed=order.seed,
-            drop_last=True,
-            order_sampler=order.sampler,
-        )
+        sampler = order.split(dataloader.dataset, sizes, self.global_rank, drop_last=True)
         self._steps_per_epoch, self._steps.sampler = sampler.num_steps, sampler
         profiler, batches = self.policy.profiler, None
         if profiler is not None:  # trial splits on the first steps, each batch cut when the loop fetches it

@@ -178,6 +178,15 @@ class BalancePolicy:
         assert self._fit is not None
         return render_balance_table(self._fit.report())
 
+    def sizes_for(
+        self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None
+    ) -> list[int]:
+        """The allocation's split of ``global_batch``, allocated first when there is none or it has another total."""
+        allocated = self.allocation.batch_sizes
+        if allocated is None or sum(allocated) != global_batch:
+            self.allocate(dataloader, global_batch, fit, resume)
+        return list(self.allocation.batch_sizes or ())
+
     def allocate(self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None) -> None:
         """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
         self._fit, self._cache_loader = fit, dataloader

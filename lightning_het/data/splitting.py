@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,13 @@ class TrainingOrder:
     seed: int
     sampler: Sampler | None = None
     drop_last: bool = False
+
+    def split(self, dataset: Any, sizes: Sequence[int], rank: int, **options: Any) -> ProportionalDistributedSampler:
+        """Replica ``rank``'s share of this order cut into global batches of ``sizes`` (``options``: the sampler's)."""
+        options.setdefault("drop_last", self.drop_last)
+        return ProportionalDistributedSampler(
+            dataset, sizes, rank, shuffle=self.shuffle, seed=self.seed, order_sampler=self.sampler, **options
+        )
 
 
 def training_order(dataloader: DataLoader) -> TrainingOrder:
@@ -215,20 +222,9 @@ class LoaderSplitter:
                 global_batch, policy.allocation.batch_sizes, min_batch_size=policy.min_batch_size
             )
         else:
-            allocated = policy.allocation.batch_sizes
-            if allocated is None or sum(allocated) != global_batch:
-                policy.allocate(dataloader, global_batch, fit, self.resume_record)
-            sizes, self.train_pass = policy.allocation.batch_sizes, (pass_key, global_batch)
-        sampler = ProportionalDistributedSampler(
-            dataloader.dataset,
-            sizes,
-            policy.rank,
-            shuffle=order.shuffle,
-            seed=order.seed,
-            drop_last=order.drop_last,
-            min_batch_size=policy.min_batch_size,
-            order_sampler=order.sampler,
-        )
+            sizes = policy.sizes_for(dataloader, global_batch, fit, self.resume_record)
+            self.train_pass = (pass_key, global_batch)
+        sampler = order.split(dataloader.dataset, sizes, policy.rank, min_batch_size=policy.min_batch_size)
         if not further:
             if sampler.dropped_per_epoch and not order.drop_last:
                 rank_zero_warn(
