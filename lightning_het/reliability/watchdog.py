@@ -174,116 +174,13 @@ def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stall
     return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
 
 
-class HeartbeatBook:
-    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock."""
-
-    def __init__(
-        self,
-        rank: int,
-        token: str,
-        namespace: str,
-        host: str,
-        stale_after: float,
-        alive: Callable[[int], bool] = process_alive,
-        peers: dict[int, tuple[str, str, int]] | None = None,
-    ) -> None:
-        self.rank, self.token, self.namespace, self.host, self.peers = rank, token, namespace, host, peers or {}
-        self.stale_after, self.alive, self.started = stale_after, alive, 0.0
-        self.seen: dict[int, tuple[Any, float, Any, float, dict[str, Any] | None]] = {}  # beat, when, seq, when, data
-        self.tampered: set[str] = set()
-        self._hidden: set[int] = set()
-        self._forged = False
-
-    def sign(self, key: str, payload: str) -> str:
-        return sign(self.token, self.namespace + key, payload) if self.token else payload
-
-    def verify(self, key: str, raw: Any) -> str | None:
-        """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
-        if not self.token:
-            return raw.decode() if isinstance(raw, bytes) else raw
-        payload = verify(self.token, self.namespace + key, raw)
-        if payload is None and not self._forged:
-            self._forged = True
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature"
-            )
-        return payload
-
-    def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
-        """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
-        key, last, data = f"hb/{r}", self.seen.get(r, (None,) * 5)[4], None
-        payload = None if raw is None else self.verify(key, raw)
-        with contextlib.suppress(ValueError):
-            data = None if payload is None else json.loads(payload)
-        if raw is None:
-            problem = "the record was deleted" if last is not None else None
-        elif payload is None:
-            problem = "a record without a valid signature"
-        elif not isinstance(data, dict):
-            problem = "a record that is not a heartbeat"
-        elif data.get("rank", r) != r:
-            problem = f"a record of replica {data.get('rank')}"
-        elif last is not None and data["beat"] < last["beat"]:
-            problem = f"an older record replayed (beat {data['beat']} after {last['beat']})"
-        else:
-            return data
-        if problem is not None and key not in self.tampered:
-            self.tampered.add(key)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {problem}; ignored"
-            )
-        return None
-
-    def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
-        """Replica ``r``'s status from the record just read (``None``: missing), judged against what was seen."""
-        data, old = self.genuine(r, raw), self.seen.get(r)
-        if data is None and old is not None and old[4] is not None:
-            data = old[4]  # a forged, replayed, deleted or garbled record: keep the last genuine one
-        beat, seq = (data["beat"], data["seq"]) if data else (None, None)
-        old = old or (beat, self.started, seq, self.started, None)
-        beat_changed, seq_changed = old[1] if beat == old[0] else now, old[3] if seq == old[2] else now
-        self.seen[r] = (beat, beat_changed, seq, seq_changed, data)
-        silent, stalled = now - beat_changed, now - seq_changed
-        if data is None:
-            status = ReplicaStatus(r, silent_for=silent, stalled_for=stalled)
-        else:
-            status = status_from_record(r, data, silent, stalled)
-        host, boot, pid = (
-            self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"])) or ("",) * 3
-        )
-        # the second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat
-        if silent > self.stale_after and host == self.host and boot == BOOT_ID and self.alive(int(pid)):
-            return self._hidden_alive(status, pid)
-        return status
-
-    def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
-        """Second signal for a replica this process launched: exited 0 is finished; running is not silent."""
-        if exit_code == 0:
-            return replace(status, state="finished")
-        if exit_code is None and status.silent_for > self.stale_after:
-            return self._hidden_alive(status, status.pid)
-        return status
-
-    def _hidden_alive(self, status: ReplicaStatus, pid: Any) -> ReplicaStatus:
-        r = status.rank
-        if r not in self._hidden:
-            self._hidden.add(r)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {status.silent_for:.1f}"
-                f" s, but its process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under"
-                f" 'hb/{r}' is hidden by tampering, or it is frozen)"
-            )
-        return replace(status, silent_for=0.0, stalled_for=0.0)
-
-
 #: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
 EMERGENCY_KINDS = ("hung", "silent", "exited")
 EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
 
 
 class Watchdog:
-    """Per-replica heartbeat thread and judge."""
+    """Per-replica heartbeat thread and judge; the others' heartbeats are aged by this replica's monotonic clock."""
 
     def __init__(
         self,
@@ -299,6 +196,7 @@ class Watchdog:
         token: str = "",
         namespace: str = "",
         peers: dict[int, tuple[str, str, int]] | None = None,
+        alive: Callable[[int], bool] = process_alive,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
@@ -316,7 +214,15 @@ class Watchdog:
         self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
         self._beat, self._bugs, self._reported = 0, 0, False
-        self._book = HeartbeatBook(rank, token, namespace, self._host, max(3 * self.interval, 1.0), peers=peers)
+        self.namespace, self.peers, self.alive, self.stale_after = (
+            namespace,
+            peers or {},
+            alive,
+            max(3 * self.interval, 1.0),
+        )
+        self.seen: dict[int, tuple[float, float, dict[str, Any] | None]] = {}  # beat and seq changed at, last record
+        self.tampered: set[str] = set()  # the keys found tampered with
+        self._hidden, self._forged, self._started = set(), False, 0.0
         self._store_lost_since, self._stop, self._main_ident = None, threading.Event(), threading.get_ident()
         self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
         self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
@@ -326,8 +232,7 @@ class Watchdog:
 
     def start(self) -> None:
         """Publish the first heartbeat and start the thread."""
-        self._main_ident = threading.get_ident()
-        self._book.started = time.monotonic()
+        self._main_ident, self._started = threading.get_ident(), time.monotonic()
         self._publish()
         self._thread.start()
 
@@ -455,7 +360,7 @@ class Watchdog:
     def _publish(self) -> None:
         self._beat += 1
         key = f"hb/{self.rank}"
-        self.store.set(key, self._book.sign(key, json.dumps({"beat": self._beat, **self._record()})))
+        self.store.set(key, self.sign(key, json.dumps({"beat": self._beat, **self._record()})))
 
     def _statuses(self) -> list[ReplicaStatus]:
         now = time.monotonic()
@@ -470,10 +375,77 @@ class Watchdog:
             if r == self.rank:
                 statuses.append(status_from_record(r, self._record(), 0.0, now - self._progress[3]))
                 continue
-            status = self._book.status(r, raw.get(r), now)
-            child = children.get(r)
-            statuses.append(status if child is None else self._book.child_status(status, child.poll()))
+            statuses.append(self.status(r, raw.get(r), now, children.get(r)))
         return statuses
+
+    def sign(self, key: str, payload: str) -> str:
+        return sign(self._token, self.namespace + key, payload) if self._token else payload
+
+    def verify(self, key: str, raw: Any) -> str | None:
+        """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
+        if not self._token:
+            return raw.decode() if isinstance(raw, bytes) else raw
+        payload = verify(self._token, self.namespace + key, raw)
+        if payload is None and not self._forged:
+            self._forged = True
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature"
+            )
+        return payload
+
+    def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
+        """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
+        key, last, data = f"hb/{r}", self.seen.get(r, (0, 0, None))[2], None
+        payload = None if raw is None else self.verify(key, raw)
+        with contextlib.suppress(ValueError):
+            data = None if payload is None else json.loads(payload)
+        if raw is None:
+            problem = "the record was deleted" if last is not None else None
+        elif payload is None:
+            problem = "a record without a valid signature"
+        elif not isinstance(data, dict):
+            problem = "a record that is not a heartbeat"
+        elif data.get("rank", r) != r:
+            problem = f"a record of replica {data.get('rank')}"
+        elif last is not None and data["beat"] < last["beat"]:
+            problem = f"an older record replayed (beat {data['beat']} after {last['beat']})"
+        else:
+            return data
+        if problem is not None and key not in self.tampered:
+            self.tampered.add(key)
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
+                f" {problem}; ignored"
+            )
+        return None
+
+    def status(self, r: int, raw: Any, now: float, child: subprocess.Popen | None = None) -> ReplicaStatus:
+        """Replica ``r``'s status from the record just read (``None``: missing) and, launched here, its process."""
+        last = self.seen.get(r)
+        data = self.genuine(r, raw) or (last and last[2])  # forged, replayed, deleted: keep the last genuine one
+        last = last or (self._started, self._started, data)
+        old = last[2] or {}
+        beat_at, seq_at = (now if data and data[k] != old.get(k) else t for k, t in zip(("beat", "seq"), last))
+        self.seen[r] = (beat_at, seq_at, data)
+        silent, stalled = now - beat_at, now - seq_at
+        status = ReplicaStatus(r, silent_for=silent, stalled_for=stalled)
+        status = status if data is None else status_from_record(r, data, silent, stalled)
+        code = None if child is None else child.poll()
+        if code == 0:
+            return replace(status, state="finished")
+        host, boot, pid = self.peers.get(r) or (data and (data["host"], data.get("boot", ""), data["pid"])) or ("",) * 3
+        # the second signal: a replica whose process is alive (on this node) is not dead, whatever its heartbeat
+        alive = code is None if child is not None else host == self._host and boot == BOOT_ID and self.alive(int(pid))
+        if silent <= self.stale_after or not alive:
+            return status
+        if r not in self._hidden:
+            self._hidden.add(r)
+            log.warning(
+                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {silent:.1f} s, but its"
+                f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}'"
+                " is hidden by tampering, or it is frozen)"
+            )
+        return replace(status, silent_for=0.0, stalled_for=0.0)
 
     def _judge_collective_failure(self, exception: BaseException) -> Verdict:
         """A collective failed here: find the peer at fault (a dead one shows within a few heartbeats)."""
@@ -497,14 +469,14 @@ class Watchdog:
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
             return None
-        payload = self._book.verify("abort", self.store.get("abort"))
+        payload = self.verify("abort", self.store.get("abort"))
         return None if payload is None else Verdict.from_json(payload)
 
     def _conclude(self, verdict: Verdict, publish: bool = True) -> Verdict:
         """Publish ``verdict`` unless another replica did; report, acknowledge and (survivors) save the standing one."""
         if publish:
-            record = self._book.sign("abort", verdict.to_json())
-            payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
+            record = self.sign("abort", verdict.to_json())
+            payload = self.verify("abort", self.store.compare_set("abort", "", record))
             if payload is None:  # a forged record holds the key: replace it with ours
                 self.store.set("abort", record)
                 payload = verdict.to_json()
