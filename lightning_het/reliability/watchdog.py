@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_het._compat import should_accumulate
@@ -146,28 +147,6 @@ def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     return False
 
 
-class StoreUnreachable(RuntimeError):
-    """A call to the job's store failed: its host (rank 0) ended, or the network between the nodes failed."""
-
-
-class GuardedStore:
-    """The store, every failing call raising :class:`StoreUnreachable`."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(*args, **kwargs)
-            except Exception as err:
-                raise StoreUnreachable(f"{type(err).__name__}: {err}") from err
-
-        return call
-
-
 def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
     keys = ("host", "pid", "batch", "armed", "waiting", "state", "error", "eval_stage", "eval_batch")
     ages = {"silent_for": silent_for, "stalled_for": stalled_for}
@@ -200,7 +179,7 @@ class Watchdog:
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
-        self.store, self.rank, self.world_size, self.timeout = GuardedStore(store), rank, world_size, float(timeout)
+        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
         self.grace, self.hosts_store = min(max(2 * self.interval, 1.0), 10.0), hosts_store
         self._children, self._exit, self._token = children or list, exit or exit_job, token
@@ -214,12 +193,8 @@ class Watchdog:
         self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
         self._beat, self._bugs, self._reported = 0, 0, False
-        self.namespace, self.peers, self.alive, self.stale_after = (
-            namespace,
-            peers or {},
-            alive,
-            max(3 * self.interval, 1.0),
-        )
+        self.namespace, self.peers, self.alive = namespace, peers or {}, alive
+        self.stale_after = max(3 * self.interval, 1.0)  # heartbeat older: check whether the process is alive
         self.seen: dict[int, tuple[float, float, dict[str, Any] | None]] = {}  # beat and seq changed at, last record
         self.tampered: set[str] = set()  # the keys found tampered with
         self._hidden, self._forged, self._started = set(), False, 0.0
@@ -261,7 +236,7 @@ class Watchdog:
         """Normal end of this replica's run: say so, wait until every replica has finished, stop."""
         self.mark(Phase.TEARDOWN)
         self._state = "finished" if self._state == "running" else self._state
-        with contextlib.suppress(StoreUnreachable):
+        with contextlib.suppress(dist.DistError):
             self._publish()
             while not self._stop.is_set():
                 if all(s.state == "finished" for s in self._statuses() if s.rank != self.rank):
@@ -298,9 +273,9 @@ class Watchdog:
                 verdict = judge(self._statuses(), self.timeout)
             if verdict is not None:
                 self._standing = self._conclude(verdict)
-        except StoreUnreachable as err:  # its host (rank 0) has ended
+        except dist.DistError as err:  # its host (rank 0) has ended
             if self.rank != 0:
-                message = f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising"
+                message = f"replica 0 ended: replica {self.rank} lost the store ({first_line(err)}) while raising"
                 lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
                 self._standing = self._conclude(lost, publish=False)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
@@ -318,13 +293,13 @@ class Watchdog:
                     self._publish()
                     verdict = judge(self._statuses(), self.timeout)
                 self._store_lost_since = None
-            except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
+            except dist.DistError as err:  # the store is gone: its host (rank 0) ended, or the network failed
                 if self._stop.is_set():
                     return
                 self._store_lost_since = self._store_lost_since or time.monotonic()
                 lost = time.monotonic() - self._store_lost_since
                 if lost > self.timeout:
-                    message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
+                    message = f"replica {self.rank} lost the store on rank 0 for {lost:.1f} s ({first_line(err)})"
                     verdict, publish = Verdict("lost_store", (0,), lost, message), False
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
@@ -369,14 +344,11 @@ class Watchdog:
             raw = dict(enumerate(self.store.multi_get(keys)))
         else:
             raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
-        children = dict(self._children())
-        statuses = []
-        for r in range(self.world_size):
-            if r == self.rank:
-                statuses.append(status_from_record(r, self._record(), 0.0, now - self._progress[3]))
-                continue
-            statuses.append(self.status(r, raw.get(r), now, children.get(r)))
-        return statuses
+        children, mine = (
+            dict(self._children()),
+            status_from_record(self.rank, self._record(), 0.0, now - self._progress[3]),
+        )
+        return [mine if r == self.rank else self.status(r, raw.get(r), now, children.get(r)) for r in range(len(keys))]
 
     def sign(self, key: str, payload: str) -> str:
         return sign(self._token, self.namespace + key, payload) if self._token else payload
