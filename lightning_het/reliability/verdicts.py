@@ -53,22 +53,6 @@ _EVAL_HOOKS = {"validate": ("validation_step", "on_validation_epoch_end"), "test
 _EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP, Phase.EVAL_EPOCH_END)
 
 
-def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
-    """Where a replica is, in words: the phase and the training (or evaluation) batch it concerns."""
-    if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
-        return phase.text
-    if phase in _EVAL_PHASES and eval_stage:
-        step, hook = _EVAL_HOOKS.get(eval_stage, (f"{eval_stage} step", "the evaluation epoch-end hooks"))
-        if phase == Phase.EVAL_STEP:
-            where = f"in {step} of evaluation batch {eval_batch}"
-        elif phase == Phase.EVAL_EPOCH_END:
-            where = f"in {hook}"
-        else:
-            where = f"loading evaluation batch {eval_batch + 1} for {step}"
-        return f"{where} (after training batch {batch})" if batch else where
-    return f"{phase.text} of batch {batch}"
-
-
 @dataclass(frozen=True)
 class ReplicaStatus:
     """One replica as seen by an observer (the input of :func:`judge`)."""
@@ -93,7 +77,19 @@ class ReplicaStatus:
         return self.batch, int(self.phase)
 
     def describe(self) -> str:
-        where = describe_phase(self.phase, self.batch, self.eval_stage, self.eval_batch)
+        """Where the replica is, in words: the phase and the training (or evaluation) batch it concerns."""
+        phase, batch, stage, where = self.phase, self.batch, self.eval_stage, f"{self.phase.text} of batch {self.batch}"
+        if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
+            where = phase.text
+        elif phase in _EVAL_PHASES and stage:
+            step, hook = _EVAL_HOOKS.get(stage, (f"{stage} step", "the evaluation epoch-end hooks"))
+            if phase == Phase.EVAL_STEP:
+                where = f"in {step} of evaluation batch {self.eval_batch}"
+            elif phase == Phase.EVAL_EPOCH_END:
+                where = f"in {hook}"
+            else:
+                where = f"loading evaluation batch {self.eval_batch + 1} for {step}"
+            where = f"{where} (after training batch {batch})" if batch else where
         return f"rank {self.rank} on {self.host} (pid {self.pid}): {where}"
 
 

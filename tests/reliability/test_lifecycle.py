@@ -42,7 +42,6 @@ from lightning_het.reliability.verdicts import (
     Phase,
     ReplicaStatus,
     Verdict,
-    describe_phase,
     exit_code_for,
     judge,
 )
@@ -51,7 +50,7 @@ from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
 from tests.helpers.tiny import FLAVOUR_ENV
-from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
+from tests.helpers.watchdogs import ExitRecorder, describe_phase, watchdog_pair
 
 TIMEOUT = 5.0
 #: seconds each training step of the Ctrl-C jobs sleeps (of the strangers' job: twice that): their six steps (6 s)

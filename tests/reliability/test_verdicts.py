@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from lightning_het.reliability.verdicts import Phase, ReplicaStatus, describe_phase, judge
+from lightning_het.reliability.verdicts import Phase, ReplicaStatus, judge
 from lightning_het.reliability.watchdog import inside_torch_distributed
+from tests.helpers.watchdogs import describe_phase
 
 
 def _frame_of(filename: str, source: str, call: str):
