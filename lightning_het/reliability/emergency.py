@@ -291,12 +291,12 @@ class Guards:
             dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
             found = checkpoint_candidates(preemption_path(trainer, config.reliability.preemption_checkpoint), dirpaths)
             candidates = [read_candidate(path) for path in found]
-            choice = choose_checkpoint(candidates, job, config.global_batch_size)
-            for line in choice.warnings():
+            chosen, lines = choose_checkpoint(candidates, job, config.global_batch_size)
+            for line in lines:
                 warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
             emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
                            and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
-            decision = (choice.path, emergencies)
+            decision = (chosen, emergencies)
         path, self._emergencies = broadcast(decision)
         if path is not None:
             rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")

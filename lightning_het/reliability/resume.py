@@ -8,7 +8,7 @@ import os
 import re
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,33 +85,6 @@ class Candidate:
     weights_only: bool = False  # no training state (``ModelCheckpoint(save_weights_only=True)``): not resumable
 
 
-@dataclass
-class ResumeChoice:
-    """The checkpoint to resume (``None``: start fresh), and the unreadable and other jobs' checkpoints passed over."""
-
-    path: str | None = None
-    unreadable: list[Candidate] = field(default_factory=list)
-    foreign: list[tuple[str, list[str]]] = field(default_factory=list)
-
-    def warnings(self) -> list[str]:
-        """One line per unreadable file and one for the other jobs' checkpoints passed over."""
-        then = f"resuming from {self.path}" if self.path else "starting a fresh fit"
-        lines = [
-            f"resume='auto' skips {c.path}: it cannot be read ({c.error}); {then}. HINT: delete or replace the file"
-            " (a full disk or a copy cut short leaves it truncated)"
-            for c in self.unreadable
-        ]
-        if self.foreign:
-            (path, differences), more = self.foreign[0], len(self.foreign) - 1
-            others = f" (and {more} more checkpoint(s) of other jobs)" if more else ""
-            lines.append(
-                f"resume='auto' does not resume {path}{others}: it is another job's checkpoint"
-                f" ({'; '.join(differences)}); {then}. HINT: pass `trainer.fit(..., ckpt_path=...)` to resume it"
-                " anyway, or give this job its own `default_root_dir`"
-            )
-        return lines
-
-
 def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] = ()) -> list[str]:
     """Every ``*.ckpt`` file of the preemption checkpoint's folder and of ``dirpaths`` (and their ``version_*``)."""
     patterns = []
@@ -154,9 +127,10 @@ def read_candidate(path: str) -> Candidate:
 
 def choose_checkpoint(
     candidates: Sequence[Candidate], job: Mapping[str, Any], global_batch_size: int | None
-) -> ResumeChoice:
-    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest)."""
-    choice, chosen = ResumeChoice(), None
+) -> tuple[str | None, list[str]]:
+    """The checkpoint of this ``job`` with the most progress among ``candidates`` (ties: the latest), and a warning
+    for each unreadable file and one for the other jobs' checkpoints passed over."""
+    chosen, foreign = None, []
     for candidate in sorted(candidates, key=lambda c: (c.step, c.epoch, c.mtime), reverse=True):
         if candidate.error is not None or candidate.weights_only:  # a weights-only file is not meant to resume
             continue
@@ -165,13 +139,26 @@ def choose_checkpoint(
         if global_batch_size is not None and saved_batch is not None and saved_batch != global_batch_size:
             differences.append(f"global_batch_size {saved_batch!r} -> {global_batch_size!r}")
         if not differences:
-            choice.path, chosen = candidate.path, candidate
+            chosen = candidate
             break
-        choice.foreign.append((candidate.path, differences))
+        foreign.append((candidate.path, differences))
+    then = f"resuming from {chosen.path}" if chosen else "starting a fresh fit"
     # an unreadable file's progress is unknown: named when it was written after the checkpoint resumed
     unreadable = [c for c in candidates if c.error is not None and (chosen is None or c.mtime >= chosen.mtime)]
-    choice.unreadable = sorted(unreadable, key=lambda c: c.mtime, reverse=True)
-    return choice
+    lines = [
+        f"resume='auto' skips {c.path}: it cannot be read ({c.error}); {then}. HINT: delete or replace the file"
+        " (a full disk or a copy cut short leaves it truncated)"
+        for c in sorted(unreadable, key=lambda c: c.mtime, reverse=True)
+    ]
+    if foreign:
+        (path, differences), more = foreign[0], len(foreign) - 1
+        others = f" (and {more} more checkpoint(s) of other jobs)" if more else ""
+        lines.append(
+            f"resume='auto' does not resume {path}{others}: it is another job's checkpoint"
+            f" ({'; '.join(differences)}); {then}. HINT: pass `trainer.fit(..., ckpt_path=...)` to resume it"
+            " anyway, or give this job its own `default_root_dir`"
+        )
+    return chosen and chosen.path, lines
 
 
 def wants_resume(resume: Any, environ: Any = None) -> bool:

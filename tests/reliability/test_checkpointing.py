@@ -311,17 +311,19 @@ def test_the_choice_follows_progress_past_unreadable_files_and_other_jobs():
         Candidate("last.ckpt", 10, 1, 25.0, job, global_batch_size=8),  # same step, written later
         Candidate("weights.ckpt", 30, 5, 50.0, job, weights_only=True),  # ModelCheckpoint(save_weights_only=True)
     ]
-    choice = choose_checkpoint(candidates, job, None)
-    assert choice.path == "last.ckpt"
-    assert [c.path for c in choice.unreadable] == ["epoch=2-step=15.ckpt"]
-    assert choice.foreign == [("b.ckpt", ["optimizer 0 group 0 lr 0.5 -> 0.1"])]
-    lines = choice.warnings()
+    path, lines = choose_checkpoint(candidates, job, None)
+    assert path == "last.ckpt"
     assert len(lines) == 2 and "skips epoch=2-step=15.ckpt: it cannot be read (RuntimeError: truncated)" in lines[0]
-    assert "does not resume b.ckpt: it is another job's checkpoint (optimizer 0 group 0 lr 0.5 -> 0.1)" in lines[1]
+    assert "resuming from last.ckpt" in lines[0]
+    # the one other job's checkpoint passed over, named with what differs
+    assert "does not resume b.ckpt: it is another job's checkpoint (optimizer 0 group 0 lr 0.5 -> 0.1);" in lines[1]
     # another global batch given explicitly: not an exact continuation of the checkpoint that recorded 8
-    assert choose_checkpoint(candidates, job, 16).path == "epoch=1-step=10.ckpt"
-    assert choose_checkpoint(candidates[1:4], job, None).path is None
-    assert len(choose_checkpoint(candidates[1:4], job, None).unreadable) == 2
+    assert choose_checkpoint(candidates, job, 16)[0] == "epoch=1-step=10.ckpt"
+    path, lines = choose_checkpoint(candidates[1:4], job, None)
+    assert path is None and [line.split(":")[0] for line in lines[:2]] == [
+        "resume='auto' skips epoch=2-step=15.ckpt",
+        "resume='auto' skips old.ckpt",
+    ]
 
 
 def test_auto_resume_does_not_resume_another_jobs_emergency_checkpoint(tmp_path):
