@@ -71,11 +71,10 @@ def resumed_global_batch_size(record: Mapping[str, Any] | None) -> int | None:
 
 
 class AllocationPlan(NamedTuple):
-    """What a resumed fit uses as speeds, and the log line explaining it."""
+    """What a resumed fit uses as speeds, and the log line explaining it ("re-balancing on resume: ..." or not)."""
 
     speeds: list[float] | None
     message: str | None
-    rebalanced: bool
 
 
 def plan_allocation(
@@ -83,20 +82,20 @@ def plan_allocation(
 ) -> AllocationPlan:
     """Decide the speeds of a resumed fit from the checkpoint's record. Pure."""
     if record is None or not record.get("speeds"):
-        return AllocationPlan(None, None, False)
+        return AllocationPlan(None, None)
     saved_world, saved_speeds = int(record["world_size"]), [float(s) for s in record["speeds"]]
     given = None if given_speeds is None else [float(s) for s in given_speeds]
     if given is not None and (saved_world, saved_speeds) == (world_size, given):
-        return AllocationPlan(given, "resuming with the checkpoint's allocation (the given speeds match it)", False)
+        return AllocationPlan(given, "resuming with the checkpoint's allocation (the given speeds match it)")
     trained = f"the checkpoint was trained by {saved_world} replica(s)"
     if given is not None:
         message = f"{trained} with speeds {saved_speeds}, this run has {world_size} replica(s) with the given speeds"
-        return AllocationPlan(given, f"re-balancing on resume: {message} {given}", True)
+        return AllocationPlan(given, f"re-balancing on resume: {message} {given}")
     if saved_world != world_size:
         message = f"{trained}, this run has {world_size}; profiling the replicas"
-        return AllocationPlan(None, f"re-balancing on resume: {message}", True)
+        return AllocationPlan(None, f"re-balancing on resume: {message}")
     message = f"resuming with the checkpoint's speeds {saved_speeds} (no re-profiling; pass `speeds=` to re-balance)"
-    return AllocationPlan(saved_speeds, message, False)
+    return AllocationPlan(saved_speeds, message)
 
 
 def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | None, batch_sizes: Sequence[int]) -> None:
@@ -106,20 +105,14 @@ def log_resumed_allocation(plan: AllocationPlan, record: Mapping[str, Any] | Non
         rank_zero_info(f"HeterogeneousStrategy: {plan.message}; {sizes}")
 
 
-class SamplerResume(NamedTuple):
-    """Where the training sampler starts: ``epoch`` and the global batches of it to skip."""
-
-    epoch: int
-    skip_steps: int
-
-
-def plan_sampler_resume(saved: Mapping[str, Any] | None, **now: Any) -> SamplerResume | None:
-    """Where the sampler of a resumed fit starts, from the saved position and ``now``'s order (``_ORDER``). Pure."""
+def plan_sampler_resume(saved: Mapping[str, Any] | None, **now: Any) -> tuple[int, int] | None:
+    """The epoch a resumed fit's sampler starts and the global batches of it to skip, from the saved position and
+    ``now``'s order (``_ORDER``). Pure."""
     if not saved:
         return None
     epoch, done, saved_steps = int(saved["epoch"]), int(saved["steps_done"]), int(saved["num_steps"])
     if done <= 0:
-        return SamplerResume(epoch, 0)
+        return (epoch, 0)
     # after the last batch but before the epoch ended (e.g. saved in on_train_batch_end): Lightning's loop counters
     # still sit inside the epoch, so a different number of batches per epoch would cut the next epoch short
     inside = done < saved_steps or not saved.get("epoch_finished", True)
@@ -134,30 +127,28 @@ def plan_sampler_resume(saved: Mapping[str, Any] | None, **now: Any) -> SamplerR
             " may change)."
         )
     if done >= saved_steps or done >= now["num_steps"]:
-        return SamplerResume(epoch + 1, 0)
-    return SamplerResume(epoch, done)
+        return (epoch + 1, 0)
+    return (epoch, done)
 
 
 _QUIET: list[Any] = []  # the warning filters apply_sampler_resume added, removed by end_resume_quiet
 
 
-def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: int) -> SamplerResume | None:
-    """Position a fresh training sampler at ``epoch`` or at the checkpoint's place; return the resume plan."""
+def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: int) -> None:
+    """Position a fresh training sampler at ``epoch`` or at the checkpoint's place."""
     plan = None if record is None else plan_sampler_resume(record.get("sampler"), **_sampler_order(sampler))
     if plan is None:
-        sampler.set_epoch(epoch)
-        return None
-    sampler.resume(plan.epoch, plan.skip_steps)
-    if plan.skip_steps:
+        return sampler.set_epoch(epoch)
+    sampler.resume(*plan)
+    if plan[1]:
         rank_zero_info(
-            f"HeterogeneousStrategy: resuming in the middle of epoch {plan.epoch}: the sampler skips the"
-            f" {plan.skip_steps} global batch(es) already trained on"
+            f"HeterogeneousStrategy: resuming in the middle of epoch {plan[0]}: the sampler skips the"
+            f" {plan[1]} global batch(es) already trained on"
         )
         # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does: silenced until this fit's
         # teardown (a PossibleUserWarning, whose class each Lightning package has its own of)
         warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=UserWarning)
         _QUIET.append(warnings.filters[0])
-    return plan
 
 
 def end_resume_quiet() -> None:
