@@ -30,10 +30,6 @@ from lightning_het.reliability.watchdog import as_seconds, check_children, die_w
 
 log = logging.getLogger(__name__)
 
-REAP_GRACE_S = 30.0  # seconds beyond the strategy's ``timeout`` the launching process waits at exit for its replicas
-FAILED_REAP_GRACE_S = 10.0  # the same after a run that ended with an exception here
-_WORKER_DRAIN_S = 0.1  # seconds the interpreter stays whole (GIL released) for the backend's threads at exit
-
 
 class ExitCleanup:
     """At exit: destroy the default process group after a clean run; end with :attr:`exit_code` if one is set."""
@@ -55,7 +51,7 @@ class ExitCleanup:
                 log.debug("lightning-het: destroying the process group at exit failed: %s", err)
             # a Gloo worker thread may still hold the last collective's tensors; it needs the GIL to free them, and a
             # thread that asks for it once finalisation has begun is ended by a forced unwind that aborts the process
-            time.sleep(_WORKER_DRAIN_S)
+            time.sleep(0.1)
         if cls.exit_code is not None:  # no interpreter finalisation (backend threads): the status stays
             logging.shutdown()
             for stream in (sys.stdout, sys.stderr):
@@ -64,13 +60,11 @@ class ExitCleanup:
             os._exit(cls.exit_code)
 
 
-def validate_launch_environment(num_nodes: int, cluster_environment: Any, environ: Any = None) -> None:
+def validate_launch_environment(num_nodes: int, cluster: Any, environ: Any = None) -> None:
     """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen."""
     environ = os.environ if environ is None else environ
-    if num_nodes <= 1 or cluster_environment is None or cluster_environment.creates_processes_externally:
-        return
-    if type(cluster_environment).__name__ != "LightningEnvironment":
-        return
+    if num_nodes <= 1 or type(cluster).__name__ != "LightningEnvironment" or cluster.creates_processes_externally:
+        return  # one node, or an environment (SLURM, torchrun, ...) that says where the nodes meet
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]
     if missing:
         raise ValueError(
@@ -189,8 +183,6 @@ class ScriptLauncher:
                 "Lightning attempted to launch new distributed processes with `local_rank > 0`. This should not happen:"
                 " the cluster environment says it does not create the processes (`creates_processes_externally`)."
             )
-        if self.procs:
-            raise RuntimeError("The launcher can only create subprocesses once.")
         os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port), NODE_RANK=str(env.node_rank()))
         os.environ.update(LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=f"{self.num_processes * self.num_nodes}")
         preexec = die_with_parent if sys.platform.startswith("linux") else None
@@ -231,8 +223,8 @@ class ScriptLauncher:
 
     def _reap_children(self) -> None:
         """Exit handler: give the replicas ``timeout`` + 30 s (10 s after a failed run), then kill them."""
-        wait = (as_seconds(self.strategy.process_group_timeout) or 1800.0) + REAP_GRACE_S
-        if killed := end_children(self.children(), min(wait, FAILED_REAP_GRACE_S) if self._failed else wait):
+        wait = (as_seconds(self.strategy.process_group_timeout) or 1800.0) + 30.0
+        if killed := end_children(self.children(), 10.0 if self._failed else wait):
             message = f"lightning_het: replica(s) {killed} still ran when the launching process ended; killed them."
             print(message, file=sys.stderr, flush=True)
         for proc in self.procs:

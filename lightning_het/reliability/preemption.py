@@ -45,10 +45,7 @@ class Preempted(PreemptedMixin, SIGTERMException):
 
 
 def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+    return next((s.name for s in signal.Signals if s == signum), f"signal {signum}")
 
 
 class PreemptionHandler:
@@ -63,9 +60,8 @@ class PreemptionHandler:
         *,
         children: Callable[[], Sequence[Any]] = list,
         exit: Callable[[int], None] = os._exit,
-        fast_exit: bool = True,
     ) -> None:
-        self.grace, self._fast_exit, self._children, self._exit = float(grace), fast_exit, children, exit
+        self.grace, self._children, self._exit = float(grace), children, exit
         self.checkpoint = checkpoint or None  # where to save (``None``: stop without saving)
         self.rank, self.world_size, self.fitting, self.extra_signals = 0, 1, True, ()
         self.received = 0  # the signal this replica received (0: none); set by the pipe reader
@@ -187,8 +183,7 @@ class PreemptionHandler:
         """Save the checkpoint (all ranks take part, rank 0 writes) and return the exception to raise."""
         self.preempting = True
         self.arm_deadline(self.grace, "was preempted")
-        if self._fast_exit:  # once the exit handlers ran: no interpreter finalisation
-            ExitCleanup.exit_code = PREEMPTION_EXIT_CODE
+        ExitCleanup.exit_code = PREEMPTION_EXIT_CODE  # once the exit handlers ran: no interpreter finalisation
         started, path, saved = time.monotonic(), self.checkpoint, None
         try:
             if path is not None:  # a local file: into ``path + ".tmp"`` (all ranks), then rank 0 renames it
