@@ -23,9 +23,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_het._compat import default_store, replace_signal_connector, restore_checkpoint
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
-from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
-from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
-from lightning_het.reliability.resume import (
+from lightning_het.reliability.checkpointing import (
+    CHECKPOINT_KEY,
     EMERGENCY_CHECKPOINT_NAME,
     Candidate,
     checkpoint_candidates,
@@ -34,6 +33,7 @@ from lightning_het.reliability.resume import (
     read_candidate,
     wants_resume,
 )
+from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
 

@@ -15,17 +15,15 @@ from torch.utils.data import DataLoader
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
-    checkpoint_record,
-    plan_allocation,
-    plan_sampler_resume,
-    read_record,
-)
-from lightning_het.reliability.resume import (
     Candidate,
     checkpoint_candidates,
+    checkpoint_record,
     choose_checkpoint,
     identity_differences,
     job_identity,
+    plan_allocation,
+    plan_sampler_resume,
+    read_record,
 )
 from tests.helpers.harness import run_harness, split_output
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
