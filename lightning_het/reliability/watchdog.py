@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,13 +68,11 @@ def descendants(pid: int) -> list[int]:
     found: list[int] = []
     pending = [pid]
     while pending:
-        parent = pending.pop(0)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{parent}/task"):
-                with contextlib.suppress(OSError, ValueError), open(f"/proc/{parent}/task/{task}/children") as fh:
-                    new = [c for c in map(int, fh.read().split()) if c not in found and c != pid]
-                    found += new
-                    pending += new
+        for path in glob.glob(f"/proc/{pending.pop(0)}/task/*/children"):
+            with contextlib.suppress(OSError, ValueError), open(path) as fh:
+                new = [c for c in map(int, fh.read().split()) if c not in found and c != pid]
+                found += new
+                pending += new
     return found
 
 
@@ -116,11 +116,9 @@ def as_seconds(value: timedelta | float | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else None if value is None else float(value)
 
 
-try:  # this machine's boot id (Linux): with the host name, tells whether a replica runs on this node
-    with open("/proc/sys/kernel/random/boot_id") as _fh:
-        BOOT_ID = _fh.read().strip()
-except OSError:
-    BOOT_ID = ""
+_BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+#: this machine's boot id (Linux): with the host name, tells whether a replica runs on this node
+BOOT_ID = _BOOT_ID_FILE.read_text().strip() if _BOOT_ID_FILE.exists() else ""
 
 
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -188,7 +186,7 @@ class Watchdog:
         self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
-        self._state, self._error, self._local_failure = "running", "", False
+        self._state, self._error = "running", ""
         self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
         self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
@@ -215,22 +213,20 @@ class Watchdog:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    @property
-    def phase(self) -> Phase:
-        return self._progress[2]
-
-    def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
-        """Record progress of the training thread (cheap; called from Trainer hooks)."""
+    def mark(
+        self, phase: Phase | None = None, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = ""
+    ) -> None:
+        """Record progress of the training thread (``None``: in the same phase; cheap, called from Trainer hooks)."""
         if eval_batch is not None or stage:
             old_stage, old_batch = self._eval_where
             self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
-        seq, batch, _, _ = self._progress
-        self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
+        seq, batch, old, _ = self._progress
+        self._progress = (seq + 1, batch + 1 if new_batch else batch, old if phase is None else phase, time.monotonic())
 
     def arm(self, loop: str, armed: bool = True) -> None:
         """The training thread entered (``armed``) or left a loop (``"fit"`` or ``"eval"``); progress counts as made."""
         self._armed.add(loop) if armed else self._armed.discard(loop)
-        self.mark(self.phase)
+        self.mark()
 
     def finish(self) -> None:
         """Normal end of this replica's run: say so, wait until every replica has finished, stop."""
@@ -262,7 +258,6 @@ class Watchdog:
             self.stop()
             return None
         try:
-            self._local_failure = True
             verdict = self._abort_record()
             if verdict is None and not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
                 verdict = self._judge_collective_failure(exception)
@@ -317,7 +312,7 @@ class Watchdog:
             verdict = self._conclude(verdict, publish=False)
         # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
         # exception then reaches the caller); end it here only if the teardown hangs
-        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
+        if self._handled is not None and self._stop.wait(max(self.timeout, 10.0)):
             return
         end_children(self._children())
         sys.stdout.flush()
@@ -515,7 +510,7 @@ class WatchdogCallbackMixin:
         self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=getattr(trainer.state.stage, "value", ""))
 
     def on_save_checkpoint(self, *args: Any) -> None:
-        self.watchdog.mark(self.watchdog.phase)
+        self.watchdog.mark()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
