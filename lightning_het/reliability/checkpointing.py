@@ -232,12 +232,8 @@ def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]
     if saved is None:
         return ["no job identity (written by another strategy or an older lightning-het)"]
     missing = object()
-    keys = dict.fromkeys([*now, *saved])
-    return [
-        f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
-        for key in keys
-        if saved.get(key, missing) != now.get(key, missing)
-    ]
+    keys = [key for key in dict.fromkeys([*now, *saved]) if saved.get(key, missing) != now.get(key, missing)]
+    return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in keys]
 
 
 @dataclass(frozen=True)
@@ -273,12 +269,7 @@ def read_candidate(path: str) -> Candidate:
     mtime = 0.0
     try:
         mtime = os.path.getmtime(path)
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):  # not a zip file (the legacy format) cannot be mapped
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(checkpoint, Mapping):
             raise ValueError(f"holds a {type(checkpoint).__name__}, not a checkpoint")
         record = checkpoint.get(CHECKPOINT_KEY) or {}

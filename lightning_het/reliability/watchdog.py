@@ -472,7 +472,7 @@ class Watchdog:
         return verdict
 
 
-def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:
+def _marks(phase: Phase | None, new_batch: bool = False) -> Callable[..., None]:
     def hook(self: WatchdogCallbackMixin, *args: Any, **kwargs: Any) -> None:
         self.watchdog.mark(phase, new_batch=new_batch)
 
@@ -509,9 +509,6 @@ class WatchdogCallbackMixin:
     def _eval_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=getattr(trainer.state.stage, "value", ""))
 
-    def on_save_checkpoint(self, *args: Any) -> None:
-        self.watchdog.mark()
-
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
 
@@ -520,6 +517,7 @@ class WatchdogCallbackMixin:
     on_train_batch_start = _marks(Phase.TRAINING_STEP, new_batch=True)
     on_before_backward, on_after_backward = _marks(Phase.BACKWARD), _marks(Phase.OPTIMIZER_STEP)
     on_train_epoch_start = on_train_epoch_end = _marks(Phase.BETWEEN_BATCHES)
+    on_save_checkpoint = _marks(None)  # progress, in the same phase
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _marks(Phase.EVAL_LOADING)
     # the callbacks' epoch-end hooks run before the LightningModule's
