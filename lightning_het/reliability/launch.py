@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,8 +28,6 @@ from lightning_het.reliability.output_dir import check_output_dir
 from lightning_het.reliability.verdicts import INTERRUPTED_EXIT_CODE, JobEnded, exit_code_for, is_collective_failure
 from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, end_children
 
-log = logging.getLogger(__name__)
-
 
 class ExitCleanup:
     """At exit: destroy the default process group after a clean run; end with :attr:`exit_code` if one is set."""
@@ -45,10 +43,8 @@ class ExitCleanup:
     @classmethod
     def run(cls) -> None:
         if cls.clean and dist.is_available() and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # never turn a finished run into a failure at exit
                 dist.destroy_process_group()
-            except Exception as err:  # never turn a finished run into a failure at exit
-                log.debug("lightning-het: destroying the process group at exit failed: %s", err)
             # a Gloo worker thread may still hold the last collective's tensors; it needs the GIL to free them, and a
             # thread that asks for it once finalisation has begun is ended by a forced unwind that aborts the process
             time.sleep(0.1)
@@ -60,9 +56,8 @@ class ExitCleanup:
             os._exit(cls.exit_code)
 
 
-def validate_launch_environment(num_nodes: int, cluster: Any, environ: Any = None) -> None:
+def validate_launch_environment(num_nodes: int, cluster: Any, environ: Mapping[str, str] = os.environ) -> None:
     """Refuse multi-node launches that would wait forever for a rendezvous that cannot happen."""
-    environ = os.environ if environ is None else environ
     if num_nodes <= 1 or type(cluster).__name__ != "LightningEnvironment" or cluster.creates_processes_externally:
         return  # one node, or an environment (SLURM, torchrun, ...) that says where the nodes meet
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not environ.get(name)]

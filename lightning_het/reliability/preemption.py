@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import os
 import signal
 import sys
@@ -23,7 +22,7 @@ from lightning_het._compat import should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.launch import ExitCleanup
-from lightning_het.reliability.watchdog import die_with_parent, end_children
+from lightning_het.reliability.watchdog import die_with_parent, end_children, exit_job
 
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 # signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``)
@@ -59,7 +58,7 @@ class PreemptionHandler:
         checkpoint: str | None = None,
         *,
         children: Callable[[], Sequence[Any]] = list,
-        exit: Callable[[int], None] = os._exit,
+        exit: Callable[[int], None] = exit_job,
     ) -> None:
         self.grace, self._children, self._exit = float(grace), children, exit
         self.checkpoint = checkpoint or None  # where to save (``None``: stop without saving)
@@ -152,13 +151,9 @@ class PreemptionHandler:
         late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
         message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
         print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
-        end_children(self._children(), 0.0)
-        for child in multiprocessing.active_children():  # data-loader workers ignore SIGTERM: they would linger
-            with contextlib.suppress(Exception):
-                child.kill()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        self._exit(PREEMPTION_EXIT_CODE)
+        self._exit(PREEMPTION_EXIT_CODE)  # SIGKILLs the launched replicas and loader workers (they ignore SIGTERM)
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
         """Which replica received which signal (0: none), all-reduced if optimizer ``step`` is due, else all zeros."""
