@@ -63,16 +63,15 @@ class PreemptionHandler:
         self.grace, self._children, self._exit = float(grace), children, exit
         self.checkpoint = checkpoint or None  # where to save (``None``: stop without saving)
         self.rank, self.world_size, self.fitting, self.extra_signals = 0, 1, True, ()
-        self.received = 0  # the signal this replica received (0: none); set by the pipe reader
-        self._handler_saw = 0  # set by the Python-level handler only (no lock: it may interrupt a holder)
+        # the signal this replica received (0: none): set by the pipe reader, and by the Python-level handler only
+        self.received = self._handler_saw = 0
         self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
         self._previous: dict[int, Any] = {}  # the signal handlers taken over, and the wakeup fd
         self._previous_wakeup_fd, self._pipe, self._reader, self._deadline = -1, None, None, None  # fds, threads
         self.deadline_at: float | None = None  # when (``time.monotonic()``) the armed deadline ends this process
         self._lock = threading.Lock()
-        self.preempting = False  # the replicas agreed to stop
-        self.next_agreement = 0  # the optimizer step of the next agreement
-        self._last_agreement: tuple[int, float] | None = None  # (step, time.monotonic()) of the last one
+        # the replicas agreed to stop; the optimizer step of the next agreement; (step, time.monotonic()) of the last
+        self.preempting, self.next_agreement, self._last_agreement = False, 0, None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PreemptionHandler:
         return self  # shared: this process's signal handlers and threads

@@ -174,10 +174,9 @@ _COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "con
 
 def is_collective_failure(exception: BaseException) -> bool:
     """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection)."""
-    if isinstance(exception, dist.DistError):  # torch >= 2.1
-        return True
     text = str(exception).lower()
-    return isinstance(exception, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+    marked = isinstance(exception, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+    return marked or isinstance(exception, dist.DistError)
 
 
 def first_line(exception: BaseException, limit: int = 300) -> str:

@@ -234,9 +234,9 @@ class Watchdog:
         self._state = "finished" if self._state == "running" else self._state
         with contextlib.suppress(dist.DistError):
             self._publish()
-            while not self._stop.is_set():
-                if all(s.state == "finished" for s in self._statuses() if s.rank != self.rank):
-                    break
+            while not self._stop.is_set() and any(
+                s.state != "finished" for s in self._statuses() if s.rank != self.rank
+            ):
                 time.sleep(min(self.interval, 0.2))
         self.stop()
 
