@@ -26,7 +26,7 @@ from lightning_het.cluster.rendezvous import (
 )
 from lightning_het.reliability.output_dir import check_output_dir
 from lightning_het.reliability.verdicts import INTERRUPTED_EXIT_CODE, JobEnded, exit_code_for, is_collective_failure
-from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, end_children
+from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, end_children, exit_job
 
 
 class ExitCleanup:
@@ -50,10 +50,7 @@ class ExitCleanup:
             time.sleep(0.1)
         if cls.exit_code is not None:  # no interpreter finalisation (backend threads): the status stays
             logging.shutdown()
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(cls.exit_code)
+            exit_job(cls.exit_code)
 
 
 def validate_launch_environment(num_nodes: int, cluster: Any, environ: Mapping[str, str] = os.environ) -> None:

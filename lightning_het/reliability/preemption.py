@@ -150,8 +150,6 @@ class PreemptionHandler:
         late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
         message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
         print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
         self._exit(PREEMPTION_EXIT_CODE)  # SIGKILLs the launched replicas and loader workers (they ignore SIGTERM)
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:

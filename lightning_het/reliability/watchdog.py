@@ -83,7 +83,11 @@ def _kill(pids: Sequence[int]) -> None:
 
 
 def exit_job(code: int) -> None:
-    """End this replica with ``code``, SIGKILLing its descendants first (workers must not outlive the job)."""
+    """End this process with ``code`` once its output is flushed and its descendants SIGKILLed (workers must not
+    outlive the job); no interpreter finalisation (the backend's threads)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     _kill(descendants(os.getpid()))
     os._exit(code)
 
@@ -315,8 +319,6 @@ class Watchdog:
         if self._handled is not None and self._stop.wait(max(self.timeout, 10.0)):
             return
         end_children(self._children())
-        sys.stdout.flush()
-        sys.stderr.flush()
         self._exit(exit_code_for(verdict))
 
     def _record(self) -> dict[str, Any]:
