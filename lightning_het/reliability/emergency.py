@@ -33,7 +33,7 @@ from lightning_het.reliability.checkpointing import (
     read_candidate,
     wants_resume,
 )
-from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
+from lightning_het.reliability.launch import PreemptionCallbackMixin, PreemptionHandler, preemption_path
 from lightning_het.reliability.verdicts import Phase
 from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
 

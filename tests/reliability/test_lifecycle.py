@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader
 from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hierarchical as hooks
+from lightning_het.reliability.launch import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.preemption import shield_loader_workers
 from lightning_het.reliability.verdicts import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,

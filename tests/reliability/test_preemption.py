@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_het import HeterogeneousStrategy
-from lightning_het.reliability.preemption import (
+from lightning_het.reliability.launch import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,
