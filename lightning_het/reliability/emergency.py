@@ -34,8 +34,7 @@ from lightning_het.reliability.checkpointing import (
     wants_resume,
 )
 from lightning_het.reliability.launch import PreemptionCallbackMixin, PreemptionHandler, preemption_path
-from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
+from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02

@@ -33,8 +33,17 @@ from lightning_het.cluster.rendezvous import (
 )
 from lightning_het.config import DEFAULT_GRACE
 from lightning_het.reliability.output_dir import check_output_dir
-from lightning_het.reliability.verdicts import INTERRUPTED_EXIT_CODE, JobEnded, exit_code_for, is_collective_failure
-from lightning_het.reliability.watchdog import as_seconds, check_children, die_with_parent, end_children, exit_job
+from lightning_het.reliability.watchdog import (
+    INTERRUPTED_EXIT_CODE,
+    JobEnded,
+    as_seconds,
+    check_children,
+    die_with_parent,
+    end_children,
+    exit_code_for,
+    exit_job,
+    is_collective_failure,
+)
 
 
 class ExitCleanup:

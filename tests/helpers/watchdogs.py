@@ -6,8 +6,7 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_het.reliability.verdicts import Phase, ReplicaStatus
-from lightning_het.reliability.watchdog import Watchdog
+from lightning_het.reliability.watchdog import Phase, ReplicaStatus, Watchdog
 
 
 class ExitRecorder:

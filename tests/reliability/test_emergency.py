@@ -29,7 +29,7 @@ from lightning_het.reliability.emergency import (
     restore_rng,
     rng_state,
 )
-from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
+from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
 from tests.helpers.side_by_side import SideBySide

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, process_alive
+from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, process_alive
 
 HOST = socket.gethostname()
 

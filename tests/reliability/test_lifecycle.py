@@ -36,16 +36,17 @@ from lightning_het.cluster.rendezvous import create_store, listen_address, sign,
 from lightning_het.comm import hierarchical as hooks
 from lightning_het.reliability.launch import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.verdicts import (
+from lightning_het.reliability.watchdog import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
+    Watchdog,
+    end_children,
     exit_code_for,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog, end_children
 from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
