@@ -22,7 +22,6 @@ from lightning_het._compat import training_loaders
 CHECKPOINT_KEY = "lightning_het"  # the top-level checkpoint key of :func:`checkpoint_record`
 _VERSION = 1
 _ORDER = ("num_steps", "global_batch_size", "dataset_len", "shuffle", "seed")  # what fixes a sampler's batches
-_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def _sampler_order(sampler: Any) -> dict[str, Any]:
@@ -155,7 +154,7 @@ def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: 
         )
         # Lightning warns that a plain DataLoader cannot resume mid-epoch; ours does: silenced until this fit's
         # teardown (a PossibleUserWarning, whose class each Lightning package has its own of)
-        warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=UserWarning)
+        warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before", UserWarning)
         _QUIET.append(warnings.filters[0])
 
 
@@ -188,7 +187,6 @@ EMERGENCY_CHECKPOINT_NAME = "emergency.ckpt"  # beside the preemption checkpoint
 #: the ``node_local`` settings that change its trajectory
 _NODE_LOCAL_SETTINGS = ("outer_optimizer", "global_sync_every", "comm_warmup_steps", "outer_lr", "outer_momentum",
                         "sync_dtype", "merge_weights")  # fmt: skip
-_VERSION_DIR = re.compile(r"version_\d+")
 
 
 def _plain(value: Any) -> Any:
@@ -256,7 +254,9 @@ def checkpoint_candidates(preemption_path: str, dirpaths: Iterable[str | None] =
     for folder in dict.fromkeys(os.path.abspath(f) for f in [os.path.dirname(preemption_path), *dirpaths] if f):
         patterns.append(os.path.join(glob.escape(folder), "*.ckpt"))
         parent = os.path.dirname(folder)
-        if _VERSION_DIR.fullmatch(os.path.basename(parent)):  # lightning_logs/version_N/checkpoints: every version
+        if re.fullmatch(
+            r"version_\d+", os.path.basename(parent)
+        ):  # lightning_logs/version_N/checkpoints: every version
             base = glob.escape(os.path.dirname(parent))
             patterns.append(os.path.join(base, "version_*", glob.escape(os.path.basename(folder)), "*.ckpt"))
     found = [preemption_path] if os.path.isfile(preemption_path) else []

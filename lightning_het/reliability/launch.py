@@ -217,8 +217,7 @@ class ScriptLauncher:
         """Until the watchdog runs: a local replica that fails ends the job."""
         stop = self._observer_stop
         while not stop.wait(0.5):
-            watchdog = getattr(self.strategy, "watchdog", None)
-            if not self._in_run or self._failed or (watchdog is not None and watchdog.running):
+            if not self._in_run or self._failed or getattr(self.strategy, "watchdog", None) is not None:
                 if all(proc.poll() is not None for proc in self.procs):
                     return
                 continue
@@ -359,9 +358,8 @@ class PreemptionHandler:
     def close(self) -> None:
         """End of a run: give the signals back; if preempting, wait for the launched replicas, then kill them."""
         self.teardown()
-        if self.preempting:
-            at = self.deadline_at
-            end_children(self._children(), self.grace if at is None else max(at - time.monotonic() - 1.0, 0.0))
+        if self.preempting:  # (its deadline is armed)
+            end_children(self._children(), max(self.deadline_at - time.monotonic() - 1.0, 0.0))  # type: ignore[operator]
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._handler_saw = signum  # main thread, between bytecodes: the pipe reader does the rest

@@ -355,8 +355,6 @@ class Watchdog:
         peers: dict[int, tuple[str, str, int]] | None = None,
         alive: Callable[[int], bool] = process_alive,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
         self.grace, self.hosts_store = min(max(2 * self.interval, 1.0), 10.0), hosts_store
@@ -388,10 +386,6 @@ class Watchdog:
         self._main_ident, self._started = threading.get_ident(), time.monotonic()
         self._publish()
         self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
 
     def mark(
         self, phase: Phase | None = None, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = ""
