@@ -40,7 +40,6 @@ from lightning_het.reliability.watchdog import (
     check_children,
     die_with_parent,
     end_children,
-    exit_code_for,
     exit_job,
     is_collective_failure,
 )
@@ -223,7 +222,7 @@ class ScriptLauncher:
                 continue
             verdict = check_children(self.children())
             if verdict is not None:
-                rank, code = self.cluster_environment.global_rank(), exit_code_for(verdict)
+                rank, code = self.cluster_environment.global_rank(), verdict.exit_code
                 message = f"{verdict.message} before the replicas could start their run. Ending the job"
                 print(f"[rank {rank}] lightning_het: {message} (exit status {code}).", file=sys.stderr, flush=True)
                 end_children(self.children())
@@ -244,9 +243,9 @@ class ScriptLauncher:
         watchdog = getattr(self.strategy, "watchdog", None)
         verdict = watchdog.on_exception(exc) if watchdog is not None else None
         if isinstance(exc, KeyboardInterrupt):
-            return exit_code_for(verdict) if verdict is not None else INTERRUPTED_EXIT_CODE
+            return verdict.exit_code if verdict is not None else INTERRUPTED_EXIT_CODE
         blamed_here = verdict is None or (verdict.kind == "failed" and watchdog.rank in verdict.culprits)
-        return None if blamed_here or not is_collective_failure(exc) else exit_code_for(verdict)
+        return None if blamed_here or not is_collective_failure(exc) else verdict.exit_code
 
 
 def child_command(local_rank: int) -> tuple[list[str], str | None]:

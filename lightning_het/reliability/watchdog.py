@@ -37,11 +37,6 @@ WATCHDOG_EXIT_CODE = 124  # exit status of a replica ended by the watchdog (as `
 INTERRUPTED_EXIT_CODE = 130  # exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it
 
 
-def exit_code_for(verdict: Verdict) -> int:
-    """The exit status of a replica ended by ``verdict``: 130 for Ctrl-C, else 124 (stalled, dead or failed)."""
-    return INTERRUPTED_EXIT_CODE if verdict.kind == "interrupted" else WATCHDOG_EXIT_CODE
-
-
 def is_sigterm_exit(exception: BaseException) -> bool:
     """Whether ``exception`` is a ``SIGTERMException`` of either Lightning package (e.g. preempted)."""
     return isinstance(exception, SystemExit) and any(
@@ -125,6 +120,11 @@ class Verdict:
     culprits: tuple[int, ...]
     seconds: float
     message: str
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status of a replica it ends: 130 for Ctrl-C, else 124 (stalled, dead or failed)."""
+        return INTERRUPTED_EXIT_CODE if self.kind == "interrupted" else WATCHDOG_EXIT_CODE
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -489,7 +489,7 @@ class Watchdog:
         if self._handled is not None and self._stop.wait(max(self.timeout, 10.0)):
             return
         end_children(self._children())
-        self._exit(exit_code_for(verdict))
+        self._exit(verdict.exit_code)
 
     def _record(self) -> dict[str, Any]:
         """This replica's heartbeat record (without its ``beat`` number)."""
@@ -622,7 +622,7 @@ class Watchdog:
             verdict = Verdict.from_json(payload)
         if not self._reported:
             self._reported = True
-            ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
+            ending = f"Ending the job (timeout={self.timeout:g} s, exit status {verdict.exit_code})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
             log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):

@@ -44,7 +44,6 @@ from lightning_het.reliability.watchdog import (
     Verdict,
     Watchdog,
     end_children,
-    exit_code_for,
     judge,
 )
 from tests.helpers import harness
@@ -173,7 +172,7 @@ class TestWatchdog:
     def test_ctrl_c_is_an_interruption_not_a_failure(self):
         dogs, recorders, _ = _pair()
         verdict = dogs[1].on_exception(KeyboardInterrupt())
-        assert verdict is not None and verdict.kind == "interrupted" and exit_code_for(verdict) == 130
+        assert verdict is not None and verdict.kind == "interrupted" and verdict.exit_code == 130
         assert recorders[0].done.wait(5) and recorders[0].codes == [INTERRUPTED_EXIT_CODE]
         for dog in dogs:
             dog.stop()
