@@ -304,7 +304,6 @@ class PreemptionHandler:
         self.rank, self.world_size, self.fitting, self.extra_signals = 0, 1, True, ()
         # the signal this replica received (0: none): set by the pipe reader, and by the Python-level handler only
         self.received = self._handler_saw = 0
-        self._signals: tuple[int, ...] = tuple(int(s) for s in PREEMPTION_SIGNALS)
         self._previous: dict[int, Any] = {}  # the signal handlers taken over, and the wakeup fd
         self._previous_wakeup_fd, self._pipe, self._reader, self._deadline = -1, None, None, None  # fds, threads
         self.deadline_at: float | None = None  # when (``time.monotonic()``) the armed deadline ends this process
@@ -322,7 +321,7 @@ class PreemptionHandler:
         """The signal connector's: take over the preemption signals (main thread only; a no-op elsewhere)."""
         if self._pipe is not None or threading.current_thread() is not threading.main_thread():
             return
-        self._signals = tuple(dict.fromkeys([*(int(s) for s in PREEMPTION_SIGNALS), *map(int, self.extra_signals)]))
+        self._signals: tuple[int, ...] = tuple(dict.fromkeys(map(int, [*PREEMPTION_SIGNALS, *self.extra_signals])))
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._pipe = (read_fd, write_fd)

@@ -303,8 +303,7 @@ BOOT_ID = _BOOT_ID_FILE.read_text().strip() if _BOOT_ID_FILE.exists() else ""
 
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 #: packages whose barriers call a process group's C++ method directly, and those barriers
-_LIGHTNING = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
-                                                       "lightning_het"))  # fmt: skip
+_LIGHTNING = [os.sep + n + os.sep for n in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_het")]
 _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
