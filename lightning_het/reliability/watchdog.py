@@ -182,8 +182,7 @@ def judge(
     culprits = [s for s in suspects if s.phase in _EVAL_PHASES] or [s for s in suspects if s.position == behind]
     culprits = culprits or [s for s in running if s.rank not in waiting]
     progressing = bool(culprits) and all(s.stalled_for <= suspect for s in culprits)
-    if not culprits:  # everyone waits on everyone: report them all
-        culprits = armed
+    culprits = culprits or armed  # everyone waits on everyone: report them all
     others = [s for s in running if s not in culprits]
     context = "; ".join(s.describe() for s in culprits)
     if others:
@@ -193,13 +192,10 @@ def judge(
     return Verdict("hung", tuple(_ranks(culprits)), seconds, f"replica(s) {_ranks(culprits)} {text} ({context})")
 
 
-_COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
-
-
 def is_collective_failure(exception: BaseException) -> bool:
     """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection)."""
-    text = str(exception).lower()
-    marked = isinstance(exception, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+    text, markers = str(exception).lower(), ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
+    marked = isinstance(exception, RuntimeError) and any(marker in text for marker in markers)
     return marked or isinstance(exception, dist.DistError)
 
 
