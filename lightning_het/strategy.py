@@ -54,14 +54,21 @@ from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     checkpoint_record,
     end_resume_quiet,
+    job_identity,
     node_optimizer_checkpoint,
     read_record,
+    trajectory_settings,
     with_node_states,
 )
 from lightning_het.reliability.emergency import Guards, restore_rng
-from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
-from lightning_het.reliability.preemption import Preempted, PreemptionCallback, shield_loader_workers  # noqa: F401
-from lightning_het.reliability.resume import job_identity, trajectory_settings
+from lightning_het.reliability.launch import (  # noqa: F401
+    ExitCleanup,
+    Preempted,
+    PreemptionCallback,
+    ScriptLauncher,
+    SpawnLauncher,
+    shield_loader_workers,
+)
 from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noqa: F401
 
 

@@ -34,24 +34,23 @@ from torch.utils.data import DataLoader
 from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hierarchical as hooks
+from lightning_het.reliability.launch import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.preemption import shield_loader_workers
-from lightning_het.reliability.verdicts import (
+from lightning_het.reliability.watchdog import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
-    describe_phase,
-    exit_code_for,
+    Watchdog,
+    end_children,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog, end_children
 from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
 from tests.helpers.tiny import FLAVOUR_ENV
-from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
+from tests.helpers.watchdogs import ExitRecorder, describe_phase, watchdog_pair
 
 TIMEOUT = 5.0
 #: seconds each training step of the Ctrl-C jobs sleeps (of the strangers' job: twice that): their six steps (6 s)
@@ -173,7 +172,7 @@ class TestWatchdog:
     def test_ctrl_c_is_an_interruption_not_a_failure(self):
         dogs, recorders, _ = _pair()
         verdict = dogs[1].on_exception(KeyboardInterrupt())
-        assert verdict is not None and verdict.kind == "interrupted" and exit_code_for(verdict) == 130
+        assert verdict is not None and verdict.kind == "interrupted" and verdict.exit_code == 130
         assert recorders[0].done.wait(5) and recorders[0].codes == [INTERRUPTED_EXIT_CODE]
         for dog in dogs:
             dog.stop()
