@@ -65,20 +65,19 @@ def finite_positive_list(name: str, values: Sequence[float] | None) -> list[floa
     return [float(v) for v in values]
 
 
-def int_list(name: str, values: Any, alternatives: str = "") -> list[int] | None:
-    """``values`` as a non-empty list of integers ``>= 1`` (one per replica); ``None`` stays ``None``."""
+def int_list(name: str, values: Any, alternatives: str = "", minimum: int = 1) -> list[int] | None:
+    """``values`` as a non-empty list of integers ``>= minimum`` (one per replica); ``None`` stays ``None``."""
     if values is None:
         return None
-    expected = f"Expected argument `{name}` to be a list of integers >= 1 (one per replica){' ' * bool(alternatives)}"
-    if isinstance(values, (str, bytes, int, float)):
-        raise _error(name, f"{expected}{alternatives}, but got {values!r}.")
+    expected = f"Expected argument `{name}` to be a list of integers >= {minimum} (one per replica) {alternatives}"
     try:
-        items = list(values)
+        items = None if isinstance(values, (str, bytes, int, float)) else list(values)
     except TypeError:
-        raise _error(name, f"{expected}{alternatives}, but got {values!r}.") from None
+        items = None
     if not items:
-        raise _error(name, f"{expected}{alternatives}, but got an empty list.")
-    return [positive_int(f"{name}[{i}]", v, allow_none=False) for i, v in enumerate(items)]  # type: ignore[misc]
+        raise _error(name, f"{expected.rstrip()}, but got {'an empty list' if items == [] else repr(values)}.")
+    checked = [positive_int(f"{name}[{i}]", v, allow_none=False, minimum=minimum) for i, v in enumerate(items)]
+    return checked  # type: ignore[return-value]
 
 
 def slowdown_factors(name: str, values: Any) -> list[float] | None:

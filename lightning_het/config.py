@@ -128,9 +128,7 @@ class HeterogeneousConfig:
         if out.get("max_micro_batch_sizes") != "auto":  # "auto": measured by a short search on the first steps
             caps = out.get("max_micro_batch_sizes")
             out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", caps, 'or "auto"')
-        nodes = out.get("node_ids")
-        if nodes is not None:
-            nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
+        nodes = out["node_ids"] = int_list("node_ids", out.get("node_ids"), minimum=0)
         comm = out["comm"] = _comm_object(out.get("comm", "auto"))
         if comm.mode == "node_local" and nodes is not None and len(set(nodes)) < 2:
             raise ArgumentError(

@@ -24,7 +24,7 @@ from lightning_het.balance.report import balance_report, render_balance_table
 from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere
-from lightning_het.cluster.topology import detect_node_ids
+from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
 from lightning_het.comm import CommAlgorithm
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
@@ -50,6 +50,20 @@ class HeterogeneousParts(BalanceView):
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         return rest
 
+    @override
+    def _configure_launcher(self) -> None:
+        ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
+        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
+        super()._configure_launcher()  # wrapped: no orphans, end barrier, exit statuses (and the allocation sent back)
+        if self._start_method == "popen":  # replicas that cannot outlive the launching process
+            self._launcher = ScriptLauncher(self, self._launcher)
+
+    @override
+    def teardown(self) -> None:
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()  # its counters stay readable (`comm_stats`)
+        super().teardown()
+
     @property
     def process_group_timeout(self) -> Any:
         """The collective timeout (``timeout``)."""
@@ -68,7 +82,8 @@ class HeterogeneousParts(BalanceView):
     def _place(self) -> None:
         """This replica's rank, device and node (``setup_environment``)."""
         self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        ids = self.config.node_ids  # else one all-gather of (node rank, host name)
+        self._node_ids = validate_node_ids(ids, self.world_size) if ids else gather_node_ids(self.cluster_environment)
 
     def _tell_comm(self, sizes: list[int] | None) -> None:
         """The comm algorithm is given the step's split when it changed."""
@@ -121,11 +136,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
 
     @override
     def _configure_launcher(self) -> None:
-        ExitCleanup.register()  # runs after the launcher's own exit handlers
-        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
-        if self._start_method == "popen":  # replicas that cannot outlive the launching process
-            self._launcher = ScriptLauncher(self, self._launcher)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
 
     @override
@@ -280,8 +291,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
 
     @override
     def teardown(self) -> None:
-        if self.comm_algorithm is not None:
-            self.comm_algorithm.remove()
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()

@@ -58,7 +58,7 @@ from lightning_het.reliability.checkpointing import (
     with_node_states,
 )
 from lightning_het.reliability.emergency import Guards, restore_rng
-from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
+from lightning_het.reliability.launch import ExitCleanup, SpawnLauncher
 from lightning_het.reliability.preemption import Preempted, PreemptionCallback, shield_loader_workers  # noqa: F401
 from lightning_het.reliability.resume import job_identity, trajectory_settings
 from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noqa: F401
@@ -110,14 +110,12 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     @override
     def _configure_launcher(self) -> None:
-        ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
         self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
         if self._device_plan is not None:
             self._process_group_backend = self._device_plan.backend
-        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
-        super()._configure_launcher()  # wrapped: no orphans, end barrier, exit statuses, the allocation sent back
-        launcher = ScriptLauncher if self._start_method == "popen" else SpawnLauncher
-        self._launcher = launcher(self, self._launcher)
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = SpawnLauncher(self, self._launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -176,8 +174,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         self.policy.emulate_memory(None)
-        if self.comm_algorithm is not None:
-            self.comm_algorithm.remove()  # its counters stay readable (`comm_stats`)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()

@@ -72,7 +72,7 @@ def agree_on_token(token: str) -> str:
 
 
 def listen_address(num_nodes: int, master_addr: str) -> str:
-    """The address rank 0's store listens on: loopback for one node, else the address ``master_addr`` resolves to."""
+    """Where rank 0's store listens: loopback for one node, else the address ``master_addr`` resolves to."""
     if num_nodes <= 1:
         return LOOPBACK
     try:
@@ -120,24 +120,19 @@ def create_store(
     )
 
 
-def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> list[str]:
+def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> None:
     """Single-node jobs: Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose)."""
     environ = os.environ if environ is None else environ
-    loopback = None
     with contextlib.suppress(OSError):
         loopback = next((n for _, n in socket.if_nameindex() if n == "lo" or n.startswith("lo0")), None)
-    if num_nodes > 1 or loopback is None:
-        return []
-    names = [name for name in _SOCKET_ENV if name not in environ]
-    for name in names:
-        environ[name] = loopback
-    return names
+        for name in _SOCKET_ENV if num_nodes <= 1 and loopback else ():
+            environ.setdefault(name, loopback)
 
 
 @contextlib.contextmanager
 def local_sockets(num_nodes: int) -> Iterator[None]:
     """While process groups are created: :func:`keep_sockets_local`, the variables put back afterwards."""
-    saved = {name: os.environ.get(name) for name in _SOCKET_ENV}
+    saved = save_job_environment()
     keep_sockets_local(num_nodes)
     try:
         yield

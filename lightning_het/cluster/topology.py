@@ -113,8 +113,3 @@ def build_node_groups(node_ids: Sequence[int], rank: int) -> NodeGroups:
         log.info("lightning-het topology: %s; leaders %s", describe_topology(ids), leaders)
     members_t = tuple(tuple(m) for m in members)
     return NodeGroups(tuple(ids), rank, members_t, intra, intra_bcast, leader_group if rank in leaders else None)
-
-
-def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[int]:
-    """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
-    return validate_node_ids(given, world_size) if given is not None else gather_node_ids(env)
