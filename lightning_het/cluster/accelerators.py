@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.arguments import positive_int
+from lightning_het.arguments import int_list, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,6 @@ def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, 
 
 def choose_backend(devices: Sequence[torch.device], requested: str | None = None) -> str:
     """The ``torch.distributed`` backend for a job whose replicas run on ``devices`` (every replica of every node)."""
-    if not devices:
-        raise ValueError("Expected at least one replica device to choose a process-group backend, got none.")
     kinds = sorted({d.type for d in devices})
     if not requested:
         return "nccl" if kinds == ["cuda"] else "gloo"
@@ -154,21 +152,18 @@ def plan_cpu_threads(
     if isinstance(cpu_threads, int):
         threads = positive_int("cpu_threads", cpu_threads, allow_none=False)
         cpu_threads = [1 if d.type == "cuda" else threads for d in devices]  # type: ignore[misc]
-    elif cpu_threads is not None:
-        if isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
-            raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
-        cpu_threads = list(cpu_threads)
-        if len(cpu_threads) != len(devices):
-            raise ValueError(
-                f"You set `cpu_threads`={cpu_threads} with {len(cpu_threads)} entries, but the node runs {len(devices)}"
-            )
-        for i, c in enumerate(cpu_threads):
-            positive_int(f"cpu_threads[{i}]", c, allow_none=False)
+    elif isinstance(cpu_threads, (str, bytes)) or (cpu_threads is not None and not hasattr(cpu_threads, "__iter__")):
+        raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
     if cpu_threads is not None:
-        if sum(cpu_threads) > cpu_cores:
-            message = f"`cpu_threads`={cpu_threads} asks for {sum(cpu_threads)} threads on a node with {cpu_cores}"
-            warnings.warn(f"{message} available cores.", stacklevel=2)
-        return [int(c) for c in cpu_threads]
+        counts = int_list("cpu_threads", cpu_threads) or []
+        if len(counts) != len(devices):
+            raise ValueError(
+                f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}"
+            )
+        if sum(counts) > cpu_cores:
+            message = f"`cpu_threads`={counts} asks for {sum(counts)} threads on a node with {cpu_cores} available"
+            warnings.warn(f"{message} cores.", stacklevel=2)
+        return counts
     cpu_ranks = [i for i, d in enumerate(devices) if d.type != "cuda"]
     counts, free = [1] * len(devices), cpu_cores - (len(devices) - len(cpu_ranks))
     if cpu_ranks and free < len(cpu_ranks):
@@ -327,9 +322,8 @@ def configure_devices(strategy: Any) -> DevicePlan | None:
         requested_backend=strategy.process_group_backend,
         cpu_threads=accelerator.cpu_threads,
     )
-    plugin = getattr(strategy, "precision_plugin", None)
-    amp = "MixedPrecision" in {c.__name__ for c in type(plugin).__mro__}
-    if amp and getattr(plugin, "precision", None) == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
+    precision = getattr(strategy.precision_plugin, "precision", None)
+    if precision == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
         raise ValueError("You set `precision='16-mixed'` with CPU replicas in the map (CUDA-only); use 'bf16-mixed'.")
     strategy.parallel_devices = list(plan.local_devices)
     log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")

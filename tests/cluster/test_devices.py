@@ -137,7 +137,6 @@ class TestChooseBackend:
             ([cuda(0), CPU], "cpu:gloo,cuda:nccl", r"mixes CPU and CUDA"),
             ([cuda(0), CPU], "mpi", r"mixes CPU and CUDA"),
             ([CPU, CPU], "nccl", r"'nccl'.*CPU replicas \(2 CPU\); NCCL only communicates CUDA tensors"),
-            ([], None, r"at least one replica"),
         ],
     )
     def test_errors(self, devices, requested, match):
