@@ -149,17 +149,12 @@ def check_sync_args(
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
             raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
-    for name, value, choices in (
-        ("sync_dtype", sync_dtype, ["float32", "bfloat16", "int8"]),
-        ("merge_weights", merge_weights, ["samples", "nodes"]),
-    ):
-        if value not in choices:
-            raise _error(name, f"Expected argument `{name}` to be one of {choices}, but got {value!r}.")
+    choices = {"sync_dtype": ["float32", "bfloat16", "int8"], "merge_weights": ["samples", "nodes"]}
+    for name, value in (("sync_dtype", sync_dtype), ("merge_weights", merge_weights)):
+        if value not in choices[name]:
+            raise _error(name, f"Expected argument `{name}` to be one of {choices[name]}, but got {value!r}.")
     given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
-    # a callable is never a default
-    changed = [
-        n for n, v in given.items() if not (v is SYNC_DEFAULTS[n] or (not callable(v) and v == SYNC_DEFAULTS[n]))
-    ]
+    changed = [n for n, v in given.items() if callable(v) or v != SYNC_DEFAULTS[n]]  # a callable is never a default
     if comm != "node_local" and changed:
         name = changed[0]
         resolves = " (which resolves to 'hierarchical' or 'allreduce', never to 'node_local')" if comm == "auto" else ""
@@ -196,12 +191,9 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
     known |= _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
     for name in [name for name in kwargs if name not in known]:
         close = difflib.get_close_matches(name, sorted(known | set(own)), n=1)
+        hint = f"did you mean `{close[0]}`?" if close else "see DDPStrategy's and DistributedDataParallel's keywords."
         if name in ("module", "device_ids"):
             hint = "the strategy sets it when it wraps the model (one device per replica); drop it."
-        elif close:
-            hint = f"did you mean `{close[0]}`?"
-        else:
-            hint = "see the keywords of `DDPStrategy` and of `DistributedDataParallel`."
         raise ArgumentError(
             name,
             f"`{strategy_cls.__name__}` got an unexpected keyword argument `{name}`={kwargs[name]!r}: it is not a"
