@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import attached_trainer, record_loader_arguments
-from lightning_het._flavour import register_trainer_flavour, trainer_flavour
+from lightning_het._flavour import FLAVOURS, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import (
     BalanceMonitor,
@@ -370,4 +370,4 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`HeterogeneousStrategyMixin` on ``lightning.pytorch`` (:mod:`lightning_het.pl`: ``pytorch_lightning``)."""
 
 
-register_trainer_flavour(False, sys.modules[__name__])  # defines `_flavour.NAMES` (the imports marked F401)
+FLAVOURS[False] = sys.modules[__name__]  # defines `_flavour.NAMES` (the imports marked F401)
