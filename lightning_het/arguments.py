@@ -24,6 +24,12 @@ def _error(name: str, message: str) -> ArgumentError:
     return ArgumentError(name.split("[", 1)[0], message)
 
 
+def expect(ok: bool, name: str, expected: str, value: Any) -> None:
+    """Unless ``ok``: :class:`ArgumentError` "Expected argument `name` to be <expected>, but got <value>."."""
+    if not ok:
+        raise _error(name, f"Expected argument `{name}` to be {expected}, but got {value!r}.")
+
+
 def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
     """``value`` as an ``int >= minimum`` (any integer type, not ``bool``); ``None`` stays ``None`` if allowed."""
     if value is None and allow_none:
@@ -32,8 +38,7 @@ def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int
         number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
     except TypeError:
         number = None
-    if number is None or number < minimum:
-        raise _error(name, f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
+    expect(number is not None and number >= minimum, name, f"an integer >= {minimum}", value)
     return number
 
 
@@ -102,20 +107,16 @@ def as_timeout(name: str, value: Any) -> timedelta | None:
             f" ({type(value).__name__}).",
         )
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise _error(name, f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
+    expect(math.isfinite(seconds) and seconds > 0, name, "a positive duration", value)
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
 def validate_resume(value: Any) -> str | bool | None:
     """``resume``: ``"auto"``, ``None`` (only a restarted elastic worker resumes) or ``False`` (never)."""
-    if value is None or value is False or value == "auto":
-        return value
-    raise _error(
-        "resume",
-        "Expected argument `resume` to be 'auto' (resume from the newest emergency, preemption or last checkpoint),"
-        f" None (only a restarted torchelastic worker resumes) or False (never), but got {value!r}.",
-    )
+    ok = value is None or value is False or value == "auto"
+    expected = "'auto' (resume from the newest emergency, preemption or last checkpoint), None (only a restarted"
+    expect(ok, "resume", f"{expected} torchelastic worker resumes) or False (never)", value)
+    return value
 
 
 #: ``comm="node_local"``'s sync keywords and their defaults (the only values accepted in the other modes)
@@ -139,12 +140,9 @@ def check_sync_args(
 ) -> None:
     """``comm="node_local"``'s sync keywords; a value other than the default is refused where nothing reads it (another
     ``comm`` mode; ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"``)."""
-    if not (outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)):
-        raise _error(
-            "outer_optimizer",
-            "Expected argument `outer_optimizer` to be None (plain averaging), one of ['nesterov'] or a"
-            f" callable building a torch optimizer from a list of tensors, but got {outer_optimizer!r}.",
-        )
+    ok = outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)
+    expected = "None (plain averaging), one of ['nesterov'] or a callable building a torch optimizer from a list of"
+    expect(ok, "outer_optimizer", f"{expected} tensors", outer_optimizer)
     for name, value, rule in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):

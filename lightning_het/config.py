@@ -18,6 +18,7 @@ from lightning_het.arguments import (
     as_timeout,
     check_ddp_keywords,
     check_sync_args,
+    expect,
     finite_positive_list,
     int_list,
     positive_int,
@@ -45,19 +46,15 @@ class Profiling:
     def __post_init__(self) -> None:
         positive_int("steps", self.steps, allow_none=False)
         positive_int("warmup", self.warmup, allow_none=False, minimum=0)
-        if self.cache is not None and not isinstance(self.cache, (str, os.PathLike, bool)):
-            raise ArgumentError(
-                "cache",
-                f"Expected argument `cache` to be a directory, True (the default directory) or None/False (off), but"
-                f" got {self.cache!r}.",
-            )
+        choices = "a directory, True (the default directory) or None/False (off)"
+        expect(isinstance(self.cache, (str, os.PathLike, bool, type(None))), "cache", choices, self.cache)
         positive_int("rebalance_every_n_epochs", self.rebalance_every_n_epochs)
-        ratio, real = self.rebalance_threshold, (int, float)  # max / min step time
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, real) or not 1 <= ratio < math.inf):
-            message = "Expected argument `rebalance_threshold` to be a finite number >= 1 (max / min ratio), but got"
-            raise ArgumentError("rebalance_threshold", f"{message} {ratio!r}.")
-        if not isinstance(self.telemetry, bool):
-            raise ArgumentError("telemetry", f"Expected argument `telemetry` to be True or False: {self.telemetry!r}.")
+        ratio = self.rebalance_threshold  # max / min step time
+        ok = ratio is None or (
+            not isinstance(ratio, bool) and isinstance(ratio, (int, float)) and 1 <= ratio < math.inf
+        )
+        expect(ok, "rebalance_threshold", "a finite number >= 1 (max / min ratio)", ratio)
+        expect(isinstance(self.telemetry, bool), "telemetry", "True or False", self.telemetry)
         if not self.telemetry and (self.rebalance_every_n_epochs is not None or self.rebalance_threshold is not None):
             raise ArgumentError(
                 "telemetry",
@@ -77,18 +74,12 @@ class Reliability:
 
     def __post_init__(self) -> None:
         as_timeout("startup_timeout", self.startup_timeout)
-        path = self.preemption_checkpoint
-        if not (path is None or path is False or (isinstance(path, (str, os.PathLike)) and os.fspath(path))):
-            raise ArgumentError(
-                "preemption_checkpoint",
-                "Expected argument `preemption_checkpoint` to be a file or directory path, None (the default location)"
-                f" or False (no checkpoint on preemption), but got {path!r}.",
-            )
-        grace = self.preemption_grace
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace <= 0:
-            raise ArgumentError(
-                "preemption_grace", f"Expected argument `preemption_grace` to be finite seconds > 0, but got {grace!r}."
-            )
+        path, grace = self.preemption_checkpoint, self.preemption_grace
+        ok = path is None or path is False or (isinstance(path, (str, os.PathLike)) and bool(os.fspath(path)))
+        expected = "a file or directory path, None (the default location) or False (no checkpoint on preemption)"
+        expect(ok, "preemption_checkpoint", expected, path)
+        ok = not isinstance(grace, bool) and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0
+        expect(ok, "preemption_grace", "finite seconds > 0", grace)
         validate_resume(self.resume)
 
 
@@ -255,9 +246,8 @@ def strategy_config(
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
     objects = {"comm": None if isinstance(comm, str) else comm, **groups}
     for group, cls in _GROUPS.items():
-        if objects[group] is not None and not isinstance(objects[group], cls):
-            message = f"Expected argument `{group}` to be a `lightning_het.{cls.__name__}` or None"
-            raise ArgumentError(group, f"{message}, but got {objects[group]!r}.")
+        ok = objects[group] is None or isinstance(objects[group], cls)
+        expect(ok, group, f"a `lightning_het.{cls.__name__}` or None", objects[group])
     for name, value in old.items():
         group, field = DEPRECATED_KEYWORDS[name]
         if objects.get(group) is not None:
