@@ -145,12 +145,10 @@ def check_sync_args(
     expect(ok, "outer_optimizer", f"{expected} tensors", outer_optimizer)
     for name, value, rule in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
-            raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
+        expect(ok and (value > 0 if name == "outer_lr" else 0 <= value < 1), name, f"a finite number {rule}", value)
     choices = {"sync_dtype": ["float32", "bfloat16", "int8"], "merge_weights": ["samples", "nodes"]}
     for name, value in (("sync_dtype", sync_dtype), ("merge_weights", merge_weights)):
-        if value not in choices[name]:
-            raise _error(name, f"Expected argument `{name}` to be one of {choices[name]}, but got {value!r}.")
+        expect(value in choices[name], name, f"one of {choices[name]}", value)
     given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
     changed = [n for n, v in given.items() if callable(v) or v != SYNC_DEFAULTS[n]]  # a callable is never a default
     if comm != "node_local" and changed:

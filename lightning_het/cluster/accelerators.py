@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.arguments import int_list, positive_int
+from lightning_het.arguments import expect, int_list, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +33,14 @@ def _as_list(device_map: object, name: str) -> list[object]:
         raise ValueError(f"Expected `{name}` to be a list of devices, but got {device_map!r}.")
     else:
         entries = list(device_map)  # type: ignore[call-overload]
-    if not entries or entries == [""]:
-        raise ValueError(f"Expected argument `{name}` to hold at least one device, but got {device_map!r}.")
+    expect(entries != [] and entries != [""], name, "a map of at least one device", device_map)
     return entries
 
 
 def _parse_entry(entry: object, name: str) -> tuple[str, int | None]:
     """``("cpu", None)``, ``("cuda", index)`` or ``("cuda", None)`` for a bare ``"cuda"``/``"gpu"``."""
     if isinstance(entry, int) and not isinstance(entry, bool):
-        if entry < 0:
-            raise ValueError(f"Expected argument `{name}` to be a GPU index >= 0, but got {entry!r}.")
+        expect(entry >= 0, name, "a GPU index >= 0", entry)
         return "cuda", entry
     text = str(entry) if isinstance(entry, torch.device) else entry.strip().lower() if isinstance(entry, str) else ""
     kind, sep, index = text.partition(":")
@@ -205,8 +203,7 @@ def plan_devices(
     cpu_cores: int | None = None,
 ) -> DevicePlan:
     """Resolve a device map for this node and the whole job (every check that can run before the workers start)."""
-    if not 0 <= node_rank < num_nodes:
-        raise ValueError(f"Expected `node_rank` in [0, {num_nodes}), but got {node_rank} (NODE_RANK / cluster env).")
+    expect(0 <= node_rank < num_nodes, "node_rank", f"in [0, {num_nodes}) (NODE_RANK / cluster env)", node_rank)
     parsed = [
         parse_device_map(
             entries,

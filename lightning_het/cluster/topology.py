@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_het.arguments import expect
 from lightning_het.cluster.rendezvous import local_sockets
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> 
 
 def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
     """A user-given ``node_ids``, checked and normalised (``[5, 5, 2]`` -> ``[0, 0, 1]``)."""
-    if isinstance(node_ids, (str, bytes)) or not isinstance(node_ids, Sequence):
-        raise ValueError(f"Expected argument `node_ids` to be a sequence of integers, but got {node_ids!r}.")
+    ok = not isinstance(node_ids, (str, bytes)) and isinstance(node_ids, Sequence)
+    expect(ok, "node_ids", "a sequence of integers", node_ids)
     values = list(node_ids)
     if len(values) != world_size:
         raise ValueError(f"Expected `node_ids` of world size {world_size}, but got {len(values)} entries: {values}.")
