@@ -119,6 +119,17 @@ def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, 
     return [per_node[rank] for rank in ranks]
 
 
+def parse_node_maps(
+    device_map: DeviceMapArg, num_nodes: int | None = None, local_world_size: int | None = None, counts: Any = None
+) -> list[list[torch.device]]:
+    """Every node's map parsed (``counts``: ``{node_rank: visible CUDA devices}`` where known)."""
+    named, counts = isinstance(device_map, Mapping), counts or {}
+    return [
+        parse_device_map(m, local_world_size, counts.get(r), name=f"device_map[{r}]" if named else "device_map")
+        for r, m in enumerate(node_device_maps(device_map, num_nodes))
+    ]
+
+
 def choose_backend(devices: Sequence[torch.device], requested: str | None = None) -> str:
     """The ``torch.distributed`` backend for a job whose replicas run on ``devices`` (every replica of every node)."""
     kinds = sorted({d.type for d in devices})
@@ -204,15 +215,7 @@ def plan_devices(
 ) -> DevicePlan:
     """Resolve a device map for this node and the whole job (every check that can run before the workers start)."""
     expect(0 <= node_rank < num_nodes, "node_rank", f"in [0, {num_nodes}) (NODE_RANK / cluster env)", node_rank)
-    parsed = [
-        parse_device_map(
-            entries,
-            local_world_size,
-            cuda_device_count if rank == node_rank else None,
-            name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]",
-        )
-        for rank, entries in enumerate(node_device_maps(device_map, num_nodes))
-    ]
+    parsed = parse_node_maps(device_map, num_nodes, local_world_size, {node_rank: cuda_device_count})
     everyone, local = tuple(d for node in parsed for d in node), tuple(parsed[node_rank])
     threads = plan_cpu_threads(local, cpu_cores if cpu_cores is not None else available_cpu_cores(), cpu_threads)
     return DevicePlan(local, everyone, choose_backend(everyone, requested_backend), tuple(threads))
@@ -222,11 +225,8 @@ class MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
-        per_node = node_device_maps(device_map)  # checks keys and equal lengths
-        for rank, entries in enumerate(per_node):  # syntax and duplicates; the GPU count is checked per node later
-            parse_device_map(
-                entries, name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]"
-            )
+        parse_node_maps(device_map)  # keys, equal lengths, syntax and duplicates; each node's GPU count: later
+        per_node = node_device_maps(device_map)
         # as given (one list for every node, or {node_rank: list}), free of config-library types
         plain = [[e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in m] for m in per_node]
         self.device_map: list | dict = dict(enumerate(plain)) if isinstance(device_map, Mapping) else plain[0]

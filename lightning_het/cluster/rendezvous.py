@@ -189,18 +189,14 @@ def started_elsewhere(wait: timedelta) -> bool:
 
 def init_process_group(member: Any, backend: str, timeout: timedelta | None, wait: timedelta) -> None:
     """Start the default process group on a store only the job can reach, the replicas waiting ``wait`` there."""
-    env, rank, world_size, device = (
-        member.cluster_environment,
-        member.global_rank,
-        member.world_size,
-        member.root_device,
-    )
+    env, rank, world_size, nodes = member.cluster_environment, member.global_rank, member.world_size, member.num_nodes
+    device = member.root_device
     try:
-        store = create_store(env.main_address, env.main_port, rank, world_size, member.num_nodes, wait)
+        store = create_store(env.main_address, env.main_port, rank, world_size, nodes, wait)
         store_barrier(store, world_size, wait)
         store.set_timeout(timeout if timeout is not None else _TORCH_DEFAULT_TIMEOUT)
         kwargs = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
-        with local_sockets(member.num_nodes):
+        with local_sockets(nodes):
             start_default_group(env, backend, **kwargs)
     except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
         if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
@@ -218,8 +214,6 @@ def init_process_group(member: Any, backend: str, timeout: timedelta | None, wai
 
 def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
     """``dist.init_process_group`` as Lightning's DDP strategies call it (an NCCL group destroyed at exit)."""
-    if dist.is_initialized():
-        return
     rank, world_size = env.global_rank(), env.world_size()
     os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
