@@ -164,21 +164,23 @@ _OLD_NAMES = {new: old for old, new in DEPRECATED_KEYWORDS.items()}
 _GROUPS: dict[str, type] = {"profiling": Profiling, "reliability": Reliability}
 
 #: settings a Fabric loop cannot run (they need the Trainer's loop)
-TRAINER_ONLY = ("max_micro_batch_sizes", "device_map", "cpu_threads", "emulate_slowdown", "emulate_memory_cap")
+TRAINER_ONLY = (
+    "max_micro_batch_sizes",
+    "device_map",
+    "cpu_threads",
+    "emulate_slowdown",
+    "emulate_memory_cap",
+    "resume",
+)
 TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_checkpoint", "preemption_grace")
-TRAINER_ONLY += ("resume",)
 
 
 def _comm_object(comm: Any) -> CommAlgorithm:
     """``comm``: an algorithm object, or the one (with its defaults) a mode name stands for."""
     if isinstance(comm, CommAlgorithm):
         return comm
-    if not isinstance(comm, str) or comm not in ALGORITHMS:
-        raise ArgumentError(
-            "comm",
-            f"Expected argument `comm` to be one of {list(ALGORITHMS)} or a comm algorithm object (e.g."
-            f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
-        )
+    expected = f"one of {list(ALGORITHMS)} or a comm algorithm object (e.g. lightning_het.NodeLocal(sync_every=16))"
+    expect(isinstance(comm, str) and comm in ALGORITHMS, "comm", expected, comm)
     return ALGORITHMS[comm]()
 
 
