@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
 from lightning_het.balance.profiler import LoopSteps
-from lightning_het.balance.report import balance_report, render_balance_table
+from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
 from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere
@@ -41,6 +41,9 @@ from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, valida
 class HeterogeneousParts(BalanceView):
     """What both strategies build from their keywords (the balance policy, the comm algorithm) and their shared
     glue: the process group's start, the replica's place, the step's split told to the comm algorithm."""
+
+    _monitor: Any = None  # the Trainer's balance monitor (telemetry) of the fit
+    _telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
 
     def _configure(self, keywords: dict[str, Any], fabric: bool = False) -> dict[str, Any]:
         """The constructor's ``locals()`` validated into the policy and the comm algorithm; returns DDP's keywords."""
@@ -96,6 +99,11 @@ class HeterogeneousParts(BalanceView):
         return FitContext(
             self._profiled_module, self._step_clock, device_labels(self), report=self.balance_report, **fit
         )
+
+    def balance_report(self, include_series: bool = False) -> dict[str, Any]:
+        """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
+        telemetry = telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series)
+        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
@@ -236,16 +244,13 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
                 " `sampler=strategy.eval_sampler(dataset)` (each sample on one replica) or with"
                 " `fabric.setup_dataloaders(loader, use_distributed_sampler=False)` (every replica reads it all)."
             )
-        # allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler
         order = training_order(dataloader)
-        global_batch = self.config.global_batch_size
-        if global_batch is None:
-            if dataloader.batch_size is None:
-                raise ValueError(
-                    "The DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
-                    " `HeterogeneousFabricStrategy(global_batch_size=...)`."
-                )
-            global_batch = dataloader.batch_size * self.world_size
+        global_batch = self.config.global_batch_size or (dataloader.batch_size or 0) * self.world_size
+        if not global_batch:
+            raise ValueError(
+                "The DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
+                " `HeterogeneousFabricStrategy(global_batch_size=...)`."
+            )
         sizes = self.policy.sizes_for(dataloader, global_batch, self._fit_context(loop_prefetch=0))
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
         sampler = order.split(dataloader.dataset, sizes, self.global_rank, drop_last=True)
@@ -284,10 +289,6 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         finally:
             if comm is not None:
                 comm.hide_consensus()  # each replica goes on with its own model
-
-    def balance_report(self) -> dict[str, Any]:
-        """The allocation as plain data."""
-        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self))
 
     @override
     def teardown(self) -> None:

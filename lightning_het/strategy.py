@@ -24,12 +24,10 @@ from lightning_het._compat import attached_trainer, record_loader_arguments
 from lightning_het._flavour import FLAVOURS, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import (
-    BalanceMonitor,
     HeterogeneousBalanceCallback,  # noqa: F401
     MonitorSettings,
     attach_monitor,
 )
-from lightning_het.balance.report import balance_report, telemetry_section
 from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
@@ -37,7 +35,6 @@ from lightning_het.cluster.accelerators import (
     MixedAccelerator,  # noqa: F401
     apply_local_settings,
     configure_devices,
-    device_labels,
     mixed_accelerator_kwargs,
     unbound_process_group,
 )
@@ -89,9 +86,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, self._configure(locals())))
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
-        self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
-        self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
@@ -348,22 +343,15 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         restore_rng((self._loaders.resume_record or {}).get("rng"))  # an emergency checkpoint's RNG states
         return checkpoint
 
-    def balance_report(self, include_series: bool = False) -> dict[str, Any]:
-        """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
-        telemetry = self._telemetry(include_series)
-        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
-
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
-        return {**self.policy.allocation.as_dict(), "node_ids": self._node_ids, "telemetry": self._telemetry(True)}
+        telemetry = self.balance_report(include_series=True)["telemetry"]
+        return {**self.policy.allocation.as_dict(), "node_ids": self._node_ids, "telemetry": telemetry}
 
     def import_allocation(self, state: dict[str, Any]) -> None:
         """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""
         self.policy.allocation = Allocation.from_dict(state)
         self._node_ids, self._telemetry_snapshot = state.get("node_ids"), state.get("telemetry")
-
-    def _telemetry(self, include_series: bool) -> dict[str, Any] | None:
-        return telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series)
 
 
 class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
