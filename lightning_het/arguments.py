@@ -57,13 +57,11 @@ def finite_positive_list(name: str, values: Sequence[float] | None) -> list[floa
     except TypeError:
         raise _error(name, f"{expected}, but got {values!r}.") from None
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):  # True would count as 1, "2" as 2.0
-            raise _error(name, f"Expected argument `{name}` to hold real numbers, but `{name}[{i}]` is {v!r}.")
-        if not math.isfinite(v) or v <= 0:
+        real = not isinstance(v, bool) and isinstance(v, numbers.Real)  # True would count as 1, "2" as 2.0
+        if not (real and math.isfinite(v) and v > 0):
+            what = "finite numbers > 0.0" if real else "real numbers"
             raise _error(
-                name,
-                f"Expected argument `{name}` to hold finite numbers > 0.0, but `{name}[{i}]` is {v!r}"
-                f" ({name}={values}).",
+                name, f"Expected argument `{name}` to hold {what}, but `{name}[{i}]` is {v!r} ({name}={values})."
             )
     if not values:
         raise _error(name, f"Expected argument `{name}` to be non-empty.")

@@ -35,8 +35,7 @@ JOB_ENVIRONMENT = (TOKEN_ENV, *_SOCKET_ENV)
 def ensure_job_token(environ: MutableMapping[str, str] | None = None) -> str:
     """The job token of ``environ`` (default ``os.environ``), generated there if absent."""
     environ = os.environ if environ is None else environ
-    if not environ.get(TOKEN_ENV):
-        environ[TOKEN_ENV] = secrets.token_hex(32)
+    environ[TOKEN_ENV] = environ.get(TOKEN_ENV) or secrets.token_hex(32)
     return environ[TOKEN_ENV]
 
 
@@ -96,9 +95,6 @@ def free_port(address: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
-_sockets: list[socket.socket] = []  # listening sockets handed to stores (open as long as the process lives)
-
-
 def create_store(
     master_addr: str, port: int, rank: int, world_size: int, num_nodes: int, timeout: timedelta
 ) -> dist.TCPStore:
@@ -114,10 +110,8 @@ def create_store(
     except OSError as err:
         sock.close()
         raise RuntimeError(f"The job's rendezvous store cannot listen on {address}:{port} ({err}).") from None
-    _sockets.append(sock)
-    return dist.TCPStore(
-        address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
-    )
+    fd = sock.detach()  # the listening socket stays open as long as the process lives
+    return dist.TCPStore(address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=fd)
 
 
 def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> None:
