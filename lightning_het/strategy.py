@@ -33,9 +33,9 @@ from lightning_het.cluster.accelerators import (
     DeviceMapArg,
     DevicePlan,
     MixedAccelerator,  # noqa: F401
+    MixedAcceleratorMixin,
     apply_local_settings,
-    configure_devices,
-    mixed_accelerator_kwargs,
+    plan_devices,
     unbound_process_group,
 )
 from lightning_het.comm import CommAlgorithm
@@ -83,7 +83,15 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         cpu_threads: int | Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, self._configure(locals())))
+        kwargs = self._configure(locals())
+        if device_map is not None:  # the accelerator places the replicas (the map's syntax checked now)
+            for clash in ("accelerator", "parallel_devices"):
+                if kwargs.get(clash) is not None:
+                    raise ValueError(f"You set both `device_map` and `{clash}`={kwargs[clash]!r}; drop `{clash}`.")
+            kwargs["accelerator"] = trainer_flavour(self).MixedAccelerator(device_map, cpu_threads=cpu_threads)
+        elif cpu_threads is not None:
+            raise ValueError(f"You set `cpu_threads`={cpu_threads!r} without a `device_map` (e.g. ['cpu', 'cpu']).")
+        super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
@@ -105,9 +113,20 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     @override
     def _configure_launcher(self) -> None:
-        self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
-        if self._device_plan is not None:
-            self._process_group_backend = self._device_plan.backend
+        accelerator, environment = self.accelerator, self.cluster_environment
+        if isinstance(accelerator, MixedAcceleratorMixin):  # the device map resolved for this node and the job
+            plan = self._device_plan = plan_devices(
+                accelerator.device_map,
+                node_rank=environment.node_rank() if environment is not None else 0,
+                num_nodes=self.num_nodes,
+                local_world_size=self.num_processes,
+                cuda_device_count=torch.cuda.device_count(),  # NVML-based under Lightning: creates no CUDA context
+                requested_backend=self.process_group_backend,
+                cpu_threads=accelerator.cpu_threads,
+            )
+            if self.precision_plugin.precision == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
+                raise ValueError("You set `precision='16-mixed'` with CPU replicas (CUDA-only); use 'bf16-mixed'.")
+            self.parallel_devices, self._process_group_backend = list(plan.local_devices), plan.backend
         super()._configure_launcher()
         if self._start_method != "popen":
             self._launcher = SpawnLauncher(self, self._launcher)

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
-from lightning_het._flavour import trainer_flavour
 from lightning_het.arguments import expect, int_list, positive_int
 
 log = logging.getLogger(__name__)
@@ -287,44 +286,6 @@ class MixedAcceleratorMixin:
 
 class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
     """Accelerator for jobs that mix CPU and CUDA replicas; use it with ``HeterogeneousStrategy``."""
-
-
-def mixed_accelerator_kwargs(
-    strategy_cls: type, device_map: DeviceMapArg | None, cpu_threads: int | Sequence[int] | None, kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` given a map."""
-    if device_map is None:
-        if cpu_threads is not None:
-            raise ValueError(f"You set `cpu_threads`={cpu_threads!r} without a `device_map` (e.g. ['cpu', 'cpu']).")
-        return kwargs
-    for clash in ("accelerator", "parallel_devices"):
-        if kwargs.get(clash) is not None:
-            raise ValueError(f"You set both `device_map` and `{clash}`={kwargs[clash]!r}; drop `{clash}`.")
-    accelerator = trainer_flavour(strategy_cls).MixedAccelerator(device_map, cpu_threads=cpu_threads)
-    return {**kwargs, "accelerator": accelerator}
-
-
-def configure_devices(strategy: Any) -> DevicePlan | None:
-    """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``."""
-    accelerator = strategy.accelerator
-    if not isinstance(accelerator, MixedAcceleratorMixin):
-        return None
-    environment = strategy.cluster_environment
-    plan = plan_devices(
-        accelerator.device_map,
-        node_rank=environment.node_rank() if environment is not None else 0,
-        num_nodes=strategy.num_nodes,
-        local_world_size=strategy.num_processes,
-        cuda_device_count=torch.cuda.device_count(),  # NVML-based under Lightning: creates no CUDA context
-        requested_backend=strategy.process_group_backend,
-        cpu_threads=accelerator.cpu_threads,
-    )
-    precision = getattr(strategy.precision_plugin, "precision", None)
-    if precision == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
-        raise ValueError("You set `precision='16-mixed'` with CPU replicas in the map (CUDA-only); use 'bf16-mixed'.")
-    strategy.parallel_devices = list(plan.local_devices)
-    log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")
-    return plan
 
 
 def apply_local_settings(strategy: Any) -> None:
