@@ -24,10 +24,10 @@ def _error(name: str, message: str) -> ArgumentError:
     return ArgumentError(name.split("[", 1)[0], message)
 
 
-def expect(ok: bool, name: str, expected: str, value: Any) -> None:
-    """Unless ``ok``: :class:`ArgumentError` "Expected argument `name` to be <expected>, but got <value>."."""
+def expect(ok: bool, name: str, expected: str, value: Any, hint: str = "") -> None:
+    """Unless ``ok``: :class:`ArgumentError` "Expected argument `name` to be <expected>, but got <value>. <hint>"."""
     if not ok:
-        raise _error(name, f"Expected argument `{name}` to be {expected}, but got {value!r}.")
+        raise _error(name, f"Expected argument `{name}` to be {expected}, but got {value!r}.{hint and ' HINT: '}{hint}")
 
 
 def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
@@ -195,12 +195,8 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
             f" (which receives the extra keywords). HINT: {hint}",
         )
     backend = kwargs.get("process_group_backend")
-    if backend is not None:
-        allowed = sorted({str(b).lower() for b in dist.Backend.backend_list} - {"undefined"})  # registered ones too
-        if not isinstance(backend, str) or backend.lower() not in allowed:
-            raise ArgumentError(
-                "process_group_backend",
-                f"Expected argument `process_group_backend` to be one of {allowed} (or a backend registered with"
-                f" `torch.distributed.Backend.register_backend`), but got {backend!r}. HINT: use 'nccl' for CUDA"
-                " GPUs, 'gloo' for CPUs, or leave it unset to let Lightning choose.",
-            )
+    allowed = sorted({str(b).lower() for b in dist.Backend.backend_list} - {"undefined"})  # registered ones too
+    expected = f"one of {allowed} (or a backend registered with `torch.distributed.Backend.register_backend`)"
+    hint = "use 'nccl' for CUDA GPUs, 'gloo' for CPUs, or leave it unset to let Lightning choose."
+    ok = backend is None or (isinstance(backend, str) and backend.lower() in allowed)
+    expect(ok, "process_group_backend", expected, backend, hint)

@@ -109,13 +109,8 @@ class HeterogeneousConfig:
         out["speeds"] = finite_positive_list("speeds", out.get("speeds"))
         least = out["min_batch_size"] = positive_int("min_batch_size", out.get("min_batch_size", 1), allow_none=False)
         out["max_batch_sizes"] = bounds = int_list("max_batch_sizes", out.get("max_batch_sizes"))
-        for i, bound in enumerate(bounds or []):
-            if bound < least:  # type: ignore[operator]
-                raise ArgumentError(
-                    "max_batch_sizes",
-                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={least}, but"
-                    f" `max_batch_sizes[{i}]` is {bound}.",
-                )
+        for i, b in enumerate(bounds or []):
+            expect(b >= least, f"max_batch_sizes[{i}]", f">= `min_batch_size`={least}", b)  # type: ignore[operator]
         if out.get("max_micro_batch_sizes") != "auto":  # "auto": measured by a short search on the first steps
             caps = out.get("max_micro_batch_sizes")
             out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", caps, 'or "auto"')
