@@ -49,7 +49,6 @@ class HeterogeneousParts(BalanceView):
         """The constructor's ``locals()`` validated into the policy and the comm algorithm; returns DDP's keywords."""
         config, rest = strategy_config(type(self), keywords, fabric)
         self.policy = BalancePolicy(config)
-        self._comm = config.comm  # installed once the model is wrapped
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         return rest
 
@@ -167,7 +166,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         ddp_model = super().setup_module(module)
         ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
         assert ids is not None
-        self.comm_algorithm, self._comm_sizes = self._comm.resolve(ids), sizes
+        self.comm_algorithm, self._comm_sizes = self.config.comm.resolve(ids), sizes
         self.comm_algorithm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned

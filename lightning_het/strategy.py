@@ -161,7 +161,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
         if fitting:  # `comm` on the DDP model and the optimizers (a collective), with a resumed fit's comm state
             assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
-            comm = self._comm.resolve(self._node_ids)
+            comm = self.config.comm.resolve(self._node_ids)
             register_user_hook(self.model, comm, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
             loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
             position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
