@@ -238,8 +238,6 @@ class MixedAcceleratorMixin:
     def setup_device(self, device: torch.device) -> None:
         if device.type == "cuda":
             CUDAAccelerator().setup_device(device)  # Lightning's: the float32 matmul precision hint, set_device
-        elif device.type != "cpu":
-            raise ValueError(f"MixedAccelerator runs replicas on 'cpu' or 'cuda' devices, got {device}.")
 
     def setup(self, trainer: Any) -> None:
         strategy = trainer.strategy

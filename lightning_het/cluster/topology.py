@@ -22,11 +22,6 @@ def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> 
     >>> node_ids_from_ranks([1, 0, 1, 0], ["a", "a", "a", "a"]), node_ids_from_ranks([0, 0, 0], ["a", "b", "a"])
     ([0, 1, 0, 1], [0, 1, 0])
     """
-    if len(node_ranks) != len(hostnames) or not node_ranks:
-        raise ValueError(
-            f"Expected `node_ranks` and `hostnames` to have the same non-zero length, but got {len(node_ranks)} and"
-            f" {len(hostnames)}."
-        )
     index: dict[Any, int] = {}  # labels as 0..N-1 in order of first appearance
     return [index.setdefault(key, len(index)) for key in zip((int(n) for n in node_ranks), hostnames)]
 
