@@ -127,27 +127,20 @@ SYNC_DEFAULTS: dict[str, Any] = {
 }
 
 
-def check_sync_args(
-    outer_optimizer: Any,
-    outer_lr: Any,
-    outer_momentum: Any,
-    sync_dtype: Any,
-    merge_weights: Any,
-    *,
-    comm: str = "node_local",
-) -> None:
-    """``comm="node_local"``'s sync keywords; a value other than the default is refused where nothing reads it (another
-    ``comm`` mode; ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"``)."""
-    ok = outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)
+def check_sync_args(*values: Any, comm: str = "node_local") -> None:
+    """``comm="node_local"``'s sync keywords (``values``: those of :data:`SYNC_DEFAULTS`, in order); a value other than
+    the default is refused where nothing reads it (another ``comm``; ``outer_lr`` / ``outer_momentum`` without
+    ``outer_optimizer="nesterov"``)."""
+    given = dict(zip(SYNC_DEFAULTS, values))
+    outer = given["outer_optimizer"]
     expected = "None (plain averaging), one of ['nesterov'] or a callable building a torch optimizer from a list of"
-    expect(ok, "outer_optimizer", f"{expected} tensors", outer_optimizer)
-    for name, value, rule in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
+    expect(outer is None or outer == "nesterov" or callable(outer), "outer_optimizer", f"{expected} tensors", outer)
+    for name, rule in (("outer_lr", "> 0"), ("outer_momentum", "in [0, 1)")):
+        value = given[name]
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         expect(ok and (value > 0 if name == "outer_lr" else 0 <= value < 1), name, f"a finite number {rule}", value)
-    choices = {"sync_dtype": ["float32", "bfloat16", "int8"], "merge_weights": ["samples", "nodes"]}
-    for name, value in (("sync_dtype", sync_dtype), ("merge_weights", merge_weights)):
-        expect(value in choices[name], name, f"one of {choices[name]}", value)
-    given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
+    for name, choices in (("sync_dtype", ["float32", "bfloat16", "int8"]), ("merge_weights", ["samples", "nodes"])):
+        expect(given[name] in choices, name, f"one of {choices}", given[name])
     changed = [n for n, v in given.items() if callable(v) or v != SYNC_DEFAULTS[n]]  # a callable is never a default
     if comm != "node_local" and changed:
         name = changed[0]
@@ -159,11 +152,11 @@ def check_sync_args(
             f" `{name}`.",
         )
     for name in ("outer_lr", "outer_momentum"):
-        if name in changed and outer_optimizer != "nesterov":
-            what = "plain averaging, which has no outer optimizer" if outer_optimizer is None else "a callable"
+        if name in changed and outer != "nesterov":
+            what = "plain averaging, which has no outer optimizer" if outer is None else "a callable"
             raise _error(
                 name,
-                f"You set `{name}={given[name]!r}`, but `outer_optimizer={outer_optimizer!r}` ({what}) would ignore"
+                f"You set `{name}={given[name]!r}`, but `outer_optimizer={outer!r}` ({what}) would ignore"
                 f" it: it sets the optimizer of `outer_optimizer='nesterov'` only. HINT: pass"
                 f" outer_optimizer='nesterov', or set the learning rate and momentum in your callable.",
             )
