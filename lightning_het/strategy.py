@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: F401
 from lightning.pytorch.strategies import DDPStrategy
@@ -199,7 +200,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            fit = self._fit_context()
+            fit = self._fit_context(loop_prefetch=0 if has_len(dataloader) else 1)  # Lightning's fetcher: sized, none
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, self.policy, fit)
         return shield_loader_workers(dataloader, self.global_rank)
 
