@@ -108,10 +108,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         """This replica's hung/dead-replica watchdog while one runs."""
         return self.guards.watchdog
 
-    def emulate_platform(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
-        """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
-        self.policy.emulate(slowdown, memory_cap)
-
     @override
     def _configure_launcher(self) -> None:
         accelerator, environment = self.accelerator, self.cluster_environment
