@@ -161,6 +161,7 @@ class CommAlgorithm:
         self._handles = ()
         if self._hook_state is not None:
             self._hook_state.groups = None
+            self._hook_state.stop()
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         """Follow a new split of the global batch (the same list on every rank)."""
