@@ -353,9 +353,9 @@ def test_exact_mode_stats_follow_the_byte_model(
             traffic = model(entry["grad_bytes"], node_ids)
             stats = entry["stats"]
             assert stats["steps"] == STEPS
-            assert stats["bytes_inter_per_step"] == pytest.approx(traffic.inter[rank])
-            assert stats["bytes_intra_per_step"] == pytest.approx(traffic.intra[rank])
-            assert stats["job_bytes_inter_per_step"] == pytest.approx(traffic.total_inter)
+            assert stats["bytes_inter_per_step"] == pytest.approx(traffic[1][rank])
+            assert stats["bytes_intra_per_step"] == pytest.approx(traffic[0][rank])
+            assert stats["job_bytes_inter_per_step"] == pytest.approx(traffic[1].sum())
 
 
 @pytest.mark.parametrize(("scenario", "expected"), [("flat_faster", "flat"), ("slowest_rank_decides", "hierarchical")])
@@ -371,8 +371,8 @@ def test_measured_choice_is_exact_and_agreed(exact4: list[dict[str, Any]], scena
     nbytes = entries[0]["grad_bytes"]
     flat_steps = 2 if expected == "flat" else 1
     inter = (
-        flat_allreduce_traffic(nbytes, node_ids).total_inter * flat_steps
-        + hierarchical_traffic(nbytes, node_ids).total_inter * (STEPS - flat_steps)
+        flat_allreduce_traffic(nbytes, node_ids)[1].sum() * flat_steps
+        + hierarchical_traffic(nbytes, node_ids)[1].sum() * (STEPS - flat_steps)
     ) / STEPS
     assert entries[0]["stats"]["job_bytes_inter_per_step"] == pytest.approx(inter)
 
@@ -429,8 +429,8 @@ def test_node_local_stats(node_local: list[dict[str, Any]], case: tuple[Any, ...
     local_steps = STEPS - warmup
     syncs = local_steps // k
     expected = (
-        hierarchical_traffic(nbytes, node_ids).total_inter * (warmup + syncs)
-        + node_local_traffic(nbytes, node_ids).total_inter * local_steps
+        hierarchical_traffic(nbytes, node_ids)[1].sum() * (warmup + syncs)
+        + node_local_traffic(nbytes, node_ids)[1].sum() * local_steps
     ) / STEPS
     for result in node_local:
         stats = result[str(node_ids)]["stats"]
@@ -487,9 +487,9 @@ def test_int8_sync_is_close_and_sends_a_quarter(node_local: list[dict[str, Any]]
     assert (int8["history"][-1] - full["history"][-1]).abs().max().item() < 0.02
     n = int8["numel"]
     syncs = STEPS // k
-    inter = compressed_sync_traffic(4 * n, n + 4 * math.ceil(n / INT8_BLOCK), node_ids).total_inter
+    inter = compressed_sync_traffic(4 * n, n + 4 * math.ceil(n / INT8_BLOCK), node_ids)[1].sum()
     assert int8["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
-    inter = hierarchical_traffic(4 * n, node_ids).total_inter
+    inter = hierarchical_traffic(4 * n, node_ids)[1].sum()
     assert full["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
     assert full["stats"]["job_bytes_inter_total"] / int8["stats"]["job_bytes_inter_total"] > 3.9
 
@@ -629,21 +629,21 @@ def test_summary_line() -> None:
 class TestByteModel:
     def test_flat_allreduce_crosses_where_the_ring_crosses(self) -> None:
         contiguous = flat_allreduce_traffic(100, [0, 0, 1, 1])
-        assert contiguous.inter == [0.0, 150.0, 0.0, 150.0]
-        assert contiguous.total_intra == 300.0
-        assert flat_allreduce_traffic(100, [0, 1, 0, 1]).total_inter == 600.0
+        assert contiguous[1].tolist() == [0.0, 150.0, 0.0, 150.0]  # row 1: to other nodes
+        assert contiguous[0].sum() == 300.0  # row 0: inside the node
+        assert flat_allreduce_traffic(100, [0, 1, 0, 1])[1].sum() == 600.0
 
     def test_hierarchical_and_node_local(self) -> None:
         hier = hierarchical_traffic(100, [0, 0, 1, 1])
-        assert hier.inter == [100.0, 0.0, 100.0, 0.0]
-        assert hier.intra == [100.0, 100.0, 100.0, 100.0]  # leaders broadcast, others reduce
-        assert hierarchical_traffic(100, [0, 0, 0, 1]).intra == [200.0, 100.0, 100.0, 0.0]
+        assert hier[1].tolist() == [100.0, 0.0, 100.0, 0.0]
+        assert hier[0].tolist() == [100.0, 100.0, 100.0, 100.0]  # leaders broadcast, others reduce
+        assert hierarchical_traffic(100, [0, 0, 0, 1])[0].tolist() == [200.0, 100.0, 100.0, 0.0]
         local = node_local_traffic(100, [0, 0, 1, 1])
-        assert local.total_inter == 0.0 and local.total_intra == 400.0
+        assert local[1].sum() == 0.0 and local[0].sum() == 400.0
 
     def test_node_local_k16_cuts_inter_node_bytes_more_than_tenfold(self) -> None:
-        flat = flat_allreduce_traffic(1e6, [0, 0, 1, 1]).total_inter
-        amortised = hierarchical_traffic(1e6, [0, 0, 1, 1]).total_inter / 16
+        flat = flat_allreduce_traffic(1e6, [0, 0, 1, 1])[1].sum()
+        amortised = hierarchical_traffic(1e6, [0, 0, 1, 1])[1].sum() / 16
         assert flat / amortised >= 10
 
     def test_comm_stats_dict(self) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from lightning_het.cluster.topology import NodeGroups, describe_topology, node_members, validate_node_ids
@@ -29,42 +30,25 @@ FLAT_FIELDS: dict[str, str] = {
 }
 
 
-@dataclass
-class Traffic:
-    """Bytes sent by every global rank during one collective pattern: to its own node, to other nodes."""
-
-    intra: list[float]
-    inter: list[float]
-
-    def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(
-            [a + b for a, b in zip(self.intra, other.intra)], [a + b for a, b in zip(self.inter, other.inter)]
-        )
-
-    @property
-    def total_intra(self) -> float:
-        return sum(self.intra)
-
-    @property
-    def total_inter(self) -> float:
-        return sum(self.inter)
+#: bytes every global rank sends in one collective pattern: row 0 to its own node, row 1 to other nodes
+Traffic = np.ndarray
 
 
 def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
     """A ring over ``ranks`` (ascending): each sends ``per_rank`` bytes (default: an all-reduce's) to the next."""
-    traffic, ring = Traffic([0.0] * len(node_ids), [0.0] * len(node_ids)), sorted(ranks)
+    traffic, ring = np.zeros((2, len(node_ids))), sorted(ranks)
     if len(ring) > 1:
         per_rank = 2.0 * (len(ring) - 1) / len(ring) * nbytes if per_rank is None else per_rank
         for src, dst in zip(ring, ring[1:] + ring[:1]):
-            (traffic.intra if node_ids[src] == node_ids[dst] else traffic.inter)[src] += per_rank
+            traffic[int(node_ids[src] != node_ids[dst]), src] += per_rank
     return traffic
 
 
 def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     """One ring all-reduce over all ranks (DDP's).
 
-    >>> flat_allreduce_traffic(100, [0, 0, 1, 1])
-    Traffic(intra=[150.0, 0.0, 150.0, 0.0], inter=[0.0, 150.0, 0.0, 150.0])
+    >>> flat_allreduce_traffic(100, [0, 0, 1, 1]).tolist()
+    [[150.0, 0.0, 150.0, 0.0], [0.0, 150.0, 0.0, 150.0]]
     """
     return _ring(nbytes, range(len(node_ids)), node_ids)
 
@@ -72,16 +56,14 @@ def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
 def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
     """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each), broadcast inside each node.
 
-    >>> t = hierarchical_traffic(100, [0, 0, 1, 1])
-    >>> t.inter, t.total_intra
-    ([100.0, 0.0, 100.0, 0.0], 400.0)
+    >>> hierarchical_traffic(100, [0, 0, 1, 1]).tolist()
+    [[100.0, 100.0, 100.0, 100.0], [100.0, 0.0, 100.0, 0.0]]
     """
     members = node_members(node_ids)
     traffic = _ring(nbytes, [m[0] for m in members], node_ids, per_rank)
     for leader, *others in members:
-        traffic.intra[leader] += nbytes * len(others)
-        for other in others:
-            traffic.intra[other] += nbytes
+        traffic[0, leader] += nbytes * len(others)
+        traffic[0, others] += nbytes
     return traffic
 
 
@@ -89,7 +71,7 @@ def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence
     """A compressed sync: ``nbytes`` reduced onto each leader and broadcast back, the leaders' ``wire_bytes``
     all-gathered in a ring.
 
-    >>> compressed_sync_traffic(400, 100, [0, 0, 1]).inter
+    >>> compressed_sync_traffic(400, 100, [0, 0, 1])[1].tolist()
     [100.0, 0.0, 100.0]
     """
     return hierarchical_traffic(nbytes, node_ids, per_rank=(len(set(node_ids)) - 1) * float(wire_bytes))
@@ -97,8 +79,7 @@ def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence
 
 def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     """One all-reduce inside each node, nothing between nodes."""
-    parts = [_ring(nbytes, members, node_ids) for members in node_members(node_ids)]
-    return sum(parts[1:], parts[0])
+    return sum(_ring(nbytes, members, node_ids) for members in node_members(node_ids))
 
 
 class CommAlgorithm:
@@ -138,7 +119,7 @@ class CommAlgorithm:
         if not 0 <= rank < len(ids):
             raise ValueError(f"Expected argument `rank` in [0, {len(ids)}), but got {rank}.")
         self._node_ids, self._rank, self._groups, self._chunk_bytes = ids, rank, groups, chunk_bytes
-        self._total, self._steps, self._syncs = Traffic([0.0] * len(ids), [0.0] * len(ids)), 0, 0
+        self._total, self._steps, self._syncs = np.zeros((2, len(ids))), 0, 0
         self._traffic_cache, self._stepped = {}, None
         self._position = position or (lambda: (self._stepped or 0, False))
         self._params = list(model.parameters())
@@ -190,7 +171,7 @@ class CommAlgorithm:
     def _record(self, traffic: Traffic, sync: bool = False) -> None:
         """Count one optimizer step's gradient exchange, or (``sync``) one global parameter average."""
         self._syncs, self._steps = self._syncs + sync, self._steps + (not sync)
-        self._total = self._total + traffic  # type: ignore[operator]
+        self._total = self._total + traffic
 
     # ------------------------------------------------------------------ what the algorithms override
     def _start(self, model: Any) -> None:
@@ -246,8 +227,8 @@ class CommAlgorithm:
         if self._total is None:
             return {}
         out, steps = {"steps": float(self._steps), "global_syncs": float(self._syncs)}, max(self._steps, 1)
-        for kind in ("intra", "inter"):
-            mine, job = getattr(self._total, kind)[self._rank], sum(getattr(self._total, kind))
+        for kind, sent in zip(("intra", "inter"), self._total.tolist()):
+            mine, job = sent[self._rank], sum(sent)
             out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
             out |= {f"job_bytes_{kind}_total": job, f"job_bytes_{kind}_per_step": job / steps}
         return out
