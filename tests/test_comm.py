@@ -25,12 +25,11 @@ from lightning_het.comm import hierarchical as hierarchical_module
 from lightning_het.comm import node_local as node_local_module
 from lightning_het.comm.allreduce import (
     CommAlgorithm,
-    compressed_sync_traffic,
     flat_allreduce_traffic,
     hierarchical_traffic,
     node_local_traffic,
 )
-from lightning_het.comm.hierarchical import HierarchicalState, choose_reduction
+from lightning_het.comm.hierarchical import HierarchicalState
 from lightning_het.comm.node_local import INT8_BLOCK, average_parameters, merge_weights
 from lightning_het.config import typed_keywords
 from tests.helpers.gloo import run_gloo
@@ -377,12 +376,23 @@ def test_measured_choice_is_exact_and_agreed(exact4: list[dict[str, Any]], scena
     assert entries[0]["stats"]["job_bytes_inter_per_step"] == pytest.approx(inter)
 
 
+def _decided(flat_s: float, hier_s: float) -> str | None:
+    """The reduction a one-step measurement keeps after a flat step of ``flat_s`` s and a hierarchical one."""
+    times = iter([0.0, flat_s, flat_s + hier_s])
+    algorithm = Hierarchical(autotune_steps=1)
+    algorithm._clock = lambda: next(times)
+    _, opt = _installed(algorithm, [0, 0, 1, 1], 0, [1, 1, 1, 1])
+    for _ in range(3):
+        opt.step()
+    return algorithm.reduction
+
+
 def test_choose_reduction_and_measured_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert choose_reduction(0.40, 0.50) == "flat"
-    assert choose_reduction(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
-    assert choose_reduction(float("nan"), 0.5) == "hierarchical"
     monkeypatch.setattr(hierarchical_module.dist, "get_backend", lambda *args: "gloo")
     monkeypatch.setattr(hierarchical_module.dist, "all_reduce", lambda tensor, op=None: None)  # every rank agrees
+    assert _decided(0.40, 0.50) == "flat"
+    assert _decided(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
+    assert _decided(float("nan"), 0.5) == "hierarchical"
     times = iter([0.0, 1.0, 3.0, 4.0, 6.0])  # untimed first step, then flat 1 s, hier 2 s, flat 1 s, hier 2 s
     algorithm = Hierarchical(autotune_steps=2)
     algorithm._clock = lambda: next(times)
@@ -487,7 +497,8 @@ def test_int8_sync_is_close_and_sends_a_quarter(node_local: list[dict[str, Any]]
     assert (int8["history"][-1] - full["history"][-1]).abs().max().item() < 0.02
     n = int8["numel"]
     syncs = STEPS // k
-    inter = compressed_sync_traffic(4 * n, n + 4 * math.ceil(n / INT8_BLOCK), node_ids)[1].sum()
+    wire = n + 4 * math.ceil(n / INT8_BLOCK)  # int8 values and a float32 scale per block, all-gathered by 2 leaders
+    inter = hierarchical_traffic(4 * n, node_ids, per_rank=(len(set(node_ids)) - 1) * wire)[1].sum()
     assert int8["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
     inter = hierarchical_traffic(4 * n, node_ids)[1].sum()
     assert full["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)

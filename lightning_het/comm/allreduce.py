@@ -54,10 +54,11 @@ def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
 
 
 def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
-    """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each), broadcast inside each node.
+    """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each: a compressed all-gather),
+    broadcast inside each node.
 
-    >>> hierarchical_traffic(100, [0, 0, 1, 1]).tolist()
-    [[100.0, 100.0, 100.0, 100.0], [100.0, 0.0, 100.0, 0.0]]
+    >>> hierarchical_traffic(100, [0, 0, 1, 1]).tolist(), hierarchical_traffic(400, [0, 0, 1], per_rank=100)[1].tolist()
+    ([[100.0, 100.0, 100.0, 100.0], [100.0, 0.0, 100.0, 0.0]], [100.0, 0.0, 100.0])
     """
     members = node_members(node_ids)
     traffic = _ring(nbytes, [m[0] for m in members], node_ids, per_rank)
@@ -65,16 +66,6 @@ def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float
         traffic[0, leader] += nbytes * len(others)
         traffic[0, others] += nbytes
     return traffic
-
-
-def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence[int]) -> Traffic:
-    """A compressed sync: ``nbytes`` reduced onto each leader and broadcast back, the leaders' ``wire_bytes``
-    all-gathered in a ring.
-
-    >>> compressed_sync_traffic(400, 100, [0, 0, 1])[1].tolist()
-    [100.0, 0.0, 100.0]
-    """
-    return hierarchical_traffic(nbytes, node_ids, per_rank=(len(set(node_ids)) - 1) * float(wire_bytes))
 
 
 def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:

@@ -21,7 +21,6 @@ from lightning_het.comm.allreduce import (
     FLAT_FIELDS,
     CommAlgorithm,
     Traffic,
-    compressed_sync_traffic,
     hierarchical_traffic,
     node_local_traffic,
 )
@@ -259,10 +258,8 @@ class NodeLocal(CommAlgorithm):
             for a, p in zip(self._anchor, params):
                 a.grad = None
                 p.copy_(a)
-            payload = delta.numel() * delta.element_size()
-            traffic = hierarchical_traffic(payload, ids)
-            if self.sync_dtype != "float32":
-                traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), ids)
+            wire = (len(set(ids)) - 1) * wire_bytes(delta.numel(), self.sync_dtype)  # all-gathered between leaders
+            traffic = hierarchical_traffic(delta.numel() * 4, ids, None if self.sync_dtype == "float32" else wire)
         self._record(traffic, sync=True)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
