@@ -53,8 +53,7 @@ def merge_weights(samples: Sequence[int], node_ids: Sequence[int], by: str = "sa
 
 def unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The floating-point tensors of ``tensors``, each once, in order."""
-    seen: set[int] = set()
-    return [t for t in tensors if torch.is_floating_point(t) and not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+    return list({id(t): t for t in tensors if torch.is_floating_point(t)}.values())
 
 
 @torch.no_grad()
@@ -128,17 +127,6 @@ def compressed_sum(
     if groups.node_size > 1:
         dist.broadcast(vector, src=groups.leader, group=groups.intra_bcast_group)
     return residual
-
-
-def node_record(entries: Sequence[Any], node_ids: Sequence[int]) -> dict[str, Any]:
-    """A checkpoint's per-node record from one ``(optimizer_states, residual[, params])`` entry per rank (leaders')."""
-    leaders = [entries[m[0]] for m in node_members(node_ids)]
-    return {
-        "layout": [len(m) for m in node_members(node_ids)],
-        "optimizer_states": [entry[0] for entry in leaders],
-        "residuals": [entry[1] for entry in leaders],
-        "params": [entry[2] if len(entry) > 2 else None for entry in leaders],
-    }
 
 
 def layout_change(record: dict[str, Any] | None, node_ids: Sequence[int]) -> str | None:
@@ -335,18 +323,20 @@ class NodeLocal(CommAlgorithm):
                 p.copy_(saved)
 
     def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
-        """Every node's own parameters, inner ``optimizer_states`` and leader's residual, gathered to rank 0 as a
-        :func:`node_record` (a collective; ``None`` off rank 0; rank 0 keeps its objects, the others' on the CPU)."""
+        """Every node's own parameters, inner ``optimizer_states`` and leader's residual (one list each, by node),
+        gathered to rank 0 (a collective; ``None`` off rank 0; rank 0 keeps its objects, the others' on the CPU)."""
         own = [p.detach() for p in (self._own if self._own is not None else self._params)]
-        leader = node_members(self._node_ids)[self._node_ids[self._rank]][0] == self._rank
-        mine = (optimizer_states, self._residual, own)
-        sent = apply_to_collection(mine, torch.Tensor, torch.Tensor.cpu) if self._rank != 0 and leader else None
+        members, mine = node_members(self._node_ids), (optimizer_states, self._residual, own)
+        leads = self._rank != 0 and members[self._node_ids[self._rank]][0] == self._rank
+        sent = apply_to_collection(mine, torch.Tensor, torch.Tensor.cpu) if leads else None
         gathered: list[Any] | None = [None] * len(self._node_ids) if self._rank == 0 else None
         dist.gather_object(sent, gathered, dst=0)
         if gathered is None:
             return None
         gathered[0] = (optimizer_states, self._residual, [p.clone() for p in own])
-        return node_record(gathered, self._node_ids)
+        leaders = [gathered[m[0]] for m in members]
+        names = ("optimizer_states", "residuals", "params")
+        return {"layout": [len(m) for m in members], **{name: [e[i] for e in leaders] for i, name in enumerate(names)}}
 
     def node_optimizer_states(self, state: dict[str, Any] | None) -> list[Any] | None:
         """``None`` (rank 0's for every node) without a ``"nodes"`` record or for another layout, which rank 0 logs."""
