@@ -3,6 +3,7 @@ and ``comm="allreduce"``: DDP's own flat all-reduce of the share-scaled gradient
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -111,7 +112,7 @@ class CommAlgorithm:
             raise ValueError(f"Expected argument `rank` in [0, {len(ids)}), but got {rank}.")
         self._node_ids, self._rank, self._groups, self._chunk_bytes = ids, rank, groups, chunk_bytes
         self._total, self._steps, self._syncs = np.zeros((2, len(ids))), 0, 0
-        self._traffic_cache, self._stepped = {}, None
+        self._traffic, self._stepped = functools.cache(lambda pattern: pattern(self._grad_bytes, ids)), None
         self._position = position or (lambda: (self._stepped or 0, False))
         self._params = list(model.parameters())
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
@@ -138,9 +139,7 @@ class CommAlgorithm:
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         """Follow a new split of the global batch (the same list on every rank)."""
         sizes = list(batch_sizes)
-        if len(sizes) != len(self._node_ids) or any(
-            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes
-        ):
+        if len(sizes) != len(self._node_ids) or not all(type(b) is int and b > 0 for b in sizes):
             raise ValueError(
                 f"Expected argument `batch_sizes` to hold one positive integer per replica ({len(self._node_ids)}),"
                 f" but got {sizes}."
@@ -151,10 +150,7 @@ class CommAlgorithm:
         done, epoch_end = self._position()
         first = done + 1 if self._stepped is None else self._stepped + 1  # < done + 1: a gradient scaler skipped steps
         for step in range(first, done + 2):  # caught up, so that every rank runs the same collectives
-            pattern = self._pattern(step)
-            if pattern not in self._traffic_cache:
-                self._traffic_cache[pattern] = pattern(self._grad_bytes, self._node_ids)
-            self._record(self._traffic_cache[pattern])
+            self._record(self._traffic(self._pattern(step)))
             with torch.no_grad():
                 self._after_step(step, epoch_end and step == done + 1)
         self._stepped = done + 1
