@@ -31,12 +31,9 @@ FLAT_FIELDS: dict[str, str] = {
 }
 
 
-#: bytes every global rank sends in one collective pattern: row 0 to its own node, row 1 to other nodes
-Traffic = np.ndarray
-
-
-def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
-    """A ring over ``ranks`` (ascending): each sends ``per_rank`` bytes (default: an all-reduce's) to the next."""
+def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> np.ndarray:
+    """The bytes each rank sends (row 0: inside its node, row 1: to other nodes) in a ring over ``ranks``
+    (ascending), each sending ``per_rank`` bytes (default: an all-reduce's) to the next."""
     traffic, ring = np.zeros((2, len(node_ids))), sorted(ranks)
     if len(ring) > 1:
         per_rank = 2.0 * (len(ring) - 1) / len(ring) * nbytes if per_rank is None else per_rank
@@ -45,7 +42,7 @@ def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank
     return traffic
 
 
-def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> np.ndarray:
     """One ring all-reduce over all ranks (DDP's).
 
     >>> flat_allreduce_traffic(100, [0, 0, 1, 1]).tolist()
@@ -54,7 +51,7 @@ def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
     return _ring(nbytes, range(len(node_ids)), node_ids)
 
 
-def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
+def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> np.ndarray:
     """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each: a compressed all-gather),
     broadcast inside each node.
 
@@ -69,7 +66,7 @@ def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float
     return traffic
 
 
-def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> np.ndarray:
     """One all-reduce inside each node, nothing between nodes."""
     return sum(_ring(nbytes, members, node_ids) for members in node_members(node_ids))
 
@@ -79,7 +76,7 @@ class CommAlgorithm:
     :meth:`remove` the step hooks (the comm hook then runs DDP's all-reduce). Settings are dataclass fields."""
 
     mode: ClassVar[str] = ""
-    _total: Traffic | None = None
+    _total: np.ndarray | None = None
     _handles: tuple[Any, ...] = ()
     _hook_state: Any = None
 
@@ -155,7 +152,7 @@ class CommAlgorithm:
                 self._after_step(step, epoch_end and step == done + 1)
         self._stepped = done + 1
 
-    def _record(self, traffic: Traffic, sync: bool = False) -> None:
+    def _record(self, traffic: np.ndarray, sync: bool = False) -> None:
         """Count one optimizer step's gradient exchange, or (``sync``) one global parameter average."""
         self._syncs, self._steps = self._syncs + sync, self._steps + (not sync)
         self._total = self._total + traffic
@@ -164,7 +161,7 @@ class CommAlgorithm:
     def _start(self, model: Any) -> None:
         """Register the comm hook on ``model`` (none here: DDP all-reduces)."""
 
-    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         """The traffic of optimizer step ``step``'s gradient exchange."""
         return flat_allreduce_traffic
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -26,7 +27,6 @@ from lightning_het.comm.allreduce import (
     DEFAULT_CHUNK_BYTES,
     AllReduce,
     CommAlgorithm,
-    Traffic,
     flat_allreduce_traffic,
     hierarchical_traffic,
 )
@@ -165,7 +165,7 @@ class Hierarchical(CommAlgorithm):
             return ""
         return f" ({self.reduction} reduction, measured)" if self._measured else " (still measuring)"
 
-    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return flat_allreduce_traffic if self._hook_state.flat else hierarchical_traffic
 
     def _after_step(self, step: int, epoch_end: bool) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -20,7 +21,6 @@ from lightning_het.cluster.topology import build_node_groups, node_members, vali
 from lightning_het.comm.allreduce import (
     FLAT_FIELDS,
     CommAlgorithm,
-    Traffic,
     hierarchical_traffic,
     node_local_traffic,
 )
@@ -195,7 +195,7 @@ class NodeLocal(CommAlgorithm):
     def _describe(self) -> str:
         return f" K={self.sync_every} warmup={self.warmup_steps}"
 
-    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return hierarchical_traffic if step <= self.warmup_steps else node_local_traffic
 
     def _after_step(self, step: int, epoch_end: bool) -> None:
