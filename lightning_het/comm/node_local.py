@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_het.arguments import SYNC_DEFAULTS, ArgumentError, check_sync_args, positive_int
-from lightning_het.cluster.topology import build_node_groups, node_members, validate_node_ids
+from lightning_het.cluster.topology import build_node_groups, node_members
 from lightning_het.comm.allreduce import (
     FLAT_FIELDS,
     CommAlgorithm,
@@ -165,12 +165,11 @@ class NodeLocal(CommAlgorithm):
             raise ArgumentError(FLAT_FIELDS[err.argument], message) from None
 
     def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
-        ids = validate_node_ids(node_ids, len(node_ids))
-        if len(set(ids)) < 2:
+        if len(set(node_ids)) < 2:
             raise ValueError(
-                f"You set `comm='node_local'`, but all {len(ids)} replicas are on one node (node_ids={list(node_ids)}),"
-                " so node-local steps would be exact training. HINT: pass `node_ids` to declare the nodes (e.g."
-                " [0, 0, 1, 1]), launch with one NODE_RANK per node, or use comm='allreduce'."
+                f"You set `comm='node_local'`, but all {len(node_ids)} replicas are on one node"
+                f" (node_ids={list(node_ids)}), so node-local steps would be exact training. HINT: pass `node_ids` to"
+                " declare the nodes (e.g. [0, 0, 1, 1]), launch with one NODE_RANK per node, or use comm='allreduce'."
             )
         return self
 
