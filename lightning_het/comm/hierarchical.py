@@ -16,13 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_het.arguments import positive_int
-from lightning_het.cluster.topology import (
-    NodeGroups,
-    build_node_groups,
-    describe_topology,
-    node_members,
-    validate_node_ids,
-)
+from lightning_het.cluster.topology import NodeGroups, build_node_groups, describe_topology
 from lightning_het.comm.allreduce import (
     DEFAULT_CHUNK_BYTES,
     AllReduce,
@@ -123,11 +117,6 @@ def node_local_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _several_nodes_of_several(node_ids: Sequence[int]) -> bool:
-    members = node_members(validate_node_ids(node_ids, len(node_ids)))
-    return len(members) > 1 and any(len(m) > 1 for m in members)
-
-
 @dataclass
 class Hierarchical(CommAlgorithm):
     """Exact two-level reduction: inside each node, then between the nodes' leaders, then back (a flat all-reduce
@@ -142,7 +131,7 @@ class Hierarchical(CommAlgorithm):
         positive_int("autotune_steps", self.autotune_steps, allow_none=False, minimum=0)
 
     def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
-        if _several_nodes_of_several(node_ids):
+        if 1 < len(set(node_ids)) < len(node_ids):  # several nodes, one of them with several replicas
             return self
         reason = "a single node" if len(set(node_ids)) < 2 else "one replica per node"
         topology = describe_topology(node_ids)
@@ -202,4 +191,4 @@ class Auto(Hierarchical):
     mode: ClassVar[str] = "auto"
 
     def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
-        return Hierarchical(self.autotune_steps) if _several_nodes_of_several(node_ids) else AllReduce()
+        return Hierarchical(self.autotune_steps) if 1 < len(set(node_ids)) < len(node_ids) else AllReduce()
