@@ -26,7 +26,6 @@ from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import (
     BalanceMonitor,
     HeterogeneousBalanceCallback,  # noqa: F401
-    MonitorSettings,
     attach_monitor,
 )
 from lightning_het.balance.report import balance_report, telemetry_section
@@ -166,8 +165,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         saves = fitting and self.comm_algorithm.mode != "node_local"  # the emergency checkpoint needs no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
-            settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
-            self._monitor = attach_monitor(self, trainer, settings)
+            slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
+            self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
 
     @override
     def teardown(self) -> None:

@@ -1,11 +1,10 @@
-"""The per-process driver of telemetry and rebalancing: the :class:`BalanceMonitor` callback and its settings."""
+"""The per-process driver of telemetry and rebalancing: the :class:`BalanceMonitor` callback."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,51 +16,22 @@ from lightning_het._flavour import trainer_flavour
 from lightning_het.balance.clock import StepClock, TelemetryHistory
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
+from lightning_het.config import Profiling
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MonitorSettings:
-    """The strategy's telemetry and rebalancing settings for one replica, given explicitly to :func:`attach_monitor`."""
-
-    record: bool
-    slowdown: float = 1.0
-    every_n_epochs: int | None = None
-    threshold: float | None = None
-    min_batch_size: int = 1
-    max_batch_sizes: Sequence[int] | None = None
-    profile: bool = False
-
-    @classmethod
-    def of(cls, config: Any, rank: int, world_size: int, min_batch_size: int) -> MonitorSettings:
-        """This replica's settings from the strategy's config, and the batch bounds a rebalance keeps."""
-        return cls(
-            record=config.profiling.telemetry,
-            slowdown=config.emulate_slowdown[rank] if config.emulate_slowdown else 1.0,
-            profile=config.speeds is None and world_size > 1,
-            every_n_epochs=config.profiling.rebalance_every_n_epochs,
-            threshold=config.profiling.rebalance_threshold,
-            min_batch_size=min_batch_size,
-            max_batch_sizes=config.max_batch_sizes,
-        )
 
 
 class BalanceMonitor:
     """Callback hooks (mixed into the trainer package's ``Callback``): times the steps, gathers each epoch's timings (a
     collective at its last batch), logs them, rebalances when due and writes the balance report."""
 
-    def __init__(self, strategy: Any, settings: MonitorSettings) -> None:
-        self.strategy = strategy
-        self.settings = settings
-        self.clock = StepClock(settings.slowdown, record=settings.record, device=strategy.root_device)
+    def __init__(self, strategy: Any, profiling: Profiling, slowdown: float = 1.0, **bounds: Any) -> None:
+        self.strategy, self.profiling = strategy, profiling
+        self.record = profiling.telemetry and strategy.world_size > 1
+        self.clock = StepClock(slowdown, record=self.record, device=strategy.root_device)
         self.history = TelemetryHistory()
         #: the decision across this fit's checks (smoothed costs, confirmed changes, gain net of the rebuild)
-        self.policy = RebalancePolicy(
-            threshold=settings.threshold if settings.threshold is not None else DEFAULT_THRESHOLD,
-            min_batch_size=settings.min_batch_size,
-            max_batch_sizes=settings.max_batch_sizes,
-        )
+        self.policy = RebalancePolicy(threshold=profiling.rebalance_threshold or DEFAULT_THRESHOLD, **bounds)
         self.report_paths: dict[str, Path] = {}
         self._saved_reload_every: int | None = None
         self._gathered_epoch: int | None = None  # the last epoch gathered at its last batch
@@ -72,7 +42,7 @@ class BalanceMonitor:
 
     def _gather(self, trainer: Any, epoch: int) -> dict[str, Any] | None:
         local = self.clock.flush()
-        if not self.settings.record:
+        if not self.record:
             return None
         world, timings = self.strategy.world_size, [local]
         if world > 1 and dist.is_available() and dist.is_initialized():
@@ -112,7 +82,7 @@ class BalanceMonitor:
         """Collective: gather what is left, then rank 0 writes the balance report (with loggers)."""
         self.on_train_epoch_start(trainer, pl_module)  # the same catching up
         self._gather(trainer, trainer.current_epoch)
-        if not self.settings.record or not trainer.loggers:
+        if not self.record or not trainer.loggers:
             return
         directory = trainer.log_dir  # a broadcast: every rank must ask
         if trainer.is_global_zero and directory:
@@ -121,12 +91,12 @@ class BalanceMonitor:
 
     def maybe_rebalance(self, trainer: Any, summary: dict[str, Any], epoch: int | None = None) -> bool:
         """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows."""
-        strategy, every = self.strategy, self.settings.every_n_epochs
+        strategy, every = self.strategy, self.profiling.rebalance_every_n_epochs
         sizes, times = strategy.batch_sizes, summary["compute_s"]
         epoch = trainer.current_epoch if epoch is None else epoch
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch + 1
         out_of_steps = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
-        due = (epoch + 1) % every == 0 if every is not None else self.settings.threshold is not None
+        due = (epoch + 1) % every == 0 if every is not None else self.profiling.rebalance_threshold is not None
         if not due or last_epoch or out_of_steps or trainer.should_stop or not sizes or strategy.profiling:
             return False
         # the epoch's medians must describe `sizes` (not the trial splits of profiling)
@@ -155,13 +125,14 @@ class HeterogeneousBalanceCallback(BalanceMonitor, Callback):
     """Added by :class:`~lightning_het.HeterogeneousStrategy` to ``trainer.callbacks`` (``lightning.pytorch``)."""
 
 
-def attach_monitor(strategy: Any, trainer: Any, settings: MonitorSettings) -> BalanceMonitor | None:
-    """A new ``fit``'s monitor in ``trainer.callbacks`` (replacing the last fit's), or ``None`` when it has no job."""
-    if strategy.world_size < 2:
-        settings = replace(settings, record=False)
+def attach_monitor(
+    strategy: Any, trainer: Any, profiling: Profiling, slowdown: float = 1.0, **bounds: Any
+) -> BalanceMonitor | None:
+    """A new ``fit``'s monitor in ``trainer.callbacks`` (replacing the last fit's), or ``None`` when it has no job:
+    no telemetry, emulated slowdown or profiling (``speeds`` not given, several replicas)."""
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, BalanceMonitor)]
-    if not (settings.record or settings.slowdown != 1.0 or settings.profile):
+    if slowdown == 1.0 and (strategy.world_size < 2 or (not profiling.telemetry and strategy.speeds_given)):
         return None
-    monitor = trainer_flavour(trainer).HeterogeneousBalanceCallback(strategy, settings)
+    monitor = trainer_flavour(trainer).HeterogeneousBalanceCallback(strategy, profiling, slowdown, **bounds)
     trainer.callbacks.append(monitor)
     return monitor

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from lightning_het import Profiling
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
-from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings
+from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.balance.rebalance import monotone_split, plan_rebalance, profiled_split
 
 GLOBAL_BATCH = 96
@@ -52,7 +53,7 @@ def simulate(seed: int, decide, slow_from: int | None = None) -> tuple[list[int]
 
 def monitor_decision():
     """The decision the balance monitor makes at its checks (its own policy object, fed as it feeds it)."""
-    policy = BalanceMonitor(_Strategy(), MonitorSettings(record=True, every_n_epochs=1)).policy
+    policy = BalanceMonitor(_Strategy(), Profiling(rebalance_every_n_epochs=1)).policy
 
     def decide(sizes, measured, profiled):
         return policy.check(sizes, measured, costs=profiled, steps_per_check=STEPS_PER_EPOCH)

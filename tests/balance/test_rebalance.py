@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
+from lightning_het import HeterogeneousStrategy, Profiling, allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
 from lightning_het.balance.rebalance import (
     RebalancePolicy,
@@ -231,7 +231,7 @@ class _PublicOnlyStrategy:
     """The strategy as the balance monitor may see it: public state and ``adopt_allocation`` only (``__slots__``:
     reading or writing any private attribute raises ``AttributeError``)."""
 
-    __slots__ = ("adopted", "batch_sizes", "cost_model", "profiling", "root_device", "world_size")
+    __slots__ = ("adopted", "batch_sizes", "cost_model", "profiling", "root_device", "speeds_given", "world_size")
 
     def __init__(self, batch_sizes: list[int]) -> None:
         import torch
@@ -240,7 +240,7 @@ class _PublicOnlyStrategy:
         self.cost_model = None
         self.root_device = torch.device("cpu")
         self.world_size = len(batch_sizes)
-        self.profiling = False
+        self.profiling = self.speeds_given = False
         self.adopted: list[tuple[list[int], list[float]]] = []
 
     def adopt_allocation(self, batch_sizes, speeds, costs=None) -> None:
@@ -264,36 +264,40 @@ class TestMonitorInterface:
         )  # fmt: skip
 
     def test_decision_goes_to_adopt_allocation_within_the_given_bounds(self) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         strategy = _PublicOnlyStrategy([8, 8])
         trainer = self._trainer(0)
-        settings = MonitorSettings(record=True, every_n_epochs=1, min_batch_size=2, max_batch_sizes=(12, 12))
-        monitor = attach_monitor(strategy, trainer, settings)
+        settings = {
+            "profiling": Profiling(rebalance_every_n_epochs=1),
+            "min_batch_size": 2,
+            "max_batch_sizes": [12] * 2,
+        }
+        monitor = attach_monitor(strategy, trainer, **settings)
         assert monitor is not None and len(trainer.callbacks) == 1
         assert monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4]})  # rank 1 is 3x slower per sample
         (sizes, speeds), = strategy.adopted  # fmt: skip
         assert len(speeds) == 2 and speeds[0] > speeds[1]
         assert sum(sizes) == 16 and sizes[0] == 12, sizes  # capped by max_batch_sizes, global batch kept
         assert trainer.reload_dataloaders_every_n_epochs == 1  # the loader is rebuilt when the next epoch starts
-        assert attach_monitor(strategy, trainer, settings) is not monitor and len(trainer.callbacks) == 1  # replaced
+        assert attach_monitor(strategy, trainer, **settings) is not monitor and len(trainer.callbacks) == 1  # replaced
 
     def test_an_epoch_that_mostly_ran_other_splits_is_not_checked(self) -> None:
         """A short first epoch spent profiling (trial splits) has medians at other sizes than the allocation."""
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         strategy = _PublicOnlyStrategy([12, 4])
         trainer = self._trainer(0)
-        monitor = attach_monitor(strategy, trainer, MonitorSettings(record=True, every_n_epochs=1))
+        monitor = attach_monitor(strategy, trainer, Profiling(rebalance_every_n_epochs=1))
         assert monitor is not None
         assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]})
         assert strategy.adopted == []
 
     def test_a_single_process_gathers_its_own_timings_at_the_end(self) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         trainer = self._trainer(0)
-        monitor = attach_monitor(_PublicOnlyStrategy([4, 4]), trainer, MonitorSettings(record=True))
+        monitor = attach_monitor(_PublicOnlyStrategy([4, 4]), trainer, Profiling())
         assert monitor is not None
         monitor.clock.step_start(4)
         monitor.clock.forward_end()
@@ -306,10 +310,10 @@ class TestMonitorInterface:
         [(3, None, [2, 5]), (2, None, [1, 3, 5]), (None, 1.1, [0, 1, 2, 3, 4, 5]), (None, None, [])],
     )
     def test_checks_at_the_end_of_every_nth_epoch_but_the_last(self, every, threshold, checked) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         strategy = _PublicOnlyStrategy([8, 8])
-        settings = MonitorSettings(record=True, every_n_epochs=every, threshold=threshold)
+        settings = Profiling(rebalance_every_n_epochs=every, rebalance_threshold=threshold)
         monitor = attach_monitor(strategy, self._trainer(0), settings)
         assert monitor is not None
         for epoch in range(7):  # max_epochs=7: no check after the last epoch
@@ -319,9 +323,12 @@ class TestMonitorInterface:
         assert [check["epoch"] for check in monitor.history.checks] == checked
 
     def test_off_means_no_monitor(self) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
-        assert attach_monitor(_PublicOnlyStrategy([4, 4]), self._trainer(0), MonitorSettings(record=False)) is None
+        strategy = _PublicOnlyStrategy([4, 4])
+        strategy.speeds_given = True  # nothing to profile
+        assert attach_monitor(strategy, self._trainer(0), Profiling(telemetry=False)) is None
+        assert attach_monitor(strategy, self._trainer(0), Profiling(telemetry=False), slowdown=2.0) is not None
 
 
 def test_micro_batched_replica_refreshed_per_micro_batch():
