@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_het.allocation import allocate_batch_sizes, positive_finite
-from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
+from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, step_time
 
 #: imbalance (max / min busy time) from which a check may re-allocate, when the user gives no threshold
 DEFAULT_THRESHOLD = 1.1
@@ -30,7 +30,8 @@ def profiled_split(
     upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
     sizes = monotone_split(allocate_affine(global_batch, costs, **bounds), costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
-    if imbalance([cost(global_batch / len(costs)) for cost in costs]) < threshold:  # at the mean share
+    mean_share = [cost(global_batch / len(costs)) for cost in costs]  # each replica's step at the mean share
+    if max(mean_share) < threshold * min(mean_share):
         return equal
     return equal if step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs) else sizes
 
@@ -49,21 +50,6 @@ def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], uppe
         if not changed:
             break
     return sizes
-
-
-def speeds_from_step_times(batch_sizes: Sequence[int], compute_times: Sequence[float]) -> list[float]:
-    """Throughput of every replica in samples/s, ``b_r / t_r``, measured at the batch size it ran."""
-    sizes = [int(b) for b in batch_sizes]
-    times = positive_finite("compute_times", compute_times, len(sizes))
-    if any(b < 1 for b in sizes):
-        raise ValueError(f"Expected argument `batch_sizes` to hold positive integers, but got {sizes}.")
-    return [b / t for b, t in zip(sizes, times)]
-
-
-def imbalance(compute_times: Sequence[float]) -> float:
-    """``max / min`` of the replicas' busy times per step: 1.0 is perfect balance."""
-    times = positive_finite("compute_times", compute_times)
-    return max(times) / min(times)
 
 
 @dataclass(frozen=True)
@@ -100,19 +86,23 @@ def plan_rebalance(
     ``uncertainty``: against timing errors of ``(threshold - 1) / (threshold + 1)`` either way)."""
     sizes = [int(b) for b in batch_sizes]
     times = positive_finite("compute_times", compute_times, len(sizes))
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"Expected argument `batch_sizes` to hold positive integers, but got {sizes}.")
     if not math.isfinite(threshold) or threshold < 1.0:
         raise ValueError(f"Expected argument `threshold` to be a finite number >= 1, but got {threshold!r}.")
     if not math.isfinite(min_gain) or not 0.0 <= min_gain < 1.0:
         raise ValueError(f"Expected argument `min_gain` to be in [0, 1), but got {min_gain!r}.")
-    speeds = speeds_from_step_times(sizes, times)
+    speeds = [b / t for b, t in zip(sizes, times)]  # samples/s at the sizes run
     current = max(times)
     ratio = current / min(times)
     # the costs refreshed per micro-batch (a share of b run as k pieces is k steps of b / k), fixed costs kept
     caps = micro_batch_sizes if micro_batch_sizes is not None else [None] * len(sizes)
     pieces = [1 if m is None else max(math.ceil(b / m), 1) for b, m in zip(sizes, caps)]
-    fixed = fixed_costs if fixed_costs is not None else [0.0] * len(sizes)
-    per_piece = refresh_costs([b / k for b, k in zip(sizes, pieces)], [t / k for t, k in zip(times, pieces)], fixed)
-    costs = [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
+    fixed = [min(a, 0.9 * t / k) for a, t, k in zip(fixed_costs or [0.0] * len(sizes), times, pieces)]  # <= 90 %
+    costs = [
+        AffineCost(round(a, 15), round((t / k - a) / (b / k), 15), m)
+        for a, t, k, b, m in zip(fixed, times, pieces, sizes, caps)
+    ]
     # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
     upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
     trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]

@@ -34,11 +34,10 @@ def test_cost_fit_affine() -> None:
     """
 
 
-def test_cost_refresh_costs() -> None:
+def test_rebalance_refreshed_costs() -> None:
     """
-    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])  # doctest: +NORMALIZE_WHITESPACE
-    [AffineCost(fixed_s=0.04, per_sample_s=0.002, micro_batch=None),
-     AffineCost(fixed_s=0.0, per_sample_s=0.01, micro_batch=None)]
+    >>> plan_rebalance([10, 5], [0.06, 0.05], fixed_costs=[0.04, 0.0]).costs  # doctest: +NORMALIZE_WHITESPACE
+    [{'fixed_s': 0.04, 'per_sample_s': 0.002}, {'fixed_s': 0.0, 'per_sample_s': 0.01}]
     """
 
 
@@ -60,10 +59,11 @@ def test_cost_allocate_affine() -> None:
     """
 
 
-def test_cost_useless_replicas() -> None:
+def test_cost_useless_replica_message() -> None:
     """
-    >>> useless_replicas(48, [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)])
-    [1]
+    >>> costs = [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)]
+    >>> useless_replica_message(48, costs, [24, 24], ["cpu", "cuda:0"])[:59]
+    'HeterogeneousStrategy: rank 1 (cuda:0) only slow(s) the job'
     """
 
 
@@ -149,17 +149,11 @@ def test_rebalance_monotone_split() -> None:
     """
 
 
-def test_rebalance_speeds_from_step_times() -> None:
+def test_rebalance_speeds_and_imbalance() -> None:
     """
-    >>> speeds_from_step_times([8, 4], [0.1, 0.1])
-    [80.0, 40.0]
-    """
-
-
-def test_rebalance_imbalance() -> None:
-    """
-    >>> imbalance([0.2, 0.1, 0.1])
-    2.0
+    >>> d = plan_rebalance([8, 4, 4], [0.1, 0.1, 0.05])
+    >>> d.speeds, d.imbalance
+    ([80.0, 40.0, 80.0], 2.0)
     """
 
 

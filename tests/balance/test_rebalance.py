@@ -8,14 +8,8 @@ import random
 import pytest
 
 from lightning_het import HeterogeneousStrategy, Profiling, allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
-from lightning_het.balance.rebalance import (
-    RebalancePolicy,
-    imbalance,
-    plan_rebalance,
-    profiled_split,
-    speeds_from_step_times,
-)
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
+from lightning_het.balance.rebalance import RebalancePolicy, plan_rebalance, profiled_split
 from tests.helpers.harness import run_balance_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
@@ -27,16 +21,16 @@ def _busy(sizes, per_sample, overhead=0.0):
 
 class TestPureFunctions:
     def test_speeds_imbalance_and_predicted_time(self):
-        assert speeds_from_step_times([8, 4], [0.1, 0.2]) == [80.0, 20.0]
-        assert imbalance([0.3, 0.1, 0.15]) == pytest.approx(3.0)
+        assert plan_rebalance([8, 4], [0.1, 0.2]).speeds == [80.0, 20.0]
+        assert plan_rebalance([8, 4, 4], [0.3, 0.1, 0.15]).imbalance == pytest.approx(3.0)
 
     @pytest.mark.parametrize(
         ("call", "match"),
         [
-            (lambda: speeds_from_step_times([8, 4], [0.1, 0.0]), r"`compute_times\[1\]` is 0.0"),
-            (lambda: speeds_from_step_times([8, 4], [0.1, math.nan]), r"`compute_times\[1\]` is nan"),
-            (lambda: speeds_from_step_times([8, 4], [0.1]), r"`compute_times`.*one entry per replica \(2\)"),
-            (lambda: speeds_from_step_times([8, 0], [0.1, 0.1]), r"`batch_sizes`"),
+            (lambda: plan_rebalance([8, 4], [0.1, 0.0]), r"`compute_times\[1\]` is 0.0"),
+            (lambda: plan_rebalance([8, 4], [0.1, math.nan]), r"`compute_times\[1\]` is nan"),
+            (lambda: plan_rebalance([8, 4], [0.1]), r"`compute_times`.*one entry per replica \(2\)"),
+            (lambda: plan_rebalance([8, 0], [0.1, 0.1]), r"`batch_sizes`"),
             (lambda: plan_rebalance([8, 8], [0.1, 0.1], threshold=0.9), r"`threshold`"),
             (lambda: plan_rebalance([8, 8], [0.1, 0.1], min_gain=1.0), r"`min_gain`"),
             (lambda: plan_rebalance([8, 8], [0.1, 0.1], max_batch_sizes=[4, 4]), r"`max_batch_sizes`"),
@@ -196,8 +190,8 @@ class TestRefresh:
     def test_slope_refreshed_fixed_cost_kept(self) -> None:
         d = plan_rebalance([10, 10], [0.05, 0.05], fixed_costs=[0.0, 0.0])
         assert d.costs is not None and d.costs[0] == {"fixed_s": 0.0, "per_sample_s": pytest.approx(0.005)}
-        close = refresh_costs([66], [0.0266], [0.0014])
-        assert close[0].fixed_s == 0.0014 and close[0].per_sample_s == pytest.approx((0.0266 - 0.0014) / 66)
+        close = plan_rebalance([66, 66], [0.0266, 0.0266], fixed_costs=[0.0014, 0.0]).costs
+        assert close[0] == {"fixed_s": 0.0014, "per_sample_s": pytest.approx((0.0266 - 0.0014) / 66)}
 
 
 class TestNoiseGuards:
