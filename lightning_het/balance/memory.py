@@ -30,14 +30,10 @@ class EmulatedMemoryCap:
 
     def install(self, module: torch.nn.Module | None) -> None:
         """Check every training forward of ``module`` and of its direct submodules (``None``: none any more)."""
-        self.remove()
-        targets = () if module is None else (module, *module.children())
-        self._handles = [m.register_forward_pre_hook(self._check, with_kwargs=True) for m in targets]
-
-    def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        targets = () if module is None else (module, *module.children())
+        self._handles = [m.register_forward_pre_hook(self._check, with_kwargs=True) for m in targets]
 
     def _check(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         samples = batch_length((args, kwargs))

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_het.allocation import sample_shares
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
 
@@ -26,7 +25,7 @@ def balance_report(
         "global_batch_size": allocation.global_batch_size,
         "batch_sizes": list(sizes),
         "speeds": list(allocation.speeds or []),
-        "shares": sample_shares(sizes) if sizes else [],
+        "shares": [b / sum(sizes) for b in sizes],
         "node_ids": list(node_ids or []),
         "profiled": config.speeds is None,
         "emulate_slowdown": list(config.emulate_slowdown) if config.emulate_slowdown else None,
@@ -62,8 +61,8 @@ def render_balance_table(report: dict[str, Any]) -> str:
     titles += ["batch", "share", *["micro"] * bool(caps), *["fixed ms", "ms/sample", "step ms"] * bool(costs)]
     titles += ["compute ms", "wait ms", "wait share", "samples/s"] if last else []
     rows = [titles]
-    for r, (b, speed, share) in enumerate(zip(sizes, report["speeds"], sample_shares(sizes))):
-        row = [r, nodes[r], devices[r], f"{speed:.2f}", b, f"{share:.1%}"]
+    for r, (b, speed) in enumerate(zip(sizes, report["speeds"])):
+        row = [r, nodes[r], devices[r], f"{speed:.2f}", b, f"{b / sum(sizes):.1%}"]
         if caps:  # the pieces that run: size x count (a share of 16 under a cap of 3: 3x4+2x2)
             row.append(pieces_label(micro_batch_sizes(b, caps[r])))
         if costs:
@@ -135,9 +134,8 @@ def balance_report_paths(directory: str | Path) -> dict[str, Path]:
 
 def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[str, Path]:
     """Write ``balance_report.json``, ``balance_report.md`` (table) and ``balance_report.png`` into ``directory``."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = balance_report_paths(out)
+    paths = balance_report_paths(directory)
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
     paths["json"].write_text(json.dumps(_plain(report), indent=1) + "\n")
     paths["table"].write_text(f"```text\n{render_balance_table(report)}\n```\n")
     plot_balance(report, paths["plot"])

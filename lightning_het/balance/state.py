@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple
 
 from lightning_het.balance.cost import AffineCost
@@ -45,8 +45,7 @@ class Allocation:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (what a spawned worker sends back to the parent)."""
-        costs = [c.as_dict() for c in self.cost_model] if self.cost_model else None
-        return {**self.__dict__, "cost_model": costs}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Allocation:

@@ -77,7 +77,7 @@ def test_memory_EmulatedMemoryCap() -> None:
     >>> with torch.no_grad():
     ...     net(torch.zeros(5, 2)).shape
     torch.Size([5, 1])
-    >>> emulation.remove()
+    >>> emulation.install(None)
     """
 
 
