@@ -1,12 +1,10 @@
-"""The step clock (compute time, time waiting in gradient synchronisation, slowdown emulation) and its history."""
+"""The step clock: compute time, time waiting in gradient synchronisation, slowdown emulation."""
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,80 +195,3 @@ class StepClock:
             now = time.perf_counter()
         if self._step is not None:
             self._step.ready = now
-
-
-_MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
-
-
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
-
-
-def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
-    """Per-replica figures of one epoch (medians over the steps at its most common batch size) and the imbalance."""
-    sizes, typical = [], []
-    for t in timings:
-        counts = Counter(t.batch_sizes)
-        size = max(counts, key=lambda b: (counts[b], b), default=0)
-        sizes.append(size)
-        typical.append([i for i, b in enumerate(t.batch_sizes) if b == size])
-    compute = [[t.compute_s[i] for i in keep] for t, keep in zip(timings, typical)]
-    total_c = [math.fsum(t.compute_s) for t in timings]
-    total_w = [math.fsum(t.wait_s) for t in timings]
-    medians = [_median(c) for c in compute]
-    positive = [c for c in medians if math.isfinite(c) and c > 0]
-    return {
-        "steps": [len(t) for t in timings],
-        "batch_sizes": sizes,
-        "compute_s": medians,
-        "compute_recent_s": [_median(c[len(c) // 2 :]) for c in compute],
-        "wait_s": [_median([t.wait_s[i] for i in keep]) for t, keep in zip(timings, typical)],
-        "step_s": [_median([t.step_s[i] for i in keep]) for t, keep in zip(timings, typical)],
-        "compute_total_s": total_c,
-        "wait_total_s": total_w,
-        "wait_fraction": [w / (c + w) if c + w > 0 else 0.0 for c, w in zip(total_c, total_w)],
-        "samples_per_s": [
-            sum(t.batch_sizes) / math.fsum(t.step_s) if t.step_s and math.fsum(t.step_s) > 0 else 0.0 for t in timings
-        ],
-        "imbalance": (max(positive) / min(positive)) if len(positive) == len(medians) and positive else float("nan"),
-    }
-
-
-class TelemetryHistory:
-    """Everything measured during one ``fit``, identical on every rank once gathered."""
-
-    def __init__(self) -> None:
-        self.epochs: list[dict[str, Any]] = []
-        self.series: dict[str, list[list[float]]] = {"compute_s": [], "wait_s": [], "batch": []}
-        self.rebalances: list[dict[str, Any]] = []
-        self.checks: list[dict[str, Any]] = []
-        self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
-
-    def add(self, timings: Sequence[EpochTimings], *, epoch: int, global_step: int) -> dict[str, Any]:
-        """Book one gathered window (usually an epoch); returns its summary."""
-        summary = epoch_summary(timings)
-        summary.update(epoch=epoch, global_step=global_step)
-        self.epochs.append(summary)
-        if not self.series["compute_s"]:
-            self.series = {key: [[] for _ in timings] for key in self.series}
-        for r, t in enumerate(timings):
-            keep = [i for i in range(len(t)) if (self._seen + i) % self._stride == 0]
-            self.series["compute_s"][r] += [t.compute_s[i] for i in keep]
-            self.series["wait_s"][r] += [t.wait_s[i] for i in keep]
-            self.series["batch"][r] += [float(self._seen + i + 1) for i in keep]
-        self._seen += max((len(t) for t in timings), default=0)
-        while self.series["compute_s"] and len(self.series["compute_s"][0]) > _MAX_SERIES_POINTS:
-            self.series = {key: [v[::2] for v in values] for key, values in self.series.items()}
-            self._stride *= 2
-        return summary
-
-    def record_check(self, decision: dict[str, Any], *, epoch: int, global_step: int, old: Sequence[int]) -> None:
-        """Book a rebalancing decision (a ``RebalanceDecision`` as a dict) made after ``batch`` batches."""
-        entry = {"epoch": epoch, "global_step": global_step, "batch": self._seen, "from": list(old), **decision}
-        self.checks.append(entry)
-        if decision.get("adopt"):
-            self.rebalances.append(entry)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Everything as one dict (the lists themselves: :func:`~lightning_het.balance.report._plain` copies them)."""
-        return {"epochs": self.epochs, "series": self.series, "rebalances": self.rebalances, "checks": self.checks}

@@ -1,9 +1,12 @@
-"""The per-process driver of telemetry and rebalancing: the :class:`BalanceMonitor` callback."""
+"""The per-process driver of telemetry and rebalancing: the :class:`BalanceMonitor` callback and its history."""
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,12 +16,49 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
-from lightning_het.balance.clock import StepClock, TelemetryHistory
+from lightning_het.balance.clock import EpochTimings, StepClock
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 from lightning_het.config import Profiling
 
 log = logging.getLogger(__name__)
+
+_MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
+_SERIES = ("compute_s", "wait_s", "batch")  # per step and replica, in the telemetry
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
+    """Per-replica figures of one epoch (medians over the steps at its most common batch size) and the imbalance."""
+    sizes, typical = [], []
+    for t in timings:
+        counts = Counter(t.batch_sizes)
+        size = max(counts, key=lambda b: (counts[b], b), default=0)
+        sizes.append(size)
+        typical.append([i for i, b in enumerate(t.batch_sizes) if b == size])
+    compute = [[t.compute_s[i] for i in keep] for t, keep in zip(timings, typical)]
+    total_c = [math.fsum(t.compute_s) for t in timings]
+    total_w = [math.fsum(t.wait_s) for t in timings]
+    medians = [_median(c) for c in compute]
+    positive = [c for c in medians if math.isfinite(c) and c > 0]
+    return {
+        "steps": [len(t) for t in timings],
+        "batch_sizes": sizes,
+        "compute_s": medians,
+        "compute_recent_s": [_median(c[len(c) // 2 :]) for c in compute],
+        "wait_s": [_median([t.wait_s[i] for i in keep]) for t, keep in zip(timings, typical)],
+        "step_s": [_median([t.step_s[i] for i in keep]) for t, keep in zip(timings, typical)],
+        "compute_total_s": total_c,
+        "wait_total_s": total_w,
+        "wait_fraction": [w / (c + w) if c + w > 0 else 0.0 for c, w in zip(total_c, total_w)],
+        "samples_per_s": [
+            sum(t.batch_sizes) / math.fsum(t.step_s) if t.step_s and math.fsum(t.step_s) > 0 else 0.0 for t in timings
+        ],
+        "imbalance": (max(positive) / min(positive)) if len(positive) == len(medians) and positive else float("nan"),
+    }
 
 
 class BalanceMonitor:
@@ -29,7 +69,14 @@ class BalanceMonitor:
         self.strategy, self.profiling = strategy, profiling
         self.record = profiling.telemetry and strategy.world_size > 1
         self.clock = StepClock(slowdown, record=self.record, device=strategy.root_device)
-        self.history = TelemetryHistory()
+        #: everything measured during the fit, identical on every rank once gathered (the report's ``telemetry``)
+        self.history: dict[str, Any] = {
+            "epochs": [],
+            "series": {k: [] for k in _SERIES},
+            "rebalances": [],
+            "checks": [],
+        }
+        self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
         #: the decision across this fit's checks (smoothed costs, confirmed changes, gain net of the rebuild)
         self.policy = RebalancePolicy(threshold=profiling.rebalance_threshold or DEFAULT_THRESHOLD, **bounds)
         self.report_paths: dict[str, Path] = {}
@@ -44,13 +91,29 @@ class BalanceMonitor:
         local = self.clock.flush()
         if not self.record:
             return None
-        world, timings = self.strategy.world_size, [local]
-        if world > 1 and dist.is_available() and dist.is_initialized():
-            timings = [None] * world
+        timings = [local]
+        if dist.is_available() and dist.is_initialized():
+            timings = [None] * self.strategy.world_size
             dist.all_gather_object(timings, local)  # once per epoch: a few floats per step
-        if not any(len(t) for t in timings):
-            return None
-        return self.history.add(timings, epoch=epoch, global_step=trainer.global_step)
+        return self.add(timings, epoch=epoch, global_step=trainer.global_step) if any(map(len, timings)) else None
+
+    def add(self, timings: Sequence[EpochTimings], *, epoch: int, global_step: int) -> dict[str, Any]:
+        """Book one gathered window (usually an epoch) in :attr:`history`; returns its summary."""
+        summary = {**epoch_summary(timings), "epoch": epoch, "global_step": global_step}
+        self.history["epochs"].append(summary)
+        series = self.history["series"]
+        if not series["compute_s"]:
+            series.update({key: [[] for _ in timings] for key in series})
+        for r, t in enumerate(timings):
+            keep = [i for i in range(len(t)) if (self._seen + i) % self._stride == 0]
+            series["compute_s"][r] += [t.compute_s[i] for i in keep]
+            series["wait_s"][r] += [t.wait_s[i] for i in keep]
+            series["batch"][r] += [float(self._seen + i + 1) for i in keep]
+        self._seen += max(map(len, timings))
+        while len(series["compute_s"][0]) > _MAX_SERIES_POINTS:
+            series.update({key: [v[::2] for v in values] for key, values in series.items()})
+            self._stride *= 2
+        return summary
 
     def _end_epoch(self, trainer: Any, epoch: int | None) -> None:
         if epoch is None:
@@ -106,10 +169,12 @@ class BalanceMonitor:
         costs = list(strategy.cost_model) if strategy.cost_model else None
         recent = summary.get("compute_recent_s")
         decision = self.policy.check(sizes, times, costs=costs, recent_times=recent, steps_per_check=steps)
-        self.history.record_check(asdict(decision), epoch=epoch, global_step=trainer.global_step, old=sizes)
+        check = {"epoch": epoch, "global_step": trainer.global_step, "batch": self._seen, "from": sizes}
+        self.history["checks"].append({**check, **asdict(decision)})
         if not decision.adopt:
             log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
             return False
+        self.history["rebalances"].append(self.history["checks"][-1])
         strategy.adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)
         if self._saved_reload_every is None:  # the fit loop rebuilds the training loader when the next epoch starts
             self._saved_reload_every = trainer.reload_dataloaders_every_n_epochs

@@ -151,5 +151,5 @@ def telemetry_section(
     monitor: BalanceMonitor | None, snapshot: dict[str, Any] | None, *, include_series: bool
 ) -> dict[str, Any] | None:
     """The ``"telemetry"`` entry of ``balance_report()``: JSON-safe, from the live monitor or a spawn snapshot."""
-    data = monitor.history.as_dict() if monitor is not None and monitor.record else snapshot
+    data = monitor.history if monitor is not None and monitor.record else snapshot
     return None if data is None else _plain({k: v for k, v in data.items() if include_series or k != "series"})

@@ -296,7 +296,7 @@ class TestMonitorInterface:
         monitor.clock.step_start(4)
         monitor.clock.forward_end()
         monitor.on_train_end(trainer, None)  # no process group: no collective, this process's steps
-        (epoch,) = monitor.history.epochs
+        (epoch,) = monitor.history["epochs"]
         assert epoch["steps"] == [1] and epoch["batch_sizes"] == [4] and epoch["epoch"] == 0
 
     @pytest.mark.parametrize(
@@ -314,7 +314,7 @@ class TestMonitorInterface:
             trainer = self._trainer(epoch)
             trainer.max_epochs = 7
             assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.1, 0.1]}, epoch)  # balanced: kept
-        assert [check["epoch"] for check in monitor.history.checks] == checked
+        assert [check["epoch"] for check in monitor.history["checks"]] == checked
 
     def test_off_means_no_monitor(self) -> None:
         from lightning_het.balance.monitor import attach_monitor
