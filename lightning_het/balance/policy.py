@@ -181,14 +181,10 @@ class BalancePolicy:
     def sizes_for(
         self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None
     ) -> list[int]:
-        """The allocation's split of ``global_batch``, allocated first when there is none or it has another total."""
-        allocated = self.allocation.batch_sizes
-        if allocated is None or sum(allocated) != global_batch:
-            self.allocate(dataloader, global_batch, fit, resume)
-        return list(self.allocation.batch_sizes or ())
-
-    def allocate(self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None) -> None:
-        """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
+        """The allocation's split of ``global_batch``; when there is none or it has another total, allocated first by
+        the given or resumed speeds, the speed cache, or equally until the first training steps are profiled."""
+        if self.allocation.global_batch_size == global_batch:
+            return list(self.allocation.batch_sizes or ())
         self._fit, self._cache_loader = fit, dataloader
         world, bounds, given = self.world_size, self.bounds, self.config.max_micro_batch_sizes
         sizes = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # checks the bounds before profiling
@@ -200,22 +196,37 @@ class BalancePolicy:
                 self._set_caps([int(r[0]) for r in rows], "from the profile cache")
         caps = self.allocation.micro_caps or (given if isinstance(given, list) else None)
         speeds = plan.speeds if plan.speeds is not None else self.config.speeds
-        cached = self._cached_costs() if speeds is None and world > 1 else None
-        self.allocation = Allocation(cost_model=cached and cached[0], profile_cached=bool(cached)).with_caps(caps)
-        if cached is not None:
-            costs = self.allocation.cost_model
-            sizes = profiled_split(global_batch, costs, threshold=cached[1], **bounds)
-            speeds = self.measured_speeds(costs, sizes)
+        costs, threshold = None, DEFAULT_THRESHOLD
+        if speeds is None and world > 1 and cache is not None:  # the speed cache, when every replica has its cost
+            record = cache.get(self.cache_entry()[1] or "")
+            cost, cached = record["cost"], record["threshold"] or DEFAULT_THRESHOLD
+            rows = self.gather([1.0, cost.fixed_s, cost.per_sample_s, cached] if cost else [0.0] * 4)
+            if all(r[0] == 1.0 for r in rows):
+                costs, threshold = [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
+        self.allocation = Allocation(cost_model=costs, profile_cached=costs is not None).with_caps(caps)
+        if self.allocation.cost_model is not None:
+            sizes = profiled_split(global_batch, self.allocation.cost_model, threshold=threshold, **bounds)
+            speeds = self.measured_speeds(self.allocation.cost_model, sizes)
         elif speeds is not None:
             sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:  # the equal split, profiled on the first training steps (one replica: nothing to balance)
             speeds = [1.0] * world
-            if world > 1:
-                self._start_profiler(dataloader, global_batch, fit)
+            if world > 1:  # the fit loop hands the profiler every step's end
+                lag = profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
+                steps = {"warmup": self.config.profiling.warmup, "steps": self.config.profiling.steps, "lag": lag}
+                schedule = profiling.ProfilePlan(global_batch, world, **steps, **bounds)
+                clock = lambda: None if fit.clock() is None else fit.clock().open_step()  # noqa: E731
+                self.profiler = profiling.InLoopProfiler(schedule, self.rank, self.gather, clock, self._profiled)
+                self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
+                rank_zero_info(
+                    f"HeterogeneousStrategy: profiling on the first {schedule.gather_step + 1} training steps (the"
+                    f" equal, then the rough split); the fitted split applies from step {schedule.switch_step}"
+                )
         self.adopt(sizes, speeds)
         log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
         if self.profiler is None and world > 1:  # one replica: nothing is balanced, nothing to show
             rank_zero_info(self.table())
+        return list(sizes)
 
     def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
         """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
@@ -244,35 +255,6 @@ class BalancePolicy:
         extra = {"precision": precision, "slowdown": slowdown[self.rank] if slowdown else 1.0}
         key = profiling.cache_key(module, self.device, sample, **extra, replicas_on_node=self.replicas_on_node)
         return cache, f"{key}|emulated_memory={emulated[self.rank] if emulated else None}" if memory else key
-
-    def _cached_costs(self) -> tuple[list[AffineCost], float] | None:
-        """Every replica's cost and the threshold their profiling split by, when every replica has an entry."""
-        cache, key = self.cache_entry()
-        if cache is None:
-            return None
-        record = cache.get(key) if key is not None else {}
-        cost, threshold = record.get("cost"), record.get("threshold") or DEFAULT_THRESHOLD
-        row = [1.0, cost.fixed_s, cost.per_sample_s, threshold] if cost else [0.0]
-        rows = self.gather(row + [0.0] * (4 - len(row)))
-        everyone = all(r[0] == 1.0 for r in rows)
-        return ([AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)) if everyone else None
-
-    def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
-        """Plan the first training steps' profiling (the fit loop hands it every step's end)."""
-        config, lag = self.config, profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
-        steps = {"warmup": config.profiling.warmup, "steps": config.profiling.steps, "lag": lag}
-        plan = profiling.ProfilePlan(global_batch, self.world_size, **steps, **self.bounds)
-
-        def clock() -> tuple[int, Any] | None:
-            step_clock = fit.clock()
-            return None if step_clock is None else step_clock.open_step()
-
-        self.profiler = profiling.InLoopProfiler(plan, self.rank, self.gather, clock, self._profiled)
-        self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
-        rank_zero_info(
-            f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps (the equal, then the"
-            f" rough split); the fitted split applies from step {plan.switch_step}"
-        )
 
     def _profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
