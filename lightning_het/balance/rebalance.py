@@ -82,8 +82,8 @@ def plan_rebalance(
     uncertainty: Sequence[float] | None = None,
     reallocation_cost: float = 0.0,
 ) -> RebalanceDecision:
-    """Decide whether to re-allocate the global batch from measured busy times, with hysteresis (without
-    ``uncertainty``: against timing errors of ``(threshold - 1) / (threshold + 1)`` either way)."""
+    """Decide whether to re-allocate the global batch from measured busy times (``uncertainty``: their relative
+    standard errors, none if not given): the predicted gain must exceed ``min_gain`` and its doubt."""
     sizes = [int(b) for b in batch_sizes]
     times = positive_finite("compute_times", compute_times, len(sizes))
     if any(b < 1 for b in sizes):
@@ -108,28 +108,18 @@ def plan_rebalance(
     trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
     proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
     proposal = monotone_split(proposal, costs, trusted)
-    new_times = [c(b) for c, b in zip(costs, proposal)]
-    predicted = max(new_times)
+    predicted = max(c(b) for c, b in zip(costs, proposal))
     gain = 1.0 - predicted / current
-    if uncertainty is None:  # the worst step ratio when every measured time may be off by `noise`
-        noise = (threshold - 1.0) / (threshold + 1.0)
-        up, down = 1.0 + noise, 1.0 - noise
-        worst = max(
-            t_new * up / max(t * up, max((t_s * down for s, t_s in enumerate(times) if s != r), default=0.0))
-            for r, (t, t_new) in enumerate(zip(times, new_times))
-        )
-        robust_gain = 1.0 - worst - reallocation_cost
-        doubt = f"{robust_gain:.1%} with +-{noise:.1%} timing error < {min_gain:.1%}"
-        noisy = robust_gain < min_gain
-    else:  # the standard error of the gain: the current slowest replica's and that of those given more samples
-        growing = max((float(e) for e, b, b_new in zip(uncertainty, sizes, proposal) if b_new > b), default=0.0)
-        spread = _CONFIDENCE * (predicted / current) * math.hypot(uncertainty[times.index(current)], growing)
-        robust_gain = gain - reallocation_cost - spread
-        doubt = (
-            f"{gain - reallocation_cost:.1%} net of a re-allocation's cost of {reallocation_cost:.1%}, below"
-            f" {max(min_gain, spread):.1%} (the least gain, or {_CONFIDENCE} standard errors of the gain)"
-        )
-        noisy = gain - reallocation_cost < max(min_gain, spread)
+    # the standard error of the gain: the current slowest replica's and that of those given more samples
+    errors = [0.0] * len(sizes) if uncertainty is None else uncertainty
+    growing = max((float(e) for e, b, b_new in zip(errors, sizes, proposal) if b_new > b), default=0.0)
+    spread = _CONFIDENCE * (predicted / current) * math.hypot(errors[times.index(current)], growing)
+    robust_gain = gain - reallocation_cost - spread
+    doubt = (
+        f"{gain - reallocation_cost:.1%} net of a re-allocation's cost of {reallocation_cost:.1%}, below"
+        f" {max(min_gain, spread):.1%} (the least gain, or {_CONFIDENCE} standard errors of the gain)"
+    )
+    noisy = gain - reallocation_cost < max(min_gain, spread)
     adopt = False
     if ratio < threshold:
         reason = f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
