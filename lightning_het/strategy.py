@@ -28,8 +28,8 @@ from lightning_het.balance.monitor import (
     HeterogeneousBalanceCallback,  # noqa: F401
     attach_monitor,
 )
+from lightning_het.balance.policy import Allocation, StepSplit
 from lightning_het.balance.report import balance_report, telemetry_section
-from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
     DevicePlan,

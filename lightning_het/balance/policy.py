@@ -1,12 +1,12 @@
-"""The balancing policy of one strategy: from the keywords, the speed cache or profiling to an allocation."""
+"""The allocation (an immutable value) and the balancing policy that derives it from the keywords, cache or profiling."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -22,7 +22,6 @@ from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.report import render_balance_table
-from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.comm.allreduce import CommAlgorithm
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
@@ -33,6 +32,52 @@ CAPS_AGREED_EVERY = 16
 #: torch's batch norm layers (they share only a private base class)
 _BATCH_NORMS = (*(getattr(nn, f"{lazy}BatchNorm{d}d") for lazy in ("", "Lazy") for d in (1, 2, 3)), nn.SyncBatchNorm)
 T = TypeVar("T")
+
+
+class StepSplit(NamedTuple):
+    """The split of the global batch being trained, computed once at the batch's start."""
+
+    sizes: list[int]
+    loss_scale: float  # ``W * b_r / B`` of this replica
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Samples per step and speed (samples/s when measured) of every replica by global rank, the affine costs behind
+    them, the micro-batch caps, and the profiling's cost; ``batch_sizes=None``: not allocated yet (plain DDP)."""
+
+    batch_sizes: list[int] | None = None
+    speeds: list[float] | None = None
+    cost_model: list[AffineCost] | None = None
+    micro_caps: list[int] | None = None  # most samples each replica runs at once (None: its whole share)
+    profile_seconds: float = 0.0  # estimated seconds the profiling steps cost beyond balanced ones
+    profile_cached: bool = False  # the costs came from the speed cache
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return sum(self.batch_sizes) if self.batch_sizes else None
+
+    def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> Any:
+        """This allocation with ``batch_sizes`` and ``speeds`` (and refreshed ``costs``, ``AffineCost.as_dict()``)."""
+        model = [AffineCost.from_dict(c) for c in costs] if costs is not None else self.cost_model
+        return replace(self, batch_sizes=list(batch_sizes), speeds=list(speeds), cost_model=model)
+
+    def with_caps(self, caps: list[int] | None) -> Allocation:
+        """This allocation with micro-batch ``caps``, which its cost model follows (a share run in pieces)."""
+        costs = self.cost_model
+        if costs is not None and caps is not None:
+            costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
+        return replace(self, micro_caps=caps, cost_model=costs)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (what a spawned worker sends back to the parent)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Allocation:
+        known = {f.name: data[f.name] for f in fields(cls) if data.get(f.name) is not None}
+        costs = known.pop("cost_model", None)
+        return cls(**known, cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None)
 
 
 class FitContext(NamedTuple):
@@ -83,7 +128,7 @@ class BalancePolicy:
                     f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
                 )
         if given:  # before the fit's setup: the replica is placed again with them
-            self.config = dataclasses.replace(self.config, **given)
+            self.config = replace(self.config, **given)
             self.config.check_world(1, self.world_size)
             self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
 
@@ -264,7 +309,7 @@ class BalancePolicy:
             costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         speeds = self.measured_speeds(costs, batch_sizes)
-        self.allocation = dataclasses.replace(
+        self.allocation = replace(
             self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
         )
         for sampler in self.profiler.samplers:

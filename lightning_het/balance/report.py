@@ -13,7 +13,7 @@ from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
 
 if TYPE_CHECKING:
     from lightning_het.balance.monitor import BalanceMonitor
-    from lightning_het.balance.state import Allocation
+    from lightning_het.balance.policy import Allocation
 
 
 def balance_report(

@@ -8,9 +8,8 @@ import pytest
 from lightning_het import HeterogeneousStrategy
 from lightning_het.allocation import loss_scale
 from lightning_het.balance.cost import AffineCost
-from lightning_het.balance.policy import BalancePolicy
+from lightning_het.balance.policy import Allocation, BalancePolicy
 from lightning_het.balance.report import balance_report, render_balance_table
-from lightning_het.balance.state import Allocation
 
 
 def _report(allocation: Allocation, node_ids=(0, 0), profiled=True, emulate_slowdown=None, devices=("cpu", "cpu")):
