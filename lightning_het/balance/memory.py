@@ -88,9 +88,7 @@ def measure_cap(
     (batch norm statistics) and random states come back as they were, and ``module.log`` records nothing."""
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def fits(n: int) -> bool:
-        if n < least:  # never a trial step batch norm cannot train
-            return False
+    def fits(n: int) -> bool:  # (never below `least`: a trial step batch norm cannot train)
         try:
             with no_sync():
                 step_loss(step(resize_batch(batch, n))).backward()
@@ -120,6 +118,4 @@ def measure_cap(
         numpy.random.set_state(states[1])
         for p, g in zip(params, grads):
             p.grad = g
-    if cap < least:
-        return 0, trials
-    return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator else cap), trials
+    return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator and cap else cap), trials

@@ -1,4 +1,4 @@
-"""The allocation (an immutable value) and the balancing policy that derives it from the keywords, cache or profiling."""
+"""The allocation (an immutable value) and the balancing policy that derives it from keywords, cache or profiling."""
 
 from __future__ import annotations
 
@@ -203,10 +203,7 @@ class BalancePolicy:
 
     def eval_weights(self) -> list[float]:
         """Each replica's share of an evaluation set: the allocation, else the given speeds, else equal."""
-        sizes, speeds = self.allocation.batch_sizes, self.config.speeds
-        if sizes is not None:
-            return [float(b) for b in sizes]
-        return list(speeds) if speeds is not None else [1.0] * self.world_size
+        return [float(w) for w in self.allocation.batch_sizes or self.config.speeds or [1.0] * self.world_size]
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
         """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""

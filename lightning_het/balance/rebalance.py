@@ -88,10 +88,6 @@ def plan_rebalance(
     times = positive_finite("compute_times", compute_times, len(sizes))
     if any(b < 1 for b in sizes):
         raise ValueError(f"Expected argument `batch_sizes` to hold positive integers, but got {sizes}.")
-    if not math.isfinite(threshold) or threshold < 1.0:
-        raise ValueError(f"Expected argument `threshold` to be a finite number >= 1, but got {threshold!r}.")
-    if not math.isfinite(min_gain) or not 0.0 <= min_gain < 1.0:
-        raise ValueError(f"Expected argument `min_gain` to be in [0, 1), but got {min_gain!r}.")
     speeds = [b / t for b, t in zip(sizes, times)]  # samples/s at the sizes run
     current = max(times)
     ratio = current / min(times)

@@ -31,8 +31,6 @@ class TestPureFunctions:
             (lambda: plan_rebalance([8, 4], [0.1, math.nan]), r"`compute_times\[1\]` is nan"),
             (lambda: plan_rebalance([8, 4], [0.1]), r"`compute_times`.*one entry per replica \(2\)"),
             (lambda: plan_rebalance([8, 0], [0.1, 0.1]), r"`batch_sizes`"),
-            (lambda: plan_rebalance([8, 8], [0.1, 0.1], threshold=0.9), r"`threshold`"),
-            (lambda: plan_rebalance([8, 8], [0.1, 0.1], min_gain=1.0), r"`min_gain`"),
             (lambda: plan_rebalance([8, 8], [0.1, 0.1], max_batch_sizes=[4, 4]), r"`max_batch_sizes`"),
         ],
     )
