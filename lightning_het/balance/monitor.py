@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections import Counter
@@ -20,8 +19,6 @@ from lightning_het.balance.clock import EpochTimings, StepClock
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 from lightning_het.config import Profiling
-
-log = logging.getLogger(__name__)
 
 _MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
 _SERIES = ("compute_s", "wait_s", "batch")  # per step and replica, in the telemetry
@@ -70,12 +67,7 @@ class BalanceMonitor:
         self.record = profiling.telemetry and strategy.world_size > 1
         self.clock = StepClock(slowdown, record=self.record, device=strategy.root_device)
         #: everything measured during the fit, identical on every rank once gathered (the report's ``telemetry``)
-        self.history: dict[str, Any] = {
-            "epochs": [],
-            "series": {k: [] for k in _SERIES},
-            "rebalances": [],
-            "checks": [],
-        }
+        self.history = {"epochs": [], "series": dict.fromkeys(_SERIES, ()), "rebalances": [], "checks": []}
         self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
         #: the decision across this fit's checks (smoothed costs, confirmed changes, gain net of the rebuild)
         self.policy = RebalancePolicy(threshold=profiling.rebalance_threshold or DEFAULT_THRESHOLD, **bounds)
@@ -152,11 +144,10 @@ class BalanceMonitor:
             self.report_paths = write_balance_report(self.strategy.balance_report(include_series=True), directory)
             rank_zero_info(f"HeterogeneousStrategy: balance report written to {self.report_paths['table']}")
 
-    def maybe_rebalance(self, trainer: Any, summary: dict[str, Any], epoch: int | None = None) -> bool:
+    def maybe_rebalance(self, trainer: Any, summary: dict[str, Any], epoch: int) -> bool:
         """Re-allocate from this epoch's median compute times when a check is due and the hysteresis allows."""
         strategy, every = self.strategy, self.profiling.rebalance_every_n_epochs
         sizes, times = strategy.batch_sizes, summary["compute_s"]
-        epoch = trainer.current_epoch if epoch is None else epoch
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch + 1
         out_of_steps = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
         due = (epoch + 1) % every == 0 if every is not None else self.profiling.rebalance_threshold is not None
@@ -171,8 +162,7 @@ class BalanceMonitor:
         decision = self.policy.check(sizes, times, costs=costs, recent_times=recent, steps_per_check=steps)
         check = {"epoch": epoch, "global_step": trainer.global_step, "batch": self._seen, "from": sizes}
         self.history["checks"].append({**check, **asdict(decision)})
-        if not decision.adopt:
-            log.debug("lightning-het: keeping batch sizes %s (%s)", sizes, decision.reason)
+        if not decision.adopt:  # (the reason is in the history)
             return False
         self.history["rebalances"].append(self.history["checks"][-1])
         strategy.adopt_allocation(decision.batch_sizes, decision.speeds, costs=decision.costs)

@@ -265,7 +265,7 @@ class TestMonitorInterface:
         }
         monitor = attach_monitor(strategy, trainer, **settings)
         assert monitor is not None and len(trainer.callbacks) == 1
-        assert monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4]})  # rank 1 is 3x slower per sample
+        assert monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4]}, 0)  # rank 1 is 3x slower per sample
         (sizes, speeds), = strategy.adopted  # fmt: skip
         assert len(speeds) == 2 and speeds[0] > speeds[1]
         assert sum(sizes) == 16 and sizes[0] == 12, sizes  # capped by max_batch_sizes, global batch kept
@@ -280,7 +280,7 @@ class TestMonitorInterface:
         trainer = self._trainer(0)
         monitor = attach_monitor(strategy, trainer, Profiling(rebalance_every_n_epochs=1))
         assert monitor is not None
-        assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]})
+        assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]}, 0)
         assert strategy.adopted == []
 
     def test_a_single_process_gathers_its_own_timings_at_the_end(self) -> None:
