@@ -110,23 +110,22 @@ def plan_rebalance(
     errors = [0.0] * len(sizes) if uncertainty is None else uncertainty
     growing = max((float(e) for e, b, b_new in zip(errors, sizes, proposal) if b_new > b), default=0.0)
     spread = _CONFIDENCE * (predicted / current) * math.hypot(errors[times.index(current)], growing)
-    robust_gain = gain - reallocation_cost - spread
-    doubt = (
-        f"{gain - reallocation_cost:.1%} net of a re-allocation's cost of {reallocation_cost:.1%}, below"
-        f" {max(min_gain, spread):.1%} (the least gain, or {_CONFIDENCE} standard errors of the gain)"
-    )
-    noisy = gain - reallocation_cost < max(min_gain, spread)
-    adopt = False
+    net, adopt = gain - reallocation_cost, False
     if ratio < threshold:
         reason = f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
     elif proposal == sizes:
         reason = f"imbalance {ratio:.3f}, but the best allocation is the current one"
-    elif noisy:
-        reason = f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}"
+    elif net < max(min_gain, spread):
+        reason = (
+            f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {net:.1%} net of a"
+            f" re-allocation's cost of {reallocation_cost:.1%}, below {max(min_gain, spread):.1%} (the least gain, or"
+            f" {_CONFIDENCE} standard errors of the gain)"
+        )
     else:
         adopt, reason = True, f"imbalance {ratio:.3f} >= {threshold:.3f}, predicted gain {gain:.1%}"
     kept, data = (proposal if adopt else sizes), [c.as_dict() for c in costs]
-    return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust_gain, reason, data)
+    robust = net - spread
+    return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust, reason, data)
 
 
 #: standard errors by which a gain must exceed its doubt (about 93 % one-sided)
