@@ -76,11 +76,11 @@ def render_balance_table(report: dict[str, Any]) -> str:
     lines = [head, *(" ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)]
     if report.get("predicted_step_s") is not None:
         lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")
-    for e in telemetry.get("rebalances") or []:
-        lines.append(
-            f"rebalanced at the end of epoch {e['epoch']} (step {e['global_step']}): {e['from']} ->"
-            f" {e['batch_sizes']} ({e['reason']})"
-        )
+    lines += [
+        f"rebalanced at the end of epoch {e['epoch']} (step {e['global_step']}): {e['from']} -> {e['batch_sizes']}"
+        f" ({e['reason']})"
+        for e in telemetry.get("rebalances") or []
+    ]
     return "\n".join(lines)
 
 
@@ -95,7 +95,7 @@ def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int
         logger.log_metrics(metrics, step=step)
 
 
-def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
+def plot_balance(report: dict[str, Any], path: str | Path) -> None:
     """PNG of each replica's compute and wait time per training batch, with rebalances marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -123,7 +123,6 @@ def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
     axes[-1].set_xlabel("training batch (dashed: rebalance)")
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
-    return path
 
 
 def balance_report_paths(directory: str | Path) -> dict[str, Path]:
@@ -147,9 +146,7 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str), parse_constant=lambda _: None)
 
 
-def telemetry_section(
-    monitor: BalanceMonitor | None, snapshot: dict[str, Any] | None, *, include_series: bool
-) -> dict[str, Any] | None:
+def telemetry_section(monitor: BalanceMonitor | None, snapshot: dict | None, *, include_series: bool) -> dict | None:
     """The ``"telemetry"`` entry of ``balance_report()``: JSON-safe, from the live monitor or a spawn snapshot."""
     data = monitor.history if monitor is not None and monitor.record else snapshot
     return None if data is None else _plain({k: v for k, v in data.items() if include_series or k != "series"})
