@@ -30,12 +30,8 @@ def _median(values: Sequence[float]) -> float:
 
 def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
     """Per-replica figures of one epoch (medians over the steps at its most common batch size) and the imbalance."""
-    sizes, typical = [], []
-    for t in timings:
-        counts = Counter(t.batch_sizes)
-        size = max(counts, key=lambda b: (counts[b], b), default=0)
-        sizes.append(size)
-        typical.append([i for i, b in enumerate(t.batch_sizes) if b == size])
+    sizes = [max(Counter(t.batch_sizes).items(), key=lambda bn: (bn[1], bn[0]), default=(0, 0))[0] for t in timings]
+    typical = [[i for i, b in enumerate(t.batch_sizes) if b == size] for t, size in zip(timings, sizes)]
     compute = [[t.compute_s[i] for i in keep] for t, keep in zip(timings, typical)]
     total_c = [math.fsum(t.compute_s) for t in timings]
     total_w = [math.fsum(t.wait_s) for t in timings]
