@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -358,7 +359,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
-        return {**self.policy.allocation.as_dict(), "node_ids": self._node_ids, "telemetry": self._telemetry(True)}
+        return {**asdict(self.policy.allocation), "node_ids": self._node_ids, "telemetry": self._telemetry(True)}
 
     def import_allocation(self, state: dict[str, Any]) -> None:
         """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""

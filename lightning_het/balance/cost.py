@@ -6,7 +6,7 @@ import heapq
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
@@ -49,10 +49,6 @@ class AffineCost:
     def from_dict(cls, data: dict[str, float]) -> AffineCost:
         micro = data.get("micro_batch")
         return cls(float(data["fixed_s"]), float(data["per_sample_s"]), None if micro is None else int(micro))
-
-    def with_micro_batch(self, micro_batch: int | None) -> AffineCost:
-        """The same coefficients with the cap ``micro_batch`` (``None``: none)."""
-        return replace(self, micro_batch=micro_batch)
 
 
 def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:

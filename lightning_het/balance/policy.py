@@ -6,7 +6,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -66,15 +66,12 @@ class Allocation:
         """This allocation with micro-batch ``caps``, which its cost model follows (a share run in pieces)."""
         costs = self.cost_model
         if costs is not None and caps is not None:
-            costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
+            costs = [replace(c, micro_batch=m) for c, m in zip(costs, caps)]
         return replace(self, micro_caps=caps, cost_model=costs)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data (what a spawned worker sends back to the parent)."""
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Allocation:
+        """From ``dataclasses.asdict``'s plain data (what a spawned worker sends back to the parent)."""
         known = {f.name: data[f.name] for f in fields(cls) if data.get(f.name) is not None}
         costs = known.pop("cost_model", None)
         return cls(**known, cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None)
@@ -303,7 +300,7 @@ class BalancePolicy:
         assert self.profiler is not None
         caps = self.allocation.micro_caps
         if caps is not None:  # the split that knows each share's micro-batches
-            costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
+            costs = [replace(c, micro_batch=m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         speeds = self.measured_speeds(costs, batch_sizes)
         self.allocation = replace(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -47,7 +48,7 @@ class TestAllocateAffine:
         world = rng.randint(1, 4)
         costs = [_random_cost(rng) for _ in range(world)]
         if micro:
-            costs = [c.with_micro_batch(rng.choice([None, 1, 2, 3, 5])) for c in costs]
+            costs = [replace(c, micro_batch=rng.choice([None, 1, 2, 3, 5])) for c in costs]
         lo = rng.choice([0, 1, 1, 2])
         total = rng.randint(max(world * lo, 1), 14)
         hi = [rng.randint(max(lo, 1), total) for _ in range(world)] if rng.random() < 0.4 else [total] * world
@@ -70,7 +71,7 @@ class TestAllocateAffine:
     def test_fast_replica_with_little_memory_keeps_its_share(self) -> None:
         """Rank 0 four times faster but holding 8 samples: micro-batched, it still takes most of the batch."""
         fast, slow = AffineCost(0.002, 0.001, micro_batch=8), AffineCost(0.002, 0.004, micro_batch=64)
-        capped = allocate_affine(48, [fast.with_micro_batch(None), slow], max_batch_sizes=[8, 64])
+        capped = allocate_affine(48, [replace(fast, micro_batch=None), slow], max_batch_sizes=[8, 64])
         micro = allocate_affine(48, [fast, slow])
         assert capped == [8, 40] and micro[0] > 30
         assert step_time(micro, [fast, slow]) < 0.5 * step_time(capped, [fast, slow])
