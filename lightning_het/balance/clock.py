@@ -134,17 +134,16 @@ class StepClock:
             self._inner += after - self._backward_call
             self._cpu_inner += self._cpu_now() - self._cpu_backward_call
 
-    def open_step(self) -> tuple[int, float | Callable[[], float]] | None:
-        """The open step's batch size and compute seconds so far (wait left out; events: a function), or ``None``."""
+    def open_step(self) -> tuple[int, Callable[[], float]] | None:
+        """The open step's batch size and a function reading its compute seconds so far (wait left out), or ``None``."""
         step = self._step
         if step is None:
             return None
         start, end, spans = step.start, step.end, list(step.spans)
-        if self._events is None:
-            return step.batch, self._busy(start, end, spans)[0]
 
         def seconds() -> float:
-            end.synchronize()
+            if self._events is not None:
+                end.synchronize()
             return self._busy(start, end, spans)[0]
 
         return step.batch, seconds
