@@ -89,8 +89,6 @@ def allocate_affine(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """The split of ``global_batch_size`` minimising the step ``max_r t_r(b_r)`` (greedy from the lower bounds)."""
-    if not costs:
-        raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
     lower, upper = batch_bounds(len(costs), global_batch_size, min_batch_size, max_batch_sizes)
     sizes = list(lower)
     heap = [(costs[r](sizes[r] + 1), r) for r in range(len(costs)) if sizes[r] < upper[r]]

@@ -15,8 +15,16 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
+from lightning_het.allocation import positive_finite
 from lightning_het.balance.clock import EpochTimings, StepClock
-from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, RebalancePolicy
+from lightning_het.balance.cost import AffineCost, costs_from_speeds
+from lightning_het.balance.rebalance import (
+    DEFAULT_THRESHOLD,
+    REALLOCATION_COST_STEPS,
+    RebalanceDecision,
+    Track,
+    plan_rebalance,
+)
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 from lightning_het.config import Profiling
 
@@ -65,8 +73,10 @@ class BalanceMonitor:
         #: everything measured during the fit, identical on every rank once gathered (the report's ``telemetry``)
         self.history = {"epochs": [], "series": dict.fromkeys(_SERIES, ()), "rebalances": [], "checks": []}
         self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
-        #: the decision across this fit's checks (smoothed costs, confirmed changes, gain net of the rebuild)
-        self.policy = RebalancePolicy(threshold=profiling.rebalance_threshold or DEFAULT_THRESHOLD, **bounds)
+        #: the rebalancing decision across this fit's checks: each replica's cost shape and its smoothed scale
+        self.threshold, self.bounds = profiling.rebalance_threshold or DEFAULT_THRESHOLD, bounds
+        self._shape: list[AffineCost] | None = None
+        self._tracks: list[Track] = []
         self.report_paths: dict[str, Path] = {}
         self._saved_reload_every: int | None = None
         self._gathered_epoch: int | None = None  # the last epoch gathered at its last batch
@@ -155,7 +165,7 @@ class BalanceMonitor:
         steps = max(summary["steps"]) * (every or 1) if summary.get("steps") else None
         costs = list(strategy.cost_model) if strategy.cost_model else None
         recent = summary.get("compute_recent_s")
-        decision = self.policy.check(sizes, times, costs=costs, recent_times=recent, steps_per_check=steps)
+        decision = self.check(sizes, times, costs=costs, recent_times=recent, steps_per_check=steps)
         check = {"epoch": epoch, "global_step": trainer.global_step, "batch": self._seen, "from": sizes}
         self.history["checks"].append({**check, **asdict(decision)})
         if not decision.adopt:  # (the reason is in the history)
@@ -170,6 +180,37 @@ class BalanceMonitor:
             f" {decision.batch_sizes} ({decision.reason})"
         )
         return True
+
+    def check(
+        self,
+        batch_sizes: Sequence[int],
+        compute_times: Sequence[float],
+        *,
+        costs: Sequence[AffineCost] | None = None,
+        recent_times: Sequence[float] | None = None,
+        steps_per_check: int | None = None,
+    ) -> RebalanceDecision:
+        """Book one check's median busy times (at ``batch_sizes``) and decide (pure: no collective, no trainer)."""
+        sizes = [int(b) for b in batch_sizes]
+        times = positive_finite("compute_times", compute_times, len(sizes))
+        recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
+        if self._shape is None or len(self._shape) != len(sizes):
+            self._shape = list(costs) if costs is not None else costs_from_speeds([1.0] * len(sizes))
+            self._tracks = [Track() for _ in sizes]
+        for r, (track, cost, b) in enumerate(zip(self._tracks, self._shape, sizes)):
+            track.add(math.log(times[r] / cost(b)), math.log(recent[r] / cost(b)) if recent is not None else None)
+        scales = [math.exp(t.level) for t in self._tracks]
+        smoothed = [AffineCost(c.fixed_s * f, c.per_sample_s * f, c.micro_batch) for c, f in zip(self._shape, scales)]
+        return plan_rebalance(
+            sizes,
+            [c(b) for c, b in zip(smoothed, sizes)],
+            threshold=self.threshold,
+            **self.bounds,
+            fixed_costs=[c.fixed_s for c in smoothed],
+            micro_batch_sizes=[c.micro_batch for c in smoothed],
+            uncertainty=[t.spread / math.sqrt(len(t.values)) for t in self._tracks],  # the levels' standard errors
+            reallocation_cost=0.0 if steps_per_check is None else REALLOCATION_COST_STEPS / max(steps_per_check, 1),
+        )
 
 
 class HeterogeneousBalanceCallback(BalanceMonitor, Callback):

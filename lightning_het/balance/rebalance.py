@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lightning_het.allocation import allocate_batch_sizes, positive_finite
-from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, step_time
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 
 #: imbalance (max / min busy time) from which a check may re-allocate, when the user gives no threshold
 DEFAULT_THRESHOLD = 1.1
@@ -142,7 +142,7 @@ _CONFIRM = 1.2 / math.sqrt(2.0)
 _WINDOW = 50
 
 
-class _Track:
+class Track:
     """One replica's cost scale over the checks, in log space: a level (the mean since its last confirmed change) and
     the spread of a check around it (pooled over the stretches between changes, from a prior)."""
 
@@ -195,46 +195,3 @@ class _Track:
 def _beyond(a: float, b: float, band: float) -> bool:
     """Whether deviations ``a`` and ``b`` lie on the same side, both further than ``band``."""
     return a * b > 0 and min(abs(a), abs(b)) > band
-
-
-@dataclass(kw_only=True)
-class RebalancePolicy:
-    """The rebalancing decision of one ``fit`` across its checks, pure."""
-
-    threshold: float = DEFAULT_THRESHOLD
-    min_batch_size: int = 1
-    max_batch_sizes: Sequence[int] | None = None
-    _tracks: list[_Track] = field(default_factory=list, init=False, repr=False)
-    _shape: list[AffineCost] | None = field(default=None, init=False, repr=False)
-
-    def check(
-        self,
-        batch_sizes: Sequence[int],
-        compute_times: Sequence[float],
-        *,
-        costs: Sequence[AffineCost] | None = None,
-        recent_times: Sequence[float] | None = None,
-        steps_per_check: int | None = None,
-    ) -> RebalanceDecision:
-        """Book one check's median busy times (at ``batch_sizes``) and decide."""
-        sizes = [int(b) for b in batch_sizes]
-        times = positive_finite("compute_times", compute_times, len(sizes))
-        recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
-        if self._shape is None or len(self._shape) != len(sizes):
-            self._shape = list(costs) if costs is not None else costs_from_speeds([1.0] * len(sizes))
-            self._tracks = [_Track() for _ in sizes]
-        for r, (track, cost, b) in enumerate(zip(self._tracks, self._shape, sizes)):
-            track.add(math.log(times[r] / cost(b)), math.log(recent[r] / cost(b)) if recent is not None else None)
-        scales = [math.exp(t.level) for t in self._tracks]
-        smoothed = [AffineCost(c.fixed_s * f, c.per_sample_s * f, c.micro_batch) for c, f in zip(self._shape, scales)]
-        return plan_rebalance(
-            sizes,
-            [c(b) for c, b in zip(smoothed, sizes)],
-            threshold=self.threshold,
-            min_batch_size=self.min_batch_size,
-            max_batch_sizes=self.max_batch_sizes,
-            fixed_costs=[c.fixed_s for c in smoothed],
-            micro_batch_sizes=[c.micro_batch for c in smoothed],
-            uncertainty=[t.spread / math.sqrt(len(t.values)) for t in self._tracks],  # the levels' standard errors
-            reallocation_cost=0.0 if steps_per_check is None else REALLOCATION_COST_STEPS / max(steps_per_check, 1),
-        )

@@ -119,7 +119,6 @@ class TestAllocateAffine:
             ({"min_batch_size": 5}, "global_batch_size"),
             ({"max_batch_sizes": [1, 1]}, "max_batch_sizes"),
             ({"max_batch_sizes": [4]}, "max_batch_sizes"),
-            ({"costs": []}, "costs"),
         ],
     )
     def test_invalid_input_names_argument(self, kwargs: dict, match: str) -> None:

@@ -167,9 +167,12 @@ def test_rebalance_plan_rebalance() -> None:
     """
 
 
-def test_rebalance_RebalancePolicy() -> None:
+def test_monitor_check() -> None:
     """
-    >>> policy = RebalancePolicy()
+    >>> from types import SimpleNamespace
+    >>> from lightning_het import Profiling
+    >>> from lightning_het.balance.monitor import BalanceMonitor
+    >>> policy = BalanceMonitor(SimpleNamespace(world_size=2, root_device=torch.device("cpu")), Profiling())
     >>> policy.check([8, 8], [0.1, 0.3], steps_per_check=50).batch_sizes
     [12, 4]
     >>> policy.check([12, 4], [0.14, 0.1], steps_per_check=50).adopt  # rank 0 slower by a third: not confirmed yet

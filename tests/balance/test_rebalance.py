@@ -9,7 +9,8 @@ import pytest
 
 from lightning_het import HeterogeneousStrategy, Profiling, allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
-from lightning_het.balance.rebalance import RebalancePolicy, plan_rebalance, profiled_split
+from lightning_het.balance.monitor import BalanceMonitor
+from lightning_het.balance.rebalance import plan_rebalance, profiled_split
 from tests.helpers.harness import run_balance_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
@@ -197,8 +198,8 @@ class TestNoiseGuards:
     SIZES, STEADY = [66, 24, 6], [0.0281, 0.0291, 0.0288]
     COSTS = [AffineCost(0.0014, (t - 0.0014) / b) for t, b in zip(STEADY, SIZES)]
 
-    def _after_steady_checks(self) -> RebalancePolicy:
-        policy = RebalancePolicy()
+    def _after_steady_checks(self) -> BalanceMonitor:
+        policy = _checks(len(self.SIZES))
         for _ in range(20):
             assert not policy.check(self.SIZES, self.STEADY, costs=self.COSTS, recent_times=self.STEADY).adopt
         return policy
@@ -214,7 +215,12 @@ class TestNoiseGuards:
 
     def test_invalid_recent_times(self) -> None:
         with pytest.raises(ValueError, match="`recent_times`"):
-            RebalancePolicy().check([8, 8], [0.1, 0.3], recent_times=[0.1, -1.0])
+            _checks(2).check([8, 8], [0.1, 0.3], recent_times=[0.1, -1.0])
+
+
+def _checks(world: int) -> BalanceMonitor:
+    """A balance monitor for its checks alone (the decision across a fit's checks; no trainer)."""
+    return BalanceMonitor(_PublicOnlyStrategy([1] * world), Profiling())
 
 
 class _PublicOnlyStrategy:
