@@ -16,15 +16,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_het._flavour import trainer_flavour
 from lightning_het.allocation import positive_finite
+from lightning_het.balance import rebalance
 from lightning_het.balance.clock import EpochTimings, StepClock
 from lightning_het.balance.cost import AffineCost, costs_from_speeds
-from lightning_het.balance.rebalance import (
-    DEFAULT_THRESHOLD,
-    REALLOCATION_COST_STEPS,
-    RebalanceDecision,
-    Track,
-    plan_rebalance,
-)
 from lightning_het.balance.report import log_epoch_metrics, write_balance_report
 from lightning_het.config import Profiling
 
@@ -74,9 +68,9 @@ class BalanceMonitor:
         self.history = {"epochs": [], "series": dict.fromkeys(_SERIES, ()), "rebalances": [], "checks": []}
         self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
         #: the rebalancing decision across this fit's checks: each replica's cost shape and its smoothed scale
-        self.threshold, self.bounds = profiling.rebalance_threshold or DEFAULT_THRESHOLD, bounds
+        self.threshold, self.bounds = profiling.rebalance_threshold or rebalance.DEFAULT_THRESHOLD, bounds
         self._shape: list[AffineCost] | None = None
-        self._tracks: list[Track] = []
+        self._tracks: list[rebalance.Track] = []
         self.report_paths: dict[str, Path] = {}
         self._saved_reload_every: int | None = None
         self._gathered_epoch: int | None = None  # the last epoch gathered at its last batch
@@ -189,19 +183,19 @@ class BalanceMonitor:
         costs: Sequence[AffineCost] | None = None,
         recent_times: Sequence[float] | None = None,
         steps_per_check: int | None = None,
-    ) -> RebalanceDecision:
+    ) -> rebalance.RebalanceDecision:
         """Book one check's median busy times (at ``batch_sizes``) and decide (pure: no collective, no trainer)."""
         sizes = [int(b) for b in batch_sizes]
         times = positive_finite("compute_times", compute_times, len(sizes))
         recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
         if self._shape is None or len(self._shape) != len(sizes):
             self._shape = list(costs) if costs is not None else costs_from_speeds([1.0] * len(sizes))
-            self._tracks = [Track() for _ in sizes]
+            self._tracks = [rebalance.Track() for _ in sizes]
         for r, (track, cost, b) in enumerate(zip(self._tracks, self._shape, sizes)):
             track.add(math.log(times[r] / cost(b)), math.log(recent[r] / cost(b)) if recent is not None else None)
         scales = [math.exp(t.level) for t in self._tracks]
         smoothed = [AffineCost(c.fixed_s * f, c.per_sample_s * f, c.micro_batch) for c, f in zip(self._shape, scales)]
-        return plan_rebalance(
+        return rebalance.plan_rebalance(
             sizes,
             [c(b) for c, b in zip(smoothed, sizes)],
             threshold=self.threshold,
@@ -209,7 +203,7 @@ class BalanceMonitor:
             fixed_costs=[c.fixed_s for c in smoothed],
             micro_batch_sizes=[c.micro_batch for c in smoothed],
             uncertainty=[t.spread / math.sqrt(len(t.values)) for t in self._tracks],  # the levels' standard errors
-            reallocation_cost=0.0 if steps_per_check is None else REALLOCATION_COST_STEPS / max(steps_per_check, 1),
+            reallocation_cost=rebalance.REALLOCATION_COST_STEPS / steps_per_check if steps_per_check else 0.0,
         )
 
 
