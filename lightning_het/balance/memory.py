@@ -47,11 +47,7 @@ def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int 
     """The largest size in ``[lowest, upper]`` where ``fits`` (non-increasing) holds, to within one search step below,
     and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried)."""
     tried: list[int] = []
-
-    def trial(n: int) -> bool:
-        tried.append(n)
-        return fits(n)
-
+    trial = lambda n: tried.append(n) or fits(n)  # noqa: E731
     n = min(max(start, lowest), upper)
     good, bad = (n, None) if trial(n) else (0, n)
     while bad is None and good < upper:  # double until one fails or the bound is reached

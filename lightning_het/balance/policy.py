@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,6 @@ from lightning_het.reliability.checkpointing import log_resumed_allocation, plan
 CAPS_AGREED_EVERY = 16
 #: torch's batch norm layers (they share only a private base class)
 _BATCH_NORMS = (*(getattr(nn, f"{lazy}BatchNorm{d}d") for lazy in ("", "Lazy") for d in (1, 2, 3)), nn.SyncBatchNorm)
-T = TypeVar("T")
 
 
 class StepSplit(NamedTuple):
@@ -321,7 +319,7 @@ class BalancePolicy:
         micro, start = self.micro, time.perf_counter()
         assert micro is not None
         upper, cuda = self.allocation.global_batch_size or 1, self.device.type == "cuda"
-        pieces = functools.partial(micro.earlier_piece, no_sync)
+        pieces = lambda: micro.earlier_piece(no_sync)  # noqa: E731
         cap, micro.search_steps = measure_cap(step, batch, upper, pieces, module, cuda, micro.least_cap)
         cache, key = self.cache_entry(memory=True)
         if cache is not None and key is not None and cap >= 1:
@@ -369,14 +367,14 @@ class BalancePolicy:
             rank_zero_info(self.table())
 
 
-def _read(read: Callable[[BalanceView], T], doc: str | None = None) -> T:
+def _read(read: Callable[[BalanceView], Any], doc: str | None = None) -> Any:
     """A read-only attribute of the strategy: ``read(strategy)`` (a list copied)."""
 
-    def get(strategy: BalanceView) -> T:
+    def get(strategy: BalanceView) -> Any:
         value = read(strategy)
-        return list(value) if isinstance(value, list) else value  # type: ignore[return-value]
+        return list(value) if isinstance(value, list) else value
 
-    return property(get, doc=doc)  # type: ignore[return-value]
+    return property(get, doc=doc)
 
 
 class BalanceView:
