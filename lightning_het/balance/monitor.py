@@ -214,8 +214,7 @@ class HeterogeneousBalanceCallback(BalanceMonitor, Callback):
 def attach_monitor(
     strategy: Any, trainer: Any, profiling: Profiling, slowdown: float = 1.0, **bounds: Any
 ) -> BalanceMonitor | None:
-    """A new ``fit``'s monitor in ``trainer.callbacks`` (replacing the last fit's), or ``None`` when it has no job:
-    no telemetry, emulated slowdown or profiling (``speeds`` not given, several replicas)."""
+    """A new ``fit``'s monitor in ``trainer.callbacks`` (replacing the last fit's); ``None``: nothing to time."""
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, BalanceMonitor)]
     if slowdown == 1.0 and (strategy.world_size < 2 or (not profiling.telemetry and strategy.speeds_given)):
         return None

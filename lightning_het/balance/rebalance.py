@@ -19,21 +19,15 @@ REALLOCATION_COST_STEPS = 2.0
 
 
 def profiled_split(
-    global_batch: int,
-    costs: Sequence[AffineCost],
-    *,
-    threshold: float = DEFAULT_THRESHOLD,
-    min_gain: float = DEFAULT_MIN_GAIN,
-    **bounds: object,
+    global_batch: int, costs: Sequence[AffineCost], *, threshold: float = DEFAULT_THRESHOLD, **bounds: object
 ) -> list[int]:
     """The split of ``global_batch`` for profiled ``costs``."""
     upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
     sizes = monotone_split(allocate_affine(global_batch, costs, **bounds), costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
     mean_share = [cost(global_batch / len(costs)) for cost in costs]  # each replica's step at the mean share
-    if max(mean_share) < threshold * min(mean_share):
-        return equal
-    return equal if step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs) else sizes
+    faster = step_time(sizes, costs) <= (1.0 - DEFAULT_MIN_GAIN) * step_time(equal, costs)
+    return sizes if max(mean_share) >= threshold * min(mean_share) and faster else equal
 
 
 def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], upper: Sequence[int]) -> list[int]:
