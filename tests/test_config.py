@@ -181,3 +181,11 @@ def test_both_strategies_hold_their_normalised_keywords():
         {"comm": NodeLocal(sync_every=4), "profiling": Profiling(steps=3)},
         {"slowdown": [1, 2]},
     )
+
+
+@pytest.mark.parametrize("node_ids", [3, "0011", [0, 1.0], [0, True], [0, -1], []])
+def test_node_ids_that_are_not_integers_per_replica_are_refused_naming_node_ids(node_ids):
+    with pytest.raises(ArgumentError, match=r"`node_ids") as err:
+        HeterogeneousStrategy(node_ids=node_ids)
+    assert err.value.argument == "node_ids"
+    assert HeterogeneousStrategy(node_ids=(5, 5, 0)).config.node_ids == [5, 5, 0]  # normalised per job later

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import default_store, replace_signal_connector, restore_checkpoint
+from lightning_het._compat import _get_default_store, replace_signal_connector, restore_checkpoint
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.checkpointing import (
@@ -269,7 +269,7 @@ class Guards:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
             return
         token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
-        base = default_store()  # torchrun's agent store outlives rank 0
+        base = _get_default_store()  # torchrun's agent store outlives rank 0
         namespace = f"lightning_het/watchdog/{next(_generation)}/"
         store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
         rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -225,14 +225,12 @@ class TestReports:
 
 # ---------------------------------------------------------------------------------------------------- comm hook
 class _Done:
-    def get_future(self):
-        fut = torch.futures.Future()
-        fut.set_result([torch.zeros(1)])
-        return fut
+    def wait(self):
+        return True
 
 
-def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
-    """A chunk whose intra-node reduce fails must not leave later chunks waiting for its turn between leaders."""
+def test_hierarchical_sum_that_fails_hands_on_its_turn(monkeypatch):
+    """A sum whose intra-node reduce fails must reach its future, and not leave later sums waiting for their turn."""
     calls = {"reduce": 0}
 
     def reduce(*args, **kwargs):
@@ -247,11 +245,12 @@ def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
     groups = SimpleNamespace(is_leader=True, num_nodes=2, node_size=2, leader=0, intra_group=None,
                              intra_bcast_group=None, leader_group=None, world_size=4)  # fmt: skip
     state = hooks.HierarchicalState(groups)
-    first = hooks._hierarchical_sum_chunk(state, torch.ones(2))
-    second = hooks._hierarchical_sum_chunk(state, torch.ones(2))
+    first = hooks.hierarchical_sum(state, torch.ones(2))
+    second = hooks.hierarchical_sum(state, torch.ones(2))
     with pytest.raises(RuntimeError, match="reduce failed"):
         first.wait()
-    assert second.done() and torch.equal(second.wait(), torch.ones(2))
+    assert torch.equal(second.wait(), torch.ones(2)) and calls["reduce"] == 2
+    state.stop()
 
 
 # ---------------------------------------------------------------------------------------------------- process trees
