@@ -193,11 +193,10 @@ class ScriptLauncher:
             )
         os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port), NODE_RANK=str(env.node_rank()))
         os.environ.update(LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=f"{self.num_processes * self.num_nodes}")
-        preexec = die_with_parent if sys.platform.startswith("linux") else None
         for local_rank in range(1, self.num_processes):
             command, cwd = child_command(local_rank)
             env_vars = {**os.environ, "LOCAL_RANK": f"{local_rank}"}
-            self.procs.append(subprocess.Popen(command, env=env_vars, cwd=cwd, preexec_fn=preexec))
+            self.procs.append(subprocess.Popen(command, env=env_vars, cwd=cwd, preexec_fn=die_with_parent))
         atexit.register(self._reap_children)
         previous = sys.excepthook
 
@@ -329,8 +328,7 @@ class PreemptionHandler:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        name = "lightning-het-preemption"
-        self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name=name, daemon=True)
+        self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name="lightning-het-sigs", daemon=True)
         self._reader.start()
 
     def teardown(self) -> None:
@@ -346,8 +344,7 @@ class PreemptionHandler:
         read_fd, write_fd = self._pipe
         with contextlib.suppress(OSError):
             os.write(write_fd, b"\0")  # wakes the reader, which then ends
-        if self._reader is not None:
-            self._reader.join(timeout=1.0)
+        self._reader.join(timeout=1.0)  # type: ignore[union-attr]
         self._pipe = None
         for fd in (read_fd, write_fd):
             with contextlib.suppress(OSError):

@@ -348,7 +348,6 @@ class Watchdog:
         token: str = "",
         namespace: str = "",
         peers: dict[int, tuple[str, str, int]] | None = None,
-        alive: Callable[[int], bool] = process_alive,
     ) -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
@@ -359,12 +358,12 @@ class Watchdog:
         self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
-        self._state, self._error = "running", ""
-        self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
+        # its state and error; whether a collective failed here (the replica was waiting in it)
+        self._state, self._error, self._waited_in_collective = "running", "", False
         self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
         self._beat, self._bugs, self._reported = 0, 0, False
-        self.namespace, self.peers, self.alive = namespace, peers or {}, alive
+        self.namespace, self.peers, self.alive = namespace, peers or {}, process_alive  # alive: whether a pid lives
         self.stale_after = max(3 * self.interval, 1.0)  # heartbeat older: check whether the process is alive
         self.seen: dict[int, tuple[float, float, dict[str, Any] | None]] = {}  # beat and seq changed at, last record
         self.tampered: set[str] = set()  # the keys found tampered with
@@ -597,8 +596,7 @@ class Watchdog:
         cause = first_line(exception)
         if verdict is None:
             return Verdict("hung", (), 0.0, f"a collective failed on replica {self.rank} ({cause})")
-        message = f"{verdict.message}; on replica {self.rank} a collective failed: {cause}"
-        return Verdict(verdict.kind, verdict.culprits, verdict.seconds, message)
+        return replace(verdict, message=f"{verdict.message}; on replica {self.rank} a collective failed: {cause}")
 
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
