@@ -326,11 +326,6 @@ def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stall
     return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
 
 
-#: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
-EMERGENCY_KINDS = ("hung", "silent", "exited")
-EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
-
-
 class Watchdog:
     """Per-replica heartbeat thread and judge; the others' heartbeats are aged by this replica's monotonic clock."""
 
@@ -620,11 +615,13 @@ class Watchdog:
             log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):
             self.store.set(f"ack/{self.rank}", "1")
-        if self.emergency is not None and verdict.kind in EMERGENCY_KINDS and self.rank not in verdict.culprits:
+        # a replica stalled, went silent or exited: the survivors save an emergency checkpoint (its writer: 120 s)
+        saves = verdict.kind in ("hung", "silent", "exited") and self.rank not in verdict.culprits
+        if self.emergency is not None and saves:
             survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
             try:
                 tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
-                self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
+                self.emergency.save(self.store, survivors, max(self.grace, 5.0), 120.0, tag)
             except Exception:  # the store is gone or the save failed: the job ends as it would without it
                 log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
         deadline = time.monotonic() + self.grace
