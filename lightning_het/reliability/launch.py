@@ -265,8 +265,6 @@ def child_command(local_rank: int) -> tuple[list[str], str | None]:
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 # signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``)
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-AGREE_EVERY_S = 0.25  # seconds of training between two agreements (at least one step, the same steps on every rank)
-AGREE_MAX_STEPS = 64  # the most optimizer steps between two agreements
 
 
 class PreemptedMixin:
@@ -398,7 +396,7 @@ class PreemptionHandler:
         local[-1] = -1
         if last is not None and step > last[0]:
             per_step = (now - last[1]) / (step - last[0])
-            local[-1] = -min(max(int(AGREE_EVERY_S / max(per_step, 1e-6)), 1), AGREE_MAX_STEPS)
+            local[-1] = -min(max(int(0.25 / max(per_step, 1e-6)), 1), 64)  # every 0.25 s of training, 1 to 64 steps
         flags = torch.tensor(local, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the last entry: minus the fewest steps any replica asks for
         agreed = [int(v) for v in flags.tolist()]
