@@ -142,9 +142,8 @@ class ScriptLauncher:
 
     def kill(self, signum: int) -> None:
         """Send ``signum`` to the replicas this process started (Lightning's launcher interface)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
+        for proc in [proc for proc in self.procs if proc.poll() is None]:
+            proc.send_signal(signum)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
