@@ -397,9 +397,7 @@ class Watchdog:
         self._state = "finished" if self._state == "running" else self._state
         with contextlib.suppress(dist.DistError):
             self._publish()
-            while not self._stop.is_set() and any(
-                s.state != "finished" for s in self._statuses() if s.rank != self.rank
-            ):
+            while not self._stop.is_set() and {s.state for s in self._statuses() if s.rank != self.rank} - {"finished"}:
                 time.sleep(min(self.interval, 0.2))
         self.stop()
 
@@ -500,10 +498,8 @@ class Watchdog:
             raw = dict(enumerate(self.store.multi_get(keys)))
         else:
             raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
-        children, mine = (
-            dict(self._children()),
-            status_from_record(self.rank, self._record(), 0.0, now - self._progress[3]),
-        )
+        children = dict(self._children())
+        mine = status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
         return [mine if r == self.rank else self.status(r, raw.get(r), now, children.get(r)) for r in range(len(keys))]
 
     def sign(self, key: str, payload: str) -> str:
