@@ -381,7 +381,8 @@ class PreemptionHandler:
         late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
         message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
         print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
-        self._exit(PREEMPTION_EXIT_CODE)  # SIGKILLs the launched replicas and loader workers (they ignore SIGTERM)
+        end_children(self._children())  # the launched replicas (exit_job: every descendant, on Linux)
+        self._exit(PREEMPTION_EXIT_CODE)  # SIGKILLs the loader workers too (they ignore SIGTERM)
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
         """Which replica received which signal (0: none), all-reduced if optimizer ``step`` is due, else all zeros."""
