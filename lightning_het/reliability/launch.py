@@ -207,8 +207,7 @@ class ScriptLauncher:
 
     def children(self) -> list[tuple[int, subprocess.Popen]]:
         """(global rank, process) of the replicas this process launched."""
-        first = self.cluster_environment.node_rank() * self.num_processes
-        return list(enumerate(self.procs, start=first + 1))
+        return list(enumerate(self.procs, start=self.cluster_environment.node_rank() * self.num_processes + 1))
 
     def _observe(self) -> None:
         """Until the watchdog runs: a local replica that fails ends the job."""

@@ -435,7 +435,7 @@ class Watchdog:
                 lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
                 self._standing = self._conclude(lost, publish=False)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
-            log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
+            self._log(logging.ERROR, "internal error while handling an exception", exc_info=True)
         return self._standing
 
     def _run(self) -> None:
@@ -460,11 +460,9 @@ class Watchdog:
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
                 if self._bugs == 1:
-                    log.exception(
-                        "[rank %d] lightning_het watchdog: internal error in the heartbeat thread; the job goes on"
-                        " (this replica's stalls may go unnoticed until it recovers). Please report this.",
-                        self.rank,
-                    )
+                    stalls = "this replica's stalls may go unnoticed until it recovers"
+                    message = f"internal error in the heartbeat thread; the job goes on ({stalls}). Please report this."
+                    self._log(logging.ERROR, message, exc_info=True)
         if verdict is None:
             return
         try:
@@ -502,6 +500,9 @@ class Watchdog:
         mine = status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
         return [mine if r == self.rank else self.status(r, raw.get(r), now, children.get(r)) for r in range(len(keys))]
 
+    def _log(self, level: int, message: str, exc_info: bool = False) -> None:
+        log.log(level, f"[rank {self.rank}] lightning_het watchdog: {message}", exc_info=exc_info)
+
     def sign(self, key: str, payload: str) -> str:
         return sign(self._token, self.namespace + key, payload) if self._token else payload
 
@@ -512,9 +513,7 @@ class Watchdog:
         payload = verify(self._token, self.namespace + key, raw)
         if payload is None and not self._forged:
             self._forged = True
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature"
-            )
+            self._log(logging.WARNING, f"ignored a record under {key!r} without a valid signature")
         return payload
 
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
@@ -537,10 +536,7 @@ class Watchdog:
             return data
         if problem is not None and key not in self.tampered:
             self.tampered.add(key)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {problem}; ignored"
-            )
+            self._log(logging.WARNING, f"tampering with the job's store detected under {key!r}: {problem}; ignored")
         return None
 
     def status(self, r: int, raw: Any, now: float, child: subprocess.Popen | None = None) -> ReplicaStatus:
@@ -564,11 +560,9 @@ class Watchdog:
             return status
         if r not in self._hidden:
             self._hidden.add(r)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {silent:.1f} s, but its"
-                f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}'"
-                " is hidden by tampering, or it is frozen)"
-            )
+            alive = f"its process (pid {pid}) on this node is alive: not presumed dead"
+            hidden = f"its heartbeat under 'hb/{r}' is hidden by tampering, or it is frozen"
+            self._log(logging.WARNING, f"no heartbeat of replica {r} for {silent:.1f} s, but {alive} ({hidden})")
         return replace(status, silent_for=0.0, stalled_for=0.0)
 
     def _judge_collective_failure(self, exception: BaseException) -> Verdict:
@@ -608,7 +602,7 @@ class Watchdog:
             self._reported = True
             ending = f"Ending the job (timeout={self.timeout:g} s, exit status {verdict.exit_code})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
-            log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
+            self._log(logging.ERROR, f"{verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):
             self.store.set(f"ack/{self.rank}", "1")
         # a replica stalled, went silent or exited: the survivors save an emergency checkpoint (its writer: 120 s)
@@ -619,7 +613,7 @@ class Watchdog:
                 tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
                 self.emergency.save(self.store, survivors, max(self.grace, 5.0), 120.0, tag)
             except Exception:  # the store is gone or the save failed: the job ends as it would without it
-                log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
+                self._log(logging.ERROR, "the emergency checkpoint failed", exc_info=True)
         deadline = time.monotonic() + self.grace
         gone = set(verdict.culprits) if verdict.kind in ("exited", "silent") else set()
         pending = [f"ack/{r}" for r in range(self.world_size) if self.hosts_store and r not in gone | {self.rank}]
