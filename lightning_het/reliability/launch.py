@@ -484,6 +484,5 @@ def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] 
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn
         if getattr(current, "func", None) is not _shielded_init:
-            shielded = functools.partial(_shielded_init, current, rank, tuple(int(s) for s in signals))
-            dataloader.worker_init_fn = shielded
+            dataloader.worker_init_fn = functools.partial(_shielded_init, current, rank, tuple(int(s) for s in signals))
     return dataloader
