@@ -151,15 +151,12 @@ def _ranks(statuses: Sequence[ReplicaStatus]) -> list[int]:
 
 
 def judge(
-    statuses: Sequence[ReplicaStatus],
-    timeout: float,
-    *,
-    silence_timeout: float | None = None,
-    suspect_after: float | None = None,
+    statuses: Sequence[ReplicaStatus], timeout: float, *, silence: float | None = None, suspect: float | None = None
 ) -> Verdict | None:
-    """Decide whether the job must end and whom to blame (pure; the rules are in ``docs/reliability.md``)."""
-    silence = timeout if silence_timeout is None else silence_timeout
-    suspect = timeout / 2 if suspect_after is None else suspect_after
+    """Whether the job must end and whom to blame (pure; rules in ``docs/reliability.md``): silent ``silence`` seconds
+    (default ``timeout``), stalled ``timeout``; a suspect: stalled ``suspect`` seconds (default ``timeout / 2``)."""
+    silence = timeout if silence is None else silence
+    suspect = timeout / 2 if suspect is None else suspect
     for kind in ("interrupted", "failed"):
         ended = [s for s in statuses if s.state == kind]
         if ended:
@@ -572,12 +569,12 @@ class Watchdog:
         while True:
             self._publish()  # a verdict already published stands (see _conclude)
             verdict = self._abort_record() or check_children(self._children())
-            verdict = verdict or judge(self._statuses(), self.timeout, silence_timeout=2.5 * self.interval)
+            verdict = verdict or judge(self._statuses(), self.timeout, silence=2.5 * self.interval)
             if verdict is not None or time.monotonic() >= deadline:
                 break
             time.sleep(self.interval)
         if verdict is None:  # nobody dead: blame whoever is furthest behind
-            verdict = judge(self._statuses(), 0.0, silence_timeout=self.timeout, suspect_after=0.0)
+            verdict = judge(self._statuses(), 0.0, silence=self.timeout, suspect=0.0)
         cause = first_line(exception)
         if verdict is None:
             return Verdict("hung", (), 0.0, f"a collective failed on replica {self.rank} ({cause})")
