@@ -124,14 +124,12 @@ class ScriptLauncher:
     finishes_runs = True  # the strategy leaves the end-of-run barrier to this launcher
 
     def __init__(self, strategy: Any, launcher: Any) -> None:
-        self.strategy = strategy
-        self.cluster_environment = launcher.cluster_environment
+        self.strategy, self.cluster_environment = strategy, launcher.cluster_environment
         self.num_processes, self.num_nodes = launcher.num_processes, launcher.num_nodes
         self.procs: list[subprocess.Popen] = []
         self._failed = self._in_run = False  # _failed: a run of this process ended with an exception
         self._token: str | None = None  # the job token the replicas this process launched were given
-        self._observer_stop = threading.Event()
-        self._wrapped = type(launcher)
+        self._observer_stop, self._wrapped = threading.Event(), type(launcher)
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # Lightning's, to `isinstance`: its Ctrl-C path then calls `kill`
