@@ -1,5 +1,4 @@
-"""What a checkpoint records about the heterogeneous split, how a resumed run uses it, and which checkpoint
-``resume="auto"`` resumes: this job's with the most progress in the run directory (``docs/reliability.md``)."""
+"""What a checkpoint records of the split, how a resumed fit uses it, and which checkpoint ``resume="auto"`` picks."""
 
 from __future__ import annotations
 

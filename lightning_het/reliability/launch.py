@@ -1,5 +1,4 @@
-"""Launching and ending: Lightning's launchers wrapped so that replicas end together, leave no process behind and
-say why; preemption (SIGTERM or SLURM's ``--signal``): a resumable checkpoint, then every replica ends with 143."""
+"""Lightning's launchers wrapped (replicas end together, no orphans, exit statuses) and preemption (checkpoint, 143)."""
 
 from __future__ import annotations
 
@@ -315,9 +314,8 @@ class PreemptionHandler:
         if self._pipe is not None or threading.current_thread() is not threading.main_thread():
             return
         self._signals: tuple[int, ...] = tuple(dict.fromkeys(map(int, [*PREEMPTION_SIGNALS, *self.extra_signals])))
-        read_fd, write_fd = os.pipe()
+        self._pipe = read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
-        self._pipe = (read_fd, write_fd)
         for signum in self._signals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)

@@ -1,5 +1,4 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s). What the watchdog
-concludes (phases, statuses, verdicts, exit statuses) is decided by the pure :func:`judge`."""
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) (:func:`judge`)."""
 
 from __future__ import annotations
 
@@ -252,8 +251,7 @@ def _kill(pids: Sequence[int]) -> None:
 
 
 def exit_job(code: int) -> None:
-    """End this process with ``code`` once its output is flushed and its descendants SIGKILLed (workers must not
-    outlive the job); no interpreter finalisation (the backend's threads)."""
+    """End this process with ``code``, output flushed and descendants SIGKILLed (no worker outlives the job)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -262,8 +260,7 @@ def exit_job(code: int) -> None:
 
 
 def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float = 0.0) -> list[int]:
-    """Wait up to ``wait`` seconds for the local replicas to exit, then SIGKILL the rest and their descendants; the
-    ranks of those killed."""
+    """SIGKILL the local replicas (and descendants) still running after ``wait`` seconds; the ranks of those killed."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
         time.sleep(0.05)
