@@ -205,9 +205,8 @@ def new_form(old: Mapping[str, Any], comm: Any = "auto") -> str:
 
 
 def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Flat keywords in the typed form, same meaning: the strategy's and the ``EmulatedPlatform``'s (empty: none).
-    Comm settings the mode does not read are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a
-    ``UserWarning``); a bad value raises :class:`ArgumentError` naming the flat keyword."""
+    """Flat keywords in the typed form, same meaning: the strategy's and the ``EmulatedPlatform``'s (empty: none); comm
+    settings the mode does not read are dropped (schedules with a ``UserWarning``); errors name the flat keyword."""
     out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:
@@ -235,9 +234,8 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 def strategy_config(
     owner: type, keywords: Mapping[str, Any], fabric: bool = False
 ) -> tuple[HeterogeneousConfig, dict[str, Any]]:
-    """A strategy's validated config from its constructor's ``locals()``, and the rest of ``kwargs`` (DDP's). The old
-    flat keywords warn once naming the typed form; a setting given both ways, or (``fabric``) one needing the Trainer's
-    loop, raises :class:`ArgumentError`."""
+    """A strategy's validated config from its constructor's ``locals()``, and DDP's keywords; one warning names the
+    typed form of the old flat keywords; both forms, or (``fabric``) a Trainer-only setting, raise ``ArgumentError``."""
     comm, groups, rest = keywords["comm"], {group: keywords[group] for group in _GROUPS}, dict(keywords["kwargs"])
     explicit = {n: keywords[n] for n in HeterogeneousConfig.__dataclass_fields__ if n in keywords and n not in groups}
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
