@@ -15,7 +15,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from lightning_het._flavour import FLAVOURS
 from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
-from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
+from lightning_het.reliability.launch import PreemptedMixin, PreemptionCallbackMixin
 from lightning_het.reliability.watchdog import WatchdogCallbackMixin
 from lightning_het.strategy import HeterogeneousStrategyMixin
 

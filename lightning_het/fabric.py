@@ -18,10 +18,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext, StepSplit
 from lightning_het.balance.profiler import LoopSteps
 from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
-from lightning_het.balance.state import StepSplit
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere
 from lightning_het.cluster.topology import gather_node_ids, validate_node_ids

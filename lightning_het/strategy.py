@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -26,10 +27,9 @@ from lightning_het._flavour import FLAVOURS, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import (
     HeterogeneousBalanceCallback,  # noqa: F401
-    MonitorSettings,
     attach_monitor,
 )
-from lightning_het.balance.state import Allocation, StepSplit
+from lightning_het.balance.policy import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
     DevicePlan,
@@ -51,14 +51,20 @@ from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     checkpoint_record,
     end_resume_quiet,
+    job_identity,
     node_optimizer_checkpoint,
     read_record,
+    trajectory_settings,
     with_node_states,
 )
 from lightning_het.reliability.emergency import Guards, restore_rng
-from lightning_het.reliability.launch import ExitCleanup, SpawnLauncher
-from lightning_het.reliability.preemption import Preempted, PreemptionCallback, shield_loader_workers  # noqa: F401
-from lightning_het.reliability.resume import job_identity, trajectory_settings
+from lightning_het.reliability.launch import (  # noqa: F401
+    ExitCleanup,
+    Preempted,
+    PreemptionCallback,
+    SpawnLauncher,
+    shield_loader_workers,
+)
 from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noqa: F401
 
 
@@ -175,8 +181,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         saves = fitting and self.comm_algorithm.mode != "node_local"  # the emergency checkpoint needs no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
-            settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
-            self._monitor = attach_monitor(self, trainer, settings)
+            slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
+            self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
 
     @override
     def teardown(self) -> None:
@@ -362,7 +368,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
         telemetry = self.balance_report(include_series=True)["telemetry"]
-        return {**self.policy.allocation.as_dict(), "node_ids": self._node_ids, "telemetry": telemetry}
+        return {**asdict(self.policy.allocation), "node_ids": self._node_ids, "telemetry": telemetry}
 
     def import_allocation(self, state: dict[str, Any]) -> None:
         """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""

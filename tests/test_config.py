@@ -144,7 +144,7 @@ def test_the_job_identity_reads_the_comm_object_under_the_flat_names():
     """``resume="auto"`` tells jobs apart by node_local's settings, named as in checkpoints written before."""
     from types import SimpleNamespace
 
-    from lightning_het.reliability.resume import identity_differences, trajectory_settings
+    from lightning_het.reliability.checkpointing import identity_differences, trajectory_settings
 
     trainer = SimpleNamespace(
         accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None, precision="32-true"
