@@ -6,6 +6,7 @@ import numbers
 import os
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from lightning.fabric.utilities.data import has_iterable_dataset
@@ -84,14 +85,9 @@ def training_order(dataloader: DataLoader) -> TrainingOrder:
     return order
 
 
-class PerSampleCollate:
-    """The user's per-sample collate applied to each sample, then ``default_collate``. Picklable."""
-
-    def __init__(self, per_sample: Callable[[Any], Any]) -> None:
-        self.per_sample = per_sample
-
-    def __call__(self, samples: list[Any]) -> Any:
-        return default_collate([self.per_sample(s) for s in samples])
+def _collate_each(per_sample: Callable[[Any], Any], samples: list[Any]) -> Any:
+    """The user's per-sample collate applied to each sample, then ``default_collate`` (picklable with a partial)."""
+    return default_collate([per_sample(s) for s in samples])
 
 
 def rebuild_loader(
@@ -104,7 +100,7 @@ def rebuild_loader(
         replacements.update(batch_sampler=batch_sampler, sampler=None, batch_size=1, shuffle=None)
     if dataloader.batch_size is None and dataloader.batch_sampler is None:
         collate = dataloader.collate_fn
-        replacements["collate_fn"] = default_collate if collate is default_convert else PerSampleCollate(collate)
+        replacements["collate_fn"] = default_collate if collate is default_convert else partial(_collate_each, collate)
     names = getattr(dataloader, "__pl_saved_arg_names", ())  # positional arguments Lightning recorded
     args = tuple(replacements.pop(name, value) for name, value in zip(names, args)) + args[len(names) :]
     loader = type(dataloader)(*args, **{**kwargs, **replacements})
