@@ -141,9 +141,6 @@ class ProportionalDistributedSampler(DistributedSampler):
     def __iter__(self) -> Iterator[Any]:
         return iter([i for step in self.iter_batches(self.take_start_step()) for i in step])
 
-    def __len__(self) -> int:
-        return self.num_samples
-
 
 class ProportionalBatchSampler(BatchSampler):
     """The batches of a :class:`ProportionalDistributedSampler`, each split decided when the loader draws it."""
@@ -174,9 +171,6 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         return iter(i % self._length for i in range(self.start, self.start + self.num_samples))
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
