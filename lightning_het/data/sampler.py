@@ -199,10 +199,9 @@ class EvalBatchSampler(BatchSampler):
         self, dataset: Sized, weights: Sequence[float] | Callable[[], Sequence[float]], rank: int, batch_size: int
     ) -> None:
         super().__init__(range(len(dataset)), int(batch_size), drop_last=False)
-        self.weights = weights if callable(weights) else (lambda: weights)
-        self.rank = rank
-        self.repeats = math.ceil(len(self.weights()) / len(dataset)) if 0 < len(dataset) < len(self.weights()) else 1
-        self._steps = len(self.plan()[1][0])  # the same whatever the weights
+        self.weights, self.rank = weights if callable(weights) else (lambda: weights), rank
+        shares, plan = self.plan()  # the number of steps and the repeats are the same whatever the weights
+        self.repeats, self._steps = max(1, sum(shares) // max(len(dataset), 1)), len(plan[0])
 
     def plan(self) -> tuple[list[int], list[list[int]]]:
         return eval_batch_plan(len(self.sampler), self.weights(), self.batch_size)  # type: ignore[arg-type]
