@@ -165,22 +165,19 @@ class LoaderSplitter:
 
     def resolve_global_batch_size(self, per_replica: int | None, trainer: Any, policy: Any) -> int:
         """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else ``per_replica`` x world."""
-        given, world = policy.config.global_batch_size, policy.world_size
+        given = policy.config.global_batch_size or as_batch_size(getattr(trainer.datamodule, "global_batch_size", None))
         if given is not None:
             return given
-        from_datamodule = as_batch_size(getattr(trainer.datamodule, "global_batch_size", None))
-        if from_datamodule is not None:
-            return from_datamodule
         saved = resumed_global_batch_size(self.resume_record)
         if saved is not None:  # resuming: the checkpoint's global batch, whatever the number of replicas now
-            if per_replica is not None and per_replica * world != saved:
+            if per_replica is not None and per_replica * policy.world_size != saved:
                 rank_zero_info(f"HeterogeneousStrategy: resuming with the checkpoint's global batch of {saved} samples")
             return saved
         if per_replica is None:
             raise ValueError(
                 "The training loader has no `batch_size`; HINT: pass `HeterogeneousStrategy(global_batch_size=...)`."
             )
-        return per_replica * world
+        return per_replica * policy.world_size
 
     def _start(self, sampler: ProportionalDistributedSampler, trainer: Any) -> None:
         """The fit's sampler, at its epoch (and, resuming, after the global batches already trained on)."""
