@@ -77,9 +77,7 @@ def average_parameters(tensors: Iterable[torch.Tensor], weight: float, state: Hi
 
 def wire_bytes(numel: int, dtype: str) -> int:
     """Bytes one leader sends per copy of a float32 vector of ``numel`` values encoded as ``dtype``."""
-    if dtype == "int8":
-        return numel + 4 * math.ceil(numel / INT8_BLOCK)
-    return numel * (2 if dtype == "bfloat16" else 4)
+    return numel + 4 * math.ceil(numel / INT8_BLOCK) if dtype == "int8" else numel * (2 if dtype == "bfloat16" else 4)
 
 
 def encode(vector: torch.Tensor, dtype: str) -> torch.Tensor:
