@@ -182,8 +182,7 @@ class LoaderSplitter:
     def _start(self, sampler: ProportionalDistributedSampler, trainer: Any) -> None:
         """The fit's sampler, at its epoch (and, resuming, after the global batches already trained on)."""
         apply_sampler_resume(sampler, self.resume_record, trainer.fit_loop.epoch_progress.current.processed)
-        self.resume_record = None
-        self.train_sampler = sampler
+        self.resume_record, self.train_sampler = None, sampler
 
     def split_training_loader(self, dataloader: DataLoader, trainer: Any, policy: Any, fit: Any) -> DataLoader:
         """Allocate the global batch (profiling when needed) and rebuild the loader around this replica's sampler."""
