@@ -257,11 +257,9 @@ class NodeLocal(CommAlgorithm):
 
     @torch.no_grad()
     def show_consensus(self) -> None:
-        consensus = self.consensus()
-        if consensus is not None:
+        if not (self._in_consensus or self._own is not None):
             self._own = [p.detach().clone() for p in self._params]
-            for p, c in zip(self._params, consensus):
-                p.copy_(c)
+            average_parameters(self._params, self._weight(), self._hook_state)
 
     @torch.no_grad()
     def hide_consensus(self) -> None:
