@@ -268,10 +268,8 @@ class BalancePolicy:
     def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
         """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
         pinned), with a warning naming the replicas that only slow the step down."""
-        message = useless_replica_message(
-            sum(sizes), costs, sizes, self._fit.labels if self._fit else [], **self.bounds
-        )
-        if message is not None:
+        labels = self._fit.labels if self._fit else []
+        if message := useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds):
             rank_zero_warn(message)
         speeds = [b / max(c(b), 1e-12) for b, c in zip(sizes, costs)]
         equal = sizes == allocate_batch_sizes(sum(sizes), [1.0] * len(sizes), **self.bounds)
@@ -301,8 +299,9 @@ class BalancePolicy:
             costs = [replace(c, micro_batch=m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         speeds = self.measured_speeds(costs, batch_sizes)
-        self.allocation = replace(
-            self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
+        overhead = self.profiler.overhead_s
+        self.allocation = replace(self.allocation, cost_model=costs, profile_seconds=overhead).adopt(
+            batch_sizes, speeds
         )
         for sampler in self.profiler.samplers:
             total = sampler.global_batch_size
