@@ -134,17 +134,15 @@ class BalancePolicy:
         synced = [name for name, s in norms.items() if s] if self.micro is not None and self.world_size > 1 else []
         if layers and self.world_size > 1:
             rank_zero_warn(
-                f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
-                " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
-                " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
-                " `Trainer(sync_batchnorm=True)` for global batch statistics (not with micro-batching)."
+                f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each replica's"
+                " batch: with uneven batches the gradient is not exactly the global batch's, and every replica gets 2"
+                " samples or more per step. HINT: `Trainer(sync_batchnorm=True)` (not with micro-batching)."
             )
         if synced:  # a collective in every forward: replicas running different numbers of pieces would mismatch
             raise ValueError(
                 f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the"
-                f" model's SyncBatchNorm layer(s) ({_shown(synced)}) make every training forward a collective that all"
-                " replicas must run equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then"
-                " normalised by its own statistics), or bound the shares with `max_batch_sizes` instead."
+                f" model's SyncBatchNorm layer(s) ({_shown(synced)}) make each a collective every replica must run"
+                " equally often. HINT: drop `Trainer(sync_batchnorm=True)`, or bound the shares by `max_batch_sizes`."
             )
         if self.micro is None:
             return
