@@ -69,7 +69,6 @@ class Allocation:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Allocation:
-        """From ``dataclasses.asdict``'s plain data (what a spawned worker sends back to the parent)."""
         known = {f.name: data[f.name] for f in fields(cls) if data.get(f.name) is not None}
         costs = known.pop("cost_model", None)
         return cls(**known, cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None)
