@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import default_store, replace_signal_connector, restore_checkpoint
+from lightning_het._compat import _get_default_store, replace_signal_connector, restore_checkpoint
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
-from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
-from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
-from lightning_het.reliability.resume import (
+from lightning_het.reliability.checkpointing import (
+    CHECKPOINT_KEY,
     EMERGENCY_CHECKPOINT_NAME,
     Candidate,
     checkpoint_candidates,
@@ -34,8 +33,8 @@ from lightning_het.reliability.resume import (
     read_candidate,
     wants_resume,
 )
-from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
+from lightning_het.reliability.launch import PreemptionCallbackMixin, PreemptionHandler, preemption_path
+from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02
@@ -270,7 +269,7 @@ class Guards:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
             return
         token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
-        base = default_store()  # torchrun's agent store outlives rank 0
+        base = _get_default_store()  # torchrun's agent store outlives rank 0
         namespace = f"lightning_het/watchdog/{next(_generation)}/"
         store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -294,12 +293,12 @@ class Guards:
             dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
             found = checkpoint_candidates(preemption_path(trainer, config.reliability.preemption_checkpoint), dirpaths)
             candidates = [read_candidate(path) for path in found]
-            choice = choose_checkpoint(candidates, job, config.global_batch_size)
-            for line in choice.warnings():
+            chosen, lines = choose_checkpoint(candidates, job, config.global_batch_size)
+            for line in lines:
                 warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
             emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
                            and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
-            decision = (choice.path, emergencies)
+            decision = (chosen, emergencies)
         path, self._emergencies = broadcast(decision)
         if path is not None:
             rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")

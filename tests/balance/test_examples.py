@@ -112,9 +112,9 @@ def test_profiler_profile_plan() -> None:
     """
     >>> plan = ProfilePlan(48, 2, warmup=1, steps=2, lag=1)
     >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
-    [[24, 24], [24, 24], [36, 12], [36, 12], [36, 12]]
+    [[24, 24], [24, 24], [36, 12], [42, 6], [36, 12], [42, 6], [36, 12]]
     >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
-    (0, 2, 3, 5)
+    (0, 2, 5, 7)
     """
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError, validate_resume
+from lightning_het.reliability.checkpointing import wants_resume
 from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
     LoopRecord,
@@ -28,8 +29,7 @@ from lightning_het.reliability.emergency import (
     restore_rng,
     rng_state,
 )
-from lightning_het.reliability.resume import wants_resume
-from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
+from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
 from tests.helpers.side_by_side import SideBySide
