@@ -199,8 +199,8 @@ class BalancePolicy:
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
         """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""
-        sizes = list(self.allocation.batch_sizes or [])
-        if sampler is not None and step is not None and list(sampler.batch_sizes) == sizes:
+        sizes = self.allocation.batch_sizes or []  # not copied: once per step, read only
+        if sampler is not None and step is not None and sampler.batch_sizes == sizes:
             sizes = sampler.step_batch_sizes(step)
         return StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
 
