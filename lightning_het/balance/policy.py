@@ -152,9 +152,8 @@ class BalancePolicy:
             rank, cap = small[0]
             raise ValueError(
                 f"`max_micro_batch_sizes[{rank}]` is {cap}, but the model's batch norm layer(s) ({_shown(layers)}) need"
-                f" at least 2 samples per micro-batch in training, and pieces of at most {cap} samples can leave one of"
-                f" 1 (a share of 3 runs as [2, 1]). HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or"
-                " bound the share itself with `max_batch_sizes` instead."
+                f" 2 samples or more per micro-batch, and pieces of {cap} can leave one of 1 (3 samples run as [2, 1])."
+                f" HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or bound the share: `max_batch_sizes`."
             )
 
     def emulate_memory(self, module: nn.Module | None) -> None:
