@@ -19,6 +19,7 @@ from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.emulation import EmulatedPlatform
 from lightning_het.fabric import HeterogeneousFabricStrategy
+from lightning_het.sharded import HeterogeneousFSDPStrategy
 from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "CommAlgorithm",
     "EmulatedPlatform",
     "HeterogeneousDataModule",
+    "HeterogeneousFSDPStrategy",
     "HeterogeneousFabricStrategy",
     "HeterogeneousStrategy",
     "Hierarchical",
@@ -62,6 +64,8 @@ def _register() -> None:
     for registry, cls in registries:
         if "heterogeneous" not in registry:
             registry.register("heterogeneous", cls, description="Heterogeneous data parallelism")
+    if "heterogeneous_fsdp" not in StrategyRegistry:
+        StrategyRegistry.register("heterogeneous_fsdp", HeterogeneousFSDPStrategy, description="Heterogeneous FSDP2")
     # each Lightning package points the rank-zero logger at its own when imported: the run's stays
     keep_rank_zero_log()
 
