@@ -14,7 +14,7 @@ from tests.helpers.tiny import make_dataset, reference_weights
 
 #: the 3-replica fits: speeds [1, 2, 4], a global batch of 14 over 45 samples (3 batches and a tail of 3 per epoch)
 THREE = {
-    "full": {"strategy": {"speeds": [1, 2, 4], "global_batch_size": 14, "sharding": "full"}},
+    "full": {"strategy": {"speeds": [1, 2, 4], "global_batch_size": 14, "sharding": "full"}, "save_every": 5},
     "micro_rebalance": {
         "strategy": {"speeds": [1, 2, 4], "global_batch_size": 14, "max_micro_batch_sizes": [1, 2, 3]},
         "rebalance_at": [1, [4, 4, 6]],
@@ -36,6 +36,10 @@ FOUR = {
 }
 
 
+#: the checkpoint the "full" fit saves in the middle of its second epoch (a folder: each replica's shards)
+CHECKPOINT = "0/ckpt/step=5.ckpt"
+
+
 def _jobs(tmp_path, devices: int, n: int, fits: dict[str, dict]) -> dict[str, tuple[list[dict], str]]:
     cfgs = [{"devices": devices, "n": n, **cfg} for cfg in fits.values()]
     job = run_harness("sharded", tmp_path, cfgs, limit=400)
@@ -46,7 +50,9 @@ def _jobs(tmp_path, devices: int, n: int, fits: dict[str, dict]) -> dict[str, tu
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    return _jobs(tmp_path_factory.mktemp("three"), 3, 45, THREE)
+    out = tmp_path_factory.mktemp("three")
+    resumed = {"strategy": {"speeds": [1, 2, 4]}, "resume": str(out / CHECKPOINT)}  # the run it was saved in, resumed
+    return {**_jobs(out, 3, 45, {**THREE, "resumed": resumed}), "out": out}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +82,21 @@ def test_micro_batches_under_a_cap_and_across_a_rebalance(three):
 def test_a_model_sharded_by_its_own_configure_model(three):
     dumps, _ = three["own_configure_model"]
     assert _max_diff(dumps, 45) < 1e-5
+
+
+def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights(three, tmp_path):
+    assert sorted(p.name for p in (three["out"] / CHECKPOINT).iterdir())[-1] == "meta.pt"  # DCP: a folder of shards
+    full = three["full"][0][0]["state_dict"]
+    resumed, out = three["resumed"]
+    assert "skips the 1 global batch(es) already trained on" in out  # the sampler's place rode along
+    assert [d["seen_batch_sizes"] for d in resumed] == [[2, 2, 1], [4, 4, 1], [8, 8, 1]]
+    assert max((d["state_dict"][k] - full[k]).abs().max().item() for d in resumed for k in full) <= 1e-6
+    cfg = {"devices": 2, "strategy": {"speeds": [1, 3]}, "resume": str(three["out"] / CHECKPOINT)}
+    job = run_harness("sharded", tmp_path, cfg, limit=300)  # on another number of replicas: the global batch kept
+    assert job.returncode == 0, job.output[-6000:]
+    dumps = load_dumps(tmp_path, 2)
+    assert [d["seen_batch_sizes"] for d in dumps] == [[4, 4, 1], [10, 10, 2]]
+    assert max((d["state_dict"][k] - full[k]).abs().max().item() for d in dumps for k in full) <= 1e-6
 
 
 @pytest.mark.parametrize("fit", list(FOUR))
@@ -108,3 +129,27 @@ def test_memory_of_the_shards():
     net(torch.ones(1, 3)).sum().backward()
     opt.step()
     assert sharded_memory(net, [opt]) == {"params": 32, "grads": 32, "optimizer": 64 + 8}
+
+
+def test_app_config_builds_the_sharded_strategy(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_het.app import config_dir
+    from lightning_het.app.build import build_trainer
+    from lightning_het.app.config import register_configs, validate_config
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        overrides = [
+            "experiment=quick",
+            "strategy=heterogeneous_fsdp",
+            "strategy.speeds=[1,3]",
+            f"output_dir={tmp_path}",
+        ]
+        cfg = compose("train", overrides=overrides)
+    GlobalHydra.instance().clear()
+    strategy_cfg, _ = validate_config(cfg)
+    trainer = build_trainer(cfg, strategy_cfg, [])
+    assert isinstance(trainer.strategy, HeterogeneousFSDPStrategy) and trainer.strategy.config.speeds == [1.0, 3.0]

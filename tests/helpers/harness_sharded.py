@@ -2,7 +2,8 @@
 
 Config keys: ``devices`` (3), ``strategy`` (its keywords; gloo), ``n`` (45 samples), ``batch_size`` (the loader's, 4),
 ``epochs`` (2), ``max_steps``, ``accumulate``, ``shard_in_module`` (the module's own ``configure_model`` shards),
-``save`` (a checkpoint path written at the end), ``resume`` (a checkpoint path to resume from), ``slow_rank`` /
+``save_every`` (a checkpoint every that many steps in ``OUT_DIR/ckpt/step=<s>.ckpt``), ``resume`` (a checkpoint
+path to resume from), ``slow_rank`` /
 ``slow_factor`` / ``step_cost`` (the module's ``cost_per_sample_s``), ``rebalance_at`` (``[step, sizes]``: adopt
 ``sizes`` at that global step), ``speeds_given``. Every rank dumps ``OUT_DIR/rank{r}.pt``: the full weights, the batch
 sizes it saw, the allocation, the mesh's shape and the strategy's balance report.
@@ -57,19 +58,19 @@ def sharded(out: Path, cfg: dict) -> None:
     module_cls = SelfSharded if cfg.get("shard_in_module") else ShardedRegressor
     module = module_cls(cfg.get("rebalance_at"), **cfg.get("module", {}))
     loader = DataLoader(make_dataset(cfg.get("n", 45)), batch_size=cfg.get("batch_size", 4), shuffle=True)
-    callbacks = []
+    every = cfg.get("save_every")  # a checkpoint every that many steps, in OUT_DIR/ckpt/step=<s>.ckpt (folders)
+    callbacks = [pl.callbacks.ModelCheckpoint(out / "ckpt", "{step}", every_n_train_steps=every, save_top_k=-1)]
     trainer = make_trainer(
         cfg.get("devices", 3),
         strategy,
         max_epochs=cfg.get("epochs", 2),
         max_steps=cfg.get("max_steps", -1),
         accumulate_grad_batches=cfg.get("accumulate", 1),
-        callbacks=callbacks,
+        callbacks=callbacks if every else [],
+        enable_checkpointing=bool(every),
         default_root_dir=str(out),
     )
     trainer.fit(module, loader, ckpt_path=cfg.get("resume"))
-    if cfg.get("save"):
-        trainer.save_checkpoint(cfg["save"])
     record = {
         "state_dict": full_weights(module.net),
         "seen_batch_sizes": module.seen_batch_sizes,
