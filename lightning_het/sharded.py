@@ -3,7 +3,7 @@ exact gradients; the parts of :class:`~lightning_het.HeterogeneousStrategy`, oth
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -57,6 +57,7 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
             if name in kwargs:
                 raise ArgumentError(name, f"`{type(self).__name__}` does not take `{name}` (FSDP2 shards the model).")
         self._sharding, self._shard_mesh = sharding, None
+        self._memory: list[dict[str, int]] | None = None  # each replica's shards after the fit's first step
         ours = ("global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids")
         keywords = {k: v for k, v in locals().items() if k in (*ours, "profiling", "reliability")}
         super().__init__(**keywords, **kwargs)
@@ -123,6 +124,7 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
         fitting, config = trainer.state.fn == TrainerFn.FITTING, self.config
         if fitting:  # a new fit derives a new allocation
             self.policy.reset()
+            self._memory = None
             self._split = self._loaders.train_sampler = self._loaders.train_pass = None
         self._shard_module()  # a `configure_model` that did not shard
         super(HeterogeneousStrategyMixin, self).setup(trainer)  # ModelParallelStrategy's: the optimizers on the shards
@@ -172,6 +174,29 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
         finally:
             for m in modules:
                 m.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._memory is None:  # the fit's first step: every replica's shards, optimizer state included
+            held = sharded_memory(self.lightning_module, self.optimizers)
+            self._memory = [
+                dict(zip(held, map(int, row))) for row in self.policy.gather(list(map(float, held.values())))
+            ]
+        return output
+
+    @override
+    def balance_report(self, include_series: bool = False) -> dict[str, Any]:
+        """As :class:`~lightning_het.HeterogeneousStrategy`'s, with ``"memory"``: each replica's bytes of parameters,
+        gradients and optimizer state after the fit's first step."""
+        return {**super().balance_report(include_series), "memory": self._memory}
+
+    @override
+    def balance_table(self) -> str:
+        rows = [f"{r:4d} {m['params'] / 2**20:10.3f} {m['grads'] / 2**20:9.3f} {m['optimizer'] / 2**20:9.3f}"
+                for r, m in enumerate(self._memory or [])]  # fmt: skip
+        memory = ["rank params MiB grads MiB optim MiB", *rows] if rows else []
+        return "\n".join([super().balance_table(), *memory])
 
     @override
     def teardown(self) -> None:

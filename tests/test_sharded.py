@@ -79,6 +79,16 @@ def test_micro_batches_under_a_cap_and_across_a_rebalance(three):
     assert _max_diff(dumps, 45) < 1e-5
 
 
+def test_balance_table_shows_each_replicas_shards(three):
+    dumps, _ = three["full"]
+    numel = sum(v.numel() for v in dumps[0]["state_dict"].values())  # the network: 49 parameters, float32
+    memory = dumps[0]["report"]["memory"]
+    assert all(d["report"]["memory"] == memory for d in dumps) and len(memory) == 3
+    for kind in ("params", "grads", "optimizer"):  # SGD with momentum: one buffer per parameter
+        assert sum(m[kind] for m in memory) == 4 * numel and max(m[kind] for m in memory) < 4 * numel
+    assert "rank params MiB grads MiB optim MiB" in dumps[0]["table"]
+
+
 def test_a_model_sharded_by_its_own_configure_model(three):
     dumps, _ = three["own_configure_model"]
     assert _max_diff(dumps, 45) < 1e-5
