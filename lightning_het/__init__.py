@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any
 
 from lightning_het._version import __version__
 from lightning_het.allocation import allocate_batch_sizes
@@ -44,30 +43,22 @@ __all__ = [
 
 def _register() -> None:
     """``"heterogeneous"`` in the registry of every installed Lightning package (idempotent)."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
-
+    from lightning_het import pl
     from lightning_het._compat import keep_rank_zero_log
 
-    registries: list[tuple[Any, type]] = [
-        (StrategyRegistry, HeterogeneousStrategy),
-        (STRATEGY_REGISTRY, HeterogeneousFabricStrategy),
-    ]
-    standalone = [  # (package, its registry, our module for it, our strategy there)
-        ("pytorch_lightning", "StrategyRegistry", "_pl_compat", "HeterogeneousStrategy"),
-        ("lightning_fabric", "STRATEGY_REGISTRY", "_fabric_compat", "HeterogeneousFabricStrategy"),
-    ]
-    for package, registry, module, name in standalone:
+    ours = {"lightning.pytorch": HeterogeneousStrategy, "lightning.fabric": HeterogeneousFabricStrategy}
+    for name, (_, package, _) in pl.SOURCES.items():
         if importlib.util.find_spec(package) is not None:
-            ours = getattr(importlib.import_module(f"lightning_het.{module}"), name)
-            registries.append((getattr(importlib.import_module(f"{package}.strategies"), registry), ours))
-    for registry, cls in registries:
+            ours[package] = getattr(pl, name)
+    for package, cls in ours.items():
+        strategies = importlib.import_module(f"{package}.strategies")
+        registry = getattr(strategies, "StrategyRegistry", None) or strategies.STRATEGY_REGISTRY  # Trainer's, Fabric's
         if "heterogeneous" not in registry:
             registry.register("heterogeneous", cls, description="Heterogeneous data parallelism")
-    if "heterogeneous_fsdp" not in StrategyRegistry:
-        StrategyRegistry.register("heterogeneous_fsdp", HeterogeneousFSDPStrategy, description="Heterogeneous FSDP2")
-    # each Lightning package points the rank-zero logger at its own when imported: the run's stays
-    keep_rank_zero_log()
+    strategies = importlib.import_module("lightning.pytorch.strategies")
+    if "heterogeneous_fsdp" not in strategies.StrategyRegistry:
+        strategies.StrategyRegistry.register("heterogeneous_fsdp", HeterogeneousFSDPStrategy, description="Sharded")
+    keep_rank_zero_log()  # each Lightning package points the rank-zero logger at its own when imported: the run's stays
 
 
 _register()

@@ -30,12 +30,7 @@ except ImportError as err:  # pragma: no cover - only with an untested Lightning
     raise _missing_api_error("one of the imports of lightning_het/_compat.py", err) from err
 
 #: the private upstream names other modules import from here (tests/test_fence.py reads it)
-__all__ = ["_get_dataloader_init_args_and_kwargs"]
-
-
-def default_store() -> object:
-    """The ``torch.distributed.Store`` of the default process group (it must exist)."""
-    return _get_default_store()
+__all__ = ["_get_dataloader_init_args_and_kwargs", "_get_default_store"]
 
 
 def _private_attribute(owner: Any, name: str) -> Any:

@@ -12,10 +12,10 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus  # noqa: F401
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_het._flavour import register_trainer_flavour
+from lightning_het._flavour import FLAVOURS
 from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.cluster.accelerators import MixedAcceleratorMixin
-from lightning_het.reliability.preemption import PreemptedMixin, PreemptionCallbackMixin
+from lightning_het.reliability.launch import PreemptedMixin, PreemptionCallbackMixin
 from lightning_het.reliability.watchdog import WatchdogCallbackMixin
 from lightning_het.strategy import HeterogeneousStrategyMixin
 
@@ -44,4 +44,4 @@ class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`lightning_het.HeterogeneousStrategy` on the standalone ``pytorch_lightning`` package."""
 
 
-register_trainer_flavour(True, sys.modules[__name__])
+FLAVOURS[True] = sys.modules[__name__]

@@ -80,11 +80,6 @@ def allocate_batch_sizes(
     return sizes
 
 
-def sample_shares(batch_sizes: Sequence[int]) -> list[float]:
-    """Each replica's fraction of the global batch, ``b_r / sum(b)``; the fractions sum to one."""
-    return [b / sum(batch_sizes) for b in batch_sizes]
-
-
 def loss_scale(batch_sizes: Sequence[int], rank: int) -> float:
     """``W * b_r / B``: replica ``rank``'s loss factor for which DDP's mean gives the global-batch gradient."""
     return len(batch_sizes) * batch_sizes[rank] / sum(batch_sizes)

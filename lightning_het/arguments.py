@@ -24,6 +24,12 @@ def _error(name: str, message: str) -> ArgumentError:
     return ArgumentError(name.split("[", 1)[0], message)
 
 
+def expect(ok: bool, name: str, expected: str, value: Any, hint: str = "") -> None:
+    """Unless ``ok``: :class:`ArgumentError` "Expected argument `name` to be <expected>, but got <value>. <hint>"."""
+    if not ok:
+        raise _error(name, f"Expected argument `{name}` to be {expected}, but got {value!r}.{hint and ' HINT: '}{hint}")
+
+
 def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int = 1) -> int | None:
     """``value`` as an ``int >= minimum`` (any integer type, not ``bool``); ``None`` stays ``None`` if allowed."""
     if value is None and allow_none:
@@ -32,8 +38,7 @@ def positive_int(name: str, value: Any, *, allow_none: bool = True, minimum: int
         number = None if isinstance(value, bool) else operator.index(value)  # int, NumPy integers, ...
     except TypeError:
         number = None
-    if number is None or number < minimum:
-        raise _error(name, f"Expected argument `{name}` to be an integer >= {minimum}, but got {value!r}.")
+    expect(number is not None and number >= minimum, name, f"an integer >= {minimum}", value)
     return number
 
 
@@ -52,33 +57,30 @@ def finite_positive_list(name: str, values: Sequence[float] | None) -> list[floa
     except TypeError:
         raise _error(name, f"{expected}, but got {values!r}.") from None
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):  # True would count as 1, "2" as 2.0
-            raise _error(name, f"Expected argument `{name}` to hold real numbers, but `{name}[{i}]` is {v!r}.")
-        if not math.isfinite(v) or v <= 0:
+        real = not isinstance(v, bool) and isinstance(v, numbers.Real)  # True would count as 1, "2" as 2.0
+        if not (real and math.isfinite(v) and v > 0):
+            what = "finite numbers > 0.0" if real else "real numbers"
             raise _error(
-                name,
-                f"Expected argument `{name}` to hold finite numbers > 0.0, but `{name}[{i}]` is {v!r}"
-                f" ({name}={values}).",
+                name, f"Expected argument `{name}` to hold {what}, but `{name}[{i}]` is {v!r} ({name}={values})."
             )
     if not values:
         raise _error(name, f"Expected argument `{name}` to be non-empty.")
     return [float(v) for v in values]
 
 
-def int_list(name: str, values: Any, alternatives: str = "") -> list[int] | None:
-    """``values`` as a non-empty list of integers ``>= 1`` (one per replica); ``None`` stays ``None``."""
+def int_list(name: str, values: Any, alternatives: str = "", minimum: int = 1) -> list[int] | None:
+    """``values`` as a non-empty list of integers ``>= minimum`` (one per replica); ``None`` stays ``None``."""
     if values is None:
         return None
-    expected = f"Expected argument `{name}` to be a list of integers >= 1 (one per replica){' ' * bool(alternatives)}"
-    if isinstance(values, (str, bytes, int, float)):
-        raise _error(name, f"{expected}{alternatives}, but got {values!r}.")
+    expected = f"Expected argument `{name}` to be a list of integers >= {minimum} (one per replica) {alternatives}"
     try:
-        items = list(values)
+        items = None if isinstance(values, (str, bytes, int, float)) else list(values)
     except TypeError:
-        raise _error(name, f"{expected}{alternatives}, but got {values!r}.") from None
+        items = None
     if not items:
-        raise _error(name, f"{expected}{alternatives}, but got an empty list.")
-    return [positive_int(f"{name}[{i}]", v, allow_none=False) for i, v in enumerate(items)]  # type: ignore[misc]
+        raise _error(name, f"{expected.rstrip()}, but got {'an empty list' if items == [] else repr(values)}.")
+    checked = [positive_int(f"{name}[{i}]", v, allow_none=False, minimum=minimum) for i, v in enumerate(items)]
+    return checked  # type: ignore[return-value]
 
 
 def slowdown_factors(name: str, values: Any) -> list[float] | None:
@@ -103,20 +105,16 @@ def as_timeout(name: str, value: Any) -> timedelta | None:
             f" ({type(value).__name__}).",
         )
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise _error(name, f"Expected argument `{name}` to be a positive duration, but got {value!r}.")
+    expect(math.isfinite(seconds) and seconds > 0, name, "a positive duration", value)
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
 def validate_resume(value: Any) -> str | bool | None:
     """``resume``: ``"auto"``, ``None`` (only a restarted elastic worker resumes) or ``False`` (never)."""
-    if value is None or value is False or value == "auto":
-        return value
-    raise _error(
-        "resume",
-        "Expected argument `resume` to be 'auto' (resume from the newest emergency, preemption or last checkpoint),"
-        f" None (only a restarted torchelastic worker resumes) or False (never), but got {value!r}.",
-    )
+    ok = value is None or value is False or value == "auto"
+    expected = "'auto' (resume from the newest emergency, preemption or last checkpoint), None (only a restarted"
+    expect(ok, "resume", f"{expected} torchelastic worker resumes) or False (never)", value)
+    return value
 
 
 #: ``comm="node_local"``'s sync keywords and their defaults (the only values accepted in the other modes)
@@ -129,38 +127,21 @@ SYNC_DEFAULTS: dict[str, Any] = {
 }
 
 
-def check_sync_args(
-    outer_optimizer: Any,
-    outer_lr: Any,
-    outer_momentum: Any,
-    sync_dtype: Any,
-    merge_weights: Any,
-    *,
-    comm: str = "node_local",
-) -> None:
-    """``comm="node_local"``'s sync keywords; a value other than the default is refused where nothing reads it (another
-    ``comm`` mode; ``outer_lr`` / ``outer_momentum`` without ``outer_optimizer="nesterov"``)."""
-    if not (outer_optimizer is None or outer_optimizer == "nesterov" or callable(outer_optimizer)):
-        raise _error(
-            "outer_optimizer",
-            "Expected argument `outer_optimizer` to be None (plain averaging), one of ['nesterov'] or a"
-            f" callable building a torch optimizer from a list of tensors, but got {outer_optimizer!r}.",
-        )
-    for name, value, rule in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
+def check_sync_args(*values: Any, comm: str = "node_local") -> None:
+    """``comm="node_local"``'s sync keywords (``values``: those of :data:`SYNC_DEFAULTS`, in order); a value other than
+    the default is refused where nothing reads it (another ``comm``; ``outer_lr`` / ``outer_momentum`` without
+    ``outer_optimizer="nesterov"``)."""
+    given = dict(zip(SYNC_DEFAULTS, values))
+    outer = given["outer_optimizer"]
+    expected = "None (plain averaging), one of ['nesterov'] or a callable building a torch optimizer from a list of"
+    expect(outer is None or outer == "nesterov" or callable(outer), "outer_optimizer", f"{expected} tensors", outer)
+    for name, rule in (("outer_lr", "> 0"), ("outer_momentum", "in [0, 1)")):
+        value = given[name]
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        if not ok or (value <= 0 if name == "outer_lr" else not 0 <= value < 1):
-            raise _error(name, f"Expected argument `{name}` to be a finite number {rule}, but got {value!r}.")
-    for name, value, choices in (
-        ("sync_dtype", sync_dtype, ["float32", "bfloat16", "int8"]),
-        ("merge_weights", merge_weights, ["samples", "nodes"]),
-    ):
-        if value not in choices:
-            raise _error(name, f"Expected argument `{name}` to be one of {choices}, but got {value!r}.")
-    given = dict(zip(SYNC_DEFAULTS, (outer_optimizer, outer_lr, outer_momentum, sync_dtype, merge_weights)))
-    # a callable is never a default
-    changed = [
-        n for n, v in given.items() if not (v is SYNC_DEFAULTS[n] or (not callable(v) and v == SYNC_DEFAULTS[n]))
-    ]
+        expect(ok and (value > 0 if name == "outer_lr" else 0 <= value < 1), name, f"a finite number {rule}", value)
+    for name, choices in (("sync_dtype", ["float32", "bfloat16", "int8"]), ("merge_weights", ["samples", "nodes"])):
+        expect(given[name] in choices, name, f"one of {choices}", given[name])
+    changed = [n for n, v in given.items() if callable(v) or v != SYNC_DEFAULTS[n]]  # a callable is never a default
     if comm != "node_local" and changed:
         name = changed[0]
         resolves = " (which resolves to 'hierarchical' or 'allreduce', never to 'node_local')" if comm == "auto" else ""
@@ -171,11 +152,11 @@ def check_sync_args(
             f" `{name}`.",
         )
     for name in ("outer_lr", "outer_momentum"):
-        if name in changed and outer_optimizer != "nesterov":
-            what = "plain averaging, which has no outer optimizer" if outer_optimizer is None else "a callable"
+        if name in changed and outer != "nesterov":
+            what = "plain averaging, which has no outer optimizer" if outer is None else "a callable"
             raise _error(
                 name,
-                f"You set `{name}={given[name]!r}`, but `outer_optimizer={outer_optimizer!r}` ({what}) would ignore"
+                f"You set `{name}={given[name]!r}`, but `outer_optimizer={outer!r}` ({what}) would ignore"
                 f" it: it sets the optimizer of `outer_optimizer='nesterov'` only. HINT: pass"
                 f" outer_optimizer='nesterov', or set the learning rate and momentum in your callable.",
             )
@@ -199,12 +180,9 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
         known |= _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
     for name in [name for name in kwargs if name not in known]:
         close = difflib.get_close_matches(name, sorted(known | set(own)), n=1)
+        hint = f"did you mean `{close[0]}`?" if close else "see DDPStrategy's and DistributedDataParallel's keywords."
         if name in ("module", "device_ids"):
             hint = "the strategy sets it when it wraps the model (one device per replica); drop it."
-        elif close:
-            hint = f"did you mean `{close[0]}`?"
-        else:
-            hint = "see the keywords of `DDPStrategy` and of `DistributedDataParallel`."
         raise ArgumentError(
             name,
             f"`{strategy_cls.__name__}` got an unexpected keyword argument `{name}`={kwargs[name]!r}: it is not a"
@@ -212,12 +190,8 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
             f" (which receives the extra keywords). HINT: {hint}",
         )
     backend = kwargs.get("process_group_backend")
-    if backend is not None:
-        allowed = sorted({str(b).lower() for b in dist.Backend.backend_list} - {"undefined"})  # registered ones too
-        if not isinstance(backend, str) or backend.lower() not in allowed:
-            raise ArgumentError(
-                "process_group_backend",
-                f"Expected argument `process_group_backend` to be one of {allowed} (or a backend registered with"
-                f" `torch.distributed.Backend.register_backend`), but got {backend!r}. HINT: use 'nccl' for CUDA"
-                " GPUs, 'gloo' for CPUs, or leave it unset to let Lightning choose.",
-            )
+    allowed = sorted({str(b).lower() for b in dist.Backend.backend_list} - {"undefined"})  # registered ones too
+    expected = f"one of {allowed} (or a backend registered with `torch.distributed.Backend.register_backend`)"
+    hint = "use 'nccl' for CUDA GPUs, 'gloo' for CPUs, or leave it unset to let Lightning choose."
+    ok = backend is None or (isinstance(backend, str) and backend.lower() in allowed)
+    expect(ok, "process_group_backend", expected, backend, hint)

@@ -18,6 +18,7 @@ from lightning_het.arguments import (
     as_timeout,
     check_ddp_keywords,
     check_sync_args,
+    expect,
     finite_positive_list,
     int_list,
     positive_int,
@@ -45,19 +46,15 @@ class Profiling:
     def __post_init__(self) -> None:
         positive_int("steps", self.steps, allow_none=False)
         positive_int("warmup", self.warmup, allow_none=False, minimum=0)
-        if self.cache is not None and not isinstance(self.cache, (str, os.PathLike, bool)):
-            raise ArgumentError(
-                "cache",
-                f"Expected argument `cache` to be a directory, True (the default directory) or None/False (off), but"
-                f" got {self.cache!r}.",
-            )
+        choices = "a directory, True (the default directory) or None/False (off)"
+        expect(isinstance(self.cache, (str, os.PathLike, bool, type(None))), "cache", choices, self.cache)
         positive_int("rebalance_every_n_epochs", self.rebalance_every_n_epochs)
-        ratio, real = self.rebalance_threshold, (int, float)  # max / min step time
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, real) or not 1 <= ratio < math.inf):
-            message = "Expected argument `rebalance_threshold` to be a finite number >= 1 (max / min ratio), but got"
-            raise ArgumentError("rebalance_threshold", f"{message} {ratio!r}.")
-        if not isinstance(self.telemetry, bool):
-            raise ArgumentError("telemetry", f"Expected argument `telemetry` to be True or False: {self.telemetry!r}.")
+        ratio = self.rebalance_threshold  # max / min step time
+        ok = ratio is None or (
+            not isinstance(ratio, bool) and isinstance(ratio, (int, float)) and 1 <= ratio < math.inf
+        )
+        expect(ok, "rebalance_threshold", "a finite number >= 1 (max / min ratio)", ratio)
+        expect(isinstance(self.telemetry, bool), "telemetry", "True or False", self.telemetry)
         if not self.telemetry and (self.rebalance_every_n_epochs is not None or self.rebalance_threshold is not None):
             raise ArgumentError(
                 "telemetry",
@@ -77,18 +74,12 @@ class Reliability:
 
     def __post_init__(self) -> None:
         as_timeout("startup_timeout", self.startup_timeout)
-        path = self.preemption_checkpoint
-        if not (path is None or path is False or (isinstance(path, (str, os.PathLike)) and os.fspath(path))):
-            raise ArgumentError(
-                "preemption_checkpoint",
-                "Expected argument `preemption_checkpoint` to be a file or directory path, None (the default location)"
-                f" or False (no checkpoint on preemption), but got {path!r}.",
-            )
-        grace = self.preemption_grace
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace <= 0:
-            raise ArgumentError(
-                "preemption_grace", f"Expected argument `preemption_grace` to be finite seconds > 0, but got {grace!r}."
-            )
+        path, grace = self.preemption_checkpoint, self.preemption_grace
+        ok = path is None or path is False or (isinstance(path, (str, os.PathLike)) and bool(os.fspath(path)))
+        expected = "a file or directory path, None (the default location) or False (no checkpoint on preemption)"
+        expect(ok, "preemption_checkpoint", expected, path)
+        ok = not isinstance(grace, bool) and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0
+        expect(ok, "preemption_grace", "finite seconds > 0", grace)
         validate_resume(self.resume)
 
 
@@ -118,19 +109,12 @@ class HeterogeneousConfig:
         out["speeds"] = finite_positive_list("speeds", out.get("speeds"))
         least = out["min_batch_size"] = positive_int("min_batch_size", out.get("min_batch_size", 1), allow_none=False)
         out["max_batch_sizes"] = bounds = int_list("max_batch_sizes", out.get("max_batch_sizes"))
-        for i, bound in enumerate(bounds or []):
-            if bound < least:  # type: ignore[operator]
-                raise ArgumentError(
-                    "max_batch_sizes",
-                    f"Expected argument `max_batch_sizes` to hold bounds >= `min_batch_size`={least}, but"
-                    f" `max_batch_sizes[{i}]` is {bound}.",
-                )
+        for i, b in enumerate(bounds or []):
+            expect(b >= least, f"max_batch_sizes[{i}]", f">= `min_batch_size`={least}", b)  # type: ignore[operator]
         if out.get("max_micro_batch_sizes") != "auto":  # "auto": measured by a short search on the first steps
             caps = out.get("max_micro_batch_sizes")
             out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", caps, 'or "auto"')
-        nodes = out.get("node_ids")
-        if nodes is not None:
-            nodes = out["node_ids"] = [positive_int(f"node_ids[{i}]", n, minimum=0) for i, n in enumerate(nodes)]
+        nodes = out["node_ids"] = int_list("node_ids", out.get("node_ids"), minimum=0)
         comm = out["comm"] = _comm_object(out.get("comm", "auto"))
         if comm.mode == "node_local" and nodes is not None and len(set(nodes)) < 2:
             raise ArgumentError(
@@ -175,21 +159,23 @@ _OLD_NAMES = {new: old for old, new in DEPRECATED_KEYWORDS.items()}
 _GROUPS: dict[str, type] = {"profiling": Profiling, "reliability": Reliability}
 
 #: settings a Fabric loop cannot run (they need the Trainer's loop)
-TRAINER_ONLY = ("max_micro_batch_sizes", "device_map", "cpu_threads", "emulate_slowdown", "emulate_memory_cap")
+TRAINER_ONLY = (
+    "max_micro_batch_sizes",
+    "device_map",
+    "cpu_threads",
+    "emulate_slowdown",
+    "emulate_memory_cap",
+    "resume",
+)
 TRAINER_ONLY += ("rebalance_every_n_epochs", "rebalance_threshold", "preemption_checkpoint", "preemption_grace")
-TRAINER_ONLY += ("resume",)
 
 
 def _comm_object(comm: Any) -> CommAlgorithm:
     """``comm``: an algorithm object, or the one (with its defaults) a mode name stands for."""
     if isinstance(comm, CommAlgorithm):
         return comm
-    if not isinstance(comm, str) or comm not in ALGORITHMS:
-        raise ArgumentError(
-            "comm",
-            f"Expected argument `comm` to be one of {list(ALGORITHMS)} or a comm algorithm object (e.g."
-            f" lightning_het.NodeLocal(sync_every=16)), but got {comm!r}.",
-        )
+    expected = f"one of {list(ALGORITHMS)} or a comm algorithm object (e.g. lightning_het.NodeLocal(sync_every=16))"
+    expect(isinstance(comm, str) and comm in ALGORITHMS, "comm", expected, comm)
     return ALGORITHMS[comm]()
 
 
@@ -257,9 +243,8 @@ def strategy_config(
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}
     objects = {"comm": None if isinstance(comm, str) else comm, **groups}
     for group, cls in _GROUPS.items():
-        if objects[group] is not None and not isinstance(objects[group], cls):
-            message = f"Expected argument `{group}` to be a `lightning_het.{cls.__name__}` or None"
-            raise ArgumentError(group, f"{message}, but got {objects[group]!r}.")
+        ok = objects[group] is None or isinstance(objects[group], cls)
+        expect(ok, group, f"a `lightning_het.{cls.__name__}` or None", objects[group])
     for name, value in old.items():
         group, field = DEPRECATED_KEYWORDS[name]
         if objects.get(group) is not None:

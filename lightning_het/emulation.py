@@ -23,11 +23,11 @@ class EmulatedPlatform(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        hand_over = getattr(trainer.strategy, "emulate_platform", None)
-        if hand_over is None:
+        policy = getattr(trainer.strategy, "policy", None)  # the heterogeneous strategies' balance policy
+        if policy is None:
             raise TypeError(
                 "EmulatedPlatform needs `HeterogeneousStrategy`, but the Trainer runs"
                 f" {type(trainer.strategy).__name__}. HINT: pass `strategy=HeterogeneousStrategy(...)`"
                 " (or strategy='heterogeneous')."
             )
-        hand_over(self.slowdown, self.memory_cap)
+        policy.emulate(self.slowdown, self.memory_cap)

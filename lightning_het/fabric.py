@@ -18,13 +18,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_het.balance.clock import StepClock
-from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext
+from lightning_het.balance.policy import BalancePolicy, BalanceView, FitContext, StepSplit
 from lightning_het.balance.profiler import LoopSteps
-from lightning_het.balance.report import balance_report, render_balance_table
-from lightning_het.balance.state import StepSplit
+from lightning_het.balance.report import balance_report, render_balance_table, telemetry_section
 from lightning_het.cluster.accelerators import device_labels
 from lightning_het.cluster.rendezvous import init_process_group, rendezvous_wait, started_elsewhere
-from lightning_het.cluster.topology import detect_node_ids
+from lightning_het.cluster.topology import gather_node_ids, validate_node_ids
 from lightning_het.comm import CommAlgorithm
 from lightning_het.comm.gather import all_gather_collection
 from lightning_het.config import Profiling, Reliability, strategy_config
@@ -42,13 +41,29 @@ class HeterogeneousParts(BalanceView):
     """What both strategies build from their keywords (the balance policy, the comm algorithm) and their shared
     glue: the process group's start, the replica's place, the step's split told to the comm algorithm."""
 
+    _monitor: Any = None  # the Trainer's balance monitor (telemetry) of the fit
+    _telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
+
     def _configure(self, keywords: dict[str, Any], fabric: bool = False) -> dict[str, Any]:
         """The constructor's ``locals()`` validated into the policy and the comm algorithm; returns DDP's keywords."""
         config, rest = strategy_config(type(self), keywords, fabric)
         self.policy = BalancePolicy(config)
-        self._comm = config.comm  # installed once the model is wrapped
         self._comm_sizes: list[int] | None = None  # the split the comm algorithm was last given
         return rest
+
+    @override
+    def _configure_launcher(self) -> None:
+        ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
+        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
+        super()._configure_launcher()  # wrapped: no orphans, end barrier, exit statuses (and the allocation sent back)
+        if self._start_method == "popen":  # replicas that cannot outlive the launching process
+            self._launcher = ScriptLauncher(self, self._launcher)
+
+    @override
+    def teardown(self) -> None:
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.remove()  # its counters stay readable (`comm_stats`)
+        super().teardown()
 
     @property
     def process_group_timeout(self) -> Any:
@@ -68,7 +83,8 @@ class HeterogeneousParts(BalanceView):
     def _place(self) -> None:
         """This replica's rank, device and node (``setup_environment``)."""
         self.policy.place(self.global_rank, self.world_size, self.root_device, self.num_processes)
-        self._node_ids = detect_node_ids(self.config.node_ids, self.world_size, self.cluster_environment)
+        ids = self.config.node_ids  # else one all-gather of (node rank, host name)
+        self._node_ids = validate_node_ids(ids, self.world_size) if ids else gather_node_ids(self.cluster_environment)
 
     def _tell_comm(self, sizes: list[int] | None) -> None:
         """The comm algorithm is given the step's split when it changed."""
@@ -81,6 +97,11 @@ class HeterogeneousParts(BalanceView):
         return FitContext(
             self._profiled_module, self._step_clock, device_labels(self), report=self.balance_report, **fit
         )
+
+    def balance_report(self, include_series: bool = False) -> dict[str, Any]:
+        """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
+        telemetry = telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series)
+        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
 
     def balance_table(self) -> str:
         """A human-readable table: rank, node, device, speed, batch size, share."""
@@ -121,11 +142,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
 
     @override
     def _configure_launcher(self) -> None:
-        ExitCleanup.register()  # runs after the launcher's own exit handlers
-        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
-        if self._start_method == "popen":  # replicas that cannot outlive the launching process
-            self._launcher = ScriptLauncher(self, self._launcher)
         validate_launch_environment(self.num_nodes, self.cluster_environment)
 
     @override
@@ -148,7 +165,7 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
         ddp_model = super().setup_module(module)
         ids, sizes = self._node_ids, self.policy.allocation.batch_sizes
         assert ids is not None
-        self.comm_algorithm, self._comm_sizes = self._comm.resolve(ids), sizes
+        self.comm_algorithm, self._comm_sizes = self.config.comm.resolve(ids), sizes
         self.comm_algorithm.install(ddp_model, [], ids, self.global_rank, sizes, position=self._position)
         self._ddp_model = ddp_model
         self._watch_steps()  # the training loader was set up first and profiling is planned
@@ -225,16 +242,13 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
                 " `sampler=strategy.eval_sampler(dataset)` (each sample on one replica) or with"
                 " `fabric.setup_dataloaders(loader, use_distributed_sampler=False)` (every replica reads it all)."
             )
-        # allocate (planning the profiling when needed) and rebuild the loader around this replica's sampler
         order = training_order(dataloader)
-        global_batch = self.config.global_batch_size
-        if global_batch is None:
-            if dataloader.batch_size is None:
-                raise ValueError(
-                    "The DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
-                    " `HeterogeneousFabricStrategy(global_batch_size=...)`."
-                )
-            global_batch = dataloader.batch_size * self.world_size
+        global_batch = self.config.global_batch_size or (dataloader.batch_size or 0) * self.world_size
+        if not global_batch:
+            raise ValueError(
+                "The DataLoader has no `batch_size`, so the global batch cannot be inferred. HINT: pass"
+                " `HeterogeneousFabricStrategy(global_batch_size=...)`."
+            )
         sizes = self.policy.sizes_for(dataloader, global_batch, self._fit_context(loop_prefetch=0))
         # the tail is dropped: its step would need its own loss scale, and the strategy cannot tell which step it is
         sampler = order.split(dataloader.dataset, sizes, self.global_rank, drop_last=True)
@@ -274,14 +288,8 @@ class HeterogeneousFabricStrategyMixin(HeterogeneousParts):
             if comm is not None:
                 comm.hide_consensus()  # each replica goes on with its own model
 
-    def balance_report(self) -> dict[str, Any]:
-        """The allocation as plain data."""
-        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self))
-
     @override
     def teardown(self) -> None:
-        if self.comm_algorithm is not None:
-            self.comm_algorithm.remove()
         self._steps.unwatch()
         self._ddp_model = self._steps.sampler = None
         super().teardown()

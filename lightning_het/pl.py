@@ -14,16 +14,16 @@ if TYPE_CHECKING:
 __all__ = ["HeterogeneousFabricStrategy", "HeterogeneousStrategy"]
 
 #: public name -> (the module that defines it, the package it needs, the distribution that provides that package)
-_SOURCES = {
+SOURCES = {
     "HeterogeneousStrategy": ("lightning_het._pl_compat", "pytorch_lightning", "pytorch-lightning"),
     "HeterogeneousFabricStrategy": ("lightning_het._fabric_compat", "lightning_fabric", "lightning-fabric"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _SOURCES:
+    if name not in SOURCES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, package, distribution = _SOURCES[name]
+    module, package, distribution = SOURCES[name]
     try:
         importlib.import_module(package)
     except ImportError as err:

@@ -21,9 +21,9 @@ from typing_extensions import override
 
 from lightning_het._compat import record_loader_arguments
 from lightning_het.arguments import ArgumentError
-from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+from lightning_het.balance.monitor import attach_monitor
 from lightning_het.config import Profiling, Reliability
-from lightning_het.reliability.resume import job_identity, trajectory_settings
+from lightning_het.reliability.checkpointing import job_identity, trajectory_settings
 from lightning_het.strategy import HeterogeneousStrategyMixin
 
 
@@ -33,7 +33,7 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
     ``"hybrid"`` (replicate across nodes, shard inside a node; the default when the job spans several nodes)."""
 
     strategy_name = "heterogeneous_fsdp"
-    _start_method = "popen"  # the launcher HeterogeneousStrategyMixin wraps (ModelParallelStrategy's script launcher)
+    _start_method = "popen"  # ModelParallelStrategy's script launcher (the launcher HeterogeneousParts wraps)
 
     def __init__(
         self,
@@ -138,8 +138,8 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
                                                              trajectory), self.broadcast)  # fmt: skip
         self.guards.attach(self, trainer, config, self._checkpoint_entry, False)  # no emergency checkpoint: DCP
         if fitting:
-            settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
-            self._monitor = attach_monitor(self, trainer, settings)
+            slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
+            self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

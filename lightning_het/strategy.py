@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: F401
 from lightning.pytorch.strategies import DDPStrategy
@@ -21,24 +23,20 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_het._compat import attached_trainer, record_loader_arguments
-from lightning_het._flavour import register_trainer_flavour, trainer_flavour
+from lightning_het._flavour import FLAVOURS, trainer_flavour
 from lightning_het.balance.clock import StepClock
 from lightning_het.balance.monitor import (
-    BalanceMonitor,
     HeterogeneousBalanceCallback,  # noqa: F401
-    MonitorSettings,
     attach_monitor,
 )
-from lightning_het.balance.report import balance_report, telemetry_section
-from lightning_het.balance.state import Allocation, StepSplit
+from lightning_het.balance.policy import Allocation, StepSplit
 from lightning_het.cluster.accelerators import (
     DeviceMapArg,
     DevicePlan,
     MixedAccelerator,  # noqa: F401
+    MixedAcceleratorMixin,
     apply_local_settings,
-    configure_devices,
-    device_labels,
-    mixed_accelerator_kwargs,
+    plan_devices,
     unbound_process_group,
 )
 from lightning_het.comm import CommAlgorithm
@@ -53,14 +51,20 @@ from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     checkpoint_record,
     end_resume_quiet,
+    job_identity,
     node_optimizer_checkpoint,
     read_record,
+    trajectory_settings,
     with_node_states,
 )
 from lightning_het.reliability.emergency import Guards, restore_rng
-from lightning_het.reliability.launch import ExitCleanup, ScriptLauncher, SpawnLauncher
-from lightning_het.reliability.preemption import Preempted, PreemptionCallback, shield_loader_workers  # noqa: F401
-from lightning_het.reliability.resume import job_identity, trajectory_settings
+from lightning_het.reliability.launch import (  # noqa: F401
+    ExitCleanup,
+    Preempted,
+    PreemptionCallback,
+    SpawnLauncher,
+    shield_loader_workers,
+)
 from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noqa: F401
 
 
@@ -86,12 +90,18 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         cpu_threads: int | Sequence[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**mixed_accelerator_kwargs(type(self), device_map, cpu_threads, self._configure(locals())))
+        kwargs = self._configure(locals())
+        if device_map is not None:  # the accelerator places the replicas (the map's syntax checked now)
+            for clash in ("accelerator", "parallel_devices"):
+                if kwargs.get(clash) is not None:
+                    raise ValueError(f"You set both `device_map` and `{clash}`={kwargs[clash]!r}; drop `{clash}`.")
+            kwargs["accelerator"] = trainer_flavour(self).MixedAccelerator(device_map, cpu_threads=cpu_threads)
+        elif cpu_threads is not None:
+            raise ValueError(f"You set `cpu_threads`={cpu_threads!r} without a `device_map` (e.g. ['cpu', 'cpu']).")
+        super().__init__(**kwargs)
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
-        self._monitor: BalanceMonitor | None = None  # telemetry, emulation, rebalancing (per fit)
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
-        self._telemetry_snapshot: dict[str, Any] | None = None  # the workers' telemetry, in the parent after spawn
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
@@ -104,20 +114,25 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         """This replica's hung/dead-replica watchdog while one runs."""
         return self.guards.watchdog
 
-    def emulate_platform(self, slowdown: list[float] | None, memory_cap: list[int] | None) -> None:
-        """Emulated heterogeneity handed over by :class:`~lightning_het.EmulatedPlatform` before the fit's setup."""
-        self.policy.emulate(slowdown, memory_cap)
-
     @override
     def _configure_launcher(self) -> None:
-        ExitCleanup.register()  # before the launcher's exit handlers, so it runs after them
-        self._device_plan = configure_devices(self)  # device map -> parallel_devices, backend, threads
-        if self._device_plan is not None:
-            self._process_group_backend = self._device_plan.backend
-        self.config.check_world(self.num_nodes, self.num_processes)  # before any worker starts
-        super()._configure_launcher()  # wrapped: no orphans, end barrier, exit statuses, the allocation sent back
-        launcher = ScriptLauncher if self._start_method == "popen" else SpawnLauncher
-        self._launcher = launcher(self, self._launcher)
+        accelerator, environment = self.accelerator, self.cluster_environment
+        if isinstance(accelerator, MixedAcceleratorMixin):  # the device map resolved for this node and the job
+            plan = self._device_plan = plan_devices(
+                accelerator.device_map,
+                node_rank=environment.node_rank() if environment is not None else 0,
+                num_nodes=self.num_nodes,
+                local_world_size=self.num_processes,
+                cuda_device_count=torch.cuda.device_count(),  # NVML-based under Lightning: creates no CUDA context
+                requested_backend=self.process_group_backend,
+                cpu_threads=accelerator.cpu_threads,
+            )
+            if self.precision_plugin.precision == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
+                raise ValueError("You set `precision='16-mixed'` with CPU replicas (CUDA-only); use 'bf16-mixed'.")
+            self.parallel_devices, self._process_group_backend = list(plan.local_devices), plan.backend
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = SpawnLauncher(self, self._launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -149,7 +164,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
         if fitting:  # `comm` on the DDP model and the optimizers (a collective), with a resumed fit's comm state
             assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
-            comm = self._comm.resolve(self._node_ids)
+            comm = self.config.comm.resolve(self._node_ids)
             register_user_hook(self.model, comm, self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper)
             loop = trainer.fit_loop  # the schedule follows the global step: a resumed fit keeps its phase
             position = lambda: (trainer.global_step, bool(loop.epoch_loop.batch_progress.is_last_batch))  # noqa: E731
@@ -166,8 +181,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         saves = fitting and self.comm_algorithm.mode != "node_local"  # the emergency checkpoint needs no collective
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
-            settings = MonitorSettings.of(config, self.global_rank, self.world_size, self.policy.min_batch_size)
-            self._monitor = attach_monitor(self, trainer, settings)
+            slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
+            self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
 
     @override
     def teardown(self) -> None:
@@ -176,8 +191,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self.guards.end(trainer, interrupted, getattr(self._launcher, "finishes_runs", False))
         self._loaders.resume_record = self._loaders.train_sampler = None
         self.policy.emulate_memory(None)
-        if self.comm_algorithm is not None:
-            self.comm_algorithm.remove()  # its counters stay readable (`comm_stats`)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
         super().teardown()
@@ -189,7 +202,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def process_dataloader(self, dataloader: object) -> object:
         # workers ignore SIGTERM/SIGUSR1 so that they do not die before their replica saves (docs/preemption.md)
         if isinstance(dataloader, DataLoader):
-            fit = self._fit_context()
+            fit = self._fit_context(loop_prefetch=0 if has_len(dataloader) else 1)  # Lightning's fetcher: sized, none
             dataloader = self._loaders.process(dataloader, self.lightning_module.trainer, self.policy, fit)
         return shield_loader_workers(dataloader, self.global_rank)
 
@@ -352,26 +365,19 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         restore_rng((self._loaders.resume_record or {}).get("rng"))  # an emergency checkpoint's RNG states
         return checkpoint
 
-    def balance_report(self, include_series: bool = False) -> dict[str, Any]:
-        """The allocation and the last fit's telemetry (with ``include_series``: per step) as plain data."""
-        telemetry = self._telemetry(include_series)
-        return balance_report(self.policy.allocation, self.config, self._node_ids, device_labels(self), telemetry)
-
     def export_allocation(self) -> dict[str, Any]:
         """The allocation, costs and telemetry as plain data: what a spawned worker sends back to the parent."""
-        return {**self.policy.allocation.as_dict(), "node_ids": self._node_ids, "telemetry": self._telemetry(True)}
+        telemetry = self.balance_report(include_series=True)["telemetry"]
+        return {**asdict(self.policy.allocation), "node_ids": self._node_ids, "telemetry": telemetry}
 
     def import_allocation(self, state: dict[str, Any]) -> None:
         """Adopt what :meth:`export_allocation` returned in a worker (in the parent process, after spawn)."""
         self.policy.allocation = Allocation.from_dict(state)
         self._node_ids, self._telemetry_snapshot = state.get("node_ids"), state.get("telemetry")
 
-    def _telemetry(self, include_series: bool) -> dict[str, Any] | None:
-        return telemetry_section(self._monitor, self._telemetry_snapshot, include_series=include_series)
-
 
 class HeterogeneousStrategy(HeterogeneousStrategyMixin, DDPStrategy):
     """:class:`HeterogeneousStrategyMixin` on ``lightning.pytorch`` (:mod:`lightning_het.pl`: ``pytorch_lightning``)."""
 
 
-register_trainer_flavour(False, sys.modules[__name__])  # defines `_flavour.NAMES` (the imports marked F401)
+FLAVOURS[False] = sys.modules[__name__]  # defines `_flavour.NAMES` (the imports marked F401)

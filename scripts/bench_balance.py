@@ -454,7 +454,7 @@ def _affine_summary(
     from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 
     whole = [AffineCost(a, c) for a, c in zip(spec["fixed_s"], spec["per_sample_s"])]
-    costs = [c.with_micro_batch(m) for c, m in zip(whole, spec.get("caps", [None, None]))]
+    costs = [AffineCost(c.fixed_s, c.per_sample_s, m) for c, m in zip(whole, spec.get("caps", [None, None]))]
     by_name = {r["name"]: r for r in runs}
     best_sizes = allocate_affine(GLOBAL_BATCH, costs)
     best = step_time(best_sizes, costs)

@@ -349,7 +349,7 @@ def _run_config(job: _Job, name: str, comm: str, k: int | None, tune: bool) -> t
         model_bytes = (ctl.stats["job_bytes_inter_total"] - before["job_bytes_inter_total"]) / args.steps
         ctl.sync()  # end of run = end of epoch: one consensus model
     else:
-        model_bytes = flat_allreduce_traffic(grad_bytes, NODE_IDS).total_inter
+        model_bytes = float(flat_allreduce_traffic(grad_bytes, NODE_IDS)[1].sum())
     result = _result(
         job,
         ddp.module,
@@ -489,7 +489,7 @@ def _run_config_lightning(job: _Job, name: str, comm: str, k: int | None, tune: 
     params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if comm == "ddp":
-        model_bytes = flat_allreduce_traffic(grad_bytes, NODE_IDS).total_inter
+        model_bytes = float(flat_allreduce_traffic(grad_bytes, NODE_IDS)[1].sum())
     else:
         detected, sizes = trainer.strategy.node_ids, trainer.strategy.batch_sizes
         if detected != NODE_IDS or sizes != job.batch_sizes:

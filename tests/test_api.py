@@ -197,7 +197,7 @@ def test_an_old_keyword_warns_once_with_the_new_form_of_the_same_meaning(old):
         if new_form.startswith("Trainer(callbacks=["):  # emulation: the callback hands it over before the fit
             platform = eval(new_form[len("Trainer(callbacks=[") : -2], {"EmulatedPlatform": EmulatedPlatform})
             typed = HeterogeneousStrategy(**base)
-            typed.emulate_platform(platform.slowdown, platform.memory_cap)
+            typed.policy.emulate(platform.slowdown, platform.memory_cap)
         else:
             keyword, expression = new_form.split("=", 1)
             typed = HeterogeneousStrategy(**{**base, keyword: eval(expression, _NAMESPACE)})

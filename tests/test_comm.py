@@ -25,12 +25,11 @@ from lightning_het.comm import hierarchical as hierarchical_module
 from lightning_het.comm import node_local as node_local_module
 from lightning_het.comm.allreduce import (
     CommAlgorithm,
-    compressed_sync_traffic,
     flat_allreduce_traffic,
     hierarchical_traffic,
     node_local_traffic,
 )
-from lightning_het.comm.hierarchical import HierarchicalState, choose_reduction
+from lightning_het.comm.hierarchical import HierarchicalState
 from lightning_het.comm.node_local import INT8_BLOCK, average_parameters, merge_weights
 from lightning_het.config import typed_keywords
 from tests.helpers.gloo import run_gloo
@@ -353,9 +352,9 @@ def test_exact_mode_stats_follow_the_byte_model(
             traffic = model(entry["grad_bytes"], node_ids)
             stats = entry["stats"]
             assert stats["steps"] == STEPS
-            assert stats["bytes_inter_per_step"] == pytest.approx(traffic.inter[rank])
-            assert stats["bytes_intra_per_step"] == pytest.approx(traffic.intra[rank])
-            assert stats["job_bytes_inter_per_step"] == pytest.approx(traffic.total_inter)
+            assert stats["bytes_inter_per_step"] == pytest.approx(traffic[1][rank])
+            assert stats["bytes_intra_per_step"] == pytest.approx(traffic[0][rank])
+            assert stats["job_bytes_inter_per_step"] == pytest.approx(traffic[1].sum())
 
 
 @pytest.mark.parametrize(("scenario", "expected"), [("flat_faster", "flat"), ("slowest_rank_decides", "hierarchical")])
@@ -371,18 +370,29 @@ def test_measured_choice_is_exact_and_agreed(exact4: list[dict[str, Any]], scena
     nbytes = entries[0]["grad_bytes"]
     flat_steps = 2 if expected == "flat" else 1
     inter = (
-        flat_allreduce_traffic(nbytes, node_ids).total_inter * flat_steps
-        + hierarchical_traffic(nbytes, node_ids).total_inter * (STEPS - flat_steps)
+        flat_allreduce_traffic(nbytes, node_ids)[1].sum() * flat_steps
+        + hierarchical_traffic(nbytes, node_ids)[1].sum() * (STEPS - flat_steps)
     ) / STEPS
     assert entries[0]["stats"]["job_bytes_inter_per_step"] == pytest.approx(inter)
 
 
+def _decided(flat_s: float, hier_s: float) -> str | None:
+    """The reduction a one-step measurement keeps after a flat step of ``flat_s`` s and a hierarchical one."""
+    times = iter([0.0, flat_s, flat_s + hier_s])
+    algorithm = Hierarchical(autotune_steps=1)
+    algorithm._clock = lambda: next(times)
+    _, opt = _installed(algorithm, [0, 0, 1, 1], 0, [1, 1, 1, 1])
+    for _ in range(3):
+        opt.step()
+    return algorithm.reduction
+
+
 def test_choose_reduction_and_measured_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert choose_reduction(0.40, 0.50) == "flat"
-    assert choose_reduction(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
-    assert choose_reduction(float("nan"), 0.5) == "hierarchical"
     monkeypatch.setattr(hierarchical_module.dist, "get_backend", lambda *args: "gloo")
     monkeypatch.setattr(hierarchical_module.dist, "all_reduce", lambda tensor, op=None: None)  # every rank agrees
+    assert _decided(0.40, 0.50) == "flat"
+    assert _decided(0.495, 0.50) == "hierarchical"  # within the margin: fewer inter-node bytes wins
+    assert _decided(float("nan"), 0.5) == "hierarchical"
     times = iter([0.0, 1.0, 3.0, 4.0, 6.0])  # untimed first step, then flat 1 s, hier 2 s, flat 1 s, hier 2 s
     algorithm = Hierarchical(autotune_steps=2)
     algorithm._clock = lambda: next(times)
@@ -429,8 +439,8 @@ def test_node_local_stats(node_local: list[dict[str, Any]], case: tuple[Any, ...
     local_steps = STEPS - warmup
     syncs = local_steps // k
     expected = (
-        hierarchical_traffic(nbytes, node_ids).total_inter * (warmup + syncs)
-        + node_local_traffic(nbytes, node_ids).total_inter * local_steps
+        hierarchical_traffic(nbytes, node_ids)[1].sum() * (warmup + syncs)
+        + node_local_traffic(nbytes, node_ids)[1].sum() * local_steps
     ) / STEPS
     for result in node_local:
         stats = result[str(node_ids)]["stats"]
@@ -487,9 +497,10 @@ def test_int8_sync_is_close_and_sends_a_quarter(node_local: list[dict[str, Any]]
     assert (int8["history"][-1] - full["history"][-1]).abs().max().item() < 0.02
     n = int8["numel"]
     syncs = STEPS // k
-    inter = compressed_sync_traffic(4 * n, n + 4 * math.ceil(n / INT8_BLOCK), node_ids).total_inter
+    wire = n + 4 * math.ceil(n / INT8_BLOCK)  # int8 values and a float32 scale per block, all-gathered by 2 leaders
+    inter = hierarchical_traffic(4 * n, node_ids, per_rank=(len(set(node_ids)) - 1) * wire)[1].sum()
     assert int8["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
-    inter = hierarchical_traffic(4 * n, node_ids).total_inter
+    inter = hierarchical_traffic(4 * n, node_ids)[1].sum()
     assert full["stats"]["job_bytes_inter_total"] == pytest.approx(syncs * inter)
     assert full["stats"]["job_bytes_inter_total"] / int8["stats"]["job_bytes_inter_total"] > 3.9
 
@@ -629,21 +640,21 @@ def test_summary_line() -> None:
 class TestByteModel:
     def test_flat_allreduce_crosses_where_the_ring_crosses(self) -> None:
         contiguous = flat_allreduce_traffic(100, [0, 0, 1, 1])
-        assert contiguous.inter == [0.0, 150.0, 0.0, 150.0]
-        assert contiguous.total_intra == 300.0
-        assert flat_allreduce_traffic(100, [0, 1, 0, 1]).total_inter == 600.0
+        assert contiguous[1].tolist() == [0.0, 150.0, 0.0, 150.0]  # row 1: to other nodes
+        assert contiguous[0].sum() == 300.0  # row 0: inside the node
+        assert flat_allreduce_traffic(100, [0, 1, 0, 1])[1].sum() == 600.0
 
     def test_hierarchical_and_node_local(self) -> None:
         hier = hierarchical_traffic(100, [0, 0, 1, 1])
-        assert hier.inter == [100.0, 0.0, 100.0, 0.0]
-        assert hier.intra == [100.0, 100.0, 100.0, 100.0]  # leaders broadcast, others reduce
-        assert hierarchical_traffic(100, [0, 0, 0, 1]).intra == [200.0, 100.0, 100.0, 0.0]
+        assert hier[1].tolist() == [100.0, 0.0, 100.0, 0.0]
+        assert hier[0].tolist() == [100.0, 100.0, 100.0, 100.0]  # leaders broadcast, others reduce
+        assert hierarchical_traffic(100, [0, 0, 0, 1])[0].tolist() == [200.0, 100.0, 100.0, 0.0]
         local = node_local_traffic(100, [0, 0, 1, 1])
-        assert local.total_inter == 0.0 and local.total_intra == 400.0
+        assert local[1].sum() == 0.0 and local[0].sum() == 400.0
 
     def test_node_local_k16_cuts_inter_node_bytes_more_than_tenfold(self) -> None:
-        flat = flat_allreduce_traffic(1e6, [0, 0, 1, 1]).total_inter
-        amortised = hierarchical_traffic(1e6, [0, 0, 1, 1]).total_inter / 16
+        flat = flat_allreduce_traffic(1e6, [0, 0, 1, 1])[1].sum()
+        amortised = hierarchical_traffic(1e6, [0, 0, 1, 1])[1].sum() / 16
         assert flat / amortised >= 10
 
     def test_comm_stats_dict(self) -> None:

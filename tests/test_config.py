@@ -144,7 +144,7 @@ def test_the_job_identity_reads_the_comm_object_under_the_flat_names():
     """``resume="auto"`` tells jobs apart by node_local's settings, named as in checkpoints written before."""
     from types import SimpleNamespace
 
-    from lightning_het.reliability.resume import identity_differences, trajectory_settings
+    from lightning_het.reliability.checkpointing import identity_differences, trajectory_settings
 
     trainer = SimpleNamespace(
         accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None, precision="32-true"
@@ -181,3 +181,11 @@ def test_both_strategies_hold_their_normalised_keywords():
         {"comm": NodeLocal(sync_every=4), "profiling": Profiling(steps=3)},
         {"slowdown": [1, 2]},
     )
+
+
+@pytest.mark.parametrize("node_ids", [3, "0011", [0, 1.0], [0, True], [0, -1], []])
+def test_node_ids_that_are_not_integers_per_replica_are_refused_naming_node_ids(node_ids):
+    with pytest.raises(ArgumentError, match=r"`node_ids") as err:
+        HeterogeneousStrategy(node_ids=node_ids)
+    assert err.value.argument == "node_ids"
+    assert HeterogeneousStrategy(node_ids=(5, 5, 0)).config.node_ids == [5, 5, 0]  # normalised per job later

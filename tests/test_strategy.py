@@ -257,8 +257,8 @@ def test_the_watchdog_knows_either_packages_sigterm_exception():
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_het.reliability.preemption import Preempted
-    from lightning_het.reliability.verdicts import is_sigterm_exit
+    from lightning_het.reliability.launch import Preempted
+    from lightning_het.reliability.watchdog import is_sigterm_exit
 
     assert is_sigterm_exit(SIGTERMException()) and is_sigterm_exit(Preempted(None, [15, 0]))
     assert is_sigterm_exit(pytorch_lightning.utilities.exceptions.SIGTERMException())

@@ -6,8 +6,7 @@ import heapq
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
@@ -51,10 +50,6 @@ class AffineCost:
         micro = data.get("micro_batch")
         return cls(float(data["fixed_s"]), float(data["per_sample_s"]), None if micro is None else int(micro))
 
-    def with_micro_batch(self, micro_batch: int | None) -> AffineCost:
-        """The same coefficients with the cap ``micro_batch`` (``None``: none)."""
-        return replace(self, micro_batch=micro_batch)
-
 
 def costs_from_speeds(speeds: Sequence[float]) -> list[AffineCost]:
     """The one-number model as affine costs: ``a_r = 0``, ``c_r = 1 / speed_r``."""
@@ -69,12 +64,6 @@ def slope_through_origin(batch_sizes: Sequence[float], seconds: Sequence[float])
 def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> AffineCost:
     """Least-squares ``seconds ~ fixed_s + per_sample_s * batch`` from timed steps, both coefficients kept >= 0."""
     xs, ys = [float(b) for b in batch_sizes], [float(t) for t in seconds]
-    if not xs or len(xs) != len(ys):
-        raise ValueError(f"Expected as many batch sizes as times (>= 1), but got {len(xs)} and {len(ys)}.")
-    if any(not math.isfinite(x) or x <= 0 for x in xs):
-        raise ValueError(f"Expected argument `batch_sizes` to hold positive numbers, but got {xs}.")
-    if any(not math.isfinite(y) or y <= 0 for y in ys):
-        raise ValueError(f"Expected argument `seconds` to hold positive finite numbers, but got {ys}.")
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     if len(set(xs)) == 1:
         return AffineCost(0.0, my / mx)
@@ -85,24 +74,6 @@ def fit_affine(batch_sizes: Sequence[float], seconds: Sequence[float]) -> Affine
         slope = _MIN_SLOPE_FRACTION * my / mx
         intercept = max(my - slope * mx, 0.0)
     return AffineCost(round(intercept, 15), round(slope, 15))
-
-
-def refresh_costs(
-    batch_sizes: Sequence[float], compute_times: Sequence[float], fixed_costs: Sequence[float]
-) -> list[AffineCost]:
-    """Costs reproducing measured step times: each fixed cost kept (at most 90 % of the time), the slope refreshed."""
-    if not len(batch_sizes) == len(compute_times) == len(fixed_costs):
-        raise ValueError(
-            f"Expected one batch size, time and fixed cost per replica, but got {len(batch_sizes)},"
-            f" {len(compute_times)} and {len(fixed_costs)}."
-        )
-    out = []
-    for b, t, a in zip(batch_sizes, compute_times, fixed_costs):
-        if b < 1 or not math.isfinite(t) or t <= 0 or not math.isfinite(a) or a < 0:
-            raise ValueError(f"Expected positive batch sizes and times and fixed costs >= 0, but got {b}, {t}, {a}.")
-        fixed = min(float(a), 0.9 * float(t))
-        out.append(AffineCost(round(fixed, 15), round((t - fixed) / b, 15)))
-    return out
 
 
 def step_time(batch_sizes: Sequence[int], costs: Sequence[AffineCost]) -> float:
@@ -118,12 +89,6 @@ def allocate_affine(
     max_batch_sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """The split of ``global_batch_size`` minimising the step ``max_r t_r(b_r)`` (greedy from the lower bounds)."""
-    costs = list(costs)
-    if not costs:
-        raise ValueError("Expected argument `costs` to hold at least one replica's cost, but got an empty sequence.")
-    for rank, cost in enumerate(costs):
-        if not isinstance(cost, AffineCost):
-            raise ValueError(f"Expected argument `costs` to hold AffineCost objects, but `costs[{rank}]` is {cost!r}.")
     lower, upper = batch_bounds(len(costs), global_batch_size, min_batch_size, max_batch_sizes)
     sizes = list(lower)
     heap = [(costs[r](sizes[r] + 1), r) for r in range(len(costs)) if sizes[r] < upper[r]]
@@ -136,44 +101,31 @@ def allocate_affine(
     return sizes
 
 
-def step_without(
-    global_batch_size: int,
-    costs: Sequence[AffineCost],
-    dropped: Sequence[int],
-    *,
-    min_batch_size: int = 1,
-    max_batch_sizes: Sequence[int] | None = None,
-) -> float | None:
-    """Best predicted step time without the replicas in ``dropped`` (``None`` when the others cannot hold it)."""
-    keep = [r for r in range(len(costs)) if r not in dropped]
-    kept, bounds = [costs[r] for r in keep], None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
-    try:
-        sizes = allocate_affine(global_batch_size, kept, min_batch_size=min_batch_size, max_batch_sizes=bounds)
-    except ValueError:  # none left, or too few to hold the global batch
-        return None
-    return step_time(sizes, kept)
-
-
-def useless_replicas(global_batch_size: int, costs: Sequence[AffineCost], **bounds: Any) -> list[int]:
-    """Replicas whose fixed cost alone is at least the best step time the other replicas reach without them."""
-    best = [step_without(global_batch_size, costs, [r], **bounds) for r in range(len(costs))]
-    return [r for r, (cost, t) in enumerate(zip(costs, best)) if t is not None and cost.fixed_s >= t]
-
-
 def useless_replica_message(
     global_batch_size: int,
     costs: Sequence[AffineCost],
     batch_sizes: Sequence[int],
     labels: Sequence[str],
-    **bounds: Any,
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
 ) -> str | None:
-    """The warning about replicas that only slow the job down (by more than ``USELESS_MARGIN``), or ``None``."""
-    useless = useless_replicas(global_batch_size, costs, **bounds)
-    if not useless:
-        return None
-    with_all = step_time(batch_sizes, costs)
-    without = step_without(global_batch_size, costs, useless, **bounds)
-    if without is None or without > USELESS_MARGIN * with_all:
+    """The warning about the replicas whose fixed cost alone is at least the best step the others reach without them,
+    when leaving them all out is predicted ``USELESS_MARGIN`` faster (less may be timing noise); else ``None``."""
+
+    def without(dropped: Sequence[int]) -> float | None:  # the best step of the others (None: they cannot hold it)
+        keep = [r for r in range(len(costs)) if r not in dropped]
+        kept, bounds = [costs[r] for r in keep], None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
+        try:
+            sizes = allocate_affine(global_batch_size, kept, min_batch_size=min_batch_size, max_batch_sizes=bounds)
+        except ValueError:  # none left, or too few to hold the global batch
+            return None
+        return step_time(sizes, kept)
+
+    best = [without([r]) for r in range(len(costs))]
+    useless = [r for r, (cost, t) in enumerate(zip(costs, best)) if t is not None and cost.fixed_s >= t]
+    with_all, faster = step_time(batch_sizes, costs), without(useless) if useless else None
+    if faster is None or faster > USELESS_MARGIN * with_all:
         return None
     label = [labels[r] if r < len(labels) else f"rank {r}" for r in range(len(costs))]
     names = ", ".join(f"rank {r} ({label[r]})" for r in useless)
@@ -182,6 +134,6 @@ def useless_replica_message(
     return (
         f"HeterogeneousStrategy: {names} only slow(s) the job down: its fixed cost per step ({fixed}) is at least the"
         f" best step the other replicas reach on the whole global batch of {global_batch_size}. Predicted step:"
-        f" {with_all * 1e3:.1f} ms with it, {without * 1e3:.1f} ms without. HINT: leave it out, e.g. with"
+        f" {with_all * 1e3:.1f} ms with it, {faster * 1e3:.1f} ms without. HINT: leave it out, e.g. with"
         f" `Trainer(devices=...)` set to {len(keep)} devices, or `HeterogeneousStrategy(device_map={keep})`."
     )

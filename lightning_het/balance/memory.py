@@ -30,14 +30,10 @@ class EmulatedMemoryCap:
 
     def install(self, module: torch.nn.Module | None) -> None:
         """Check every training forward of ``module`` and of its direct submodules (``None``: none any more)."""
-        self.remove()
-        targets = () if module is None else (module, *module.children())
-        self._handles = [m.register_forward_pre_hook(self._check, with_kwargs=True) for m in targets]
-
-    def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        targets = () if module is None else (module, *module.children())
+        self._handles = [m.register_forward_pre_hook(self._check, with_kwargs=True) for m in targets]
 
     def _check(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         samples = batch_length((args, kwargs))
@@ -51,11 +47,7 @@ def cap_search(fits: Callable[[int], bool], start: int, upper: int, lowest: int 
     """The largest size in ``[lowest, upper]`` where ``fits`` (non-increasing) holds, to within one search step below,
     and the number of trials; ``0`` when not even ``lowest`` samples fit (no smaller size is tried)."""
     tried: list[int] = []
-
-    def trial(n: int) -> bool:
-        tried.append(n)
-        return fits(n)
-
+    trial = lambda n: tried.append(n) or fits(n)  # noqa: E731
     n = min(max(start, lowest), upper)
     good, bad = (n, None) if trial(n) else (0, n)
     while bad is None and good < upper:  # double until one fails or the bound is reached
@@ -92,9 +84,7 @@ def measure_cap(
     (batch norm statistics) and random states come back as they were, and ``module.log`` records nothing."""
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def fits(n: int) -> bool:
-        if n < least:  # never a trial step batch norm cannot train
-            return False
+    def fits(n: int) -> bool:  # (never below `least`: a trial step batch norm cannot train)
         try:
             with no_sync():
                 step_loss(step(resize_batch(batch, n))).backward()
@@ -124,6 +114,4 @@ def measure_cap(
         numpy.random.set_state(states[1])
         for p, g in zip(params, grads):
             p.grad = g
-    if cap < least:
-        return 0, trials
-    return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator else cap), trials
+    return (max(int(cap * (1 - SAFETY_MARGIN)), least) if accelerator and cap else cap), trials

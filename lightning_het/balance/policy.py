@@ -1,13 +1,12 @@
-"""The balancing policy of one strategy: from the keywords, the speed cache or profiling to an allocation."""
+"""The allocation (an immutable value) and the balancing policy that derives it from keywords, cache or profiling."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from dataclasses import dataclass, fields, replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,6 @@ from lightning_het.balance.cost import AffineCost, useless_replica_message
 from lightning_het.balance.memory import EmulatedMemoryCap, measure_cap
 from lightning_het.balance.rebalance import DEFAULT_THRESHOLD, profiled_split
 from lightning_het.balance.report import render_balance_table
-from lightning_het.balance.state import Allocation, StepSplit
 from lightning_het.comm.allreduce import CommAlgorithm
 from lightning_het.config import HeterogeneousConfig
 from lightning_het.data.microbatch import MicroBatcher
@@ -32,7 +30,49 @@ from lightning_het.reliability.checkpointing import log_resumed_allocation, plan
 CAPS_AGREED_EVERY = 16
 #: torch's batch norm layers (they share only a private base class)
 _BATCH_NORMS = (*(getattr(nn, f"{lazy}BatchNorm{d}d") for lazy in ("", "Lazy") for d in (1, 2, 3)), nn.SyncBatchNorm)
-T = TypeVar("T")
+
+
+class StepSplit(NamedTuple):
+    """The split of the global batch being trained, computed once at the batch's start."""
+
+    sizes: list[int]
+    loss_scale: float  # ``W * b_r / B`` of this replica
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Samples per step and speed (samples/s when measured) of every replica by global rank, the affine costs behind
+    them, the micro-batch caps, and the profiling's cost; ``batch_sizes=None``: not allocated yet (plain DDP)."""
+
+    batch_sizes: list[int] | None = None
+    speeds: list[float] | None = None
+    cost_model: list[AffineCost] | None = None
+    micro_caps: list[int] | None = None  # most samples each replica runs at once (None: its whole share)
+    profile_seconds: float = 0.0  # estimated seconds the profiling steps cost beyond balanced ones
+    profile_cached: bool = False  # the costs came from the speed cache
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return sum(self.batch_sizes) if self.batch_sizes else None
+
+    def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> Any:
+        """This allocation with ``batch_sizes`` and ``speeds`` (and refreshed ``costs``, ``AffineCost.as_dict()``)."""
+        model = [AffineCost.from_dict(c) for c in costs] if costs is not None else self.cost_model
+        return replace(self, batch_sizes=list(batch_sizes), speeds=list(speeds), cost_model=model)
+
+    def with_caps(self, caps: list[int] | None) -> Allocation:
+        """This allocation with micro-batch ``caps``, which its cost model follows (a share run in pieces)."""
+        costs = self.cost_model
+        if costs is not None and caps is not None:
+            costs = [replace(c, micro_batch=m) for c, m in zip(costs, caps)]
+        return replace(self, micro_caps=caps, cost_model=costs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Allocation:
+        """From ``dataclasses.asdict``'s plain data (what a spawned worker sends back to the parent)."""
+        known = {f.name: data[f.name] for f in fields(cls) if data.get(f.name) is not None}
+        costs = known.pop("cost_model", None)
+        return cls(**known, cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None)
 
 
 class FitContext(NamedTuple):
@@ -83,7 +123,7 @@ class BalancePolicy:
                     f" HINT: drop `{name}` from the strategy (it is deprecated) and keep the callback."
                 )
         if given:  # before the fit's setup: the replica is placed again with them
-            self.config = dataclasses.replace(self.config, **given)
+            self.config = replace(self.config, **given)
             self.config.check_world(1, self.world_size)
             self.place(self.rank, self.world_size, self.device, self.replicas_on_node)
 
@@ -158,10 +198,7 @@ class BalancePolicy:
 
     def eval_weights(self) -> list[float]:
         """Each replica's share of an evaluation set: the allocation, else the given speeds, else equal."""
-        sizes, speeds = self.allocation.batch_sizes, self.config.speeds
-        if sizes is not None:
-            return [float(b) for b in sizes]
-        return list(speeds) if speeds is not None else [1.0] * self.world_size
+        return [float(w) for w in self.allocation.batch_sizes or self.config.speeds or [1.0] * self.world_size]
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
         """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""
@@ -181,14 +218,10 @@ class BalancePolicy:
     def sizes_for(
         self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None
     ) -> list[int]:
-        """The allocation's split of ``global_batch``, allocated first when there is none or it has another total."""
-        allocated = self.allocation.batch_sizes
-        if allocated is None or sum(allocated) != global_batch:
-            self.allocate(dataloader, global_batch, fit, resume)
-        return list(self.allocation.batch_sizes or ())
-
-    def allocate(self, dataloader: DataLoader, global_batch: int, fit: FitContext, resume: dict | None = None) -> None:
-        """Split ``global_batch`` by the given or resumed speeds, the speed cache, or equally until profiled."""
+        """The allocation's split of ``global_batch``; when there is none or it has another total, allocated first by
+        the given or resumed speeds, the speed cache, or equally until the first training steps are profiled."""
+        if self.allocation.global_batch_size == global_batch:
+            return list(self.allocation.batch_sizes or ())
         self._fit, self._cache_loader = fit, dataloader
         world, bounds, given = self.world_size, self.bounds, self.config.max_micro_batch_sizes
         sizes = allocate_batch_sizes(global_batch, [1.0] * world, **bounds)  # checks the bounds before profiling
@@ -200,22 +233,37 @@ class BalancePolicy:
                 self._set_caps([int(r[0]) for r in rows], "from the profile cache")
         caps = self.allocation.micro_caps or (given if isinstance(given, list) else None)
         speeds = plan.speeds if plan.speeds is not None else self.config.speeds
-        cached = self._cached_costs() if speeds is None and world > 1 else None
-        self.allocation = Allocation(cost_model=cached and cached[0], profile_cached=bool(cached)).with_caps(caps)
-        if cached is not None:
-            costs = self.allocation.cost_model
-            sizes = profiled_split(global_batch, costs, threshold=cached[1], **bounds)
-            speeds = self.measured_speeds(costs, sizes)
+        costs, threshold = None, DEFAULT_THRESHOLD
+        if speeds is None and world > 1 and cache is not None:  # the speed cache, when every replica has its cost
+            record = cache.get(self.cache_entry()[1] or "")
+            cost, cached = record["cost"], record["threshold"] or DEFAULT_THRESHOLD
+            rows = self.gather([1.0, cost.fixed_s, cost.per_sample_s, cached] if cost else [0.0] * 4)
+            if all(r[0] == 1.0 for r in rows):
+                costs, threshold = [AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)
+        self.allocation = Allocation(cost_model=costs, profile_cached=costs is not None).with_caps(caps)
+        if self.allocation.cost_model is not None:
+            sizes = profiled_split(global_batch, self.allocation.cost_model, threshold=threshold, **bounds)
+            speeds = self.measured_speeds(self.allocation.cost_model, sizes)
         elif speeds is not None:
             sizes = allocate_batch_sizes(global_batch, speeds, **bounds)
         else:  # the equal split, profiled on the first training steps (one replica: nothing to balance)
             speeds = [1.0] * world
-            if world > 1:
-                self._start_profiler(dataloader, global_batch, fit)
+            if world > 1:  # the fit loop hands the profiler every step's end
+                lag = profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
+                steps = {"warmup": self.config.profiling.warmup, "steps": self.config.profiling.steps, "lag": lag}
+                schedule = profiling.ProfilePlan(global_batch, world, **steps, **bounds)
+                clock = lambda: None if fit.clock() is None else fit.clock().open_step()  # noqa: E731
+                self.profiler = profiling.InLoopProfiler(schedule, self.rank, self.gather, clock, self._profiled)
+                self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
+                rank_zero_info(
+                    f"HeterogeneousStrategy: profiling on the first {schedule.gather_step + 1} training steps (the"
+                    f" equal, then the rough split); the fitted split applies from step {schedule.switch_step}"
+                )
         self.adopt(sizes, speeds)
         log_resumed_allocation(plan, resume, sizes)  # re-balanced or reused on resume
         if self.profiler is None and world > 1:  # one replica: nothing is balanced, nothing to show
             rank_zero_info(self.table())
+        return list(sizes)
 
     def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
         """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
@@ -245,44 +293,15 @@ class BalancePolicy:
         key = profiling.cache_key(module, self.device, sample, **extra, replicas_on_node=self.replicas_on_node)
         return cache, f"{key}|emulated_memory={emulated[self.rank] if emulated else None}" if memory else key
 
-    def _cached_costs(self) -> tuple[list[AffineCost], float] | None:
-        """Every replica's cost and the threshold their profiling split by, when every replica has an entry."""
-        cache, key = self.cache_entry()
-        if cache is None:
-            return None
-        record = cache.get(key) if key is not None else {}
-        cost, threshold = record.get("cost"), record.get("threshold") or DEFAULT_THRESHOLD
-        row = [1.0, cost.fixed_s, cost.per_sample_s, threshold] if cost else [0.0]
-        rows = self.gather(row + [0.0] * (4 - len(row)))
-        everyone = all(r[0] == 1.0 for r in rows)
-        return ([AffineCost(r[1], r[2]) for r in rows], max(r[3] for r in rows)) if everyone else None
-
-    def _start_profiler(self, dataloader: DataLoader, global_batch: int, fit: FitContext) -> None:
-        """Plan the first training steps' profiling (the fit loop hands it every step's end)."""
-        config, lag = self.config, profiling.loader_prefetch_depth(dataloader, fit.loop_prefetch)
-        steps = {"warmup": config.profiling.warmup, "steps": config.profiling.steps, "lag": lag}
-        plan = profiling.ProfilePlan(global_batch, self.world_size, **steps, **self.bounds)
-
-        def clock() -> tuple[int, Any] | None:
-            step_clock = fit.clock()
-            return None if step_clock is None else step_clock.open_step()
-
-        self.profiler = profiling.InLoopProfiler(plan, self.rank, self.gather, clock, self._profiled)
-        self.profiler.micro_cap = lambda: self.micro.cap if self.micro is not None else None
-        rank_zero_info(
-            f"HeterogeneousStrategy: profiling on the first {plan.gather_step + 1} training steps (the equal, then the"
-            f" rough split); the fitted split applies from step {plan.switch_step}"
-        )
-
     def _profiled(self, costs: list[AffineCost], batch_sizes: list[int]) -> None:
         """The profiler agreed on the costs: the fitted split applies to the global batches not drawn yet."""
         assert self.profiler is not None
         caps = self.allocation.micro_caps
         if caps is not None:  # the split that knows each share's micro-batches
-            costs = [c.with_micro_batch(m) for c, m in zip(costs, caps)]
+            costs = [replace(c, micro_batch=m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         speeds = self.measured_speeds(costs, batch_sizes)
-        self.allocation = dataclasses.replace(
+        self.allocation = replace(
             self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
         )
         for sampler in self.profiler.samplers:
@@ -300,7 +319,7 @@ class BalancePolicy:
         micro, start = self.micro, time.perf_counter()
         assert micro is not None
         upper, cuda = self.allocation.global_batch_size or 1, self.device.type == "cuda"
-        pieces = functools.partial(micro.earlier_piece, no_sync)
+        pieces = lambda: micro.earlier_piece(no_sync)  # noqa: E731
         cap, micro.search_steps = measure_cap(step, batch, upper, pieces, module, cuda, micro.least_cap)
         cache, key = self.cache_entry(memory=True)
         if cache is not None and key is not None and cap >= 1:
@@ -348,14 +367,14 @@ class BalancePolicy:
             rank_zero_info(self.table())
 
 
-def _read(read: Callable[[BalanceView], T], doc: str | None = None) -> T:
+def _read(read: Callable[[BalanceView], Any], doc: str | None = None) -> Any:
     """A read-only attribute of the strategy: ``read(strategy)`` (a list copied)."""
 
-    def get(strategy: BalanceView) -> T:
+    def get(strategy: BalanceView) -> Any:
         value = read(strategy)
-        return list(value) if isinstance(value, list) else value  # type: ignore[return-value]
+        return list(value) if isinstance(value, list) else value
 
-    return property(get, doc=doc)  # type: ignore[return-value]
+    return property(get, doc=doc)
 
 
 class BalanceView:

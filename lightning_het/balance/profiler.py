@@ -60,6 +60,25 @@ def trial_splits(
     return splits[0], splits[1]
 
 
+def beyond(
+    equal: Sequence[int],
+    around: Sequence[int],
+    *,
+    min_batch_size: int = 1,
+    max_batch_sizes: Sequence[int] | None = None,
+) -> list[int]:
+    """A split further from ``equal`` than ``around`` (the same total): each share moved towards twice or half itself,
+    the way it left the equal one (a second size to time, near the optimum when fixed costs make it more uneven)."""
+    floor, upper = max(int(min_batch_size), 1), list(max_batch_sizes or [sum(around)] * len(around))
+    give = [max(a - max(floor, a // 2), 0) if a < e else 0 for a, e in zip(around, equal)]
+    take = [max(min(upper[r], 2 * a) - a, 0) if a > e else 0 for r, (a, e) in enumerate(zip(around, equal))]
+    moved, sizes = min(sum(give), sum(take)), list(around)
+    for room, sign in ((give, -1), (take, 1)):
+        for r, d in enumerate(_spread(moved, room)):
+            sizes[r] += sign * d
+    return sizes
+
+
 @dataclass(frozen=True)
 class ProfilePlan:
     """The in-loop profiling schedule (the same on every rank), in steps from the fit's first profiled step."""
@@ -98,8 +117,8 @@ class ProfilePlan:
 
     @property
     def gather_step(self) -> int:
-        """The step at whose end the costs are fitted and agreed on (without a warm-up: two trial splits' steps)."""
-        return self.first_trial + (self.steps if self.warmup else 2 * self.steps) - 1
+        """The step at whose end the costs are fitted and agreed on (``steps`` pairs of trial steps)."""
+        return self.first_trial + 2 * self.steps - 1
 
     @property
     def switch_step(self) -> int:
@@ -107,18 +126,19 @@ class ProfilePlan:
         return self.gather_step + 1 + self.lag
 
     def split(self, n: int, around: Sequence[int] | None) -> list[int]:
-        """The split of step ``n < switch_step``: equal, then the rough split ``around`` (without a warm-up: trials A
-        and B around the equal split in turn)."""
+        """The split of step ``n < switch_step``: equal, then the rough split ``around`` and one :func:`beyond` it in
+        turn (without a warm-up: trials A and B around the equal split), then ``around`` (or equal)."""
         if n < self.first_trial:
             return list(self.equal)
-        if around is None and n <= self.gather_step:
-            return trial_splits(self.equal, **self.bounds)[(n - self.first_trial) % 2]
-        return list(around if around is not None else self.equal)
+        second = n <= self.gather_step and (n - self.first_trial) % 2
+        if around is None:
+            return trial_splits(self.equal, **self.bounds)[second] if n <= self.gather_step else list(self.equal)
+        return beyond(self.equal, around, **self.bounds) if second else list(around)
 
 
 def loader_prefetch_depth(dataloader: Any, loop_prefetch: int = 1) -> int:
-    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (1 in Lightning's fit loop, 0 in a
-    plain loop) plus ``num_workers * prefetch_factor``."""
+    """Steps a training loader has drawn ahead when a step ends: ``loop_prefetch`` (Lightning's fit loop: 1 for a
+    loader without a length, else 0; a plain loop: 0) plus ``num_workers * prefetch_factor``."""
     workers = int(getattr(dataloader, "num_workers", 0) or 0)
     factor = getattr(dataloader, "prefetch_factor", None)
     return loop_prefetch + (workers * int(factor if factor is not None else 2) if workers > 0 else 0)
@@ -225,6 +245,8 @@ class InLoopProfiler:
                 if n >= plan.warmup:
                     warm.setdefault(b / k, []).append(seconds / k)
         spread = round(max(stage_ratios(list(warm.values())), default=1.0), 12)
+        if warm and max(warm) >= _MIN_SIZE_SPREAD * min(warm):  # sizes far enough apart timed after the warm-up:
+            stages = {b: stages[b] for b in warm}  # a size timed only by the (cold) warm-up is left out
         fastest = {b: min(timings) for b, timings in stages.items()}
         for b in [b for b, timings in stages.items() if len(timings) == 1]:
             if any(other > b and fastest[other] < fastest[b] for other in stages):  # slower than a larger size: a

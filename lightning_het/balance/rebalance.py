@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lightning_het.allocation import allocate_batch_sizes, positive_finite
-from lightning_het.balance.cost import AffineCost, allocate_affine, costs_from_speeds, refresh_costs, step_time
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
 
 #: imbalance (max / min busy time) from which a check may re-allocate, when the user gives no threshold
 DEFAULT_THRESHOLD = 1.1
@@ -19,20 +19,15 @@ REALLOCATION_COST_STEPS = 2.0
 
 
 def profiled_split(
-    global_batch: int,
-    costs: Sequence[AffineCost],
-    *,
-    threshold: float = DEFAULT_THRESHOLD,
-    min_gain: float = DEFAULT_MIN_GAIN,
-    **bounds: object,
+    global_batch: int, costs: Sequence[AffineCost], *, threshold: float = DEFAULT_THRESHOLD, **bounds: object
 ) -> list[int]:
     """The split of ``global_batch`` for profiled ``costs``."""
     upper = bounds.get("max_batch_sizes") or [global_batch] * len(costs)
     sizes = monotone_split(allocate_affine(global_batch, costs, **bounds), costs, upper)  # type: ignore[arg-type]
     equal = allocate_batch_sizes(global_batch, [1.0] * len(costs), **bounds)  # type: ignore[arg-type]
-    if imbalance([cost(global_batch / len(costs)) for cost in costs]) < threshold:  # at the mean share
-        return equal
-    return equal if step_time(sizes, costs) > (1.0 - min_gain) * step_time(equal, costs) else sizes
+    mean_share = [cost(global_batch / len(costs)) for cost in costs]  # each replica's step at the mean share
+    faster = step_time(sizes, costs) <= (1.0 - DEFAULT_MIN_GAIN) * step_time(equal, costs)
+    return sizes if max(mean_share) >= threshold * min(mean_share) and faster else equal
 
 
 def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], upper: Sequence[int]) -> list[int]:
@@ -49,21 +44,6 @@ def monotone_split(batch_sizes: Sequence[int], costs: Sequence[AffineCost], uppe
         if not changed:
             break
     return sizes
-
-
-def speeds_from_step_times(batch_sizes: Sequence[int], compute_times: Sequence[float]) -> list[float]:
-    """Throughput of every replica in samples/s, ``b_r / t_r``, measured at the batch size it ran."""
-    sizes = [int(b) for b in batch_sizes]
-    times = positive_finite("compute_times", compute_times, len(sizes))
-    if any(b < 1 for b in sizes):
-        raise ValueError(f"Expected argument `batch_sizes` to hold positive integers, but got {sizes}.")
-    return [b / t for b, t in zip(sizes, times)]
-
-
-def imbalance(compute_times: Sequence[float]) -> float:
-    """``max / min`` of the replicas' busy times per step: 1.0 is perfect balance."""
-    times = positive_finite("compute_times", compute_times)
-    return max(times) / min(times)
 
 
 @dataclass(frozen=True)
@@ -96,61 +76,50 @@ def plan_rebalance(
     uncertainty: Sequence[float] | None = None,
     reallocation_cost: float = 0.0,
 ) -> RebalanceDecision:
-    """Decide whether to re-allocate the global batch from measured busy times, with hysteresis (without
-    ``uncertainty``: against timing errors of ``(threshold - 1) / (threshold + 1)`` either way)."""
+    """Decide whether to re-allocate the global batch from measured busy times (``uncertainty``: their relative
+    standard errors, none if not given): the predicted gain must exceed ``min_gain`` and its doubt."""
     sizes = [int(b) for b in batch_sizes]
     times = positive_finite("compute_times", compute_times, len(sizes))
-    if not math.isfinite(threshold) or threshold < 1.0:
-        raise ValueError(f"Expected argument `threshold` to be a finite number >= 1, but got {threshold!r}.")
-    if not math.isfinite(min_gain) or not 0.0 <= min_gain < 1.0:
-        raise ValueError(f"Expected argument `min_gain` to be in [0, 1), but got {min_gain!r}.")
-    speeds = speeds_from_step_times(sizes, times)
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"Expected argument `batch_sizes` to hold positive integers, but got {sizes}.")
+    speeds = [b / t for b, t in zip(sizes, times)]  # samples/s at the sizes run
     current = max(times)
     ratio = current / min(times)
     # the costs refreshed per micro-batch (a share of b run as k pieces is k steps of b / k), fixed costs kept
     caps = micro_batch_sizes if micro_batch_sizes is not None else [None] * len(sizes)
     pieces = [1 if m is None else max(math.ceil(b / m), 1) for b, m in zip(sizes, caps)]
-    fixed = fixed_costs if fixed_costs is not None else [0.0] * len(sizes)
-    per_piece = refresh_costs([b / k for b, k in zip(sizes, pieces)], [t / k for t, k in zip(times, pieces)], fixed)
-    costs = [c.with_micro_batch(m) for c, m in zip(per_piece, caps)]
+    fixed = [min(a, 0.9 * t / k) for a, t, k in zip(fixed_costs or [0.0] * len(sizes), times, pieces)]  # <= 90 %
+    costs = [
+        AffineCost(round(a, 15), round((t / k - a) / (b / k), 15), m)
+        for a, t, k, b, m in zip(fixed, times, pieces, sizes, caps)
+    ]
     # trust region: at most double a replica's batch (+2) per check, so no extrapolated cost piles the batch on it
     upper = max_batch_sizes if max_batch_sizes is not None else [sum(sizes)] * len(sizes)
     trusted = [max(min(hi, 2 * b + 2), min_batch_size, 1) for b, hi in zip(sizes, upper)]
     proposal = allocate_affine(sum(sizes), costs, min_batch_size=min_batch_size, max_batch_sizes=trusted)
     proposal = monotone_split(proposal, costs, trusted)
-    new_times = [c(b) for c, b in zip(costs, proposal)]
-    predicted = max(new_times)
+    predicted = max(c(b) for c, b in zip(costs, proposal))
     gain = 1.0 - predicted / current
-    if uncertainty is None:  # the worst step ratio when every measured time may be off by `noise`
-        noise = (threshold - 1.0) / (threshold + 1.0)
-        up, down = 1.0 + noise, 1.0 - noise
-        worst = max(
-            t_new * up / max(t * up, max((t_s * down for s, t_s in enumerate(times) if s != r), default=0.0))
-            for r, (t, t_new) in enumerate(zip(times, new_times))
-        )
-        robust_gain = 1.0 - worst - reallocation_cost
-        doubt = f"{robust_gain:.1%} with +-{noise:.1%} timing error < {min_gain:.1%}"
-        noisy = robust_gain < min_gain
-    else:  # the standard error of the gain: the current slowest replica's and that of those given more samples
-        growing = max((float(e) for e, b, b_new in zip(uncertainty, sizes, proposal) if b_new > b), default=0.0)
-        spread = _CONFIDENCE * (predicted / current) * math.hypot(uncertainty[times.index(current)], growing)
-        robust_gain = gain - reallocation_cost - spread
-        doubt = (
-            f"{gain - reallocation_cost:.1%} net of a re-allocation's cost of {reallocation_cost:.1%}, below"
-            f" {max(min_gain, spread):.1%} (the least gain, or {_CONFIDENCE} standard errors of the gain)"
-        )
-        noisy = gain - reallocation_cost < max(min_gain, spread)
-    adopt = False
+    # the standard error of the gain: the current slowest replica's and that of those given more samples
+    errors = [0.0] * len(sizes) if uncertainty is None else uncertainty
+    growing = max((float(e) for e, b, b_new in zip(errors, sizes, proposal) if b_new > b), default=0.0)
+    spread = _CONFIDENCE * (predicted / current) * math.hypot(errors[times.index(current)], growing)
+    net, adopt = gain - reallocation_cost, False
     if ratio < threshold:
         reason = f"imbalance {ratio:.3f} below threshold {threshold:.3f}"
     elif proposal == sizes:
         reason = f"imbalance {ratio:.3f}, but the best allocation is the current one"
-    elif noisy:
-        reason = f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {doubt}"
+    elif net < max(min_gain, spread):
+        reason = (
+            f"imbalance {ratio:.3f}, but the gain ({gain:.1%} predicted) may be noise: {net:.1%} net of a"
+            f" re-allocation's cost of {reallocation_cost:.1%}, below {max(min_gain, spread):.1%} (the least gain, or"
+            f" {_CONFIDENCE} standard errors of the gain)"
+        )
     else:
         adopt, reason = True, f"imbalance {ratio:.3f} >= {threshold:.3f}, predicted gain {gain:.1%}"
     kept, data = (proposal if adopt else sizes), [c.as_dict() for c in costs]
-    return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust_gain, reason, data)
+    robust = net - spread
+    return RebalanceDecision(adopt, kept, proposal, speeds, ratio, current, predicted, gain, robust, reason, data)
 
 
 #: standard errors by which a gain must exceed its doubt (about 93 % one-sided)
@@ -167,7 +136,7 @@ _CONFIRM = 1.2 / math.sqrt(2.0)
 _WINDOW = 50
 
 
-class _Track:
+class Track:
     """One replica's cost scale over the checks, in log space: a level (the mean since its last confirmed change) and
     the spread of a check around it (pooled over the stretches between changes, from a prior)."""
 
@@ -220,46 +189,3 @@ class _Track:
 def _beyond(a: float, b: float, band: float) -> bool:
     """Whether deviations ``a`` and ``b`` lie on the same side, both further than ``band``."""
     return a * b > 0 and min(abs(a), abs(b)) > band
-
-
-@dataclass(kw_only=True)
-class RebalancePolicy:
-    """The rebalancing decision of one ``fit`` across its checks, pure."""
-
-    threshold: float = DEFAULT_THRESHOLD
-    min_batch_size: int = 1
-    max_batch_sizes: Sequence[int] | None = None
-    _tracks: list[_Track] = field(default_factory=list, init=False, repr=False)
-    _shape: list[AffineCost] | None = field(default=None, init=False, repr=False)
-
-    def check(
-        self,
-        batch_sizes: Sequence[int],
-        compute_times: Sequence[float],
-        *,
-        costs: Sequence[AffineCost] | None = None,
-        recent_times: Sequence[float] | None = None,
-        steps_per_check: int | None = None,
-    ) -> RebalanceDecision:
-        """Book one check's median busy times (at ``batch_sizes``) and decide."""
-        sizes = [int(b) for b in batch_sizes]
-        times = positive_finite("compute_times", compute_times, len(sizes))
-        recent = positive_finite("recent_times", recent_times, len(sizes)) if recent_times is not None else None
-        if self._shape is None or len(self._shape) != len(sizes):
-            self._shape = list(costs) if costs is not None else costs_from_speeds([1.0] * len(sizes))
-            self._tracks = [_Track() for _ in sizes]
-        for r, (track, cost, b) in enumerate(zip(self._tracks, self._shape, sizes)):
-            track.add(math.log(times[r] / cost(b)), math.log(recent[r] / cost(b)) if recent is not None else None)
-        scales = [math.exp(t.level) for t in self._tracks]
-        smoothed = [AffineCost(c.fixed_s * f, c.per_sample_s * f, c.micro_batch) for c, f in zip(self._shape, scales)]
-        return plan_rebalance(
-            sizes,
-            [c(b) for c, b in zip(smoothed, sizes)],
-            threshold=self.threshold,
-            min_batch_size=self.min_batch_size,
-            max_batch_sizes=self.max_batch_sizes,
-            fixed_costs=[c.fixed_s for c in smoothed],
-            micro_batch_sizes=[c.micro_batch for c in smoothed],
-            uncertainty=[t.spread / math.sqrt(len(t.values)) for t in self._tracks],  # the levels' standard errors
-            reallocation_cost=0.0 if steps_per_check is None else REALLOCATION_COST_STEPS / max(steps_per_check, 1),
-        )

@@ -8,13 +8,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_het.allocation import sample_shares
 from lightning_het.balance.cost import AffineCost, step_time
 from lightning_het.data.microbatch import micro_batch_sizes, pieces_label
 
 if TYPE_CHECKING:
     from lightning_het.balance.monitor import BalanceMonitor
-    from lightning_het.balance.state import Allocation
+    from lightning_het.balance.policy import Allocation
 
 
 def balance_report(
@@ -26,7 +25,7 @@ def balance_report(
         "global_batch_size": allocation.global_batch_size,
         "batch_sizes": list(sizes),
         "speeds": list(allocation.speeds or []),
-        "shares": sample_shares(sizes) if sizes else [],
+        "shares": [b / sum(sizes) for b in sizes],
         "node_ids": list(node_ids or []),
         "profiled": config.speeds is None,
         "emulate_slowdown": list(config.emulate_slowdown) if config.emulate_slowdown else None,
@@ -62,8 +61,8 @@ def render_balance_table(report: dict[str, Any]) -> str:
     titles += ["batch", "share", *["micro"] * bool(caps), *["fixed ms", "ms/sample", "step ms"] * bool(costs)]
     titles += ["compute ms", "wait ms", "wait share", "samples/s"] if last else []
     rows = [titles]
-    for r, (b, speed, share) in enumerate(zip(sizes, report["speeds"], sample_shares(sizes))):
-        row = [r, nodes[r], devices[r], f"{speed:.2f}", b, f"{share:.1%}"]
+    for r, (b, speed) in enumerate(zip(sizes, report["speeds"])):
+        row = [r, nodes[r], devices[r], f"{speed:.2f}", b, f"{b / sum(sizes):.1%}"]
         if caps:  # the pieces that run: size x count (a share of 16 under a cap of 3: 3x4+2x2)
             row.append(pieces_label(micro_batch_sizes(b, caps[r])))
         if costs:
@@ -77,11 +76,11 @@ def render_balance_table(report: dict[str, Any]) -> str:
     lines = [head, *(" ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)]
     if report.get("predicted_step_s") is not None:
         lines.append(f"predicted step (slowest replica's local compute): {report['predicted_step_s'] * 1e3:.2f} ms")
-    for e in telemetry.get("rebalances") or []:
-        lines.append(
-            f"rebalanced at the end of epoch {e['epoch']} (step {e['global_step']}): {e['from']} ->"
-            f" {e['batch_sizes']} ({e['reason']})"
-        )
+    lines += [
+        f"rebalanced at the end of epoch {e['epoch']} (step {e['global_step']}): {e['from']} -> {e['batch_sizes']}"
+        f" ({e['reason']})"
+        for e in telemetry.get("rebalances") or []
+    ]
     return "\n".join(lines)
 
 
@@ -96,7 +95,7 @@ def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int
         logger.log_metrics(metrics, step=step)
 
 
-def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
+def plot_balance(report: dict[str, Any], path: str | Path) -> None:
     """PNG of each replica's compute and wait time per training batch, with rebalances marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -124,7 +123,6 @@ def plot_balance(report: dict[str, Any], path: str | Path) -> Path:
     axes[-1].set_xlabel("training batch (dashed: rebalance)")
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
-    return path
 
 
 def balance_report_paths(directory: str | Path) -> dict[str, Path]:
@@ -135,9 +133,8 @@ def balance_report_paths(directory: str | Path) -> dict[str, Path]:
 
 def write_balance_report(report: dict[str, Any], directory: str | Path) -> dict[str, Path]:
     """Write ``balance_report.json``, ``balance_report.md`` (table) and ``balance_report.png`` into ``directory``."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = balance_report_paths(out)
+    paths = balance_report_paths(directory)
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
     paths["json"].write_text(json.dumps(_plain(report), indent=1) + "\n")
     paths["table"].write_text(f"```text\n{render_balance_table(report)}\n```\n")
     plot_balance(report, paths["plot"])
@@ -149,9 +146,7 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str), parse_constant=lambda _: None)
 
 
-def telemetry_section(
-    monitor: BalanceMonitor | None, snapshot: dict[str, Any] | None, *, include_series: bool
-) -> dict[str, Any] | None:
+def telemetry_section(monitor: BalanceMonitor | None, snapshot: dict | None, *, include_series: bool) -> dict | None:
     """The ``"telemetry"`` entry of ``balance_report()``: JSON-safe, from the live monitor or a spawn snapshot."""
-    data = monitor.history.as_dict() if monitor is not None and monitor.settings.record else snapshot
+    data = monitor.history if monitor is not None and monitor.record else snapshot
     return None if data is None else _plain({k: v for k, v in data.items() if include_series or k != "series"})

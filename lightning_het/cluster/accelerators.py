@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 
-from lightning_het._flavour import trainer_flavour
-from lightning_het.arguments import positive_int
+from lightning_het.arguments import expect, int_list, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +32,14 @@ def _as_list(device_map: object, name: str) -> list[object]:
         raise ValueError(f"Expected `{name}` to be a list of devices, but got {device_map!r}.")
     else:
         entries = list(device_map)  # type: ignore[call-overload]
-    if not entries or entries == [""]:
-        raise ValueError(f"Expected argument `{name}` to hold at least one device, but got {device_map!r}.")
+    expect(entries != [] and entries != [""], name, "a map of at least one device", device_map)
     return entries
 
 
 def _parse_entry(entry: object, name: str) -> tuple[str, int | None]:
     """``("cpu", None)``, ``("cuda", index)`` or ``("cuda", None)`` for a bare ``"cuda"``/``"gpu"``."""
     if isinstance(entry, int) and not isinstance(entry, bool):
-        if entry < 0:
-            raise ValueError(f"Expected argument `{name}` to be a GPU index >= 0, but got {entry!r}.")
+        expect(entry >= 0, name, "a GPU index >= 0", entry)
         return "cuda", entry
     text = str(entry) if isinstance(entry, torch.device) else entry.strip().lower() if isinstance(entry, str) else ""
     kind, sep, index = text.partition(":")
@@ -121,10 +118,19 @@ def node_device_maps(device_map: DeviceMapArg, num_nodes: int | None = None, *, 
     return [per_node[rank] for rank in ranks]
 
 
+def parse_node_maps(
+    device_map: DeviceMapArg, num_nodes: int | None = None, local_world_size: int | None = None, counts: Any = None
+) -> list[list[torch.device]]:
+    """Every node's map parsed (``counts``: ``{node_rank: visible CUDA devices}`` where known)."""
+    named, counts = isinstance(device_map, Mapping), counts or {}
+    return [
+        parse_device_map(m, local_world_size, counts.get(r), name=f"device_map[{r}]" if named else "device_map")
+        for r, m in enumerate(node_device_maps(device_map, num_nodes))
+    ]
+
+
 def choose_backend(devices: Sequence[torch.device], requested: str | None = None) -> str:
     """The ``torch.distributed`` backend for a job whose replicas run on ``devices`` (every replica of every node)."""
-    if not devices:
-        raise ValueError("Expected at least one replica device to choose a process-group backend, got none.")
     kinds = sorted({d.type for d in devices})
     if not requested:
         return "nccl" if kinds == ["cuda"] else "gloo"
@@ -154,21 +160,18 @@ def plan_cpu_threads(
     if isinstance(cpu_threads, int):
         threads = positive_int("cpu_threads", cpu_threads, allow_none=False)
         cpu_threads = [1 if d.type == "cuda" else threads for d in devices]  # type: ignore[misc]
-    elif cpu_threads is not None:
-        if isinstance(cpu_threads, (str, bytes)) or not hasattr(cpu_threads, "__iter__"):
-            raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
-        cpu_threads = list(cpu_threads)
-        if len(cpu_threads) != len(devices):
-            raise ValueError(
-                f"You set `cpu_threads`={cpu_threads} with {len(cpu_threads)} entries, but the node runs {len(devices)}"
-            )
-        for i, c in enumerate(cpu_threads):
-            positive_int(f"cpu_threads[{i}]", c, allow_none=False)
+    elif isinstance(cpu_threads, (str, bytes)) or (cpu_threads is not None and not hasattr(cpu_threads, "__iter__")):
+        raise ValueError(f"Expected `cpu_threads`: an integer or one integer per local replica: {cpu_threads!r}")
     if cpu_threads is not None:
-        if sum(cpu_threads) > cpu_cores:
-            message = f"`cpu_threads`={cpu_threads} asks for {sum(cpu_threads)} threads on a node with {cpu_cores}"
-            warnings.warn(f"{message} available cores.", stacklevel=2)
-        return [int(c) for c in cpu_threads]
+        counts = int_list("cpu_threads", cpu_threads) or []
+        if len(counts) != len(devices):
+            raise ValueError(
+                f"You set `cpu_threads`={counts} with {len(counts)} entries, but the node runs {len(devices)}"
+            )
+        if sum(counts) > cpu_cores:
+            message = f"`cpu_threads`={counts} asks for {sum(counts)} threads on a node with {cpu_cores} available"
+            warnings.warn(f"{message} cores.", stacklevel=2)
+        return counts
     cpu_ranks = [i for i, d in enumerate(devices) if d.type != "cuda"]
     counts, free = [1] * len(devices), cpu_cores - (len(devices) - len(cpu_ranks))
     if cpu_ranks and free < len(cpu_ranks):
@@ -210,17 +213,8 @@ def plan_devices(
     cpu_cores: int | None = None,
 ) -> DevicePlan:
     """Resolve a device map for this node and the whole job (every check that can run before the workers start)."""
-    if not 0 <= node_rank < num_nodes:
-        raise ValueError(f"Expected `node_rank` in [0, {num_nodes}), but got {node_rank} (NODE_RANK / cluster env).")
-    parsed = [
-        parse_device_map(
-            entries,
-            local_world_size,
-            cuda_device_count if rank == node_rank else None,
-            name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]",
-        )
-        for rank, entries in enumerate(node_device_maps(device_map, num_nodes))
-    ]
+    expect(0 <= node_rank < num_nodes, "node_rank", f"in [0, {num_nodes}) (NODE_RANK / cluster env)", node_rank)
+    parsed = parse_node_maps(device_map, num_nodes, local_world_size, {node_rank: cuda_device_count})
     everyone, local = tuple(d for node in parsed for d in node), tuple(parsed[node_rank])
     threads = plan_cpu_threads(local, cpu_cores if cpu_cores is not None else available_cpu_cores(), cpu_threads)
     return DevicePlan(local, everyone, choose_backend(everyone, requested_backend), tuple(threads))
@@ -230,11 +224,8 @@ class MixedAcceleratorMixin:
     """Flavour-independent body of :class:`MixedAccelerator` (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     def __init__(self, device_map: DeviceMapArg, cpu_threads: int | Sequence[int] | None = None) -> None:
-        per_node = node_device_maps(device_map)  # checks keys and equal lengths
-        for rank, entries in enumerate(per_node):  # syntax and duplicates; the GPU count is checked per node later
-            parse_device_map(
-                entries, name="device_map" if not isinstance(device_map, Mapping) else f"device_map[{rank}]"
-            )
+        parse_node_maps(device_map)  # keys, equal lengths, syntax and duplicates; each node's GPU count: later
+        per_node = node_device_maps(device_map)
         # as given (one list for every node, or {node_rank: list}), free of config-library types
         plain = [[e if isinstance(e, int) and not isinstance(e, bool) else str(e) for e in m] for m in per_node]
         self.device_map: list | dict = dict(enumerate(plain)) if isinstance(device_map, Mapping) else plain[0]
@@ -247,8 +238,6 @@ class MixedAcceleratorMixin:
     def setup_device(self, device: torch.device) -> None:
         if device.type == "cuda":
             CUDAAccelerator().setup_device(device)  # Lightning's: the float32 matmul precision hint, set_device
-        elif device.type != "cpu":
-            raise ValueError(f"MixedAccelerator runs replicas on 'cpu' or 'cuda' devices, got {device}.")
 
     def setup(self, trainer: Any) -> None:
         strategy = trainer.strategy
@@ -295,45 +284,6 @@ class MixedAcceleratorMixin:
 
 class MixedAccelerator(MixedAcceleratorMixin, Accelerator):
     """Accelerator for jobs that mix CPU and CUDA replicas; use it with ``HeterogeneousStrategy``."""
-
-
-def mixed_accelerator_kwargs(
-    strategy_cls: type, device_map: DeviceMapArg | None, cpu_threads: int | Sequence[int] | None, kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """The strategy's ``DDPStrategy`` keywords, with ``accelerator=MixedAccelerator(device_map)`` given a map."""
-    if device_map is None:
-        if cpu_threads is not None:
-            raise ValueError(f"You set `cpu_threads`={cpu_threads!r} without a `device_map` (e.g. ['cpu', 'cpu']).")
-        return kwargs
-    for clash in ("accelerator", "parallel_devices"):
-        if kwargs.get(clash) is not None:
-            raise ValueError(f"You set both `device_map` and `{clash}`={kwargs[clash]!r}; drop `{clash}`.")
-    accelerator = trainer_flavour(strategy_cls).MixedAccelerator(device_map, cpu_threads=cpu_threads)
-    return {**kwargs, "accelerator": accelerator}
-
-
-def configure_devices(strategy: Any) -> DevicePlan | None:
-    """Resolve the accelerator's device map for this node and set the strategy's ``parallel_devices``."""
-    accelerator = strategy.accelerator
-    if not isinstance(accelerator, MixedAcceleratorMixin):
-        return None
-    environment = strategy.cluster_environment
-    plan = plan_devices(
-        accelerator.device_map,
-        node_rank=environment.node_rank() if environment is not None else 0,
-        num_nodes=strategy.num_nodes,
-        local_world_size=strategy.num_processes,
-        cuda_device_count=torch.cuda.device_count(),  # NVML-based under Lightning: creates no CUDA context
-        requested_backend=strategy.process_group_backend,
-        cpu_threads=accelerator.cpu_threads,
-    )
-    plugin = getattr(strategy, "precision_plugin", None)
-    amp = "MixedPrecision" in {c.__name__ for c in type(plugin).__mro__}
-    if amp and getattr(plugin, "precision", None) == "16-mixed" and any(d.type == "cpu" for d in plan.global_devices):
-        raise ValueError("You set `precision='16-mixed'` with CPU replicas in the map (CUDA-only); use 'bf16-mixed'.")
-    strategy.parallel_devices = list(plan.local_devices)
-    log.debug(f"device map: local {[str(d) for d in plan.local_devices]}, backend {plan.backend}")
-    return plan
 
 
 def apply_local_settings(strategy: Any) -> None:

@@ -35,8 +35,7 @@ JOB_ENVIRONMENT = (TOKEN_ENV, *_SOCKET_ENV)
 def ensure_job_token(environ: MutableMapping[str, str] | None = None) -> str:
     """The job token of ``environ`` (default ``os.environ``), generated there if absent."""
     environ = os.environ if environ is None else environ
-    if not environ.get(TOKEN_ENV):
-        environ[TOKEN_ENV] = secrets.token_hex(32)
+    environ[TOKEN_ENV] = environ.get(TOKEN_ENV) or secrets.token_hex(32)
     return environ[TOKEN_ENV]
 
 
@@ -72,7 +71,7 @@ def agree_on_token(token: str) -> str:
 
 
 def listen_address(num_nodes: int, master_addr: str) -> str:
-    """The address rank 0's store listens on: loopback for one node, else the address ``master_addr`` resolves to."""
+    """Where rank 0's store listens: loopback for one node, else the address ``master_addr`` resolves to."""
     if num_nodes <= 1:
         return LOOPBACK
     try:
@@ -96,9 +95,6 @@ def free_port(address: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
-_sockets: list[socket.socket] = []  # listening sockets handed to stores (open as long as the process lives)
-
-
 def create_store(
     master_addr: str, port: int, rank: int, world_size: int, num_nodes: int, timeout: timedelta
 ) -> dist.TCPStore:
@@ -114,30 +110,23 @@ def create_store(
     except OSError as err:
         sock.close()
         raise RuntimeError(f"The job's rendezvous store cannot listen on {address}:{port} ({err}).") from None
-    _sockets.append(sock)
-    return dist.TCPStore(
-        address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
-    )
+    fd = sock.detach()  # the listening socket stays open as long as the process lives
+    return dist.TCPStore(address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=fd)
 
 
-def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> list[str]:
+def keep_sockets_local(num_nodes: int, environ: MutableMapping[str, str] | None = None) -> None:
     """Single-node jobs: Gloo's and NCCL's bootstrap sockets on the loopback interface (unless the user chose)."""
     environ = os.environ if environ is None else environ
-    loopback = None
     with contextlib.suppress(OSError):
         loopback = next((n for _, n in socket.if_nameindex() if n == "lo" or n.startswith("lo0")), None)
-    if num_nodes > 1 or loopback is None:
-        return []
-    names = [name for name in _SOCKET_ENV if name not in environ]
-    for name in names:
-        environ[name] = loopback
-    return names
+        for name in _SOCKET_ENV if num_nodes <= 1 and loopback else ():
+            environ.setdefault(name, loopback)
 
 
 @contextlib.contextmanager
 def local_sockets(num_nodes: int) -> Iterator[None]:
     """While process groups are created: :func:`keep_sockets_local`, the variables put back afterwards."""
-    saved = {name: os.environ.get(name) for name in _SOCKET_ENV}
+    saved = save_job_environment()
     keep_sockets_local(num_nodes)
     try:
         yield
@@ -194,37 +183,29 @@ def started_elsewhere(wait: timedelta) -> bool:
 
 def init_process_group(member: Any, backend: str, timeout: timedelta | None, wait: timedelta) -> None:
     """Start the default process group on a store only the job can reach, the replicas waiting ``wait`` there."""
-    env, rank, world_size, device = (
-        member.cluster_environment,
-        member.global_rank,
-        member.world_size,
-        member.root_device,
-    )
+    env, rank, world_size, nodes = member.cluster_environment, member.global_rank, member.world_size, member.num_nodes
+    device = member.root_device
     try:
-        store = create_store(env.main_address, env.main_port, rank, world_size, member.num_nodes, wait)
+        store = create_store(env.main_address, env.main_port, rank, world_size, nodes, wait)
         store_barrier(store, world_size, wait)
         store.set_timeout(timeout if timeout is not None else _TORCH_DEFAULT_TIMEOUT)
         kwargs = {"timeout": timeout, "store": store, "device_id": device if device.type != "cpu" else None}
-        with local_sockets(member.num_nodes):
+        with local_sockets(nodes):
             start_default_group(env, backend, **kwargs)
     except (dist.DistError, RuntimeError) as err:  # a replica never joined (hung or died while starting)
         if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
             raise
-        from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, JobEnded
-
         print(
             f"[rank {rank}] lightning_het: not every one of the {world_size} replicas joined the rendezvous within"
-            f" {wait.total_seconds():g} s (startup_timeout). Ending the job (exit status {WATCHDOG_EXIT_CODE}).",
+            f" {wait.total_seconds():g} s (startup_timeout). Ending the job (exit status 124).",
             file=sys.stderr,
             flush=True,
         )
-        raise JobEnded(WATCHDOG_EXIT_CODE) from err
+        raise SystemExit(124) from err  # the watchdog's exit status (the job ended: no traceback)
 
 
 def start_default_group(env: Any, backend: str, **kwargs: Any) -> None:
     """``dist.init_process_group`` as Lightning's DDP strategies call it (an NCCL group destroyed at exit)."""
-    if dist.is_initialized():
-        return
     rank, world_size = env.global_rank(), env.world_size()
     os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_het.arguments import expect
 from lightning_het.cluster.rendezvous import local_sockets
 
 log = logging.getLogger(__name__)
@@ -21,19 +22,14 @@ def node_ids_from_ranks(node_ranks: Sequence[int], hostnames: Sequence[str]) -> 
     >>> node_ids_from_ranks([1, 0, 1, 0], ["a", "a", "a", "a"]), node_ids_from_ranks([0, 0, 0], ["a", "b", "a"])
     ([0, 1, 0, 1], [0, 1, 0])
     """
-    if len(node_ranks) != len(hostnames) or not node_ranks:
-        raise ValueError(
-            f"Expected `node_ranks` and `hostnames` to have the same non-zero length, but got {len(node_ranks)} and"
-            f" {len(hostnames)}."
-        )
     index: dict[Any, int] = {}  # labels as 0..N-1 in order of first appearance
     return [index.setdefault(key, len(index)) for key in zip((int(n) for n in node_ranks), hostnames)]
 
 
 def validate_node_ids(node_ids: Sequence[int], world_size: int) -> list[int]:
     """A user-given ``node_ids``, checked and normalised (``[5, 5, 2]`` -> ``[0, 0, 1]``)."""
-    if isinstance(node_ids, (str, bytes)) or not isinstance(node_ids, Sequence):
-        raise ValueError(f"Expected argument `node_ids` to be a sequence of integers, but got {node_ids!r}.")
+    ok = not isinstance(node_ids, (str, bytes)) and isinstance(node_ids, Sequence)
+    expect(ok, "node_ids", "a sequence of integers", node_ids)
     values = list(node_ids)
     if len(values) != world_size:
         raise ValueError(f"Expected `node_ids` of world size {world_size}, but got {len(values)} entries: {values}.")
@@ -113,8 +109,3 @@ def build_node_groups(node_ids: Sequence[int], rank: int) -> NodeGroups:
         log.info("lightning-het topology: %s; leaders %s", describe_topology(ids), leaders)
     members_t = tuple(tuple(m) for m in members)
     return NodeGroups(tuple(ids), rank, members_t, intra, intra_bcast, leader_group if rank in leaders else None)
-
-
-def detect_node_ids(given: list[int] | None, world_size: int, env: Any) -> list[int]:
-    """The user's ``node_ids``, else one all-gather of (node rank, host name) over the job."""
-    return validate_node_ids(given, world_size) if given is not None else gather_node_ids(env)

@@ -24,8 +24,7 @@ def algorithm_class(comm: str, given: Collection[str]) -> type[CommAlgorithm]:
     >>> algorithm_class("auto", ["sync_every"]).__name__
     'NodeLocal'
     """
-    candidates = [ALGORITHMS[comm]] if comm in ALGORITHMS else []
-    for cls in [*candidates, NodeLocal, Hierarchical]:
+    for cls in (ALGORITHMS.get(comm, NodeLocal), NodeLocal, Hierarchical):
         if set(given) <= {f.name for f in fields(cls)}:  # type: ignore[arg-type]
             return cls
     return NodeLocal

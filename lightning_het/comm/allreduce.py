@@ -3,11 +3,13 @@ and ``comm="allreduce"``: DDP's own flat all-reduce of the share-scaled gradient
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from lightning_het.cluster.topology import NodeGroups, describe_topology, node_members, validate_node_ids
@@ -29,76 +31,44 @@ FLAT_FIELDS: dict[str, str] = {
 }
 
 
-@dataclass
-class Traffic:
-    """Bytes sent by every global rank during one collective pattern: to its own node, to other nodes."""
-
-    intra: list[float]
-    inter: list[float]
-
-    def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(
-            [a + b for a, b in zip(self.intra, other.intra)], [a + b for a, b in zip(self.inter, other.inter)]
-        )
-
-    @property
-    def total_intra(self) -> float:
-        return sum(self.intra)
-
-    @property
-    def total_inter(self) -> float:
-        return sum(self.inter)
-
-
-def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
-    """A ring over ``ranks`` (ascending): each sends ``per_rank`` bytes (default: an all-reduce's) to the next."""
-    traffic, ring = Traffic([0.0] * len(node_ids), [0.0] * len(node_ids)), sorted(ranks)
+def _ring(nbytes: float, ranks: Sequence[int], node_ids: Sequence[int], per_rank: float | None = None) -> np.ndarray:
+    """The bytes each rank sends (row 0: inside its node, row 1: to other nodes) in a ring over ``ranks``
+    (ascending), each sending ``per_rank`` bytes (default: an all-reduce's) to the next."""
+    traffic, ring = np.zeros((2, len(node_ids))), sorted(ranks)
     if len(ring) > 1:
         per_rank = 2.0 * (len(ring) - 1) / len(ring) * nbytes if per_rank is None else per_rank
         for src, dst in zip(ring, ring[1:] + ring[:1]):
-            (traffic.intra if node_ids[src] == node_ids[dst] else traffic.inter)[src] += per_rank
+            traffic[int(node_ids[src] != node_ids[dst]), src] += per_rank
     return traffic
 
 
-def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+def flat_allreduce_traffic(nbytes: float, node_ids: Sequence[int]) -> np.ndarray:
     """One ring all-reduce over all ranks (DDP's).
 
-    >>> flat_allreduce_traffic(100, [0, 0, 1, 1])
-    Traffic(intra=[150.0, 0.0, 150.0, 0.0], inter=[0.0, 150.0, 0.0, 150.0])
+    >>> flat_allreduce_traffic(100, [0, 0, 1, 1]).tolist()
+    [[150.0, 0.0, 150.0, 0.0], [0.0, 150.0, 0.0, 150.0]]
     """
     return _ring(nbytes, range(len(node_ids)), node_ids)
 
 
-def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> Traffic:
-    """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each), broadcast inside each node.
+def hierarchical_traffic(nbytes: float, node_ids: Sequence[int], per_rank: float | None = None) -> np.ndarray:
+    """Reduce inside each node, a ring among node leaders (``per_rank`` bytes each: a compressed all-gather),
+    broadcast inside each node.
 
-    >>> t = hierarchical_traffic(100, [0, 0, 1, 1])
-    >>> t.inter, t.total_intra
-    ([100.0, 0.0, 100.0, 0.0], 400.0)
+    >>> hierarchical_traffic(100, [0, 0, 1, 1]).tolist(), hierarchical_traffic(400, [0, 0, 1], per_rank=100)[1].tolist()
+    ([[100.0, 100.0, 100.0, 100.0], [100.0, 0.0, 100.0, 0.0]], [100.0, 0.0, 100.0])
     """
     members = node_members(node_ids)
     traffic = _ring(nbytes, [m[0] for m in members], node_ids, per_rank)
     for leader, *others in members:
-        traffic.intra[leader] += nbytes * len(others)
-        for other in others:
-            traffic.intra[other] += nbytes
+        traffic[0, leader] += nbytes * len(others)
+        traffic[0, others] += nbytes
     return traffic
 
 
-def compressed_sync_traffic(nbytes: float, wire_bytes: float, node_ids: Sequence[int]) -> Traffic:
-    """A compressed sync: ``nbytes`` reduced onto each leader and broadcast back, the leaders' ``wire_bytes``
-    all-gathered in a ring.
-
-    >>> compressed_sync_traffic(400, 100, [0, 0, 1]).inter
-    [100.0, 0.0, 100.0]
-    """
-    return hierarchical_traffic(nbytes, node_ids, per_rank=(len(set(node_ids)) - 1) * float(wire_bytes))
-
-
-def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> Traffic:
+def node_local_traffic(nbytes: float, node_ids: Sequence[int]) -> np.ndarray:
     """One all-reduce inside each node, nothing between nodes."""
-    parts = [_ring(nbytes, members, node_ids) for members in node_members(node_ids)]
-    return sum(parts[1:], parts[0])
+    return sum(_ring(nbytes, members, node_ids) for members in node_members(node_ids))
 
 
 class CommAlgorithm:
@@ -106,7 +76,7 @@ class CommAlgorithm:
     :meth:`remove` the step hooks (the comm hook then runs DDP's all-reduce). Settings are dataclass fields."""
 
     mode: ClassVar[str] = ""
-    _total: Traffic | None = None
+    _total: np.ndarray | None = None
     _handles: tuple[Any, ...] = ()
     _hook_state: Any = None
 
@@ -138,8 +108,8 @@ class CommAlgorithm:
         if not 0 <= rank < len(ids):
             raise ValueError(f"Expected argument `rank` in [0, {len(ids)}), but got {rank}.")
         self._node_ids, self._rank, self._groups, self._chunk_bytes = ids, rank, groups, chunk_bytes
-        self._total, self._steps, self._syncs = Traffic([0.0] * len(ids), [0.0] * len(ids)), 0, 0
-        self._traffic_cache, self._stepped = {}, None
+        self._total, self._steps, self._syncs = np.zeros((2, len(ids))), 0, 0
+        self._traffic, self._stepped = functools.cache(lambda pattern: pattern(self._grad_bytes, ids)), None
         self._position = position or (lambda: (self._stepped or 0, False))
         self._params = list(model.parameters())
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
@@ -161,13 +131,12 @@ class CommAlgorithm:
         self._handles = ()
         if self._hook_state is not None:
             self._hook_state.groups = None
+            self._hook_state.stop()
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         """Follow a new split of the global batch (the same list on every rank)."""
         sizes = list(batch_sizes)
-        if len(sizes) != len(self._node_ids) or any(
-            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes
-        ):
+        if len(sizes) != len(self._node_ids) or not all(type(b) is int and b > 0 for b in sizes):
             raise ValueError(
                 f"Expected argument `batch_sizes` to hold one positive integer per replica ({len(self._node_ids)}),"
                 f" but got {sizes}."
@@ -178,24 +147,21 @@ class CommAlgorithm:
         done, epoch_end = self._position()
         first = done + 1 if self._stepped is None else self._stepped + 1  # < done + 1: a gradient scaler skipped steps
         for step in range(first, done + 2):  # caught up, so that every rank runs the same collectives
-            pattern = self._pattern(step)
-            if pattern not in self._traffic_cache:
-                self._traffic_cache[pattern] = pattern(self._grad_bytes, self._node_ids)
-            self._record(self._traffic_cache[pattern])
+            self._record(self._traffic(self._pattern(step)))
             with torch.no_grad():
                 self._after_step(step, epoch_end and step == done + 1)
         self._stepped = done + 1
 
-    def _record(self, traffic: Traffic, sync: bool = False) -> None:
+    def _record(self, traffic: np.ndarray, sync: bool = False) -> None:
         """Count one optimizer step's gradient exchange, or (``sync``) one global parameter average."""
         self._syncs, self._steps = self._syncs + sync, self._steps + (not sync)
-        self._total = self._total + traffic  # type: ignore[operator]
+        self._total = self._total + traffic
 
     # ------------------------------------------------------------------ what the algorithms override
     def _start(self, model: Any) -> None:
         """Register the comm hook on ``model`` (none here: DDP all-reduces)."""
 
-    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         """The traffic of optimizer step ``step``'s gradient exchange."""
         return flat_allreduce_traffic
 
@@ -245,8 +211,8 @@ class CommAlgorithm:
         if self._total is None:
             return {}
         out, steps = {"steps": float(self._steps), "global_syncs": float(self._syncs)}, max(self._steps, 1)
-        for kind in ("intra", "inter"):
-            mine, job = getattr(self._total, kind)[self._rank], sum(getattr(self._total, kind))
+        for kind, sent in zip(("intra", "inter"), self._total.tolist()):
+            mine, job = sent[self._rank], sum(sent)
             out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
             out |= {f"job_bytes_{kind}_total": job, f"job_bytes_{kind}_per_step": job / steps}
         return out

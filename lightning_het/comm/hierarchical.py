@@ -2,6 +2,7 @@
 import annotations``: DDP rejects a hook's string annotations)."""
 
 import logging
+import queue
 import statistics
 import threading
 import time
@@ -9,57 +10,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_het.arguments import positive_int
-from lightning_het.cluster.topology import (
-    NodeGroups,
-    build_node_groups,
-    describe_topology,
-    node_members,
-    validate_node_ids,
-)
+from lightning_het.cluster.topology import NodeGroups, build_node_groups, describe_topology
 from lightning_het.comm.allreduce import (
     DEFAULT_CHUNK_BYTES,
     AllReduce,
     CommAlgorithm,
-    Traffic,
     flat_allreduce_traffic,
     hierarchical_traffic,
 )
 
 log = logging.getLogger(__name__)
-
-
-class _InOrder:
-    """Runs submitted actions in sequence-number order, whichever thread submits them: gloo completes callbacks in
-    any order, yet every rank must issue a group's collectives in the same order."""
-
-    __slots__ = ("_draining", "_lock", "_next", "_pending")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
-        self._pending: dict[int, Callable[[], None]] = {}
-        self._draining = False
-
-    def submit(self, seq: int, action: Callable[[], None]) -> None:
-        """Run ``action`` (which reports its own errors) once every action with a smaller ``seq`` has run."""
-        with self._lock:
-            self._pending[seq] = action
-            if self._draining:
-                return
-            self._draining = True
-        while True:
-            with self._lock:
-                run = self._pending.pop(self._next, None)
-                if run is None:
-                    self._draining = False
-                    return
-                self._next += 1
-            run()
 
 
 def _future(tensor: torch.Tensor, done: bool = False) -> torch.futures.Future[torch.Tensor]:
@@ -75,92 +41,61 @@ class HierarchicalState:
     at once), ``flat`` (run a flat all-reduce: the measured choice); for :func:`node_local_hook`, ``node_scale = B /
     (W * B_n)`` and ``exact()`` (whether the step in progress is a warm-up step, reduced exactly)."""
 
-    __slots__ = ("bcast_order", "chunk_bytes", "exact", "flat", "groups", "leader_order", "node_scale", "seq")
+    __slots__ = ("chunk_bytes", "exact", "flat", "groups", "jobs", "node_scale")
 
     def __init__(
         self, groups: NodeGroups, chunk_bytes: int = DEFAULT_CHUNK_BYTES, exact: Callable[[], bool] = lambda: True
     ) -> None:
         self.groups: NodeGroups | None = groups
-        self.chunk_bytes, self.exact, self.node_scale, self.flat, self.seq = chunk_bytes, exact, 1.0, False, 0
-        self.leader_order = _InOrder()  # chunks' all-reduces between node leaders, in issue order
-        self.bcast_order = _InOrder()  # chunks' broadcasts inside the node, in issue order
+        self.chunk_bytes, self.exact, self.node_scale, self.flat = chunk_bytes, exact, 1.0, False
+        self.jobs: queue.SimpleQueue[Any] | None = None  # the sums waiting for the thread that issues them
+
+    def stop(self) -> None:
+        """End the thread that issues the sums (a later sum starts another)."""
+        if self.jobs is not None:
+            self.jobs.put(None)
+            self.jobs = None
 
 
 def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Sum a contiguous ``tensor`` over all ranks in place, in chunks whose three stages overlap; a future of it."""
-    flat = tensor.view(-1)
-    chunk = state.chunk_bytes // max(flat.element_size(), 1)
-    if state.chunk_bytes <= 0 or flat.numel() <= chunk:
-        return _hierarchical_sum_chunk(state, tensor)
-    parts = [_hierarchical_sum_chunk(state, part) for part in flat.split(chunk)]
-    result, lock, remaining = _future(tensor), threading.Lock(), [len(parts)]
-
-    def part_done(fut: torch.futures.Future[torch.Tensor]) -> None:
-        try:
-            fut.value()
-        except BaseException as err:
-            with lock:
-                if not result.done():
-                    result.set_exception(err)
-            return
-        with lock:
-            remaining[0] -= 1
-            if remaining[0] == 0 and not result.done():
-                result.set_result(tensor)
-
-    for part in parts:
-        part.then(part_done)
+    """Sum a contiguous ``tensor`` over all ranks in place; a future of it. One thread per state issues the sums in
+    order (every rank must issue a group's collectives in the same order), overlapping backward."""
+    if state.jobs is None:
+        state.jobs = queue.SimpleQueue()
+        threading.Thread(target=_issue_sums, args=(state, state.jobs), daemon=True, name="lightning-het-sum").start()
+    result = _future(tensor)
+    state.jobs.put((tensor, result))
     return result
 
 
-def _hierarchical_sum_chunk(state: HierarchicalState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node: one chunk. It takes its
-    turn in every ordered stage, a failed chunk too (issuing nothing more), or every later chunk would wait for it."""
-    groups = state.groups
-    assert groups is not None
-    seq, state.seq = state.seq, state.seq + 1  # every rank numbers its chunks in the same order
-    result, errors = _future(tensor), []
-    leader, several, leads = groups.leader, groups.node_size > 1, groups.is_leader and groups.num_nodes > 1
-
-    def stage(start: Callable[[], Any], then: Callable[[], None]) -> None:
-        """Issue ``start()``'s collective unless the chunk failed, and ``then()`` once it is done."""
+def _issue_sums(state: HierarchicalState, jobs: queue.SimpleQueue[Any]) -> None:
+    while (job := jobs.get()) is not None:
         try:
-            work = None if errors else start()
+            _sum_in_chunks(state, job[0])
         except BaseException as err:  # must reach the bucket's future, or DDP waits forever
-            errors.append(err)
-            work = None
-        if work is None:
-            return then()
+            job[1].set_exception(err)
+        else:
+            job[1].set_result(job[0])
 
-        def done(fut: torch.futures.Future[Any]) -> None:
-            try:
-                fut.value()
-            except BaseException as err:
-                errors.append(err)
-            then()
 
-        work.get_future().then(done)
-
-    def finish() -> None:
-        result.set_exception(errors[0]) if errors else result.set_result(tensor)
-
-    def reduce() -> Any:
-        return dist.reduce(tensor, dst=leader, group=groups.intra_group, async_op=True) if several else None
-
-    def all_reduce() -> Any:
-        return dist.all_reduce(tensor, group=groups.leader_group, async_op=True) if leads else None
-
-    def broadcast() -> Any:
-        return dist.broadcast(tensor, src=leader, group=groups.intra_bcast_group, async_op=True) if several else None
-
-    def bcast_turn() -> None:
-        state.bcast_order.submit(seq, lambda: stage(broadcast, finish))
-
-    def leader_turn() -> None:
-        state.leader_order.submit(seq, lambda: stage(all_reduce, bcast_turn))
-
-    stage(reduce, leader_turn)
-    return result
+def _sum_in_chunks(state: HierarchicalState, tensor: torch.Tensor) -> None:
+    """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node; each chunk's next stage
+    issued once its last one is done, so that the stages of successive chunks overlap."""
+    groups, flat = state.groups, tensor.view(-1)
+    assert groups is not None
+    chunks = flat.split(max(state.chunk_bytes // flat.element_size(), 1)) if state.chunk_bytes > 0 else [flat]
+    several, leads, leader = groups.node_size > 1, groups.is_leader and groups.num_nodes > 1, groups.leader
+    stages = (
+        lambda c: dist.all_reduce(c, group=groups.leader_group, async_op=True) if leads else None,
+        lambda c: dist.broadcast(c, leader, group=groups.intra_bcast_group, async_op=True) if several else None,
+        lambda c: None,
+    )
+    works = [dist.reduce(c, leader, group=groups.intra_group, async_op=True) if several else None for c in chunks]
+    for stage in stages:
+        for i, (work, chunk) in enumerate(zip(works, chunks)):
+            if work is not None:
+                work.wait()
+            works[i] = stage(chunk)
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -182,22 +117,6 @@ def node_local_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def choose_reduction(flat_s: float, hierarchical_s: float) -> str:
-    """The reduction to keep from typical step times: ``"flat"`` only when 2 % faster (NaN: no).
-
-    >>> choose_reduction(0.40, 0.50), choose_reduction(0.495, 0.50)
-    ('flat', 'hierarchical')
-    """
-    if flat_s > 0 and hierarchical_s > 0 and flat_s < hierarchical_s * 0.98:
-        return "flat"
-    return "hierarchical"
-
-
-def _several_nodes_of_several(node_ids: Sequence[int]) -> bool:
-    members = node_members(validate_node_ids(node_ids, len(node_ids)))
-    return len(members) > 1 and any(len(m) > 1 for m in members)
-
-
 @dataclass
 class Hierarchical(CommAlgorithm):
     """Exact two-level reduction: inside each node, then between the nodes' leaders, then back (a flat all-reduce
@@ -212,7 +131,7 @@ class Hierarchical(CommAlgorithm):
         positive_int("autotune_steps", self.autotune_steps, allow_none=False, minimum=0)
 
     def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
-        if _several_nodes_of_several(node_ids):
+        if 1 < len(set(node_ids)) < len(node_ids):  # several nodes, one of them with several replicas
             return self
         reason = "a single node" if len(set(node_ids)) < 2 else "one replica per node"
         topology = describe_topology(node_ids)
@@ -235,7 +154,7 @@ class Hierarchical(CommAlgorithm):
             return ""
         return f" ({self.reduction} reduction, measured)" if self._measured else " (still measuring)"
 
-    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return flat_allreduce_traffic if self._hook_state.flat else hierarchical_traffic
 
     def _after_step(self, step: int, epoch_end: bool) -> None:
@@ -255,15 +174,12 @@ class Hierarchical(CommAlgorithm):
         on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
         medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64, device=on)
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank of each: the same decision everywhere
-        flat_s, hier_s = (float(v) for v in medians.tolist())
-        self._hook_state.flat, self._measured = choose_reduction(flat_s, hier_s) == "flat", True
+        flat_s, hier_s = medians.tolist()
+        self._hook_state.flat, self._measured = flat_s < hier_s * 0.98, True  # the hierarchy unless 2 % slower
         if self._rank == 0:
             log.info(
-                "lightning-het comm='hierarchical': median step %.1f ms with a flat all-reduce, %.1f ms through"
-                " the node hierarchy; using the %s reduction from now on.",
-                flat_s * 1e3,
-                hier_s * 1e3,
-                self.reduction,
+                f"lightning-het comm='hierarchical': median step {flat_s * 1e3:.1f} ms with a flat all-reduce,"
+                f" {hier_s * 1e3:.1f} ms through the node hierarchy; using the {self.reduction} reduction from now on."
             )
 
 
@@ -275,4 +191,4 @@ class Auto(Hierarchical):
     mode: ClassVar[str] = "auto"
 
     def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
-        return Hierarchical(self.autotune_steps) if _several_nodes_of_several(node_ids) else AllReduce()
+        return Hierarchical(self.autotune_steps) if 1 < len(set(node_ids)) < len(node_ids) else AllReduce()

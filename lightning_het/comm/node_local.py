@@ -11,17 +11,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_het.arguments import SYNC_DEFAULTS, ArgumentError, check_sync_args, positive_int
-from lightning_het.cluster.topology import build_node_groups, node_members, validate_node_ids
+from lightning_het.cluster.topology import build_node_groups, node_members
 from lightning_het.comm.allreduce import (
     FLAT_FIELDS,
     CommAlgorithm,
-    Traffic,
-    compressed_sync_traffic,
     hierarchical_traffic,
     node_local_traffic,
 )
@@ -54,8 +53,7 @@ def merge_weights(samples: Sequence[int], node_ids: Sequence[int], by: str = "sa
 
 def unique_floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The floating-point tensors of ``tensors``, each once, in order."""
-    seen: set[int] = set()
-    return [t for t in tensors if torch.is_floating_point(t) and not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+    return list({id(t): t for t in tensors if torch.is_floating_point(t)}.values())
 
 
 @torch.no_grad()
@@ -131,17 +129,6 @@ def compressed_sum(
     return residual
 
 
-def node_record(entries: Sequence[Any], node_ids: Sequence[int]) -> dict[str, Any]:
-    """A checkpoint's per-node record from one ``(optimizer_states, residual[, params])`` entry per rank (leaders')."""
-    leaders = [entries[m[0]] for m in node_members(node_ids)]
-    return {
-        "layout": [len(m) for m in node_members(node_ids)],
-        "optimizer_states": [entry[0] for entry in leaders],
-        "residuals": [entry[1] for entry in leaders],
-        "params": [entry[2] if len(entry) > 2 else None for entry in leaders],
-    }
-
-
 def layout_change(record: dict[str, Any] | None, node_ids: Sequence[int]) -> str | None:
     """Why ``record``'s per-node states do not apply to this run's nodes (``None``: they do, or there is none)."""
     saved, now = [int(n) for n in (record or {}).get("layout", [])], [len(m) for m in node_members(node_ids)]
@@ -178,12 +165,11 @@ class NodeLocal(CommAlgorithm):
             raise ArgumentError(FLAT_FIELDS[err.argument], message) from None
 
     def resolve(self, node_ids: Sequence[int]) -> CommAlgorithm:
-        ids = validate_node_ids(node_ids, len(node_ids))
-        if len(set(ids)) < 2:
+        if len(set(node_ids)) < 2:
             raise ValueError(
-                f"You set `comm='node_local'`, but all {len(ids)} replicas are on one node (node_ids={list(node_ids)}),"
-                " so node-local steps would be exact training. HINT: pass `node_ids` to declare the nodes (e.g."
-                " [0, 0, 1, 1]), launch with one NODE_RANK per node, or use comm='allreduce'."
+                f"You set `comm='node_local'`, but all {len(node_ids)} replicas are on one node"
+                f" (node_ids={list(node_ids)}), so node-local steps would be exact training. HINT: pass `node_ids` to"
+                " declare the nodes (e.g. [0, 0, 1, 1]), launch with one NODE_RANK per node, or use comm='allreduce'."
             )
         return self
 
@@ -208,7 +194,7 @@ class NodeLocal(CommAlgorithm):
     def _describe(self) -> str:
         return f" K={self.sync_every} warmup={self.warmup_steps}"
 
-    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], Traffic]:
+    def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return hierarchical_traffic if step <= self.warmup_steps else node_local_traffic
 
     def _after_step(self, step: int, epoch_end: bool) -> None:
@@ -259,10 +245,8 @@ class NodeLocal(CommAlgorithm):
             for a, p in zip(self._anchor, params):
                 a.grad = None
                 p.copy_(a)
-            payload = delta.numel() * delta.element_size()
-            traffic = hierarchical_traffic(payload, ids)
-            if self.sync_dtype != "float32":
-                traffic = compressed_sync_traffic(payload, wire_bytes(delta.numel(), self.sync_dtype), ids)
+            wire = (len(set(ids)) - 1) * wire_bytes(delta.numel(), self.sync_dtype)  # all-gathered between leaders
+            traffic = hierarchical_traffic(delta.numel() * 4, ids, None if self.sync_dtype == "float32" else wire)
         self._record(traffic, sync=True)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
@@ -338,18 +322,20 @@ class NodeLocal(CommAlgorithm):
                 p.copy_(saved)
 
     def gather_node_states(self, optimizer_states: list[Any]) -> dict[str, Any] | None:
-        """Every node's own parameters, inner ``optimizer_states`` and leader's residual, gathered to rank 0 as a
-        :func:`node_record` (a collective; ``None`` off rank 0; rank 0 keeps its objects, the others' on the CPU)."""
+        """Every node's own parameters, inner ``optimizer_states`` and leader's residual (one list each, by node),
+        gathered to rank 0 (a collective; ``None`` off rank 0; rank 0 keeps its objects, the others' on the CPU)."""
         own = [p.detach() for p in (self._own if self._own is not None else self._params)]
-        leader = node_members(self._node_ids)[self._node_ids[self._rank]][0] == self._rank
-        mine = (optimizer_states, self._residual, own)
-        sent = apply_to_collection(mine, torch.Tensor, torch.Tensor.cpu) if self._rank != 0 and leader else None
+        members, mine = node_members(self._node_ids), (optimizer_states, self._residual, own)
+        leads = self._rank != 0 and members[self._node_ids[self._rank]][0] == self._rank
+        sent = apply_to_collection(mine, torch.Tensor, torch.Tensor.cpu) if leads else None
         gathered: list[Any] | None = [None] * len(self._node_ids) if self._rank == 0 else None
         dist.gather_object(sent, gathered, dst=0)
         if gathered is None:
             return None
         gathered[0] = (optimizer_states, self._residual, [p.clone() for p in own])
-        return node_record(gathered, self._node_ids)
+        leaders = [gathered[m[0]] for m in members]
+        names = ("optimizer_states", "residuals", "params")
+        return {"layout": [len(m) for m in members], **{name: [e[i] for e in leaders] for i, name in enumerate(names)}}
 
     def node_optimizer_states(self, state: dict[str, Any] | None) -> list[Any] | None:
         """``None`` (rank 0's for every node) without a ``"nodes"`` record or for another layout, which rank 0 logs."""

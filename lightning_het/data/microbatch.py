@@ -90,9 +90,7 @@ class MicroBatcher:
     """One replica's micro-batching: ``cap`` (``None``: whole share), ``min_piece`` and the one fallback after OOM."""
 
     def __init__(self, rank: int, cap: int | None = None, min_piece: int = 1) -> None:
-        self.rank = rank
-        self.cap = cap
-        self.min_piece = min_piece
+        self.rank, self.cap, self.min_piece = rank, cap, min_piece
         self.lowered_from: int | None = None  # the cap (or the share) a mid-training OOM lowered, once
         self.pending = False  # the cap changed since the replicas last agreed on it
         self.search_steps = 0  # trial steps the "auto" search took on this replica

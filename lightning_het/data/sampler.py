@@ -226,10 +226,5 @@ class EvalBatchSampler(BatchSampler):
 
 def training_sampler(loaders: Iterable[Any]) -> ProportionalDistributedSampler | None:
     """The first :class:`ProportionalDistributedSampler` among ``loaders`` (Lightning's flattened train loaders)."""
-    for loader in loaders:
-        if not isinstance(loader, DataLoader):
-            continue
-        for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-            if isinstance(sampler, ProportionalDistributedSampler):
-                return sampler
-    return None
+    pairs = [(d.sampler, getattr(d.batch_sampler, "sampler", None)) for d in loaders if isinstance(d, DataLoader)]
+    return next((s for pair in pairs for s in pair if isinstance(s, ProportionalDistributedSampler)), None)

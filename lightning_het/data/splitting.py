@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import operator
+import numbers
 import os
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
@@ -30,13 +30,7 @@ from lightning_het.reliability.checkpointing import apply_sampler_resume, resume
 
 def as_batch_size(value: Any) -> int | None:
     """``value`` as a positive ``int`` when it is one (Python or NumPy integer, not ``bool``), else ``None``."""
-    if isinstance(value, bool):
-        return None
-    try:
-        number = operator.index(value)
-    except TypeError:
-        return None
-    return number if number > 0 else None
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0 else None
 
 
 def batch_sampler_error(name: str) -> ValueError:

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import default_store, replace_signal_connector, restore_checkpoint
+from lightning_het._compat import _get_default_store, replace_signal_connector, restore_checkpoint
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
-from lightning_het.reliability.checkpointing import CHECKPOINT_KEY
-from lightning_het.reliability.preemption import PreemptionCallbackMixin, PreemptionHandler, preemption_path
-from lightning_het.reliability.resume import (
+from lightning_het.reliability.checkpointing import (
+    CHECKPOINT_KEY,
     EMERGENCY_CHECKPOINT_NAME,
     Candidate,
     checkpoint_candidates,
@@ -34,21 +33,19 @@ from lightning_het.reliability.resume import (
     read_candidate,
     wants_resume,
 )
-from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import BOOT_ID, Watchdog, WatchdogCallbackMixin, as_seconds
+from lightning_het.reliability.launch import PreemptionCallbackMixin, PreemptionHandler, preemption_path
+from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
 _POLL_S = 0.02
 _generation = itertools.count()  # one key space per watchdog started in this process (same order on every rank)
 
 
-def rng_state(numpy: bool = True) -> dict[str, Any]:
-    """The CPU RNG states (torch, Python and, with ``numpy``, NumPy's) as ``torch.load(weights_only=True)`` reads."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if numpy:  # ~0.15 ms: not kept per step
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    return state
+def rng_state() -> dict[str, Any]:
+    """The CPU RNG states (torch, Python, NumPy) as ``torch.load(weights_only=True)`` reads."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy}
 
 
 def restore_rng(state: dict[str, Any] | None) -> None:
@@ -68,6 +65,7 @@ class LoopRecord:
 
     def __init__(self, loop: Any) -> None:
         self.loops: list[tuple[str, Any]] = []  # (key prefix, loop)
+        self._empty_in: int | None = None  # the epoch in which the fit loop's own state is empty (no stateful loader)
         self.parts: list[tuple[str, str, Any]] = []  # (parent key, name, dataclass): progress trackers and their parts
         self._walk(loop, "")
 
@@ -85,9 +83,13 @@ class LoopRecord:
             if hasattr(inner, "__dataclass_fields__"):
                 self._part(f"{parent}/{name}", field, inner)
 
-    def take(self) -> tuple[list[Any], list[dict[str, Any]]]:
-        """The loops' own states and copies of the counters now (training thread)."""
-        return [loop.on_save_checkpoint() for _, loop in self.loops], [vars(part).copy() for *_, part in self.parts]
+    def take(self, epoch: int | None = None) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The loops' own states and copies of the counters now (training thread); after a training batch of
+        ``epoch``, the fit loop's own only once an epoch when it has none (its loaders' states: ~10 us a step)."""
+        own = {} if epoch is not None and self._empty_in == epoch else self.loops[0][1].on_save_checkpoint()
+        self._empty_in = None if own or epoch is None else epoch
+        states = [own, *(loop.on_save_checkpoint() for _, loop in self.loops[1:])]
+        return states, [vars(part).copy() for *_, part in self.parts]
 
     def state_dict(self, taken: tuple[list[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The loop's ``state_dict()`` at the time of :meth:`take`."""
@@ -267,7 +269,7 @@ class Guards:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2 or not seconds:
             return
         token = agree_on_token(os.environ.get(TOKEN_ENV, ""))
-        base = default_store()  # torchrun's agent store outlives rank 0
+        base = _get_default_store()  # torchrun's agent store outlives rank 0
         namespace = f"lightning_het/watchdog/{next(_generation)}/"
         store = dist.PrefixStore(namespace, base.clone() if hasattr(base, "clone") else base)
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -291,12 +293,12 @@ class Guards:
             dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
             found = checkpoint_candidates(preemption_path(trainer, config.reliability.preemption_checkpoint), dirpaths)
             candidates = [read_candidate(path) for path in found]
-            choice = choose_checkpoint(candidates, job, config.global_batch_size)
-            for line in choice.warnings():
+            chosen, lines = choose_checkpoint(candidates, job, config.global_batch_size)
+            for line in lines:
                 warnings.warn(f"HeterogeneousStrategy: {line}", UserWarning, stacklevel=2)
             emergencies = [c for c in candidates if os.path.basename(c.path) == EMERGENCY_CHECKPOINT_NAME
                            and c.error is None and not identity_differences(c.job, job)]  # fmt: skip
-            decision = (choice.path, emergencies)
+            decision = (chosen, emergencies)
         path, self._emergencies = broadcast(decision)
         if path is not None:
             rank_zero_info(f"HeterogeneousStrategy: resume='auto': resuming from {path}")
@@ -336,9 +338,10 @@ class Guards:
         if watchdog is not None and saves:
             self._loops = loops = LoopRecord(trainer.fit_loop)
 
-            def observe() -> StepState:
-                state = loops.take()
-                return StepState(trainer.global_step, trainer.current_epoch, state, record(), rng_state(numpy=False))
+            def observe() -> StepState:  # Python's and NumPy's RNG states (~10 us): as of the save
+                epoch = trainer.current_epoch
+                rng = {"torch": torch.get_rng_state()}
+                return StepState(trainer.global_step, epoch, loops.take(epoch), record(), rng)
 
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
             emergency = os.path.join(os.path.dirname(path), EMERGENCY_CHECKPOINT_NAME)

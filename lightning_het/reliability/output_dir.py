@@ -31,10 +31,7 @@ def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_
         ) from None
     probe = directory / f".lightning_het_probe_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     try:
-        with open(probe, "wb") as handle:
-            handle.write(b"\0" * 4096)
-            handle.flush()
-            os.fsync(handle.fileno())
+        probe.write_bytes(b"\0" * 4096)  # a block: a full disk or quota fails here
     except OSError as err:
         hint = "free some space or choose another directory" if err.errno == errno.ENOSPC else "check its permissions"
         raise OutputDirError(

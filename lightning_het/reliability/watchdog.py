@@ -1,9 +1,11 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s)."""
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s). What the watchdog
+concludes (phases, statuses, verdicts, exit statuses) is decided by the pure :func:`judge`."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import hashlib
 import json
 import logging
@@ -15,30 +17,207 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from enum import IntEnum
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_het._compat import should_accumulate
 from lightning_het.cluster.rendezvous import sign, verify
-from lightning_het.reliability.verdicts import (
-    HINTS,
-    INTERRUPTED_EXIT_CODE,
-    JobEnded,
-    Phase,
-    ReplicaStatus,
-    Verdict,
-    exit_code_for,
-    first_line,
-    is_collective_failure,
-    is_sigterm_exit,
-    judge,
-)
 
 log = logging.getLogger(__name__)  # without a handler configured: to stderr (logging.lastResort)
+
+
+WATCHDOG_EXIT_CODE = 124  # exit status of a replica ended by the watchdog (as ``timeout(1)`` uses for "timed out")
+INTERRUPTED_EXIT_CODE = 130  # exit status of a job interrupted by Ctrl-C (SIGINT), as shells report it
+
+
+def is_sigterm_exit(exception: BaseException) -> bool:
+    """Whether ``exception`` is a ``SIGTERMException`` of either Lightning package (e.g. preempted)."""
+    return isinstance(exception, SystemExit) and any(
+        cls.__name__ == "SIGTERMException" and cls.__module__.endswith(".utilities.exceptions")
+        for cls in type(exception).__mro__
+    )
+
+
+class Phase(IntEnum):
+    """Where a replica's main thread is (values increase with progress), and its :attr:`text`."""
+
+    def __new__(cls, value: int, text: str) -> Phase:
+        self = int.__new__(cls, value)  # the member being made
+        self._value_, self.text = value, text
+        return self
+
+    SETUP = 0, "in setup (setup hooks, model wrapping, data loaders)"  # process group up, checkpoint restore
+    PROFILING = 1, "profiling the training step (speed measurement)"
+    TRAINING_STEP = 2, "in training_step"
+    BACKWARD = 3, "in backward (gradient all-reduce)"
+    OPTIMIZER_STEP = 4, "in the optimizer step"
+    BETWEEN_BATCHES = 5, "between training batches (loading data, epoch hooks, checkpointing)"  # after batch k
+    EVAL_LOADING = 6, "loading an evaluation batch"  # evaluation after batch k: between evaluation batches
+    EVAL_STEP = 7, "in an evaluation step"
+    EVAL_EPOCH_END = 8, "in the evaluation epoch-end hooks"  # all evaluation batches done
+    EVAL_DONE = 9, "done with evaluation (synchronising metrics)"  # the loop ended: waiting for the others
+    TEARDOWN = 10, "in teardown (end-of-run hooks)"  # the loops are over: waiting for the others to finish
+
+
+_EVAL_HOOKS = {"validate": ("validation_step", "on_validation_epoch_end"), "test": ("test_step", "on_test_epoch_end"),
+               "sanity_check": ("validation_step (sanity check)", "on_validation_epoch_end"),
+               "predict": ("predict_step", "on_predict_epoch_end")}  # fmt: skip
+_EVAL_PHASES = (Phase.EVAL_LOADING, Phase.EVAL_STEP, Phase.EVAL_EPOCH_END)
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as seen by an observer (the input of :func:`judge`)."""
+
+    rank: int
+    host: str = "?"
+    pid: int = 0
+    batch: int = 0
+    phase: Phase = Phase.BETWEEN_BATCHES
+    armed: bool = True
+    waiting: bool = False
+    state: str = "running"
+    silent_for: float = 0.0
+    stalled_for: float = 0.0
+    error: str = ""
+    eval_stage: str = ""
+    eval_batch: int = -1
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Progress through the lock-step schedule: later batches, then later phases, compare greater."""
+        return self.batch, int(self.phase)
+
+    def describe(self) -> str:
+        """Where the replica is, in words: the phase and the training (or evaluation) batch it concerns."""
+        phase, batch, stage, where = self.phase, self.batch, self.eval_stage, f"{self.phase.text} of batch {self.batch}"
+        if phase in (Phase.SETUP, Phase.PROFILING, Phase.TEARDOWN):
+            where = phase.text
+        elif phase in _EVAL_PHASES and stage:
+            step, hook = _EVAL_HOOKS.get(stage, (f"{stage} step", "the evaluation epoch-end hooks"))
+            if phase == Phase.EVAL_STEP:
+                where = f"in {step} of evaluation batch {self.eval_batch}"
+            elif phase == Phase.EVAL_EPOCH_END:
+                where = f"in {hook}"
+            else:
+                where = f"loading evaluation batch {self.eval_batch + 1} for {step}"
+            where = f"{where} (after training batch {batch})" if batch else where
+        return f"rank {self.rank} on {self.host} (pid {self.pid}): {where}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which replica(s) to blame, and the message every replica prints before ending."""
+
+    kind: str  # "hung", "silent", "exited", "failed" or "lost_store"
+    culprits: tuple[int, ...]
+    seconds: float
+    message: str
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status of a replica it ends: 130 for Ctrl-C, else 124 (stalled, dead or failed)."""
+        return INTERRUPTED_EXIT_CODE if self.kind == "interrupted" else WATCHDOG_EXIT_CODE
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Verdict:
+        data = json.loads(text)
+        return cls(**{**data, "culprits": tuple(data["culprits"]), "seconds": float(data["seconds"])})
+
+
+HINTS = {
+    "interrupted": "the job was interrupted from outside (Ctrl-C); nothing failed.",
+    "hung": "look at what the named replica(s) were doing (a stuck device, a deadlocked data loader, a step that"
+    " waits on something outside the job); if they were only slow, raise the strategy's `timeout`.",
+    "silent": "check the named replica(s)' host: a crash, an out-of-memory kill or a lost network link.",
+    "exited": "the named replica(s)' own output shows why they exited.",
+    "failed": "the named replica(s)' traceback shows the cause.",
+    "lost_store": "check rank 0's output (it hosts the rendezvous store) and the network between the nodes.",
+}
+
+
+def _ranks(statuses: Sequence[ReplicaStatus]) -> list[int]:
+    return sorted(s.rank for s in statuses)
+
+
+def judge(
+    statuses: Sequence[ReplicaStatus],
+    timeout: float,
+    *,
+    silence_timeout: float | None = None,
+    suspect_after: float | None = None,
+) -> Verdict | None:
+    """Decide whether the job must end and whom to blame (pure; the rules are in ``docs/reliability.md``)."""
+    silence = timeout if silence_timeout is None else silence_timeout
+    suspect = timeout / 2 if suspect_after is None else suspect_after
+    for kind in ("interrupted", "failed"):
+        ended = [s for s in statuses if s.state == kind]
+        if ended:
+            detail = "; ".join(f"rank {s.rank} on {s.host} (pid {s.pid}): {s.error or s.state}" for s in ended)
+            return Verdict(kind, tuple(_ranks(ended)), 0.0, f"replica(s) {_ranks(ended)} {kind} ({detail})")
+    running = [s for s in statuses if s.state == "running"]
+    silent = [s for s in running if s.silent_for > silence]
+    if silent:
+        seconds = max(s.silent_for for s in silent)
+        detail = "; ".join(f"{s.describe()} when last heard of" for s in silent)
+        message = f"replica(s) {_ranks(silent)} stopped responding for {seconds:.1f} s: no heartbeat, the process"
+        return Verdict("silent", tuple(_ranks(silent)), seconds, f"{message} died or froze ({detail})")
+    armed = [s for s in running if s.armed]
+    if not any(s.stalled_for > timeout for s in armed):
+        return None
+    seconds = max(s.stalled_for for s in armed)
+    waiting = {s.rank for s in running if s.waiting or s.phase == Phase.EVAL_DONE}
+    suspects = [s for s in armed if s.stalled_for > suspect and s.rank not in waiting]
+    behind = min((s.position for s in suspects), default=None)
+    culprits = [s for s in suspects if s.phase in _EVAL_PHASES] or [s for s in suspects if s.position == behind]
+    culprits = culprits or [s for s in running if s.rank not in waiting]
+    progressing = bool(culprits) and all(s.stalled_for <= suspect for s in culprits)
+    if not culprits:  # everyone waits on everyone: report them all
+        culprits = armed
+    others = [s for s in running if s not in culprits]
+    context = "; ".join(s.describe() for s in culprits)
+    if others:
+        context += "; the others wait: " + "; ".join(s.describe() for s in others)
+    seconds = seconds if progressing else max(s.stalled_for for s in culprits)
+    text = f"{'kept the other replicas waiting' if progressing else 'stopped responding'} for {seconds:.1f} s"
+    return Verdict("hung", tuple(_ranks(culprits)), seconds, f"replica(s) {_ranks(culprits)} {text} ({context})")
+
+
+_COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
+
+
+def is_collective_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection)."""
+    text = str(exception).lower()
+    marked = isinstance(exception, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+    return marked or isinstance(exception, dist.DistError)
+
+
+def first_line(exception: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of ``exception``, about ``limit`` characters at most, keeping its ``HINT:``."""
+    text = str(exception).strip().splitlines()
+    line = f"{type(exception).__name__}: {text[0] if text else ''}"
+    if len(line) <= limit:
+        return line
+    head, sep, hint = line.partition(" HINT: ")
+    if not sep:
+        return line[: limit - 1] + "…"
+    hint = hint if len(hint) <= limit else hint[: limit - 1] + "…"
+    return f"{head[: max(limit // 2, limit - len(hint) - 8)].rstrip()}… HINT: {hint}"
+
+
+class JobEnded(SystemExit):
+    """Raised instead of an exception that only reflects the job ending elsewhere; exits with :attr:`code`."""
 
 
 def check_children(children: Sequence[tuple[int, subprocess.Popen]]) -> Verdict | None:
@@ -65,13 +244,11 @@ def descendants(pid: int) -> list[int]:
     found: list[int] = []
     pending = [pid]
     while pending:
-        parent = pending.pop(0)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{parent}/task"):
-                with contextlib.suppress(OSError, ValueError), open(f"/proc/{parent}/task/{task}/children") as fh:
-                    new = [c for c in map(int, fh.read().split()) if c not in found and c != pid]
-                    found += new
-                    pending += new
+        for path in glob.glob(f"/proc/{pending.pop(0)}/task/*/children"):
+            with contextlib.suppress(OSError, ValueError), open(path) as fh:
+                new = [c for c in map(int, fh.read().split()) if c not in found and c != pid]
+                found += new
+                pending += new
     return found
 
 
@@ -82,7 +259,11 @@ def _kill(pids: Sequence[int]) -> None:
 
 
 def exit_job(code: int) -> None:
-    """End this replica with ``code``, SIGKILLing its descendants first (workers must not outlive the job)."""
+    """End this process with ``code`` once its output is flushed and its descendants SIGKILLed (workers must not
+    outlive the job); no interpreter finalisation (the backend's threads)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     _kill(descendants(os.getpid()))
     os._exit(code)
 
@@ -115,17 +296,14 @@ def as_seconds(value: timedelta | float | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else None if value is None else float(value)
 
 
-try:  # this machine's boot id (Linux): with the host name, tells whether a replica runs on this node
-    with open("/proc/sys/kernel/random/boot_id") as _fh:
-        BOOT_ID = _fh.read().strip()
-except OSError:
-    BOOT_ID = ""
+_BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+#: this machine's boot id (Linux): with the host name, tells whether a replica runs on this node
+BOOT_ID = _BOOT_ID_FILE.read_text().strip() if _BOOT_ID_FILE.exists() else ""
 
 
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 #: packages whose barriers call a process group's C++ method directly, and those barriers
-_LIGHTNING = tuple(os.sep + name + os.sep for name in ("lightning", "pytorch_lightning", "lightning_fabric",
-                                                       "lightning_het"))  # fmt: skip
+_LIGHTNING = [os.sep + n + os.sep for n in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_het")]
 _WAITING_FUNCTIONS = frozenset({"barrier", "_sync_dir", "_InfiniteBarrier.__exit__", "_InfiniteBarrier.__call__"})
 _BARRIER_FILE = os.path.join("fabric", "utilities", "distributed.py")  # where _InfiniteBarrier lives
 
@@ -146,62 +324,206 @@ def inside_torch_distributed(frame: Any, depth: int = 12) -> bool:
     return False
 
 
-class StoreUnreachable(RuntimeError):
-    """A call to the job's store failed: its host (rank 0) ended, or the network between the nodes failed."""
-
-
-class GuardedStore:
-    """The store, every failing call raising :class:`StoreUnreachable`."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(*args, **kwargs)
-            except Exception as err:
-                raise StoreUnreachable(f"{type(err).__name__}: {err}") from err
-
-        return call
-
-
 def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stalled_for: float) -> ReplicaStatus:
     keys = ("host", "pid", "batch", "armed", "waiting", "state", "error", "eval_stage", "eval_batch")
     ages = {"silent_for": silent_for, "stalled_for": stalled_for}
     return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
 
 
-class HeartbeatBook:
-    """One observer's knowledge of the other replicas' heartbeats; ages use the observer's monotonic clock."""
+#: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
+EMERGENCY_KINDS = ("hung", "silent", "exited")
+EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
+
+
+class Watchdog:
+    """Per-replica heartbeat thread and judge; the others' heartbeats are aged by this replica's monotonic clock."""
 
     def __init__(
         self,
+        store: Any,
         rank: int,
-        token: str,
-        namespace: str,
-        host: str,
-        stale_after: float,
-        alive: Callable[[int], bool] = process_alive,
+        world_size: int,
+        timeout: float,
+        *,
+        interval: float | None = None,
+        hosts_store: bool = False,
+        children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
+        exit: Callable[[int], None] | None = None,
+        token: str = "",
+        namespace: str = "",
         peers: dict[int, tuple[str, str, int]] | None = None,
+        alive: Callable[[int], bool] = process_alive,
     ) -> None:
-        self.rank, self.token, self.namespace, self.host, self.peers = rank, token, namespace, host, peers or {}
-        self.stale_after, self.alive, self.started = stale_after, alive, 0.0
-        self.seen: dict[int, tuple[Any, float, Any, float, dict[str, Any] | None]] = {}  # beat, when, seq, when, data
-        self.tampered: set[str] = set()
-        self._hidden: set[int] = set()
-        self._forged = False
+        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
+        self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
+        self.grace, self.hosts_store = min(max(2 * self.interval, 1.0), 10.0), hosts_store
+        self._children, self._exit, self._token = children or list, exit or exit_job, token
+        self._host, self._pid = socket.gethostname(), os.getpid()
+        # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
+        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
+        self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
+        self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
+        self._state, self._error = "running", ""
+        self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
+        self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
+        # heartbeat thread only
+        self._beat, self._bugs, self._reported = 0, 0, False
+        self.namespace, self.peers, self.alive = namespace, peers or {}, alive
+        self.stale_after = max(3 * self.interval, 1.0)  # heartbeat older: check whether the process is alive
+        self.seen: dict[int, tuple[float, float, dict[str, Any] | None]] = {}  # beat and seq changed at, last record
+        self.tampered: set[str] = set()  # the keys found tampered with
+        self._hidden, self._forged, self._started = set(), False, 0.0
+        self._store_lost_since, self._stop, self._main_ident = None, threading.Event(), threading.get_ident()
+        self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
+        self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Watchdog:
+        return self  # shared, as the process group is (this process's thread and store connection)
+
+    def start(self) -> None:
+        """Publish the first heartbeat and start the thread."""
+        self._main_ident, self._started = threading.get_ident(), time.monotonic()
+        self._publish()
+        self._thread.start()
+
+    def mark(
+        self, phase: Phase | None = None, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = ""
+    ) -> None:
+        """Record progress of the training thread (``None``: in the same phase; cheap, called from Trainer hooks)."""
+        if eval_batch is not None or stage:
+            old_stage, old_batch = self._eval_where
+            self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
+        seq, batch, old, _ = self._progress
+        self._progress = (seq + 1, batch + 1 if new_batch else batch, old if phase is None else phase, time.monotonic())
+
+    def arm(self, loop: str, armed: bool = True) -> None:
+        """The training thread entered (``armed``) or left a loop (``"fit"`` or ``"eval"``); progress counts as made."""
+        self._armed.add(loop) if armed else self._armed.discard(loop)
+        self.mark()
+
+    def finish(self) -> None:
+        """Normal end of this replica's run: say so, wait until every replica has finished, stop."""
+        self.mark(Phase.TEARDOWN)
+        self._state = "finished" if self._state == "running" else self._state
+        with contextlib.suppress(dist.DistError):
+            self._publish()
+            while not self._stop.is_set() and any(
+                s.state != "finished" for s in self._statuses() if s.rank != self.rank
+            ):
+                time.sleep(min(self.interval, 0.2))
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the thread (normal end, or this replica's own exception is reaching the caller)."""
+        self._state = "finished" if self._state == "running" else self._state
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._publish()
+        if self._thread.is_alive() and threading.get_ident() != self._thread.ident:
+            self._thread.join(timeout=2 * self.interval + 1.0)
+
+    def on_exception(self, exception: BaseException) -> Verdict | None:
+        """The training thread is raising: make sure the whole job ends, and say who is to blame."""
+        if self._handled is exception or isinstance(exception, JobEnded):
+            return self._standing
+        self._handled, self._standing = exception, None
+        if is_sigterm_exit(exception):  # preemption (exit 143): not a failure
+            self.stop()
+            return None
+        try:
+            verdict = self._abort_record()
+            if verdict is None and not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
+                verdict = self._judge_collective_failure(exception)
+            elif verdict is None:
+                self._state = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
+                self._error = first_line(exception)
+                self._publish()
+                verdict = judge(self._statuses(), self.timeout)
+            if verdict is not None:
+                self._standing = self._conclude(verdict)
+        except dist.DistError as err:  # its host (rank 0) has ended
+            if self.rank != 0:
+                message = f"replica 0 ended: replica {self.rank} lost the store ({first_line(err)}) while raising"
+                lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
+                self._standing = self._conclude(lost, publish=False)
+        except Exception:  # a bug of the watchdog: report it, let the original exception propagate
+            log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
+        return self._standing
+
+    def _run(self) -> None:
+        tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
+        next_beat, verdict, publish = 0.0, None, True
+        while verdict is None and not self._stop.wait(tick):
+            try:
+                verdict = self._abort_record() or check_children(self._children())
+                if verdict is None and time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval
+                    self._publish()
+                    verdict = judge(self._statuses(), self.timeout)
+                self._store_lost_since = None
+            except dist.DistError as err:  # the store is gone: its host (rank 0) ended, or the network failed
+                if self._stop.is_set():
+                    return
+                self._store_lost_since = self._store_lost_since or time.monotonic()
+                lost = time.monotonic() - self._store_lost_since
+                if lost > self.timeout:
+                    message = f"replica {self.rank} lost the store on rank 0 for {lost:.1f} s ({first_line(err)})"
+                    verdict, publish = Verdict("lost_store", (0,), lost, message), False
+            except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
+                self._bugs += 1
+                if self._bugs == 1:
+                    log.exception(
+                        "[rank %d] lightning_het watchdog: internal error in the heartbeat thread; the job goes on"
+                        " (this replica's stalls may go unnoticed until it recovers). Please report this.",
+                        self.rank,
+                    )
+        if verdict is None:
+            return
+        try:
+            verdict = self._conclude(verdict, publish)
+        except Exception:  # the store went away while publishing (or a bug): end with the verdict reached here
+            verdict = self._conclude(verdict, publish=False)
+        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
+        # exception then reaches the caller); end it here only if the teardown hangs
+        if self._handled is not None and self._stop.wait(max(self.timeout, 10.0)):
+            return
+        end_children(self._children())
+        self._exit(verdict.exit_code)
+
+    def _record(self) -> dict[str, Any]:
+        """This replica's heartbeat record (without its ``beat`` number)."""
+        (seq, batch, phase, _), (stage, eval_batch) = self._progress, self._eval_where
+        waiting = self._waited_in_collective or inside_torch_distributed(sys._current_frames().get(self._main_ident))
+        return {"seq": seq, "batch": batch, "phase": int(phase), "eval_stage": stage, "eval_batch": eval_batch,
+                "armed": bool(self._armed), "waiting": waiting, "state": self._state, "error": self._error,
+                "host": self._host, "boot": BOOT_ID, "rank": self.rank, "pid": self._pid}  # fmt: skip
+
+    def _publish(self) -> None:
+        self._beat += 1
+        key = f"hb/{self.rank}"
+        self.store.set(key, self.sign(key, json.dumps({"beat": self._beat, **self._record()})))
+
+    def _statuses(self) -> list[ReplicaStatus]:
+        now = time.monotonic()
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        if self.store.check(keys):
+            raw = dict(enumerate(self.store.multi_get(keys)))
+        else:
+            raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
+        children, mine = (
+            dict(self._children()),
+            status_from_record(self.rank, self._record(), 0.0, now - self._progress[3]),
+        )
+        return [mine if r == self.rank else self.status(r, raw.get(r), now, children.get(r)) for r in range(len(keys))]
 
     def sign(self, key: str, payload: str) -> str:
-        return sign(self.token, self.namespace + key, payload) if self.token else payload
+        return sign(self._token, self.namespace + key, payload) if self._token else payload
 
     def verify(self, key: str, raw: Any) -> str | None:
         """The payload of a record read from ``key``, or ``None`` when its signature does not match (ignored)."""
-        if not self.token:
+        if not self._token:
             return raw.decode() if isinstance(raw, bytes) else raw
-        payload = verify(self.token, self.namespace + key, raw)
+        payload = verify(self._token, self.namespace + key, raw)
         if payload is None and not self._forged:
             self._forged = True
             log.warning(
@@ -211,7 +533,7 @@ class HeartbeatBook:
 
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
         """Replica ``r``'s record ``raw`` (``None``: the key is missing) if it is genuine and fresh, else ``None``."""
-        key, last, data = f"hb/{r}", self.seen.get(r, (None,) * 5)[4], None
+        key, last, data = f"hb/{r}", self.seen.get(r, (0, 0, None))[2], None
         payload = None if raw is None else self.verify(key, raw)
         with contextlib.suppress(ValueError):
             data = None if payload is None else json.loads(payload)
@@ -235,245 +557,33 @@ class HeartbeatBook:
             )
         return None
 
-    def status(self, r: int, raw: Any, now: float) -> ReplicaStatus:
-        """Replica ``r``'s status from the record just read (``None``: missing), judged against what was seen."""
-        data, old = self.genuine(r, raw), self.seen.get(r)
-        if data is None and old is not None and old[4] is not None:
-            data = old[4]  # a forged, replayed, deleted or garbled record: keep the last genuine one
-        beat, seq = (data["beat"], data["seq"]) if data else (None, None)
-        old = old or (beat, self.started, seq, self.started, None)
-        beat_changed, seq_changed = old[1] if beat == old[0] else now, old[3] if seq == old[2] else now
-        self.seen[r] = (beat, beat_changed, seq, seq_changed, data)
-        silent, stalled = now - beat_changed, now - seq_changed
-        if data is None:
-            status = ReplicaStatus(r, silent_for=silent, stalled_for=stalled)
-        else:
-            status = status_from_record(r, data, silent, stalled)
-        host, boot, pid = (
-            self.peers.get(r) or (data and (data.get("host"), data.get("boot", ""), data["pid"])) or ("",) * 3
-        )
-        # the second signal: a replica on this node whose process is alive is not dead, whatever its heartbeat
-        if silent > self.stale_after and host == self.host and boot == BOOT_ID and self.alive(int(pid)):
-            return self._hidden_alive(status, pid)
-        return status
-
-    def child_status(self, status: ReplicaStatus, exit_code: int | None) -> ReplicaStatus:
-        """Second signal for a replica this process launched: exited 0 is finished; running is not silent."""
-        if exit_code == 0:
+    def status(self, r: int, raw: Any, now: float, child: subprocess.Popen | None = None) -> ReplicaStatus:
+        """Replica ``r``'s status from the record just read (``None``: missing) and, launched here, its process."""
+        last = self.seen.get(r)
+        data = self.genuine(r, raw) or (last and last[2])  # forged, replayed, deleted: keep the last genuine one
+        last = last or (self._started, self._started, data)
+        old = last[2] or {}
+        beat_at, seq_at = (now if data and data[k] != old.get(k) else t for k, t in zip(("beat", "seq"), last))
+        self.seen[r] = (beat_at, seq_at, data)
+        silent, stalled = now - beat_at, now - seq_at
+        status = ReplicaStatus(r, silent_for=silent, stalled_for=stalled)
+        status = status if data is None else status_from_record(r, data, silent, stalled)
+        code = None if child is None else child.poll()
+        if code == 0:
             return replace(status, state="finished")
-        if exit_code is None and status.silent_for > self.stale_after:
-            return self._hidden_alive(status, status.pid)
-        return status
-
-    def _hidden_alive(self, status: ReplicaStatus, pid: Any) -> ReplicaStatus:
-        r = status.rank
+        host, boot, pid = self.peers.get(r) or (data and (data["host"], data.get("boot", ""), data["pid"])) or ("",) * 3
+        # the second signal: a replica whose process is alive (on this node) is not dead, whatever its heartbeat
+        alive = code is None if child is not None else host == self._host and boot == BOOT_ID and self.alive(int(pid))
+        if silent <= self.stale_after or not alive:
+            return status
         if r not in self._hidden:
             self._hidden.add(r)
             log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {status.silent_for:.1f}"
-                f" s, but its process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under"
-                f" 'hb/{r}' is hidden by tampering, or it is frozen)"
+                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {silent:.1f} s, but its"
+                f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}'"
+                " is hidden by tampering, or it is frozen)"
             )
         return replace(status, silent_for=0.0, stalled_for=0.0)
-
-
-#: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
-EMERGENCY_KINDS = ("hung", "silent", "exited")
-EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
-
-
-class Watchdog:
-    """Per-replica heartbeat thread and judge."""
-
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        world_size: int,
-        timeout: float,
-        *,
-        interval: float | None = None,
-        hosts_store: bool = False,
-        children: Callable[[], Sequence[tuple[int, subprocess.Popen]]] | None = None,
-        exit: Callable[[int], None] | None = None,
-        token: str = "",
-        namespace: str = "",
-        peers: dict[int, tuple[str, str, int]] | None = None,
-    ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"Expected argument `timeout` to be positive seconds, but got {timeout!r}.")
-        self.store, self.rank, self.world_size, self.timeout = GuardedStore(store), rank, world_size, float(timeout)
-        self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
-        self.grace, self.hosts_store = min(max(2 * self.interval, 1.0), 10.0), hosts_store
-        self._children, self._exit, self._token = children or list, exit or exit_job, token
-        self._host, self._pid = socket.gethostname(), os.getpid()
-        # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
-        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
-        self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
-        self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
-        self._state, self._error, self._local_failure = "running", "", False
-        self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
-        self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
-        # heartbeat thread only
-        self._beat, self._bugs, self._reported = 0, 0, False
-        self._book = HeartbeatBook(rank, token, namespace, self._host, max(3 * self.interval, 1.0), peers=peers)
-        self._store_lost_since, self._stop, self._main_ident = None, threading.Event(), threading.get_ident()
-        self.emergency: Any = None  # the EmergencyCheckpoint a verdict against other replicas saves (set by the owner)
-        self._thread = threading.Thread(target=self._run, name=f"lightning-het-watchdog-{rank}", daemon=True)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Watchdog:
-        return self  # shared, as the process group is (this process's thread and store connection)
-
-    def start(self) -> None:
-        """Publish the first heartbeat and start the thread."""
-        self._main_ident = threading.get_ident()
-        self._book.started = time.monotonic()
-        self._publish()
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
-
-    @property
-    def phase(self) -> Phase:
-        return self._progress[2]
-
-    def mark(self, phase: Phase, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = "") -> None:
-        """Record progress of the training thread (cheap; called from Trainer hooks)."""
-        if eval_batch is not None or stage:
-            old_stage, old_batch = self._eval_where
-            self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
-        seq, batch, _, _ = self._progress
-        self._progress = (seq + 1, batch + 1 if new_batch else batch, phase, time.monotonic())
-
-    def arm(self, loop: str, armed: bool = True) -> None:
-        """The training thread entered (``armed``) or left a loop (``"fit"`` or ``"eval"``); progress counts as made."""
-        self._armed.add(loop) if armed else self._armed.discard(loop)
-        self.mark(self.phase)
-
-    def finish(self) -> None:
-        """Normal end of this replica's run: say so, wait until every replica has finished, stop."""
-        self.mark(Phase.TEARDOWN)
-        self._state = "finished" if self._state == "running" else self._state
-        with contextlib.suppress(StoreUnreachable):
-            self._publish()
-            while not self._stop.is_set():
-                if all(s.state == "finished" for s in self._statuses() if s.rank != self.rank):
-                    break
-                time.sleep(min(self.interval, 0.2))
-        self.stop()
-
-    def stop(self) -> None:
-        """Stop the thread (normal end, or this replica's own exception is reaching the caller)."""
-        self._state = "finished" if self._state == "running" else self._state
-        self._stop.set()
-        with contextlib.suppress(Exception):
-            self._publish()
-        if self._thread.is_alive() and threading.get_ident() != self._thread.ident:
-            self._thread.join(timeout=2 * self.interval + 1.0)
-
-    def on_exception(self, exception: BaseException) -> Verdict | None:
-        """The training thread is raising: make sure the whole job ends, and say who is to blame."""
-        if self._handled is exception or isinstance(exception, JobEnded):
-            return self._standing
-        self._handled, self._standing = exception, None
-        if is_sigterm_exit(exception):  # preemption (exit 143): not a failure
-            self.stop()
-            return None
-        try:
-            self._local_failure = True
-            verdict = self._abort_record()
-            if verdict is None and not isinstance(exception, KeyboardInterrupt) and is_collective_failure(exception):
-                verdict = self._judge_collective_failure(exception)
-            elif verdict is None:
-                self._state = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
-                self._error = first_line(exception)
-                self._publish()
-                verdict = judge(self._statuses(), self.timeout)
-            if verdict is not None:
-                self._standing = self._conclude(verdict)
-        except StoreUnreachable as err:  # its host (rank 0) has ended
-            if self.rank != 0:
-                message = f"replica 0 ended: replica {self.rank} lost the store ({err}) while raising"
-                lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
-                self._standing = self._conclude(lost, publish=False)
-        except Exception:  # a bug of the watchdog: report it, let the original exception propagate
-            log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
-        return self._standing
-
-    def _run(self) -> None:
-        tick = min(self.interval, 0.5)  # a verdict or a local replica's exit is noticed within `tick`
-        next_beat, verdict, publish = 0.0, None, True
-        while verdict is None and not self._stop.wait(tick):
-            try:
-                verdict = self._abort_record() or check_children(self._children())
-                if verdict is None and time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self.interval
-                    self._publish()
-                    verdict = judge(self._statuses(), self.timeout)
-                self._store_lost_since = None
-            except StoreUnreachable as err:  # the store is gone: its host (rank 0) ended, or the network failed
-                if self._stop.is_set():
-                    return
-                self._store_lost_since = self._store_lost_since or time.monotonic()
-                lost = time.monotonic() - self._store_lost_since
-                if lost > self.timeout:
-                    message = f"replica {self.rank} lost contact with the store on rank 0 for {lost:.1f} s ({err})"
-                    verdict, publish = Verdict("lost_store", (0,), lost, message), False
-            except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
-                self._bugs += 1
-                if self._bugs == 1:
-                    log.exception(
-                        "[rank %d] lightning_het watchdog: internal error in the heartbeat thread; the job goes on"
-                        " (this replica's stalls may go unnoticed until it recovers). Please report this.",
-                        self.rank,
-                    )
-        if verdict is None:
-            return
-        try:
-            verdict = self._conclude(verdict, publish)
-        except Exception:  # the store went away while publishing (or a bug): end with the verdict reached here
-            verdict = self._conclude(verdict, publish=False)
-        # the training thread is unwinding its own exception: it ends the process once the Trainer tore down (the
-        # exception then reaches the caller); end it here only if the teardown hangs
-        if self._local_failure and self._stop.wait(max(self.timeout, 10.0)):
-            return
-        end_children(self._children())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._exit(exit_code_for(verdict))
-
-    def _record(self) -> dict[str, Any]:
-        """This replica's heartbeat record (without its ``beat`` number)."""
-        (seq, batch, phase, _), (stage, eval_batch) = self._progress, self._eval_where
-        waiting = self._waited_in_collective or inside_torch_distributed(sys._current_frames().get(self._main_ident))
-        return {"seq": seq, "batch": batch, "phase": int(phase), "eval_stage": stage, "eval_batch": eval_batch,
-                "armed": bool(self._armed), "waiting": waiting, "state": self._state, "error": self._error,
-                "host": self._host, "boot": BOOT_ID, "rank": self.rank, "pid": self._pid}  # fmt: skip
-
-    def _publish(self) -> None:
-        self._beat += 1
-        key = f"hb/{self.rank}"
-        self.store.set(key, self._book.sign(key, json.dumps({"beat": self._beat, **self._record()})))
-
-    def _statuses(self) -> list[ReplicaStatus]:
-        now = time.monotonic()
-        keys = [f"hb/{r}" for r in range(self.world_size)]
-        if self.store.check(keys):
-            raw = dict(enumerate(self.store.multi_get(keys)))
-        else:
-            raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
-        children = dict(self._children())
-        statuses = []
-        for r in range(self.world_size):
-            if r == self.rank:
-                statuses.append(status_from_record(r, self._record(), 0.0, now - self._progress[3]))
-                continue
-            status = self._book.status(r, raw.get(r), now)
-            child = children.get(r)
-            statuses.append(status if child is None else self._book.child_status(status, child.poll()))
-        return statuses
 
     def _judge_collective_failure(self, exception: BaseException) -> Verdict:
         """A collective failed here: find the peer at fault (a dead one shows within a few heartbeats)."""
@@ -497,21 +607,21 @@ class Watchdog:
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
             return None
-        payload = self._book.verify("abort", self.store.get("abort"))
+        payload = self.verify("abort", self.store.get("abort"))
         return None if payload is None else Verdict.from_json(payload)
 
     def _conclude(self, verdict: Verdict, publish: bool = True) -> Verdict:
         """Publish ``verdict`` unless another replica did; report, acknowledge and (survivors) save the standing one."""
         if publish:
-            record = self._book.sign("abort", verdict.to_json())
-            payload = self._book.verify("abort", self.store.compare_set("abort", "", record))
+            record = self.sign("abort", verdict.to_json())
+            payload = self.verify("abort", self.store.compare_set("abort", "", record))
             if payload is None:  # a forged record holds the key: replace it with ours
                 self.store.set("abort", record)
                 payload = verdict.to_json()
             verdict = Verdict.from_json(payload)
         if not self._reported:
             self._reported = True
-            ending = f"Ending the job (timeout={self.timeout:g} s, exit status {exit_code_for(verdict)})"
+            ending = f"Ending the job (timeout={self.timeout:g} s, exit status {verdict.exit_code})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
             log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):
@@ -533,7 +643,7 @@ class Watchdog:
         return verdict
 
 
-def _marks(phase: Phase, new_batch: bool = False) -> Callable[..., None]:
+def _marks(phase: Phase | None, new_batch: bool = False) -> Callable[..., None]:
     def hook(self: WatchdogCallbackMixin, *args: Any, **kwargs: Any) -> None:
         self.watchdog.mark(phase, new_batch=new_batch)
 
@@ -570,9 +680,6 @@ class WatchdogCallbackMixin:
     def _eval_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any) -> None:
         self.watchdog.mark(Phase.EVAL_STEP, eval_batch=batch_idx, stage=getattr(trainer.state.stage, "value", ""))
 
-    def on_save_checkpoint(self, *args: Any) -> None:
-        self.watchdog.mark(self.watchdog.phase)
-
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.watchdog.on_exception(exception)
 
@@ -581,6 +688,7 @@ class WatchdogCallbackMixin:
     on_train_batch_start = _marks(Phase.TRAINING_STEP, new_batch=True)
     on_before_backward, on_after_backward = _marks(Phase.BACKWARD), _marks(Phase.OPTIMIZER_STEP)
     on_train_epoch_start = on_train_epoch_end = _marks(Phase.BETWEEN_BATCHES)
+    on_save_checkpoint = _marks(None)  # progress, in the same phase
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _marks(Phase.EVAL_LOADING)
     # the callbacks' epoch-end hooks run before the LightningModule's

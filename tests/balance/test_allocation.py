@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lightning_het import allocate_batch_sizes
-from lightning_het.allocation import loss_scale, proportional_shares, sample_shares
+from lightning_het.allocation import loss_scale, proportional_shares
 
 
 def _random_cases(n: int, seed: int = 0):
@@ -85,10 +85,10 @@ class TestAllocateBatchSizes:
             allocate_batch_sizes(**kwargs)
 
 
-def test_sample_shares_and_loss_scale():
+def test_loss_scale_is_world_times_the_sample_share():
     sizes = [2, 4, 6]
-    assert sample_shares(sizes) == pytest.approx([1 / 6, 1 / 3, 1 / 2])
     scales = [loss_scale(sizes, r) for r in range(3)]
+    assert [s / 3 for s in scales] == pytest.approx([1 / 6, 1 / 3, 1 / 2])
     assert scales == pytest.approx([0.5, 1.0, 1.5])
     # DDP's mean of the scaled gradients equals the share-weighted sum
     assert sum(scales) / 3 == pytest.approx(1.0)

@@ -34,11 +34,10 @@ def test_cost_fit_affine() -> None:
     """
 
 
-def test_cost_refresh_costs() -> None:
+def test_rebalance_refreshed_costs() -> None:
     """
-    >>> refresh_costs([10, 5], [0.06, 0.05], [0.04, 0.0])  # doctest: +NORMALIZE_WHITESPACE
-    [AffineCost(fixed_s=0.04, per_sample_s=0.002, micro_batch=None),
-     AffineCost(fixed_s=0.0, per_sample_s=0.01, micro_batch=None)]
+    >>> plan_rebalance([10, 5], [0.06, 0.05], fixed_costs=[0.04, 0.0]).costs  # doctest: +NORMALIZE_WHITESPACE
+    [{'fixed_s': 0.04, 'per_sample_s': 0.002}, {'fixed_s': 0.0, 'per_sample_s': 0.01}]
     """
 
 
@@ -60,10 +59,11 @@ def test_cost_allocate_affine() -> None:
     """
 
 
-def test_cost_useless_replicas() -> None:
+def test_cost_useless_replica_message() -> None:
     """
-    >>> useless_replicas(48, [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)])
-    [1]
+    >>> costs = [AffineCost(0.0, 0.001), AffineCost(0.100, 0.001)]
+    >>> useless_replica_message(48, costs, [24, 24], ["cpu", "cuda:0"])[:59]
+    'HeterogeneousStrategy: rank 1 (cuda:0) only slow(s) the job'
     """
 
 
@@ -77,7 +77,7 @@ def test_memory_EmulatedMemoryCap() -> None:
     >>> with torch.no_grad():
     ...     net(torch.zeros(5, 2)).shape
     torch.Size([5, 1])
-    >>> emulation.remove()
+    >>> emulation.install(None)
     """
 
 
@@ -112,9 +112,9 @@ def test_profiler_profile_plan() -> None:
     """
     >>> plan = ProfilePlan(48, 2, warmup=1, steps=2, lag=1)
     >>> [plan.split(n, [36, 12]) for n in range(plan.switch_step)]
-    [[24, 24], [24, 24], [36, 12], [36, 12], [36, 12]]
+    [[24, 24], [24, 24], [36, 12], [42, 6], [36, 12], [42, 6], [36, 12]]
     >>> plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step
-    (0, 2, 3, 5)
+    (0, 2, 5, 7)
     """
 
 
@@ -149,17 +149,11 @@ def test_rebalance_monotone_split() -> None:
     """
 
 
-def test_rebalance_speeds_from_step_times() -> None:
+def test_rebalance_speeds_and_imbalance() -> None:
     """
-    >>> speeds_from_step_times([8, 4], [0.1, 0.1])
-    [80.0, 40.0]
-    """
-
-
-def test_rebalance_imbalance() -> None:
-    """
-    >>> imbalance([0.2, 0.1, 0.1])
-    2.0
+    >>> d = plan_rebalance([8, 4, 4], [0.1, 0.1, 0.05])
+    >>> d.speeds, d.imbalance
+    ([80.0, 40.0, 80.0], 2.0)
     """
 
 
@@ -173,9 +167,12 @@ def test_rebalance_plan_rebalance() -> None:
     """
 
 
-def test_rebalance_RebalancePolicy() -> None:
+def test_monitor_check() -> None:
     """
-    >>> policy = RebalancePolicy()
+    >>> from types import SimpleNamespace
+    >>> from lightning_het import Profiling
+    >>> from lightning_het.balance.monitor import BalanceMonitor
+    >>> policy = BalanceMonitor(SimpleNamespace(world_size=2, root_device=torch.device("cpu")), Profiling())
     >>> policy.check([8, 8], [0.1, 0.3], steps_per_check=50).batch_sizes
     [12, 4]
     >>> policy.check([12, 4], [0.14, 0.1], steps_per_check=50).adopt  # rank 0 slower by a third: not confirmed yet

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from lightning_het.balance import clock as history_module
-from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary
+from lightning_het import Profiling
+from lightning_het.balance import monitor as history_module
+from lightning_het.balance.clock import EpochTimings
+from lightning_het.balance.monitor import BalanceMonitor, epoch_summary
 
 
 def _timings(compute, wait, batch):
@@ -37,11 +41,33 @@ class TestSummaryAndHistory:
 
     def test_history_thins_long_series(self, monkeypatch):
         monkeypatch.setattr(history_module, "_MAX_SERIES_POINTS", 10)
-        history = TelemetryHistory()
+        history = _monitor([4, 4])
         for epoch in range(3):
             history.add([_timings([0.1] * 8, [0.0] * 8, 4)] * 2, epoch=epoch, global_step=8 * (epoch + 1))
-        batches = history.series["batch"][0]
+        batches = history.history["series"]["batch"][0]
         assert len(batches) <= 10 and batches[0] == 1.0 and batches == sorted(batches)
-        history.record_check({"adopt": True, "batch_sizes": [5, 3]}, epoch=2, global_step=24, old=[4, 4])
-        history.record_check({"adopt": False, "batch_sizes": [5, 3]}, epoch=3, global_step=32, old=[5, 3])
-        assert len(history.checks) == 2 and history.rebalances[0]["batch"] == 24
+        trainer = SimpleNamespace(
+            current_epoch=2, global_step=24, max_epochs=5, max_steps=-1, should_stop=False,
+            reload_dataloaders_every_n_epochs=0,
+        )  # fmt: skip
+        assert history.maybe_rebalance(trainer, {"compute_s": [0.1, 0.3]}, 2)  # rank 1 is 3x slower
+        trainer.current_epoch, trainer.global_step = 3, 32
+        assert not history.maybe_rebalance(trainer, {"compute_s": [0.1, 0.1]}, 3)  # balanced now
+        checks, rebalances = history.history["checks"], history.history["rebalances"]
+        assert len(checks) == 2 and rebalances == checks[:1] and rebalances[0]["batch"] == 24
+        assert checks[0]["from"] == [4, 4] and checks[1]["from"] == rebalances[0]["batch_sizes"]
+
+
+class _Strategy:
+    """What the monitor reads and calls on the strategy."""
+
+    def __init__(self, batch_sizes: list[int]) -> None:
+        self.batch_sizes, self.world_size, self.root_device = batch_sizes, len(batch_sizes), torch.device("cpu")
+        self.cost_model, self.profiling = None, False
+
+    def adopt_allocation(self, batch_sizes, speeds, costs=None) -> None:
+        self.batch_sizes = list(batch_sizes)
+
+
+def _monitor(batch_sizes: list[int]) -> BalanceMonitor:
+    return BalanceMonitor(_Strategy(batch_sizes), Profiling(rebalance_every_n_epochs=1))

@@ -18,8 +18,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler, allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine
-from lightning_het.balance.profiler import InLoopProfiler, ProfilePlan, loader_prefetch_depth, trial_splits
+from lightning_het.balance.cost import AffineCost, allocate_affine, slope_through_origin
+from lightning_het.balance.profiler import (
+    InLoopProfiler,
+    ProfilePlan,
+    beyond,
+    loader_prefetch_depth,
+    trial_splits,
+)
 from lightning_het.data.sampler import ProportionalBatchSampler
 from tests.helpers.harness import run_harness, split_output
 from tests.helpers.harness_steps import ContractModule
@@ -50,12 +56,17 @@ def test_trial_splits_cover_two_sizes_per_replica_within_bounds() -> None:
 
 def test_profile_plan_warms_up_agrees_on_rough_speeds_then_times_the_rough_split() -> None:
     plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=3)
-    assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 5, 9)
-    rough = [24, 8]
+    assert (plan.rough_step, plan.first_trial, plan.gather_step, plan.switch_step) == (0, 4, 7, 11)
+    rough, further = [24, 8], [28, 4]  # each share moved towards twice / half itself, the way it left the equal one
+    assert beyond([16, 16], rough) == further and beyond([16, 16], [16, 16]) == [16, 16]
+    assert beyond([16, 16, 16], [7, 14, 27]) == [3, 7, 38] and beyond([16, 16], [20, 12], max_batch_sizes=[22, 32]) == [
+        22,
+        10,
+    ]
     assert [plan.split(n, rough) for n in range(4)] == [[16, 16]] * 4  # drawn before the rough speeds are known
-    # every replica timed at two sizes: its equal share (the lag steps) and its rough one, twice
-    assert [plan.split(n, rough) for n in range(4, 6)] == [rough] * 2
-    assert [plan.split(n, rough) for n in range(6, 9)] == [rough] * 3  # drawn before the costs are agreed
+    # every replica timed at three sizes: its equal share (the lag steps), its rough one and one beyond it, twice
+    assert [plan.split(n, rough) for n in range(4, 8)] == [rough, further] * 2
+    assert [plan.split(n, rough) for n in range(8, 11)] == [rough] * 3  # drawn before the costs are agreed
     no_warmup = ProfilePlan(32, 2, warmup=0, steps=1, lag=1)
     assert (no_warmup.first_trial, no_warmup.gather_step, no_warmup.switch_step) == (0, 1, 3)
     assert [no_warmup.split(n, None) for n in range(3)] == [[8, 24], [24, 8], [16, 16]]
@@ -80,7 +91,7 @@ def _rank_one_a_third(values):  # rank 1: the same fit, its warm-up step 3x fast
 
 def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_too_early() -> None:
     gathered = []
-    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)  # the rough split from step 2, switch at step 5
+    plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=1)  # the rough split from step 2, switch at step 7
     profiler = _profiler(plan, lambda v: gathered.append(v) or [list(v), list(v)])
     resumed = ProportionalDistributedSampler(list(range(128)), [12, 20], 0)  # epochs of 4 global batches of 32
     resumed.resume(0, 2)  # a resumed epoch: the plan starts at its global batch 2
@@ -93,17 +104,17 @@ def test_profiler_counts_trained_steps_across_epochs_and_refuses_a_step_drawn_to
     assert gathered == [[16 / 0.01]] and profiler.rough == [16, 16]
     profiler.on_train_batch_end(0, 3)
     # the next epoch is drawn after the steps trained so far: its batch 0 is plan step 2, the first at the rough split
-    assert [profiler.split_for(1, k) for k in range(3)] == [[16, 16]] * 3  # plan steps 2 .. 4
+    assert [profiler.split_for(1, k) for k in range(4)] == [[16, 16]] * 4  # plan steps 2 .. 5
     # the other loader's splits are the plan's, scaled to its global batch
-    assert [half.step_batch_sizes(k) for k in range(3)] == [allocate_batch_sizes(16, [16, 16])] * 3
-    for k in range(2):
+    assert [half.step_batch_sizes(k) for k in range(4)] == [allocate_batch_sizes(16, [16, 16])] * 4
+    for k in range(4):
         profiler.on_train_batch_end(1, k)
     assert profiler.done and len(gathered) == 2
     other = ProportionalDistributedSampler(list(range(360)), [12, 20], 0)  # a second loader follows the same plan
     profiler.bind(other)
     other.set_epoch(2)
-    assert other.step_batch_sizes(0) == [16, 16]  # plan step 4: drawn before the costs were agreed, the rough split
-    assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 5
+    assert other.step_batch_sizes(0) == [16, 16]  # plan step 6: drawn before the costs were agreed, the rough split
+    assert other.step_batch_sizes(1) == [12, 20] and profiler.split_for(2, 1) is None  # the allocation from step 7
 
 
 def _fit_one_replica(plan, seconds, rough_ratio: float = 3.0) -> InLoopProfiler:
@@ -141,12 +152,21 @@ def test_a_cold_step_does_not_pull_the_fit_and_equal_replicas_keep_the_equal_spl
     assert profiler.adopted == [16, 16] and profiler.threshold == pytest.approx(1.1)
     fitted = profiler.costs[0]  # the line through the fastest step of each size: the true one
     assert fitted.fixed_s == pytest.approx(0.001) and fitted.per_sample_s == pytest.approx(1e-4)
-    # no lag (your own loop): the cold warm-up step is the equal size's only timing and is left out of the fit
+    # no lag (a sized loader, your own loop): the cold warm-up step is the equal size's only timing, left out of the fit
     plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=0)
     profiler = _fit_one_replica(plan, lambda n, b: 0.05 if n == 0 else true_cost(b), rough_ratio=1 / 3)
-    fitted = profiler.costs[0]  # the rough size alone (the line through the origin), not pulled up by the cold step
+    fitted = profiler.costs[0]  # the rough and the further size (within 1.25x: the line through the origin)
     assert profiler.rough == [24, 8] and profiler.adopted == [16, 16]
-    assert fitted.fixed_s == 0.0 and fitted.per_sample_s == pytest.approx(true_cost(24) / 24)
+    expected = slope_through_origin([24, 28], [true_cost(24), true_cost(28)])
+    assert fitted.fixed_s == 0.0 and fitted.per_sample_s == pytest.approx(expected)
+    # the smaller replica's sizes (8 and 4 after a cold 16) are far enough apart: the true line, without the warm-up
+    profiler = _fit_one_replica(plan, lambda n, b: 0.05 if n == 0 else true_cost(b), rough_ratio=3)
+    fitted = profiler.costs[0]
+    assert (
+        profiler.rough == [8, 24]
+        and fitted.fixed_s == pytest.approx(0.001)
+        and fitted.per_sample_s == pytest.approx(1e-4)
+    )
 
 
 def test_a_mild_warm_up_imbalance_keeps_the_trials_at_the_equal_split() -> None:
@@ -268,7 +288,7 @@ INLOOP_FITS = {
     "manual": {**SLOW, "manual": True},
     # two networks, two optimizers, each backward reaching one network only
     "gan": {**SLOW, "manual": True, "gan": True, "strategy": {**SLOW["strategy"], "find_unused_parameters": True}},
-    # 2 workers x prefetch 2 + Lightning's batch: 5 batches drawn ahead, the fitted split from step 10 (epoch 1)
+    # 2 workers x prefetch 2: 4 batches drawn ahead, the fitted split from step 7
     "workers": {**SLOW, "loader": {"num_workers": 2}},
     # epochs of 4 of the loader's 10 batches: the plan continues across them, the fitted split from step 7
     "limited": {**SLOW, "limit_train_batches": 4, "epochs": 5},
@@ -323,12 +343,14 @@ def test_rough_split_then_the_fitted_split_with_every_gradient_exact(inloop_fits
     assert 5 <= sizes[1] <= 11, (sizes, dumps[0]["cost_model"], dumps[1]["cost_model"])
     assert sizes == allocate_affine(32, [AffineCost.from_dict(c) for c in dumps[0]["cost_model"]])  # the fitted optimum
     seen = [list(s) for s in zip(dumps[0]["batch_sizes_seen"], dumps[1]["batch_sizes_seen"])]
-    lag = 5 if name == "workers" else 1  # Lightning's prefetched batch (+ 2 workers x 2)
+    lag = 4 if name == "workers" else 0  # a sized loader: Lightning draws nothing ahead (2 workers x 2 do)
     plan = ProfilePlan(32, 2, warmup=1, steps=2, lag=lag)
     trials = seen[plan.first_trial : plan.gather_step + 1]
-    rough = seen[plan.gather_step + 1]
-    assert seen[: plan.first_trial] == [[16, 16]] * plan.first_trial  # warm-up, and the batches drawn meanwhile
-    assert trials == [rough] * 2  # the rough split, timed twice (from the first step's timings)
+    rough = seen[plan.first_trial]
+    assert rough != [16, 16]
+    assert seen[: plan.first_trial] == [[16, 16]] * plan.first_trial  # warm-up (and the batches drawn meanwhile)
+    # the rough split (from the first step's timings) and one beyond it, each timed twice
+    assert trials == [rough, beyond([16, 16], rough)] * 2
     assert seen[plan.gather_step + 1 : plan.switch_step] == [rough] * lag
     assert seen[plan.switch_step :] == [sizes] * (20 - plan.switch_step)  # step 7 without workers: in epoch 0
     cfg = INLOOP_FITS[name]
@@ -348,14 +370,14 @@ def test_checkpoint_taken_while_profiling_resumes_and_profiles_again(inloop_job)
     record = torch.load(out / RESUME_FROM, weights_only=True)["lightning_het"]
     assert record["speeds"] == [] and record["batch_sizes"] == [4, 4] and record["sampler"]["steps_done"] == 3
     assert "skips the 3 global batch(es) already trained on" in output
-    assert output.count("profiling on the first 4 training steps") == 2
+    assert output.count("profiling on the first 5 training steps") == 2
     full = [torch.load(out / str(FIRST) / f"rank{r}.pt") for r in range(2)]
     again = [torch.load(out / str(FIRST + 1) / f"rank{r}.pt") for r in range(2)]
     for rank in range(2):
         assert again[rank]["global_step"] == 20
-        # global batches 3 and 4 of epoch 0: the warm-up (and the batch drawn meanwhile) again, from the resumed step
-        assert again[rank]["seen_batch_sizes"][:2] == [4, 4]
-        assert len(set(again[rank]["seen_batch_sizes"][2:5])) == 1  # then the rough split
+        # global batch 3 of epoch 0: the warm-up again, from the resumed step, then the rough split and one beyond it
+        seen = again[rank]["seen_batch_sizes"]
+        assert seen[0] == 4 != seen[1] and seen[1:5] == seen[1:3] * 2 and seen[1] != seen[2]
         state = full[rank]["state_dict"]
         assert all(torch.allclose(again[rank]["state_dict"][k], state[k], atol=1e-5) for k in state)
 

@@ -112,7 +112,7 @@ def test_emulated_cap_raises_inside_the_forward_of_training_only() -> None:
     emulation.cap = 8
     module.training_step((torch.randn(5, 3),))
     emulation.cap = 4
-    emulation.remove()
+    emulation.install(None)
     module.training_step((torch.randn(5, 3),))
     emulation.install(module)
     emulation.install(None)  # what the strategy's teardown does: the hooks are gone

@@ -1,5 +1,5 @@
 """The rebalancing decision under timing noise: a simulation of the checks (no processes) driving the monitor's own
-decision object, :class:`~lightning_het.balance.rebalance.RebalancePolicy`."""
+decision, :meth:`~lightning_het.balance.monitor.BalanceMonitor.check`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from lightning_het import Profiling
 from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
-from lightning_het.balance.monitor import BalanceMonitor, MonitorSettings
+from lightning_het.balance.monitor import BalanceMonitor
 from lightning_het.balance.rebalance import monotone_split, plan_rebalance, profiled_split
 
 GLOBAL_BATCH = 96
@@ -51,8 +52,8 @@ def simulate(seed: int, decide, slow_from: int | None = None) -> tuple[list[int]
 
 
 def monitor_decision():
-    """The decision the balance monitor makes at its checks (its own policy object, fed as it feeds it)."""
-    policy = BalanceMonitor(_Strategy(), MonitorSettings(record=True, every_n_epochs=1)).policy
+    """The decision the balance monitor makes at its checks (fed as it feeds itself)."""
+    policy = BalanceMonitor(_Strategy(), Profiling(rebalance_every_n_epochs=1))
 
     def decide(sizes, measured, profiled):
         return policy.check(sizes, measured, costs=profiled, steps_per_check=STEPS_PER_EPOCH)

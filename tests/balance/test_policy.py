@@ -12,9 +12,8 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy, Profiling, allocate_batch_sizes
 from lightning_het.balance.cost import AffineCost, costs_from_speeds
-from lightning_het.balance.policy import CAPS_AGREED_EVERY, BalancePolicy, FitContext
+from lightning_het.balance.policy import CAPS_AGREED_EVERY, Allocation, BalancePolicy, FitContext
 from lightning_het.balance.rebalance import profiled_split
-from lightning_het.balance.state import Allocation
 from lightning_het.config import HeterogeneousConfig
 
 

@@ -7,15 +7,10 @@ import random
 
 import pytest
 
-from lightning_het import HeterogeneousStrategy, allocate_batch_sizes
-from lightning_het.balance.cost import AffineCost, allocate_affine, refresh_costs, step_time
-from lightning_het.balance.rebalance import (
-    RebalancePolicy,
-    imbalance,
-    plan_rebalance,
-    profiled_split,
-    speeds_from_step_times,
-)
+from lightning_het import HeterogeneousStrategy, Profiling, allocate_batch_sizes
+from lightning_het.balance.cost import AffineCost, allocate_affine, step_time
+from lightning_het.balance.monitor import BalanceMonitor
+from lightning_het.balance.rebalance import plan_rebalance, profiled_split
 from tests.helpers.harness import run_balance_job
 from tests.helpers.tiny import make_dataset, reference_weights
 
@@ -27,18 +22,16 @@ def _busy(sizes, per_sample, overhead=0.0):
 
 class TestPureFunctions:
     def test_speeds_imbalance_and_predicted_time(self):
-        assert speeds_from_step_times([8, 4], [0.1, 0.2]) == [80.0, 20.0]
-        assert imbalance([0.3, 0.1, 0.15]) == pytest.approx(3.0)
+        assert plan_rebalance([8, 4], [0.1, 0.2]).speeds == [80.0, 20.0]
+        assert plan_rebalance([8, 4, 4], [0.3, 0.1, 0.15]).imbalance == pytest.approx(3.0)
 
     @pytest.mark.parametrize(
         ("call", "match"),
         [
-            (lambda: speeds_from_step_times([8, 4], [0.1, 0.0]), r"`compute_times\[1\]` is 0.0"),
-            (lambda: speeds_from_step_times([8, 4], [0.1, math.nan]), r"`compute_times\[1\]` is nan"),
-            (lambda: speeds_from_step_times([8, 4], [0.1]), r"`compute_times`.*one entry per replica \(2\)"),
-            (lambda: speeds_from_step_times([8, 0], [0.1, 0.1]), r"`batch_sizes`"),
-            (lambda: plan_rebalance([8, 8], [0.1, 0.1], threshold=0.9), r"`threshold`"),
-            (lambda: plan_rebalance([8, 8], [0.1, 0.1], min_gain=1.0), r"`min_gain`"),
+            (lambda: plan_rebalance([8, 4], [0.1, 0.0]), r"`compute_times\[1\]` is 0.0"),
+            (lambda: plan_rebalance([8, 4], [0.1, math.nan]), r"`compute_times\[1\]` is nan"),
+            (lambda: plan_rebalance([8, 4], [0.1]), r"`compute_times`.*one entry per replica \(2\)"),
+            (lambda: plan_rebalance([8, 0], [0.1, 0.1]), r"`batch_sizes`"),
             (lambda: plan_rebalance([8, 8], [0.1, 0.1], max_batch_sizes=[4, 4]), r"`max_batch_sizes`"),
         ],
     )
@@ -70,8 +63,8 @@ class TestDecision:
         assert "current one" in decision.reason
 
     def test_gain_within_noise_is_not_taken(self):
-        # 29 vs 30 vs 27: above the threshold, and [7, 13, 28] looks 3 % faster, but not beyond +-4.8 % timing error
-        decision = plan_rebalance([7, 14, 27], [29.0, 30.0, 27.1])
+        # 29 vs 30 vs 27: above the threshold, and [7, 13, 28] looks 3 % faster, but not beyond 2 % timing errors
+        decision = plan_rebalance([7, 14, 27], [29.0, 30.0, 27.1], uncertainty=[0.02] * 3)
         assert decision.imbalance > 1.1 and decision.gain > 0.03 and decision.proposed != [7, 14, 27]
         assert not decision.adopt and "may be noise" in decision.reason
         assert decision.robust_gain < 0.03 < decision.gain
@@ -85,16 +78,14 @@ class TestDecision:
 
     @pytest.mark.parametrize("sizes, per_sample", [([16, 16, 16], [1, 1, 1]), ([7, 14, 27], [4, 2, 1])])
     def test_stays_put_under_noise(self, sizes, per_sample):
-        """Balanced jobs with +-4.5 % error on every replica's median compute time never re-allocate.
-
-        (The default threshold 1.1 tolerates up to (1.1 - 1) / (1.1 + 1) ~ 4.8 % either way.) The 1:2:4 case is
-        limited by integer granularity (busy times 29, 29, 28): neighbouring allocations look better by a few per
-        cent under noise, and the robust gain rejects them."""
+        """Balanced jobs with +-4.5 % error on every replica's median compute time, given as their uncertainty, never
+        re-allocate. The 1:2:4 case is limited by integer granularity (busy times 29, 29, 28): neighbouring
+        allocations look better by a few per cent under noise, and the doubt of the gain rejects them."""
         rng = random.Random(0)
         truth = _busy(sizes, per_sample, overhead=1.0)
         for _ in range(500):
             noisy = [t * rng.uniform(0.955, 1.045) for t in truth]
-            assert not plan_rebalance(sizes, noisy).adopt
+            assert not plan_rebalance(sizes, noisy, uncertainty=[0.045] * 3).adopt
 
     def test_converges_to_balance_with_per_step_overhead(self):
         """The re-estimate is a fixed-point iteration: with an affine cost it settles in a few checks, then stays."""
@@ -196,8 +187,8 @@ class TestRefresh:
     def test_slope_refreshed_fixed_cost_kept(self) -> None:
         d = plan_rebalance([10, 10], [0.05, 0.05], fixed_costs=[0.0, 0.0])
         assert d.costs is not None and d.costs[0] == {"fixed_s": 0.0, "per_sample_s": pytest.approx(0.005)}
-        close = refresh_costs([66], [0.0266], [0.0014])
-        assert close[0].fixed_s == 0.0014 and close[0].per_sample_s == pytest.approx((0.0266 - 0.0014) / 66)
+        close = plan_rebalance([66, 66], [0.0266, 0.0266], fixed_costs=[0.0014, 0.0]).costs
+        assert close[0] == {"fixed_s": 0.0014, "per_sample_s": pytest.approx((0.0266 - 0.0014) / 66)}
 
 
 class TestNoiseGuards:
@@ -207,8 +198,8 @@ class TestNoiseGuards:
     SIZES, STEADY = [66, 24, 6], [0.0281, 0.0291, 0.0288]
     COSTS = [AffineCost(0.0014, (t - 0.0014) / b) for t, b in zip(STEADY, SIZES)]
 
-    def _after_steady_checks(self) -> RebalancePolicy:
-        policy = RebalancePolicy()
+    def _after_steady_checks(self) -> BalanceMonitor:
+        policy = _checks(len(self.SIZES))
         for _ in range(20):
             assert not policy.check(self.SIZES, self.STEADY, costs=self.COSTS, recent_times=self.STEADY).adopt
         return policy
@@ -224,14 +215,19 @@ class TestNoiseGuards:
 
     def test_invalid_recent_times(self) -> None:
         with pytest.raises(ValueError, match="`recent_times`"):
-            RebalancePolicy().check([8, 8], [0.1, 0.3], recent_times=[0.1, -1.0])
+            _checks(2).check([8, 8], [0.1, 0.3], recent_times=[0.1, -1.0])
+
+
+def _checks(world: int) -> BalanceMonitor:
+    """A balance monitor for its checks alone (the decision across a fit's checks; no trainer)."""
+    return BalanceMonitor(_PublicOnlyStrategy([1] * world), Profiling())
 
 
 class _PublicOnlyStrategy:
     """The strategy as the balance monitor may see it: public state and ``adopt_allocation`` only (``__slots__``:
     reading or writing any private attribute raises ``AttributeError``)."""
 
-    __slots__ = ("adopted", "batch_sizes", "cost_model", "profiling", "root_device", "world_size")
+    __slots__ = ("adopted", "batch_sizes", "cost_model", "profiling", "root_device", "speeds_given", "world_size")
 
     def __init__(self, batch_sizes: list[int]) -> None:
         import torch
@@ -240,7 +236,7 @@ class _PublicOnlyStrategy:
         self.cost_model = None
         self.root_device = torch.device("cpu")
         self.world_size = len(batch_sizes)
-        self.profiling = False
+        self.profiling = self.speeds_given = False
         self.adopted: list[tuple[list[int], list[float]]] = []
 
     def adopt_allocation(self, batch_sizes, speeds, costs=None) -> None:
@@ -264,41 +260,45 @@ class TestMonitorInterface:
         )  # fmt: skip
 
     def test_decision_goes_to_adopt_allocation_within_the_given_bounds(self) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         strategy = _PublicOnlyStrategy([8, 8])
         trainer = self._trainer(0)
-        settings = MonitorSettings(record=True, every_n_epochs=1, min_batch_size=2, max_batch_sizes=(12, 12))
-        monitor = attach_monitor(strategy, trainer, settings)
+        settings = {
+            "profiling": Profiling(rebalance_every_n_epochs=1),
+            "min_batch_size": 2,
+            "max_batch_sizes": [12] * 2,
+        }
+        monitor = attach_monitor(strategy, trainer, **settings)
         assert monitor is not None and len(trainer.callbacks) == 1
-        assert monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4]})  # rank 1 is 3x slower per sample
+        assert monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4]}, 0)  # rank 1 is 3x slower per sample
         (sizes, speeds), = strategy.adopted  # fmt: skip
         assert len(speeds) == 2 and speeds[0] > speeds[1]
         assert sum(sizes) == 16 and sizes[0] == 12, sizes  # capped by max_batch_sizes, global batch kept
         assert trainer.reload_dataloaders_every_n_epochs == 1  # the loader is rebuilt when the next epoch starts
-        assert attach_monitor(strategy, trainer, settings) is not monitor and len(trainer.callbacks) == 1  # replaced
+        assert attach_monitor(strategy, trainer, **settings) is not monitor and len(trainer.callbacks) == 1  # replaced
 
     def test_an_epoch_that_mostly_ran_other_splits_is_not_checked(self) -> None:
         """A short first epoch spent profiling (trial splits) has medians at other sizes than the allocation."""
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         strategy = _PublicOnlyStrategy([12, 4])
         trainer = self._trainer(0)
-        monitor = attach_monitor(strategy, trainer, MonitorSettings(record=True, every_n_epochs=1))
+        monitor = attach_monitor(strategy, trainer, Profiling(rebalance_every_n_epochs=1))
         assert monitor is not None
-        assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]})
+        assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.8, 2.4], "batch_sizes": [8, 8]}, 0)
         assert strategy.adopted == []
 
     def test_a_single_process_gathers_its_own_timings_at_the_end(self) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         trainer = self._trainer(0)
-        monitor = attach_monitor(_PublicOnlyStrategy([4, 4]), trainer, MonitorSettings(record=True))
+        monitor = attach_monitor(_PublicOnlyStrategy([4, 4]), trainer, Profiling())
         assert monitor is not None
         monitor.clock.step_start(4)
         monitor.clock.forward_end()
         monitor.on_train_end(trainer, None)  # no process group: no collective, this process's steps
-        (epoch,) = monitor.history.epochs
+        (epoch,) = monitor.history["epochs"]
         assert epoch["steps"] == [1] and epoch["batch_sizes"] == [4] and epoch["epoch"] == 0
 
     @pytest.mark.parametrize(
@@ -306,22 +306,25 @@ class TestMonitorInterface:
         [(3, None, [2, 5]), (2, None, [1, 3, 5]), (None, 1.1, [0, 1, 2, 3, 4, 5]), (None, None, [])],
     )
     def test_checks_at_the_end_of_every_nth_epoch_but_the_last(self, every, threshold, checked) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
         strategy = _PublicOnlyStrategy([8, 8])
-        settings = MonitorSettings(record=True, every_n_epochs=every, threshold=threshold)
+        settings = Profiling(rebalance_every_n_epochs=every, rebalance_threshold=threshold)
         monitor = attach_monitor(strategy, self._trainer(0), settings)
         assert monitor is not None
         for epoch in range(7):  # max_epochs=7: no check after the last epoch
             trainer = self._trainer(epoch)
             trainer.max_epochs = 7
             assert not monitor.maybe_rebalance(trainer, {"compute_s": [0.1, 0.1]}, epoch)  # balanced: kept
-        assert [check["epoch"] for check in monitor.history.checks] == checked
+        assert [check["epoch"] for check in monitor.history["checks"]] == checked
 
     def test_off_means_no_monitor(self) -> None:
-        from lightning_het.balance.monitor import MonitorSettings, attach_monitor
+        from lightning_het.balance.monitor import attach_monitor
 
-        assert attach_monitor(_PublicOnlyStrategy([4, 4]), self._trainer(0), MonitorSettings(record=False)) is None
+        strategy = _PublicOnlyStrategy([4, 4])
+        strategy.speeds_given = True  # nothing to profile
+        assert attach_monitor(strategy, self._trainer(0), Profiling(telemetry=False)) is None
+        assert attach_monitor(strategy, self._trainer(0), Profiling(telemetry=False), slowdown=2.0) is not None
 
 
 def test_micro_batched_replica_refreshed_per_micro_batch():

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from lightning_het.balance import report as report_module
-from lightning_het.balance.clock import EpochTimings, TelemetryHistory, epoch_summary
+from lightning_het.balance.clock import EpochTimings
+from lightning_het.balance.monitor import epoch_summary
 from lightning_het.balance.report import log_epoch_metrics, render_balance_table, write_balance_report
+from tests.balance.test_history import _monitor
 
 
 def _timings(compute, wait, batch):
@@ -33,17 +35,16 @@ def test_loggers_receive_per_replica_keys():
 
 @pytest.mark.parametrize("world", [2, 10])
 def test_report_files(tmp_path, world):
-    history = TelemetryHistory()
+    monitor = _monitor([4] * world)
     for epoch in range(2):
-        history.add([_timings([0.1 * (r + 1)] * 5, [0.05] * 5, 4) for r in range(world)], epoch=epoch, global_step=5)
-    history.record_check(
-        {"adopt": True, "batch_sizes": [4] * world, "reason": "test"}, epoch=0, global_step=5, old=[4] * world
-    )
+        monitor.add([_timings([0.1 * (r + 1)] * 5, [0.05] * 5, 4) for r in range(world)], epoch=epoch, global_step=5)
+    check = {"epoch": 0, "global_step": 5, "batch": 10, "from": [4] * world, "batch_sizes": [4] * world}
+    monitor.history["rebalances"].append({**check, "reason": "test"})
     report = {
         "global_batch_size": 4 * world,
         "batch_sizes": [4] * world,
         "speeds": [1.0] * world,
-        "telemetry": report_module._plain(history.as_dict()),
+        "telemetry": report_module._plain(monitor.history),
     }
     report["telemetry"]["epochs"][0]["imbalance"] = float("nan")  # must not leak into the JSON
     report["telemetry"]["epochs"][1]["wait_s"][1] = None  # as read back from JSON: no figure

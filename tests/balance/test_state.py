@@ -1,6 +1,6 @@
 """Allocation: the immutable value (batch sizes, speeds, loss scale, cost model), its plain data, its report."""
 
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, asdict
 from types import SimpleNamespace
 
 import pytest
@@ -8,9 +8,8 @@ import pytest
 from lightning_het import HeterogeneousStrategy
 from lightning_het.allocation import loss_scale
 from lightning_het.balance.cost import AffineCost
-from lightning_het.balance.policy import BalancePolicy
+from lightning_het.balance.policy import Allocation, BalancePolicy
 from lightning_het.balance.report import balance_report, render_balance_table
-from lightning_het.balance.state import Allocation
 
 
 def _report(allocation: Allocation, node_ids=(0, 0), profiled=True, emulate_slowdown=None, devices=("cpu", "cpu")):
@@ -38,7 +37,7 @@ def test_no_allocation_is_plain_ddp():
 def test_plain_data_round_trip():
     worker = Allocation(cost_model=[AffineCost(0.1, 0.02), AffineCost(0.2, 0.01)], profile_seconds=1.5)
     worker = Allocation(**{**worker.__dict__, "profile_cached": True}).adopt([3, 5], [3.0, 5.0])
-    parent = Allocation.from_dict(worker.as_dict())
+    parent = Allocation.from_dict(asdict(worker))
     assert parent == worker and parent.global_batch_size == 8 and loss_scale(parent.batch_sizes, 1) == 2 * 5 / 8
     assert Allocation.from_dict({}) == Allocation()
 
@@ -82,7 +81,7 @@ def test_table_shows_the_micro_batches_that_run():
     even = Allocation().adopt([9, 3], [3.0, 1.0]).with_caps([4, 12])
     lines = render_balance_table(_report(even, node_ids=[0, 0], devices=["cpu"] * 2)).splitlines()
     assert lines[2].endswith(" 3x3") and lines[3].endswith(" 3x1")  # 9 samples under a cap of 4 run as [3, 3, 3]
-    assert Allocation.from_dict(allocation.as_dict()).micro_caps == [3, 64, 64]
+    assert Allocation.from_dict(asdict(allocation)).micro_caps == [3, 64, 64]
 
 
 def test_a_spawned_workers_allocation_and_telemetry_reach_the_parent():

@@ -137,7 +137,6 @@ class TestChooseBackend:
             ([cuda(0), CPU], "cpu:gloo,cuda:nccl", r"mixes CPU and CUDA"),
             ([cuda(0), CPU], "mpi", r"mixes CPU and CUDA"),
             ([CPU, CPU], "nccl", r"'nccl'.*CPU replicas \(2 CPU\); NCCL only communicates CUDA tensors"),
-            ([], None, r"at least one replica"),
         ],
     )
     def test_errors(self, devices, requested, match):
@@ -235,8 +234,6 @@ class TestStrategyWiring:
         assert selected == []
         accelerator.setup_device(cuda(0))
         assert selected == [cuda(0)]
-        with pytest.raises(ValueError, match="'cpu' or 'cuda' devices, got meta"):
-            accelerator.setup_device(torch.device("meta"))
 
     def test_per_node_map_and_balance_table(self, fake_gpus, monkeypatch):
         fake_gpus(1)

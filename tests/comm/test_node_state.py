@@ -12,7 +12,7 @@ import torch
 from lightning_het import AllReduce, NodeLocal
 from lightning_het.cluster.topology import NodeGroups, node_members
 from lightning_het.comm import node_local as node_local_module
-from lightning_het.comm.node_local import layout_change, node_record
+from lightning_het.comm.node_local import layout_change
 from lightning_het.reliability.checkpointing import CHECKPOINT_KEY, node_optimizer_checkpoint, with_node_states
 
 
@@ -47,17 +47,37 @@ def _states(node: int) -> list[dict[str, Any]]:
     return [{"state": {0: {"momentum_buffer": torch.full((3,), float(node))}}, "param_groups": [{"params": [0]}]}]
 
 
-#: saved by nodes [0, 0, 1, 1]: per rank (optimizer states, residual); the non-leaders' entries are never read
-SAVED = [(_states(0), torch.full((4,), 0.5)), None, (_states(1), torch.full((4,), -0.25)), None]
-RECORD = node_record(SAVED, [0, 0, 1, 1])
+#: saved by nodes [0, 0, 1, 1]: each node's leader's optimizer states and residual (no parameters: an older record)
+RECORD = {
+    "layout": [2, 2],
+    "optimizer_states": [_states(0), _states(1)],
+    "residuals": [torch.full((4,), 0.5), torch.full((4,), -0.25)],
+    "params": [None, None],
+}
 
 
-def test_the_record_holds_each_nodes_leader_entry() -> None:
-    assert RECORD["layout"] == [2, 2]
-    assert RECORD["optimizer_states"] == [SAVED[0][0], SAVED[2][0]]  # type: ignore[index]
-    assert [r.tolist() for r in RECORD["residuals"]] == [[0.5] * 4, [-0.25] * 4]
-    assert node_record([(i,) * 3 for i in range(5)], [0, 1, 0, 1, 1])["layout"] == [2, 3]
-    assert node_record([(i,) * 3 for i in range(4)], [0, 1, 0, 1])["params"] == [0, 1]  # the leaders: ranks 0 and 1
+def test_the_record_holds_each_nodes_leader_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes [0, 1, 0, 1, 1]: the leaders are ranks 0 and 1; the others send nothing; rank 0 alone gets the record."""
+    sent: list[Any] = []
+    others = [None, (_states(1), torch.full((4,), -0.25), [torch.ones(3)]), None, None, None]
+
+    def gather_object(obj: Any, gathered: list[Any] | None, dst: int) -> None:
+        sent.append(obj)
+        if gathered is not None:
+            gathered[:] = others
+
+    monkeypatch.setattr(node_local_module.dist, "gather_object", gather_object)
+    ctl = _controller([0, 1, 0, 1, 1], 0)
+    ctl._residual = torch.full((4,), 0.5)
+    states = _states(0)
+    record = ctl.gather_node_states(states)
+    assert record is not None and record["layout"] == [2, 3] and sent == [None]
+    assert record["optimizer_states"][0] is states and record["optimizer_states"][1] is others[1][0]  # type: ignore[index]
+    assert [r.tolist() for r in record["residuals"]] == [[0.5] * 4, [-0.25] * 4]
+    assert record["params"][0][0].tolist() == [0.0] * 3 and record["params"][1] is others[1][2]  # type: ignore[index]
+    leader = _controller([0, 1, 0, 1, 1], 1)  # a leader: its entry on the CPU, no record
+    assert leader.gather_node_states(states) is None and sent[-1][0] is not states and len(sent[-1][2]) == 1
+    assert _controller([0, 1, 0, 1, 1], 3).gather_node_states(states) is None and sent[-1] is None
 
 
 def test_each_rank_picks_its_node_for_the_same_layout() -> None:
@@ -188,7 +208,8 @@ def test_the_consensus_changes_no_training_state(monkeypatch: pytest.MonkeyPatch
 
 def test_a_resumed_rank_loads_its_nodes_parameters_and_the_anchor() -> None:
     saved_params = [[torch.full((3,), 1.0)], [torch.full((3,), 2.0)]]
-    record = node_record([(_states(n), None, saved_params[n]) for n in range(2)], [0, 1])
+    record = {"layout": [1, 1], "optimizer_states": [_states(0), _states(1)], "residuals": [None, None]}
+    record["params"] = saved_params
     anchor = [torch.full((3,), 5.0)]
     comm = {"samples": [2, 6], "in_consensus": False, "merge": {"optimizer": None, "anchor": anchor}, "nodes": record}
     for rank in range(2):

@@ -6,7 +6,7 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_het.reliability.watchdog import Watchdog
+from lightning_het.reliability.watchdog import Phase, ReplicaStatus, Watchdog
 
 
 class ExitRecorder:
@@ -47,3 +47,9 @@ def watchdog_pair(
         for dog in dogs:
             dog.start()
     return dogs, recorders, store
+
+
+def describe_phase(phase: Phase, batch: int, eval_stage: str = "", eval_batch: int = -1) -> str:
+    """What :meth:`ReplicaStatus.describe` says of a replica in ``phase`` at ``batch``, without the replica's name."""
+    status = ReplicaStatus(0, "h", 1, batch, phase, eval_stage=eval_stage, eval_batch=eval_batch)
+    return status.describe().removeprefix("rank 0 on h (pid 1): ")

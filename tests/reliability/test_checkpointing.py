@@ -15,17 +15,15 @@ from torch.utils.data import DataLoader
 from lightning_het import HeterogeneousStrategy, ProportionalDistributedSampler
 from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
-    checkpoint_record,
-    plan_allocation,
-    plan_sampler_resume,
-    read_record,
-)
-from lightning_het.reliability.resume import (
     Candidate,
     checkpoint_candidates,
+    checkpoint_record,
     choose_checkpoint,
     identity_differences,
     job_identity,
+    plan_allocation,
+    plan_sampler_resume,
+    read_record,
 )
 from tests.helpers.harness import run_harness, split_output
 from tests.helpers.tiny import TinyRegressor, make_dataset, reference_weights
@@ -52,19 +50,19 @@ class TestPlanAllocation:
 
     def test_same_replicas_reuse_the_checkpoints_speeds_without_profiling(self):
         plan = plan_allocation(_record(), world_size=2, given_speeds=None)
-        assert plan.speeds == [1.0, 3.0] and not plan.rebalanced
+        assert plan.speeds == [1.0, 3.0] and "re-balancing" not in plan.message
         assert "resuming with the checkpoint's speeds [1.0, 3.0] (no re-profiling" in plan.message
 
     def test_other_replica_count_rebalances_by_profiling(self):
         plan = plan_allocation(_record(), world_size=3, given_speeds=None)
-        assert plan.speeds is None and plan.rebalanced
+        assert plan.speeds is None and plan.message.startswith("re-balancing on resume")
         assert "trained by 2 replica(s), this run has 3" in plan.message
 
     def test_given_speeds_win(self):
         plan = plan_allocation(_record(), world_size=2, given_speeds=[2, 2])
-        assert plan.speeds == [2.0, 2.0] and plan.rebalanced
+        assert plan.speeds == [2.0, 2.0] and plan.message.startswith("re-balancing on resume")
         assert "speeds [1.0, 3.0]" in plan.message and "given speeds [2.0, 2.0]" in plan.message
-        assert not plan_allocation(_record(), world_size=2, given_speeds=[1, 3]).rebalanced
+        assert "re-balancing" not in plan_allocation(_record(), world_size=2, given_speeds=[1, 3]).message
 
 
 class TestPlanSamplerResume:
@@ -76,12 +74,12 @@ class TestPlanSamplerResume:
 
     def test_mid_epoch_skips_the_batches_done(self):
         plan = plan_sampler_resume(self._saved(1, 2), **self.ORDER)
-        assert (plan.epoch, plan.skip_steps) == (1, 2)
+        assert plan == (1, 2)  # (epoch, global batches to skip)
 
     def test_epoch_boundaries(self):
-        assert plan_sampler_resume(self._saved(1, 0), **self.ORDER).skip_steps == 0
+        assert plan_sampler_resume(self._saved(1, 0), **self.ORDER) == (1, 0)
         end = plan_sampler_resume(self._saved(1, 5), **self.ORDER)
-        assert (end.epoch, end.skip_steps) == (2, 0)
+        assert end == (2, 0)
         assert plan_sampler_resume(None, **self.ORDER) is None
 
     @pytest.mark.parametrize(("change", "text"), [({"global_batch_size": 12}, "global_batch_size 12 -> 8"),
@@ -93,7 +91,7 @@ class TestPlanSamplerResume:
 
     def test_a_different_order_is_fine_at_an_epoch_boundary(self):
         plan = plan_sampler_resume(self._saved(1, 5, global_batch_size=12, epoch_finished=True), **self.ORDER)
-        assert (plan.epoch, plan.skip_steps) == (2, 0)
+        assert plan == (2, 0)
         with pytest.raises(ValueError, match="before the epoch ended"):
             plan_sampler_resume(self._saved(1, 5, global_batch_size=12, epoch_finished=False), **self.ORDER)
 
@@ -311,17 +309,19 @@ def test_the_choice_follows_progress_past_unreadable_files_and_other_jobs():
         Candidate("last.ckpt", 10, 1, 25.0, job, global_batch_size=8),  # same step, written later
         Candidate("weights.ckpt", 30, 5, 50.0, job, weights_only=True),  # ModelCheckpoint(save_weights_only=True)
     ]
-    choice = choose_checkpoint(candidates, job, None)
-    assert choice.path == "last.ckpt"
-    assert [c.path for c in choice.unreadable] == ["epoch=2-step=15.ckpt"]
-    assert choice.foreign == [("b.ckpt", ["optimizer 0 group 0 lr 0.5 -> 0.1"])]
-    lines = choice.warnings()
+    path, lines = choose_checkpoint(candidates, job, None)
+    assert path == "last.ckpt"
     assert len(lines) == 2 and "skips epoch=2-step=15.ckpt: it cannot be read (RuntimeError: truncated)" in lines[0]
-    assert "does not resume b.ckpt: it is another job's checkpoint (optimizer 0 group 0 lr 0.5 -> 0.1)" in lines[1]
+    assert "resuming from last.ckpt" in lines[0]
+    # the one other job's checkpoint passed over, named with what differs
+    assert "does not resume b.ckpt: it is another job's checkpoint (optimizer 0 group 0 lr 0.5 -> 0.1);" in lines[1]
     # another global batch given explicitly: not an exact continuation of the checkpoint that recorded 8
-    assert choose_checkpoint(candidates, job, 16).path == "epoch=1-step=10.ckpt"
-    assert choose_checkpoint(candidates[1:4], job, None).path is None
-    assert len(choose_checkpoint(candidates[1:4], job, None).unreadable) == 2
+    assert choose_checkpoint(candidates, job, 16)[0] == "epoch=1-step=10.ckpt"
+    path, lines = choose_checkpoint(candidates[1:4], job, None)
+    assert path is None and [line.split(":")[0] for line in lines[:2]] == [
+        "resume='auto' skips epoch=2-step=15.ckpt",
+        "resume='auto' skips old.ckpt",
+    ]
 
 
 def test_auto_resume_does_not_resume_another_jobs_emergency_checkpoint(tmp_path):

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_het import HeterogeneousStrategy
 from lightning_het.arguments import ArgumentError, validate_resume
+from lightning_het.reliability.checkpointing import wants_resume
 from lightning_het.reliability.emergency import (
     EmergencyCheckpoint,
     LoopRecord,
@@ -28,8 +29,7 @@ from lightning_het.reliability.emergency import (
     restore_rng,
     rng_state,
 )
-from lightning_het.reliability.resume import wants_resume
-from lightning_het.reliability.verdicts import WATCHDOG_EXIT_CODE, Phase
+from lightning_het.reliability.watchdog import WATCHDOG_EXIT_CODE, Phase
 from tests.helpers.harness import run_harness
 from tests.helpers.harness_faults import CountingRegressor
 from tests.helpers.side_by_side import SideBySide
@@ -84,27 +84,50 @@ class _CompareLoopRecord(pl.Callback):
     def setup(self, trainer, pl_module, stage) -> None:
         self.record = LoopRecord(trainer.fit_loop)
 
-    def _check(self, trainer, *args) -> None:
-        assert self.record.state_dict(self.record.take()) == trainer.fit_loop.state_dict()
+    def _check(self, trainer, *args, epoch=None) -> None:
+        assert self.record.state_dict(self.record.take(epoch)) == trainer.fit_loop.state_dict()
         self.checked += 1
 
-    on_train_batch_start = on_train_batch_end = on_validation_end = on_train_epoch_end = _check
+    def on_train_batch_end(self, trainer, *args) -> None:  # where the strategy takes it, naming the epoch
+        self._check(trainer, epoch=trainer.current_epoch)
+
+    on_train_batch_start = on_validation_end = on_train_epoch_end = _check
 
 
-def test_the_step_record_of_the_fit_loop_is_its_state_dict_throughout_a_fit(tmp_path):
+class _StatefulLoader(DataLoader):
+    """A loader with a state (Lightning keeps it in the fit loop's state): the batches drawn so far."""
+
+    drawn = 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.drawn += 1
+            yield batch
+
+    def state_dict(self):
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state):
+        self.drawn = state["drawn"]
+
+
+@pytest.mark.parametrize("loader", [DataLoader, _StatefulLoader])
+def test_the_step_record_of_the_fit_loop_is_its_state_dict_throughout_a_fit(tmp_path, loader):
     """The emergency checkpoint's per-step record of the fit loop: the same dict as ``fit_loop.state_dict()`` at every
-    hook (batch starts and ends, after validation, at epoch ends), with gradient accumulation and a validation loop."""
+    hook (batch starts and ends, after validation, at epoch ends), with gradient accumulation and a validation loop,
+    also when the training loader has a state of its own (which changes every step)."""
     data = make_dataset(40)
     compare = _CompareLoopRecord()
     trainer = pl.Trainer(
         max_epochs=2, accumulate_grad_batches=2, val_check_interval=3, default_root_dir=tmp_path, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[compare],
     )  # fmt: skip
-    trainer.fit(TinyRegressor(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+    trainer.fit(TinyRegressor(), loader(data, batch_size=4), DataLoader(data, batch_size=8))
     # per epoch: 10 batch starts and ends, validation after batches 3, 6 and 9, the epoch end; and the sanity check
     assert compare.checked == 2 * (2 * 10 + 3 + 1) + 1
     state = compare.record.state_dict(compare.record.take())
     assert state["epoch_loop.batch_progress"]["total"]["completed"] == 20 and state == trainer.fit_loop.state_dict()
+    assert ("combined_loader" in state["state_dict"]) == (loader is _StatefulLoader)
 
 
 # ---------------------------------------------------------------------------------------------------- agreement

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+from types import SimpleNamespace
 
-from lightning_het.reliability.verdicts import Phase
-from lightning_het.reliability.watchdog import BOOT_ID, HeartbeatBook, process_alive
+import torch.distributed as dist
+
+from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, process_alive
 
 HOST = socket.gethostname()
 
@@ -21,8 +23,11 @@ def _record(rank: int, beat: int, seq: int = 0, *, host: str = HOST, pid: int | 
     })  # fmt: skip
 
 
-def _book(alive=lambda pid: True, namespace: str = "ns/0/") -> HeartbeatBook:
-    return HeartbeatBook(0, "secret", namespace, HOST, stale_after=1.0, alive=alive)
+def _book(alive=lambda pid: True, namespace: str = "ns/0/", **kwargs) -> Watchdog:
+    """Replica 0's watchdog (not started; heartbeats stale after 1 s) reading replica 1's records."""
+    dog = Watchdog(dist.HashStore(), 0, 2, 3.0, token="secret", namespace=namespace, alive=alive, **kwargs)
+    assert dog.stale_after == 1.0
+    return dog
 
 
 def test_a_genuine_record_is_read_and_forgeries_are_tampering(caplog):
@@ -46,7 +51,7 @@ def test_a_replayed_older_record_is_ignored_and_the_last_genuine_one_kept():
     book.status(1, old, now=1.0)
     assert book.status(1, new, now=2.0).silent_for == 0.0
     status = book.status(1, old, now=2.5)  # going backwards
-    assert "hb/1" in book.tampered and book.seen[1][0] == 4 and status.silent_for == 0.5
+    assert "hb/1" in book.tampered and book.seen[1][2]["beat"] == 4 and status.silent_for == 0.5
 
 
 def test_a_deleted_record_is_tampering_not_silence():
@@ -79,16 +84,17 @@ def test_process_alive():
 
 
 def test_a_launched_replica_is_judged_by_its_process():
+    def launched(code):
+        return SimpleNamespace(poll=lambda: code)
+
     book = _book(alive=lambda pid: False)
-    status = book.status(1, None, now=30.0)  # never heard of
-    assert book.child_status(status, None).silent_for == 0.0  # still running: not silent
-    assert book.child_status(status, 0).state == "finished"  # exited with 0: finished
-    assert book.child_status(status, 3).silent_for == 30.0
+    assert book.status(1, None, now=30.0, child=launched(None)).silent_for == 0.0  # never heard of, running: not silent
+    assert book.status(1, None, now=30.0, child=launched(0)).state == "finished"  # exited with 0: finished
+    assert book.status(1, None, now=30.0, child=launched(3)).silent_for == 30.0
 
 
 def test_a_replica_never_heard_of_is_checked_through_the_identities_exchanged_at_start():
-    book = HeartbeatBook(0, "secret", "ns/0/", HOST, stale_after=1.0, alive=lambda pid: True,
-                         peers={1: (HOST, BOOT_ID, 4242)})  # fmt: skip
+    book = _book(alive=lambda pid: True, peers={1: (HOST, BOOT_ID, 4242)})
     assert book.status(1, None, now=30.0).silent_for == 0.0
 
 

@@ -34,24 +34,23 @@ from torch.utils.data import DataLoader
 from lightning_het.cluster import rendezvous
 from lightning_het.cluster.rendezvous import create_store, listen_address, sign, verify
 from lightning_het.comm import hierarchical as hooks
+from lightning_het.reliability.launch import shield_loader_workers
 from lightning_het.reliability.output_dir import OutputDirError, check_output_dir
-from lightning_het.reliability.preemption import shield_loader_workers
-from lightning_het.reliability.verdicts import (
+from lightning_het.reliability.watchdog import (
     INTERRUPTED_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
-    describe_phase,
-    exit_code_for,
+    Watchdog,
+    end_children,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog, end_children
 from tests.helpers import harness
 from tests.helpers.jobs import OutputWatch, alive, free_port, job_env, run_in_session, start_job, wait_job
 from tests.helpers.side_by_side import Results, SideBySide
 from tests.helpers.tiny import FLAVOUR_ENV
-from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
+from tests.helpers.watchdogs import ExitRecorder, describe_phase, watchdog_pair
 
 TIMEOUT = 5.0
 #: seconds each training step of the Ctrl-C jobs sleeps (of the strangers' job: twice that): their six steps (6 s)
@@ -173,7 +172,7 @@ class TestWatchdog:
     def test_ctrl_c_is_an_interruption_not_a_failure(self):
         dogs, recorders, _ = _pair()
         verdict = dogs[1].on_exception(KeyboardInterrupt())
-        assert verdict is not None and verdict.kind == "interrupted" and exit_code_for(verdict) == 130
+        assert verdict is not None and verdict.kind == "interrupted" and verdict.exit_code == 130
         assert recorders[0].done.wait(5) and recorders[0].codes == [INTERRUPTED_EXIT_CODE]
         for dog in dogs:
             dog.stop()
@@ -226,14 +225,12 @@ class TestReports:
 
 # ---------------------------------------------------------------------------------------------------- comm hook
 class _Done:
-    def get_future(self):
-        fut = torch.futures.Future()
-        fut.set_result([torch.zeros(1)])
-        return fut
+    def wait(self):
+        return True
 
 
-def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
-    """A chunk whose intra-node reduce fails must not leave later chunks waiting for its turn between leaders."""
+def test_hierarchical_sum_that_fails_hands_on_its_turn(monkeypatch):
+    """A sum whose intra-node reduce fails must reach its future, and not leave later sums waiting for their turn."""
     calls = {"reduce": 0}
 
     def reduce(*args, **kwargs):
@@ -248,11 +245,12 @@ def test_hierarchical_chunk_that_fails_hands_on_its_turn(monkeypatch):
     groups = SimpleNamespace(is_leader=True, num_nodes=2, node_size=2, leader=0, intra_group=None,
                              intra_bcast_group=None, leader_group=None, world_size=4)  # fmt: skip
     state = hooks.HierarchicalState(groups)
-    first = hooks._hierarchical_sum_chunk(state, torch.ones(2))
-    second = hooks._hierarchical_sum_chunk(state, torch.ones(2))
+    first = hooks.hierarchical_sum(state, torch.ones(2))
+    second = hooks.hierarchical_sum(state, torch.ones(2))
     with pytest.raises(RuntimeError, match="reduce failed"):
         first.wait()
-    assert second.done() and torch.equal(second.wait(), torch.ones(2))
+    assert torch.equal(second.wait(), torch.ones(2)) and calls["reduce"] == 2
+    state.stop()
 
 
 # ---------------------------------------------------------------------------------------------------- process trees

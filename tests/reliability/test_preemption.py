@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_het import HeterogeneousStrategy
-from lightning_het.reliability.preemption import (
+from lightning_het.reliability.launch import (
     PREEMPTION_EXIT_CODE,
     Preempted,
     PreemptionHandler,
@@ -81,21 +81,25 @@ def test_preemption_checkpoint_false_is_accepted_by_the_strategy_and_the_apps_sc
         HeterogeneousStrategy(preemption_checkpoint=True)
 
 
-def test_preemption_checkpoint_false_stops_without_saving(capsys):
+def test_preemption_checkpoint_false_stops_without_saving(capsys, monkeypatch):
     """The replicas still stop at the agreed step and end with 143; nothing is written."""
+    from lightning_het.reliability.launch import ExitCleanup
+
+    monkeypatch.setattr(ExitCleanup, "exit_code", None)  # what preempt sets is undone after the test
 
     def no_save(path):
         raise AssertionError(f"saved {path}")
 
     trainer = SimpleNamespace(global_step=7, current_epoch=1, save_checkpoint=no_save, checkpoint_callbacks=[])
     exits = ExitRecorder()
-    handler = PreemptionHandler(0.2, False, exit=exits, fast_exit=False)
+    handler = PreemptionHandler(0.2, False, exit=exits)
     err = handler.preempt(trainer, [int(signal.SIGTERM)])
     assert isinstance(err, Preempted) and err.checkpoint is None and err.code == PREEMPTION_EXIT_CODE
     assert "stopped after global step 7 (epoch 1); saved no checkpoint (preemption_checkpoint=False)" in (
         capsys.readouterr().err
     )
     assert exits.done.wait(10) and exits.codes == [PREEMPTION_EXIT_CODE]  # the deadline still ends a stuck replica
+    assert ExitCleanup.exit_code == PREEMPTION_EXIT_CODE  # and the process ends with 143 once its exit handlers ran
 
 
 def _spaced_agreement_worker(rank: int, world_size: int) -> list[tuple[int, list[int]]]:
@@ -106,7 +110,7 @@ def _spaced_agreement_worker(rank: int, world_size: int) -> list[tuple[int, list
     reduces = []
     all_reduce = dist.all_reduce
     dist.all_reduce = lambda *args, **kwargs: reduces.append(1) or all_reduce(*args, **kwargs)
-    handler = PreemptionHandler(fast_exit=False)
+    handler = PreemptionHandler()
     handler.rank, handler.world_size = rank, world_size  # what the strategy records, without taking over the signals
     seen = []
     for step in range(1, 61):
@@ -166,7 +170,7 @@ def test_signal_is_noticed_and_the_deadline_ends_the_process(fitting, grace, sig
     at once (outside fit); the previous handlers come back afterwards."""
     previous = signal.getsignal(signum)
     exits = ExitRecorder()
-    handler = PreemptionHandler(grace, exit=exits, fast_exit=False)
+    handler = PreemptionHandler(grace, exit=exits)
     handler.rank, handler.world_size, handler.fitting = 0, 1, fitting
     handler.register_signal_handlers()
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from lightning_het.reliability.verdicts import Phase, ReplicaStatus, describe_phase, judge
-from lightning_het.reliability.watchdog import inside_torch_distributed
+from lightning_het.reliability.watchdog import Phase, ReplicaStatus, inside_torch_distributed, judge
+from tests.helpers.watchdogs import describe_phase
 
 
 def _frame_of(filename: str, source: str, call: str):

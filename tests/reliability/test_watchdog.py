@@ -14,15 +14,15 @@ import torch.distributed as dist
 
 from lightning_het.arguments import as_timeout
 from lightning_het.reliability.launch import validate_launch_environment
-from lightning_het.reliability.verdicts import (
+from lightning_het.reliability.watchdog import (
     WATCHDOG_EXIT_CODE,
     Phase,
     ReplicaStatus,
     Verdict,
+    Watchdog,
     is_collective_failure,
     judge,
 )
-from lightning_het.reliability.watchdog import Watchdog
 from tests.helpers.harness import run_harness
 from tests.helpers.watchdogs import ExitRecorder, watchdog_pair
 
