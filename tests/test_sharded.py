@@ -165,3 +165,10 @@ def test_app_config_builds_the_sharded_strategy(tmp_path):
     strategy_cfg, _ = validate_config(cfg)
     trainer = build_trainer(cfg, strategy_cfg, [])
     assert isinstance(trainer.strategy, HeterogeneousFSDPStrategy) and trainer.strategy.config.speeds == [1.0, 3.0]
+
+
+def test_hybrid_sharding_refuses_uneven_nodes(tmp_path):
+    cfg = {"devices": 3, "strategy": {"speeds": [1, 2, 4], "node_ids": [0, 0, 1], "sharding": "hybrid"}}
+    job = run_harness("sharded", tmp_path, cfg, limit=300)
+    assert job.returncode != 0
+    assert "node_ids=[0, 0, 1] puts [2, 1] on the nodes [0, 1]" in job.output and "sharding='full'" in job.output
