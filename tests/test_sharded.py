@@ -10,11 +10,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_het import HeterogeneousFSDPStrategy
 from lightning_het.arguments import ArgumentError
 from tests.helpers.harness import load_dumps, run_harness, split_output
-from tests.helpers.tiny import make_dataset, reference_weights
+from tests.helpers.tiny import make_dataset, make_net, reference_weights
 
 #: the 3-replica fits: speeds [1, 2, 4], a global batch of 14 over 45 samples (3 batches and a tail of 3 per epoch)
 THREE = {
-    "full": {"strategy": {"speeds": [1, 2, 4], "global_batch_size": 14, "sharding": "full"}, "save_every": 5},
+    "full": {
+        "strategy": {"speeds": [1, 2, 4], "global_batch_size": 14, "sharding": "full"},
+        "save_every": 5,
+        "val_n": 41,
+    },
     "micro_rebalance": {
         "strategy": {"speeds": [1, 2, 4], "global_batch_size": 14, "max_micro_batch_sizes": [1, 2, 3]},
         "rebalance_at": [1, [4, 4, 6]],
@@ -72,6 +76,18 @@ def test_full_sharding_trains_the_global_batch_with_its_tail(three):
     assert [d["seen_batch_sizes"] for d in dumps] == [[2, 2, 2, 1] * 2, [4, 4, 4, 1] * 2, [8, 8, 8, 1] * 2]
     assert all(d["mesh"] == [3] and d["global_step"] == 8 for d in dumps)
     assert _max_diff(dumps, 45) < 1e-5
+
+
+def test_uneven_evaluation_sees_every_sample_once(three):
+    """Each replica evaluates its share of 41 samples (as many batches everywhere: each forward is a collective); the
+    metric is the whole set's, with the final weights."""
+    dumps, _ = three["full"]
+    assert sum(d["val_seen"] for d in dumps) == 41 * 2 and len({d["val_seen"] for d in dumps}) == 3  # 2 epochs
+    net, data = make_net(), make_dataset(41, seed=99)
+    net.load_state_dict(dumps[0]["state_dict"])
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(net(data.tensors[0]), data.tensors[1]).item()
+    assert all(d["val_mse"] == pytest.approx(expected, rel=1e-5) for d in dumps)
 
 
 def test_micro_batches_under_a_cap_and_across_a_rebalance(three):

@@ -2,11 +2,11 @@
 
 Config keys: ``devices`` (3), ``strategy`` (its keywords; gloo), ``n`` (45 samples), ``batch_size`` (the loader's, 4),
 ``epochs`` (2), ``max_steps``, ``accumulate``, ``shard_in_module`` (the module's own ``configure_model`` shards),
-``save_every`` (a checkpoint every that many steps in ``OUT_DIR/ckpt/step=<s>.ckpt``), ``resume`` (a checkpoint
-path to resume from), ``slow_rank`` /
-``slow_factor`` / ``step_cost`` (the module's ``cost_per_sample_s``), ``rebalance_at`` (``[step, sizes]``: adopt
-``sizes`` at that global step), ``speeds_given``. Every rank dumps ``OUT_DIR/rank{r}.pt``: the full weights, the batch
-sizes it saw, the allocation, the mesh's shape and the strategy's balance report.
+``save_every`` (a checkpoint every that many steps in ``OUT_DIR/ckpt/step=<s>.ckpt``), ``resume`` (a checkpoint path to
+resume from), ``module`` (keywords of :class:`~tests.helpers.tiny.TinyRegressor`), ``rebalance_at`` (``[epoch, sizes]``:
+adopt ``sizes`` from that epoch), ``val_n`` (a validation set of that many samples). Every rank dumps
+``OUT_DIR/rank{r}.pt``: the full weights, the batch sizes it saw, the allocation, the mesh's shape and the strategy's
+balance report.
 """
 
 from __future__ import annotations
@@ -70,10 +70,14 @@ def sharded(out: Path, cfg: dict) -> None:
         enable_checkpointing=bool(every),
         default_root_dir=str(out),
     )
-    trainer.fit(module, loader, ckpt_path=cfg.get("resume"))
+    val_n = cfg.get("val_n")  # an evaluation set, split by the replicas' shares
+    val = DataLoader(make_dataset(val_n, seed=99), batch_size=5) if val_n else None
+    trainer.fit(module, loader, val, ckpt_path=cfg.get("resume"))
     record = {
         "state_dict": full_weights(module.net),
         "seen_batch_sizes": module.seen_batch_sizes,
+        "val_seen": module.val_seen,
+        "val_mse": float(trainer.callback_metrics["val/mse"]) if "val/mse" in trainer.callback_metrics else None,
         "batch_sizes": strategy.batch_sizes,
         "global_step": trainer.global_step,
         "mesh": list(strategy.shard_mesh.mesh.shape),
