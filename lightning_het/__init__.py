@@ -14,6 +14,7 @@ from lightning_het.data.datamodule import HeterogeneousDataModule
 from lightning_het.data.sampler import ProportionalDistributedSampler, UnpaddedDistributedSampler
 from lightning_het.emulation import EmulatedPlatform
 from lightning_het.fabric import HeterogeneousFabricStrategy
+from lightning_het.sharded import HeterogeneousFSDPStrategy
 from lightning_het.strategy import HeterogeneousStrategy
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "CommAlgorithm",
     "EmulatedPlatform",
     "HeterogeneousDataModule",
+    "HeterogeneousFSDPStrategy",
     "HeterogeneousFabricStrategy",
     "HeterogeneousStrategy",
     "Hierarchical",
@@ -49,6 +51,9 @@ def _register() -> None:
         registry = getattr(strategies, "StrategyRegistry", None) or strategies.STRATEGY_REGISTRY  # Trainer's, Fabric's
         if "heterogeneous" not in registry:
             registry.register("heterogeneous", cls, description="Heterogeneous data parallelism")
+    strategies = importlib.import_module("lightning.pytorch.strategies")
+    if "heterogeneous_fsdp" not in strategies.StrategyRegistry:
+        strategies.StrategyRegistry.register("heterogeneous_fsdp", HeterogeneousFSDPStrategy, description="Sharded")
     keep_rank_zero_log()  # each Lightning package points the rank-zero logger at its own when imported: the run's stays
 
 

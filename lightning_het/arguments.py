@@ -172,9 +172,11 @@ def check_ddp_keywords(strategy_cls: type, own: Sequence[str], kwargs: dict[str,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp_cls = next((c for c in strategy_cls.__mro__ if c.__name__ == "DDPStrategy"), None)
+    bases = ("DDPStrategy", "ModelParallelStrategy")
+    ddp_cls = next((c for c in strategy_cls.__mro__ if c.__name__ in bases), None)
     known = _named_parameters(ddp_cls.__init__) if ddp_cls is not None else set()  # type: ignore[misc]
-    known |= _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
+    if ddp_cls is None or ddp_cls.__name__ == "DDPStrategy":
+        known |= _named_parameters(DistributedDataParallel.__init__) - {"module", "device_ids"}  # set by Lightning
     for name in [name for name in kwargs if name not in known]:
         close = difflib.get_close_matches(name, sorted(known | set(own)), n=1)
         hint = f"did you mean `{close[0]}`?" if close else "see DDPStrategy's and DistributedDataParallel's keywords."

@@ -8,6 +8,8 @@
   builds ``DDPStrategy(...)`` or checks ``isinstance(strategy, DDPStrategy)`` gets ours). The runner also imports this
   module from a ``sitecustomize`` so that processes started by a test (``ddp_spawn`` children, ``ddp`` re-launches)
   substitute too.
+* With ``LIGHTNING_HET_SUBSTITUTE=sharded``, ``lightning.pytorch.strategies.ModelParallelStrategy`` (and its module's
+  name) is :class:`lightning_het.HeterogeneousFSDPStrategy` instead.
 * ``LIGHTNING_TESTS_TIMEOUT=<seconds>``: a test still running after that long is failed (``TimeoutError``) after its
   child processes are killed (a deadlocked collective would otherwise hold the run forever).
 * ``flaky`` (pytest-rerunfailures' marker, which Lightning's tests use) is registered when that plugin is missing, so
@@ -26,6 +28,7 @@ import signal
 from pathlib import Path
 
 SUBSTITUTE = os.environ.get("LIGHTNING_HET_SUBSTITUTE") == "1"
+SHARDED = os.environ.get("LIGHTNING_HET_SUBSTITUTE") == "sharded"  # ModelParallelStrategy -> HeterogeneousFSDPStrategy
 TIMEOUT = float(os.environ.get("LIGHTNING_TESTS_TIMEOUT") or 0)
 RESULTS = os.environ.get("LIGHTNING_TESTS_RESULTS")
 
@@ -47,10 +50,22 @@ def _substitute() -> None:
     ddp.DDPStrategy = HeterogeneousStrategy
 
 
+def _substitute_sharded() -> None:
+    """Rebind Lightning's ``ModelParallelStrategy`` names to ``HeterogeneousFSDPStrategy`` (``--sharded``)."""
+    import lightning.pytorch.strategies as strategies
+    import lightning.pytorch.strategies.model_parallel as model_parallel
+
+    from lightning_het import HeterogeneousFSDPStrategy
+
+    strategies.ModelParallelStrategy = model_parallel.ModelParallelStrategy = HeterogeneousFSDPStrategy
+
+
 def install() -> None:
     """Substitute now (importing ``lightning_het``, which imports ``lightning.pytorch``)."""
     if SUBSTITUTE:
         _substitute()
+    elif SHARDED:
+        _substitute_sharded()
 
 
 install()

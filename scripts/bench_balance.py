@@ -91,7 +91,7 @@ def _worker(spec_path: str) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -140,6 +140,12 @@ def _worker(spec_path: str) -> None:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def configure_model(self) -> None:  # the sharded rows: the same FSDP2 sharding for both strategies
+            if isinstance(self.trainer.strategy, ModelParallelStrategy):
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     class MLP(pl.LightningModule):
         """Real compute (no sleeping), for the homogeneous overhead."""
@@ -208,6 +214,10 @@ def _worker(spec_path: str) -> None:
         callbacks: list[Any] = []
         if cfg["strategy"] == "ddp":
             strategy: Any = DDPStrategy(process_group_backend="gloo")
+        elif cfg["strategy"] == "mp":  # Lightning's FSDP2 (equal split): the sharded row's reference
+            strategy = ModelParallelStrategy(world, 1, process_group_backend="gloo")  # data-parallel over all
+        elif cfg["strategy"] == "fsdp":
+            strategy = lightning_het.HeterogeneousFSDPStrategy(process_group_backend="gloo", **kwargs)
         else:
             # the rows' flat settings in the typed form: comm / profiling objects, the emulation as a callback
             keywords, emulation = typed_keywords(kwargs)
@@ -247,7 +257,7 @@ def _worker(spec_path: str) -> None:
             "step_cpu_s_p10": _quantile(timer.step_times(cpu=True), 0.1),
             "global_step": trainer.global_step,
         }
-        if cfg["strategy"] != "ddp":
+        if cfg["strategy"] not in ("ddp", "mp"):
             report = trainer.strategy.balance_report()
             result["batch_sizes"] = report["batch_sizes"]
             result["speeds"] = report["speeds"]
@@ -319,6 +329,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                     "strategy": strategy,
                 }
             )
+    for strategy in ("mp", "het"):  # sharded (FSDP2): ModelParallelStrategy, HeterogeneousFSDPStrategy
+        sharded = {**base, "platform": "1:2:4", "speeds": PLATFORMS["1:2:4"], "strategy": strategy}
+        platforms.append({**sharded, "name": f"1:2:4 sharded {strategy}", "strategy": strategy.replace("het", "fsdp")})
     fastest = max(PLATFORMS["1:2:4"])
     platforms.append(
         {
@@ -624,7 +637,8 @@ def _summarise(platforms: list[dict], overhead: list[dict], c0: float) -> dict[s
             "report_paths": r.get("report_paths"),
         }
     over = _overhead_summary(overhead)
-    return {"platforms": rows, "emulation": emulation, "slowdown": slowdown, "overhead": over}
+    sharded = _sharded_line(by_name) if "1:2:4 sharded het" in by_name else None
+    return {"platforms": rows, "emulation": emulation, "slowdown": slowdown, "overhead": over, "sharded": sharded}
 
 
 def _overhead_summary(overhead: list[dict]) -> dict[str, Any]:
@@ -734,6 +748,7 @@ def _markdown(summary: dict[str, Any], args: argparse.Namespace, command: str, e
             "",
             f"Rebalanced at the end of epoch {e['epoch']}: {e['from']} -> {e['batch_sizes']} ({e['reason']}).",
         ]
+    lines += [summary["sharded"]] if summary.get("sharded") else []
     o = summary["overhead"]
     pairs = ", ".join(f"{p:+.1%}" for p in o["overhead_per_pair"])
     cpu_pairs = ", ".join(f"{p:+.1%}" for p in o["cpu_overhead_per_pair"])
@@ -831,6 +846,7 @@ def _brief(runs: list[dict], c0: float, command: str, elapsed: float) -> str:
                 f"\n{name}: speedup of the whole fit {speedup:.3f}x of the ideal {ideal:.3f}x ="
                 f" **{speedup / ideal:.1%}**; profiling {het.get('profile_s', 0.0) / het['fit_s']:.1%} of the fit"
             )
+    lines += [_sharded_line(by_name)] if "1:2:4 sharded het" in by_name else []
     new_ideal = _slowed_ideal_samples_per_s(c0)
     for label in ("static", "rebalanced"):
         r = by_name.get(f"slowdown {label}")
@@ -841,6 +857,17 @@ def _brief(runs: list[dict], c0: float, command: str, elapsed: float) -> str:
                 f" {', '.join(f'{f:.0%}' for f in fractions)}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _sharded_line(by_name: dict[str, dict]) -> str:
+    """The sharded 1:2:4 row: HeterogeneousFSDPStrategy's whole fit against ModelParallelStrategy's (equal split)."""
+    mp, het = by_name["1:2:4 sharded mp"], by_name["1:2:4 sharded het"]
+    speedup, ideal = mp["fit_s"] / het["fit_s"], _ideal_speedup(PLATFORMS["1:2:4"])
+    return (
+        f"\n**Sharded (FSDP2), 1:2:4:** `ModelParallelStrategy` fit {mp['fit_s']:.2f} s, `HeterogeneousFSDPStrategy`"
+        f" {het['fit_s']:.2f} s (batch sizes {het.get('batch_sizes')}): {speedup:.3f}x of the ideal {ideal:.3f}x ="
+        f" **{speedup / ideal:.1%}**."
+    )
 
 
 def _update_docs(doc: Path, section: str) -> None:

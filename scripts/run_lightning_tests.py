@@ -26,7 +26,9 @@ Usage (2 cores: a few files at a time)::
 
 Files and folders are relative to the checkout's ``tests/`` folder (or absolute); without any, the default list
 (:data:`DEFAULT_FILES`: CPU-runnable strategy, loop, logging, hook, checkpoint and data-connector tests) runs.
-``--list-default`` prints it. ``-k EXPR`` selects tests inside the files, as pytest's ``-k``.
+``--list-default`` prints it. ``-k EXPR`` selects tests inside the files, as pytest's ``-k``. ``--sharded`` runs
+``ModelParallelStrategy`` (the ``ddp`` mode) against ``HeterogeneousFSDPStrategy`` substituted for it
+(:data:`SHARDED_FILES` by default).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent
 MODES = ("ddp", "heterogeneous")
-SUBSTITUTE_NAME = "HeterogeneousStrategy"
+NAMES = ("HeterogeneousStrategy", "DDPStrategy")  # ours, and the stock class it stands in for
 
 #: CPU-runnable tests of the strategy, loops, logging, hooks, checkpointing and the data connector (relative to the
 #: checkout's ``tests/`` folder; a folder runs every ``test_*.py`` in it, each file in its own pytest process)
@@ -64,6 +66,12 @@ DEFAULT_FILES = [
     "tests_pytorch/utilities/test_all_gather_grad.py",
     "tests_pytorch/loops/",
     "tests_pytorch/checkpointing/",
+]
+
+#: ``--sharded``: Lightning's ModelParallelStrategy tests that run on CPU (the integration file skips without GPUs)
+SHARDED_FILES = [
+    "tests_pytorch/strategies/test_model_parallel.py",
+    "tests_pytorch/strategies/test_model_parallel_integration.py",
 ]
 
 
@@ -102,7 +110,7 @@ def run_file(
         PYTHONPATH=os.pathsep.join(
             p for p in (str(work / "site"), str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")) if p
         ),
-        LIGHTNING_HET_SUBSTITUTE="1" if mode == "heterogeneous" else "0",
+        LIGHTNING_HET_SUBSTITUTE=("sharded" if args.sharded else "1") if mode == "heterogeneous" else "0",
         LIGHTNING_TESTS_TIMEOUT=str(args.timeout),
         LIGHTNING_TESTS_RESULTS=str(results),
         LIGHTNING_TESTS_RUNNER_PID=str(os.getpid()),
@@ -179,9 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[], help="passed on to pytest (last)")
     parser.add_argument("--list-default", action="store_true", help="print the default file list and exit")
+    parser.add_argument(
+        "--sharded", action="store_true", help="ModelParallelStrategy against HeterogeneousFSDPStrategy instead"
+    )
     args = parser.parse_args(argv)
+    defaults = SHARDED_FILES if args.sharded else DEFAULT_FILES
     if args.list_default:
-        print("\n".join(DEFAULT_FILES))
+        print("\n".join(defaults))
         return 0
     if args.lightning_repo is None:
         parser.error("--lightning-repo is required (a checkout of Lightning at the installed version's tag)")
@@ -197,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if checkout not in ("unknown", installed):
         print("warning: the checkout's version differs from the installed one; some tests may not match", flush=True)
 
-    files = expand(tests_dir, args.files or DEFAULT_FILES)
+    files = expand(tests_dir, args.files or defaults)
     report: dict = {"lightning": installed, "checkout": checkout, "files": {}, "differences": []}
     with tempfile.TemporaryDirectory(prefix="lightning-het-lt-") as tmp:
         work = Path(tmp)
@@ -205,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         (work / "tmp").mkdir()  # pytest creates each --basetemp, not its parents
         # processes started by a test (ddp_spawn children, ddp re-launches) substitute as well
         (work / "site" / "sitecustomize.py").write_text(
-            "import os\nif os.environ.get('LIGHTNING_HET_SUBSTITUTE') == '1':\n    import _lightning_tests_plugin\n"
+            "import os\nif os.environ.get('LIGHTNING_HET_SUBSTITUTE') in ('1', 'sharded'):\n"
+            "    import _lightning_tests_plugin\n"
         )
         for test_file in files:
             name = str(test_file.relative_to(tests_dir)) if test_file.is_relative_to(tests_dir) else str(test_file)
@@ -216,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.monotonic() - start
                 outcomes = {_rel(k, tests_dir): v for k, v in outcomes.items()}
                 if mode == "heterogeneous":  # parametrize ids made from the class name: DDPStrategy is ours here
-                    outcomes = {k.replace(SUBSTITUTE_NAME, "DDPStrategy"): v for k, v in outcomes.items()}
+                    ours, stock = ("HeterogeneousFSDPStrategy", "ModelParallelStrategy") if args.sharded else NAMES
+                    outcomes = {k.replace(ours, stock): v for k, v in outcomes.items()}
                 passed = sum(o["outcome"] == "passed" for o in outcomes.values())
                 print(f"{name} [{mode}]: {len(outcomes)} tests, {passed} passed ({seconds:.0f} s)", flush=True)
                 if not outcomes:

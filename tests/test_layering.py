@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"reliability"},  # watchdog, preemption, checkpoint records, resume
     {"data"},  # samplers and loaders (positioned from the checkpoint record)
     {"balance"},  # the allocation of one strategy and everything that sets it
-    {"strategy", "fabric", "emulation", "_pl_compat", "_fabric_compat", "pl", "train", "__init__"},  # glue
+    {"strategy", "sharded", "fabric", "emulation", "_pl_compat", "_fabric_compat", "pl", "train", "__init__"},  # glue
 ]
 ABOVE_CORE = {"hsi", "app"}
 

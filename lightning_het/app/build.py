@@ -52,6 +52,11 @@ def build_datamodule(data_cfg: DataConfig) -> Any:
 def build_trainer(cfg: DictConfig, strategy_cfg: StrategyConfig, callbacks: list[Any]) -> pl.Trainer:
     """The ``trainer`` config's trainer with the strategy, ``callbacks`` then the config's own ones, and the loggers."""
     node, emulation = strategy_cfg.to_node()  # the typed form (comm=NodeLocal(...), ...) of the flat config keys
+    if node["_target_"] == "lightning_het.HeterogeneousFSDPStrategy":  # the DDP keys at their defaults: not passed
+        ddp = {"comm": "lightning_het.Auto", "device_map": None, "cpu_threads": None, "start_method": "popen"}
+        ddp["find_unused_parameters"] = False
+        plain = {k: v.get("_target_") if isinstance(v, dict) else v for k, v in node.items()}
+        node = {k: v for k, v in node.items() if k not in ddp or plain[k] != ddp[k]}
     strategy = instantiate("strategy", node)
     if emulation:  # `strategy.emulate_slowdown` / `strategy.emulate_memory_cap`: the EmulatedPlatform callback
         from lightning_het.emulation import EmulatedPlatform

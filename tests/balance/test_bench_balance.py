@@ -32,3 +32,4 @@ def test_bench_balance_tiny_runs_end_to_end(tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "results.md").read_text()
     assert "| 1:2:4 |" in table and "Homogeneous overhead" in table and "**Memory platform**" in table
+    assert "**Sharded (FSDP2), 1:2:4:** `ModelParallelStrategy` fit" in table  # the sharded row

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tests.helpers import harness_fabric, harness_faults, harness_fit, harness_hooks, harness_steps
+from tests.helpers import harness_fabric, harness_faults, harness_fit, harness_hooks, harness_sharded, harness_steps
 from tests.helpers.jobs import JobResult, run_command
 
 #: job name -> (what one config runs, the defaults under its config)
@@ -38,6 +38,7 @@ JOBS: dict[str, tuple[Callable[[Path, dict], None], dict[str, Any]]] = {
     "emergency": (harness_faults.emergency, {}),
     "lifecycle": (harness_faults.lifecycle, {}),
     "fabric": (harness_fabric.fabric, {}),
+    "sharded": (harness_sharded.sharded, {}),
 }
 
 #: printed by every rank, on a line of its own, before config ``i`` of a list, followed by ``i``
