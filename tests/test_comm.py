@@ -658,11 +658,14 @@ class TestByteModel:
         assert flat / amortised >= 10
 
     def test_comm_stats_dict(self) -> None:
+        param = torch.zeros(25, requires_grad=True)
+        optimizer = torch.optim.SGD([param], lr=0.1)
         algorithm = AllReduce()
-        algorithm.install(_FakeDDP([torch.zeros(25, requires_grad=True)]), [], [0, 0, 1, 1], 0)
-        algorithm._record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        algorithm._record(flat_allreduce_traffic(100, [0, 0, 1, 1]))
-        algorithm._record(hierarchical_traffic(100, [0, 0, 1, 1]), sync=True)
+        algorithm.install(_FakeDDP([param]), [optimizer], [0, 0, 1, 1], 0)
+        for _ in range(2):  # two optimizer steps: each one flat all-reduce of the 100 gradient bytes
+            param.grad = torch.zeros(25)
+            optimizer.step()
+        algorithm._record_sync(hierarchical_traffic(100, [0, 0, 1, 1]))
         d = algorithm.stats
         assert d["steps"] == 2 and d["global_syncs"] == 1
         assert d["bytes_intra_total"] == 400.0 and d["bytes_inter_total"] == 100.0

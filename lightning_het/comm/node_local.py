@@ -241,7 +241,7 @@ class NodeLocal(CommAlgorithm):
                 p.copy_(a)
             wire = (len(set(ids)) - 1) * wire_bytes(delta.numel(), self.sync_dtype)  # all-gathered between leaders
             traffic = hierarchical_traffic(delta.numel() * 4, ids, None if self.sync_dtype == "float32" else wire)
-        self._record(traffic, sync=True)
+        self._record_sync(traffic)
         self._in_consensus, self._samples = True, [0] * len(self._samples)
         return True
 
