@@ -1,9 +1,5 @@
-"""lightning-het: Lightning strategy for data-parallel training on heterogeneous platforms.
-
-Importing it registers ``strategy="heterogeneous"`` in the strategy registries of ``lightning.pytorch`` and
-``lightning.fabric``, and of the standalone ``pytorch_lightning`` / ``lightning_fabric`` where they are installed
-(so it imports Lightning, and those packages).
-"""
+"""lightning-het: data-parallel training on heterogeneous platforms. Importing it registers ``"heterogeneous"`` with
+``lightning.pytorch``, ``lightning.fabric`` and, where installed, ``pytorch_lightning`` / ``lightning_fabric``."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ one clear import-time error naming the missing API; no other module imports a pr
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,17 +43,14 @@ def _private_attribute(owner: Any, name: str) -> Any:
 
 def attached_trainer(module: Any) -> Any:
     """The Trainer a LightningModule is attached to, else ``None`` (also under Fabric, and for a plain module)."""
-    if module is None or getattr(module, "fabric", None) is not None:
-        return None
-    try:
-        return getattr(module, "trainer", None)
-    except RuntimeError:  # not attached to a Trainer
-        return None
+    if module is not None and getattr(module, "fabric", None) is None:
+        with contextlib.suppress(RuntimeError):  # not attached to a Trainer
+            return getattr(module, "trainer", None)
+    return None
 
 
 def training_loaders(trainer: Any) -> list[Any] | None:
-    """The fit loop's training loaders, flattened as its ``CombinedLoader`` flattens them (``None`` before it built
-    them)."""
+    """The fit loop's training loaders, flattened as its ``CombinedLoader`` does (``None`` before it built them)."""
 
     def leaves(tree: Any) -> list[Any]:
         tree = list(tree.values()) if isinstance(tree, dict) else tree

@@ -128,9 +128,8 @@ SYNC_DEFAULTS: dict[str, Any] = {
 
 
 def check_sync_args(*values: Any, comm: str = "node_local") -> None:
-    """``comm="node_local"``'s sync keywords (``values``: those of :data:`SYNC_DEFAULTS`, in order); a value other than
-    the default is refused where nothing reads it (another ``comm``; ``outer_lr`` / ``outer_momentum`` without
-    ``outer_optimizer="nesterov"``)."""
+    """``comm="node_local"``'s sync keywords (``values``: as :data:`SYNC_DEFAULTS`), a value other than the default
+    refused where nothing reads it (another ``comm``; ``outer_lr``/``outer_momentum`` without ``"nesterov"``)."""
     given = dict(zip(SYNC_DEFAULTS, values))
     outer = given["outer_optimizer"]
     expected = "None (plain averaging), one of ['nesterov'] or a callable building a torch optimizer from a list of"

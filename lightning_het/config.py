@@ -111,9 +111,8 @@ class HeterogeneousConfig:
         out["max_batch_sizes"] = bounds = int_list("max_batch_sizes", out.get("max_batch_sizes"))
         for i, b in enumerate(bounds or []):
             expect(b >= least, f"max_batch_sizes[{i}]", f">= `min_batch_size`={least}", b)  # type: ignore[operator]
-        if out.get("max_micro_batch_sizes") != "auto":  # "auto": measured by a short search on the first steps
-            caps = out.get("max_micro_batch_sizes")
-            out["max_micro_batch_sizes"] = int_list("max_micro_batch_sizes", caps, 'or "auto"')
+        caps = out.get("max_micro_batch_sizes")  # "auto": measured by a short search on the first steps
+        out["max_micro_batch_sizes"] = caps if caps == "auto" else int_list("max_micro_batch_sizes", caps, 'or "auto"')
         nodes = out["node_ids"] = int_list("node_ids", out.get("node_ids"), minimum=0)
         comm = out["comm"] = _comm_object(out.get("comm", "auto"))
         if comm.mode == "node_local" and nodes is not None and len(set(nodes)) < 2:
@@ -188,26 +187,18 @@ def _grouped(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return groups
 
 
-def _call(name: str, values: Mapping[str, Any]) -> str:
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
-
-
 def new_form(old: Mapping[str, Any], comm: Any = "auto") -> str:
     """The typed form of the deprecated keywords ``old`` (with ``comm``, the mode name they went with)."""
-    groups, parts = _grouped(old), []
-    if "comm" in groups:
-        cls = algorithm_class(comm if isinstance(comm, str) else "auto", groups["comm"])
-        parts.append(f"comm={_call(cls.__name__, groups['comm'])}")
-    parts += [f"{g}={_call(_GROUPS[g].__name__, groups[g])}" for g in _GROUPS if g in groups]
-    if "emulation" in groups:
-        parts.append(f"Trainer(callbacks=[{_call('EmulatedPlatform', groups['emulation'])}])")
-    return ", ".join(parts)
+    groups = _grouped(old)
+    cls = algorithm_class(comm if isinstance(comm, str) else "auto", groups.get("comm", {}))
+    names = {"comm": cls.__name__, "emulation": "EmulatedPlatform"} | {g: c.__name__ for g, c in _GROUPS.items()}
+    forms = {g: f"{names[g]}({', '.join(f'{k}={v!r}' for k, v in values.items())})" for g, values in groups.items()}
+    return ", ".join(f"Trainer(callbacks=[{form}])" if g == "emulation" else f"{g}={form}" for g, form in forms.items())
 
 
 def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Flat keywords in the typed form, same meaning: the strategy's and the ``EmulatedPlatform``'s (empty: none).
-    Comm settings the mode does not read are dropped (``global_sync_every`` / ``comm_warmup_steps`` with a
-    ``UserWarning``); a bad value raises :class:`ArgumentError` naming the flat keyword."""
+    """Flat keywords in the typed form, same meaning: the strategy's and the ``EmulatedPlatform``'s (empty: none); comm
+    settings the mode does not read are dropped (schedules with a ``UserWarning``); errors name the flat keyword."""
     out = {name: value for name, value in flat.items() if name not in DEPRECATED_KEYWORDS}
     groups, comm = _grouped(flat), out.get("comm", "auto")
     if "comm" in groups:
@@ -235,9 +226,8 @@ def typed_keywords(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 def strategy_config(
     owner: type, keywords: Mapping[str, Any], fabric: bool = False
 ) -> tuple[HeterogeneousConfig, dict[str, Any]]:
-    """A strategy's validated config from its constructor's ``locals()``, and the rest of ``kwargs`` (DDP's). The old
-    flat keywords warn once naming the typed form; a setting given both ways, or (``fabric``) one needing the Trainer's
-    loop, raises :class:`ArgumentError`."""
+    """A strategy's validated config from its constructor's ``locals()``, and DDP's keywords; one warning names the
+    typed form of the old flat keywords; both forms, or (``fabric``) a Trainer-only setting, raise ``ArgumentError``."""
     comm, groups, rest = keywords["comm"], {group: keywords[group] for group in _GROUPS}, dict(keywords["kwargs"])
     explicit = {n: keywords[n] for n in HeterogeneousConfig.__dataclass_fields__ if n in keywords and n not in groups}
     old = {name: rest.pop(name) for name in list(rest) if name in DEPRECATED_KEYWORDS}

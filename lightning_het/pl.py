@@ -1,6 +1,5 @@
-"""The strategies for the standalone ``pytorch_lightning`` and ``lightning_fabric`` packages: the same keywords and
-guarantees as :class:`lightning_het.HeterogeneousStrategy` / :class:`lightning_het.HeterogeneousFabricStrategy`; each
-name needs its package installed."""
+"""Our strategies on the standalone ``pytorch_lightning`` / ``lightning_fabric`` (each needs its package installed),
+with the keywords and guarantees of ``lightning_het.HeterogeneousStrategy`` / ``HeterogeneousFabricStrategy``."""
 
 from __future__ import annotations
 

@@ -321,11 +321,9 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self.comm_algorithm is None:
-            return state
+        state, comm = super().lightning_module_state_dict(), self.comm_algorithm
         # node_local: the consensus model, computed without a sync (a collective); each node's own in the record
-        return self.comm_algorithm.consensus_state_dict(self.lightning_module, state)
+        return state if comm is None else comm.consensus_state_dict(self.lightning_module, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -387,7 +387,7 @@ def _decided(flat_s: float, hier_s: float) -> str | None:
     return algorithm.reduction
 
 
-def test_choose_reduction_and_measured_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measured_choice_margin_and_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hierarchical_module.dist, "get_backend", lambda *args: "gloo")
     monkeypatch.setattr(hierarchical_module.dist, "all_reduce", lambda tensor, op=None: None)  # every rank agrees
     assert _decided(0.40, 0.50) == "flat"

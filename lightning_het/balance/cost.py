@@ -7,6 +7,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_het.allocation import batch_bounds, positive_finite
 
@@ -102,22 +103,20 @@ def allocate_affine(
 
 
 def useless_replica_message(
-    global_batch_size: int,
-    costs: Sequence[AffineCost],
-    batch_sizes: Sequence[int],
-    labels: Sequence[str],
-    *,
-    min_batch_size: int = 1,
-    max_batch_sizes: Sequence[int] | None = None,
+    global_batch_size: int, costs: Sequence[AffineCost], batch_sizes: Sequence[int], labels: list[str], **bounds: Any
 ) -> str | None:
     """The warning about the replicas whose fixed cost alone is at least the best step the others reach without them,
     when leaving them all out is predicted ``USELESS_MARGIN`` faster (less may be timing noise); else ``None``."""
 
+    upper = bounds.pop("max_batch_sizes", None)
+
     def without(dropped: Sequence[int]) -> float | None:  # the best step of the others (None: they cannot hold it)
         keep = [r for r in range(len(costs)) if r not in dropped]
-        kept, bounds = [costs[r] for r in keep], None if max_batch_sizes is None else [max_batch_sizes[r] for r in keep]
+        kept = [costs[r] for r in keep]
         try:
-            sizes = allocate_affine(global_batch_size, kept, min_batch_size=min_batch_size, max_batch_sizes=bounds)
+            sizes = allocate_affine(
+                global_batch_size, kept, max_batch_sizes=upper and [upper[r] for r in keep], **bounds
+            )
         except ValueError:  # none left, or too few to hold the global batch
             return None
         return step_time(sizes, kept)

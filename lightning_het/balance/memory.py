@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_het.data.microbatch import batch_length, step_loss, take_grads
@@ -72,13 +71,7 @@ def resize_batch(batch: Any, size: int) -> Any:
 
 
 def measure_cap(
-    step: Callable[[Any], Any],
-    batch: Any,
-    upper: int,
-    no_sync: Callable[[], AbstractContextManager[Any]],
-    module: torch.nn.Module,
-    accelerator: bool,
-    least: int = 1,
+    step: Callable, batch: Any, upper: int, no_sync: Callable, module: nn.Module, accelerator: bool, least: int = 1
 ) -> tuple[int, int]:
     """This replica's cap (``0``: not even ``least`` samples fit) and the trial steps it took. The gradients, buffers
     (batch norm statistics) and random states come back as they were, and ``module.log`` records nothing."""

@@ -157,9 +157,8 @@ class BalanceMonitor:
         if not all(math.isfinite(t) and t > 0 for t in times) or list(summary.get("batch_sizes", sizes)) != sizes:
             return False
         steps = max(summary["steps"]) * (every or 1) if summary.get("steps") else None
-        costs = list(strategy.cost_model) if strategy.cost_model else None
         recent = summary.get("compute_recent_s")
-        decision = self.check(sizes, times, costs=costs, recent_times=recent, steps_per_check=steps)
+        decision = self.check(sizes, times, costs=strategy.cost_model, recent_times=recent, steps_per_check=steps)
         check = {"epoch": epoch, "global_step": trainer.global_step, "batch": self._seen, "from": sizes}
         self.history["checks"].append({**check, **asdict(decision)})
         if not decision.adopt:  # (the reason is in the history)

@@ -69,7 +69,6 @@ class Allocation:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Allocation:
-        """From ``dataclasses.asdict``'s plain data (what a spawned worker sends back to the parent)."""
         known = {f.name: data[f.name] for f in fields(cls) if data.get(f.name) is not None}
         costs = known.pop("cost_model", None)
         return cls(**known, cost_model=[AffineCost.from_dict(c) for c in costs] if costs else None)
@@ -134,17 +133,15 @@ class BalancePolicy:
         synced = [name for name, s in norms.items() if s] if self.micro is not None and self.world_size > 1 else []
         if layers and self.world_size > 1:
             rank_zero_warn(
-                f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each"
-                " replica's batch separately: with uneven per-replica batches the gradient is no longer exactly the"
-                " global-batch gradient, and every replica now gets at least 2 samples per step. HINT: pass"
-                " `Trainer(sync_batchnorm=True)` for global batch statistics (not with micro-batching)."
+                f"The model has {len(layers)} batch norm layer(s) ({_shown(layers)}) that normalise each replica's"
+                " batch: with uneven batches the gradient is not exactly the global batch's, and every replica gets 2"
+                " samples or more per step. HINT: `Trainer(sync_batchnorm=True)` (not with micro-batching)."
             )
         if synced:  # a collective in every forward: replicas running different numbers of pieces would mismatch
             raise ValueError(
                 f"`max_micro_batch_sizes` (or `emulate_memory_cap`) runs a share as several forward passes, but the"
-                f" model's SyncBatchNorm layer(s) ({_shown(synced)}) make every training forward a collective that all"
-                " replicas must run equally often. HINT: drop `Trainer(sync_batchnorm=True)` (each micro-batch is then"
-                " normalised by its own statistics), or bound the shares with `max_batch_sizes` instead."
+                f" model's SyncBatchNorm layer(s) ({_shown(synced)}) make each a collective every replica must run"
+                " equally often. HINT: drop `Trainer(sync_batchnorm=True)`, or bound the shares by `max_batch_sizes`."
             )
         if self.micro is None:
             return
@@ -155,9 +152,8 @@ class BalancePolicy:
             rank, cap = small[0]
             raise ValueError(
                 f"`max_micro_batch_sizes[{rank}]` is {cap}, but the model's batch norm layer(s) ({_shown(layers)}) need"
-                f" at least 2 samples per micro-batch in training, and pieces of at most {cap} samples can leave one of"
-                f" 1 (a share of 3 runs as [2, 1]). HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or"
-                " bound the share itself with `max_batch_sizes` instead."
+                f" 2 samples or more per micro-batch, and pieces of {cap} can leave one of 1 (3 samples run as [2, 1])."
+                f" HINT: set `max_micro_batch_sizes[{rank}]` to {least} or more, or bound the share: `max_batch_sizes`."
             )
 
     def emulate_memory(self, module: nn.Module | None) -> None:
@@ -202,8 +198,8 @@ class BalancePolicy:
 
     def step_split(self, sampler: Any, step: int | None) -> StepSplit:
         """The split of global batch ``step``: the allocation, or its ``sampler``'s profiling split or tail."""
-        sizes = list(self.allocation.batch_sizes or [])
-        if sampler is not None and step is not None and list(sampler.batch_sizes) == sizes:
+        sizes = self.allocation.batch_sizes or []  # not copied: once per step, read only
+        if sampler is not None and step is not None and sampler.batch_sizes == sizes:
             sizes = sampler.step_batch_sizes(step)
         return StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
 
@@ -268,10 +264,8 @@ class BalancePolicy:
     def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
         """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
         pinned), with a warning naming the replicas that only slow the step down."""
-        message = useless_replica_message(
-            sum(sizes), costs, sizes, self._fit.labels if self._fit else [], **self.bounds
-        )
-        if message is not None:
+        labels = self._fit.labels if self._fit else []
+        if message := useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds):
             rank_zero_warn(message)
         speeds = [b / max(c(b), 1e-12) for b, c in zip(sizes, costs)]
         equal = sizes == allocate_batch_sizes(sum(sizes), [1.0] * len(sizes), **self.bounds)
@@ -301,8 +295,9 @@ class BalancePolicy:
             costs = [replace(c, micro_batch=m) for c, m in zip(costs, caps)]
             batch_sizes = profiled_split(sum(batch_sizes), costs, threshold=self.profiler.threshold, **self.bounds)
         speeds = self.measured_speeds(costs, batch_sizes)
-        self.allocation = replace(
-            self.allocation.adopt(batch_sizes, speeds), cost_model=costs, profile_seconds=self.profiler.overhead_s
+        overhead = self.profiler.overhead_s
+        self.allocation = replace(self.allocation, cost_model=costs, profile_seconds=overhead).adopt(
+            batch_sizes, speeds
         )
         for sampler in self.profiler.samplers:
             total = sampler.global_batch_size

@@ -144,7 +144,7 @@ class Track:
         self.values: list[float] = []  # log scales since the last confirmed change
         #: squared deviations and degrees of freedom of the earlier stretches, the prior included
         self.pooled = [_PRIOR_CHECKS * PRIOR_SPREAD**2, _PRIOR_CHECKS]
-        self.previous: float | None = None  # the previous check's value
+        self.previous = 0.0  # the previous check's value (read once there is one)
 
     @property
     def level(self) -> float:
@@ -167,11 +167,8 @@ class Track:
         spread = self.spread * math.sqrt(1.0 + 1.0 / len(self.values))  # of a check around the estimated level
         band = _SHIFT_SPREADS * spread
         deviation = x - level
-        if (
-            previous is not None
-            and _beyond(previous - level, deviation, spread)
-            and _beyond(0.5 * (previous + x) - level, deviation, band * _CONFIRM)
-        ):
+        both = 0.5 * (previous + x) - level  # the mean deviation of this check and the previous one
+        if _beyond(previous - level, deviation, spread) and _beyond(both, deviation, band * _CONFIRM):
             self._restart([previous, x])  # two checks agree: the replica's speed changed
         elif recent is not None and _beyond(recent - level, deviation, band):
             self._restart([x])  # both halves of the epoch agree

@@ -86,11 +86,10 @@ def render_balance_table(report: dict[str, Any]) -> str:
 
 def log_epoch_metrics(loggers: Iterable[Any], summary: dict[str, Any], step: int) -> None:
     """Send one epoch's per-replica figures to Lightning loggers (``logger.log_metrics``), keyed ``het/...``."""
-    metrics = {"het/imbalance": float(summary["imbalance"])}
-    for key in ("compute_s", "wait_s", "samples_per_s", "batch_sizes"):
-        name = "batch_size" if key == "batch_sizes" else key
-        metrics |= {f"het/{name}/rank{r}": float(v) for r, v in enumerate(summary[key]) if v is not None}
-    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+    metrics = {"het/imbalance": summary["imbalance"]}
+    for key in ("compute_s", "wait_s", "samples_per_s", "batch_sizes"):  # het/batch_size/rank0, ...
+        metrics |= {f"het/{key.replace('sizes', 'size')}/rank{r}": v for r, v in enumerate(summary[key])}
+    metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
     for logger in loggers:
         logger.log_metrics(metrics, step=step)
 

@@ -39,20 +39,17 @@ def ensure_job_token(environ: MutableMapping[str, str] | None = None) -> str:
     return environ[TOKEN_ENV]
 
 
-def _mac(token: str, key: str, payload: str) -> str:
-    return hmac.new(token.encode(), f"{key}\n{payload}".encode(), hashlib.sha256).hexdigest()
-
-
 def sign(token: str, key: str, payload: str) -> str:
     """``payload`` followed by its HMAC-SHA256 over ``key`` and ``payload`` (a record cannot move to another key)."""
-    return f"{payload}\n{_mac(token, key, payload)}"
+    mac = hmac.new(token.encode(), f"{key}\n{payload}".encode(), hashlib.sha256).hexdigest()
+    return f"{payload}\n{mac}"
 
 
 def verify(token: str, key: str, record: str | bytes) -> str | None:
     """The payload of a record :func:`sign` wrote with the same token and key, else ``None`` (forged/garbled)."""
     record = record.decode(errors="replace") if isinstance(record, bytes) else record  # garbled: no MAC matches
-    payload, sep, mac = record.rpartition("\n")
-    return payload if sep and hmac.compare_digest(mac, _mac(token, key, payload)) else None
+    payload, sep, _ = record.rpartition("\n")
+    return payload if sep and hmac.compare_digest(record.encode(), sign(token, key, payload).encode()) else None
 
 
 def agree_on_token(token: str) -> str:
@@ -78,9 +75,7 @@ def listen_address(num_nodes: int, master_addr: str) -> str:
         infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
         raise ValueError(f"MASTER_ADDR={master_addr!r} does not resolve to an address ({err}).") from None
-    addresses = [info[4][0] for info in infos]
-    ipv4 = [a for a in addresses if ipaddress.ip_address(a).version == 4]
-    return (ipv4 or addresses)[0]
+    return min((info[4][0] for info in infos), key=lambda a: ipaddress.ip_address(a).version != 4)  # IPv4 first
 
 
 def _socket(address: str) -> socket.socket:

@@ -71,14 +71,12 @@ def hierarchical_sum(state: HierarchicalState, tensor: torch.Tensor) -> torch.fu
 def _issue_sums(state: HierarchicalState, jobs: queue.SimpleQueue[Any]) -> None:
     while (job := jobs.get()) is not None:
         try:
-            _sum_in_chunks(state, job[0])
+            job[1].set_result(_sum_in_chunks(state, job[0]))
         except BaseException as err:  # must reach the bucket's future, or DDP waits forever
             job[1].set_exception(err)
-        else:
-            job[1].set_result(job[0])
 
 
-def _sum_in_chunks(state: HierarchicalState, tensor: torch.Tensor) -> None:
+def _sum_in_chunks(state: HierarchicalState, tensor: torch.Tensor) -> torch.Tensor:
     """Reduce onto the node leader, all-reduce between leaders, broadcast inside the node; each chunk's next stage
     issued once its last one is done, so that the stages of successive chunks overlap."""
     groups, flat = state.groups, tensor.view(-1)
@@ -96,6 +94,7 @@ def _sum_in_chunks(state: HierarchicalState, tensor: torch.Tensor) -> None:
             if work is not None:
                 work.wait()
             works[i] = stage(chunk)
+    return tensor
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -150,9 +149,8 @@ class Hierarchical(CommAlgorithm):
         return None if self._hook_state is None else ("flat" if self._hook_state.flat else "hierarchical")
 
     def _describe(self) -> str:
-        if not self.autotune_steps:
-            return ""
-        return f" ({self.reduction} reduction, measured)" if self._measured else " (still measuring)"
+        measured = f" ({self.reduction} reduction, measured)" if self._measured else " (still measuring)"
+        return measured if self.autotune_steps else ""
 
     def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return flat_allreduce_traffic if self._hook_state.flat else hierarchical_traffic

@@ -77,9 +77,7 @@ def average_parameters(tensors: Iterable[torch.Tensor], weight: float, state: Hi
 
 def wire_bytes(numel: int, dtype: str) -> int:
     """Bytes one leader sends per copy of a float32 vector of ``numel`` values encoded as ``dtype``."""
-    if dtype == "int8":
-        return numel + 4 * math.ceil(numel / INT8_BLOCK)
-    return numel * (2 if dtype == "bfloat16" else 4)
+    return numel + 4 * math.ceil(numel / INT8_BLOCK) if dtype == "int8" else numel * (2 if dtype == "bfloat16" else 4)
 
 
 def encode(vector: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -180,10 +178,15 @@ class NodeLocal(CommAlgorithm):
         self.set_batch_sizes(self._batch_sizes)  # the node's gradient scale
         self._samples = [0] * len(self._node_ids)  # per replica, since the last sync
         self._in_consensus, self._own, self._residual = True, None, None
-        self._anchor: list[torch.Tensor] = []  # the model of the last sync, which the outer optimizer steps
-        self._outer: torch.optim.Optimizer | None = None
+        outer, momentum = self.outer, self.outer_momentum
+        if outer == "nesterov":
+            outer = functools.partial(torch.optim.SGD, lr=self.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        elif outer is None and self.sync_dtype != "float32":  # compressed, no outer step: SGD with lr 1, the average
+            outer = functools.partial(torch.optim.SGD, lr=1.0)
+        # the model of the last sync, which the outer optimizer steps (DDP broadcast rank 0's: the replicas agree)
+        self._anchor = [p.detach().clone() for p in unique_floating(self._params)] if outer is not None else []
+        self._outer: torch.optim.Optimizer | None = None if outer is None else outer(self._anchor)
         model.register_comm_hook(self._hook_state, node_local_hook)
-        self._begin()  # DDP broadcast rank 0's model: the replicas agree
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         super().set_batch_sizes(batch_sizes)
@@ -208,17 +211,8 @@ class NodeLocal(CommAlgorithm):
 
     @torch.no_grad()
     def _begin(self) -> None:
-        """The replicas agree: the anchor of the next outer step is the model now (no outer optimizer: the plain
-        float32 average; compressed without ``outer``: SGD with lr 1, the same average)."""
-        params, outer, momentum = unique_floating(self._params), self.outer, self.outer_momentum
-        if outer == "nesterov":
-            outer = functools.partial(torch.optim.SGD, lr=self.outer_lr, momentum=momentum, nesterov=momentum > 0)
-        elif outer is None and self.sync_dtype != "float32":
-            outer = functools.partial(torch.optim.SGD, lr=1.0)
-        if outer is not None and self._outer is None:
-            self._anchor = [p.detach().clone() for p in params]
-            self._outer = outer(self._anchor)
-        for a, p in zip(self._anchor, params):
+        """The replicas agree: the anchor of the next outer step is the model now."""
+        for a, p in zip(self._anchor, unique_floating(self._params)):
             a.copy_(p)
 
     def _weight(self) -> float:
@@ -263,11 +257,9 @@ class NodeLocal(CommAlgorithm):
 
     @torch.no_grad()
     def show_consensus(self) -> None:
-        consensus = self.consensus()
-        if consensus is not None:
+        if not (self._in_consensus or self._own is not None):
             self._own = [p.detach().clone() for p in self._params]
-            for p, c in zip(self._params, consensus):
-                p.copy_(c)
+            average_parameters(self._params, self._weight(), self._hook_state)
 
     @torch.no_grad()
     def hide_consensus(self) -> None:
@@ -280,10 +272,9 @@ class NodeLocal(CommAlgorithm):
         consensus = self.consensus()
         if consensus is None:
             return state
-        by_id = {id(p): c for p, c in zip(self._params, consensus)}
-        names = {name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id}
-        out = copy.copy(state)  # keeps a state dict's `_metadata`
-        out.update((key, names[key]) for key in state if key in names)
+        by_id, out = {id(p): c for p, c in zip(self._params, consensus)}, copy.copy(state)  # copy: keeps `_metadata`
+        named = module.named_parameters(remove_duplicate=False)
+        out.update((name, by_id[id(p)]) for name, p in named if name in state and id(p) in by_id)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -114,15 +114,6 @@ class MicroBatcher:
         finally:
             self.in_earlier_piece = False
 
-    def refuse_manual(self, batch: Any) -> None:
-        """Manual optimization runs its own backward: a share over the cap is the user's to split."""
-        samples = batch_length(batch)
-        if self.cap is not None and samples is not None and samples > self.cap:
-            raise RuntimeError(
-                f"Rank {self.rank}'s share of {samples} samples exceeds its micro-batch cap {self.cap} under manual"
-                " optimization. HINT: loop over `lightning_het.data.microbatch.micro_batches(batch, cap)`."
-            )
-
     def lower(self, samples: int, error: BaseException) -> None:
         """A piece of ``samples`` ran out of memory: halve the cap once (not below :attr:`least_cap`), else raise."""
         least = self.least_cap
@@ -153,8 +144,13 @@ class MicroBatcher:
         """A Lightning ``training_step(batch, *rest)`` through :meth:`run` (``measure``: the cap's search)."""
         if not args:
             return step(*args, **kwargs)
-        if not module.automatic_optimization:
-            self.refuse_manual(args[0])
+        if not module.automatic_optimization:  # its own backward: a share over the cap is the user's to split
+            samples = batch_length(args[0])
+            if self.cap is not None and samples is not None and samples > self.cap:
+                raise RuntimeError(
+                    f"Rank {self.rank}'s share of {samples} samples exceeds its micro-batch cap {self.cap} under manual"
+                    " optimization. HINT: loop over `lightning_het.data.microbatch.micro_batches(batch, cap)`."
+                )
             return step(*args, **kwargs)
 
         def piece_step(piece: Any) -> Any:

@@ -141,9 +141,6 @@ class ProportionalDistributedSampler(DistributedSampler):
     def __iter__(self) -> Iterator[Any]:
         return iter([i for step in self.iter_batches(self.take_start_step()) for i in step])
 
-    def __len__(self) -> int:
-        return self.num_samples
-
 
 class ProportionalBatchSampler(BatchSampler):
     """The batches of a :class:`ProportionalDistributedSampler`, each split decided when the loader draws it."""
@@ -175,9 +172,6 @@ class UnpaddedDistributedSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         return iter(i % self._length for i in range(self.start, self.start + self.num_samples))
 
-    def __len__(self) -> int:
-        return self.num_samples
-
 
 def eval_batch_plan(length: int, weights: Sequence[float], batch_size: int) -> tuple[list[int], list[list[int]]]:
     """``(shares, batch_sizes)`` of an evaluation set: every replica runs as many batches, whatever the weights.
@@ -205,10 +199,9 @@ class EvalBatchSampler(BatchSampler):
         self, dataset: Sized, weights: Sequence[float] | Callable[[], Sequence[float]], rank: int, batch_size: int
     ) -> None:
         super().__init__(range(len(dataset)), int(batch_size), drop_last=False)
-        self.weights = weights if callable(weights) else (lambda: weights)
-        self.rank = rank
-        self.repeats = math.ceil(len(self.weights()) / len(dataset)) if 0 < len(dataset) < len(self.weights()) else 1
-        self._steps = len(self.plan()[1][0])  # the same whatever the weights
+        self.weights, self.rank = weights if callable(weights) else (lambda: weights), rank
+        shares, plan = self.plan()  # the number of steps and the repeats are the same whatever the weights
+        self.repeats, self._steps = max(1, sum(shares) // max(len(dataset), 1)), len(plan[0])
 
     def plan(self) -> tuple[list[int], list[list[int]]]:
         return eval_batch_plan(len(self.sampler), self.weights(), self.batch_size)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import numbers
 import os
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from lightning.fabric.utilities.data import has_iterable_dataset
@@ -48,6 +49,7 @@ class TrainingOrder:
     seed: int
     sampler: Sampler | None = None
     drop_last: bool = False
+    batch_size: int | None = None  # samples per batch on one replica (None: no automatic batching)
 
     def split(self, dataset: Any, sizes: Sequence[int], rank: int, **options: Any) -> ProportionalDistributedSampler:
         """Replica ``rank``'s share of this order cut into global batches of ``sizes`` (``options``: the sampler's)."""
@@ -59,47 +61,33 @@ class TrainingOrder:
 
 def training_order(dataloader: DataLoader) -> TrainingOrder:
     """The order one process would draw from ``dataloader`` (after Lightning's sampler injection)."""
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    batch_sampler = dataloader.batch_sampler
+    batch_sampler, size = dataloader.batch_sampler, dataloader.batch_size
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise batch_sampler_error(type(batch_sampler).__name__)
     sampler, drop_last = dataloader.sampler, bool(dataloader.drop_last)
-    if batch_sampler is not None and dataloader.batch_size is None:  # DataLoader(batch_sampler=BatchSampler(...))
-        sampler, drop_last = batch_sampler.sampler, bool(batch_sampler.drop_last)
-    if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
-        return TrainingOrder(bool(sampler.shuffle), int(sampler.seed), drop_last=drop_last)
+    if batch_sampler is not None and size is None:  # DataLoader(batch_sampler=BatchSampler(...))
+        sampler, drop_last, size = batch_sampler.sampler, bool(batch_sampler.drop_last), batch_sampler.batch_size
+    order = TrainingOrder(True, int(os.environ.get("PL_GLOBAL_SEED", 0)), drop_last=drop_last, batch_size=size)
     random = type(sampler) is RandomSampler and isinstance(sampler.data_source, Sized) and not sampler.replacement
-    if random and sampler.num_samples == len(sampler.data_source):  # one permutation
-        return TrainingOrder(True, seed, drop_last=drop_last)
-    if type(sampler) is SequentialSampler:
-        return TrainingOrder(False, seed, drop_last=drop_last)
-    user = wrapped_sampler(sampler) or sampler  # the user's sampler inside Lightning's DistributedSamplerWrapper
-    if isinstance(user, BatchSampler):  # a batch sampler passed as `sampler=` with batch_size=None
-        raise batch_sampler_error(type(user).__name__)
-    if isinstance(user, DistributedSampler):
-        raise ValueError(
-            f"The training DataLoader's sampler is a {type(user).__name__}, a DistributedSampler that yields one"
-            " replica's share only. HINT: give the DataLoader the non-distributed sampler."
-        )
-    return TrainingOrder(True, seed, sampler=user, drop_last=drop_last)
+    if type(sampler) is DistributedSampler:  # injected by Lightning: it carries Lightning's shuffle/seed choice
+        order.shuffle, order.seed = bool(sampler.shuffle), int(sampler.seed)
+    elif type(sampler) is SequentialSampler:
+        order.shuffle = False
+    elif not (random and sampler.num_samples == len(sampler.data_source)):  # not one permutation: the user's order
+        order.sampler = wrapped_sampler(sampler) or sampler  # inside Lightning's DistributedSamplerWrapper
+        if isinstance(order.sampler, BatchSampler):  # a batch sampler passed as `sampler=` with batch_size=None
+            raise batch_sampler_error(type(order.sampler).__name__)
+        if isinstance(order.sampler, DistributedSampler):
+            raise ValueError(
+                f"The training DataLoader's sampler is a {type(order.sampler).__name__}, a DistributedSampler that"
+                " yields one replica's share only. HINT: give the DataLoader the non-distributed sampler."
+            )
+    return order
 
 
-def loader_batch_size(dataloader: DataLoader) -> int | None:
-    """Samples per batch of ``dataloader`` on one replica; ``None`` without automatic batching."""
-    if dataloader.batch_size is not None:
-        return int(dataloader.batch_size)
-    batch_sampler = dataloader.batch_sampler
-    return int(batch_sampler.batch_size) if type(batch_sampler) is BatchSampler else None
-
-
-class PerSampleCollate:
-    """The user's per-sample collate applied to each sample, then ``default_collate``. Picklable."""
-
-    def __init__(self, per_sample: Callable[[Any], Any]) -> None:
-        self.per_sample = per_sample
-
-    def __call__(self, samples: list[Any]) -> Any:
-        return default_collate([self.per_sample(s) for s in samples])
+def _collate_each(per_sample: Callable[[Any], Any], samples: list[Any]) -> Any:
+    """The user's per-sample collate applied to each sample, then ``default_collate`` (picklable with a partial)."""
+    return default_collate([per_sample(s) for s in samples])
 
 
 def rebuild_loader(
@@ -112,7 +100,7 @@ def rebuild_loader(
         replacements.update(batch_sampler=batch_sampler, sampler=None, batch_size=1, shuffle=None)
     if dataloader.batch_size is None and dataloader.batch_sampler is None:
         collate = dataloader.collate_fn
-        replacements["collate_fn"] = default_collate if collate is default_convert else PerSampleCollate(collate)
+        replacements["collate_fn"] = default_collate if collate is default_convert else partial(_collate_each, collate)
     names = getattr(dataloader, "__pl_saved_arg_names", ())  # positional arguments Lightning recorded
     args = tuple(replacements.pop(name, value) for name, value in zip(names, args)) + args[len(names) :]
     loader = type(dataloader)(*args, **{**kwargs, **replacements})
@@ -175,37 +163,33 @@ class LoaderSplitter:
             )
         return rebuild_loader(dataloader, batches.sampler, 1, batch_sampler=batches)
 
-    def resolve_global_batch_size(self, dataloader: DataLoader, trainer: Any, policy: Any) -> int:
-        """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else the loader's x replicas."""
-        given, world = policy.config.global_batch_size, policy.world_size
+    def resolve_global_batch_size(self, per_replica: int | None, trainer: Any, policy: Any) -> int:
+        """``global_batch_size``, else the datamodule's, else a resumed checkpoint's, else ``per_replica`` x world."""
+        given = policy.config.global_batch_size or as_batch_size(getattr(trainer.datamodule, "global_batch_size", None))
         if given is not None:
             return given
-        from_datamodule = as_batch_size(getattr(trainer.datamodule, "global_batch_size", None))
-        if from_datamodule is not None:
-            return from_datamodule
-        per_replica, saved = loader_batch_size(dataloader), resumed_global_batch_size(self.resume_record)
+        saved = resumed_global_batch_size(self.resume_record)
         if saved is not None:  # resuming: the checkpoint's global batch, whatever the number of replicas now
-            if per_replica is not None and per_replica * world != saved:
+            if per_replica is not None and per_replica * policy.world_size != saved:
                 rank_zero_info(f"HeterogeneousStrategy: resuming with the checkpoint's global batch of {saved} samples")
             return saved
         if per_replica is None:
             raise ValueError(
                 "The training loader has no `batch_size`; HINT: pass `HeterogeneousStrategy(global_batch_size=...)`."
             )
-        return per_replica * world
+        return per_replica * policy.world_size
 
     def _start(self, sampler: ProportionalDistributedSampler, trainer: Any) -> None:
         """The fit's sampler, at its epoch (and, resuming, after the global batches already trained on)."""
         apply_sampler_resume(sampler, self.resume_record, trainer.fit_loop.epoch_progress.current.processed)
-        self.resume_record = None
-        self.train_sampler = sampler
+        self.resume_record, self.train_sampler = None, sampler
 
     def split_training_loader(self, dataloader: DataLoader, trainer: Any, policy: Any, fit: Any) -> DataLoader:
         """Allocate the global batch (profiling when needed) and rebuild the loader around this replica's sampler."""
         if dataloader.batch_sampler is None and dataloader.collate_fn is default_collate:  # `batch_size=None`:
             raise batch_sampler_error("given as `batch_sampler=`")  # Lightning's sampler injection dropped it
         order = training_order(dataloader)
-        global_batch = self.resolve_global_batch_size(dataloader, trainer, policy)
+        global_batch = self.resolve_global_batch_size(order.batch_size, trainer, policy)
         length = len(order.sampler) if order.sampler is not None else len(dataloader.dataset)
         if length < global_batch:
             raise ValueError(f"The training set holds {length} samples, fewer than one global batch of {global_batch}.")

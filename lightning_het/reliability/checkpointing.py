@@ -1,5 +1,4 @@
-"""What a checkpoint records about the heterogeneous split, how a resumed run uses it, and which checkpoint
-``resume="auto"`` resumes: this job's with the most progress in the run directory (``docs/reliability.md``)."""
+"""What a checkpoint records of the split, how a resumed fit uses it, and which checkpoint ``resume="auto"`` picks."""
 
 from __future__ import annotations
 
@@ -161,9 +160,8 @@ def apply_sampler_resume(sampler: Any, record: Mapping[str, Any] | None, epoch: 
 def end_resume_quiet() -> None:
     """Remove the filters :func:`apply_sampler_resume` added (at the fit's teardown)."""
     while _QUIET:
-        added = _QUIET.pop()
         with contextlib.suppress(ValueError):
-            warnings.filters.remove(added)
+            warnings.filters.remove(_QUIET.pop())
 
 
 def with_node_states(record: dict[str, Any], checkpoint: Mapping[str, Any], controller: Any) -> dict[str, Any]:
@@ -210,8 +208,7 @@ def job_identity(
             for key, value in sorted(group.items()):
                 if key != "params" and (key != "lr" or "initial_lr" not in group):
                     identity[f"optimizer {index} group {number} {'lr' if key == 'initial_lr' else key}"] = _plain(value)
-    for index, scheduler in enumerate(schedulers):
-        identity[f"scheduler {index}"] = type(scheduler).__name__
+    identity.update({f"scheduler {index}": type(scheduler).__name__ for index, scheduler in enumerate(schedulers)})
     return {**identity, **{key: _plain(value) for key, value in settings.items()}}
 
 

@@ -1,5 +1,4 @@
-"""Launching and ending: Lightning's launchers wrapped so that replicas end together, leave no process behind and
-say why; preemption (SIGTERM or SLURM's ``--signal``): a resumable checkpoint, then every replica ends with 143."""
+"""Lightning's launchers wrapped (replicas end together, no orphans, exit statuses) and preemption (checkpoint, 143)."""
 
 from __future__ import annotations
 
@@ -124,14 +123,12 @@ class ScriptLauncher:
     finishes_runs = True  # the strategy leaves the end-of-run barrier to this launcher
 
     def __init__(self, strategy: Any, launcher: Any) -> None:
-        self.strategy = strategy
-        self.cluster_environment = launcher.cluster_environment
+        self.strategy, self.cluster_environment = strategy, launcher.cluster_environment
         self.num_processes, self.num_nodes = launcher.num_processes, launcher.num_nodes
         self.procs: list[subprocess.Popen] = []
         self._failed = self._in_run = False  # _failed: a run of this process ended with an exception
         self._token: str | None = None  # the job token the replicas this process launched were given
-        self._observer_stop = threading.Event()
-        self._wrapped = type(launcher)
+        self._observer_stop, self._wrapped = threading.Event(), type(launcher)
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # Lightning's, to `isinstance`: its Ctrl-C path then calls `kill`
@@ -142,9 +139,8 @@ class ScriptLauncher:
 
     def kill(self, signum: int) -> None:
         """Send ``signum`` to the replicas this process started (Lightning's launcher interface)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
+        for proc in [proc for proc in self.procs if proc.poll() is None]:
+            proc.send_signal(signum)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -193,11 +189,10 @@ class ScriptLauncher:
             )
         os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port), NODE_RANK=str(env.node_rank()))
         os.environ.update(LOCAL_RANK=str(env.local_rank()), WORLD_SIZE=f"{self.num_processes * self.num_nodes}")
-        preexec = die_with_parent if sys.platform.startswith("linux") else None
         for local_rank in range(1, self.num_processes):
             command, cwd = child_command(local_rank)
             env_vars = {**os.environ, "LOCAL_RANK": f"{local_rank}"}
-            self.procs.append(subprocess.Popen(command, env=env_vars, cwd=cwd, preexec_fn=preexec))
+            self.procs.append(subprocess.Popen(command, env=env_vars, cwd=cwd, preexec_fn=die_with_parent))
         atexit.register(self._reap_children)
         previous = sys.excepthook
 
@@ -209,8 +204,7 @@ class ScriptLauncher:
 
     def children(self) -> list[tuple[int, subprocess.Popen]]:
         """(global rank, process) of the replicas this process launched."""
-        first = self.cluster_environment.node_rank() * self.num_processes
-        return list(enumerate(self.procs, start=first + 1))
+        return list(enumerate(self.procs, start=self.cluster_environment.node_rank() * self.num_processes + 1))
 
     def _observe(self) -> None:
         """Until the watchdog runs: a local replica that fails ends the job."""
@@ -266,8 +260,6 @@ def child_command(local_rank: int) -> tuple[list[str], str | None]:
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 # signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``)
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-AGREE_EVERY_S = 0.25  # seconds of training between two agreements (at least one step, the same steps on every rank)
-AGREE_MAX_STEPS = 64  # the most optimizer steps between two agreements
 
 
 class PreemptedMixin:
@@ -322,15 +314,13 @@ class PreemptionHandler:
         if self._pipe is not None or threading.current_thread() is not threading.main_thread():
             return
         self._signals: tuple[int, ...] = tuple(dict.fromkeys(map(int, [*PREEMPTION_SIGNALS, *self.extra_signals])))
-        read_fd, write_fd = os.pipe()
+        self._pipe = read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
-        self._pipe = (read_fd, write_fd)
         for signum in self._signals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        name = "lightning-het-preemption"
-        self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name=name, daemon=True)
+        self._reader = threading.Thread(target=self._read_pipe, args=(read_fd,), name="lightning-het-sigs", daemon=True)
         self._reader.start()
 
     def teardown(self) -> None:
@@ -346,8 +336,7 @@ class PreemptionHandler:
         read_fd, write_fd = self._pipe
         with contextlib.suppress(OSError):
             os.write(write_fd, b"\0")  # wakes the reader, which then ends
-        if self._reader is not None:
-            self._reader.join(timeout=1.0)
+        self._reader.join(timeout=1.0)  # type: ignore[union-attr]
         self._pipe = None
         for fd in (read_fd, write_fd):
             with contextlib.suppress(OSError):
@@ -387,7 +376,8 @@ class PreemptionHandler:
         late = f"and did not end within preemption_grace={self.grace:g} s" if self.fitting else "outside fit"
         message = f"this replica {reason} {late}; ending it now with exit status {PREEMPTION_EXIT_CODE}."
         print(f"[rank {self.rank}] lightning_het preemption: {message}", file=sys.stderr, flush=True)
-        self._exit(PREEMPTION_EXIT_CODE)  # SIGKILLs the launched replicas and loader workers (they ignore SIGTERM)
+        end_children(self._children())  # the launched replicas (exit_job: every descendant, on Linux)
+        self._exit(PREEMPTION_EXIT_CODE)  # SIGKILLs the loader workers too (they ignore SIGTERM)
 
     def agree(self, device: torch.device, step: int = 0) -> list[int]:
         """Which replica received which signal (0: none), all-reduced if optimizer ``step`` is due, else all zeros."""
@@ -401,7 +391,7 @@ class PreemptionHandler:
         local[-1] = -1
         if last is not None and step > last[0]:
             per_step = (now - last[1]) / (step - last[0])
-            local[-1] = -min(max(int(AGREE_EVERY_S / max(per_step, 1e-6)), 1), AGREE_MAX_STEPS)
+            local[-1] = -min(max(int(0.25 / max(per_step, 1e-6)), 1), 64)  # every 0.25 s of training, 1 to 64 steps
         flags = torch.tensor(local, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the last entry: minus the fewest steps any replica asks for
         agreed = [int(v) for v in flags.tolist()]
@@ -490,6 +480,5 @@ def shield_loader_workers(dataloader: object, rank: int, signals: Sequence[int] 
     if getattr(dataloader, "num_workers", 0) and hasattr(dataloader, "worker_init_fn"):
         current = dataloader.worker_init_fn
         if getattr(current, "func", None) is not _shielded_init:
-            shielded = functools.partial(_shielded_init, current, rank, tuple(int(s) for s in signals))
-            dataloader.worker_init_fn = shielded
+            dataloader.worker_init_fn = functools.partial(_shielded_init, current, rank, tuple(int(s) for s in signals))
     return dataloader

@@ -9,16 +9,13 @@ import shutil
 import uuid
 from pathlib import Path
 
-#: free space an output directory must have before a run starts (bytes).
-MIN_FREE_BYTES = 16 * 2**20
-
 
 class OutputDirError(ValueError):
     """The run's output directory cannot hold the run's files (missing and not creatable, unwritable, disk full)."""
 
 
-def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = MIN_FREE_BYTES) -> Path:
-    """Create ``path`` if needed and make sure a run can write there; return it as an absolute path."""
+def check_output_dir(path: str | os.PathLike[str], *, min_free_bytes: int = 16 * 2**20) -> Path:
+    """Create ``path`` if needed and make sure a run can write there (``min_free_bytes`` free); return it absolute."""
     directory = Path(path).absolute()
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,4 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s). What the watchdog
-concludes (phases, statuses, verdicts, exit statuses) is decided by the pure :func:`judge`."""
+"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) (:func:`judge`)."""
 
 from __future__ import annotations
 
@@ -151,15 +150,12 @@ def _ranks(statuses: Sequence[ReplicaStatus]) -> list[int]:
 
 
 def judge(
-    statuses: Sequence[ReplicaStatus],
-    timeout: float,
-    *,
-    silence_timeout: float | None = None,
-    suspect_after: float | None = None,
+    statuses: Sequence[ReplicaStatus], timeout: float, *, silence: float | None = None, suspect: float | None = None
 ) -> Verdict | None:
-    """Decide whether the job must end and whom to blame (pure; the rules are in ``docs/reliability.md``)."""
-    silence = timeout if silence_timeout is None else silence_timeout
-    suspect = timeout / 2 if suspect_after is None else suspect_after
+    """Whether the job must end and whom to blame (pure; rules in ``docs/reliability.md``): silent ``silence`` seconds
+    (default ``timeout``), stalled ``timeout``; a suspect: stalled ``suspect`` seconds (default ``timeout / 2``)."""
+    silence = timeout if silence is None else silence
+    suspect = timeout / 2 if suspect is None else suspect
     for kind in ("interrupted", "failed"):
         ended = [s for s in statuses if s.state == kind]
         if ended:
@@ -182,8 +178,7 @@ def judge(
     culprits = [s for s in suspects if s.phase in _EVAL_PHASES] or [s for s in suspects if s.position == behind]
     culprits = culprits or [s for s in running if s.rank not in waiting]
     progressing = bool(culprits) and all(s.stalled_for <= suspect for s in culprits)
-    if not culprits:  # everyone waits on everyone: report them all
-        culprits = armed
+    culprits = culprits or armed  # everyone waits on everyone: report them all
     others = [s for s in running if s not in culprits]
     context = "; ".join(s.describe() for s in culprits)
     if others:
@@ -193,13 +188,10 @@ def judge(
     return Verdict("hung", tuple(_ranks(culprits)), seconds, f"replica(s) {_ranks(culprits)} {text} ({context})")
 
 
-_COLLECTIVE_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
-
-
 def is_collective_failure(exception: BaseException) -> bool:
     """Whether ``exception`` is a collective that failed because of a peer (timed out, lost connection)."""
-    text = str(exception).lower()
-    marked = isinstance(exception, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+    text, markers = str(exception).lower(), ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
+    marked = isinstance(exception, RuntimeError) and any(marker in text for marker in markers)
     return marked or isinstance(exception, dist.DistError)
 
 
@@ -259,8 +251,7 @@ def _kill(pids: Sequence[int]) -> None:
 
 
 def exit_job(code: int) -> None:
-    """End this process with ``code`` once its output is flushed and its descendants SIGKILLed (workers must not
-    outlive the job); no interpreter finalisation (the backend's threads)."""
+    """End this process with ``code``, output flushed and descendants SIGKILLed (no worker outlives the job)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -269,8 +260,7 @@ def exit_job(code: int) -> None:
 
 
 def end_children(children: Sequence[tuple[int, subprocess.Popen]], wait: float = 0.0) -> list[int]:
-    """Wait up to ``wait`` seconds for the local replicas to exit, then SIGKILL the rest and their descendants; the
-    ranks of those killed."""
+    """SIGKILL the local replicas (and descendants) still running after ``wait`` seconds; the ranks of those killed."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and any(proc.poll() is None for _, proc in children):
         time.sleep(0.05)
@@ -330,11 +320,6 @@ def status_from_record(rank: int, data: dict[str, Any], silent_for: float, stall
     return ReplicaStatus(rank, phase=Phase(data["phase"]), **ages, **{key: data[key] for key in keys})
 
 
-#: verdicts after which the survivors save an emergency checkpoint: a replica stalled, went silent or exited
-EMERGENCY_KINDS = ("hung", "silent", "exited")
-EMERGENCY_WRITE_S = 120.0  # seconds the survivors wait for the writer of the emergency checkpoint
-
-
 class Watchdog:
     """Per-replica heartbeat thread and judge; the others' heartbeats are aged by this replica's monotonic clock."""
 
@@ -352,7 +337,6 @@ class Watchdog:
         token: str = "",
         namespace: str = "",
         peers: dict[int, tuple[str, str, int]] | None = None,
-        alive: Callable[[int], bool] = process_alive,
     ) -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(max(self.timeout / 10, 0.1), 5.0)
@@ -363,12 +347,12 @@ class Watchdog:
         self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
-        self._state, self._error = "running", ""
-        self._waited_in_collective = False  # a collective failed here (the replica was waiting in it)
+        # its state and error; whether a collective failed here (the replica was waiting in it)
+        self._state, self._error, self._waited_in_collective = "running", "", False
         self._handled, self._standing = None, None  # the exception on_exception dealt with, and its verdict
         # heartbeat thread only
         self._beat, self._bugs, self._reported = 0, 0, False
-        self.namespace, self.peers, self.alive = namespace, peers or {}, alive
+        self.namespace, self.peers, self.alive = namespace, peers or {}, process_alive  # alive: whether a pid lives
         self.stale_after = max(3 * self.interval, 1.0)  # heartbeat older: check whether the process is alive
         self.seen: dict[int, tuple[float, float, dict[str, Any] | None]] = {}  # beat and seq changed at, last record
         self.tampered: set[str] = set()  # the keys found tampered with
@@ -407,9 +391,7 @@ class Watchdog:
         self._state = "finished" if self._state == "running" else self._state
         with contextlib.suppress(dist.DistError):
             self._publish()
-            while not self._stop.is_set() and any(
-                s.state != "finished" for s in self._statuses() if s.rank != self.rank
-            ):
+            while not self._stop.is_set() and {s.state for s in self._statuses() if s.rank != self.rank} - {"finished"}:
                 time.sleep(min(self.interval, 0.2))
         self.stop()
 
@@ -447,7 +429,7 @@ class Watchdog:
                 lost = Verdict("lost_store", (0,), 0.0, f"{message} {first_line(exception)}")
                 self._standing = self._conclude(lost, publish=False)
         except Exception:  # a bug of the watchdog: report it, let the original exception propagate
-            log.exception("[rank %d] lightning_het watchdog: internal error while handling an exception", self.rank)
+            self._log(logging.ERROR, "internal error while handling an exception", exc_info=True)
         return self._standing
 
     def _run(self) -> None:
@@ -472,11 +454,9 @@ class Watchdog:
             except Exception:  # a bug of the watchdog itself: never a reason to end a healthy job
                 self._bugs += 1
                 if self._bugs == 1:
-                    log.exception(
-                        "[rank %d] lightning_het watchdog: internal error in the heartbeat thread; the job goes on"
-                        " (this replica's stalls may go unnoticed until it recovers). Please report this.",
-                        self.rank,
-                    )
+                    stalls = "this replica's stalls may go unnoticed until it recovers"
+                    message = f"internal error in the heartbeat thread; the job goes on ({stalls}). Please report this."
+                    self._log(logging.ERROR, message, exc_info=True)
         if verdict is None:
             return
         try:
@@ -510,11 +490,12 @@ class Watchdog:
             raw = dict(enumerate(self.store.multi_get(keys)))
         else:
             raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
-        children, mine = (
-            dict(self._children()),
-            status_from_record(self.rank, self._record(), 0.0, now - self._progress[3]),
-        )
+        children = dict(self._children())
+        mine = status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
         return [mine if r == self.rank else self.status(r, raw.get(r), now, children.get(r)) for r in range(len(keys))]
+
+    def _log(self, level: int, message: str, exc_info: bool = False) -> None:
+        log.log(level, f"[rank {self.rank}] lightning_het watchdog: {message}", exc_info=exc_info)
 
     def sign(self, key: str, payload: str) -> str:
         return sign(self._token, self.namespace + key, payload) if self._token else payload
@@ -526,9 +507,7 @@ class Watchdog:
         payload = verify(self._token, self.namespace + key, raw)
         if payload is None and not self._forged:
             self._forged = True
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: ignored a record under {key!r} without a valid signature"
-            )
+            self._log(logging.WARNING, f"ignored a record under {key!r} without a valid signature")
         return payload
 
     def genuine(self, r: int, raw: Any) -> dict[str, Any] | None:
@@ -551,10 +530,7 @@ class Watchdog:
             return data
         if problem is not None and key not in self.tampered:
             self.tampered.add(key)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: tampering with the job's store detected under {key!r}:"
-                f" {problem}; ignored"
-            )
+            self._log(logging.WARNING, f"tampering with the job's store detected under {key!r}: {problem}; ignored")
         return None
 
     def status(self, r: int, raw: Any, now: float, child: subprocess.Popen | None = None) -> ReplicaStatus:
@@ -578,11 +554,9 @@ class Watchdog:
             return status
         if r not in self._hidden:
             self._hidden.add(r)
-            log.warning(
-                f"[rank {self.rank}] lightning_het watchdog: no heartbeat of replica {r} for {silent:.1f} s, but its"
-                f" process (pid {pid}) on this node is alive: not presumed dead (its heartbeat under 'hb/{r}'"
-                " is hidden by tampering, or it is frozen)"
-            )
+            alive = f"its process (pid {pid}) on this node is alive: not presumed dead"
+            hidden = f"its heartbeat under 'hb/{r}' is hidden by tampering, or it is frozen"
+            self._log(logging.WARNING, f"no heartbeat of replica {r} for {silent:.1f} s, but {alive} ({hidden})")
         return replace(status, silent_for=0.0, stalled_for=0.0)
 
     def _judge_collective_failure(self, exception: BaseException) -> Verdict:
@@ -592,17 +566,16 @@ class Watchdog:
         while True:
             self._publish()  # a verdict already published stands (see _conclude)
             verdict = self._abort_record() or check_children(self._children())
-            verdict = verdict or judge(self._statuses(), self.timeout, silence_timeout=2.5 * self.interval)
+            verdict = verdict or judge(self._statuses(), self.timeout, silence=2.5 * self.interval)
             if verdict is not None or time.monotonic() >= deadline:
                 break
             time.sleep(self.interval)
         if verdict is None:  # nobody dead: blame whoever is furthest behind
-            verdict = judge(self._statuses(), 0.0, silence_timeout=self.timeout, suspect_after=0.0)
+            verdict = judge(self._statuses(), 0.0, silence=self.timeout, suspect=0.0)
         cause = first_line(exception)
         if verdict is None:
             return Verdict("hung", (), 0.0, f"a collective failed on replica {self.rank} ({cause})")
-        message = f"{verdict.message}; on replica {self.rank} a collective failed: {cause}"
-        return Verdict(verdict.kind, verdict.culprits, verdict.seconds, message)
+        return replace(verdict, message=f"{verdict.message}; on replica {self.rank} a collective failed: {cause}")
 
     def _abort_record(self) -> Verdict | None:
         if not self.store.check(["abort"]):
@@ -623,16 +596,18 @@ class Watchdog:
             self._reported = True
             ending = f"Ending the job (timeout={self.timeout:g} s, exit status {verdict.exit_code})"
             hint = HINTS.get(verdict.kind, HINTS["hung"])
-            log.error(f"[rank {self.rank}] lightning_het watchdog: {verdict.message}. {ending}. HINT: {hint}")
+            self._log(logging.ERROR, f"{verdict.message}. {ending}. HINT: {hint}")
         with contextlib.suppress(Exception):
             self.store.set(f"ack/{self.rank}", "1")
-        if self.emergency is not None and verdict.kind in EMERGENCY_KINDS and self.rank not in verdict.culprits:
+        # a replica stalled, went silent or exited: the survivors save an emergency checkpoint (its writer: 120 s)
+        saves = verdict.kind in ("hung", "silent", "exited") and self.rank not in verdict.culprits
+        if self.emergency is not None and saves:
             survivors = [r for r in range(self.world_size) if r not in verdict.culprits]
             try:
                 tag = hashlib.sha256(self._token.encode()).hexdigest()[:16]  # this attempt's keys (not the secret)
-                self.emergency.save(self.store, survivors, max(self.grace, 5.0), EMERGENCY_WRITE_S, tag)
+                self.emergency.save(self.store, survivors, max(self.grace, 5.0), 120.0, tag)
             except Exception:  # the store is gone or the save failed: the job ends as it would without it
-                log.exception("[rank %d] lightning_het watchdog: the emergency checkpoint failed", self.rank)
+                self._log(logging.ERROR, "the emergency checkpoint failed", exc_info=True)
         deadline = time.monotonic() + self.grace
         gone = set(verdict.culprits) if verdict.kind in ("exited", "silent") else set()
         pending = [f"ack/{r}" for r in range(self.world_size) if self.hosts_store and r not in gone | {self.rank}]

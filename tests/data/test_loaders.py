@@ -9,7 +9,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 
 from lightning_het import ProportionalDistributedSampler
 from lightning_het.data.sampler import EvalBatchSampler
-from lightning_het.data.splitting import as_batch_size, loader_batch_size, rebuild_loader, training_order
+from lightning_het.data.splitting import as_batch_size, rebuild_loader, training_order
 from tests.helpers.tiny import make_dataset
 
 
@@ -26,7 +26,7 @@ class TestTrainingOrder:
         data = make_dataset(10)
         assert training_order(DataLoader(data, batch_size=2, shuffle=True)).shuffle is True
         order = training_order(DataLoader(data, batch_size=2, drop_last=True))
-        assert order.shuffle is False and order.sampler is None and order.drop_last is True
+        assert order.shuffle is False and order.sampler is None and order.drop_last is True and order.batch_size == 2
 
     def test_custom_sampler_is_kept(self):
         data = make_dataset(10)
@@ -48,7 +48,7 @@ class TestTrainingOrder:
         inner = SequentialSampler(data)
         loader = DataLoader(data, batch_sampler=BatchSampler(inner, 3, drop_last=True))
         order = training_order(loader)
-        assert order.shuffle is False and order.drop_last is True and loader_batch_size(loader) == 3
+        assert order.shuffle is False and order.drop_last is True and order.batch_size == 3
 
     def test_custom_batch_sampler_refused(self):
         data = make_dataset(10)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 from collections import namedtuple
 from contextlib import nullcontext
+from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -139,9 +141,14 @@ def test_batch_norm_pieces_keep_two_samples() -> None:
 
 
 def test_manual_optimization_is_told_what_to_do() -> None:
-    MicroBatcher(0, cap=16).refuse_manual(_setup()[1])
+    manual, batch = SimpleNamespace(automatic_optimization=False), _setup()[1]
+
+    def step(micro: MicroBatcher) -> Any:
+        return micro.training_step(lambda b: "stepped", [batch], {}, manual, lambda loss: None, nullcontext)
+
+    assert step(MicroBatcher(0, cap=16)) == "stepped"  # the share fits: the user's step runs as given
     with pytest.raises(RuntimeError, match=r"exceeds its micro-batch cap 4.*micro_batches\(batch, cap\)"):
-        MicroBatcher(0, cap=4).refuse_manual(_setup()[1])
+        step(MicroBatcher(0, cap=4))
     with pytest.raises(RuntimeError, match="must return the loss"):
         MicroBatcher(0, cap=4).run(lambda piece: None, _setup()[1], lambda loss: None, nullcontext)
 

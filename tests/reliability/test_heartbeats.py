@@ -25,7 +25,8 @@ def _record(rank: int, beat: int, seq: int = 0, *, host: str = HOST, pid: int | 
 
 def _book(alive=lambda pid: True, namespace: str = "ns/0/", **kwargs) -> Watchdog:
     """Replica 0's watchdog (not started; heartbeats stale after 1 s) reading replica 1's records."""
-    dog = Watchdog(dist.HashStore(), 0, 2, 3.0, token="secret", namespace=namespace, alive=alive, **kwargs)
+    dog = Watchdog(dist.HashStore(), 0, 2, 3.0, token="secret", namespace=namespace, **kwargs)
+    dog.alive = alive  # whether a process of this node lives (the second signal)
     assert dog.stale_after == 1.0
     return dog
 
