@@ -158,6 +158,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
             self.policy.reset()
             self._split = self._loaders.train_sampler = self._loaders.train_pass = None
         super().setup(trainer)
+        self._setup_trainer = trainer  # read every step (the module's `trainer` property costs microseconds)
         record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
         # after super(): `sync_batchnorm=True` has converted the layers by now
         self.policy.check_normalisation(self.lightning_module)
@@ -193,10 +194,11 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self.policy.emulate_memory(None)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
+        self._setup_trainer = None
         super().teardown()
 
     def _trainer(self) -> pl.Trainer | None:
-        return attached_trainer(getattr(self, "_lightning_module", None))
+        return getattr(self, "_setup_trainer", None) or attached_trainer(getattr(self, "_lightning_module", None))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
