@@ -128,6 +128,7 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
             self._split = self._loaders.train_sampler = self._loaders.train_pass = None
         self._shard_module()  # a `configure_model` that did not shard
         super(HeterogeneousStrategyMixin, self).setup(trainer)  # ModelParallelStrategy's: the optimizers on the shards
+        self._setup_trainer = trainer  # as the mixin's setup keeps it (read every step)
         record_loader_arguments(trainer)
         self.policy.check_normalisation(self.lightning_module)
         self.policy.emulate_memory(self.lightning_module)

@@ -24,6 +24,7 @@ THREE = {
         "rebalance_at": [1, [4, 4, 6]],
     },
     "own_configure_model": {"strategy": {"speeds": [1, 2, 4], "global_batch_size": 14}, "shard_in_module": True},
+    "accumulate": {"strategy": {"speeds": [1, 2, 4], "global_batch_size": 14}, "accumulate": 2},
 }
 #: the 4-replica fits: 2 emulated nodes x 2 replicas, 46 samples (3 batches and a tail of 4 per epoch)
 FOUR = {
@@ -64,8 +65,8 @@ def four(tmp_path_factory):
     return _jobs(tmp_path_factory.mktemp("four"), 4, 46, FOUR)
 
 
-def _max_diff(dumps: list[dict], n: int) -> float:
-    reference = reference_weights(make_dataset(n), 14, epochs=2, seed=0)
+def _max_diff(dumps: list[dict], n: int, accumulate: int = 1) -> float:
+    reference = reference_weights(make_dataset(n), 14, epochs=2, seed=0, accumulate=accumulate)
     diff = max((d["state_dict"][k] - reference[k]).abs().max().item() for d in dumps for k in reference)
     print(f"largest weight difference from one process: {diff:.2e}")  # what docs/sharded.md quotes
     return diff
@@ -105,6 +106,12 @@ def test_balance_table_shows_each_replicas_shards(three):
     for kind in ("params", "grads", "optimizer"):  # SGD with momentum: one buffer per parameter
         assert sum(m[kind] for m in memory) == 4 * numel and max(m[kind] for m in memory) < 4 * numel
     assert "rank params MiB grads MiB optim MiB" in dumps[0]["table"]
+
+
+def test_gradient_accumulation_syncs_once_per_optimizer_step(three):
+    dumps, _ = three["accumulate"]
+    assert all(d["global_step"] == 4 for d in dumps)  # 4 global batches per epoch, 2 per optimizer step
+    assert _max_diff(dumps, 45, accumulate=2) < 1e-5
 
 
 def test_a_model_sharded_by_its_own_configure_model(three):
