@@ -61,6 +61,8 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
         ours = ("global_batch_size", "speeds", "min_batch_size", "max_batch_sizes", "max_micro_batch_sizes", "node_ids")
         keywords = {k: v for k, v in locals().items() if k in (*ours, "profiling", "reliability")}
         super().__init__(**keywords, **kwargs)
+        if sharding == "hybrid" and self.config.node_ids is not None:  # before any replica starts
+            hybrid_groups(self.config.node_ids)
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -89,17 +91,11 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
 
     def _mesh(self) -> DeviceMesh:
         ids = self._node_ids or [0] * self.world_size
-        nodes = sorted(set(ids))
-        if (self._sharding or ("hybrid" if len(nodes) > 1 else "full")) == "full":
+        if (self._sharding or ("hybrid" if len(set(ids)) > 1 else "full")) == "full":
             return self.device_mesh["data_parallel"]
-        groups = [[rank for rank, node in enumerate(ids) if node == n] for n in nodes]
-        if len({len(group) for group in groups}) > 1:
-            raise ValueError(
-                f"`sharding='hybrid'` replicates the model across nodes and shards it inside each, so every node needs"
-                f" as many replicas, but node_ids={ids} puts {[len(g) for g in groups]} on the nodes {nodes}."
-                " HINT: use `sharding='full'`."
-            )
-        return DeviceMesh(self.root_device.type, torch.tensor(groups), mesh_dim_names=("replicate", "shard"))
+        return DeviceMesh(
+            self.root_device.type, torch.tensor(hybrid_groups(ids)), mesh_dim_names=("replicate", "shard")
+        )
 
     def _shard_module(self) -> None:
         """``fully_shard`` every module that holds parameters, then each child of the LightningModule (its roots)."""
@@ -205,6 +201,19 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
         if module is not None and vars(module).get("configure_model") == self._shard_module:
             del module.configure_model
         super().teardown()
+
+
+def hybrid_groups(node_ids: Sequence[int]) -> list[list[int]]:
+    """Each node's ranks: the rows of the ``("replicate", "shard")`` mesh (every node needs as many replicas)."""
+    nodes = sorted(set(node_ids))
+    groups = [[rank for rank, node in enumerate(node_ids) if node == n] for n in nodes]
+    if len({len(group) for group in groups}) > 1:
+        raise ValueError(
+            f"`sharding='hybrid'` replicates the model across nodes and shards it inside each, so every node needs as"
+            f" many replicas, but node_ids={list(node_ids)} puts {[len(g) for g in groups]} on the nodes {nodes}."
+            " HINT: use `sharding='full'`."
+        )
+    return groups
 
 
 def sharded_memory(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, int]:

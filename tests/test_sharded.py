@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_het import HeterogeneousFSDPStrategy
 from lightning_het.arguments import ArgumentError
+from lightning_het.sharded import hybrid_groups
 from tests.helpers.harness import load_dumps, run_harness, split_output
 from tests.helpers.tiny import make_dataset, make_net, reference_weights
 
@@ -190,8 +191,10 @@ def test_app_config_builds_the_sharded_strategy(tmp_path):
     assert isinstance(trainer.strategy, HeterogeneousFSDPStrategy) and trainer.strategy.config.speeds == [1.0, 3.0]
 
 
-def test_hybrid_sharding_refuses_uneven_nodes(tmp_path):
-    cfg = {"devices": 3, "strategy": {"speeds": [1, 2, 4], "node_ids": [0, 0, 1], "sharding": "hybrid"}}
-    job = run_harness("sharded", tmp_path, cfg, limit=300)
-    assert job.returncode != 0
-    assert "node_ids=[0, 0, 1] puts [2, 1] on the nodes [0, 1]" in job.output and "sharding='full'" in job.output
+def test_hybrid_sharding_refuses_uneven_nodes_before_any_replica_starts():
+    with pytest.raises(
+        ValueError, match=r"node_ids=\[0, 0, 1\] puts \[2, 1\] on the nodes \[0, 1\]\..*sharding='full'"
+    ):
+        HeterogeneousFSDPStrategy(speeds=[1, 2, 4], node_ids=[0, 0, 1], sharding="hybrid")
+    assert hybrid_groups([0, 1, 0, 1]) == [[0, 2], [1, 3]]  # the mesh's rows: each node's ranks
+    HeterogeneousFSDPStrategy(node_ids=[0, 0, 1], sharding="full")  # a full mesh takes any nodes
