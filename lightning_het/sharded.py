@@ -11,7 +11,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,11 +18,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_het._compat import record_loader_arguments
 from lightning_het.arguments import ArgumentError
-from lightning_het.balance.monitor import attach_monitor
 from lightning_het.config import Profiling, Reliability
-from lightning_het.reliability.checkpointing import job_identity, trajectory_settings
 from lightning_het.strategy import HeterogeneousStrategyMixin
 
 
@@ -117,26 +113,15 @@ class HeterogeneousFSDPStrategy(HeterogeneousStrategyMixin, ModelParallelStrateg
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        fitting, config = trainer.state.fn == TrainerFn.FITTING, self.config
-        if fitting:  # a new fit derives a new allocation
-            self.policy.reset()
+        fitting = self._start_setup(trainer)
+        if fitting:
             self._memory = None
-            self._split = self._loaders.train_sampler = self._loaders.train_pass = None
         self._shard_module()  # a `configure_model` that did not shard
         super(HeterogeneousStrategyMixin, self).setup(trainer)  # ModelParallelStrategy's: the optimizers on the shards
-        self._setup_trainer = trainer  # as the mixin's setup keeps it (read every step)
-        record_loader_arguments(trainer)
-        self.policy.check_normalisation(self.lightning_module)
-        self.policy.emulate_memory(self.lightning_module)
+        self._model_ready(trainer)
         if fitting:
-            schedulers = [scheduler.scheduler for scheduler in self.lr_scheduler_configs]
-            trajectory = trajectory_settings(config, "sharded", trainer)
-            self.guards.resume(trainer, config, job_identity(self.lightning_module, self.optimizers, schedulers,
-                                                             trajectory), self.broadcast)  # fmt: skip
-        self.guards.attach(self, trainer, config, self._checkpoint_entry, False)  # no emergency checkpoint: DCP
-        if fitting:
-            slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
-            self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
+            self._resume_fit(trainer, "sharded")
+        self._attach_guards(trainer, fitting, saves=False)  # no emergency checkpoint: a sharded save needs everyone
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -153,16 +153,9 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        fitting, config = trainer.state.fn == trainer_flavour(trainer).TrainerFn.FITTING, self.config
-        if fitting:  # a new fit derives a new allocation
-            self.policy.reset()
-            self._split = self._loaders.train_sampler = self._loaders.train_pass = None
+        fitting = self._start_setup(trainer)
         super().setup(trainer)
-        self._setup_trainer = trainer  # read every step (the module's `trainer` property costs microseconds)
-        record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
-        # after super(): `sync_batchnorm=True` has converted the layers by now
-        self.policy.check_normalisation(self.lightning_module)
-        self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
+        self._model_ready(trainer)  # after super(): `sync_batchnorm=True` has converted the layers by now
         if fitting:  # `comm` on the DDP model and the optimizers (a collective), with a resumed fit's comm state
             assert isinstance(self.model, DistributedDataParallel) and self._node_ids is not None
             comm = self.config.comm.resolve(self._node_ids)
@@ -173,13 +166,36 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
             comm.install(self.model, self.optimizers, ids, self.global_rank, sizes, position=position)
             comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))  # the weights were restored before
             self.comm_algorithm, self._comm_sizes = comm, sizes
-            # resume="auto": once the optimizers exist (the job's identity), before their restore
-            schedulers = [scheduler.scheduler for scheduler in self.lr_scheduler_configs]
-            trajectory = trajectory_settings(config, comm.mode, trainer)
-            job = job_identity(self.lightning_module, self.optimizers, schedulers, trajectory)
-            if self.guards.resume(trainer, self.config, job, self.broadcast):
+            if self._resume_fit(trainer, comm.mode):
                 comm.load_state_dict((self._loaders.resume_record or {}).get("comm"))
-        saves = fitting and self.comm_algorithm.mode != "node_local"  # the emergency checkpoint needs no collective
+        # the emergency checkpoint needs no collective: not under node_local
+        self._attach_guards(trainer, fitting, saves=fitting and self.comm_algorithm.mode != "node_local")
+
+    def _start_setup(self, trainer: pl.Trainer) -> bool:
+        """Before the parent's setup: whether this is a fit (which derives a new allocation)."""
+        fitting = trainer.state.fn == trainer_flavour(trainer).TrainerFn.FITTING
+        if fitting:
+            self.policy.reset()
+            self._split = self._loaders.train_sampler = self._loaders.train_pass = None
+        return fitting
+
+    def _model_ready(self, trainer: pl.Trainer) -> None:
+        """After the parent's setup: the Trainer kept, the loaders' arguments, the model's normalisation checked."""
+        self._setup_trainer = trainer  # read every step (the module's `trainer` property costs microseconds)
+        record_loader_arguments(trainer)  # a DataLoader subclass's own arguments survive Lightning's copy
+        self.policy.check_normalisation(self.lightning_module)
+        self.policy.emulate_memory(self.lightning_module)  # emulate_memory_cap: raised inside the model's forward
+
+    def _resume_fit(self, trainer: pl.Trainer, mode: str) -> bool:
+        """``resume="auto"``: once the optimizers exist (the job's identity), before their restore."""
+        schedulers = [scheduler.scheduler for scheduler in self.lr_scheduler_configs]
+        trajectory = trajectory_settings(self.config, mode, trainer)
+        job = job_identity(self.lightning_module, self.optimizers, schedulers, trajectory)
+        return self.guards.resume(trainer, self.config, job, self.broadcast)
+
+    def _attach_guards(self, trainer: pl.Trainer, fitting: bool, saves: bool) -> None:
+        """The watchdog's, preemption's and (``saves``) the emergency checkpoint's parts; a fit's balance monitor."""
+        config = self.config
         self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
         if fitting:
             slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0

@@ -1,4 +1,5 @@
-"""Hung- and dead-replica detection: a stalled job ends within ``timeout``, naming the replica(s) (:func:`judge`)."""
+"""Hung- and dead-replica detection and its verdicts (one job: a stalled job ends within ``timeout``, naming the
+replica(s), :func:`judge`)."""
 
 from __future__ import annotations
 
