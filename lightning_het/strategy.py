@@ -65,7 +65,7 @@ from lightning_het.reliability.launch import (  # noqa: F401
     SpawnLauncher,
     shield_loader_workers,
 )
-from lightning_het.reliability.watchdog import Watchdog, WatchdogCallback  # noqa: F401
+from lightning_het.reliability.watchdog import Phase, Watchdog, WatchdogCallback  # noqa: F401
 
 
 class HeterogeneousStrategyMixin(HeterogeneousParts):
@@ -102,6 +102,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self._device_plan: DevicePlan | None = None  # resolved from the device map when the launcher is chosen
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
+        self._timing: StepClock | None = None  # the clock if it times the step being trained
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
@@ -196,7 +197,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def _attach_guards(self, trainer: pl.Trainer, fitting: bool, saves: bool) -> None:
         """The watchdog's, preemption's and (``saves``) the emergency checkpoint's parts; a fit's balance monitor."""
         config = self.config
-        self.guards.attach(self, trainer, config, self._checkpoint_entry, saves)
+        self._entry_key: tuple[Any, ...] = ()
+        self.guards.attach(self, trainer, config, self._step_entry, saves)
         if fitting:
             slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
             self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
@@ -229,6 +231,11 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         return getattr(self, "_lightning_module", None), type(self.precision_plugin).__name__
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.guards.mark(Phase.TRAINING_STEP, new_batch=True)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         policy, micro, module = self.policy, self.policy.micro, self.lightning_module
         if micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
@@ -236,9 +243,10 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         # the split of this global batch, once: loss scaling, micro-batches, the comm algorithm and the clock read it
         self._split = split = policy.step_split(self._loaders.train_sampler, self._batch_idx())
         self._tell_comm(split.sizes)
-        clock = self._step_clock()  # telemetry, emulation, profiling
-        if clock is not None:
-            clock.step_start(split.sizes[self.global_rank] if split.sizes else 0)
+        clock = self._step_clock()  # telemetry, emulation, profiling: every step, or every few once profiled
+        if clock is not None and not clock.step_start(split.sizes[self.global_rank] if split.sizes else 0):
+            clock = None
+        self._timing = clock
         step = super().training_step
         if micro is None:
             output = step(*args, **kwargs)
@@ -281,7 +289,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        clock = self._step_clock()
+        clock = self._timing
+        self.guards.mark(Phase.BACKWARD)
         if clock is not None:
             clock.before_backward(closure_loss)  # end of local backward compute vs gradient-sync wait
         scale = self._step_split().loss_scale
@@ -290,6 +299,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         super().backward(closure_loss * scale if scale != 1.0 else closure_loss, optimizer, *args, **kwargs)
         if clock is not None:
             clock.after_backward()
+        self.guards.mark(Phase.OPTIMIZER_STEP)
         return closure_loss
 
     @override
@@ -373,6 +383,16 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
             comm=None if comm is None else comm.state_dict(),
         )
         return {**record, "job": self.guards.job}
+
+    def _step_entry(self) -> dict[str, Any]:
+        """:meth:`_checkpoint_entry` at the end of a step, rebuilt only when the epoch, the allocation or the training
+        loader changed: the emergency checkpoint sets its sampler's place from the step's loop state."""
+        trainer = self._setup_trainer
+        key = (trainer.current_epoch, self.policy.allocation, self.profiling, trainer.train_dataloader)
+        old = self._entry_key or (None,) * 4
+        if key[0] != old[0] or key[1] is not old[1] or key[2] is not old[2] or key[3] is not old[3]:
+            self._entry, self._entry_key = self._checkpoint_entry(), key
+        return self._entry
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

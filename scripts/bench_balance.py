@@ -103,6 +103,9 @@ def _worker(spec_path: str) -> None:
     rank = int(os.environ["LOCAL_RANK"])
     world = int(os.environ["WORLD_SIZE"])
     out = Path(spec["out"])
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= world:  # one core per replica, as one device each: the scheduler's migrations add no noise
+        os.sched_setaffinity(0, {cores[rank]})
 
     def burn(seconds: float) -> None:
         """Spin until the process has used ``seconds`` of CPU time (work the strategy's emulation stretches)."""

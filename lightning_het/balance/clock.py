@@ -21,9 +21,16 @@ class EpochTimings:
     wait_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)  # each timed step's number (1-based, in the fit); [] : 1, 2, ...
+    steps: int = 0  # training steps the window held, timed or not (0: one per entry)
 
     def __len__(self) -> int:
         return len(self.compute_s)
+
+    @property
+    def covered(self) -> int:
+        """Training steps the window held (each entry stands for ``covered / len`` of them)."""
+        return self.steps or len(self)
 
 
 def emulate_slower_device(slowdown: float, wall_s: float, cpu_s: float | None = None) -> float:
@@ -41,6 +48,7 @@ class _Marks:
     batch: int
     start: Any
     end: Any
+    index: int = 0
     next_start: Any = None
     ready: Any = None  # the local backward's end, if seen
     spans: list[tuple[Any, Any]] = field(default_factory=list)  # (local backward done, backward returned)
@@ -58,6 +66,9 @@ class StepClock:
     ) -> None:
         self.slowdown = float(slowdown)  # >= 1 (the keywords' and EmulatedPlatform's checks)
         self.record = record
+        #: steps 1, 1 + every, 1 + 2 every, ... are timed (the others cost nothing); always 1 under emulation
+        self.every = 1
+        self._count = self._flushed = 0  # training steps started; at the last flush
         cuda = device is not None and device.type == "cuda"
         if events is None and cuda and self.slowdown == 1.0:
             events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
@@ -87,17 +98,23 @@ class StepClock:
     def _cpu_now(self) -> float:
         return self._cpu() if self._cpu is not None else 0.0
 
-    def step_start(self, batch_size: int) -> None:
-        """A training batch starts (``training_step`` entry); closes the previous step."""
+    def step_start(self, batch_size: int) -> bool:
+        """A training batch starts (``training_step`` entry); closes the previous step. Whether this one is timed (the
+        caller then reports its forward's and backward's ends)."""
+        self._count += 1
+        timed = self.every == 1 or self.slowdown != 1.0 or (self._count - 1) % self.every == 0
+        if not timed and self._step is None:
+            return False
         mark = self._mark()
         if self._step is not None:
             self._step.next_start = mark
             self._pending.append(self._step)
-        self._step = _Marks(int(batch_size), mark, mark)
+        self._step = _Marks(int(batch_size), mark, mark, self._count) if timed else None
         self._inner, self._cpu_start, self._cpu_inner = 0.0, self._cpu_now(), 0.0
         # book the closed steps the device has completed, oldest first (no synchronisation)
         while self._pending and (self._events is None or self._pending[0].next_start.query()):
             self._book(self._pending.pop(0))
+        return timed
 
     def forward_end(self) -> None:
         """``training_step`` returned: emulate the slower forward pass."""
@@ -163,6 +180,7 @@ class StepClock:
         t.wait_s.append(wait)
         t.step_s.append(max(step, busy + wait))
         t.batch_sizes.append(marks.batch)
+        t.index.append(marks.index)
 
     def flush(self) -> EpochTimings:
         """Close the open step and hand over everything recorded (CUDA events: waits for the last step's)."""
@@ -175,6 +193,7 @@ class StepClock:
                 self._book(marks)
             self._pending = []
         timings, self._timings = self._timings, EpochTimings()
+        timings.steps, self._flushed = self._count - self._flushed, self._count
         return timings
 
     def _on_backward_start(self, grad_outputs: Any) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_het._compat import batch_hooks
 from lightning_het._flavour import trainer_flavour
 from lightning_het.allocation import positive_finite
 from lightning_het.balance import rebalance
@@ -24,6 +25,7 @@ from lightning_het.config import Profiling
 
 _MAX_SERIES_POINTS = 20_000  # per replica; older points are thinned (every other one kept) beyond this
 _SERIES = ("compute_s", "wait_s", "batch")  # per step and replica, in the telemetry
+TIMED_EVERY = 4  # once profiling has ended, telemetry times one training step in this many (all under emulation)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -35,12 +37,13 @@ def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
     sizes = [max(Counter(t.batch_sizes).items(), key=lambda bn: (bn[1], bn[0]), default=(0, 0))[0] for t in timings]
     typical = [[i for i, b in enumerate(t.batch_sizes) if b == size] for t, size in zip(timings, sizes)]
     compute = [[t.compute_s[i] for i in keep] for t, keep in zip(timings, typical)]
-    total_c = [math.fsum(t.compute_s) for t in timings]
-    total_w = [math.fsum(t.wait_s) for t in timings]
+    scale = [t.covered / len(t) if len(t) else 1.0 for t in timings]  # timed every few steps: the totals estimated
+    total_c = [math.fsum(t.compute_s) * f for t, f in zip(timings, scale)]
+    total_w = [math.fsum(t.wait_s) * f for t, f in zip(timings, scale)]
     medians = [_median(c) for c in compute]
     positive = [c for c in medians if math.isfinite(c) and c > 0]
     return {
-        "steps": [len(t) for t in timings],
+        "steps": [t.covered for t in timings],
         "batch_sizes": sizes,
         "compute_s": medians,
         "compute_recent_s": [_median(c[len(c) // 2 :]) for c in compute],
@@ -56,6 +59,7 @@ def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
     }
 
 
+@batch_hooks("on_train_batch_end")
 class BalanceMonitor:
     """Callback hooks (mixed into the trainer package's ``Callback``): times the steps, gathers each epoch's timings (a
     collective at its last batch), logs them, rebalances when due and writes the balance report."""
@@ -97,11 +101,12 @@ class BalanceMonitor:
         if not series["compute_s"]:
             series.update({key: [[] for _ in timings] for key in series})
         for r, t in enumerate(timings):
-            keep = [i for i in range(len(t)) if (self._seen + i) % self._stride == 0]
+            index = t.index or range(self._seen + 1, self._seen + len(t) + 1)  # each entry's step in the fit
+            keep = [i for i, n in enumerate(index) if (n - 1) % self._stride == 0]
             series["compute_s"][r] += [t.compute_s[i] for i in keep]
             series["wait_s"][r] += [t.wait_s[i] for i in keep]
-            series["batch"][r] += [float(self._seen + i + 1) for i in keep]
-        self._seen += max(map(len, timings))
+            series["batch"][r] += [float(index[i]) for i in keep]
+        self._seen += max(t.covered for t in timings)
         while len(series["compute_s"][0]) > _MAX_SERIES_POINTS:
             series.update({key: [v[::2] for v in values] for key, values in series.items()})
             self._stride *= 2
@@ -128,6 +133,8 @@ class BalanceMonitor:
         profiler = self.strategy.policy.profiler  # the first steps' profiling reads their compute times
         if profiler is not None:
             profiler.on_train_batch_end(trainer.current_epoch, batch_idx)
+        if self.clock.every == 1 and not self.strategy.profiling:  # profiled: telemetry needs no more than a sample
+            self.clock.every = TIMED_EVERY
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._gathered_epoch != trainer.current_epoch:  # no collective here: gathered at the next epoch's start

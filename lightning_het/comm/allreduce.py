@@ -149,8 +149,7 @@ class CommAlgorithm:
         for step in range(first, done + 2):  # caught up, so that every rank runs the same collectives
             pattern = self._pattern(step)  # counted per pattern: the bytes are summed when read (numpy: ~20 us)
             self._steps, self._patterns[pattern] = self._steps + 1, self._patterns.get(pattern, 0) + 1
-            with torch.no_grad():
-                self._after_step(step, epoch_end and step == done + 1)
+            self._after_step(step, epoch_end and step == done + 1)  # (an algorithm's own: under `torch.no_grad`)
         self._stepped = done + 1
 
     def _record_sync(self, traffic: np.ndarray) -> None:
@@ -211,7 +210,8 @@ class CommAlgorithm:
         if self._total is None:
             return {}
         out, steps = {"steps": float(self._steps), "global_syncs": float(self._syncs)}, max(self._steps, 1)
-        total = self._total + sum(n * self._traffic(pattern) for pattern, n in self._patterns.items())
+        patterns = self._patterns or {self._pattern(0): self._steps}  # AllReduce: one pattern, not kept per step
+        total = self._total + sum(n * self._traffic(pattern) for pattern, n in patterns.items())
         for kind, sent in zip(("intra", "inter"), total.tolist()):
             mine, job = sent[self._rank], sum(sent)
             out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
@@ -237,6 +237,9 @@ class AllReduce(CommAlgorithm):
     """DDP's flat all-reduce of the share-weighted gradients, every step (exact)."""
 
     mode: ClassVar[str] = "allreduce"
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1  # the same exchange every step, no schedule: counted only
 
 
 def register_user_hook(model: Any, algorithm: CommAlgorithm, hook: Any, state: Any, wrapper: Any) -> None:

@@ -155,6 +155,7 @@ class Hierarchical(CommAlgorithm):
     def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return flat_allreduce_traffic if self._hook_state.flat else hierarchical_traffic
 
+    @torch.no_grad()
     def _after_step(self, step: int, epoch_end: bool) -> None:
         """While measuring: time the step that ended, pick the next step's reduction, or decide (all ranks agree)."""
         if self._measured:

@@ -200,6 +200,7 @@ class NodeLocal(CommAlgorithm):
     def _pattern(self, step: int) -> Callable[[float, Sequence[int]], np.ndarray]:
         return hierarchical_traffic if step <= self.warmup_steps else node_local_traffic
 
+    @torch.no_grad()
     def _after_step(self, step: int, epoch_end: bool) -> None:
         if step <= self.warmup_steps:
             self._begin()  # an exact step: the replicas still agree

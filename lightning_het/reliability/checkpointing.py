@@ -43,14 +43,25 @@ def checkpoint_record(
     loaders = None if trainer is None else training_loaders(trainer)
     sampler, state = None if loaders is None else find_sampler(loaders), None
     if sampler is not None:
-        loop = trainer.fit_loop
-        state = {"epoch": int(sampler.epoch), "steps_done": int(loop.epoch_loop.batch_progress.current.processed),
-                 **_sampler_order(sampler),  # the epoch's end-of-epoch bookkeeping ran (saved in on_train_epoch_end)
-                 "epoch_finished": loop.epoch_progress.current.processed > sampler.epoch}  # fmt: skip
+        state = {"epoch": int(sampler.epoch), **_sampler_order(sampler)}
     sizes = [int(b) for b in batch_sizes or []]
-    return {"version": _VERSION, "world_size": len(sizes), "global_batch_size": sum(sizes), "batch_sizes": sizes,
-            "speeds": [float(s) for s in speeds or []], "node_ids": [int(n) for n in node_ids or []],
-            "profiled": bool(profiled), "sampler": state, "comm": dict(comm) if comm else None}  # fmt: skip
+    record = {"version": _VERSION, "world_size": len(sizes), "global_batch_size": sum(sizes), "batch_sizes": sizes,
+              "speeds": [float(s) for s in speeds or []], "node_ids": [int(n) for n in node_ids or []],
+              "profiled": bool(profiled), "sampler": state, "comm": dict(comm) if comm else None}  # fmt: skip
+    if trainer is None:
+        return record
+    loop = trainer.fit_loop
+    return at_position(record, loop.epoch_loop.batch_progress.current.processed, loop.epoch_progress.current.processed)
+
+
+def at_position(record: dict[str, Any], steps_done: int, epochs_done: int) -> dict[str, Any]:
+    """``record`` with its sampler's place: ``steps_done`` batches of its epoch trained, ``epochs_done`` epochs ended
+    (once the epoch's end-of-epoch bookkeeping ran: saved in ``on_train_epoch_end``, it is finished)."""
+    sampler = record.get("sampler")
+    if not sampler:
+        return record
+    place = {"steps_done": int(steps_done), "epoch_finished": epochs_done > sampler["epoch"]}
+    return {**record, "sampler": {**sampler, **place}}
 
 
 def read_record(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ from lightning_het.reliability.checkpointing import (
     CHECKPOINT_KEY,
     EMERGENCY_CHECKPOINT_NAME,
     Candidate,
+    at_position,
     checkpoint_candidates,
     choose_checkpoint,
     identity_differences,
@@ -68,6 +69,7 @@ class LoopRecord:
         self._empty_in: int | None = None  # the epoch in which the fit loop's own state is empty (no stateful loader)
         self.parts: list[tuple[str, str, Any]] = []  # (parent key, name, dataclass): progress trackers and their parts
         self._walk(loop, "")
+        self._values = [vars(part) for *_, part in self.parts]  # the trackers' counters, copied at every step
 
     def _walk(self, loop: Any, prefix: str) -> None:
         self.loops.append((prefix, loop))
@@ -89,7 +91,7 @@ class LoopRecord:
         own = {} if epoch is not None and self._empty_in == epoch else self.loops[0][1].on_save_checkpoint()
         self._empty_in = None if own or epoch is None else epoch
         states = [own, *(loop.on_save_checkpoint() for _, loop in self.loops[1:])]
-        return states, [vars(part).copy() for *_, part in self.parts]
+        return states, list(map(dict.copy, self._values))
 
     def state_dict(self, taken: tuple[list[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The loop's ``state_dict()`` at the time of :meth:`take`."""
@@ -108,7 +110,7 @@ class StepState(NamedTuple):
     epoch: int
     loops: Any
     record: dict[str, Any]
-    rng: dict[str, Any]
+    rng: torch.Tensor  # torch's CPU generator's state
 
 
 def agreed_writer(steps: dict[int, int]) -> tuple[int, int | None]:
@@ -321,7 +323,8 @@ class Guards:
                 )
 
     def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
-        """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint."""
+        """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint
+        (``record``: the checkpoint entry, its sampler's place left to the save)."""
         flavour, checkpoint = trainer_flavour(trainer), config.reliability.preemption_checkpoint  # its package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
@@ -340,7 +343,7 @@ class Guards:
 
             def observe() -> StepState:  # Python's and NumPy's RNG states (~10 us): as of the save
                 epoch = trainer.current_epoch
-                rng = {"torch": torch.get_rng_state()}
+                rng = torch.default_generator.get_state()
                 return StepState(trainer.global_step, epoch, loops.take(epoch), record(), rng)
 
             dump = lambda state: self._dump(trainer, state)  # noqa: E731
@@ -370,10 +373,17 @@ class Guards:
             return False
         _, state, kept = self._capture  # type: ignore[misc]
         checkpoint.update(epoch=state.epoch, global_step=state.step)  # the tensors: unchanged since the step
-        checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)  # type: ignore[union-attr]
-        checkpoint[CHECKPOINT_KEY] = {**state.record, "rng": {**rng_state(), **state.rng}}  # NumPy's: as of now
+        loops = checkpoint["loops"]["fit_loop"] = self._loops.state_dict(state.loops)  # type: ignore[union-attr]
+        batches, epochs = (loops[k]["current"]["processed"] for k in ("epoch_loop.batch_progress", "epoch_progress"))
+        record = at_position(state.record, batches, epochs)  # the record kept at each step: its epoch's first one
+        checkpoint[CHECKPOINT_KEY] = {**record, "rng": {**rng_state(), "torch": state.rng}}  # NumPy's: as of now
         kept.append(checkpoint)
         return True
+
+    def mark(self, phase: Phase, *, new_batch: bool = False) -> None:
+        """The training step's progress, from the strategy's hooks (no callback dispatch), for the watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.mark(phase, new_batch=new_batch)
 
     def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], trainer: Any) -> Any:
         """``step(closure)``, with the parameter update under the emergency checkpoint's lock while one can save."""

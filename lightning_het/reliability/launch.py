@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_het._compat import should_accumulate
+from lightning_het._compat import batch_hooks, should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import (
     TOKEN_ENV,
@@ -259,6 +259,7 @@ def child_command(local_rank: int) -> tuple[list[str], str | None]:
 
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 # signals treated as a preemption notice (plus a SLURM environment's ``requeue_signal``)
+AGREE_EVERY_S = 1.0  # seconds of training between the replicas' agreements on a signal (a small all-reduce each)
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -391,7 +392,7 @@ class PreemptionHandler:
         local[-1] = -1
         if last is not None and step > last[0]:
             per_step = (now - last[1]) / (step - last[0])
-            local[-1] = -min(max(int(0.25 / max(per_step, 1e-6)), 1), 64)  # every 0.25 s of training, 1 to 64 steps
+            local[-1] = -min(max(int(AGREE_EVERY_S / max(per_step, 1e-6)), 1), 64)  # 1 to 64 steps
         flags = torch.tensor(local, dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the last entry: minus the fewest steps any replica asks for
         agreed = [int(v) for v in flags.tolist()]
@@ -438,6 +439,7 @@ def preemption_path(trainer: pl.Trainer, checkpoint: Any = None) -> str:
     return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
 
+@batch_hooks("on_train_batch_end")
 class PreemptionCallbackMixin:
     """Runs the agreement after optimizer steps (mixed into each package's ``Callback``)."""
 

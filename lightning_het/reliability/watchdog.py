@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_het._compat import should_accumulate
+from lightning_het._compat import batch_hooks, should_accumulate
 from lightning_het.cluster.rendezvous import sign, verify
 
 log = logging.getLogger(__name__)  # without a handler configured: to stderr (logging.lastResort)
@@ -345,7 +345,8 @@ class Watchdog:
         self._children, self._exit, self._token = children or list, exit or exit_job, token
         self._host, self._pid = socket.gethostname(), os.getpid()
         # written by the training thread, read by the heartbeat thread (single attribute stores: atomic under the GIL)
-        self._progress: tuple[int, int, Phase, float] = (0, 0, Phase.SETUP, time.monotonic())  # seq, batch, phase, t
+        self._progress: tuple[int, int, Phase] = (0, 0, Phase.SETUP)  # seq, batch, phase
+        self._seq_seen = (-1, time.monotonic())  # heartbeat thread: the last progress number it saw, and when
         self._eval_where: tuple[str, int] = ("", -1)  # (running stage, evaluation batch index) during evaluation
         self._armed: set[str] = {"job"}  # judged from start() on: setup, profiling, loops and teardown alike
         # its state and error; whether a collective failed here (the replica was waiting in it)
@@ -378,8 +379,8 @@ class Watchdog:
         if eval_batch is not None or stage:
             old_stage, old_batch = self._eval_where
             self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
-        seq, batch, old, _ = self._progress
-        self._progress = (seq + 1, batch + 1 if new_batch else batch, old if phase is None else phase, time.monotonic())
+        seq, batch, old = self._progress  # no clock read: the heartbeat thread times the progress it sees
+        self._progress = (seq + 1, batch + 1 if new_batch else batch, old if phase is None else phase)
 
     def arm(self, loop: str, armed: bool = True) -> None:
         """The training thread entered (``armed``) or left a loop (``"fit"`` or ``"eval"``); progress counts as made."""
@@ -438,6 +439,7 @@ class Watchdog:
         next_beat, verdict, publish = 0.0, None, True
         while verdict is None and not self._stop.wait(tick):
             try:
+                self._progress_seen(time.monotonic())
                 verdict = self._abort_record() or check_children(self._children())
                 if verdict is None and time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
@@ -473,7 +475,7 @@ class Watchdog:
 
     def _record(self) -> dict[str, Any]:
         """This replica's heartbeat record (without its ``beat`` number)."""
-        (seq, batch, phase, _), (stage, eval_batch) = self._progress, self._eval_where
+        (seq, batch, phase), (stage, eval_batch) = self._progress, self._eval_where
         waiting = self._waited_in_collective or inside_torch_distributed(sys._current_frames().get(self._main_ident))
         return {"seq": seq, "batch": batch, "phase": int(phase), "eval_stage": stage, "eval_batch": eval_batch,
                 "armed": bool(self._armed), "waiting": waiting, "state": self._state, "error": self._error,
@@ -492,8 +494,15 @@ class Watchdog:
         else:
             raw = {r: self.store.get(key) for r, key in enumerate(keys) if self.store.check([key])}
         children = dict(self._children())
-        mine = status_from_record(self.rank, self._record(), 0.0, now - self._progress[3])
+        mine = status_from_record(self.rank, self._record(), 0.0, now - self._progress_seen(now))
         return [mine if r == self.rank else self.status(r, raw.get(r), now, children.get(r)) for r in range(len(keys))]
+
+    def _progress_seen(self, now: float) -> float:
+        """When the training thread's progress was last seen to change (checked every tick and by every judgement)."""
+        seq = self._progress[0]
+        if seq != self._seq_seen[0]:
+            self._seq_seen = (seq, now)
+        return self._seq_seen[1]
 
     def _log(self, level: int, message: str, exc_info: bool = False) -> None:
         log.log(level, f"[rank {self.rank}] lightning_het watchdog: {message}", exc_info=exc_info)
@@ -626,8 +635,13 @@ def _marks(phase: Phase | None, new_batch: bool = False) -> Callable[..., None]:
     return hook
 
 
+@batch_hooks(
+    "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end", "on_test_batch_start",
+    "on_test_batch_end", "on_predict_batch_start", "on_predict_batch_end",
+)  # fmt: skip
 class WatchdogCallbackMixin:
-    """Feeds the :class:`Watchdog` with the training thread's progress (mixed into each package's ``Callback``)."""
+    """Feeds the :class:`Watchdog` with the training thread's progress (mixed into each package's ``Callback``); the
+    strategy marks the training step's phases itself (no callback dispatch on them)."""
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
@@ -661,8 +675,6 @@ class WatchdogCallbackMixin:
 
     on_validation_start = on_test_start = on_predict_start = _eval_start
     on_validation_end = on_test_end = on_predict_end = _eval_end
-    on_train_batch_start = _marks(Phase.TRAINING_STEP, new_batch=True)
-    on_before_backward, on_after_backward = _marks(Phase.BACKWARD), _marks(Phase.OPTIMIZER_STEP)
     on_train_epoch_start = on_train_epoch_end = _marks(Phase.BETWEEN_BATCHES)
     on_save_checkpoint = _marks(None)  # progress, in the same phase
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_batch_start

@@ -140,7 +140,7 @@ class Replica:
         self.emergency = EmergencyCheckpoint(rank, self._observe, self._dump, lambda: str(folder / "emergency.ckpt"))
 
     def _observe(self) -> StepState:
-        return StepState(self.step, 0, {}, {}, {})
+        return StepState(self.step, 0, {}, {}, torch.get_rng_state())
 
     def _dump(self, state: StepState) -> dict:
         return {"global_step": state.step, "weights": self.weights.clone()}
