@@ -113,3 +113,27 @@ def test_record_loader_arguments_wraps_lightnings_loader_preparation_once() -> N
     wrapped = trainer._data_connector._prepare_dataloader
     record_loader_arguments(trainer)
     assert wrapped is not original and trainer._data_connector._prepare_dataloader is wrapped
+
+
+def test_lightning_skips_callback_hooks_set_to_none() -> None:
+    """``batch_hooks`` relies on Lightning's dispatcher calling only callable hooks: a callback whose per-batch hooks
+    are ``None`` trains (no ``TypeError``) and its kept hook still runs at every batch."""
+    from lightning_het._compat import BATCH_HOOKS, batch_hooks
+
+    @batch_hooks("on_train_batch_end")
+    class Counting(pl.Callback):
+        def __init__(self) -> None:
+            self.ends = 0
+
+        def on_train_batch_end(self, *args) -> None:
+            self.ends += 1
+
+    assert all(getattr(Counting, hook) is None for hook in BATCH_HOOKS if hook != "on_train_batch_end")
+    counting = Counting()
+    data = DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=4)
+    trainer = pl.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[counting],
+    )  # fmt: skip
+    trainer.fit(_Tiny(), data, data)
+    assert counting.ends == 3

@@ -283,3 +283,28 @@ class TestCudaEvents:
             clock = StepClock(slowdown=slowdown, device=None if device is None else torch.device(device))
             _automatic_step(clock, forward_s=0.0, backward_s=0.0, sync_s=0.0)
             assert len(clock.flush()) == 1 and bool(no_synchronize) == synchronises
+
+
+def test_sampled_clock_times_every_nth_step_and_counts_all():
+    """``every=4``: steps 1, 5, 9 are timed (each timed step closed by the next step's start), all 10 are counted;
+    an untimed step gets no marks; the summary reports 10 steps and totals scaled from the timed ones."""
+    from lightning_het.balance.monitor import epoch_summary
+
+    clock = StepClock()
+    clock.every = 4
+    timed = []
+    for _ in range(10):
+        timed.append(clock.step_start(4))
+        if timed[-1]:
+            clock.forward_end()
+        time.sleep(0.002)
+    assert timed == [n % 4 == 0 for n in range(10)]
+    t = clock.flush()
+    assert t.index == [1, 5, 9] and t.steps == 10 and t.covered == 10 and len(t) == 3
+    assert all(s >= 0.002 for s in t.step_s)  # each closed by the next step's start, not left open
+    summary = epoch_summary([t])
+    assert summary["steps"] == [10]
+    assert summary["compute_total_s"][0] == pytest.approx(sum(t.compute_s) * 10 / 3)
+    emulated = StepClock(slowdown=1.5)
+    emulated.every = 4
+    assert all(emulated.step_start(4) for _ in range(5))  # under emulation every step is stretched, so timed

@@ -527,3 +527,15 @@ def test_outer_step_resumes_in_the_middle_of_a_round_exactly(two_replica_fits):
     for rank in range(2):
         full, resumed = (torch.load(d / f"rank{rank}.pt")["state_dict"] for d in (out, again))
         assert _close(resumed, full)
+
+
+def test_at_position_sets_the_samplers_place_only():
+    """The emergency record kept from an epoch's first step gets the step's place: batches done, epoch finished."""
+    from lightning_het.reliability.checkpointing import at_position
+
+    record = {"version": 1, "sampler": {"epoch": 2, "num_steps": 9}, "batch_sizes": [3, 5]}
+    placed = at_position(record, 4, 2)
+    assert placed == {**record, "sampler": {"epoch": 2, "num_steps": 9, "steps_done": 4, "epoch_finished": False}}
+    assert at_position(record, 9, 3)["sampler"]["epoch_finished"] is True
+    assert record["sampler"] == {"epoch": 2, "num_steps": 9}  # not modified
+    assert at_position({"sampler": None}, 4, 2) == {"sampler": None}
