@@ -68,6 +68,7 @@ class BalanceMonitor:
         self.strategy, self.profiling = strategy, profiling
         self.record = profiling.telemetry and strategy.world_size > 1
         self.clock = StepClock(slowdown, record=self.record, device=strategy.root_device)
+        self._sampling = False  # whether the clock's sampling was decided (once profiling has ended)
         #: everything measured during the fit, identical on every rank once gathered (the report's ``telemetry``)
         self.history = {"epochs": [], "series": dict.fromkeys(_SERIES, ()), "rebalances": [], "checks": []}
         self._stride, self._seen = 1, 0  # series: every _stride-th step kept; steps seen
@@ -133,8 +134,10 @@ class BalanceMonitor:
         profiler = self.strategy.policy.profiler  # the first steps' profiling reads their compute times
         if profiler is not None:
             profiler.on_train_batch_end(trainer.current_epoch, batch_idx)
-        if self.clock.every == 1 and not self.strategy.profiling:  # profiled: telemetry needs no more than a sample
-            self.clock.every = TIMED_EVERY
+        if not self._sampling and not self.strategy.profiling:  # profiled: telemetry needs no more than a sample
+            self._sampling = True
+            if not self.strategy.config.emulate_slowdown:  # emulating: every replica times every step, alike
+                self.clock.every = TIMED_EVERY
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._gathered_epoch != trainer.current_epoch:  # no collective here: gathered at the next epoch's start
