@@ -103,6 +103,8 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self._loaders = LoaderSplitter()  # training sampler, resume record, evaluation weights
         self._split: StepSplit | None = None  # the split of the global batch being trained (set at its start)
         self._timing: StepClock | None = None  # the clock if it times the step being trained
+        self._entry: dict[str, Any] = {}  # the emergency checkpoint's step record, and what it was built for
+        self._entry_key: tuple[Any, ...] = ()
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
@@ -197,7 +199,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
     def _attach_guards(self, trainer: pl.Trainer, fitting: bool, saves: bool) -> None:
         """The watchdog's, preemption's and (``saves``) the emergency checkpoint's parts; a fit's balance monitor."""
         config = self.config
-        self._entry_key: tuple[Any, ...] = ()
+        self._entry_key = ()  # a new fit (a new job identity): the step record is rebuilt
         self.guards.attach(self, trainer, config, self._step_entry, saves)
         if fitting:
             slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
@@ -212,7 +214,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self.policy.emulate_memory(None)
         end_resume_quiet()  # Lightning's "not resumable" warning, silenced for this fit's mid-epoch resume
         ExitCleanup.clean = sys.exc_info()[0] is None  # Lightning tears down inside its `except` after a failure
-        self._setup_trainer = None
+        self._setup_trainer, self._entry, self._entry_key = None, {}, ()  # no loader kept past the run
         super().teardown()
 
     def _trainer(self) -> pl.Trainer | None:
@@ -389,8 +391,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         loader changed: the emergency checkpoint sets its sampler's place from the step's loop state."""
         trainer = self._setup_trainer
         key = (trainer.current_epoch, self.policy.allocation, self.profiling, trainer.train_dataloader)
-        old = self._entry_key or (None,) * 4
-        if key[0] != old[0] or key[1] is not old[1] or key[2] is not old[2] or key[3] is not old[3]:
+        if key != self._entry_key:  # (a tuple compares its items by identity first: cheap while they stay the same)
             self._entry, self._entry_key = self._checkpoint_entry(), key
         return self._entry
 

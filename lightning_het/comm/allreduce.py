@@ -210,8 +210,7 @@ class CommAlgorithm:
         if self._total is None:
             return {}
         out, steps = {"steps": float(self._steps), "global_syncs": float(self._syncs)}, max(self._steps, 1)
-        patterns = self._patterns or {self._pattern(0): self._steps}  # AllReduce: one pattern, not kept per step
-        total = self._total + sum(n * self._traffic(pattern) for pattern, n in patterns.items())
+        total = self._total + sum(n * self._traffic(pattern) for pattern, n in self._patterns.items())
         for kind, sent in zip(("intra", "inter"), total.tolist()):
             mine, job = sent[self._rank], sum(sent)
             out |= {f"bytes_{kind}_total": mine, f"bytes_{kind}_per_step": mine / steps}
@@ -240,6 +239,7 @@ class AllReduce(CommAlgorithm):
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._steps += 1  # the same exchange every step, no schedule: counted only
+        self._patterns[flat_allreduce_traffic] = self._steps
 
 
 def register_user_hook(model: Any, algorithm: CommAlgorithm, hook: Any, state: Any, wrapper: Any) -> None:
