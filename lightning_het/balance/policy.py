@@ -262,14 +262,18 @@ class BalancePolicy:
         return list(sizes)
 
     def measured_speeds(self, costs: list[AffineCost], sizes: list[int]) -> list[float]:
-        """Samples/s of every replica at a profiled split (the equal split: one speed, the mean, as it recurs when
-        pinned), with a warning naming the replicas that only slow the step down."""
-        labels = self._fit.labels if self._fit else []
-        if message := useless_replica_message(sum(sizes), costs, sizes, labels, **self.bounds):
+        """Samples/s of every replica at a profiled split, such that pinning them splits the same way again (the equal
+        split: one speed, the mean; a split they would not give: their total shared in its proportions), with a warning
+        naming the replicas that only slow the step down."""
+        labels, total = self._fit.labels if self._fit else [], sum(sizes)
+        if message := useless_replica_message(total, costs, sizes, labels, **self.bounds):
             rank_zero_warn(message)
         speeds = [b / max(c(b), 1e-12) for b, c in zip(sizes, costs)]
-        equal = sizes == allocate_batch_sizes(sum(sizes), [1.0] * len(sizes), **self.bounds)
-        return [sum(speeds) / len(speeds)] * len(speeds) if equal else speeds
+        if sizes == allocate_batch_sizes(total, [1.0] * len(sizes), **self.bounds):
+            return [sum(speeds) / len(speeds)] * len(speeds)
+        if allocate_batch_sizes(total, speeds, **self.bounds) != sizes:  # fixed costs make the split non-proportional
+            return [b * sum(speeds) / total for b in sizes]
+        return speeds
 
     def cache_entry(self, memory: bool = False) -> tuple[profiling.ProfileCache | None, str | None]:
         """This replica's speed cache and key in it (``memory``: its cap's); ``(None, None)``: off, or no key yet."""

@@ -96,6 +96,17 @@ def test_speeds_of_a_split_kept_equal_within_noise_reproduce_it_when_pinned(tota
     assert allocate_batch_sizes(total, speeds) == sizes  # what a run that pins these speeds splits
 
 
+def test_speeds_of_a_split_that_fixed_costs_shape_reproduce_it_when_pinned():
+    """A large fixed cost on the fast replica: its own samples/s would not give the profiled split back when pinned,
+    so the reported speeds share the measured total in the split's proportions."""
+    costs = [AffineCost(0.002, 5.8e-4), AffineCost(0.0003, 1.73e-3)]  # split [6, 2]; own speeds would give [5, 3]
+    sizes = profiled_split(8, costs)
+    own = [b / c(b) for b, c in zip(sizes, costs)]
+    assert allocate_batch_sizes(8, own) != sizes  # the case this covers
+    speeds = BalancePolicy(HeterogeneousStrategy().config).measured_speeds(costs, sizes)
+    assert allocate_batch_sizes(8, speeds) == sizes and sum(speeds) == pytest.approx(sum(own))
+
+
 def test_speeds_of_an_uneven_split_are_each_replicas_own():
     costs = costs_from_speeds([1, 3])
     sizes = profiled_split(48, costs)
