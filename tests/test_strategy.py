@@ -84,6 +84,19 @@ class _DeepCopies(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._copy(trainer)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Of the strategy's callbacks, Lightning calls one training-batch hook: the preemption callback's batch end
+        (which runs the watchdog's, the emergency record's and the balance monitor's parts)."""
+        from lightning_het._compat import BATCH_HOOKS
+
+        ours = [c for c in trainer.callbacks if type(c).__module__.startswith("lightning_het")]
+        names = sorted(type(c).__name__ for c in ours)
+        one = trainer.world_size == 1  # no watchdog, nothing to time
+        assert names == (["PreemptionCallback"] if one else ["HeterogeneousBalanceCallback", "PreemptionCallback",
+                         "WatchdogCallback"]), names  # fmt: skip
+        called = [(type(c).__name__, h) for c in ours for h in BATCH_HOOKS[:6] if callable(getattr(c, h))]
+        assert called == [("PreemptionCallback", "on_train_batch_end")], called
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._copy(trainer)
 

@@ -59,7 +59,7 @@ def epoch_summary(timings: Sequence[EpochTimings]) -> dict[str, Any]:
     }
 
 
-@batch_hooks("on_train_batch_end")
+@batch_hooks()
 class BalanceMonitor:
     """Callback hooks (mixed into the trainer package's ``Callback``): times the steps, gathers each epoch's timings (a
     collective at its last batch), logs them, rebalances when due and writes the balance report."""
@@ -128,7 +128,8 @@ class BalanceMonitor:
             trainer.reload_dataloaders_every_n_epochs, self._saved_reload_every = self._saved_reload_every, None
         self._end_epoch(trainer, self._pending_epoch)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def batch_ended(self, trainer: Any, batch_idx: int) -> None:
+        """A training batch ended (from the strategy's one batch-end callback): the epoch's gather at its last batch."""
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._end_epoch(trainer, trainer.current_epoch)
         profiler = self.strategy.policy.profiler  # the first steps' profiling reads their compute times

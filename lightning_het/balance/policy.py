@@ -101,10 +101,12 @@ class BalancePolicy:
         self.memory_emulation: EmulatedMemoryCap | None = None  # emulate_memory_cap: this replica's emulated cap
         self._cache_loader: DataLoader | None = None  # the training loader the speed cache keys on
         self._fit: FitContext | None = None
+        self._split: StepSplit | None = None  # the last step's split (handed out again while it holds)
 
     def place(self, rank: int, world_size: int, device: torch.device, replicas_on_node: int) -> None:
         """Where this replica runs (once the ranks are known)."""
         self.rank, self.world_size, self.device, self.replicas_on_node = rank, world_size, device, replicas_on_node
+        self._split = None
         caps, emulated = self.config.max_micro_batch_sizes, self.config.emulate_memory_cap
         if caps is not None or emulated is not None:
             self.micro = MicroBatcher(rank, caps[rank] if isinstance(caps, list) else None)
@@ -201,7 +203,10 @@ class BalancePolicy:
         sizes = self.allocation.batch_sizes or []  # not copied: once per step, read only
         if sampler is not None and step is not None and sampler.batch_sizes == sizes:
             sizes = sampler.step_batch_sizes(step)
-        return StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
+        split = self._split
+        if split is None or split.sizes != sizes:  # else the last step's, the same object (for the same rank)
+            self._split = split = StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
+        return split
 
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
         """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""

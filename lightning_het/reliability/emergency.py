@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_het._compat import _get_default_store, replace_signal_connector, restore_checkpoint
+from lightning_het._compat import _get_default_store, replace_signal_connector, restore_checkpoint, should_accumulate
 from lightning_het._flavour import trainer_flavour
 from lightning_het.cluster.rendezvous import TOKEN_ENV, agree_on_token
 from lightning_het.reliability.checkpointing import (
@@ -34,7 +34,7 @@ from lightning_het.reliability.checkpointing import (
     read_candidate,
     wants_resume,
 )
-from lightning_het.reliability.launch import PreemptionCallbackMixin, PreemptionHandler, preemption_path
+from lightning_het.reliability.launch import BatchEnd, PreemptionCallbackMixin, PreemptionHandler, preemption_path
 from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
@@ -70,6 +70,8 @@ class LoopRecord:
         self.parts: list[tuple[str, str, Any]] = []  # (parent key, name, dataclass): progress trackers and their parts
         self._walk(loop, "")
         self._values = [vars(part) for *_, part in self.parts]  # the trackers' counters, copied at every step
+        # the inner loops asked at every step: those with a state of their own (the others' is always `{}`)
+        self._asked = [loop for _, loop in self.loops[1:] if _own_state(loop)]
 
     def _walk(self, loop: Any, prefix: str) -> None:
         self.loops.append((prefix, loop))
@@ -90,17 +92,24 @@ class LoopRecord:
         ``epoch``, the fit loop's own only once an epoch when it has none (its loaders' states: ~10 us a step)."""
         own = {} if epoch is not None and self._empty_in == epoch else self.loops[0][1].on_save_checkpoint()
         self._empty_in = None if own or epoch is None else epoch
-        states = [own, *(loop.on_save_checkpoint() for _, loop in self.loops[1:])]
-        return states, list(map(dict.copy, self._values))
+        return [own, *[loop.on_save_checkpoint() for loop in self._asked]], list(map(dict.copy, self._values))
 
     def state_dict(self, taken: tuple[list[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The loop's ``state_dict()`` at the time of :meth:`take`."""
-        states, copies = taken
-        out: dict[str, Any] = {prefix + "state_dict": state for (prefix, _), state in zip(self.loops, states)}
+        (own, *asked), copies = taken
+        states = iter(asked)
+        out = {prefix + "state_dict": {} for prefix, _ in self.loops} | {"state_dict": own}
+        out |= {prefix + "state_dict": next(states) for prefix, loop in self.loops[1:] if loop in self._asked}
         built: dict[str, dict[str, Any]] = {"": out}
         for (parent, name, _), values in zip(self.parts, copies):
             built[parent][name] = built[f"{parent}/{name}"] = dict(values)
         return out
+
+
+def _own_state(loop: Any) -> bool:
+    """Whether ``loop``'s class overrides the ``on_save_checkpoint`` of Lightning's base loop (which returns ``{}``)."""
+    defining = [cls for cls in type(loop).__mro__ if "on_save_checkpoint" in vars(cls)]
+    return len(defining) > 1
 
 
 class StepState(NamedTuple):
@@ -322,9 +331,12 @@ class Guards:
                     f" now holds the finished fit (global step {step})"
                 )
 
-    def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool) -> None:
+    def attach(
+        self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool, after: BatchEnd | None
+    ) -> None:
         """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint
-        (``record``: the checkpoint entry, its sampler's place left to the save)."""
+        (``record``: the checkpoint entry, its sampler's place left to the save); ``after``: the strategy's other
+        work at a training batch's end, run by the same callback after the agreement."""
         flavour, checkpoint = trainer_flavour(trainer), config.reliability.preemption_checkpoint  # its package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))
@@ -335,7 +347,8 @@ class Guards:
         handler.fitting = trainer.state.fn == flavour.TrainerFn.FITTING
         requeue = getattr(strategy.cluster_environment, "requeue_signal", None)
         handler.extra_signals = () if requeue is None else (int(requeue),)
-        _replace_callback(trainer, PreemptionCallbackMixin, handler.fitting and flavour.PreemptionCallback(handler))
+        callback = handler.fitting and flavour.PreemptionCallback(handler, self.batch_ended, after)
+        _replace_callback(trainer, PreemptionCallbackMixin, callback)
         replace_signal_connector(trainer, handler)
         self.emergency = None
         if watchdog is not None and saves:
@@ -380,10 +393,19 @@ class Guards:
         kept.append(checkpoint)
         return True
 
-    def mark(self, phase: Phase, *, new_batch: bool = False) -> None:
+    def batch_ended(self, trainer: Any, batch_idx: int) -> None:
+        """A training batch ended: the watchdog's mark and, after an optimizer step, the emergency record."""
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.step(Phase.BETWEEN_BATCHES)
+            emergency = watchdog.emergency
+            if emergency is not None and not should_accumulate(trainer):
+                emergency.step_ended()  # what an emergency checkpoint of this step holds besides the tensors
+
+    def mark(self, phase: Phase, batches: int = 0) -> None:
         """The training step's progress, from the strategy's hooks (no callback dispatch), for the watchdog."""
         if self.watchdog is not None:
-            self.watchdog.mark(phase, new_batch=new_batch)
+            self.watchdog.step(phase, batches)
 
     def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], trainer: Any) -> Any:
         """``step(closure)``, with the parameter update under the emergency checkpoint's lock while one can save."""

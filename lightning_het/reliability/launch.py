@@ -439,23 +439,32 @@ def preemption_path(trainer: pl.Trainer, checkpoint: Any = None) -> str:
     return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
 
+#: the strategy's other work at a training batch's end, ``(trainer, batch_idx)``, run by the preemption callback
+BatchEnd = Callable[[Any, int], None]
+
+
 @batch_hooks("on_train_batch_end")
 class PreemptionCallbackMixin:
-    """Runs the agreement after optimizer steps (mixed into each package's ``Callback``)."""
+    """Runs the agreement after optimizer steps (mixed into each package's ``Callback``), between the strategy's
+    ``before`` and ``after`` batch-end work: the one callback of ours Lightning dispatches at every batch."""
 
-    def __init__(self, handler: PreemptionHandler) -> None:
+    def __init__(self, handler: PreemptionHandler, before: BatchEnd | None = None, after: BatchEnd | None = None):
         self.handler: PreemptionHandler | None = handler
+        self.before, self.after = before, after
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "handler": None}  # pickled: the live handler stays in its process
+    def __getstate__(self) -> dict[str, Any]:  # pickled: the live handler and the strategy's parts stay in its process
+        return {**self.__dict__, "handler": None, "before": None, "after": None}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        handler = self.handler  # the cheap test first: most steps are between agreements
-        if handler is None or trainer.global_step < handler.next_agreement or should_accumulate(trainer):
-            return  # accumulating: the gradients of this batch wait for the next ones, not a place to stop
-        signals = handler.agree(pl_module.device, trainer.global_step)
-        if any(signals):
-            raise handler.preempt(trainer, signals)
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.before is not None:
+            self.before(trainer, batch_idx)
+        handler = self.handler  # cheap test first: most steps are between agreements; accumulating: no place to stop
+        if handler is not None and trainer.global_step >= handler.next_agreement and not should_accumulate(trainer):
+            signals = handler.agree(pl_module.device, trainer.global_step)
+            if any(signals):
+                raise handler.preempt(trainer, signals)
+        if self.after is not None:
+            self.after(trainer, batch_idx)
 
 
 class PreemptionCallback(PreemptionCallbackMixin, Callback):
