@@ -105,7 +105,6 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         self._timing: StepClock | None = None  # the clock if it times the step being trained
         self._entry: dict[str, Any] = {}  # the emergency checkpoint's step record, and what it was built for
         self._entry_key: tuple[Any, ...] = ()
-        self._setup_trainer: pl.Trainer | None = None  # the Trainer of the run (set up to teardown)
         self.guards = Guards()  # watchdog, preemption, emergency checkpoint
 
     @property
@@ -201,14 +200,11 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         """The watchdog's, preemption's and (``saves``) the emergency checkpoint's parts; a fit's balance monitor."""
         config = self.config
         self._entry_key = ()  # a new fit (a new job identity): the step record is rebuilt
-        self.guards.attach(self, trainer, config, self._step_entry, saves, self._monitor_batch_end)
+        monitored = lambda trainer, i: self._monitor is not None and self._monitor.batch_ended(trainer, i)  # noqa: E731
+        self.guards.attach(self, trainer, config, self._step_entry, saves, monitored)  # one batch-end dispatch
         if fitting:
             slowdown = config.emulate_slowdown[self.global_rank] if config.emulate_slowdown else 1.0
             self._monitor = attach_monitor(self, trainer, config.profiling, slowdown, **self.policy.bounds)
-
-    def _monitor_batch_end(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        if self._monitor is not None:  # from the preemption callback (no dispatch of the monitor's own)
-            self._monitor.batch_ended(trainer, batch_idx)
 
     @override
     def teardown(self) -> None:
@@ -223,7 +219,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         super().teardown()
 
     def _trainer(self) -> pl.Trainer | None:
-        return self._setup_trainer or attached_trainer(getattr(self, "_lightning_module", None))
+        return getattr(self, "_setup_trainer", None) or attached_trainer(getattr(self, "_lightning_module", None))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -244,17 +240,14 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        policy, batch_idx = self.policy, self._batch_idx()
-        micro = policy.micro
+        policy, micro, batch_idx = self.policy, self.policy.micro, self._batch_idx()
         if micro is not None:  # a cap lowered by an out-of-memory error, agreed now and then
             policy.agree_caps(batch_idx, getattr(self._trainer(), "num_training_batches", None))
         # the split of this global batch, once: loss scaling, micro-batches, the comm algorithm and the clock read it
         self._split = split = policy.step_split(self._loaders.train_sampler, batch_idx)
-        sizes = split.sizes
-        if sizes is not self._comm_sizes:
-            self._tell_comm(sizes)
+        self._tell_comm(split.sizes)  # the same split object while it holds: a cheap comparison
         clock = self._step_clock()  # telemetry, emulation, profiling: every step, or every few once profiled
-        if clock is not None and not clock.step_start(sizes[policy.rank] if sizes else 0):
+        if clock is not None and not clock.step_start(split.sizes[policy.rank] if split.sizes else 0):
             clock = None
         self._timing = clock
         step = super().training_step
@@ -324,7 +317,7 @@ class HeterogeneousStrategyMixin(HeterogeneousParts):
         return self._monitor.clock if self._monitor is not None else None
 
     def _batch_idx(self) -> int | None:
-        trainer = self._setup_trainer or self._trainer()
+        trainer = self._trainer()
         return None if trainer is None else trainer.fit_loop.epoch_loop.batch_idx
 
     @override

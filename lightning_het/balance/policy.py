@@ -203,10 +203,9 @@ class BalancePolicy:
         sizes = self.allocation.batch_sizes or []  # not copied: once per step, read only
         if sampler is not None and step is not None and sampler.batch_sizes == sizes:
             sizes = sampler.step_batch_sizes(step)
-        split = self._split
-        if split is None or split.sizes != sizes:  # else the last step's, the same object (for the same rank)
-            self._split = split = StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
-        return split
+        if self._split is None or self._split.sizes != sizes:  # else the last step's object (for the same rank)
+            self._split = StepSplit(sizes, loss_scale(sizes, self.rank) if sizes else 1.0)
+        return self._split
 
     def adopt(self, batch_sizes: list[int], speeds: list[float], costs: list[dict[str, float]] | None = None) -> None:
         """Make ``batch_sizes`` the allocation (every replica calls it with the same arguments)."""

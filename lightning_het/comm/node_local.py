@@ -18,12 +18,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_het.arguments import SYNC_DEFAULTS, ArgumentError, check_sync_args, positive_int
 from lightning_het.cluster.topology import build_node_groups, node_members
-from lightning_het.comm.allreduce import (
-    FLAT_FIELDS,
-    CommAlgorithm,
-    hierarchical_traffic,
-    node_local_traffic,
-)
+from lightning_het.comm.allreduce import FLAT_FIELDS, CommAlgorithm, hierarchical_traffic, node_local_traffic
 from lightning_het.comm.hierarchical import HierarchicalState, hierarchical_sum, node_local_hook
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from lightning_het.reliability.checkpointing import (
     read_candidate,
     wants_resume,
 )
-from lightning_het.reliability.launch import BatchEnd, PreemptionCallbackMixin, PreemptionHandler, preemption_path
+from lightning_het.reliability.launch import PreemptionCallbackMixin, PreemptionHandler, preemption_path
 from lightning_het.reliability.watchdog import BOOT_ID, Phase, Watchdog, WatchdogCallbackMixin, as_seconds
 
 _KEYS = "emergency/"  # + the job's tag: a store kept across elastic restarts holds the keys of earlier attempts
@@ -70,8 +70,8 @@ class LoopRecord:
         self.parts: list[tuple[str, str, Any]] = []  # (parent key, name, dataclass): progress trackers and their parts
         self._walk(loop, "")
         self._values = [vars(part) for *_, part in self.parts]  # the trackers' counters, copied at every step
-        # the inner loops asked at every step: those with a state of their own (the others' is always `{}`)
-        self._asked = [loop for _, loop in self.loops[1:] if _own_state(loop)]
+        # asked at every step: the inner loops whose class overrides the base loop's `on_save_checkpoint` (`{}`)
+        self._own = [x for _, x in self.loops[1:] if sum("on_save_checkpoint" in vars(c) for c in type(x).__mro__) > 1]
 
     def _walk(self, loop: Any, prefix: str) -> None:
         self.loops.append((prefix, loop))
@@ -92,24 +92,17 @@ class LoopRecord:
         ``epoch``, the fit loop's own only once an epoch when it has none (its loaders' states: ~10 us a step)."""
         own = {} if epoch is not None and self._empty_in == epoch else self.loops[0][1].on_save_checkpoint()
         self._empty_in = None if own or epoch is None else epoch
-        return [own, *[loop.on_save_checkpoint() for loop in self._asked]], list(map(dict.copy, self._values))
+        return [own, *[loop.on_save_checkpoint() for loop in self._own]], list(map(dict.copy, self._values))
 
     def state_dict(self, taken: tuple[list[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The loop's ``state_dict()`` at the time of :meth:`take`."""
         (own, *asked), copies = taken
-        states = iter(asked)
-        out = {prefix + "state_dict": {} for prefix, _ in self.loops} | {"state_dict": own}
-        out |= {prefix + "state_dict": next(states) for prefix, loop in self.loops[1:] if loop in self._asked}
+        found = {id(loop): state for loop, state in zip(self._own, asked)} | {id(self.loops[0][1]): own}
+        out = {prefix + "state_dict": found.get(id(loop), {}) for prefix, loop in self.loops}
         built: dict[str, dict[str, Any]] = {"": out}
         for (parent, name, _), values in zip(self.parts, copies):
             built[parent][name] = built[f"{parent}/{name}"] = dict(values)
         return out
-
-
-def _own_state(loop: Any) -> bool:
-    """Whether ``loop``'s class overrides the ``on_save_checkpoint`` of Lightning's base loop (which returns ``{}``)."""
-    defining = [cls for cls in type(loop).__mro__ if "on_save_checkpoint" in vars(cls)]
-    return len(defining) > 1
 
 
 class StepState(NamedTuple):
@@ -254,9 +247,8 @@ def _say(message: str) -> None:
 
 def _replace_callback(trainer: Any, mixin: type, callback: Any) -> None:
     """``trainer``'s callbacks without those of class ``mixin``, plus ``callback`` (if any)."""
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, mixin)] + (
-        [callback] if callback else []
-    )
+    kept = [cb for cb in trainer.callbacks if not isinstance(cb, mixin)]
+    trainer.callbacks[:] = [*kept, callback] if callback else kept
 
 
 class Guards:
@@ -331,12 +323,10 @@ class Guards:
                     f" now holds the finished fit (global step {step})"
                 )
 
-    def attach(
-        self, strategy: Any, trainer: Any, config: Any, record: Callable[[], dict], saves: bool, after: BatchEnd | None
-    ) -> None:
+    def attach(self, strategy: Any, trainer: Any, config: Any, record: Callable, saves: bool, after: Callable) -> None:
         """The watchdog's and preemption handler's callbacks and signals, and (``saves``) the emergency checkpoint
-        (``record``: the checkpoint entry, its sampler's place left to the save); ``after``: the strategy's other
-        work at a training batch's end, run by the same callback after the agreement."""
+        (``record``: the checkpoint entry, its sampler's place left to the save); ``after(trainer, batch_idx)``: the
+        strategy's other work at a training batch's end, run by the preemption callback after its agreement."""
         flavour, checkpoint = trainer_flavour(trainer), config.reliability.preemption_checkpoint  # its package's
         watchdog, path = self.watchdog, preemption_path(trainer, checkpoint)
         _replace_callback(trainer, WatchdogCallbackMixin, watchdog and flavour.WatchdogCallback(watchdog))

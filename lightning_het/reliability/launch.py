@@ -439,16 +439,12 @@ def preemption_path(trainer: pl.Trainer, checkpoint: Any = None) -> str:
     return os.path.join(path, "last.ckpt") if os.path.isdir(path) or path.endswith(("/", os.sep)) else path
 
 
-#: the strategy's other work at a training batch's end, ``(trainer, batch_idx)``, run by the preemption callback
-BatchEnd = Callable[[Any, int], None]
-
-
 @batch_hooks("on_train_batch_end")
 class PreemptionCallbackMixin:
     """Runs the agreement after optimizer steps (mixed into each package's ``Callback``), between the strategy's
     ``before`` and ``after`` batch-end work: the one callback of ours Lightning dispatches at every batch."""
 
-    def __init__(self, handler: PreemptionHandler, before: BatchEnd | None = None, after: BatchEnd | None = None):
+    def __init__(self, handler: PreemptionHandler, before: Callable | None = None, after: Callable | None = None):
         self.handler: PreemptionHandler | None = handler
         self.before, self.after = before, after
 

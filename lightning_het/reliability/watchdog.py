@@ -372,19 +372,16 @@ class Watchdog:
         self._publish()
         self._thread.start()
 
-    def mark(
-        self, phase: Phase | None = None, *, new_batch: bool = False, eval_batch: int | None = None, stage: str = ""
-    ) -> None:
+    def mark(self, phase: Phase | None = None, *, eval_batch: int | None = None, stage: str = "") -> None:
         """Record progress of the training thread (``None``: in the same phase; cheap, called from Trainer hooks)."""
         if eval_batch is not None or stage:
             old_stage, old_batch = self._eval_where
             self._eval_where = (stage or old_stage, old_batch if eval_batch is None else eval_batch)
-        seq, batch, old = self._progress  # no clock read: the heartbeat thread times the progress it sees
-        self._progress = (seq + 1, batch + 1 if new_batch else batch, old if phase is None else phase)
+        self.step(self._progress[2] if phase is None else phase)
 
     def step(self, phase: Phase, batches: int = 0) -> None:
-        """:meth:`mark` of a training step's ``phase`` (``batches``: 1 at a batch's start), in a few bytecodes."""
-        seq, batch, _ = self._progress
+        """Progress into a training step's ``phase``, ``batches`` more batches started (a few bytecodes: every step)."""
+        seq, batch, _ = self._progress  # no clock read: the heartbeat thread times the progress it sees
         self._progress = (seq + 1, batch + batches, phase)
 
     def arm(self, loop: str, armed: bool = True) -> None:
@@ -633,11 +630,8 @@ class Watchdog:
         return verdict
 
 
-def _marks(phase: Phase | None, new_batch: bool = False) -> Callable[..., None]:
-    def hook(self: WatchdogCallbackMixin, *args: Any, **kwargs: Any) -> None:
-        self.watchdog.mark(phase, new_batch=new_batch)
-
-    return hook
+def _marks(phase: Phase | None) -> Callable[..., None]:
+    return lambda self, *args, **kwargs: self.watchdog.mark(phase)
 
 
 @batch_hooks(

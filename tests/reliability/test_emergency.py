@@ -217,8 +217,8 @@ def test_the_watchdog_of_a_survivor_saves_before_ending_the_job_and_the_hung_rep
         dog.emergency = replica.emergency
         dog.start()
         dog.arm("fit")
-    dogs[0].mark(Phase.BACKWARD, new_batch=True)  # rank 0 waits in the all-reduce of the next step
-    dogs[1].mark(Phase.TRAINING_STEP, new_batch=True)  # rank 1 hangs in it
+    dogs[0].step(Phase.BACKWARD, 1)  # rank 0 waits in the all-reduce of the next step
+    dogs[1].step(Phase.TRAINING_STEP, 1)  # rank 1 hangs in it
     assert all(r.done.wait(10) for r in recorders)
     assert [r.codes for r in recorders] == [[WATCHDOG_EXIT_CODE]] * 2
     assert torch.load(tmp_path / "0" / "emergency.ckpt", weights_only=True)["global_step"] == 1

@@ -119,7 +119,7 @@ def test_threads_end_every_replica_and_blame_the_one_stuck_in_its_step(caplog):
     for dog in dogs:
         dog.start()
         dog.arm("fit")
-    dogs[0].mark(Phase.TRAINING_STEP, new_batch=True)
+    dogs[0].step(Phase.TRAINING_STEP, 1)
     dogs[0].mark(Phase.BACKWARD)  # rank 0 waits in the all-reduce
     dogs[1].step(Phase.TRAINING_STEP, 1)  # rank 1 never gets out of training_step (marked as the strategy does)
     start = time.monotonic()
@@ -151,9 +151,9 @@ def test_a_verdict_whose_publication_fails_still_ends_the_replica():
     for dog in dogs:
         dog.start()
         dog.arm("fit")
-    dogs[0].mark(Phase.TRAINING_STEP, new_batch=True)
+    dogs[0].step(Phase.TRAINING_STEP, 1)
     dogs[0].mark(Phase.BACKWARD)
-    dogs[1].mark(Phase.TRAINING_STEP, new_batch=True)  # rank 1 never gets out of training_step
+    dogs[1].step(Phase.TRAINING_STEP, 1)  # rank 1 never gets out of training_step
     try:
         assert recorders[0].done.wait(10), "the replica whose store failed while publishing never ended"
         assert recorders[0].codes == [WATCHDOG_EXIT_CODE]
