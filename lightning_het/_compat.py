@@ -77,9 +77,11 @@ def restore_checkpoint(trainer: Any, path: str) -> None:
 
 
 def replace_signal_connector(trainer: Any, connector: Any) -> None:
-    """Install ``connector`` as the trainer's signal connector (no public hook registers the signal handlers)."""
+    """Install ``connector`` as the trainer's signal connector (no public hook registers the signal handlers); the fit
+    loop's broadcast of the SIGTERM flag, which ``connector`` never sets, is dropped (a collective every step)."""
     _private_attribute(trainer, "_signal_connector")
     trainer._signal_connector = connector
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # the strategy's replicas agree on signals
 
 
 _RECORDING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the wrappers record_loader_arguments installed

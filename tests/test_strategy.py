@@ -72,6 +72,29 @@ def test_fork_started_fit_then_validate():
     assert len(results) == 1 and math.isfinite(results[0]["val/mse"])
 
 
+class _BroadcastsBetweenBatches(pl.Callback):
+    """Counts ``torch.distributed.broadcast`` calls from each training batch's end to the next one's (Lightning's fit
+    loop broadcasts rank 0's SIGTERM flag there at every step; the strategy's replicas agree on signals instead)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.counts, broadcast = [], torch.distributed.broadcast
+        self.restore = lambda: setattr(torch.distributed, "broadcast", broadcast)
+
+        def counting(*args, **kwargs):
+            if self.counts:
+                self.counts[-1] += 1
+            return broadcast(*args, **kwargs)
+
+        torch.distributed.broadcast = counting
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        self.counts.append(0)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.restore()
+        assert len(self.counts) > 2 and self.counts[:-1] == [0] * (len(self.counts) - 1), self.counts
+
+
 class _DeepCopies(pl.Callback):
     """Deep-copies the trainer's callbacks (the default progress bar holds the trainer, so its strategy too) and the
     strategy at the end of each fit and evaluation, in every replica, while the strategy's guards are running."""
@@ -110,7 +133,7 @@ def test_trainer_callbacks_and_strategy_deep_copy_before_during_and_after_a_run(
     assert copy.deepcopy(strategy).config.speeds == [1.0, 3.0]
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, default_root_dir=tmp_path, logger=False,
-        enable_model_summary=False, callbacks=[_DeepCopies()],
+        enable_model_summary=False, callbacks=[_DeepCopies(), _BroadcastsBetweenBatches()],
     )  # fmt: skip
     copy.deepcopy(trainer.callbacks)
     copy.deepcopy(trainer.strategy)
